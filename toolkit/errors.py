@@ -1,0 +1,31 @@
+"""Typed errors for mistakes a user can make.
+
+Every error a user can cause is a `ToolkitError` whose message is one line naming the
+bad value and, where there is one, the fix. The CLI prints it without a traceback and
+exits non-zero; the Python API raises it.
+"""
+
+
+class ToolkitError(Exception):
+    """Base class: a user-facing, one-line error."""
+
+    exit_code = 2
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+
+class ConfigError(ToolkitError, ValueError):
+    """A configuration value is out of range, mistyped or unknown."""
+
+
+class RequestError(ToolkitError, ValueError):
+    """A request cannot be served (empty or too long prompt, bad sampling parameters...)."""
+
+
+class ModelLoadError(ToolkitError):
+    """A model cannot be found or loaded."""
+
+
+class WorkloadError(ToolkitError):
+    """A requests file is missing, unreadable or malformed."""

@@ -1,0 +1,40 @@
+"""Run-level figures computed from finished requests."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+from toolkit.engine import RequestOutput
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]); None for no values."""
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(outputs: Iterable[RequestOutput], wall_s: float, **extra) -> dict:
+    outputs = list(outputs)
+    output_tokens = sum(len(o.output_token_ids) for o in outputs)
+    ttfts = [o.metrics.ttft_s for o in outputs if o.metrics.ttft_s is not None]
+    tpots = [o.metrics.tpot_s for o in outputs if o.metrics.tpot_s is not None]
+    return {
+        "requests": len(outputs),
+        "output_tokens": output_tokens,
+        "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
+        "wall_s": wall_s,
+        "output_tok_per_s": output_tokens / wall_s if wall_s > 0 else None,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p95_s": percentile(ttfts, 95),
+        "tpot_p50_s": percentile(tpots, 50),
+        "tpot_p95_s": percentile(tpots, 95),
+        "finish_reasons": {r: sum(o.finish_reason == r for o in outputs)
+                           for r in sorted({o.finish_reason or "unfinished" for o in outputs})},
+        "num_preemptions": sum(o.metrics.num_preemptions for o in outputs),
+        **extra,
+    }

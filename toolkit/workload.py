@@ -1,0 +1,179 @@
+"""Workloads: the requests a run serves, from a JSONL file or built in.
+
+A JSONL line is one JSON object with exactly one of `prompt` (text), `messages` (chat;
+the tokenizer's chat template is applied) or `prompt_token_ids`, and optionally `id`,
+`max_tokens`, `arrival_step` (admitted no earlier than that engine step) and `sampling`
+(per-request overrides of the `sampling` config group). A bad line is reported with its
+line number; the other lines still run.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from toolkit.errors import WorkloadError
+
+REQUEST_KEYS = {"id", "prompt", "messages", "prompt_token_ids", "max_tokens", "arrival_step", "sampling"}
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request as the user wrote it (validated later by `Engine.add_request`)."""
+
+    id: str
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    prompt_token_ids: list[int] | None = None
+    arrival_step: int = 0
+    sampling: dict[str, Any] = field(default_factory=dict)
+    source: str = ""  # where it came from, for error messages ("requests.jsonl line 3")
+
+    def add_kwargs(self) -> dict[str, Any]:
+        return dict(prompt=self.prompt, messages=self.messages, prompt_token_ids=self.prompt_token_ids,
+                    sampling_params=self.sampling, request_id=self.id, arrival_step=self.arrival_step)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id}
+        for key in ("prompt", "messages", "prompt_token_ids"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        out["arrival_step"] = self.arrival_step
+        if self.sampling:
+            out["sampling"] = self.sampling
+        return out
+
+
+@dataclass(frozen=True)
+class Rejected:
+    source: str
+    reason: str
+
+
+def parse_request(obj: Any, *, default_id: str, source: str) -> RequestSpec:
+    """Turn one decoded JSON value into a RequestSpec; raise WorkloadError naming the problem."""
+    if not isinstance(obj, dict):
+        raise WorkloadError(f"{source}: expected a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - REQUEST_KEYS)
+    if unknown:
+        raise WorkloadError(f"{source}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(REQUEST_KEYS))}")
+    given = [k for k in ("prompt", "messages", "prompt_token_ids") if obj.get(k) is not None]
+    if len(given) != 1:
+        raise WorkloadError(f"{source}: give exactly one of prompt, messages or prompt_token_ids (got {given or 'none'})")
+    sampling = obj.get("sampling") or {}
+    if not isinstance(sampling, dict):
+        raise WorkloadError(f"{source}: sampling must be an object of SamplingParams fields")
+    sampling = dict(sampling)
+    if "max_tokens" in obj:
+        sampling["max_tokens"] = obj["max_tokens"]
+    arrival = obj.get("arrival_step", 0)
+    if not isinstance(arrival, int) or isinstance(arrival, bool) or arrival < 0:
+        raise WorkloadError(f"{source}: arrival_step must be a non-negative integer, got {arrival!r}")
+    rid = obj.get("id", default_id)
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+        raise WorkloadError(f"{source}: id must be a string, got {rid!r}")
+    return RequestSpec(id=str(rid), prompt=obj.get("prompt"), messages=obj.get("messages"),
+                       prompt_token_ids=obj.get("prompt_token_ids"), arrival_step=arrival, sampling=sampling,
+                       source=source)
+
+
+def load_requests(path: str | Path) -> tuple[list[RequestSpec], list[Rejected]]:
+    """Read a requests JSONL file. Unreadable file: WorkloadError. Bad lines: returned as Rejected."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise WorkloadError(f"requests file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadError(f"cannot read requests file {str(path)!r}: {exc}") from None
+    specs, rejected = [], []
+    seen: set[str] = set()
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        source = f"{path.name} line {number}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            rejected.append(Rejected(source, f"{source}: malformed JSON ({exc.msg} at column {exc.colno})"))
+            continue
+        try:
+            spec = parse_request(obj, default_id=f"line-{number}", source=source)
+            if spec.id in seen:
+                raise WorkloadError(f"{source}: duplicate request id {spec.id!r}")
+        except WorkloadError as exc:
+            rejected.append(Rejected(source, str(exc)))
+            continue
+        seen.add(spec.id)
+        specs.append(spec)
+    if not specs and not rejected:
+        raise WorkloadError(f"requests file {str(path)!r} holds no requests")
+    return specs, rejected
+
+
+# --------------------------------------------------------------------------- built-in workloads
+
+CHAT_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain recursion to a ten-year-old in two sentences.",
+    "List three tips for staying focused while studying.",
+    "What is the difference between weather and climate?",
+    "Give me a short recipe for a vegetable soup.",
+    "Why is the sky blue?",
+    "Write a Python function that reverses a string.",
+    "Suggest a name for a friendly robot.",
+    "How do plants make their food?",
+    "What are the planets of the solar system?",
+    "Translate 'good morning' into Spanish and French.",
+]
+
+PASSAGE_TASKS = [
+    "Summarize the following passage in two sentences.",
+    "List the main facts in the following passage as bullet points.",
+    "Write three questions a teacher could ask about the following passage.",
+    "Rewrite the following passage for a young reader.",
+]
+
+
+def _passages() -> list[str]:
+    text = resources.files("toolkit.data").joinpath("passages.txt").read_text(encoding="utf-8")
+    return [p.strip() for p in text.splitlines() if p.strip()]
+
+
+def chat_workload(num_requests: int = 10, seed: int = 0, min_tokens: int = 16, max_tokens: int = 64,
+                  arrival_every: int = 3, long_every: int = 3, passages_per_long: int = 1) -> list[RequestSpec]:
+    """Chat requests with mixed lengths and staggered arrivals.
+
+    Every `long_every`-th request asks a task about 1..`passages_per_long` passages (prompts
+    of about 200-550 tokens); the others are short questions (about 40 tokens). Request i arrives at step
+    i * arrival_every // 2 so prefills overlap running decodes.
+    """
+    rnd = random.Random(seed)
+    passages = _passages()
+    specs = []
+    for i in range(num_requests):
+        if long_every and i % long_every == long_every - 1:
+            k = rnd.randint(1, min(passages_per_long, len(passages)))
+            chosen = rnd.sample(passages, k=k)
+            content = rnd.choice(PASSAGE_TASKS) + "\n\n" + "\n\n".join(chosen)
+        else:
+            content = rnd.choice(CHAT_QUESTIONS)
+        specs.append(RequestSpec(
+            id=f"chat-{i}",
+            messages=[{"role": "user", "content": content}],
+            arrival_step=(i * arrival_every) // 2,
+            sampling={"max_tokens": rnd.randint(min_tokens, max_tokens)},
+            source=f"chat workload #{i}",
+        ))
+    return specs
+
+
+def builtin_workload(name: str, **kwargs: Any) -> list[RequestSpec]:
+    if name == "chat":
+        return chat_workload(**kwargs)
+    raise WorkloadError(f"unknown built-in workload {name!r}; known: chat")
