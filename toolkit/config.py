@@ -38,7 +38,7 @@ def from_mapping(cls, data: Mapping[str, Any] | None, *, section: str):
     return cls(**data)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """Which weights to load. `name` lets other configs (a draft model) embed one."""
 
@@ -72,7 +72,7 @@ class ModelConfig:
         _check((self.hidden_size // self.num_heads) % 2 == 0, "model head_dim must be even for RoPE")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     """Engine and scheduler options (vLLM names where vLLM has them)."""
 

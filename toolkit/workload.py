@@ -9,6 +9,7 @@ line number; the other lines still run.
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 from dataclasses import dataclass, field
@@ -153,6 +154,14 @@ def chat_workload(num_requests: int = 10, seed: int = 0, min_tokens: int = 16, m
     of about 200-550 tokens); the others are short questions (about 40 tokens). Request i arrives at step
     i * arrival_every // 2 so prefills overlap running decodes.
     """
+    for name, value in (("num_requests", num_requests), ("min_tokens", min_tokens), ("max_tokens", max_tokens),
+                        ("passages_per_long", passages_per_long)):
+        if not isinstance(value, int) or value < 1:
+            raise WorkloadError(f"workload.{name} must be a positive integer, got {value!r}")
+    if min_tokens > max_tokens:
+        raise WorkloadError(f"workload.min_tokens ({min_tokens}) must be <= workload.max_tokens ({max_tokens})")
+    if not isinstance(arrival_every, int) or arrival_every < 0 or not isinstance(long_every, int) or long_every < 0:
+        raise WorkloadError("workload.arrival_every and workload.long_every must be non-negative integers")
     rnd = random.Random(seed)
     passages = _passages()
     specs = []
@@ -173,7 +182,15 @@ def chat_workload(num_requests: int = 10, seed: int = 0, min_tokens: int = 16, m
     return specs
 
 
+BUILTIN = {"chat": chat_workload}
+
+
 def builtin_workload(name: str, **kwargs: Any) -> list[RequestSpec]:
-    if name == "chat":
-        return chat_workload(**kwargs)
-    raise WorkloadError(f"unknown built-in workload {name!r}; known: chat")
+    if name not in BUILTIN:
+        raise WorkloadError(f"unknown built-in workload {name!r}; known: {', '.join(BUILTIN)}")
+    make = BUILTIN[name]
+    known = set(inspect.signature(make).parameters)
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise WorkloadError(f"unknown workload option(s) {', '.join(unknown)} for {name!r}; known: {', '.join(sorted(known))}")
+    return make(**kwargs)

@@ -205,7 +205,7 @@ def tiny_checkpoint(cfg: ModelConfig) -> Checkpoint:
 
 
 def tiny_state_dict(arch: LlamaArch, seed: int) -> dict[str, torch.Tensor]:
-    """HF-named weights drawn from a seeded generator (normal(0, 0.02); norms near 1)."""
+    """HF-named weights drawn from a seeded generator (scaled normals; norm weights near 1)."""
     gen = torch.Generator().manual_seed(seed)
 
     def normal(*shape: int, std: float = 0.02) -> torch.Tensor:
@@ -215,7 +215,7 @@ def tiny_state_dict(arch: LlamaArch, seed: int) -> dict[str, torch.Tensor]:
         return 1.0 + normal(arch.hidden_size, std=0.1)
 
     d, dh = arch.hidden_size, arch.head_dim
-    sd = {"model.embed_tokens.weight": normal(arch.vocab_size, d, std=1.0)}
+    sd = {"model.embed_tokens.weight": normal(arch.vocab_size, d, std=0.15)}  # logits of a few units
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
         sd[p + "self_attn.q_proj.weight"] = normal(arch.num_heads * dh, d, std=d ** -0.5)

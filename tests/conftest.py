@@ -1,0 +1,40 @@
+"""Shared fixtures: models are loaded once per session (SmolLM2 from the fp32 cache)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import settings
+
+from toolkit.config import EngineConfig, ModelConfig, SamplingParams
+from toolkit.engine import Engine
+from toolkit.models import load_model
+
+torch.set_num_threads(int(os.environ.get("TOOLKIT_TEST_THREADS", "2")))
+
+settings.register_profile("ci", deadline=None, print_blob=True, derandomize=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """A 2-layer random-init Llama with SmolLM2's tokenizer."""
+    return load_model(ModelConfig(name="tiny", seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_small_vocab():
+    """A tiny model whose vocabulary (64) matches no tokenizer: requests give token ids."""
+    return load_model(ModelConfig(name="tiny", seed=1, vocab_size=64))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return load_model(ModelConfig(name="smollm2"))
+
+
+def make_engine(loaded, **engine_kwargs) -> Engine:
+    sampling = engine_kwargs.pop("sampling", SamplingParams(temperature=0.0))
+    return Engine(loaded, EngineConfig(**engine_kwargs), sampling)

@@ -1,0 +1,89 @@
+"""`python run.py ...` end to end: run directory contents, bad input as one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["model=tiny", "print_outputs=false"]
+
+
+def run_cli(*args: str, run_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "run.py", *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def test_requests_file_with_bad_lines_runs_the_others(tmp_path):
+    requests = write_jsonl(tmp_path / "reqs.jsonl", [
+        {"id": "a", "prompt": "Hello there", "max_tokens": 5},
+        '{"id": "b", "prompt": ',  # malformed JSON
+        {"id": "c", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "arrival_step": 2,
+         "sampling": {"temperature": 0.0}},
+        {"id": "d", "prompt": "", "max_tokens": 4},  # empty prompt
+        {"id": "e", "prompt_token_ids": [1, 2, 3], "max_tokens": 0},  # bad max_tokens
+        {"id": "f", "prompt": "x " * 3000},  # longer than the context
+    ])
+    result = run_cli(*TINY, f"workload.requests={requests}", run_dir=tmp_path / "run")
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("rejected:")]
+    assert len(errors) == 4
+    assert "reqs.jsonl line 2" in errors[0] and "malformed JSON" in errors[0]
+    assert any("line 4" in e and "empty" in e for e in errors)
+    assert any("line 5" in e and "max_tokens" in e for e in errors)
+    assert any("line 6" in e and "context" in e for e in errors)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for key in ("requests", "output_tokens", "wall_s", "output_tok_per_s", "ttft_p50_s", "ttft_p95_s",
+                "tpot_p50_s", "tpot_p95_s"):
+        assert key in summary
+    assert summary["requests"] == 2 and summary["output_tokens"] == 9
+    outputs = [json.loads(line) for line in (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()]
+    assert [o["request_id"] for o in outputs] == ["a", "c"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["model=hf", "model.path=/nonexistent/model"], "model path '/nonexistent/model' does not exist"),
+    (["workload.requests=/nonexistent/reqs.jsonl"], "requests file '/nonexistent/reqs.jsonl' does not exist"),
+    (["engine.block_size=0"], "engine.block_size must be a positive integer, got 0"),
+    (["sampling.temperature=-2"], "temperature must be a number >= 0"),
+])
+def test_user_mistakes_are_one_line_errors(tmp_path, args, message):
+    result = run_cli(*TINY, *args, run_dir=tmp_path / "run")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+def test_incomplete_model_dir_is_refused(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    result = run_cli(*TINY, "model=hf", f"model.path={tmp_path / 'model'}", run_dir=tmp_path / "run")
+    assert result.returncode == 2 and "no *.safetensors" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_default_run_serves_the_builtin_chat_workload(tmp_path):
+    """What `make run` runs, with fewer requests: SmolLM2, chat template, staggered arrivals."""
+    result = run_cli("workload.num_requests=4", "workload.min_tokens=4", "workload.max_tokens=12",
+                     run_dir=tmp_path / "run")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["requests"] == 4 and summary["output_tok_per_s"] > 0
+    assert "output_tok_per_s" in result.stdout and "--- chat-0" in result.stdout
+
+
+def test_bad_builtin_workload_options(tmp_path):
+    result = run_cli(*TINY, "workload.min_tokens=20", "workload.max_tokens=10", run_dir=tmp_path / "run")
+    assert result.returncode == 2 and "workload.min_tokens (20) must be <= workload.max_tokens (10)" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,171 @@
+"""Engine behaviour: one forward per step, chunking, scheduling, lifecycle, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import make_engine
+from toolkit.config import EngineConfig, SamplingParams
+from toolkit.errors import ConfigError, RequestError
+from toolkit.request import RequestStatus
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+class CountingModel(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+        self.calls = 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self.inner(*args)
+
+
+def test_a_mixed_step_makes_exactly_one_forward(tiny):
+    engine = make_engine(tiny, max_num_batched_tokens=16, max_num_seqs=4)
+    counter = CountingModel(tiny.model)
+    engine.runner.model = counter
+    engine.add_request(prompt_token_ids=list(range(10, 14)), sampling_params=GREEDY)
+    engine.add_request(prompt_token_ids=list(range(100, 140)), sampling_params=GREEDY, arrival_step=2)
+    mixed = 0
+    while engine.has_unfinished():
+        before = counter.calls
+        out = engine.step()
+        assert counter.calls - before == (1 if out.batch_size else 0)
+        if out.num_decode_tokens and out.num_prefill_tokens:
+            mixed += 1
+    assert mixed >= 2  # the 40-token prompt is prefilled in chunks beside the running decode
+    assert engine.runner.num_forwards == counter.calls
+
+
+def test_last_prompt_chunk_samples_in_the_same_step(tiny):
+    engine = make_engine(tiny, max_num_batched_tokens=4, max_num_seqs=1)
+    rid = engine.add_request(prompt_token_ids=list(range(1, 11)), sampling_params=GREEDY)  # 10 tokens: 4 + 4 + 2
+    outs = [engine.step() for _ in range(3)]
+    assert [o.num_prefill_tokens for o in outs] == [4, 4, 2]
+    assert [len(o.sampled) for o in outs] == [0, 0, 1]
+    assert outs[2].sampled[0].request_id == rid and outs[2].sampled[0].position == 10
+    assert engine.requests[rid].status is RequestStatus.DECODING
+
+
+def test_decode_first_and_budget(tiny):
+    engine = make_engine(tiny, max_num_batched_tokens=8, max_num_seqs=4)
+    for i in range(3):
+        engine.add_request(prompt_token_ids=list(range(1, 6)), sampling_params=GREEDY, arrival_step=0)
+    engine.add_request(prompt_token_ids=list(range(1, 30)), sampling_params=GREEDY, arrival_step=3)
+    decoding_before: set[str] = set()
+    while engine.has_unfinished():
+        out = engine.step()
+        assert out.num_decode_tokens + out.num_prefill_tokens <= 8
+        sampled = {s.request_id for s in out.sampled}
+        # every request that was decoding before this step got its token in this step
+        assert decoding_before - set(out.finished) <= sampled | set(out.finished)
+        decoding_before = {r.request_id for r in engine.requests.values() if r.status is RequestStatus.DECODING}
+
+
+def test_lifecycle_and_block_release(tiny):
+    engine = make_engine(tiny, max_num_batched_tokens=4, max_num_seqs=2, num_kv_blocks=16)
+    rid = engine.add_request(prompt_token_ids=list(range(1, 7)), sampling_params=GREEDY, arrival_step=1)
+    seen = [engine.requests[rid].status]
+    while engine.has_unfinished():
+        engine.step()
+        seen.append(engine.requests[rid].status)
+    order = [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]]
+    assert order == [RequestStatus.PENDING, RequestStatus.PREFILLING, RequestStatus.DECODING, RequestStatus.FINISHED]
+    out = engine.output(rid)
+    assert out.finish_reason == "length" and len(out.output_token_ids) == 8
+    assert engine.block_manager.num_free_blocks == 16
+    m = out.metrics
+    assert m.admitted_step >= 1 and 0 <= m.queue_s <= m.ttft_s <= m.e2e_s and m.tpot_s > 0
+
+
+def test_eos_and_stop_token_ids(tiny):
+    engine = make_engine(tiny)
+    first = engine.generate([{"prompt_token_ids": [5, 6, 7], "sampling_params": GREEDY}])[0].output_token_ids
+    stop_at = first[3]
+    out = engine.generate([{"prompt_token_ids": [5, 6, 7],
+                            "sampling_params": GREEDY.replace(stop_token_ids=(stop_at,))}])[0]
+    assert out.output_token_ids == first[: first.index(stop_at) + 1] and out.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_independent_of_batch(tiny):
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
+    alone = make_engine(tiny).generate([{"prompt_token_ids": [1, 2, 3], "sampling_params": params}])[0]
+    engine = make_engine(tiny, max_num_batched_tokens=6, max_num_seqs=3)
+    others = [{"prompt_token_ids": list(range(i, i + 9)), "sampling_params": params.replace(seed=i)} for i in range(5)]
+    outs = engine.generate(others[:2] + [{"prompt_token_ids": [1, 2, 3], "sampling_params": params}] + others[2:])
+    assert outs[2].output_token_ids == alone.output_token_ids
+    assert len({o.output_token_ids for o in outs}) > 1  # different seeds give different samples
+
+
+def test_small_pool_preempts_and_still_finishes(tiny):
+    ample = make_engine(tiny, num_kv_blocks=256, block_size=4, max_num_seqs=6)
+    tight = make_engine(tiny, num_kv_blocks=12, block_size=4, max_num_seqs=6)
+    reqs = [{"prompt_token_ids": list(range(10 * i + 1, 10 * i + 9)),
+             "sampling_params": GREEDY.replace(max_tokens=20)} for i in range(6)]
+    a = ample.generate(reqs)
+    b = tight.generate(reqs)
+    assert sum(o.metrics.num_preemptions for o in b) > 0
+    assert [o.output_token_ids for o in a] == [o.output_token_ids for o in b]
+    assert tight.block_manager.num_free_blocks == 12
+
+
+def test_abort_frees_blocks(tiny):
+    engine = make_engine(tiny, num_kv_blocks=32)
+    rid = engine.add_request(prompt_token_ids=list(range(1, 20)), sampling_params=GREEDY)
+    keep = engine.add_request(prompt_token_ids=list(range(1, 5)), sampling_params=GREEDY)
+    engine.step()
+    engine.abort(rid)
+    assert engine.output(rid).finish_reason == "abort"
+    engine.run_until_done()
+    assert engine.output(keep).finish_reason == "length"
+    assert engine.block_manager.num_free_blocks == 32
+
+
+def test_small_vocab_model_takes_token_ids_only(tiny_small_vocab):
+    engine = make_engine(tiny_small_vocab)
+    out = engine.generate([{"prompt_token_ids": [1, 2, 3], "sampling_params": GREEDY}])[0]
+    assert out.text == "" and all(0 <= t < 64 for t in out.output_token_ids)
+    with pytest.raises(RequestError, match="give prompt_token_ids"):
+        engine.add_request("hello")
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        engine.add_request(prompt_token_ids=[1, 64])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompt=""), "empty"),
+    (dict(prompt_token_ids=[]), "empty"),
+    (dict(prompt_token_ids=[1] * 2048), "context"),
+    (dict(prompt_token_ids=[1, 2], sampling_params={"max_tokens": 0}), "max_tokens must be a positive integer, got 0"),
+    (dict(prompt_token_ids=[1, 2], sampling_params={"max_tokens": 5000}), "max_model_len"),
+    (dict(prompt_token_ids=[1, 2], sampling_params={"temperature": -1}), "temperature"),
+    (dict(prompt_token_ids=[1, 2], sampling_params={"bogus": 1}), "unknown sampling option"),
+    (dict(prompt_token_ids=[1, -3]), "outside the vocabulary"),
+    (dict(prompt="a", prompt_token_ids=[1]), "exactly one"),
+    (dict(messages=[{"role": "user"}]), "messages"),
+])
+def test_bad_requests_are_refused_with_one_line(tiny, kwargs, match):
+    engine = make_engine(tiny)
+    with pytest.raises(RequestError, match=match) as info:
+        engine.add_request(**kwargs)
+    assert "\n" not in str(info.value)
+    assert not engine.requests and not engine.has_unfinished()
+
+
+def test_request_that_can_never_fit_the_pool_is_refused(tiny):
+    engine = make_engine(tiny, num_kv_blocks=4, block_size=4)
+    with pytest.raises(RequestError, match="KV pool"):
+        engine.add_request(prompt_token_ids=list(range(1, 12)), sampling_params=GREEDY)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(block_size=0), "engine.block_size must be a positive integer, got 0"),
+    (dict(max_num_batched_tokens=4, max_num_seqs=8), "max_num_batched_tokens"),
+    (dict(device="tpu"), "engine.device"),
+])
+def test_bad_engine_config(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**kwargs)
