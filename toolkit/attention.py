@@ -25,7 +25,7 @@ class PrefillChunk:
     end: int  # one past the last row
     block_table_B: torch.Tensor  # (blocks covering the context,) long
     context_len: int  # tokens in the cache once this chunk is written
-    mask_QT: torch.Tensor  # (chunk, context_len) bool, True = attend
+    bias_GQT: torch.Tensor  # (G * chunk, context_len) additive mask: 0 = attend, -inf = causal future
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class AttentionMetadata:
     slot_mapping_N: torch.Tensor  # (N,) long: physical slot each new token's K/V is written to
     num_decodes: int  # rows [0, num_decodes) are single-token decodes
     decode_block_tables_DB: torch.Tensor | None  # (num_decodes, max_blocks) long
-    decode_mask_DT: torch.Tensor | None  # (num_decodes, max_blocks * block_size) bool
+    decode_bias_DT: torch.Tensor | None  # (num_decodes, max_blocks * block_size) additive: -inf past the context
     prefills: tuple[PrefillChunk, ...]
 
 
@@ -54,9 +54,18 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return rows.view(*tables.shape[:-1], tables.shape[-1] * block_size, h_kv, d)
 
 
+def additive_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as an additive bias, built once per step (SDPA would convert a bool mask per call)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
 def _grouped_sdpa(q_BQHD: torch.Tensor, k_BTKD: torch.Tensor, v_BTKD: torch.Tensor,
-                  mask_BQT: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) v with H = K * G query heads sharing K kv heads."""
+                  bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + bias) v with H = K * G query heads sharing K kv heads.
+
+    `bias` is (B, 1, T) for single-token queries (it broadcasts over the G rows) or
+    (B, G*Q, T) with the chunk's causal bias already repeated for the G head groups.
+    """
     b, q_len, h, d = q_BQHD.shape
     kv_heads = k_BTKD.shape[2]
     groups = h // kv_heads
@@ -64,11 +73,7 @@ def _grouped_sdpa(q_BQHD: torch.Tensor, k_BTKD: torch.Tensor, v_BTKD: torch.Tens
     q = q_BQHD.view(b, q_len, kv_heads, groups, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, groups * q_len, d)
     k = k_BTKD.transpose(1, 2)  # (B, K, T, D)
     v = v_BTKD.transpose(1, 2)
-    if q_len == 1:
-        mask = mask_BQT.unsqueeze(1)  # (B, 1, 1, T) broadcasts over the G query rows
-    else:
-        mask = mask_BQT.unsqueeze(1).repeat(1, 1, groups, 1)  # (B, 1, G*Q, T)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (B, K, G*Q, D)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.unsqueeze(1), scale=scale)  # (B, K, G*Q, D)
     # (B, K, G, Q, D) -> (B, Q, K*G, D)
     return out.view(b, kv_heads, groups, q_len, d).permute(0, 3, 1, 2, 4).reshape(b, q_len, h, d)
 
@@ -83,11 +88,11 @@ def paged_attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k = _gather_blocks(k_cache, meta.decode_block_tables_DB)  # (D, T, K, Dh)
         v = _gather_blocks(v_cache, meta.decode_block_tables_DB)
         out_NHD[:dec] = _grouped_sdpa(q_NHD[:dec].unsqueeze(1), k, v,
-                                      meta.decode_mask_DT.unsqueeze(1), scale).squeeze(1)
+                                      meta.decode_bias_DT.unsqueeze(1), scale).squeeze(1)
     for chunk in meta.prefills:
         k = _gather_blocks(k_cache, chunk.block_table_B)[: chunk.context_len]  # (T, K, Dh)
         v = _gather_blocks(v_cache, chunk.block_table_B)[: chunk.context_len]
         q = q_NHD[chunk.start:chunk.end].unsqueeze(0)  # (1, Q, H, Dh)
         out_NHD[chunk.start:chunk.end] = _grouped_sdpa(q, k.unsqueeze(0), v.unsqueeze(0),
-                                                       chunk.mask_QT.unsqueeze(0), scale).squeeze(0)
+                                                       chunk.bias_GQT.unsqueeze(0), scale).squeeze(0)
     return out_NHD

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.attention import AttentionMetadata, PrefillChunk
+from toolkit.attention import AttentionMetadata, PrefillChunk, additive_bias
 from toolkit.kv.paged_cache import PagedKVCache
 from toolkit.scheduler import ScheduledBatch, ScheduledChunk
 
@@ -34,6 +34,8 @@ class ModelOutput:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device):
         self.model = model
+        self.groups = model.arch.num_heads // model.arch.num_kv_heads
+        self.dtype = kv_cache.layers[0][0].dtype
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
@@ -60,13 +62,13 @@ class ModelRunner:
                 sample_chunks.append(chunk)
         dev = self.device
 
-        decode_tables = decode_mask = None
+        decode_tables = decode_bias = None
         if singles:
             width = max(len(c.block_table) for c in singles)
             tables = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in singles]
             decode_tables = torch.tensor(tables, dtype=torch.int64, device=dev)  # (D, B)
             ctx = torch.tensor([c.context_len for c in singles], device=dev)
-            decode_mask = torch.arange(width * bs, device=dev)[None, :] < ctx[:, None]  # (D, B*bs)
+            decode_bias = additive_bias(torch.arange(width * bs, device=dev)[None, :] < ctx[:, None], self.dtype)
 
         prefills = []
         offset = len(singles)
@@ -74,16 +76,17 @@ class ModelRunner:
             ctx = chunk.context_len
             table = torch.tensor(chunk.block_table[: -(-ctx // bs)], dtype=torch.int64, device=dev)
             query_pos = torch.arange(chunk.start_pos, ctx, device=dev)
-            mask = torch.arange(ctx, device=dev)[None, :] <= query_pos[:, None]  # (Q, T) causal
+            causal = torch.arange(ctx, device=dev)[None, :] <= query_pos[:, None]  # (Q, T)
+            bias = additive_bias(causal, self.dtype).repeat(self.groups, 1)  # (G*Q, T)
             prefills.append(PrefillChunk(start=offset, end=offset + chunk.num_tokens, block_table_B=table,
-                                         context_len=ctx, mask_QT=mask))
+                                         context_len=ctx, bias_GQT=bias))
             offset += chunk.num_tokens
 
         attn = AttentionMetadata(
             slot_mapping_N=torch.tensor(slots, dtype=torch.int64, device=dev),
             num_decodes=len(singles),
             decode_block_tables_DB=decode_tables,
-            decode_mask_DT=decode_mask,
+            decode_bias_DT=decode_bias,
             prefills=tuple(prefills),
         )
         return ForwardInputs(

@@ -34,7 +34,7 @@ class SampleResult:
 
 def sample(logits_RV: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     r, vocab = logits_RV.shape
-    raw_logprobs_RV = torch.log_softmax(logits_RV.float(), dim=-1)
+    logits_RV = logits_RV.float()
     token_ids = torch.argmax(logits_RV, dim=-1)
     noise = torch.full((r,), float("nan"), dtype=torch.float64)
     hashes = None
@@ -49,5 +49,5 @@ def sample(logits_RV: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         choice = torch.argmax(scores_V + g_V)
         token_ids[i] = choice
         noise[i] = g_V[choice]
-    chosen = raw_logprobs_RV.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    chosen = logits_RV.gather(1, token_ids.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits_RV, dim=-1)
     return SampleResult(token_ids=token_ids.cpu(), logprobs=chosen.cpu(), noise=noise)

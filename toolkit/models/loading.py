@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,6 +142,7 @@ def smollm2_dir() -> Path:
     if (target / WEIGHTS_FILE).is_file() and (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
         return target
     gguf = smollm2_gguf()
+    print(f"preparing the SmolLM2 fp32 cache in {target} (once, about a minute)", file=sys.stderr, flush=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=SMOLLM2_CACHE_NAME + ".tmp"))
     try:
@@ -154,6 +156,7 @@ def smollm2_dir() -> Path:
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
+    os.environ.setdefault("TQDM_DISABLE", "1")  # read by tqdm when transformers imports it
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
