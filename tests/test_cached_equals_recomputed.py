@@ -36,7 +36,7 @@ def run_and_collect(engine, requests):
     while engine.has_unfinished():
         out = engine.step()
         assert out.num_decode_tokens + out.num_prefill_tokens <= engine.cfg.max_num_batched_tokens
-        for i, s in enumerate(out.sampled):
+        for i, s in enumerate(out.samples):
             rows[s.request_id].append((s.position, out.logits_RV[i].clone()))
     return ids, rows
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,8 +48,11 @@ def test_requests_file_with_bad_lines_runs_the_others(tmp_path):
                 "tpot_p50_s", "tpot_p95_s"):
         assert key in summary
     assert summary["requests"] == 2 and summary["output_tokens"] == 9
-    outputs = [json.loads(line) for line in (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()]
-    assert [o["request_id"] for o in outputs] == ["a", "c"]
+    requests = pq.read_table(tmp_path / "run" / "requests.parquet").to_pylist()
+    assert [r["request_id"] for r in requests] == ["a", "c"]
+    assert [len(r["output_token_ids"]) for r in requests] == [5, 4]
+    samples = pq.read_table(tmp_path / "run" / "samples.parquet")
+    assert samples.num_rows == 9 and summary["trace_rows"] == 9
 
 
 @pytest.mark.parametrize("args, message", [

@@ -46,8 +46,8 @@ def test_last_prompt_chunk_samples_in_the_same_step(tiny):
     rid = engine.add_request(prompt_token_ids=list(range(1, 11)), sampling_params=GREEDY)  # 10 tokens: 4 + 4 + 2
     outs = [engine.step() for _ in range(3)]
     assert [o.num_prefill_tokens for o in outs] == [4, 4, 2]
-    assert [len(o.sampled) for o in outs] == [0, 0, 1]
-    assert outs[2].sampled[0].request_id == rid and outs[2].sampled[0].position == 10
+    assert [len(o.samples) for o in outs] == [0, 0, 1]
+    assert outs[2].samples[0].request_id == rid and outs[2].samples[0].position == 10
     assert engine.requests[rid].status is RequestStatus.DECODING
 
 
@@ -60,7 +60,7 @@ def test_decode_first_and_budget(tiny):
     while engine.has_unfinished():
         out = engine.step()
         assert out.num_decode_tokens + out.num_prefill_tokens <= 8
-        sampled = {s.request_id for s in out.sampled}
+        sampled = {s.request_id for s in out.samples}
         # every request that was decoding before this step got its token in this step
         assert decoding_before - set(out.finished) <= sampled | set(out.finished)
         decoding_before = {r.request_id for r in engine.requests.values() if r.status is RequestStatus.DECODING}

@@ -13,6 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 from toolkit.engine import Engine, RequestOutput
 from toolkit.errors import RequestError, ToolkitError
 from toolkit.metrics import summarize
+from toolkit.trace import build_manifest, new_run_id, request_rows
+from toolkit.trace.writer import TraceWriter, atomic_write_bytes, write_manifest, write_requests
 from toolkit.workload import Rejected, RequestSpec, builtin_workload, load_requests
 
 
@@ -63,40 +65,43 @@ def run_workload(cfg: DictConfig, run_dir: Path) -> int:
         print(f"rejected: {r.reason}", file=sys.stderr)
     rejected += more_rejected
 
-    engine.run_until_done()
+    trace_cfg = cfg.get("trace") or {}
+    run_id = new_run_id()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    write_manifest(run_dir, build_manifest(engine, run_id))
+    write_requests(run_dir, request_rows(engine, run_id, ids))  # replayable even if the run dies
+    writer = TraceWriter(run_dir, run_id, trace_cfg.get("flush_every_steps", 64)) if trace_cfg.get("enabled", True) \
+        else None
+    try:
+        while engine.has_unfinished():
+            out = engine.step()
+            if writer is not None:
+                writer.write_step(out.samples, out.logits_RV)
+    finally:
+        if writer is not None:
+            writer.close()
+        write_requests(run_dir, request_rows(engine, run_id, ids))
+
     outputs = [engine.output(i) for i in ids]
     wall = (engine.last_finish_time or 0.0) - (engine.first_admission_time or 0.0)
-    summary = summarize(outputs, wall, rejected=len(rejected), steps=engine.step_index,
-                        model=engine.loaded.model_id, model_revision=engine.loaded.revision)
-    write_run(run_dir, cfg, specs, outputs, summary, rejected)
+    summary = summarize(outputs, wall, rejected=len(rejected), steps=engine.step_index, run_id=run_id,
+                        trace_rows=writer.rows_written if writer else 0,
+                        model=engine.loaded.model_id, model_revision=engine.loaded.revision,
+                        rejected_requests=[r.reason for r in rejected])
+    atomic_write_bytes(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
     if cfg.get("print_outputs", True):
         print_outputs(outputs)
     print_summary(summary, run_dir)
     return 1 if rejected else 0
 
 
-def write_run(run_dir: Path, cfg: DictConfig, specs: list[RequestSpec], outputs: list[RequestOutput],
-              summary: dict[str, Any], rejected: list[Rejected]) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    with open(run_dir / "requests.jsonl", "w") as fh:
-        for spec in specs:
-            fh.write(json.dumps(spec.to_json()) + "\n")
-    with open(run_dir / "outputs.jsonl", "w") as fh:
-        for o in outputs:
-            fh.write(json.dumps({
-                "request_id": o.request_id, "seed": o.seed, "prompt_tokens": len(o.prompt_token_ids),
-                "output_token_ids": list(o.output_token_ids), "text": o.text, "finish_reason": o.finish_reason,
-                **{k: v for k, v in o.metrics.__dict__.items()},
-            }) + "\n")
-    summary = {**summary, "rejected_requests": [r.reason for r in rejected]}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-
-
 def print_outputs(outputs: list[RequestOutput]) -> None:
     for o in outputs:
-        print(f"--- {o.request_id} ({len(o.output_token_ids)} tokens, {o.finish_reason})")
-        print(o.text)
+        for c in o.outputs:
+            name = o.request_id if len(o.outputs) == 1 else f"{o.request_id}#{c.index}"
+            print(f"--- {name} ({len(c.token_ids)} tokens, {c.finish_reason})")
+            print(c.text)
 
 
 def _fmt(value: Any) -> str:

@@ -101,43 +101,200 @@ class EngineConfig:
                f"engine.max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step")
 
 
+DEFAULT_PROCESSORS = (
+    # penalties: raw logits + history
+    "repetition_penalty", "presence_penalty", "frequency_penalty",
+    # hard masks: set forbidden tokens to -inf (and the logit bias)
+    "allowed_token_ids", "bad_words", "logit_bias", "no_repeat_ngram", "min_tokens",
+    # temperature, then truncation of the support
+    "temperature", "top_k", "top_p", "min_p",
+)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding policy. Field names and defaults follow vLLM's SamplingParams."""
+    """Per-request decoding policy. Field names and defaults follow vLLM's SamplingParams.
 
+    `processors` is the ordered logits-processor pipeline (default `DEFAULT_PROCESSORS`);
+    a parameter set away from its neutral value must have its processor in the list.
+    """
+
+    n: int = 1
     temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0): all tokens
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt + output tokens (vLLM)
+    presence_penalty: float = 0.0  # over output tokens
+    frequency_penalty: float = 0.0  # over output tokens
+    no_repeat_ngram_size: int = 0  # over prompt + output tokens (HF)
+    bad_words: tuple = ()  # strings and/or token-id sequences
+    allowed_token_ids: tuple[int, ...] | None = None
+    logit_bias: Mapping[int, float] | None = None
     seed: int | None = None
-    max_tokens: int = 16
-    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int = 16
+    min_tokens: int = 0
+    logprobs: int | None = None  # top alternatives recorded per sampled token
+    skip_special_tokens: bool = True
+    processors: tuple[str, ...] | None = None
 
     def __post_init__(self):
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         t = self.temperature
-        _check(isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0 and t == t,
-               f"temperature must be a number >= 0 (0 means greedy), got {t!r}")
-        _check(self.seed is None or (_is_int(self.seed) and self.seed >= 0),
-               f"seed must be a non-negative integer or null, got {self.seed!r}")
-        _check(_is_int(self.max_tokens) and self.max_tokens > 0,
-               f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        _check(_is_number(t) and t >= 0, f"temperature must be a number >= 0 (0 means greedy), got {t!r}")
+        set_("temperature", float(t))
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        set_("top_p", float(self.top_p))
+        _check(_is_int(self.top_k) and self.top_k >= -1,
+               f"top_k must be -1 (all tokens), 0 (all tokens) or a positive integer, got {self.top_k!r}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        set_("min_p", float(self.min_p))
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+               f"repetition_penalty must be > 0 (1 means off), got {self.repetition_penalty!r}")
+        set_("repetition_penalty", float(self.repetition_penalty))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
+            set_(name, float(value))
+        _check(_is_int(self.no_repeat_ngram_size) and self.no_repeat_ngram_size >= 0,
+               f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}")
+        set_("bad_words", _bad_words(self.bad_words))
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            _check(isinstance(ids, (list, tuple)) and len(ids) > 0 and all(_is_int(i) and i >= 0 for i in ids),
+                   f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+            set_("allowed_token_ids", tuple(ids))
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            _check(isinstance(bias, Mapping), f"logit_bias must be a mapping of token id to bias, got {bias!r}")
+            try:
+                clean = {int(k): float(v) for k, v in bias.items()}
+            except (TypeError, ValueError):
+                raise ConfigError(f"logit_bias must map token ids to numbers, got {dict(bias)!r}") from None
+            _check(all(k >= 0 for k in clean) and all(v == v for v in clean.values()),
+                   f"logit_bias keys must be token ids >= 0 and values numbers, got {dict(bias)!r}")
+            set_("logit_bias", dict(sorted(clean.items())) or None)
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
+               f"seed must be an integer in [0, 2^63) or null, got {self.seed!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        _check(isinstance(stop, (list, tuple)) and all(isinstance(x, str) for x in stop),
+               f"stop must be a list of strings, got {self.stop!r}")
+        _check(all(len(x) > 0 for x in stop), "stop strings must not be empty")
+        set_("stop", tuple(stop))
         ids = self.stop_token_ids
         _check(isinstance(ids, (list, tuple)) and all(_is_int(i) and i >= 0 for i in ids),
                f"stop_token_ids must be a list of non-negative token ids, got {ids!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(ids))
-        object.__setattr__(self, "temperature", float(t))
+        set_("stop_token_ids", tuple(ids))
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
+        _check(_is_int(self.max_tokens) and self.max_tokens > 0,
+               f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+               f"logprobs must be null or an integer in [0, 20], got {self.logprobs!r}")
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        if self.processors is None:
+            return
+        procs = self.processors
+        _check(isinstance(procs, (list, tuple)) and all(isinstance(p, str) for p in procs),
+               f"processors must be a list of processor names, got {procs!r}")
+        unknown = [p for p in procs if p not in DEFAULT_PROCESSORS]
+        _check(not unknown, f"unknown processor {unknown[0]!r} in processors; known: {', '.join(DEFAULT_PROCESSORS)}"
+               if unknown else "")
+        dup = sorted({p for p in procs if procs.count(p) > 1})
+        _check(not dup, f"processor {dup[0]!r} is listed twice in processors" if dup else "")
+        object.__setattr__(self, "processors", tuple(procs))
+        for name in self.active_processors(DEFAULT_PROCESSORS):
+            _check(name in procs, f"{name} is set ({self.describe(name)}) but {name!r} is not in processors")
+
+    # -- pipeline helpers -------------------------------------------------------------
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def order(self) -> tuple[str, ...]:
+        return self.processors if self.processors is not None else DEFAULT_PROCESSORS
+
+    def is_active(self, name: str) -> bool:
+        """Whether processor `name` changes anything for these parameters."""
+        return {
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "allowed_token_ids": self.allowed_token_ids is not None,
+            "bad_words": bool(self.bad_words),
+            "logit_bias": bool(self.logit_bias),
+            "no_repeat_ngram": self.no_repeat_ngram_size > 0,
+            "min_tokens": self.min_tokens > 0,
+            "temperature": self.temperature not in (0.0, 1.0),
+            "top_k": self.top_k > 0,
+            "top_p": self.top_p < 1.0,
+            "min_p": self.min_p > 0.0,
+        }[name]
+
+    def active_processors(self, order: tuple[str, ...] | None = None) -> tuple[str, ...]:
+        return tuple(p for p in (order or self.order) if self.is_active(p))
+
+    def describe(self, name: str) -> str:
+        """A processor with its parameters, as recorded in every trace row."""
+        value = {
+            "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "allowed_token_ids": len(self.allowed_token_ids or ()),
+            "bad_words": len(self.bad_words), "logit_bias": len(self.logit_bias or {}),
+            "no_repeat_ngram": self.no_repeat_ngram_size, "min_tokens": self.min_tokens,
+            "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
+        }[name]
+        return f"{name}({value:g})" if isinstance(value, float) else f"{name}({value})"
+
+    def pipeline_description(self) -> list[str]:
+        """The active processors with their parameters, then the selection rule."""
+        return [self.describe(p) for p in self.active_processors()] + ["argmax" if self.greedy else "gumbel_max"]
+
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["stop_token_ids"] = list(self.stop_token_ids)
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, tuple):
+                value = [list(v) if isinstance(v, tuple) else v for v in value]
+            elif isinstance(value, Mapping):
+                value = {str(k): v for k, v in value.items()}
+            out[f.name] = value
         return out
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None) -> "SamplingParams":
         return from_mapping(cls, data, section="sampling")
+
+
+def _bad_words(words: Any) -> tuple:
+    """Normalise bad_words to a tuple of str and tuple[int, ...] entries."""
+    if isinstance(words, str):
+        words = (words,)
+    _check(isinstance(words, (list, tuple)), f"bad_words must be a list of strings or token-id lists, got {words!r}")
+    out: list = []
+    for w in words:
+        if isinstance(w, str):
+            _check(len(w) > 0, "bad_words entries must not be empty")
+            out.append(w)
+        elif isinstance(w, (list, tuple)) and w and all(_is_int(t) and t >= 0 for t in w):
+            out.append(tuple(w))
+        else:
+            raise ConfigError(f"bad_words entries must be strings or non-empty token-id lists, got {w!r}")
+    return tuple(out)

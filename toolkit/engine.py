@@ -1,17 +1,18 @@
 """The engine: the only orchestrator.
 
-    step():  arrivals -> schedule -> run model (ONE forward) -> sample -> commit
+    step():  arrivals -> schedule -> run model (ONE forward) -> processors -> sample -> commit -> trace
 
-Data flows one way: requests -> ScheduledBatch -> logits -> SampleResult; `_commit` is the
-single place where results feed back into request state (tokens, cache progress, stop).
+Data flows one way: requests -> ScheduledBatch -> logits -> processed logits -> samples;
+`_commit_row` is the single place where results feed back into sequence state (tokens,
+text, stop conditions, finishing). Each step returns the SampleTrace rows it produced.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -19,10 +20,13 @@ from toolkit.config import EngineConfig, ModelConfig, SamplingParams, from_mappi
 from toolkit.errors import ConfigError, RequestError
 from toolkit.kv import BlockManager, PagedKVCache
 from toolkit.models import LoadedModel, load_model
+from toolkit.processors import BatchView, RowState, apply_pipeline
 from toolkit.request import FinishReason, Request, RequestStatus
 from toolkit.runner import ModelRunner
 from toolkit.sampling import SampleRow, sample
-from toolkit.scheduler import ScheduledBatch, Scheduler
+from toolkit.scheduler import Scheduler
+from toolkit.stop import TextUpdate, update_text
+from toolkit.trace.schema import SampleTrace
 
 
 @dataclass(frozen=True)
@@ -37,24 +41,58 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True)
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    output_token_ids: tuple[int, ...]
+class CompletionOutput:
+    """One sample of a request (vLLM's CompletionOutput)."""
+
+    index: int
     text: str
+    token_ids: tuple[int, ...]
     finish_reason: str | None
-    finished: bool
+    stop_reason: int | str | None
     seed: int
     metrics: RequestMetrics
 
 
 @dataclass(frozen=True)
-class SampledToken:
+class RequestOutput:
     request_id: str
-    position: int  # position of the sampled token in the request's sequence
-    token_id: int
-    logprob: float  # raw log-probability of the token under the model
-    noise: float  # Gumbel noise of the chosen token (NaN when greedy)
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    outputs: tuple[CompletionOutput, ...]
+    finished: bool
+
+    # conveniences for the common n == 1 case
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def seed(self) -> int:
+        return self.outputs[0].seed
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        return self.outputs[0].metrics
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """What a stream consumer sees of one sequence after one step."""
+
+    request_id: str
+    index: int  # sample index (stream)
+    text: str  # new text since the last delta (never part of a stop string)
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None
 
 
 @dataclass(frozen=True)
@@ -63,9 +101,10 @@ class StepOutput:
     batch_size: int  # sequences in the forward
     num_decode_tokens: int
     num_prefill_tokens: int
-    sampled: tuple[SampledToken, ...]
-    logits_RV: torch.Tensor | None  # raw logits behind `sampled`, row i <-> sampled[i]
-    finished: tuple[str, ...]
+    samples: tuple[SampleTrace, ...]  # one per sampled (or errored) sequence
+    logits_RV: torch.Tensor | None  # raw logits; samples[i].logits_row indexes it
+    deltas: tuple[TextDelta, ...]
+    finished: tuple[str, ...]  # sequence ids
     preempted: tuple[str, ...]
     kv_blocks_used: int
 
@@ -85,6 +124,7 @@ class Engine:
         self.default_sampling = default_sampling or SamplingParams()
         self.device = torch.device(self.cfg.device)
         arch = loaded.arch
+        self.vocab_size = arch.vocab_size
         self.max_model_len = self.cfg.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
             raise ConfigError(f"engine.max_model_len ({self.max_model_len}) exceeds the model's "
@@ -92,15 +132,17 @@ class Engine:
         eos = set(arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
+        self.eos_token_ids = tuple(sorted(t for t in eos if t < self.vocab_size))
         layers, kv_heads, head_dim = loaded.model.kv_shape
         self.kv_cache = PagedKVCache(layers, self.cfg.num_kv_blocks, self.cfg.block_size, kv_heads, head_dim,
                                      dtype=loaded.model.embed.dtype, device=self.device)
         self.block_manager = BlockManager(self.cfg.num_kv_blocks, self.cfg.block_size)
         self.scheduler = Scheduler(self.cfg, self.block_manager)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.device)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # by sequence id
+        self.groups: dict[str, list[str]] = {}  # request id -> its sequence ids
         self.step_index = 0
+        self.start_time: float | None = None
         self.first_admission_time: float | None = None
         self.last_finish_time: float | None = None
         self._next_id = 0
@@ -123,29 +165,34 @@ class Engine:
                     prompt_token_ids: Sequence[int] | None = None,
                     sampling_params: SamplingParams | Mapping[str, Any] | None = None,
                     request_id: str | None = None, arrival_step: int | None = None) -> str:
-        """Validate and queue a request; returns its id. Raises RequestError on bad input."""
+        """Validate and queue a request (n sequences when n > 1); returns its id. Raises RequestError."""
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
         request_id = str(request_id)
-        if request_id in self.requests:
+        if request_id in self.groups:
             raise RequestError(f"request id {request_id!r} is already in use")
+        if "#" in request_id:
+            raise RequestError(f"request id {request_id!r} must not contain '#' (reserved for parallel samples)")
         params = self._sampling(sampling_params)
         ids, text = self._prompt_ids(prompt, messages, prompt_token_ids)
         self._check_fits(request_id, len(ids), params.max_tokens)
+        self._check_token_ids(params)
+        bad_words_ids = self._bad_words_ids(params)
         if arrival_step is not None and not (isinstance(arrival_step, int) and arrival_step >= 0):
             raise RequestError(f"arrival_step must be a non-negative integer, got {arrival_step!r}")
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=tuple(ids),
-            sampling=params,
-            seed=params.seed if params.seed is not None else derive_seed(self.cfg.seed, request_id),
-            arrival_step=max(arrival_step or 0, self.step_index),
-            prompt_text=text,
-            add_time=time.perf_counter(),
-        )
-        self.requests[request_id] = request
-        self.scheduler.add(request)
+        seed = params.seed if params.seed is not None else derive_seed(self.cfg.seed, request_id)
+        now = time.perf_counter()
+        seq_ids = []
+        for stream in range(params.n):
+            seq_id = request_id if params.n == 1 else f"{request_id}#{stream}"
+            seq = Request(seq_id=seq_id, request_id=request_id, prompt_token_ids=tuple(ids), sampling=params,
+                          seed=seed, arrival_step=max(arrival_step or 0, self.step_index), prompt_text=text,
+                          stream=stream, bad_words_ids=bad_words_ids, add_time=now)
+            self.requests[seq_id] = seq
+            self.scheduler.add(seq)
+            seq_ids.append(seq_id)
+        self.groups[request_id] = seq_ids
         return request_id
 
     def _sampling(self, params: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
@@ -153,6 +200,8 @@ class Engine:
             return self.default_sampling
         if isinstance(params, SamplingParams):
             return params
+        if not isinstance(params, Mapping):
+            raise RequestError(f"sampling must be a mapping of SamplingParams fields, got {params!r}")
         merged = {**self.default_sampling.to_dict(), **dict(params)}
         try:
             return SamplingParams.from_mapping(merged)
@@ -163,20 +212,21 @@ class Engine:
         given = [x is not None for x in (prompt, messages, prompt_token_ids)]
         if sum(given) != 1:
             raise RequestError("give exactly one of prompt, messages or prompt_token_ids")
-        vocab = self.loaded.arch.vocab_size
         if prompt_token_ids is not None:
+            if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
+                raise RequestError("prompt_token_ids must be a list of integers")
             ids = list(prompt_token_ids)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise RequestError("prompt_token_ids must be a list of integers")
-            bad = [t for t in ids if not 0 <= t < vocab]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-            text = self.tokenizer.decode(ids) if self.tokenizer else None
+                raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            text = self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer else None
         else:
             if self.tokenizer is None:
                 raise RequestError("this model has no tokenizer matching its vocabulary; give prompt_token_ids")
             if messages is not None:
-                ids, text = self.tokenizer.apply_chat_template(messages), None
+                ids = self.tokenizer.apply_chat_template(messages)
                 text = self.tokenizer.decode(ids, skip_special_tokens=False)
             else:
                 if not isinstance(prompt, str):
@@ -199,6 +249,29 @@ class Engine:
             raise RequestError(f"request {request_id}: prompt + max_tokens = {total} tokens can never fit the KV pool "
                                f"of {pool} tokens; raise engine.num_kv_blocks or lower max_tokens")
 
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        v = self.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
+                          ("logit_bias", tuple(params.logit_bias or ())),
+                          ("bad_words", tuple(t for w in params.bad_words if isinstance(w, tuple) for t in w))):
+            bad = [t for t in ids or () if t >= v]
+            if bad:
+                raise RequestError(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {v})")
+
+    def _bad_words_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """Bad words as token sequences: a string is banned with and without a leading space (vLLM)."""
+        out: list[tuple[int, ...]] = []
+        for word in params.bad_words:
+            if isinstance(word, tuple):
+                variants = [word]
+            else:
+                if self.tokenizer is None:
+                    raise RequestError("bad_words strings need a tokenizer; give token-id sequences instead")
+                variants = [tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                            for text in (word, " " + word.lstrip())]
+            out.extend(v for v in variants if v and v not in out)
+        return tuple(out)
+
     # ------------------------------------------------------------------ the step
 
     def has_unfinished(self) -> bool:
@@ -207,102 +280,143 @@ class Engine:
     def step(self) -> StepOutput:
         step = self.step_index
         now = time.perf_counter()
-        for request in self.scheduler.arrivals(step):
-            request.arrival_time = now
+        if self.start_time is None:
+            self.start_time = now
+        for seq in self.scheduler.arrivals(step):
+            seq.arrival_time = now
         batch = self.scheduler.schedule(step)
         if batch.is_empty:
             nxt = self.scheduler.next_arrival_step
             self.step_index = nxt if (nxt is not None and nxt > step) else step + 1
-            return self._output(batch, (), None, ())
+            return StepOutput(step, 0, 0, 0, (), None, (), (), batch.preempted, self.block_manager.num_used_blocks)
         if self.first_admission_time is None:
             self.first_admission_time = now
-        out = self.runner.run(batch)
-        rows = [self._sample_row(chunk.request_id, chunk.context_len) for chunk in out.sample_chunks]
-        result = sample(out.logits_RV, rows)
-        sampled = tuple(
-            SampledToken(request_id=chunk.request_id, position=chunk.context_len, token_id=int(tok),
-                         logprob=float(lp), noise=float(nz))
-            for chunk, tok, lp, nz in zip(out.sample_chunks, result.token_ids.tolist(), result.logprobs.tolist(),
-                                          result.noise.tolist())
-        )
-        finished = self._commit(batch, sampled)
-        self.step_index = step + 1
-        return self._output(batch, sampled, out.logits_RV, finished)
-
-    def _sample_row(self, request_id: str, position: int) -> SampleRow:
-        r = self.requests[request_id]
-        return SampleRow(temperature=r.sampling.temperature, seed=r.seed, position=position, stream=r.stream)
-
-    def _commit(self, batch: ScheduledBatch, sampled: tuple[SampledToken, ...]) -> tuple[str, ...]:
-        """The one place where model results feed back into request state."""
-        now = time.perf_counter()
         for chunk in batch.chunks:
-            request = self.requests[chunk.request_id]
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-            request.num_computed_tokens = chunk.context_len
-        finished = []
-        for s in sampled:
-            request = self.requests[s.request_id]
-            request.token_ids.append(s.token_id)
-            request.status = RequestStatus.DECODING
-            if request.first_token_time is None:
-                request.first_token_time = now
-            request.last_token_time = now
-            reason = self._stop_reason(request, s.token_id)
-            if reason is not None:
-                request.finish_reason, request.finish_detail = reason
-                request.status = RequestStatus.FINISHED
-                request.finish_time = now
-                self.scheduler.finish(request)
-                finished.append(request.request_id)
-        if finished:
-            self.last_finish_time = now
-        return tuple(finished)
+            seq = self.requests[chunk.seq_id]
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
 
-    def _stop_reason(self, request: Request, token_id: int) -> tuple[FinishReason, str] | None:
-        params = request.sampling
-        if token_id in self.eos_token_ids and not params.ignore_eos:
-            return FinishReason.STOP, "eos"
-        if token_id in params.stop_token_ids:
-            return FinishReason.STOP, "stop_token_ids"
-        if request.num_output_tokens >= params.max_tokens:
-            return FinishReason.LENGTH, "max_tokens"
-        if request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH, "max_model_len"
-        return None
+        out = self.runner.run(batch)  # the ONE forward of this step
+        seqs = [self.requests[c.seq_id] for c in out.sample_chunks]
+        view = BatchView(rows=tuple(RowState(s.sampling, s.token_ids, s.num_prompt_tokens, s.bad_words_ids)
+                                    for s in seqs),
+                         vocab_size=self.vocab_size, device=out.logits_RV.device, eos_token_ids=self.eos_token_ids)
+        pipe = apply_pipeline(out.logits_RV, view)
+        good = [i for i in range(len(seqs)) if i not in pipe.errors]
+        result = None
+        if good:
+            rows = [SampleRow(greedy=seqs[i].sampling.greedy, seed=seqs[i].seed, position=seqs[i].num_tokens,
+                              stream=seqs[i].stream, num_top=seqs[i].sampling.logprobs or 0) for i in good]
+            index = torch.tensor(good, device=out.logits_RV.device)
+            result = sample(out.logits_RV.index_select(0, index), pipe.processed_RV.index_select(0, index), rows)
 
-    def _output(self, batch: ScheduledBatch, sampled, logits, finished) -> StepOutput:
-        return StepOutput(step=batch.step, batch_size=len(batch.chunks), num_decode_tokens=batch.num_decode_tokens,
-                          num_prefill_tokens=batch.num_prefill_tokens, sampled=tuple(sampled), logits_RV=logits,
+        for chunk in batch.chunks:
+            self.requests[chunk.seq_id].num_computed_tokens = chunk.context_len
+        traces, deltas, finished = [], [], []
+        slot = {row: j for j, row in enumerate(good)}
+        for i, seq in enumerate(seqs):
+            j = slot.get(i)
+            token = result.token_ids[j] if j is not None else -1
+            position = seq.num_tokens
+            delta = self._commit_row(seq, token, pipe.errors.get(i))
+            deltas.append(delta)
+            if delta.finished:
+                finished.append(seq.seq_id)
+            p = seq.sampling
+            traces.append(SampleTrace(
+                request_id=seq.request_id, stream=seq.stream, step=step, position=position, token_id=token,
+                raw_logprob=result.raw_logprobs[j] if j is not None else float("nan"),
+                processed_logprob=result.processed_logprobs[j] if j is not None else float("nan"),
+                support_size=result.support_sizes[j] if j is not None else 0,
+                top_raw=tuple(result.top_raw[j]) if j is not None else (),
+                top_processed=tuple(result.top_processed[j]) if j is not None else (),
+                processors=tuple(p.pipeline_description()), temperature=p.temperature, top_k=p.top_k,
+                top_p=p.top_p, min_p=p.min_p, seed=seq.seed,
+                noise=result.noise[j] if j is not None else float("nan"),
+                batch_size=len(batch.chunks), step_tokens=batch.num_tokens,
+                finish_reason=seq.finish_reason.value if delta.finished else None,
+                stop_reason=seq.finish_detail if delta.finished else None,
+                error=pipe.errors.get(i), t_emit_s=time.perf_counter() - self.start_time, logits_row=i,
+            ))
+        self.step_index = step + 1
+        return StepOutput(step=step, batch_size=len(batch.chunks), num_decode_tokens=batch.num_decode_tokens,
+                          num_prefill_tokens=batch.num_prefill_tokens, samples=tuple(traces), logits_RV=out.logits_RV,
+                          deltas=tuple(d for d in deltas if d.text or d.token_ids or d.finished),
                           finished=tuple(finished), preempted=batch.preempted,
                           kv_blocks_used=self.block_manager.num_used_blocks)
 
+    def _commit_row(self, seq: Request, token: int, error: str | None) -> TextDelta:
+        """The one place where a sampling result feeds back into sequence state."""
+        now = time.perf_counter()
+        if error is not None:
+            update = self._text(seq, final=True)
+            self._finish(seq, FinishReason.ERROR, f"error: {error}", None, now)
+            return TextDelta(seq.request_id, seq.stream, update.delta, (), True, seq.finish_reason.value)
+        seq.token_ids.append(token)
+        seq.status = RequestStatus.DECODING
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        p = seq.sampling
+        stop: tuple[FinishReason, str, int | str | None] | None = None
+        if token in self.eos_token_ids and not p.ignore_eos:
+            stop = (FinishReason.STOP, "eos", None)
+        elif token in p.stop_token_ids:
+            stop = (FinishReason.STOP, f"stop_token_id:{token}", token)
+        at_length = seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
+        update = self._text(seq, final=stop is not None or at_length)
+        if stop is None and update.stop_string is not None:
+            stop = (FinishReason.STOP, f"stop_str:{update.stop_string}", update.stop_string)
+        if stop is None and seq.num_output_tokens >= p.max_tokens:
+            stop = (FinishReason.LENGTH, "max_tokens", None)
+        if stop is None and seq.num_tokens >= self.max_model_len:
+            stop = (FinishReason.LENGTH, "max_model_len", None)
+        if stop is not None:
+            self._finish(seq, stop[0], stop[1], stop[2], now)
+        return TextDelta(seq.request_id, seq.stream, update.delta, (token,), stop is not None,
+                         seq.finish_reason.value if stop is not None else None)
+
+    def _text(self, seq: Request, *, final: bool) -> TextUpdate:
+        """Advance the sequence's text and stop-string matcher (no text without a tokenizer)."""
+        if self.tokenizer is None:
+            return TextUpdate(delta="", stop_string=None, text="")
+        p = seq.sampling
+        update = update_text(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens),
+                             seq.output_token_ids, p.stop, seq.stop_state,
+                             check_stops=seq.num_output_tokens >= p.min_tokens,
+                             include_stop=p.include_stop_str_in_output, final=final)
+        seq.text = update.text
+        return update
+
+    def _finish(self, seq: Request, reason: FinishReason, detail: str, stop_reason, now: float) -> None:
+        seq.status = RequestStatus.FINISHED
+        seq.finish_reason, seq.finish_detail, seq.stop_reason = reason, detail, stop_reason
+        seq.finish_time = now
+        self.last_finish_time = now
+        self.scheduler.finish(seq)
+
     def abort(self, request_id: str) -> None:
-        request = self.requests.get(request_id)
-        if request is None:
+        """Finish every sequence of a request now (finish_reason "abort") and free its blocks."""
+        if request_id not in self.groups:
             raise RequestError(f"unknown request id {request_id!r}")
-        if request.is_finished:
-            return
-        request.status = RequestStatus.FINISHED
-        request.finish_reason, request.finish_detail = FinishReason.ABORT, "aborted"
-        request.finish_time = time.perf_counter()
-        self.scheduler.finish(request)
+        now = time.perf_counter()
+        for seq_id in self.groups[request_id]:
+            seq = self.requests[seq_id]
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ABORT, "abort", None, now)
 
     # ------------------------------------------------------------------ results out
 
     def output(self, request_id: str) -> RequestOutput:
-        r = self.requests[request_id]
-        text = self.tokenizer.decode(r.output_token_ids) if self.tokenizer else ""
+        seqs = [self.requests[s] for s in self.groups[request_id]]
+        first = seqs[0]
         return RequestOutput(
-            request_id=r.request_id,
-            prompt_token_ids=r.prompt_token_ids,
-            output_token_ids=tuple(r.output_token_ids),
-            text=text,
-            finish_reason=r.finish_reason.value if r.finish_reason else None,
-            finished=r.is_finished,
-            seed=r.seed,
-            metrics=request_metrics(r),
+            request_id=request_id, prompt=first.prompt_text, prompt_token_ids=first.prompt_token_ids,
+            outputs=tuple(CompletionOutput(index=s.stream, text=s.text, token_ids=tuple(s.output_token_ids),
+                                           finish_reason=s.finish_reason.value if s.finish_reason else None,
+                                           stop_reason=s.stop_reason, seed=s.seed, metrics=request_metrics(s))
+                          for s in seqs),
+            finished=all(s.is_finished for s in seqs),
         )
 
     def run_until_done(self) -> list[StepOutput]:
@@ -311,13 +425,20 @@ class Engine:
             steps.append(self.step())
         return steps
 
+    def _add_all(self, requests: Iterable[Mapping[str, Any] | str]) -> list[str]:
+        return [self.add_request(spec) if isinstance(spec, str) else self.add_request(**spec) for spec in requests]
+
     def generate(self, requests: Iterable[Mapping[str, Any] | str]) -> list[RequestOutput]:
         """Add every request (a prompt string or a dict of add_request's arguments), run, return outputs in order."""
-        ids = []
-        for spec in requests:
-            ids.append(self.add_request(spec) if isinstance(spec, str) else self.add_request(**spec))
+        ids = self._add_all(requests)
         self.run_until_done()
         return [self.output(i) for i in ids]
+
+    def stream(self, requests: Iterable[Mapping[str, Any] | str] = ()) -> Iterator[TextDelta]:
+        """Add the requests, then yield text deltas step by step until every request has finished."""
+        self._add_all(requests)
+        while self.has_unfinished():
+            yield from self.step().deltas
 
 
 def request_metrics(r: Request) -> RequestMetrics:

@@ -20,11 +20,13 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 def summarize(outputs: Iterable[RequestOutput], wall_s: float, **extra) -> dict:
     outputs = list(outputs)
-    output_tokens = sum(len(o.output_token_ids) for o in outputs)
-    ttfts = [o.metrics.ttft_s for o in outputs if o.metrics.ttft_s is not None]
-    tpots = [o.metrics.tpot_s for o in outputs if o.metrics.tpot_s is not None]
+    completions = [c for o in outputs for c in o.outputs]
+    output_tokens = sum(len(c.token_ids) for c in completions)
+    ttfts = [c.metrics.ttft_s for c in completions if c.metrics.ttft_s is not None]
+    tpots = [c.metrics.tpot_s for c in completions if c.metrics.tpot_s is not None]
     return {
         "requests": len(outputs),
+        "sequences": len(completions),
         "output_tokens": output_tokens,
         "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
         "wall_s": wall_s,
@@ -33,8 +35,8 @@ def summarize(outputs: Iterable[RequestOutput], wall_s: float, **extra) -> dict:
         "ttft_p95_s": percentile(ttfts, 95),
         "tpot_p50_s": percentile(tpots, 50),
         "tpot_p95_s": percentile(tpots, 95),
-        "finish_reasons": {r: sum(o.finish_reason == r for o in outputs)
-                           for r in sorted({o.finish_reason or "unfinished" for o in outputs})},
-        "num_preemptions": sum(o.metrics.num_preemptions for o in outputs),
+        "finish_reasons": {r: sum((c.finish_reason or "unfinished") == r for c in completions)
+                           for r in sorted({c.finish_reason or "unfinished" for c in completions})},
+        "num_preemptions": sum(c.metrics.num_preemptions for c in completions),
         **extra,
     }

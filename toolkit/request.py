@@ -1,9 +1,11 @@
-"""Request state: everything needed to schedule, resume and report one request.
+"""Sequence state: everything needed to schedule, resume and report one sampled sequence.
 
-The KV cache is derived state: `token_ids` (prompt + output) and `num_computed_tokens`
-say exactly which tokens still need a forward pass, so dropping a request's blocks and
-re-prefilling them (recompute preemption) needs nothing else. The RNG key is the
-request's seed; the randomness of a token depends only on (seed, position, stream).
+A request with n parallel samples is n of these (same `request_id`, `stream` 0..n-1,
+distinct `seq_id`). The KV cache is derived state: `token_ids` (prompt + output) and
+`num_computed_tokens` say exactly which tokens still need a forward pass, so dropping a
+sequence's blocks and re-prefilling them (recompute preemption) needs nothing else. The
+RNG key is (seed, stream); the randomness of a token depends only on (seed, position,
+stream). The stop-string matcher keeps its own progress (`stop_state`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import enum
 from dataclasses import dataclass, field
 
 from toolkit.config import SamplingParams
+from toolkit.stop import StopState
 
 
 class RequestStatus(str, enum.Enum):
@@ -31,19 +34,24 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(eq=False)
 class Request:
+    seq_id: str  # unique per sequence: the request id, or "<request id>#<stream>" when n > 1
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     seed: int  # resolved RNG key (the request's own seed, or derived from the run seed)
     arrival_step: int = 0
     prompt_text: str | None = None
-    stream: int = 0  # RNG stream (parallel samples of one prompt use different streams)
+    stream: int = 0  # RNG stream: the sample index among the request's n samples
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     status: RequestStatus = RequestStatus.PENDING
     finish_reason: FinishReason | None = None
-    finish_detail: str | None = None  # why it stopped (e.g. "eos", "stop_token_ids", an error message)
+    finish_detail: str | None = None  # why it stopped ("eos", "stop_token_id", "stop_str", "max_tokens", an error)
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's stop_reason)
+    stop_state: StopState = field(default_factory=StopState)
+    text: str = ""  # output text so far (stop string excluded unless include_stop_str_in_output)
 
     add_time: float = 0.0
     arrival_time: float | None = None  # when it became eligible (its arrival step came)

@@ -1,9 +1,10 @@
-"""Sampling: Gumbel-max over the processed log-probabilities with counter-based noise.
+"""Sampling: Gumbel-max over the processed logits with counter-based noise.
 
-token = argmax_i (logprob_i + G_i), G_i = Gumbel noise keyed by (seed, position, stream, i).
-This is an exact sample from softmax(logprob) (the Gumbel-max trick) and is a pure
-function of the row's logits and its key. Greedy (temperature 0) is the argmax; ties go
-to the lowest token id.
+token = argmax_i (processed_i + G_i), G_i = Gumbel noise keyed by (seed, position, stream, i),
+an exact sample from softmax(processed) (the Gumbel-max trick) and a pure function of the
+row's logits and its key. Greedy rows (temperature 0) take the argmax of the processed
+logits; ties go to the lowest token id. Noise is evaluated only on the support, which
+gives the same values as evaluating it everywhere: each token's noise depends on its id.
 """
 
 from __future__ import annotations
@@ -17,37 +18,61 @@ from toolkit import rng
 
 @dataclass(frozen=True)
 class SampleRow:
-    """What the sampler needs to know about one row besides its logits."""
-
-    temperature: float
+    greedy: bool
     seed: int
     position: int  # position of the token being sampled
     stream: int
+    num_top: int = 0  # alternatives to record (SamplingParams.logprobs)
 
 
 @dataclass(frozen=True)
 class SampleResult:
-    token_ids: torch.Tensor  # (R,) int64
-    logprobs: torch.Tensor  # (R,) fp32: log-softmax of the raw logits at the chosen token
-    noise: torch.Tensor  # (R,) float64: Gumbel noise of the chosen token (NaN for greedy rows)
+    token_ids: list[int]
+    raw_logprobs: list[float]  # log softmax(raw logits) at the token
+    processed_logprobs: list[float]  # log softmax(processed logits) at the token
+    support_sizes: list[int]
+    noise: list[float]  # Gumbel noise of the chosen token (NaN for greedy rows)
+    top_raw: list[list[tuple[int, float]]]
+    top_processed: list[list[tuple[int, float]]]
 
 
-def sample(logits_RV: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
-    r, vocab = logits_RV.shape
-    logits_RV = logits_RV.float()
-    token_ids = torch.argmax(logits_RV, dim=-1)
-    noise = torch.full((r,), float("nan"), dtype=torch.float64)
-    hashes = None
+def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+    r, vocab = raw_RV.shape
+    finite_RV = torch.isfinite(processed_RV)
+    support = finite_RV.sum(dim=-1).tolist()
+    tokens = torch.argmax(processed_RV, dim=-1).tolist()
+    noise = [float("nan")] * r
+    hashes = rng.token_hashes(vocab, raw_RV.device) if any(not row.greedy for row in rows) else None
     for i, row in enumerate(rows):
-        if row.temperature == 0.0:
+        if row.greedy:
             continue
-        if hashes is None:
-            hashes = rng.token_hashes(vocab, logits_RV.device)
         key = rng.row_key(row.seed, row.position, row.stream)
-        scores_V = torch.log_softmax(logits_RV[i].double() / row.temperature, dim=-1)
-        g_V = rng.gumbel(key, hashes)
-        choice = torch.argmax(scores_V + g_V)
-        token_ids[i] = choice
-        noise[i] = g_V[choice]
-    chosen = logits_RV.gather(1, token_ids.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits_RV, dim=-1)
-    return SampleResult(token_ids=token_ids.cpu(), logprobs=chosen.cpu(), noise=noise)
+        if support[i] == vocab:
+            g_V = rng.gumbel(key, hashes)
+            choice = int(torch.argmax(processed_RV[i].double() + g_V))
+            noise[i] = float(g_V[choice])
+        else:
+            ids = finite_RV[i].nonzero().flatten()
+            g_S = rng.gumbel(key, hashes[ids])
+            j = int(torch.argmax(processed_RV[i, ids].double() + g_S))
+            choice, noise[i] = int(ids[j]), float(g_S[j])
+        tokens[i] = choice
+    token_t = torch.tensor(tokens, device=raw_RV.device).unsqueeze(1)
+    raw_lp_RV = torch.log_softmax(raw_RV, dim=-1)
+    proc_lp_RV = torch.log_softmax(processed_RV, dim=-1)
+    raw_lp = raw_lp_RV.gather(1, token_t).squeeze(1).tolist()
+    proc_lp = proc_lp_RV.gather(1, token_t).squeeze(1).tolist()
+    num_top = max((row.num_top for row in rows), default=0)
+    top_raw = _top(raw_lp_RV, rows, num_top)
+    top_proc = _top(proc_lp_RV, rows, num_top)
+    return SampleResult(token_ids=tokens, raw_logprobs=raw_lp, processed_logprobs=proc_lp, support_sizes=support,
+                        noise=noise, top_raw=top_raw, top_processed=top_proc)
+
+
+def _top(logprobs_RV: torch.Tensor, rows: list[SampleRow], k: int) -> list[list[tuple[int, float]]]:
+    if k == 0:
+        return [[] for _ in rows]
+    values, ids = torch.topk(logprobs_RV, k, dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [[(t, v) for t, v in zip(ids[i][:row.num_top], values[i][:row.num_top]) if v != float("-inf")]
+            for i, row in enumerate(rows)]

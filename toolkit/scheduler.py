@@ -27,7 +27,7 @@ from toolkit.request import Request, RequestStatus
 class ScheduledChunk:
     """A contiguous run of one request's tokens to compute in this step."""
 
-    request_id: str
+    seq_id: str
     token_ids: tuple[int, ...]
     start_pos: int  # position of token_ids[0]
     block_table: tuple[int, ...]  # blocks covering positions [0, start_pos + len(token_ids))
@@ -99,8 +99,8 @@ class Scheduler:
         if request in self.waiting:
             self.waiting.remove(request)
         self._pending = [e for e in self._pending if e[2] is not request]
-        if self.blocks.has(request.request_id):
-            self.blocks.free(request.request_id)
+        if self.blocks.has(request.seq_id):
+            self.blocks.free(request.seq_id)
 
     # ------------------------------------------------------------------ the step
 
@@ -114,7 +114,7 @@ class Scheduler:
             # cannot grow): free the newest so the older ones progress.
             victim = self.running[-1]
             self._preempt(victim, step)
-            preempted.append(victim.request_id)
+            preempted.append(victim.seq_id)
 
     def _schedule_once(self, step: int, preempted: list[str]) -> ScheduledBatch:
         budget = self.cfg.max_num_batched_tokens
@@ -130,7 +130,7 @@ class Scheduler:
             while not self._can_extend(request, 1):
                 victim = self._newest_unscheduled(chunks)
                 self._preempt(victim, step)
-                preempted.append(victim.request_id)
+                preempted.append(victim.seq_id)
                 if victim is request:
                     break
             if request in self.running:
@@ -157,7 +157,7 @@ class Scheduler:
             if size == 0:
                 break
             self.waiting.popleft()
-            self.blocks.allocate(request.request_id, 0)
+            self.blocks.allocate(request.seq_id, 0)
             request.status = RequestStatus.PREFILLING
             if request.admitted_step is None:
                 request.admitted_step = step
@@ -173,39 +173,39 @@ class Scheduler:
 
     def _can_extend(self, request: Request, num_new: int) -> bool:
         total = request.num_computed_tokens + num_new
-        extra = total - self.blocks.num_tokens(request.request_id)
-        return extra <= 0 or self.blocks.can_append(request.request_id, extra)
+        extra = total - self.blocks.num_tokens(request.seq_id)
+        return extra <= 0 or self.blocks.can_append(request.seq_id, extra)
 
     def _room(self, request: Request) -> int:
         """Tokens the request can still add: slack in its last block plus every free block."""
-        capacity = len(self.blocks.block_table(request.request_id)) + self.blocks.num_free_blocks
+        capacity = len(self.blocks.block_table(request.seq_id)) + self.blocks.num_free_blocks
         return capacity * self.blocks.block_size - request.num_computed_tokens
 
     def _take(self, request: Request, size: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         total = start + size
-        extra = total - self.blocks.num_tokens(request.request_id)
+        extra = total - self.blocks.num_tokens(request.seq_id)
         if extra > 0:
-            self.blocks.append(request.request_id, extra)
+            self.blocks.append(request.seq_id, extra)
         return ScheduledChunk(
-            request_id=request.request_id,
+            seq_id=request.seq_id,
             token_ids=tuple(request.token_ids[start:total]),
             start_pos=start,
-            block_table=tuple(self.blocks.block_table(request.request_id)),
+            block_table=tuple(self.blocks.block_table(request.seq_id)),
             samples=total == request.num_tokens,
         )
 
     def _newest_unscheduled(self, chunks: list[ScheduledChunk]) -> Request:
-        scheduled = {c.request_id for c in chunks}
+        scheduled = {c.seq_id for c in chunks}
         for request in reversed(self.running):
-            if request.request_id not in scheduled:
+            if request.seq_id not in scheduled:
                 return request
         raise AssertionError("no preemption victim: every running request is already scheduled")
 
     def _preempt(self, request: Request, step: int) -> None:
         """Recompute preemption: drop the KV, keep the tokens; re-queue at the head."""
         self.running.remove(request)
-        self.blocks.free(request.request_id)
+        self.blocks.free(request.seq_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1

@@ -1,0 +1,165 @@
+"""Logits processors: hand-computed cases, purity, per-row vectorisation, order, empty support."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from toolkit.config import SamplingParams
+from toolkit.processors import REGISTRY, BatchView, RowState, apply_pipeline
+from toolkit.processors.masks import banned_ngram_next_tokens
+
+INF = float("inf")
+
+
+def view(*rows: tuple[SamplingParams, list[int], int], vocab: int = 8, eos=(7,), bad=None) -> BatchView:
+    """rows: (params, token_ids, num_prompt_tokens)."""
+    return BatchView(tuple(RowState(p, t, n, (bad or {}).get(i, ())) for i, (p, t, n) in enumerate(rows)),
+                     vocab, torch.device("cpu"), tuple(eos))
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative():
+    logits = torch.tensor([[2.0, -2.0, 3.0, -1.0]])
+    out = REGISTRY["repetition_penalty"](logits, view((SamplingParams(repetition_penalty=2.0), [0, 1], 1), vocab=4))
+    assert out.tolist() == [[1.0, -4.0, 3.0, -1.0]]  # tokens 0 and 1 seen (prompt and output); 2, 3 untouched
+
+
+def test_presence_and_frequency_penalties_count_output_only():
+    logits = torch.zeros(1, 4)
+    v = view((SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [3, 1, 1, 2], 1), vocab=4)
+    assert REGISTRY["presence_penalty"](logits, v).tolist() == [[0.0, -0.5, -0.5, 0.0]]  # token 3 is prompt
+    assert REGISTRY["frequency_penalty"](logits, v).tolist() == [[0.0, -0.5, -0.25, 0.0]]
+
+
+def test_no_repeat_3gram_on_the_cat_sat_on_the_cat_bans_sat():
+    the, cat, sat, on = 1, 2, 3, 4
+    tokens = [the, cat, sat, on, the, cat]
+    assert banned_ngram_next_tokens(tokens, 3) == {sat}
+    out = REGISTRY["no_repeat_ngram"](torch.zeros(1, 8), view((SamplingParams(no_repeat_ngram_size=3), tokens, 0)))
+    assert out[0, sat] == -INF and torch.isfinite(out[0, [0, 1, 2, 4, 5, 6, 7]]).all()
+
+
+@pytest.mark.parametrize("p, support", [(0.6, {0, 1}), (0.5, {0}), (0.8, {0, 1}), (0.81, {0, 1, 2}), (1e-6, {0})])
+def test_top_p_keeps_the_token_that_crosses_p(p, support):
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    out = REGISTRY["top_p"](logits, view((SamplingParams(top_p=p), [0], 1), vocab=3))
+    assert set(torch.isfinite(out[0]).nonzero().flatten().tolist()) == support
+
+
+def test_top_k_min_p_temperature_per_row():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0], [4.0, 3.0, 2.0, 1.0]])
+    v = view((SamplingParams(top_k=1), [0], 1), (SamplingParams(top_k=3), [0], 1), vocab=4)
+    assert torch.isfinite(REGISTRY["top_k"](logits, v)).sum(-1).tolist() == [1, 3]
+    probs = torch.softmax(logits[0], -1)  # min_p 0.3: keep p >= 0.3 * p_max
+    v = view((SamplingParams(min_p=0.3), [0], 1), (SamplingParams(min_p=0.04), [0], 1), vocab=4)  # e^-3 = 0.0498
+    kept = torch.isfinite(REGISTRY["min_p"](logits, v))
+    assert kept[0].tolist() == (probs >= 0.3 * probs[0]).tolist() and kept[1].all()
+    v = view((SamplingParams(temperature=0.5), [0], 1), (SamplingParams(temperature=2.0), [0], 1), vocab=4)
+    assert REGISTRY["temperature"](logits, v).tolist() == [[8.0, 6.0, 4.0, 2.0], [2.0, 1.5, 1.0, 0.5]]
+
+
+def test_masks_allowed_bad_words_bias_min_tokens():
+    logits = torch.zeros(1, 8)
+    out = REGISTRY["allowed_token_ids"](logits, view((SamplingParams(allowed_token_ids=[2, 5]), [0], 1)))
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [2, 5]
+    # bad word [3, 4]: 4 is banned only right after 3 was generated; single-token bad word 6 always
+    params = SamplingParams(bad_words=[[3, 4], [6]])
+    after_3 = REGISTRY["bad_words"](logits, view((params, [0, 3], 1), bad={0: ((3, 4), (6,))}))
+    after_2 = REGISTRY["bad_words"](logits, view((params, [0, 2], 1), bad={0: ((3, 4), (6,))}))
+    assert (~torch.isfinite(after_3[0])).nonzero().flatten().tolist() == [4, 6]
+    assert (~torch.isfinite(after_2[0])).nonzero().flatten().tolist() == [6]
+    out = REGISTRY["logit_bias"](logits, view((SamplingParams(logit_bias={1: 2.5, 3: -1.0}), [0], 1)))
+    assert out[0].tolist() == [0, 2.5, 0, -1.0, 0, 0, 0, 0]
+    params = SamplingParams(min_tokens=2, stop_token_ids=[5])
+    early = REGISTRY["min_tokens"](logits, view((params, [0, 1], 1)))  # 1 output token < 2
+    late = REGISTRY["min_tokens"](logits, view((params, [0, 1, 1], 1)))
+    assert (~torch.isfinite(early[0])).nonzero().flatten().tolist() == [5, 7] and torch.isfinite(late).all()
+
+
+def test_two_orders_give_different_supports():
+    """temperature before top-p vs top-p before temperature: top-p sees different probabilities."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+    supports = []
+    for order in (["temperature", "top_p"], ["top_p", "temperature"]):
+        p = SamplingParams(temperature=3.0, top_p=0.7, processors=order)
+        out = apply_pipeline(logits, view((p, [0], 1), vocab=5)).processed_RV
+        supports.append(int(torch.isfinite(out).sum()))
+    assert supports[0] > supports[1]  # a hot temperature first flattens the distribution: top-p keeps more
+
+
+def test_empty_support_is_a_row_error_naming_the_processor():
+    logits = torch.arange(8.0).repeat(2, 1)
+    bad = SamplingParams(allowed_token_ids=[3], bad_words=[[3]])
+    good = SamplingParams(top_k=2)
+    result = apply_pipeline(logits, view((bad, [0], 1), (good, [0], 1), bad={0: ((3,),)}))
+    assert result.errors == {0: "empty support: processor 'bad_words' removed every token"}
+    assert torch.isfinite(result.processed_RV[1]).sum() == 2
+
+
+def test_nan_logits_and_failing_processor_are_isolated_to_their_row():
+    logits = torch.arange(8.0).repeat(3, 1)
+    logits[1, 2] = float("nan")
+
+    def flaky(x, v):
+        if any(r.params.top_k == 3 for r in v.rows):
+            raise ValueError("boom")
+        return REGISTRY["top_k"](x, v)
+
+    registry = {**REGISTRY, "top_k": flaky}
+    rows = [(SamplingParams(top_k=2), [0], 1), (SamplingParams(top_k=2), [0], 1), (SamplingParams(top_k=3), [0], 1)]
+    result = apply_pipeline(logits, view(*rows), registry)
+    assert set(result.errors) == {1, 2} and "NaN" in result.errors[1] and "ValueError: boom" in result.errors[2]
+    assert torch.isfinite(result.processed_RV[0]).sum() == 2
+
+
+# ---------------------------------------------------------------- properties
+
+params_strategy = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.5, 1.0, 1.7]),
+    top_k=st.sampled_from([-1, 1, 3, 7]),
+    top_p=st.sampled_from([1.0, 0.9, 0.5, 0.05]),
+    min_p=st.sampled_from([0.0, 0.1, 0.5]),
+    repetition_penalty=st.sampled_from([1.0, 1.3, 0.8]),
+    presence_penalty=st.sampled_from([0.0, 0.5, -0.5]),
+    frequency_penalty=st.sampled_from([0.0, 0.3]),
+    no_repeat_ngram_size=st.sampled_from([0, 2, 3]),
+    logit_bias=st.sampled_from([None, {1: 1.5, 4: -3.0}]),
+    min_tokens=st.sampled_from([0, 2]),
+    max_tokens=st.just(16),
+)
+rows_strategy = st.lists(st.tuples(params_strategy, st.lists(st.integers(0, 11), min_size=1, max_size=10)),
+                         min_size=1, max_size=5)
+
+
+@settings(max_examples=60)
+@given(rows=rows_strategy, seed=st.integers(0, 2**16))
+def test_processors_never_mutate_their_input_and_rows_are_independent(rows, seed):
+    vocab = 12
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    v = view(*[(p, toks, 1) for p, toks in rows], vocab=vocab, eos=(11,))
+    before = logits.clone()
+    for name, fn in REGISTRY.items():
+        active = [i for i, (p, _) in enumerate(rows) if p.is_active(name)]
+        if active:
+            fn(logits[active], v.subset(active))
+            assert torch.equal(logits, before), name
+    batched = apply_pipeline(logits, v)
+    assert torch.equal(logits, before)
+    for i in range(len(rows)):  # the same row alone gets the same processed logits
+        alone = apply_pipeline(logits[i:i + 1], v.subset([i]))
+        assert (i in batched.errors) == bool(alone.errors)
+        if i not in batched.errors:
+            assert torch.equal(alone.processed_RV[0], batched.processed_RV[i])
+
+
+def test_processor_description_in_trace_order():
+    p = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1, processors=[
+        "top_p", "repetition_penalty", "temperature"])
+    assert p.pipeline_description() == ["top_p(0.9)", "repetition_penalty(1.1)", "temperature(0.7)", "gumbel_max"]
+    assert SamplingParams(temperature=0).pipeline_description() == ["argmax"]
+    assert math.isclose(SamplingParams(top_p=0.25).top_p, 0.25)

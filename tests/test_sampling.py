@@ -1,0 +1,82 @@
+"""Sampling: exact in distribution (chi-square), counter-based noise independent of the batch."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.stats import chi_square
+from toolkit import rng
+from toolkit.sampling import SampleRow, sample
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, float("-inf"), 1.5])  # token 7 masked
+
+
+def draw(n: int, seed: int = 7, scale: float = 1.0) -> list[int]:
+    """n samples from LOGITS at positions 0..n-1; `scale` != 1 is a deliberately broken sampler."""
+    if scale == 1.0:
+        rows = [SampleRow(greedy=False, seed=seed, position=p, stream=0) for p in range(n)]
+        return sample(LOGITS.repeat(n, 1), LOGITS.repeat(n, 1), rows).token_ids
+    hashes = rng.token_hashes(len(LOGITS), torch.device("cpu"))
+    return [int(torch.argmax(LOGITS.double() + scale * rng.gumbel(rng.row_key(seed, p, 0), hashes)))
+            for p in range(n)]
+
+
+def test_empirical_distribution_matches_the_processed_distribution():
+    probs = torch.softmax(LOGITS, -1).tolist()
+    stat, p_value = chi_square(draw(20000), probs)
+    assert p_value > 1e-3, (stat, p_value)
+
+
+def test_a_biased_sampler_fails_the_same_test():
+    probs = torch.softmax(LOGITS, -1).tolist()
+    for scale in (0.8, 1.25):  # too little or too much noise: a sharpened or flattened distribution
+        stat, p_value = chi_square(draw(20000, scale=scale), probs)
+        assert p_value < 1e-6, (scale, stat, p_value)
+
+
+def test_noise_is_a_function_of_the_key_and_token_only():
+    hashes = rng.token_hashes(50, torch.device("cpu"))
+    key = rng.row_key(123, 45, 2)
+    full = rng.gumbel(key, hashes)
+    subset = torch.tensor([3, 17, 49])
+    assert torch.equal(rng.gumbel(key, hashes[subset]), full[subset])
+    assert math.isclose(rng.gumbel_scalar(key, 17), float(full[17]), rel_tol=0, abs_tol=1e-12)
+    assert not torch.equal(full, rng.gumbel(rng.row_key(123, 45, 3), hashes))  # other stream
+    assert not torch.equal(full, rng.gumbel(rng.row_key(123, 46, 2), hashes))  # other position
+    assert not torch.equal(full, rng.gumbel(rng.row_key(124, 45, 2), hashes))  # other seed
+
+
+@settings(max_examples=40)
+@given(seed=st.integers(0, 2**63 - 1), position=st.integers(0, 10**6), stream=st.integers(0, 8),
+       others=st.lists(st.tuples(st.integers(0, 2**40), st.integers(0, 5000), st.booleans()), max_size=6),
+       where=st.integers(0, 6), torch_seed=st.integers(0, 1000))
+def test_same_key_gives_the_same_token_whatever_the_batch(seed, position, stream, others, where, torch_seed):
+    vocab = 64
+    gen = torch.Generator().manual_seed(torch_seed)
+    mine = torch.randn(1, vocab, generator=gen) * 2
+    other_logits = torch.randn(len(others), vocab, generator=gen) * 2
+    row = SampleRow(greedy=False, seed=seed, position=position, stream=stream)
+    alone = sample(mine, mine, [row])
+    where = min(where, len(others))
+    logits = torch.cat([other_logits[:where], mine, other_logits[where:]])
+    rows = [SampleRow(greedy=g, seed=s, position=p, stream=0) for s, p, g in others]
+    rows.insert(where, row)
+    torch.manual_seed(torch_seed + 1)  # the global RNG must not matter
+    batched = sample(logits, logits, rows)
+    assert batched.token_ids[where] == alone.token_ids[0]
+    assert batched.noise[where] == alone.noise[0]
+    assert batched.raw_logprobs[where] == alone.raw_logprobs[0]
+
+
+def test_truncated_support_samples_only_inside_it():
+    logits = torch.randn(200, 30, generator=torch.Generator().manual_seed(0))
+    processed = logits.masked_fill(logits < logits.topk(3, dim=-1).values[:, -1:], float("-inf"))
+    rows = [SampleRow(greedy=False, seed=1, position=p, stream=0) for p in range(200)]
+    result = sample(logits, processed, rows)
+    assert all(math.isfinite(processed[i, t]) for i, t in enumerate(result.token_ids))
+    assert result.support_sizes == [3] * 200
+    assert len(set(result.token_ids)) > 3  # different rows pick different tokens

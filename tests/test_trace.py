@@ -1,0 +1,138 @@
+"""SampleTrace rows: Parquet round trip, one row per sampled token, digests, error rows, flushes."""
+
+from __future__ import annotations
+
+import math
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import make_engine
+from toolkit.config import SamplingParams
+from toolkit.trace.reader import TraceError, read_requests, read_samples
+from toolkit.trace.schema import TRACE_FIELDS, SampleTrace
+from toolkit.trace.writer import TraceWriter, logits_digest, sample_rows_table, write_requests
+from toolkit.trace import request_rows
+
+f32 = st.floats(width=32, allow_nan=False)
+traces = st.builds(
+    SampleTrace,
+    request_id=st.text(min_size=1, max_size=12), stream=st.integers(0, 7), step=st.integers(0, 10**6),
+    position=st.integers(0, 10**5), token_id=st.integers(-1, 10**5), raw_logprob=f32, processed_logprob=f32,
+    support_size=st.integers(0, 10**5),
+    top_raw=st.lists(st.tuples(st.integers(0, 10**5), f32), max_size=4).map(tuple),
+    top_processed=st.lists(st.tuples(st.integers(0, 10**5), f32), max_size=4).map(tuple),
+    processors=st.lists(st.sampled_from(["top_p(0.9)", "temperature(0.7)", "argmax"]), max_size=3).map(tuple),
+    temperature=f32, top_k=st.integers(-1, 100), top_p=f32, min_p=f32, seed=st.integers(0, 2**63 - 1),
+    noise=st.floats(allow_nan=False), batch_size=st.integers(1, 512), step_tokens=st.integers(1, 8192),
+    finish_reason=st.sampled_from([None, "stop", "length", "error"]), stop_reason=st.one_of(st.none(), st.text()),
+    error=st.one_of(st.none(), st.text()), t_emit_s=st.floats(0, 1e6), logits_row=st.just(0),
+)
+
+
+@settings(max_examples=30)
+@given(rows=st.lists(traces, min_size=1, max_size=8))
+def test_write_read_round_trip_is_identical(tmp_path_factory, rows):
+    path = tmp_path_factory.mktemp("rt") / "x.parquet"
+    digests = [f"{i:064x}" for i in range(len(rows))]
+    pq.write_table(sample_rows_table("run", rows, digests), path)
+    back = pq.read_table(path).to_pylist()
+    for row, rec, digest in zip(rows, back, digests):
+        assert rec["logits_sha256"] == digest and rec["run_id"] == "run"
+        for name in TRACE_FIELDS:
+            want = getattr(row, name)
+            if name in ("top_raw", "top_processed"):
+                want = [{"token_id": t, "logprob": lp} for t, lp in want]
+            elif name == "processors":
+                want = list(want)
+            assert rec[name] == want, name
+
+
+MIXED = [
+    {"prompt_token_ids": [5, 6, 7], "request_id": "greedy", "sampling_params": SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)},
+    {"prompt_token_ids": list(range(40, 60)), "request_id": "topp", "arrival_step": 2, "sampling_params":
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=5, seed=3, ignore_eos=True, logprobs=2)},
+    {"prompt_token_ids": [9, 9, 9], "request_id": "pair", "sampling_params": SamplingParams(
+        n=2, temperature=1.0, repetition_penalty=1.2, max_tokens=4, seed=5, ignore_eos=True)},
+]
+
+
+def run_traced(engine, requests, run_dir, flush_every_steps=64):
+    ids = [engine.add_request(**r) for r in requests]
+    steps = []
+    with TraceWriter(run_dir, "test-run", flush_every_steps) as writer:
+        while engine.has_unfinished():
+            out = engine.step()
+            writer.write_step(out.samples, out.logits_RV)
+            steps.append(out)
+    write_requests(run_dir, request_rows(engine, "test-run", ids))
+    return ids, steps
+
+
+def test_one_row_per_sampled_token_with_digests(tiny, tmp_path):
+    engine = make_engine(tiny, max_num_batched_tokens=8, max_num_seqs=4)
+    ids, steps = run_traced(engine, MIXED, tmp_path)
+    table = read_samples(tmp_path)
+    rows = table.to_pylist()
+    outputs = {(o.request_id, c.index): c for o in map(engine.output, ids) for c in o.outputs}
+    assert len(rows) == sum(len(c.token_ids) for c in outputs.values()) == 6 + 5 + 8
+    for key, completion in outputs.items():
+        mine = [r for r in rows if (r["request_id"], r["stream"]) == key]
+        assert [r["token_id"] for r in mine] == list(completion.token_ids)
+        assert [r["finish_reason"] for r in mine] == [None] * (len(mine) - 1) + [completion.finish_reason]
+        assert mine[-1]["stop_reason"] == "max_tokens"
+    # every digest is the sha256 of the raw logits row the token was sampled from
+    expected = [logits_digest(s.logits_RV[t.logits_row]) for s in steps for t in s.samples]
+    assert [r["logits_sha256"] for r in rows] == expected
+    greedy = [r for r in rows if r["request_id"] == "greedy"]
+    assert all(len(r["top_raw"]) == 3 and r["top_raw"][0]["token_id"] == r["token_id"] for r in greedy)
+    assert all(r["processors"] == ["argmax"] and math.isnan(r["noise"]) for r in greedy)
+    topp = [r for r in rows if r["request_id"] == "topp"]
+    assert all(r["processors"] == ["temperature(0.8)", "top_k(50)", "top_p(0.9)", "gumbel_max"] for r in topp)
+    assert all(1 <= r["support_size"] <= 50 and math.isfinite(r["processed_logprob"]) for r in topp)
+    requests = read_requests(tmp_path).to_pylist()
+    assert [(r["request_id"], r["stream"]) for r in requests] == [("greedy", 0), ("topp", 0), ("pair", 0), ("pair", 1)]
+
+
+def test_empty_support_finishes_only_that_request_with_error(tiny, tmp_path):
+    bad = {"prompt_token_ids": [1, 2, 3], "request_id": "bad", "sampling_params": SamplingParams(
+        allowed_token_ids=[100], bad_words=[[100]], max_tokens=5)}
+    engine = make_engine(tiny, max_num_batched_tokens=8, max_num_seqs=4)
+    run_traced(engine, MIXED[:2] + [bad] + MIXED[2:], tmp_path)
+    alone = make_engine(tiny, max_num_batched_tokens=8, max_num_seqs=4)
+    for ref in alone.generate(MIXED):
+        got = engine.output(ref.request_id)
+        assert [(c.token_ids, c.finish_reason) for c in got.outputs] == \
+            [(c.token_ids, c.finish_reason) for c in ref.outputs]
+    out = engine.output("bad")
+    assert out.finish_reason == "error" and out.output_token_ids == ()
+    rows = [r for r in read_samples(tmp_path).to_pylist() if r["request_id"] == "bad"]
+    assert len(rows) == 1 and rows[0]["token_id"] == -1 and rows[0]["finish_reason"] == "error"
+    assert "bad_words" in rows[0]["error"] and engine.block_manager.num_free_blocks == engine.cfg.num_kv_blocks
+
+
+def test_rows_are_on_disk_after_each_flush(tiny, tmp_path):
+    engine = make_engine(tiny, max_num_batched_tokens=4, max_num_seqs=2)
+    writer = TraceWriter(tmp_path, "crashy", flush_every_steps=2)
+    engine.add_request(prompt_token_ids=[1, 2], sampling_params=SamplingParams(temperature=0, max_tokens=9,
+                                                                            ignore_eos=True))
+    for _ in range(7):  # 7 steps, 7 tokens: flushed after steps 2, 4, 6 (the writer is never closed)
+        out = engine.step()
+        writer.write_step(out.samples, out.logits_RV)
+    writer._queue.join()
+    assert read_samples(tmp_path).num_rows == 6
+    writer.close()
+    assert read_samples(tmp_path).num_rows == 7
+
+
+def test_corrupt_part_is_a_clear_error(tiny, tmp_path):
+    engine = make_engine(tiny)
+    run_traced(engine, MIXED[:1], tmp_path)
+    part = next((tmp_path / "samples.parquet").glob("part-*.parquet"))
+    part.write_bytes(part.read_bytes()[:100])
+    with pytest.raises(TraceError, match="truncated or corrupt"):
+        read_samples(tmp_path)

@@ -1,0 +1,99 @@
+"""The ordered logits-processor pipeline.
+
+Default order (the serving chapter's): penalties -> hard masks -> temperature ->
+truncation -> sample. A request may give its own order (`SamplingParams.processors`);
+rows are grouped by order and each processor runs once per group on the rows for which
+it is active, with per-row parameters. A row whose support a processor empties (or
+whose logits hold NaN, or whose processor raised) is reported as an error naming the
+cause; the other rows are untouched.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from toolkit.config import DEFAULT_PROCESSORS
+from toolkit.processors import masks, penalties, truncation
+from toolkit.processors.base import BatchView, Processor, RowState
+
+REGISTRY: dict[str, Processor] = {
+    "repetition_penalty": penalties.repetition_penalty,
+    "presence_penalty": penalties.presence_penalty,
+    "frequency_penalty": penalties.frequency_penalty,
+    "allowed_token_ids": masks.allowed_token_ids,
+    "bad_words": masks.bad_words,
+    "logit_bias": masks.logit_bias,
+    "no_repeat_ngram": masks.no_repeat_ngram,
+    "min_tokens": masks.min_tokens,
+    "temperature": truncation.temperature,
+    "top_k": truncation.top_k,
+    "top_p": truncation.top_p,
+    "min_p": truncation.min_p,
+}
+assert tuple(REGISTRY) == DEFAULT_PROCESSORS
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    processed_RV: torch.Tensor  # processed logits (rows with an error are left as they were)
+    errors: dict[int, str]  # row -> why it cannot be sampled
+
+
+def apply_pipeline(logits_RV: torch.Tensor, view: BatchView, registry: dict[str, Processor] | None = None
+                   ) -> PipelineResult:
+    """Run every row through its processors in its order. Never mutates `logits_RV`."""
+    registry = registry or REGISTRY
+    errors: dict[int, str] = {}
+    nan_rows = torch.isnan(logits_RV).any(dim=-1).nonzero().flatten().tolist()
+    for i in nan_rows:
+        errors[i] = "the model produced NaN logits"
+    groups: dict[tuple[str, ...], list[int]] = defaultdict(list)
+    for i, row in enumerate(view.rows):
+        if i not in errors:
+            groups[row.params.order].append(i)
+    out = logits_RV
+    for order, rows in groups.items():
+        for name in order:
+            active = [i for i in rows if i not in errors and view.rows[i].params.is_active(name)]
+            if active:
+                out = _apply_one(out, view, name, registry[name], active, errors)
+    return PipelineResult(processed_RV=out, errors=errors)
+
+
+def _apply_one(logits_RV: torch.Tensor, view: BatchView, name: str, fn: Processor, rows: list[int],
+               errors: dict[int, str]) -> torch.Tensor:
+    whole = len(rows) == logits_RV.shape[0]
+    index = torch.tensor(rows, device=logits_RV.device)
+    before = logits_RV if whole else logits_RV.index_select(0, index)
+    try:
+        after = fn(before, view if whole else view.subset(rows))
+    except Exception:  # noqa: BLE001 - isolate the row(s) that make a processor fail
+        return _apply_row_by_row(logits_RV, view, name, fn, rows, errors)
+    emptied = (~torch.isfinite(after).any(dim=-1)).nonzero().flatten().tolist()
+    for j in emptied:
+        errors[rows[j]] = f"empty support: processor {name!r} removed every token"
+    if whole:
+        return after
+    out = logits_RV.clone()
+    out[index] = after
+    return out
+
+
+def _apply_row_by_row(logits_RV, view, name, fn, rows, errors) -> torch.Tensor:
+    out = logits_RV.clone()
+    for i in rows:
+        try:
+            row = fn(logits_RV[i:i + 1], view.subset([i]))
+        except Exception as exc:  # noqa: BLE001
+            errors[i] = f"processor {name!r} failed: {type(exc).__name__}: {exc}"
+            continue
+        if not torch.isfinite(row).any():
+            errors[i] = f"empty support: processor {name!r} removed every token"
+        out[i] = row[0]
+    return out
+
+
+__all__ = ["BatchView", "PipelineResult", "REGISTRY", "RowState", "apply_pipeline"]

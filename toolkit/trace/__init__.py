@@ -1,0 +1,83 @@
+"""Traces: the versioned schema, the streaming writer and the reader."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+import toolkit
+from toolkit.trace.schema import SCHEMA_VERSION, SampleTrace
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8]
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def build_manifest(engine, run_id: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    loaded = engine.loaded
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "run_id": run_id,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model_name": loaded.name,
+        "model_id": loaded.model_id,
+        "weights_sha256": loaded.revision,
+        "tokenizer_sha256": loaded.tokenizer.digest if loaded.tokenizer else None,
+        "dtype": str(loaded.model.embed.dtype).removeprefix("torch."),
+        "device": str(engine.device),
+        "torch_version": torch.__version__,
+        "num_threads": torch.get_num_threads(),
+        "toolkit_version": toolkit.__version__,
+        "git_commit": git_commit(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "engine": {k: getattr(engine.cfg, k) for k in engine.cfg.__dataclass_fields__},
+        **(extra or {}),
+    }
+
+
+def request_rows(engine, run_id: str, request_ids: Sequence[str]) -> list[dict[str, Any]]:
+    """One row per sequence, with everything replay needs to rebuild it."""
+    from toolkit.engine import request_metrics
+
+    rows = []
+    for rid in request_ids:
+        for seq_id in engine.groups[rid]:
+            s = engine.requests[seq_id]
+            m = request_metrics(s)
+            rows.append({
+                "run_id": run_id, "request_id": s.request_id, "stream": s.stream,
+                "prompt_token_ids": list(s.prompt_token_ids), "prompt_text": s.prompt_text,
+                "sampling_params": json.dumps(s.sampling.to_dict(), sort_keys=True), "seed": s.seed,
+                "arrival_step": s.arrival_step, "admitted_step": s.admitted_step,
+                "output_token_ids": list(s.output_token_ids), "output_text": s.text,
+                "finish_reason": s.finish_reason.value if s.finish_reason else None,
+                "stop_reason": s.finish_detail, "num_preemptions": s.num_preemptions,
+                "preempted_steps": list(s.preempted_steps), "queue_s": m.queue_s, "ttft_s": m.ttft_s,
+                "tpot_s": m.tpot_s, "e2e_s": m.e2e_s,
+            })
+    return rows
+
+
+__all__ = ["SCHEMA_VERSION", "SampleTrace", "build_manifest", "new_run_id", "request_rows"]

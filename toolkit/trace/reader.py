@@ -1,0 +1,75 @@
+"""Read a run directory's trace back, refusing what it cannot trust with a one-line error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from toolkit.errors import ToolkitError
+from toolkit.trace.schema import REQUESTS_SCHEMA, SAMPLES_SCHEMA, SCHEMA_VERSION
+from toolkit.trace.writer import MANIFEST_FILE, REQUESTS_FILE, SAMPLES_DIR
+
+
+class TraceError(ToolkitError):
+    """A trace directory is missing, from another schema version, truncated or corrupt."""
+
+
+def read_manifest(run_dir: Path) -> dict[str, Any]:
+    path = Path(run_dir) / MANIFEST_FILE
+    if not Path(run_dir).is_dir():
+        raise TraceError(f"trace directory {str(run_dir)!r} does not exist")
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise TraceError(f"{path} is missing: not a toolkit run directory") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise TraceError(f"{path} is unreadable or corrupt: {exc}") from None
+    version = manifest.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise TraceError(f"{path}: trace schema version {version!r}, this toolkit reads version {SCHEMA_VERSION}")
+    return manifest
+
+
+def _check_version(table: pa.Table, what: str) -> None:
+    meta = table.schema.metadata or {}
+    version = meta.get(b"toolkit_schema_version", b"").decode()
+    if version != str(SCHEMA_VERSION):
+        raise TraceError(f"{what}: schema version {version or 'missing'!r}, this toolkit reads {SCHEMA_VERSION}")
+
+
+def read_samples(run_dir: Path) -> pa.Table:
+    """Every SampleTrace row of the run, in the order written (parts in name order)."""
+    directory = Path(run_dir) / SAMPLES_DIR
+    if not directory.is_dir():
+        raise TraceError(f"{directory} is missing")
+    tables = []
+    for part in sorted(directory.glob("part-*.parquet")):
+        try:
+            table = pq.read_table(part)
+        except (pa.ArrowException, OSError) as exc:
+            raise TraceError(f"{part} is truncated or corrupt: {exc}") from None
+        _check_version(table, str(part))
+        if table.schema.names != SAMPLES_SCHEMA.names:
+            raise TraceError(f"{part} has columns {table.schema.names}, expected {SAMPLES_SCHEMA.names}")
+        tables.append(table)
+    if not tables:
+        return SAMPLES_SCHEMA.empty_table()
+    return pa.concat_tables(tables)
+
+
+def read_requests(run_dir: Path) -> pa.Table:
+    path = Path(run_dir) / REQUESTS_FILE
+    try:
+        table = pq.read_table(path)
+    except FileNotFoundError:
+        raise TraceError(f"{path} is missing") from None
+    except (pa.ArrowException, OSError) as exc:
+        raise TraceError(f"{path} is truncated or corrupt: {exc}") from None
+    _check_version(table, str(path))
+    if table.schema.names != REQUESTS_SCHEMA.names:
+        raise TraceError(f"{path} has columns {table.schema.names}, expected {REQUESTS_SCHEMA.names}")
+    return table

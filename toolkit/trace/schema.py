@@ -1,0 +1,99 @@
+"""The trace schema: one `SampleTrace` row per sampled token, one row per request.
+
+Versioned: readers refuse a trace whose `schema_version` they do not know. See
+docs/trace-schema.md for the meaning of every column.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+TOP_TYPE = pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float32())]))
+
+
+@dataclass(frozen=True)
+class SampleTrace:
+    """Everything needed to audit and replay one sampling decision."""
+
+    request_id: str
+    stream: int  # sample index of the request (RNG stream)
+    step: int  # engine step that sampled it
+    position: int  # position of the token in its sequence (prompt tokens are 0..P-1)
+    token_id: int  # -1 on an error row (nothing could be sampled)
+    raw_logprob: float  # log softmax(raw logits)[token]
+    processed_logprob: float  # log softmax(processed logits)[token]: the policy's probability
+    support_size: int  # tokens with a finite processed logit
+    top_raw: tuple[tuple[int, float], ...]  # top `logprobs` alternatives under the raw distribution
+    top_processed: tuple[tuple[int, float], ...]
+    processors: tuple[str, ...]  # active processors, in order, with their parameters
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    noise: float  # Gumbel noise of the chosen token (NaN when greedy)
+    batch_size: int  # sequences in the step's forward
+    step_tokens: int  # tokens in the step's forward (decodes + prefill chunks)
+    finish_reason: str | None  # on the request's last row
+    stop_reason: str | None  # what ended it: eos, stop_token_id:<id>, stop_str:<s>, max_tokens, ...
+    error: str | None  # why nothing could be sampled (finish_reason "error")
+    t_emit_s: float  # seconds since the run started
+    logits_row: int  # row of the step's logits tensor (not stored: the writer digests it)
+
+
+SAMPLE_COLUMNS = [
+    ("run_id", pa.string()),
+    ("request_id", pa.string()),
+    ("stream", pa.int32()),
+    ("step", pa.int64()),
+    ("position", pa.int64()),
+    ("token_id", pa.int64()),
+    ("raw_logprob", pa.float32()),
+    ("processed_logprob", pa.float32()),
+    ("support_size", pa.int64()),
+    ("top_raw", TOP_TYPE),
+    ("top_processed", TOP_TYPE),
+    ("processors", pa.list_(pa.string())),
+    ("temperature", pa.float32()),
+    ("top_k", pa.int32()),
+    ("top_p", pa.float32()),
+    ("min_p", pa.float32()),
+    ("seed", pa.int64()),
+    ("noise", pa.float64()),
+    ("logits_sha256", pa.string()),
+    ("batch_size", pa.int32()),
+    ("step_tokens", pa.int32()),
+    ("finish_reason", pa.string()),
+    ("stop_reason", pa.string()),
+    ("error", pa.string()),
+    ("t_emit_s", pa.float64()),
+]
+SAMPLES_SCHEMA = pa.schema(SAMPLE_COLUMNS, metadata={"toolkit_schema_version": str(SCHEMA_VERSION)})
+
+REQUESTS_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("request_id", pa.string()),
+    ("stream", pa.int32()),
+    ("prompt_token_ids", pa.list_(pa.int64())),
+    ("prompt_text", pa.string()),
+    ("sampling_params", pa.string()),  # JSON of the resolved SamplingParams
+    ("seed", pa.int64()),
+    ("arrival_step", pa.int64()),
+    ("admitted_step", pa.int64()),
+    ("output_token_ids", pa.list_(pa.int64())),
+    ("output_text", pa.string()),
+    ("finish_reason", pa.string()),
+    ("stop_reason", pa.string()),
+    ("num_preemptions", pa.int32()),
+    ("preempted_steps", pa.list_(pa.int64())),
+    ("queue_s", pa.float64()),
+    ("ttft_s", pa.float64()),
+    ("tpot_s", pa.float64()),
+    ("e2e_s", pa.float64()),
+], metadata={"toolkit_schema_version": str(SCHEMA_VERSION)})
+
+TRACE_FIELDS = [f.name for f in fields(SampleTrace) if f.name != "logits_row"]

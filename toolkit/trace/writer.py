@@ -1,0 +1,153 @@
+"""Stream SampleTrace rows to Parquet while the run goes on.
+
+`samples.parquet` is a directory of part files (`part-000000.parquet`, ...), each written
+to a temporary name and renamed, so a reader never sees half a file and a crash loses at
+most the rows since the last flush (at most `flush_every_steps` steps). Digests of the
+raw logits rows and the Arrow conversion run on a background thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from toolkit.trace.schema import REQUESTS_SCHEMA, SAMPLES_SCHEMA, TRACE_FIELDS, SampleTrace
+
+SAMPLES_DIR = "samples.parquet"
+REQUESTS_FILE = "requests.parquet"
+MANIFEST_FILE = "manifest.json"
+
+
+def logits_digest(row_V: torch.Tensor) -> str:
+    """sha256 of a raw fp32 logits row's bytes (little-endian, as stored in memory)."""
+    return hashlib.sha256(row_V.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name, suffix=".tmp")
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_table(path: Path, table: pa.Table) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name, suffix=".tmp")
+    os.close(fd)
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
+    atomic_write_bytes(run_dir / MANIFEST_FILE, json.dumps(manifest, indent=2).encode())
+
+
+def write_requests(run_dir: Path, rows: Sequence[dict[str, Any]]) -> None:
+    columns = {name: [r.get(name) for r in rows] for name in REQUESTS_SCHEMA.names}
+    atomic_write_table(run_dir / REQUESTS_FILE, pa.table(columns, schema=REQUESTS_SCHEMA))
+
+
+def sample_rows_table(run_id: str, traces: Iterable[SampleTrace], digests: Iterable[str]) -> pa.Table:
+    columns: dict[str, list] = {name: [] for name in SAMPLES_SCHEMA.names}
+    for trace, digest in zip(traces, digests):
+        columns["run_id"].append(run_id)
+        for name in TRACE_FIELDS:
+            value = getattr(trace, name)
+            if name in ("top_raw", "top_processed"):
+                value = [{"token_id": t, "logprob": lp} for t, lp in value]
+            elif name == "processors":
+                value = list(value)
+            columns[name].append(value)
+        columns["logits_sha256"].append(digest)
+    return pa.table(columns, schema=SAMPLES_SCHEMA)
+
+
+class TraceWriter:
+    """Accepts each step's SampleTrace rows and raw logits; writes Parquet parts on a worker thread."""
+
+    def __init__(self, run_dir: Path, run_id: str, flush_every_steps: int = 64):
+        if not 1 <= flush_every_steps <= 64:
+            raise ValueError(f"flush_every_steps must be in [1, 64], got {flush_every_steps}")
+        self.dir = Path(run_dir) / SAMPLES_DIR
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.run_id = run_id
+        self.flush_every_steps = flush_every_steps
+        self.rows_written = 0
+        self._parts = 0
+        self._pending: list[pa.Table] = []
+        self._steps_since_flush = 0
+        self._queue: queue.Queue = queue.Queue(maxsize=256)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="trace-writer", daemon=True)
+        self._thread.start()
+
+    def write_step(self, traces: Sequence[SampleTrace], logits_RV: torch.Tensor | None) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"trace writer failed: {self._error}") from self._error
+        rows = None
+        if traces:
+            index = torch.tensor([t.logits_row for t in traces], device=logits_RV.device)
+            rows = logits_RV.index_select(0, index).detach().float().cpu()  # a private copy for the worker
+        self._queue.put((tuple(traces), rows))
+
+    def flush(self) -> None:
+        """Write everything received so far (blocks until the worker has written it)."""
+        self._queue.put(("flush", None))
+        self._queue.join()
+        if self._error is not None:
+            raise RuntimeError(f"trace writer failed: {self._error}") from self._error
+
+    def close(self) -> None:
+        self.flush()
+        self._queue.put(None)
+        self._thread.join()
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                traces, rows = item
+                if traces == "flush":
+                    self._write_part()
+                    continue
+                if traces:
+                    digests = [hashlib.sha256(rows[i].numpy().tobytes()).hexdigest() for i in range(len(traces))]
+                    self._pending.append(sample_rows_table(self.run_id, traces, digests))
+                self._steps_since_flush += 1
+                if self._steps_since_flush >= self.flush_every_steps:
+                    self._write_part()
+            except BaseException as exc:  # noqa: BLE001 - surfaced on the next call from the engine thread
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def _write_part(self) -> None:
+        self._steps_since_flush = 0
+        if not self._pending:
+            return
+        table = pa.concat_tables(self._pending)
+        self._pending = []
+        atomic_write_table(self.dir / f"part-{self._parts:06d}.parquet", table)
+        self._parts += 1
+        self.rows_written += table.num_rows
