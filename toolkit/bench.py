@@ -21,6 +21,8 @@ from toolkit.engine import Engine
 from toolkit.errors import ConfigError
 from toolkit.metrics import summarize
 from toolkit.models import load_model
+from toolkit.trace import new_run_id
+from toolkit.trace.writer import TraceWriter
 from toolkit.workload import chat_workload
 
 
@@ -31,15 +33,24 @@ def bench_requests(tokenizer, bench_cfg: dict[str, Any]) -> list[dict[str, Any]]
              "max_tokens": s.sampling["max_tokens"], "arrival_step": s.arrival_step} for s in specs]
 
 
-def run_engine(loaded, engine_cfg: EngineConfig, requests: list[dict[str, Any]]) -> dict[str, Any]:
+def run_engine(loaded, engine_cfg: EngineConfig, requests: list[dict[str, Any]],
+               trace_dir: Path | None = None) -> dict[str, Any]:
+    """Serve the requests; with `trace_dir`, stream SampleTrace rows there as `make run` does."""
     engine = Engine(loaded, engine_cfg, SamplingParams(temperature=0.0))
     for r in requests:
         engine.add_request(prompt_token_ids=r["prompt_token_ids"], request_id=r["id"], arrival_step=r["arrival_step"],
                            sampling_params=SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
-    engine.run_until_done()
+    writer = TraceWriter(trace_dir, new_run_id()) if trace_dir is not None else None
+    while engine.has_unfinished():
+        out = engine.step()
+        if writer is not None:
+            writer.write_step(out.samples, out.logits_RV)
+    if writer is not None:
+        writer.close()  # the last flush counts: generation is not over until the trace is on disk
+        engine.last_finish_time = time.perf_counter()
     outputs = [engine.output(r["id"]) for r in requests]
     wall = engine.last_finish_time - engine.first_admission_time
-    summary = summarize(outputs, wall, steps=engine.step_index)
+    summary = summarize(outputs, wall, steps=engine.step_index, traced=writer is not None)
     summary["tokens"] = {o.request_id: list(o.output_token_ids) for o in outputs}
     return summary
 
@@ -98,10 +109,20 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
     if loaded.tokenizer is None:
         raise ConfigError("mode=bench needs a model with a tokenizer (smollm2 or a local HF checkpoint)")
     requests = bench_requests(loaded.tokenizer, bench_cfg)
-    systems = bench_cfg.get("systems") or ["engine", "hf_static"]
+    systems = bench_cfg.get("systems") or ["engine", "engine_notrace", "hf_static"]
     results: dict[str, Any] = {}
-    if "engine" in systems:
-        results["engine"] = run_engine(loaded, engine_cfg, requests)
+    # The engine with and without tracing alternate `repeats` times and report their median
+    # runs: this machine's speed drifts by several percent between runs.
+    engine_runs: dict[str, list[dict[str, Any]]] = {"engine": [], "engine_notrace": []}
+    for i in range(max(1, bench_cfg.get("repeats", 1))):
+        for name in ("engine", "engine_notrace"):
+            if name in systems:
+                trace_dir = run_dir / f"engine_trace_{i}" if name == "engine" else None
+                engine_runs[name].append(run_engine(loaded, engine_cfg, requests, trace_dir=trace_dir))
+    for name, runs in engine_runs.items():
+        if runs:
+            runs.sort(key=lambda r: r["wall_s"])
+            results[name] = {**runs[len(runs) // 2], "wall_s_all": [r["wall_s"] for r in runs]}
     if "hf_static" in systems:
         batch = bench_cfg.get("hf_batch_size") or engine_cfg.max_num_seqs
         results["hf_static"] = run_hf_static(model_cfg, requests, batch, pad_id=loaded.tokenizer.eos_token_id or 0)
@@ -115,6 +136,8 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
         "engine_config": OmegaConf.to_container(cfg.engine, resolve=True),
         "systems": {k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in results.items()},
     }
+    if "engine" in results and "engine_notrace" in results:
+        report["tracing_overhead"] = results["engine"]["wall_s"] / results["engine_notrace"]["wall_s"] - 1
     if "engine" in results and "hf_static" in results:
         report["ratio_engine_over_hf_static"] = (results["engine"]["output_tok_per_s"]
                                                  / results["hf_static"]["output_tok_per_s"])
@@ -128,9 +151,11 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
 def print_bench(report: dict[str, Any], run_dir: Path) -> None:
     print(f"model {report['model']} (load {report['model_load_s']:.2f} s), {report['threads']} threads, "
           f"{report['workload']['num_requests']} requests, {report['prompt_tokens']} prompt tokens")
-    print(f"{'system':<12} {'out tokens':>10} {'wall s':>8} {'out tok/s':>10}")
+    print(f"{'system':<15} {'out tokens':>10} {'wall s':>8} {'out tok/s':>10}")
     for name, s in report["systems"].items():
-        print(f"{name:<12} {s['output_tokens']:>10} {s['wall_s']:>8.2f} {s['output_tok_per_s']:>10.1f}")
+        print(f"{name:<15} {s['output_tokens']:>10} {s['wall_s']:>8.2f} {s['output_tok_per_s']:>10.1f}")
+    if "tracing_overhead" in report:
+        print(f"tracing overhead (engine vs engine_notrace wall time): {100 * report['tracing_overhead']:+.1f}%")
     if "ratio_engine_over_hf_static" in report:
         agree = report["greedy_agreement"]
         print(f"ratio engine / hf_static: {report['ratio_engine_over_hf_static']:.2f}x")

@@ -87,7 +87,7 @@ class TraceWriter:
         self.flush_every_steps = flush_every_steps
         self.rows_written = 0
         self._parts = 0
-        self._pending: list[pa.Table] = []
+        self._pending: list[tuple[SampleTrace, str]] = []
         self._steps_since_flush = 0
         self._queue: queue.Queue = queue.Queue(maxsize=256)
         self._error: BaseException | None = None
@@ -132,8 +132,9 @@ class TraceWriter:
                     self._write_part()
                     continue
                 if traces:
-                    digests = [hashlib.sha256(rows[i].numpy().tobytes()).hexdigest() for i in range(len(traces))]
-                    self._pending.append(sample_rows_table(self.run_id, traces, digests))
+                    data = rows.numpy()
+                    self._pending.extend((t, hashlib.sha256(data[i]).hexdigest())  # releases the GIL
+                                         for i, t in enumerate(traces))
                 self._steps_since_flush += 1
                 if self._steps_since_flush >= self.flush_every_steps:
                     self._write_part()
@@ -146,7 +147,7 @@ class TraceWriter:
         self._steps_since_flush = 0
         if not self._pending:
             return
-        table = pa.concat_tables(self._pending)
+        table = sample_rows_table(self.run_id, [t for t, _ in self._pending], [d for _, d in self._pending])
         self._pending = []
         atomic_write_table(self.dir / f"part-{self._parts:06d}.parquet", table)
         self._parts += 1
