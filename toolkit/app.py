@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from toolkit.engine import Engine, RequestOutput
 from toolkit.errors import RequestError, ToolkitError
-from toolkit.metrics import summarize
-from toolkit.trace import build_manifest, new_run_id, request_rows
-from toolkit.trace.writer import TraceWriter, atomic_write_bytes, write_manifest, write_requests
+from toolkit.session import record
 from toolkit.workload import Rejected, RequestSpec, builtin_workload, load_requests
 
 
@@ -28,7 +24,11 @@ def main(cfg: DictConfig, run_dir: Path) -> int:
             from toolkit.bench import run_bench
 
             return run_bench(cfg, run_dir)
-        raise ToolkitError(f"unknown mode {mode!r}; known: run, bench")
+        if mode == "replay":
+            return run_replay(cfg, run_dir)
+        if mode == "verify":
+            return run_verify(cfg, run_dir)
+        raise ToolkitError(f"unknown mode {mode!r}; known: run, bench, replay, verify")
     except ToolkitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -66,34 +66,51 @@ def run_workload(cfg: DictConfig, run_dir: Path) -> int:
     rejected += more_rejected
 
     trace_cfg = cfg.get("trace") or {}
-    run_id = new_run_id()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    write_manifest(run_dir, build_manifest(engine, run_id))
-    write_requests(run_dir, request_rows(engine, run_id, ids))  # replayable even if the run dies
-    writer = TraceWriter(run_dir, run_id, trace_cfg.get("flush_every_steps", 64)) if trace_cfg.get("enabled", True) \
-        else None
-    try:
-        while engine.has_unfinished():
-            out = engine.step()
-            if writer is not None:
-                writer.write_step(out.samples, out.logits_RV)
-    finally:
-        if writer is not None:
-            writer.close()
-        write_requests(run_dir, request_rows(engine, run_id, ids))
-
-    outputs = [engine.output(i) for i in ids]
-    wall = (engine.last_finish_time or 0.0) - (engine.first_admission_time or 0.0)
-    summary = summarize(outputs, wall, rejected=len(rejected), steps=engine.step_index, run_id=run_id,
-                        trace_rows=writer.rows_written if writer else 0,
-                        model=engine.loaded.model_id, model_revision=engine.loaded.revision,
-                        rejected_requests=[r.reason for r in rejected])
-    atomic_write_bytes(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
+    recorded = record(engine, ids, run_dir, cfg, trace=trace_cfg.get("enabled", True),
+                      flush_every_steps=trace_cfg.get("flush_every_steps", 64),
+                      summary_extra={"rejected": len(rejected), "rejected_requests": [r.reason for r in rejected]})
+    outputs, summary = recorded.outputs, recorded.summary
     if cfg.get("print_outputs", True):
         print_outputs(outputs)
     print_summary(summary, run_dir)
     return 1 if rejected else 0
+
+
+def _trace_arg(cfg: DictConfig, mode: str) -> Path:
+    trace = cfg.get(mode, {}).get("trace")
+    if not trace:
+        raise ToolkitError(f"mode={mode} needs {mode}.trace=<run directory>")
+    return Path(trace)
+
+
+def run_replay(cfg: DictConfig, run_dir: Path) -> int:
+    from toolkit.audit.replay import replay
+
+    r = cfg.replay
+    report = replay(_trace_arg(cfg, "replay"), list(r.get("overrides") or []),
+                    allow_mismatch=bool(r.get("allow_mismatch")), out_dir=run_dir)
+    for problem in report.mismatches:
+        print(f"mismatch (allowed): {problem}")
+    print(report.summary_line())
+    for d in report.first_divergences:
+        print(f"  first divergence: {d.describe()}")
+    if report.divergences:
+        print(f"divergences: {run_dir / 'divergence.parquet'}")
+    return 0 if report.identical else 1
+
+
+def run_verify(cfg: DictConfig, run_dir: Path) -> int:
+    from toolkit.audit.verify import verify
+
+    v = cfg.verify
+    report = verify(_trace_arg(cfg, "verify"), reference=v.get("reference", "ours"), atol=float(v.get("atol", 1e-4)),
+                    out_dir=run_dir)
+    print(report.summary_line())
+    for c in report.failures:
+        print(f"  first failure: {c.request_id}#{c.stream} position {c.position} token {c.token_id}: {c.reason}")
+    if report.downstream_rows:
+        print(f"  ({report.downstream_rows} later rows fail too: their prefix contains a failing token)")
+    return 0 if report.passed else 1
 
 
 def print_outputs(outputs: list[RequestOutput]) -> None:

@@ -21,6 +21,7 @@ from toolkit.errors import ConfigError, RequestError
 from toolkit.kv import BlockManager, PagedKVCache
 from toolkit.models import LoadedModel, load_model
 from toolkit.processors import BatchView, RowState, apply_pipeline
+from toolkit.processors.masks import resolve_bad_words
 from toolkit.request import FinishReason, Request, RequestStatus
 from toolkit.runner import ModelRunner
 from toolkit.sampling import SampleRow, sample
@@ -259,18 +260,10 @@ class Engine:
                 raise RequestError(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {v})")
 
     def _bad_words_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
-        """Bad words as token sequences: a string is banned with and without a leading space (vLLM)."""
-        out: list[tuple[int, ...]] = []
-        for word in params.bad_words:
-            if isinstance(word, tuple):
-                variants = [word]
-            else:
-                if self.tokenizer is None:
-                    raise RequestError("bad_words strings need a tokenizer; give token-id sequences instead")
-                variants = [tuple(self.tokenizer.encode(text, add_special_tokens=False))
-                            for text in (word, " " + word.lstrip())]
-            out.extend(v for v in variants if v and v not in out)
-        return tuple(out)
+        try:
+            return resolve_bad_words(params.bad_words, self.tokenizer)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
 
     # ------------------------------------------------------------------ the step
 

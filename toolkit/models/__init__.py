@@ -22,6 +22,7 @@ class LoadedModel:
     name: str
     model_id: str
     revision: str
+    config: ModelConfig
 
 
 def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> LoadedModel:
@@ -31,7 +32,7 @@ def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> LoadedMo
     model = LlamaForPagedLM(ckpt.arch, state_dict).to(device)
     model.eval()
     return LoadedModel(model=model, tokenizer=ckpt.tokenizer, arch=ckpt.arch, name=ckpt.name,
-                       model_id=ckpt.model_id, revision=ckpt.revision)
+                       model_id=ckpt.model_id, revision=ckpt.revision, config=cfg)
 
 
 __all__ = ["Checkpoint", "LlamaArch", "LlamaForPagedLM", "LoadedModel", "Tokenizer", "load_checkpoint", "load_model"]

@@ -15,6 +15,20 @@ def allowed_token_ids(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:
     return logits_RV.masked_fill(~allowed_RV, NEG_INF)
 
 
+def resolve_bad_words(bad_words, tokenizer) -> tuple[tuple[int, ...], ...]:
+    """Bad words as token sequences: a string is banned with and without a leading space (vLLM)."""
+    out: list[tuple[int, ...]] = []
+    for word in bad_words:
+        if isinstance(word, tuple):
+            variants = [word]
+        else:
+            if tokenizer is None:
+                raise ValueError("bad_words strings need a tokenizer; give token-id sequences instead")
+            variants = [tuple(tokenizer.encode(text, add_special_tokens=False)) for text in (word, " " + word.lstrip())]
+        out.extend(v for v in variants if v and v not in out)
+    return tuple(out)
+
+
 def banned_by_sequences(tokens: Sequence[int], sequences: Sequence[Sequence[int]]) -> set[int]:
     """Last tokens of the sequences whose prefix the tokens currently end with (single tokens: always)."""
     banned = set()

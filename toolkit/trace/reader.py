@@ -41,7 +41,7 @@ def _check_version(table: pa.Table, what: str) -> None:
         raise TraceError(f"{what}: schema version {version or 'missing'!r}, this toolkit reads {SCHEMA_VERSION}")
 
 
-def read_samples(run_dir: Path) -> pa.Table:
+def read_samples(run_dir: Path, check_version: bool = True) -> pa.Table:
     """Every SampleTrace row of the run, in the order written (parts in name order)."""
     directory = Path(run_dir) / SAMPLES_DIR
     if not directory.is_dir():
@@ -52,7 +52,8 @@ def read_samples(run_dir: Path) -> pa.Table:
             table = pq.read_table(part)
         except (pa.ArrowException, OSError) as exc:
             raise TraceError(f"{part} is truncated or corrupt: {exc}") from None
-        _check_version(table, str(part))
+        if check_version:
+            _check_version(table, str(part))
         if table.schema.names != SAMPLES_SCHEMA.names:
             raise TraceError(f"{part} has columns {table.schema.names}, expected {SAMPLES_SCHEMA.names}")
         tables.append(table)
@@ -61,7 +62,7 @@ def read_samples(run_dir: Path) -> pa.Table:
     return pa.concat_tables(tables)
 
 
-def read_requests(run_dir: Path) -> pa.Table:
+def read_requests(run_dir: Path, check_version: bool = True) -> pa.Table:
     path = Path(run_dir) / REQUESTS_FILE
     try:
         table = pq.read_table(path)
@@ -69,7 +70,8 @@ def read_requests(run_dir: Path) -> pa.Table:
         raise TraceError(f"{path} is missing") from None
     except (pa.ArrowException, OSError) as exc:
         raise TraceError(f"{path} is truncated or corrupt: {exc}") from None
-    _check_version(table, str(path))
+    if check_version:
+        _check_version(table, str(path))
     if table.schema.names != REQUESTS_SCHEMA.names:
         raise TraceError(f"{path} has columns {table.schema.names}, expected {REQUESTS_SCHEMA.names}")
     return table

@@ -1,0 +1,217 @@
+"""Replay reproduces a run bit for bit and names the first divergence; verify recomputes every row."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import make_engine
+from toolkit import replay, verify
+from toolkit.config import SamplingParams
+from toolkit.session import record
+from toolkit.trace.reader import TraceError, read_samples
+from toolkit.trace.writer import REQUESTS_FILE
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_CFG = {"name": "tiny", "seed": 0}
+ENGINE_CFG = {"max_num_batched_tokens": 16, "max_num_seqs": 4, "num_kv_blocks": 256}
+
+MIXED = [
+    {"prompt_token_ids": [5, 6, 7, 8], "request_id": "greedy",
+     "sampling_params": SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)},
+    {"prompt_token_ids": list(range(40, 70)), "request_id": "nucleus", "arrival_step": 2,
+     "sampling_params": SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=7, ignore_eos=True)},
+    {"prompt": "Once upon a time", "request_id": "stop", "arrival_step": 4,
+     "sampling_params": SamplingParams(temperature=1.0, max_tokens=10, stop=["e"], seed=3)},
+    {"prompt_token_ids": [9, 9, 9], "request_id": "pair", "arrival_step": 1, "sampling_params": SamplingParams(
+        n=2, temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, max_tokens=6, ignore_eos=True)},
+]
+
+
+def make_run(tiny, run_dir: Path, requests=MIXED, engine_cfg=ENGINE_CFG, flush_every_steps=64):
+    engine = make_engine(tiny, **engine_cfg)
+    ids = [engine.add_request(**r) for r in requests]
+    config = {"model": TINY_CFG, "engine": engine_cfg, "sampling": {}, "trace": {"flush_every_steps": flush_every_steps}}
+    return record(engine, ids, run_dir, config, flush_every_steps=flush_every_steps)
+
+
+@pytest.fixture(scope="module")
+def recorded_run(tiny, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("runs") / "run"
+    make_run(tiny, run_dir)
+    return run_dir
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_sample(run_dir: Path, request_id: str, position: int, column: str, change) -> None:
+    """Hand-edit one value of one row in samples.parquet."""
+    for part in sorted((run_dir / "samples.parquet").glob("part-*.parquet")):
+        table = pq.read_table(part)
+        rows = table.to_pylist()
+        for r in rows:
+            if r["request_id"] == request_id and r["position"] == position and r["stream"] == 0:
+                r[column] = change(r[column])
+                pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), part)
+                return
+    raise AssertionError("row not found")
+
+
+def test_replay_of_a_mixed_run_is_bit_identical(recorded_run, tmp_path):
+    report = replay(recorded_run, out_dir=tmp_path / "replay")
+    assert report.identical, report.summary_line()
+    assert report.summary_line().startswith("bit-identical")
+    assert report.rows_compared == read_samples(recorded_run).num_rows >= 28
+    assert report.sequences_compared == 5
+    stop_rows = [r for r in read_samples(recorded_run).to_pylist() if r["request_id"] == "stop"]
+    assert stop_rows[-1]["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.parametrize("column, change, field", [
+    ("token_id", lambda t: (t + 1) % 49152, "token_id"),
+    ("raw_logprob", lambda x: x - 0.001, "raw_logprob"),
+    ("noise", lambda x: x + 1e-12, "noise"),
+])
+def test_tampering_one_value_is_reported_at_exactly_that_row(recorded_run, tmp_path, column, change, field):
+    run = copy_run(recorded_run, tmp_path / "run")
+    edit_sample(run, "nucleus", 33, column, change)
+    report = replay(run, out_dir=tmp_path / "replay")
+    assert not report.identical
+    assert [(d.request_id, d.position, d.field) for d in report.divergences] == [("nucleus", 33, field)]
+    written = pq.read_table(tmp_path / "replay" / "divergence.parquet").to_pylist()
+    assert [(r["request_id"], r["position"], r["field"]) for r in written] == [("nucleus", 33, field)]
+
+
+def test_verify_passes_and_a_hand_edited_token_fails_at_that_row(recorded_run, tmp_path):
+    report = verify(recorded_run)
+    assert report.passed, report.summary_line()
+    assert report.rows_checked == read_samples(recorded_run).num_rows and report.max_abs_diff < 1e-5
+    assert report.greedy_rows == 8 and report.greedy_argmax_mismatches == 0
+    run = copy_run(recorded_run, tmp_path / "run")
+    edit_sample(run, "greedy", 7, "token_id", lambda t: (t + 1) % 49152)
+    report = verify(run)
+    assert not report.passed
+    assert [(f.request_id, f.position) for f in report.failures] == [("greedy", 7)]
+
+
+def test_verify_with_the_hf_reference(recorded_run):
+    report = verify(recorded_run, reference="hf")
+    assert report.passed and report.reference == "hf" and report.max_abs_diff < 1e-4
+
+
+def test_partial_trace_replays_and_verifies_the_rows_it_has(tiny, tmp_path):
+    run_dir = tmp_path / "run"
+    engine = make_engine(tiny, **ENGINE_CFG)
+    ids = [engine.add_request(**r) for r in MIXED]
+    initial_requests = None
+
+    def capture(out):
+        nonlocal initial_requests
+        if initial_requests is None:
+            initial_requests = (run_dir / REQUESTS_FILE).read_bytes()
+
+    record(engine, ids, run_dir, {"model": TINY_CFG, "engine": ENGINE_CFG, "sampling": {}},
+           flush_every_steps=3, on_step=capture)
+    # what a kill -9 leaves: the last part not yet written, requests.parquet from the start of the run
+    parts = sorted((run_dir / "samples.parquet").glob("part-*.parquet"))
+    assert len(parts) >= 3
+    parts[-1].unlink()
+    (run_dir / REQUESTS_FILE).write_bytes(initial_requests)
+    kept = read_samples(run_dir).num_rows
+    report = replay(run_dir, out_dir=tmp_path / "replay")
+    assert report.identical and report.rows_compared == kept and report.rows_only_in_replay > 0
+    assert report.sequences_unfinished_in_trace > 0 and "partial trace" in report.summary_line()
+    assert verify(run_dir).rows_checked == kept
+
+
+def test_corrupt_or_foreign_traces_are_refused_with_one_line(recorded_run, tmp_path):
+    run = copy_run(recorded_run, tmp_path / "corrupt")
+    part = next((run / "samples.parquet").glob("part-*.parquet"))
+    part.write_bytes(part.read_bytes()[: len(part.read_bytes()) // 2])
+    with pytest.raises(TraceError, match="truncated or corrupt"):
+        replay(run, out_dir=tmp_path / "r1")
+    with pytest.raises(TraceError, match="truncated or corrupt"):
+        verify(run)
+    run = copy_run(recorded_run, tmp_path / "weights")
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["weights_sha256"] = "0" * 64
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TraceError, match="refusing to replay: model weights differ") as info:
+        replay(run, out_dir=tmp_path / "r2")
+    assert "\n" not in str(info.value)
+    report = replay(run, allow_mismatch=True, out_dir=tmp_path / "r3")
+    assert report.identical and report.mismatches and "weights differ" in report.mismatches[0]
+    run = copy_run(recorded_run, tmp_path / "schema")
+    manifest["weights_sha256"] = json.loads((recorded_run / "manifest.json").read_text())["weights_sha256"]
+    manifest["schema_version"] = 999
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TraceError, match="schema version 999"):
+        replay(run, out_dir=tmp_path / "r4")
+    with pytest.raises(TraceError, match="does not exist"):
+        replay(tmp_path / "nowhere")
+
+
+def test_scheduling_override_reports_tokens_and_bits_separately(recorded_run, tmp_path):
+    report = replay(recorded_run, ["engine.max_num_batched_tokens=5"], out_dir=tmp_path / "replay")
+    line = report.summary_line()
+    assert line.startswith("bit-identical") or ("tokens in" in line and "logprob bits only in" in line)
+    assert report.overrides == ["engine.max_num_batched_tokens=5"]
+    assert report.max_abs_logprob_diff < 1e-4
+    with pytest.raises(Exception, match="no such key"):
+        replay(recorded_run, ["engine.max_num_batched_tokenz=5"], out_dir=tmp_path / "bad")
+
+
+@st.composite
+def greedy_workloads(draw):
+    requests = []
+    for i in range(draw(st.integers(1, 4))):
+        n = draw(st.integers(1, 30))
+        requests.append({"prompt_token_ids": draw(st.lists(st.integers(0, 49151), min_size=n, max_size=n)),
+                         "request_id": f"r{i}", "arrival_step": draw(st.integers(0, 5)),
+                         "sampling_params": SamplingParams(temperature=0.0, max_tokens=draw(st.integers(1, 6)),
+                                                           ignore_eos=True)})
+    overrides = [f"engine.max_num_batched_tokens={draw(st.integers(4, 40))}",
+                 f"engine.max_num_seqs={draw(st.integers(1, 4))}",
+                 f"engine.block_size={draw(st.sampled_from([1, 4, 16]))}"]
+    return requests, overrides
+
+
+@settings(max_examples=8, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(workload=greedy_workloads())
+def test_greedy_replay_under_random_scheduling_overrides_keeps_tokens(tiny, tmp_path_factory, workload):
+    requests, overrides = workload
+    base = tmp_path_factory.mktemp("hyp")
+    make_run(tiny, base / "run", requests)
+    report = replay(base / "run", overrides, out_dir=base / "replay")
+    assert report.token_mismatches == 0 and not [d for d in report.divergences if d.field in ("token_id", "row")]
+    assert verify(base / "run").passed
+
+
+def test_cli_replay_and_verify_exit_codes(recorded_run, tmp_path):
+    def cli(*args):
+        return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=600)
+
+    ok = cli("mode=replay", f"replay.trace={recorded_run}", f"hydra.run.dir={tmp_path / 'a'}")
+    assert ok.returncode == 0 and ok.stdout.strip().splitlines()[-1].startswith("bit-identical"), ok.stderr
+    run = copy_run(recorded_run, tmp_path / "run")
+    edit_sample(run, "greedy", 6, "token_id", lambda t: (t + 1) % 49152)
+    bad = cli("mode=replay", f"replay.trace={run}", f"hydra.run.dir={tmp_path / 'b'}")
+    assert bad.returncode == 1 and "first divergence: greedy position 6: token_id" in bad.stdout
+    assert (tmp_path / "b" / "divergence.parquet").exists()
+    failed = cli("mode=verify", f"verify.trace={run}", f"hydra.run.dir={tmp_path / 'c'}")
+    assert failed.returncode == 1 and "first failure: greedy#0 position 6" in failed.stdout
+    missing = cli("mode=verify", f"verify.trace={tmp_path / 'nope'}", f"hydra.run.dir={tmp_path / 'd'}")
+    assert missing.returncode == 2 and missing.stderr.strip().startswith("error:") and "Traceback" not in missing.stderr

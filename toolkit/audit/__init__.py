@@ -1,0 +1,1 @@
+"""Auditing a recorded run: replay (bit-for-bit re-run) and verify (teacher-forced recomputation)."""

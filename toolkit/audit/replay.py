@@ -1,0 +1,263 @@
+"""Replay: rebuild a run from its directory alone, run it again, compare every sample row bit for bit.
+
+The run directory holds everything needed: the resolved config (`config.yaml`), the
+requests with their resolved seeds (`requests.parquet`) and the manifest (weights and
+tokenizer digests, schema version, thread count). Scheduling is a function of steps,
+never of wall time, so the same config gives the same batches, the same logits bits and
+the same tokens. `overrides` (Hydra syntax, e.g. `engine.max_num_batched_tokens=8`)
+change the recorded config to test whether a change alters results.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from toolkit.config import SamplingParams
+from toolkit.engine import Engine
+from toolkit.errors import ConfigError
+from toolkit.session import record
+from toolkit.trace.reader import TraceError, read_manifest, read_requests, read_samples
+from toolkit.trace.writer import atomic_write_table
+
+COMPARED_FIELDS = ("token_id", "raw_logprob", "processed_logprob", "logits_sha256", "noise", "finish_reason", "error")
+_BITS = {"raw_logprob": "<f", "processed_logprob": "<f", "noise": "<d"}
+
+
+@dataclass(frozen=True)
+class Divergence:
+    request_id: str
+    stream: int
+    position: int
+    field: str
+    recorded: Any
+    replayed: Any
+
+    def describe(self) -> str:
+        name = self.request_id if self.stream == 0 else f"{self.request_id}#{self.stream}"
+        return (f"{name} position {self.position}: {self.field} recorded {_show(self.field, self.recorded)} "
+                f"vs replayed {_show(self.field, self.replayed)}")
+
+
+@dataclass
+class ReplayReport:
+    trace_dir: Path
+    replay_dir: Path
+    rows_compared: int = 0
+    sequences_compared: int = 0
+    sequences_unfinished_in_trace: int = 0  # a partial trace (killed mid-run): only its rows are compared
+    rows_only_in_replay: int = 0
+    rows_missing_in_replay: int = 0
+    token_mismatches: int = 0  # rows whose token differs
+    logprob_bit_mismatches: int = 0  # rows with the same token but different logprob bits
+    max_abs_logprob_diff: float = 0.0  # over rows with the same token
+    divergences: list[Divergence] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)  # manifest differences let through by allow_mismatch
+    overrides: list[str] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        return not self.divergences and not self.rows_missing_in_replay
+
+    @property
+    def first_divergences(self) -> list[Divergence]:
+        first: dict[tuple[str, int], Divergence] = {}
+        for d in self.divergences:
+            key = (d.request_id, d.stream)
+            if key not in first or d.position < first[key].position:
+                first[key] = d
+        return sorted(first.values(), key=lambda d: (d.request_id, d.stream))
+
+    def summary_line(self) -> str:
+        partial = (f" (partial trace: {self.sequences_unfinished_in_trace} sequences unfinished, their "
+                   f"recorded rows compared)" if self.sequences_unfinished_in_trace else "")
+        if self.identical:
+            return (f"bit-identical: {self.rows_compared} sample rows of {self.sequences_compared} sequences match "
+                    f"(token_id, raw/processed logprob bits, logits_sha256, noise){partial}")
+        diverged = len(self.first_divergences)
+        return (f"diverged: {diverged} of {self.sequences_compared} sequences, "
+                f"{len({(d.request_id, d.stream, d.position) for d in self.divergences})} of {self.rows_compared} "
+                f"rows differ: tokens in {self.token_mismatches} rows, logprob bits only in "
+                f"{self.logprob_bit_mismatches} rows, max |logprob diff| {self.max_abs_logprob_diff:.3g}"
+                + (f", {self.rows_missing_in_replay} recorded rows missing from the replay"
+                   if self.rows_missing_in_replay else "") + partial)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "trace_dir": str(self.trace_dir), "replay_dir": str(self.replay_dir), "identical": self.identical,
+            "rows_compared": self.rows_compared, "sequences_compared": self.sequences_compared,
+            "sequences_unfinished_in_trace": self.sequences_unfinished_in_trace,
+            "rows_only_in_replay": self.rows_only_in_replay, "rows_missing_in_replay": self.rows_missing_in_replay,
+            "token_mismatches": self.token_mismatches, "logprob_bit_mismatches": self.logprob_bit_mismatches,
+            "max_abs_logprob_diff": self.max_abs_logprob_diff, "mismatches": self.mismatches,
+            "overrides": self.overrides, "first_divergences": [d.describe() for d in self.first_divergences],
+        }
+
+
+def _show(name: str, value: Any) -> str:
+    if name in _BITS and isinstance(value, float):
+        return f"{value!r} (0x{struct.pack('>' + _BITS[name][1], value).hex()})"
+    return repr(value)
+
+
+def _same(name: str, a: Any, b: Any) -> bool:
+    if name in _BITS and isinstance(a, float) and isinstance(b, float):
+        return struct.pack(_BITS[name], a) == struct.pack(_BITS[name], b)
+    return a == b
+
+
+def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
+    """Apply Hydra-syntax `key=value` overrides (`+key=value` adds, `~key` deletes) to a loaded config."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException as exc:
+        raise ConfigError(f"bad replay override: {exc}") from None
+    for o in parsed:
+        key = o.key_or_group
+        if o.is_delete():
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(cfg, parent) if parent else cfg
+            if node is None or leaf not in node:
+                raise ConfigError(f"replay override ~{key}: no such key in the recorded config")
+            del node[leaf]
+            continue
+        if not o.is_add() and OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
+            raise ConfigError(f"replay override {key}: no such key in the recorded config (use +{key}=... to add)")
+        OmegaConf.update(cfg, key, o.value(), merge=True, force_add=o.is_add())
+    return cfg
+
+
+def load_recorded_config(run_dir: Path) -> DictConfig:
+    path = Path(run_dir) / "config.yaml"
+    try:
+        return OmegaConf.load(path)
+    except FileNotFoundError:
+        raise TraceError(f"{path} is missing: cannot rebuild the engine of this run") from None
+    except Exception as exc:  # noqa: BLE001 - yaml errors come in many types
+        raise TraceError(f"{path} is unreadable: {exc}") from None
+
+
+def check_manifest(manifest: dict[str, Any], engine: Engine, allow_mismatch: bool) -> list[str]:
+    """Differences between the recorded run and the rebuilt engine that make bits incomparable."""
+    loaded = engine.loaded
+    problems = []
+    if manifest.get("weights_sha256") != loaded.revision:
+        problems.append(f"model weights differ: recorded sha256 {str(manifest.get('weights_sha256'))[:12]}..., "
+                        f"now {loaded.revision[:12]}...")
+    token_digest = loaded.tokenizer.digest if loaded.tokenizer else None
+    if manifest.get("tokenizer_sha256") != token_digest:
+        problems.append("tokenizer differs from the recorded one")
+    if problems and not allow_mismatch:
+        raise TraceError(f"refusing to replay: {problems[0]} (replay.allow_mismatch=true compares anyway)")
+    return problems
+
+
+def add_recorded_requests(engine: Engine, requests: pa.Table) -> list[str]:
+    """Re-add every recorded request with its recorded prompt ids, resolved seed and arrival step."""
+    ids: list[str] = []
+    for row in requests.to_pylist():
+        if row["request_id"] in engine.groups:
+            continue  # one row per sequence: the request was added with its first row
+        params = json.loads(row["sampling_params"])
+        params["seed"] = row["seed"]
+        engine.add_request(prompt_token_ids=row["prompt_token_ids"], request_id=row["request_id"],
+                           arrival_step=row["arrival_step"], sampling_params=SamplingParams.from_mapping(params))
+        ids.append(row["request_id"])
+    return ids
+
+
+def compare(recorded: pa.Table, replayed: pa.Table, report: ReplayReport) -> None:
+    key = lambda r: (r["request_id"], r["stream"], r["position"])  # noqa: E731
+    mine = {key(r): r for r in replayed.to_pylist()}
+    rows = recorded.to_pylist()
+    seen = set()
+    finished = set()
+    for r in rows:
+        seen.add(key(r))
+        if r["finish_reason"] is not None:
+            finished.add((r["request_id"], r["stream"]))
+        other = mine.get(key(r))
+        report.rows_compared += 1
+        if other is None:
+            report.rows_missing_in_replay += 1
+            report.divergences.append(Divergence(r["request_id"], r["stream"], r["position"], "row", "present",
+                                                 "missing"))
+            continue
+        differing = [f for f in COMPARED_FIELDS if not _same(f, r[f], other[f])]
+        if "token_id" in differing:
+            report.token_mismatches += 1
+        elif differing:
+            if {"raw_logprob", "processed_logprob"} & set(differing):
+                report.logprob_bit_mismatches += 1
+            for f in ("raw_logprob", "processed_logprob"):
+                if r[f] is not None and other[f] is not None and math.isfinite(r[f]) and math.isfinite(other[f]):
+                    report.max_abs_logprob_diff = max(report.max_abs_logprob_diff, abs(r[f] - other[f]))
+        for f in differing:
+            report.divergences.append(Divergence(r["request_id"], r["stream"], r["position"], f, r[f], other[f]))
+    sequences = {(r["request_id"], r["stream"]) for r in rows}
+    report.sequences_compared = len(sequences)
+    report.sequences_unfinished_in_trace = len(sequences - finished)
+    unfinished = sequences - finished
+    report.rows_only_in_replay = sum(1 for k in mine if k not in seen)
+    # rows beyond a finished recorded sequence are divergences (the replay kept going); beyond an
+    # unfinished (partial) one they are simply not in the trace
+    for k, r in mine.items():
+        if k not in seen and (k[0], k[1]) in sequences and (k[0], k[1]) not in unfinished:
+            report.divergences.append(Divergence(k[0], k[1], k[2], "row", "absent", "present"))
+
+
+def write_divergences(path: Path, divergences: Iterable[Divergence]) -> None:
+    rows = list(divergences)
+    table = pa.table({
+        "request_id": [d.request_id for d in rows], "stream": pa.array([d.stream for d in rows], pa.int32()),
+        "position": pa.array([d.position for d in rows], pa.int64()), "field": [d.field for d in rows],
+        "recorded": [_show(d.field, d.recorded) for d in rows], "replayed": [_show(d.field, d.replayed) for d in rows],
+    })
+    atomic_write_table(path, table)
+
+
+def replay(run_dir: str | Path, overrides: Sequence[str] = (), *, allow_mismatch: bool = False,
+           out_dir: str | Path | None = None) -> ReplayReport:
+    """Re-run a recorded run (optionally with config overrides) and compare every sample row."""
+    run_dir = Path(run_dir)
+    mismatches: list[str] = []
+    try:
+        manifest = read_manifest(run_dir)
+    except TraceError as exc:
+        if not allow_mismatch or "schema version" not in str(exc):
+            raise
+        mismatches.append(str(exc))
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+    cfg = apply_overrides(load_recorded_config(run_dir), overrides)
+    requests = read_requests(run_dir, check_version=not allow_mismatch)
+    recorded_samples = read_samples(run_dir, check_version=not allow_mismatch)
+    if not any(o.split("=")[0].lstrip("+") == "engine.num_threads" for o in overrides):
+        torch.set_num_threads(int(manifest.get("num_threads") or torch.get_num_threads()))
+    engine = Engine.from_config(cfg)
+    mismatches += check_manifest(manifest, engine, allow_mismatch)
+    out_dir = Path(out_dir) if out_dir is not None else \
+        run_dir.parent / f"{run_dir.name}-replay-{time.strftime('%H%M%S')}"
+    ids = add_recorded_requests(engine, requests)
+    trace_cfg = cfg.get("trace") or {}
+    record(engine, ids, out_dir, cfg, flush_every_steps=trace_cfg.get("flush_every_steps", 64),
+           manifest_extra={"replay_of": manifest.get("run_id"), "replay_overrides": list(overrides)})
+    report = ReplayReport(trace_dir=run_dir, replay_dir=out_dir, mismatches=mismatches, overrides=list(overrides))
+    compare(recorded_samples, read_samples(out_dir), report)
+    if report.divergences:
+        write_divergences(out_dir / "divergence.parquet", report.divergences)
+    (out_dir / "replay.json").write_text(json.dumps(report.to_dict(), indent=2))
+    return report

@@ -1,0 +1,203 @@
+"""Verify: teacher-forced recomputation of a recorded run.
+
+For every sequence, prompt + the tokens its trace rows record are run through a full
+no-cache forward (our float64 textbook reference by default, or HF transformers'
+forward with `reference="hf"`); the recomputed raw log-probability of every recorded
+token is compared with the recorded one, and every greedy row's token must still be the
+argmax of the processed logits (the processors are re-applied to the recomputed logits).
+A hand-edited token fails at its own row: its recorded log-probability no longer matches,
+and the rows after it are reported as depending on it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import torch
+from omegaconf import OmegaConf
+
+from toolkit.config import EngineConfig, ModelConfig, SamplingParams, from_mapping
+from toolkit.errors import ConfigError
+from toolkit.models import load_model
+from toolkit.processors import BatchView, RowState, apply_pipeline
+from toolkit.processors.masks import resolve_bad_words
+from toolkit.reference import reference_logits
+from toolkit.audit.replay import load_recorded_config
+from toolkit.trace.reader import TraceError, read_manifest, read_requests, read_samples
+from toolkit.trace.writer import atomic_write_table
+
+
+@dataclass(frozen=True)
+class RowCheck:
+    request_id: str
+    stream: int
+    position: int
+    token_id: int
+    recorded_logprob: float
+    recomputed_logprob: float
+    abs_diff: float
+    greedy: bool
+    argmax_ok: bool | None  # greedy rows: is the token still the processed argmax?
+    failed: bool
+    reason: str
+
+
+@dataclass
+class VerifyReport:
+    trace_dir: Path
+    reference: str
+    atol: float
+    rows_checked: int = 0
+    sequences_checked: int = 0
+    max_abs_diff: float = 0.0
+    max_at: str | None = None
+    greedy_rows: int = 0
+    greedy_argmax_mismatches: int = 0
+    near_tie_flips: int = 0  # greedy argmax flipped, but within atol of the top: reported, not failed
+    failures: list[RowCheck] = field(default_factory=list)  # first failing row of each sequence
+    downstream_rows: int = 0  # failing rows after a sequence's first failure (their prefix holds it)
+    checks: list[RowCheck] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def summary_line(self) -> str:
+        head = "verified" if self.passed else "FAILED"
+        line = (f"{head}: {self.rows_checked} rows of {self.sequences_checked} sequences recomputed with the "
+                f"{self.reference} reference; max |raw logprob diff| {self.max_abs_diff:.3g}"
+                f"{' at ' + self.max_at if self.max_at else ''} (atol {self.atol:g}); greedy rows still argmax: "
+                f"{self.greedy_rows - self.greedy_argmax_mismatches}/{self.greedy_rows}")
+        if self.near_tie_flips:
+            line += f" ({self.near_tie_flips} near-tie flips within atol)"
+        return line
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"trace_dir": str(self.trace_dir), "reference": self.reference, "atol": self.atol,
+                "passed": self.passed, "rows_checked": self.rows_checked,
+                "sequences_checked": self.sequences_checked, "max_abs_diff": self.max_abs_diff,
+                "max_at": self.max_at, "greedy_rows": self.greedy_rows,
+                "greedy_argmax_mismatches": self.greedy_argmax_mismatches, "near_tie_flips": self.near_tie_flips,
+                "downstream_rows": self.downstream_rows,
+                "failures": [f"{c.request_id}#{c.stream} position {c.position}: {c.reason}" for c in self.failures]}
+
+
+def _hf_forward(model_cfg: ModelConfig):
+    """HF transformers' LlamaForCausalLM on the same weights, as a function ids -> logits (T, V)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from toolkit.models.loading import load_checkpoint
+
+    hf_logging.set_verbosity_error()
+    ckpt = load_checkpoint(model_cfg)
+    model = LlamaForCausalLM(LlamaConfig(**ckpt.arch.to_hf_config()))
+    model.load_state_dict(ckpt.state_dict, strict=False)
+    model.tie_weights()
+    model.eval()
+
+    @torch.inference_mode()
+    def forward(ids: list[int]) -> torch.Tensor:
+        return model(torch.tensor([ids])).logits[0].double()
+
+    return forward
+
+
+def verify(run_dir: str | Path, *, reference: str = "ours", atol: float = 1e-4,
+           out_dir: str | Path | None = None) -> VerifyReport:
+    run_dir = Path(run_dir)
+    if reference not in ("ours", "hf"):
+        raise ConfigError(f"verify.reference must be 'ours' or 'hf', got {reference!r}")
+    if not (isinstance(atol, (int, float)) and atol > 0):
+        raise ConfigError(f"verify.atol must be a positive number, got {atol!r}")
+    manifest = read_manifest(run_dir)
+    cfg = load_recorded_config(run_dir)
+    model_cfg = from_mapping(ModelConfig, OmegaConf.to_container(cfg.model, resolve=True), section="model")
+    engine_cfg = from_mapping(EngineConfig, OmegaConf.to_container(cfg.engine, resolve=True), section="engine")
+    loaded = load_model(model_cfg, engine_cfg.device)
+    if loaded.revision != manifest.get("weights_sha256"):
+        raise TraceError("refusing to verify: the model weights differ from the recorded run's")
+    forward = _hf_forward(model_cfg) if reference == "hf" else (lambda ids: reference_logits(loaded.model, ids))
+    requests = {(r["request_id"], r["stream"]): r for r in read_requests(run_dir).to_pylist()}
+    samples = read_samples(run_dir).to_pylist()
+    eos = tuple(sorted(set(loaded.arch.eos_token_ids) | (
+        {loaded.tokenizer.eos_token_id} if loaded.tokenizer and loaded.tokenizer.eos_token_id is not None else set())))
+    report = VerifyReport(trace_dir=run_dir, reference=reference, atol=atol)
+
+    by_seq: dict[tuple[str, int], list[dict]] = {}
+    for row in samples:
+        by_seq.setdefault((row["request_id"], row["stream"]), []).append(row)
+    for key, rows in by_seq.items():
+        if key not in requests:
+            raise TraceError(f"samples.parquet has rows for {key[0]}#{key[1]}, which requests.parquet lacks")
+        rows.sort(key=lambda r: r["position"])
+        _verify_sequence(key, rows, requests[key], forward, loaded, eos, report)
+    report.sequences_checked = len(by_seq)
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "verify.json").write_text(json.dumps(report.to_dict(), indent=2))
+        atomic_write_table(out_dir / "verify.parquet", pa.Table.from_pylist(
+            [c.__dict__ for c in report.checks]) if report.checks else pa.table({"request_id": pa.array([], pa.string())}))
+    return report
+
+
+def _verify_sequence(key, rows, request, forward, loaded, eos, report: VerifyReport) -> None:
+    request_id, stream = key
+    prompt = list(request["prompt_token_ids"])
+    params_dict = json.loads(request["sampling_params"])
+    params_dict["seed"] = request["seed"]
+    params = SamplingParams.from_mapping(params_dict)
+    rows = [r for r in rows if r["token_id"] >= 0]  # an error row sampled nothing
+    if not rows:
+        return
+    tokens = prompt + [r["token_id"] for r in rows]
+    expected_positions = list(range(len(prompt), len(tokens)))
+    if [r["position"] for r in rows] != expected_positions:
+        raise TraceError(f"{request_id}#{stream}: trace positions are not contiguous after the prompt")
+    logits = forward(tokens[:-1])  # row t predicts token t + 1
+    logprobs = torch.log_softmax(logits.double(), dim=-1)
+    greedy = params.temperature == 0.0
+    processed_argmax = None
+    if greedy:
+        view = BatchView(tuple(RowState(params, tokens[:p], len(prompt), resolve_bad_words(params.bad_words, loaded.tokenizer))
+                               for p in expected_positions), loaded.arch.vocab_size, logits.device, eos)
+        processed = apply_pipeline(logits[len(prompt) - 1:].float(), view).processed_RV
+    failed_before = False
+    for i, row in enumerate(rows):
+        p = row["position"]
+        recomputed = float(logprobs[p - 1, row["token_id"]])
+        diff = abs(recomputed - row["raw_logprob"])
+        argmax_ok = None
+        reason = ""
+        if greedy:
+            report.greedy_rows += 1
+            top = int(torch.argmax(processed[i]))
+            argmax_ok = top == row["token_id"]
+            if not argmax_ok:
+                report.greedy_argmax_mismatches += 1
+                margin = float(processed[i, top] - processed[i, row["token_id"]])
+                if margin <= report.atol and diff <= report.atol:
+                    report.near_tie_flips += 1
+                else:
+                    reason = f"greedy token {row['token_id']} is not the argmax ({top}, margin {margin:.3g})"
+        if diff > report.atol or not math.isfinite(diff):
+            reason = (f"raw logprob recorded {row['raw_logprob']:.6g}, recomputed {recomputed:.6g} "
+                      f"(|diff| {diff:.3g} > atol {report.atol:g})")
+        if diff > report.max_abs_diff:
+            report.max_abs_diff, report.max_at = diff, f"{request_id}#{stream} position {p}"
+        check = RowCheck(request_id, stream, p, row["token_id"], row["raw_logprob"], recomputed, diff, greedy,
+                         argmax_ok, bool(reason), reason)
+        report.checks.append(check)
+        report.rows_checked += 1
+        if reason:
+            if failed_before:
+                report.downstream_rows += 1
+            else:
+                report.failures.append(check)
+                failed_before = True

@@ -1,0 +1,70 @@
+"""Serve a set of added requests to completion and record the run directory.
+
+Shared by `mode=run`, `mode=replay` and the benchmark, so a replay records exactly what
+a run records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+
+from toolkit.engine import Engine, RequestOutput, StepOutput
+from toolkit.metrics import summarize
+from toolkit.trace import build_manifest, new_run_id, request_rows
+from toolkit.trace.writer import TraceWriter, atomic_write_bytes, write_manifest, write_requests
+
+
+@dataclass(frozen=True)
+class Recorded:
+    run_id: str
+    run_dir: Path
+    outputs: list[RequestOutput]
+    summary: dict[str, Any]
+
+
+def effective_config(engine: Engine, config: DictConfig | Mapping | None) -> DictConfig:
+    """The given config with the model, engine and default sampling the engine actually runs: complete, so
+    that a replay can rebuild the engine from it and override any key."""
+    base = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else dict(config or {})
+    base["model"] = dataclasses.asdict(engine.loaded.config)
+    base["engine"] = dataclasses.asdict(engine.cfg)
+    base["sampling"] = engine.default_sampling.to_dict()
+    return OmegaConf.create(base)
+
+
+def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictConfig | Mapping | None = None, *,
+           trace: bool = True, flush_every_steps: int = 64, manifest_extra: dict[str, Any] | None = None,
+           summary_extra: dict[str, Any] | None = None,
+           on_step: Callable[[StepOutput], None] | None = None) -> Recorded:
+    """Run the engine until every request finished; write config, manifest, requests, trace, summary."""
+    run_id = new_run_id()
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(run_dir / "config.yaml", OmegaConf.to_yaml(effective_config(engine, config)).encode())
+    write_manifest(run_dir, build_manifest(engine, run_id, manifest_extra))
+    write_requests(run_dir, request_rows(engine, run_id, request_ids))  # replayable even if the run dies
+    writer = TraceWriter(run_dir, run_id, flush_every_steps) if trace else None
+    try:
+        while engine.has_unfinished():
+            out = engine.step()
+            if writer is not None:
+                writer.write_step(out.samples, out.logits_RV)
+            if on_step is not None:
+                on_step(out)
+    finally:
+        if writer is not None:
+            writer.close()
+        write_requests(run_dir, request_rows(engine, run_id, request_ids))
+    outputs = [engine.output(i) for i in request_ids]
+    wall = (engine.last_finish_time or 0.0) - (engine.first_admission_time or 0.0)
+    summary = summarize(outputs, wall, steps=engine.step_index, run_id=run_id,
+                        trace_rows=writer.rows_written if writer else 0, model=engine.loaded.model_id,
+                        model_revision=engine.loaded.revision, **(summary_extra or {}))
+    atomic_write_bytes(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
+    return Recorded(run_id=run_id, run_dir=run_dir, outputs=outputs, summary=summary)
