@@ -166,7 +166,7 @@ def test_corrupt_or_foreign_traces_are_refused_with_one_line(recorded_run, tmp_p
 def test_scheduling_override_reports_tokens_and_bits_separately(recorded_run, tmp_path):
     report = replay(recorded_run, ["engine.max_num_batched_tokens=5"], out_dir=tmp_path / "replay")
     line = report.summary_line()
-    assert line.startswith("bit-identical") or ("tokens in" in line and "logprob bits only in" in line)
+    assert line.startswith("bit-identical") or ("tokens in" in line and "logprob bits (same token) in" in line)
     assert report.overrides == ["engine.max_num_batched_tokens=5"]
     assert report.max_abs_logprob_diff < 1e-4
     with pytest.raises(Exception, match="no such key"):

@@ -85,10 +85,12 @@ class ReplayReport:
             return (f"bit-identical: {self.rows_compared} sample rows of {self.sequences_compared} sequences match "
                     f"(token_id, raw/processed logprob bits, logits_sha256, noise){partial}")
         diverged = len(self.first_divergences)
-        return (f"diverged: {diverged} of {self.sequences_compared} sequences, "
-                f"{len({(d.request_id, d.stream, d.position) for d in self.divergences})} of {self.rows_compared} "
-                f"rows differ: tokens in {self.token_mismatches} rows, logprob bits only in "
-                f"{self.logprob_bit_mismatches} rows, max |logprob diff| {self.max_abs_logprob_diff:.3g}"
+        rows = len({(d.request_id, d.stream, d.position) for d in self.divergences})
+        other = rows - self.token_mismatches - self.logprob_bit_mismatches - self.rows_missing_in_replay
+        return (f"diverged: {diverged} of {self.sequences_compared} sequences, {rows} of {self.rows_compared} "
+                f"rows differ: tokens in {self.token_mismatches} rows, logprob bits (same token) in "
+                f"{self.logprob_bit_mismatches} rows, other fields only in {other} rows; "
+                f"max |logprob diff| {self.max_abs_logprob_diff:.3g}"
                 + (f", {self.rows_missing_in_replay} recorded rows missing from the replay"
                    if self.rows_missing_in_replay else "") + partial)
 
