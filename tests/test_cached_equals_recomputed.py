@@ -27,7 +27,8 @@ def workloads(draw):
         ))
     budget = draw(st.integers(1, 48))  # often smaller than a prompt: prompts are split into chunks
     block_size = draw(st.sampled_from([1, 4, 16]))
-    return requests, budget, block_size
+    backend = draw(st.sampled_from(["kernel", "sdpa"]))
+    return requests, budget, block_size, backend
 
 
 def run_and_collect(engine, requests):
@@ -44,9 +45,10 @@ def run_and_collect(engine, requests):
 @settings(max_examples=40)
 @given(workloads())
 def test_cached_logits_equal_no_cache_recompute(tiny, workload):
-    requests, budget, block_size = workload
+    requests, budget, block_size, backend = workload
     engine = make_engine(tiny, num_kv_blocks=512 // block_size, block_size=block_size,
-                         max_num_batched_tokens=budget, max_num_seqs=min(4, budget))
+                         max_num_batched_tokens=budget, max_num_seqs=min(4, budget), attention_backend=backend)
+    assert engine.attention_backend == backend
     ids, rows = run_and_collect(engine, requests)
     for rid in ids:
         tokens = engine.requests[rid].token_ids

@@ -4,11 +4,15 @@ One step's tokens are packed along one axis N: first one token per decoding sequ
 then the prefill chunks, each contiguous. Keys and values live in per-layer paged caches
 `[num_blocks, block_size, H_kv, D]`; a sequence's block table lists its physical blocks.
 
-The decode rows are attended in one batched call: each sequence's blocks are gathered
-into a padded key axis and positions past its context are masked. Each prefill chunk is
-one call over its own blocks with a causal mask offset by the tokens already cached.
-Grouped-query attention is computed without repeating K/V: the G query heads that share
-a KV head are laid along the query axis, which is exact because they share the mask.
+Two backends:
+- `kernel` (CPU, fp32): the native kernel in csrc/paged_attention.c reads every query's
+  keys straight from its blocks (no gathered copy, no padding) in a fixed order. It
+  serves the decode rows, and every row when `all_rows_kernel` is set.
+- `sdpa` (any device): each sequence's blocks are gathered into a key axis and torch's
+  scaled_dot_product_attention runs with an additive mask; decode rows in one batched
+  call, each prefill chunk in its own call. Grouped-query attention is computed without
+  repeating K/V: the G query heads of one KV head are laid along the query axis.
+Prefill chunks use the sdpa path in both backends unless `all_rows_kernel` is set.
 """
 
 from __future__ import annotations
@@ -33,10 +37,14 @@ class AttentionMetadata:
     """Everything attention needs about one step, built once and shared by all layers."""
 
     slot_mapping_N: torch.Tensor  # (N,) long: physical slot each new token's K/V is written to
-    num_decodes: int  # rows [0, num_decodes) are single-token decodes
-    decode_block_tables_DB: torch.Tensor | None  # (num_decodes, max_blocks) long
-    decode_bias_DT: torch.Tensor | None  # (num_decodes, max_blocks * block_size) additive: -inf past the context
-    prefills: tuple[PrefillChunk, ...]
+    num_decodes: int  # rows [0, num_decodes) are single-token queries
+    kernel_rows: int  # rows [0, kernel_rows) go through the native kernel (0 with the sdpa backend)
+    block_tables_SB: torch.Tensor | None  # kernel: (sequences, max_blocks) long
+    query_table_N: torch.Tensor | None  # kernel: (N,) row of block_tables_SB for each token
+    query_ctx_N: torch.Tensor | None  # kernel: (N,) keys visible to each token (its position + 1)
+    decode_block_tables_DB: torch.Tensor | None  # sdpa: (num_decodes, max_blocks) long
+    decode_bias_DT: torch.Tensor | None  # sdpa: (num_decodes, max_blocks * block_size) additive: -inf past ctx
+    prefills: tuple[PrefillChunk, ...]  # sdpa chunks (rows >= kernel_rows)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor,
@@ -47,16 +55,16 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_NHD: torch.Tensor, 
     v_cache.view(num_blocks * block_size, h_kv, d).index_copy_(0, slot_mapping_N, v_NHD)
 
 
+def additive_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as an additive bias, built once per step (SDPA would convert a bool mask per call)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
 def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """Copy the blocks a table lists into one key axis: (..., B) -> (..., B * block_size, K, D)."""
     _, block_size, h_kv, d = cache.shape
     rows = cache.index_select(0, tables.reshape(-1))  # index_select is ~2x faster than cache[tables]
     return rows.view(*tables.shape[:-1], tables.shape[-1] * block_size, h_kv, d)
-
-
-def additive_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool mask as an additive bias, built once per step (SDPA would convert a bool mask per call)."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def _grouped_sdpa(q_BQHD: torch.Tensor, k_BTKD: torch.Tensor, v_BTKD: torch.Tensor,
@@ -81,9 +89,14 @@ def _grouped_sdpa(q_BQHD: torch.Tensor, k_BTKD: torch.Tensor, v_BTKD: torch.Tens
 def paged_attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attention of every packed query over its own sequence's cached keys. Returns (N, H, D)."""
-    n, h, d = q_NHD.shape
-    out_NHD = torch.empty_like(q_NHD)
-    if meta.num_decodes:
+    out_NHD = torch.empty(q_NHD.shape, dtype=q_NHD.dtype, device=q_NHD.device)
+    if meta.kernel_rows:
+        from toolkit.kernels import paged_attention_cpu
+
+        rows = meta.kernel_rows
+        paged_attention_cpu(q_NHD[:rows], k_cache, v_cache, meta.block_tables_SB, meta.query_table_N[:rows],
+                            meta.query_ctx_N[:rows], scale, out_NHD[:rows])
+    elif meta.num_decodes:
         dec = meta.num_decodes
         k = _gather_blocks(k_cache, meta.decode_block_tables_DB)  # (D, T, K, Dh)
         v = _gather_blocks(v_cache, meta.decode_block_tables_DB)

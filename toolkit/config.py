@@ -15,6 +15,7 @@ from toolkit.errors import ConfigError
 
 MODEL_NAMES = ("smollm2", "tiny", "hf")
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "kernel", "sdpa")
 
 
 def _check(cond: bool, message: str) -> None:
@@ -84,6 +85,7 @@ class EngineConfig:
     max_num_seqs: int = 32
     seed: int = 0  # run seed: requests without a seed derive theirs from it
     num_threads: int | None = None  # torch intra-op threads (None: torch's default)
+    attention_backend: str = "auto"  # auto | kernel (native CPU paged attention) | sdpa (pure torch)
 
     def __post_init__(self):
         for name in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs"):
@@ -96,6 +98,8 @@ class EngineConfig:
         _check(_is_int(self.seed) and self.seed >= 0, f"engine.seed must be a non-negative integer, got {self.seed!r}")
         _check(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda", "mps"),
                f"engine.device must be cpu, cuda[:N] or mps, got {self.device!r}")
+        _check(self.attention_backend in ATTENTION_BACKENDS,
+               f"engine.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _check(self.max_num_batched_tokens >= self.max_num_seqs,
                f"engine.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                f"engine.max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step")

@@ -20,7 +20,7 @@ from toolkit.config import EngineConfig, ModelConfig, SamplingParams, from_mappi
 from toolkit.errors import ConfigError, RequestError
 from toolkit.kv import BlockManager, PagedKVCache
 from toolkit.models import LoadedModel, load_model
-from toolkit.processors import BatchView, RowState, apply_pipeline
+from toolkit.processors import BatchView, RowState, apply_pipeline, invalid_rows
 from toolkit.processors.masks import resolve_bad_words
 from toolkit.request import FinishReason, Request, RequestStatus
 from toolkit.runner import ModelRunner
@@ -139,7 +139,8 @@ class Engine:
                                      dtype=loaded.model.embed.dtype, device=self.device)
         self.block_manager = BlockManager(self.cfg.num_kv_blocks, self.cfg.block_size)
         self.scheduler = Scheduler(self.cfg, self.block_manager)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, self.device)
+        self.attention_backend = self._attention_backend()
+        self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, self.attention_backend)
         self.requests: dict[str, Request] = {}  # by sequence id
         self.groups: dict[str, list[str]] = {}  # request id -> its sequence ids
         self.step_index = 0
@@ -147,6 +148,27 @@ class Engine:
         self.first_admission_time: float | None = None
         self.last_finish_time: float | None = None
         self._next_id = 0
+
+    def _attention_backend(self) -> str:
+        """auto: the native kernel on CPU fp32 when it compiles, else torch's sdpa path."""
+        wanted = self.cfg.attention_backend
+        if wanted == "sdpa":
+            return "sdpa"
+        problem = None
+        if self.device.type != "cpu" or self.loaded.model.embed.dtype != torch.float32:
+            problem = "the native kernel runs on the CPU in float32 only"
+        else:
+            from toolkit.kernels import KernelUnavailable, load_paged_attention
+
+            try:
+                load_paged_attention()
+            except KernelUnavailable as exc:
+                problem = str(exc)
+        if problem is None:
+            return "kernel"
+        if wanted == "kernel":
+            raise ConfigError(f"engine.attention_backend=kernel is unavailable: {problem}")
+        return "sdpa"
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> "Engine":
@@ -294,14 +316,19 @@ class Engine:
         view = BatchView(rows=tuple(RowState(s.sampling, s.token_ids, s.num_prompt_tokens, s.bad_words_ids)
                                     for s in seqs),
                          vocab_size=self.vocab_size, device=out.logits_RV.device, eos_token_ids=self.eos_token_ids)
-        pipe = apply_pipeline(out.logits_RV, view)
+        lse_R = torch.logsumexp(out.logits_RV, dim=-1)
+        pipe = apply_pipeline(out.logits_RV, view, row_errors=invalid_rows(lse_R))
         good = [i for i in range(len(seqs)) if i not in pipe.errors]
         result = None
         if good:
             rows = [SampleRow(greedy=seqs[i].sampling.greedy, seed=seqs[i].seed, position=seqs[i].num_tokens,
                               stream=seqs[i].stream, num_top=seqs[i].sampling.logprobs or 0) for i in good]
-            index = torch.tensor(good, device=out.logits_RV.device)
-            result = sample(out.logits_RV.index_select(0, index), pipe.processed_RV.index_select(0, index), rows)
+            if len(good) == len(seqs):
+                result = sample(out.logits_RV, pipe.processed_RV, rows, lse_R)
+            else:
+                index = torch.tensor(good, device=out.logits_RV.device)
+                result = sample(out.logits_RV.index_select(0, index), pipe.processed_RV.index_select(0, index), rows,
+                                lse_R.index_select(0, index))
 
         for chunk in batch.chunks:
             self.requests[chunk.seq_id].num_computed_tokens = chunk.context_len

@@ -32,8 +32,11 @@ class ModelOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device):
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
+                 attention_backend: str = "sdpa", all_rows_kernel: bool = False):
         self.model = model
+        self.backend = attention_backend  # "kernel" or "sdpa" (resolved by the engine)
+        self.all_rows_kernel = all_rows_kernel and attention_backend == "kernel"
         self.groups = model.arch.num_heads // model.arch.num_kv_heads
         self.dtype = kv_cache.layers[0][0].dtype
         self.kv_cache = kv_cache
@@ -61,9 +64,20 @@ class ModelRunner:
                 rows.append(start + chunk.num_tokens - 1)
                 sample_chunks.append(chunk)
         dev = self.device
+        use_kernel = self.backend == "kernel"
+        kernel_rows = (len(ids) if self.all_rows_kernel else len(singles)) if use_kernel else 0
+
+        tables = query_table = query_ctx = None
+        if use_kernel:
+            width = max(len(c.block_table) for c in ordered)
+            tables = torch.tensor([list(c.block_table) + [0] * (width - len(c.block_table)) for c in ordered],
+                                  dtype=torch.int64, device=dev)  # (S, B)
+            query_table = torch.tensor([s for s, c in enumerate(ordered) for _ in range(c.num_tokens)],
+                                       dtype=torch.int64, device=dev)
+            query_ctx = torch.tensor([p + 1 for p in positions], dtype=torch.int64, device=dev)
 
         decode_tables = decode_bias = None
-        if singles:
+        if singles and not use_kernel:
             width = max(len(c.block_table) for c in singles)
             tables = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in singles]
             decode_tables = torch.tensor(tables, dtype=torch.int64, device=dev)  # (D, B)
@@ -72,7 +86,7 @@ class ModelRunner:
 
         prefills = []
         offset = len(singles)
-        for chunk in multis:
+        for chunk in ([] if self.all_rows_kernel else multis):
             ctx = chunk.context_len
             table = torch.tensor(chunk.block_table[: -(-ctx // bs)], dtype=torch.int64, device=dev)
             query_pos = torch.arange(chunk.start_pos, ctx, device=dev)
@@ -85,6 +99,10 @@ class ModelRunner:
         attn = AttentionMetadata(
             slot_mapping_N=torch.tensor(slots, dtype=torch.int64, device=dev),
             num_decodes=len(singles),
+            kernel_rows=kernel_rows,
+            block_tables_SB=tables,
+            query_table_N=query_table,
+            query_ctx_N=query_ctx,
             decode_block_tables_DB=decode_tables,
             decode_bias_DT=decode_bias,
             prefills=tuple(prefills),

@@ -36,10 +36,20 @@ class SampleResult:
     top_processed: list[list[tuple[int, float]]]
 
 
-def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRow],
+           raw_logsumexp_R: torch.Tensor | None = None) -> SampleResult:
+    """Choose one token per row. `processed_RV is raw_RV` (no processor changed anything) takes a fast
+    path: the processed distribution is the raw one and its support is the whole vocabulary."""
     r, vocab = raw_RV.shape
-    finite_RV = torch.isfinite(processed_RV)
-    support = finite_RV.sum(dim=-1).tolist()
+    unprocessed = processed_RV is raw_RV
+    raw_lse = raw_logsumexp_R if raw_logsumexp_R is not None else torch.logsumexp(raw_RV, dim=-1)
+    if unprocessed:
+        support = [vocab] * r
+        proc_lse = raw_lse
+    else:
+        finite_RV = torch.isfinite(processed_RV)
+        support = finite_RV.sum(dim=-1).tolist()
+        proc_lse = torch.logsumexp(processed_RV, dim=-1)
     tokens = torch.argmax(processed_RV, dim=-1).tolist()
     noise = [float("nan")] * r
     hashes = rng.token_hashes(vocab, raw_RV.device) if any(not row.greedy for row in rows) else None
@@ -58,21 +68,20 @@ def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRo
             choice, noise[i] = int(ids[j]), float(g_S[j])
         tokens[i] = choice
     token_t = torch.tensor(tokens, device=raw_RV.device).unsqueeze(1)
-    raw_lp_RV = torch.log_softmax(raw_RV, dim=-1)
-    proc_lp_RV = torch.log_softmax(processed_RV, dim=-1)
-    raw_lp = raw_lp_RV.gather(1, token_t).squeeze(1).tolist()
-    proc_lp = proc_lp_RV.gather(1, token_t).squeeze(1).tolist()
+    raw_lp = (raw_RV.gather(1, token_t).squeeze(1) - raw_lse).tolist()
+    proc_lp = raw_lp if unprocessed else (processed_RV.gather(1, token_t).squeeze(1) - proc_lse).tolist()
     num_top = max((row.num_top for row in rows), default=0)
-    top_raw = _top(raw_lp_RV, rows, num_top)
-    top_proc = _top(proc_lp_RV, rows, num_top)
+    top_raw = _top(raw_RV, raw_lse, rows, num_top)
+    top_proc = top_raw if unprocessed else _top(processed_RV, proc_lse, rows, num_top)
     return SampleResult(token_ids=tokens, raw_logprobs=raw_lp, processed_logprobs=proc_lp, support_sizes=support,
                         noise=noise, top_raw=top_raw, top_processed=top_proc)
 
 
-def _top(logprobs_RV: torch.Tensor, rows: list[SampleRow], k: int) -> list[list[tuple[int, float]]]:
+def _top(logits_RV: torch.Tensor, lse_R: torch.Tensor, rows: list[SampleRow], k: int
+         ) -> list[list[tuple[int, float]]]:
     if k == 0:
         return [[] for _ in rows]
-    values, ids = torch.topk(logprobs_RV, k, dim=-1)
-    values, ids = values.tolist(), ids.tolist()
+    values, ids = torch.topk(logits_RV, k, dim=-1)
+    values, ids = (values - lse_R.unsqueeze(1)).tolist(), ids.tolist()
     return [[(t, v) for t, v in zip(ids[i][:row.num_top], values[i][:row.num_top]) if v != float("-inf")]
             for i, row in enumerate(rows)]

@@ -42,14 +42,23 @@ class PipelineResult:
     errors: dict[int, str]  # row -> why it cannot be sampled
 
 
-def apply_pipeline(logits_RV: torch.Tensor, view: BatchView, registry: dict[str, Processor] | None = None
-                   ) -> PipelineResult:
-    """Run every row through its processors in its order. Never mutates `logits_RV`."""
+def invalid_rows(logsumexp_R: torch.Tensor) -> dict[int, str]:
+    """Rows whose raw logits hold NaN or +inf (their logsumexp is not finite) cannot be sampled."""
+    bad = (~torch.isfinite(logsumexp_R)).nonzero().flatten().tolist()
+    return {i: "the model produced NaN or infinite logits" for i in bad}
+
+
+def apply_pipeline(logits_RV: torch.Tensor, view: BatchView, registry: dict[str, Processor] | None = None,
+                   row_errors: dict[int, str] | None = None) -> PipelineResult:
+    """Run every row through its processors in its order. Never mutates `logits_RV`.
+
+    `row_errors` are rows already known to be unusable (see `invalid_rows`); without it the
+    logits are scanned for NaN here. When no processor is active, the result IS the input.
+    """
     registry = registry or REGISTRY
-    errors: dict[int, str] = {}
-    nan_rows = torch.isnan(logits_RV).any(dim=-1).nonzero().flatten().tolist()
-    for i in nan_rows:
-        errors[i] = "the model produced NaN logits"
+    if row_errors is None:
+        row_errors = invalid_rows(torch.logsumexp(logits_RV, dim=-1))
+    errors: dict[int, str] = dict(row_errors)
     groups: dict[tuple[str, ...], list[int]] = defaultdict(list)
     for i, row in enumerate(view.rows):
         if i not in errors:
@@ -96,4 +105,4 @@ def _apply_row_by_row(logits_RV, view, name, fn, rows, errors) -> torch.Tensor:
     return out
 
 
-__all__ = ["BatchView", "PipelineResult", "REGISTRY", "RowState", "apply_pipeline"]
+__all__ = ["BatchView", "PipelineResult", "REGISTRY", "RowState", "apply_pipeline", "invalid_rows"]

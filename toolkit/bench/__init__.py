@@ -1,0 +1,193 @@
+"""mode=bench: the same greedy requests through our engine and the tools users would pick instead.
+
+    python run.py mode=bench bench.workload=standard
+    python run.py mode=bench bench.num_requests=16 bench.max_tokens=48 bench.roofline=false   # quick
+
+Writes bench.json and bench.png into the run directory and prints the comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from toolkit.bench import roofline, systems
+from toolkit.bench.plots import plot_bench
+from toolkit.bench.workloads import BenchRequest, make_workload
+from toolkit.config import EngineConfig, ModelConfig, from_mapping
+from toolkit.errors import ConfigError
+from toolkit.metrics import percentile
+from toolkit.models import load_model
+from toolkit.models.loading import smollm2_dir, smollm2_gguf
+
+KNOWN_SYSTEMS = ("engine", "engine_notrace", "hf_static", "hf_cb", "naive", "llama_cpp")
+
+
+def agreement(reference: dict[str, list[int]], other: dict[str, list[int]]) -> dict[str, Any]:
+    """How many requests are token-identical (over the shorter length), and the first differing position."""
+    first_diff = {}
+    for rid, theirs in other.items():
+        ours = reference.get(rid, [])
+        n = min(len(ours), len(theirs))
+        diff = next((i for i in range(n) if ours[i] != theirs[i]), None)
+        if diff is not None:
+            first_diff[rid] = diff
+    return {"identical": len(other) - len(first_diff), "of": len(other), "first_diff": first_diff}
+
+
+def run_bench(cfg: DictConfig, run_dir: Path) -> int:
+    b = OmegaConf.to_container(cfg.bench, resolve=True)
+    engine_cfg = from_mapping(EngineConfig, OmegaConf.to_container(cfg.engine, resolve=True), section="engine")
+    model_cfg = from_mapping(ModelConfig, OmegaConf.to_container(cfg.model, resolve=True), section="model")
+    unknown = [s for s in b["systems"] if s not in KNOWN_SYSTEMS]
+    if unknown:
+        raise ConfigError(f"unknown bench system {unknown[0]!r}; known: {', '.join(KNOWN_SYSTEMS)}")
+    if engine_cfg.num_threads:
+        torch.set_num_threads(engine_cfg.num_threads)
+    t0 = time.perf_counter()
+    loaded = load_model(model_cfg, engine_cfg.device)
+    load_s = time.perf_counter() - t0
+    if loaded.tokenizer is None:
+        raise ConfigError("mode=bench needs a model with a tokenizer (smollm2 or a local HF checkpoint)")
+    workload = make_workload(b["workload"], loaded.tokenizer, b.get("num_requests"), b.get("max_tokens"), b["seed"])
+    if b.get("apply_workload_engine_overrides", True) and workload.engine_overrides:
+        engine_cfg = dataclasses.replace(engine_cfg, **workload.engine_overrides)
+    requests = workload.requests
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"workload {workload.name}: {workload.description}; {len(requests)} requests, "
+          f"{sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
+          f"{sum(r.max_tokens for r in requests)} output tokens", flush=True)
+
+    results: dict[str, systems.SystemResult] = {}
+    repeats = max(1, b.get("repeats", 1))
+    for name in ("engine", "engine_notrace"):
+        if name not in b["systems"]:
+            continue
+        runs = []
+        for i in range(repeats):
+            trace_dir = run_dir / f"engine_trace_{i}" if name == "engine" else None
+            runs.append(systems.run_engine(loaded, engine_cfg, requests, trace_dir=trace_dir, name=name))
+            print(f"  {name} run {i + 1}/{repeats}: {runs[-1].wall_s:.2f} s", flush=True)
+        runs.sort(key=lambda r: r.wall_s)
+        results[name] = runs[len(runs) // 2]
+        results[name].extra["wall_s_all"] = sorted(r.wall_s for r in runs)
+    needs_hf = any(s in b["systems"] for s in ("hf_static", "hf_cb", "naive"))
+    hf_dir = model_cfg.path or (smollm2_dir() if model_cfg.name == "smollm2" else None)
+    if needs_hf and hf_dir is None:
+        raise ConfigError("HF systems need a checkpoint directory (model=smollm2 or model.path=...)")
+    if "hf_static" in b["systems"]:
+        batch = b.get("hf_batch_size") or engine_cfg.max_num_seqs
+        results["hf_static"] = systems.run_hf_static(systems.load_hf_model(hf_dir), requests, batch,
+                                                     pad_id=loaded.tokenizer.eos_token_id or 0)
+        print(f"  hf_static: {results['hf_static'].wall_s:.2f} s", flush=True)
+    if "hf_cb" in b["systems"]:
+        results["hf_cb"] = systems.run_hf_cb(systems.load_hf_model(hf_dir), requests)
+        print(f"  hf_cb: {results['hf_cb'].wall_s:.2f} s", flush=True)
+    if "naive" in b["systems"]:
+        subset = [dataclasses.replace(r, max_tokens=min(r.max_tokens, b["naive_max_tokens"]))
+                  for r in requests[: b["naive_requests"]]]
+        results["naive"] = systems.run_naive(systems.load_hf_model(hf_dir), subset)
+        results["naive"].extra["subset"] = f"first {len(subset)} requests, <= {b['naive_max_tokens']} tokens"
+        print(f"  naive: {results['naive'].wall_s:.2f} s", flush=True)
+    if "llama_cpp" in b["systems"] and systems.llama_cpp_available() and model_cfg.name == "smollm2":
+        results["llama_cpp"] = systems.run_llama_cpp(smollm2_gguf(), requests, torch.get_num_threads())
+
+    report: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": _machine(),
+        "model": loaded.model_id,
+        "model_load_s": load_s,
+        "threads": torch.get_num_threads(),
+        "workload": {"name": workload.name, "description": workload.description, "requests": len(requests),
+                     "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+                     "output_tokens": sum(r.max_tokens for r in requests)},
+        "engine_config": dataclasses.asdict(engine_cfg),
+        "systems": {k: v.summary() for k, v in results.items()},
+    }
+    ours = results.get("engine") or results.get("engine_notrace")
+    if ours is not None:
+        report["ratios"] = {f"engine_over_{k}": ours.summary()["output_tok_per_s"] / v.summary()["output_tok_per_s"]
+                            for k, v in results.items() if k != ours.name}
+        report["greedy_agreement"] = {k: agreement(ours.tokens, v.tokens) for k, v in results.items()
+                                      if k != ours.name}
+    if "engine" in results and "engine_notrace" in results:
+        report["tracing_overhead"] = results["engine"].wall_s / results["engine_notrace"].wall_s - 1
+    if workload.baseline_groups and ours is not None:
+        report["long_prompt"] = _long_prompt_report(loaded, engine_cfg, requests, workload, ours)
+    if b.get("roofline", True):
+        print("  measuring the roofline ...", flush=True)
+        report["roofline"] = roofline.measure(loaded, engine_cfg, list(b["roofline_batches"]),
+                                              list(b["roofline_contexts"]), b["roofline_batch_context"],
+                                              b["roofline_context_batch"])
+    (run_dir / "bench.json").write_text(json.dumps(report, indent=2))
+    plot_bench(report, run_dir / "bench.png")
+    print_report(report, run_dir)
+    return 0
+
+
+def _long_prompt_report(loaded, engine_cfg, requests: list[BenchRequest], workload, ours) -> dict[str, Any]:
+    """TPOT of the running decodes with the long prompts arriving vs the same decodes alone."""
+    group = [r for r in requests if r.group in workload.baseline_groups]
+    alone = systems.run_engine(loaded, engine_cfg, group, name="decodes_alone")
+    with_prefill = [ours.tpot_s[r.id] for r in group if r.id in ours.tpot_s]
+    baseline = [alone.tpot_s[r.id] for r in group if r.id in alone.tpot_s]
+    p95_with, p95_alone = percentile(with_prefill, 95), percentile(baseline, 95)
+    return {"decodes": len(group), "tpot_p95_with_long_prefills_s": p95_with, "tpot_p95_alone_s": p95_alone,
+            "tpot_p95_ratio": p95_with / p95_alone if p95_alone else None,
+            "max_num_batched_tokens": engine_cfg.max_num_batched_tokens}
+
+
+def _machine() -> str:
+    import os
+    import platform
+
+    model = "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.system()}"
+
+
+def _fmt(value, spec=".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_report(report: dict[str, Any], run_dir: Path) -> None:
+    print(f"\n{report['model']} (load {report['model_load_s']:.2f} s), {report['threads']} threads; {report['machine']}")
+    print(f"{'system':<15} {'out tok':>8} {'wall s':>8} {'out tok/s':>10} {'tot tok/s':>10} {'ttft p50':>9} "
+          f"{'ttft p95':>9} {'tpot p50':>9} {'tpot p95':>9} {'peak RSS':>9}")
+    for name, s in report["systems"].items():
+        print(f"{name:<15} {s['output_tokens']:>8} {s['wall_s']:>8.2f} {s['output_tok_per_s']:>10.1f} "
+              f"{s['total_tok_per_s']:>10.1f} {_fmt(s['ttft_p50_s'], '.3f'):>9} {_fmt(s['ttft_p95_s'], '.3f'):>9} "
+              f"{_fmt(s['tpot_p50_s'], '.4f'):>9} {_fmt(s['tpot_p95_s'], '.4f'):>9} {_fmt(s['peak_rss_mb'], '.0f'):>7}MB")
+    for name, ratio in report.get("ratios", {}).items():
+        agree = report["greedy_agreement"][name.removeprefix("engine_over_")]
+        diff = f", first differing positions {agree['first_diff']}" if agree["first_diff"] else ""
+        print(f"ratio {name}: {ratio:.2f}x  (greedy token-identical {agree['identical']}/{agree['of']}{diff})")
+    if "tracing_overhead" in report:
+        print(f"tracing overhead: {100 * report['tracing_overhead']:+.1f}% wall time")
+    if "long_prompt" in report:
+        lp = report["long_prompt"]
+        print(f"long_prompt: TPOT p95 of the {lp['decodes']} decodes {lp['tpot_p95_with_long_prefills_s']:.4f} s with "
+              f"the long prefills vs {lp['tpot_p95_alone_s']:.4f} s alone: {lp['tpot_p95_ratio']:.2f}x "
+              f"(budget {lp['max_num_batched_tokens']})")
+    roof = report.get("roofline")
+    if roof:
+        print(f"roofline: memory read {roof['memory_read_gb_s']:.1f} GB/s; fp32 GEMM GFLOP/s by batch: "
+              + ", ".join(f"{m}: {r:.0f}" for m, r in roof["gemm_gflops"].items()))
+        for r in roof["by_batch"] + roof["by_context"]:
+            print(f"  batch {r['batch']:>3} context {r['context']:>5}: step {r['step_ms']:7.1f} ms, GEMM roofline "
+                  f"{r['gemm_bound_ms']:6.1f} ms + KV read {r['kv_read_ms']:5.1f} ms -> "
+                  f"{100 * r['fraction_of_gemm_roofline']:.0f}% of GEMM roofline, "
+                  f"{100 * r['fraction_of_bound']:.0f}% of bound, {r['tok_per_s']:.0f} tok/s")
+    print(f"bench.json, bench.png: {run_dir}")

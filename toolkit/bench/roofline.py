@@ -1,0 +1,127 @@
+"""This machine's roofline, measured in the same run as the systems it judges.
+
+- memory read bandwidth: summing a large fp32 tensor;
+- fp32 GEMM GFLOP/s at each decode batch size M, on the model's own projection shapes
+  with the op the engine uses (`x @ w_in_out`);
+- achieved decode step time per batch size (and per context length) against the bound:
+  the step's GEMM FLOPs at the measured GEMM rate, plus reading the KV cache at the
+  measured bandwidth.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import torch
+
+from toolkit.config import EngineConfig, SamplingParams
+from toolkit.engine import Engine
+from toolkit.request import RequestStatus
+
+
+def _best(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def memory_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
+    x = torch.ones(size_mb * 2**20 // 4, dtype=torch.float32)
+    seconds = _best(lambda: x.sum(), repeats)
+    return x.numel() * 4 / seconds / 1e9
+
+
+def step_gemm_flops(model, num_rows: int) -> float:
+    """FLOPs of the GEMMs of one decode step with `num_rows` sequences (every row sampled)."""
+    layer = model.layers[0]
+    per_layer = sum(w.shape[0] * w.shape[1] for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down))
+    head = model.lm_head_t.shape[0] * model.lm_head_t.shape[1]
+    return 2.0 * num_rows * (per_layer * len(model.layers) + head)
+
+
+def gemm_gflops(model, m: int, repeats: int = 5) -> float:
+    """Measured GFLOP/s of one decode step's GEMMs at batch m: every layer's four projections (their own
+    weights, so they stream from memory as in a real step) and the LM head."""
+    weights = [w for layer in model.layers for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down)]
+    weights.append(model.lm_head_t)
+    inputs = {w.shape[0]: torch.randn(m, w.shape[0], dtype=w.dtype) for w in weights}
+
+    def run():
+        for w in weights:
+            inputs[w.shape[0]] @ w
+
+    return step_gemm_flops(model, m) / _best(run, repeats) / 1e9
+
+
+def kv_bytes(engine: Engine, num_rows: int, context: int) -> float:
+    return num_rows * context * engine.kv_cache.bytes_per_token
+
+
+def decode_step_ms(loaded, engine_cfg: EngineConfig, batch: int, context: int, steps: int = 8) -> float:
+    """Median time of a pure decode step with `batch` sequences at `context` tokens of context.
+
+    The decode state is synthetic: each sequence's KV blocks are allocated and filled with
+    random values and it is marked as decoding, instead of prefilling batch x context tokens
+    first (the step's cost does not depend on the cached values).
+    """
+    blocks_needed = batch * (-(-(context + steps + 2) // engine_cfg.block_size))
+    cfg = EngineConfig(**{**engine_cfg.__dict__, "max_num_seqs": max(batch, 1),
+                          "max_num_batched_tokens": max(engine_cfg.max_num_batched_tokens, batch),
+                          "num_kv_blocks": blocks_needed + batch + 8})
+    engine = Engine(loaded, cfg, SamplingParams(temperature=0.0))
+    gen = torch.Generator().manual_seed(batch * 7919 + context)
+    for k, v in engine.kv_cache.layers:
+        k.copy_(torch.randn(k.shape, generator=gen) * 0.5)
+        v.copy_(torch.randn(v.shape, generator=gen) * 0.5)
+    rnd = random.Random(batch * 7919 + context)
+    vocab = loaded.arch.vocab_size
+    for _ in range(batch):
+        engine.add_request(prompt_token_ids=[rnd.randrange(vocab) for _ in range(context)],
+                           sampling_params=SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True))
+    engine.scheduler.arrivals(0)
+    for seq in list(engine.scheduler.waiting):  # as if prefilled: context tokens cached, one sampled token
+        engine.scheduler.waiting.remove(seq)
+        engine.block_manager.allocate(seq.seq_id, context + 1)
+        seq.num_computed_tokens = context
+        seq.token_ids.append(rnd.randrange(vocab))
+        seq.status = RequestStatus.DECODING
+        seq.admitted_step = 0
+        engine.scheduler.running.append(seq)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return 1000 * times[len(times) // 2]
+
+
+def measure(loaded, engine_cfg: EngineConfig, batch_sizes: list[int], contexts: list[int], batch_context: int,
+            context_batch: int) -> dict[str, Any]:
+    model = loaded.model
+    bw = memory_bandwidth_gbs()
+    rates = {m: gemm_gflops(model, m) for m in sorted(set(batch_sizes) | {context_batch})}
+    probe = Engine(loaded, EngineConfig(num_kv_blocks=1, max_num_seqs=1, max_num_batched_tokens=1),
+                   SamplingParams())
+
+    def row(batch: int, context: int) -> dict[str, Any]:
+        achieved = decode_step_ms(loaded, engine_cfg, batch, context)
+        gemm_ms = 1000 * step_gemm_flops(model, batch) / (rates[batch] * 1e9)
+        kv_ms = 1000 * kv_bytes(probe, batch, context) / (bw * 1e9)
+        return {"batch": batch, "context": context, "step_ms": achieved, "gemm_bound_ms": gemm_ms,
+                "kv_read_ms": kv_ms, "bound_ms": gemm_ms + kv_ms,
+                "fraction_of_gemm_roofline": gemm_ms / achieved, "fraction_of_bound": (gemm_ms + kv_ms) / achieved,
+                "tok_per_s": 1000 * batch / achieved}
+
+    return {
+        "memory_read_gb_s": bw,
+        "gemm_gflops": {str(m): r for m, r in rates.items()},
+        "by_batch": [row(b, batch_context) for b in batch_sizes],
+        "by_context": [row(context_batch, c) for c in contexts],
+    }

@@ -1,0 +1,261 @@
+"""The systems a benchmark compares, each serving the same greedy requests on the same weights.
+
+- engine: ours (with the trace writer, as `make run` runs it; or without it)
+- hf_static: HF `generate` on left-padded static batches in arrival order
+- hf_cb: HF continuous batching (`generate_batch` machinery, paged attention)
+- naive: a no-cache loop (the whole sequence through HF's forward for every token)
+- llama_cpp: llama-cpp-python on the original Q4_1 GGUF, when installed (other precision)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from toolkit.bench.workloads import BenchRequest
+from toolkit.config import EngineConfig, SamplingParams
+from toolkit.engine import Engine
+from toolkit.metrics import percentile
+from toolkit.trace import new_run_id
+from toolkit.trace.writer import TraceWriter
+
+
+@dataclass
+class SystemResult:
+    name: str
+    tokens: dict[str, list[int]]
+    wall_s: float
+    prompt_tokens: int
+    ttft_s: dict[str, float] = field(default_factory=dict)
+    tpot_s: dict[str, float] = field(default_factory=dict)
+    peak_rss_mb: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens.values())
+
+    def summary(self) -> dict[str, Any]:
+        ttft, tpot = list(self.ttft_s.values()), list(self.tpot_s.values())
+        return {
+            "requests": len(self.tokens), "output_tokens": self.output_tokens, "wall_s": self.wall_s,
+            "output_tok_per_s": self.output_tokens / self.wall_s,
+            "total_tok_per_s": (self.output_tokens + self.prompt_tokens) / self.wall_s,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
+            "tpot_p50_s": percentile(tpot, 50), "tpot_p95_s": percentile(tpot, 95),
+            "peak_rss_mb": self.peak_rss_mb, **self.extra,
+        }
+
+
+@contextmanager
+def rss_monitor(interval_s: float = 0.05):
+    """Sample this process's RSS while the block runs; yields a dict whose 'peak_mb' is filled at exit."""
+    proc = psutil.Process()
+    out = {"peak_mb": proc.memory_info().rss / 2**20}
+    stop = threading.Event()
+
+    def watch():
+        while not stop.wait(interval_s):
+            out["peak_mb"] = max(out["peak_mb"], proc.memory_info().rss / 2**20)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield out
+    finally:
+        stop.set()
+        thread.join()
+        out["peak_mb"] = max(out["peak_mb"], proc.memory_info().rss / 2**20)
+
+
+def _tpot(times: list[float]) -> float | None:
+    return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+
+
+# --------------------------------------------------------------------------- ours
+
+
+def run_engine(loaded, engine_cfg: EngineConfig, requests: list[BenchRequest], trace_dir: Path | None = None,
+               name: str = "engine") -> SystemResult:
+    engine = Engine(loaded, engine_cfg, SamplingParams(temperature=0.0))
+    for r in requests:
+        engine.add_request(prompt_token_ids=r.prompt_token_ids, request_id=r.id, arrival_step=r.arrival_step,
+                           sampling_params=SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True))
+    writer = TraceWriter(trace_dir, new_run_id()) if trace_dir is not None else None
+    step_log = []
+    with rss_monitor() as rss:
+        while engine.has_unfinished():
+            t = time.perf_counter()
+            out = engine.step()
+            if writer is not None:
+                writer.write_step(out.samples, out.logits_RV)
+            if out.batch_size:
+                step_log.append((out.batch_size, out.num_decode_tokens, out.num_prefill_tokens,
+                                 time.perf_counter() - t))
+        if writer is not None:
+            writer.close()  # the trace is part of the job: generation ends when it is on disk
+            engine.last_finish_time = time.perf_counter()
+    wall = engine.last_finish_time - engine.first_admission_time
+    result = SystemResult(name, {}, wall, sum(len(r.prompt_token_ids) for r in requests), peak_rss_mb=rss["peak_mb"])
+    for r in requests:
+        out = engine.output(r.id)
+        result.tokens[r.id] = list(out.output_token_ids)
+        m = out.metrics
+        result.ttft_s[r.id] = m.ttft_s
+        if m.tpot_s is not None:
+            result.tpot_s[r.id] = m.tpot_s
+    result.extra = {"steps": engine.step_index, "traced": writer is not None,
+                    "attention_backend": engine.attention_backend}
+    result.extra_steps = step_log  # type: ignore[attr-defined]
+    return result
+
+
+# --------------------------------------------------------------------------- HF transformers
+
+
+def load_hf_model(path: str | Path, attn: str = "sdpa"):
+    import logging
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
+    hf_logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn).eval()
+
+
+class _StepClock:
+    """A logits processor that only records when each generation step happens."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def run_hf_static(model, requests: list[BenchRequest], batch_size: int, pad_id: int) -> SystemResult:
+    from transformers import LogitsProcessorList
+
+    result = SystemResult("hf_static", {}, 0.0, sum(len(r.prompt_token_ids) for r in requests))
+    with rss_monitor() as rss:
+        start = time.perf_counter()
+        for s in range(0, len(requests), batch_size):
+            batch = requests[s:s + batch_size]
+            width = max(len(r.prompt_token_ids) for r in batch)
+            ids = torch.tensor([[pad_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
+            mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
+                                 for r in batch])
+            clock = _StepClock()
+            with torch.inference_mode():
+                out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, eos_token_id=None,
+                                     pad_token_id=pad_id, max_new_tokens=max(r.max_tokens for r in batch),
+                                     logits_processor=LogitsProcessorList([clock]))
+            for row, r in enumerate(batch):
+                result.tokens[r.id] = out[row, width:width + r.max_tokens].tolist()
+                times = clock.times[: r.max_tokens]
+                result.ttft_s[r.id] = times[0] - start  # every request arrived at the start
+                if _tpot(times) is not None:
+                    result.tpot_s[r.id] = _tpot(times)
+        result.wall_s = time.perf_counter() - start
+    result.peak_rss_mb = rss["peak_mb"]
+    result.extra = {"batch_size": batch_size}
+    return result
+
+
+def run_hf_cb(model, requests: list[BenchRequest]) -> SystemResult:
+    """HF continuous batching: every request added at the start with its own max_new_tokens."""
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=256)
+    result = SystemResult("hf_cb", {}, 0.0, sum(len(r.prompt_token_ids) for r in requests))
+    with rss_monitor() as rss:
+        with model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=5,
+                                                       warmup=False) as manager:
+            start = time.perf_counter()
+            for r in requests:
+                manager.add_request(r.prompt_token_ids, request_id=r.id, max_new_tokens=r.max_tokens,
+                                    record_timestamps=True)
+            done = 0
+            while done < len(requests):
+                out = manager.get_result(timeout=1)
+                if out is None:
+                    if not manager.is_running():
+                        raise RuntimeError("HF continuous batching stopped unexpectedly")
+                    continue
+                if out.is_finished():
+                    done += 1
+                    result.tokens[out.request_id] = list(out.generated_tokens)
+                    stamps = out.timestamps or []
+                    if stamps:
+                        result.ttft_s[out.request_id] = stamps[0] - start
+                        if _tpot(stamps) is not None:
+                            result.tpot_s[out.request_id] = _tpot(stamps)
+            result.wall_s = time.perf_counter() - start
+    result.peak_rss_mb = rss["peak_mb"]
+    return result
+
+
+def run_naive(model, requests: list[BenchRequest]) -> SystemResult:
+    """The seeds' baseline: no KV cache, the full sequence through the model for every new token."""
+    result = SystemResult("naive", {}, 0.0, sum(len(r.prompt_token_ids) for r in requests))
+    with rss_monitor() as rss:
+        start = time.perf_counter()
+        for r in requests:
+            ids = list(r.prompt_token_ids)
+            times = []
+            for _ in range(r.max_tokens):
+                with torch.inference_mode():
+                    logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
+                ids.append(int(torch.argmax(logits)))
+                times.append(time.perf_counter())
+            result.tokens[r.id] = ids[len(r.prompt_token_ids):]
+            result.ttft_s[r.id] = times[0] - start
+            if _tpot(times) is not None:
+                result.tpot_s[r.id] = _tpot(times)
+        result.wall_s = time.perf_counter() - start
+    result.peak_rss_mb = rss["peak_mb"]
+    return result
+
+
+def llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def run_llama_cpp(gguf_path: Path, requests: list[BenchRequest], threads: int) -> SystemResult:
+    """llama.cpp through llama-cpp-python on the Q4_1 GGUF itself: a different precision, reported beside."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf_path), n_ctx=4096, n_threads=threads, verbose=False, logits_all=False)
+    result = SystemResult("llama_cpp", {}, 0.0, sum(len(r.prompt_token_ids) for r in requests))
+    with rss_monitor() as rss:
+        start = time.perf_counter()
+        for r in requests:
+            llm.reset()
+            times, out = [], []
+            for token in llm.generate(r.prompt_token_ids, top_k=1, temp=0.0, reset=True):
+                out.append(int(token))
+                times.append(time.perf_counter())
+                if len(out) >= r.max_tokens:
+                    break
+            result.tokens[r.id] = out
+            result.ttft_s[r.id] = times[0] - start
+            if _tpot(times) is not None:
+                result.tpot_s[r.id] = _tpot(times)
+        result.wall_s = time.perf_counter() - start
+    result.peak_rss_mb = rss["peak_mb"]
+    result.extra = {"precision": "Q4_1 (not comparable bit for bit)"}
+    return result

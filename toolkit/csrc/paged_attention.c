@@ -1,0 +1,280 @@
+/*
+ * Paged attention on the CPU, fp32, one query token at a time.
+ *
+ * Every query reads its own sequence's keys and values straight from the paged cache
+ * ([num_blocks, block_size, kv_heads, head_dim]) through its block table: no gathered
+ * copy, no padding to the longest sequence. Keys are visited block by block in
+ * position order with an online softmax, so the result for a query depends only on
+ * the query, its context length and the cache contents: it is the same bits whatever
+ * the batch, the chunking of the prompt or the number of threads (each (query, kv
+ * head) item is computed by one thread, in one fixed order).
+ *
+ * The G query heads that share a KV head are processed together, so each key and
+ * value row is loaded once per group. Dot products use 16 independent lanes (SIMD
+ * without reassociation); exp is a Cody-Waite + polynomial approximation (~2 ulp)
+ * that the compiler vectorises.
+ */
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#define MAX_G 32
+#define MAX_D 256
+#define MAX_BS 64
+#define LANES 16
+
+static inline float exp_approx(float x) {
+    if (x < -87.0f) x = -87.0f;
+    if (x > 88.0f) x = 88.0f;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof(scale));
+    return p * scale;
+}
+
+static inline float dot(const float *a, const float *b, int64_t d) {
+    float lane[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= d; i += LANES)
+        for (int j = 0; j < LANES; j++) lane[j] += a[i + j] * b[i + j];
+    float tail = 0.0f;
+    for (; i < d; i++) tail += a[i] * b[i];
+    /* fixed pairwise order */
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) lane[j] += lane[j + w];
+    return lane[0] + tail;
+}
+
+/* ---------------------------------------------------------------- SIMD path (head_dim 64 or 128)
+ * GCC vector extensions: v16 is 16 floats (one AVX-512 register, two AVX2 ones). Keys are
+ * processed in tiles of 16 positions; a tile's 16 dot products per query head are 16
+ * lane-wise products reduced by one transpose-and-add tree, so no per-key horizontal sum.
+ */
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+static inline v16 vselect(vi16 mask, v16 a, v16 b) {  /* mask ? a : b, lane-wise */
+    return (v16)(((vi16)a & mask) | ((vi16)b & ~mask));
+}
+
+static inline v16 vexp(v16 x) {  /* exp_approx on 16 lanes, same formula */
+    x = vselect(x < splat(-87.0f), splat(-87.0f), x);
+    v16 y = x * splat(1.44269504088896341f);
+    v16 n = (y + splat(12582912.0f)) - splat(12582912.0f);  /* round to nearest (|y| < 2^22) */
+    v16 r = x - n * splat(0.693359375f);
+    r = r - n * splat(-2.12194440e-4f);
+    v16 p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * r * r + r + splat(1.0f);
+    vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+    return p * (v16)bits;
+}
+
+/* horizontal max and sum of 16 lanes, by a fixed tree of shuffles */
+static inline float hmax16(v16 x) {
+    const vi16 s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+    const vi16 s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+    const vi16 s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+    const vi16 s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+    v16 y;
+    y = __builtin_shuffle(x, s8); x = vselect(x > y, x, y);
+    y = __builtin_shuffle(x, s4); x = vselect(x > y, x, y);
+    y = __builtin_shuffle(x, s2); x = vselect(x > y, x, y);
+    y = __builtin_shuffle(x, s1); x = vselect(x > y, x, y);
+    return x[0];
+}
+
+static inline float hsum16(v16 x) {
+    const vi16 s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+    const vi16 s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+    const vi16 s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+    const vi16 s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+    x += __builtin_shuffle(x, s8);
+    x += __builtin_shuffle(x, s4);
+    x += __builtin_shuffle(x, s2);
+    x += __builtin_shuffle(x, s1);
+    return x[0];
+}
+
+/* R[t] = sum of the 16 lanes of P[t], for t = 0..15, in a fixed tree order */
+static inline v16 transpose_sum(const v16 P[16]) {
+    const vi16 lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const vi16 hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const vi16 lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const vi16 hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const vi16 lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const vi16 hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const vi16 lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const vi16 hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    v16 A[8], B[4], C[2];
+    for (int i = 0; i < 8; i++)
+        A[i] = __builtin_shuffle(P[2 * i], P[2 * i + 1], lo1) + __builtin_shuffle(P[2 * i], P[2 * i + 1], hi1);
+    for (int i = 0; i < 4; i++)
+        B[i] = __builtin_shuffle(A[2 * i], A[2 * i + 1], lo2) + __builtin_shuffle(A[2 * i], A[2 * i + 1], hi2);
+    for (int i = 0; i < 2; i++)
+        C[i] = __builtin_shuffle(B[2 * i], B[2 * i + 1], lo3) + __builtin_shuffle(B[2 * i], B[2 * i + 1], hi3);
+    return __builtin_shuffle(C[0], C[1], lo4) + __builtin_shuffle(C[0], C[1], hi4);
+}
+
+#define SIMD_MAX_H 32
+/* One query token, all its heads: each tile of 16 positions reads the K rows (then the V
+ * rows) of every KV head, which lie contiguously in the cache (the hardware prefetcher
+ * follows them; software prefetching measured slower). */
+#define DEFINE_SIMD_ITEM(DV)                                                                                   \
+static void item_simd_##DV(const float *qn, const float *k_cache, const float *v_cache, const int64_t *table, \
+                           int64_t ctx, int64_t H, int64_t K, int64_t BS, float scale, float *out) {           \
+    const int64_t D = DV * 16, G = H / K;                                                                      \
+    v16 q[SIMD_MAX_H][DV], acc[SIMD_MAX_H][DV];                                                                \
+    float m[SIMD_MAX_H], l[SIMD_MAX_H];                                                                        \
+    for (int64_t h = 0; h < H; h++) {                                                                          \
+        for (int i = 0; i < DV; i++) { q[h][i] = load16(qn + h * D + 16 * i) * splat(scale); acc[h][i] = splat(0.0f); } \
+        m[h] = -INFINITY; l[h] = 0.0f;                                                                         \
+    }                                                                                                          \
+    const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                                  \
+    const float *krow[16], *vrow[16];                                                                          \
+    for (int64_t t0 = 0; t0 < ctx; t0 += 16) {                                                                 \
+        const int64_t tn = (ctx - t0) < 16 ? (ctx - t0) : 16;                                                  \
+        for (int64_t t = 0, blk = t0 / BS, off = t0 % BS; t < tn; t++) {                                       \
+            const int64_t slot = table[blk] * BS + off;                                                        \
+            krow[t] = k_cache + slot * K * D;                                                                  \
+            vrow[t] = v_cache + slot * K * D;                                                                  \
+            if (++off == BS) { off = 0; blk++; }                                                               \
+        }                                                                                                      \
+        if (BS == 16 && t0 % 16 == 0 && t0 + 16 < ctx) { /* prefetch the next block (tile = block) */       \
+            const int64_t nb = table[t0 / 16 + 1] * 16 * K * D;                                                \
+            for (int64_t c = 0; c < 16 * K * D; c += 16) {                                                     \
+                __builtin_prefetch(k_cache + nb + c);                                                          \
+                __builtin_prefetch(v_cache + nb + c);                                                          \
+            }                                                                                                  \
+        }                                                                                                      \
+        const vi16 valid = lane < (vi16){tn, tn, tn, tn, tn, tn, tn, tn, tn, tn, tn, tn, tn, tn, tn, tn};      \
+        float pw[SIMD_MAX_H][16];                                                                              \
+        for (int64_t h = 0; h < H; h++) {                                                                      \
+            const int64_t off = (h / G) * D;                                                                   \
+            v16 P[16];                                                                                         \
+            for (int64_t t = 0; t < 16; t++) {                                                                 \
+                if (t < tn) {                                                                                  \
+                    const float *kr = krow[t] + off;                                                           \
+                    v16 acc_s = q[h][0] * load16(kr);                                                          \
+                    for (int i = 1; i < DV; i++) acc_s += q[h][i] * load16(kr + 16 * i);                      \
+                    P[t] = acc_s;                                                                              \
+                } else {                                                                                       \
+                    P[t] = splat(0.0f);                                                                        \
+                }                                                                                              \
+            }                                                                                                  \
+            v16 sc = vselect(valid, transpose_sum(P), splat(-INFINITY));                                       \
+            const float mb = hmax16(sc);                                                                       \
+            const float mn = mb > m[h] ? mb : m[h];                                                            \
+            const float alpha = m[h] == -INFINITY ? 0.0f : exp_approx(m[h] - mn);                              \
+            m[h] = mn;                                                                                         \
+            v16 e = vselect(valid, vexp(sc - splat(mn)), splat(0.0f));                                         \
+            l[h] = l[h] * alpha + hsum16(e);                                                                   \
+            for (int i = 0; i < DV; i++) acc[h][i] *= splat(alpha);                                            \
+            store16(pw[h], e);                                                                                 \
+        }                                                                                                      \
+        for (int64_t t = 0; t < tn; t++) {                                                                     \
+            for (int64_t kh = 0; kh < K; kh++) {                                                               \
+                v16 v[DV];                                                                                     \
+                for (int i = 0; i < DV; i++) v[i] = load16(vrow[t] + kh * D + 16 * i);                         \
+                for (int64_t h = kh * G; h < (kh + 1) * G; h++) {                                              \
+                    const v16 w = splat(pw[h][t]);                                                             \
+                    for (int i = 0; i < DV; i++) acc[h][i] += w * v[i];                                        \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+    }                                                                                                          \
+    for (int64_t h = 0; h < H; h++) {                                                                          \
+        const v16 inv = splat(1.0f / l[h]);                                                                    \
+        for (int i = 0; i < DV; i++) store16(out + h * D + 16 * i, acc[h][i] * inv);                          \
+    }                                                                                                          \
+}
+
+DEFINE_SIMD_ITEM(4)
+DEFINE_SIMD_ITEM(8)
+
+int toolkit_paged_attention_f32(
+    const float *q, int64_t q_row_stride,            /* q[n][h][d] at q + n*q_row_stride + h*D + d */
+    const float *k_cache, const float *v_cache,      /* [num_blocks][BS][K][D] contiguous */
+    const int64_t *block_tables, int64_t bt_row_stride,
+    const int64_t *query_table,                      /* [N] row of block_tables used by query n */
+    const int64_t *query_ctx,                        /* [N] number of keys query n sees (its position + 1) */
+    float *out,                                      /* [N][H][D] contiguous */
+    int64_t N, int64_t H, int64_t K, int64_t D, int64_t BS, float scale, int num_threads)
+{
+    if (H % K != 0 || H / K > MAX_G || D > MAX_D || BS > MAX_BS) return -1;
+    const int64_t G = H / K;
+    if (H <= SIMD_MAX_H && (D == 64 || D == 128)) {
+        #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+        for (int64_t n = 0; n < N; n++) {
+            const int64_t *table = block_tables + query_table[n] * bt_row_stride;
+            if (D == 64) item_simd_4(q + n * q_row_stride, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, out + n * H * D);
+            else item_simd_8(q + n * q_row_stride, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, out + n * H * D);
+        }
+        return 0;
+    }
+    #pragma omp parallel for collapse(2) schedule(dynamic, 4) num_threads(num_threads)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t kh = 0; kh < K; kh++) {
+            const int64_t ctx = query_ctx[n];
+            const int64_t *table = block_tables + query_table[n] * bt_row_stride;
+            const float *qn = q + n * q_row_stride + kh * G * D;
+            float m[MAX_G], l[MAX_G], acc[MAX_G][MAX_D], s[MAX_G][MAX_BS];
+            for (int64_t g = 0; g < G; g++) {
+                m[g] = -INFINITY;
+                l[g] = 0.0f;
+                for (int64_t d = 0; d < D; d++) acc[g][d] = 0.0f;
+            }
+            const int64_t nblocks = (ctx + BS - 1) / BS;
+            for (int64_t b = 0; b < nblocks; b++) {
+                const int64_t base = table[b] * BS;
+                const int64_t tn = (ctx - b * BS) < BS ? (ctx - b * BS) : BS;
+                for (int64_t t = 0; t < tn; t++) {
+                    const float *kr = k_cache + ((base + t) * K + kh) * D;
+                    for (int64_t g = 0; g < G; g++) s[g][t] = dot(qn + g * D, kr, D) * scale;
+                }
+                for (int64_t g = 0; g < G; g++) {
+                    float mb = s[g][0];
+                    for (int64_t t = 1; t < tn; t++) mb = s[g][t] > mb ? s[g][t] : mb;
+                    const float mn = mb > m[g] ? mb : m[g];
+                    const float alpha = m[g] == -INFINITY ? 0.0f : exp_approx(m[g] - mn);
+                    l[g] *= alpha;
+                    for (int64_t d = 0; d < D; d++) acc[g][d] *= alpha;
+                    for (int64_t t = 0; t < tn; t++) s[g][t] = exp_approx(s[g][t] - mn);
+                    for (int64_t t = 0; t < tn; t++) l[g] += s[g][t];
+                    m[g] = mn;
+                }
+                for (int64_t t = 0; t < tn; t++) {
+                    const float *vr = v_cache + ((base + t) * K + kh) * D;
+                    for (int64_t g = 0; g < G; g++) {
+                        const float p = s[g][t];
+                        for (int64_t d = 0; d < D; d++) acc[g][d] += p * vr[d];
+                    }
+                }
+            }
+            for (int64_t g = 0; g < G; g++) {
+                float *o = out + (n * H + kh * G + g) * D;
+                const float inv = 1.0f / l[g];
+                for (int64_t d = 0; d < D; d++) o[d] = acc[g][d] * inv;
+            }
+        }
+    }
+    return 0;
+}
