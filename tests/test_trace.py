@@ -112,7 +112,7 @@ def test_empty_support_finishes_only_that_request_with_error(tiny, tmp_path):
     assert out.finish_reason == "error" and out.output_token_ids == ()
     rows = [r for r in read_samples(tmp_path).to_pylist() if r["request_id"] == "bad"]
     assert len(rows) == 1 and rows[0]["token_id"] == -1 and rows[0]["finish_reason"] == "error"
-    assert "bad_words" in rows[0]["error"] and engine.block_manager.num_free_blocks == engine.cfg.num_kv_blocks
+    assert "bad_words" in rows[0]["error"] and engine.block_manager.num_free_blocks == engine.num_kv_blocks
 
 
 def test_rows_are_on_disk_after_each_flush(tiny, tmp_path):

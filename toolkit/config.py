@@ -27,6 +27,10 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+
 def from_mapping(cls, data: Mapping[str, Any] | None, *, section: str):
     """Build dataclass `cls` from a mapping, naming unknown keys (e.g. a typo) clearly."""
     data = dict(data or {})
@@ -79,18 +83,24 @@ class EngineConfig:
 
     device: str = "cpu"
     block_size: int = 16
-    num_kv_blocks: int = 2048
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb (capped at what max_num_seqs can use)
+    kv_cache_memory_gb: float = 2.0
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_batched_tokens: int = 512
-    max_num_seqs: int = 32
+    max_num_seqs: int = 64
     seed: int = 0  # run seed: requests without a seed derive theirs from it
     num_threads: int | None = None  # torch intra-op threads (None: torch's default)
     attention_backend: str = "auto"  # auto | kernel (native CPU paged attention) | sdpa (pure torch)
 
     def __post_init__(self):
-        for name in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             _check(_is_int(value) and value > 0, f"engine.{name} must be a positive integer, got {value!r}")
+        _check(self.num_kv_blocks is None or (_is_int(self.num_kv_blocks) and self.num_kv_blocks > 0),
+               f"engine.num_kv_blocks must be a positive integer or null (sized from kv_cache_memory_gb), "
+               f"got {self.num_kv_blocks!r}")
+        _check(_is_number(self.kv_cache_memory_gb) and self.kv_cache_memory_gb > 0,
+               f"engine.kv_cache_memory_gb must be a positive number, got {self.kv_cache_memory_gb!r}")
         _check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len > 0),
                f"engine.max_model_len must be a positive integer or null, got {self.max_model_len!r}")
         _check(self.num_threads is None or (_is_int(self.num_threads) and self.num_threads > 0),
@@ -113,10 +123,6 @@ DEFAULT_PROCESSORS = (
     # temperature, then truncation of the support
     "temperature", "top_k", "top_p", "min_p",
 )
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
 
 @dataclass(frozen=True)

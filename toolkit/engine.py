@@ -135,9 +135,10 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(t for t in eos if t < self.vocab_size))
         layers, kv_heads, head_dim = loaded.model.kv_shape
-        self.kv_cache = PagedKVCache(layers, self.cfg.num_kv_blocks, self.cfg.block_size, kv_heads, head_dim,
+        self.num_kv_blocks = self.cfg.num_kv_blocks or self._auto_num_blocks(layers, kv_heads, head_dim)
+        self.kv_cache = PagedKVCache(layers, self.num_kv_blocks, self.cfg.block_size, kv_heads, head_dim,
                                      dtype=loaded.model.embed.dtype, device=self.device)
-        self.block_manager = BlockManager(self.cfg.num_kv_blocks, self.cfg.block_size)
+        self.block_manager = BlockManager(self.num_kv_blocks, self.cfg.block_size)
         self.scheduler = Scheduler(self.cfg, self.block_manager)
         self.attention_backend = self._attention_backend()
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, self.attention_backend)
@@ -148,6 +149,15 @@ class Engine:
         self.first_admission_time: float | None = None
         self.last_finish_time: float | None = None
         self._next_id = 0
+
+    def _auto_num_blocks(self, layers: int, kv_heads: int, head_dim: int) -> int:
+        """As many blocks as engine.kv_cache_memory_gb holds, but no more than max_num_seqs full-length
+        sequences could ever use."""
+        element = torch.empty((), dtype=self.loaded.model.embed.dtype).element_size()
+        block_bytes = 2 * layers * self.cfg.block_size * kv_heads * head_dim * element
+        budget = int(self.cfg.kv_cache_memory_gb * 2**30 // block_bytes)
+        useful = self.cfg.max_num_seqs * -(-self.max_model_len // self.cfg.block_size)
+        return max(1, min(budget, useful))
 
     def _attention_backend(self) -> str:
         """auto: the native kernel on CPU fp32 when it compiles, else torch's sdpa path."""
@@ -267,7 +277,7 @@ class Engine:
         if total > self.max_model_len:
             raise RequestError(f"request {request_id}: prompt ({prompt_len}) + max_tokens ({max_tokens}) = {total} "
                                f"exceeds engine.max_model_len ({self.max_model_len}); lower max_tokens")
-        pool = self.cfg.num_kv_blocks * self.cfg.block_size
+        pool = self.num_kv_blocks * self.cfg.block_size
         if total > pool:
             raise RequestError(f"request {request_id}: prompt + max_tokens = {total} tokens can never fit the KV pool "
                                f"of {pool} tokens; raise engine.num_kv_blocks or lower max_tokens")

@@ -53,6 +53,8 @@ def build_manifest(engine, run_id: str, extra: dict[str, Any] | None = None) -> 
         "python": platform.python_version(),
         "platform": platform.platform(),
         "engine": {k: getattr(engine.cfg, k) for k in engine.cfg.__dataclass_fields__},
+        "num_kv_blocks": engine.num_kv_blocks,
+        "attention_backend": engine.attention_backend,
         **(extra or {}),
     }
 
