@@ -1,4 +1,5 @@
-"""Block manager invariants under random allocate / append / free sequences (hypothesis stateful)."""
+"""Block manager invariants under random allocate / write / fork / copy-on-write / prefix / swap / free
+sequences (a hypothesis state machine)."""
 
 from __future__ import annotations
 
@@ -8,40 +9,70 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from toolkit.kv import BlockManager, NoFreeBlocks
 
+BS = 4
+
 
 class BlockManagerMachine(RuleBasedStateMachine):
+    """A model of each live sequence's tokens, checked against the manager after every rule."""
+
     def __init__(self):
         super().__init__()
-        self.bm = BlockManager(num_blocks=24, block_size=4)
-        self.tokens: dict[str, int] = {}  # model: capacity per live sequence
+        self.bm = BlockManager(num_blocks=24, block_size=BS, enable_prefix_caching=True, num_host_blocks=12)
+        self.tokens: dict[str, list[int]] = {}  # resident sequences: their token ids (all "computed")
+        self.swapped: dict[str, list[int]] = {}
         self.counter = 0
 
-    @rule(num_tokens=st.integers(0, 40))
-    def allocate(self, num_tokens):
-        seq = f"s{self.counter}"
+    def _new_id(self) -> str:
         self.counter += 1
-        expected_ok = -(-num_tokens // 4) <= self.bm.num_free_blocks
-        assert self.bm.can_allocate(num_tokens) == expected_ok
-        if expected_ok:
-            self.bm.allocate(seq, num_tokens)
-            self.tokens[seq] = num_tokens
-        else:
-            with pytest.raises(NoFreeBlocks):
-                self.bm.allocate(seq, num_tokens)
-            assert not self.bm.has(seq)
+        return f"s{self.counter}"
+
+    @rule(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=30))
+    def allocate_with_prefix(self, tokens):
+        """A new sequence reuses its cached prefix, then writes the rest (small alphabet: many hits)."""
+        seq = self._new_id()
+        hits = self.bm.cached_prefix(tokens, (len(tokens) - 1) // BS)
+        revive = sum(self.bm.ref_counts[b] == 0 for b in hits)
+        needed = -(-len(tokens) // BS) - len(hits)
+        if needed + revive > self.bm.num_free_blocks:
+            return
+        cached = self.bm.allocate_prefix(seq, tokens, len(tokens) - 1)
+        assert cached == len(hits) * BS and cached < len(tokens)
+        self.bm.write(seq, cached, len(tokens))
+        self.bm.commit_full_blocks(seq, tokens, len(tokens))
+        self.tokens[seq] = list(tokens)
 
     @precondition(lambda self: self.tokens)
-    @rule(data=st.data(), extra=st.integers(0, 20))
-    def append(self, data, extra):
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 3), min_size=1, max_size=9))
+    def write(self, data, extra):
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        start, end = len(self.tokens[seq]), len(self.tokens[seq]) + len(extra)
         free_before = self.bm.num_free_blocks
-        if self.bm.can_append(seq, extra):
-            self.bm.append(seq, extra)
+        table_before = self.bm.block_table(seq)
+        if self.bm.can_write(seq, start, end):
+            copies = self.bm.write(seq, start, end)
+            table = self.bm.block_table(seq)
+            for c in copies:  # copy-on-write replaced a shared block by a private one
+                assert c.src in table_before and c.dst in table and c.src not in table
+                assert self.bm.ref_counts[c.dst] == 1
             self.tokens[seq] += extra
+            self.bm.commit_full_blocks(seq, self.tokens[seq], end)
         else:
             with pytest.raises(NoFreeBlocks):
-                self.bm.append(seq, extra)
-            assert self.bm.num_free_blocks == free_before  # a refused append changes nothing
+                self.bm.write(seq, start, end)
+            assert self.bm.num_free_blocks == free_before  # a refused write changes nothing
+        # the block being written is private now (or the write was refused)
+        if self.bm.has(seq) and len(self.tokens[seq]) == end:
+            last = self.bm.block_table(seq)[(end - 1) // BS]
+            assert self.bm.ref_counts[last] == 1
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(sorted(self.tokens)))
+        child = self._new_id()
+        self.bm.fork(parent, child)
+        assert self.bm.block_table(child) == self.bm.block_table(parent)
+        self.tokens[child] = list(self.tokens[parent])
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -50,31 +81,90 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.free(seq)
         del self.tokens[seq]
 
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        if not self.bm.can_swap_out(seq):
+            return
+        table = self.bm.block_table(seq)
+        copies = self.bm.swap_out(seq)
+        assert [c.device for c in copies] == table and not self.bm.has(seq) and self.bm.is_swapped(seq)
+        self.swapped[seq] = self.tokens.pop(seq)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.swapped)))
+        if not self.bm.can_swap_in(seq):
+            with pytest.raises(NoFreeBlocks):
+                self.bm.swap_in(seq)
+            return
+        copies = self.bm.swap_in(seq)
+        assert [c.device for c in copies] == self.bm.block_table(seq)
+        assert all(self.bm.ref_counts[c.device] == 1 for c in copies)
+        self.tokens[seq] = self.swapped.pop(seq)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def free_swapped(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.swapped)))
+        self.bm.free(seq)
+        del self.swapped[seq]
+
     @invariant()
     def consistent(self):
         self.bm.check_invariants()
-        for seq, n in self.tokens.items():
-            table = self.bm.block_table(seq)
-            assert len(table) == -(-n // 4)
-        owned = [b for seq in self.tokens for b in self.bm.block_table(seq)]
-        assert len(owned) == len(set(owned)), "a block is owned by two live sequences"
-        assert self.bm.num_free_blocks + len(owned) == self.bm.num_blocks, "leaked blocks"
+        for seq, toks in self.tokens.items():
+            assert len(self.bm.block_table(seq)) == -(-len(toks) // BS)
+        # a block shared by live tables has exactly that many references
+        owners: dict[int, int] = {}
+        for seq in self.tokens:
+            for b in self.bm.block_table(seq):
+                owners[b] = owners.get(b, 0) + 1
+        assert all(self.bm.ref_counts[b] == n for b, n in owners.items())
+        # swapped-out sequences own no device block: nobody can read their data through a table
+        for seq in self.swapped:
+            assert not self.bm.has(seq) and self.bm.is_swapped(seq)
+
+    def teardown(self):
+        for seq in list(self.tokens) + list(self.swapped):
+            self.bm.free(seq)
+        self.bm.check_invariants()
+        assert self.bm.num_free_blocks == self.bm.num_blocks, "blocks leaked after every sequence finished"
+        assert self.bm.num_free_host_blocks == self.bm.num_host_blocks
 
 
 TestBlockManager = BlockManagerMachine.TestCase
 
 
-def test_free_returns_every_block():
-    bm = BlockManager(8, 4)
-    bm.allocate("a", 9)
-    bm.allocate("b", 3)
-    assert bm.num_free_blocks == 4
-    bm.append("b", 2)  # 5 tokens -> 2 blocks
-    assert bm.block_table("b")[0] != bm.block_table("a")[0]
-    assert bm.slot("a", 5) == bm.block_table("a")[1] * 4 + 1
+def test_prefix_hits_and_eviction():
+    bm = BlockManager(6, 4, enable_prefix_caching=True)
+    prompt = list(range(10))  # two full blocks + 2 tokens
+    assert bm.allocate_prefix("a", prompt, 9) == 0
+    bm.write("a", 0, 10)
+    bm.commit_full_blocks("a", prompt, 10)
+    assert bm.num_cached_blocks == 2
+    assert bm.allocate_prefix("b", prompt + [99], 10) == 8  # both full blocks reused
+    assert bm.block_table("b")[:2] == bm.block_table("a")[:2]
     bm.free("a")
     bm.free("b")
-    assert bm.num_free_blocks == 8
+    assert bm.num_free_blocks == 6 and bm.num_cached_blocks == 2  # freed but still cached
+    assert bm.allocate_prefix("c", prompt, 9) == 8  # revived from the free list
+    bm.free("c")
+    bm.allocate("d", 24)  # takes every block: cached content is evicted
+    assert bm.num_cached_blocks == 0
+    bm.check_invariants()
+
+
+def test_fork_then_write_copies_the_shared_block():
+    bm = BlockManager(8, 4)
+    bm.allocate("p", 6)
+    bm.fork("p", "c")
+    copies = bm.write("c", 6, 7)  # position 6 lies in the shared second block
+    assert len(copies) == 1 and copies[0].src == bm.block_table("p")[1] and copies[0].dst == bm.block_table("c")[1]
+    assert bm.block_table("c")[0] == bm.block_table("p")[0]  # the untouched first block stays shared
+    assert bm.write("p", 6, 7) == []  # the parent's block is private again
     bm.check_invariants()
 
 

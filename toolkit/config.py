@@ -91,6 +91,10 @@ class EngineConfig:
     seed: int = 0  # run seed: requests without a seed derive theirs from it
     num_threads: int | None = None  # torch intra-op threads (None: torch's default)
     attention_backend: str = "auto"  # auto | kernel (native CPU paged attention) | sdpa (pure torch)
+    enable_prefix_caching: bool = False
+    preemption_mode: str = "recompute"  # recompute | swap
+    preemption_policy: str = "newest"  # newest | priority
+    swap_space_gb: float = 1.0  # host pool for preemption_mode=swap (pinned memory on CUDA)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -108,6 +112,14 @@ class EngineConfig:
         _check(_is_int(self.seed) and self.seed >= 0, f"engine.seed must be a non-negative integer, got {self.seed!r}")
         _check(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda", "mps"),
                f"engine.device must be cpu, cuda[:N] or mps, got {self.device!r}")
+        _check(isinstance(self.enable_prefix_caching, bool),
+               f"engine.enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        _check(self.preemption_mode in ("recompute", "swap"),
+               f"engine.preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        _check(self.preemption_policy in ("newest", "priority"),
+               f"engine.preemption_policy must be newest or priority, got {self.preemption_policy!r}")
+        _check(_is_number(self.swap_space_gb) and self.swap_space_gb >= 0,
+               f"engine.swap_space_gb must be a number >= 0, got {self.swap_space_gb!r}")
         _check(self.attention_backend in ATTENTION_BACKENDS,
                f"engine.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _check(self.max_num_batched_tokens >= self.max_num_seqs,

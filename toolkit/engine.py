@@ -106,8 +106,10 @@ class StepOutput:
     logits_RV: torch.Tensor | None  # raw logits; samples[i].logits_row indexes it
     deltas: tuple[TextDelta, ...]
     finished: tuple[str, ...]  # sequence ids
-    preempted: tuple[str, ...]
+    preempted: tuple[tuple[str, str], ...]  # (sequence id, "recompute" | "swap")
     kv_blocks_used: int
+    kv_utilization: float = 0.0  # used / total device blocks after the step
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache this step
 
 
 def derive_seed(run_seed: int, request_id: str) -> int:
@@ -136,9 +138,13 @@ class Engine:
         self.eos_token_ids = tuple(sorted(t for t in eos if t < self.vocab_size))
         layers, kv_heads, head_dim = loaded.model.kv_shape
         self.num_kv_blocks = self.cfg.num_kv_blocks or self._auto_num_blocks(layers, kv_heads, head_dim)
+        block_bytes = 2 * layers * self.cfg.block_size * kv_heads * head_dim * loaded.model.embed.element_size()
+        num_host_blocks = int(self.cfg.swap_space_gb * 2**30 // block_bytes) if self.cfg.preemption_mode == "swap" else 0
         self.kv_cache = PagedKVCache(layers, self.num_kv_blocks, self.cfg.block_size, kv_heads, head_dim,
-                                     dtype=loaded.model.embed.dtype, device=self.device)
-        self.block_manager = BlockManager(self.num_kv_blocks, self.cfg.block_size)
+                                     dtype=loaded.model.embed.dtype, device=self.device, num_host_blocks=num_host_blocks)
+        self.block_manager = BlockManager(self.num_kv_blocks, self.cfg.block_size,
+                                          enable_prefix_caching=self.cfg.enable_prefix_caching,
+                                          num_host_blocks=num_host_blocks)
         self.scheduler = Scheduler(self.cfg, self.block_manager)
         self.attention_backend = self._attention_backend()
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, self.attention_backend)
@@ -197,8 +203,12 @@ class Engine:
     def add_request(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                     prompt_token_ids: Sequence[int] | None = None,
                     sampling_params: SamplingParams | Mapping[str, Any] | None = None,
-                    request_id: str | None = None, arrival_step: int | None = None) -> str:
-        """Validate and queue a request (n sequences when n > 1); returns its id. Raises RequestError."""
+                    request_id: str | None = None, arrival_step: int | None = None, priority: int = 0) -> str:
+        """Validate and queue a request (n sequences when n > 1); returns its id. Raises RequestError.
+
+        With n > 1 only sample 0 is prefilled; the other samples fork its blocks (copy-on-write)
+        when its prompt is done and sample their first token from the same logits, each with
+        its own RNG stream."""
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
@@ -214,6 +224,10 @@ class Engine:
         bad_words_ids = self._bad_words_ids(params)
         if arrival_step is not None and not (isinstance(arrival_step, int) and arrival_step >= 0):
             raise RequestError(f"arrival_step must be a non-negative integer, got {arrival_step!r}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RequestError(f"priority must be an integer, got {priority!r}")
+        if params.n > self.cfg.max_num_seqs:
+            raise RequestError(f"n={params.n} parallel samples exceed engine.max_num_seqs ({self.cfg.max_num_seqs})")
         seed = params.seed if params.seed is not None else derive_seed(self.cfg.seed, request_id)
         now = time.perf_counter()
         seq_ids = []
@@ -221,10 +235,12 @@ class Engine:
             seq_id = request_id if params.n == 1 else f"{request_id}#{stream}"
             seq = Request(seq_id=seq_id, request_id=request_id, prompt_token_ids=tuple(ids), sampling=params,
                           seed=seed, arrival_step=max(arrival_step or 0, self.step_index), prompt_text=text,
-                          stream=stream, bad_words_ids=bad_words_ids, add_time=now)
+                          stream=stream, bad_words_ids=bad_words_ids, add_time=now, priority=priority)
             self.requests[seq_id] = seq
-            self.scheduler.add(seq)
             seq_ids.append(seq_id)
+        leader = self.requests[seq_ids[0]]
+        leader.followers = seq_ids[1:]
+        self.scheduler.add(leader)
         self.groups[request_id] = seq_ids
         return request_id
 
@@ -313,7 +329,7 @@ class Engine:
         if batch.is_empty:
             nxt = self.scheduler.next_arrival_step
             self.step_index = nxt if (nxt is not None and nxt > step) else step + 1
-            return StepOutput(step, 0, 0, 0, (), None, (), (), batch.preempted, self.block_manager.num_used_blocks)
+            return self._step_output(batch)
         if self.first_admission_time is None:
             self.first_admission_time = now
         for chunk in batch.chunks:
@@ -322,33 +338,58 @@ class Engine:
                 seq.first_scheduled_time = now
 
         out = self.runner.run(batch)  # the ONE forward of this step
-        seqs = [self.requests[c.seq_id] for c in out.sample_chunks]
+        # rows to sample: one per sampling chunk, plus the parallel samples a finished prompt forks
+        seqs, logits_rows, forks = [], [], []
+        for row, chunk in enumerate(out.sample_chunks):
+            seq = self.requests[chunk.seq_id]
+            seqs.append(seq)
+            logits_rows.append(row)
+            if seq.followers and seq.num_output_tokens == 0:
+                for follower_id in seq.followers:
+                    seqs.append(self.requests[follower_id])
+                    logits_rows.append(row)
+                    forks.append((seq, self.requests[follower_id]))
+                seq.followers = []
+        logits_RV = out.logits_RV
+        if len(logits_rows) != logits_RV.shape[0]:
+            logits_RV = logits_RV.index_select(0, torch.tensor(logits_rows, device=logits_RV.device))
         view = BatchView(rows=tuple(RowState(s.sampling, s.token_ids, s.num_prompt_tokens, s.bad_words_ids)
                                     for s in seqs),
-                         vocab_size=self.vocab_size, device=out.logits_RV.device, eos_token_ids=self.eos_token_ids)
-        lse_R = torch.logsumexp(out.logits_RV, dim=-1)
-        pipe = apply_pipeline(out.logits_RV, view, row_errors=invalid_rows(lse_R))
+                         vocab_size=self.vocab_size, device=logits_RV.device, eos_token_ids=self.eos_token_ids)
+        lse_R = torch.logsumexp(logits_RV, dim=-1)
+        pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse_R))
         good = [i for i in range(len(seqs)) if i not in pipe.errors]
         result = None
         if good:
             rows = [SampleRow(greedy=seqs[i].sampling.greedy, seed=seqs[i].seed, position=seqs[i].num_tokens,
                               stream=seqs[i].stream, num_top=seqs[i].sampling.logprobs or 0) for i in good]
             if len(good) == len(seqs):
-                result = sample(out.logits_RV, pipe.processed_RV, rows, lse_R)
+                result = sample(logits_RV, pipe.processed_RV, rows, lse_R)
             else:
-                index = torch.tensor(good, device=out.logits_RV.device)
-                result = sample(out.logits_RV.index_select(0, index), pipe.processed_RV.index_select(0, index), rows,
+                index = torch.tensor(good, device=logits_RV.device)
+                result = sample(logits_RV.index_select(0, index), pipe.processed_RV.index_select(0, index), rows,
                                 lse_R.index_select(0, index))
 
+        # ---- commit: the one place where results feed back into sequence state
         for chunk in batch.chunks:
-            self.requests[chunk.seq_id].num_computed_tokens = chunk.context_len
+            seq = self.requests[chunk.seq_id]
+            seq.num_computed_tokens = chunk.context_len
+            self.block_manager.commit_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        for leader, follower in forks:
+            self.block_manager.fork(leader.seq_id, follower.seq_id)
+            follower.num_computed_tokens = leader.num_computed_tokens
+            follower.arrival_time, follower.admitted_step = leader.arrival_time, step
+            follower.first_scheduled_time = leader.first_scheduled_time
         traces, deltas, finished = [], [], []
         slot = {row: j for j, row in enumerate(good)}
+        forked = {f.seq_id for _, f in forks}
         for i, seq in enumerate(seqs):
             j = slot.get(i)
             token = result.token_ids[j] if j is not None else -1
             position = seq.num_tokens
             delta = self._commit_row(seq, token, pipe.errors.get(i))
+            if seq.seq_id in forked and not delta.finished:
+                self.scheduler.adopt(seq)
             deltas.append(delta)
             if delta.finished:
                 finished.append(seq.seq_id)
@@ -369,11 +410,15 @@ class Engine:
                 error=pipe.errors.get(i), t_emit_s=time.perf_counter() - self.start_time, logits_row=i,
             ))
         self.step_index = step + 1
-        return StepOutput(step=step, batch_size=len(batch.chunks), num_decode_tokens=batch.num_decode_tokens,
-                          num_prefill_tokens=batch.num_prefill_tokens, samples=tuple(traces), logits_RV=out.logits_RV,
-                          deltas=tuple(d for d in deltas if d.text or d.token_ids or d.finished),
-                          finished=tuple(finished), preempted=batch.preempted,
-                          kv_blocks_used=self.block_manager.num_used_blocks)
+        return self._step_output(batch, tuple(traces), logits_RV,
+                                 tuple(d for d in deltas if d.text or d.token_ids or d.finished), tuple(finished))
+
+    def _step_output(self, batch, traces=(), logits_RV=None, deltas=(), finished=()) -> StepOutput:
+        used = self.block_manager.num_used_blocks
+        return StepOutput(step=batch.step, batch_size=len(batch.chunks), num_decode_tokens=batch.num_decode_tokens,
+                          num_prefill_tokens=batch.num_prefill_tokens, samples=traces, logits_RV=logits_RV,
+                          deltas=deltas, finished=finished, preempted=batch.preempted, kv_blocks_used=used,
+                          kv_utilization=used / self.num_kv_blocks, prefix_hit_tokens=batch.prefix_hit_tokens)
 
     def _commit_row(self, seq: Request, token: int, error: str | None) -> TextDelta:
         """The one place where a sampling result feeds back into sequence state."""
@@ -432,6 +477,7 @@ class Engine:
         now = time.perf_counter()
         for seq_id in self.groups[request_id]:
             seq = self.requests[seq_id]
+            seq.followers = []
             if not seq.is_finished:
                 self._finish(seq, FinishReason.ABORT, "abort", None, now)
 

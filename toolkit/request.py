@@ -43,6 +43,8 @@ class Request:
     prompt_text: str | None = None
     stream: int = 0  # RNG stream: the sample index among the request's n samples
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    priority: int = 0  # lower is more important (vLLM); used by preemption_policy=priority
+    followers: list[str] = field(default_factory=list)  # stream 0 of n > 1: samples forked from it after prefill
 
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
@@ -62,6 +64,7 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     preempted_steps: list[int] = field(default_factory=list)
+    preemption_modes: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.token_ids:
@@ -86,6 +89,11 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def group_slots(self) -> int:
+        """Sequence slots admitting this sequence takes: itself plus the samples it will fork."""
+        return 1 + len(self.followers)
 
     @property
     def is_finished(self) -> bool:

@@ -115,7 +115,15 @@ class ModelRunner:
             sample_chunks=tuple(sample_chunks),
         )
 
+    def move_blocks(self, batch: ScheduledBatch) -> None:
+        """The batch's copy jobs, in the only safe order: swap out, swap in, copy-on-write."""
+        cache = self.kv_cache
+        cache.swap_out([c.device for c in batch.swap_out], [c.host for c in batch.swap_out])
+        cache.swap_in([c.device for c in batch.swap_in], [c.host for c in batch.swap_in])
+        cache.copy_blocks([c.src for c in batch.block_copies], [c.dst for c in batch.block_copies])
+
     def run(self, batch: ScheduledBatch) -> ModelOutput:
+        self.move_blocks(batch)
         inputs = self.prepare(batch)
         self.num_forwards += 1
         logits = self.model(inputs.input_ids_N, inputs.positions_N, inputs.attn, self.kv_cache.layers,

@@ -1,15 +1,18 @@
-"""Scheduler: decides, each step, which tokens of which requests go into the ONE forward pass.
+"""Scheduler: decides, each step, which tokens of which sequences go into the ONE forward pass.
 
-Policy (vLLM's chunked-prefill scheduler, see docs in shared/reference):
-1. Decode first. Every running request whose prompt is fully cached gets exactly one token,
-   in admission order. If its KV cannot grow, the newest running request is preempted
-   (recompute: its blocks are freed and it re-queues at the head of the waiting queue).
-2. Then running requests that are still prefilling continue, in admission order, each
-   taking a chunk of what is left of the token budget (shrunk to the free KV blocks).
-3. Then waiting requests are admitted in FCFS order while there is budget, a free sequence
-   slot (`max_num_seqs`) and KV blocks for their first chunk; not in a step that preempted.
-A chunk that reaches the end of a request's tokens samples that request's next token in
-the same step.
+Policy (vLLM's chunked-prefill scheduler):
+1. Decode first. Every running sequence whose tokens are all cached but the newest gets
+   exactly one token, oldest first. If its KV cannot grow, a victim is preempted
+   (`preemption_policy`: the newest running sequence, or the lowest priority): its blocks
+   are freed for recompute, or copied to the host pool (`preemption_mode=swap`), and it
+   re-queues at the head of the waiting queue.
+2. Then running sequences that are still prefilling continue, oldest first, each taking a
+   chunk of what is left of the token budget (shrunk to the free KV blocks).
+3. Then waiting sequences are admitted in FCFS order while there is budget, a free
+   sequence slot (`max_num_seqs`) and KV blocks, never in a step that preempted: swapped
+   sequences come back into fresh blocks, others start from their longest prefix-cache hit.
+A chunk that reaches the end of a sequence's tokens samples its next token in the same step.
+Copy jobs (swap out, swap in, copy-on-write) travel with the batch, to run before the forward.
 """
 
 from __future__ import annotations
@@ -19,19 +22,19 @@ from collections import deque
 from dataclasses import dataclass
 
 from toolkit.config import EngineConfig
-from toolkit.kv.block_manager import BlockManager
+from toolkit.kv.block_manager import BlockCopy, BlockManager, SwapCopy
 from toolkit.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """A contiguous run of one request's tokens to compute in this step."""
+    """A contiguous run of one sequence's tokens to compute in this step."""
 
     seq_id: str
     token_ids: tuple[int, ...]
     start_pos: int  # position of token_ids[0]
     block_table: tuple[int, ...]  # blocks covering positions [0, start_pos + len(token_ids))
-    samples: bool  # the chunk ends at the request's newest token: sample the next one
+    samples: bool  # the chunk ends at the sequence's newest token: sample the next one
 
     @property
     def num_tokens(self) -> int:
@@ -48,7 +51,11 @@ class ScheduledBatch:
     chunks: tuple[ScheduledChunk, ...]
     num_decode_tokens: int
     num_prefill_tokens: int
-    preempted: tuple[str, ...] = ()
+    preempted: tuple[tuple[str, str], ...] = ()  # (sequence id, "recompute" | "swap")
+    swap_out: tuple[SwapCopy, ...] = ()  # device -> host, before anything else
+    swap_in: tuple[SwapCopy, ...] = ()  # host -> device
+    block_copies: tuple[BlockCopy, ...] = ()  # copy-on-write, device -> device
+    prefix_hit_tokens: int = 0  # prompt tokens admitted from the prefix cache this step
 
     @property
     def num_tokens(self) -> int:
@@ -92,122 +99,166 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self._pending or self.waiting or self.running)
 
+    def adopt(self, seq: Request) -> None:
+        """A sequence forked from a running one (a parallel sample) starts running, already decoding."""
+        seq.status = RequestStatus.DECODING
+        self.running.append(seq)
+
     def finish(self, request: Request) -> None:
-        """Release a finished (or aborted) request's blocks and drop it from every queue."""
+        """Release a finished (or aborted) sequence's blocks and drop it from every queue."""
         if request in self.running:
             self.running.remove(request)
         if request in self.waiting:
             self.waiting.remove(request)
         self._pending = [e for e in self._pending if e[2] is not request]
-        if self.blocks.has(request.seq_id):
-            self.blocks.free(request.seq_id)
+        self.blocks.free(request.seq_id)
 
     # ------------------------------------------------------------------ the step
 
     def schedule(self, step: int) -> ScheduledBatch:
-        preempted: list[str] = []
+        plan = _Plan()
         while True:
-            batch = self._schedule_once(step, preempted)
+            batch = self._schedule_once(step, plan)
             if batch.chunks or not self.running:
                 return batch
-            # Nothing could run although running requests hold every block (their prefills
-            # cannot grow): free the newest so the older ones progress.
-            victim = self.running[-1]
-            self._preempt(victim, step)
-            preempted.append(victim.seq_id)
+            # Nothing could run although running sequences hold every block (their prefills
+            # cannot grow): free a victim so the others progress.
+            self._preempt(self._victim(set()), step, plan)
 
-    def _schedule_once(self, step: int, preempted: list[str]) -> ScheduledBatch:
+    def _schedule_once(self, step: int, plan: "_Plan") -> ScheduledBatch:
         budget = self.cfg.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
+        scheduled: set[str] = set()
         num_decode = num_prefill = 0
 
-        # 1. decodes: one token each, oldest first; preempt the newest to make room
-        for request in list(self.running):
+        # 1. decodes: one token each, oldest first; preempt a victim to make room
+        for seq in list(self.running):
             if budget == 0:
                 break
-            if request.status is not RequestStatus.DECODING or request not in self.running:
+            if seq.status is not RequestStatus.DECODING or seq not in self.running:
                 continue
-            while not self._can_extend(request, 1):
-                victim = self._newest_unscheduled(chunks)
-                self._preempt(victim, step)
-                preempted.append(victim.seq_id)
-                if victim is request:
+            while not self.blocks.can_write(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + 1):
+                victim = self._victim(scheduled)
+                self._preempt(victim, step, plan)
+                if victim is seq:
                     break
-            if request in self.running:
-                chunks.append(self._take(request, 1))
+            if seq in self.running:
+                chunks.append(self._take(seq, 1, plan))
+                scheduled.add(seq.seq_id)
                 budget -= 1
                 num_decode += 1
 
         # 2. running prefills continue, oldest first, shrunk to the free KV blocks
-        for request in list(self.running):
+        for seq in list(self.running):
             if budget == 0:
                 break
-            if request.status is not RequestStatus.PREFILLING:
+            if seq.status is not RequestStatus.PREFILLING:
                 continue
-            size = min(budget, request.num_uncomputed_tokens, self._room(request))
+            size = self._fit(seq, min(budget, seq.num_uncomputed_tokens))
             if size > 0:
-                chunks.append(self._take(request, size))
+                chunks.append(self._take(seq, size, plan))
+                scheduled.add(seq.seq_id)
                 budget -= size
                 num_prefill += size
 
         # 3. admissions, FCFS; never in a step that had to preempt (avoids thrashing)
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.cfg.max_num_seqs:
-            request = self.waiting[0]
-            size = min(budget, request.num_uncomputed_tokens, self.blocks.num_free_blocks * self.blocks.block_size)
-            if size == 0:
+        while self.waiting and budget > 0 and not plan.preempted:
+            seq = self.waiting[0]
+            if len(self.running) + seq.group_slots > self.cfg.max_num_seqs:
                 break
-            self.waiting.popleft()
-            self.blocks.allocate(request.seq_id, 0)
-            request.status = RequestStatus.PREFILLING
-            if request.admitted_step is None:
-                request.admitted_step = step
-            self.running.append(request)
-            chunks.append(self._take(request, size))
-            budget -= size
-            num_prefill += size
+            if self.blocks.is_swapped(seq.seq_id):
+                if not self.blocks.can_swap_in(seq.seq_id):
+                    break
+                self.waiting.popleft()
+                plan.swap_in.extend(self.blocks.swap_in(seq.seq_id))
+            else:
+                hits = self.blocks.cached_prefix(seq.token_ids, (seq.num_tokens - 1) // self.blocks.block_size)
+                cached = len(hits) * self.blocks.block_size
+                room = (self.blocks.num_free_blocks - sum(self.blocks.ref_counts[b] == 0 for b in hits)) \
+                    * self.blocks.block_size
+                if min(budget, seq.num_tokens - cached, room) <= 0:
+                    break
+                self.waiting.popleft()
+                seq.num_computed_tokens = self.blocks.allocate_prefix(seq.seq_id, seq.token_ids, seq.num_tokens - 1)
+                plan.prefix_hit_tokens += seq.num_computed_tokens
+            seq.status = RequestStatus.DECODING if seq.num_uncomputed_tokens == 1 and seq.num_output_tokens \
+                else RequestStatus.PREFILLING
+            if seq.admitted_step is None:
+                seq.admitted_step = step
+            self.running.append(seq)
+            size = self._fit(seq, min(budget, seq.num_uncomputed_tokens))
+            if size > 0:
+                chunks.append(self._take(seq, size, plan))
+                scheduled.add(seq.seq_id)
+                budget -= size
+                if seq.status is RequestStatus.DECODING:
+                    num_decode += size
+                else:
+                    num_prefill += size
 
         return ScheduledBatch(step=step, chunks=tuple(chunks), num_decode_tokens=num_decode,
-                              num_prefill_tokens=num_prefill, preempted=tuple(preempted))
+                              num_prefill_tokens=num_prefill, preempted=tuple(plan.preempted),
+                              swap_out=tuple(plan.swap_out), swap_in=tuple(plan.swap_in),
+                              block_copies=tuple(plan.copies), prefix_hit_tokens=plan.prefix_hit_tokens)
 
     # ------------------------------------------------------------------ helpers
 
-    def _can_extend(self, request: Request, num_new: int) -> bool:
-        total = request.num_computed_tokens + num_new
-        extra = total - self.blocks.num_tokens(request.seq_id)
-        return extra <= 0 or self.blocks.can_append(request.seq_id, extra)
+    def _fit(self, seq: Request, wanted: int) -> int:
+        """Largest chunk <= wanted whose KV (growth and copy-on-write) fits in the free blocks."""
+        start, bs = seq.num_computed_tokens, self.blocks.block_size
+        if self.blocks.can_write(seq.seq_id, start, start + wanted):
+            return wanted
+        capacity = (len(self.blocks.block_table(seq.seq_id)) + self.blocks.num_free_blocks) * bs - start
+        size = min(wanted, capacity)
+        while size > 0 and not self.blocks.can_write(seq.seq_id, start, start + size):
+            size -= bs  # a copy-on-write block also needs room
+        return max(size, 0)
 
-    def _room(self, request: Request) -> int:
-        """Tokens the request can still add: slack in its last block plus every free block."""
-        capacity = len(self.blocks.block_table(request.seq_id)) + self.blocks.num_free_blocks
-        return capacity * self.blocks.block_size - request.num_computed_tokens
-
-    def _take(self, request: Request, size: int) -> ScheduledChunk:
-        start = request.num_computed_tokens
+    def _take(self, seq: Request, size: int, plan: "_Plan") -> ScheduledChunk:
+        start = seq.num_computed_tokens
         total = start + size
-        extra = total - self.blocks.num_tokens(request.seq_id)
-        if extra > 0:
-            self.blocks.append(request.seq_id, extra)
+        plan.copies.extend(self.blocks.write(seq.seq_id, start, total))
         return ScheduledChunk(
-            seq_id=request.seq_id,
-            token_ids=tuple(request.token_ids[start:total]),
+            seq_id=seq.seq_id,
+            token_ids=tuple(seq.token_ids[start:total]),
             start_pos=start,
-            block_table=tuple(self.blocks.block_table(request.seq_id)),
-            samples=total == request.num_tokens,
+            block_table=tuple(self.blocks.block_table(seq.seq_id)),
+            samples=total == seq.num_tokens,
         )
 
-    def _newest_unscheduled(self, chunks: list[ScheduledChunk]) -> Request:
-        scheduled = {c.seq_id for c in chunks}
-        for request in reversed(self.running):
-            if request.seq_id not in scheduled:
-                return request
-        raise AssertionError("no preemption victim: every running request is already scheduled")
+    def _victim(self, scheduled: set[str]) -> Request:
+        candidates = [s for s in self.running if s.seq_id not in scheduled]
+        if not candidates:
+            raise AssertionError("no preemption victim: every running sequence is already scheduled")
+        if self.cfg.preemption_policy == "priority":
+            order = {id(s): i for i, s in enumerate(self.running)}
+            return max(candidates, key=lambda s: (s.priority, order[id(s)]))
+        return candidates[-1]  # the newest
 
-    def _preempt(self, request: Request, step: int) -> None:
-        """Recompute preemption: drop the KV, keep the tokens; re-queue at the head."""
-        self.running.remove(request)
-        self.blocks.free(request.seq_id)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
-        request.num_preemptions += 1
-        request.preempted_steps.append(step)
-        self.waiting.appendleft(request)
+    def _preempt(self, seq: Request, step: int, plan: "_Plan") -> None:
+        """Free (recompute) or swap out the victim's KV; keep its tokens and state; re-queue it at the head."""
+        self.running.remove(seq)
+        mode = self.cfg.preemption_mode
+        if mode == "swap" and self.blocks.can_swap_out(seq.seq_id):
+            plan.swap_out.extend(self.blocks.swap_out(seq.seq_id))
+        else:
+            mode = "recompute"
+            self.blocks.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+        seq.status = RequestStatus.WAITING
+        seq.num_preemptions += 1
+        seq.preempted_steps.append(step)
+        seq.preemption_modes.append(mode)
+        plan.preempted.append((seq.seq_id, mode))
+        self.waiting.appendleft(seq)
+
+
+class _Plan:
+    """Everything one schedule() call decided besides the chunks (it may take several rounds)."""
+
+    def __init__(self):
+        self.preempted: list[tuple[str, str]] = []
+        self.swap_out: list[SwapCopy] = []
+        self.swap_in: list[SwapCopy] = []
+        self.copies: list[BlockCopy] = []
+        self.prefix_hit_tokens = 0

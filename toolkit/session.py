@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -26,6 +27,26 @@ class Recorded:
     run_dir: Path
     outputs: list[RequestOutput]
     summary: dict[str, Any]
+
+
+STEPS_FILE = "steps.parquet"
+
+
+def step_record(out: StepOutput, seconds: float) -> dict[str, Any]:
+    """What one engine step did, for the run's per-step metrics (steps.parquet)."""
+    return {"step": out.step, "batch_size": out.batch_size, "decode_tokens": out.num_decode_tokens,
+            "prefill_tokens": out.num_prefill_tokens, "sampled": len(out.samples), "finished": len(out.finished),
+            "preempted": len(out.preempted), "kv_blocks_used": out.kv_blocks_used,
+            "kv_utilization": out.kv_utilization, "prefix_hit_tokens": out.prefix_hit_tokens, "step_s": seconds}
+
+
+def write_steps(run_dir: Path, steps: list[dict[str, Any]]) -> None:
+    import pyarrow as pa
+
+    from toolkit.trace.writer import atomic_write_table
+
+    if steps:
+        atomic_write_table(run_dir / STEPS_FILE, pa.Table.from_pylist(steps))
 
 
 def effective_config(engine: Engine, config: DictConfig | Mapping | None) -> DictConfig:
@@ -50,21 +71,31 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
     write_manifest(run_dir, build_manifest(engine, run_id, manifest_extra))
     write_requests(run_dir, request_rows(engine, run_id, request_ids))  # replayable even if the run dies
     writer = TraceWriter(run_dir, run_id, flush_every_steps) if trace else None
+    steps: list[dict[str, Any]] = []
     try:
         while engine.has_unfinished():
+            t0 = time.perf_counter()
             out = engine.step()
             if writer is not None:
                 writer.write_step(out.samples, out.logits_RV)
+            if out.batch_size:
+                steps.append(step_record(out, time.perf_counter() - t0))
             if on_step is not None:
                 on_step(out)
     finally:
         if writer is not None:
             writer.close()
         write_requests(run_dir, request_rows(engine, run_id, request_ids))
+        write_steps(run_dir, steps)
     outputs = [engine.output(i) for i in request_ids]
     wall = (engine.last_finish_time or 0.0) - (engine.first_admission_time or 0.0)
+    bm = engine.block_manager
     summary = summarize(outputs, wall, steps=engine.step_index, run_id=run_id,
                         trace_rows=writer.rows_written if writer else 0, model=engine.loaded.model_id,
-                        model_revision=engine.loaded.revision, **(summary_extra or {}))
+                        model_revision=engine.loaded.revision,
+                        kv_utilization_max=max((s["kv_utilization"] for s in steps), default=0.0),
+                        kv_utilization_mean=sum(s["kv_utilization"] for s in steps) / max(len(steps), 1),
+                        prefix_cache_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else None,
+                        **(summary_extra or {}))
     atomic_write_bytes(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
     return Recorded(run_id=run_id, run_dir=run_dir, outputs=outputs, summary=summary)

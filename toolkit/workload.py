@@ -19,7 +19,7 @@ from typing import Any
 
 from toolkit.errors import WorkloadError
 
-REQUEST_KEYS = {"id", "prompt", "messages", "prompt_token_ids", "max_tokens", "arrival_step", "sampling"}
+REQUEST_KEYS = {"id", "prompt", "messages", "prompt_token_ids", "max_tokens", "arrival_step", "sampling", "priority"}
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,13 @@ class RequestSpec:
     prompt_token_ids: list[int] | None = None
     arrival_step: int = 0
     sampling: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0
     source: str = ""  # where it came from, for error messages ("requests.jsonl line 3")
 
     def add_kwargs(self) -> dict[str, Any]:
         return dict(prompt=self.prompt, messages=self.messages, prompt_token_ids=self.prompt_token_ids,
-                    sampling_params=self.sampling, request_id=self.id, arrival_step=self.arrival_step)
+                    sampling_params=self.sampling, request_id=self.id, arrival_step=self.arrival_step,
+                    priority=self.priority)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id}
@@ -74,12 +76,15 @@ def parse_request(obj: Any, *, default_id: str, source: str) -> RequestSpec:
     arrival = obj.get("arrival_step", 0)
     if not isinstance(arrival, int) or isinstance(arrival, bool) or arrival < 0:
         raise WorkloadError(f"{source}: arrival_step must be a non-negative integer, got {arrival!r}")
+    priority = obj.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise WorkloadError(f"{source}: priority must be an integer, got {priority!r}")
     rid = obj.get("id", default_id)
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise WorkloadError(f"{source}: id must be a string, got {rid!r}")
     return RequestSpec(id=str(rid), prompt=obj.get("prompt"), messages=obj.get("messages"),
                        prompt_token_ids=obj.get("prompt_token_ids"), arrival_step=arrival, sampling=sampling,
-                       source=source)
+                       priority=priority, source=source)
 
 
 def load_requests(path: str | Path) -> tuple[list[RequestSpec], list[Rejected]]:

@@ -177,7 +177,8 @@ def add_recorded_requests(engine: Engine, requests: pa.Table) -> list[str]:
         params = json.loads(row["sampling_params"])
         params["seed"] = row["seed"]
         engine.add_request(prompt_token_ids=row["prompt_token_ids"], request_id=row["request_id"],
-                           arrival_step=row["arrival_step"], sampling_params=SamplingParams.from_mapping(params))
+                           arrival_step=row["arrival_step"], sampling_params=SamplingParams.from_mapping(params),
+                           priority=row.get("priority") or 0)
         ids.append(row["request_id"])
     return ids
 

@@ -77,6 +77,11 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
         runs.sort(key=lambda r: r.wall_s)
         results[name] = runs[len(runs) // 2]
         results[name].extra["wall_s_all"] = sorted(r.wall_s for r in runs)
+    for variant, overrides in (b.get("engine_variants") or {}).items():
+        name = f"engine[{variant}]"
+        results[name] = systems.run_engine(loaded, dataclasses.replace(engine_cfg, **overrides), requests, name=name)
+        results[name].extra["overrides"] = overrides
+        print(f"  {name}: {results[name].wall_s:.2f} s", flush=True)
     needs_hf = any(s in b["systems"] for s in ("hf_static", "hf_cb", "naive"))
     hf_dir = model_cfg.path or (smollm2_dir() if model_cfg.name == "smollm2" else None)
     if needs_hf and hf_dir is None:

@@ -111,8 +111,11 @@ def run_engine(loaded, engine_cfg: EngineConfig, requests: list[BenchRequest], t
         result.ttft_s[r.id] = m.ttft_s
         if m.tpot_s is not None:
             result.tpot_s[r.id] = m.tpot_s
+    bm = engine.block_manager
     result.extra = {"steps": engine.step_index, "traced": writer is not None,
-                    "attention_backend": engine.attention_backend}
+                    "attention_backend": engine.attention_backend,
+                    "preemptions": sum(s.num_preemptions for s in engine.requests.values()),
+                    "prefix_cache_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else None}
     result.extra_steps = step_log  # type: ignore[attr-defined]
     return result
 

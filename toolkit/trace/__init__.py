@@ -76,7 +76,8 @@ def request_rows(engine, run_id: str, request_ids: Sequence[str]) -> list[dict[s
                 "output_token_ids": list(s.output_token_ids), "output_text": s.text,
                 "finish_reason": s.finish_reason.value if s.finish_reason else None,
                 "stop_reason": s.finish_detail, "num_preemptions": s.num_preemptions,
-                "preempted_steps": list(s.preempted_steps), "queue_s": m.queue_s, "ttft_s": m.ttft_s,
+                "preempted_steps": list(s.preempted_steps), "preemption_modes": list(s.preemption_modes),
+                "priority": s.priority, "queue_s": m.queue_s, "ttft_s": m.ttft_s,
                 "tpot_s": m.tpot_s, "e2e_s": m.e2e_s,
             })
     return rows

@@ -90,6 +90,8 @@ REQUESTS_SCHEMA = pa.schema([
     ("stop_reason", pa.string()),
     ("num_preemptions", pa.int32()),
     ("preempted_steps", pa.list_(pa.int64())),
+    ("preemption_modes", pa.list_(pa.string())),  # recompute | swap, one per preemption
+    ("priority", pa.int64()),
     ("queue_s", pa.float64()),
     ("ttft_s", pa.float64()),
     ("tpot_s", pa.float64()),
