@@ -176,9 +176,11 @@ def print_report(report: dict[str, Any], run_dir: Path) -> None:
               f"{s['total_tok_per_s']:>10.1f} {_fmt(s['ttft_p50_s'], '.3f'):>9} {_fmt(s['ttft_p95_s'], '.3f'):>9} "
               f"{_fmt(s['tpot_p50_s'], '.4f'):>9} {_fmt(s['tpot_p95_s'], '.4f'):>9} {_fmt(s['peak_rss_mb'], '.0f'):>7}MB")
     for name, ratio in report.get("ratios", {}).items():
-        agree = report["greedy_agreement"][name.removeprefix("engine_over_")]
+        other = name.removeprefix("engine_over_")
+        agree = report["greedy_agreement"][other]
         diff = f", first differing positions {agree['first_diff']}" if agree["first_diff"] else ""
-        print(f"ratio {name}: {ratio:.2f}x  (greedy token-identical {agree['identical']}/{agree['of']}{diff})")
+        label = f"{other} / engine: {1 / ratio:.2f}x" if other.startswith("engine[") else f"engine / {other}: {ratio:.2f}x"
+        print(f"throughput {label}  (greedy token-identical {agree['identical']}/{agree['of']}{diff})")
     if "tracing_overhead" in report:
         print(f"tracing overhead: {100 * report['tracing_overhead']:+.1f}% wall time")
     if "long_prompt" in report:
