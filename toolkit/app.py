@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from toolkit.engine import Engine, RequestOutput
 from toolkit.errors import RequestError, ToolkitError
+from toolkit.metrics import structured_output_validity
 from toolkit.session import record
+from toolkit.trace.writer import atomic_write_bytes
 from toolkit.workload import Rejected, RequestSpec, builtin_workload, load_requests
 
 
@@ -70,6 +73,10 @@ def run_workload(cfg: DictConfig, run_dir: Path) -> int:
                       flush_every_steps=trace_cfg.get("flush_every_steps", 64),
                       summary_extra={"rejected": len(rejected), "rejected_requests": [r.reason for r in rejected]})
     outputs, summary = recorded.outputs, recorded.summary
+    validity = structured_output_validity(outputs, {i: engine.requests[engine.groups[i][0]].sampling for i in ids})
+    if validity is not None:
+        summary.update(validity)
+        atomic_write_bytes(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
     if cfg.get("print_outputs", True):
         print_outputs(outputs)
     print_summary(summary, run_dir)
@@ -129,7 +136,7 @@ def _fmt(value: Any) -> str:
 
 def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
     keys = ["requests", "rejected", "output_tokens", "wall_s", "output_tok_per_s", "ttft_p50_s", "ttft_p95_s",
-            "tpot_p50_s", "tpot_p95_s", "num_preemptions", "steps"]
+            "tpot_p50_s", "tpot_p95_s", "num_preemptions", "prefix_cache_hit_rate", "json_validity_rate", "steps"]
     width = max(len(k) for k in keys)
     print("=" * (width + 14))
     for k in keys:

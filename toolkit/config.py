@@ -131,7 +131,7 @@ DEFAULT_PROCESSORS = (
     # penalties: raw logits + history
     "repetition_penalty", "presence_penalty", "frequency_penalty",
     # hard masks: set forbidden tokens to -inf (and the logit bias)
-    "allowed_token_ids", "bad_words", "logit_bias", "no_repeat_ngram", "min_tokens",
+    "allowed_token_ids", "bad_words", "logit_bias", "no_repeat_ngram", "min_tokens", "grammar",
     # temperature, then truncation of the support
     "temperature", "top_k", "top_p", "min_p",
 )
@@ -166,6 +166,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # top alternatives recorded per sampled token
     skip_special_tokens: bool = True
+    structured_outputs: Any = None  # StructuredOutputs or a mapping with one of json, regex, grammar, choice
     processors: tuple[str, ...] | None = None
 
     def __post_init__(self):
@@ -224,6 +225,9 @@ class SamplingParams:
                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be null or an integer in [0, 20], got {self.logprobs!r}")
+        from toolkit.grammar import StructuredOutputs
+
+        set_("structured_outputs", StructuredOutputs.coerce(self.structured_outputs))
         self._check_processors()
 
     def _check_processors(self) -> None:
@@ -262,6 +266,7 @@ class SamplingParams:
             "logit_bias": bool(self.logit_bias),
             "no_repeat_ngram": self.no_repeat_ngram_size > 0,
             "min_tokens": self.min_tokens > 0,
+            "grammar": self.structured_outputs is not None,
             "temperature": self.temperature not in (0.0, 1.0),
             "top_k": self.top_k > 0,
             "top_p": self.top_p < 1.0,
@@ -278,6 +283,7 @@ class SamplingParams:
             "frequency_penalty": self.frequency_penalty, "allowed_token_ids": len(self.allowed_token_ids or ()),
             "bad_words": len(self.bad_words), "logit_bias": len(self.logit_bias or {}),
             "no_repeat_ngram": self.no_repeat_ngram_size, "min_tokens": self.min_tokens,
+            "grammar": self.structured_outputs.kind if self.structured_outputs is not None else "none",
             "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
         }[name]
         return f"{name}({value:g})" if isinstance(value, float) else f"{name}({value})"
@@ -293,7 +299,9 @@ class SamplingParams:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, tuple):
+            if f.name == "structured_outputs":
+                value = value.to_dict() if value is not None else None
+            elif isinstance(value, tuple):
                 value = [list(v) if isinstance(v, tuple) else v for v in value]
             elif isinstance(value, Mapping):
                 value = {str(k): v for k, v in value.items()}

@@ -18,6 +18,7 @@ import torch
 
 from toolkit.config import EngineConfig, ModelConfig, SamplingParams, from_mapping
 from toolkit.errors import ConfigError, RequestError
+from toolkit.grammar import GrammarBackend
 from toolkit.kv import BlockManager, PagedKVCache
 from toolkit.models import LoadedModel, load_model
 from toolkit.processors import BatchView, RowState, apply_pipeline, invalid_rows
@@ -148,6 +149,7 @@ class Engine:
         self.scheduler = Scheduler(self.cfg, self.block_manager)
         self.attention_backend = self._attention_backend()
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, self.attention_backend)
+        self._grammar: GrammarBackend | None = None  # created on the first structured-output request
         self.requests: dict[str, Request] = {}  # by sequence id
         self.groups: dict[str, list[str]] = {}  # request id -> its sequence ids
         self.step_index = 0
@@ -164,6 +166,15 @@ class Engine:
         budget = int(self.cfg.kv_cache_memory_gb * 2**30 // block_bytes)
         useful = self.cfg.max_num_seqs * -(-self.max_model_len // self.cfg.block_size)
         return max(1, min(budget, useful))
+
+    @property
+    def grammar(self) -> GrammarBackend:
+        if self._grammar is None:
+            if self.tokenizer is None:
+                raise RequestError("structured outputs need a tokenizer that matches the model's vocabulary")
+            self._grammar = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids or (0,),
+                                           threads=max(1, torch.get_num_threads()))
+        return self._grammar
 
     def _attention_backend(self) -> str:
         """auto: the native kernel on CPU fp32 when it compiles, else torch's sdpa path."""
@@ -222,6 +233,8 @@ class Engine:
         self._check_fits(request_id, len(ids), params.max_tokens)
         self._check_token_ids(params)
         bad_words_ids = self._bad_words_ids(params)
+        if params.structured_outputs is not None:
+            self.grammar.compile(params.structured_outputs)  # an invalid grammar is refused here
         if arrival_step is not None and not (isinstance(arrival_step, int) and arrival_step >= 0):
             raise RequestError(f"arrival_step must be a non-negative integer, got {arrival_step!r}")
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -236,6 +249,8 @@ class Engine:
             seq = Request(seq_id=seq_id, request_id=request_id, prompt_token_ids=tuple(ids), sampling=params,
                           seed=seed, arrival_step=max(arrival_step or 0, self.step_index), prompt_text=text,
                           stream=stream, bad_words_ids=bad_words_ids, add_time=now, priority=priority)
+            if params.structured_outputs is not None:
+                seq.grammar = self.grammar.matcher(params.structured_outputs)
             self.requests[seq_id] = seq
             seq_ids.append(seq_id)
         leader = self.requests[seq_ids[0]]
@@ -326,6 +341,10 @@ class Engine:
         for seq in self.scheduler.arrivals(step):
             seq.arrival_time = now
         batch = self.scheduler.schedule(step)
+        for seq_id, mode in batch.preempted:
+            seq = self.requests[seq_id]
+            if mode == "recompute" and seq.grammar is not None:  # rebuilt from the committed tokens
+                seq.grammar = self.grammar.matcher(seq.sampling.structured_outputs, seq.output_token_ids)
         if batch.is_empty:
             nxt = self.scheduler.next_arrival_step
             self.step_index = nxt if (nxt is not None and nxt > step) else step + 1
@@ -353,9 +372,18 @@ class Engine:
         logits_RV = out.logits_RV
         if len(logits_rows) != logits_RV.shape[0]:
             logits_RV = logits_RV.index_select(0, torch.tensor(logits_rows, device=logits_RV.device))
+        grammar_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        grammar_mask = None
+        allowed: dict[int, int] = {}
+        if grammar_rows:  # every grammar row's bitmask of this step in one call
+            masks = self.grammar.fill_masks([seqs[i].grammar for i in grammar_rows]).to(logits_RV.device)
+            grammar_mask = torch.ones(logits_RV.shape, dtype=torch.bool, device=logits_RV.device)
+            grammar_mask[torch.tensor(grammar_rows, device=logits_RV.device)] = masks
+            allowed = dict(zip(grammar_rows, masks.sum(dim=-1).tolist()))
         view = BatchView(rows=tuple(RowState(s.sampling, s.token_ids, s.num_prompt_tokens, s.bad_words_ids)
                                     for s in seqs),
-                         vocab_size=self.vocab_size, device=logits_RV.device, eos_token_ids=self.eos_token_ids)
+                         vocab_size=self.vocab_size, device=logits_RV.device, eos_token_ids=self.eos_token_ids,
+                         grammar_mask_RV=grammar_mask)
         lse_R = torch.logsumexp(logits_RV, dim=-1)
         pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse_R))
         good = [i for i in range(len(seqs)) if i not in pipe.errors]
@@ -408,6 +436,7 @@ class Engine:
                 finish_reason=seq.finish_reason.value if delta.finished else None,
                 stop_reason=seq.finish_detail if delta.finished else None,
                 error=pipe.errors.get(i), t_emit_s=time.perf_counter() - self.start_time, logits_row=i,
+                grammar_allowed=allowed.get(i),
             ))
         self.step_index = step + 1
         return self._step_output(batch, tuple(traces), logits_RV,
@@ -434,10 +463,16 @@ class Engine:
         seq.last_token_time = now
         p = seq.sampling
         stop: tuple[FinishReason, str, int | str | None] | None = None
+        if seq.grammar is not None and not self.grammar.accept(seq.grammar, token):
+            update = self._text(seq, final=True)
+            self._finish(seq, FinishReason.ERROR, f"error: grammar rejected token {token}", None, now)
+            return TextDelta(seq.request_id, seq.stream, update.delta, (token,), True, seq.finish_reason.value)
         if token in self.eos_token_ids and not p.ignore_eos:
             stop = (FinishReason.STOP, "eos", None)
         elif token in p.stop_token_ids:
             stop = (FinishReason.STOP, f"stop_token_id:{token}", token)
+        elif seq.grammar is not None and self.grammar.finished(seq.grammar):
+            stop = (FinishReason.STOP, "grammar", None)  # the structured output is complete
         at_length = seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
         update = self._text(seq, final=stop is not None or at_length)
         if stop is None and update.stop_string is not None:

@@ -40,3 +40,27 @@ def summarize(outputs: Iterable[RequestOutput], wall_s: float, **extra) -> dict:
         "num_preemptions": sum(c.metrics.num_preemptions for c in completions),
         **extra,
     }
+
+
+def structured_output_validity(outputs, params_by_request) -> dict | None:
+    """For requests constrained by a JSON schema: how many outputs parse and validate (jsonschema)."""
+    import json
+
+    import jsonschema
+
+    checked = valid = 0
+    for out in outputs:
+        spec = params_by_request[out.request_id].structured_outputs
+        if spec is None or spec.kind != "json":
+            continue
+        schema = spec.json or {"type": "object"}
+        for completion in out.outputs:
+            checked += 1
+            try:
+                jsonschema.validate(json.loads(completion.text), schema)
+                valid += 1
+            except (ValueError, jsonschema.ValidationError):
+                pass
+    if not checked:
+        return None
+    return {"json_outputs": checked, "json_valid": valid, "json_validity_rate": valid / checked}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from toolkit.config import SamplingParams
 from toolkit.stop import StopState
@@ -45,6 +46,7 @@ class Request:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     priority: int = 0  # lower is more important (vLLM); used by preemption_policy=priority
     followers: list[str] = field(default_factory=list)  # stream 0 of n > 1: samples forked from it after prefill
+    grammar: Any = None  # its xgrammar GrammarMatcher, when it has structured outputs
 
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache

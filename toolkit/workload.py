@@ -187,7 +187,51 @@ def chat_workload(num_requests: int = 10, seed: int = 0, min_tokens: int = 16, m
     return specs
 
 
-BUILTIN = {"chat": chat_workload}
+EXTRACTION_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "occupation": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "city": {"type": "string", "maxLength": 30},
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 4},
+    },
+    "required": ["name", "occupation", "age", "city", "skills"],
+}
+
+_FIRST = ["Maria", "Kenji", "Amara", "Lukas", "Priya", "Tomás", "Ingrid", "Omar", "Chen", "Zoe", "Rafael", "Aiko"]
+_LAST = ["Silva", "Tanaka", "Okafor", "Becker", "Sharma", "García", "Larsen", "Haddad", "Wei", "Martin", "Costa", "Mori"]
+_JOBS = [("baker", ["bread", "pastry"]), ("nurse", ["triage", "wound care"]), ("carpenter", ["joinery", "roofing"]),
+         ("teacher", ["algebra", "history"]), ("pilot", ["navigation", "night flying"]),
+         ("chemist", ["titration", "spectroscopy"]), ("gardener", ["pruning", "composting"]),
+         ("programmer", ["Python", "databases"])]
+_CITIES = ["Lisbon", "Osaka", "Lagos", "Hamburg", "Pune", "Valencia", "Bergen", "Beirut", "Chengdu", "Lyon"]
+
+
+def extraction_workload(num_requests: int = 12, seed: int = 0, max_tokens: int = 160) -> list[RequestSpec]:
+    """Short biographies; each request extracts one record constrained by EXTRACTION_SCHEMA."""
+    if not isinstance(num_requests, int) or num_requests < 1:
+        raise WorkloadError(f"workload.num_requests must be a positive integer, got {num_requests!r}")
+    rnd = random.Random(seed)
+    specs = []
+    for i in range(num_requests):
+        name = f"{rnd.choice(_FIRST)} {rnd.choice(_LAST)}"
+        job, skills = rnd.choice(_JOBS)
+        age, city = rnd.randint(22, 70), rnd.choice(_CITIES)
+        text = (f"{name} is a {age}-year-old {job} who lives in {city}. Colleagues praise {name.split()[0]}'s "
+                f"skill at {skills[0]} and {skills[1]}.")
+        specs.append(RequestSpec(
+            id=f"extract-{i}",
+            messages=[{"role": "user", "content": "Extract a JSON record (name, occupation, age, city, skills) "
+                                                  f"from this text:\n\n{text}"}],
+            arrival_step=i,
+            sampling={"max_tokens": max_tokens, "structured_outputs": {"json": EXTRACTION_SCHEMA}},
+            source=f"extraction workload #{i}",
+        ))
+    return specs
+
+
+BUILTIN = {"chat": chat_workload, "extraction": extraction_workload}
 
 
 def builtin_workload(name: str, **kwargs: Any) -> list[RequestSpec]:

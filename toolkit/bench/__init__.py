@@ -125,6 +125,11 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
         report["tracing_overhead"] = results["engine"].wall_s / results["engine_notrace"].wall_s - 1
     if workload.baseline_groups and ours is not None:
         report["long_prompt"] = _long_prompt_report(loaded, engine_cfg, requests, workload, ours)
+    if b.get("grammar_cost", False):
+        from toolkit.bench import grammar_cost
+
+        print("  measuring the grammar-masking cost ...", flush=True)
+        report["grammar_cost"] = grammar_cost.measure(loaded, engine_cfg, tuple(b.get("grammar_batches") or (1, 16)))
     if b.get("roofline", True):
         print("  measuring the roofline ...", flush=True)
         report["roofline"] = roofline.measure(loaded, engine_cfg, list(b["roofline_batches"]),
@@ -188,6 +193,9 @@ def print_report(report: dict[str, Any], run_dir: Path) -> None:
         print(f"long_prompt: TPOT p95 of the {lp['decodes']} decodes {lp['tpot_p95_with_long_prefills_s']:.4f} s with "
               f"the long prefills vs {lp['tpot_p95_alone_s']:.4f} s alone: {lp['tpot_p95_ratio']:.2f}x "
               f"(budget {lp['max_num_batched_tokens']})")
+    for row in report.get("grammar_cost", []):
+        print(f"grammar masking at batch {row['batch']:>2}: {row['grammar_ms']:.2f} ms of a {row['step_ms_constrained']:.1f} ms "
+              f"step ({100 * row['grammar_fraction_of_step']:.1f}%); unconstrained step {row['step_ms_unconstrained']:.1f} ms")
     roof = report.get("roofline")
     if roof:
         print(f"roofline: memory read {roof['memory_read_gb_s']:.1f} GB/s; fp32 GEMM GFLOP/s by batch: "

@@ -199,8 +199,9 @@ class BlockManager:
         if seq_id in self._tables or seq_id in self._host_tables:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
         hits = self.cached_prefix(token_ids, max_cached_tokens // self.block_size)
-        self.prefix_queries += len(token_ids)
-        self.prefix_hits += len(hits) * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_queries += len(token_ids)
+            self.prefix_hits += len(hits) * self.block_size
         for block in hits:
             if self.ref_counts[block] == 0:
                 del self._free[block]  # revive an evictable cached block

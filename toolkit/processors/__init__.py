@@ -28,6 +28,7 @@ REGISTRY: dict[str, Processor] = {
     "logit_bias": masks.logit_bias,
     "no_repeat_ngram": masks.no_repeat_ngram,
     "min_tokens": masks.min_tokens,
+    "grammar": masks.grammar,
     "temperature": truncation.temperature,
     "top_k": truncation.top_k,
     "top_p": truncation.top_p,

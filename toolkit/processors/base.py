@@ -46,9 +46,13 @@ class BatchView:
     vocab_size: int
     device: torch.device
     eos_token_ids: tuple[int, ...] = ()
+    grammar_mask_RV: torch.Tensor | None = None  # (R, V) bool: tokens each row's grammar allows (True without one)
 
     def subset(self, index: Sequence[int]) -> "BatchView":
-        return BatchView(tuple(self.rows[i] for i in index), self.vocab_size, self.device, self.eos_token_ids)
+        mask = None
+        if self.grammar_mask_RV is not None:
+            mask = self.grammar_mask_RV.index_select(0, torch.tensor(list(index), device=self.grammar_mask_RV.device))
+        return BatchView(tuple(self.rows[i] for i in index), self.vocab_size, self.device, self.eos_token_ids, mask)
 
     def column(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A per-row parameter as an (R, 1) tensor, ready to broadcast against (R, V)."""

@@ -88,3 +88,8 @@ def min_tokens(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:
                 ids.update(view.eos_token_ids)
         banned.append({t for t in ids if t < view.vocab_size})
     return logits_RV.masked_fill(view.token_mask(banned), NEG_INF)
+
+
+def grammar(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:
+    """Tokens the row's grammar cannot accept next (bitmasks filled for the whole step by the engine)."""
+    return logits_RV.masked_fill(~view.grammar_mask_RV, NEG_INF)

@@ -78,6 +78,8 @@ def request_rows(engine, run_id: str, request_ids: Sequence[str]) -> list[dict[s
                 "stop_reason": s.finish_detail, "num_preemptions": s.num_preemptions,
                 "preempted_steps": list(s.preempted_steps), "preemption_modes": list(s.preemption_modes),
                 "priority": s.priority, "queue_s": m.queue_s, "ttft_s": m.ttft_s,
+                "grammar_kind": s.sampling.structured_outputs.kind if s.sampling.structured_outputs else None,
+                "grammar_sha256": s.sampling.structured_outputs.digest if s.sampling.structured_outputs else None,
                 "tpot_s": m.tpot_s, "e2e_s": m.e2e_s,
             })
     return rows

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 TOP_TYPE = pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float32())]))
 
@@ -43,6 +43,7 @@ class SampleTrace:
     error: str | None  # why nothing could be sampled (finish_reason "error")
     t_emit_s: float  # seconds since the run started
     logits_row: int  # row of the step's logits tensor (not stored: the writer digests it)
+    grammar_allowed: int | None = None  # tokens the request's grammar allowed at this position (no grammar: null)
 
 
 SAMPLE_COLUMNS = [
@@ -71,6 +72,7 @@ SAMPLE_COLUMNS = [
     ("stop_reason", pa.string()),
     ("error", pa.string()),
     ("t_emit_s", pa.float64()),
+    ("grammar_allowed", pa.int64()),
 ]
 SAMPLES_SCHEMA = pa.schema(SAMPLE_COLUMNS, metadata={"toolkit_schema_version": str(SCHEMA_VERSION)})
 
@@ -92,6 +94,8 @@ REQUESTS_SCHEMA = pa.schema([
     ("preempted_steps", pa.list_(pa.int64())),
     ("preemption_modes", pa.list_(pa.string())),  # recompute | swap, one per preemption
     ("priority", pa.int64()),
+    ("grammar_kind", pa.string()),  # json | regex | grammar | choice (null without structured outputs)
+    ("grammar_sha256", pa.string()),  # digest of the grammar's canonical text
     ("queue_s", pa.float64()),
     ("ttft_s", pa.float64()),
     ("tpot_s", pa.float64()),

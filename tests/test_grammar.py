@@ -1,0 +1,209 @@
+"""Structured outputs through xgrammar: every output parses and validates, no token ever leaves the grammar."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import make_engine
+from toolkit.config import SamplingParams
+from toolkit.errors import RequestError
+
+SCHEMAS = {
+    "person": ({"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 30},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "email": {"type": "string", "maxLength": 40}},
+        "required": ["name", "age", "email"]},
+        "Write a JSON record for Ada Lovelace, aged 36, email ada@example.com."),
+    "nested": ({"type": "object", "properties": {
+        "user": {"type": "object", "properties": {
+            "id": {"type": "integer"},
+            "profile": {"type": "object", "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["city", "zip"]}},
+            "required": ["id", "profile"]},
+        "active": {"type": "boolean"}}, "required": ["user", "active"]},
+        "Describe user 7 who lives in Paris (zip 75001) and is active, as JSON."),
+    "array": ({"type": "object", "properties": {
+        "items": {"type": "array", "maxItems": 4, "items": {"type": "object", "properties": {
+            "sku": {"type": "string", "maxLength": 10},
+            "qty": {"type": "integer", "minimum": 1, "maximum": 99}}, "required": ["sku", "qty"]}},
+        "total": {"type": "number"}}, "required": ["items", "total"]},
+        "An order of 2 apples (sku A1) and 3 pears (sku P2) costing 4.5 in total, as JSON."),
+    "enum": ({"type": "object", "properties": {
+        "status": {"enum": ["pending", "shipped", "delivered"]},
+        "priority": {"enum": [1, 2, 3]},
+        "note": {"type": "string", "maxLength": 30}}, "required": ["status", "priority", "note"]},
+        "The parcel was shipped with high priority. Give its status as JSON."),
+    "numbers": ({"type": "object", "properties": {
+        "temperature": {"type": "number", "minimum": -50, "maximum": 60},
+        "readings": {"type": "array", "maxItems": 5, "items": {"type": "number"}},
+        "unit": {"const": "C"}}, "required": ["temperature", "readings", "unit"]},
+        "Today it is 21.5 degrees Celsius; earlier readings were 19, 20 and 21. Answer in JSON."),
+}
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.mark.slow
+def test_smollm2_json_outputs_parse_and_validate(smollm2):
+    engine = make_engine(smollm2, max_num_batched_tokens=256, max_num_seqs=16)
+    requests = []
+    for name, (schema, prompt) in SCHEMAS.items():
+        for temperature, seed in ((0.0, None), (1.0, 1), (1.0, 2)):
+            requests.append({"messages": chat(prompt), "request_id": f"{name}-{temperature}-{seed}",
+                             "sampling_params": SamplingParams(temperature=temperature, seed=seed, max_tokens=256,
+                                                               structured_outputs={"json": schema})})
+    outputs = engine.generate(requests)
+    for r, out in zip(requests, outputs):
+        assert out.finish_reason == "stop", (r["request_id"], out.text)
+        jsonschema.validate(json.loads(out.text), r["sampling_params"].structured_outputs.json)
+    assert engine.grammar.compilations == len(SCHEMAS)  # compiled once per distinct schema
+
+
+def test_empty_schema_means_any_json_object(tiny):
+    engine = make_engine(tiny)
+    spec = SamplingParams(structured_outputs={"json": {}}).structured_outputs
+    accepts = lambda text: engine.grammar.matcher(spec).accept_string(text)  # noqa: E731
+    assert accepts('{"a": [1, {"b": null}], "c": "d"}')
+    assert not accepts("[1, 2]") and not accepts('"text"')
+
+
+@pytest.mark.slow
+def test_smollm2_regex_and_choice_outputs(smollm2):
+    engine = make_engine(smollm2, max_num_batched_tokens=256, max_num_seqs=16)
+    date, email = r"\d{4}-\d{2}-\d{2}", r"[a-z]{1,12}@[a-z]{1,12}\.(com|org)"
+    choices = ["positive", "negative", "neutral"]
+    requests = []
+    for seed in range(3):
+        params = dict(temperature=1.0, seed=seed, max_tokens=40)
+        requests += [
+            {"messages": chat("When did the first moon landing happen?"),
+             "sampling_params": SamplingParams(**params, structured_outputs={"regex": date})},
+            {"messages": chat("Make up an email address for a baker."),
+             "sampling_params": SamplingParams(**params, structured_outputs={"regex": email})},
+            {"messages": chat("Sentiment of: I love this bread!"),
+             "sampling_params": SamplingParams(**params, structured_outputs={"choice": choices})},
+        ]
+    outs = engine.generate(requests)
+    for i, out in enumerate(outs):
+        kind = i % 3
+        if kind == 0:
+            assert re.fullmatch(date, out.text), out.text
+        elif kind == 1:
+            assert re.fullmatch(email, out.text), out.text
+        else:
+            assert out.text in choices
+        assert out.finish_reason == "stop"
+
+
+@st.composite
+def grammar_mixes(draw):
+    specs = [None, {"regex": r"[a-c]{2,6}"}, {"choice": ["alpha", "beta", "gamma delta"]},
+             {"json": {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"]}},
+             {"grammar": 'root ::= "(" [0-9]+ ")" | "none"'}]
+    requests = []
+    for i in range(draw(st.integers(1, 6))):
+        spec = draw(st.sampled_from(specs))
+        requests.append({"prompt_token_ids": draw(st.lists(st.integers(0, 49151), min_size=1, max_size=12)),
+                         "request_id": f"g{i}", "arrival_step": draw(st.integers(0, 4)),
+                         "sampling_params": SamplingParams(temperature=draw(st.sampled_from([0.0, 1.0])),
+                                                           seed=i, max_tokens=24, structured_outputs=spec,
+                                                           top_k=draw(st.sampled_from([-1, 5])))})
+    return requests, draw(st.integers(2, 24))
+
+
+@settings(max_examples=15, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mix=grammar_mixes())
+def test_no_sampled_token_ever_leaves_the_grammar(tiny, mix):
+    requests, budget = mix
+    engine = make_engine(tiny, max_num_batched_tokens=budget, max_num_seqs=min(budget, 6))
+    outputs = engine.generate(requests)
+    for r, out in zip(requests, outputs):
+        spec = r["sampling_params"].structured_outputs
+        if spec is None:
+            continue
+        matcher = engine.grammar.matcher(spec)
+        assert all(matcher.accept_token(t) for t in out.output_token_ids), out.output_token_ids
+        assert out.finish_reason in ("stop", "length")
+        if out.finish_reason == "stop":
+            assert matcher.is_completed()
+            if spec.kind == "choice":
+                assert out.text in spec.choice
+            if spec.kind == "regex":
+                assert re.fullmatch(spec.regex, out.text)
+
+
+def test_grammar_rows_survive_preemption(tiny):
+    """Recompute preemption rebuilds the matcher from the committed tokens; outputs do not change."""
+    rnd = random.Random(3)
+    spec = {"regex": r"(ab|cd|ef){1,20}"}
+    requests = [{"prompt_token_ids": [rnd.randrange(49152) for _ in range(rnd.randint(10, 30))],
+                 "request_id": f"r{i}", "sampling_params": SamplingParams(
+                     temperature=1.0, seed=i, max_tokens=30, ignore_eos=True, structured_outputs=spec)}
+                for i in range(8)]
+    ample = make_engine(tiny, num_kv_blocks=256, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    tight = make_engine(tiny, num_kv_blocks=30, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    a = [o.output_token_ids for o in ample.generate(requests)]
+    t = [o.output_token_ids for o in tight.generate(requests)]
+    assert sum(s.num_preemptions for s in tight.requests.values()) >= 3
+    assert a == t
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"json": {"type": "objectx"}}, 'invalid structured_outputs.json: Unsupported type "objectx"'),
+    ({"regex": "([a-z"}, "invalid structured_outputs.regex: Regex parsing error"),
+    ({"grammar": 'root ::= "a" | b'}, 'invalid structured_outputs.grammar: EBNF parser error at line 1, column 16'),
+])
+def test_invalid_grammars_are_refused_with_the_compiler_message(tiny, spec, message):
+    engine = make_engine(tiny)
+    with pytest.raises(RequestError) as info:
+        engine.add_request(prompt_token_ids=[1, 2], sampling_params=SamplingParams(structured_outputs=spec))
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"json": {}, "regex": "a"}, "exactly one of"),
+    ({"choice": []}, "non-empty list"),
+    ({"json": "{not json"}, "not valid JSON"),
+    ({"xml": "<a/>"}, "unknown structured_outputs field"),
+])
+def test_malformed_structured_outputs_spec(spec, match):
+    from toolkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        SamplingParams(structured_outputs=spec)
+
+
+def test_grammar_trace_and_replay(tiny, tmp_path):
+    from toolkit import replay
+    from toolkit.session import record
+    from toolkit.trace.reader import read_requests, read_samples
+
+    engine = make_engine(tiny, max_num_batched_tokens=16, max_num_seqs=4)
+    spec = {"choice": ["red", "green", "blue"]}
+    ids = [engine.add_request(prompt_token_ids=[5, 6, 7], request_id="c", sampling_params=SamplingParams(
+               temperature=1.0, seed=2, max_tokens=8, structured_outputs=spec)),
+           engine.add_request(prompt_token_ids=[8, 9], request_id="plain", sampling_params=SamplingParams(
+               temperature=1.0, seed=3, max_tokens=4, ignore_eos=True))]
+    record(engine, ids, tmp_path / "run", {"model": {"name": "tiny"}})
+    rows = read_samples(tmp_path / "run").to_pylist()
+    mine = [r for r in rows if r["request_id"] == "c"]
+    assert all(r["grammar_allowed"] is not None and r["grammar_allowed"] >= 1 for r in mine)
+    assert all(r["grammar_allowed"] is None for r in rows if r["request_id"] == "plain")
+    assert mine[-1]["stop_reason"] in ("grammar", "eos") and "grammar(choice)" in mine[0]["processors"]
+    req = {r["request_id"]: r for r in read_requests(tmp_path / "run").to_pylist()}
+    assert req["c"]["grammar_kind"] == "choice" and len(req["c"]["grammar_sha256"]) == 64
+    assert req["plain"]["grammar_kind"] is None
+    report = replay(tmp_path / "run", out_dir=tmp_path / "replay")
+    assert report.identical, report.summary_line()

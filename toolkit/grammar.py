@@ -1,0 +1,187 @@
+"""Grammar masks through xgrammar: JSON schema, regex, EBNF and choice outputs.
+
+Each distinct grammar is compiled once per engine (cached by kind and text); every
+sequence with structured outputs gets its own `GrammarMatcher`. Once per step the
+engine fills the bitmasks of all grammar rows together (`fill_masks`); the `grammar`
+processor applies them as a hard mask. Committed tokens advance the matcher; a matcher
+can be rolled back (speculative decoding) or rebuilt from committed tokens (after a
+recompute preemption).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from toolkit.errors import ConfigError, RequestError
+
+KINDS = ("json", "regex", "grammar", "choice")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Exactly one of: a JSON schema (`{}`: any JSON object), a regex, an EBNF grammar, a list of choices."""
+
+    json: Any = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        given = [k for k in KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ConfigError(f"structured_outputs needs exactly one of json, regex, grammar, choice; got "
+                              f"{given or 'none'}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as exc:
+                    raise ConfigError(f"structured_outputs.json is not valid JSON: {exc.msg} at column {exc.colno}")
+            if not isinstance(schema, Mapping):
+                raise ConfigError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
+            object.__setattr__(self, "json", _plain(schema))
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ConfigError(f"structured_outputs.regex must be a non-empty string, got {self.regex!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ConfigError("structured_outputs.grammar must be a non-empty EBNF string")
+        if self.choice is not None:
+            choices = self.choice
+            if isinstance(choices, str) or not isinstance(choices, Sequence) or not choices or \
+                    not all(isinstance(c, str) and c for c in choices):
+                raise ConfigError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                                  f"got {choices!r}")
+            object.__setattr__(self, "choice", tuple(choices))
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) is not None)
+
+    @property
+    def text(self) -> str:
+        """The grammar's canonical source text (what is compiled and digested)."""
+        if self.json is not None:
+            return json.dumps(self.json or {"type": "object"}, separators=(",", ":"))  # key order matters
+        if self.choice is not None:
+            return choice_ebnf(self.choice)
+        return self.regex if self.regex is not None else self.grammar
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(f"{self.kind}\n{self.text}".encode()).hexdigest()
+
+    def to_dict(self) -> dict[str, Any]:
+        value = getattr(self, self.kind)
+        return {self.kind: list(value) if isinstance(value, tuple) else value}
+
+    @classmethod
+    def coerce(cls, value: Any) -> "StructuredOutputs | None":
+        if value is None or isinstance(value, StructuredOutputs):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"structured_outputs must be a mapping with one of {KINDS}, got {value!r}")
+        unknown = sorted(set(value) - set(KINDS))
+        if unknown:
+            raise ConfigError(f"unknown structured_outputs field(s) {', '.join(unknown)}; known: {', '.join(KINDS)}")
+        present = {k: v for k, v in value.items() if v is not None}
+        return cls(**present)
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-compatible deep copy (OmegaConf containers become dicts and lists)."""
+    return json.loads(json.dumps(value, default=lambda o: dict(o) if isinstance(o, Mapping) else list(o)))
+
+
+def choice_ebnf(choices: Sequence[str]) -> str:
+    """root ::= "a" | "b" ... with every choice as an escaped string literal."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _compiler_message(exc: Exception) -> str:
+    """xgrammar's message without its timestamp and source location, on one line."""
+    text = " ".join(str(exc).split())
+    return re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", text)
+
+
+class GrammarBackend:
+    """xgrammar's tokenizer info and compiler for one tokenizer, plus the compiled-grammar cache."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int], threads: int = 1):
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+
+        self._xgr = xgr
+        hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer._tok)
+        self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
+        self.vocab_size = vocab_size
+        self.stop_token_ids = tuple(stop_token_ids)
+        self._compiled: dict[tuple[str, str], Any] = {}
+        self.compilations = 0
+        self.seconds = 0.0  # time spent filling masks, advancing and checking matchers (for benchmarks)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
+
+    def compile(self, spec: StructuredOutputs):
+        key = (spec.kind, spec.text)
+        if key not in self._compiled:
+            try:
+                if spec.kind == "json":
+                    # any whitespace, but never more than 16 in a row: the model cannot pad forever
+                    compiled = self.compiler.compile_json_schema(spec.text, any_whitespace=True,
+                                                                 max_whitespace_cnt=16)
+                elif spec.kind == "regex":
+                    compiled = self.compiler.compile_regex(spec.regex)
+                else:
+                    compiled = self.compiler.compile_grammar(spec.text)
+            except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the reason
+                raise RequestError(f"invalid structured_outputs.{spec.kind}: {_compiler_message(exc)}") from None
+            self._compiled[key] = compiled
+            self.compilations += 1
+        return self._compiled[key]
+
+    def matcher(self, spec: StructuredOutputs, accepted: Sequence[int] = ()):
+        """A fresh matcher; `accepted` committed tokens are replayed into it (rebuild after preemption)."""
+        matcher = self._xgr.GrammarMatcher(self.compile(spec))
+        for token in accepted:
+            if not matcher.accept_token(int(token)):
+                raise RuntimeError(f"replaying committed token {token} into a fresh matcher failed")
+        return matcher
+
+    def fill_masks(self, matchers: Sequence[Any]) -> torch.Tensor:
+        """(len(matchers), vocab) bool: which tokens each matcher allows next, filled in one batch call."""
+        t = time.perf_counter()
+        bitmask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        self._batch.batch_fill_next_token_bitmask(list(matchers), bitmask)
+        mask = unpack_bitmask(bitmask, self.vocab_size)
+        self.seconds += time.perf_counter() - t
+        return mask
+
+    def accept(self, matcher, token: int) -> bool:
+        """Advance a matcher by one committed token (False: the grammar does not allow it)."""
+        t = time.perf_counter()
+        ok = matcher.accept_token(int(token))
+        self.seconds += time.perf_counter() - t
+        return ok
+
+    def finished(self, matcher) -> bool:
+        """The matcher took a stop token, or its grammar is complete and only a stop token may follow."""
+        if matcher.is_terminated():
+            return True
+        if not matcher.is_completed():
+            return False
+        allowed = self.fill_masks([matcher])[0].nonzero().flatten().tolist()
+        return all(t in self.stop_token_ids for t in allowed)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """xgrammar's int32 bitmask (bit j of word w = token 32w + j) as a bool tensor (B, vocab)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # (B, W, 32)
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
