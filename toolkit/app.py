@@ -136,7 +136,8 @@ def _fmt(value: Any) -> str:
 
 def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
     keys = ["requests", "rejected", "output_tokens", "wall_s", "output_tok_per_s", "ttft_p50_s", "ttft_p95_s",
-            "tpot_p50_s", "tpot_p95_s", "num_preemptions", "prefix_cache_hit_rate", "json_validity_rate", "steps"]
+            "tpot_p50_s", "tpot_p95_s", "num_preemptions", "prefix_cache_hit_rate", "json_validity_rate", "acceptance_rate", "mean_accepted_length",
+            "target_forwards_per_output_token", "steps"]
     width = max(len(k) for k in keys)
     print("=" * (width + 14))
     for k in keys:

@@ -127,6 +127,42 @@ class EngineConfig:
                f"engine.max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step")
 
 
+SPEC_METHODS = ("none", "ngram", "draft_model", "self_draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (see toolkit.speculative). `method: none` turns it off."""
+
+    method: str = "none"  # none | ngram | draft_model | self_draft
+    num_speculative_tokens: int = 4  # k drafts per step
+    acceptance: str = "rejection"  # rejection | coupled (greedy requests: accept iff argmax)
+    prompt_lookup_min: int = 1  # ngram
+    prompt_lookup_max: int = 4
+    draft_layers: int = 4  # self_draft: the target's first layers
+    draft_model: Mapping[str, Any] | None = None  # draft_model: the fields of a model config
+
+    def __post_init__(self):
+        _check(self.method in SPEC_METHODS, f"speculative.method must be one of {SPEC_METHODS}, got {self.method!r}")
+        _check(_is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 16,
+               f"speculative.num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
+        _check(self.acceptance in ("rejection", "coupled"),
+               f"speculative.acceptance must be rejection or coupled, got {self.acceptance!r}")
+        _check(_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)
+               and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+               f"speculative.prompt_lookup_min/max must be integers with 1 <= min <= max, got "
+               f"{self.prompt_lookup_min!r}, {self.prompt_lookup_max!r}")
+        _check(_is_int(self.draft_layers) and self.draft_layers >= 1,
+               f"speculative.draft_layers must be a positive integer, got {self.draft_layers!r}")
+        if self.method == "draft_model":
+            _check(isinstance(self.draft_model, Mapping) and bool(self.draft_model),
+                   "speculative.method=draft_model needs speculative.draft_model (e.g. name: tiny, seed: 77)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
 DEFAULT_PROCESSORS = (
     # penalties: raw logits + history
     "repetition_penalty", "presence_penalty", "frequency_penalty",

@@ -9,6 +9,7 @@ text, stop conditions, finishing). Each step returns the SampleTrace rows it pro
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass
@@ -16,9 +17,11 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from toolkit.config import EngineConfig, ModelConfig, SamplingParams, from_mapping
+from toolkit.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig, from_mapping
 from toolkit.errors import ConfigError, RequestError
 from toolkit.grammar import GrammarBackend
+from toolkit import rng
+from toolkit.speculative import PLAIN, Proposal, Speculator, verify
 from toolkit.kv import BlockManager, PagedKVCache
 from toolkit.models import LoadedModel, load_model
 from toolkit.processors import BatchView, RowState, apply_pipeline, invalid_rows
@@ -26,7 +29,7 @@ from toolkit.processors.masks import resolve_bad_words
 from toolkit.request import FinishReason, Request, RequestStatus
 from toolkit.runner import ModelRunner
 from toolkit.sampling import SampleRow, sample
-from toolkit.scheduler import Scheduler
+from toolkit.scheduler import ScheduledBatch, Scheduler
 from toolkit.stop import TextUpdate, update_text
 from toolkit.trace.schema import SampleTrace
 
@@ -121,7 +124,7 @@ def derive_seed(run_seed: int, request_id: str) -> int:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig | None = None,
-                 default_sampling: SamplingParams | None = None):
+                 default_sampling: SamplingParams | None = None, speculative: SpeculativeConfig | None = None):
         self.cfg = cfg or EngineConfig()
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -150,6 +153,8 @@ class Engine:
         self.attention_backend = self._attention_backend()
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, self.attention_backend)
         self._grammar: GrammarBackend | None = None  # created on the first structured-output request
+        self.spec_cfg = speculative or SpeculativeConfig()
+        self.speculator = Speculator.build(self.spec_cfg, self) if self.spec_cfg.enabled else None
         self.requests: dict[str, Request] = {}  # by sequence id
         self.groups: dict[str, list[str]] = {}  # request id -> its sequence ids
         self.step_index = 0
@@ -203,11 +208,12 @@ class Engine:
         engine_cfg = from_mapping(EngineConfig, _plain(cfg.get("engine")), section="engine")
         model_cfg = from_mapping(ModelConfig, _plain(cfg.get("model")), section="model")
         sampling = SamplingParams.from_mapping(_plain(cfg.get("sampling")))
+        speculative = from_mapping(SpeculativeConfig, _plain(cfg.get("speculative")), section="speculative")
         if engine_cfg.num_threads:
             torch.set_num_threads(engine_cfg.num_threads)
         if engine_cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"engine.device={engine_cfg.device} but CUDA is not available; use engine.device=cpu")
-        return cls(load_model(model_cfg, engine_cfg.device), engine_cfg, sampling)
+        return cls(load_model(model_cfg, engine_cfg.device), engine_cfg, sampling, speculative)
 
     # ------------------------------------------------------------------ requests in
 
@@ -340,7 +346,7 @@ class Engine:
             self.start_time = now
         for seq in self.scheduler.arrivals(step):
             seq.arrival_time = now
-        batch = self.scheduler.schedule(step)
+        batch = self.scheduler.schedule(step, self._draft_slots())
         for seq_id, mode in batch.preempted:
             seq = self.requests[seq_id]
             if mode == "recompute" and seq.grammar is not None:  # rebuilt from the committed tokens
@@ -355,92 +361,256 @@ class Engine:
             seq = self.requests[chunk.seq_id]
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+        batch, proposals = self._propose(batch)
 
         out = self.runner.run(batch)  # the ONE forward of this step
-        # rows to sample: one per sampling chunk, plus the parallel samples a finished prompt forks
-        seqs, logits_rows, forks = [], [], []
-        for row, chunk in enumerate(out.sample_chunks):
-            seq = self.requests[chunk.seq_id]
-            seqs.append(seq)
-            logits_rows.append(row)
-            if seq.followers and seq.num_output_tokens == 0:
-                for follower_id in seq.followers:
-                    seqs.append(self.requests[follower_id])
-                    logits_rows.append(row)
-                    forks.append((seq, self.requests[follower_id]))
-                seq.followers = []
+        rows, forks = self._rows(out, proposals)
         logits_RV = out.logits_RV
-        if len(logits_rows) != logits_RV.shape[0]:
-            logits_RV = logits_RV.index_select(0, torch.tensor(logits_rows, device=logits_RV.device))
-        grammar_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
-        grammar_mask = None
-        allowed: dict[int, int] = {}
-        if grammar_rows:  # every grammar row's bitmask of this step in one call
-            masks = self.grammar.fill_masks([seqs[i].grammar for i in grammar_rows]).to(logits_RV.device)
-            grammar_mask = torch.ones(logits_RV.shape, dtype=torch.bool, device=logits_RV.device)
-            grammar_mask[torch.tensor(grammar_rows, device=logits_RV.device)] = masks
-            allowed = dict(zip(grammar_rows, masks.sum(dim=-1).tolist()))
-        view = BatchView(rows=tuple(RowState(s.sampling, s.token_ids, s.num_prompt_tokens, s.bad_words_ids)
-                                    for s in seqs),
+        if len(rows) != logits_RV.shape[0] or any(r.logits_row != i for i, r in enumerate(rows)):
+            logits_RV = logits_RV.index_select(0, torch.tensor([r.logits_row for r in rows], device=logits_RV.device))
+        grammar_mask, allowed = self._grammar_masks(rows, logits_RV.shape)
+        view = BatchView(rows=tuple(RowState(r.seq.sampling, r.tokens, r.seq.num_prompt_tokens, r.seq.bad_words_ids)
+                                    for r in rows),
                          vocab_size=self.vocab_size, device=logits_RV.device, eos_token_ids=self.eos_token_ids,
                          grammar_mask_RV=grammar_mask)
         lse_R = torch.logsumexp(logits_RV, dim=-1)
         pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse_R))
-        good = [i for i in range(len(seqs)) if i not in pipe.errors]
-        result = None
-        if good:
-            rows = [SampleRow(greedy=seqs[i].sampling.greedy, seed=seqs[i].seed, position=seqs[i].num_tokens,
-                              stream=seqs[i].stream, num_top=seqs[i].sampling.logprobs or 0) for i in good]
-            if len(good) == len(seqs):
-                result = sample(logits_RV, pipe.processed_RV, rows, lse_R)
-            else:
-                index = torch.tensor(good, device=logits_RV.device)
-                result = sample(logits_RV.index_select(0, index), pipe.processed_RV.index_select(0, index), rows,
-                                lse_R.index_select(0, index))
+        decisions = self._decide(rows, logits_RV, pipe, lse_R, proposals)
 
         # ---- commit: the one place where results feed back into sequence state
         for chunk in batch.chunks:
-            seq = self.requests[chunk.seq_id]
-            seq.num_computed_tokens = chunk.context_len
-            self.block_manager.commit_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self.requests[chunk.seq_id].num_computed_tokens = chunk.context_len
         for leader, follower in forks:
             self.block_manager.fork(leader.seq_id, follower.seq_id)
             follower.num_computed_tokens = leader.num_computed_tokens
             follower.arrival_time, follower.admitted_step = leader.arrival_time, step
             follower.first_scheduled_time = leader.first_scheduled_time
-        traces, deltas, finished = [], [], []
-        slot = {row: j for j, row in enumerate(good)}
         forked = {f.seq_id for _, f in forks}
-        for i, seq in enumerate(seqs):
-            j = slot.get(i)
-            token = result.token_ids[j] if j is not None else -1
-            position = seq.num_tokens
-            delta = self._commit_row(seq, token, pipe.errors.get(i))
-            if seq.seq_id in forked and not delta.finished:
-                self.scheduler.adopt(seq)
-            deltas.append(delta)
-            if delta.finished:
-                finished.append(seq.seq_id)
-            p = seq.sampling
-            traces.append(SampleTrace(
-                request_id=seq.request_id, stream=seq.stream, step=step, position=position, token_id=token,
-                raw_logprob=result.raw_logprobs[j] if j is not None else float("nan"),
-                processed_logprob=result.processed_logprobs[j] if j is not None else float("nan"),
-                support_size=result.support_sizes[j] if j is not None else 0,
-                top_raw=tuple(result.top_raw[j]) if j is not None else (),
-                top_processed=tuple(result.top_processed[j]) if j is not None else (),
-                processors=tuple(p.pipeline_description()), temperature=p.temperature, top_k=p.top_k,
-                top_p=p.top_p, min_p=p.min_p, seed=seq.seed,
-                noise=result.noise[j] if j is not None else float("nan"),
-                batch_size=len(batch.chunks), step_tokens=batch.num_tokens,
-                finish_reason=seq.finish_reason.value if delta.finished else None,
-                stop_reason=seq.finish_detail if delta.finished else None,
-                error=pipe.errors.get(i), t_emit_s=time.perf_counter() - self.start_time, logits_row=i,
-                grammar_allowed=allowed.get(i),
-            ))
+        traces, deltas, finished = [], [], []
+        for seq, emitted in decisions:
+            verified = seq.seq_id in proposals
+            for e in emitted:
+                position = seq.num_tokens
+                delta = self._commit_row(seq, e.token, e.error)
+                if seq.seq_id in forked and not delta.finished:
+                    self.scheduler.adopt(seq)
+                deltas.append(delta)
+                traces.append(self._trace(seq, e, step, position, batch, delta.finished, allowed))
+                if delta.finished:
+                    finished.append(seq.seq_id)
+                    break
+            if verified and not seq.is_finished:
+                # rejected drafts: their K/V is dropped and blocks past the sequence are returned
+                seq.num_computed_tokens = seq.num_tokens - 1
+                self.block_manager.truncate(seq.seq_id, seq.num_tokens)
+            if verified and self.speculator is not None:
+                self.speculator.rewind(seq.seq_id, seq.num_tokens - 1)
+        for chunk in batch.chunks:
+            seq = self.requests[chunk.seq_id]
+            self.block_manager.commit_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         self.step_index = step + 1
         return self._step_output(batch, tuple(traces), logits_RV,
                                  tuple(d for d in deltas if d.text or d.token_ids or d.finished), tuple(finished))
+
+    # ---- step stages ---------------------------------------------------------------------
+
+    def _draft_slots(self) -> dict[str, int]:
+        """Decoding sequences that will speculate this step, and how many drafts each may take."""
+        if self.speculator is None:
+            return {}
+        k = self.spec_cfg.num_speculative_tokens
+        slots = {}
+        for seq in self.scheduler.running:
+            if seq.status is not RequestStatus.DECODING:
+                continue
+            room = min(k, seq.sampling.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+            if room > 0:
+                wanted = self.speculator.max_drafts(seq, room)
+                if wanted > 0:
+                    slots[seq.seq_id] = wanted
+        return slots
+
+    def _propose(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, dict[str, Proposal]]:
+        """Fill the reserved draft slots with proposals; the chunks then carry newest token + drafts."""
+        items = [(self.requests[c.seq_id], c.draft_slots) for c in batch.chunks if c.draft_slots]
+        if not items:
+            return batch, {}
+        proposals = {sid: p for sid, p in self.speculator.propose(self, items).items() if p.tokens}
+        chunks = tuple(
+            dataclasses.replace(c, token_ids=c.token_ids + proposals[c.seq_id].tokens, draft_slots=0,
+                                num_logits=1 + len(proposals[c.seq_id].tokens))
+            if c.seq_id in proposals else dataclasses.replace(c, draft_slots=0)
+            for c in batch.chunks)
+        proposed = sum(len(p.tokens) for p in proposals.values())
+        return dataclasses.replace(batch, chunks=chunks, num_decode_tokens=batch.num_decode_tokens - sum(
+            c.draft_slots for c in batch.chunks) + proposed), proposals
+
+    def _rows(self, out, proposals: dict[str, Proposal]) -> tuple[list["_Row"], list[tuple[Request, Request]]]:
+        """One row per logits row to decide: plain samples, forked parallel samples, verification positions."""
+        rows, forks = [], []
+        offset = 0
+        for chunk in out.sample_chunks:
+            seq = self.requests[chunk.seq_id]
+            if chunk.num_logits > 1:
+                drafts = list(proposals[seq.seq_id].tokens)
+                for j in range(chunk.num_logits):
+                    rows.append(_Row(seq, offset + j, list(seq.token_ids) + drafts[:j], seq.num_tokens + j, j))
+            else:
+                rows.append(_Row(seq, offset, seq.token_ids, seq.num_tokens))
+                if seq.followers and seq.num_output_tokens == 0:
+                    for follower_id in seq.followers:
+                        follower = self.requests[follower_id]
+                        rows.append(_Row(follower, offset, follower.token_ids, follower.num_tokens))
+                        forks.append((seq, follower))
+                    seq.followers = []
+            offset += chunk.num_logits
+        return rows, forks
+
+    def _grammar_masks(self, rows: list["_Row"], shape) -> tuple[torch.Tensor | None, dict[int, int]]:
+        """Bitmasks of every grammar row, filled per verification depth in one batched call each."""
+        grammar_rows = [i for i, r in enumerate(rows) if r.seq.grammar is not None]
+        if not grammar_rows:
+            return None, {}
+        mask = torch.ones(shape, dtype=torch.bool)
+        allowed: dict[int, int] = {}
+        advanced: dict[str, int] = {}
+        depth = 0
+        while True:
+            at_depth = [i for i in grammar_rows if rows[i].depth == depth]
+            if not at_depth:
+                break
+            ready = [i for i in at_depth if advanced.get(rows[i].seq.seq_id, 0) == depth
+                     and not rows[i].seq.grammar.is_terminated()]  # past a stop token nothing is masked
+            if ready:
+                masks = self.grammar.fill_masks([rows[i].seq.grammar for i in ready])
+                mask[torch.tensor(ready)] = masks
+                allowed.update(zip(ready, masks.sum(dim=-1).tolist()))
+            for i in ready:  # advance through this row's draft to reach the next depth's state
+                nxt = i + 1
+                if nxt < len(rows) and rows[nxt].seq is rows[i].seq and rows[nxt].depth == depth + 1:
+                    if self.grammar.accept(rows[i].seq.grammar, rows[nxt].tokens[-1]):
+                        advanced[rows[i].seq.seq_id] = depth + 1
+            depth += 1
+        for seq_id, n in advanced.items():
+            self.requests[seq_id].grammar.rollback(n)
+        return mask.to(self.device), allowed
+
+    def _decide(self, rows, logits_RV, pipe, lse_R, proposals) -> list[tuple[Request, list["_Emit"]]]:
+        """Sample the plain rows (batched) and verify each speculating sequence's rows."""
+        plain = [i for i, r in enumerate(rows) if r.seq.seq_id not in proposals and i not in pipe.errors]
+        result = None
+        if plain:
+            srows = [SampleRow(greedy=rows[i].seq.sampling.greedy, seed=rows[i].seq.seed, position=rows[i].position,
+                               stream=rows[i].seq.stream, num_top=rows[i].seq.sampling.logprobs or 0) for i in plain]
+            if len(plain) == len(rows):
+                result = sample(logits_RV, pipe.processed_RV, srows, lse_R)
+            else:
+                index = torch.tensor(plain, device=logits_RV.device)
+                result = sample(logits_RV.index_select(0, index), pipe.processed_RV.index_select(0, index), srows,
+                                lse_R.index_select(0, index))
+        if self.speculator is not None:
+            self.speculator.stats.plain_samples += len(plain)
+        slot = {row: j for j, row in enumerate(plain)}
+        decisions: list[tuple[Request, list[_Emit]]] = []
+        seen: set[str] = set()
+        for i, r in enumerate(rows):
+            sid = r.seq.seq_id
+            if sid in proposals:
+                if sid in seen:
+                    continue
+                seen.add(sid)
+                decisions.append((r.seq, self._verify_rows(i, rows, logits_RV, pipe, lse_R, proposals[sid])))
+            elif i in pipe.errors:
+                decisions.append((r.seq, [_Emit(token=-1, row=i, error=pipe.errors[i])]))
+            else:
+                j = slot[i]
+                decisions.append((r.seq, [_Emit(
+                    token=result.token_ids[j], row=i, raw_logprob=result.raw_logprobs[j],
+                    processed_logprob=result.processed_logprobs[j], support=result.support_sizes[j],
+                    noise=result.noise[j], top_raw=tuple(result.top_raw[j]),
+                    top_processed=tuple(result.top_processed[j]))]))
+        return decisions
+
+    def _verify_rows(self, first: int, rows, logits_RV, pipe, lse_R, proposal: Proposal) -> list["_Emit"]:
+        seq = rows[first].seq
+        m = len(proposal.tokens)
+        span = list(range(first, first + m + 1))
+        bad = next((i for i in span if i in pipe.errors), None)
+        if bad is not None and bad == first:
+            return [_Emit(token=-1, row=first, error=pipe.errors[first])]
+        usable = span if bad is None else span[: span.index(bad)]
+        depth = len(usable) - 1  # verify only as many drafts as there are usable positions
+        sub = Proposal(proposal.tokens[:depth], proposal.q_logits[:depth] if proposal.q_logits is not None else None)
+        verdict = verify(pipe.processed_RV[usable], sub, greedy=seq.sampling.greedy, mode=self.spec_cfg.acceptance,
+                         seed=seq.seed, stream=seq.stream, first_position=rows[first].position)
+        self.speculator.stats.steps += 1
+        self.speculator.stats.proposed += m
+        self.speculator.stats.accepted += verdict.accepted
+        self.speculator.stats.emitted += len(verdict.tokens)
+        emits = []
+        for k, (token, origin, g, dlp) in enumerate(zip(verdict.tokens, verdict.origins, verdict.noise,
+                                                        verdict.draft_logprobs)):
+            i = usable[k]
+            raw_lp = float(logits_RV[i, token] - lse_R[i])
+            proc = pipe.processed_RV[i]
+            proc_lp = float(proc[token] - torch.logsumexp(proc, dim=-1))
+            emits.append(_Emit(token=token, row=i, raw_logprob=raw_lp, processed_logprob=proc_lp,
+                               support=int(torch.isfinite(proc).sum()), noise=g, origin=origin, draft_logprob=dlp,
+                               spec_proposed=m, spec_accepted=verdict.accepted,
+                               top_raw=_top(logits_RV[i], lse_R[i], seq.sampling.logprobs),
+                               top_processed=_top(proc, torch.logsumexp(proc, dim=-1), seq.sampling.logprobs)))
+        return emits
+
+    def _trace(self, seq: Request, e: "_Emit", step: int, position: int, batch, finished: bool,
+               allowed: dict[int, int]) -> SampleTrace:
+        p = seq.sampling
+        return SampleTrace(
+            request_id=seq.request_id, stream=seq.stream, step=step, position=position, token_id=e.token,
+            raw_logprob=e.raw_logprob, processed_logprob=e.processed_logprob, support_size=e.support,
+            top_raw=e.top_raw, top_processed=e.top_processed, processors=tuple(p.pipeline_description()),
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seq.seed, noise=e.noise,
+            batch_size=len(batch.chunks), step_tokens=batch.num_tokens,
+            finish_reason=seq.finish_reason.value if finished else None,
+            stop_reason=seq.finish_detail if finished else None, error=e.error,
+            t_emit_s=time.perf_counter() - self.start_time, logits_row=e.row,
+            grammar_allowed=allowed.get(e.row),
+            origin=e.origin, draft_logprob=e.draft_logprob, spec_proposed=e.spec_proposed,
+            spec_accepted=e.spec_accepted)
+
+    # ---- draft-model hooks (called by toolkit.speculative.ModelProposer) ------------------
+
+    def draft_sample(self, seqs: list[Request], drafts: dict[str, list[int]], logits_RV: torch.Tensor,
+                     accepted_in_grammar: dict[str, int]) -> tuple[torch.Tensor, list[int]]:
+        """Process draft logits with each request's own pipeline and draw the next draft token."""
+        tokens_hist = [list(s.token_ids) + drafts[s.seq_id] for s in seqs]
+        mask = None
+        grammar_rows = [i for i, s in enumerate(seqs) if s.grammar is not None and not s.grammar.is_terminated()]
+        if grammar_rows:
+            mask = torch.ones(logits_RV.shape, dtype=torch.bool)
+            mask[torch.tensor(grammar_rows)] = self.grammar.fill_masks([seqs[i].grammar for i in grammar_rows])
+            mask = mask.to(logits_RV.device)
+        view = BatchView(rows=tuple(RowState(s.sampling, t, s.num_prompt_tokens, s.bad_words_ids)
+                                    for s, t in zip(seqs, tokens_hist)),
+                         vocab_size=self.vocab_size, device=logits_RV.device, eos_token_ids=self.eos_token_ids,
+                         grammar_mask_RV=mask)
+        lse = torch.logsumexp(logits_RV, dim=-1)
+        pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse))
+        processed = pipe.processed_RV.clone()
+        purpose = rng.SAMPLE if self.spec_cfg.acceptance == "coupled" else rng.DRAFT
+        srows = [SampleRow(greedy=s.sampling.greedy, seed=s.seed, position=len(t), stream=s.stream, purpose=purpose)
+                 for s, t in zip(seqs, tokens_hist)]
+        safe = processed.clone()
+        for i in pipe.errors:  # a row the pipeline could not process proposes greedily from raw logits
+            safe[i] = logits_RV[i]
+        tokens = sample(logits_RV, safe, srows).token_ids
+        for i, s in enumerate(seqs):
+            if s.grammar is not None and not s.grammar.is_terminated() and self.grammar.accept(s.grammar, tokens[i]):
+                accepted_in_grammar[s.seq_id] = accepted_in_grammar.get(s.seq_id, 0) + 1
+        return safe, tokens
+
+    def rewind_draft_grammar(self, accepted_in_grammar: dict[str, int]) -> None:
+        for seq_id, n in accepted_in_grammar.items():
+            self.requests[seq_id].grammar.rollback(n)
 
     def _step_output(self, batch, traces=(), logits_RV=None, deltas=(), finished=()) -> StepOutput:
         used = self.block_manager.num_used_blocks
@@ -499,6 +669,8 @@ class Engine:
         return update
 
     def _finish(self, seq: Request, reason: FinishReason, detail: str, stop_reason, now: float) -> None:
+        if self.speculator is not None:
+            self.speculator.release(seq.seq_id)
         seq.status = RequestStatus.FINISHED
         seq.finish_reason, seq.finish_detail, seq.stop_reason = reason, detail, stop_reason
         seq.finish_time = now
@@ -550,6 +722,43 @@ class Engine:
         self._add_all(requests)
         while self.has_unfinished():
             yield from self.step().deltas
+
+
+@dataclass
+class _Row:
+    """One logits row to decide: the sequence, its history for the processors, the position it samples."""
+
+    seq: Request
+    logits_row: int
+    tokens: Sequence[int]
+    position: int
+    depth: int = 0  # verification rows: number of drafts before this position
+
+
+@dataclass(frozen=True)
+class _Emit:
+    """A token to commit (or an error), with what its trace row records."""
+
+    token: int
+    row: int
+    raw_logprob: float = float("nan")
+    processed_logprob: float = float("nan")
+    support: int = 0
+    noise: float = float("nan")
+    top_raw: tuple = ()
+    top_processed: tuple = ()
+    error: str | None = None
+    origin: str = PLAIN
+    draft_logprob: float | None = None
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+
+
+def _top(logits_V: torch.Tensor, lse: torch.Tensor, k: int | None) -> tuple[tuple[int, float], ...]:
+    if not k:
+        return ()
+    values, ids = torch.topk(logits_V, k)
+    return tuple((int(t), float(v - lse)) for t, v in zip(ids, values) if v != float("-inf"))
 
 
 def request_metrics(r: Request) -> RequestMetrics:

@@ -31,9 +31,18 @@ def mix32(x):
     return x ^ (x >> 16)
 
 
-def row_key(seed: int, position: int, stream: int) -> tuple[int, int]:
-    """Two 32-bit words that key every token's noise at one (seed, position, stream)."""
-    h = mix32((stream ^ _STREAM_SALT) & MASK32)
+# What a draw is for: the same (seed, position, stream) gives independent noise per purpose.
+SAMPLE, DRAFT, ACCEPT, RESIDUAL = 0, 1, 2, 3
+
+
+def row_key(seed: int, position: int, stream: int, purpose: int = SAMPLE) -> tuple[int, int]:
+    """Two 32-bit words that key every token's noise at one (seed, position, stream, purpose).
+
+    `SAMPLE` noise picks a token (plain sampling, the target in coupled speculation, and the
+    draft in coupled mode); `DRAFT`, `ACCEPT` and `RESIDUAL` are the draft's own samples, the
+    acceptance uniforms and the residual samples of rejection-sampling speculation.
+    """
+    h = mix32((stream ^ _STREAM_SALT ^ (purpose * 0x3C6EF372)) & MASK32)
     h = mix32(h ^ (position & MASK32))
     h = mix32(h ^ ((position >> 32) & MASK32))
     h = mix32(h ^ (seed & MASK32))
@@ -64,6 +73,13 @@ def gumbel(key: tuple[int, int], token_hash: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise, float64, one value per token hash: -log(-log(u)), u in (0, 1)."""
     u = uniform_bits(key, token_hash).to(torch.float64).add_(0.5).mul_(TWO_POW_MINUS_53)
     return u.log_().neg_().log_().neg_()
+
+
+def uniform_scalar(key: tuple[int, int], token_id: int = 0) -> float:
+    """One uniform in (0, 1) under a key (the acceptance test of rejection sampling)."""
+    a = mix32(mix32(token_id * 2 + 1) ^ key[0])
+    b = mix32(a ^ key[1])
+    return (((a << 21) | (b >> 11)) + 0.5) * TWO_POW_MINUS_53
 
 
 def gumbel_scalar(key: tuple[int, int], token_id: int) -> float:

@@ -1,8 +1,9 @@
 """Model runner: a ScheduledBatch becomes packed tensors, one forward, and the logits to sample.
 
 Packing order: single-token chunks first (they form the batched decode group of the
-attention), then multi-token prefill chunks, each contiguous. Only the last token of a
-chunk that samples gets a logits row.
+attention), then speculative verification chunks (the newest token plus its drafts),
+then multi-token prefill chunks, each contiguous. The last `num_logits` tokens of a chunk
+that samples get logits rows (one, or 1 + drafts when verifying), consecutively.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
         bs = self.block_size
         singles = [c for c in batch.chunks if c.num_tokens == 1]
-        multis = [c for c in batch.chunks if c.num_tokens > 1]
-        ordered = singles + multis
+        verifies = [c for c in batch.chunks if c.num_tokens > 1 and c.num_logits > 1]
+        multis = [c for c in batch.chunks if c.num_tokens > 1 and c.num_logits == 1]
+        ordered = singles + verifies + multis
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -61,11 +63,12 @@ class ModelRunner:
                 positions.append(pos)
                 slots.append(chunk.block_table[pos // bs] * bs + pos % bs)
             if chunk.samples:
-                rows.append(start + chunk.num_tokens - 1)
+                rows.extend(range(start + chunk.num_tokens - chunk.num_logits, start + chunk.num_tokens))
                 sample_chunks.append(chunk)
         dev = self.device
         use_kernel = self.backend == "kernel"
-        kernel_rows = (len(ids) if self.all_rows_kernel else len(singles)) if use_kernel else 0
+        kernel_rows = (len(ids) if self.all_rows_kernel else len(singles) + sum(c.num_tokens for c in verifies)) \
+            if use_kernel else 0
 
         tables = query_table = query_ctx = None
         if use_kernel:
@@ -79,14 +82,17 @@ class ModelRunner:
         decode_tables = decode_bias = None
         if singles and not use_kernel:
             width = max(len(c.block_table) for c in singles)
-            tables = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in singles]
-            decode_tables = torch.tensor(tables, dtype=torch.int64, device=dev)  # (D, B)
+            padded = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in singles]
+            decode_tables = torch.tensor(padded, dtype=torch.int64, device=dev)  # (D, B)
             ctx = torch.tensor([c.context_len for c in singles], device=dev)
             decode_bias = additive_bias(torch.arange(width * bs, device=dev)[None, :] < ctx[:, None], self.dtype)
 
         prefills = []
         offset = len(singles)
-        for chunk in ([] if self.all_rows_kernel else multis):
+        sdpa_chunks = ([] if self.all_rows_kernel else multis) if use_kernel else verifies + multis
+        if use_kernel:
+            offset = kernel_rows
+        for chunk in sdpa_chunks:
             ctx = chunk.context_len
             table = torch.tensor(chunk.block_table[: -(-ctx // bs)], dtype=torch.int64, device=dev)
             query_pos = torch.arange(chunk.start_pos, ctx, device=dev)
@@ -122,10 +128,10 @@ class ModelRunner:
         cache.swap_in([c.device for c in batch.swap_in], [c.host for c in batch.swap_in])
         cache.copy_blocks([c.src for c in batch.block_copies], [c.dst for c in batch.block_copies])
 
-    def run(self, batch: ScheduledBatch) -> ModelOutput:
+    def run(self, batch: ScheduledBatch, num_layers: int | None = None) -> ModelOutput:
         self.move_blocks(batch)
         inputs = self.prepare(batch)
         self.num_forwards += 1
         logits = self.model(inputs.input_ids_N, inputs.positions_N, inputs.attn, self.kv_cache.layers,
-                            inputs.logits_rows_R)
+                            inputs.logits_rows_R, num_layers)
         return ModelOutput(logits_RV=logits, sample_chunks=inputs.sample_chunks)

@@ -23,6 +23,7 @@ class SampleRow:
     position: int  # position of the token being sampled
     stream: int
     num_top: int = 0  # alternatives to record (SamplingParams.logprobs)
+    purpose: int = rng.SAMPLE  # which independent noise to draw (a speculative draft uses rng.DRAFT)
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRo
     for i, row in enumerate(rows):
         if row.greedy:
             continue
-        key = rng.row_key(row.seed, row.position, row.stream)
+        key = rng.row_key(row.seed, row.position, row.stream, row.purpose)
         if support[i] == vocab:
             g_V = rng.gumbel(key, hashes)
             choice = int(torch.argmax(processed_RV[i].double() + g_V))

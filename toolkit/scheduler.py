@@ -35,6 +35,8 @@ class ScheduledChunk:
     start_pos: int  # position of token_ids[0]
     block_table: tuple[int, ...]  # blocks covering positions [0, start_pos + len(token_ids))
     samples: bool  # the chunk ends at the sequence's newest token: sample the next one
+    draft_slots: int = 0  # speculative decoding: room reserved after the token for up to this many drafts
+    num_logits: int = 1  # logits rows needed at the end of the chunk (1 + drafts when verifying)
 
     @property
     def num_tokens(self) -> int:
@@ -115,8 +117,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step
 
-    def schedule(self, step: int) -> ScheduledBatch:
+    def schedule(self, step: int, draft_slots: dict[str, int] | None = None) -> ScheduledBatch:
+        """`draft_slots`: for decoding sequences that speculate, how many draft tokens to make room for."""
         plan = _Plan()
+        plan.draft_slots = draft_slots or {}
         while True:
             batch = self._schedule_once(step, plan)
             if batch.chunks or not self.running:
@@ -143,10 +147,14 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq in self.running:
-                chunks.append(self._take(seq, 1, plan))
+                drafts = min(plan.draft_slots.get(seq.seq_id, 0), budget - 1)
+                start = seq.num_computed_tokens
+                while drafts and not self.blocks.can_write(seq.seq_id, start, start + 1 + drafts):
+                    drafts -= 1  # speculation only uses blocks that are free anyway
+                chunks.append(self._take(seq, 1, plan, drafts))
                 scheduled.add(seq.seq_id)
-                budget -= 1
-                num_decode += 1
+                budget -= 1 + drafts
+                num_decode += 1 + drafts
 
         # 2. running prefills continue, oldest first, shrunk to the free KV blocks
         for seq in list(self.running):
@@ -214,16 +222,17 @@ class Scheduler:
             size -= bs  # a copy-on-write block also needs room
         return max(size, 0)
 
-    def _take(self, seq: Request, size: int, plan: "_Plan") -> ScheduledChunk:
+    def _take(self, seq: Request, size: int, plan: "_Plan", drafts: int = 0) -> ScheduledChunk:
         start = seq.num_computed_tokens
         total = start + size
-        plan.copies.extend(self.blocks.write(seq.seq_id, start, total))
+        plan.copies.extend(self.blocks.write(seq.seq_id, start, total + drafts))
         return ScheduledChunk(
             seq_id=seq.seq_id,
             token_ids=tuple(seq.token_ids[start:total]),
             start_pos=start,
             block_table=tuple(self.blocks.block_table(seq.seq_id)),
             samples=total == seq.num_tokens,
+            draft_slots=drafts,
         )
 
     def _victim(self, scheduled: set[str]) -> Request:
@@ -262,3 +271,4 @@ class _Plan:
         self.swap_in: list[SwapCopy] = []
         self.copies: list[BlockCopy] = []
         self.prefix_hit_tokens = 0
+        self.draft_slots: dict[str, int] = {}

@@ -96,6 +96,7 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
                         kv_utilization_max=max((s["kv_utilization"] for s in steps), default=0.0),
                         kv_utilization_mean=sum(s["kv_utilization"] for s in steps) / max(len(steps), 1),
                         prefix_cache_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else None,
+                        **(engine.speculator.stats.summary() if engine.speculator is not None else {}),
                         **(summary_extra or {}))
     atomic_write_bytes(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
     return Recorded(run_id=run_id, run_dir=run_dir, outputs=outputs, summary=summary)

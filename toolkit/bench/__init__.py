@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from toolkit.bench import roofline, systems
 from toolkit.bench.plots import plot_bench
 from toolkit.bench.workloads import BenchRequest, make_workload
-from toolkit.config import EngineConfig, ModelConfig, from_mapping
+from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig, from_mapping
 from toolkit.errors import ConfigError
 from toolkit.metrics import percentile
 from toolkit.models import load_model
@@ -79,8 +79,12 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
         results[name].extra["wall_s_all"] = sorted(r.wall_s for r in runs)
     for variant, overrides in (b.get("engine_variants") or {}).items():
         name = f"engine[{variant}]"
-        results[name] = systems.run_engine(loaded, dataclasses.replace(engine_cfg, **overrides), requests, name=name)
-        results[name].extra["overrides"] = overrides
+        overrides = dict(overrides or {})
+        spec = overrides.pop("speculative", None)  # e.g. {speculative: {method: ngram}}
+        spec_cfg = from_mapping(SpeculativeConfig, spec, section="speculative") if spec else None
+        variant_cfg = from_mapping(EngineConfig, {**dataclasses.asdict(engine_cfg), **overrides}, section="engine")
+        results[name] = systems.run_engine(loaded, variant_cfg, requests, name=name, speculative=spec_cfg)
+        results[name].extra["overrides"] = {**overrides, **({"speculative": spec} if spec else {})}
         print(f"  {name}: {results[name].wall_s:.2f} s", flush=True)
     needs_hf = any(s in b["systems"] for s in ("hf_static", "hf_cb", "naive"))
     hf_dir = model_cfg.path or (smollm2_dir() if model_cfg.name == "smollm2" else None)
@@ -186,6 +190,11 @@ def print_report(report: dict[str, Any], run_dir: Path) -> None:
         diff = f", first differing positions {agree['first_diff']}" if agree["first_diff"] else ""
         label = f"{other} / engine: {1 / ratio:.2f}x" if other.startswith("engine[") else f"engine / {other}: {ratio:.2f}x"
         print(f"throughput {label}  (greedy token-identical {agree['identical']}/{agree['of']}{diff})")
+        spec = report["systems"][other]
+        if spec.get("acceptance_rate") is not None:
+            print(f"  {other}: acceptance rate {spec['acceptance_rate']:.3f}, mean accepted length "
+                  f"{spec['mean_accepted_length']:.2f}, target forwards per output token "
+                  f"{spec['target_forwards_per_output_token']:.3f}")
     if "tracing_overhead" in report:
         print(f"tracing overhead: {100 * report['tracing_overhead']:+.1f}% wall time")
     if "long_prompt" in report:

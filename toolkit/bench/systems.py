@@ -20,7 +20,7 @@ import psutil
 import torch
 
 from toolkit.bench.workloads import BenchRequest
-from toolkit.config import EngineConfig, SamplingParams
+from toolkit.config import EngineConfig, SamplingParams, SpeculativeConfig
 from toolkit.engine import Engine
 from toolkit.metrics import percentile
 from toolkit.trace import new_run_id
@@ -83,8 +83,8 @@ def _tpot(times: list[float]) -> float | None:
 
 
 def run_engine(loaded, engine_cfg: EngineConfig, requests: list[BenchRequest], trace_dir: Path | None = None,
-               name: str = "engine") -> SystemResult:
-    engine = Engine(loaded, engine_cfg, SamplingParams(temperature=0.0))
+               name: str = "engine", speculative: SpeculativeConfig | None = None) -> SystemResult:
+    engine = Engine(loaded, engine_cfg, SamplingParams(temperature=0.0), speculative)
     for r in requests:
         engine.add_request(prompt_token_ids=r.prompt_token_ids, request_id=r.id, arrival_step=r.arrival_step,
                            sampling_params=SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True))
@@ -115,7 +115,8 @@ def run_engine(loaded, engine_cfg: EngineConfig, requests: list[BenchRequest], t
     result.extra = {"steps": engine.step_index, "traced": writer is not None,
                     "attention_backend": engine.attention_backend,
                     "preemptions": sum(s.num_preemptions for s in engine.requests.values()),
-                    "prefix_cache_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else None}
+                    "prefix_cache_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else None,
+                    **(engine.speculator.stats.summary() if engine.speculator is not None else {})}
     result.extra_steps = step_log  # type: ignore[attr-defined]
     return result
 

@@ -154,6 +154,16 @@ class BlockManager:
         self._num_tokens[seq_id] = max(self._num_tokens[seq_id], end)
         return copies
 
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """Shrink capacity to `num_tokens` tokens, releasing whole blocks past it (rejected drafts)."""
+        table = self._tables[seq_id]
+        keep = self.blocks_for_tokens(num_tokens)
+        while len(table) > keep:
+            self._release(table.pop())
+        self._num_tokens[seq_id] = min(self._num_tokens[seq_id], num_tokens)
+        chain = self._chains[seq_id]
+        del chain[num_tokens // self.block_size:]
+
     # compatibility pairs used by simple callers and tests
     def can_allocate(self, num_tokens: int) -> bool:
         return self.blocks_for_tokens(num_tokens) <= len(self._free)

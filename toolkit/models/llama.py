@@ -167,15 +167,19 @@ class LlamaForPagedLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids_N: torch.Tensor, positions_N: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_rows_R: torch.Tensor) -> torch.Tensor:
-        """Run one packed step; return fp32 logits (R, V) for the rows in `logits_rows_R`."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_rows_R: torch.Tensor,
+                num_layers: int | None = None) -> torch.Tensor:
+        """Run one packed step; return fp32 logits (R, V) for the rows in `logits_rows_R`.
+
+        `num_layers` stops after the first layers (then the final norm and LM head): the
+        self-draft model of speculative decoding, sharing every weight with this one."""
         a = self.arch
         n = input_ids_N.shape[0]
         q_width, kv_width = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         cos = self.rope_cos[positions_N].unsqueeze(1).to(self.embed.dtype)  # (N, 1, Dh)
         sin = self.rope_sin[positions_N].unsqueeze(1).to(self.embed.dtype)
         x = self.embed[input_ids_N]  # (N, hidden)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for layer, (k_cache, v_cache) in zip(self.layers[:num_layers], kv_caches):
             h = rms_norm(x, layer.ln_attn, a.rms_norm_eps)
             qkv = h @ layer.w_qkv  # (N, (H + 2K) * Dh)
             qk = qkv[:, : q_width + kv_width].view(n, a.num_heads + a.num_kv_heads, a.head_dim)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 TOP_TYPE = pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float32())]))
 
@@ -44,6 +44,10 @@ class SampleTrace:
     t_emit_s: float  # seconds since the run started
     logits_row: int  # row of the step's logits tensor (not stored: the writer digests it)
     grammar_allowed: int | None = None  # tokens the request's grammar allowed at this position (no grammar: null)
+    origin: str = "plain"  # plain | draft_accepted | resampled | bonus (speculative decoding)
+    draft_logprob: float | None = None  # the draft's processed logprob of this token (null: none proposed it)
+    spec_proposed: int = 0  # drafts proposed for this sequence in this step
+    spec_accepted: int = 0  # of which kept
 
 
 SAMPLE_COLUMNS = [
@@ -73,6 +77,10 @@ SAMPLE_COLUMNS = [
     ("error", pa.string()),
     ("t_emit_s", pa.float64()),
     ("grammar_allowed", pa.int64()),
+    ("origin", pa.string()),
+    ("draft_logprob", pa.float32()),
+    ("spec_proposed", pa.int32()),
+    ("spec_accepted", pa.int32()),
 ]
 SAMPLES_SCHEMA = pa.schema(SAMPLE_COLUMNS, metadata={"toolkit_schema_version": str(SCHEMA_VERSION)})
 

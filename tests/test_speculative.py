@@ -1,0 +1,214 @@
+"""Speculative decoding: greedy equality, exact target distribution (rejection and coupled), coupled
+equality with plain sampling, replay, grammar, one target forward per step."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import re
+
+import pytest
+import torch
+
+from tests.conftest import make_engine
+from tests.stats import chi_square
+from toolkit import engine as engine_module
+from toolkit import replay, speculative
+from toolkit.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
+from toolkit.engine import Engine
+from toolkit.models import load_model
+from toolkit.reference import reference_logits
+
+COPY_PROMPTS = ["Repeat exactly: The quick brown fox jumps over the lazy dog. The quick brown fox jumps.",
+                "Copy this sentence twice: I like green apples and red cherries.",
+                "Write a haiku about rain.", "List the days of the week."]
+
+
+def spec_engine(loaded, method: str, acceptance: str = "rejection", k: int = 4, **engine_kwargs):
+    extra = {"draft_layers": 1} if method == "self_draft" and loaded.arch.num_layers <= 2 else {}
+    if method == "self_draft" and loaded.arch.num_layers > 2:
+        extra = {"draft_layers": 8}
+    if method == "draft_model":
+        extra = {"draft_model": {"name": "tiny", "seed": 77, "vocab_size": loaded.arch.vocab_size}}
+    cfg = SpeculativeConfig(method=method, num_speculative_tokens=k, acceptance=acceptance, **extra)
+    return Engine(loaded, EngineConfig(**engine_kwargs), SamplingParams(temperature=0.0), cfg)
+
+
+def greedy_requests(loaded, max_tokens=32):
+    return [{"messages": [{"role": "user", "content": p}], "request_id": f"p{i}", "arrival_step": i,
+             "sampling_params": SamplingParams(temperature=0.0, max_tokens=max_tokens)}
+            for i, p in enumerate(COPY_PROMPTS)]
+
+
+@pytest.mark.parametrize("method", ["ngram", "self_draft", "draft_model"])
+def test_tiny_greedy_speculation_equals_plain_greedy(tiny, method):
+    requests = greedy_requests(tiny)
+    plain = [o.output_token_ids for o in make_engine(tiny).generate(requests)]
+    engine = spec_engine(tiny, method, max_num_batched_tokens=64, max_num_seqs=4)
+    assert [o.output_token_ids for o in engine.generate(requests)] == plain
+    assert engine.speculator.stats.proposed > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "self_draft"])
+def test_smollm2_greedy_speculation_equals_plain_greedy(smollm2, method):
+    requests = greedy_requests(smollm2, max_tokens=40)
+    plain = [o.output_token_ids for o in make_engine(smollm2).generate(requests)]
+    engine = spec_engine(smollm2, method)
+    assert [o.output_token_ids for o in engine.generate(requests)] == plain
+    if method == "ngram":
+        assert engine.speculator.stats.accepted > 10  # the copy prompts do get long accepted runs
+
+
+def test_one_target_forward_per_step_with_speculation(tiny):
+    engine = spec_engine(tiny, "draft_model", max_num_batched_tokens=64, max_num_seqs=4)
+    calls = 0
+    original = engine.runner.model.forward
+
+    def counting(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return original(*args, **kwargs)
+
+    engine.runner.model = type("M", (), {"__call__": lambda self, *a, **k: counting(*a, **k),
+                                         "arch": tiny.arch})()
+    for r in greedy_requests(tiny):
+        engine.add_request(**r)
+    busy = 0
+    while engine.has_unfinished():
+        out = engine.step()
+        busy += out.batch_size > 0
+    assert calls == busy  # drafts run on the draft model's runner, the target forward stays one per step
+
+
+# --------------------------------------------------------------------------- exactness in distribution
+
+VOCAB, PROMPT, PARAMS = 12, [3, 5], dict(temperature=0.9, top_k=8)
+
+
+@functools.lru_cache(maxsize=1)
+def small_models():
+    target = load_model(ModelConfig(name="tiny", seed=5, vocab_size=VOCAB))
+    return target
+
+
+def processed_probs(model, tokens: list[int]) -> torch.Tensor:
+    logits = reference_logits(model.model, tokens)[-1] / PARAMS["temperature"]
+    kth = torch.topk(logits, PARAMS["top_k"]).values[-1]
+    return torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+
+
+def exact_marginals(model) -> list[list[float]]:
+    """P(x1), P(x2), P(x3) of the processed target distribution, by enumerating prefixes."""
+    p1 = processed_probs(model, PROMPT)
+    p2 = torch.zeros(VOCAB, dtype=torch.float64)
+    p3 = torch.zeros(VOCAB, dtype=torch.float64)
+    for a in range(VOCAB):
+        if p1[a] == 0:
+            continue
+        pa = processed_probs(model, PROMPT + [a])
+        p2 += p1[a] * pa
+        for b in range(VOCAB):
+            if pa[b] > 0:
+                p3 += p1[a] * pa[b] * processed_probs(model, PROMPT + [a, b])
+    return [p1.tolist(), p2.tolist(), p3.tolist()]
+
+
+def speculative_samples(acceptance: str, n: int = 20000) -> list[tuple[int, ...]]:
+    target = small_models()
+    cfg = SpeculativeConfig(method="draft_model", num_speculative_tokens=2, acceptance=acceptance,
+                            draft_model={"name": "tiny", "seed": 77, "vocab_size": VOCAB})
+    engine = Engine(target, EngineConfig(max_num_seqs=512, max_num_batched_tokens=2048, num_kv_blocks=4096,
+                                         block_size=4), SamplingParams(), cfg)
+    outs = engine.generate([{"prompt_token_ids": PROMPT, "sampling_params": SamplingParams(
+        seed=i, max_tokens=3, ignore_eos=True, **PARAMS)} for i in range(n)])
+    stats = engine.speculator.stats
+    assert stats.accepted > 0.2 * stats.proposed  # the draft is close enough for both branches to be exercised
+    return [o.output_token_ids for o in outs]
+
+
+def assert_matches(samples, marginals):
+    for pos in range(3):
+        stat, p_value = chi_square([s[pos] for s in samples], marginals[pos])
+        assert p_value > 1e-3, (pos, stat, p_value)
+
+
+@pytest.mark.parametrize("acceptance", ["rejection", "coupled"])
+def test_speculative_samples_follow_the_target_distribution(acceptance):
+    assert_matches(speculative_samples(acceptance), exact_marginals(small_models()))
+
+
+def test_resampling_from_p_instead_of_the_residual_fails(monkeypatch):
+    monkeypatch.setattr(engine_module, "verify", functools.partial(speculative.verify, residual_from_p=True))
+    samples = speculative_samples("rejection")
+    with pytest.raises(AssertionError):
+        assert_matches(samples, exact_marginals(small_models()))
+
+
+def test_coupled_equals_plain_sampling_with_the_same_seeds(tiny):
+    requests = [{"prompt_token_ids": list(range(7 * i + 1, 7 * i + 12)), "request_id": f"c{i}", "arrival_step": i,
+                 "sampling_params": SamplingParams(temperature=1.0, seed=40 + i, max_tokens=24, ignore_eos=True)}
+                for i in range(6)]
+    plain = [o.output_token_ids for o in make_engine(tiny, max_num_batched_tokens=64, max_num_seqs=6).generate(requests)]
+    engine = spec_engine(tiny, "draft_model", "coupled", max_num_batched_tokens=64, max_num_seqs=6)
+    coupled = [o.output_token_ids for o in engine.generate(requests)]
+    same = sum(a == b for a, b in zip(itertools.chain(*plain), itertools.chain(*coupled)))
+    assert same / sum(map(len, plain)) >= 0.99  # exactly equal once bits are batch-invariant
+    assert engine.speculator.stats.accepted > 0
+
+
+# --------------------------------------------------------------------------- trace, replay, grammar
+
+
+def test_speculative_trace_and_replay(tiny, tmp_path):
+    from toolkit.session import record
+    from toolkit.trace.reader import read_samples
+
+    engine = spec_engine(tiny, "ngram", "rejection", max_num_batched_tokens=64, max_num_seqs=4)
+    ids = [engine.add_request(prompt_token_ids=[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], request_id=f"r{i}",
+                              sampling_params=SamplingParams(temperature=1.0 if i else 0.0, seed=i, max_tokens=16,
+                                                             ignore_eos=True)) for i in range(3)]
+    config = {"model": {"name": "tiny", "seed": 0}, "speculative": {"method": "ngram", "acceptance": "rejection"}}
+    record(engine, ids, tmp_path / "run", config)
+    rows = read_samples(tmp_path / "run").to_pylist()
+    origins = {r["origin"] for r in rows}
+    assert origins <= {"plain", "draft_accepted", "resampled", "bonus"} and "draft_accepted" in origins
+    assert all(r["spec_proposed"] >= r["spec_accepted"] for r in rows)
+    for rid in ids:  # positions are contiguous: one row per emitted token
+        positions = [r["position"] for r in rows if r["request_id"] == rid]
+        assert positions == list(range(10, 10 + len(positions)))
+    report = replay(tmp_path / "run", out_dir=tmp_path / "replay")
+    assert report.identical, report.summary_line()
+
+
+def test_grammar_and_speculation_keep_outputs_valid(tiny):
+    engine = spec_engine(tiny, "draft_model", "rejection", max_num_batched_tokens=64, max_num_seqs=8)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+              "required": ["a", "b"]}
+    specs = [{"json": schema}, {"regex": r"(ab|cd){2,8}"}, {"choice": ["left", "right"]}]
+    requests = [{"prompt_token_ids": [i + 1, i + 2], "sampling_params": SamplingParams(
+        temperature=1.0, seed=i, max_tokens=60, structured_outputs=specs[i % 3])} for i in range(9)]
+    for r, out in zip(requests, engine.generate(requests)):
+        spec = r["sampling_params"].structured_outputs
+        matcher = engine.grammar.matcher(spec)
+        assert all(matcher.accept_token(t) for t in out.output_token_ids)
+        if out.finish_reason == "stop":
+            if spec.kind == "json":
+                json.loads(out.text)
+            elif spec.kind == "regex":
+                assert re.fullmatch(spec.regex, out.text)
+            else:
+                assert out.text in spec.choice
+    assert engine.speculator.stats.proposed > 0
+
+
+def test_bad_speculative_configs():
+    from toolkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="speculative.method must be one of"):
+        SpeculativeConfig(method="medusa")
+    with pytest.raises(ConfigError, match="needs speculative.draft_model"):
+        SpeculativeConfig(method="draft_model")
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=0)
