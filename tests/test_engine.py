@@ -19,9 +19,9 @@ class CountingModel(torch.nn.Module):
         self.inner = model
         self.calls = 0
 
-    def forward(self, *args):
+    def forward(self, *args, **kwargs):
         self.calls += 1
-        return self.inner(*args)
+        return self.inner(*args, **kwargs)
 
 
 def test_a_mixed_step_makes_exactly_one_forward(tiny):

@@ -7,12 +7,12 @@ then the prefill chunks, each contiguous. Keys and values live in per-layer page
 Two backends:
 - `kernel` (CPU, fp32): the native kernel in csrc/paged_attention.c reads every query's
   keys straight from its blocks (no gathered copy, no padding) in a fixed order. It
-  serves the decode rows, and every row when `all_rows_kernel` is set.
+  serves the decode rows, and every row in batch-invariant mode.
 - `sdpa` (any device): each sequence's blocks are gathered into a key axis and torch's
   scaled_dot_product_attention runs with an additive mask; decode rows in one batched
   call, each prefill chunk in its own call. Grouped-query attention is computed without
   repeating K/V: the G query heads of one KV head are laid along the query axis.
-Prefill chunks use the sdpa path in both backends unless `all_rows_kernel` is set.
+Prefill chunks use the sdpa path in both backends, except in batch-invariant mode.
 """
 
 from __future__ import annotations

@@ -95,6 +95,9 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # recompute | swap
     preemption_policy: str = "newest"  # newest | priority
     swap_space_gb: float = 1.0  # host pool for preemption_mode=swap (pinned memory on CUDA)
+    # A token's logits are the same bits whatever its batch, chunking, preemption or cache hits
+    # (fixed-order matmul and attention kernels; CPU fp32; see toolkit/csrc).
+    batch_invariant: bool = False
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -120,6 +123,10 @@ class EngineConfig:
                f"engine.preemption_policy must be newest or priority, got {self.preemption_policy!r}")
         _check(_is_number(self.swap_space_gb) and self.swap_space_gb >= 0,
                f"engine.swap_space_gb must be a number >= 0, got {self.swap_space_gb!r}")
+        _check(isinstance(self.batch_invariant, bool),
+               f"engine.batch_invariant must be true or false, got {self.batch_invariant!r}")
+        _check(not (self.batch_invariant and self.attention_backend == "sdpa"),
+               "engine.batch_invariant=true needs the native attention kernel, not engine.attention_backend=sdpa")
         _check(self.attention_backend in ATTENTION_BACKENDS,
                f"engine.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _check(self.max_num_batched_tokens >= self.max_num_seqs,

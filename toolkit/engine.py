@@ -28,7 +28,7 @@ from toolkit.processors import BatchView, RowState, apply_pipeline, invalid_rows
 from toolkit.processors.masks import resolve_bad_words
 from toolkit.request import FinishReason, Request, RequestStatus
 from toolkit.runner import ModelRunner
-from toolkit.sampling import SampleRow, sample
+from toolkit.sampling import SampleRow, logsumexp_rows, sample
 from toolkit.scheduler import ScheduledBatch, Scheduler
 from toolkit.stop import TextUpdate, update_text
 from toolkit.trace.schema import SampleTrace
@@ -151,7 +151,8 @@ class Engine:
                                           num_host_blocks=num_host_blocks)
         self.scheduler = Scheduler(self.cfg, self.block_manager)
         self.attention_backend = self._attention_backend()
-        self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, self.attention_backend)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, self.attention_backend,
+                                  batch_invariant=self.cfg.batch_invariant)
         self._grammar: GrammarBackend | None = None  # created on the first structured-output request
         self.spec_cfg = speculative or SpeculativeConfig()
         self.speculator = Speculator.build(self.spec_cfg, self) if self.spec_cfg.enabled else None
@@ -190,14 +191,18 @@ class Engine:
         if self.device.type != "cpu" or self.loaded.model.embed.dtype != torch.float32:
             problem = "the native kernel runs on the CPU in float32 only"
         else:
-            from toolkit.kernels import KernelUnavailable, load_paged_attention
+            from toolkit.kernels import KernelUnavailable, load_matmul_invariant, load_paged_attention
 
             try:
                 load_paged_attention()
+                if self.cfg.batch_invariant:
+                    load_matmul_invariant()
             except KernelUnavailable as exc:
                 problem = str(exc)
         if problem is None:
             return "kernel"
+        if self.cfg.batch_invariant:
+            raise ConfigError(f"engine.batch_invariant=true is unavailable here: {problem}")
         if wanted == "kernel":
             raise ConfigError(f"engine.attention_backend=kernel is unavailable: {problem}")
         return "sdpa"
@@ -373,7 +378,7 @@ class Engine:
                                     for r in rows),
                          vocab_size=self.vocab_size, device=logits_RV.device, eos_token_ids=self.eos_token_ids,
                          grammar_mask_RV=grammar_mask)
-        lse_R = torch.logsumexp(logits_RV, dim=-1)
+        lse_R = logsumexp_rows(logits_RV)
         pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse_R))
         decisions = self._decide(rows, logits_RV, pipe, lse_R, proposals)
 
@@ -553,12 +558,13 @@ class Engine:
             i = usable[k]
             raw_lp = float(logits_RV[i, token] - lse_R[i])
             proc = pipe.processed_RV[i]
-            proc_lp = float(proc[token] - torch.logsumexp(proc, dim=-1))
+            proc_lse = logsumexp_rows(proc[None])[0]
+            proc_lp = float(proc[token] - proc_lse)
             emits.append(_Emit(token=token, row=i, raw_logprob=raw_lp, processed_logprob=proc_lp,
                                support=int(torch.isfinite(proc).sum()), noise=g, origin=origin, draft_logprob=dlp,
                                spec_proposed=m, spec_accepted=verdict.accepted,
                                top_raw=_top(logits_RV[i], lse_R[i], seq.sampling.logprobs),
-                               top_processed=_top(proc, torch.logsumexp(proc, dim=-1), seq.sampling.logprobs)))
+                               top_processed=_top(proc, proc_lse, seq.sampling.logprobs)))
         return emits
 
     def _trace(self, seq: Request, e: "_Emit", step: int, position: int, batch, finished: bool,
@@ -593,7 +599,7 @@ class Engine:
                                     for s, t in zip(seqs, tokens_hist)),
                          vocab_size=self.vocab_size, device=logits_RV.device, eos_token_ids=self.eos_token_ids,
                          grammar_mask_RV=mask)
-        lse = torch.logsumexp(logits_RV, dim=-1)
+        lse = logsumexp_rows(logits_RV)
         pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse))
         processed = pipe.processed_RV.clone()
         purpose = rng.SAMPLE if self.spec_cfg.acceptance == "coupled" else rng.DRAFT

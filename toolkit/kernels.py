@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -20,8 +21,8 @@ import torch
 
 from toolkit.models.loading import cache_root
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC", "-std=gnu11"]
+CSRC = Path(__file__).with_name("csrc")
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-shared", "-fPIC", "-std=gnu11"]
 
 
 class KernelUnavailable(RuntimeError):
@@ -38,34 +39,88 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-@lru_cache(maxsize=1)
-def load_paged_attention():
-    """The compiled `toolkit_paged_attention_f32` function (raises KernelUnavailable)."""
+def _compile(name: str):
+    """Compile csrc/<name>.c once per (source, compiler, CPU flags) and load it."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise KernelUnavailable("no C compiler found (set CC)")
-    source = SOURCE.read_bytes()
+    source_path = CSRC / f"{name}.c"
+    source = source_path.read_bytes()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"cannot run {cc}: {exc}") from None
     key = hashlib.sha256(source + version.encode() + _cpu_flags().encode() + " ".join(FLAGS).encode()).hexdigest()
-    target = cache_root() / "kernels" / f"paged_attention-{key[:16]}.so"
+    target = cache_root() / "kernels" / f"{name}-{key[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
         os.close(fd)
-        result = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        result = subprocess.run([cc, *FLAGS, str(source_path), "-o", tmp, "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
             os.unlink(tmp)
-            raise KernelUnavailable(f"compiling {SOURCE.name} failed: {result.stderr.strip()[:300]}")
+            raise KernelUnavailable(f"compiling {source_path.name} failed: {result.stderr.strip()[:300]}")
         os.replace(tmp, target)
-    lib = ctypes.CDLL(str(target))
-    fn = lib.toolkit_paged_attention_f32
+    return ctypes.CDLL(str(target))
+
+
+@lru_cache(maxsize=1)
+def load_paged_attention():
+    """The compiled `toolkit_paged_attention_f32` function (raises KernelUnavailable)."""
+    fn = _compile("paged_attention").toolkit_paged_attention_f32
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
+
+
+@lru_cache(maxsize=1)
+def load_matmul_invariant():
+    """The compiled `toolkit_matmul_invariant_f32` function (raises KernelUnavailable)."""
+    fn = _compile("matmul_invariant").toolkit_matmul_invariant_f32
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, i64, p, p, i64, i64, i64, i64, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+PANEL = 64  # NR of csrc/matmul_invariant.c
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A (K, N) fp32 weight laid out panel by panel for the batch-invariant matmul."""
+
+    data: torch.Tensor
+    k: int
+    n: int
+
+
+def pack_weight(w_KN: torch.Tensor) -> PackedWeight:
+    """Column panels of 64, then of 16, then the last N % 16 columns, each panel contiguous."""
+    k, n = w_KN.shape
+    wide, narrow = n // PANEL, (n % PANEL) // 16
+    vec_end = wide * PANEL + narrow * 16
+    parts = [w_KN[:, : wide * PANEL].reshape(k, wide, PANEL).permute(1, 0, 2).reshape(-1),
+             w_KN[:, wide * PANEL: vec_end].reshape(k, narrow, 16).permute(1, 0, 2).reshape(-1),
+             w_KN[:, vec_end:].reshape(-1)]
+    return PackedWeight(torch.cat(parts).float().contiguous(), k, n)
+
+
+def matmul_invariant(x_MK: torch.Tensor, w: torch.Tensor | PackedWeight) -> torch.Tensor:
+    """x @ w in fp32 with each output element summed over k in order, by one FMA chain: a row's
+    result does not depend on the other rows, on M, or on the number of threads. `w` is (K, N),
+    packed with `pack_weight` once (a plain tensor is packed on every call)."""
+    packed = w if isinstance(w, PackedWeight) else pack_weight(w)
+    if x_MK.dtype != torch.float32 or x_MK.device.type != "cpu":
+        raise KernelUnavailable("the batch-invariant matmul runs fp32 on the CPU")
+    if x_MK.stride(-1) != 1:
+        x_MK = x_MK.contiguous()
+    m = x_MK.shape[0]
+    out = torch.empty((m, packed.n), dtype=torch.float32)
+    load_matmul_invariant()(x_MK.data_ptr(), x_MK.stride(0), packed.data.data_ptr(), out.data_ptr(), packed.n,
+                            m, packed.k, packed.n, torch.get_num_threads())
+    return out
 
 
 def paged_attention_cpu(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

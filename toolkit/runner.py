@@ -34,10 +34,15 @@ class ModelOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
-                 attention_backend: str = "sdpa", all_rows_kernel: bool = False):
+                 attention_backend: str = "sdpa", batch_invariant: bool = False):
         self.model = model
         self.backend = attention_backend  # "kernel" or "sdpa" (resolved by the engine)
-        self.all_rows_kernel = all_rows_kernel and attention_backend == "kernel"
+        if batch_invariant and attention_backend != "kernel":
+            raise ValueError("batch-invariant mode needs the native attention kernel")
+        # every query (prefill chunks too) through the fixed-order kernel, every projection through
+        # the fixed-order matmul: a token's bits do not depend on its neighbours
+        self.batch_invariant = batch_invariant
+        self.all_rows_kernel = batch_invariant
         self.groups = model.arch.num_heads // model.arch.num_kv_heads
         self.dtype = kv_cache.layers[0][0].dtype
         self.kv_cache = kv_cache
@@ -133,5 +138,20 @@ class ModelRunner:
         inputs = self.prepare(batch)
         self.num_forwards += 1
         logits = self.model(inputs.input_ids_N, inputs.positions_N, inputs.attn, self.kv_cache.layers,
-                            inputs.logits_rows_R, num_layers)
+                            inputs.logits_rows_R, num_layers, batch_invariant=self.batch_invariant)
         return ModelOutput(logits_RV=logits, sample_chunks=inputs.sample_chunks)
+
+
+def recompute_logits(model: torch.nn.Module, token_ids: list[int], *, batch_invariant: bool = True,
+                     block_size: int = 16) -> torch.Tensor:
+    """fp32 logits (T, V) of every position of `token_ids` (row t predicts token t + 1), from a
+    fresh cache in ONE prefill through the engine's own forward. In batch-invariant mode these
+    are the very bits the engine produced for each position, however it was batched or cached."""
+    layers, kv_heads, head_dim = model.kv_shape
+    n = len(token_ids)
+    blocks = -(-n // block_size)
+    device = model.embed.device
+    cache = PagedKVCache(layers, blocks, block_size, kv_heads, head_dim, model.embed.dtype, device)
+    runner = ModelRunner(model, cache, device, "kernel" if batch_invariant else "sdpa", batch_invariant=batch_invariant)
+    chunk = ScheduledChunk("recompute", tuple(token_ids), 0, tuple(range(blocks)), samples=True, num_logits=n)
+    return runner.run(ScheduledBatch(step=0, chunks=(chunk,), num_decode_tokens=0, num_prefill_tokens=n)).logits_RV

@@ -290,7 +290,8 @@ class Speculator:
             if not 1 <= cfg.draft_layers < layers:
                 raise ConfigError(f"speculative.draft_layers must be in [1, {layers - 1}] for this model, "
                                   f"got {cfg.draft_layers}")
-            runner = ModelRunner(engine.loaded.model, engine.kv_cache, engine.device, engine.attention_backend)
+            runner = ModelRunner(engine.loaded.model, engine.kv_cache, engine.device, engine.attention_backend,
+                                 batch_invariant=engine.cfg.batch_invariant)
             return cls(cfg, ModelProposer(engine.loaded, runner, num_layers=cfg.draft_layers,
                                           shares_target_cache=True))
         from toolkit.config import ModelConfig, from_mapping
@@ -309,8 +310,9 @@ class Speculator:
         blocks = engine.num_kv_blocks
         cache = PagedKVCache(layers, blocks, engine.cfg.block_size, kv_heads, head_dim, draft.model.embed.dtype,
                              engine.device)
-        runner = ModelRunner(draft.model, cache, engine.device, "kernel" if engine.attention_backend == "kernel"
-                             and draft.model.embed.dtype == torch.float32 else "sdpa")
+        on_kernel = engine.attention_backend == "kernel" and draft.model.embed.dtype == torch.float32
+        runner = ModelRunner(draft.model, cache, engine.device, "kernel" if on_kernel else "sdpa",
+                             batch_invariant=engine.cfg.batch_invariant and on_kernel)
         return cls(cfg, ModelProposer(draft, runner, block_manager=BlockManager(blocks, engine.cfg.block_size)))
 
     def max_drafts(self, seq, room: int) -> int:

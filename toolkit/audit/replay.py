@@ -163,6 +163,10 @@ def check_manifest(manifest: dict[str, Any], engine: Engine, allow_mismatch: boo
     token_digest = loaded.tokenizer.digest if loaded.tokenizer else None
     if manifest.get("tokenizer_sha256") != token_digest:
         problems.append("tokenizer differs from the recorded one")
+    recorded_mode = bool(manifest.get("batch_invariant", False))
+    if recorded_mode != engine.cfg.batch_invariant:
+        problems.append(f"engine.batch_invariant differs: recorded {str(recorded_mode).lower()}, replay "
+                        f"{str(engine.cfg.batch_invariant).lower()} (the two modes' logits differ in the last bits)")
     if problems and not allow_mismatch:
         raise TraceError(f"refusing to replay: {problems[0]} (replay.allow_mismatch=true compares anyway)")
     return problems

@@ -5,6 +5,10 @@ no-cache forward (our float64 textbook reference by default, or HF transformers'
 forward with `reference="hf"`); the recomputed raw log-probability of every recorded
 token is compared with the recorded one, and every greedy row's token must still be the
 argmax of the processed logits (the processors are re-applied to the recomputed logits).
+For a trace recorded with `engine.batch_invariant=true`, `reference="exact"` recomputes
+with the engine's own batch-invariant forward (fresh cache, one prefill) and demands the
+recorded bits: every row's sha256 of the raw fp32 logits must equal the recorded digest
+and its raw log-probability must be the same float (cached == recomputed, exactly).
 A hand-edited token fails at its own row: its recorded log-probability no longer matches,
 and the rows after it are reported as depending on it.
 """
@@ -27,6 +31,9 @@ from toolkit.models import load_model
 from toolkit.processors import BatchView, RowState, apply_pipeline
 from toolkit.processors.masks import resolve_bad_words
 from toolkit.reference import reference_logits
+from toolkit.runner import recompute_logits
+from toolkit.sampling import logsumexp_rows
+from toolkit.trace.writer import logits_digest
 from toolkit.audit.replay import load_recorded_config
 from toolkit.trace.reader import TraceError, read_manifest, read_requests, read_samples
 from toolkit.trace.writer import atomic_write_table
@@ -111,8 +118,8 @@ def _hf_forward(model_cfg: ModelConfig):
 def verify(run_dir: str | Path, *, reference: str = "ours", atol: float = 1e-4,
            out_dir: str | Path | None = None) -> VerifyReport:
     run_dir = Path(run_dir)
-    if reference not in ("ours", "hf"):
-        raise ConfigError(f"verify.reference must be 'ours' or 'hf', got {reference!r}")
+    if reference not in ("ours", "hf", "exact"):
+        raise ConfigError(f"verify.reference must be 'ours', 'hf' or 'exact', got {reference!r}")
     if not (isinstance(atol, (int, float)) and atol > 0):
         raise ConfigError(f"verify.atol must be a positive number, got {atol!r}")
     manifest = read_manifest(run_dir)
@@ -122,7 +129,15 @@ def verify(run_dir: str | Path, *, reference: str = "ours", atol: float = 1e-4,
     loaded = load_model(model_cfg, engine_cfg.device)
     if loaded.revision != manifest.get("weights_sha256"):
         raise TraceError("refusing to verify: the model weights differ from the recorded run's")
-    forward = _hf_forward(model_cfg) if reference == "hf" else (lambda ids: reference_logits(loaded.model, ids))
+    if reference == "exact":
+        if not manifest.get("batch_invariant", False):
+            raise ConfigError("verify.reference=exact needs a trace recorded with engine.batch_invariant=true "
+                              "(other runs' bits depend on their batches; use reference=ours)")
+        forward = lambda ids: recompute_logits(loaded.model, ids)  # noqa: E731
+    elif reference == "hf":
+        forward = _hf_forward(model_cfg)
+    else:
+        forward = lambda ids: reference_logits(loaded.model, ids)  # noqa: E731
     requests = {(r["request_id"], r["stream"]): r for r in read_requests(run_dir).to_pylist()}
     samples = read_samples(run_dir).to_pylist()
     eos = tuple(sorted(set(loaded.arch.eos_token_ids) | (
@@ -161,7 +176,11 @@ def _verify_sequence(key, rows, request, forward, loaded, eos, report: VerifyRep
     if [r["position"] for r in rows] != expected_positions:
         raise TraceError(f"{request_id}#{stream}: trace positions are not contiguous after the prompt")
     logits = forward(tokens[:-1])  # row t predicts token t + 1
-    logprobs = torch.log_softmax(logits.double(), dim=-1)
+    exact = report.reference == "exact"
+    if exact:  # the engine's own arithmetic: logit - logsumexp in fp32
+        logprobs = logits - logsumexp_rows(logits)[:, None]
+    else:
+        logprobs = torch.log_softmax(logits.double(), dim=-1)
     greedy = params.temperature == 0.0
     processed_argmax = None
     if greedy:
@@ -189,6 +208,11 @@ def _verify_sequence(key, rows, request, forward, loaded, eos, report: VerifyRep
         if diff > report.atol or not math.isfinite(diff):
             reason = (f"raw logprob recorded {row['raw_logprob']:.6g}, recomputed {recomputed:.6g} "
                       f"(|diff| {diff:.3g} > atol {report.atol:g})")
+        if exact and not reason:
+            if diff != 0.0:
+                reason = f"raw logprob bits differ: recorded {row['raw_logprob']!r}, recomputed {recomputed!r}"
+            elif logits_digest(logits[p - 1]) != row["logits_sha256"]:
+                reason = "logits sha256 differs from the recorded digest: cached != recomputed bits"
         if diff > report.max_abs_diff:
             report.max_abs_diff, report.max_at = diff, f"{request_id}#{stream} position {p}"
         check = RowCheck(request_id, stream, p, row["token_id"], row["raw_logprob"], recomputed, diff, greedy,

@@ -134,6 +134,12 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
 
         print("  measuring the grammar-masking cost ...", flush=True)
         report["grammar_cost"] = grammar_cost.measure(loaded, engine_cfg, tuple(b.get("grammar_batches") or (1, 16)))
+    if b.get("invariant_cost", False):
+        from toolkit.bench import invariant_cost
+
+        print("  measuring the batch-invariant mode's cost ...", flush=True)
+        batches = tuple(b.get("invariant_batches") or (1, 16, 64))
+        report["invariant_cost"] = invariant_cost.measure(loaded, engine_cfg, batches, repeats=b.get("repeats") or 1)
     if b.get("roofline", True):
         print("  measuring the roofline ...", flush=True)
         report["roofline"] = roofline.measure(loaded, engine_cfg, list(b["roofline_batches"]),
@@ -205,6 +211,9 @@ def print_report(report: dict[str, Any], run_dir: Path) -> None:
     for row in report.get("grammar_cost", []):
         print(f"grammar masking at batch {row['batch']:>2}: {row['grammar_ms']:.2f} ms of a {row['step_ms_constrained']:.1f} ms "
               f"step ({100 * row['grammar_fraction_of_step']:.1f}%); unconstrained step {row['step_ms_unconstrained']:.1f} ms")
+    for row in report.get("invariant_cost", []):
+        print(f"batch-invariant step at {row['batch']}: {row['invariant_ms']:.1f} ms vs default {row['default_ms']:.1f} ms "
+              f"({row['ratio']:.2f}x)")
     roof = report.get("roofline")
     if roof:
         print(f"roofline: memory read {roof['memory_read_gb_s']:.1f} GB/s; fp32 GEMM GFLOP/s by batch: "

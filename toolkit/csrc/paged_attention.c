@@ -3,10 +3,10 @@
  *
  * Every query reads its own sequence's keys and values straight from the paged cache
  * ([num_blocks, block_size, kv_heads, head_dim]) through its block table: no gathered
- * copy, no padding to the longest sequence. Keys are visited block by block in
+ * copy, no padding to the longest sequence. Keys are visited in tiles of 16 positions in
  * position order with an online softmax, so the result for a query depends only on
  * the query, its context length and the cache contents: it is the same bits whatever
- * the batch, the chunking of the prompt or the number of threads (each (query, kv
+ * the batch, the chunking of the prompt, the block size or the number of threads (each (query, kv
  * head) item is computed by one thread, in one fixed order).
  *
  * The G query heads that share a KV head are processed together, so each key and
@@ -22,6 +22,7 @@
 #define MAX_D 256
 #define MAX_BS 64
 #define LANES 16
+#define TILE 16
 
 static inline float exp_approx(float x) {
     if (x < -87.0f) x = -87.0f;
@@ -236,20 +237,23 @@ int toolkit_paged_attention_f32(
             const int64_t ctx = query_ctx[n];
             const int64_t *table = block_tables + query_table[n] * bt_row_stride;
             const float *qn = q + n * q_row_stride + kh * G * D;
-            float m[MAX_G], l[MAX_G], acc[MAX_G][MAX_D], s[MAX_G][MAX_BS];
+            float m[MAX_G], l[MAX_G], acc[MAX_G][MAX_D], s[MAX_G][TILE];
             for (int64_t g = 0; g < G; g++) {
                 m[g] = -INFINITY;
                 l[g] = 0.0f;
                 for (int64_t d = 0; d < D; d++) acc[g][d] = 0.0f;
             }
-            const int64_t nblocks = (ctx + BS - 1) / BS;
-            for (int64_t b = 0; b < nblocks; b++) {
-                const int64_t base = table[b] * BS;
-                const int64_t tn = (ctx - b * BS) < BS ? (ctx - b * BS) : BS;
+            /* tiles of TILE positions whatever the block size: the order depends on ctx only */
+            for (int64_t t0 = 0; t0 < ctx; t0 += TILE) {
+                const int64_t tn = (ctx - t0) < TILE ? (ctx - t0) : TILE;
+                const float *krow[TILE], *vrow[TILE];
                 for (int64_t t = 0; t < tn; t++) {
-                    const float *kr = k_cache + ((base + t) * K + kh) * D;
-                    for (int64_t g = 0; g < G; g++) s[g][t] = dot(qn + g * D, kr, D) * scale;
+                    const int64_t pos = t0 + t, slot = table[pos / BS] * BS + pos % BS;
+                    krow[t] = k_cache + (slot * K + kh) * D;
+                    vrow[t] = v_cache + (slot * K + kh) * D;
                 }
+                for (int64_t t = 0; t < tn; t++)
+                    for (int64_t g = 0; g < G; g++) s[g][t] = dot(qn + g * D, krow[t], D) * scale;
                 for (int64_t g = 0; g < G; g++) {
                     float mb = s[g][0];
                     for (int64_t t = 1; t < tn; t++) mb = s[g][t] > mb ? s[g][t] : mb;
@@ -262,7 +266,7 @@ int toolkit_paged_attention_f32(
                     m[g] = mn;
                 }
                 for (int64_t t = 0; t < tn; t++) {
-                    const float *vr = v_cache + ((base + t) * K + kh) * D;
+                    const float *vr = vrow[t];
                     for (int64_t g = 0; g < G; g++) {
                         const float p = s[g][t];
                         for (int64_t d = 0; d < D; d++) acc[g][d] += p * vr[d];

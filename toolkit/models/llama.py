@@ -159,6 +159,17 @@ class LlamaForPagedLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.scale = arch.head_dim ** -0.5
+        self._invariant = None  # packed weights of the batch-invariant mode (invariant_weights)
+
+    def invariant_weights(self):
+        """The projections packed for the batch-invariant matmul, made on first use (a second
+        copy of the weights, held only by models that run in that mode)."""
+        if self._invariant is None:
+            from toolkit.kernels import pack_weight
+
+            layers = [tuple(pack_weight(w) for w in (l.w_qkv, l.w_o, l.w_gate_up, l.w_down)) for l in self.layers]
+            self._invariant = (layers, pack_weight(self.lm_head_t))
+        return self._invariant
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
@@ -168,20 +179,29 @@ class LlamaForPagedLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids_N: torch.Tensor, positions_N: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_rows_R: torch.Tensor,
-                num_layers: int | None = None) -> torch.Tensor:
+                num_layers: int | None = None, batch_invariant: bool = False) -> torch.Tensor:
         """Run one packed step; return fp32 logits (R, V) for the rows in `logits_rows_R`.
 
         `num_layers` stops after the first layers (then the final norm and LM head): the
-        self-draft model of speculative decoding, sharing every weight with this one."""
+        self-draft model of speculative decoding, sharing every weight with this one.
+        `batch_invariant` computes every projection with the fixed-order matmul (each row's
+        bits independent of the other rows); the rest of the forward is per-token already."""
         a = self.arch
+        mm, layer_weights, head = torch.matmul, None, self.lm_head_t
+        if batch_invariant:
+            from toolkit.kernels import matmul_invariant as mm
+
+            layer_weights, head = self.invariant_weights()
         n = input_ids_N.shape[0]
         q_width, kv_width = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         cos = self.rope_cos[positions_N].unsqueeze(1).to(self.embed.dtype)  # (N, 1, Dh)
         sin = self.rope_sin[positions_N].unsqueeze(1).to(self.embed.dtype)
         x = self.embed[input_ids_N]  # (N, hidden)
-        for layer, (k_cache, v_cache) in zip(self.layers[:num_layers], kv_caches):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers[:num_layers], kv_caches)):
+            w_qkv, w_o, w_gate_up, w_down = layer_weights[i] if layer_weights else (
+                layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down)
             h = rms_norm(x, layer.ln_attn, a.rms_norm_eps)
-            qkv = h @ layer.w_qkv  # (N, (H + 2K) * Dh)
+            qkv = mm(h, w_qkv)  # (N, (H + 2K) * Dh)
             qk = qkv[:, : q_width + kv_width].view(n, a.num_heads + a.num_kv_heads, a.head_dim)
             qk = qk * cos + rotate_half(qk) * sin  # RoPE on q and k heads at once
             q = qk[:, : a.num_heads]  # (N, H, Dh)
@@ -189,12 +209,12 @@ class LlamaForPagedLM(nn.Module):
             v = qkv[:, q_width + kv_width:].view(n, a.num_kv_heads, a.head_dim)
             write_kv(k_cache, v_cache, k, v, attn.slot_mapping_N)
             o = paged_attention(q, k_cache, v_cache, attn, self.scale)  # (N, H, Dh)
-            x = x + o.reshape(n, q_width) @ layer.w_o
+            x = x + mm(o.reshape(n, q_width), w_o)
             h = rms_norm(x, layer.ln_mlp, a.rms_norm_eps)
-            gate, up = (h @ layer.w_gate_up).chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ layer.w_down
+            gate, up = mm(h, w_gate_up).chunk(2, dim=-1)
+            x = x + mm(F.silu(gate) * up, w_down)
         h = rms_norm(x[logits_rows_R], self.norm, a.rms_norm_eps)
-        return (h @ self.lm_head_t).float()  # (R, V)
+        return mm(h, head).float()  # (R, V)
 
 
 def _required_keys(arch: LlamaArch) -> list[str]:
