@@ -31,7 +31,9 @@ def main(cfg: DictConfig, run_dir: Path) -> int:
             return run_replay(cfg, run_dir)
         if mode == "verify":
             return run_verify(cfg, run_dir)
-        raise ToolkitError(f"unknown mode {mode!r}; known: run, bench, replay, verify")
+        if mode == "compare":
+            return run_compare(cfg, run_dir)
+        raise ToolkitError(f"unknown mode {mode!r}; known: run, bench, replay, verify, compare")
     except ToolkitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -71,6 +73,8 @@ def run_workload(cfg: DictConfig, run_dir: Path) -> int:
     trace_cfg = cfg.get("trace") or {}
     recorded = record(engine, ids, run_dir, cfg, trace=trace_cfg.get("enabled", True),
                       flush_every_steps=trace_cfg.get("flush_every_steps", 64),
+                      logger=OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else None,
+                      progress=cfg.get("progress", True), plots=cfg.get("plots", True),
                       summary_extra={"rejected": len(rejected), "rejected_requests": [r.reason for r in rejected]})
     outputs, summary = recorded.outputs, recorded.summary
     validity = structured_output_validity(outputs, {i: engine.requests[engine.groups[i][0]].sampling for i in ids})
@@ -118,6 +122,16 @@ def run_verify(cfg: DictConfig, run_dir: Path) -> int:
     if report.downstream_rows:
         print(f"  ({report.downstream_rows} later rows fail too: their prefix contains a failing token)")
     return 0 if report.passed else 1
+
+
+def run_compare(cfg: DictConfig, run_dir: Path) -> int:
+    from toolkit.audit.compare import compare
+
+    runs = OmegaConf.to_container(cfg.compare, resolve=True).get("runs") if cfg.get("compare") else None
+    result = compare(runs or [], out_dir=run_dir)
+    print(result.table())
+    print(f"compare.json, compare.parquet, compare.png: {run_dir}")
+    return 0
 
 
 def print_outputs(outputs: list[RequestOutput]) -> None:

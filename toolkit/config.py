@@ -371,3 +371,22 @@ def _bad_words(words: Any) -> tuple:
         else:
             raise ConfigError(f"bad_words entries must be strings or non-empty token-id lists, got {w!r}")
     return tuple(out)
+
+
+def register_configs() -> None:
+    """Register the structured configs Hydra validates types against (the `engine` and `model`
+    groups extend these schemas: a mistyped value fails at composition, naming the key)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(group="engine", name="schema", node=_schema(EngineConfig))
+    cs.store(group="model", name="schema", node=_schema(ModelConfig))
+
+
+def _schema(cls):
+    """A mutable copy of a frozen config dataclass (same fields, types and defaults) for OmegaConf."""
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    return dataclasses.make_dataclass(f"{cls.__name__}Schema", [
+        (f.name, hints[f.name], dataclasses.field(default=f.default)) for f in fields(cls)])

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 from omegaconf import DictConfig, OmegaConf
 
 from toolkit.engine import Engine, RequestOutput, StepOutput
+from toolkit.loggers import make_logger
 from toolkit.metrics import summarize
 from toolkit.trace import build_manifest, new_run_id, request_rows
 from toolkit.trace.writer import TraceWriter, atomic_write_bytes, write_manifest, write_requests
@@ -40,6 +41,37 @@ def step_record(out: StepOutput, seconds: float) -> dict[str, Any]:
             "kv_utilization": out.kv_utilization, "prefix_hit_tokens": out.prefix_hit_tokens, "step_s": seconds}
 
 
+class Progress:
+    """One progress line on stderr (requests done, output tok/s); silent when stderr is not a terminal."""
+
+    def __init__(self, total: int, stream=None):
+        import sys
+
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty()
+        self.total, self.done, self.tokens = total, 0, 0
+        self.start = time.perf_counter()
+        self.last = 0.0
+
+    def update(self, out: StepOutput) -> None:
+        self.done += len(out.finished)
+        self.tokens += sum(1 for s in out.samples if s.token_id >= 0)
+        now = time.perf_counter()
+        if self.enabled and (now - self.last > 0.2 or self.done == self.total):
+            self.last = now
+            rate = self.tokens / max(now - self.start, 1e-9)
+            width = 30
+            filled = int(width * self.done / max(self.total, 1))
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} sequences, "
+                              f"{self.tokens} tokens, {rate:.1f} tok/s")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
 def write_steps(run_dir: Path, steps: list[dict[str, Any]]) -> None:
     import pyarrow as pa
 
@@ -62,15 +94,22 @@ def effective_config(engine: Engine, config: DictConfig | Mapping | None) -> Dic
 def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictConfig | Mapping | None = None, *,
            trace: bool = True, flush_every_steps: int = 64, manifest_extra: dict[str, Any] | None = None,
            summary_extra: dict[str, Any] | None = None,
-           on_step: Callable[[StepOutput], None] | None = None) -> Recorded:
-    """Run the engine until every request finished; write config, manifest, requests, trace, summary."""
+           on_step: Callable[[StepOutput], None] | None = None, logger: Mapping[str, Any] | None = None,
+           progress: bool = False, plots: bool = False) -> Recorded:
+    """Run the engine until every request finished; write config, manifest, requests, trace, summary.
+
+    `logger` is a `logger` config section (see toolkit.loggers); `progress` draws a progress
+    line on a terminal; `plots` writes the step timeline and latency plots."""
     run_id = new_run_id()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(run_dir / "config.yaml", OmegaConf.to_yaml(effective_config(engine, config)).encode())
+    resolved = effective_config(engine, config)
+    atomic_write_bytes(run_dir / "config.yaml", OmegaConf.to_yaml(resolved).encode())
     write_manifest(run_dir, build_manifest(engine, run_id, manifest_extra))
     write_requests(run_dir, request_rows(engine, run_id, request_ids))  # replayable even if the run dies
+    run_logger = make_logger(logger, OmegaConf.to_container(resolved, resolve=True), run_dir, run_id)
     writer = TraceWriter(run_dir, run_id, flush_every_steps) if trace else None
+    bar = Progress(sum(len(engine.groups.get(i, [i])) for i in request_ids)) if progress else None
     steps: list[dict[str, Any]] = []
     try:
         while engine.has_unfinished():
@@ -80,12 +119,18 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
                 writer.write_step(out.samples, out.logits_RV)
             if out.batch_size:
                 steps.append(step_record(out, time.perf_counter() - t0))
+                run_logger.log_step(steps[-1])
+            if bar is not None:
+                bar.update(out)
             if on_step is not None:
                 on_step(out)
     finally:
+        if bar is not None:
+            bar.close()
         if writer is not None:
             writer.close()
-        write_requests(run_dir, request_rows(engine, run_id, request_ids))
+        final_rows = request_rows(engine, run_id, request_ids)
+        write_requests(run_dir, final_rows)
         write_steps(run_dir, steps)
     outputs = [engine.output(i) for i in request_ids]
     wall = (engine.last_finish_time or 0.0) - (engine.first_admission_time or 0.0)
@@ -99,4 +144,9 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
                         **(engine.speculator.stats.summary() if engine.speculator is not None else {}),
                         **(summary_extra or {}))
     atomic_write_bytes(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
+    if plots:
+        from toolkit.plots import plot_run
+
+        plot_run(run_dir)
+    run_logger.finish(summary, final_rows, run_dir)
     return Recorded(run_id=run_id, run_dir=run_dir, outputs=outputs, summary=summary)

@@ -1,0 +1,136 @@
+"""Every config group option and every experiment composes, and what it composes instantiates;
+a joblib multirun writes one trace per job, mode=compare reads them, wandb logs offline."""
+
+from __future__ import annotations
+
+import glob
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+from toolkit.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig, from_mapping, register_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+GROUPS = ["model", "engine", "sampling", "processors", "structured_outputs", "speculative", "workload", "trace",
+          "logger", "bench"]
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "experiments").glob("*.yaml"))
+
+register_configs()
+
+
+def _compose(overrides: list[str], *, hydra_node: bool = False):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=hydra_node)
+
+
+def _instantiate(cfg) -> None:
+    """Build what a run builds from the composed config (no model weights are loaded)."""
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    from_mapping(EngineConfig, plain["engine"], section="engine")
+    from_mapping(ModelConfig, plain["model"], section="model")
+    SamplingParams.from_mapping(plain["sampling"])
+    from_mapping(SpeculativeConfig, plain["speculative"], section="speculative")
+    assert plain["logger"]["backend"] in ("none", "wandb")
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
+def test_every_group_option_composes_and_instantiates(group, option):
+    overrides = [f"{group}={option}"] + (["model.path=/some/checkpoint"] if (group, option) == ("model", "hf") else [])
+    cfg = _compose(overrides)
+    _instantiate(cfg)
+
+
+def test_groups_are_all_present():
+    assert all(_options(g) for g in GROUPS), [g for g in GROUPS if not _options(g)]
+    assert set(EXPERIMENTS) >= {"json_extraction", "preemption_invariance", "chunk_size_sweep",
+                                "sampling_policy_ablation", "speculative_acceptance"}
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_composes_with_each_swept_value(name):
+    cfg = _compose([f"experiment={name}"], hydra_node=True)
+    _instantiate(cfg)
+    text = (ROOT / "experiments" / f"{name}.yaml").read_text()
+    assert text.startswith("# @package _global_") and f"experiment={name}" in text  # usage line
+    params = OmegaConf.select(cfg, "hydra.sweeper.params") or {}
+    for key, values in params.items():
+        for value in str(values).split(","):
+            _instantiate(_compose([f"experiment={name}", f"{key}={value}"]))
+
+
+def test_a_typo_or_a_mistyped_value_is_refused_at_composition():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException):
+        _compose(["engine.max_num_seq=4"])
+    with pytest.raises(ConfigCompositionException):
+        _compose(["engine.max_num_seqs=many"])
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_joblib_multirun_writes_a_trace_per_job_and_compare_reads_them(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = _run(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "model=tiny", "engine.batch_invariant=true",
+                 "engine.max_num_seqs=4", "engine.max_num_batched_tokens=8,64", "workload.num_requests=3",
+                 "workload.max_tokens=20", "print_outputs=false", f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Joblib.Parallel" in proc.stdout + proc.stderr
+    runs = sorted(p for p in sweep.iterdir() if (p / "samples.parquet").exists())
+    assert len(runs) == 2
+    for run in runs:
+        assert (run / "timeline.png").stat().st_size > 0 and (run / "latency.png").exists()
+    proc = _run(["mode=compare", f"compare.runs=[{sweep}/*]", f"hydra.run.dir={tmp_path / 'cmp'}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "(reference)" in proc.stdout and "identical (" in proc.stdout  # batch-invariant: the same tokens
+    assert (tmp_path / "cmp" / "compare.png").exists() and (tmp_path / "cmp" / "compare.parquet").exists()
+
+
+def test_compare_names_the_first_divergence(tmp_path):
+    from toolkit.audit.compare import compare
+
+    runs = []
+    for i, temperature in enumerate([1.0, 1.5]):
+        proc = _run(["model=tiny", "workload.num_requests=2", "workload.max_tokens=16", "print_outputs=false",
+                     f"sampling.temperature={temperature}", f"hydra.run.dir={tmp_path / str(i)}"], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs.append(str(tmp_path / str(i)))
+    result = compare(runs, out_dir=tmp_path / "cmp")
+    assert "rows differ; first" in result.rows[1]["divergence"]
+    from toolkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="matches no run directory"):
+        compare([str(tmp_path / "nothing*")])
+
+
+def test_wandb_offline_run_logs_config_steps_requests_summary_and_trace_artifact(tmp_path):
+    from toolkit.loggers import read_offline_run
+
+    proc = _run(["model=tiny", "logger=wandb", "workload.num_requests=2", "workload.max_tokens=20",
+                 "print_outputs=false", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    files = glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(files) == 1
+    logged = read_offline_run(Path(files[0]))
+    assert {"engine", "model", "sampling", "workload"} <= logged["config"]
+    assert {"step/batch_size", "step/decode_tokens", "step/prefill_tokens", "step/kv_utilization"} <= logged["history"]
+    assert logged["history_rows"] >= 5
+    assert {"output_tok_per_s", "ttft_p50_s", "tpot_p50_s", "run_id"} <= logged["summary"]
+    kinds = {a["type"]: a["files"] for a in logged["artifacts"]}
+    assert "run_table" in kinds  # per-request TTFT/TPOT table
+    assert {"requests.parquet", "steps.parquet", "summary.json"} <= set(kinds["trace"])
+    assert any(f.startswith("samples.parquet/part-") for f in kinds["trace"])

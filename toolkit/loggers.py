@@ -1,0 +1,124 @@
+"""Run loggers (`logger=none | wandb`): where a recorded run's figures go besides its directory.
+
+`wandb` runs offline by default (`logger.mode=offline`): everything is written under
+`<run_dir>/wandb/offline-run-*` and needs no network or account; `wandb sync` uploads it
+later, and `logger.mode=online` logs live for users with an account. Logged: the resolved
+config, per-step metrics (batch size, decode vs prefill tokens, KV utilisation, step time),
+per-request TTFT/TPOT as a table, the run summary, and the run directory's Parquet files
+as an artifact.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from toolkit.errors import ConfigError
+
+LOGGERS = ("none", "wandb")
+
+
+class RunLogger:
+    """The no-op logger; subclasses log somewhere."""
+
+    def log_step(self, record: Mapping[str, Any]) -> None:
+        pass
+
+    def finish(self, summary: Mapping[str, Any], requests: list[Mapping[str, Any]], run_dir: Path) -> None:
+        pass
+
+
+class WandbLogger(RunLogger):
+    def __init__(self, cfg: Mapping[str, Any], config: Mapping[str, Any], run_dir: Path, run_id: str):
+        mode = cfg.get("mode", "offline")
+        if mode not in ("offline", "online", "disabled"):
+            raise ConfigError(f"logger.mode must be offline, online or disabled, got {mode!r}")
+        try:
+            import wandb
+        except ImportError:  # pragma: no cover - wandb is a pinned dependency
+            raise ConfigError("logger=wandb needs the wandb package (pip install wandb)") from None
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self.wandb = wandb
+        self.run = wandb.init(project=cfg.get("project") or "toolkit", entity=cfg.get("entity"), mode=mode,
+                              dir=str(run_dir), name=cfg.get("run_name") or run_dir.name, id=run_id,
+                              tags=list(cfg.get("tags") or []), config=dict(config),
+                              settings=wandb.Settings(console="off", x_disable_stats=True))
+        self.every = int(cfg.get("log_every_steps") or 1)
+
+    def log_step(self, record: Mapping[str, Any]) -> None:
+        if record["step"] % self.every == 0:
+            self.run.log({f"step/{k}": v for k, v in record.items() if k != "step" and v is not None},
+                         step=int(record["step"]))
+
+    def finish(self, summary: Mapping[str, Any], requests: list[Mapping[str, Any]], run_dir: Path) -> None:
+        columns = ["request_id", "stream", "finish_reason", "num_output_tokens", "ttft_s", "tpot_s", "e2e_s",
+                   "num_preemptions"]
+        table = self.wandb.Table(columns=columns, data=[[r.get(c) if c != "num_output_tokens"
+                                                         else len(r.get("output_token_ids") or []) for c in columns]
+                                                        for r in requests])
+        self.run.log({"requests": table})
+        self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str, bool))})
+        artifact = self.wandb.Artifact(f"trace-{self.run.id}", type="trace")
+        for name in ("samples.parquet", "requests.parquet", "steps.parquet", "manifest.json", "summary.json",
+                     "config.yaml"):
+            path = run_dir / name
+            if path.is_dir():
+                artifact.add_dir(str(path), name=name)
+            elif path.exists():
+                artifact.add_file(str(path), name=name)
+        self.run.log_artifact(artifact)
+        self.run.finish()
+
+
+def make_logger(cfg: Mapping[str, Any] | None, config: Mapping[str, Any], run_dir: Path, run_id: str) -> RunLogger:
+    cfg = dict(cfg or {})
+    kind = cfg.get("backend", "none")
+    if kind not in LOGGERS:
+        raise ConfigError(f"logger.backend must be one of {', '.join(LOGGERS)}, got {kind!r}")
+    if kind == "wandb":
+        return WandbLogger(cfg, config, run_dir, run_id)
+    return RunLogger()
+
+
+def read_offline_run(run_file: Path) -> dict[str, Any]:
+    """What an offline wandb run file (`offline-run-*/run-*.wandb`) holds, read with wandb's own
+    protobuf records: config keys, history keys and rows, summary keys, logged artifacts.
+
+    The file is a log of records (leveldb log framing: 32 KiB blocks, each record a 7-byte
+    header of checksum, length and kind, split across blocks as first/middle/last)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = Path(run_file).read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{run_file} is not a wandb run file")
+    block, pos, pending = 32768, 7, b""
+    out: dict[str, Any] = {"config": set(), "history": set(), "history_rows": 0, "summary": set(), "artifacts": []}
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 0:
+            continue
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind not in (1, 4):  # first or middle part of a record
+            continue
+        rec = pb.Record()
+        rec.ParseFromString(pending)
+        which = rec.WhichOneof("record_type")
+        if which == "config":
+            out["config"].update(i.key for i in rec.config.update)
+        elif which == "run":
+            out["config"].update(i.key for i in rec.run.config.update)
+        elif which == "history":
+            out["history"].update(i.key or "/".join(i.nested_key) for i in rec.history.item)
+            out["history_rows"] += 1
+        elif which == "summary":
+            out["summary"].update(i.key or "/".join(i.nested_key) for i in rec.summary.update)
+        elif which == "artifact":
+            out["artifacts"].append({"name": rec.artifact.name, "type": rec.artifact.type,
+                                     "files": sorted(c.path for c in rec.artifact.manifest.contents)})
+    return out
