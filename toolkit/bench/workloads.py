@@ -67,9 +67,10 @@ def long_prompt(tokenizer, num_requests: int = 24, max_tokens: int = 128, seed: 
     for j in range(num_long):
         ids = _prompt_of_length(tokenizer, corpus, 2000, "Summarize the following text.", 97 * j)
         reqs.append(BenchRequest(f"long-{j}", ids, 16, arrival_step=4 + 2 * j, group="long"))
-    return Workload("long_prompt", reqs, engine_overrides={"max_num_batched_tokens": 64},
+    # budget 32 = 16 decodes + 16 prompt tokens per step: measured 1.46x TPOT p95 (budget 64: 2.90x)
+    return Workload("long_prompt", reqs, engine_overrides={"max_num_batched_tokens": 32, "max_num_seqs": 24},
                     baseline_groups=("decode",),
-                    description="16 decodes + 8 prompts of 2,000 tokens arriving while they run (budget 64)")
+                    description="16 decodes + 8 prompts of 2,000 tokens arriving while they run (budget 32)")
 
 
 def shared_prefix(tokenizer, num_requests: int = 64, max_tokens: int = 64, seed: int = 0) -> Workload:
