@@ -91,3 +91,31 @@ def test_bad_builtin_workload_options(tmp_path):
     result = run_cli(*TINY, "workload.min_tokens=20", "workload.max_tokens=10", run_dir=tmp_path / "run")
     assert result.returncode == 2 and "workload.min_tokens (20) must be <= workload.max_tokens (10)" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_ctrl_c_flushes_the_trace_writes_the_summary_and_exits_130(tmp_path):
+    import json
+    import signal
+    import time
+
+    from toolkit.trace.reader import read_samples
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "model=tiny", "workload.num_requests=40",
+                             "workload.min_tokens=200", "workload.max_tokens=400", "print_outputs=false",
+                             "trace.flush_every_steps=4", f"hydra.run.dir={run_dir}"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not list((run_dir / "samples.parquet").glob("part-*.parquet")) and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-1500:]
+    assert "interrupted at step" in err and "Traceback" not in err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["trace_rows"] > 0
+    assert read_samples(run_dir).num_rows == summary["trace_rows"]  # every written row readable
+    from toolkit import replay
+
+    report = replay(run_dir, out_dir=tmp_path / "replay")  # a partial run replays its rows
+    assert report.identical, report.summary_line()

@@ -37,6 +37,9 @@ def main(cfg: DictConfig, run_dir: Path) -> int:
     except ToolkitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:  # before or after the engine loop (record() handles it inside)
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 def workload_specs(cfg: DictConfig) -> tuple[list[RequestSpec], list[Rejected]]:

@@ -29,3 +29,9 @@ class ModelLoadError(ToolkitError):
 
 class WorkloadError(ToolkitError):
     """A requests file is missing, unreadable or malformed."""
+
+
+class Interrupted(ToolkitError):
+    """The run was interrupted (Ctrl-C) after its trace was flushed and its summary written."""
+
+    exit_code = 130

@@ -84,13 +84,14 @@ def plot_run(run_dir: Path) -> list[Path]:
 def plot_compare(rows: list[dict[str, Any]], latencies: dict[str, dict[str, list[float]]], path: Path) -> Path:
     plt = _pyplot()
     names = [r["run"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    axes[0].barh(names, [r.get("output_tok_per_s") or 0.0 for r in rows], color="#3a7dc9")
+    labels = ["/".join(Path(n).parts[-2:])[-32:] for n in names]  # the run's last two path parts
+    fig, axes = plt.subplots(1, 3, figsize=(15, 1.6 + 0.45 * len(rows)))
+    axes[0].barh(labels, [r.get("output_tok_per_s") or 0.0 for r in rows], color="#3a7dc9")
     axes[0].set_xlabel("output tok/s")
     axes[0].invert_yaxis()
     for ax, key, label in ((axes[1], "ttft_s", "TTFT (s)"), (axes[2], "tpot_s", "TPOT (s)")):
         data = [latencies[n][key] or [0.0] for n in names]
-        ax.boxplot(data, orientation="horizontal", tick_labels=names)
+        ax.boxplot(data, orientation="horizontal", tick_labels=labels)
         ax.invert_yaxis()
         ax.set_xlabel(label)
     fig.tight_layout()

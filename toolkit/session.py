@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 from omegaconf import DictConfig, OmegaConf
 
 from toolkit.engine import Engine, RequestOutput, StepOutput
+from toolkit.errors import Interrupted
 from toolkit.loggers import make_logger
 from toolkit.metrics import summarize
 from toolkit.trace import build_manifest, new_run_id, request_rows
@@ -111,6 +112,7 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
     writer = TraceWriter(run_dir, run_id, flush_every_steps) if trace else None
     bar = Progress(sum(len(engine.groups.get(i, [i])) for i in request_ids)) if progress else None
     steps: list[dict[str, Any]] = []
+    interrupted = False
     try:
         while engine.has_unfinished():
             t0 = time.perf_counter()
@@ -124,6 +126,8 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
                 bar.update(out)
             if on_step is not None:
                 on_step(out)
+    except KeyboardInterrupt:  # Ctrl-C: stop stepping; the trace is flushed and what finished is summarised
+        interrupted = True
     finally:
         if bar is not None:
             bar.close()
@@ -142,11 +146,16 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
                         kv_utilization_mean=sum(s["kv_utilization"] for s in steps) / max(len(steps), 1),
                         prefix_cache_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else None,
                         **(engine.speculator.stats.summary() if engine.speculator is not None else {}),
-                        **(summary_extra or {}))
+                        **(summary_extra or {}), **({"interrupted": True} if interrupted else {}))
     atomic_write_bytes(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
     if plots:
         from toolkit.plots import plot_run
 
         plot_run(run_dir)
     run_logger.finish(summary, final_rows, run_dir)
+    if interrupted:
+        done = sum(1 for r in final_rows if r.get("finish_reason"))
+        raise Interrupted(f"interrupted at step {engine.step_index}: {done}/{len(final_rows)} sequences finished; "
+                          f"trace flushed ({writer.rows_written if writer else 0} rows) and summary.json written in "
+                          f"{run_dir} (replay and verify accept the partial run)")
     return Recorded(run_id=run_id, run_dir=run_dir, outputs=outputs, summary=summary)
