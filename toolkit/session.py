@@ -43,7 +43,7 @@ def step_record(out: StepOutput, seconds: float) -> dict[str, Any]:
 
 
 class Progress:
-    """One progress line on stderr (requests done, output tok/s); silent when stderr is not a terminal."""
+    """One progress line on stderr (sequences done, output tok/s); silent when stderr is not a terminal."""
 
     def __init__(self, total: int, stream=None):
         import sys
