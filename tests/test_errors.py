@@ -1,0 +1,187 @@
+"""One test per row of docs/errors.md: every user mistake raises its typed error with its message."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import make_engine
+from toolkit import replay, verify
+from toolkit.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig, from_mapping
+from toolkit.errors import ConfigError, ModelLoadError, RequestError, ToolkitError, WorkloadError
+from toolkit.models import load_model
+from toolkit.trace.reader import TraceError, read_samples
+from toolkit.workload import load_requests
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = (ROOT / "docs" / "errors.md").read_text()
+DOC_ROWS = {int(m.group(1)) for m in re.finditer(r"^\| (\d+) \|", DOC, re.M)}
+
+
+def _expect(row: int, exc_type, message: str, fn) -> None:
+    assert row in DOC_ROWS, f"docs/errors.md has no row {row}"
+    with pytest.raises(exc_type) as info:
+        fn()
+    text = str(info.value)
+    assert message in text, text
+    assert "\n" not in text  # one line
+    if issubclass(exc_type, ToolkitError):
+        assert isinstance(info.value, ToolkitError)
+
+
+SAMPLING_CASES = [
+    (5, dict(temperature=-1), "temperature must be a number >= 0"),
+    (6, dict(top_p=0.0), "top_p must be in (0, 1]"),
+    (6, dict(top_p=1.5), "top_p must be in (0, 1]"),
+    (7, dict(top_k=-2), "top_k must be -1"),
+    (8, dict(min_p=2.0), "min_p must be in [0, 1]"),
+    (9, dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
+    (10, dict(n=0), "n must be an integer >= 1"),
+    (11, dict(max_tokens=0), "max_tokens must be a positive integer"),
+    (12, dict(stop=["ok", ""]), "stop strings must not be empty"),
+    (14, dict(logprobs=50), "logprobs must be null or an integer in [0, 20]"),
+    (21, dict(structured_outputs={"json": {}, "regex": "a"}),
+     "structured_outputs needs exactly one of json, regex, grammar, choice"),
+]
+
+
+@pytest.mark.parametrize("row,kwargs,message", SAMPLING_CASES)
+def test_sampling_params_out_of_range(row, kwargs, message):
+    _expect(row, ConfigError, message, lambda: SamplingParams(**kwargs))
+
+
+def test_config_rows():
+    _expect(1, ConfigError, "unknown engine option(s) max_num_seq; known:",
+            lambda: from_mapping(EngineConfig, {"max_num_seq": 3}, section="engine"))
+    _expect(3, ConfigError, "engine.max_num_batched_tokens must be a positive integer, got 0",
+            lambda: EngineConfig(max_num_batched_tokens=0))
+    _expect(4, ConfigError, "must be >= engine.max_num_seqs", lambda: EngineConfig(max_num_batched_tokens=8))
+    _expect(13, ConfigError, "unknown sampling option(s) temprature",
+            lambda: SamplingParams.from_mapping({"temprature": 1.0}))
+    _expect(23, ConfigError, "speculative.method must be one of", lambda: SpeculativeConfig(method="medusa"))
+
+
+def test_cli_typo_and_mistyped_value_are_refused_by_composition(tmp_path):
+    assert 2 in DOC_ROWS
+    for override, message in [("engine.max_num_seq=3", "Could not override 'engine.max_num_seq'"),
+                              ("engine.max_num_seqs=many", "could not be converted to Integer")]:
+        proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "model=tiny", override,
+                               f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_request_rows(tiny):
+    engine = make_engine(tiny, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=16)
+    _expect(15, RequestError, "the prompt is empty", lambda: engine.add_request(prompt=""))
+    _expect(16, RequestError, "is outside the vocabulary", lambda: engine.add_request(prompt_token_ids=[1, 10**7]))
+    _expect(17, RequestError, "engine.max_model_len); shorten the prompt",
+            lambda: engine.add_request(prompt_token_ids=[1] * 5000))
+    _expect(18, RequestError, "can never fit the KV pool",
+            lambda: engine.add_request(prompt_token_ids=[1] * 200, sampling_params=SamplingParams(max_tokens=100)))
+    _expect(19, RequestError, "give exactly one of prompt, messages or prompt_token_ids",
+            lambda: engine.add_request(prompt="a", prompt_token_ids=[1]))
+    engine.add_request(prompt="a", request_id="dup")
+    _expect(20, RequestError, "is already in use", lambda: engine.add_request(prompt="b", request_id="dup"))
+    for spec, kind in [({"regex": "(("}, "regex"), ({"json": {"type": "nonsense"}}, "json"),
+                       ({"grammar": "root ::= ("}, "grammar")]:
+        _expect(22, RequestError, f"invalid structured_outputs.{kind}:", lambda: engine.add_request(
+            prompt="a", sampling_params=SamplingParams(structured_outputs=spec)))
+    # a refused request leaves the engine serving the others
+    outs = engine.generate([{"prompt": "hello", "sampling_params": SamplingParams(max_tokens=3, ignore_eos=True)}])
+    assert len(outs[0].output_token_ids) == 3
+
+
+def test_model_rows(tmp_path):
+    _expect(24, ModelLoadError, "does not exist or is not a directory",
+            lambda: load_model(ModelConfig(name="hf", path=str(tmp_path / "nope"))))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    _expect(25, ModelLoadError, "has no *.safetensors weights", lambda: load_model(ModelConfig(name="hf", path=str(empty))))
+    from toolkit.models.loading import smollm2_dir
+
+    model = tmp_path / "truncated"
+    shutil.copytree(smollm2_dir(), model)
+    weights = next(model.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:4096])
+    _expect(26, ModelLoadError, "(truncated or corrupt?)", lambda: load_model(ModelConfig(name="hf", path=str(model))))
+
+
+def test_truncated_gguf_is_a_model_load_error(tmp_path, monkeypatch):
+    from toolkit.models import loading
+
+    gguf = tmp_path / "wheel" / loading.SMOLLM2_GGUF
+    gguf.parent.mkdir()
+    data = loading.smollm2_gguf().read_bytes()
+    gguf.write_bytes(data[: len(data) // 4])
+    monkeypatch.setattr(loading, "smollm2_gguf", lambda: gguf)
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
+    _expect(27, ModelLoadError, "(truncated or corrupt? reinstall with pip install --force-reinstall",
+            loading.smollm2_dir)
+    assert not any((tmp_path / "cache").glob("smollm2*"))  # no half-written cache left behind
+
+
+def test_requests_file_rows(tmp_path, tiny):
+    from toolkit.app import add_specs
+
+    _expect(28, WorkloadError, "does not exist", lambda: load_requests(tmp_path / "missing.jsonl"))
+    path = tmp_path / "reqs.jsonl"
+    path.write_text('{"prompt": "fine"}\n{"prompt": \n{"prompt": "x", "max_tokens": -1}\n')
+    specs, rejected = load_requests(path)
+    assert 29 in DOC_ROWS and len(rejected) == 1
+    assert "line 2" in rejected[0].reason and "malformed JSON" in rejected[0].reason
+    ids, refused = add_specs(make_engine(tiny), specs)  # the bad field is refused, the good line runs
+    assert 30 in DOC_ROWS and len(ids) == 1 and len(refused) == 1
+    assert "line 3" in refused[0].reason and "max_tokens" in refused[0].reason
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory, tiny):
+    from toolkit.session import record
+
+    run = tmp_path_factory.mktemp("errors") / "run"
+    engine = make_engine(tiny, max_num_seqs=2, max_num_batched_tokens=32)
+    ids = [engine.add_request(prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(max_tokens=4, seed=1))]
+    record(engine, ids, run, {"model": {"name": "tiny", "seed": 0}, "engine": {"max_num_seqs": 2,
+                                                                                 "max_num_batched_tokens": 32}})
+    return run
+
+
+def test_trace_rows(small_run, tmp_path):
+    _expect(31, TraceError, "does not exist", lambda: replay(tmp_path / "nope"))
+    _expect(31, TraceError, "does not exist", lambda: verify(tmp_path / "nope"))
+    other = tmp_path / "other_version"
+    shutil.copytree(small_run, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["schema_version"] = 999
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    _expect(32, TraceError, "schema version", lambda: replay(other))
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(small_run, corrupt)
+    part = next((corrupt / "samples.parquet").glob("part-*.parquet"))
+    part.write_bytes(part.read_bytes()[:100])
+    _expect(33, TraceError, "is truncated or corrupt", lambda: read_samples(corrupt))
+    _expect(34, TraceError, "refusing to replay: model weights differ",
+            lambda: replay(small_run, ["model.seed=1"], out_dir=tmp_path / "r34"))
+    _expect(35, TraceError, "engine.batch_invariant differs",
+            lambda: replay(small_run, ["+engine.batch_invariant=true"], out_dir=tmp_path / "r35"))
+    _expect(36, ConfigError, "needs a trace recorded with engine.batch_invariant=true",
+            lambda: verify(small_run, reference="exact"))
+    from toolkit.audit.compare import compare
+
+    _expect(37, ConfigError, "matches no run directory", lambda: compare([str(tmp_path / "none*")]))
+    assert 38 in DOC_ROWS  # Ctrl-C: tests/test_cli.py::test_ctrl_c_flushes_the_trace_writes_the_summary_and_exits_130
+
+
+def test_every_documented_row_is_tested():
+    source = Path(__file__).read_text()
+    tested = {int(n) for n in re.findall(r"_expect\((\d+),", source)}
+    tested |= {int(n) for n in re.findall(r"(\d+) in DOC_ROWS", source)}
+    tested |= {row for row, _, _ in SAMPLING_CASES}
+    assert DOC_ROWS <= tested, sorted(DOC_ROWS - tested)
