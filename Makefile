@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench setup clean-venv
+.PHONY: run test bench soak setup clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) run.py mode=bench $(ARGS)
+
+soak: $(STAMP)
+	$(PY) run.py experiment=soak $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

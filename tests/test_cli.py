@@ -119,3 +119,28 @@ def test_ctrl_c_flushes_the_trace_writes_the_summary_and_exits_130(tmp_path):
 
     report = replay(run_dir, out_dir=tmp_path / "replay")  # a partial run replays its rows
     assert report.identical, report.summary_line()
+
+
+def test_kill_9_leaves_a_readable_partial_trace_that_replays_and_verifies(tmp_path):
+    import signal
+    import time
+
+    from toolkit import replay, verify
+    from toolkit.trace.reader import read_samples
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "model=tiny", "workload.num_requests=40",
+                             "workload.min_tokens=200", "workload.max_tokens=400", "print_outputs=false",
+                             "trace.flush_every_steps=4", f"hydra.run.dir={run_dir}"],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while len(list((run_dir / "samples.parquet").glob("part-*.parquet"))) < 3 and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    rows = read_samples(run_dir).num_rows  # every part on disk is whole
+    assert rows > 0 and not (run_dir / "summary.json").exists()
+    report = replay(run_dir, out_dir=tmp_path / "replay")
+    assert report.identical and report.rows_compared == rows, report.summary_line()
+    assert verify(run_dir).rows_checked == rows

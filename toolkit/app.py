@@ -33,7 +33,11 @@ def main(cfg: DictConfig, run_dir: Path) -> int:
             return run_verify(cfg, run_dir)
         if mode == "compare":
             return run_compare(cfg, run_dir)
-        raise ToolkitError(f"unknown mode {mode!r}; known: run, bench, replay, verify, compare")
+        if mode == "soak":
+            from toolkit.soak import run_soak
+
+            return run_soak(cfg, run_dir)
+        raise ToolkitError(f"unknown mode {mode!r}; known: run, bench, replay, verify, compare, soak")
     except ToolkitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -708,6 +708,18 @@ class Engine:
             finished=all(s.is_finished for s in seqs),
         )
 
+    def release(self, request_id: str) -> RequestOutput:
+        """The output of a finished request, which the engine then forgets (a long-running server
+        calls this so that memory does not grow with every request ever served)."""
+        if request_id not in self.groups:
+            raise RequestError(f"unknown request id {request_id!r}")
+        out = self.output(request_id)
+        if not out.finished:
+            raise RequestError(f"request {request_id!r} is still running; abort it first")
+        for seq_id in self.groups.pop(request_id):
+            del self.requests[seq_id]
+        return out
+
     def run_until_done(self) -> list[StepOutput]:
         steps = []
         while self.has_unfinished():

@@ -1,0 +1,136 @@
+"""mode=soak: hold the engine under load for a while and check that nothing leaks or goes wrong.
+
+    python run.py experiment=soak                      # 10 minutes on the tiny model
+    python run.py experiment=soak soak.duration_s=30   # the suite's version
+
+Requests with random prompt lengths, sampling parameters and max_tokens keep arriving so
+that the queue never drains; a fraction is aborted at random while running; the KV pool
+is small enough that preemption (recompute or swap, alternating by request) is constant.
+Every step's sample rows go through the trace writer. Checked at the end, and the exit
+code says whether all held: no exception, the block manager's invariants at every
+`check_every` steps, every block free once the last request is released, trace rows ==
+rows the engine emitted == tokens committed + error rows, and RSS growth after warm-up
+below `max_rss_growth_mb`. The report goes to soak.json in the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+from omegaconf import DictConfig, OmegaConf
+
+from toolkit.config import EngineConfig, ModelConfig, SamplingParams, from_mapping
+from toolkit.engine import Engine
+from toolkit.errors import ConfigError
+from toolkit.models import load_model
+from toolkit.trace import new_run_id
+from toolkit.trace.writer import TraceWriter
+
+
+def soak(loaded, engine_cfg: EngineConfig, run_dir: Path, *, duration_s: float, seed: int = 0,
+         queue_depth: int = 48, abort_prob: float = 0.02, max_prompt: int = 160, max_new: int = 48,
+         check_every: int = 50, warmup_s: float = 5.0, max_rss_growth_mb: float = 200.0) -> dict[str, Any]:
+    rnd = random.Random(seed)
+    engine = Engine(loaded, engine_cfg)
+    writer = TraceWriter(run_dir, new_run_id(), flush_every_steps=64)
+    proc = psutil.Process()
+    vocab = loaded.arch.vocab_size
+    live: set[str] = set()
+    counts = {"added": 0, "finished": 0, "aborted": 0, "errored": 0, "preemptions": 0, "tokens": 0,
+              "sample_rows": 0, "error_rows": 0, "steps": 0, "invariant_checks": 0}
+    start = time.perf_counter()
+    rss_warm = None
+    next_id = 0
+    while time.perf_counter() - start < duration_s:
+        while len(live) < queue_depth:
+            n = rnd.randint(1, max_prompt)
+            params = SamplingParams(temperature=rnd.choice([0.0, 0.7, 1.0]), top_p=rnd.choice([1.0, 0.9]),
+                                    top_k=rnd.choice([-1, 50]), max_tokens=rnd.randint(1, max_new),
+                                    seed=rnd.randrange(2**31), n=rnd.choice([1, 1, 1, 2]),
+                                    repetition_penalty=rnd.choice([1.0, 1.1]))
+            rid = engine.add_request(prompt_token_ids=[rnd.randrange(vocab) for _ in range(n)],
+                                     request_id=f"soak-{next_id}", sampling_params=params)
+            next_id += 1
+            live.add(rid)
+            counts["added"] += 1
+        out = engine.step()
+        counts["steps"] += 1
+        writer.write_step(out.samples, out.logits_RV)
+        counts["sample_rows"] += len(out.samples)
+        counts["error_rows"] += sum(1 for row in out.samples if row.token_id < 0)
+        counts["preemptions"] += len(out.preempted)
+        running = sorted(r for r in live if not engine.output(r).finished)
+        for rid in running:
+            if rnd.random() < abort_prob:
+                engine.abort(rid)
+        for rid in sorted(live):
+            result = engine.output(rid)
+            if result.finished:
+                engine.release(rid)
+                live.discard(rid)
+                reasons = {c.finish_reason for c in result.outputs}
+                counts["aborted" if "abort" in reasons else "errored" if "error" in reasons else "finished"] += 1
+                counts["tokens"] += sum(len(c.token_ids) for c in result.outputs)
+        if counts["steps"] % check_every == 0:
+            engine.block_manager.check_invariants()
+            counts["invariant_checks"] += 1
+        if rss_warm is None and time.perf_counter() - start >= warmup_s:
+            rss_warm = proc.memory_info().rss / 2**20
+    for rid in sorted(live):  # drain: abort what still runs, release everything
+        engine.abort(rid)
+        result = engine.release(rid)
+        counts["aborted"] += 1
+        counts["tokens"] += sum(len(c.token_ids) for c in result.outputs)
+    writer.close()
+    engine.block_manager.check_invariants()
+    rss_end = proc.memory_info().rss / 2**20
+    rss_warm = rss_warm if rss_warm is not None else rss_end
+    bm = engine.block_manager
+    report = {**counts, "seconds": time.perf_counter() - start, "trace_rows": writer.rows_written,
+              "leaked_blocks": bm.num_blocks - bm.num_free_blocks, "engine_requests_left": len(engine.requests),
+              "rss_after_warmup_mb": rss_warm, "rss_end_mb": rss_end, "rss_growth_mb": rss_end - rss_warm,
+              "num_kv_blocks": bm.num_blocks}
+    problems = []
+    if report["leaked_blocks"]:
+        problems.append(f"{report['leaked_blocks']} KV blocks not returned")
+    if report["engine_requests_left"]:
+        problems.append(f"{report['engine_requests_left']} requests left in the engine")
+    if report["trace_rows"] != report["sample_rows"]:
+        problems.append(f"trace rows {report['trace_rows']} != rows emitted {report['sample_rows']}")
+    if report["tokens"] + report["error_rows"] != report["sample_rows"]:
+        problems.append(f"tokens committed {report['tokens']} + error rows {report['error_rows']} != rows emitted "
+                        f"{report['sample_rows']}")
+    if report["rss_growth_mb"] > max_rss_growth_mb:
+        problems.append(f"RSS grew {report['rss_growth_mb']:.0f} MB after warm-up (limit {max_rss_growth_mb:.0f})")
+    report["problems"] = problems
+    report["passed"] = not problems
+    (run_dir / "soak.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def run_soak(cfg: DictConfig, run_dir: Path) -> int:
+    s = OmegaConf.to_container(cfg.soak, resolve=True) if cfg.get("soak") else {}
+    engine_cfg = from_mapping(EngineConfig, OmegaConf.to_container(cfg.engine, resolve=True), section="engine")
+    model_cfg = from_mapping(ModelConfig, OmegaConf.to_container(cfg.model, resolve=True), section="model")
+    known = {"duration_s", "seed", "queue_depth", "abort_prob", "max_prompt", "max_new", "check_every", "warmup_s",
+             "max_rss_growth_mb"}
+    unknown = sorted(set(s) - known)
+    if unknown:
+        raise ConfigError(f"unknown soak option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    loaded = load_model(model_cfg, engine_cfg.device)
+    report = soak(loaded, engine_cfg, run_dir, **s)
+    print(f"soak: {report['seconds']:.0f} s, {report['steps']} steps, {report['added']} requests "
+          f"({report['finished']} finished, {report['aborted']} aborted, {report['errored']} errored), "
+          f"{report['preemptions']} preemptions, {report['tokens']} tokens, {report['trace_rows']} trace rows; "
+          f"leaked blocks {report['leaked_blocks']}; RSS {report['rss_after_warmup_mb']:.0f} -> "
+          f"{report['rss_end_mb']:.0f} MB ({report['rss_growth_mb']:+.0f} MB)")
+    for p in report["problems"]:
+        print(f"FAILED: {p}")
+    print(f"soak.json: {run_dir}")
+    return 0 if report["passed"] else 1
