@@ -66,17 +66,17 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
 
     results: dict[str, systems.SystemResult] = {}
     repeats = max(1, b.get("repeats", 1))
-    for name in ("engine", "engine_notrace"):
-        if name not in b["systems"]:
-            continue
-        runs = []
-        for i in range(repeats):
+    names = [n for n in ("engine", "engine_notrace") if n in b["systems"]]
+    runs: dict[str, list[systems.SystemResult]] = {n: [] for n in names}
+    for i in range(repeats):  # alternate, so that drift of a shared machine hits both alike
+        for name in names:
             trace_dir = run_dir / f"engine_trace_{i}" if name == "engine" else None
-            runs.append(systems.run_engine(loaded, engine_cfg, requests, trace_dir=trace_dir, name=name))
-            print(f"  {name} run {i + 1}/{repeats}: {runs[-1].wall_s:.2f} s", flush=True)
-        runs.sort(key=lambda r: r.wall_s)
-        results[name] = runs[len(runs) // 2]
-        results[name].extra["wall_s_all"] = sorted(r.wall_s for r in runs)
+            runs[name].append(systems.run_engine(loaded, engine_cfg, requests, trace_dir=trace_dir, name=name))
+            print(f"  {name} run {i + 1}/{repeats}: {runs[name][-1].wall_s:.2f} s", flush=True)
+    for name in names:
+        ordered = sorted(runs[name], key=lambda r: r.wall_s)
+        results[name] = ordered[len(ordered) // 2]
+        results[name].extra["wall_s_all"] = [r.wall_s for r in ordered]
     for variant, overrides in (b.get("engine_variants") or {}).items():
         name = f"engine[{variant}]"
         overrides = dict(overrides or {})
