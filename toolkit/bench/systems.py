@@ -38,6 +38,13 @@ class SystemResult:
     peak_rss_mb: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def add_times(self, request_id: str, start: float, token_times: list[float]) -> None:
+        """TTFT (first token time - start) and TPOT (mean gap between later tokens) of one request."""
+        if token_times:
+            self.ttft_s[request_id] = token_times[0] - start
+            if len(token_times) > 1:
+                self.tpot_s[request_id] = (token_times[-1] - token_times[0]) / (len(token_times) - 1)
+
     @property
     def output_tokens(self) -> int:
         return sum(len(t) for t in self.tokens.values())
@@ -73,10 +80,6 @@ def rss_monitor(interval_s: float = 0.05):
         stop.set()
         thread.join()
         out["peak_mb"] = max(out["peak_mb"], proc.memory_info().rss / 2**20)
-
-
-def _tpot(times: list[float]) -> float | None:
-    return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
 
 
 # --------------------------------------------------------------------------- ours
@@ -167,9 +170,7 @@ def run_hf_static(model, requests: list[BenchRequest], batch_size: int, pad_id: 
             for row, r in enumerate(batch):
                 result.tokens[r.id] = out[row, width:width + r.max_tokens].tolist()
                 times = clock.times[: r.max_tokens]
-                result.ttft_s[r.id] = times[0] - start  # every request arrived at the start
-                if _tpot(times) is not None:
-                    result.tpot_s[r.id] = _tpot(times)
+                result.add_times(r.id, start, times)  # every request arrived at the start
         result.wall_s = time.perf_counter() - start
     result.peak_rss_mb = rss["peak_mb"]
     result.extra = {"batch_size": batch_size}
@@ -199,11 +200,7 @@ def run_hf_cb(model, requests: list[BenchRequest]) -> SystemResult:
                 if out.is_finished():
                     done += 1
                     result.tokens[out.request_id] = list(out.generated_tokens)
-                    stamps = out.timestamps or []
-                    if stamps:
-                        result.ttft_s[out.request_id] = stamps[0] - start
-                        if _tpot(stamps) is not None:
-                            result.tpot_s[out.request_id] = _tpot(stamps)
+                    result.add_times(out.request_id, start, out.timestamps or [])
             result.wall_s = time.perf_counter() - start
     result.peak_rss_mb = rss["peak_mb"]
     return result
@@ -223,9 +220,7 @@ def run_naive(model, requests: list[BenchRequest]) -> SystemResult:
                 ids.append(int(torch.argmax(logits)))
                 times.append(time.perf_counter())
             result.tokens[r.id] = ids[len(r.prompt_token_ids):]
-            result.ttft_s[r.id] = times[0] - start
-            if _tpot(times) is not None:
-                result.tpot_s[r.id] = _tpot(times)
+            result.add_times(r.id, start, times)
         result.wall_s = time.perf_counter() - start
     result.peak_rss_mb = rss["peak_mb"]
     return result
@@ -256,9 +251,7 @@ def run_llama_cpp(gguf_path: Path, requests: list[BenchRequest], threads: int) -
                 if len(out) >= r.max_tokens:
                     break
             result.tokens[r.id] = out
-            result.ttft_s[r.id] = times[0] - start
-            if _tpot(times) is not None:
-                result.tpot_s[r.id] = _tpot(times)
+            result.add_times(r.id, start, times)
         result.wall_s = time.perf_counter() - start
     result.peak_rss_mb = rss["peak_mb"]
     result.extra = {"precision": "Q4_1 (not comparable bit for bit)"}
