@@ -16,6 +16,7 @@ from toolkit.errors import ConfigError
 MODEL_NAMES = ("smollm2", "tiny", "hf")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "kernel", "sdpa")
+MATMUL_BACKENDS = ("auto", "native", "torch")
 
 
 def _check(cond: bool, message: str) -> None:
@@ -98,6 +99,8 @@ class EngineConfig:
     # A token's logits are the same bits whatever its batch, chunking, preemption or cache hits
     # (fixed-order matmul and attention kernels; CPU fp32; see toolkit/csrc).
     batch_invariant: bool = False
+    # auto: the native packed matmul (csrc/matmul_invariant.c) on CPU fp32 when it compiles, else torch's
+    matmul_backend: str = "auto"  # auto | native | torch
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -129,6 +132,10 @@ class EngineConfig:
                "engine.batch_invariant=true needs the native attention kernel, not engine.attention_backend=sdpa")
         _check(self.attention_backend in ATTENTION_BACKENDS,
                f"engine.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        _check(self.matmul_backend in MATMUL_BACKENDS,
+               f"engine.matmul_backend must be one of {MATMUL_BACKENDS}, got {self.matmul_backend!r}")
+        _check(not (self.batch_invariant and self.matmul_backend == "torch"),
+               "engine.batch_invariant=true needs the native matmul, not engine.matmul_backend=torch")
         _check(self.max_num_batched_tokens >= self.max_num_seqs,
                f"engine.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                f"engine.max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step")

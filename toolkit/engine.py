@@ -151,8 +151,10 @@ class Engine:
                                           num_host_blocks=num_host_blocks)
         self.scheduler = Scheduler(self.cfg, self.block_manager)
         self.attention_backend = self._attention_backend()
+        self.matmul_backend = self._matmul_backend()
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, self.attention_backend,
-                                  batch_invariant=self.cfg.batch_invariant)
+                                  batch_invariant=self.cfg.batch_invariant,
+                                  native_matmul=self.matmul_backend == "native")
         self._grammar: GrammarBackend | None = None  # created on the first structured-output request
         self.spec_cfg = speculative or SpeculativeConfig()
         self.speculator = Speculator.build(self.spec_cfg, self) if self.spec_cfg.enabled else None
@@ -206,6 +208,28 @@ class Engine:
         if wanted == "kernel":
             raise ConfigError(f"engine.attention_backend=kernel is unavailable: {problem}")
         return "sdpa"
+
+    def _matmul_backend(self) -> str:
+        """auto: the native packed matmul on CPU fp32 when it compiles (faster than torch's GEMM at
+        every step size measured here, see README "Benchmark"), else torch's."""
+        wanted = "native" if self.cfg.batch_invariant else self.cfg.matmul_backend
+        if wanted == "torch":
+            return "torch"
+        problem = None
+        if self.device.type != "cpu" or self.loaded.model.embed.dtype != torch.float32:
+            problem = "the native matmul runs on the CPU in float32 only"
+        else:
+            from toolkit.kernels import KernelUnavailable, load_matmul_invariant
+
+            try:
+                load_matmul_invariant()
+            except KernelUnavailable as exc:
+                problem = str(exc)
+        if problem is None:
+            return "native"
+        if wanted == "native":
+            raise ConfigError(f"engine.matmul_backend=native is unavailable: {problem}")
+        return "torch"
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> "Engine":

@@ -34,7 +34,7 @@ class ModelOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
-                 attention_backend: str = "sdpa", batch_invariant: bool = False):
+                 attention_backend: str = "sdpa", batch_invariant: bool = False, native_matmul: bool = False):
         self.model = model
         self.backend = attention_backend  # "kernel" or "sdpa" (resolved by the engine)
         if batch_invariant and attention_backend != "kernel":
@@ -42,6 +42,7 @@ class ModelRunner:
         # every query (prefill chunks too) through the fixed-order kernel, every projection through
         # the fixed-order matmul: a token's bits do not depend on its neighbours
         self.batch_invariant = batch_invariant
+        self.native_matmul = native_matmul or batch_invariant
         self.all_rows_kernel = batch_invariant
         self.groups = model.arch.num_heads // model.arch.num_kv_heads
         self.dtype = kv_cache.layers[0][0].dtype
@@ -138,7 +139,7 @@ class ModelRunner:
         inputs = self.prepare(batch)
         self.num_forwards += 1
         logits = self.model(inputs.input_ids_N, inputs.positions_N, inputs.attn, self.kv_cache.layers,
-                            inputs.logits_rows_R, num_layers, batch_invariant=self.batch_invariant)
+                            inputs.logits_rows_R, num_layers, native_matmul=self.native_matmul)
         return ModelOutput(logits_RV=logits, sample_chunks=inputs.sample_chunks)
 
 

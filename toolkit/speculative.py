@@ -291,7 +291,8 @@ class Speculator:
                 raise ConfigError(f"speculative.draft_layers must be in [1, {layers - 1}] for this model, "
                                   f"got {cfg.draft_layers}")
             runner = ModelRunner(engine.loaded.model, engine.kv_cache, engine.device, engine.attention_backend,
-                                 batch_invariant=engine.cfg.batch_invariant)
+                                 batch_invariant=engine.cfg.batch_invariant,
+                                 native_matmul=engine.matmul_backend == "native")
             return cls(cfg, ModelProposer(engine.loaded, runner, num_layers=cfg.draft_layers,
                                           shares_target_cache=True))
         from toolkit.config import ModelConfig, from_mapping
@@ -312,7 +313,8 @@ class Speculator:
                              engine.device)
         on_kernel = engine.attention_backend == "kernel" and draft.model.embed.dtype == torch.float32
         runner = ModelRunner(draft.model, cache, engine.device, "kernel" if on_kernel else "sdpa",
-                             batch_invariant=engine.cfg.batch_invariant and on_kernel)
+                             batch_invariant=engine.cfg.batch_invariant and on_kernel,
+                             native_matmul=engine.matmul_backend == "native" and on_kernel)
         return cls(cfg, ModelProposer(draft, runner, block_manager=BlockManager(blocks, engine.cfg.block_size)))
 
     def max_drafts(self, seq, room: int) -> int:

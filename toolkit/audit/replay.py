@@ -167,6 +167,10 @@ def check_manifest(manifest: dict[str, Any], engine: Engine, allow_mismatch: boo
     if recorded_mode != engine.cfg.batch_invariant:
         problems.append(f"engine.batch_invariant differs: recorded {str(recorded_mode).lower()}, replay "
                         f"{str(engine.cfg.batch_invariant).lower()} (the two modes' logits differ in the last bits)")
+    recorded_matmul = manifest.get("matmul_backend")
+    if recorded_matmul is not None and recorded_matmul != engine.matmul_backend:
+        problems.append(f"matmul backend differs: recorded {recorded_matmul}, replay {engine.matmul_backend} "
+                        f"(set engine.matmul_backend={recorded_matmul})")
     if problems and not allow_mismatch:
         raise TraceError(f"refusing to replay: {problems[0]} (replay.allow_mismatch=true compares anyway)")
     return problems

@@ -216,8 +216,9 @@ def print_report(report: dict[str, Any], run_dir: Path) -> None:
               f"({row['ratio']:.2f}x)")
     roof = report.get("roofline")
     if roof:
-        print(f"roofline: memory read {roof['memory_read_gb_s']:.1f} GB/s; fp32 GEMM GFLOP/s by batch: "
-              + ", ".join(f"{m}: {r:.0f}" for m, r in roof["gemm_gflops"].items()))
+        native = roof.get("gemm_gflops_native") or {}
+        print(f"roofline: memory read {roof['memory_read_gb_s']:.1f} GB/s; fp32 GEMM GFLOP/s by batch (torch / native): "
+              + ", ".join(f"{m}: {r:.0f} / {_fmt(native.get(m), '.0f')}" for m, r in roof["gemm_gflops_torch"].items()))
         for r in roof["by_batch"] + roof["by_context"]:
             print(f"  batch {r['batch']:>3} context {r['context']:>5}: step {r['step_ms']:7.1f} ms, GEMM roofline "
                   f"{r['gemm_bound_ms']:6.1f} ms + KV read {r['kv_read_ms']:5.1f} ms -> "

@@ -22,7 +22,7 @@
 
 typedef float v16 __attribute__((vector_size(64)));
 
-#define MR 4
+#define MR 6 /* 6 x 4 accumulators + 4 weight vectors fit AVX-512's 32 registers */
 #define NV 4 /* NR = 16 * NV columns per panel */
 #define NR (16 * NV)
 
@@ -50,14 +50,16 @@ static void tile_##R##_##V(const float *x, int64_t ldx, const float *w, int64_t 
 }
 
 #define DEFINE_TILES(R) DEFINE_TILE(R, 4) DEFINE_TILE(R, 1)
+DEFINE_TILES(6)
+DEFINE_TILES(5)
 DEFINE_TILES(4)
 DEFINE_TILES(3)
 DEFINE_TILES(2)
 DEFINE_TILES(1)
 
 typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int64_t);
-static const tile_fn TILES_WIDE[MR + 1] = {0, tile_1_4, tile_2_4, tile_3_4, tile_4_4};
-static const tile_fn TILES_NARROW[MR + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1};
+static const tile_fn TILES_WIDE[MR + 1] = {0, tile_1_4, tile_2_4, tile_3_4, tile_4_4, tile_5_4, tile_6_4};
+static const tile_fn TILES_NARROW[MR + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1};
 
 /* columns that are not a multiple of 16: scalar chains, the same fma per k */
 static void tail_columns(const float *x, int64_t ldx, const float *w, int64_t ldw, float *out, int64_t ldo,

@@ -159,17 +159,17 @@ class LlamaForPagedLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.scale = arch.head_dim ** -0.5
-        self._invariant = None  # packed weights of the batch-invariant mode (invariant_weights)
+        self._packed = None  # the projections packed for the native matmul (packed_weights)
 
-    def invariant_weights(self):
-        """The projections packed for the batch-invariant matmul, made on first use (a second
-        copy of the weights, held only by models that run in that mode)."""
-        if self._invariant is None:
+    def packed_weights(self):
+        """The projections packed for the native matmul, made on first use (a second copy of
+        the weights, held only by models that run with engine.matmul_backend=native)."""
+        if self._packed is None:
             from toolkit.kernels import pack_weight
 
             layers = [tuple(pack_weight(w) for w in (l.w_qkv, l.w_o, l.w_gate_up, l.w_down)) for l in self.layers]
-            self._invariant = (layers, pack_weight(self.lm_head_t))
-        return self._invariant
+            self._packed = (layers, pack_weight(self.lm_head_t))
+        return self._packed
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
@@ -179,19 +179,20 @@ class LlamaForPagedLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids_N: torch.Tensor, positions_N: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_rows_R: torch.Tensor,
-                num_layers: int | None = None, batch_invariant: bool = False) -> torch.Tensor:
+                num_layers: int | None = None, native_matmul: bool = False) -> torch.Tensor:
         """Run one packed step; return fp32 logits (R, V) for the rows in `logits_rows_R`.
 
         `num_layers` stops after the first layers (then the final norm and LM head): the
         self-draft model of speculative decoding, sharing every weight with this one.
-        `batch_invariant` computes every projection with the fixed-order matmul (each row's
-        bits independent of the other rows); the rest of the forward is per-token already."""
+        `native_matmul` computes every projection with the packed fixed-order matmul (faster
+        than torch's CPU GEMM here, and each row's bits are independent of the other rows,
+        which the batch-invariant mode needs); the rest of the forward is per-token already."""
         a = self.arch
         mm, layer_weights, head = torch.matmul, None, self.lm_head_t
-        if batch_invariant:
+        if native_matmul:
             from toolkit.kernels import matmul_invariant as mm
 
-            layer_weights, head = self.invariant_weights()
+            layer_weights, head = self.packed_weights()
         n = input_ids_N.shape[0]
         q_width, kv_width = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         cos = self.rope_cos[positions_N].unsqueeze(1).to(self.embed.dtype)  # (N, 1, Dh)

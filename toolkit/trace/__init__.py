@@ -55,6 +55,7 @@ def build_manifest(engine, run_id: str, extra: dict[str, Any] | None = None) -> 
         "engine": {k: getattr(engine.cfg, k) for k in engine.cfg.__dataclass_fields__},
         "num_kv_blocks": engine.num_kv_blocks,
         "attention_backend": engine.attention_backend,
+        "matmul_backend": engine.matmul_backend,
         "batch_invariant": engine.cfg.batch_invariant,  # bits comparable across batchings only when true
         **(extra or {}),
     }
