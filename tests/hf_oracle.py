@@ -1,27 +1,18 @@
-"""HF transformers' LlamaForCausalLM on the same weights: the external reference."""
+"""HF transformers' implementation of the model's family on the same weights: the external reference."""
 
 from __future__ import annotations
 
 import functools
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.utils import logging as hf_logging
 
 from toolkit.config import ModelConfig
-from toolkit.models.loading import load_checkpoint
-
-hf_logging.set_verbosity_error()
+from toolkit.models.loading import hf_reference_model, load_checkpoint
 
 
-@functools.lru_cache(maxsize=4)
-def hf_model(cfg: ModelConfig) -> LlamaForCausalLM:
-    ckpt = load_checkpoint(cfg)
-    model = LlamaForCausalLM(LlamaConfig(**ckpt.arch.to_hf_config()))
-    missing, unexpected = model.load_state_dict(ckpt.state_dict, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    return model.eval()
+@functools.lru_cache(maxsize=8)
+def hf_model(cfg: ModelConfig):
+    return hf_reference_model(load_checkpoint(cfg))
 
 
 @torch.inference_mode()

@@ -44,6 +44,7 @@ class AttentionMetadata:
     query_ctx_N: torch.Tensor | None  # kernel: (N,) keys visible to each token (its position + 1)
     decode_block_tables_DB: torch.Tensor | None  # sdpa: (num_decodes, max_blocks) long
     decode_bias_DT: torch.Tensor | None  # sdpa: (num_decodes, max_blocks * block_size) additive: -inf past ctx
+    decode_ctx_D: torch.Tensor | None  # sdpa: (num_decodes,) keys each decode row sees
     prefills: tuple[PrefillChunk, ...]  # sdpa chunks (rows >= kernel_rows)
 
 
@@ -68,11 +69,13 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 
 def _grouped_sdpa(q_BQHD: torch.Tensor, k_BTKD: torch.Tensor, v_BTKD: torch.Tensor,
-                  bias: torch.Tensor, scale: float) -> torch.Tensor:
+                  bias: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + bias) v with H = K * G query heads sharing K kv heads.
 
     `bias` is (B, 1, T) for single-token queries (it broadcasts over the G rows) or
     (B, G*Q, T) with the chunk's causal bias already repeated for the G head groups.
+    `softcap` (Gemma2) squashes the scores to (-cap, cap) with cap * tanh(s / cap) before the
+    bias, which SDPA cannot do: the scores are then computed explicitly.
     """
     b, q_len, h, d = q_BQHD.shape
     kv_heads = k_BTKD.shape[2]
@@ -81,15 +84,30 @@ def _grouped_sdpa(q_BQHD: torch.Tensor, k_BTKD: torch.Tensor, v_BTKD: torch.Tens
     q = q_BQHD.view(b, q_len, kv_heads, groups, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, groups * q_len, d)
     k = k_BTKD.transpose(1, 2)  # (B, K, T, D)
     v = v_BTKD.transpose(1, 2)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.unsqueeze(1), scale=scale)  # (B, K, G*Q, D)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.unsqueeze(1), scale=scale)  # (B, K, G*Q, D)
+    else:
+        scores = torch.tanh(q @ k.transpose(-1, -2) * (scale / softcap)) * softcap + bias.unsqueeze(1)
+        out = torch.softmax(scores, dim=-1) @ v
     # (B, K, G, Q, D) -> (B, Q, K*G, D)
     return out.view(b, kv_heads, groups, q_len, d).permute(0, 3, 1, 2, 4).reshape(b, q_len, h, d)
 
 
+def _window_bias(query_pos: torch.Tensor, num_keys: int, window: int, dtype: torch.dtype) -> torch.Tensor:
+    """-inf on keys more than `window - 1` positions behind each query (sliding-window layers)."""
+    keys = torch.arange(num_keys, device=query_pos.device)
+    return additive_bias(keys[None, :] > query_pos[:, None] - window, dtype)  # (Q, T)
+
+
 def paged_attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention of every packed query over its own sequence's cached keys. Returns (N, H, D)."""
+                    meta: AttentionMetadata, scale: float, softcap: float | None = None,
+                    window: int | None = None) -> torch.Tensor:
+    """Attention of every packed query over its own sequence's cached keys. Returns (N, H, D).
+
+    `softcap` and `window` (Gemma2) run on the sdpa path only; the engine picks it for such models."""
     out_NHD = torch.empty(q_NHD.shape, dtype=q_NHD.dtype, device=q_NHD.device)
+    if meta.kernel_rows and (softcap is not None or window is not None):
+        raise ValueError("the native attention kernel has no soft-capping or sliding window: use the sdpa backend")
     if meta.kernel_rows:
         from toolkit.kernels import paged_attention_cpu
 
@@ -100,12 +118,20 @@ def paged_attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         dec = meta.num_decodes
         k = _gather_blocks(k_cache, meta.decode_block_tables_DB)  # (D, T, K, Dh)
         v = _gather_blocks(v_cache, meta.decode_block_tables_DB)
-        out_NHD[:dec] = _grouped_sdpa(q_NHD[:dec].unsqueeze(1), k, v,
-                                      meta.decode_bias_DT.unsqueeze(1), scale).squeeze(1)
+        bias = meta.decode_bias_DT
+        if window is not None:
+            bias = bias + _window_bias(meta.decode_ctx_D - 1, bias.shape[1], window, bias.dtype)
+        out_NHD[:dec] = _grouped_sdpa(q_NHD[:dec].unsqueeze(1), k, v, bias.unsqueeze(1), scale, softcap).squeeze(1)
     for chunk in meta.prefills:
         k = _gather_blocks(k_cache, chunk.block_table_B)[: chunk.context_len]  # (T, K, Dh)
         v = _gather_blocks(v_cache, chunk.block_table_B)[: chunk.context_len]
         q = q_NHD[chunk.start:chunk.end].unsqueeze(0)  # (1, Q, H, Dh)
+        bias = chunk.bias_GQT
+        if window is not None:
+            q_len = chunk.end - chunk.start
+            query_pos = torch.arange(chunk.context_len - q_len, chunk.context_len, device=bias.device)
+            groups = bias.shape[0] // q_len
+            bias = bias + _window_bias(query_pos, chunk.context_len, window, bias.dtype).repeat(groups, 1)
         out_NHD[chunk.start:chunk.end] = _grouped_sdpa(q, k.unsqueeze(0), v.unsqueeze(0),
-                                                       chunk.bias_GQT.unsqueeze(0), scale).squeeze(0)
+                                                       bias.unsqueeze(0), scale, softcap).squeeze(0)
     return out_NHD

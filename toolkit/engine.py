@@ -190,7 +190,10 @@ class Engine:
         if wanted == "sdpa":
             return "sdpa"
         problem = None
-        if self.device.type != "cpu" or self.loaded.model.embed.dtype != torch.float32:
+        unsupported = self.loaded.arch.needs_torch_attention
+        if unsupported:
+            problem = f"the native kernel has no {unsupported} ({self.loaded.arch.family})"
+        elif self.device.type != "cpu" or self.loaded.model.embed.dtype != torch.float32:
             problem = "the native kernel runs on the CPU in float32 only"
         else:
             from toolkit.kernels import KernelUnavailable, load_matmul_invariant, load_paged_attention

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.models.llama import LlamaForPagedLM
+from toolkit.models.decoder import PagedDecoder
 
 
 @torch.inference_mode()
-def reference_logits(model: LlamaForPagedLM, token_ids: list[int], dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def reference_logits(model: PagedDecoder, token_ids: list[int], dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Logits (T, V) of a full no-cache forward over `token_ids` (row t predicts token t+1).
 
     Computed in float64 by default, so the reference is more exact than any fp32 path it

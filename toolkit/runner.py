@@ -85,13 +85,14 @@ class ModelRunner:
                                        dtype=torch.int64, device=dev)
             query_ctx = torch.tensor([p + 1 for p in positions], dtype=torch.int64, device=dev)
 
-        decode_tables = decode_bias = None
+        decode_tables = decode_bias = decode_ctx = None
         if singles and not use_kernel:
             width = max(len(c.block_table) for c in singles)
             padded = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in singles]
             decode_tables = torch.tensor(padded, dtype=torch.int64, device=dev)  # (D, B)
             ctx = torch.tensor([c.context_len for c in singles], device=dev)
             decode_bias = additive_bias(torch.arange(width * bs, device=dev)[None, :] < ctx[:, None], self.dtype)
+            decode_ctx = ctx
 
         prefills = []
         offset = len(singles)
@@ -117,6 +118,7 @@ class ModelRunner:
             query_ctx_N=query_ctx,
             decode_block_tables_DB=decode_tables,
             decode_bias_DT=decode_bias,
+            decode_ctx_D=decode_ctx,
             prefills=tuple(prefills),
         )
         return ForwardInputs(

@@ -95,18 +95,10 @@ class VerifyReport:
 
 
 def _hf_forward(model_cfg: ModelConfig):
-    """HF transformers' LlamaForCausalLM on the same weights, as a function ids -> logits (T, V)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
+    """HF transformers' implementation of the model's family on the same weights, as a function ids -> logits (T, V)."""
+    from toolkit.models.loading import hf_reference_model, load_checkpoint
 
-    from toolkit.models.loading import load_checkpoint
-
-    hf_logging.set_verbosity_error()
-    ckpt = load_checkpoint(model_cfg)
-    model = LlamaForCausalLM(LlamaConfig(**ckpt.arch.to_hf_config()))
-    model.load_state_dict(ckpt.state_dict, strict=False)
-    model.tie_weights()
-    model.eval()
+    model = hf_reference_model(load_checkpoint(model_cfg))
 
     @torch.inference_mode()
     def forward(ids: list[int]) -> torch.Tensor:

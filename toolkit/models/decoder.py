@@ -1,0 +1,251 @@
+"""The decoder every model family runs on: one forward over a flat packed batch and the paged cache.
+
+A family (toolkit/models/<family>.py) reads its HF config into a `DecoderArch` and renames its
+checkpoint's tensors into the canonical names below; `PagedDecoder` then runs them. The
+options cover the decoder-only families of the last few years:
+
+- positions: rotary (Su et al. 2021) or learned absolute (GPT-2);
+- norms: RMSNorm or LayerNorm with bias; Gemma2's extra norms after attention and MLP;
+- projections: fused q|k|v with optional bias (Qwen2, GPT-2), optional output bias;
+  per-head RMSNorm of q and k before RoPE (Qwen3);
+- MLP: gated (SwiGLU / GeGLU: Llama, Qwen, Gemma2) or plain with biases (GPT-2);
+- Gemma2: scaled embeddings, attention-logit and final-logit soft-capping, sliding-window
+  attention on alternating layers, query scale from `query_pre_attn_scalar`.
+
+Canonical tensor names (projections in torch's Linear orientation, (out, in)):
+`embed`, `pos_embed`, `norm`, `norm_b`, `lm_head`, and per layer `layers.{i}.` +
+`ln_attn ln_attn_b w_qkv b_qkv q_norm k_norm w_o b_o post_attn_norm ln_mlp ln_mlp_b
+w_gate_up w_up b_up w_down b_down post_mlp_norm` (each family uses the ones it has).
+Only the rows that will be sampled go through the final norm and the LM head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from toolkit.attention import AttentionMetadata, paged_attention, write_kv
+from toolkit.errors import ModelLoadError
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
+
+
+@dataclass(frozen=True)
+class DecoderArch:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float  # the eps of every norm (RMSNorm or LayerNorm)
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...] = ()
+    family: str = "llama"
+    norm: str = "rms"  # rms | layer
+    positions: str = "rope"  # rope | learned
+    gated_mlp: bool = True
+    activation: str = "silu"  # silu | gelu_tanh | gelu
+    qk_norm: bool = False
+    sandwich_norm: bool = False  # Gemma2: norms after attention and after the MLP too
+    embed_scale: float = 1.0
+    query_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()  # layers that attend to the last `sliding_window` keys only
+
+    @property
+    def scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
+
+    def window_of(self, layer: int) -> int | None:
+        return self.sliding_window if layer in self.sliding_layers else None
+
+    @property
+    def needs_torch_attention(self) -> str | None:
+        """Why the native attention kernel cannot run this model (None: it can)."""
+        if self.attn_softcap is not None:
+            return "attention-logit soft-capping"
+        if self.sliding_layers:
+            return "sliding-window layers"
+        return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in fp32, then scaled by the learned weight (bit-equal to HF's on fp32 inputs, one fused op)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_tables(arch: DecoderArch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for every position, (max_pos, head_dim) fp32, computed as HF computes them."""
+    dim = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    positions = torch.arange(arch.max_position_embeddings, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]  # (P, dim/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (P, dim)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.contiguous(), requires_grad=False)
+
+
+def _frozen_t(t: torch.Tensor) -> nn.Parameter:
+    """A projection stored as (in, out): `x @ w` beats `F.linear(x, w_out_in)` 2-4x on CPU at small M."""
+    return nn.Parameter(t.t().contiguous(), requires_grad=False)
+
+
+PROJECTIONS = ("w_qkv", "w_o", "w_gate_up", "w_up", "w_down")
+VECTORS = ("ln_attn", "ln_attn_b", "b_qkv", "q_norm", "k_norm", "b_o", "post_attn_norm", "ln_mlp", "ln_mlp_b",
+           "b_up", "b_down", "post_mlp_norm")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, sd: Mapping[str, torch.Tensor], i: int):
+        super().__init__()
+        p = f"layers.{i}."
+        self.projections = tuple(n for n in PROJECTIONS if p + n in sd)  # in forward order
+        for name in self.projections:
+            setattr(self, name, _frozen_t(sd[p + name]))
+        for name in VECTORS:
+            setattr(self, name, _frozen(sd[p + name]) if p + name in sd else None)
+
+
+class PagedDecoder(nn.Module):
+    """A decoder whose forward runs one engine step over the paged KV cache."""
+
+    def __init__(self, arch: DecoderArch, sd: Mapping[str, torch.Tensor]):
+        super().__init__()
+        self.arch = arch
+        missing = [k for k in required_keys(arch) if k not in sd]
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[0]}")
+        self.embed = _frozen(sd["embed"])  # (V, hidden): rows are looked up
+        self.pos_embed = _frozen(sd["pos_embed"]) if arch.positions == "learned" else None
+        self.layers = nn.ModuleList(DecoderLayer(sd, i) for i in range(arch.num_layers))
+        self.norm = _frozen(sd["norm"])
+        self.norm_b = _frozen(sd["norm_b"]) if "norm_b" in sd else None
+        self.lm_head_t = _frozen_t(sd["embed"] if arch.tie_word_embeddings else sd["lm_head"])  # (hidden, V)
+        if arch.positions == "rope":
+            cos, sin = rope_tables(arch, torch.device("cpu"))
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.scale = arch.scale
+        self._packed = None  # the projections packed for the native matmul (packed_weights)
+        self.act = ACTIVATIONS[arch.activation]
+
+    def packed_weights(self):
+        """The projections packed for the native matmul, made on first use (a second copy of
+        the weights, held only by models that run with engine.matmul_backend=native)."""
+        if self._packed is None:
+            from toolkit.kernels import pack_weight
+
+            layers = [{n: pack_weight(getattr(l, n)) for n in l.projections} for l in self.layers]
+            self._packed = (layers, pack_weight(self.lm_head_t))
+        return self._packed
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(layers, kv heads, head dim) of the cache this model needs."""
+        return self.arch.num_layers, self.arch.num_kv_heads, self.arch.head_dim
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.arch.norm == "layer":
+            return F.layer_norm(x, (x.shape[-1],), weight, bias, self.arch.rms_norm_eps)
+        return rms_norm(x, weight, self.arch.rms_norm_eps)
+
+    @torch.inference_mode()
+    def forward(self, input_ids_N: torch.Tensor, positions_N: torch.Tensor, attn: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_rows_R: torch.Tensor,
+                num_layers: int | None = None, native_matmul: bool = False) -> torch.Tensor:
+        """Run one packed step; return fp32 logits (R, V) for the rows in `logits_rows_R`.
+
+        `num_layers` stops after the first layers (then the final norm and LM head): the
+        self-draft model of speculative decoding, sharing every weight with this one.
+        `native_matmul` computes every projection with the packed fixed-order matmul (faster
+        than torch's CPU GEMM here, and each row's bits are independent of the other rows,
+        which the batch-invariant mode needs); the rest of the forward is per-token already."""
+        a = self.arch
+        mm, packed, head = torch.matmul, None, self.lm_head_t
+        if native_matmul:
+            from toolkit.kernels import matmul_invariant as mm
+
+            packed, head = self.packed_weights()
+        n = input_ids_N.shape[0]
+        q_width, kv_width = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        x = self.embed[input_ids_N]  # (N, hidden)
+        if a.embed_scale != 1.0:
+            x = x * torch.tensor(a.embed_scale, dtype=x.dtype)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed[positions_N]
+        else:
+            cos = self.rope_cos[positions_N].unsqueeze(1).to(self.embed.dtype)  # (N, 1, Dh)
+            sin = self.rope_sin[positions_N].unsqueeze(1).to(self.embed.dtype)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers[:num_layers], kv_caches)):
+            weights = packed[i] if packed else None
+
+            def proj(h, name, bias=None):
+                y = mm(h, weights[name] if weights else getattr(layer, name))
+                return y if bias is None else y + bias
+
+            h = self._norm(x, layer.ln_attn, layer.ln_attn_b)
+            qkv = proj(h, "w_qkv", layer.b_qkv)  # (N, (H + 2K) * Dh)
+            qk = qkv[:, : q_width + kv_width].view(n, a.num_heads + a.num_kv_heads, a.head_dim)
+            if layer.q_norm is not None:  # Qwen3: RMSNorm of each q and k head before RoPE
+                qk = torch.cat([rms_norm(qk[:, : a.num_heads], layer.q_norm, a.rms_norm_eps),
+                                rms_norm(qk[:, a.num_heads:], layer.k_norm, a.rms_norm_eps)], dim=1)
+            if self.pos_embed is None:
+                qk = qk * cos + rotate_half(qk) * sin  # RoPE on q and k heads at once
+            q = qk[:, : a.num_heads]  # (N, H, Dh)
+            k = qk[:, a.num_heads:]  # (N, K, Dh)
+            v = qkv[:, q_width + kv_width:].view(n, a.num_kv_heads, a.head_dim)
+            write_kv(k_cache, v_cache, k, v, attn.slot_mapping_N)
+            o = paged_attention(q, k_cache, v_cache, attn, self.scale, softcap=a.attn_softcap,
+                                window=a.window_of(i))  # (N, H, Dh)
+            o = proj(o.reshape(n, q_width), "w_o", layer.b_o)
+            if layer.post_attn_norm is not None:
+                o = self._norm(o, layer.post_attn_norm)
+            x = x + o
+            h = self._norm(x, layer.ln_mlp, layer.ln_mlp_b)
+            if a.gated_mlp:
+                gate, up = proj(h, "w_gate_up").chunk(2, dim=-1)
+                h = self.act(gate) * up
+            else:
+                h = self.act(proj(h, "w_up", layer.b_up))
+            m = proj(h, "w_down", layer.b_down)
+            if layer.post_mlp_norm is not None:
+                m = self._norm(m, layer.post_mlp_norm)
+            x = x + m
+        h = self._norm(x[logits_rows_R], self.norm, self.norm_b)
+        logits = mm(h, head).float()  # (R, V)
+        if a.final_softcap is not None:
+            logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
+        return logits
+
+
+def required_keys(arch: DecoderArch) -> list[str]:
+    keys = ["embed", "norm"] + ([] if arch.tie_word_embeddings else ["lm_head"])
+    if arch.positions == "learned":
+        keys.append("pos_embed")
+    for i in range(arch.num_layers):
+        p = f"layers.{i}."
+        keys += [p + s for s in ("ln_attn", "w_qkv", "w_o", "ln_mlp", "w_down")]
+        keys.append(p + ("w_gate_up" if arch.gated_mlp else "w_up"))
+    return keys
