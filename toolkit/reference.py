@@ -21,6 +21,11 @@ def reference_logits(model: PagedDecoder, token_ids: list[int], dtype: torch.dty
     checks: a difference is the checked path's rounding (or a bug), never the oracle's.
     """
     a = model.arch
+    if a.family != "llama":
+        from toolkit.errors import ConfigError
+
+        raise ConfigError(f"the textbook reference covers the Llama family only, not {a.family}: "
+                          f"use verify.reference=hf (HF transformers' {a.family})")
     device = model.embed.device
     ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
     t = ids.shape[0]
