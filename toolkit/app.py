@@ -37,13 +37,29 @@ def main(cfg: DictConfig, run_dir: Path) -> int:
             from toolkit.soak import run_soak
 
             return run_soak(cfg, run_dir)
-        raise ToolkitError(f"unknown mode {mode!r}; known: run, bench, replay, verify, compare, soak")
+        if mode == "train":
+            return run_train(cfg, run_dir)
+        raise ToolkitError(f"unknown mode {mode!r}; known: run, bench, replay, verify, compare, soak, train")
     except ToolkitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:  # before or after the engine loop (record() handles it inside)
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def run_train(cfg: DictConfig, run_dir: Path) -> int:
+    from toolkit.train import train
+
+    if cfg.model.name != "nanogpt":
+        raise ToolkitError("mode=train trains the character-level GPT: add model=nanogpt")
+    train_cfg = OmegaConf.to_container(cfg.train, resolve=True)
+    out_dir = Path(train_cfg.get("out_dir") or run_dir / "nanogpt")
+    result = train(train_cfg, OmegaConf.to_container(cfg.model, resolve=True), out_dir)
+    first, last = result["history"][0], result["history"][-1]
+    print(f"val loss {first['val_loss']:.3f} -> {last['val_loss']:.3f}; checkpoint {out_dir}\n"
+          f"serve it: python run.py model=nanogpt model.path={out_dir} workload=text")
+    return 0
 
 
 def workload_specs(cfg: DictConfig) -> tuple[list[RequestSpec], list[Rejected]]:

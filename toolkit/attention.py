@@ -13,6 +13,7 @@ Two backends:
   call, each prefill chunk in its own call. Grouped-query attention is computed without
   repeating K/V: the G query heads of one KV head are laid along the query axis.
 Prefill chunks use the sdpa path in both backends, except in batch-invariant mode.
+A third backend, `flex` (toolkit/flex.py), sends every row through torch's FlexAttention.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class AttentionMetadata:
     decode_bias_DT: torch.Tensor | None  # sdpa: (num_decodes, max_blocks * block_size) additive: -inf past ctx
     decode_ctx_D: torch.Tensor | None  # sdpa: (num_decodes,) keys each decode row sees
     prefills: tuple[PrefillChunk, ...]  # sdpa chunks (rows >= kernel_rows)
+    flex: object | None = None  # toolkit.flex.FlexMetadata: every row through FlexAttention
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor,
@@ -105,6 +107,10 @@ def paged_attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """Attention of every packed query over its own sequence's cached keys. Returns (N, H, D).
 
     `softcap` and `window` (Gemma2) run on the sdpa path only; the engine picks it for such models."""
+    if meta.flex is not None:
+        from toolkit import flex
+
+        return flex.attention(q_NHD, k_cache, v_cache, meta.flex, scale, softcap, window)
     out_NHD = torch.empty(q_NHD.shape, dtype=q_NHD.dtype, device=q_NHD.device)
     if meta.kernel_rows and (softcap is not None or window is not None):
         raise ValueError("the native attention kernel has no soft-capping or sliding window: use the sdpa backend")

@@ -13,9 +13,9 @@ from typing import Any, Mapping
 
 from toolkit.errors import ConfigError
 
-MODEL_NAMES = ("smollm2", "tiny", "hf")
+MODEL_NAMES = ("smollm2", "tiny", "hf", "nanogpt")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "kernel", "sdpa")
+ATTENTION_BACKENDS = ("auto", "kernel", "sdpa", "flex")
 MATMUL_BACKENDS = ("auto", "native", "torch")
 
 
@@ -91,7 +91,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     seed: int = 0  # run seed: requests without a seed derive theirs from it
     num_threads: int | None = None  # torch intra-op threads (None: torch's default)
-    attention_backend: str = "auto"  # auto | kernel (native CPU paged attention) | sdpa (pure torch)
+    attention_backend: str = "auto"  # auto | kernel (native CPU paged attention) | sdpa (pure torch) | flex
+    flex_compile: bool = True  # attention_backend=flex: torch.compile the FlexAttention call (else dense, eager)
     enable_prefix_caching: bool = False
     preemption_mode: str = "recompute"  # recompute | swap
     preemption_policy: str = "newest"  # newest | priority
@@ -128,8 +129,10 @@ class EngineConfig:
                f"engine.swap_space_gb must be a number >= 0, got {self.swap_space_gb!r}")
         _check(isinstance(self.batch_invariant, bool),
                f"engine.batch_invariant must be true or false, got {self.batch_invariant!r}")
-        _check(not (self.batch_invariant and self.attention_backend == "sdpa"),
-               "engine.batch_invariant=true needs the native attention kernel, not engine.attention_backend=sdpa")
+        _check(not (self.batch_invariant and self.attention_backend in ("sdpa", "flex")),
+               f"engine.batch_invariant=true needs the native attention kernel, not "
+               f"engine.attention_backend={self.attention_backend}")
+        _check(isinstance(self.flex_compile, bool), f"engine.flex_compile must be true or false, got {self.flex_compile!r}")
         _check(self.attention_backend in ATTENTION_BACKENDS,
                f"engine.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _check(self.matmul_backend in MATMUL_BACKENDS,

@@ -154,7 +154,7 @@ class Engine:
         self.matmul_backend = self._matmul_backend()
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, self.attention_backend,
                                   batch_invariant=self.cfg.batch_invariant,
-                                  native_matmul=self.matmul_backend == "native")
+                                  native_matmul=self.matmul_backend == "native", flex_compile=self.cfg.flex_compile)
         self._grammar: GrammarBackend | None = None  # created on the first structured-output request
         self.spec_cfg = speculative or SpeculativeConfig()
         self.speculator = Speculator.build(self.spec_cfg, self) if self.spec_cfg.enabled else None
@@ -187,8 +187,8 @@ class Engine:
     def _attention_backend(self) -> str:
         """auto: the native kernel on CPU fp32 when it compiles, else torch's sdpa path."""
         wanted = self.cfg.attention_backend
-        if wanted == "sdpa":
-            return "sdpa"
+        if wanted in ("sdpa", "flex"):
+            return wanted
         problem = None
         unsupported = self.loaded.arch.needs_torch_attention
         if unsupported:

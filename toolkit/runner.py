@@ -34,9 +34,11 @@ class ModelOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
-                 attention_backend: str = "sdpa", batch_invariant: bool = False, native_matmul: bool = False):
+                 attention_backend: str = "sdpa", batch_invariant: bool = False, native_matmul: bool = False,
+                 flex_compile: bool = True):
         self.model = model
-        self.backend = attention_backend  # "kernel" or "sdpa" (resolved by the engine)
+        self.backend = attention_backend  # "kernel", "sdpa" or "flex" (resolved by the engine)
+        self.flex_compile = flex_compile
         if batch_invariant and attention_backend != "kernel":
             raise ValueError("batch-invariant mode needs the native attention kernel")
         # every query (prefill chunks too) through the fixed-order kernel, every projection through
@@ -86,7 +88,7 @@ class ModelRunner:
             query_ctx = torch.tensor([p + 1 for p in positions], dtype=torch.int64, device=dev)
 
         decode_tables = decode_bias = decode_ctx = None
-        if singles and not use_kernel:
+        if singles and self.backend == "sdpa":
             width = max(len(c.block_table) for c in singles)
             padded = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in singles]
             decode_tables = torch.tensor(padded, dtype=torch.int64, device=dev)  # (D, B)
@@ -96,7 +98,7 @@ class ModelRunner:
 
         prefills = []
         offset = len(singles)
-        sdpa_chunks = ([] if self.all_rows_kernel else multis) if use_kernel else verifies + multis
+        sdpa_chunks = {"kernel": [] if self.all_rows_kernel else multis, "sdpa": verifies + multis}.get(self.backend, [])
         if use_kernel:
             offset = kernel_rows
         for chunk in sdpa_chunks:
@@ -109,6 +111,14 @@ class ModelRunner:
                                          context_len=ctx, bias_GQT=bias))
             offset += chunk.num_tokens
 
+        flex_meta = None
+        if self.backend == "flex":
+            from toolkit import flex
+
+            positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+            flex_meta = flex.build([list(c.block_table[: -(-c.context_len // bs)]) for c in ordered],
+                                   [c.num_tokens for c in ordered], positions_t, self.kv_cache.num_blocks, bs,
+                                   self.model.arch.sliding_window, self.flex_compile)
         attn = AttentionMetadata(
             slot_mapping_N=torch.tensor(slots, dtype=torch.int64, device=dev),
             num_decodes=len(singles),
@@ -120,6 +130,7 @@ class ModelRunner:
             decode_bias_DT=decode_bias,
             decode_ctx_D=decode_ctx,
             prefills=tuple(prefills),
+            flex=flex_meta,
         )
         return ForwardInputs(
             input_ids_N=torch.tensor(ids, dtype=torch.int64, device=dev),

@@ -292,7 +292,8 @@ class Speculator:
                                   f"got {cfg.draft_layers}")
             runner = ModelRunner(engine.loaded.model, engine.kv_cache, engine.device, engine.attention_backend,
                                  batch_invariant=engine.cfg.batch_invariant,
-                                 native_matmul=engine.matmul_backend == "native")
+                                 native_matmul=engine.matmul_backend == "native",
+                                 flex_compile=engine.cfg.flex_compile)
             return cls(cfg, ModelProposer(engine.loaded, runner, num_layers=cfg.draft_layers,
                                           shares_target_cache=True))
         from toolkit.config import ModelConfig, from_mapping

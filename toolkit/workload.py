@@ -231,7 +231,19 @@ def extraction_workload(num_requests: int = 12, seed: int = 0, max_tokens: int =
     return specs
 
 
-BUILTIN = {"chat": chat_workload, "extraction": extraction_workload}
+def text_workload(num_requests: int = 8, seed: int = 0, max_tokens: int = 200, prompt_chars: int = 24) -> list[RequestSpec]:
+    """Plain-text completions (no chat template): each prompt is the opening of a passage, for
+    base models and the character-level nanoGPT of mode=train."""
+    if not isinstance(num_requests, int) or num_requests < 1:
+        raise WorkloadError(f"workload.num_requests must be a positive integer, got {num_requests!r}")
+    rnd = random.Random(seed)
+    passages = _passages()
+    return [RequestSpec(id=f"text-{i}", prompt=rnd.choice(passages)[:prompt_chars], arrival_step=i,
+                        sampling={"max_tokens": max_tokens}, source=f"text workload #{i}")
+            for i in range(num_requests)]
+
+
+BUILTIN = {"chat": chat_workload, "extraction": extraction_workload, "text": text_workload}
 
 
 def builtin_workload(name: str, **kwargs: Any) -> list[RequestSpec]:

@@ -71,6 +71,8 @@ def cache_root() -> Path:
 def load_checkpoint(cfg: ModelConfig) -> Checkpoint:
     if cfg.name == "tiny":
         return tiny_checkpoint(cfg)
+    if cfg.name == "nanogpt" and not cfg.path:
+        raise ModelLoadError("model=nanogpt needs model.path=<checkpoint dir written by mode=train>")
     if cfg.path:
         return hf_checkpoint(Path(cfg.path).expanduser(), name=cfg.name)
     return hf_checkpoint(smollm2_dir(), name="smollm2", model_id="SmolLM2-135M-Instruct (Q4_1 GGUF, fp32)")
