@@ -39,7 +39,12 @@ def main(cfg: DictConfig, run_dir: Path) -> int:
             return run_soak(cfg, run_dir)
         if mode == "train":
             return run_train(cfg, run_dir)
-        raise ToolkitError(f"unknown mode {mode!r}; known: run, bench, replay, verify, compare, soak, train")
+        if mode == "kv_quantization":
+            from toolkit.audit.kv_quantization import run_kv_quantization
+
+            return run_kv_quantization(cfg, run_dir)
+        raise ToolkitError(f"unknown mode {mode!r}; known: run, bench, replay, verify, compare, soak, train, "
+                           f"kv_quantization")
     except ToolkitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

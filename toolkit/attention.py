@@ -48,14 +48,38 @@ class AttentionMetadata:
     decode_ctx_D: torch.Tensor | None  # sdpa: (num_decodes,) keys each decode row sees
     prefills: tuple[PrefillChunk, ...]  # sdpa chunks (rows >= kernel_rows)
     flex: object | None = None  # toolkit.flex.FlexMetadata: every row through FlexAttention
+    kv_quant: "KVQuant | None" = None  # int8/fp8 caches: the format and every layer's scales
+
+
+@dataclass(frozen=True)
+class KVQuant:
+    """How a quantised cache is stored: `kv_dtype` (int8 | fp8_e4m3) and, per layer, the running
+    per-block scales (k, v: [blocks, K]) or the static per-tensor ones (k, v: [K])."""
+
+    kv_dtype: str
+    block_scales: list[tuple[torch.Tensor, torch.Tensor]] | None
+    tensor_scales: list[tuple[torch.Tensor, torch.Tensor]] | None
+
+    def layer(self, i: int, which: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(per-block scales, static scale) of layer i's keys (which=0) or values (which=1)."""
+        if self.block_scales is not None:
+            return self.block_scales[i][which], None
+        return None, self.tensor_scales[i][which]
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor,
-             slot_mapping_N: torch.Tensor) -> None:
-    """Scatter this step's keys and values into their slots (the cache is the only mutable state)."""
+             slot_mapping_N: torch.Tensor, kv_quant: KVQuant | None = None, layer: int = 0) -> None:
+    """Scatter this step's keys and values into their slots (the cache is the only mutable state);
+    a quantised cache quantises them on the way in (toolkit/kv/quant.py)."""
+    if kv_quant is not None:
+        from toolkit.kv.quant import write_quantized
+
+        for which, (cache, x) in enumerate(((k_cache, k_NHD), (v_cache, v_NHD))):
+            write_quantized(cache, *kv_quant.layer(layer, which), x, slot_mapping_N, kv_quant.kv_dtype)
+        return
     num_blocks, block_size, h_kv, d = k_cache.shape
-    k_cache.view(num_blocks * block_size, h_kv, d).index_copy_(0, slot_mapping_N, k_NHD)
-    v_cache.view(num_blocks * block_size, h_kv, d).index_copy_(0, slot_mapping_N, v_NHD)
+    k_cache.view(num_blocks * block_size, h_kv, d).index_copy_(0, slot_mapping_N, k_NHD.to(k_cache.dtype))
+    v_cache.view(num_blocks * block_size, h_kv, d).index_copy_(0, slot_mapping_N, v_NHD.to(v_cache.dtype))
 
 
 def additive_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -63,10 +87,18 @@ def additive_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
-def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """Copy the blocks a table lists into one key axis: (..., B) -> (..., B * block_size, K, D)."""
+def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype,
+                   scales: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+                   kv_dtype: str | None = None) -> torch.Tensor:
+    """Copy the blocks a table lists into one key axis: (..., B) -> (..., B * block_size, K, D),
+    in the compute dtype (de-quantised with the blocks' scales for an int8/fp8 cache)."""
     _, block_size, h_kv, d = cache.shape
-    rows = cache.index_select(0, tables.reshape(-1))  # index_select is ~2x faster than cache[tables]
+    if scales is not None:
+        from toolkit.kv.quant import read_blocks
+
+        rows = read_blocks(cache, *scales, tables, dtype)
+    else:
+        rows = cache.index_select(0, tables.reshape(-1)).to(dtype)  # index_select is ~2x faster than cache[tables]
     return rows.view(*tables.shape[:-1], tables.shape[-1] * block_size, h_kv, d)
 
 
@@ -103,7 +135,7 @@ def _window_bias(query_pos: torch.Tensor, num_keys: int, window: int, dtype: tor
 
 def paged_attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, softcap: float | None = None,
-                    window: int | None = None) -> torch.Tensor:
+                    window: int | None = None, layer: int = 0) -> torch.Tensor:
     """Attention of every packed query over its own sequence's cached keys. Returns (N, H, D).
 
     `softcap` and `window` (Gemma2) run on the sdpa path only; the engine picks it for such models."""
@@ -120,17 +152,19 @@ def paged_attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         rows = meta.kernel_rows
         paged_attention_cpu(q_NHD[:rows], k_cache, v_cache, meta.block_tables_SB, meta.query_table_N[:rows],
                             meta.query_ctx_N[:rows], scale, out_NHD[:rows])
-    elif meta.num_decodes:
+    dtype = q_NHD.dtype
+    ks, vs = (meta.kv_quant.layer(layer, 0), meta.kv_quant.layer(layer, 1)) if meta.kv_quant else (None, None)
+    if meta.num_decodes and not meta.kernel_rows:
         dec = meta.num_decodes
-        k = _gather_blocks(k_cache, meta.decode_block_tables_DB)  # (D, T, K, Dh)
-        v = _gather_blocks(v_cache, meta.decode_block_tables_DB)
+        k = _gather_blocks(k_cache, meta.decode_block_tables_DB, dtype, ks)  # (D, T, K, Dh)
+        v = _gather_blocks(v_cache, meta.decode_block_tables_DB, dtype, vs)
         bias = meta.decode_bias_DT
         if window is not None:
             bias = bias + _window_bias(meta.decode_ctx_D - 1, bias.shape[1], window, bias.dtype)
         out_NHD[:dec] = _grouped_sdpa(q_NHD[:dec].unsqueeze(1), k, v, bias.unsqueeze(1), scale, softcap).squeeze(1)
     for chunk in meta.prefills:
-        k = _gather_blocks(k_cache, chunk.block_table_B)[: chunk.context_len]  # (T, K, Dh)
-        v = _gather_blocks(v_cache, chunk.block_table_B)[: chunk.context_len]
+        k = _gather_blocks(k_cache, chunk.block_table_B, dtype, ks)[: chunk.context_len]  # (T, K, Dh)
+        v = _gather_blocks(v_cache, chunk.block_table_B, dtype, vs)[: chunk.context_len]
         q = q_NHD[chunk.start:chunk.end].unsqueeze(0)  # (1, Q, H, Dh)
         bias = chunk.bias_GQT
         if window is not None:

@@ -17,6 +17,7 @@ MODEL_NAMES = ("smollm2", "tiny", "hf", "nanogpt")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "kernel", "sdpa", "flex")
 MATMUL_BACKENDS = ("auto", "native", "torch")
+KV_CACHE_DTYPES = ("auto", "bf16", "int8", "fp8_e4m3")
 
 
 def _check(cond: bool, message: str) -> None:
@@ -100,6 +101,8 @@ class EngineConfig:
     # A token's logits are the same bits whatever its batch, chunking, preemption or cache hits
     # (fixed-order matmul and attention kernels; CPU fp32; see toolkit/csrc).
     batch_invariant: bool = False
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | bf16 | int8 | fp8_e4m3 (quantised, with scales)
+    kv_scale_granularity: str = "block"  # int8/fp8 scales: block (per block and KV head, running) | tensor (static)
     # auto: the native packed matmul (csrc/matmul_invariant.c) on CPU fp32 when it compiles, else torch's
     matmul_backend: str = "auto"  # auto | native | torch
 
@@ -135,6 +138,13 @@ class EngineConfig:
         _check(isinstance(self.flex_compile, bool), f"engine.flex_compile must be true or false, got {self.flex_compile!r}")
         _check(self.attention_backend in ATTENTION_BACKENDS,
                f"engine.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+               f"engine.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        _check(self.kv_scale_granularity in ("block", "tensor"),
+               f"engine.kv_scale_granularity must be block or tensor, got {self.kv_scale_granularity!r}")
+        _check(not (self.batch_invariant and self.kv_cache_dtype != "auto"),
+               f"engine.batch_invariant=true needs the fp32 cache of the native kernel, not "
+               f"engine.kv_cache_dtype={self.kv_cache_dtype}")
         _check(self.matmul_backend in MATMUL_BACKENDS,
                f"engine.matmul_backend must be one of {MATMUL_BACKENDS}, got {self.matmul_backend!r}")
         _check(not (self.batch_invariant and self.matmul_backend == "torch"),

@@ -29,7 +29,7 @@ from toolkit.processors.masks import resolve_bad_words
 from toolkit.request import FinishReason, Request, RequestStatus
 from toolkit.runner import ModelRunner
 from toolkit.sampling import SampleRow, logsumexp_rows, sample
-from toolkit.scheduler import ScheduledBatch, Scheduler
+from toolkit.scheduler import ScheduledBatch, ScheduledChunk, Scheduler
 from toolkit.stop import TextUpdate, update_text
 from toolkit.trace.schema import SampleTrace
 
@@ -141,11 +141,14 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(t for t in eos if t < self.vocab_size))
         layers, kv_heads, head_dim = loaded.model.kv_shape
-        self.num_kv_blocks = self.cfg.num_kv_blocks or self._auto_num_blocks(layers, kv_heads, head_dim)
-        block_bytes = 2 * layers * self.cfg.block_size * kv_heads * head_dim * loaded.model.embed.element_size()
+        block_bytes = self._block_bytes(layers, kv_heads, head_dim)
+        self.num_kv_blocks = self.cfg.num_kv_blocks or self._auto_num_blocks(block_bytes)
         num_host_blocks = int(self.cfg.swap_space_gb * 2**30 // block_bytes) if self.cfg.preemption_mode == "swap" else 0
         self.kv_cache = PagedKVCache(layers, self.num_kv_blocks, self.cfg.block_size, kv_heads, head_dim,
-                                     dtype=loaded.model.embed.dtype, device=self.device, num_host_blocks=num_host_blocks)
+                                     dtype=loaded.model.embed.dtype, device=self.device, num_host_blocks=num_host_blocks,
+                                     kv_dtype=self.cfg.kv_cache_dtype, granularity=self.cfg.kv_scale_granularity)
+        if self.kv_cache.granularity == "tensor":
+            self._calibrate_kv_scales()
         self.block_manager = BlockManager(self.num_kv_blocks, self.cfg.block_size,
                                           enable_prefix_caching=self.cfg.enable_prefix_caching,
                                           num_host_blocks=num_host_blocks)
@@ -166,11 +169,38 @@ class Engine:
         self.last_finish_time: float | None = None
         self._next_id = 0
 
-    def _auto_num_blocks(self, layers: int, kv_heads: int, head_dim: int) -> int:
+    def _block_bytes(self, layers: int, kv_heads: int, head_dim: int) -> int:
+        """Bytes of one KV block over all layers in the configured storage, per-block scales included."""
+        from toolkit.kv.quant import storage_dtype
+
+        store = storage_dtype(self.cfg.kv_cache_dtype, self.loaded.model.embed.dtype)
+        element = torch.empty((), dtype=store).element_size()
+        scales = 2 * layers * kv_heads * 4 if self.cfg.kv_cache_dtype in ("int8", "fp8_e4m3") and \
+            self.cfg.kv_scale_granularity == "block" else 0
+        return 2 * layers * self.cfg.block_size * kv_heads * head_dim * element + scales
+
+    def _calibrate_kv_scales(self) -> None:
+        """Static per-tensor KV scales from one prefill of a fixed calibration text in full precision
+        (the built-in passages, or fixed ids without a tokenizer): the same scales on every run."""
+        from toolkit.kv.quant import FORMATS
+        from toolkit.workload import _passages
+
+        length = min(512, self.max_model_len)
+        ids = self.tokenizer.encode(" ".join(_passages()), add_special_tokens=False)[:length] if self.tokenizer \
+            else [(7 * i + 3) % self.vocab_size for i in range(length)]
+        layers, kv_heads, head_dim = self.loaded.model.kv_shape
+        blocks = -(-len(ids) // self.cfg.block_size)
+        probe = PagedKVCache(layers, blocks, self.cfg.block_size, kv_heads, head_dim, self.loaded.model.embed.dtype,
+                             self.device)
+        chunk = ScheduledChunk("calibration", tuple(ids), 0, tuple(range(blocks)), samples=True, num_logits=1)
+        ModelRunner(self.loaded.model, probe, self.device, "sdpa").run(
+            ScheduledBatch(step=0, chunks=(chunk,), num_decode_tokens=0, num_prefill_tokens=len(ids)))
+        used = [(k.flatten(0, 1)[: len(ids)], v.flatten(0, 1)[: len(ids)]) for k, v in probe.layers]
+        self.kv_cache.calibrate(used, FORMATS[self.cfg.kv_cache_dtype][1])
+
+    def _auto_num_blocks(self, block_bytes: int) -> int:
         """As many blocks as engine.kv_cache_memory_gb holds, but no more than max_num_seqs full-length
         sequences could ever use."""
-        element = torch.empty((), dtype=self.loaded.model.embed.dtype).element_size()
-        block_bytes = 2 * layers * self.cfg.block_size * kv_heads * head_dim * element
         budget = int(self.cfg.kv_cache_memory_gb * 2**30 // block_bytes)
         useful = self.cfg.max_num_seqs * -(-self.max_model_len // self.cfg.block_size)
         return max(1, min(budget, useful))
@@ -187,12 +217,17 @@ class Engine:
     def _attention_backend(self) -> str:
         """auto: the native kernel on CPU fp32 when it compiles, else torch's sdpa path."""
         wanted = self.cfg.attention_backend
+        if wanted == "flex" and self.cfg.kv_cache_dtype != "auto":
+            raise ConfigError(f"engine.attention_backend=flex reads the cache as stored; use engine.kv_cache_dtype=auto "
+                              f"or attention_backend=sdpa with kv_cache_dtype={self.cfg.kv_cache_dtype}")
         if wanted in ("sdpa", "flex"):
             return wanted
         problem = None
         unsupported = self.loaded.arch.needs_torch_attention
         if unsupported:
             problem = f"the native kernel has no {unsupported} ({self.loaded.arch.family})"
+        elif self.cfg.kv_cache_dtype != "auto":
+            problem = f"the native kernel reads an fp32 cache, not engine.kv_cache_dtype={self.cfg.kv_cache_dtype}"
         elif self.device.type != "cpu" or self.loaded.model.embed.dtype != torch.float32:
             problem = "the native kernel runs on the CPU in float32 only"
         else:

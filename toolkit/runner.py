@@ -47,7 +47,7 @@ class ModelRunner:
         self.native_matmul = native_matmul or batch_invariant
         self.all_rows_kernel = batch_invariant
         self.groups = model.arch.num_heads // model.arch.num_kv_heads
-        self.dtype = kv_cache.layers[0][0].dtype
+        self.dtype = model.embed.dtype  # the compute dtype (the cache may store bf16, int8 or fp8)
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
@@ -131,6 +131,7 @@ class ModelRunner:
             decode_ctx_D=decode_ctx,
             prefills=tuple(prefills),
             flex=flex_meta,
+            kv_quant=self.kv_cache.quant,
         )
         return ForwardInputs(
             input_ids_N=torch.tensor(ids, dtype=torch.int64, device=dev),

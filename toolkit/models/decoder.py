@@ -216,9 +216,9 @@ class PagedDecoder(nn.Module):
             q = qk[:, : a.num_heads]  # (N, H, Dh)
             k = qk[:, a.num_heads:]  # (N, K, Dh)
             v = qkv[:, q_width + kv_width:].view(n, a.num_kv_heads, a.head_dim)
-            write_kv(k_cache, v_cache, k, v, attn.slot_mapping_N)
+            write_kv(k_cache, v_cache, k, v, attn.slot_mapping_N, attn.kv_quant, i)
             o = paged_attention(q, k_cache, v_cache, attn, self.scale, softcap=a.attn_softcap,
-                                window=a.window_of(i))  # (N, H, Dh)
+                                window=a.window_of(i), layer=i)  # (N, H, Dh)
             o = proj(o.reshape(n, q_width), "w_o", layer.b_o)
             if layer.post_attn_norm is not None:
                 o = self._norm(o, layer.post_attn_norm)

@@ -56,6 +56,9 @@ def build_manifest(engine, run_id: str, extra: dict[str, Any] | None = None) -> 
         "num_kv_blocks": engine.num_kv_blocks,
         "attention_backend": engine.attention_backend,
         "matmul_backend": engine.matmul_backend,
+        "kv_cache_dtype": engine.cfg.kv_cache_dtype,  # the KV storage every logit was computed from
+        "kv_scale_granularity": engine.kv_cache.granularity,
+        "kv_bytes_per_token": engine.kv_cache.bytes_per_token,
         "batch_invariant": engine.cfg.batch_invariant,  # bits comparable across batchings only when true
         **(extra or {}),
     }
