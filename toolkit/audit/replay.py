@@ -167,6 +167,12 @@ def check_manifest(manifest: dict[str, Any], engine: Engine, allow_mismatch: boo
     if recorded_mode != engine.cfg.batch_invariant:
         problems.append(f"engine.batch_invariant differs: recorded {str(recorded_mode).lower()}, replay "
                         f"{str(engine.cfg.batch_invariant).lower()} (the two modes' logits differ in the last bits)")
+    recorded_kv = manifest.get("kv_cache_dtype", "auto")
+    recorded_granularity = manifest.get("kv_scale_granularity")
+    if (recorded_kv, recorded_granularity) != (engine.cfg.kv_cache_dtype, engine.kv_cache.granularity):
+        problems.append(f"KV cache storage differs: recorded {recorded_kv}"
+                        f"{'/' + recorded_granularity if recorded_granularity else ''}, replay "
+                        f"{engine.cfg.kv_cache_dtype}{'/' + engine.kv_cache.granularity if engine.kv_cache.granularity else ''}")
     recorded_matmul = manifest.get("matmul_backend")
     if recorded_matmul is not None and recorded_matmul != engine.matmul_backend:
         problems.append(f"matmul backend differs: recorded {recorded_matmul}, replay {engine.matmul_backend} "

@@ -1,0 +1,227 @@
+"""KV-cache quantisation: the format's error bounds, per-block vs per-tensor scales, block moves
+(copy-on-write, swap) carrying their scales, memory per token, replay of a quantised run bit for
+bit, and what int8 does to SmolLM2's greedy output and logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import make_engine
+from tests.test_oracle import PROMPTS
+from toolkit.config import EngineConfig, SamplingParams
+from toolkit.errors import ConfigError
+from toolkit.kv import PagedKVCache
+from toolkit.kv.quant import FORMATS, quantize, read_blocks, write_quantized
+
+BS, K, D = 8, 3, 16
+
+
+def round_trip(x_TKD: torch.Tensor, kv_dtype: str, one_write: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write x into consecutive slots of a fresh cache (all at once, or token by token); read it back."""
+    t = x_TKD.shape[0]
+    blocks = -(-t // BS)
+    cache = torch.zeros((blocks, BS, K, D), dtype=FORMATS[kv_dtype][0])
+    scales = torch.zeros((blocks, K))
+    if one_write:
+        write_quantized(cache, scales, None, x_TKD, torch.arange(t), kv_dtype)
+    else:
+        for i in range(t):
+            write_quantized(cache, scales, None, x_TKD[i:i + 1], torch.tensor([i]), kv_dtype)
+    back = read_blocks(cache, scales, None, torch.arange(blocks), torch.float32).flatten(0, 1)[:t]
+    return back, scales
+
+
+def block_absmax(x_TKD: torch.Tensor) -> torch.Tensor:
+    """max |x| per (block, head), broadcast back to x's shape."""
+    t = x_TKD.shape[0]
+    pad = torch.cat([x_TKD, torch.zeros((-t % BS, K, D))]).view(-1, BS, K, D)
+    return pad.abs().amax(dim=(1, 3), keepdim=True).expand(-1, BS, -1, D).flatten(0, 1)[:t]
+
+
+def bound(x: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    """The format's rounding bound: half a step of the block's scale (int8); 2^-4 relative for fp8 e4m3's
+    3 mantissa bits, or half its smallest subnormal step (2^-9 of the scale) near zero."""
+    scale = block_absmax(x) / FORMATS[kv_dtype][1]
+    if kv_dtype == "int8":
+        return scale / 2 + 1e-6 * scale
+    return torch.maximum(x.abs() * 2 ** -4, scale * 2 ** -10) + 1e-6 * scale
+
+
+blocks_strategy = st.tuples(st.integers(1, 3 * BS), st.floats(1e-3, 1e3), st.integers(0, 2 ** 16),
+                            st.sampled_from(["normal", "zeros", "outlier"]))
+
+
+def make_blocks(spec) -> torch.Tensor:
+    t, magnitude, seed, kind = spec
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((t, K, D), generator=g) * magnitude
+    if kind == "zeros":
+        x[: max(1, t // 2)] = 0.0  # a whole zero block (or more) beside normal ones
+    if kind == "outlier":
+        x[torch.randint(0, t, (1,), generator=g), 1, torch.randint(0, D, (1,), generator=g)] = 100 * magnitude
+    return x
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+@settings(max_examples=60)
+@given(spec=blocks_strategy)
+def test_round_trip_within_format_bound(kv_dtype, spec):
+    x = make_blocks(spec)
+    back, scales = round_trip(x, kv_dtype)
+    assert torch.isfinite(back).all() and torch.isfinite(scales).all()
+    assert ((back - x).abs() <= bound(x, kv_dtype)).all()
+    assert torch.equal(back[x == 0], x[x == 0])  # zeros (and all-zero blocks) come back exactly
+
+
+@settings(max_examples=40)
+@given(spec=blocks_strategy)
+def test_token_by_token_writes_rescale_blocks_and_stay_bounded(spec):
+    """Decode writes one token at a time: a block's scale grows with its running max and the stored
+    values are re-rounded; each re-rounding adds at most half a final step."""
+    x = make_blocks(spec)
+    back, scales = round_trip(x, "int8", one_write=False)
+    _, scales_once = round_trip(x, "int8")
+    assert torch.allclose(scales, scales_once)  # the running max ends at the block's max
+    assert ((back - x).abs() <= bound(x, "int8") * (BS + 1)).all()
+
+
+def test_per_block_scales_beat_per_tensor_scales_on_an_outlier_block():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn((4 * BS, K, D), generator=g)
+    x[5, 0, 3] = 80.0  # one outlier in the first block
+    per_block, _ = round_trip(x, "int8")
+    tensor_scale = x.abs().amax(dim=(0, 2)) / 127  # (K,)
+    per_tensor = quantize(x, tensor_scale[None, :, None], "int8").float() * tensor_scale[None, :, None]
+    others = slice(BS, None)  # the blocks without the outlier
+    err_block = (per_block - x)[others].abs().mean()
+    err_tensor = (per_tensor - x)[others].abs().mean()
+    assert err_block < err_tensor / 5, (err_block, err_tensor)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_copy_on_write_and_swap_move_blocks_with_their_scales(kv_dtype):
+    cache = PagedKVCache(2, 6, BS, K, D, torch.float32, "cpu", num_host_blocks=4, kv_dtype=kv_dtype)
+    quant = cache.quant
+    x = torch.randn((2 * BS, K, D)) * torch.tensor([1.0, 30.0, 0.01])[None, :, None]
+    for layer, (k, v) in enumerate(cache.layers):
+        for which, c in enumerate((k, v)):
+            write_quantized(c, *quant.layer(layer, which), x * (which + 1), torch.arange(2 * BS), kv_dtype)
+
+    def read(blocks: list[int]) -> list[torch.Tensor]:
+        return [read_blocks(c, *quant.layer(layer, which), torch.tensor(blocks), torch.float32)
+                for layer, kv in enumerate(cache.layers) for which, c in enumerate(kv)]
+
+    before = read([0, 1])
+    cache.copy_blocks([0, 1], [4, 5])
+    assert all(torch.equal(a, b) for a, b in zip(before, read([4, 5])))
+    cache.swap_out([0, 1], [2, 3])
+    for k, v in cache.layers:  # the device blocks are reused by someone else meanwhile
+        k.view(torch.uint8)[:2] = 7
+        v.view(torch.uint8)[:2] = 7
+    for ks, vs in cache.block_scales:
+        ks[:2], vs[:2] = 5.0, 5.0
+    cache.swap_in([2, 3], [2, 3])
+    assert all(torch.equal(a, b) for a, b in zip(before, read([2, 3])))
+
+
+def test_kv_memory_per_token_halves_and_quarters(tiny):
+    per_token = {}
+    for kv_dtype in ("auto", "bf16", "int8", "fp8_e4m3"):
+        engine = make_engine(tiny, kv_cache_dtype=kv_dtype, num_kv_blocks=32)
+        cache = engine.kv_cache
+        data = sum(k.nbytes + v.nbytes for k, v in cache.layers)  # measured from the allocated tensors
+        per_token[kv_dtype] = data / (cache.num_blocks * cache.block_size)
+        assert cache.nbytes - data <= 0.02 * data  # per-block scales: 2 floats per KV head per block
+    assert per_token["bf16"] == per_token["auto"] / 2
+    assert per_token["int8"] == per_token["fp8_e4m3"] == per_token["auto"] / 4
+
+
+def test_quantised_budget_holds_more_blocks(tiny):
+    blocks = {d: make_engine(tiny, kv_cache_dtype=d, kv_cache_memory_gb=0.001, max_num_seqs=64).num_kv_blocks
+              for d in ("auto", "int8")}
+    assert blocks["int8"] >= 3.5 * blocks["auto"]
+
+
+@pytest.mark.parametrize("kv_dtype,granularity", [("int8", "block"), ("fp8_e4m3", "tensor"), ("bf16", "block")])
+def test_quantised_run_replays_bit_for_bit_through_swap_and_prefix_caching(tiny, tmp_path, kv_dtype, granularity):
+    from toolkit.audit.replay import replay
+    from toolkit.session import record
+    from toolkit.trace.reader import TraceError, read_manifest
+
+    shared = list(range(5, 5 + 24))
+    requests = [dict(prompt_token_ids=shared + list(range(100 + 9 * i, 110 + 9 * i)), request_id=f"q{i}",
+                     arrival_step=i, sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=24,
+                                                                    ignore_eos=True)) for i in range(5)]
+    engine_cfg = dict(kv_cache_dtype=kv_dtype, kv_scale_granularity=granularity, num_kv_blocks=18, block_size=8,
+                      max_num_batched_tokens=32, max_num_seqs=5, preemption_mode="swap", enable_prefix_caching=True)
+    engine = make_engine(tiny, **engine_cfg)
+    ids = [engine.add_request(**r) for r in requests]
+    record(engine, ids, tmp_path / "run", {"model": {"name": "tiny", "seed": 0}, "engine": engine_cfg})
+    assert sum(s.num_preemptions for s in engine.requests.values()) > 0 and engine.block_manager.prefix_hits > 0
+    manifest = read_manifest(tmp_path / "run")
+    assert (manifest["kv_cache_dtype"], manifest["kv_scale_granularity"]) == (
+        kv_dtype, granularity if kv_dtype != "bf16" else None)
+    report = replay(tmp_path / "run", out_dir=tmp_path / "replay")
+    assert report.identical, report.summary_line()
+    with pytest.raises(TraceError, match="KV cache storage differs"):
+        replay(tmp_path / "run", ["engine.kv_cache_dtype=auto"], out_dir=tmp_path / "other")
+
+
+def test_bad_kv_options_are_one_line_errors(tiny):
+    with pytest.raises(ConfigError, match="engine.kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="int4")
+    with pytest.raises(ConfigError, match="kv_scale_granularity must be block or tensor"):
+        EngineConfig(kv_scale_granularity="channel")
+    with pytest.raises(ConfigError, match="batch_invariant=true needs the fp32 cache"):
+        EngineConfig(kv_cache_dtype="int8", batch_invariant=True)
+    with pytest.raises(ConfigError, match="attention_backend=kernel is unavailable.*kv_cache_dtype=int8"):
+        make_engine(tiny, kv_cache_dtype="int8", attention_backend="kernel")
+    with pytest.raises(ConfigError, match="attention_backend=flex reads the cache as stored"):
+        make_engine(tiny, kv_cache_dtype="fp8_e4m3", attention_backend="flex")
+    assert make_engine(tiny, kv_cache_dtype="int8").attention_backend == "sdpa"
+
+
+INT8_MAX_LOGPROB_ERROR = 1.0  # documented bound (README "KV-cache quantisation"): measured 0.2-0.5 on these prompts
+INT8_MEAN_LOGPROB_ERROR = 0.1  # measured about 0.03
+
+
+@pytest.mark.slow
+def test_int8_kv_keeps_smollm2_greedy_output_close(smollm2, tmp_path):
+    """The first 8 greedy tokens of every held-in prompt agree with the fp32 cache's (a prompt whose fp32
+    run has a near-tie, top-2 margin < 0.2, inside those 8 tokens is reported, not asserted), and the
+    teacher-forced logprob error stays under the documented bound."""
+    from toolkit.audit.verify import verify
+    from toolkit.session import record
+
+    def greedy(kv_dtype: str, run_dir=None):
+        engine = make_engine(smollm2, kv_cache_dtype=kv_dtype, attention_backend="sdpa", max_num_batched_tokens=128,
+                             max_num_seqs=8)
+        ids = [engine.add_request(messages=[{"role": "user", "content": p}], request_id=f"p{i}",
+                                  sampling_params=SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+               for i, p in enumerate(PROMPTS)]
+        margins = {i: [] for i in ids}
+        if run_dir is not None:
+            record(engine, ids, run_dir, {"model": {"name": "smollm2"}, "engine": {"kv_cache_dtype": kv_dtype,
+                                                                                   "attention_backend": "sdpa"}})
+        else:
+            while engine.has_unfinished():
+                out = engine.step()
+                for row, s in enumerate(out.samples):
+                    top = out.logits_RV[row].log_softmax(-1).topk(2).values
+                    margins[s.request_id].append((top[0] - top[1]).item())
+        return {i: engine.output(i).outputs[0].token_ids for i in ids}, margins
+
+    reference, margins = greedy("auto")
+    quantised, _ = greedy("int8", tmp_path / "int8")
+    checked = [i for i in reference if min(margins[i][:8]) >= 0.2]
+    assert len(checked) >= 5
+    for i in checked:
+        assert list(quantised[i][:8]) == list(reference[i][:8]), i
+    agree = sum(list(quantised[i][:8]) == list(reference[i][:8]) for i in reference)
+    assert agree >= 6, f"{agree}/8 prompts keep their first 8 greedy tokens"  # measured: 7/8 (p1: a 0.11 near-tie)
+    report = verify(tmp_path / "int8", reference="ours", atol=INT8_MAX_LOGPROB_ERROR)
+    diffs = [c.abs_diff for c in report.checks]
+    assert max(diffs) < INT8_MAX_LOGPROB_ERROR and sum(diffs) / len(diffs) < INT8_MEAN_LOGPROB_ERROR
