@@ -177,7 +177,7 @@ def test_bad_kv_options_are_one_line_errors(tiny):
         EngineConfig(kv_scale_granularity="channel")
     with pytest.raises(ConfigError, match="batch_invariant=true needs the fp32 cache"):
         EngineConfig(kv_cache_dtype="int8", batch_invariant=True)
-    with pytest.raises(ConfigError, match="attention_backend=kernel is unavailable.*kv_cache_dtype=int8"):
+    with pytest.raises(ConfigError, match="attention_backend=kernel is unavailable.*kv_cache_dtype=int8 at head_dim 16"):
         make_engine(tiny, kv_cache_dtype="int8", attention_backend="kernel")
     with pytest.raises(ConfigError, match="attention_backend=flex reads the cache as stored"):
         make_engine(tiny, kv_cache_dtype="fp8_e4m3", attention_backend="flex")
@@ -225,3 +225,29 @@ def test_int8_kv_keeps_smollm2_greedy_output_close(smollm2, tmp_path):
     report = verify(tmp_path / "int8", reference="ours", atol=INT8_MAX_LOGPROB_ERROR)
     diffs = [c.abs_diff for c in report.checks]
     assert max(diffs) < INT8_MAX_LOGPROB_ERROR and sum(diffs) / len(diffs) < INT8_MEAN_LOGPROB_ERROR
+
+
+@pytest.mark.parametrize("kv_dtype,granularity", [("int8", "block"), ("fp8_e4m3", "block"), ("int8", "tensor")])
+def test_native_kernel_reads_quantised_blocks_like_sdpa(kv_dtype, granularity):
+    """At head_dim 64 the native kernel reads int8 / fp8 blocks and their scales itself: the decode
+    rows of one step equal the sdpa path's (which de-quantises gathered blocks in torch) to fp32 noise."""
+    from toolkit.config import ModelConfig
+    from toolkit.models import load_model
+
+    model = load_model(ModelConfig(name="tiny", seed=3, vocab_size=128, hidden_size=256, num_heads=4, num_kv_heads=2))
+    requests = [dict(prompt_token_ids=list(range(3 + i, 40 + 5 * i)), arrival_step=0,
+                     sampling_params=SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)) for i in range(3)]
+    rows = {}
+    for backend in ("kernel", "sdpa"):
+        engine = make_engine(model, kv_cache_dtype=kv_dtype, kv_scale_granularity=granularity, block_size=8,
+                             num_kv_blocks=64, attention_backend=backend, max_num_batched_tokens=256)
+        assert engine.attention_backend == backend
+        ids = [engine.add_request(**r) for r in requests]
+        rows[backend] = {}
+        while engine.has_unfinished():
+            out = engine.step()
+            for i, s in enumerate(out.samples):
+                rows[backend][(s.request_id, s.position)] = out.logits_RV[i]
+    assert rows["kernel"].keys() == rows["sdpa"].keys() and len(rows["kernel"]) == 6
+    for key, logits in rows["kernel"].items():
+        assert (logits - rows["sdpa"][key]).abs().max().item() < 1e-4, key

@@ -146,7 +146,15 @@ def paged_attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out_NHD = torch.empty(q_NHD.shape, dtype=q_NHD.dtype, device=q_NHD.device)
     if meta.kernel_rows and (softcap is not None or window is not None):
         raise ValueError("the native attention kernel has no soft-capping or sliding window: use the sdpa backend")
-    if meta.kernel_rows:
+    if meta.kernel_rows and meta.kv_quant is not None:
+        from toolkit.kernels import paged_attention_cpu_q8
+
+        rows = meta.kernel_rows
+        (k_block, k_static), (v_block, v_static) = meta.kv_quant.layer(layer, 0), meta.kv_quant.layer(layer, 1)
+        paged_attention_cpu_q8(q_NHD[:rows], k_cache, v_cache, k_block if k_block is not None else k_static,
+                               v_block if v_block is not None else v_static, meta.block_tables_SB,
+                               meta.query_table_N[:rows], meta.query_ctx_N[:rows], scale, out_NHD[:rows])
+    elif meta.kernel_rows:
         from toolkit.kernels import paged_attention_cpu
 
         rows = meta.kernel_rows

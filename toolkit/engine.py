@@ -216,6 +216,8 @@ class Engine:
 
     def _attention_backend(self) -> str:
         """auto: the native kernel on CPU fp32 when it compiles, else torch's sdpa path."""
+        from toolkit.kernels import quantized_kernel_supports
+
         wanted = self.cfg.attention_backend
         if wanted == "flex" and self.cfg.kv_cache_dtype != "auto":
             raise ConfigError(f"engine.attention_backend=flex reads the cache as stored; use engine.kv_cache_dtype=auto "
@@ -226,8 +228,10 @@ class Engine:
         unsupported = self.loaded.arch.needs_torch_attention
         if unsupported:
             problem = f"the native kernel has no {unsupported} ({self.loaded.arch.family})"
-        elif self.cfg.kv_cache_dtype != "auto":
-            problem = f"the native kernel reads an fp32 cache, not engine.kv_cache_dtype={self.cfg.kv_cache_dtype}"
+        elif self.cfg.kv_cache_dtype == "bf16" or (self.cfg.kv_cache_dtype != "auto" and not quantized_kernel_supports(
+                self.loaded.arch.num_heads, self.loaded.arch.head_dim)):
+            problem = (f"the native kernel reads fp32, or int8/fp8 at head_dim 64 or 128, not "
+                       f"engine.kv_cache_dtype={self.cfg.kv_cache_dtype} at head_dim {self.loaded.arch.head_dim}")
         elif self.device.type != "cpu" or self.loaded.model.embed.dtype != torch.float32:
             problem = "the native kernel runs on the CPU in float32 only"
         else:

@@ -75,6 +75,26 @@ def load_paged_attention():
 
 
 @lru_cache(maxsize=1)
+def load_paged_attention_q8():
+    """The compiled `toolkit_paged_attention_q8` function: an int8 / fp8 cache (raises KernelUnavailable)."""
+    fn = _compile("paged_attention").toolkit_paged_attention_q8
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, p, p, i64, p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@lru_cache(maxsize=1)
+def fp8_decode_table() -> torch.Tensor:
+    """float32 value of every e4m3 byte (the kernel decodes fp8 through it)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().contiguous()
+
+
+def quantized_kernel_supports(num_heads: int, head_dim: int) -> bool:
+    return num_heads <= 32 and head_dim in (64, 128)
+
+
+@lru_cache(maxsize=1)
 def load_matmul_invariant():
     """The compiled `toolkit_matmul_invariant_f32` function (raises KernelUnavailable)."""
     fn = _compile("matmul_invariant").toolkit_matmul_invariant_f32
@@ -139,3 +159,24 @@ def paged_attention_cpu(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if rc != 0:
         raise KernelUnavailable(f"paged attention kernel refused shapes H={h} K={k} D={d} block_size={bs}")
     return out
+
+
+def paged_attention_cpu_q8(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           k_scales: torch.Tensor, v_scales: torch.Tensor, block_tables_SB: torch.Tensor,
+                           query_table_N: torch.Tensor, query_ctx_N: torch.Tensor, scale: float,
+                           out_NHD: torch.Tensor) -> torch.Tensor:
+    """paged_attention_cpu over an int8 / fp8 cache with per-(block, KV head) scales ([blocks, K]) or
+    static per-tensor ones ([K])."""
+    n, h, d = q_NHD.shape
+    _, bs, k, _ = k_cache.shape
+    if q_NHD.stride(2) != 1 or q_NHD.stride(1) != d:
+        q_NHD = q_NHD.contiguous()
+    lut = fp8_decode_table().data_ptr() if k_cache.dtype == torch.float8_e4m3fn else None
+    stride = k_scales.stride(0) if k_scales.dim() == 2 else 0
+    rc = load_paged_attention_q8()(q_NHD.data_ptr(), q_NHD.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                   block_tables_SB.data_ptr(), block_tables_SB.stride(0), query_table_N.data_ptr(),
+                                   query_ctx_N.data_ptr(), out_NHD.data_ptr(), n, h, k, d, bs, float(scale),
+                                   torch.get_num_threads(), k_scales.data_ptr(), v_scales.data_ptr(), stride, lut)
+    if rc != 0:
+        raise KernelUnavailable(f"quantised paged attention kernel refused shapes H={h} K={k} D={d}")
+    return out_NHD

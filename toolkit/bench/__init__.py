@@ -140,6 +140,12 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
         print("  measuring the batch-invariant mode's cost ...", flush=True)
         batches = tuple(b.get("invariant_batches") or (1, 16, 64))
         report["invariant_cost"] = invariant_cost.measure(loaded, engine_cfg, batches, repeats=b.get("repeats") or 1)
+    if b.get("kv_cost", False):
+        from toolkit.bench import kv_cost
+
+        print("  measuring what each KV storage buys ...", flush=True)
+        report["kv_cost"] = kv_cost.measure(loaded, engine_cfg, tuple(b.get("kv_dtypes") or ("auto", "int8")),
+                                            context=b.get("kv_context", 2048), budget_gb=b.get("kv_budget_gb", 0.5))
     if b.get("roofline", True):
         print("  measuring the roofline ...", flush=True)
         report["roofline"] = roofline.measure(loaded, engine_cfg, list(b["roofline_batches"]),

@@ -139,9 +139,10 @@ static inline v16 transpose_sum(const v16 P[16]) {
 /* One query token, all its heads: each tile of 16 positions reads the K rows (then the V
  * rows) of every KV head, which lie contiguously in the cache (the hardware prefetcher
  * follows them; software prefetching measured slower). */
-#define DEFINE_SIMD_ITEM(DV)                                                                                   \
-static void item_simd_##DV(const float *qn, const float *k_cache, const float *v_cache, const int64_t *table, \
-                           int64_t ctx, int64_t H, int64_t K, int64_t BS, float scale, float *out) {           \
+#define DEFINE_SIMD_ITEM(DV, NAME, ELEM, LOAD)                                                                 \
+static void NAME##_##DV(const float *qn, const ELEM *k_cache, const ELEM *v_cache, const int64_t *table,    \
+                        int64_t ctx, int64_t H, int64_t K, int64_t BS, float scale, float *out,                 \
+                        const float *k_scales, const float *v_scales, int64_t scale_stride, const float *lut) {  \
     const int64_t D = DV * 16, G = H / K;                                                                      \
     v16 q[SIMD_MAX_H][DV], acc[SIMD_MAX_H][DV];                                                                \
     float m[SIMD_MAX_H], l[SIMD_MAX_H];                                                                        \
@@ -150,13 +151,18 @@ static void item_simd_##DV(const float *qn, const float *k_cache, const float *v
         m[h] = -INFINITY; l[h] = 0.0f;                                                                         \
     }                                                                                                          \
     const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                                  \
-    const float *krow[16], *vrow[16];                                                                          \
+    const ELEM *krow[16], *vrow[16];                                                                           \
+    float ksc[16][SIMD_MAX_H], vsc[16][SIMD_MAX_H]; /* per position and KV head: the block's scales (1: fp32) */ \
     for (int64_t t0 = 0; t0 < ctx; t0 += 16) {                                                                 \
         const int64_t tn = (ctx - t0) < 16 ? (ctx - t0) : 16;                                                  \
         for (int64_t t = 0, blk = t0 / BS, off = t0 % BS; t < tn; t++) {                                       \
             const int64_t slot = table[blk] * BS + off;                                                        \
             krow[t] = k_cache + slot * K * D;                                                                  \
             vrow[t] = v_cache + slot * K * D;                                                                  \
+            for (int64_t kh = 0; kh < K; kh++) {                                                               \
+                ksc[t][kh] = k_scales ? k_scales[table[blk] * scale_stride + kh] : 1.0f;                      \
+                vsc[t][kh] = v_scales ? v_scales[table[blk] * scale_stride + kh] : 1.0f;                      \
+            }                                                                                                  \
             if (++off == BS) { off = 0; blk++; }                                                               \
         }                                                                                                      \
         if (BS == 16 && t0 % 16 == 0 && t0 + 16 < ctx) { /* prefetch the next block (tile = block) */       \
@@ -173,10 +179,10 @@ static void item_simd_##DV(const float *qn, const float *k_cache, const float *v
             v16 P[16];                                                                                         \
             for (int64_t t = 0; t < 16; t++) {                                                                 \
                 if (t < tn) {                                                                                  \
-                    const float *kr = krow[t] + off;                                                           \
-                    v16 acc_s = q[h][0] * load16(kr);                                                          \
-                    for (int i = 1; i < DV; i++) acc_s += q[h][i] * load16(kr + 16 * i);                      \
-                    P[t] = acc_s;                                                                              \
+                    const ELEM *kr = krow[t] + off;                                                            \
+                    v16 acc_s = q[h][0] * LOAD(kr, lut);                                                       \
+                    for (int i = 1; i < DV; i++) acc_s += q[h][i] * LOAD(kr + 16 * i, lut);                   \
+                    P[t] = acc_s * splat(ksc[t][off / D]); /* the key's scale factors out of q.k */         \
                 } else {                                                                                       \
                     P[t] = splat(0.0f);                                                                        \
                 }                                                                                              \
@@ -194,9 +200,9 @@ static void item_simd_##DV(const float *qn, const float *k_cache, const float *v
         for (int64_t t = 0; t < tn; t++) {                                                                     \
             for (int64_t kh = 0; kh < K; kh++) {                                                               \
                 v16 v[DV];                                                                                     \
-                for (int i = 0; i < DV; i++) v[i] = load16(vrow[t] + kh * D + 16 * i);                         \
+                for (int i = 0; i < DV; i++) v[i] = LOAD(vrow[t] + kh * D + 16 * i, lut);                      \
                 for (int64_t h = kh * G; h < (kh + 1) * G; h++) {                                              \
-                    const v16 w = splat(pw[h][t]);                                                             \
+                    const v16 w = splat(pw[h][t] * vsc[t][kh]); /* and the value's out of p.v */            \
                     for (int i = 0; i < DV; i++) acc[h][i] += w * v[i];                                        \
                 }                                                                                              \
             }                                                                                                  \
@@ -208,8 +214,20 @@ static void item_simd_##DV(const float *qn, const float *k_cache, const float *v
     }                                                                                                          \
 }
 
-DEFINE_SIMD_ITEM(4)
-DEFINE_SIMD_ITEM(8)
+static inline v16 load_f32(const float *p, const float *lut) { (void)lut; return load16(p); }
+
+typedef int8_t vb16 __attribute__((vector_size(16)));
+static inline v16 load_q8(const uint8_t *p, const float *lut) {  /* int8 (lut NULL) or a 256-entry decode table (fp8) */
+    if (!lut) { vb16 b; memcpy(&b, p, sizeof b); return __builtin_convertvector(b, v16); }
+    v16 v;
+    for (int i = 0; i < 16; i++) v[i] = lut[p[i]];
+    return v;
+}
+
+DEFINE_SIMD_ITEM(4, item_simd, float, load_f32)
+DEFINE_SIMD_ITEM(8, item_simd, float, load_f32)
+DEFINE_SIMD_ITEM(4, item_q8, uint8_t, load_q8)
+DEFINE_SIMD_ITEM(8, item_q8, uint8_t, load_q8)
 
 int toolkit_paged_attention_f32(
     const float *q, int64_t q_row_stride,            /* q[n][h][d] at q + n*q_row_stride + h*D + d */
@@ -226,8 +244,8 @@ int toolkit_paged_attention_f32(
         #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
         for (int64_t n = 0; n < N; n++) {
             const int64_t *table = block_tables + query_table[n] * bt_row_stride;
-            if (D == 64) item_simd_4(q + n * q_row_stride, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, out + n * H * D);
-            else item_simd_8(q + n * q_row_stride, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, out + n * H * D);
+            if (D == 64) item_simd_4(q + n * q_row_stride, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, out + n * H * D, 0, 0, 0, 0);
+            else item_simd_8(q + n * q_row_stride, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, out + n * H * D, 0, 0, 0, 0);
         }
         return 0;
     }
@@ -279,6 +297,27 @@ int toolkit_paged_attention_f32(
                 for (int64_t d = 0; d < D; d++) o[d] = acc[g][d] * inv;
             }
         }
+    }
+    return 0;
+}
+
+/* The same attention over an 8-bit quantised cache (int8, or fp8 decoded through `lut`), head_dim 64 or
+ * 128: keys and values are read as bytes and scaled per (block, KV head) from k_scales / v_scales
+ * ([num_blocks][K], or one [K] row with scale_stride 0 for static per-tensor scales). */
+int toolkit_paged_attention_q8(
+    const float *q, int64_t q_row_stride, const uint8_t *k_cache, const uint8_t *v_cache,
+    const int64_t *block_tables, int64_t bt_row_stride, const int64_t *query_table, const int64_t *query_ctx,
+    float *out, int64_t N, int64_t H, int64_t K, int64_t D, int64_t BS, float scale, int num_threads,
+    const float *k_scales, const float *v_scales, int64_t scale_stride, const float *lut)
+{
+    if (H % K != 0 || H > SIMD_MAX_H || !(D == 64 || D == 128)) return -1;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t *table = block_tables + query_table[n] * bt_row_stride;
+        if (D == 64) item_q8_4(q + n * q_row_stride, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale,
+                               out + n * H * D, k_scales, v_scales, scale_stride, lut);
+        else item_q8_8(q + n * q_row_stride, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale,
+                       out + n * H * D, k_scales, v_scales, scale_stride, lut);
     }
     return 0;
 }
