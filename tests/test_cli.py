@@ -104,7 +104,9 @@ def test_ctrl_c_flushes_the_trace_writes_the_summary_and_exits_130(tmp_path):
     proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "model=tiny", "workload.num_requests=40",
                              "workload.min_tokens=200", "workload.max_tokens=400", "print_outputs=false",
                              "trace.flush_every_steps=4", f"hydra.run.dir={run_dir}"],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # a suite started in the background (nohup, &) passes SIGINT down as ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while not list((run_dir / "samples.parquet").glob("part-*.parquet")) and time.time() < deadline:
         time.sleep(0.2)
