@@ -4,14 +4,16 @@ One step's tokens are packed along one axis N: first one token per decoding sequ
 then the prefill chunks, each contiguous. Keys and values live in per-layer paged caches
 `[num_blocks, block_size, H_kv, D]`; a sequence's block table lists its physical blocks.
 
-Two backends:
-- `kernel` (CPU, fp32): the native kernel in csrc/paged_attention.c reads every query's
-  keys straight from its blocks (no gathered copy, no padding) in a fixed order. It
-  serves the decode rows, and every row in batch-invariant mode.
+Two backends here:
+- `kernel` (CPU; fp32, or int8/fp8 blocks with their scales): the native kernel in
+  csrc/paged_attention.c reads every query's keys straight from its blocks (no gathered
+  copy, no padding) in a fixed order. It serves the decode rows, and every row in
+  batch-invariant mode.
 - `sdpa` (any device): each sequence's blocks are gathered into a key axis and torch's
   scaled_dot_product_attention runs with an additive mask; decode rows in one batched
   call, each prefill chunk in its own call. Grouped-query attention is computed without
-  repeating K/V: the G query heads of one KV head are laid along the query axis.
+  repeating K/V: the G query heads of one KV head are laid along the query axis. It also
+  runs Gemma2's soft-capping and sliding windows, and de-quantises bf16/int8/fp8 blocks.
 Prefill chunks use the sdpa path in both backends, except in batch-invariant mode.
 A third backend, `flex` (toolkit/flex.py), sends every row through torch's FlexAttention.
 """
@@ -88,8 +90,7 @@ def additive_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype,
-                   scales: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
-                   kv_dtype: str | None = None) -> torch.Tensor:
+                   scales: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> torch.Tensor:
     """Copy the blocks a table lists into one key axis: (..., B) -> (..., B * block_size, K, D),
     in the compute dtype (de-quantised with the blocks' scales for an int8/fp8 cache)."""
     _, block_size, h_kv, d = cache.shape

@@ -41,7 +41,7 @@ def memory_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
 def step_gemm_flops(model, num_rows: int) -> float:
     """FLOPs of the GEMMs of one decode step with `num_rows` sequences (every row sampled)."""
     layer = model.layers[0]
-    per_layer = sum(w.shape[0] * w.shape[1] for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down))
+    per_layer = sum(getattr(layer, n).shape[0] * getattr(layer, n).shape[1] for n in layer.projections)
     head = model.lm_head_t.shape[0] * model.lm_head_t.shape[1]
     return 2.0 * num_rows * (per_layer * len(model.layers) + head)
 
@@ -50,7 +50,7 @@ def gemm_gflops(model, m: int, native: bool = False, repeats: int = 5) -> float:
     """Measured GFLOP/s of one decode step's GEMMs at batch m: every layer's four projections (their own
     weights, so they stream from memory as in a real step) and the LM head; torch's GEMM, or the
     packed native matmul (`native`)."""
-    weights = [w for layer in model.layers for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down)]
+    weights = [getattr(layer, n) for layer in model.layers for n in layer.projections]
     weights.append(model.lm_head_t)
     inputs = {w.shape[0]: torch.randn(m, w.shape[0], dtype=w.dtype) for w in weights}
     mm = torch.matmul
@@ -58,7 +58,7 @@ def gemm_gflops(model, m: int, native: bool = False, repeats: int = 5) -> float:
         from toolkit.kernels import matmul_invariant as mm
 
         layers, head = model.packed_weights()
-        weights = [w for layer in layers for w in layer] + [head]
+        weights = [w for layer in layers for w in layer.values()] + [head]
 
     def run():
         for w in weights:
@@ -132,7 +132,9 @@ def measure(loaded, engine_cfg: EngineConfig, batch_sizes: list[int], contexts: 
         achieved = decode_step_ms(loaded, engine_cfg, batch, context)
         gemm_ms = 1000 * step_gemm_flops(model, batch) / (rates[batch] * 1e9)
         kv_ms = 1000 * kv_bytes(probe, batch, context) / (bw * 1e9)
+        torch_gemm_ms = 1000 * step_gemm_flops(model, batch) / (torch_rates[batch] * 1e9)
         return {"batch": batch, "context": context, "step_ms": achieved, "gemm_bound_ms": gemm_ms,
+                "torch_gemm_bound_ms": torch_gemm_ms, "fraction_of_torch_gemm_roofline": torch_gemm_ms / achieved,
                 "kv_read_ms": kv_ms, "bound_ms": gemm_ms + kv_ms,
                 "fraction_of_gemm_roofline": gemm_ms / achieved, "fraction_of_bound": (gemm_ms + kv_ms) / achieved,
                 "tok_per_s": 1000 * batch / achieved}

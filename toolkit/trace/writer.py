@@ -30,7 +30,7 @@ MANIFEST_FILE = "manifest.json"
 
 def logits_digest(row_V: torch.Tensor) -> str:
     """sha256 of a raw fp32 logits row's bytes (little-endian, as stored in memory)."""
-    return hashlib.sha256(row_V.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
+    return hashlib.sha256(row_V.detach().float().cpu().contiguous().numpy()).hexdigest()  # the buffer, no copy
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
