@@ -113,6 +113,39 @@ def test_model_rows(tmp_path):
     _expect(26, ModelLoadError, "(truncated or corrupt?)", lambda: load_model(ModelConfig(name="hf", path=str(model))))
 
 
+def test_family_and_training_rows(tmp_path, tiny):
+    from tests.families import checkpoint_dir
+    from toolkit.audit.kv_quantization import parse_variant
+    from toolkit.train import train
+
+    foreign = tmp_path / "mamba"
+    foreign.mkdir()
+    (foreign / "config.json").write_text(json.dumps({"model_type": "mamba", "vocab_size": 8}))
+    (foreign / "model.safetensors").write_bytes(b"")
+    _expect(39, ModelLoadError, "unsupported model_type 'mamba'; supported: llama, mistral, qwen2, qwen3, gpt2, gemma2",
+            lambda: load_model(ModelConfig(name="hf", path=str(foreign))))
+    from safetensors.torch import load_file, save_file
+
+    qwen = tmp_path / "qwen2"
+    shutil.copytree(checkpoint_dir("qwen2"), qwen)
+    weights = load_file(str(qwen / "model.safetensors"))
+    del weights["model.layers.0.self_attn.q_proj.bias"]
+    save_file(weights, str(qwen / "model.safetensors"))
+    _expect(40, ModelLoadError, "checkpoint is missing tensor model.layers.0.self_attn.q_proj.bias",
+            lambda: load_model(ModelConfig(name="hf", path=str(qwen))))
+    _expect(41, ModelLoadError, "model=nanogpt needs model.path=<checkpoint dir written by mode=train>",
+            lambda: load_model(ModelConfig(name="nanogpt")))
+    _expect(42, ConfigError, "train.text must name a local text file",
+            lambda: train({"text": str(tmp_path / "none.txt")}, {}, tmp_path / "out"))
+    _expect(43, ConfigError, "engine.kv_cache_dtype must be one of", lambda: EngineConfig(kv_cache_dtype="int4"))
+    _expect(44, ConfigError, "engine.batch_invariant=true needs the fp32 cache of the native kernel",
+            lambda: EngineConfig(kv_cache_dtype="int8", batch_invariant=True))
+    _expect(45, ConfigError, "engine.attention_backend=flex reads the cache as stored",
+            lambda: make_engine(tiny, kv_cache_dtype="int8", attention_backend="flex"))
+    assert 46 in DOC_ROWS  # tests/test_kv_quant.py::test_quantised_run_replays_bit_for_bit_through_swap_and_prefix_caching
+    _expect(47, ConfigError, "kv_quantization.variants: bad variant 'int4'", lambda: parse_variant("int4"))
+
+
 def test_truncated_gguf_is_a_model_load_error(tmp_path, monkeypatch):
     from toolkit.models import loading
 

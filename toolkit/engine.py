@@ -444,7 +444,7 @@ class Engine:
                                     for r in rows),
                          vocab_size=self.vocab_size, device=logits_RV.device, eos_token_ids=self.eos_token_ids,
                          grammar_mask_RV=grammar_mask)
-        lse_R = logsumexp_rows(logits_RV)
+        lse_R = logsumexp_rows(logits_RV, per_row=self.cfg.batch_invariant)
         pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse_R))
         decisions = self._decide(rows, logits_RV, pipe, lse_R, proposals)
 
@@ -574,11 +574,11 @@ class Engine:
             srows = [SampleRow(greedy=rows[i].seq.sampling.greedy, seed=rows[i].seq.seed, position=rows[i].position,
                                stream=rows[i].seq.stream, num_top=rows[i].seq.sampling.logprobs or 0) for i in plain]
             if len(plain) == len(rows):
-                result = sample(logits_RV, pipe.processed_RV, srows, lse_R)
+                result = sample(logits_RV, pipe.processed_RV, srows, lse_R, per_row=self.cfg.batch_invariant)
             else:
                 index = torch.tensor(plain, device=logits_RV.device)
                 result = sample(logits_RV.index_select(0, index), pipe.processed_RV.index_select(0, index), srows,
-                                lse_R.index_select(0, index))
+                                lse_R.index_select(0, index), per_row=self.cfg.batch_invariant)
         if self.speculator is not None:
             self.speculator.stats.plain_samples += len(plain)
         slot = {row: j for j, row in enumerate(plain)}
@@ -665,7 +665,7 @@ class Engine:
                                     for s, t in zip(seqs, tokens_hist)),
                          vocab_size=self.vocab_size, device=logits_RV.device, eos_token_ids=self.eos_token_ids,
                          grammar_mask_RV=mask)
-        lse = logsumexp_rows(logits_RV)
+        lse = logsumexp_rows(logits_RV, per_row=self.cfg.batch_invariant)
         pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse))
         processed = pipe.processed_RV.clone()
         purpose = rng.SAMPLE if self.spec_cfg.acceptance == "coupled" else rng.DRAFT
@@ -674,7 +674,7 @@ class Engine:
         safe = processed.clone()
         for i in pipe.errors:  # a row the pipeline could not process proposes greedily from raw logits
             safe[i] = logits_RV[i]
-        tokens = sample(logits_RV, safe, srows).token_ids
+        tokens = sample(logits_RV, safe, srows, per_row=self.cfg.batch_invariant).token_ids
         for i, s in enumerate(seqs):
             if s.grammar is not None and not s.grammar.is_terminated() and self.grammar.accept(s.grammar, tokens[i]):
                 accepted_in_grammar[s.seq_id] = accepted_in_grammar.get(s.seq_id, 0) + 1

@@ -37,29 +37,30 @@ class SampleResult:
     top_processed: list[list[tuple[int, float]]]
 
 
-def logsumexp_rows(x_RV: torch.Tensor) -> torch.Tensor:
-    """logsumexp of each row (R,), computed one row at a time: torch's batched reduction can
-    split a row differently with another number of rows, and a token's log-probability in the
-    trace must not depend on its batch."""
-    if x_RV.shape[0] <= 1:
+def logsumexp_rows(x_RV: torch.Tensor, per_row: bool = True) -> torch.Tensor:
+    """logsumexp of each row (R,). `per_row` computes one row at a time: torch's batched reduction
+    can split a row differently with another number of rows, and in the batch-invariant mode a
+    token's log-probability must not depend on its batch. The default mode's logits depend on the
+    batch anyway, so it takes the batched call (3-4x faster at 64 rows)."""
+    if x_RV.shape[0] <= 1 or not per_row:
         return torch.logsumexp(x_RV, dim=-1)
     return torch.cat([torch.logsumexp(x_RV[i:i + 1], dim=-1) for i in range(x_RV.shape[0])])
 
 
 def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRow],
-           raw_logsumexp_R: torch.Tensor | None = None) -> SampleResult:
+           raw_logsumexp_R: torch.Tensor | None = None, per_row: bool = True) -> SampleResult:
     """Choose one token per row. `processed_RV is raw_RV` (no processor changed anything) takes a fast
     path: the processed distribution is the raw one and its support is the whole vocabulary."""
     r, vocab = raw_RV.shape
     unprocessed = processed_RV is raw_RV
-    raw_lse = raw_logsumexp_R if raw_logsumexp_R is not None else logsumexp_rows(raw_RV)
+    raw_lse = raw_logsumexp_R if raw_logsumexp_R is not None else logsumexp_rows(raw_RV, per_row)
     if unprocessed:
         support = [vocab] * r
         proc_lse = raw_lse
     else:
         finite_RV = torch.isfinite(processed_RV)
         support = finite_RV.sum(dim=-1).tolist()
-        proc_lse = logsumexp_rows(processed_RV)
+        proc_lse = logsumexp_rows(processed_RV, per_row)
     tokens = torch.argmax(processed_RV, dim=-1).tolist()
     noise = [float("nan")] * r
     hashes = rng.token_hashes(vocab, raw_RV.device) if any(not row.greedy for row in rows) else None

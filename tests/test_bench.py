@@ -1,0 +1,29 @@
+"""The benchmark harness runs end to end on the tiny model and reports what it promises (figures
+are not asserted: speed is measured by `make bench`, never by tests)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.test_cli import run_cli
+
+
+def test_bench_harness_reports_systems_roofline_and_kv_capacity(tmp_path):
+    proc = run_cli("mode=bench", "model=tiny", "bench.systems=[engine,engine_notrace]", "bench.num_requests=4",
+                   "bench.max_tokens=8", "bench.roofline_batches=[1,4]", "bench.roofline_contexts=[32]",
+                   "bench.roofline_batch_context=32", "bench.roofline_context_batch=1", "bench.kv_cost=true",
+                   "bench.kv_dtypes=[auto,int8]", "bench.kv_context=64", "bench.kv_budget_gb=0.002",
+                   "bench.engine_variants={torch_matmul: {matmul_backend: torch}}", run_dir=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert set(report["systems"]) == {"engine", "engine_notrace", "engine[torch_matmul]"}
+    assert report["greedy_agreement"]["engine_notrace"]["identical"] == 4  # tracing changes no token
+    assert report["systems"]["engine"]["output_tokens"] == report["systems"]["engine_notrace"]["output_tokens"]
+    roof = report["roofline"]
+    assert set(roof["gemm_gflops_torch"]) == set(roof["gemm_gflops_native"]) == {"1", "4"}
+    for row in roof["by_batch"] + roof["by_context"]:
+        assert row["step_ms"] > 0 and row["gemm_bound_ms"] <= row["torch_gemm_bound_ms"] + 1e-9
+    kv = {(r["kv_cache_dtype"], r["attention_backend"]): r for r in report["kv_cost"]}
+    assert kv[("int8", "auto")]["kv_bytes_per_sequence"] < kv[("auto", "auto")]["kv_bytes_per_sequence"] / 3.5
+    assert kv[("int8", "auto")]["max_batch"] >= 3 * kv[("auto", "auto")]["max_batch"]
+    assert (tmp_path / "bench.png").is_file()
