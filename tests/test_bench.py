@@ -12,7 +12,7 @@ def test_bench_harness_reports_systems_roofline_and_kv_capacity(tmp_path):
     proc = run_cli("mode=bench", "model=tiny", "bench.systems=[engine,engine_notrace]", "bench.num_requests=4",
                    "bench.max_tokens=8", "bench.roofline_batches=[1,4]", "bench.roofline_contexts=[32]",
                    "bench.roofline_batch_context=32", "bench.roofline_context_batch=1", "bench.kv_cost=true",
-                   "bench.kv_dtypes=[auto,int8]", "bench.kv_context=64", "bench.kv_budget_gb=0.002",
+                   "bench.kv_dtypes=[auto,int8]", "bench.kv_context=64", "bench.kv_budget_gb=0.0002",
                    "bench.engine_variants={torch_matmul: {matmul_backend: torch}}", run_dir=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "bench.json").read_text())
