@@ -215,3 +215,17 @@ def test_cli_replay_and_verify_exit_codes(recorded_run, tmp_path):
     assert failed.returncode == 1 and "first failure: greedy#0 position 6" in failed.stdout
     missing = cli("mode=verify", f"verify.trace={tmp_path / 'nope'}", f"hydra.run.dir={tmp_path / 'd'}")
     assert missing.returncode == 2 and missing.stderr.strip().startswith("error:") and "Traceback" not in missing.stderr
+
+
+def test_replay_names_the_matmul_backend_of_older_traces(tiny):
+    """A manifest without matmul_backend comes from before the native matmul served the default
+    mode: it ran torch's GEMM, so replaying it with the native one is refused with the fix."""
+    from toolkit.audit.replay import check_manifest
+    from toolkit.trace.reader import TraceError
+
+    engine = make_engine(tiny)
+    manifest = {"weights_sha256": tiny.revision, "tokenizer_sha256": tiny.tokenizer.digest, "batch_invariant": False}
+    assert engine.matmul_backend == "native"
+    with pytest.raises(TraceError, match="matmul backend differs: recorded torch, replay native"):
+        check_manifest(manifest, engine, allow_mismatch=False)
+    assert check_manifest(manifest, make_engine(tiny, matmul_backend="torch"), allow_mismatch=False) == []

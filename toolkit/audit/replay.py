@@ -173,8 +173,9 @@ def check_manifest(manifest: dict[str, Any], engine: Engine, allow_mismatch: boo
         problems.append(f"KV cache storage differs: recorded {recorded_kv}"
                         f"{'/' + recorded_granularity if recorded_granularity else ''}, replay "
                         f"{engine.cfg.kv_cache_dtype}{'/' + engine.kv_cache.granularity if engine.kv_cache.granularity else ''}")
-    recorded_matmul = manifest.get("matmul_backend")
-    if recorded_matmul is not None and recorded_matmul != engine.matmul_backend:
+    # traces from before engine.matmul_backend used torch's GEMM except in batch-invariant mode
+    recorded_matmul = manifest.get("matmul_backend") or ("native" if recorded_mode else "torch")
+    if recorded_matmul != engine.matmul_backend:
         problems.append(f"matmul backend differs: recorded {recorded_matmul}, replay {engine.matmul_backend} "
                         f"(set engine.matmul_backend={recorded_matmul})")
     if problems and not allow_mismatch:
