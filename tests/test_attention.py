@@ -25,8 +25,9 @@ def dense_reference(q_NHD, k_cache, v_cache, tables, query_table, query_ctx, sca
     return out
 
 
-@settings(max_examples=40)
-@given(heads=st.sampled_from([(4, 2, 16), (9, 3, 64), (4, 4, 64), (8, 2, 128), (6, 3, 8)]),
+@settings(max_examples=60)
+@given(heads=st.sampled_from([(4, 2, 16), (9, 3, 64), (4, 4, 64), (8, 2, 128), (6, 3, 8),
+                              (8, 1, 64), (10, 2, 64), (12, 2, 128)]),  # query heads per KV head: 1-8
        block_size=st.sampled_from([1, 4, 16, 32]), contexts=st.lists(st.integers(1, 90), min_size=1, max_size=6),
        seed=st.integers(0, 1000))
 def test_kernel_matches_dense_reference(heads, block_size, contexts, seed):
