@@ -41,11 +41,10 @@ class ModelRunner:
         self.flex_compile = flex_compile
         if batch_invariant and attention_backend != "kernel":
             raise ValueError("batch-invariant mode needs the native attention kernel")
-        # every query (prefill chunks too) through the fixed-order kernel, every projection through
-        # the fixed-order matmul: a token's bits do not depend on its neighbours
+        # every projection through the fixed-order matmul (and, as in every mode of the kernel backend,
+        # every query through the fixed-order kernel): a token's bits do not depend on its neighbours
         self.batch_invariant = batch_invariant
         self.native_matmul = native_matmul or batch_invariant
-        self.all_rows_kernel = batch_invariant
         self.groups = model.arch.num_heads // model.arch.num_kv_heads
         self.dtype = model.embed.dtype  # the compute dtype (the cache may store bf16, int8 or fp8)
         self.kv_cache = kv_cache
@@ -75,8 +74,10 @@ class ModelRunner:
                 sample_chunks.append(chunk)
         dev = self.device
         use_kernel = self.backend == "kernel"
-        kernel_rows = (len(ids) if self.all_rows_kernel else len(singles) + sum(c.num_tokens for c in verifies)) \
-            if use_kernel else 0
+        # the kernel backend runs prompt chunks through the kernel too (1.4x faster than SDPA over a
+        # gathered copy in the standard bench's prefill steps, and each row's bits then do not depend
+        # on how its prompt was chunked)
+        kernel_rows = len(ids) if use_kernel else 0
 
         tables = query_table = query_ctx = None
         if use_kernel:
@@ -98,9 +99,7 @@ class ModelRunner:
 
         prefills = []
         offset = len(singles)
-        sdpa_chunks = {"kernel": [] if self.all_rows_kernel else multis, "sdpa": verifies + multis}.get(self.backend, [])
-        if use_kernel:
-            offset = kernel_rows
+        sdpa_chunks = verifies + multis if self.backend == "sdpa" else []
         for chunk in sdpa_chunks:
             ctx = chunk.context_len
             table = torch.tensor(chunk.block_table[: -(-ctx // bs)], dtype=torch.int64, device=dev)
