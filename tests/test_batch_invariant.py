@@ -34,8 +34,9 @@ def collect(engine: Engine, requests) -> dict[str, dict[int, torch.Tensor]]:
     return rows
 
 
-def alone(tiny, batch_invariant=True) -> dict[int, torch.Tensor]:
-    return collect(make_engine(tiny, batch_invariant=batch_invariant, max_num_batched_tokens=512), [TARGET])["target"]
+def alone(tiny, batch_invariant=True, **engine) -> dict[int, torch.Tensor]:
+    return collect(make_engine(tiny, batch_invariant=batch_invariant, max_num_batched_tokens=512, **engine),
+                   [TARGET])["target"]
 
 
 def assert_rows_equal(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> None:
@@ -47,9 +48,13 @@ def assert_rows_equal(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) ->
 # --------------------------------------------------------------------------- why the mode exists
 
 
-def test_default_mode_is_not_batch_invariant(tiny, smollm2):
+@pytest.mark.parametrize("engine", [dict(matmul_backend="torch"), dict(attention_backend="sdpa")])
+def test_other_kernels_are_not_batch_invariant(tiny, smollm2, engine):
     """Documentation: torch's CPU GEMM gives a row other bits in a batch of 1 vs 16 (other
-    kernels), so the same request gets other logits in another batch. The mode is not vacuous."""
+    kernels), and SDPA over a gathered prompt chunk sums in another order than a decode row, so
+    with either the same request gets other logits in another batch. The mode refuses both: it is
+    not vacuous. (The default CPU fp32 engine runs the native matmul and kernel, whose logits do
+    not depend on the batch; the mode also makes sampling per row and pins that configuration.)"""
     w = smollm2.model.layers[0].w_qkv
     x = torch.randn(16, w.shape[0], generator=torch.Generator().manual_seed(0))
     assert not torch.equal((x[:1] @ w)[0], (x @ w)[0])
@@ -57,8 +62,8 @@ def test_default_mode_is_not_batch_invariant(tiny, smollm2):
     others = [dict(prompt_token_ids=list(range(300 + i, 330 + 3 * i)), request_id=f"o{i}", arrival_step=i,
                    sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=12, ignore_eos=True))
               for i in range(5)]
-    mixed = collect(make_engine(tiny, max_num_batched_tokens=7, max_num_seqs=6), others + [TARGET])["target"]
-    ref = alone(tiny, batch_invariant=False)
+    mixed = collect(make_engine(tiny, max_num_batched_tokens=7, max_num_seqs=6, **engine), others + [TARGET])["target"]
+    ref = alone(tiny, batch_invariant=False, **engine)
     assert any(not torch.equal(ref[p], mixed[p]) for p in ref)
 
 
