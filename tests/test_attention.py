@@ -1,12 +1,15 @@
-"""The native paged-attention kernel against torch's SDPA path and a dense reference."""
+"""The native paged-attention kernel against torch's SDPA path and a dense reference; the native
+RoPE kernel against the torch expression it replaces."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from toolkit.kernels import paged_attention_cpu
+from toolkit.kernels import paged_attention_cpu, rope_cpu
+from toolkit.models.decoder import rope_tables, rotate_half
 
 
 def dense_reference(q_NHD, k_cache, v_cache, tables, query_table, query_ctx, scale):
@@ -69,3 +72,33 @@ def test_kernel_and_sdpa_engines_agree(tiny):
         engine = make_engine(tiny, max_num_batched_tokens=32, max_num_seqs=4, attention_backend=backend)
         outs[backend] = [o.output_token_ids for o in engine.generate(requests)]
     assert outs["kernel"] == outs["sdpa"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 40), heads=st.integers(1, 6), half=st.sampled_from([1, 3, 8, 32, 64]),
+       extra=st.integers(0, 5), seed=st.integers(0, 1000))
+def test_native_rope_is_the_torch_expression_bit_for_bit(rows, heads, half, extra, seed):
+    """rope_cpu(x) == x * cos + rotate_half(x) * sin exactly, for strided rows (a view into q|k|v)."""
+    gen = torch.Generator().manual_seed(seed)
+    d = 2 * half
+    cos, sin = torch.randn(300, d, generator=gen), torch.randn(300, d, generator=gen)
+    fused = torch.randn(rows, (heads + extra) * d, generator=gen)
+    x = fused[:, : heads * d].view(rows, heads, d)
+    pos = torch.randint(0, 300, (rows,), generator=gen)
+    want = x * cos[pos].unsqueeze(1) + rotate_half(x) * sin[pos].unsqueeze(1)
+    assert torch.equal(rope_cpu(x, cos, sin, pos), want)
+
+
+def test_native_rope_on_the_model_tables_and_out_of_range_positions():
+    """On the cos/sin tables the model builds (equal halves), and a clear error past the table."""
+    from toolkit.models.decoder import DecoderArch
+
+    arch = DecoderArch(vocab_size=8, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                       intermediate_size=8, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64,
+                       tie_word_embeddings=True)
+    cos, sin = rope_tables(arch, torch.device("cpu"))
+    x = torch.randn(64, 6, 16)
+    pos = torch.arange(64)
+    assert torch.equal(rope_cpu(x, cos, sin, pos), x * cos[pos].unsqueeze(1) + rotate_half(x) * sin[pos].unsqueeze(1))
+    with pytest.raises(IndexError, match="outside the rotary table of 64 positions"):
+        rope_cpu(x[:1], cos, sin, torch.tensor([64]))

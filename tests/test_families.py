@@ -128,7 +128,9 @@ def test_unknown_family_is_one_line_error(tmp_path):
 def test_flex_backend_matches_default(family):
     """engine.attention_backend=flex (FlexAttention with a BlockMask from the block tables, uncompiled
     here) gives the default backend's logits within 1e-5 through chunked prefill and batched decode,
-    prefix-cache hits included."""
+    prefix-cache hits included; for logits above 10 in magnitude, within 1e-6 of the largest (8 fp32
+    ulps: on llama's logits of ~22, kernel, sdpa and flex each sit up to 1.1e-5 from a float64
+    reference, so two of them can differ by that)."""
     shared = list(range(3, 19))
     requests = [dict(prompt_token_ids=shared + list(range(20 + i, 25 + 6 * i)), arrival_step=2 * i,
                      sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=7, ignore_eos=True))
@@ -143,4 +145,5 @@ def test_flex_backend_matches_default(family):
     assert list(tokens_a.values()) == list(tokens_b.values())
     for rid in rows_a:
         for (pa, la), (pb, lb) in zip(rows_a[rid], rows_b[rid]):
-            assert pa == pb and (la - lb).abs().max().item() < 1e-5, (rid, pa)
+            tolerance = 1e-6 * max(10.0, la.abs().max().item())
+            assert pa == pb and (la - lb).abs().max().item() < tolerance, (rid, pa)

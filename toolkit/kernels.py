@@ -39,7 +39,7 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def _compile(name: str):
+def _compile(name: str, extra_flags: tuple[str, ...] = ()):
     """Compile csrc/<name>.c once per (source, compiler, CPU flags) and load it."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
@@ -50,13 +50,14 @@ def _compile(name: str):
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"cannot run {cc}: {exc}") from None
-    key = hashlib.sha256(source + version.encode() + _cpu_flags().encode() + " ".join(FLAGS).encode()).hexdigest()
+    flags = [*FLAGS, *extra_flags]  # a later flag wins
+    key = hashlib.sha256(source + version.encode() + _cpu_flags().encode() + " ".join(flags).encode()).hexdigest()
     target = cache_root() / "kernels" / f"{name}-{key[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
         os.close(fd)
-        result = subprocess.run([cc, *FLAGS, str(source_path), "-o", tmp, "-lm"], capture_output=True, text=True)
+        result = subprocess.run([cc, *flags, str(source_path), "-o", tmp, "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
             os.unlink(tmp)
             raise KernelUnavailable(f"compiling {source_path.name} failed: {result.stderr.strip()[:300]}")
@@ -92,6 +93,42 @@ def fp8_decode_table() -> torch.Tensor:
 
 def quantized_kernel_supports(num_heads: int, head_dim: int) -> bool:
     return num_heads <= 32 and head_dim in (64, 128)
+
+
+@lru_cache(maxsize=1)
+def load_rope():
+    """The compiled `toolkit_rope_f32` function (raises KernelUnavailable). No fused multiply-add:
+    its bits are those of torch's `x * cos + rotate_half(x) * sin`."""
+    fn = _compile("rope", ("-ffp-contract=off",)).toolkit_rope_f32
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, i64, p, p, p, i64, p, i64, i64, i64, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def rope_available() -> bool:
+    try:
+        load_rope()
+        return True
+    except KernelUnavailable:
+        return False
+
+
+def rope_cpu(x_NHD: torch.Tensor, cos_PD: torch.Tensor, sin_PD: torch.Tensor, positions_N: torch.Tensor) -> torch.Tensor:
+    """x * cos[pos] + rotate_half(x) * sin[pos] for fp32 heads (N, heads, D) whose rows may be strided
+    (a view into the fused q|k|v output); returns a new contiguous tensor."""
+    n, h, d = x_NHD.shape
+    if x_NHD.stride(2) != 1 or x_NHD.stride(1) != d:
+        x_NHD = x_NHD.contiguous()
+    out = torch.empty((n, h, d), dtype=torch.float32)
+    positions_N = positions_N.contiguous()
+    rc = load_rope()(x_NHD.data_ptr(), x_NHD.stride(0), out.data_ptr(), cos_PD.data_ptr(), sin_PD.data_ptr(),
+                     cos_PD.shape[0], positions_N.data_ptr(), n, h, d, torch.get_num_threads())
+    if rc == -2:
+        raise IndexError(f"a position is outside the rotary table of {cos_PD.shape[0]} positions")
+    if rc != 0:
+        raise KernelUnavailable(f"rope kernel refused head_dim {d}")
+    return out
 
 
 @lru_cache(maxsize=1)

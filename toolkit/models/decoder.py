@@ -149,6 +149,7 @@ class PagedDecoder(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         self.scale = arch.scale
         self._packed = None  # the projections packed for the native matmul (packed_weights)
+        self._rope_ok = None  # whether the native RoPE kernel compiled (decided on first CPU fp32 use)
         self.act = ACTIVATIONS[arch.activation]
 
     def packed_weights(self):
@@ -160,6 +161,16 @@ class PagedDecoder(nn.Module):
             layers = [{n: pack_weight(getattr(l, n)) for n in l.projections} for l in self.layers]
             self._packed = (layers, pack_weight(self.lm_head_t))
         return self._packed
+
+    def _native_rope(self, x: torch.Tensor) -> bool:
+        """RoPE through the one-pass CPU kernel (bit-identical to the torch expression) when it compiles."""
+        if x.device.type != "cpu" or x.dtype != torch.float32:
+            return False
+        if self._rope_ok is None:
+            from toolkit.kernels import rope_available
+
+            self._rope_ok = rope_available()
+        return self._rope_ok
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
@@ -193,9 +204,12 @@ class PagedDecoder(nn.Module):
         x = self.embed[input_ids_N]  # (N, hidden)
         if a.embed_scale != 1.0:
             x = x * torch.tensor(a.embed_scale, dtype=x.dtype)
+        native_rope = self.pos_embed is None and self._native_rope(x)
+        if native_rope:
+            from toolkit.kernels import rope_cpu
         if self.pos_embed is not None:
             x = x + self.pos_embed[positions_N]
-        else:
+        elif not native_rope:
             cos = self.rope_cos[positions_N].unsqueeze(1).to(self.embed.dtype)  # (N, 1, Dh)
             sin = self.rope_sin[positions_N].unsqueeze(1).to(self.embed.dtype)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers[:num_layers], kv_caches)):
@@ -211,7 +225,9 @@ class PagedDecoder(nn.Module):
             if layer.q_norm is not None:  # Qwen3: RMSNorm of each q and k head before RoPE
                 qk = torch.cat([rms_norm(qk[:, : a.num_heads], layer.q_norm, a.rms_norm_eps),
                                 rms_norm(qk[:, a.num_heads:], layer.k_norm, a.rms_norm_eps)], dim=1)
-            if self.pos_embed is None:
+            if native_rope:  # the same bits in one pass
+                qk = rope_cpu(qk, self.rope_cos, self.rope_sin, positions_N)
+            elif self.pos_embed is None:
                 qk = qk * cos + rotate_half(qk) * sin  # RoPE on q and k heads at once
             q = qk[:, : a.num_heads]  # (N, H, Dh)
             k = qk[:, a.num_heads:]  # (N, K, Dh)
