@@ -8,12 +8,13 @@ import json
 from tests.test_cli import run_cli
 
 
-def test_bench_harness_reports_systems_roofline_and_kv_capacity(tmp_path):
+def test_bench_harness_reports_systems_roofline_kernels_and_kv_capacity(tmp_path):
     proc = run_cli("mode=bench", "model=tiny", "bench.systems=[engine,engine_notrace]", "bench.num_requests=4",
                    "bench.max_tokens=8", "bench.roofline_batches=[1,4]", "bench.roofline_contexts=[32]",
                    "bench.roofline_batch_context=32", "bench.roofline_context_batch=1", "bench.kv_cost=true",
                    "bench.kv_dtypes=[auto,int8]", "bench.kv_context=64", "bench.kv_budget_gb=0.0002",
-                   "bench.engine_variants={torch_matmul: {matmul_backend: torch}}", run_dir=tmp_path)
+                   "bench.engine_variants={torch_matmul: {matmul_backend: torch}}", "bench.kernel_cost=true",
+                   run_dir=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "bench.json").read_text())
     assert set(report["systems"]) == {"engine", "engine_notrace", "engine[torch_matmul]"}
@@ -26,4 +27,9 @@ def test_bench_harness_reports_systems_roofline_and_kv_capacity(tmp_path):
     kv = {(r["kv_cache_dtype"], r["attention_backend"]): r for r in report["kv_cost"]}
     assert kv[("int8", "auto")]["kv_bytes_per_sequence"] < kv[("auto", "auto")]["kv_bytes_per_sequence"] / 3.5
     assert kv[("int8", "auto")]["max_batch"] >= 3 * kv[("auto", "auto")]["max_batch"]
+    kernels = report["kernel_cost"]
+    assert len(kernels["attention_decode"]) == 2 and len(kernels["attention_prefill"]) == 1
+    for row in kernels["attention_decode"] + kernels["attention_prefill"]:
+        assert row["max_abs_diff"] < 1e-5 and row["kernel_ms"] > 0  # the two paths compute the same attention
+    assert kernels["rope"] and all(r["bit_identical"] for r in kernels["rope"])
     assert (tmp_path / "bench.png").is_file()

@@ -136,3 +136,20 @@ def test_corrupt_part_is_a_clear_error(tiny, tmp_path):
     part.write_bytes(part.read_bytes()[:100])
     with pytest.raises(TraceError, match="truncated or corrupt"):
         read_samples(tmp_path)
+
+
+def test_side_by_side_sha256_is_hashlibs():
+    """The writer hashes a step's rows 16 at a time in C: each digest is hashlib's sha256 of that row,
+    for every length of the last block (the 55/56/64-byte padding boundaries), a vocabulary row, and
+    row counts that leave a partial group of 16."""
+    import hashlib
+
+    import numpy as np
+
+    from toolkit.kernels import sha256_rows
+
+    rng = np.random.default_rng(0)
+    for nbytes in [*range(0, 130), 4 * 49152]:
+        for rows in (0, 1, 17) if nbytes < 130 else (33,):
+            data = rng.integers(0, 256, (rows, nbytes), dtype=np.uint8)
+            assert sha256_rows(data) == [hashlib.sha256(row.tobytes()).hexdigest() for row in data], (nbytes, rows)

@@ -147,6 +147,13 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
         print("  measuring what each KV storage buys ...", flush=True)
         report["kv_cost"] = kv_cost.measure(loaded, engine_cfg, tuple(b.get("kv_dtypes") or ("auto", "int8")),
                                             context=b.get("kv_context", 2048), budget_gb=b.get("kv_budget_gb", 0.5))
+    if b.get("kernel_cost", False):
+        from toolkit.bench import kernel_cost
+
+        print("  measuring the native kernels beside torch ...", flush=True)
+        report["kernel_cost"] = kernel_cost.measure(loaded, tuple(b.get("roofline_batches") or (1, 8, 32, 64)),
+                                                    context=b["roofline_batch_context"],
+                                                    block_size=engine_cfg.block_size, repeats=max(5, b.get("repeats") or 1))
     if b.get("roofline", True):
         print("  measuring the roofline ...", flush=True)
         report["roofline"] = roofline.measure(loaded, engine_cfg, list(b["roofline_batches"]),
