@@ -6,7 +6,7 @@
  * rounded (this file is compiled with -ffp-contract=off, so no multiply-add is fused), so
  * the result is the same bits as the torch expression it replaces. torch spends five passes
  * (two products, a negation, a concatenation, a sum) and a gather of the cos/sin rows on it;
- * at a 512-token prefill chunk that was ~8% of the step.
+ * at a 512-token prefill chunk that was ~4% of the step (measured A/B).
  */
 #include <stdint.h>
 
