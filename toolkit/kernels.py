@@ -65,24 +65,29 @@ def _compile(name: str, extra_flags: tuple[str, ...] = ()):
     return ctypes.CDLL(str(target))
 
 
+def _load(name: str, symbol: str, argtypes: list, extra_flags: tuple[str, ...] = ()):
+    """csrc/<name>.c's `symbol`, compiled on first use, with its ctypes signature (returns int)."""
+    fn = getattr(_compile(name, extra_flags), symbol)
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
+
+
+P, I64 = ctypes.c_void_p, ctypes.c_int64
+
+
 @lru_cache(maxsize=1)
 def load_paged_attention():
     """The compiled `toolkit_paged_attention_f32` function (raises KernelUnavailable)."""
-    fn = _compile("paged_attention").toolkit_paged_attention_f32
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    return _load("paged_attention", "toolkit_paged_attention_f32",
+                 [P, I64, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, ctypes.c_float, ctypes.c_int])
 
 
 @lru_cache(maxsize=1)
 def load_paged_attention_q8():
     """The compiled `toolkit_paged_attention_q8` function: an int8 / fp8 cache (raises KernelUnavailable)."""
-    fn = _compile("paged_attention").toolkit_paged_attention_q8
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, p, p, i64, p]
-    fn.restype = ctypes.c_int
-    return fn
+    return _load("paged_attention", "toolkit_paged_attention_q8",
+                 [P, I64, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, ctypes.c_float, ctypes.c_int, P, P, I64, P])
 
 
 @lru_cache(maxsize=1)
@@ -99,11 +104,8 @@ def quantized_kernel_supports(num_heads: int, head_dim: int) -> bool:
 def load_rope():
     """The compiled `toolkit_rope_f32` function (raises KernelUnavailable). No fused multiply-add:
     its bits are those of torch's `x * cos + rotate_half(x) * sin`."""
-    fn = _compile("rope", ("-ffp-contract=off",)).toolkit_rope_f32
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i64, p, p, p, i64, p, i64, i64, i64, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    return _load("rope", "toolkit_rope_f32", [P, I64, P, P, P, I64, P, I64, I64, I64, ctypes.c_int],
+                 ("-ffp-contract=off",))
 
 
 def rope_available() -> bool:
@@ -134,11 +136,7 @@ def rope_cpu(x_NHD: torch.Tensor, cos_PD: torch.Tensor, sin_PD: torch.Tensor, po
 @lru_cache(maxsize=1)
 def load_sha256_rows():
     """The compiled `toolkit_sha256_rows` function (raises KernelUnavailable)."""
-    fn = _compile("sha256_rows").toolkit_sha256_rows
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i64, i64, i64, p]
-    fn.restype = ctypes.c_int
-    return fn
+    return _load("sha256_rows", "toolkit_sha256_rows", [P, I64, I64, I64, P])
 
 
 def sha256_rows(rows: "numpy.ndarray") -> list[str]:
@@ -160,11 +158,7 @@ def sha256_rows(rows: "numpy.ndarray") -> list[str]:
 @lru_cache(maxsize=1)
 def load_matmul_invariant():
     """The compiled `toolkit_matmul_invariant_f32` function (raises KernelUnavailable)."""
-    fn = _compile("matmul_invariant").toolkit_matmul_invariant_f32
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i64, p, p, i64, i64, i64, i64, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    return _load("matmul_invariant", "toolkit_matmul_invariant_f32", [P, I64, P, P, I64, I64, I64, I64, ctypes.c_int])
 
 
 PANEL = 64  # NR of csrc/matmul_invariant.c
