@@ -140,8 +140,9 @@ def test_corrupt_part_is_a_clear_error(tiny, tmp_path):
 
 def test_side_by_side_sha256_is_hashlibs():
     """The writer hashes a step's rows 16 at a time in C: each digest is hashlib's sha256 of that row,
-    for every length of the last block (the 55/56/64-byte padding boundaries), a vocabulary row, and
-    row counts that leave a partial group of 16."""
+    for every length of the last block (the 55/56/64-byte padding boundaries), a vocabulary row, row
+    counts that leave partial groups of 16, rows picked in any order (repeats too) from a tensor
+    whose rows are strided, on one thread or two; an index outside the rows is refused."""
     import hashlib
 
     import numpy as np
@@ -150,6 +151,13 @@ def test_side_by_side_sha256_is_hashlibs():
 
     rng = np.random.default_rng(0)
     for nbytes in [*range(0, 130), 4 * 49152]:
-        for rows in (0, 1, 17) if nbytes < 130 else (33,):
+        for rows in (0, 3, 17) if nbytes < 130 else (33,):
             data = rng.integers(0, 256, (rows, nbytes), dtype=np.uint8)
             assert sha256_rows(data) == [hashlib.sha256(row.tobytes()).hexdigest() for row in data], (nbytes, rows)
+    wide = torch.randn(40, 49152 + 7)[:, 3:49155]  # row stride != row length
+    index = [39, 0, 5, 5, *range(10, 31)]
+    expected = [hashlib.sha256(wide[i].contiguous().numpy()).hexdigest() for i in index]
+    for threads in (1, 2):
+        assert sha256_rows(wide, index, threads=threads) == expected
+    with pytest.raises(IndexError, match="outside the 40 rows"):
+        sha256_rows(wide, [0, 40, 1])
