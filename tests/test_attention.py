@@ -1,5 +1,5 @@
 """The native paged-attention kernel against torch's SDPA path and a dense reference; the native
-RoPE kernel against the torch expression it replaces."""
+RoPE, RMSNorm and SiLU kernels against the torch code they replace."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from toolkit.kernels import paged_attention_cpu, rope_cpu
+from toolkit.kernels import add_rms_norm_cpu, paged_attention_cpu, rope_cpu, silu_mul_cpu
 from toolkit.models.decoder import rope_tables, rotate_half
 
 
@@ -102,3 +102,46 @@ def test_native_rope_on_the_model_tables_and_out_of_range_positions():
     assert torch.equal(rope_cpu(x, cos, sin, pos), x * cos[pos].unsqueeze(1) + rotate_half(x) * sin[pos].unsqueeze(1))
     with pytest.raises(IndexError, match="outside the rotary table of 64 positions"):
         rope_cpu(x[:1], cos, sin, torch.tensor([64]))
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 130), width=st.sampled_from([16, 64, 576, 2048]), scale=st.sampled_from([1e-3, 1.0, 50.0]),
+       residual=st.booleans(), seed=st.integers(0, 1000))
+def test_native_add_rms_norm_against_float64(rows, width, scale, residual, seed):
+    """x + r is torch's sum exactly (and written into x); the norm is within 4 fp32 ulps of a float64
+    RMSNorm; a row's bits do not depend on the other rows or the thread count."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=gen) * scale
+    r = torch.randn(rows, width, generator=gen) * scale if residual else None
+    w = torch.randn(width, generator=gen)
+    want_x = x + r if residual else x.clone()
+    want = (want_x.double() * torch.rsqrt(want_x.double().pow(2).mean(-1, keepdim=True) + 1e-5)) * w.double()
+    got_x, got = add_rms_norm_cpu(x, r, w, 1e-5)
+    assert torch.equal(got_x, want_x) and torch.equal(x, want_x)
+    assert ((got.double() - want).abs() <= 4 * 2.0**-23 * want.abs() + 1e-30).all()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = add_rms_norm_cpu(want_x[-1:].clone(), None, w, 1e-5)[1]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone[0], add_rms_norm_cpu(want_x.clone(), None, w, 1e-5)[1][-1])
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 70), width=st.sampled_from([16, 48, 1536]), scale=st.sampled_from([0.1, 4.0, 30.0]),
+       seed=st.integers(0, 1000))
+def test_native_silu_mul_against_float64(rows, width, scale, seed):
+    """silu(gate) * up from [gate | up] rows within 4 fp32 ulps (relative) of float64, as torch's own
+    silu is; large negative gates go to ~0, NaN stays NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    gu = torch.randn(rows, 2 * width, generator=gen) * scale
+    gu[0, :3] = torch.tensor([-95.0, 95.0, float("nan")])
+    gate, up = gu[:, :width].double(), gu[:, width:].double()
+    want = gate * torch.sigmoid(gate) * up
+    got = silu_mul_cpu(gu).double()
+    assert got[0, 2].isnan()
+    ok = (got - want).abs() <= 4 * 2.0**-23 * want.abs() + 1e-30
+    ok[0, 0] = abs(got[0, 0]) < 1e-32  # exp(-95) is past fp32: ~0, not a 4-ulp match
+    ok[0, 2] = True
+    assert ok.all(), (got - want).abs().max()

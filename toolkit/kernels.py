@@ -134,6 +134,55 @@ def rope_cpu(x_NHD: torch.Tensor, cos_PD: torch.Tensor, sin_PD: torch.Tensor, po
 
 
 @lru_cache(maxsize=1)
+def load_norm_act():
+    """The compiled (`toolkit_add_rms_norm_f32`, `toolkit_silu_mul_f32`) pair (raises KernelUnavailable)."""
+    lib = _compile("norm_act")
+    norm, act = lib.toolkit_add_rms_norm_f32, lib.toolkit_silu_mul_f32
+    norm.argtypes, act.argtypes = [P, I64, P, I64, P, ctypes.c_float, P, I64, I64, I64, ctypes.c_int], [P, I64, P, I64, I64, I64, ctypes.c_int]
+    norm.restype = act.restype = ctypes.c_int
+    return norm, act
+
+
+def norm_act_available() -> bool:
+    try:
+        load_norm_act()
+        return True
+    except KernelUnavailable:
+        return False
+
+
+def add_rms_norm_cpu(x_ND: torch.Tensor, residual_ND: torch.Tensor | None, weight_D: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, RMSNorm(x + residual) * weight) for fp32 rows in one pass; `x` is updated in place
+    (it must be a tensor the caller owns) and returned; without a residual, just the norm."""
+    n, d = x_ND.shape
+    if x_ND.stride(1) != 1:
+        x_ND = x_ND.contiguous()
+    if residual_ND is not None and residual_ND.stride(1) != 1:
+        residual_ND = residual_ND.contiguous()
+    h = torch.empty((n, d), dtype=torch.float32)
+    rc = load_norm_act()[0](x_ND.data_ptr(), x_ND.stride(0), residual_ND.data_ptr() if residual_ND is not None else None,
+                            residual_ND.stride(0) if residual_ND is not None else 0, weight_D.data_ptr(), eps,
+                            h.data_ptr(), d, n, d, torch.get_num_threads())
+    if rc != 0:
+        raise KernelUnavailable(f"rms norm kernel refused width {d}")
+    return x_ND, h
+
+
+def silu_mul_cpu(gate_up_N2F: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up from fp32 rows [gate | up] (a fused projection's output), in one pass."""
+    n, f2 = gate_up_N2F.shape
+    if gate_up_N2F.stride(1) != 1:
+        gate_up_N2F = gate_up_N2F.contiguous()
+    f = f2 // 2
+    h = torch.empty((n, f), dtype=torch.float32)
+    rc = load_norm_act()[1](gate_up_N2F.data_ptr(), gate_up_N2F.stride(0), h.data_ptr(), f, n, f, torch.get_num_threads())
+    if rc != 0:
+        raise KernelUnavailable(f"silu kernel refused width {f}")
+    return h
+
+
+@lru_cache(maxsize=1)
 def load_sha256_rows():
     """The compiled `toolkit_sha256_rows` function (raises KernelUnavailable)."""
     return _load("sha256_rows", "toolkit_sha256_rows", [P, P, I64, I64, P, ctypes.c_int])

@@ -149,7 +149,7 @@ class PagedDecoder(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         self.scale = arch.scale
         self._packed = None  # the projections packed for the native matmul (packed_weights)
-        self._rope_ok = None  # whether the native RoPE kernel compiled (decided on first CPU fp32 use)
+        self._native_ok: dict[str, bool] = {}  # whether a native CPU kernel compiled (decided on first use)
         self.act = ACTIVATIONS[arch.activation]
 
     def packed_weights(self):
@@ -162,15 +162,27 @@ class PagedDecoder(nn.Module):
             self._packed = (layers, pack_weight(self.lm_head_t))
         return self._packed
 
-    def _native_rope(self, x: torch.Tensor) -> bool:
-        """RoPE through the one-pass CPU kernel (bit-identical to the torch expression) when it compiles."""
+    def _native(self, x: torch.Tensor, kernel: str) -> bool:
+        """Whether fp32 CPU activations go through a native kernel: "rope" (one pass, bit-identical to
+        the torch expression) or "norm_act" (residual add + RMSNorm, SiLU * up, each one pass)."""
         if x.device.type != "cpu" or x.dtype != torch.float32:
             return False
-        if self._rope_ok is None:
-            from toolkit.kernels import rope_available
+        if kernel not in self._native_ok:
+            from toolkit import kernels
 
-            self._rope_ok = rope_available()
-        return self._rope_ok
+            self._native_ok[kernel] = {"rope": kernels.rope_available, "norm_act": kernels.norm_act_available}[kernel]()
+        return self._native_ok[kernel]
+
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                  bias: torch.Tensor | None, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, norm of it); natively in one pass that updates x (an activation this forward owns)."""
+        if native:
+            from toolkit.kernels import add_rms_norm_cpu
+
+            return add_rms_norm_cpu(x, residual, weight, self.arch.rms_norm_eps)
+        if residual is not None:
+            x = x + residual
+        return x, self._norm(x, weight, bias)
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
@@ -204,7 +216,12 @@ class PagedDecoder(nn.Module):
         x = self.embed[input_ids_N]  # (N, hidden)
         if a.embed_scale != 1.0:
             x = x * torch.tensor(a.embed_scale, dtype=x.dtype)
-        native_rope = self.pos_embed is None and self._native_rope(x)
+        native_rope = self.pos_embed is None and self._native(x, "rope")
+        native_norm = a.norm == "rms" and a.hidden_size % 16 == 0 and self._native(x, "norm_act")
+        native_silu = (native_norm and a.gated_mlp and a.activation == "silu"
+                       and self.layers[0].w_gate_up.shape[1] % 32 == 0)
+        if native_silu:
+            from toolkit.kernels import silu_mul_cpu
         if native_rope:
             from toolkit.kernels import rope_cpu
         if self.pos_embed is not None:
@@ -212,6 +229,7 @@ class PagedDecoder(nn.Module):
         elif not native_rope:
             cos = self.rope_cos[positions_N].unsqueeze(1).to(self.embed.dtype)  # (N, 1, Dh)
             sin = self.rope_sin[positions_N].unsqueeze(1).to(self.embed.dtype)
+        pending = None  # the previous layer's MLP output: the next norm adds it to x
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers[:num_layers], kv_caches)):
             weights = packed[i] if packed else None
 
@@ -219,7 +237,7 @@ class PagedDecoder(nn.Module):
                 y = mm(h, weights[name] if weights else getattr(layer, name))
                 return y if bias is None else y + bias
 
-            h = self._norm(x, layer.ln_attn, layer.ln_attn_b)
+            x, h = self._add_norm(x, pending, layer.ln_attn, layer.ln_attn_b, native_norm)
             qkv = proj(h, "w_qkv", layer.b_qkv)  # (N, (H + 2K) * Dh)
             qk = qkv[:, : q_width + kv_width].view(n, a.num_heads + a.num_kv_heads, a.head_dim)
             if layer.q_norm is not None:  # Qwen3: RMSNorm of each q and k head before RoPE
@@ -238,9 +256,10 @@ class PagedDecoder(nn.Module):
             o = proj(o.reshape(n, q_width), "w_o", layer.b_o)
             if layer.post_attn_norm is not None:
                 o = self._norm(o, layer.post_attn_norm)
-            x = x + o
-            h = self._norm(x, layer.ln_mlp, layer.ln_mlp_b)
-            if a.gated_mlp:
+            x, h = self._add_norm(x, o, layer.ln_mlp, layer.ln_mlp_b, native_norm)
+            if native_silu:
+                h = silu_mul_cpu(proj(h, "w_gate_up"))
+            elif a.gated_mlp:
                 gate, up = proj(h, "w_gate_up").chunk(2, dim=-1)
                 h = self.act(gate) * up
             else:
@@ -248,8 +267,10 @@ class PagedDecoder(nn.Module):
             m = proj(h, "w_down", layer.b_down)
             if layer.post_mlp_norm is not None:
                 m = self._norm(m, layer.post_mlp_norm)
-            x = x + m
-        h = self._norm(x[logits_rows_R], self.norm, self.norm_b)
+            pending = m
+        if pending is not None:
+            x = x + pending
+        _, h = self._add_norm(x[logits_rows_R], None, self.norm, self.norm_b, native_norm)
         logits = mm(h, head).float()  # (R, V)
         if a.final_softcap is not None:
             logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
