@@ -80,3 +80,31 @@ def test_truncated_support_samples_only_inside_it():
     assert all(math.isfinite(processed[i, t]) for i, t in enumerate(result.token_ids))
     assert result.support_sizes == [3] * 200
     assert len(set(result.token_ids)) > 3  # different rows pick different tokens
+
+
+SPECIAL = st.sampled_from([float("nan"), float("inf"), float("-inf"), 0.0, 80.0, -80.0])
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 12), vocab=st.sampled_from([1, 15, 16, 17, 100, 49152]), scale=st.sampled_from([0.1, 10.0]),
+       specials=st.lists(st.tuples(st.integers(0, 11), st.integers(0, 49151), SPECIAL), max_size=6),
+       ties=st.booleans(), seed=st.integers(0, 1000))
+def test_native_logsumexp_and_argmax_are_torchs(rows, vocab, scale, specials, ties, seed):
+    """The sampler's C row kernels: argmax is torch's exactly (first maximal index, NaN wins, every
+    entry -inf gives 0), logsumexp within 4e-7 relative of torch's and the same non-finite values."""
+    from toolkit.kernels import argmax_cpu, logsumexp_cpu
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=gen) * scale
+    if ties:
+        x = x.round()  # many equal maxima
+    for r, c, value in specials:
+        if r < rows:
+            x[r, c % vocab] = value
+    if rows > 1:
+        x[-1] = float("-inf")
+    assert argmax_cpu(x) == torch.argmax(x, dim=-1).tolist()
+    got, want = logsumexp_cpu(x), torch.logsumexp(x, dim=-1)
+    finite = torch.isfinite(want)
+    assert torch.equal(got[~finite].nan_to_num(1.0), want[~finite].nan_to_num(1.0))
+    assert ((got - want).abs()[finite] <= 4e-7 * want.abs()[finite].clamp_min(1.0)).all()

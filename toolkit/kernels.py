@@ -134,21 +134,53 @@ def rope_cpu(x_NHD: torch.Tensor, cos_PD: torch.Tensor, sin_PD: torch.Tensor, po
 
 
 @lru_cache(maxsize=1)
-def load_norm_act():
-    """The compiled (`toolkit_add_rms_norm_f32`, `toolkit_silu_mul_f32`) pair (raises KernelUnavailable)."""
-    lib = _compile("norm_act")
-    norm, act = lib.toolkit_add_rms_norm_f32, lib.toolkit_silu_mul_f32
-    norm.argtypes, act.argtypes = [P, I64, P, I64, P, ctypes.c_float, P, I64, I64, I64, ctypes.c_int], [P, I64, P, I64, I64, I64, ctypes.c_int]
-    norm.restype = act.restype = ctypes.c_int
-    return norm, act
+def load_rowwise() -> dict:
+    """The compiled row-wise kernels of csrc/rowwise.c by short name (raises KernelUnavailable)."""
+    lib = _compile("rowwise")
+    signatures = {"add_rms_norm": [P, I64, P, I64, P, ctypes.c_float, P, I64, I64, I64, ctypes.c_int],
+                  "silu_mul": [P, I64, P, I64, I64, I64, ctypes.c_int],
+                  "logsumexp": [P, I64, I64, I64, P, ctypes.c_int],
+                  "argmax": [P, I64, I64, I64, P, ctypes.c_int]}
+    fns = {}
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, f"toolkit_{name}_f32")
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        fns[name] = fn
+    return fns
 
 
-def norm_act_available() -> bool:
+def rowwise_available() -> bool:
     try:
-        load_norm_act()
+        load_rowwise()
         return True
     except KernelUnavailable:
         return False
+
+
+def _rows_ok(x: torch.Tensor) -> bool:
+    """A 2-D fp32 CPU tensor whose rows are contiguous: what the row-wise kernels read in place."""
+    return x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1
+
+
+def logsumexp_cpu(x_RV: torch.Tensor) -> torch.Tensor | None:
+    """logsumexp of each row (R,) in one C pass per row, or None where the kernel does not apply."""
+    if not _rows_ok(x_RV) or not rowwise_available():
+        return None
+    out = torch.empty(x_RV.shape[0], dtype=torch.float32)
+    load_rowwise()["logsumexp"](x_RV.data_ptr(), x_RV.stride(0), x_RV.shape[0], x_RV.shape[1], out.data_ptr(),
+                                torch.get_num_threads())
+    return out
+
+
+def argmax_cpu(x_RV: torch.Tensor) -> list[int] | None:
+    """torch.argmax(x, dim=-1) of each row (the first maximal index; a NaN counts as the maximum) in one
+    C pass, or None where the kernel does not apply."""
+    if not _rows_ok(x_RV) or x_RV.shape[1] == 0 or not rowwise_available():
+        return None
+    out = torch.empty(x_RV.shape[0], dtype=torch.int64)
+    load_rowwise()["argmax"](x_RV.data_ptr(), x_RV.stride(0), x_RV.shape[0], x_RV.shape[1], out.data_ptr(),
+                             torch.get_num_threads())
+    return out.tolist()
 
 
 def add_rms_norm_cpu(x_ND: torch.Tensor, residual_ND: torch.Tensor | None, weight_D: torch.Tensor,
@@ -161,9 +193,9 @@ def add_rms_norm_cpu(x_ND: torch.Tensor, residual_ND: torch.Tensor | None, weigh
     if residual_ND is not None and residual_ND.stride(1) != 1:
         residual_ND = residual_ND.contiguous()
     h = torch.empty((n, d), dtype=torch.float32)
-    rc = load_norm_act()[0](x_ND.data_ptr(), x_ND.stride(0), residual_ND.data_ptr() if residual_ND is not None else None,
-                            residual_ND.stride(0) if residual_ND is not None else 0, weight_D.data_ptr(), eps,
-                            h.data_ptr(), d, n, d, torch.get_num_threads())
+    r_ptr, r_stride = (residual_ND.data_ptr(), residual_ND.stride(0)) if residual_ND is not None else (None, 0)
+    rc = load_rowwise()["add_rms_norm"](x_ND.data_ptr(), x_ND.stride(0), r_ptr, r_stride, weight_D.data_ptr(), eps,
+                                        h.data_ptr(), d, n, d, torch.get_num_threads())
     if rc != 0:
         raise KernelUnavailable(f"rms norm kernel refused width {d}")
     return x_ND, h
@@ -176,7 +208,8 @@ def silu_mul_cpu(gate_up_N2F: torch.Tensor) -> torch.Tensor:
         gate_up_N2F = gate_up_N2F.contiguous()
     f = f2 // 2
     h = torch.empty((n, f), dtype=torch.float32)
-    rc = load_norm_act()[1](gate_up_N2F.data_ptr(), gate_up_N2F.stride(0), h.data_ptr(), f, n, f, torch.get_num_threads())
+    rc = load_rowwise()["silu_mul"](gate_up_N2F.data_ptr(), gate_up_N2F.stride(0), h.data_ptr(), f, n, f,
+                                    torch.get_num_threads())
     if rc != 0:
         raise KernelUnavailable(f"silu kernel refused width {f}")
     return h

@@ -164,13 +164,13 @@ class PagedDecoder(nn.Module):
 
     def _native(self, x: torch.Tensor, kernel: str) -> bool:
         """Whether fp32 CPU activations go through a native kernel: "rope" (one pass, bit-identical to
-        the torch expression) or "norm_act" (residual add + RMSNorm, SiLU * up, each one pass)."""
+        the torch expression) or "rowwise" (residual add + RMSNorm, SiLU * up, each one pass)."""
         if x.device.type != "cpu" or x.dtype != torch.float32:
             return False
         if kernel not in self._native_ok:
             from toolkit import kernels
 
-            self._native_ok[kernel] = {"rope": kernels.rope_available, "norm_act": kernels.norm_act_available}[kernel]()
+            self._native_ok[kernel] = {"rope": kernels.rope_available, "rowwise": kernels.rowwise_available}[kernel]()
         return self._native_ok[kernel]
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -217,7 +217,7 @@ class PagedDecoder(nn.Module):
         if a.embed_scale != 1.0:
             x = x * torch.tensor(a.embed_scale, dtype=x.dtype)
         native_rope = self.pos_embed is None and self._native(x, "rope")
-        native_norm = a.norm == "rms" and a.hidden_size % 16 == 0 and self._native(x, "norm_act")
+        native_norm = a.norm == "rms" and a.hidden_size % 16 == 0 and self._native(x, "rowwise")
         native_silu = (native_norm and a.gated_mlp and a.activation == "silu"
                        and self.layers[0].w_gate_up.shape[1] % 32 == 0)
         if native_silu:
