@@ -20,6 +20,8 @@ def test_bench_harness_reports_systems_roofline_kernels_and_kv_capacity(tmp_path
     assert set(report["systems"]) == {"engine", "engine_notrace", "engine[torch_matmul]"}
     assert report["greedy_agreement"]["engine_notrace"]["identical"] == 4  # tracing changes no token
     assert report["systems"]["engine"]["output_tokens"] == report["systems"]["engine_notrace"]["output_tokens"]
+    work = report["trace_work"]  # the trace's own time, measured where it runs
+    assert work["engine_thread_s"] > 0 and work["worker_cpu_s"] > 0 and 0 < work["fraction_of_wall"] < 1
     roof = report["roofline"]
     assert set(roof["gemm_gflops_torch"]) == set(roof["gemm_gflops_native"]) == {"1", "4"}
     for row in roof["by_batch"] + roof["by_context"]:

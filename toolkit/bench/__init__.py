@@ -127,6 +127,11 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
                                       if k != ours.name}
     if "engine" in results and "engine_notrace" in results:
         report["tracing_overhead"] = results["engine"].wall_s / results["engine_notrace"].wall_s - 1
+    if "engine" in results:  # the trace's own work, timed where it runs: steadier than a difference of two runs
+        e = results["engine"]
+        engine_s, worker_s = e.extra["trace_engine_thread_s"], e.extra["trace_worker_cpu_s"]
+        report["trace_work"] = {"engine_thread_s": engine_s, "worker_cpu_s": worker_s,
+                                "fraction_of_wall": (engine_s + worker_s) / e.wall_s}
     if workload.baseline_groups and ours is not None:
         report["long_prompt"] = _long_prompt_report(loaded, engine_cfg, requests, workload, ours)
     (run_dir / "bench.json").write_text(json.dumps(report, indent=2))  # the comparison is kept if a later part fails
@@ -217,6 +222,11 @@ def print_report(report: dict[str, Any], run_dir: Path) -> None:
                   f"{spec['target_forwards_per_output_token']:.3f}")
     if "tracing_overhead" in report:
         print(f"tracing overhead: {100 * report['tracing_overhead']:+.1f}% wall time")
+    if "trace_work" in report:
+        tw = report["trace_work"]
+        print(f"trace work: {tw['engine_thread_s']:.2f} s on the engine thread (hashing the logits rows) + "
+              f"{tw['worker_cpu_s']:.2f} s CPU on the writer thread = {100 * tw['fraction_of_wall']:.1f}% "
+              f"of the traced run's wall time")
     if "long_prompt" in report:
         lp = report["long_prompt"]
         print(f"long_prompt: TPOT p95 of the {lp['decodes']} decodes {lp['tpot_p95_with_long_prefills_s']:.4f} s with "

@@ -116,6 +116,8 @@ def run_engine(loaded, engine_cfg: EngineConfig, requests: list[BenchRequest], t
             result.tpot_s[r.id] = m.tpot_s
     bm = engine.block_manager
     result.extra = {"steps": engine.step_index, "traced": writer is not None,
+                    **({"trace_engine_thread_s": writer.engine_thread_s, "trace_worker_cpu_s": writer.worker_cpu_s}
+                       if writer is not None else {}),
                     "attention_backend": engine.attention_backend,
                     "preemptions": sum(s.num_preemptions for s in engine.requests.values()),
                     "prefix_cache_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else None,

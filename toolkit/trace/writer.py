@@ -17,6 +17,7 @@ import os
 import queue
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -90,6 +91,8 @@ class TraceWriter:
         self.run_id = run_id
         self.flush_every_steps = flush_every_steps
         self.rows_written = 0
+        self.engine_thread_s = 0.0  # time write_step took on the caller's thread (the hashing)
+        self.worker_cpu_s = 0.0  # CPU time of the writer thread (Arrow conversion, Parquet writes)
         self._parts = 0
         self._pending: list[tuple[SampleTrace, str]] = []
         self._steps_since_flush = 0
@@ -101,6 +104,7 @@ class TraceWriter:
     def write_step(self, traces: Sequence[SampleTrace], logits_RV: torch.Tensor | None) -> None:
         if self._error is not None:
             raise RuntimeError(f"trace writer failed: {self._error}") from self._error
+        start = time.perf_counter()
         digests: list[str] = []
         if traces:
             index = [t.logits_row for t in traces]
@@ -110,6 +114,7 @@ class TraceWriter:
                 index = list(range(len(index)))
             digests = sha256_rows(rows, index)
         self._queue.put((tuple(traces), digests))
+        self.engine_thread_s += time.perf_counter() - start
 
     def flush(self) -> None:
         """Write everything received so far (blocks until the worker has written it)."""
@@ -132,6 +137,7 @@ class TraceWriter:
     def _work(self) -> None:
         while True:
             item = self._queue.get()
+            start = time.thread_time()
             try:
                 if item is None:
                     return
@@ -146,6 +152,7 @@ class TraceWriter:
             except BaseException as exc:  # noqa: BLE001 - surfaced on the next call from the engine thread
                 self._error = exc
             finally:
+                self.worker_cpu_s += time.thread_time() - start
                 self._queue.task_done()
 
     def _write_part(self) -> None:
