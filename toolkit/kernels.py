@@ -1,8 +1,8 @@
 """Native CPU kernels, compiled on first use with the system C compiler and loaded with ctypes.
 
-The shared library is cached under $TOOLKIT_CACHE/kernels, keyed by the source, the
-compiler and the CPU's flags (it is built with -march=native). When no compiler is
-available the caller falls back to the pure-torch path.
+The shared library is cached under $TOOLKIT_CACHE/kernels, keyed by the source (with the
+shared headers), the compiler and the CPU's flags (it is built with -march=native). When no
+compiler is available the caller falls back to the pure-torch path.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _compile(name: str, extra_flags: tuple[str, ...] = ()):
     if cc is None:
         raise KernelUnavailable("no C compiler found (set CC)")
     source_path = CSRC / f"{name}.c"
-    source = source_path.read_bytes()
+    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # + headers
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:

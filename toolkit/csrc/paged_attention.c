@@ -62,59 +62,7 @@ static inline float dot(const float *a, const float *b, int64_t d) {
  * processed in tiles of 16 positions; a tile's 16 dot products per query head are 16
  * lane-wise products reduced by one transpose-and-add tree, so no per-key horizontal sum.
  */
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-
-static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-static inline v16 vselect(vi16 mask, v16 a, v16 b) {  /* mask ? a : b, lane-wise */
-    return (v16)(((vi16)a & mask) | ((vi16)b & ~mask));
-}
-
-static inline v16 vexp(v16 x) {  /* exp_approx on 16 lanes, same formula */
-    x = vselect(x < splat(-87.0f), splat(-87.0f), x);
-    v16 y = x * splat(1.44269504088896341f);
-    v16 n = (y + splat(12582912.0f)) - splat(12582912.0f);  /* round to nearest (|y| < 2^22) */
-    v16 r = x - n * splat(0.693359375f);
-    r = r - n * splat(-2.12194440e-4f);
-    v16 p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * r * r + r + splat(1.0f);
-    vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-    return p * (v16)bits;
-}
-
-/* horizontal max and sum of 16 lanes, by a fixed tree of shuffles */
-static inline float hmax16(v16 x) {
-    const vi16 s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-    const vi16 s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-    const vi16 s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-    const vi16 s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-    v16 y;
-    y = __builtin_shuffle(x, s8); x = vselect(x > y, x, y);
-    y = __builtin_shuffle(x, s4); x = vselect(x > y, x, y);
-    y = __builtin_shuffle(x, s2); x = vselect(x > y, x, y);
-    y = __builtin_shuffle(x, s1); x = vselect(x > y, x, y);
-    return x[0];
-}
-
-static inline float hsum16(v16 x) {
-    const vi16 s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-    const vi16 s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-    const vi16 s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-    const vi16 s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-    x += __builtin_shuffle(x, s8);
-    x += __builtin_shuffle(x, s4);
-    x += __builtin_shuffle(x, s2);
-    x += __builtin_shuffle(x, s1);
-    return x[0];
-}
+#include "vec16.h"  /* v16, load16 / store16 / splat / vselect, vexp, hmax16, hsum16 */
 
 /* R[t] = sum of the 16 lanes of P[t], for t = 0..15, in a fixed tree order */
 static inline v16 transpose_sum(const v16 P[16]) {

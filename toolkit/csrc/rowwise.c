@@ -19,21 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-
-static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-static inline v16 splat(float x) { return (v16){0} + x; }
-
-/* sum of the 16 lanes, pairwise in a fixed order */
-static inline float hsum(v16 v) {
-    float s[16];
-    memcpy(s, &v, sizeof s);
-    for (int w = 8; w > 0; w /= 2)
-        for (int i = 0; i < w; i++) s[i] += s[i + w];
-    return s[0];
-}
+#include "vec16.h"  /* v16, load16 / store16 / splat / vselect, vexp, hsum16 */
 
 int toolkit_add_rms_norm_f32(float *x, int64_t ldx, const float *r, int64_t ldr, const float *w, float eps,
                              float *h, int64_t ldh, int64_t N, int64_t D, int threads) {
@@ -51,42 +37,10 @@ int toolkit_add_rms_norm_f32(float *x, int64_t ldx, const float *r, int64_t ldr,
             }
             acc = acc + v * v;
         }
-        const float inv = 1.0f / sqrtf(hsum(acc) / (float)D + eps);
+        const float inv = 1.0f / sqrtf(hsum16(acc) / (float)D + eps);
         for (int64_t d = 0; d < D; d += 16) store16(hr + d, load16(w + d) * (load16(xr + d) * inv));
     }
     return 0;
-}
-
-/* exp(x) for a vector: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (Cephes' expf
-   coefficients), scaled by 2^n; x is clamped to [-87, 88] (NaN passes through) */
-static inline v16 select16(i16 mask, v16 a, v16 b) {  /* mask lanes are -1 (take a) or 0 (take b) */
-    i16 ai, bi;
-    memcpy(&ai, &a, sizeof ai);
-    memcpy(&bi, &b, sizeof bi);
-    const i16 out = (ai & mask) | (bi & ~mask);
-    v16 o;
-    memcpy(&o, &out, sizeof o);
-    return o;
-}
-
-static inline v16 exp16(v16 x) {
-    x = select16(x > splat(88.0f), splat(88.0f), x);
-    x = select16(x < splat(-87.0f), splat(-87.0f), x);
-    const v16 magic = splat(12582912.0f); /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
-    const v16 n = (x * splat(1.44269504088896341f) + magic) - magic;
-    v16 r = x - n * splat(0.693359375f);
-    r = r - n * splat(-2.12194440e-4f);
-    v16 p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * (r * r) + r + splat(1.0f);
-    const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
-    v16 scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
 }
 
 int toolkit_silu_mul_f32(const float *gu, int64_t ldgu, float *h, int64_t ldh, int64_t N, int64_t F, int threads) {
@@ -97,7 +51,7 @@ int toolkit_silu_mul_f32(const float *gu, int64_t ldgu, float *h, int64_t ldh, i
         float *hr = h + n * ldh;
         for (int64_t f = 0; f < F; f += 16) {
             const v16 gv = load16(g + f);
-            store16(hr + f, gv / (splat(1.0f) + exp16(-gv)) * load16(u + f));
+            store16(hr + f, gv / (splat(1.0f) + vexp(-gv)) * load16(u + f));
         }
     }
     return 0;
@@ -111,10 +65,10 @@ int toolkit_logsumexp_f32(const float *x, int64_t ldx, int64_t R, int64_t V, flo
         const float *row = x + r * ldx;
         const int64_t vec = V - V % 16;
         v16 mv = splat(-INFINITY);
-        i16 nanv = {0};
+        vi16 nanv = {0};
         for (int64_t i = 0; i < vec; i += 16) {
             const v16 v = load16(row + i);
-            mv = select16(v > mv, v, mv);
+            mv = vselect(v > mv, v, mv);
             nanv |= v != v;
         }
         float m = -INFINITY;
@@ -130,8 +84,8 @@ int toolkit_logsumexp_f32(const float *x, int64_t ldx, int64_t R, int64_t V, flo
         if (nan) { lse[r] = NAN; continue; }
         if (m == INFINITY || m == -INFINITY) { lse[r] = m; continue; }
         v16 sv = splat(0.0f);
-        for (int64_t i = 0; i < vec; i += 16) sv += exp16(load16(row + i) - splat(m));
-        float s = hsum(sv);
+        for (int64_t i = 0; i < vec; i += 16) sv += vexp(load16(row + i) - splat(m));
+        float s = hsum16(sv);
         for (int64_t i = vec; i < V; i++) s += expf(row[i] - m);
         lse[r] = m + logf(s);
     }
@@ -144,14 +98,14 @@ int toolkit_argmax_f32(const float *x, int64_t ldx, int64_t R, int64_t V, int64_
     for (int64_t r = 0; r < R; r++) {
         const float *row = x + r * ldx;
         const int64_t vec = V - V % 16;
-        const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
         v16 best = splat(-INFINITY);
-        i16 where = lane;  /* a lane's first index holding its maximum (strict >: later ties lose) */
-        i16 nanv = {0};
+        vi16 where = lane;  /* a lane's first index holding its maximum (strict >: later ties lose) */
+        vi16 nanv = {0};
         for (int64_t i = 0; i < vec; i += 16) {
             const v16 v = load16(row + i);
-            const i16 better = v > best;
-            best = select16(better, v, best);
+            const vi16 better = v > best;
+            best = vselect(better, v, best);
             where = (better & (lane + (int32_t)i)) | (~better & where);
             nanv |= v != v;
         }
