@@ -39,8 +39,9 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
+@lru_cache(maxsize=None)
 def _compile(name: str, extra_flags: tuple[str, ...] = ()):
-    """Compile csrc/<name>.c once per (source, compiler, CPU flags) and load it."""
+    """Compile csrc/<name>.c once per (source, compiler, CPU flags) and load it (once per process)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise KernelUnavailable("no C compiler found (set CC)")
@@ -108,9 +109,10 @@ def load_rope():
                  ("-ffp-contract=off",))
 
 
-def rope_available() -> bool:
+def available(loader) -> bool:
+    """Whether a `load_*` function's kernel compiles and loads here."""
     try:
-        load_rope()
+        loader()
         return True
     except KernelUnavailable:
         return False
@@ -136,25 +138,11 @@ def rope_cpu(x_NHD: torch.Tensor, cos_PD: torch.Tensor, sin_PD: torch.Tensor, po
 @lru_cache(maxsize=1)
 def load_rowwise() -> dict:
     """The compiled row-wise kernels of csrc/rowwise.c by short name (raises KernelUnavailable)."""
-    lib = _compile("rowwise")
     signatures = {"add_rms_norm": [P, I64, P, I64, P, ctypes.c_float, P, I64, I64, I64, ctypes.c_int],
                   "silu_mul": [P, I64, P, I64, I64, I64, ctypes.c_int],
                   "logsumexp": [P, I64, I64, I64, P, ctypes.c_int],
                   "argmax": [P, I64, I64, I64, P, ctypes.c_int]}
-    fns = {}
-    for name, argtypes in signatures.items():
-        fn = getattr(lib, f"toolkit_{name}_f32")
-        fn.argtypes, fn.restype = argtypes, ctypes.c_int
-        fns[name] = fn
-    return fns
-
-
-def rowwise_available() -> bool:
-    try:
-        load_rowwise()
-        return True
-    except KernelUnavailable:
-        return False
+    return {name: _load("rowwise", f"toolkit_{name}_f32", argtypes) for name, argtypes in signatures.items()}
 
 
 def _rows_ok(x: torch.Tensor) -> bool:
@@ -164,7 +152,7 @@ def _rows_ok(x: torch.Tensor) -> bool:
 
 def logsumexp_cpu(x_RV: torch.Tensor) -> torch.Tensor | None:
     """logsumexp of each row (R,) in one C pass per row, or None where the kernel does not apply."""
-    if not _rows_ok(x_RV) or not rowwise_available():
+    if not _rows_ok(x_RV) or not available(load_rowwise):
         return None
     out = torch.empty(x_RV.shape[0], dtype=torch.float32)
     load_rowwise()["logsumexp"](x_RV.data_ptr(), x_RV.stride(0), x_RV.shape[0], x_RV.shape[1], out.data_ptr(),
@@ -175,7 +163,7 @@ def logsumexp_cpu(x_RV: torch.Tensor) -> torch.Tensor | None:
 def argmax_cpu(x_RV: torch.Tensor) -> list[int] | None:
     """torch.argmax(x, dim=-1) of each row (the first maximal index; a NaN counts as the maximum) in one
     C pass, or None where the kernel does not apply."""
-    if not _rows_ok(x_RV) or x_RV.shape[1] == 0 or not rowwise_available():
+    if not _rows_ok(x_RV) or x_RV.shape[1] == 0 or not available(load_rowwise):
         return None
     out = torch.empty(x_RV.shape[0], dtype=torch.int64)
     load_rowwise()["argmax"](x_RV.data_ptr(), x_RV.stride(0), x_RV.shape[0], x_RV.shape[1], out.data_ptr(),
@@ -233,12 +221,10 @@ def sha256_rows(rows_RB, index: "list[int] | None" = None, threads: int | None =
     index = list(range(x.shape[0])) if index is None else [int(i) for i in index]
     if any(not 0 <= i < x.shape[0] for i in index):
         raise IndexError(f"sha256_rows: a row index is outside the {x.shape[0]} rows")
-    if len(index) <= 2:  # a pass of 16 lanes costs about what hashlib takes for two rows
+    # a pass of 16 lanes costs about what hashlib takes for two rows
+    if len(index) <= 2 or not available(load_sha256_rows):
         return [hashlib.sha256(x[i].numpy().view("uint8")).hexdigest() for i in index]
-    try:
-        fn = load_sha256_rows()
-    except KernelUnavailable:
-        return [hashlib.sha256(x[i].numpy().view("uint8")).hexdigest() for i in index]
+    fn = load_sha256_rows()
     offsets = torch.tensor(index, dtype=torch.int64) * (x.stride(0) * x.element_size())
     out = torch.empty((len(index), 32), dtype=torch.uint8)
     fn(x.data_ptr(), offsets.data_ptr(), len(index), x.shape[1] * x.element_size(), out.data_ptr(),

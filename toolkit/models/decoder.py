@@ -170,7 +170,8 @@ class PagedDecoder(nn.Module):
         if kernel not in self._native_ok:
             from toolkit import kernels
 
-            self._native_ok[kernel] = {"rope": kernels.rope_available, "rowwise": kernels.rowwise_available}[kernel]()
+            loader = {"rope": kernels.load_rope, "rowwise": kernels.load_rowwise}[kernel]
+            self._native_ok[kernel] = kernels.available(loader)
         return self._native_ok[kernel]
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
