@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from toolkit.config import SamplingParams
 from toolkit.kernels import add_rms_norm_cpu, paged_attention_cpu, rope_cpu, silu_mul_cpu
 from toolkit.models.decoder import rope_tables, rotate_half
 
@@ -63,7 +64,6 @@ def test_kernel_matches_dense_reference(heads, block_size, contexts, seed):
 
 def test_kernel_and_sdpa_engines_agree(tiny):
     from tests.conftest import make_engine
-    from toolkit.config import SamplingParams
 
     requests = [{"prompt_token_ids": list(range(3 + 7 * i, 40 + 11 * i)), "arrival_step": i,
                  "sampling_params": SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)} for i in range(4)]
@@ -145,3 +145,63 @@ def test_native_silu_mul_against_float64(rows, width, scale, seed):
     ok[0, 0] = abs(got[0, 0]) < 1e-32  # exp(-95) is past fp32: ~0, not a 4-ulp match
     ok[0, 2] = True
     assert ok.all(), (got - want).abs().max()
+
+
+def _both_paths(model):
+    """Make `model` run every forward twice, from the same KV cache: layer by layer from Python, then all
+    layers in one native call; return a list that collects (steps, steps whose logits and caches agree)."""
+    seen = [0, 0]
+    forward = model.forward
+
+    def both(ids, positions, attn, kv_caches, rows, num_layers=None, native_matmul=False):
+        before = [(k.clone(), v.clone()) for k, v in kv_caches]
+        model.fused_layers = False
+        want = forward(ids, positions, attn, kv_caches, rows, num_layers, native_matmul)
+        want_kv = [(k.clone(), v.clone()) for k, v in kv_caches]
+        for (k, v), (k0, v0) in zip(kv_caches, before):
+            k.copy_(k0)
+            v.copy_(v0)
+        model.fused_layers = True
+        got = forward(ids, positions, attn, kv_caches, rows, num_layers, native_matmul)
+        seen[0] += 1
+        seen[1] += torch.equal(got, want) and all(torch.equal(k, k1) and torch.equal(v, v1)
+                                                   for (k, v), (k1, v1) in zip(kv_caches, want_kv))
+        return got
+
+    model.forward = both
+    return seen
+
+
+def _run_both(loaded, prompts, max_tokens, **engine_kwargs):
+    from tests.conftest import make_engine
+
+    seen = _both_paths(loaded.model)
+    try:
+        engine = make_engine(loaded, **engine_kwargs)
+        for p in prompts:
+            engine.add_request(prompt_token_ids=p, sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                                  ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        del loaded.model.forward
+        loaded.model.fused_layers = True
+    return seen
+
+
+@settings(max_examples=15)
+@given(prompts=st.lists(st.lists(st.integers(0, 49151), min_size=1, max_size=40), min_size=1, max_size=5),
+       budget=st.integers(8, 48), block_size=st.sampled_from([4, 16]))
+def test_fused_layers_are_the_layer_by_layer_forward_bit_for_bit(tiny, prompts, budget, block_size):
+    """All layers in one native call (csrc/decoder_layers.c) give the logits and KV cache bits of the
+    layer-by-layer forward, in mixed prefill-chunk + decode steps (tiny: head_dim 16, the scalar attention)."""
+    steps, same = _run_both(tiny, prompts, 6, max_num_batched_tokens=budget, max_num_seqs=8, block_size=block_size,
+                            num_kv_blocks=128)
+    assert steps > 0 and same == steps
+
+
+def test_fused_layers_on_smollm2_bit_for_bit(smollm2):
+    """The same on the real model (head_dim 64, the SIMD attention path), prompts chunked under a small budget."""
+    prompts = [[(7 * i + 3 * j) % 49152 for j in range(n)] for i, n in enumerate((37, 5, 70, 12))]
+    steps, same = _run_both(smollm2, prompts, 5, max_num_batched_tokens=32, max_num_seqs=8, num_kv_blocks=64)
+    assert steps >= 6 and same == steps

@@ -151,6 +151,13 @@ class PagedDecoder(nn.Module):
         self._packed = None  # the projections packed for the native matmul (packed_weights)
         self._native_ok: dict[str, bool] = {}  # whether a native CPU kernel compiled (decided on first use)
         self.act = ACTIVATIONS[arch.activation]
+        # whether every layer is plain Llama (no biases, q/k norms or extra norms, no soft-capping or
+        # sliding window): then a CPU fp32 step on the native kernels runs all layers in one C call
+        self._plain = arch.norm == "rms" and arch.attn_softcap is None and all(
+            arch.window_of(i) is None and all(getattr(l, n) is None for n in VECTORS if n not in ("ln_attn", "ln_mlp"))
+            for i, l in enumerate(self.layers))
+        self.fused_layers = True  # may be switched off per model (tests compare both paths bit for bit)
+        self._layer_weights = None  # the packed weights' addresses per layer, for the fused call
 
     def packed_weights(self):
         """The projections packed for the native matmul, made on first use (a second copy of
@@ -184,6 +191,27 @@ class PagedDecoder(nn.Module):
         if residual is not None:
             x = x + residual
         return x, self._norm(x, weight, bias)
+
+    def _fused(self, n: int, attn: AttentionMetadata, kv_caches, native_matmul: bool, native: bool) -> bool:
+        """Whether this step's layers run in one native call (csrc/decoder_layers.c): a plain Llama on the
+        CPU in fp32 with the packed matmul, every row through the attention kernel, an fp32 cache."""
+        if not (self.fused_layers and self._plain and native and native_matmul and n > 0 and attn.flex is None
+                and attn.kv_quant is None and attn.kernel_rows == n and kv_caches[0][0].dtype == torch.float32):
+            return False
+        if "layers" not in self._native_ok:
+            from toolkit import kernels
+
+            self._native_ok["layers"] = kernels.available(kernels.load_decoder_layers)
+        return self._native_ok["layers"]
+
+    def _layer_table(self, packed, kv_caches, num_layers: int) -> torch.Tensor:
+        """Per layer: the addresses of its norm weights, packed projections and K / V caches."""
+        if self._layer_weights is None:
+            self._layer_weights = [[l.ln_attn.data_ptr(), l.ln_mlp.data_ptr()]
+                                   + [p[name].data.data_ptr() for name in ("w_qkv", "w_o", "w_gate_up", "w_down")]
+                                   for l, p in zip(self.layers, packed)]
+        return torch.tensor([w + [k.data_ptr(), v.data_ptr()]
+                             for w, (k, v) in zip(self._layer_weights[:num_layers], kv_caches)], dtype=torch.int64)
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
@@ -231,7 +259,17 @@ class PagedDecoder(nn.Module):
             cos = self.rope_cos[positions_N].unsqueeze(1).to(self.embed.dtype)  # (N, 1, Dh)
             sin = self.rope_sin[positions_N].unsqueeze(1).to(self.embed.dtype)
         pending = None  # the previous layer's MLP output: the next norm adds it to x
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers[:num_layers], kv_caches)):
+        layers = list(zip(self.layers[:num_layers], kv_caches))
+        if native_silu and native_rope and self._fused(n, attn, kv_caches, native_matmul, native_norm):
+            from toolkit.kernels import decoder_layers_cpu
+
+            dims = (n, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, self.layers[0].w_down.shape[0],
+                    kv_caches[0][0].shape[1])
+            decoder_layers_cpu(x, self._layer_table(packed, kv_caches, len(layers)), dims, positions_N,
+                               attn.slot_mapping_N, self.rope_cos, self.rope_sin, attn.block_tables_SB,
+                               attn.query_table_N, attn.query_ctx_N, a.rms_norm_eps, self.scale)
+            layers = []  # x holds the last layer's residual stream, its MLP output added
+        for i, (layer, (k_cache, v_cache)) in enumerate(layers):
             weights = packed[i] if packed else None
 
             def proj(h, name, bias=None):

@@ -1,0 +1,82 @@
+/*
+ * A Llama-style decoder's layers for one engine step, in one call from Python.
+ *
+ * Every operation is one of the kernels the layer-by-layer forward calls from Python (the packed
+ * matmul, residual add + RMSNorm, RoPE, paged attention, SiLU * up), reached through function
+ * pointers so that each keeps the compiler flags its bits depend on (RoPE is built without fused
+ * multiply-adds); the same kernels on the same inputs in the same order give the same bits. What
+ * the call saves is the Python between them: per layer ~10 calls into C, a dozen tensor views and
+ * allocations and two index_copy_ for the KV write (about 10-20 ms of a 30-layer decode step).
+ *
+ * Layer l, with m the previous layer's MLP output (none before layer 0):
+ *   x += m; h = rmsnorm(x) * ln_attn;  qkv = h @ w_qkv;  q|k = rope(qkv's q|k heads)
+ *   cache[slot] = k, v;  a = attention(q);  x += a @ w_o;  h = rmsnorm(x) * ln_mlp
+ *   m = silu(gate) * up of (h @ w_gate_up) @ w_down
+ * and after the last layer x += m (the caller applies the final norm to the rows it samples).
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef int (*matmul_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t, int64_t, int64_t, int);
+typedef int (*norm_fn)(float *, int64_t, const float *, int64_t, const float *, float, float *, int64_t, int64_t,
+                       int64_t, int);
+typedef int (*silu_fn)(const float *, int64_t, float *, int64_t, int64_t, int64_t, int);
+typedef int (*rope_fn)(const float *, int64_t, float *, const float *, const float *, int64_t, const int64_t *,
+                       int64_t, int64_t, int64_t, int);
+typedef int (*attention_fn)(const float *, int64_t, const float *, const float *, const int64_t *, int64_t,
+                            const int64_t *, const int64_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                            float, int);
+
+enum { F_MATMUL, F_NORM, F_SILU, F_ROPE, F_ATTENTION, NUM_FNS };
+/* per layer, addresses of: the two norm weights, the four packed projections, the K and V caches */
+enum { L_LN_ATTN, L_LN_MLP, L_QKV, L_O, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, L_FIELDS };
+/* dims[]: N (tokens), hidden, H, K, D (head dim), F (MLP width), block size, rotary table rows, block-table stride */
+enum { D_N, D_HIDDEN, D_H, D_K, D_HD, D_F, D_BS, D_MAX_POS, D_BT_STRIDE, NUM_DIMS };
+/* work[]: the step's buffers, each N rows: h [hidden], qkv [(H+2K)D], qk [(H+K)D], attn [HD], o [hidden],
+ * gate_up [2F], act [F], m [hidden] */
+enum { W_H, W_QKV, W_QK, W_ATTN, W_O, W_GATE_UP, W_ACT, W_M, NUM_WORK };
+
+/* 0, or the failing kernel's code: -2 a position outside the rotary table, -1 shapes a kernel refused */
+int toolkit_decoder_layers(const int64_t *fns, const int64_t *layers, int64_t num_layers, const int64_t *dims,
+                           float *x, const int64_t *work, const int64_t *positions, const int64_t *slots,
+                           const float *cos_table, const float *sin_table, const int64_t *block_tables,
+                           const int64_t *query_table, const int64_t *query_ctx, float eps, float scale,
+                           int threads)
+{
+    const matmul_fn matmul = (matmul_fn)(intptr_t)fns[F_MATMUL];
+    const norm_fn norm = (norm_fn)(intptr_t)fns[F_NORM];
+    const silu_fn silu = (silu_fn)(intptr_t)fns[F_SILU];
+    const rope_fn rope = (rope_fn)(intptr_t)fns[F_ROPE];
+    const attention_fn attention = (attention_fn)(intptr_t)fns[F_ATTENTION];
+    const int64_t N = dims[D_N], E = dims[D_HIDDEN], H = dims[D_H], K = dims[D_K], D = dims[D_HD], F = dims[D_F];
+    const int64_t qw = H * D, kvw = K * D, qkvw = qw + 2 * kvw, qkw = qw + kvw;
+    float *h = (float *)(intptr_t)work[W_H], *qkv = (float *)(intptr_t)work[W_QKV];
+    float *qk = (float *)(intptr_t)work[W_QK], *att = (float *)(intptr_t)work[W_ATTN];
+    float *o = (float *)(intptr_t)work[W_O], *gu = (float *)(intptr_t)work[W_GATE_UP];
+    float *act = (float *)(intptr_t)work[W_ACT], *m = (float *)(intptr_t)work[W_M];
+    int rc;
+#define TRY(call) do { if ((rc = (call)) != 0) return rc; } while (0)
+#define PTR(l, f) ((const float *)(intptr_t)layers[(l) * L_FIELDS + (f)])
+    for (int64_t l = 0; l < num_layers; l++) {
+        float *k_cache = (float *)PTR(l, L_K_CACHE), *v_cache = (float *)PTR(l, L_V_CACHE);
+        TRY(norm(x, E, l ? m : 0, E, PTR(l, L_LN_ATTN), eps, h, E, N, E, threads));
+        TRY(matmul(h, E, PTR(l, L_QKV), qkv, qkvw, N, E, qkvw, threads));
+        TRY(rope(qkv, qkvw, qk, cos_table, sin_table, dims[D_MAX_POS], positions, N, H + K, D, threads));
+        for (int64_t n = 0; n < N; n++) {  /* this step's keys and values into their slots */
+            memcpy(k_cache + slots[n] * kvw, qk + n * qkw + qw, (size_t)kvw * sizeof(float));
+            memcpy(v_cache + slots[n] * kvw, qkv + n * qkvw + qkw, (size_t)kvw * sizeof(float));
+        }
+        TRY(attention(qk, qkw, k_cache, v_cache, block_tables, dims[D_BT_STRIDE], query_table, query_ctx, att,
+                      N, H, K, D, dims[D_BS], scale, threads));
+        TRY(matmul(att, qw, PTR(l, L_O), o, E, N, qw, E, threads));
+        TRY(norm(x, E, o, E, PTR(l, L_LN_MLP), eps, h, E, N, E, threads));
+        TRY(matmul(h, E, PTR(l, L_GATE_UP), gu, 2 * F, N, E, 2 * F, threads));
+        TRY(silu(gu, 2 * F, act, F, N, F, threads));
+        TRY(matmul(act, F, PTR(l, L_DOWN), m, E, N, F, E, threads));
+    }
+    if (num_layers > 0)
+        for (int64_t i = 0; i < N * E; i++) x[i] += m[i];
+    return 0;
+#undef TRY
+#undef PTR
+}
