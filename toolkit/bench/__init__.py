@@ -245,7 +245,8 @@ def print_report(report: dict[str, Any], run_dir: Path) -> None:
               + ", ".join(f"{m}: {r:.0f} / {_fmt(native.get(m), '.0f')}" for m, r in roof["gemm_gflops_torch"].items()))
         for r in roof["by_batch"] + roof["by_context"]:
             print(f"  batch {r['batch']:>3} context {r['context']:>5}: step {r['step_ms']:7.1f} ms, GEMM roofline "
-                  f"{r['gemm_bound_ms']:6.1f} ms + KV read {r['kv_read_ms']:5.1f} ms -> "
+                  f"{r['gemm_bound_ms']:6.1f} ms ({r['gemm_gflops_alongside']:.0f} GFLOP/s, timed alongside) + KV read "
+                  f"{r['kv_read_ms']:5.1f} ms -> "
                   f"{100 * r['fraction_of_gemm_roofline']:.0f}% of GEMM roofline "
                   f"({100 * r['fraction_of_torch_gemm_roofline']:.0f}% of torch's), "
                   f"{100 * r['fraction_of_bound']:.0f}% of bound, {r['tok_per_s']:.0f} tok/s")
