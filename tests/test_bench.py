@@ -11,7 +11,7 @@ from tests.test_cli import run_cli
 def test_bench_harness_reports_systems_roofline_kernels_and_kv_capacity(tmp_path):
     proc = run_cli("mode=bench", "model=tiny", "bench.systems=[engine,engine_notrace]", "bench.num_requests=4",
                    "bench.max_tokens=8", "bench.roofline_batches=[1,4]", "bench.roofline_contexts=[32]",
-                   "bench.roofline_batch_context=32", "bench.roofline_context_batch=1", "bench.kv_cost=true",
+                   "bench.roofline_batch_context=32", "bench.roofline_context_batch=[1,2]", "bench.kv_cost=true",
                    "bench.kv_dtypes=[auto,int8]", "bench.kv_context=64", "bench.kv_budget_gb=0.0002",
                    "bench.engine_variants={torch_matmul: {matmul_backend: torch}}", "bench.kernel_cost=true",
                    run_dir=tmp_path)
@@ -23,7 +23,8 @@ def test_bench_harness_reports_systems_roofline_kernels_and_kv_capacity(tmp_path
     work = report["trace_work"]  # the trace's own time, measured where it runs
     assert work["engine_thread_s"] > 0 and work["worker_cpu_s"] > 0 and 0 < work["fraction_of_wall"] < 1
     roof = report["roofline"]
-    assert set(roof["gemm_gflops_torch"]) == set(roof["gemm_gflops_native"]) == {"1", "4"}
+    assert set(roof["gemm_gflops_torch"]) == set(roof["gemm_gflops_native"]) == {"1", "2", "4"}
+    assert [(r["batch"], r["context"]) for r in roof["by_context"]] == [(1, 32), (2, 32)]
     for row in roof["by_batch"] + roof["by_context"]:
         assert row["step_ms"] > 0 and row["gemm_bound_ms"] > 0 and row["gemm_gflops_alongside"] > 0
         assert abs(row["fraction_of_gemm_roofline"] - row["gemm_bound_ms"] / row["step_ms"]) < 1e-9

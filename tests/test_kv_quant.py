@@ -260,3 +260,12 @@ def test_native_kernel_reads_quantised_blocks_like_sdpa(kv_dtype, granularity):
         got = paged_attention(q, k_cache, v_cache, ours, arch.scale, layer=layer)
         want = paged_attention(q, k_cache, v_cache, theirs, arch.scale, layer=layer)
         assert (got - want).abs().max().item() < 1e-5, layer
+
+
+@pytest.mark.parametrize("kv_dtype,granularity", [("auto", "block"), ("bf16", "block"), ("int8", "block"),
+                                                  ("int8", "tensor"), ("fp8_e4m3", "block")])
+def test_planned_block_bytes_are_the_allocated_ones(kv_dtype, granularity):
+    """The engine sizes its pool with PagedKVCache.block_bytes before allocating: it must be what a block takes."""
+    cache = PagedKVCache(3, 2, BS, K, D, torch.float32, "cpu", kv_dtype=kv_dtype, granularity=granularity)
+    assert PagedKVCache.block_bytes(3, BS, K, D, torch.float32, kv_dtype, granularity) == cache.bytes_per_block
+    assert cache.nbytes == 2 * cache.bytes_per_block  # what the two blocks' tensors hold

@@ -141,7 +141,8 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(t for t in eos if t < self.vocab_size))
         layers, kv_heads, head_dim = loaded.model.kv_shape
-        block_bytes = self._block_bytes(layers, kv_heads, head_dim)
+        block_bytes = PagedKVCache.block_bytes(layers, self.cfg.block_size, kv_heads, head_dim, loaded.model.embed.dtype,
+                                               self.cfg.kv_cache_dtype, self.cfg.kv_scale_granularity)
         self.num_kv_blocks = self.cfg.num_kv_blocks or self._auto_num_blocks(block_bytes)
         num_host_blocks = int(self.cfg.swap_space_gb * 2**30 // block_bytes) if self.cfg.preemption_mode == "swap" else 0
         self.kv_cache = PagedKVCache(layers, self.num_kv_blocks, self.cfg.block_size, kv_heads, head_dim,
@@ -168,16 +169,6 @@ class Engine:
         self.first_admission_time: float | None = None
         self.last_finish_time: float | None = None
         self._next_id = 0
-
-    def _block_bytes(self, layers: int, kv_heads: int, head_dim: int) -> int:
-        """Bytes of one KV block over all layers in the configured storage, per-block scales included."""
-        from toolkit.kv.quant import storage_dtype
-
-        store = storage_dtype(self.cfg.kv_cache_dtype, self.loaded.model.embed.dtype)
-        element = torch.empty((), dtype=store).element_size()
-        scales = 2 * layers * kv_heads * 4 if self.cfg.kv_cache_dtype in ("int8", "fp8_e4m3") and \
-            self.cfg.kv_scale_granularity == "block" else 0
-        return 2 * layers * self.cfg.block_size * kv_heads * head_dim * element + scales
 
     def _calibrate_kv_scales(self) -> None:
         """Static per-tensor KV scales from one prefill of a fixed calibration text in full precision

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from toolkit.bench import roofline, systems
 from toolkit.bench.plots import plot_bench
@@ -28,6 +28,11 @@ from toolkit.models.loading import smollm2_dir, smollm2_gguf
 
 KNOWN_SYSTEMS = ("engine", "engine_notrace", "hf_static", "hf_cb", "naive", "llama_cpp")
 
+
+
+def _as_list(value) -> list:
+    """A config value that may be one item or a list of them."""
+    return list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
 
 def agreement(reference: dict[str, list[int]], other: dict[str, list[int]]) -> dict[str, Any]:
     """How many requests are token-identical (over the shorter length), and the first differing position."""
@@ -163,7 +168,7 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
         print("  measuring the roofline ...", flush=True)
         report["roofline"] = roofline.measure(loaded, engine_cfg, list(b["roofline_batches"]),
                                               list(b["roofline_contexts"]), b["roofline_batch_context"],
-                                              b["roofline_context_batch"])
+                                              _as_list(b["roofline_context_batch"]))
     (run_dir / "bench.json").write_text(json.dumps(report, indent=2))
     plot_bench(report, run_dir / "bench.png")
     print_report(report, run_dir)

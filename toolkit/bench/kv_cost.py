@@ -23,7 +23,7 @@ def bytes_per_sequence(loaded, engine_cfg: EngineConfig, context: int) -> float:
                    SamplingParams())
     cache = probe.kv_cache
     blocks = -(-context // engine_cfg.block_size)
-    return blocks * (cache.bytes_per_token * cache.block_size + cache.scale_bytes_per_block)
+    return blocks * cache.bytes_per_block
 
 
 def measure(loaded, engine_cfg: EngineConfig, dtypes=("auto", "bf16", "int8", "fp8_e4m3"), context: int = 2048,

@@ -137,10 +137,10 @@ def decode_step_ms(loaded, engine_cfg: EngineConfig, batch: int, context: int, s
 
 
 def measure(loaded, engine_cfg: EngineConfig, batch_sizes: list[int], contexts: list[int], batch_context: int,
-            context_batch: int) -> dict[str, Any]:
+            context_batches: list[int]) -> dict[str, Any]:
     model = loaded.model
     bw = memory_bandwidth_gbs()
-    sizes = sorted(set(batch_sizes) | {context_batch})
+    sizes = sorted(set(batch_sizes) | set(context_batches))
     torch_rates = {m: gemm_gflops(model, m) for m in sizes}
     native_rates = {}
     if engine_cfg.device == "cpu" and model.embed.dtype == torch.float32:
@@ -175,5 +175,5 @@ def measure(loaded, engine_cfg: EngineConfig, batch_sizes: list[int], contexts: 
         "gemm_gflops_torch": {str(m): r for m, r in torch_rates.items()},
         "gemm_gflops_native": {str(m): r for m, r in native_rates.items()},
         "by_batch": [row(b, batch_context) for b in batch_sizes],
-        "by_context": [row(context_batch, c) for c in contexts],
+        "by_context": [row(b, c) for b in context_batches for c in contexts],
     }

@@ -101,6 +101,14 @@ class PagedKVCache:
             ks.copy_((k.float().abs().amax(dim=(0, 2)) / q_max).clamp_min(1e-8))
             vs.copy_((v.float().abs().amax(dim=(0, 2)) / q_max).clamp_min(1e-8))
 
+    @staticmethod
+    def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    kv_dtype: str = "auto", granularity: str = "block") -> int:
+        """Bytes one block takes over all layers (K, V and per-block fp32 scales), before any is allocated."""
+        element = torch.empty((), dtype=storage_dtype(kv_dtype, dtype)).element_size()
+        scales = 2 * num_layers * num_kv_heads * 4 if is_quantized(kv_dtype) and granularity == "block" else 0
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * element + scales
+
     @property
     def bytes_per_block(self) -> int:
         return self.bytes_per_token * self.block_size + self.scale_bytes_per_block
