@@ -291,7 +291,11 @@ class SamplingParams:
         from toolkit.grammar import StructuredOutputs
 
         set_("structured_outputs", StructuredOutputs.coerce(self.structured_outputs))
+        # which processors change anything: fixed for these (frozen) parameters, asked per row and step
+        set_("_active", frozenset(name for name, on in self._activity().items() if on))
         self._check_processors()
+        set_("_description", tuple([self.describe(p) for p in self.active_processors()]
+                                   + ["argmax" if self.greedy else "gumbel_max"]))
 
     def _check_processors(self) -> None:
         if self.processors is None:
@@ -320,6 +324,11 @@ class SamplingParams:
 
     def is_active(self, name: str) -> bool:
         """Whether processor `name` changes anything for these parameters."""
+        if name not in DEFAULT_PROCESSORS:
+            raise KeyError(name)
+        return name in self._active
+
+    def _activity(self) -> dict[str, bool]:
         return {
             "repetition_penalty": self.repetition_penalty != 1.0,
             "presence_penalty": self.presence_penalty != 0.0,
@@ -334,7 +343,7 @@ class SamplingParams:
             "top_k": self.top_k > 0,
             "top_p": self.top_p < 1.0,
             "min_p": self.min_p > 0.0,
-        }[name]
+        }
 
     def active_processors(self, order: tuple[str, ...] | None = None) -> tuple[str, ...]:
         return tuple(p for p in (order or self.order) if self.is_active(p))
@@ -353,7 +362,7 @@ class SamplingParams:
 
     def pipeline_description(self) -> list[str]:
         """The active processors with their parameters, then the selection rule."""
-        return [self.describe(p) for p in self.active_processors()] + ["argmax" if self.greedy else "gumbel_max"]
+        return list(self._description)
 
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
