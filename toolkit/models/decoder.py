@@ -192,11 +192,15 @@ class PagedDecoder(nn.Module):
             x = x + residual
         return x, self._norm(x, weight, bias)
 
-    def _fused(self, n: int, attn: AttentionMetadata, kv_caches, native_matmul: bool, native: bool) -> bool:
+    def _fused(self, attn: AttentionMetadata, kv_caches, positions_N: torch.Tensor, native_matmul: bool,
+               native: bool) -> bool:
         """Whether this step's layers run in one native call (csrc/decoder_layers.c): a plain Llama on the
         CPU in fp32 with the packed matmul, every row through the attention kernel, an fp32 cache."""
+        n = positions_N.shape[0]
         if not (self.fused_layers and self._plain and native and native_matmul and n > 0 and attn.flex is None
-                and attn.kv_quant is None and attn.kernel_rows == n and kv_caches[0][0].dtype == torch.float32):
+                and attn.kv_quant is None and attn.kernel_rows == n and kv_caches[0][0].dtype == torch.float32
+                and all(t.dtype == torch.int64 and t.is_contiguous() for t in
+                        (positions_N, attn.slot_mapping_N, attn.query_table_N, attn.query_ctx_N, attn.block_tables_SB))):
             return False
         if "layers" not in self._native_ok:
             from toolkit import kernels
@@ -260,7 +264,7 @@ class PagedDecoder(nn.Module):
             sin = self.rope_sin[positions_N].unsqueeze(1).to(self.embed.dtype)
         pending = None  # the previous layer's MLP output: the next norm adds it to x
         layers = list(zip(self.layers[:num_layers], kv_caches))
-        if native_silu and native_rope and self._fused(n, attn, kv_caches, native_matmul, native_norm):
+        if native_silu and native_rope and self._fused(attn, kv_caches, positions_N, native_matmul, native_norm):
             from toolkit.kernels import decoder_layers_cpu
 
             dims = (n, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, self.layers[0].w_down.shape[0],
