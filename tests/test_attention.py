@@ -205,3 +205,37 @@ def test_fused_layers_on_smollm2_bit_for_bit(smollm2):
     prompts = [[(7 * i + 3 * j) % 49152 for j in range(n)] for i, n in enumerate((37, 5, 70, 12))]
     steps, same = _run_both(smollm2, prompts, 5, max_num_batched_tokens=32, max_num_seqs=8, num_kv_blocks=64)
     assert steps >= 6 and same == steps
+
+
+def test_fused_layers_refuse_a_slot_outside_the_cache_before_writing(tiny):
+    """A KV slot outside the cache is refused with an IndexError before any layer writes (the C call
+    checks every slot first): the cache is left as it was."""
+    import dataclasses
+
+    from tests.conftest import make_engine
+
+    model, checked = tiny.model, []
+    forward = model.forward
+
+    def tampered(ids, positions, attn, kv_caches, rows, num_layers=None, native_matmul=False):
+        if not checked:
+            before = [(k.clone(), v.clone()) for k, v in kv_caches]
+            slots = attn.slot_mapping_N.clone()
+            slots[-1] = kv_caches[0][0].shape[0] * kv_caches[0][0].shape[1]  # one past the last slot
+            with pytest.raises(IndexError, match="KV slot"):
+                forward(ids, positions, dataclasses.replace(attn, slot_mapping_N=slots), kv_caches, rows, num_layers,
+                        native_matmul)
+            checked.append(all(torch.equal(k, k0) and torch.equal(v, v0)
+                               for (k, v), (k0, v0) in zip(kv_caches, before)))
+        return forward(ids, positions, attn, kv_caches, rows, num_layers, native_matmul)
+
+    model.forward = tampered
+    try:
+        engine = make_engine(tiny, max_num_batched_tokens=16, max_num_seqs=2, num_kv_blocks=8)
+        engine.add_request(prompt_token_ids=list(range(5, 25)),
+                           sampling_params=SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        del model.forward
+    assert checked == [True]

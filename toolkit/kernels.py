@@ -331,21 +331,26 @@ def load_decoder_layers():
 
 def decoder_layers_cpu(x_NE: torch.Tensor, layers_L8: torch.Tensor, dims: tuple[int, ...], positions_N: torch.Tensor,
                        slots_N: torch.Tensor, cos_PD: torch.Tensor, sin_PD: torch.Tensor, block_tables_SB: torch.Tensor,
-                       query_table_N: torch.Tensor, query_ctx_N: torch.Tensor, eps: float, scale: float) -> None:
+                       query_table_N: torch.Tensor, query_ctx_N: torch.Tensor, eps: float, scale: float,
+                       num_slots: int) -> None:
     """Run a Llama-style decoder's layers over the step's N tokens in one call (csrc/decoder_layers.c):
     `x` (N, hidden), contiguous, is updated in place to the last layer's residual stream. `layers_L8` holds
     each layer's addresses (ln_attn, ln_mlp, packed w_qkv, w_o, w_gate_up, w_down, K cache, V cache);
-    dims = (N, hidden, heads, kv heads, head dim, MLP width, block size)."""
+    dims = (N, hidden, heads, kv heads, head dim, MLP width, block size); a slot outside the cache's
+    `num_slots` raises before anything is written."""
     fn, kernels = load_decoder_layers()
     n, e, h, k, d, f, bs = dims
     widths = [e, (h + 2 * k) * d, (h + k) * d, h * d, e, 2 * f, f, e]  # h, qkv, qk, attn, o, gate_up, act, m
     work = torch.empty(n * sum(widths), dtype=torch.float32)
     offsets = torch.tensor([0, *widths[:-1]], dtype=torch.int64).cumsum(0) * (n * 4) + work.data_ptr()
-    all_dims = torch.tensor([n, e, h, k, d, f, bs, cos_PD.shape[0], block_tables_SB.stride(0)], dtype=torch.int64)
+    all_dims = torch.tensor([n, e, h, k, d, f, bs, cos_PD.shape[0], block_tables_SB.stride(0), num_slots],
+                            dtype=torch.int64)
     rc = fn(kernels.data_ptr(), layers_L8.data_ptr(), layers_L8.shape[0], all_dims.data_ptr(), x_NE.data_ptr(),
             offsets.data_ptr(), positions_N.data_ptr(), slots_N.data_ptr(), cos_PD.data_ptr(), sin_PD.data_ptr(),
             block_tables_SB.data_ptr(), query_table_N.data_ptr(), query_ctx_N.data_ptr(), eps, scale,
             torch.get_num_threads())
+    if rc == -3:
+        raise IndexError(f"a KV slot is outside the cache's {num_slots} slots")
     if rc == -2:
         raise IndexError(f"a position is outside the rotary table of {cos_PD.shape[0]} positions")
     if rc != 0:

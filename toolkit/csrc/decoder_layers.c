@@ -30,13 +30,15 @@ typedef int (*attention_fn)(const float *, int64_t, const float *, const float *
 enum { F_MATMUL, F_NORM, F_SILU, F_ROPE, F_ATTENTION, NUM_FNS };
 /* per layer, addresses of: the two norm weights, the four packed projections, the K and V caches */
 enum { L_LN_ATTN, L_LN_MLP, L_QKV, L_O, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, L_FIELDS };
-/* dims[]: N (tokens), hidden, H, K, D (head dim), F (MLP width), block size, rotary table rows, block-table stride */
-enum { D_N, D_HIDDEN, D_H, D_K, D_HD, D_F, D_BS, D_MAX_POS, D_BT_STRIDE, NUM_DIMS };
+/* dims[]: N (tokens), hidden, H, K, D (head dim), F (MLP width), block size, rotary table rows, block-table
+ * stride, cache slots (blocks x block size) */
+enum { D_N, D_HIDDEN, D_H, D_K, D_HD, D_F, D_BS, D_MAX_POS, D_BT_STRIDE, D_SLOTS, NUM_DIMS };
 /* work[]: the step's buffers, each N rows: h [hidden], qkv [(H+2K)D], qk [(H+K)D], attn [HD], o [hidden],
  * gate_up [2F], act [F], m [hidden] */
 enum { W_H, W_QKV, W_QK, W_ATTN, W_O, W_GATE_UP, W_ACT, W_M, NUM_WORK };
 
-/* 0, or the failing kernel's code: -2 a position outside the rotary table, -1 shapes a kernel refused */
+/* 0, or: -3 a KV slot outside the cache (checked before anything is written), -2 a position outside the
+ * rotary table, -1 shapes a kernel refused */
 int toolkit_decoder_layers(const int64_t *fns, const int64_t *layers, int64_t num_layers, const int64_t *dims,
                            float *x, const int64_t *work, const int64_t *positions, const int64_t *slots,
                            const float *cos_table, const float *sin_table, const int64_t *block_tables,
@@ -55,6 +57,8 @@ int toolkit_decoder_layers(const int64_t *fns, const int64_t *layers, int64_t nu
     float *o = (float *)(intptr_t)work[W_O], *gu = (float *)(intptr_t)work[W_GATE_UP];
     float *act = (float *)(intptr_t)work[W_ACT], *m = (float *)(intptr_t)work[W_M];
     int rc;
+    for (int64_t n = 0; n < N; n++)
+        if (slots[n] < 0 || slots[n] >= dims[D_SLOTS]) return -3;
 #define TRY(call) do { if ((rc = (call)) != 0) return rc; } while (0)
 #define PTR(l, f) ((const float *)(intptr_t)layers[(l) * L_FIELDS + (f)])
     for (int64_t l = 0; l < num_layers; l++) {

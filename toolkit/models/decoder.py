@@ -271,7 +271,8 @@ class PagedDecoder(nn.Module):
                     kv_caches[0][0].shape[1])
             decoder_layers_cpu(x, self._layer_table(packed, kv_caches, len(layers)), dims, positions_N,
                                attn.slot_mapping_N, self.rope_cos, self.rope_sin, attn.block_tables_SB,
-                               attn.query_table_N, attn.query_ctx_N, a.rms_norm_eps, self.scale)
+                               attn.query_table_N, attn.query_ctx_N, a.rms_norm_eps, self.scale,
+                               kv_caches[0][0].shape[0] * kv_caches[0][0].shape[1])
             layers = []  # x holds the last layer's residual stream, its MLP output added
         for i, (layer, (k_cache, v_cache)) in enumerate(layers):
             weights = packed[i] if packed else None
