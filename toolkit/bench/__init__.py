@@ -29,10 +29,10 @@ from toolkit.models.loading import smollm2_dir, smollm2_gguf
 KNOWN_SYSTEMS = ("engine", "engine_notrace", "hf_static", "hf_cb", "naive", "llama_cpp")
 
 
-
 def _as_list(value) -> list:
     """A config value that may be one item or a list of them."""
     return list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+
 
 def agreement(reference: dict[str, list[int]], other: dict[str, list[int]]) -> dict[str, Any]:
     """How many requests are token-identical (over the shorter length), and the first differing position."""

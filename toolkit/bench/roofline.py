@@ -26,14 +26,15 @@ from toolkit.engine import Engine
 from toolkit.request import RequestStatus
 
 
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def _best(fn, repeats: int) -> float:
     fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+    return min(_timed(fn) for _ in range(repeats))
 
 
 def memory_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
@@ -112,12 +113,6 @@ def decode_engine(loaded, engine_cfg: EngineConfig, batch: int, context: int, st
         seq.admitted_step = 0
         engine.scheduler.running.append(seq)
     return engine
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def decode_step_ms(loaded, engine_cfg: EngineConfig, batch: int, context: int, steps: int = 8,
