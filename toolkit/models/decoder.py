@@ -171,13 +171,15 @@ class PagedDecoder(nn.Module):
 
     def _native(self, x: torch.Tensor, kernel: str) -> bool:
         """Whether fp32 CPU activations go through a native kernel: "rope" (one pass, bit-identical to
-        the torch expression) or "rowwise" (residual add + RMSNorm, SiLU * up, each one pass)."""
+        the torch expression), "rowwise" (residual add + RMSNorm, SiLU * up, each one pass) or "layers"
+        (all layers in one call over those kernels)."""
         if x.device.type != "cpu" or x.dtype != torch.float32:
             return False
         if kernel not in self._native_ok:
             from toolkit import kernels
 
-            loader = {"rope": kernels.load_rope, "rowwise": kernels.load_rowwise}[kernel]
+            loader = {"rope": kernels.load_rope, "rowwise": kernels.load_rowwise,
+                      "layers": kernels.load_decoder_layers}[kernel]
             self._native_ok[kernel] = kernels.available(loader)
         return self._native_ok[kernel]
 
@@ -192,21 +194,16 @@ class PagedDecoder(nn.Module):
             x = x + residual
         return x, self._norm(x, weight, bias)
 
-    def _fused(self, attn: AttentionMetadata, kv_caches, positions_N: torch.Tensor, native_matmul: bool,
-               native: bool) -> bool:
-        """Whether this step's layers run in one native call (csrc/decoder_layers.c): a plain Llama on the
-        CPU in fp32 with the packed matmul, every row through the attention kernel, an fp32 cache."""
+    def _fused(self, x: torch.Tensor, attn: AttentionMetadata, kv_caches, positions_N: torch.Tensor) -> bool:
+        """Whether this step's layers run in one native call (csrc/decoder_layers.c): a plain Llama in fp32 on
+        the CPU (the caller checks the native matmul, RoPE, norm and SiLU kernels apply), every row through the
+        attention kernel, an fp32 cache."""
         n = positions_N.shape[0]
-        if not (self.fused_layers and self._plain and native and native_matmul and n > 0 and attn.flex is None
-                and attn.kv_quant is None and attn.kernel_rows == n and kv_caches[0][0].dtype == torch.float32
+        return (self.fused_layers and self._plain and n > 0 and attn.flex is None and attn.kv_quant is None
+                and attn.kernel_rows == n and kv_caches[0][0].dtype == torch.float32
                 and all(t.dtype == torch.int64 and t.is_contiguous() for t in
-                        (positions_N, attn.slot_mapping_N, attn.query_table_N, attn.query_ctx_N, attn.block_tables_SB))):
-            return False
-        if "layers" not in self._native_ok:
-            from toolkit import kernels
-
-            self._native_ok["layers"] = kernels.available(kernels.load_decoder_layers)
-        return self._native_ok["layers"]
+                        (positions_N, attn.slot_mapping_N, attn.query_table_N, attn.query_ctx_N, attn.block_tables_SB))
+                and self._native(x, "layers"))
 
     def _layer_table(self, packed, kv_caches, num_layers: int) -> torch.Tensor:
         """Per layer: the addresses of its norm weights, packed projections and K / V caches."""
@@ -264,7 +261,7 @@ class PagedDecoder(nn.Module):
             sin = self.rope_sin[positions_N].unsqueeze(1).to(self.embed.dtype)
         pending = None  # the previous layer's MLP output: the next norm adds it to x
         layers = list(zip(self.layers[:num_layers], kv_caches))
-        if native_silu and native_rope and self._fused(attn, kv_caches, positions_N, native_matmul, native_norm):
+        if native_matmul and native_silu and native_rope and self._fused(x, attn, kv_caches, positions_N):
             from toolkit.kernels import decoder_layers_cpu
 
             dims = (n, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, self.layers[0].w_down.shape[0],
