@@ -206,8 +206,9 @@ class Engine:
         return self._grammar
 
     def _attention_backend(self) -> str:
-        """auto: the native kernel on CPU fp32 when it compiles, else torch's sdpa path."""
-        from toolkit.kernels import quantized_kernel_supports
+        """auto: the native kernel on CPU fp32 when it builds here and takes the model's shapes, else torch's
+        sdpa path (one warning line on stderr when the kernels do not build: toolkit.kernels.native)."""
+        from toolkit.kernels import KernelUnavailable, native
 
         wanted = self.cfg.attention_backend
         if wanted == "flex" and self.cfg.kv_cache_dtype != "auto":
@@ -216,24 +217,26 @@ class Engine:
         if wanted in ("sdpa", "flex"):
             return wanted
         problem = None
-        unsupported = self.loaded.arch.needs_torch_attention
+        arch = self.loaded.arch
+        unsupported = arch.needs_torch_attention
         if unsupported:
-            problem = f"the native kernel has no {unsupported} ({self.loaded.arch.family})"
-        elif self.cfg.kv_cache_dtype == "bf16" or (self.cfg.kv_cache_dtype != "auto" and not quantized_kernel_supports(
-                self.loaded.arch.num_heads, self.loaded.arch.head_dim)):
-            problem = (f"the native kernel reads fp32, or int8/fp8 at head_dim 64 or 128, not "
-                       f"engine.kv_cache_dtype={self.cfg.kv_cache_dtype} at head_dim {self.loaded.arch.head_dim}")
+            problem = f"the native kernel has no {unsupported} ({arch.family})"
+        elif self.cfg.kv_cache_dtype == "bf16":
+            problem = "the native kernel reads an fp32 or 8-bit cache, not engine.kv_cache_dtype=bf16"
         elif self.device.type != "cpu" or self.loaded.model.embed.dtype != torch.float32:
             problem = "the native kernel runs on the CPU in float32 only"
         else:
-            from toolkit.kernels import KernelUnavailable, load_matmul_invariant, load_paged_attention
-
             try:
-                load_paged_attention()
-                if self.cfg.batch_invariant:
-                    load_matmul_invariant()
+                lib = native()
             except KernelUnavailable as exc:
-                problem = str(exc)
+                problem = f"{exc} (fix: install gcc or clang, or set CC)"
+            else:
+                quantized = self.cfg.kv_cache_dtype != "auto"
+                if not lib.attention_supports(arch.num_heads, arch.num_kv_heads, arch.head_dim, self.cfg.block_size,
+                                              quantized):
+                    problem = (f"the native kernel takes {'an 8-bit cache at head_dim 64 or 128 with <= 32 heads' if quantized else 'head_dim <= 256, <= 32 query heads per KV head and engine.block_size <= 64'}, "
+                               f"not {arch.num_heads} heads / {arch.num_kv_heads} KV heads / head_dim {arch.head_dim} / "
+                               f"block_size {self.cfg.block_size}")
         if problem is None:
             return "kernel"
         if self.cfg.batch_invariant:
@@ -243,8 +246,10 @@ class Engine:
         return "sdpa"
 
     def _matmul_backend(self) -> str:
-        """auto: the native packed matmul on CPU fp32 when it compiles (faster than torch's GEMM at
+        """auto: the native packed matmul on CPU fp32 when the kernels build (faster than torch's GEMM at
         every step size measured here, see README "Benchmark"), else torch's."""
+        from toolkit.kernels import KernelUnavailable, native
+
         wanted = "native" if self.cfg.batch_invariant else self.cfg.matmul_backend
         if wanted == "torch":
             return "torch"
@@ -252,14 +257,14 @@ class Engine:
         if self.device.type != "cpu" or self.loaded.model.embed.dtype != torch.float32:
             problem = "the native matmul runs on the CPU in float32 only"
         else:
-            from toolkit.kernels import KernelUnavailable, load_matmul_invariant
-
             try:
-                load_matmul_invariant()
+                native()
             except KernelUnavailable as exc:
-                problem = str(exc)
+                problem = f"{exc} (fix: install gcc or clang, or set CC)"
         if problem is None:
             return "native"
+        if self.cfg.batch_invariant:
+            raise ConfigError(f"engine.batch_invariant=true is unavailable here: {problem}")
         if wanted == "native":
             raise ConfigError(f"engine.matmul_backend=native is unavailable: {problem}")
         return "torch"

@@ -178,6 +178,13 @@ def check_manifest(manifest: dict[str, Any], engine: Engine, allow_mismatch: boo
     if recorded_matmul != engine.matmul_backend:
         problems.append(f"matmul backend differs: recorded {recorded_matmul}, replay {engine.matmul_backend} "
                         f"(set engine.matmul_backend={recorded_matmul})")
+    from toolkit.trace import native_kernels
+
+    recorded_numerics, now = manifest.get("kernel_numerics"), native_kernels(engine)
+    if recorded_numerics and now["kernel_numerics"] and recorded_numerics != now["kernel_numerics"]:
+        problems.append(f"native kernel numerics differ: recorded {manifest.get('native_kernels')}, replay "
+                        f"{now['native_kernels']} (the kernels' bits depend on lanes and FMA: replay on a CPU that "
+                        f"runs {manifest.get('kernel_target')}, with TOOLKIT_KERNEL_TARGET={manifest.get('kernel_target')})")
     if problems and not allow_mismatch:
         raise TraceError(f"refusing to replay: {problems[0]} (replay.allow_mismatch=true compares anyway)")
     return problems

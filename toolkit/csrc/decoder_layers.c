@@ -2,11 +2,10 @@
  * A Llama-style decoder's layers for one engine step, in one call from Python.
  *
  * Every operation is one of the kernels the layer-by-layer forward calls from Python (the packed
- * matmul, residual add + RMSNorm, RoPE, paged attention, SiLU * up), reached through function
- * pointers so that each keeps the compiler flags its bits depend on (RoPE is built without fused
- * multiply-adds); the same kernels on the same inputs in the same order give the same bits. What
- * the call saves is the Python between them: per layer ~10 calls into C, a dozen tensor views and
- * allocations and two index_copy_ for the KV write (about 10-20 ms of a 30-layer decode step).
+ * matmul, residual add + RMSNorm, RoPE, paged attention, SiLU * up), linked into the same library,
+ * so the same kernels on the same inputs in the same order give the same bits. What the call saves
+ * is the Python between them: per layer ~10 calls into C, a dozen tensor views and allocations and
+ * two index_copy_ for the KV write (about 10-20 ms of a 30-layer decode step).
  *
  * Layer l, with m the previous layer's MLP output (none before layer 0):
  *   x += m; h = rmsnorm(x) * ln_attn;  qkv = h @ w_qkv;  q|k = rope(qkv's q|k heads)
@@ -17,17 +16,22 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef int (*matmul_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t, int64_t, int64_t, int);
-typedef int (*norm_fn)(float *, int64_t, const float *, int64_t, const float *, float, float *, int64_t, int64_t,
-                       int64_t, int);
-typedef int (*silu_fn)(const float *, int64_t, float *, int64_t, int64_t, int64_t, int);
-typedef int (*rope_fn)(const float *, int64_t, float *, const float *, const float *, int64_t, const int64_t *,
-                       int64_t, int64_t, int64_t, int);
-typedef int (*attention_fn)(const float *, int64_t, const float *, const float *, const int64_t *, int64_t,
-                            const int64_t *, const int64_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                            float, int);
+int toolkit_matmul_invariant_f32(const float *, int64_t, const float *, float *, int64_t, int64_t, int64_t, int64_t,
+                                 int);
+int toolkit_add_rms_norm_f32(float *, int64_t, const float *, int64_t, const float *, float, float *, int64_t, int64_t,
+                             int64_t, int);
+int toolkit_silu_mul_f32(const float *, int64_t, float *, int64_t, int64_t, int64_t, int);
+int toolkit_rope_f32(const float *, int64_t, float *, const float *, const float *, int64_t, const int64_t *, int64_t,
+                     int64_t, int64_t, int);
+int toolkit_paged_attention_f32(const float *, int64_t, const float *, const float *, const int64_t *, int64_t,
+                                const int64_t *, const int64_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                float, int);
+#define matmul toolkit_matmul_invariant_f32
+#define norm toolkit_add_rms_norm_f32
+#define silu toolkit_silu_mul_f32
+#define rope toolkit_rope_f32
+#define attention toolkit_paged_attention_f32
 
-enum { F_MATMUL, F_NORM, F_SILU, F_ROPE, F_ATTENTION, NUM_FNS };
 /* per layer, addresses of: the two norm weights, the four packed projections, the K and V caches */
 enum { L_LN_ATTN, L_LN_MLP, L_QKV, L_O, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, L_FIELDS };
 /* dims[]: N (tokens), hidden, H, K, D (head dim), F (MLP width), block size, rotary table rows, block-table
@@ -39,17 +43,12 @@ enum { W_H, W_QKV, W_QK, W_ATTN, W_O, W_GATE_UP, W_ACT, W_M, NUM_WORK };
 
 /* 0, or: -3 a KV slot outside the cache (checked before anything is written), -2 a position outside the
  * rotary table, -1 shapes a kernel refused */
-int toolkit_decoder_layers(const int64_t *fns, const int64_t *layers, int64_t num_layers, const int64_t *dims,
+int toolkit_decoder_layers(const int64_t *layers, int64_t num_layers, const int64_t *dims,
                            float *x, const int64_t *work, const int64_t *positions, const int64_t *slots,
                            const float *cos_table, const float *sin_table, const int64_t *block_tables,
                            const int64_t *query_table, const int64_t *query_ctx, float eps, float scale,
                            int threads)
 {
-    const matmul_fn matmul = (matmul_fn)(intptr_t)fns[F_MATMUL];
-    const norm_fn norm = (norm_fn)(intptr_t)fns[F_NORM];
-    const silu_fn silu = (silu_fn)(intptr_t)fns[F_SILU];
-    const rope_fn rope = (rope_fn)(intptr_t)fns[F_ROPE];
-    const attention_fn attention = (attention_fn)(intptr_t)fns[F_ATTENTION];
     const int64_t N = dims[D_N], E = dims[D_HIDDEN], H = dims[D_H], K = dims[D_K], D = dims[D_HD], F = dims[D_F];
     const int64_t qw = H * D, kvw = K * D, qkvw = qw + 2 * kvw, qkw = qw + kvw;
     float *h = (float *)(intptr_t)work[W_H], *qkv = (float *)(intptr_t)work[W_QKV];

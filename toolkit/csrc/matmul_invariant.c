@@ -3,16 +3,15 @@
  *
  * Every output element is computed the same way whatever M is, whatever the other rows
  * hold and whatever the number of threads: out[m, n] starts at 0 and accumulates
- * x[m, k] * w[k, n] with one fused multiply-add per k, k = 0, 1, ..., K-1, in that order.
- * BLAS kernels pick their blocking (and so their summation order) from the shape, which
- * is why torch's linear gives a row different bits in different batches.
- *
- * (Built with -ffp-contract=fast on an FMA machine, `a * b + acc` is one fused multiply-add
- * in every tile, like the scalar tail's fmaf.)
+ * x[m, k] * w[k, n] with one fused multiply-add per k, k = 0, 1, ..., K-1, in that order
+ * (vfma / sfma: a multiply and an add where the target has no FMA). BLAS kernels pick their
+ * blocking (and so their summation order) from the shape, which is why torch's linear gives a
+ * row different bits in different batches. The lanes only split the columns, so every FMA build
+ * gives the same bits, whatever its vector width (AVX-512, AVX2, NEON).
  *
  * Speed comes from register blocking that does not touch the order: a micro-tile of
- * MR rows x NR columns keeps MR * NR / 16 independent accumulators (one FMA chain each),
- * so each weight vector loaded is used MR times and each x value NR / 16 times. Threads
+ * MR rows x NR columns keeps MR * NR / VL independent accumulators (one FMA chain each),
+ * so each weight vector loaded is used MR times and each x value NR / VL times. Threads
  * split the columns into panels; a panel of w (K x NR, packed contiguously) stays in cache
  * while every row tile passes over it. Rows left over (M % MR) and columns left over (N % NR) run the
  * same per-element chain in narrower tiles. While a panel's row tiles run, they prefetch the
@@ -23,61 +22,79 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
+#include "simd.h" /* vf (VL lanes), loadv / storev / splat, vfma / sfma */
 
-#define MR 6 /* 6 x 4 accumulators + 4 weight vectors fit AVX-512's 32 registers */
-#define NV 4 /* NR = 16 * NV columns per panel */
-#define NR (16 * NV)
+/* the micro-tile: MR rows x NV vectors of columns, MR * NV accumulators + NV weight vectors + one
+ * broadcast x within the target's vector registers */
+#if VL == 1
+#define MR 4
+#define NV 4
+#elif TOOLKIT_VREGS >= 32
+#define MR 6 /* 6 x 4 accumulators + 4 weight vectors fit AVX-512's (or NEON's) 32 registers */
+#define NV 4
+#else
+#define MR 6 /* 6 x 2 accumulators + 2 weight vectors + 1 broadcast in AVX2's 16 */
+#define NV 2
+#endif
+#define NR (VL * NV) /* columns per wide panel; narrow panels are VL columns */
 
-static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+/* the packing this build expects (toolkit.kernels.pack_weight): {wide panel columns, narrow panel columns} */
+void toolkit_matmul_layout(int64_t *out) { out[0] = NR; out[1] = VL; }
 
-/* rows [m0, m0 + mr) x the 16 * nv columns at n0: the chain acc = fma(x, w, acc) over k */
-#define DEFINE_TILE(R, V)                                                                              \
-static void tile_##R##_##V(const float *x, int64_t ldx, const float *w, int64_t ldw, float *out,       \
+/* rows [m0, m0 + mr) x the VL * nv columns at n0: the chain acc = fma(x, w, acc) over k */
+#define DEFINE_TILE(R, V, TAG)                                                                            \
+static void tile_##R##_##TAG(const float *x, int64_t ldx, const float *w, int64_t ldw, float *out,       \
                            int64_t ldo, int64_t K, const char *pf, int64_t pf_lines) {                 \
-    v16 acc[R][V];                                                                                     \
+    vf acc[R][V];                                                                                     \
     for (int r = 0; r < R; r++)                                                                        \
         for (int v = 0; v < V; v++) acc[r][v] = splat(0.0f);                                           \
     for (int64_t k = 0; k < K; k++) {                                                                  \
         if (k < pf_lines) __builtin_prefetch(pf + 64 * k, 0, 2);                                       \
-        v16 wk[V];                                                                                     \
-        for (int v = 0; v < V; v++) wk[v] = load16(w + k * ldw + 16 * v);                              \
+        vf wk[V];                                                                                     \
+        for (int v = 0; v < V; v++) wk[v] = loadv(w + k * ldw + VL * v);                              \
         for (int r = 0; r < R; r++) {                                                                  \
-            const v16 xr = splat(x[r * ldx + k]);                                                      \
-            for (int v = 0; v < V; v++) acc[r][v] = xr * wk[v] + acc[r][v];  /* contracted */\
+            const vf xr = splat(x[r * ldx + k]);                                                      \
+            for (int v = 0; v < V; v++) acc[r][v] = vfma(xr, wk[v], acc[r][v]);\
         }                                                                                              \
     }                                                                                                  \
     for (int r = 0; r < R; r++)                                                                        \
-        for (int v = 0; v < V; v++) store16(out + r * ldo + 16 * v, acc[r][v]);                        \
+        for (int v = 0; v < V; v++) storev(out + r * ldo + VL * v, acc[r][v]);                        \
 }
 
-#define DEFINE_TILES(R) DEFINE_TILE(R, 4) DEFINE_TILE(R, 1)
+#define DEFINE_TILES(R) DEFINE_TILE(R, NV, wide) DEFINE_TILE(R, 1, narrow)
+#if MR == 6
 DEFINE_TILES(6)
 DEFINE_TILES(5)
+#endif
 DEFINE_TILES(4)
 DEFINE_TILES(3)
 DEFINE_TILES(2)
 DEFINE_TILES(1)
 
 typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int64_t, const char *, int64_t);
-static const tile_fn TILES_WIDE[MR + 1] = {0, tile_1_4, tile_2_4, tile_3_4, tile_4_4, tile_5_4, tile_6_4};
-static const tile_fn TILES_NARROW[MR + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1};
+#if MR == 6
+static const tile_fn TILES_WIDE[MR + 1] = {0, tile_1_wide, tile_2_wide, tile_3_wide, tile_4_wide, tile_5_wide,
+                                           tile_6_wide};
+static const tile_fn TILES_NARROW[MR + 1] = {0, tile_1_narrow, tile_2_narrow, tile_3_narrow, tile_4_narrow,
+                                             tile_5_narrow, tile_6_narrow};
+#else
+static const tile_fn TILES_WIDE[MR + 1] = {0, tile_1_wide, tile_2_wide, tile_3_wide, tile_4_wide};
+static const tile_fn TILES_NARROW[MR + 1] = {0, tile_1_narrow, tile_2_narrow, tile_3_narrow, tile_4_narrow};
+#endif
 
-/* columns that are not a multiple of 16: scalar chains, the same fma per k */
+/* columns that are not a multiple of VL: scalar chains, the same fma per k */
 static void tail_columns(const float *x, int64_t ldx, const float *w, int64_t ldw, float *out, int64_t ldo,
                          int64_t M, int64_t K, int64_t n0, int64_t N) {
     for (int64_t m = 0; m < M; m++)
         for (int64_t n = n0; n < N; n++) {
             float acc = 0.0f;
-            for (int64_t k = 0; k < K; k++) acc = __builtin_fmaf(x[m * ldx + k], w[k * ldw + (n - n0)], acc);
+            for (int64_t k = 0; k < K; k++) acc = sfma(x[m * ldx + k], w[k * ldw + (n - n0)], acc);
             out[m * ldo + n] = acc;
         }
 }
 
 /* w is packed panel by panel (see toolkit.kernels.pack_weight): the wide panels [N / NR][K][NR],
- * then the 16-column panels [.][K][16], then the last N % 16 columns as [K][N % 16]; each
+ * then the VL-column panels [.][K][VL], then the last N % VL columns as [K][N % VL]; each
  * panel is contiguous, so a tile streams it front to back. */
 int toolkit_matmul_invariant_f32(const float *x, int64_t ldx, const float *w, float *out, int64_t ldo,
                                  int64_t M, int64_t K, int64_t N, int num_threads) {
@@ -88,19 +105,19 @@ int toolkit_matmul_invariant_f32(const float *x, int64_t ldx, const float *w, fl
     }
     const int64_t wide_panels = N / NR;
     const int64_t narrow_start = wide_panels * NR;
-    const int64_t narrow_panels = (N - narrow_start) / 16;
-    const int64_t vec_end = narrow_start + narrow_panels * 16;
+    const int64_t narrow_panels = (N - narrow_start) / VL;
+    const int64_t vec_end = narrow_start + narrow_panels * VL;
     const int64_t panels = wide_panels + narrow_panels;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && panels > 1)
     for (int64_t p = 0; p < panels; p++) {
         const int wide = p < wide_panels;
-        const int64_t n0 = wide ? p * NR : narrow_start + (p - wide_panels) * 16;
-        const int64_t width = wide ? NR : 16;
+        const int64_t n0 = wide ? p * NR : narrow_start + (p - wide_panels) * VL;
+        const int64_t width = wide ? NR : VL;
         const float *panel = w + n0 * K; /* panels before this one hold n0 columns of K rows */
         const tile_fn *tiles = wide ? TILES_WIDE : TILES_NARROW;
         /* the row tiles of this panel prefetch the next one (packed right after it), a share each */
         const char *next = (const char *)(panel + width * K);
-        const int64_t lines = p + 1 < panels ? K * (p + 1 < wide_panels ? NR : 16) / 16 : 0;
+        const int64_t lines = p + 1 < panels ? K * (p + 1 < wide_panels ? NR : VL) / 16 : 0; /* 16 floats a line */
         const int64_t row_tiles = (M + MR - 1) / MR;
         const int64_t share = (lines + row_tiles - 1) / row_tiles;
         for (int64_t m0 = 0, r = 0; m0 < M; m0 += MR, r++) {

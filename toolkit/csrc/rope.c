@@ -3,7 +3,7 @@
  *
  * out[n, h, :] = x * cos[pos[n]] + rotate_half(x) * sin[pos[n]], rotate_half(x) = (-x2, x1),
  * exactly as torch evaluates that expression: each product rounded to fp32, then the sum
- * rounded (this file is compiled with -ffp-contract=off, so no multiply-add is fused), so
+ * rounded (the kernels are compiled with -ffp-contract=off, so no multiply-add is fused), so
  * the result is the same bits as the torch expression it replaces. torch spends five passes
  * (two products, a negation, a concatenation, a sum) and a gather of the cos/sin rows on it;
  * at a 512-token prefill chunk that was ~4% of the step (measured A/B).

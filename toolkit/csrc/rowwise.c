@@ -11,7 +11,7 @@
  * on SiLU * up at 512 rows of 1,536 (several kernels and thread hand-offs for a few hundred KB);
  * these take 25-37 us (mostly the call), 0.12 ms and 0.43 ms.
  * Each row is computed by one thread in a fixed order, so a row's bits do not depend on the
- * other rows or on the number of threads. The bits are not torch's (sums are taken in 16 lanes;
+ * other rows or on the number of threads. The bits are not torch's (sums are taken in VL lanes;
  * exp is a degree-6 polynomial after range reduction, within 2 ulp); argmax is torch's exactly
  * (the first maximal index; a NaN counts as the maximum).
  */
@@ -19,40 +19,47 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "vec16.h"  /* v16, load16 / store16 / splat / vselect, vexp, hsum16 */
+#include "simd.h" /* vf / vi (VL lanes), loadv / storev / splat / vselect, vexp / sexp, hsum */
 
 int toolkit_add_rms_norm_f32(float *x, int64_t ldx, const float *r, int64_t ldr, const float *w, float eps,
                              float *h, int64_t ldh, int64_t N, int64_t D, int threads) {
-    if (D % 16 != 0) return -1;
+    const int64_t vec = D - D % VL;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N * D >= 65536)
     for (int64_t n = 0; n < N; n++) {
         float *xr = x + n * ldx, *hr = h + n * ldh;
         const float *rr = r ? r + n * ldr : 0;
-        v16 acc = splat(0.0f);
-        for (int64_t d = 0; d < D; d += 16) {
-            v16 v = load16(xr + d);
+        vf acc = splat(0.0f);
+        for (int64_t d = 0; d < vec; d += VL) {
+            vf v = loadv(xr + d);
             if (rr) {
-                v = v + load16(rr + d);
-                store16(xr + d, v);
+                v = v + loadv(rr + d);
+                storev(xr + d, v);
             }
             acc = acc + v * v;
         }
-        const float inv = 1.0f / sqrtf(hsum16(acc) / (float)D + eps);
-        for (int64_t d = 0; d < D; d += 16) store16(hr + d, load16(w + d) * (load16(xr + d) * inv));
+        float tail = 0.0f;
+        for (int64_t d = vec; d < D; d++) {
+            if (rr) xr[d] = xr[d] + rr[d];
+            tail = tail + xr[d] * xr[d];
+        }
+        const float inv = 1.0f / sqrtf((hsum(acc) + tail) / (float)D + eps);
+        for (int64_t d = 0; d < vec; d += VL) storev(hr + d, loadv(w + d) * (loadv(xr + d) * splat(inv)));
+        for (int64_t d = vec; d < D; d++) hr[d] = w[d] * (xr[d] * inv);
     }
     return 0;
 }
 
 int toolkit_silu_mul_f32(const float *gu, int64_t ldgu, float *h, int64_t ldh, int64_t N, int64_t F, int threads) {
-    if (F % 16 != 0) return -1;
+    const int64_t vec = F - F % VL;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N * F >= 32768)
     for (int64_t n = 0; n < N; n++) {
         const float *g = gu + n * ldgu, *u = g + F;
         float *hr = h + n * ldh;
-        for (int64_t f = 0; f < F; f += 16) {
-            const v16 gv = load16(g + f);
-            store16(hr + f, gv / (splat(1.0f) + vexp(-gv)) * load16(u + f));
+        for (int64_t f = 0; f < vec; f += VL) {
+            const vf gv = loadv(g + f);
+            storev(hr + f, gv / (splat(1.0f) + vexp(-gv)) * loadv(u + f));
         }
+        for (int64_t f = vec; f < F; f++) hr[f] = g[f] / (1.0f + sexp(-g[f])) * u[f];
     }
     return 0;
 }
@@ -63,17 +70,17 @@ int toolkit_logsumexp_f32(const float *x, int64_t ldx, int64_t R, int64_t V, flo
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && R > 1)
     for (int64_t r = 0; r < R; r++) {
         const float *row = x + r * ldx;
-        const int64_t vec = V - V % 16;
-        v16 mv = splat(-INFINITY);
-        vi16 nanv = {0};
-        for (int64_t i = 0; i < vec; i += 16) {
-            const v16 v = load16(row + i);
+        const int64_t vec = V - V % VL;
+        vf mv = splat(-INFINITY);
+        vi nanv = splati(0);
+        for (int64_t i = 0; i < vec; i += VL) {
+            const vf v = loadv(row + i);
             mv = vselect(v > mv, v, mv);
             nanv |= v != v;
         }
         float m = -INFINITY;
         int nan = 0;
-        for (int i = 0; i < 16; i++) {
+        for (int i = 0; i < VL; i++) {
             m = mv[i] > m ? mv[i] : m;
             nan |= nanv[i] != 0;
         }
@@ -83,10 +90,10 @@ int toolkit_logsumexp_f32(const float *x, int64_t ldx, int64_t R, int64_t V, flo
         }
         if (nan) { lse[r] = NAN; continue; }
         if (m == INFINITY || m == -INFINITY) { lse[r] = m; continue; }
-        v16 sv = splat(0.0f);
-        for (int64_t i = 0; i < vec; i += 16) sv += vexp(load16(row + i) - splat(m));
-        float s = hsum16(sv);
-        for (int64_t i = vec; i < V; i++) s += expf(row[i] - m);
+        vf sv = splat(0.0f);
+        for (int64_t i = 0; i < vec; i += VL) sv += vexp(loadv(row + i) - splat(m));
+        float s = hsum(sv);
+        for (int64_t i = vec; i < V; i++) s += sexp(row[i] - m);
         lse[r] = m + logf(s);
     }
     return 0;
@@ -97,22 +104,22 @@ int toolkit_argmax_f32(const float *x, int64_t ldx, int64_t R, int64_t V, int64_
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && R > 1)
     for (int64_t r = 0; r < R; r++) {
         const float *row = x + r * ldx;
-        const int64_t vec = V - V % 16;
-        const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-        v16 best = splat(-INFINITY);
-        vi16 where = lane;  /* a lane's first index holding its maximum (strict >: later ties lose) */
-        vi16 nanv = {0};
-        for (int64_t i = 0; i < vec; i += 16) {
-            const v16 v = load16(row + i);
-            const vi16 better = v > best;
+        const int64_t vec = V - V % VL;
+        const vi lane = lane_index();
+        vf best = splat(-INFINITY);
+        vi where = lane; /* a lane's first index holding its maximum (strict >: later ties lose) */
+        vi nanv = splati(0);
+        for (int64_t i = 0; i < vec; i += VL) {
+            const vf v = loadv(row + i);
+            const vi better = v > best;
             best = vselect(better, v, best);
             where = (better & (lane + (int32_t)i)) | (~better & where);
             nanv |= v != v;
         }
         float m = -INFINITY;
-        int64_t at = 0;  /* every entry -inf (or none): the first */
+        int64_t at = 0; /* every entry -inf (or none): the first */
         int nan = 0;
-        for (int i = 0; i < 16 && vec; i++) {
+        for (int i = 0; i < VL && vec; i++) {
             if (best[i] > m || (best[i] == m && where[i] < at)) { m = best[i]; at = where[i]; }
             nan |= nanv[i] != 0;
         }

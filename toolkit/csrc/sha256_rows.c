@@ -1,6 +1,7 @@
 /*
- * SHA-256 (FIPS 180-4) of many equal-length rows at once: up to 16 rows per pass, one per
- * 32-bit lane of a 512-bit vector, every round computed for the 16 messages together.
+ * SHA-256 (FIPS 180-4) of many equal-length rows at once: up to VL rows per pass (the build's lanes,
+ * simd.h: 16 on AVX-512, 8 on AVX2, 4 on NEON), one per 32-bit lane, every round computed for the
+ * VL messages together.
  *
  * The trace stores the sha256 of every raw logits row (196 KB for a 49,152-word vocabulary).
  * One row at a time that is ~0.6 ms here (no SHA instructions on this CPU), the largest part
@@ -9,11 +10,14 @@
  *
  * With AVX-512 the rounds use native rotates and three-input logic (vprord, vpternlogd) and a
  * block's 16 rows are loaded whole and transposed in registers; elsewhere the same rounds are
- * written with GCC vector extensions (the compiler splits them to the widths the CPU has).
+ * written with vector extensions of VL lanes, the portable twin (the digests are the same).
  */
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+
+#include "simd.h" /* VL */
+#if VL == 16 && defined(__AVX512F__) && defined(__AVX512BW__)
+#define SHA_AVX512 1
 #include <immintrin.h>
 #endif
 
@@ -29,7 +33,7 @@ static const uint32_t K256[64] = {
 static const uint32_t IV[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
                                0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef SHA_AVX512
 typedef __m512i V;
 #define ROR(x, n) _mm512_ror_epi32(x, n)
 #define SHR(x, n) _mm512_srli_epi32(x, n)
@@ -73,7 +77,7 @@ static inline void store_state(const V st[8], uint32_t words[8][16]) {
     for (int i = 0; i < 8; i++) _mm512_storeu_si512(words[i], st[i]);
 }
 #else
-typedef uint32_t V __attribute__((vector_size(64)));
+typedef uint32_t V __attribute__((vector_size(4 * VL)));
 #define ROR(x, n) (((x) >> (n)) | ((x) << (32 - (n))))
 #define SHR(x, n) ((x) >> (n))
 #define XOR3(a, b, c) ((a) ^ (b) ^ (c))
@@ -82,9 +86,9 @@ typedef uint32_t V __attribute__((vector_size(64)));
 #define ADD(a, b) ((a) + (b))
 #define SPLAT(x) ((V){0} + (uint32_t)(x))
 
-static inline void load_block(const uint8_t *const ptr[16], int64_t off, V w[16]) {
-    uint32_t words[16][16];  /* [word][lane] */
-    for (int lane = 0; lane < 16; lane++)
+static inline void load_block(const uint8_t *const ptr[VL], int64_t off, V w[16]) {
+    uint32_t words[16][VL];  /* [word][lane] */
+    for (int lane = 0; lane < VL; lane++)
         for (int j = 0; j < 16; j++) {
             uint32_t x;
             memcpy(&x, ptr[lane] + off + 4 * j, 4);
@@ -115,11 +119,11 @@ static inline __attribute__((always_inline)) void compress(V st[8], V w[16]) {
     st[4] = ADD(st[4], e); st[5] = ADD(st[5], f); st[6] = ADD(st[6], g); st[7] = ADD(st[7], h);
 }
 
-/* digests of n <= 16 rows (row i at base + offsets[i]) into out[i * 32 ..] */
+/* digests of n <= VL rows (row i at base + offsets[i]) into out[i * 32 ..] */
 static void hash_group(const uint8_t *base, const int64_t *offsets, int64_t n, int64_t row_bytes, uint8_t *out) {
     const int64_t full = row_bytes / 64, rem = row_bytes % 64, tail_blocks = rem + 9 <= 64 ? 1 : 2;
-    const uint8_t *ptr[16];
-    for (int lane = 0; lane < 16; lane++) ptr[lane] = base + offsets[lane < n ? lane : n - 1];
+    const uint8_t *ptr[VL];
+    for (int lane = 0; lane < VL; lane++) ptr[lane] = base + offsets[lane < n ? lane : n - 1];
     V st[8], w[16];
     for (int i = 0; i < 8; i++) st[i] = SPLAT(IV[i]);
     for (int64_t b = 0; b < full; b++) {
@@ -127,10 +131,10 @@ static void hash_group(const uint8_t *base, const int64_t *offsets, int64_t n, i
         compress(st, w);
     }
     /* the last rem bytes, 0x80, zeros and the length in bits (big-endian) in one or two blocks */
-    uint8_t tail[16][128];
-    const uint8_t *tptr[16];
+    uint8_t tail[VL][128];
+    const uint8_t *tptr[VL];
     const uint64_t bits = (uint64_t)row_bytes * 8;
-    for (int lane = 0; lane < 16; lane++) {
+    for (int lane = 0; lane < VL; lane++) {
         memset(tail[lane], 0, sizeof tail[lane]);
         memcpy(tail[lane], ptr[lane] + 64 * full, (size_t)rem);
         tail[lane][rem] = 0x80;
@@ -141,7 +145,7 @@ static void hash_group(const uint8_t *base, const int64_t *offsets, int64_t n, i
         load_block(tptr, 64 * b, w);
         compress(st, w);
     }
-    uint32_t words[8][16];
+    uint32_t words[8][VL];
     store_state(st, words);
     for (int64_t lane = 0; lane < n; lane++)
         for (int i = 0; i < 8; i++) {
@@ -151,13 +155,15 @@ static void hash_group(const uint8_t *base, const int64_t *offsets, int64_t n, i
 }
 
 /* out[i * 32 .. i * 32 + 31] = sha256(base + offsets[i], row_bytes) for i < rows: the rows in
-   ceil(rows / 16) groups of balanced size, the groups on up to `threads` threads. (Splitting
-   16 rows or fewer over the threads gained nothing here: a pass costs the same with 8 or 16
+   ceil(rows / VL) groups of balanced size, the groups on up to `threads` threads. (Splitting
+   VL rows or fewer over the threads gained nothing on AVX-512: a pass costs the same with 8 or 16
    lanes busy.) */
+int toolkit_sha256_lanes(void) { return VL; }
+
 int toolkit_sha256_rows(const uint8_t *base, const int64_t *offsets, int64_t rows, int64_t row_bytes, uint8_t *out,
                         int threads) {
     if (rows < 0 || row_bytes < 0 || threads < 1) return -1;
-    const int64_t groups = (rows + 15) / 16;
+    const int64_t groups = (rows + VL - 1) / VL;
     if (threads > groups) threads = groups > 0 ? (int)groups : 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {

@@ -149,7 +149,6 @@ class PagedDecoder(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         self.scale = arch.scale
         self._packed = None  # the projections packed for the native matmul (packed_weights)
-        self._native_ok: dict[str, bool] = {}  # whether a native CPU kernel compiled (decided on first use)
         self.act = ACTIVATIONS[arch.activation]
         # whether every layer is plain Llama (no biases, q/k norms or extra norms, no soft-capping or
         # sliding window): then a CPU fp32 step on the native kernels runs all layers in one C call
@@ -169,19 +168,16 @@ class PagedDecoder(nn.Module):
             self._packed = (layers, pack_weight(self.lm_head_t))
         return self._packed
 
-    def _native(self, x: torch.Tensor, kernel: str) -> bool:
-        """Whether fp32 CPU activations go through a native kernel: "rope" (one pass, bit-identical to
-        the torch expression), "rowwise" (residual add + RMSNorm, SiLU * up, each one pass) or "layers"
-        (all layers in one call over those kernels)."""
+    @staticmethod
+    def _native(x: torch.Tensor) -> bool:
+        """Whether fp32 CPU activations go through the native kernels (RoPE, bit-identical to the torch
+        expression; residual add + RMSNorm and SiLU * up, each one pass; all layers in one call): where
+        they build (toolkit.kernels.native) and are not switched off."""
         if x.device.type != "cpu" or x.dtype != torch.float32:
             return False
-        if kernel not in self._native_ok:
-            from toolkit import kernels
+        from toolkit import kernels
 
-            loader = {"rope": kernels.load_rope, "rowwise": kernels.load_rowwise,
-                      "layers": kernels.load_decoder_layers}[kernel]
-            self._native_ok[kernel] = kernels.available(loader)
-        return self._native_ok[kernel]
+        return kernels.available()
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                   bias: torch.Tensor | None, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,7 +199,7 @@ class PagedDecoder(nn.Module):
                 and attn.kernel_rows == n and kv_caches[0][0].dtype == torch.float32
                 and all(t.dtype == torch.int64 and t.is_contiguous() for t in
                         (positions_N, attn.slot_mapping_N, attn.query_table_N, attn.query_ctx_N, attn.block_tables_SB))
-                and self._native(x, "layers"))
+                and self._native(x))
 
     def _layer_table(self, packed, kv_caches, num_layers: int) -> torch.Tensor:
         """Per layer: the addresses of its norm weights, packed projections and K / V caches."""
@@ -246,10 +242,10 @@ class PagedDecoder(nn.Module):
         x = self.embed[input_ids_N]  # (N, hidden)
         if a.embed_scale != 1.0:
             x = x * torch.tensor(a.embed_scale, dtype=x.dtype)
-        native_rope = self.pos_embed is None and self._native(x, "rope")
-        native_norm = a.norm == "rms" and a.hidden_size % 16 == 0 and self._native(x, "rowwise")
-        native_silu = (native_norm and a.gated_mlp and a.activation == "silu"
-                       and self.layers[0].w_gate_up.shape[1] % 32 == 0)
+        native = self._native(x)
+        native_rope = self.pos_embed is None and native
+        native_norm = a.norm == "rms" and native
+        native_silu = native_norm and a.gated_mlp and a.activation == "silu"
         if native_silu:
             from toolkit.kernels import silu_mul_cpu
         if native_rope:

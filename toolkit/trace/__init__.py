@@ -56,12 +56,25 @@ def build_manifest(engine, run_id: str, extra: dict[str, Any] | None = None) -> 
         "num_kv_blocks": engine.num_kv_blocks,
         "attention_backend": engine.attention_backend,
         "matmul_backend": engine.matmul_backend,
+        **native_kernels(engine),
         "kv_cache_dtype": engine.cfg.kv_cache_dtype,  # the KV storage every logit was computed from
         "kv_scale_granularity": engine.kv_cache.granularity,
         "kv_bytes_per_token": engine.kv_cache.bytes_per_token,
         "batch_invariant": engine.cfg.batch_invariant,  # bits comparable across batchings only when true
         **(extra or {}),
     }
+
+
+def native_kernels(engine) -> dict[str, Any]:
+    """Which build of the native kernels the engine ran, and the profile its bits depend on (lanes, FMA);
+    none when it ran torch's code only."""
+    from toolkit import kernels
+
+    if engine.attention_backend != "kernel" and engine.matmul_backend != "native":
+        return {"native_kernels": f"not used ({kernels.describe_native()})", "kernel_numerics": None}
+    lib = kernels.native()
+    return {"native_kernels": lib.profile.describe(), "kernel_numerics": lib.profile.numerics,
+            "kernel_target": lib.profile.target}
 
 
 def request_rows(engine, run_id: str, request_ids: Sequence[str]) -> list[dict[str, Any]]:

@@ -1,0 +1,206 @@
+/*
+ * Width-generic float vectors for the kernels: VL lanes, chosen per target.
+ *
+ *   VL = 16 on AVX-512, 8 on AVX / AVX2, 4 on NEON, SSE and anything else, 1 for the plain-C build
+ *   (-DTOOLKIT_VL=N overrides the choice: the tests build x86-64-v3 with 4 lanes to match aarch64).
+ *
+ * Written with GCC / clang vector extensions only (vector_size, __builtin_shufflevector,
+ * __builtin_convertvector), so the same source builds for x86-64 and aarch64 with gcc >= 12 and
+ * clang >= 12; the one ISA-specific piece is vfma's fused multiply-add, and its portable twin is
+ * the unfused a * b + c.
+ *
+ * Every kernel is compiled with -ffp-contract=off: the compiler never fuses a multiply and an add
+ * on its own, and every fused multiply-add is an explicit vfma / sfma. So the bits a kernel
+ * produces are fixed by the source and by two numbers of the build, the lanes VL and whether
+ * TOOLKIT_FMA is 1 (kernel_profile() reports both): two builds with the same profile give the same
+ * bits, whatever the compiler, the CPU or the -march level. A different profile changes the
+ * order or the rounding of some sums (not the matmul's, which is one FMA chain per element in
+ * every FMA profile), so the promise "a row's bits do not depend on the batch" is per build.
+ */
+#ifndef TOOLKIT_SIMD_H
+#define TOOLKIT_SIMD_H
+
+#include <stdint.h>
+#include <string.h>
+
+#ifndef TOOLKIT_VL
+#if defined(__AVX512F__)
+#define TOOLKIT_VL 16
+#elif defined(__AVX__)
+#define TOOLKIT_VL 8
+#else
+#define TOOLKIT_VL 4
+#endif
+#endif
+#define VL TOOLKIT_VL
+
+#if !(VL == 1 || VL == 4 || VL == 8 || VL == 16)
+#error "TOOLKIT_VL must be 1, 4, 8 or 16"
+#endif
+
+/* vector registers of the target: how many accumulators a kernel may keep */
+#if defined(__AVX512F__) || defined(__aarch64__)
+#define TOOLKIT_VREGS 32
+#else
+#define TOOLKIT_VREGS 16
+#endif
+
+/* explicit fused multiply-adds where the target has them (and the lanes map onto its registers) */
+#if VL == 16 && defined(__AVX512F__)
+#include <immintrin.h>
+#define TOOLKIT_FMA 1
+#define VFMA_ISA(a, b, c) ((vf)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
+#elif VL == 8 && defined(__FMA__)
+#include <immintrin.h>
+#define TOOLKIT_FMA 1
+#define VFMA_ISA(a, b, c) ((vf)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(c)))
+#elif VL == 4 && defined(__FMA__)
+#include <immintrin.h>
+#define TOOLKIT_FMA 1
+#define VFMA_ISA(a, b, c) ((vf)_mm_fmadd_ps((__m128)(a), (__m128)(b), (__m128)(c)))
+#elif VL == 4 && defined(__aarch64__)
+#include <arm_neon.h>
+#define TOOLKIT_FMA 1
+#define VFMA_ISA(a, b, c) ((vf)vfmaq_f32((float32x4_t)(c), (float32x4_t)(a), (float32x4_t)(b)))
+#else
+#define TOOLKIT_FMA 0
+#endif
+
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef int32_t vi __attribute__((vector_size(4 * VL)));
+typedef int8_t vb __attribute__((vector_size(VL)));
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE vf loadv(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+INLINE void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
+INLINE vf splat(float x) { return (vf){0} + x; }
+INLINE vi splati(int32_t x) { return (vi){0} + x; }
+INLINE vf vselect(vi mask, vf a, vf b) { /* mask ? a : b, lane-wise (mask lanes -1 or 0) */
+    return (vf)(((vi)a & mask) | ((vi)b & ~mask));
+}
+INLINE vi lane_index(void) {
+    vi v;
+    for (int i = 0; i < VL; i++) v[i] = i;
+    return v;
+}
+
+/* a * b + c, fused (one rounding) on an FMA build, else two roundings */
+INLINE vf vfma(vf a, vf b, vf c) {
+#if TOOLKIT_FMA
+    return VFMA_ISA(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+INLINE float sfma(float a, float b, float c) {
+#if TOOLKIT_FMA
+    return __builtin_fmaf(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+
+/* exp: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (Cephes' expf coefficients),
+ * scaled by 2^n; x clamped to [-87, 88] (NaN passes through); within 2 ulp. The scalar twin
+ * computes exactly what one lane does. */
+INLINE vf vexp(vf x) {
+    x = vselect(x < splat(-87.0f), splat(-87.0f), x);
+    x = vselect(x > splat(88.0f), splat(88.0f), x);
+    vf y = x * splat(1.44269504088896341f);
+    vf n = (y + splat(12582912.0f)) - splat(12582912.0f); /* round to nearest (|y| < 2^22) */
+    vf r = x - n * splat(0.693359375f);
+    r = r - n * splat(-2.12194440e-4f);
+    vf p = splat(1.9875691500e-4f);
+    p = vfma(p, r, splat(1.3981999507e-3f));
+    p = vfma(p, r, splat(8.3334519073e-3f));
+    p = vfma(p, r, splat(4.1665795894e-2f));
+    p = vfma(p, r, splat(1.6666665459e-1f));
+    p = vfma(p, r, splat(5.0000001201e-1f));
+    p = vfma(p, r * r, r) + splat(1.0f);
+    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)bits;
+}
+INLINE float sexp(float x) {
+    if (x < -87.0f) x = -87.0f;
+    if (x > 88.0f) x = 88.0f;
+    float y = x * 1.44269504088896341f;
+    float n = (y + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = sfma(p, r, 1.3981999507e-3f);
+    p = sfma(p, r, 8.3334519073e-3f);
+    p = sfma(p, r, 4.1665795894e-2f);
+    p = sfma(p, r, 1.6666665459e-1f);
+    p = sfma(p, r, 5.0000001201e-1f);
+    p = sfma(p, r * r, r) + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* horizontal max and sum of the lanes, by a fixed halving tree: lane j with lane j + w */
+INLINE float hmax(vf x) {
+    float a[VL];
+    memcpy(a, &x, sizeof a);
+    for (int w = VL / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) a[j] = a[j] > a[j + w] ? a[j] : a[j + w];
+    return a[0];
+}
+INLINE float hsum(vf x) {
+    float a[VL];
+    memcpy(a, &x, sizeof a);
+    for (int w = VL / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) a[j] += a[j + w];
+    return a[0];
+}
+
+/* R[t] = the sum of the VL lanes of P[t], t < VL, in lane t: pairs of vectors are folded by halves
+ * (each level adds the low and high half of every lane block), a fixed tree whatever the input */
+#if VL == 16
+#define LO1 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define HI1 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define LO2 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27
+#define HI2 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31
+#define LO3 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29
+#define HI3 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
+#define LO4 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
+#define HI4 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+#elif VL == 8
+#define LO2 0, 1, 2, 3, 8, 9, 10, 11
+#define HI2 4, 5, 6, 7, 12, 13, 14, 15
+#define LO3 0, 1, 4, 5, 8, 9, 12, 13
+#define HI3 2, 3, 6, 7, 10, 11, 14, 15
+#define LO4 0, 2, 4, 6, 8, 10, 12, 14
+#define HI4 1, 3, 5, 7, 9, 11, 13, 15
+#elif VL == 4
+#define LO3 0, 1, 4, 5
+#define HI3 2, 3, 6, 7
+#define LO4 0, 2, 4, 6
+#define HI4 1, 3, 5, 7
+#endif
+#define FOLD(a, b, LO, HI) (__builtin_shufflevector(a, b, LO) + __builtin_shufflevector(a, b, HI))
+
+INLINE vf transpose_sum(const vf P[VL]) {
+#if VL == 1
+    return P[0];
+#else
+    vf A[VL];
+    int n = VL;
+    for (int i = 0; i < n; i++) A[i] = P[i];
+#if VL == 16
+    for (int i = 0; i < n / 2; i++) A[i] = FOLD(A[2 * i], A[2 * i + 1], LO1, HI1);
+    n /= 2;
+#endif
+#if VL >= 8
+    for (int i = 0; i < n / 2; i++) A[i] = FOLD(A[2 * i], A[2 * i + 1], LO2, HI2);
+    n /= 2;
+#endif
+    for (int i = 0; i < n / 2; i++) A[i] = FOLD(A[2 * i], A[2 * i + 1], LO3, HI3);
+    return FOLD(A[0], A[1], LO4, HI4);
+#endif
+}
+
+#endif
