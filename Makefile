@@ -21,6 +21,7 @@ run: $(STAMP)
 	$(PY) run.py $(ARGS)
 
 test: $(STAMP)
+	bash .ci/toolchains
 	$(PY) -m pytest -q $(ARGS)
 
 bench: $(STAMP)

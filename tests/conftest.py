@@ -38,6 +38,25 @@ def smollm2():
     return load_model(ModelConfig(name="smollm2"))
 
 
+def require_native() -> None:
+    """Skip (with the reason printed) where the native kernels do not run: no compiler, a failed build,
+    or TOOLKIT_NATIVE=0 (the suite's fallback run, tests/test_fallback.py)."""
+    from toolkit import kernels
+
+    if not kernels.available():
+        pytest.skip(f"needs the native kernels: {kernels.describe_native()}")
+
+
+def _native_reason() -> str:
+    from toolkit import kernels
+
+    return "" if kernels.available() else f"needs the native kernels: {kernels.describe_native()}"
+
+
+NATIVE_MISSING = _native_reason()
+native_only = pytest.mark.skipif(bool(NATIVE_MISSING), reason=NATIVE_MISSING or "-")
+
+
 def make_engine(loaded, **engine_kwargs) -> Engine:
     sampling = engine_kwargs.pop("sampling", SamplingParams(temperature=0.0))
     return Engine(loaded, EngineConfig(**engine_kwargs), sampling)

@@ -11,6 +11,9 @@ from hypothesis import strategies as st
 from toolkit.config import SamplingParams
 from toolkit.kernels import add_rms_norm_cpu, paged_attention_cpu, rope_cpu, silu_mul_cpu
 from toolkit.models.decoder import rope_tables, rotate_half
+from tests.conftest import native_only
+
+pytestmark = native_only  # the default build's kernels; every build's: tests/test_kernels_portable.py
 
 
 def dense_reference(q_NHD, k_cache, v_cache, tables, query_table, query_ctx, scale):

@@ -11,7 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import make_engine
+from tests.conftest import make_engine, native_only
+
+pytestmark = native_only
 from toolkit import replay, verify
 from toolkit.config import EngineConfig, SamplingParams, SpeculativeConfig
 from toolkit.engine import Engine

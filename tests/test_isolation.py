@@ -7,7 +7,9 @@ import dataclasses
 
 import torch
 
-from tests.conftest import make_engine
+from tests.conftest import make_engine, native_only
+
+pytestmark = native_only
 from toolkit import processors
 from toolkit.config import SamplingParams
 

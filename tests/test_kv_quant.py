@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import make_engine
+from tests.conftest import make_engine, native_only
 from tests.test_oracle import PROMPTS
 from toolkit.config import EngineConfig, SamplingParams
 from toolkit.errors import ConfigError
@@ -170,6 +170,7 @@ def test_quantised_run_replays_bit_for_bit_through_swap_and_prefix_caching(tiny,
         replay(tmp_path / "run", ["engine.kv_cache_dtype=auto"], out_dir=tmp_path / "other")
 
 
+@native_only
 def test_bad_kv_options_are_one_line_errors(tiny):
     with pytest.raises(ConfigError, match="engine.kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="int4")
@@ -227,6 +228,7 @@ def test_int8_kv_keeps_smollm2_greedy_output_close(smollm2, tmp_path):
     assert max(diffs) < INT8_MAX_LOGPROB_ERROR and sum(diffs) / len(diffs) < INT8_MEAN_LOGPROB_ERROR
 
 
+@native_only
 @pytest.mark.parametrize("kv_dtype,granularity", [("int8", "block"), ("fp8_e4m3", "block"), ("int8", "tensor")])
 def test_native_kernel_reads_quantised_blocks_like_sdpa(kv_dtype, granularity):
     """At head_dim 64 the native kernel reads int8 / fp8 blocks and their scales itself: over the same

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import make_engine
+from tests.conftest import make_engine, require_native
 from toolkit import replay, verify
 from toolkit.config import SamplingParams
 from toolkit.session import record
@@ -223,6 +223,7 @@ def test_replay_names_the_matmul_backend_of_older_traces(tiny):
     from toolkit.audit.replay import check_manifest
     from toolkit.trace.reader import TraceError
 
+    require_native()
     engine = make_engine(tiny)
     manifest = {"weights_sha256": tiny.revision, "tokenizer_sha256": tiny.tokenizer.digest, "batch_invariant": False}
     assert engine.matmul_backend == "native"

@@ -229,14 +229,17 @@ class Engine:
             try:
                 lib = native()
             except KernelUnavailable as exc:
-                problem = f"{exc} (fix: install gcc or clang, or set CC)"
+                problem = str(exc)
             else:
                 quantized = self.cfg.kv_cache_dtype != "auto"
                 if not lib.attention_supports(arch.num_heads, arch.num_kv_heads, arch.head_dim, self.cfg.block_size,
                                               quantized):
-                    problem = (f"the native kernel takes {'an 8-bit cache at head_dim 64 or 128 with <= 32 heads' if quantized else 'head_dim <= 256, <= 32 query heads per KV head and engine.block_size <= 64'}, "
-                               f"not {arch.num_heads} heads / {arch.num_kv_heads} KV heads / head_dim {arch.head_dim} / "
-                               f"block_size {self.cfg.block_size}")
+                    problem = (f"the native kernel reads an 8-bit cache at head_dim 64 or 128 with <= 32 heads, not "
+                               f"engine.kv_cache_dtype={self.cfg.kv_cache_dtype} at head_dim {arch.head_dim} with "
+                               f"{arch.num_heads} heads" if quantized else
+                               f"the native kernel takes head_dim <= 256, <= 32 query heads per KV head and "
+                               f"engine.block_size <= 64, not head_dim {arch.head_dim}, {arch.num_heads} heads over "
+                               f"{arch.num_kv_heads} KV heads, block_size {self.cfg.block_size}")
         if problem is None:
             return "kernel"
         if self.cfg.batch_invariant:
@@ -260,7 +263,7 @@ class Engine:
             try:
                 native()
             except KernelUnavailable as exc:
-                problem = f"{exc} (fix: install gcc or clang, or set CC)"
+                problem = str(exc)
         if problem is None:
             return "native"
         if self.cfg.batch_invariant:

@@ -268,14 +268,14 @@ def native() -> NativeLib:
     """The process's build of the kernels (raises KernelUnavailable). The first failure of a build prints
     one warning line on stderr; with TOOLKIT_NATIVE=0 nothing is compiled and nothing is printed."""
     if os.environ.get("TOOLKIT_NATIVE", "1").strip().lower() in ("0", "false", "off", "no"):
-        raise KernelUnavailable("native kernels are switched off (TOOLKIT_NATIVE=0)")
+        raise KernelUnavailable("native kernels are switched off (TOOLKIT_NATIVE=0; unset it to use them)")
     target, lanes = _default_spec()
     result = _build(target, lanes, os.environ.get("CC") or None)
     if isinstance(result, KernelUnavailable):
         _warn_once(f"toolkit: warning: native CPU kernels unavailable ({result}); running the torch fallback "
                    f"(slower; its logits differ in the last bits). Fix: install gcc or clang (apt-get install "
                    f"gcc) or point CC at one; TOOLKIT_NATIVE=0 picks the fallback without this warning")
-        raise KernelUnavailable(str(result))
+        raise KernelUnavailable(f"{result} (fix: install gcc or clang, or point CC at one)")
     return result
 
 

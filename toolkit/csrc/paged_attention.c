@@ -57,7 +57,7 @@ static inline float dot(const float *a, const float *b, int64_t d) {
 
 INLINE vf load_q8(const uint8_t *p, const float *lut) { /* int8 (lut NULL) or a 256-entry decode table (fp8) */
     if (!lut) { vb b; memcpy(&b, p, sizeof b); return __builtin_convertvector(b, vf); }
-    vf v;
+    vf v = splat(0.0f);
     for (int i = 0; i < VL; i++) v[i] = lut[p[i]];
     return v;
 }

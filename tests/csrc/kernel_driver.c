@@ -1,0 +1,190 @@
+/*
+ * A test driver for the kernels, built with them into one program for any target (the suite runs it
+ * natively and, cross-compiled for aarch64, under qemu-aarch64-static).
+ *
+ * It makes its inputs with a fixed xorshift generator (the same numbers on every machine), runs each
+ * kernel, writes every output as raw little-endian bytes to <outdir>/<name>.bin, and checks the
+ * properties that hold in any build: a row's (query's) bits do not depend on the other rows of the
+ * call or on the number of threads. It prints one line per failed check and exits 1 if any failed,
+ * else prints "ok <lanes> <fma>".
+ *
+ *   kernel_driver <outdir>
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int toolkit_matmul_invariant_f32(const float *, int64_t, const float *, float *, int64_t, int64_t, int64_t, int64_t,
+                                 int);
+void toolkit_matmul_layout(int64_t *);
+void toolkit_kernel_profile(int64_t *);
+int toolkit_paged_attention_f32(const float *, int64_t, const float *, const float *, const int64_t *, int64_t,
+                                const int64_t *, const int64_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                float, int);
+int toolkit_paged_attention_q8(const float *, int64_t, const uint8_t *, const uint8_t *, const int64_t *, int64_t,
+                               const int64_t *, const int64_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                               float, int, const float *, const float *, int64_t, const float *);
+int toolkit_rope_f32(const float *, int64_t, float *, const float *, const float *, int64_t, const int64_t *, int64_t,
+                     int64_t, int64_t, int);
+int toolkit_add_rms_norm_f32(float *, int64_t, const float *, int64_t, const float *, float, float *, int64_t, int64_t,
+                             int64_t, int);
+int toolkit_silu_mul_f32(const float *, int64_t, float *, int64_t, int64_t, int64_t, int);
+int toolkit_logsumexp_f32(const float *, int64_t, int64_t, int64_t, float *, int);
+int toolkit_argmax_f32(const float *, int64_t, int64_t, int64_t, int64_t *, int);
+int toolkit_sha256_rows(const uint8_t *, const int64_t *, int64_t, int64_t, uint8_t *, int);
+
+static uint64_t state = 0x9e3779b97f4a7c15ull;
+static uint32_t next_u32(void) {
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    return (uint32_t)(state >> 32);
+}
+/* uniform in [-scale, scale), exactly representable: 24 random bits */
+static float next_f32(float scale) { return ((float)(next_u32() >> 8) * (1.0f / 8388608.0f) - 1.0f) * scale; }
+static float *uniform(int64_t n, float scale) {
+    float *p = malloc(sizeof(float) * (size_t)n);
+    for (int64_t i = 0; i < n; i++) p[i] = next_f32(scale);
+    return p;
+}
+
+static const char *outdir;
+static int failures = 0;
+
+static void save(const char *name, const void *data, size_t bytes) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s.bin", outdir, name);
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(data, 1, bytes, f) != bytes) { fprintf(stderr, "cannot write %s\n", path); exit(2); }
+    fclose(f);
+}
+static void expect_same(const char *what, const void *a, const void *b, size_t bytes) {
+    if (memcmp(a, b, bytes) != 0) { printf("FAIL %s\n", what); failures++; }
+}
+
+/* pack (K, N) row-major w as toolkit.kernels.pack_weight does for this build */
+static float *pack(const float *w, int64_t K, int64_t N) {
+    int64_t layout[2];
+    toolkit_matmul_layout(layout);
+    const int64_t nr = layout[0], vl = layout[1], wide = N / nr, narrow = (N % nr) / vl, vec_end = wide * nr + narrow * vl;
+    float *out = malloc(sizeof(float) * (size_t)(K * N)), *o = out;
+    for (int64_t p = 0; p < wide; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < nr; j++) *o++ = w[k * N + p * nr + j];
+    for (int64_t p = 0; p < narrow; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < vl; j++) *o++ = w[k * N + wide * nr + p * vl + j];
+    for (int64_t k = 0; k < K; k++)
+        for (int64_t j = vec_end; j < N; j++) *o++ = w[k * N + j];
+    return out;
+}
+
+static void check_matmul(void) {
+    const int64_t M = 13, K = 67, N = 181;
+    float *x = uniform(M * K, 1.0f), *w = uniform(K * N, 1.0f), *pw = pack(w, K, N);
+    float *out = malloc(sizeof(float) * M * N), *one = malloc(sizeof(float) * N), *serial = malloc(sizeof(float) * M * N);
+    toolkit_matmul_invariant_f32(x, K, pw, out, N, M, K, N, 2);
+    toolkit_matmul_invariant_f32(x, K, pw, serial, N, M, K, N, 1);
+    expect_same("matmul: 1 vs 2 threads", out, serial, sizeof(float) * M * N);
+    for (int64_t m = 0; m < M; m++) {
+        toolkit_matmul_invariant_f32(x + m * K, K, pw, one, N, 1, K, N, 2);
+        expect_same("matmul: a row alone vs in the batch", one, out + m * N, sizeof(float) * N);
+    }
+    save("matmul", out, sizeof(float) * M * N);
+    free(x); free(w); free(pw); free(out); free(one); free(serial);
+}
+
+/* sequences of contexts ctx[s], a few queries at the end of each; blocks of bs positions, shuffled */
+static void check_attention(int64_t H, int64_t KH, int64_t D, int64_t BS, int q8, const char *name) {
+    const int64_t S = 4, ctx[4] = {1, 17, 40, 75}, per_seq = 3, width = (75 + BS - 1) / BS;
+    int64_t blocks = 0;
+    for (int s = 0; s < S; s++) blocks += (ctx[s] + BS - 1) / BS;
+    blocks += 2;
+    const int64_t slots = blocks * BS * KH * D;
+    float *kf = uniform(slots, 1.0f), *vf = uniform(slots, 1.0f);
+    uint8_t *k8 = malloc((size_t)slots), *v8 = malloc((size_t)slots);
+    for (int64_t i = 0; i < slots; i++) { k8[i] = (uint8_t)(int8_t)(next_u32() % 255 - 127); v8[i] = (uint8_t)(int8_t)(next_u32() % 255 - 127); }
+    float *ks = uniform(blocks * KH, 0.02f), *vs = uniform(blocks * KH, 0.02f);
+    int64_t *tables = calloc((size_t)(S * width), sizeof(int64_t)), next = blocks - 1;
+    for (int s = 0; s < S; s++) /* blocks taken from the end: not in position order */
+        for (int64_t b = 0; b < (ctx[s] + BS - 1) / BS; b++) tables[s * width + b] = next--;
+    int64_t N = 0, qt[16], qc[16];
+    for (int s = 0; s < S; s++)
+        for (int64_t p = ctx[s] - per_seq; p < ctx[s]; p++)
+            if (p >= 0) { qt[N] = s; qc[N] = p + 1; N++; }
+    float *q = uniform(N * H * D, 1.0f), *out = malloc(sizeof(float) * N * H * D);
+    float *serial = malloc(sizeof(float) * N * H * D), *one = malloc(sizeof(float) * H * D);
+    const float scale = 0.125f;
+#define ATTEND(QP, NN, QT, QC, OUT, T)                                                                              \
+    (q8 ? toolkit_paged_attention_q8(QP, H * D, k8, v8, tables, width, QT, QC, OUT, NN, H, KH, D, BS, scale, T, ks, \
+                                     vs, KH, 0)                                                                  \
+        : toolkit_paged_attention_f32(QP, H * D, kf, vf, tables, width, QT, QC, OUT, NN, H, KH, D, BS, scale, T))
+    if (ATTEND(q, N, qt, qc, out, 2) != 0) { printf("FAIL %s: the kernel refused its shapes\n", name); failures++; }
+    ATTEND(q, N, qt, qc, serial, 1);
+    char what[128];
+    snprintf(what, sizeof what, "%s: 1 vs 2 threads", name);
+    expect_same(what, out, serial, sizeof(float) * N * H * D);
+    snprintf(what, sizeof what, "%s: a query alone vs in the batch", name);
+    for (int64_t n = 0; n < N; n++) {
+        ATTEND(q + n * H * D, 1, qt + n, qc + n, one, 2);
+        expect_same(what, one, out + n * H * D, sizeof(float) * H * D);
+    }
+#undef ATTEND
+    save(name, out, sizeof(float) * N * H * D);
+    free(kf); free(vf); free(k8); free(v8); free(ks); free(vs); free(tables); free(q); free(out); free(serial); free(one);
+}
+
+static void check_rowwise(void) {
+    const int64_t N = 9, D = 581, F = 203, V = 1003;
+    float *x = uniform(N * D, 3.0f), *r = uniform(N * D, 3.0f), *w = uniform(D, 1.0f), *h = malloc(sizeof(float) * N * D);
+    float *one = malloc(sizeof(float) * D), *x1 = malloc(sizeof(float) * D);
+    memcpy(x1, x + 4 * D, sizeof(float) * D);
+    toolkit_add_rms_norm_f32(x, D, r, D, w, 1e-5f, h, D, N, D, 2);
+    toolkit_add_rms_norm_f32(x1, D, r + 4 * D, D, w, 1e-5f, one, D, 1, D, 1);
+    expect_same("add_rms_norm: a row alone vs in the batch", one, h + 4 * D, sizeof(float) * D);
+    save("rms_norm_x", x, sizeof(float) * N * D);
+    save("rms_norm", h, sizeof(float) * N * D);
+    float *gu = uniform(N * 2 * F, 8.0f), *act = malloc(sizeof(float) * N * F);
+    toolkit_silu_mul_f32(gu, 2 * F, act, F, N, F, 2);
+    save("silu_mul", act, sizeof(float) * N * F);
+    float *logits = uniform(N * V, 20.0f), *lse = malloc(sizeof(float) * N);
+    int64_t *best = malloc(sizeof(int64_t) * N);
+    logits[2 * V + 17] = logits[2 * V + 900] = 40.0f; /* a tie: the first index wins */
+    toolkit_logsumexp_f32(logits, V, N, V, lse, 2);
+    toolkit_argmax_f32(logits, V, N, V, best, 2);
+    save("logsumexp", lse, sizeof(float) * N);
+    save("argmax", best, sizeof(int64_t) * N);
+    const int64_t R = 7, heads = 5, HD = 64, P = 50;
+    float *xr = uniform(R * heads * HD, 2.0f), *cs = uniform(P * HD, 1.0f), *sn = uniform(P * HD, 1.0f);
+    float *ro = malloc(sizeof(float) * R * heads * HD);
+    int64_t pos[7] = {0, 3, 49, 12, 12, 7, 30};
+    toolkit_rope_f32(xr, heads * HD, ro, cs, sn, P, pos, R, heads, HD, 2);
+    save("rope", ro, sizeof(float) * R * heads * HD);
+    const int64_t rows = 21, bytes = 1000;
+    uint8_t *data = malloc((size_t)(rows * bytes)), digests[21 * 32];
+    int64_t offsets[21];
+    for (int64_t i = 0; i < rows * bytes; i++) data[i] = (uint8_t)next_u32();
+    for (int64_t i = 0; i < rows; i++) offsets[i] = ((i * 5) % rows) * bytes;
+    toolkit_sha256_rows(data, offsets, rows, bytes, digests, 2);
+    save("sha256_data", data, (size_t)(rows * bytes));
+    save("sha256", digests, sizeof digests);
+    free(x); free(r); free(w); free(h); free(one); free(x1); free(gu); free(act); free(logits); free(lse); free(best);
+    free(xr); free(cs); free(sn); free(ro); free(data);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 2) { fprintf(stderr, "usage: kernel_driver <outdir>\n"); return 2; }
+    outdir = argv[1];
+    check_matmul();
+    check_attention(9, 3, 64, 16, 0, "attention_h9_d64");
+    check_attention(8, 2, 128, 4, 0, "attention_h8_d128");
+    check_attention(4, 2, 16, 16, 0, "attention_h4_d16"); /* the scalar path */
+    check_attention(6, 3, 64, 16, 1, "attention_q8_h6_d64");
+    check_rowwise();
+    int64_t profile[4];
+    toolkit_kernel_profile(profile);
+    if (failures) return 1;
+    printf("ok %lld %lld\n", (long long)profile[0], (long long)profile[1]);
+    return 0;
+}

@@ -1,0 +1,295 @@
+"""The native kernels on every build this machine can make, and on the ones it cannot run.
+
+- Every x86 target this CPU executes (and `generic`, `scalar`), with gcc and with clang: each kernel
+  against a float64 or torch reference, and a row's bits independent of the other rows and threads.
+- Builds with the same profile (lanes, FMA) give the same bits whatever the compiler or -march level;
+  every FMA build's matmul gives the same bits whatever its lanes.
+- Targets this CPU cannot run (x86-64-v4 on an AVX2 host) are compiled, to catch build breaks.
+- aarch64: the kernels and a C test driver (tests/csrc/kernel_driver.c) cross-compiled with Debian's
+  gcc-aarch64-linux-gnu and run under qemu-aarch64-static: the driver checks the bitwise properties
+  there, and its outputs equal, bit for bit, those of the same driver built for x86-64-v3 with 4 lanes
+  (the same profile: 4 lanes, FMA), and are within tolerance of the host's own build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from toolkit import kernels
+from toolkit.models.decoder import rotate_half
+from tests.test_attention import dense_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+DRIVER = ROOT / "tests" / "csrc" / "kernel_driver.c"
+FMA_X86 = "x86-64-v3"  # the x86 level with FMA: built with 4 lanes it has aarch64's profile
+
+
+def _builds() -> list[tuple[str, int | None, str]]:
+    out = [(t, None, cc) for t in kernels.runnable_targets() for cc in kernels.compilers()]
+    if FMA_X86 in kernels.runnable_targets():
+        out += [(FMA_X86, 4, cc) for cc in kernels.compilers()]
+    return out
+
+
+BUILDS = _builds()
+IDS = [f"{t}{'/' + str(l) if l else ''}-{cc}" for t, l, cc in BUILDS]
+
+
+def _no_compiler_reason() -> str:
+    return "neither gcc nor clang is on PATH: only the torch fallback runs here (tests/test_fallback.py)"
+
+
+@pytest.fixture(scope="module", params=BUILDS or [None], ids=IDS or ["no-compiler"])
+def lib(request):
+    if request.param is None:
+        pytest.skip(_no_compiler_reason())
+    target, lanes, cc = request.param
+    return kernels.build(target, lanes, cc)  # a build that fails here fails the test: the target is runnable
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor, n: float) -> bool:
+    return bool(((got.double() - want).abs() <= n * 2.0**-23 * want.abs() + 1e-30).all())
+
+
+def _attention_case(gen, h, kh, d, block_size, contexts):
+    num_blocks = sum(-(-c // block_size) for c in contexts) + 3
+    k_cache = torch.randn(num_blocks, block_size, kh, d, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kh, d, generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(-(-c // block_size) for c in contexts)
+    tables, rows_table, rows_ctx = [], [], []
+    for s, c in enumerate(contexts):
+        need = -(-c // block_size)
+        tables.append(perm[:need] + [0] * (width - need))
+        perm = perm[need:]
+        for q_pos in range(max(0, c - 3), c):
+            rows_table.append(s)
+            rows_ctx.append(q_pos + 1)
+    q = torch.randn(len(rows_ctx), h, d, generator=gen)
+    return q, k_cache, v_cache, torch.tensor(tables), torch.tensor(rows_table), torch.tensor(rows_ctx)
+
+
+def _with_threads(n, fn):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("heads,block_size", [((9, 3, 64), 16), ((8, 2, 128), 4), ((4, 4, 64), 1),
+                                              ((12, 2, 128), 32), ((4, 2, 16), 16), ((6, 3, 8), 4)])
+def test_attention_against_float64_and_batch_independent(lib, heads, block_size):
+    h, kh, d = heads
+    gen = torch.Generator().manual_seed(h * 100 + d + block_size)
+    q, kc, vc, tables, qt, qc = _attention_case(gen, h, kh, d, block_size, [1, 17, 40, 90])
+    got = kernels.paged_attention_cpu(q, kc, vc, tables, qt, qc, d ** -0.5, lib=lib)
+    want = dense_reference(q, kc, vc, tables, qt, qc, d ** -0.5)
+    assert (got.double() - want).abs().max().item() < 2e-5
+    serial = _with_threads(1, lambda: kernels.paged_attention_cpu(q, kc, vc, tables, qt, qc, d ** -0.5, lib=lib))
+    assert torch.equal(serial, got)
+    for i in range(0, q.shape[0], 2):  # each query alone gets the bits it got in the batch
+        alone = kernels.paged_attention_cpu(q[i:i + 1], kc, vc, tables, qt[i:i + 1], qc[i:i + 1], d ** -0.5, lib=lib)
+        assert torch.equal(alone[0], got[i])
+
+
+def test_int8_attention_against_the_dequantised_reference(lib):
+    gen = torch.Generator().manual_seed(5)
+    q, kc, vc, tables, qt, qc = _attention_case(gen, 9, 3, 64, 16, [5, 33, 70])
+    k8 = (kc * 40).round().clamp(-127, 127).to(torch.int8)
+    v8 = (vc * 40).round().clamp(-127, 127).to(torch.int8)
+    ks, vs = torch.rand(kc.shape[0], 3, generator=gen) / 20, torch.rand(vc.shape[0], 3, generator=gen) / 20
+    out = torch.empty(q.shape)
+    got = kernels.paged_attention_cpu_q8(q, k8.view(torch.uint8), v8.view(torch.uint8), ks, vs, tables, qt, qc, 0.125,
+                                         out, lib=lib)
+    kd = k8.float() * ks[:, None, :, None]
+    vd = v8.float() * vs[:, None, :, None]
+    want = dense_reference(q, kd, vd, tables, qt, qc, 0.125)
+    assert (got.double() - want).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 576, 1728), (13, 67, 181), (32, 576, 576), (7, 1536, 19)])
+def test_matmul_against_float64_and_row_independent(lib, m, k, n):
+    gen = torch.Generator().manual_seed(m + k + n)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+    packed = kernels.pack_weight(w, lib)
+    got = kernels.matmul_invariant(x, packed, lib=lib)
+    want = x.double() @ w.double()
+    bound = k * 2.0**-23 * (x.double().abs() @ w.double().abs())  # a sum of k rounded terms
+    assert ((got.double() - want).abs() <= bound).all()
+    assert torch.equal(_with_threads(1, lambda: kernels.matmul_invariant(x, packed, lib=lib)), got)
+    for i in range(m):
+        assert torch.equal(kernels.matmul_invariant(x[i:i + 1], packed, lib=lib)[0], got[i])
+
+
+@pytest.mark.parametrize("width", [16, 576, 581, 2048])
+def test_add_rms_norm_against_float64(lib, width):
+    gen = torch.Generator().manual_seed(width)
+    x, r, w = torch.randn(9, width, generator=gen) * 3, torch.randn(9, width, generator=gen), torch.randn(width, generator=gen)
+    want_x = x + r
+    want = want_x.double() * torch.rsqrt(want_x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    got_x, got = kernels.add_rms_norm_cpu(x, r, w, 1e-5, lib=lib)
+    assert torch.equal(got_x, want_x)
+    assert _ulps(got, want, 24)  # a sum of up to 2048 squares in the build's lanes
+    alone = kernels.add_rms_norm_cpu(want_x[4:5].clone(), None, w, 1e-5, lib=lib)[1]
+    assert torch.equal(alone[0], got[4])
+
+
+@pytest.mark.parametrize("width", [16, 203, 1536])
+def test_silu_mul_against_float64(lib, width):
+    gen = torch.Generator().manual_seed(width)
+    gu = torch.randn(7, 2 * width, generator=gen) * 6
+    gate, up = gu[:, :width].double(), gu[:, width:].double()
+    assert _ulps(kernels.silu_mul_cpu(gu, lib=lib), gate * torch.sigmoid(gate) * up, 4)
+
+
+def test_logsumexp_and_argmax_against_torch(lib):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 1003, generator=gen) * 20
+    x[1, [17, 900]] = 90.0  # a tie: the first index wins
+    x[2, 40] = float("nan")
+    x[3] = float("-inf")
+    x[4, 5] = float("inf")
+    assert kernels.argmax_cpu(x, lib=lib) == torch.argmax(x, dim=-1).tolist()
+    got, want = kernels.logsumexp_cpu(x, lib=lib), torch.logsumexp(x.double(), dim=-1)
+    assert got[2].isnan() and got[3] == float("-inf") and got[4] == float("inf")
+    ok = [0, 1, 5]
+    assert (got[ok].double() - want[ok]).abs().max().item() < 1e-5
+
+
+def test_rope_is_the_torch_expression_bit_for_bit(lib):
+    gen = torch.Generator().manual_seed(4)
+    cos, sin = torch.randn(50, 64, generator=gen), torch.randn(50, 64, generator=gen)
+    fused = torch.randn(7, 9 * 64, generator=gen)
+    x, pos = fused[:, : 5 * 64].view(7, 5, 64), torch.tensor([0, 3, 49, 12, 12, 7, 30])
+    want = x * cos[pos].unsqueeze(1) + rotate_half(x) * sin[pos].unsqueeze(1)
+    assert torch.equal(kernels.rope_cpu(x, cos, sin, pos, lib=lib), want)
+
+
+@pytest.mark.parametrize("rows,width", [(3, 1), (21, 1000), (40, 49152 // 64)])
+def test_sha256_rows_are_hashlib_digests(lib, rows, width):
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows))
+    index = [(i * 5) % rows for i in range(rows)]
+    want = [hashlib.sha256(x[i].numpy().tobytes()).hexdigest() for i in index]
+    assert kernels.sha256_rows(x, index, lib=lib) == want
+
+
+# ----------------------------------------------------------------------------- across builds
+
+def _fingerprint(lib) -> dict[str, torch.Tensor]:
+    """Every kernel's output on fixed inputs."""
+    gen = torch.Generator().manual_seed(11)
+    q, kc, vc, tables, qt, qc = _attention_case(gen, 9, 3, 64, 16, [9, 40])
+    x, w = torch.randn(5, 576, generator=gen), torch.randn(576, 200, generator=gen)
+    rows, norm_w = torch.randn(4, 581, generator=gen), torch.randn(581, generator=gen)
+    gu, logits = torch.randn(4, 406, generator=gen) * 5, torch.randn(3, 1003, generator=gen) * 10
+    return {"attention": kernels.paged_attention_cpu(q, kc, vc, tables, qt, qc, 0.125, lib=lib),
+            "matmul": kernels.matmul_invariant(x, kernels.pack_weight(w, lib), lib=lib),
+            "rms_norm": kernels.add_rms_norm_cpu(rows.clone(), None, norm_w, 1e-5, lib=lib)[1],
+            "silu_mul": kernels.silu_mul_cpu(gu, lib=lib),
+            "logsumexp": kernels.logsumexp_cpu(logits, lib=lib)}
+
+
+def _all_builds():
+    if not BUILDS:
+        pytest.skip(_no_compiler_reason())
+    return [kernels.build(t, lanes, cc) for t, lanes, cc in BUILDS]
+
+
+def test_builds_with_one_profile_give_the_same_bits():
+    """The bits depend on (lanes, FMA) only: not on the compiler, nor on the -march level."""
+    groups: dict[str, list] = {}
+    for lib in _all_builds():
+        groups.setdefault(lib.profile.numerics, []).append(lib)
+    compared = 0
+    for libs in groups.values():
+        first = _fingerprint(libs[0])
+        for other in libs[1:]:
+            got = _fingerprint(other)
+            for name in first:
+                assert torch.equal(first[name], got[name]), (name, libs[0].profile, other.profile)
+            compared += 1
+    assert compared > 0 or len(BUILDS) < 2
+
+
+def test_every_fma_build_gives_the_matmul_the_same_bits():
+    """One FMA chain per output element: the lanes only split the columns."""
+    fma = [lib for lib in _all_builds() if lib.profile.fma]
+    if len({lib.profile.lanes for lib in fma}) < 2:
+        pytest.skip("fewer than two FMA builds of different lanes run on this CPU")
+    outs = [_fingerprint(lib)["matmul"] for lib in fma]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_targets_this_cpu_cannot_run_still_compile():
+    machine = kernels._machine()
+    others = [t for t, (arch, _) in kernels.TARGETS.items() if arch == machine and t not in kernels.runnable_targets()]
+    if not others:
+        pytest.skip(f"this CPU ({kernels.host_target()}) runs every {machine} target: nothing compile-only")
+    if not kernels.compilers():
+        pytest.skip(_no_compiler_reason())
+    for target in others:
+        for cc in kernels.compilers():
+            assert kernels.compile_only(target, cc=cc).exists()
+
+
+# ----------------------------------------------------------------------------- aarch64 under qemu
+
+def _driver_flags(target: str, lanes: int | None) -> list[str]:
+    return [*kernels.BASE_FLAGS, *kernels.TARGETS[target][1], *([f"-DTOOLKIT_VL={lanes}"] if lanes else []),
+            "-fopenmp", f"-I{kernels.CSRC}"]
+
+
+def _run_driver(cc: str, flags: list[str], tmp: Path, name: str, runner: list[str]) -> dict[str, bytes]:
+    exe, out = tmp / name, tmp / f"{name}-out"
+    out.mkdir()
+    build = subprocess.run([cc, *flags, *map(str, sorted(kernels.CSRC.glob("*.c"))), str(DRIVER), "-o", str(exe), "-lm"],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-2000:]
+    run = subprocess.run([*runner, str(exe), str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr
+    return {p.stem: p.read_bytes() for p in out.glob("*.bin")}
+
+
+def _cross_tools() -> tuple[str, str]:
+    cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64-static")
+    if not (cc and qemu):
+        pytest.skip("aarch64 cross-check needs Debian's gcc-aarch64-linux-gnu and qemu-user-static "
+                    "(make test installs them where apt-get runs as root: .ci/toolchains)")
+    return cc, qemu
+
+
+def test_aarch64_kernels_under_qemu_match_the_host(tmp_path):
+    cc, qemu = _cross_tools()
+    arm = _run_driver(cc, [*_driver_flags("armv8-a", None), "-static"], tmp_path, "arm", [qemu])
+    assert len(arm) >= 10
+    if FMA_X86 in kernels.runnable_targets() and shutil.which("gcc"):
+        same_profile = _run_driver("gcc", _driver_flags(FMA_X86, 4), tmp_path, "x86_4", [])
+        for name, data in arm.items():  # NEON (4 lanes, FMA) and AVX2 at 4 lanes with FMA: the same bits
+            assert data == same_profile[name], name
+    host_target = kernels.host_target()
+    if host_target in kernels.TARGETS and shutil.which("gcc"):
+        host = _run_driver("gcc", _driver_flags(host_target, None), tmp_path, "host", [])
+        for name in ("sha256", "argmax", "rope", "rms_norm_x", "sha256_data"):
+            assert arm[name] == host[name], name  # exact in every build
+        for name in ("matmul", "attention_h9_d64", "attention_h8_d128", "attention_h4_d16", "attention_q8_h6_d64",
+                     "rms_norm", "silu_mul", "logsumexp"):
+            a, b = np.frombuffer(arm[name], np.float32), np.frombuffer(host[name], np.float32)
+            assert np.allclose(a, b, rtol=2e-5, atol=2e-5), (name, np.abs(a - b).max())
+
+
+def test_aarch64_build_with_clang_compiles():
+    if not shutil.which("clang"):
+        pytest.skip("clang is not installed (make test installs it where apt-get runs as root: .ci/toolchains)")
+    flags = [*kernels.BASE_FLAGS, "--target=aarch64-linux-gnu", "-march=armv8-a", "-c", "-o", "/dev/null"]
+    for src in sorted(kernels.CSRC.glob("*.c")):
+        result = subprocess.run(["clang", *flags, str(src)], capture_output=True, text=True)
+        assert result.returncode == 0, (src.name, result.stderr[-1500:])
