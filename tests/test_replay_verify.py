@@ -230,3 +230,22 @@ def test_replay_names_the_matmul_backend_of_older_traces(tiny):
     with pytest.raises(TraceError, match="matmul backend differs: recorded torch, replay native"):
         check_manifest(manifest, engine, allow_mismatch=False)
     assert check_manifest(manifest, make_engine(tiny, matmul_backend="torch"), allow_mismatch=False) == []
+
+
+def test_replay_refuses_a_trace_recorded_under_other_kernel_numerics(tiny):
+    """The kernels' bits depend on the build's lanes and FMA: a trace from an AVX-512 build replayed on
+    another profile is refused, naming the target to replay with."""
+    from toolkit.audit.replay import check_manifest
+    from toolkit.trace import native_kernels
+    from toolkit.trace.reader import TraceError
+
+    require_native()
+    engine = make_engine(tiny)
+    here = native_kernels(engine)
+    manifest = {"weights_sha256": tiny.revision, "tokenizer_sha256": tiny.tokenizer.digest, "batch_invariant": False,
+                "matmul_backend": engine.matmul_backend, **here}
+    assert check_manifest(manifest, engine, allow_mismatch=False) == []
+    other = "16 lanes, fma" if here["kernel_numerics"] != "16 lanes, fma" else "8 lanes, fma"
+    manifest.update(kernel_numerics=other, native_kernels=f"x86-64-v4 ({other})", kernel_target="x86-64-v4")
+    with pytest.raises(TraceError, match="native kernel numerics differ.*TOOLKIT_KERNEL_TARGET=x86-64-v4"):
+        check_manifest(manifest, engine, allow_mismatch=False)
