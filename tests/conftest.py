@@ -38,15 +38,6 @@ def smollm2():
     return load_model(ModelConfig(name="smollm2"))
 
 
-def require_native() -> None:
-    """Skip (with the reason printed) where the native kernels do not run: no compiler, a failed build,
-    or TOOLKIT_NATIVE=0 (the suite's fallback run, tests/test_fallback.py)."""
-    from toolkit import kernels
-
-    if not kernels.available():
-        pytest.skip(f"needs the native kernels: {kernels.describe_native()}")
-
-
 def _native_reason() -> str:
     from toolkit import kernels
 

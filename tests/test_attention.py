@@ -32,14 +32,9 @@ def dense_reference(q_NHD, k_cache, v_cache, tables, query_table, query_ctx, sca
     return out
 
 
-@settings(max_examples=60)
-@given(heads=st.sampled_from([(4, 2, 16), (9, 3, 64), (4, 4, 64), (8, 2, 128), (6, 3, 8),
-                              (8, 1, 64), (10, 2, 64), (12, 2, 128)]),  # query heads per KV head: 1-8
-       block_size=st.sampled_from([1, 4, 16, 32]), contexts=st.lists(st.integers(1, 90), min_size=1, max_size=6),
-       seed=st.integers(0, 1000))
-def test_kernel_matches_dense_reference(heads, block_size, contexts, seed):
-    h, kh, d = heads
-    gen = torch.Generator().manual_seed(seed)
+def attention_case(gen, h, kh, d, block_size, contexts):
+    """Random K/V caches in shuffled blocks, each sequence's block table, and a few queries per sequence
+    (a chunk ending at its context): (q, k_cache, v_cache, block_tables, query_table, query_ctx)."""
     num_blocks = sum(-(-c // block_size) for c in contexts) + 3
     k_cache = torch.randn(num_blocks, block_size, kh, d, generator=gen)
     v_cache = torch.randn(num_blocks, block_size, kh, d, generator=gen)
@@ -50,17 +45,27 @@ def test_kernel_matches_dense_reference(heads, block_size, contexts, seed):
         need = -(-c // block_size)
         tables.append(perm[:need] + [0] * (width - need))
         perm = perm[need:]
-        for q_pos in range(max(0, c - 3), c):  # a few queries per sequence: a chunk ending at c
+        for q_pos in range(max(0, c - 3), c):
             rows_table.append(s)
             rows_ctx.append(q_pos + 1)
-    tables_t = torch.tensor(tables)
     q = torch.randn(len(rows_ctx), h, d, generator=gen)
-    qt, qc = torch.tensor(rows_table), torch.tensor(rows_ctx)
+    return q, k_cache, v_cache, torch.tensor(tables), torch.tensor(rows_table), torch.tensor(rows_ctx)
+
+
+@settings(max_examples=60)
+@given(heads=st.sampled_from([(4, 2, 16), (9, 3, 64), (4, 4, 64), (8, 2, 128), (6, 3, 8),
+                              (8, 1, 64), (10, 2, 64), (12, 2, 128)]),  # query heads per KV head: 1-8
+       block_size=st.sampled_from([1, 4, 16, 32]), contexts=st.lists(st.integers(1, 90), min_size=1, max_size=6),
+       seed=st.integers(0, 1000))
+def test_kernel_matches_dense_reference(heads, block_size, contexts, seed):
+    h, kh, d = heads
+    gen = torch.Generator().manual_seed(seed)
+    q, k_cache, v_cache, tables_t, qt, qc = attention_case(gen, h, kh, d, block_size, contexts)
     got = paged_attention_cpu(q, k_cache, v_cache, tables_t, qt, qc, d ** -0.5)
     want = dense_reference(q, k_cache, v_cache, tables_t, qt, qc, d ** -0.5)
     assert (got.double() - want).abs().max().item() < 2e-5
     # each query's result does not depend on the others: alone, it gets the same bits
-    for i in range(0, len(rows_ctx), 3):
+    for i in range(0, q.shape[0], 3):
         alone = paged_attention_cpu(q[i:i + 1], k_cache, v_cache, tables_t, qt[i:i + 1], qc[i:i + 1], d ** -0.5)
         assert torch.equal(alone[0], got[i])
 

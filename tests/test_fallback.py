@@ -37,7 +37,7 @@ print(json.dumps(out))
 """
 
 
-def _run(env_extra: dict[str, str], code: str = TWO_ENGINES, tmp: Path | None = None) -> subprocess.CompletedProcess:
+def _run(env_extra: dict[str, str], code: str = TWO_ENGINES) -> subprocess.CompletedProcess:
     env = {**os.environ, **env_extra}
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
@@ -48,7 +48,7 @@ def test_a_failing_compiler_is_tried_once_warned_once_and_recorded(tmp_path):
     fake.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\necho 'fakecc: error: no such compiler' >&2\nexit 1\n")
     fake.chmod(0o755)
     result = _run({"CC": str(fake), "TOOLKIT_CACHE": str(tmp_path / "cache"),
-                   "TOOLKIT_KERNEL_TARGET": ""}, tmp=tmp_path)
+                   "TOOLKIT_KERNEL_TARGET": ""})
     assert result.returncode == 0, result.stderr[-3000:]
     warnings = [l for l in result.stderr.splitlines() if l.startswith(WARNING)]
     assert len(warnings) == 1, result.stderr

@@ -24,7 +24,7 @@ import torch
 
 from toolkit import kernels
 from toolkit.models.decoder import rotate_half
-from tests.test_attention import dense_reference
+from tests.test_attention import attention_case, dense_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "csrc" / "kernel_driver.c"
@@ -58,24 +58,6 @@ def _ulps(got: torch.Tensor, want: torch.Tensor, n: float) -> bool:
     return bool(((got.double() - want).abs() <= n * 2.0**-23 * want.abs() + 1e-30).all())
 
 
-def _attention_case(gen, h, kh, d, block_size, contexts):
-    num_blocks = sum(-(-c // block_size) for c in contexts) + 3
-    k_cache = torch.randn(num_blocks, block_size, kh, d, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, kh, d, generator=gen)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    width = max(-(-c // block_size) for c in contexts)
-    tables, rows_table, rows_ctx = [], [], []
-    for s, c in enumerate(contexts):
-        need = -(-c // block_size)
-        tables.append(perm[:need] + [0] * (width - need))
-        perm = perm[need:]
-        for q_pos in range(max(0, c - 3), c):
-            rows_table.append(s)
-            rows_ctx.append(q_pos + 1)
-    q = torch.randn(len(rows_ctx), h, d, generator=gen)
-    return q, k_cache, v_cache, torch.tensor(tables), torch.tensor(rows_table), torch.tensor(rows_ctx)
-
-
 def _with_threads(n, fn):
     before = torch.get_num_threads()
     torch.set_num_threads(n)
@@ -90,7 +72,7 @@ def _with_threads(n, fn):
 def test_attention_against_float64_and_batch_independent(lib, heads, block_size):
     h, kh, d = heads
     gen = torch.Generator().manual_seed(h * 100 + d + block_size)
-    q, kc, vc, tables, qt, qc = _attention_case(gen, h, kh, d, block_size, [1, 17, 40, 90])
+    q, kc, vc, tables, qt, qc = attention_case(gen, h, kh, d, block_size, [1, 17, 40, 90])
     got = kernels.paged_attention_cpu(q, kc, vc, tables, qt, qc, d ** -0.5, lib=lib)
     want = dense_reference(q, kc, vc, tables, qt, qc, d ** -0.5)
     assert (got.double() - want).abs().max().item() < 2e-5
@@ -103,7 +85,7 @@ def test_attention_against_float64_and_batch_independent(lib, heads, block_size)
 
 def test_int8_attention_against_the_dequantised_reference(lib):
     gen = torch.Generator().manual_seed(5)
-    q, kc, vc, tables, qt, qc = _attention_case(gen, 9, 3, 64, 16, [5, 33, 70])
+    q, kc, vc, tables, qt, qc = attention_case(gen, 9, 3, 64, 16, [5, 33, 70])
     k8 = (kc * 40).round().clamp(-127, 127).to(torch.int8)
     v8 = (vc * 40).round().clamp(-127, 127).to(torch.int8)
     ks, vs = torch.rand(kc.shape[0], 3, generator=gen) / 20, torch.rand(vc.shape[0], 3, generator=gen) / 20
@@ -187,7 +169,7 @@ def test_sha256_rows_are_hashlib_digests(lib, rows, width):
 def _fingerprint(lib) -> dict[str, torch.Tensor]:
     """Every kernel's output on fixed inputs."""
     gen = torch.Generator().manual_seed(11)
-    q, kc, vc, tables, qt, qc = _attention_case(gen, 9, 3, 64, 16, [9, 40])
+    q, kc, vc, tables, qt, qc = attention_case(gen, 9, 3, 64, 16, [9, 40])
     x, w = torch.randn(5, 576, generator=gen), torch.randn(576, 200, generator=gen)
     rows, norm_w = torch.randn(4, 581, generator=gen), torch.randn(581, generator=gen)
     gu, logits = torch.randn(4, 406, generator=gen) * 5, torch.randn(3, 1003, generator=gen) * 10

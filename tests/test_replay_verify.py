@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import make_engine, require_native
+from tests.conftest import make_engine, native_only
 from toolkit import replay, verify
 from toolkit.config import SamplingParams
 from toolkit.session import record
@@ -217,13 +217,13 @@ def test_cli_replay_and_verify_exit_codes(recorded_run, tmp_path):
     assert missing.returncode == 2 and missing.stderr.strip().startswith("error:") and "Traceback" not in missing.stderr
 
 
+@native_only
 def test_replay_names_the_matmul_backend_of_older_traces(tiny):
     """A manifest without matmul_backend comes from before the native matmul served the default
     mode: it ran torch's GEMM, so replaying it with the native one is refused with the fix."""
     from toolkit.audit.replay import check_manifest
     from toolkit.trace.reader import TraceError
 
-    require_native()
     engine = make_engine(tiny)
     manifest = {"weights_sha256": tiny.revision, "tokenizer_sha256": tiny.tokenizer.digest, "batch_invariant": False}
     assert engine.matmul_backend == "native"
@@ -232,6 +232,7 @@ def test_replay_names_the_matmul_backend_of_older_traces(tiny):
     assert check_manifest(manifest, make_engine(tiny, matmul_backend="torch"), allow_mismatch=False) == []
 
 
+@native_only
 def test_replay_refuses_a_trace_recorded_under_other_kernel_numerics(tiny):
     """The kernels' bits depend on the build's lanes and FMA: a trace from an AVX-512 build replayed on
     another profile is refused, naming the target to replay with."""
@@ -239,7 +240,6 @@ def test_replay_refuses_a_trace_recorded_under_other_kernel_numerics(tiny):
     from toolkit.trace import native_kernels
     from toolkit.trace.reader import TraceError
 
-    require_native()
     engine = make_engine(tiny)
     here = native_kernels(engine)
     manifest = {"weights_sha256": tiny.revision, "tokenizer_sha256": tiny.tokenizer.digest, "batch_invariant": False,

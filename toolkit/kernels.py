@@ -62,18 +62,20 @@ def _machine() -> str:
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
 
 
-def _cpu_flags() -> set[str]:
+@lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
+@lru_cache(maxsize=1)
 def host_target() -> str:
-    """The newest target this CPU executes."""
+    """The newest target this CPU executes (read once: native() asks on every kernel call)."""
     machine = _machine()
     if machine == "x86_64":
         flags = _cpu_flags()
@@ -395,7 +397,7 @@ def sha256_rows(rows_RB, index: "list[int] | None" = None, threads: int | None =
     index = list(range(x.shape[0])) if index is None else [int(i) for i in index]
     if any(not 0 <= i < x.shape[0] for i in index):
         raise IndexError(f"sha256_rows: a row index is outside the {x.shape[0]} rows")
-    # a pass of 16 lanes costs about what hashlib takes for two rows
+    # a pass of the build's lanes costs about what hashlib takes for two rows
     if len(index) <= 2 or not available(lib):
         return [hashlib.sha256(x[i].numpy().view("uint8")).hexdigest() for i in index]
     offsets = torch.tensor(index, dtype=torch.int64) * (x.stride(0) * x.element_size())
@@ -421,7 +423,8 @@ class PackedWeight:
 def pack_weight(w_KN: torch.Tensor, lib: NativeLib | None = None) -> PackedWeight:
     """Column panels of the build's wide panel width, then of its lanes, then the last N % lanes
     columns, each panel contiguous."""
-    nr, vl = (lib or native()).panel, (lib or native()).lanes
+    lib = _lib(lib)
+    nr, vl = lib.panel, lib.lanes
     k, n = w_KN.shape
     wide, narrow = n // nr, (n % nr) // vl
     vec_end = wide * nr + narrow * vl

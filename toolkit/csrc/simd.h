@@ -142,20 +142,18 @@ INLINE float sexp(float x) {
 }
 
 /* horizontal max and sum of the lanes, by a fixed halving tree: lane j with lane j + w */
-INLINE float hmax(vf x) {
-    float a[VL];
-    memcpy(a, &x, sizeof a);
-    for (int w = VL / 2; w > 0; w /= 2)
-        for (int j = 0; j < w; j++) a[j] = a[j] > a[j + w] ? a[j] : a[j + w];
-    return a[0];
-}
-INLINE float hsum(vf x) {
-    float a[VL];
-    memcpy(a, &x, sizeof a);
-    for (int w = VL / 2; w > 0; w /= 2)
-        for (int j = 0; j < w; j++) a[j] += a[j + w];
-    return a[0];
-}
+#define HREDUCE(NAME, COMBINE)                                                  \
+    INLINE float NAME(vf x) {                                                   \
+        float a[VL];                                                            \
+        memcpy(a, &x, sizeof a);                                                \
+        for (int w = VL / 2; w > 0; w /= 2)                                     \
+            for (int j = 0; j < w; j++) a[j] = COMBINE(a[j], a[j + w]);         \
+        return a[0];                                                            \
+    }
+#define MAX2(a, b) ((a) > (b) ? (a) : (b))
+#define ADD2(a, b) ((a) + (b))
+HREDUCE(hmax, MAX2)
+HREDUCE(hsum, ADD2)
 
 /* R[t] = the sum of the VL lanes of P[t], t < VL, in lane t: pairs of vectors are folded by halves
  * (each level adds the low and high half of every lane block), a fixed tree whatever the input */
