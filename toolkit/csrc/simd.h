@@ -74,8 +74,18 @@ typedef int8_t vb __attribute__((vector_size(VL)));
 
 INLINE vf loadv(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 INLINE void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
-INLINE vf splat(float x) { return (vf){0} + x; }
-INLINE vi splati(int32_t x) { return (vi){0} + x; }
+/* every lane x, exactly (a vector literal: one broadcast; 0 + x would turn -0.0 into +0.0 and cost an add) */
+#if VL == 16
+#define REPEAT_VL(x) x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x
+#elif VL == 8
+#define REPEAT_VL(x) x, x, x, x, x, x, x, x
+#elif VL == 4
+#define REPEAT_VL(x) x, x, x, x
+#else
+#define REPEAT_VL(x) x
+#endif
+INLINE vf splat(float x) { return (vf){REPEAT_VL(x)}; }
+INLINE vi splati(int32_t x) { return (vi){REPEAT_VL(x)}; }
 INLINE vf vselect(vi mask, vf a, vf b) { /* mask ? a : b, lane-wise (mask lanes -1 or 0) */
     return (vf)(((vi)a & mask) | ((vi)b & ~mask));
 }
