@@ -132,7 +132,6 @@ SIGNATURES = {  # symbol -> argument types (every one returns int)
     "toolkit_logsumexp_f32": [P, I64, I64, I64, P, ctypes.c_int],
     "toolkit_argmax_f32": [P, I64, I64, I64, P, ctypes.c_int],
     "toolkit_sha256_rows": [P, P, I64, I64, P, ctypes.c_int],
-    "toolkit_sha256_lanes": [],
     "toolkit_matmul_invariant_f32": [P, I64, P, P, I64, I64, I64, I64, ctypes.c_int],
     "toolkit_decoder_layers": [P, I64, P, P, P, P, P, P, P, P, P, P, ctypes.c_float, ctypes.c_float, ctypes.c_int],
 }
@@ -281,15 +280,9 @@ def native() -> NativeLib:
     return result
 
 
-def available(lib: NativeLib | None = None) -> bool:
-    """Whether the native kernels run here (a given build always does)."""
-    if lib is not None:
-        return True
-    try:
-        native()
-        return True
-    except KernelUnavailable:
-        return False
+def available() -> bool:
+    """Whether the process's native kernels run here (built, and not switched off)."""
+    return _lib_or_none(None) is not None
 
 
 def describe_native() -> str:
@@ -308,6 +301,14 @@ def fp8_decode_table() -> torch.Tensor:
 
 def _lib(lib: NativeLib | None) -> NativeLib:
     return lib if lib is not None else native()
+
+
+def _lib_or_none(lib: NativeLib | None) -> NativeLib | None:
+    """The build to use, or None where the native kernels do not run (the caller takes torch's path)."""
+    try:
+        return _lib(lib)
+    except KernelUnavailable:
+        return None
 
 
 def rope_cpu(x_NHD: torch.Tensor, cos_PD: torch.Tensor, sin_PD: torch.Tensor, positions_N: torch.Tensor,
@@ -336,10 +337,11 @@ def _rows_ok(x: torch.Tensor) -> bool:
 
 def logsumexp_cpu(x_RV: torch.Tensor, lib: NativeLib | None = None) -> torch.Tensor | None:
     """logsumexp of each row (R,) in one C pass per row, or None where the kernel does not apply."""
-    if not _rows_ok(x_RV) or not available(lib):
+    lib = _lib_or_none(lib) if _rows_ok(x_RV) else None
+    if lib is None:
         return None
     out = torch.empty(x_RV.shape[0], dtype=torch.float32)
-    _lib(lib).fn["logsumexp"](x_RV.data_ptr(), x_RV.stride(0), x_RV.shape[0], x_RV.shape[1], out.data_ptr(),
+    lib.fn["logsumexp"](x_RV.data_ptr(), x_RV.stride(0), x_RV.shape[0], x_RV.shape[1], out.data_ptr(),
                               torch.get_num_threads())
     return out
 
@@ -347,10 +349,11 @@ def logsumexp_cpu(x_RV: torch.Tensor, lib: NativeLib | None = None) -> torch.Ten
 def argmax_cpu(x_RV: torch.Tensor, lib: NativeLib | None = None) -> list[int] | None:
     """torch.argmax(x, dim=-1) of each row (the first maximal index; a NaN counts as the maximum) in one
     C pass, or None where the kernel does not apply."""
-    if not _rows_ok(x_RV) or x_RV.shape[1] == 0 or not available(lib):
+    lib = _lib_or_none(lib) if _rows_ok(x_RV) and x_RV.shape[1] > 0 else None
+    if lib is None:
         return None
     out = torch.empty(x_RV.shape[0], dtype=torch.int64)
-    _lib(lib).fn["argmax"](x_RV.data_ptr(), x_RV.stride(0), x_RV.shape[0], x_RV.shape[1], out.data_ptr(),
+    lib.fn["argmax"](x_RV.data_ptr(), x_RV.stride(0), x_RV.shape[0], x_RV.shape[1], out.data_ptr(),
                            torch.get_num_threads())
     return out.tolist()
 
@@ -398,11 +401,12 @@ def sha256_rows(rows_RB, index: "list[int] | None" = None, threads: int | None =
     if any(not 0 <= i < x.shape[0] for i in index):
         raise IndexError(f"sha256_rows: a row index is outside the {x.shape[0]} rows")
     # a pass of the build's lanes costs about what hashlib takes for two rows
-    if len(index) <= 2 or not available(lib):
+    lib = _lib_or_none(lib) if len(index) > 2 else None
+    if lib is None:
         return [hashlib.sha256(x[i].numpy().view("uint8")).hexdigest() for i in index]
     offsets = torch.tensor(index, dtype=torch.int64) * (x.stride(0) * x.element_size())
     out = torch.empty((len(index), 32), dtype=torch.uint8)
-    _lib(lib).fn["sha256_rows"](x.data_ptr(), offsets.data_ptr(), len(index), x.shape[1] * x.element_size(),
+    lib.fn["sha256_rows"](x.data_ptr(), offsets.data_ptr(), len(index), x.shape[1] * x.element_size(),
                                 out.data_ptr(), threads or torch.get_num_threads())
     hexes = out.numpy().tobytes().hex()
     return [hexes[64 * i:64 * i + 64] for i in range(len(index))]

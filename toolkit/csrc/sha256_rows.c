@@ -158,7 +158,6 @@ static void hash_group(const uint8_t *base, const int64_t *offsets, int64_t n, i
    ceil(rows / VL) groups of balanced size, the groups on up to `threads` threads. (Splitting
    VL rows or fewer over the threads gained nothing on AVX-512: a pass costs the same with 8 or 16
    lanes busy.) */
-int toolkit_sha256_lanes(void) { return VL; }
 
 int toolkit_sha256_rows(const uint8_t *base, const int64_t *offsets, int64_t rows, int64_t row_bytes, uint8_t *out,
                         int threads) {
