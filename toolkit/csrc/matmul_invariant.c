@@ -37,17 +37,19 @@
 #define NV 2
 #endif
 #define NR (VL * NV) /* columns per wide panel; narrow panels are VL columns */
+#define KC (4096 / NR > 64 ? 4096 / NR : 64) /* k per block: a 16 KB slab of a wide panel (L1 holds it) */
 
 /* the packing this build expects (toolkit.kernels.pack_weight): {wide panel columns, narrow panel columns} */
 void toolkit_matmul_layout(int64_t *out) { out[0] = NR; out[1] = VL; }
 
-/* rows [m0, m0 + mr) x the VL * nv columns at n0: the chain acc = fma(x, w, acc) over k */
+/* rows [m0, m0 + mr) x the VL * nv columns at n0, over K of the k steps: the chain acc = fma(x, w, acc)
+ * goes on from the sums in `out` (from 0 when `first`): a chain split into blocks of k is the same chain */
 #define DEFINE_TILE(R, V, TAG)                                                                            \
 static void tile_##R##_##TAG(const float *x, int64_t ldx, const float *w, int64_t ldw, float *out,       \
-                           int64_t ldo, int64_t K, const char *pf, int64_t pf_lines) {                 \
+                           int64_t ldo, int64_t K, int first, const char *pf, int64_t pf_lines) {      \
     vf acc[R][V];                                                                                     \
     for (int r = 0; r < R; r++)                                                                        \
-        for (int v = 0; v < V; v++) acc[r][v] = splat(0.0f);                                           \
+        for (int v = 0; v < V; v++) acc[r][v] = first ? splat(0.0f) : loadv(out + r * ldo + VL * v);   \
     for (int64_t k = 0; k < K; k++) {                                                                  \
         if (k < pf_lines) __builtin_prefetch(pf + 64 * k, 0, 2);                                       \
         vf wk[V];                                                                                     \
@@ -71,7 +73,8 @@ DEFINE_TILES(3)
 DEFINE_TILES(2)
 DEFINE_TILES(1)
 
-typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int64_t, const char *, int64_t);
+typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int64_t, int, const char *,
+                        int64_t);
 #if MR == 6
 static const tile_fn TILES_WIDE[MR + 1] = {0, tile_1_wide, tile_2_wide, tile_3_wide, tile_4_wide, tile_5_wide,
                                            tile_6_wide};
@@ -118,13 +121,18 @@ int toolkit_matmul_invariant_f32(const float *x, int64_t ldx, const float *w, fl
         /* the row tiles of this panel prefetch the next one (packed right after it), a share each */
         const char *next = (const char *)(panel + width * K);
         const int64_t lines = p + 1 < panels ? K * (p + 1 < wide_panels ? NR : VL) / 16 : 0; /* 16 floats a line */
-        const int64_t row_tiles = (M + MR - 1) / MR;
-        const int64_t share = (lines + row_tiles - 1) / row_tiles;
-        for (int64_t m0 = 0, r = 0; m0 < M; m0 += MR, r++) {
-            const int64_t mr = (M - m0) < MR ? (M - m0) : MR;
-            int64_t first = r * share, count = lines - first < share ? lines - first : share;
-            if (count < 0) count = 0;
-            tiles[mr](x + m0 * ldx, ldx, panel, width, out + m0 * ldo + n0, ldo, K, next + 64 * first, count);
+        /* k in blocks of KC whose slab of the panel stays in L1 while every row tile passes over it */
+        const int64_t row_tiles = (M + MR - 1) / MR, passes = row_tiles * ((K + KC - 1) / KC);
+        const int64_t share = (lines + passes - 1) / passes;
+        for (int64_t k0 = 0, r = 0; k0 < K; k0 += KC) {
+            const int64_t kc = K - k0 < KC ? K - k0 : KC;
+            for (int64_t m0 = 0; m0 < M; m0 += MR, r++) {
+                const int64_t mr = (M - m0) < MR ? (M - m0) : MR;
+                int64_t first = r * share, count = lines - first < share ? lines - first : share;
+                if (count < 0) count = 0;
+                tiles[mr](x + m0 * ldx + k0, ldx, panel + k0 * width, width, out + m0 * ldo + n0, ldo, kc, k0 == 0,
+                          next + 64 * first, count);
+            }
         }
     }
     if (vec_end < N) tail_columns(x, ldx, w + vec_end * K, N - vec_end, out, ldo, M, K, vec_end, N);
