@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import shutil
 import subprocess
 from pathlib import Path
@@ -147,6 +148,41 @@ def test_logsumexp_and_argmax_against_torch(lib):
     assert (got[ok].double() - want[ok]).abs().max().item() < 1e-5
 
 
+def test_gumbel_noise_and_sampling_are_the_twins_bit_for_bit(lib):
+    """The native noise equals rng.py's torch and Python twins bit for bit in every build (our own
+    logarithm in single IEEE operations), and a step's sampled rows pick what the torch sampler picks,
+    with the same noise, over full and truncated supports (ties to the lowest id)."""
+    from toolkit import rng
+    from toolkit.sampling import gumbel_choice
+
+    vocab = 49152
+    hashes = rng.token_hashes(vocab, torch.device("cpu"))
+    ids = torch.randint(0, vocab, (4099,), generator=torch.Generator().manual_seed(1))
+    for seed, position in ((0, 0), (2**63 - 1, 10**9), (12345, 77)):
+        key = rng.row_key(seed, position, 3)
+        native = kernels.gumbel_noise_cpu(ids, key, lib=lib)
+        assert torch.equal(native, rng.gumbel(key, hashes[ids]))
+        assert all(rng.gumbel_scalar(key, int(t)) == float(g) for t, g in zip(ids[:200], native[:200]))
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 1003, generator=gen) * 4
+    x[1, 100:] = float("-inf")  # 100 finite: sampled over the listed ids
+    x[2, ::2] = float("-inf")  # half finite: the masked full pass
+    x[3] = float("-inf")  # nothing finite: token -1
+    x[4] = x[4].round()  # ties
+    x[5, 7] = float("nan")  # not finite: never chosen
+    keys = [rng.row_key(9, 40 + i, i % 3) for i in range(9)]
+    keys[6] = None  # a greedy row: support only
+    rows = [8, 0, 1, 2, 3, 4, 5, 6, 7]
+    tokens, noise, support = kernels.gumbel_sample_cpu(x, rows, [keys[r] for r in rows], lib=lib)
+    for i, r in enumerate(rows):
+        assert support[i] == int(torch.isfinite(x[r]).sum())
+        if keys[r] is None:
+            assert tokens[i] == -1 and math.isnan(noise[i])
+            continue
+        want = gumbel_choice(x[r], keys[r])
+        assert tokens[i] == want[0] and (noise[i] == want[1] or math.isnan(noise[i]) and math.isnan(want[1])), r
+
+
 def test_rope_is_the_torch_expression_bit_for_bit(lib):
     gen = torch.Generator().manual_seed(4)
     cos, sin = torch.randn(50, 64, generator=gen), torch.randn(50, 64, generator=gen)
@@ -260,7 +296,8 @@ def test_aarch64_kernels_under_qemu_match_the_host(tmp_path):
     host_target = kernels.host_target()
     if host_target in kernels.TARGETS and shutil.which("gcc"):
         host = _run_driver("gcc", _driver_flags(host_target, None), tmp_path, "host", [])
-        for name in ("sha256", "argmax", "rope", "rms_norm_x", "sha256_data"):
+        for name in ("sha256", "argmax", "rope", "rms_norm_x", "sha256_data", "gumbel_noise", "gumbel_tokens",
+                     "gumbel_chosen_noise", "gumbel_support"):
             assert arm[name] == host[name], name  # exact in every build
         for name in ("matmul", "attention_h9_d64", "attention_h8_d128", "attention_h4_d16", "attention_q8_h6_d64",
                      "rms_norm", "silu_mul", "logsumexp"):

@@ -44,7 +44,7 @@ def test_noise_is_a_function_of_the_key_and_token_only():
     full = rng.gumbel(key, hashes)
     subset = torch.tensor([3, 17, 49])
     assert torch.equal(rng.gumbel(key, hashes[subset]), full[subset])
-    assert math.isclose(rng.gumbel_scalar(key, 17), float(full[17]), rel_tol=0, abs_tol=1e-12)
+    assert rng.gumbel_scalar(key, 17) == float(full[17])  # the Python-float twin: the same bits
     assert not torch.equal(full, rng.gumbel(rng.row_key(123, 45, 3), hashes))  # other stream
     assert not torch.equal(full, rng.gumbel(rng.row_key(123, 46, 2), hashes))  # other position
     assert not torch.equal(full, rng.gumbel(rng.row_key(124, 45, 2), hashes))  # other seed
@@ -70,6 +70,16 @@ def test_same_key_gives_the_same_token_whatever_the_batch(seed, position, stream
     assert batched.token_ids[where] == alone.token_ids[0]
     assert batched.noise[where] == alone.noise[0]
     assert batched.raw_logprobs[where] == alone.raw_logprobs[0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(x=st.floats(min_value=2.2250738585072014e-308, max_value=1.7976931348623157e308))
+def test_our_logarithm_is_within_one_ulp_and_its_twins_agree(x):
+    """rng.log_positive (the noise's log) is within 1 ulp of math.log, and the torch and Python twins
+    give the same bits."""
+    got = rng.log_positive(torch.tensor([x], dtype=torch.float64)).item()
+    assert got == rng.log_positive_scalar(x)
+    assert abs(got - math.log(x)) <= math.ulp(math.log(x)) if x != 1.0 else got == 0.0
 
 
 def test_truncated_support_samples_only_inside_it():

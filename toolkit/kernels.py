@@ -133,6 +133,8 @@ SIGNATURES = {  # symbol -> argument types (every one returns int)
     "toolkit_argmax_f32": [P, I64, I64, I64, P, ctypes.c_int],
     "toolkit_sha256_rows": [P, P, I64, I64, P, ctypes.c_int],
     "toolkit_matmul_invariant_f32": [P, I64, P, P, I64, I64, I64, I64, ctypes.c_int],
+    "toolkit_gumbel_sample_rows": [P, I64, I64, P, I64, P, P, P, P, P, ctypes.c_int],
+    "toolkit_gumbel_noise": [P, I64, ctypes.c_uint32, ctypes.c_uint32, P],
     "toolkit_decoder_layers": [P, I64, P, P, P, P, P, P, P, P, P, P, ctypes.c_float, ctypes.c_float, ctypes.c_int],
 }
 
@@ -356,6 +358,36 @@ def argmax_cpu(x_RV: torch.Tensor, lib: NativeLib | None = None) -> list[int] | 
     lib.fn["argmax"](x_RV.data_ptr(), x_RV.stride(0), x_RV.shape[0], x_RV.shape[1], out.data_ptr(),
                            torch.get_num_threads())
     return out.tolist()
+
+
+def gumbel_sample_cpu(x_RV: torch.Tensor, rows: list[int], keys: list[tuple[int, int] | None],
+                      lib: NativeLib | None = None) -> tuple[list[int], list[float], list[int]] | None:
+    """For each listed row: the Gumbel-max token over its finite logits under its key (None: not
+    sampled, token -1), that token's noise (NaN where none) and the row's count of finite logits,
+    all rows in one C call (toolkit/csrc/gumbel.c); None where the kernel does not apply."""
+    lib = _lib_or_none(lib) if _rows_ok(x_RV) and x_RV.shape[1] < 2 ** 31 else None
+    if lib is None:
+        return None
+    n = len(rows)
+    rows_t = torch.tensor(rows, dtype=torch.int64)
+    keys_t = torch.tensor([k if k is not None else (0, 0) for k in keys], dtype=torch.int64).to(torch.int32)
+    sampled = torch.tensor([k is not None for k in keys], dtype=torch.int8)
+    tokens = torch.full((n,), -1, dtype=torch.int64)
+    noise = torch.full((n,), float("nan"), dtype=torch.float64)
+    support = torch.empty(n, dtype=torch.int64)
+    if lib.fn["gumbel_sample_rows"](x_RV.data_ptr(), x_RV.stride(0), x_RV.shape[1], rows_t.data_ptr(), n,
+                                    keys_t.data_ptr(), sampled.data_ptr(), tokens.data_ptr(), noise.data_ptr(),
+                                    support.data_ptr(), torch.get_num_threads()) != 0:
+        raise MemoryError("gumbel_sample_rows: out of memory")
+    return tokens.tolist(), noise.tolist(), support.tolist()
+
+
+def gumbel_noise_cpu(ids: torch.Tensor, key: tuple[int, int], lib: NativeLib | None = None) -> torch.Tensor:
+    """The kernel's noise (float64) for token ids under one key: what the twins in rng.py must equal."""
+    ids = ids.to(torch.int32).contiguous()
+    out = torch.empty(ids.shape[0], dtype=torch.float64)
+    _lib(lib).fn["gumbel_noise"](ids.data_ptr(), ids.shape[0], key[0], key[1], out.data_ptr())
+    return out
 
 
 def add_rms_norm_cpu(x_ND: torch.Tensor, residual_ND: torch.Tensor | None, weight_D: torch.Tensor,

@@ -5,11 +5,18 @@ request is in, however many draws other requests made, and after any preemption.
 hash is a 32-bit integer mixer (xorshift-multiply, constants < 2^31 so products stay
 below 2^63 and never overflow int64) applied in two rounds to give 53 uniform bits,
 evaluated identically on Python ints and on int64 tensors (any device).
+
+Gumbel noise -log(-log(u)) takes its logarithm from `log_positive`, our own (fdlibm's reduction and
+polynomial) in +, -, *, / of doubles only, each step one correctly rounded IEEE operation: the
+native kernel (toolkit/csrc/gumbel.c), the torch twin and the Python-float twin here give the same
+bits on every CPU. (torch.log does not: its vectorised body and its scalar tail are two libraries,
+so a token's noise could change in the last bit with its place in the row. Traces of schema 3 drew
+noise that way; see toolkit/trace/schema.py.)
 """
 
 from __future__ import annotations
 
-import math
+import struct
 
 import torch
 
@@ -62,6 +69,45 @@ def token_hashes(vocab_size: int, device: torch.device) -> torch.Tensor:
     return _TOKEN_HASHES[key]
 
 
+# fdlibm's log: x = 2^k m, m in [sqrt(1/2), sqrt(2)), log m = 2 atanh(f / (2 + f)), f = m - 1
+_LG = (6.666666666666735130e-01, 3.999999999940941908e-01, 2.857142874366239149e-01, 2.222219843214978396e-01,
+       1.818357216161805012e-01, 1.531383769920937332e-01, 1.479819860511658591e-01)
+_LN2_HI, _LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10
+_MANTISSA, _SQRT2_MANTISSA, _ONE, _HALF_STEP = 0x000FFFFFFFFFFFFF, 0x6A09E667F3BCD, 0x3FF0000000000000, 1 << 52
+
+
+def _log_polynomial(k, f):
+    """log(2^k (1 + f)) from the reduced argument; the same operations, in the same order, as
+    toolkit/csrc/gumbel.c's dlog, on floats or float64 tensors."""
+    s = f / (f + 2.0)
+    z = s * s
+    w = z * z
+    t1 = w * (w * (w * _LG[5] + _LG[3]) + _LG[1])
+    t2 = z * (w * (w * (w * _LG[6] + _LG[4]) + _LG[2]) + _LG[0])
+    r = t2 + t1
+    hfsq = f * 0.5 * f
+    return k * _LN2_HI - ((hfsq - (s * (hfsq + r) + k * _LN2_LO)) - f)
+
+
+def log_positive(x: torch.Tensor) -> torch.Tensor:
+    """log of positive normal float64 values, bit-identical to the native kernel's."""
+    bits = x.view(torch.int64)
+    mantissa = bits & _MANTISSA
+    big = (mantissa > _SQRT2_MANTISSA).to(torch.int64)  # mantissa above sqrt(2): halve it
+    k = ((bits >> 52) - 1023 + big).to(torch.float64)
+    m = (mantissa | (_ONE - big * _HALF_STEP)).view(torch.float64)
+    return _log_polynomial(k, m - 1.0)
+
+
+def log_positive_scalar(x: float) -> float:
+    """The same logarithm on one Python float."""
+    (bits,) = struct.unpack("<q", struct.pack("<d", x))
+    mantissa = bits & _MANTISSA
+    big = 1 if mantissa > _SQRT2_MANTISSA else 0
+    (m,) = struct.unpack("<d", struct.pack("<q", mantissa | (_ONE - big * _HALF_STEP)))
+    return _log_polynomial(float((bits >> 52) - 1023 + big), m - 1.0)
+
+
 def uniform_bits(key: tuple[int, int], token_hash: torch.Tensor) -> torch.Tensor:
     """53-bit integers (int64) for the given token hashes under one row key."""
     a = mix32(token_hash ^ key[0])
@@ -72,7 +118,7 @@ def uniform_bits(key: tuple[int, int], token_hash: torch.Tensor) -> torch.Tensor
 def gumbel(key: tuple[int, int], token_hash: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise, float64, one value per token hash: -log(-log(u)), u in (0, 1)."""
     u = uniform_bits(key, token_hash).to(torch.float64).add_(0.5).mul_(TWO_POW_MINUS_53)
-    return u.log_().neg_().log_().neg_()
+    return -log_positive(-log_positive(u))
 
 
 def uniform_scalar(key: tuple[int, int], token_id: int = 0) -> float:
@@ -87,4 +133,4 @@ def gumbel_scalar(key: tuple[int, int], token_id: int) -> float:
     a = mix32(mix32(token_id * 2 + 1) ^ key[0])
     b = mix32(a ^ key[1])
     u = (((a << 21) | (b >> 11)) + 0.5) * TWO_POW_MINUS_53
-    return -math.log(-math.log(u))
+    return -log_positive_scalar(-log_positive_scalar(u))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from toolkit import rng
-from toolkit.kernels import argmax_cpu, logsumexp_cpu
+from toolkit.kernels import argmax_cpu, gumbel_sample_cpu, logsumexp_cpu
 
 
 @dataclass(frozen=True)
@@ -56,36 +56,33 @@ def logsumexp_rows(x_RV: torch.Tensor, per_row: bool = True) -> torch.Tensor:
 def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRow],
            raw_logsumexp_R: torch.Tensor | None = None, per_row: bool = True) -> SampleResult:
     """Choose one token per row. `processed_RV is raw_RV` (no processor changed anything) takes a fast
-    path: the processed distribution is the raw one and its support is the whole vocabulary."""
+    path: the processed distribution is the raw one and its support is the whole vocabulary. Every
+    sampled row's noise, and every processed row's support, comes from one native pass over the step
+    (toolkit/csrc/gumbel.c); torch computes the same bits where the kernel does not run."""
     r, vocab = raw_RV.shape
     unprocessed = processed_RV is raw_RV
     raw_lse = raw_logsumexp_R if raw_logsumexp_R is not None else logsumexp_rows(raw_RV, per_row)
+    keys = [None if row.greedy else rng.row_key(row.seed, row.position, row.stream, row.purpose) for row in rows]
+    sampled = [i for i, key in enumerate(keys) if key is not None]
+    native = (gumbel_sample_cpu(processed_RV, list(range(r)), keys)
+              if sampled or not unprocessed else None)
+    if native is not None:
+        chosen, noise, support = native
+    else:
+        finite_RV = None if unprocessed else torch.isfinite(processed_RV)
+        support = [vocab] * r if unprocessed else finite_RV.sum(dim=-1).tolist()
+        chosen, noise = [-1] * r, [float("nan")] * r
+        for i in sampled:
+            chosen[i], noise[i] = gumbel_choice(processed_RV[i], keys[i], None if unprocessed else finite_RV[i])
     if unprocessed:
         support = [vocab] * r
-        proc_lse = raw_lse
-    else:
-        finite_RV = torch.isfinite(processed_RV)
-        support = finite_RV.sum(dim=-1).tolist()
-        proc_lse = logsumexp_rows(processed_RV, per_row)
-    tokens = argmax_cpu(processed_RV)
-    if tokens is None:
-        tokens = torch.argmax(processed_RV, dim=-1).tolist()
-    noise = [float("nan")] * r
-    hashes = rng.token_hashes(vocab, raw_RV.device) if any(not row.greedy for row in rows) else None
-    for i, row in enumerate(rows):
-        if row.greedy:
-            continue
-        key = rng.row_key(row.seed, row.position, row.stream, row.purpose)
-        if support[i] == vocab:
-            g_V = rng.gumbel(key, hashes)
-            choice = int(torch.argmax(processed_RV[i].double() + g_V))
-            noise[i] = float(g_V[choice])
-        else:
-            ids = finite_RV[i].nonzero().flatten()
-            g_S = rng.gumbel(key, hashes[ids])
-            j = int(torch.argmax(processed_RV[i, ids].double() + g_S))
-            choice, noise[i] = int(ids[j]), float(g_S[j])
-        tokens[i] = choice
+    proc_lse = raw_lse if unprocessed else logsumexp_rows(processed_RV, per_row)
+    tokens = chosen
+    if len(sampled) < r or -1 in chosen:  # greedy rows, or a row without a finite logit: the argmax
+        argmax = argmax_cpu(processed_RV)
+        if argmax is None:
+            argmax = torch.argmax(processed_RV, dim=-1).tolist()
+        tokens = [t if t >= 0 else a for t, a in zip(chosen, argmax)]
     token_t = torch.tensor(tokens, device=raw_RV.device).unsqueeze(1)
     raw_lp = (raw_RV.gather(1, token_t).squeeze(1) - raw_lse).tolist()
     proc_lp = raw_lp if unprocessed else (processed_RV.gather(1, token_t).squeeze(1) - proc_lse).tolist()
@@ -94,6 +91,19 @@ def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRo
     top_proc = top_raw if unprocessed else _top(processed_RV, proc_lse, rows, num_top)
     return SampleResult(token_ids=tokens, raw_logprobs=raw_lp, processed_logprobs=proc_lp, support_sizes=support,
                         noise=noise, top_raw=top_raw, top_processed=top_proc)
+
+
+def gumbel_choice(logits_V: torch.Tensor, key: tuple[int, int], finite_V: torch.Tensor | None = None
+                  ) -> tuple[int, float]:
+    """The Gumbel-max token of one row over its finite logits (`finite_V`, when known) and its noise, in
+    torch: the same bits as the native kernel; -1 and NaN when no logit is finite."""
+    finite_V = torch.isfinite(logits_V) if finite_V is None else finite_V
+    ids = finite_V.nonzero().flatten()
+    if ids.numel() == 0:
+        return -1, float("nan")
+    g = rng.gumbel(key, rng.token_hashes(logits_V.shape[0], logits_V.device)[ids])
+    j = int(torch.argmax(logits_V[ids].double() + g))
+    return int(ids[j]), float(g[j])
 
 
 def _top(logits_RV: torch.Tensor, lse_R: torch.Tensor, rows: list[SampleRow], k: int

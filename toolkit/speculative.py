@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from toolkit import rng
+from toolkit.sampling import gumbel_choice
 
 if TYPE_CHECKING:  # pragma: no cover
     from toolkit.engine import Engine
@@ -63,19 +64,11 @@ class Verdict:
 # --------------------------------------------------------------------------- verification
 
 
-def _gumbel_choice(logits_V: torch.Tensor, key: tuple[int, int]) -> tuple[int, float]:
-    """argmax over the finite entries of logits + Gumbel(key); returns (token, its noise)."""
-    ids = torch.isfinite(logits_V).nonzero().flatten()
-    g = rng.gumbel(key, rng.token_hashes(logits_V.shape[0], logits_V.device)[ids])
-    j = int(torch.argmax(logits_V[ids].double() + g))
-    return int(ids[j]), float(g[j])
-
-
 def sample_plain(logits_V: torch.Tensor, greedy: bool, seed: int, position: int, stream: int) -> tuple[int, float]:
     """The token a non-speculative run samples here (same rule as toolkit.sampling)."""
     if greedy:
         return int(torch.argmax(logits_V)), float("nan")
-    return _gumbel_choice(logits_V, rng.row_key(seed, position, stream, rng.SAMPLE))
+    return gumbel_choice(logits_V, rng.row_key(seed, position, stream, rng.SAMPLE))
 
 
 def verify(p_logits: torch.Tensor, proposal: Proposal, *, greedy: bool, mode: str, seed: int, stream: int,
@@ -96,7 +89,7 @@ def verify(p_logits: torch.Tensor, proposal: Proposal, *, greedy: bool, mode: st
             target = int(torch.argmax(p_row))
             keep, choice, g = d == target, target, float("nan")
         elif mode == "coupled":
-            choice, g = _gumbel_choice(p_row, rng.row_key(seed, position, stream, rng.SAMPLE))
+            choice, g = gumbel_choice(p_row, rng.row_key(seed, position, stream, rng.SAMPLE))
             keep = d == choice
         else:
             p = torch.softmax(p_row.double(), dim=-1)
@@ -109,7 +102,7 @@ def verify(p_logits: torch.Tensor, proposal: Proposal, *, greedy: bool, mode: st
                 residual = p if residual_from_p else (p - q).clamp_min(0.0)
                 if float(residual.sum()) <= 0.0:  # p == q: any draft is kept with probability 1
                     residual = p
-                choice, g = _gumbel_choice(residual.log(), rng.row_key(seed, position, stream, rng.RESIDUAL))
+                choice, g = gumbel_choice(residual.log(), rng.row_key(seed, position, stream, rng.RESIDUAL))
         if keep:
             tokens.append(d)
             origins.append(ACCEPTED)

@@ -10,6 +10,7 @@
  *
  *   kernel_driver <outdir>
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,6 +34,9 @@ int toolkit_silu_mul_f32(const float *, int64_t, float *, int64_t, int64_t, int6
 int toolkit_logsumexp_f32(const float *, int64_t, int64_t, int64_t, float *, int);
 int toolkit_argmax_f32(const float *, int64_t, int64_t, int64_t, int64_t *, int);
 int toolkit_sha256_rows(const uint8_t *, const int64_t *, int64_t, int64_t, uint8_t *, int);
+int toolkit_gumbel_sample_rows(const float *, int64_t, int64_t, const int64_t *, int64_t, const uint32_t *,
+                               const int8_t *, int64_t *, double *, int64_t *, int);
+int toolkit_gumbel_noise(const int32_t *, int64_t, uint32_t, uint32_t, double *);
 
 static uint64_t state = 0x9e3779b97f4a7c15ull;
 static uint32_t next_u32(void) {
@@ -173,6 +177,29 @@ static void check_rowwise(void) {
     free(xr); free(cs); free(sn); free(ro); free(data);
 }
 
+/* Gumbel noise (exact in every build) and a step of sampled rows, one truncated to a few ids */
+static void check_gumbel(void) {
+    enum { G = 1003, S = 5, SV = 5000 };
+    int32_t ids[G];
+    double noise[G];
+    for (int i = 0; i < G; i++) ids[i] = (int32_t)(next_u32() % 49152);
+    toolkit_gumbel_noise(ids, G, 0x9E3779B9u, 0x7F4A7C15u, noise);
+    save("gumbel_noise", noise, sizeof noise);
+    float *logits = uniform(S * SV, 6.0f);
+    for (int v = 0; v < SV; v++)
+        if (v % 97) logits[3 * SV + v] = -INFINITY; /* row 3: a truncated support */
+    int64_t rows[S] = {4, 0, 3, 2, 1}, tokens[S], support[S];
+    uint32_t keys[2 * S];
+    int8_t sampled[S] = {1, 1, 1, 0, 1};
+    double chosen_noise[S];
+    for (int i = 0; i < 2 * S; i++) keys[i] = next_u32();
+    toolkit_gumbel_sample_rows(logits, SV, SV, rows, S, keys, sampled, tokens, chosen_noise, support, 2);
+    save("gumbel_tokens", tokens, sizeof tokens);
+    save("gumbel_chosen_noise", chosen_noise, sizeof chosen_noise);
+    save("gumbel_support", support, sizeof support);
+    free(logits);
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) { fprintf(stderr, "usage: kernel_driver <outdir>\n"); return 2; }
     outdir = argv[1];
@@ -182,6 +209,7 @@ int main(int argc, char **argv) {
     check_attention(4, 2, 16, 16, 0, "attention_h4_d16"); /* the scalar path */
     check_attention(6, 3, 64, 16, 1, "attention_q8_h6_d64");
     check_rowwise();
+    check_gumbel();
     int64_t profile[4];
     toolkit_kernel_profile(profile);
     if (failures) return 1;

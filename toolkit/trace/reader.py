@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from toolkit.errors import ToolkitError
-from toolkit.trace.schema import REQUESTS_SCHEMA, SAMPLES_SCHEMA, SCHEMA_VERSION
+from toolkit.trace.schema import REQUESTS_SCHEMA, SAMPLES_SCHEMA, SCHEMA_VERSION, SUPERSEDED
 from toolkit.trace.writer import MANIFEST_FILE, REQUESTS_FILE, SAMPLES_DIR
 
 
@@ -29,6 +29,9 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as exc:
         raise TraceError(f"{path} is unreadable or corrupt: {exc}") from None
     version = manifest.get("schema_version")
+    if version in SUPERSEDED:
+        raise TraceError(f"{path}: trace schema version {version}, this toolkit reads version {SCHEMA_VERSION}: "
+                         f"{SUPERSEDED[version]}")
     if version != SCHEMA_VERSION:
         raise TraceError(f"{path}: trace schema version {version!r}, this toolkit reads version {SCHEMA_VERSION}")
     return manifest

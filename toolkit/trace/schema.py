@@ -10,7 +10,15 @@ from dataclasses import dataclass, fields
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
+
+# versions this toolkit no longer reads, and why (the reader says so instead of "unknown version")
+SUPERSEDED = {
+    3: "its Gumbel noise was computed with torch.log, whose last bit depends on the CPU and on a token's "
+       "place in the row; version 4 computes -log(-log(u)) with toolkit's own logarithm (identical bits "
+       "everywhere), so about 1 noise value in 7 differs by an ulp and a sampled token near a tie could "
+       "differ: it cannot be replayed bit for bit (replay it with the toolkit commit that wrote it)",
+}
 
 TOP_TYPE = pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float32())]))
 
