@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.conftest import make_engine
 from toolkit.config import SamplingParams
-from toolkit.stop import StopState, held_back, update_text
+from toolkit.stop import REPLACEMENT, StopState, held_back, update_text
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -17,7 +19,7 @@ def feed(tokenizer, ids, stops, include=False):
         u = update_text(tokenizer.decode, ids[:n], stops, state, check_stops=True, include_stop=include, final=False)
         shown += u.delta
         if u.stop_string:
-            return shown, u.stop_string, n, u.text
+            return shown, u.stop_string, n, state.text
     return shown, hit, len(ids), None
 
 
@@ -49,7 +51,7 @@ def test_streamed_text_never_shows_a_stop_prefix_that_later_completes(tiny):
     state = StopState()
     for n in range(1, len(ids) + 1):
         u = update_text(tok.decode, ids[:n], [stop], state, check_stops=True, include_stop=False, final=False)
-        shown = u.text[: state.emitted]
+        shown = state.text[: state.emitted]
         assert "four" not in shown and not shown.endswith("fo")
         if u.stop_string:
             break
@@ -94,3 +96,111 @@ def test_min_tokens_delays_eos_and_stop_strings(tiny):
     out = engine.generate([{"prompt_token_ids": [5, 6], "sampling_params": params}])[0]
     assert out.output_token_ids[:4] != (eos,) * 4 and eos not in out.output_token_ids[:5]
     assert out.output_token_ids[5] == eos and out.finish_reason == "stop" and len(out.output_token_ids) == 6
+
+
+# ------------------------------------------------------------------ incremental == full re-decode
+
+def full_redecode(decode, output_ids, stops, state, *, check_stops, include_stop, final):
+    """The matcher as it was before incremental detokenization: the whole output decoded every token
+    (O(n^2) per sequence). The oracle the incremental one must agree with; `state` is a plain dict."""
+    text = decode(output_ids)
+    if check_stops and stops:
+        start = max(0, state["scanned"] - max(len(s) for s in stops) + 1)
+        hits = [(pos, s) for s in stops if (pos := text.find(s, start)) >= 0]
+        if hits:
+            pos, s = min(hits)
+            text = text[: pos + len(s)] if include_stop else text[:pos]
+            delta = text[state["emitted"]:]
+            state["emitted"] = state["scanned"] = len(text)
+            return delta, s, text
+    stable = len(text)
+    if not final:
+        while stable and text[stable - 1] == REPLACEMENT:
+            stable -= 1
+        if check_stops and stops:
+            stable -= held_back(text[:stable], stops)
+    state["scanned"] = len(text.rstrip(REPLACEMENT)) if not final else len(text)
+    stable = max(stable, state["emitted"])
+    delta = text[state["emitted"]:stable]
+    state["emitted"] = stable
+    return delta, None, text
+
+
+# texts whose characters take 1 to 4 UTF-8 bytes, so byte-level tokens split characters
+MULTIBYTE = st.text(alphabet=st.sampled_from(list("ab c.\n") + ["é", "ß", "€", "中", "文", "😀", "🚀", "\u0301"]),
+                    min_size=1, max_size=40)
+
+
+def _byte_tokens(tokenizer) -> list[int]:
+    """Ids of SmolLM2's single-byte tokens for bytes 0x80-0xFF (continuation and lead bytes)."""
+    byte_map = {0x80 + i: ch for i, ch in enumerate("ĢģĤĥĦħĨĩĪīĬĭĮįİıĲĳĴĵĶķĸĹĺĻļĽľĿŀŁł¡¢£¤¥¦§¨©ª«¬Ń®¯°±²³´µ¶·¸¹º»¼½¾¿ÀÁÂÃÄÅÆÇÈÉÊËÌÍÎÏÐÑÒÓÔÕÖ×ØÙÚÛÜÝÞßàáâãäåæçèéêëìíîïðñòóôõö÷øùúûüýþÿ")}
+    ids = [tokenizer._tok.token_to_id(ch) for ch in byte_map.values()]
+    return [i for i in ids if i is not None]
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), text=MULTIBYTE, include=st.booleans(), min_tokens=st.integers(0, 4),
+       skip_special=st.booleans())
+def test_incremental_detokenization_equals_a_full_redecode(tiny, data, text, include, min_tokens, skip_special):
+    """Token by token, the incremental matcher streams the same deltas, finds the same stop string at
+    the same token and ends with the same text as decoding the whole output each time: on real
+    SmolLM2 ids of multi-byte text, with random single-byte tokens (partial and invalid UTF-8) and
+    special tokens mixed in, and stop strings cut from the text so they span tokens."""
+    tok = tiny.tokenizer
+    ids = tok.encode(text, add_special_tokens=False)
+    extra = st.sampled_from(_byte_tokens(tok) + [tok.eos_token_id, 0, 1, 2])
+    for _ in range(data.draw(st.integers(0, 4))):
+        ids.insert(data.draw(st.integers(0, len(ids))), data.draw(extra))
+    full = tok.decode(ids, skip_special_tokens=skip_special)
+    stops = []
+    for _ in range(data.draw(st.integers(0, 3))):
+        a = data.draw(st.integers(0, max(0, len(full) - 1)))
+        piece = full[a:a + data.draw(st.integers(1, 6))]
+        if piece:
+            stops.append(piece)
+    if data.draw(st.booleans()):
+        stops.append(data.draw(st.text(min_size=1, max_size=4)))
+    decode = lambda xs: tok.decode(xs, skip_special_tokens=skip_special)  # noqa: E731
+    prompt = [5, 6, 7]  # the output follows a prompt in the sequence's token list
+    state, oracle = StopState(), {"emitted": 0, "scanned": 0}
+    for n in range(1, len(ids) + 1):
+        final = n == len(ids)
+        kwargs = dict(check_stops=n >= min_tokens, include_stop=include, final=final)
+        got = update_text(decode, prompt + ids[:n], stops, state, first=len(prompt), **kwargs)
+        delta, hit, want_text = full_redecode(decode, ids[:n], stops, oracle, **kwargs)
+        assert (got.delta, got.stop_string) == (delta, hit), n
+        assert (state.emitted, state.scanned) == (oracle["emitted"], oracle["scanned"]), n
+        assert state.text == want_text, n
+        if hit:
+            break
+
+
+def test_characters_split_across_tokens_come_out_whole(tiny):
+    """Decoding each token alone would split multi-byte characters into U+FFFD; the matcher holds a
+    partial character back until the token that completes it."""
+    tok = tiny.tokenizer
+    ids = tok.encode("中文 😀 é", add_special_tokens=False)
+    naive = "".join(tok.decode([i]) for i in ids)
+    assert naive != tok.decode(ids) and REPLACEMENT in naive
+    state = StopState()
+    for n in range(1, len(ids) + 1):
+        update_text(tok.decode, ids[:n], [], state, check_stops=False, include_stop=False, final=n == len(ids))
+    assert state.text == tok.decode(ids)
+
+
+def test_work_per_token_does_not_grow_with_the_output(tiny):
+    """Each update decodes only the tokens since the last confirmed character (plus context), so the
+    tokens handed to decode per update stay bounded over a 3,000-token output."""
+    tok = tiny.tokenizer
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 300, add_special_tokens=False)[:3000]
+    seen = []
+
+    def decode(xs):
+        seen.append(len(xs))
+        return tok.decode(xs)
+
+    state = StopState()
+    for n in range(1, len(ids) + 1):
+        update_text(decode, ids[:n], ["zebra!"], state, check_stops=True, include_stop=False, final=False)
+    assert max(seen) <= 4, max(seen)
+    assert state.text == tok.decode(ids)

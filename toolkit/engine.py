@@ -730,13 +730,12 @@ class Engine:
     def _text(self, seq: Request, *, final: bool) -> TextUpdate:
         """Advance the sequence's text and stop-string matcher (no text without a tokenizer)."""
         if self.tokenizer is None:
-            return TextUpdate(delta="", stop_string=None, text="")
+            return TextUpdate(delta="", stop_string=None)
         p = seq.sampling
         update = update_text(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens),
-                             seq.output_token_ids, p.stop, seq.stop_state,
+                             seq.token_ids, p.stop, seq.stop_state,
                              check_stops=seq.num_output_tokens >= p.min_tokens,
-                             include_stop=p.include_stop_str_in_output, final=final)
-        seq.text = update.text
+                             include_stop=p.include_stop_str_in_output, final=final, first=seq.num_prompt_tokens)
         return update
 
     def _finish(self, seq: Request, reason: FinishReason, detail: str, stop_reason, now: float) -> None:

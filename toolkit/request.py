@@ -54,8 +54,7 @@ class Request:
     finish_reason: FinishReason | None = None
     finish_detail: str | None = None  # why it stopped ("eos", "stop_token_id", "stop_str", "max_tokens", an error)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's stop_reason)
-    stop_state: StopState = field(default_factory=StopState)
-    text: str = ""  # output text so far (stop string excluded unless include_stop_str_in_output)
+    stop_state: StopState = field(default_factory=StopState)  # its text and stop-string matcher
 
     add_time: float = 0.0
     arrival_time: float | None = None  # when it became eligible (its arrival step came)
@@ -71,6 +70,11 @@ class Request:
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def text(self) -> str:
+        """The output text so far (stop string excluded unless include_stop_str_in_output)."""
+        return self.stop_state.text
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,15 +1,23 @@
 """Incremental detokenization with stop strings matched across token boundaries.
 
+Each new token is decoded with a few tokens of context, not the whole output (the prefix / read
+offsets of vLLM's and HF's `DecodeStream`): `decode(ids[prefix:read])` is text already confirmed
+and `decode(ids[prefix:])` the same text plus what the new tokens add. A token's text is confirmed
+once it does not end in an incomplete UTF-8 character (decoded as U+FFFD); until then it is
+re-decoded with the next tokens. For byte-level tokenizers this gives exactly the text of decoding
+the whole output (tests/test_stop_and_stream.py checks it against a full re-decode). Work per
+token is bounded by the tokens since the last confirmed character and the longest stop string,
+not by the output's length: the text is kept as a list of pieces and joined only when asked for.
+
 A stop string may be split over several tokens, so matching runs on the decoded text.
-Streamed text never shows any part of a stop string: the longest suffix of the text
-that could still grow into a stop string is held back, and so is a trailing incomplete
-UTF-8 character (decoded as U+FFFD). The state (how much text was emitted, how far it
-was scanned) lives here so that a resumed request continues exactly where it was.
+Streamed text never shows any part of a stop string: the longest suffix of the text that could
+still grow into a stop string is held back, and so is a trailing incomplete UTF-8 character.
+The state lives here so that a resumed request continues exactly where it was.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 REPLACEMENT = "\ufffd"
@@ -19,13 +27,56 @@ REPLACEMENT = "\ufffd"
 class StopState:
     emitted: int = 0  # characters of the output text already streamed
     scanned: int = 0  # characters already searched for stop strings (all stop strings start at >= this - max_len + 1)
+    prefix_offset: int = 0  # output tokens: decode(ids[prefix_offset:read_offset]) is the next piece's context
+    read_offset: int = 0  # output tokens whose text is confirmed (in `pieces`)
+    pieces: list[str] = field(default_factory=list)  # the confirmed text, decode(ids[:read_offset]), in pieces
+    confirmed: int = 0  # its length in characters
+    pending: str = ""  # the text of ids[read_offset:] so far (it may end in an incomplete character)
+
+    @property
+    def length(self) -> int:
+        return self.confirmed + len(self.pending)
+
+    @property
+    def text(self) -> str:
+        if len(self.pieces) > 1:
+            self.pieces[:] = ["".join(self.pieces)]
+        return (self.pieces[0] if self.pieces else "") + self.pending
+
+    def tail(self, start: int) -> str:
+        """text[start:], reading only the pieces it needs."""
+        need, parts = self.confirmed - start, [self.pending]
+        for piece in reversed(self.pieces):
+            if need <= 0:
+                break
+            parts.append(piece if len(piece) <= need else piece[len(piece) - need:])
+            need -= len(piece)
+        return "".join(reversed(parts))
+
+    def advance(self, decode: Callable[[Sequence[int]], str], ids: Sequence[int], first: int = 0) -> None:
+        """Decode the output tokens (ids[first:]) after the confirmed ones, with the context tokens
+        before them."""
+        prefix, read = first + self.prefix_offset, first + self.read_offset
+        context = decode(ids[prefix:read]) if read > prefix else ""
+        text = decode(ids[prefix:])
+        new = text[len(context):] if len(text) > len(context) else ""
+        if new and not new.endswith(REPLACEMENT):
+            self.pieces.append(new)
+            self.confirmed += len(new)
+            self.prefix_offset, self.read_offset, self.pending = self.read_offset, len(ids) - first, ""
+        else:
+            self.pending = new
+
+    def truncate(self, length: int) -> None:
+        """Keep text[:length] (a stop string matched); the state then holds final text only."""
+        self.pieces, self.pending = [self.tail(0)[:length]], ""
+        self.confirmed = length
 
 
 @dataclass(frozen=True)
 class TextUpdate:
     delta: str  # new text that is safe to show
     stop_string: str | None  # the stop string that completed, if any
-    text: str  # the output text so far (truncated at the stop string when one matched)
 
 
 def held_back(text: str, stops: Sequence[str]) -> int:
@@ -39,27 +90,39 @@ def held_back(text: str, stops: Sequence[str]) -> int:
     return best
 
 
-def update_text(decode: Callable[[Sequence[int]], str], output_ids: Sequence[int], stops: Sequence[str],
-                state: StopState, *, check_stops: bool, include_stop: bool, final: bool) -> TextUpdate:
-    """Decode the output so far, look for stop strings in the new text, and say what may be streamed."""
-    text = decode(output_ids)
+def update_text(decode: Callable[[Sequence[int]], str], ids: Sequence[int], stops: Sequence[str],
+                state: StopState, *, check_stops: bool, include_stop: bool, final: bool, first: int = 0) -> TextUpdate:
+    """Decode the new output tokens (those of ids[first:]: a sequence's tokens after its prompt), look
+    for stop strings in the new text, and say what may be streamed."""
+    state.advance(decode, ids, first)
+    longest = max((len(s) for s in stops), default=1)
+    # the window of text this update reads: from before the stream point and the scan point, with
+    # room for a stop string or a held-back prefix ending there
+    origin = max(0, min(state.emitted, state.scanned) - longest)
+    window = state.tail(origin)
+    length = origin + len(window)
     if check_stops and stops:
-        start = max(0, state.scanned - max(len(s) for s in stops) + 1)
-        hits = [(pos, s) for s in stops if (pos := text.find(s, start)) >= 0]
+        start = max(0, state.scanned - longest + 1) - origin
+        hits = [(pos, s) for s in stops if (pos := window.find(s, start)) >= 0]
         if hits:
             pos, s = min(hits)
-            text = text[: pos + len(s)] if include_stop else text[:pos]
-            delta = text[state.emitted:]
-            state.emitted = state.scanned = len(text)
-            return TextUpdate(delta=delta, stop_string=s, text=text)
-    stable = len(text)
+            cut = origin + pos + (len(s) if include_stop else 0)
+            delta = window[state.emitted - origin:cut - origin]
+            state.truncate(cut)
+            state.emitted = state.scanned = cut
+            return TextUpdate(delta=delta, stop_string=s)
+    stable = length
     if not final:
-        while stable and text[stable - 1] == REPLACEMENT:  # an incomplete multi-byte character
+        while stable > origin and window[stable - origin - 1] == REPLACEMENT:  # an incomplete character
             stable -= 1
-        if check_stops and stops:
-            stable -= held_back(text[:stable], stops)
-    state.scanned = len(text.rstrip(REPLACEMENT)) if not final else len(text)
+        if check_stops and stops and stable > origin:
+            stable -= held_back(window[:stable - origin], stops)
+    if final:
+        state.scanned = length
+    else:
+        kept = window.rstrip(REPLACEMENT)
+        state.scanned = origin + len(kept) if kept or origin == 0 else len(state.text.rstrip(REPLACEMENT))
     stable = max(stable, state.emitted)
-    delta = text[state.emitted:stable]
+    delta = window[state.emitted - origin:stable - origin]
     state.emitted = stable
-    return TextUpdate(delta=delta, stop_string=None, text=text)
+    return TextUpdate(delta=delta, stop_string=None)
