@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.conftest import make_engine
 from toolkit.config import EngineConfig, SamplingParams
@@ -169,3 +171,47 @@ def test_request_that_can_never_fit_the_pool_is_refused(tiny):
 def test_bad_engine_config(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         EngineConfig(**kwargs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), backend=st.sampled_from(["kernel", "sdpa"]), block_size=st.sampled_from([1, 4, 16]))
+def test_step_inputs_are_the_per_token_definition(tiny, data, backend, block_size):
+    """The runner builds positions, cache slots, per-token chunk index and logits rows with tensor ops;
+    they must be the per-token definition: position = start + i, slot = table[pos // bs] * bs + pos % bs,
+    in the packing order decodes, verifications, prefills."""
+    from toolkit.kv.paged_cache import PagedKVCache
+    from toolkit.runner import ModelRunner
+    from toolkit.scheduler import ScheduledBatch, ScheduledChunk
+
+    layers, kv_heads, head_dim = tiny.model.kv_shape
+    cache = PagedKVCache(layers, 64, block_size, kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    runner = ModelRunner(tiny.model, cache, torch.device("cpu"), backend)
+    chunks = []
+    for s in range(data.draw(st.integers(1, 6))):
+        n = data.draw(st.integers(1, 9))
+        start = data.draw(st.integers(0, 40))
+        blocks = -(-(start + n) // block_size)
+        table = tuple(data.draw(st.lists(st.integers(0, 63), min_size=blocks, max_size=blocks)))
+        logits = data.draw(st.integers(1, n)) if n > 1 and data.draw(st.booleans()) else 1
+        chunks.append(ScheduledChunk(f"s{s}", tuple(range(100 * s, 100 * s + n)), start, table,
+                                     samples=data.draw(st.booleans()), num_logits=logits))
+    inputs = runner.prepare(ScheduledBatch(step=0, chunks=tuple(chunks), num_decode_tokens=0, num_prefill_tokens=0))
+    ordered = ([c for c in chunks if c.num_tokens == 1] + [c for c in chunks if c.num_tokens > 1 and c.num_logits > 1]
+               + [c for c in chunks if c.num_tokens > 1 and c.num_logits == 1])
+    ids, positions, slots, chunk_of, rows = [], [], [], [], []
+    for k, c in enumerate(ordered):
+        if c.samples:
+            rows += range(len(ids) + c.num_tokens - c.num_logits, len(ids) + c.num_tokens)
+        for i, t in enumerate(c.token_ids):
+            pos = c.start_pos + i
+            ids.append(t)
+            positions.append(pos)
+            slots.append(c.block_table[pos // block_size] * block_size + pos % block_size)
+            chunk_of.append(k)
+    assert inputs.input_ids_N.tolist() == ids
+    assert inputs.positions_N.tolist() == positions
+    assert inputs.attn.slot_mapping_N.tolist() == slots
+    assert inputs.logits_rows_R.tolist() == rows
+    if backend == "kernel":
+        assert inputs.attn.query_table_N.tolist() == chunk_of
+        assert inputs.attn.query_ctx_N.tolist() == [p + 1 for p in positions]

@@ -157,6 +157,7 @@ class PagedDecoder(nn.Module):
             for i, l in enumerate(self.layers))
         self.fused_layers = True  # may be switched off per model (tests compare both paths bit for bit)
         self._layer_weights = None  # the packed weights' addresses per layer, for the fused call
+        self._layer_tables: dict[tuple[int, ...], torch.Tensor] = {}  # with the caches' addresses
 
     def packed_weights(self):
         """The projections packed for the native matmul, made on first use (a second copy of
@@ -207,8 +208,15 @@ class PagedDecoder(nn.Module):
             self._layer_weights = [[l.ln_attn.data_ptr(), l.ln_mlp.data_ptr()]
                                    + [p[name].data.data_ptr() for name in ("w_qkv", "w_o", "w_gate_up", "w_down")]
                                    for l, p in zip(self.layers, packed)]
-        return torch.tensor([w + [k.data_ptr(), v.data_ptr()]
-                             for w, (k, v) in zip(self._layer_weights[:num_layers], kv_caches)], dtype=torch.int64)
+        caches = tuple(p for k, v in kv_caches[:num_layers] for p in (k.data_ptr(), v.data_ptr()))
+        table = self._layer_tables.get(caches)
+        if table is None:  # built once per cache (and per depth, for the self-draft)
+            if len(self._layer_tables) >= 8:
+                self._layer_tables.clear()
+            table = torch.tensor([w + [k, v] for w, k, v in zip(self._layer_weights[:num_layers], caches[0::2],
+                                                                caches[1::2])], dtype=torch.int64)
+            self._layer_tables[caches] = table
+        return table
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
