@@ -50,6 +50,38 @@ def test_top_p_keeps_the_token_that_crosses_p(p, support):
     assert set(torch.isfinite(out[0]).nonzero().flatten().tolist()) == support
 
 
+@pytest.mark.parametrize("path", ["native", "torch"])
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 6), vocab=st.sampled_from([3, 17, 1000, 49152]), scale=st.sampled_from([0.3, 3.0, 30.0]),
+       p=st.floats(0.05, 0.99), ties=st.booleans(), masked=st.booleans(), seed=st.integers(0, 10**6))
+def test_top_p_is_the_smallest_set_reaching_p(path, rows, vocab, scale, p, ties, masked, seed):
+    """Both paths (the native bisection and the torch top-k ranking) keep exactly {x >= t} where the
+    tokens above t hold less than p of the mass and those at or above t at least p (to 1e-5)."""
+    from toolkit import kernels
+    from toolkit.kernels import top_p_thresholds_cpu
+
+    if path == "native" and not kernels.available():
+        pytest.skip(f"needs the native kernels: {kernels.describe_native()}")
+    if path == "native":
+        assert top_p_thresholds_cpu(torch.zeros(1, 4), torch.tensor([0.5])) is not None
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+    if ties:
+        x = x.round()
+    if masked and vocab > 3:
+        x[0, vocab // 3:] = -INF  # an earlier processor's truncation
+    with pytest.MonkeyPatch.context() as patch:
+        if path == "torch":
+            patch.setattr(kernels, "top_p_thresholds_cpu", lambda *a, **k: None)
+        out = REGISTRY["top_p"](x, view(*[(SamplingParams(top_p=p), [0], 1)] * rows, vocab=vocab))
+    probs = torch.softmax(x.double(), dim=-1)
+    for r in range(rows):
+        kept = torch.isfinite(out[r])
+        t = x[r][kept].min()
+        assert torch.equal(kept, x[r] >= t)
+        assert float(probs[r][x[r] > t].sum()) < p + 1e-5
+        assert float(probs[r][kept].sum()) >= p - 1e-5
+
+
 def test_top_k_min_p_temperature_per_row():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0], [4.0, 3.0, 2.0, 1.0]])
     v = view((SamplingParams(top_k=1), [0], 1), (SamplingParams(top_k=3), [0], 1), vocab=4)

@@ -114,6 +114,7 @@ class StepOutput:
     kv_blocks_used: int
     kv_utilization: float = 0.0  # used / total device blocks after the step
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache this step
+    forward_s: float = 0.0  # the model's forward alone: the rest of the step is host work
 
 
 def derive_seed(run_seed: int, request_id: str) -> int:
@@ -480,7 +481,8 @@ class Engine:
             self.block_manager.commit_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         self.step_index = step + 1
         return self._step_output(batch, tuple(traces), logits_RV,
-                                 tuple(d for d in deltas if d.text or d.token_ids or d.finished), tuple(finished))
+                                 tuple(d for d in deltas if d.text or d.token_ids or d.finished), tuple(finished),
+                                 out.forward_s)
 
     # ---- step stages ---------------------------------------------------------------------
 
@@ -683,12 +685,13 @@ class Engine:
         for seq_id, n in accepted_in_grammar.items():
             self.requests[seq_id].grammar.rollback(n)
 
-    def _step_output(self, batch, traces=(), logits_RV=None, deltas=(), finished=()) -> StepOutput:
+    def _step_output(self, batch, traces=(), logits_RV=None, deltas=(), finished=(), forward_s=0.0) -> StepOutput:
         used = self.block_manager.num_used_blocks
         return StepOutput(step=batch.step, batch_size=len(batch.chunks), num_decode_tokens=batch.num_decode_tokens,
                           num_prefill_tokens=batch.num_prefill_tokens, samples=traces, logits_RV=logits_RV,
                           deltas=deltas, finished=finished, preempted=batch.preempted, kv_blocks_used=used,
-                          kv_utilization=used / self.num_kv_blocks, prefix_hit_tokens=batch.prefix_hit_tokens)
+                          kv_utilization=used / self.num_kv_blocks, prefix_hit_tokens=batch.prefix_hit_tokens,
+                          forward_s=forward_s)
 
     def _commit_row(self, seq: Request, token: int, error: str | None) -> TextDelta:
         """The one place where a sampling result feeds back into sequence state."""

@@ -8,6 +8,7 @@ that samples get logits rows (one, or 1 + drafts when verifying), consecutively.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ class ForwardInputs:
 class ModelOutput:
     logits_RV: torch.Tensor  # raw fp32 logits of the rows to sample
     sample_chunks: tuple[ScheduledChunk, ...]
+    forward_s: float = 0.0  # the model's forward alone (no packing, no block copies)
 
 
 class ModelRunner:
@@ -153,9 +155,12 @@ class ModelRunner:
         self.move_blocks(batch)
         inputs = self.prepare(batch)
         self.num_forwards += 1
+        t = time.perf_counter()
         logits = self.model(inputs.input_ids_N, inputs.positions_N, inputs.attn, self.kv_cache.layers,
                             inputs.logits_rows_R, num_layers, native_matmul=self.native_matmul)
-        return ModelOutput(logits_RV=logits, sample_chunks=inputs.sample_chunks)
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)
+        return ModelOutput(logits_RV=logits, sample_chunks=inputs.sample_chunks, forward_s=time.perf_counter() - t)
 
 
 def recompute_logits(model: torch.nn.Module, token_ids: list[int], *, batch_invariant: bool = True,

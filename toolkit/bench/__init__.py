@@ -82,6 +82,13 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
         ordered = sorted(runs[name], key=lambda r: r.wall_s)
         results[name] = ordered[len(ordered) // 2]
         results[name].extra["wall_s_all"] = [r.wall_s for r in ordered]
+    sampled = {}
+    for variant, fields in (b.get("sampled_variants") or {}).items():  # traced, as the greedy `engine` run
+        name = f"engine[{variant}]"
+        sampled[name] = systems.run_engine(loaded, engine_cfg, requests, trace_dir=run_dir / f"engine_trace_{variant}",
+                                           name=name, sampling=dict(fields or {}))
+        sampled[name].extra["sampling"] = dict(fields or {})
+        print(f"  {name}: {sampled[name].wall_s:.2f} s", flush=True)
     for variant, overrides in (b.get("engine_variants") or {}).items():
         name = f"engine[{variant}]"
         overrides = dict(overrides or {})
@@ -130,6 +137,10 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
                             for k, v in results.items() if k != ours.name}
         report["greedy_agreement"] = {k: agreement(ours.tokens, v.tokens) for k, v in results.items()
                                       if k != ours.name}
+    report["systems"].update({k: v.summary() for k, v in sampled.items()})
+    if sampled and "engine" in results:
+        greedy = results["engine"].summary()["output_tok_per_s"]
+        report["sampled_over_greedy"] = {k: v.summary()["output_tok_per_s"] / greedy for k, v in sampled.items()}
     if "engine" in results and "engine_notrace" in results:
         report["tracing_overhead"] = results["engine"].wall_s / results["engine_notrace"].wall_s - 1
     if "engine" in results:  # the trace's own work, timed where it runs: steadier than a difference of two runs
@@ -225,6 +236,12 @@ def print_report(report: dict[str, Any], run_dir: Path) -> None:
             print(f"  {other}: acceptance rate {spec['acceptance_rate']:.3f}, mean accepted length "
                   f"{spec['mean_accepted_length']:.2f}, target forwards per output token "
                   f"{spec['target_forwards_per_output_token']:.3f}")
+    for name, ratio in report.get("sampled_over_greedy", {}).items():
+        print(f"throughput {name} / engine (greedy), both traced: {ratio:.2f}x  ({report['systems'][name]['sampling']})")
+    for name, s in report["systems"].items():
+        if s.get("decode_host_fraction_p50") is not None:
+            print(f"  {name}: decode-only steps {s['decode_steps']}, batch p50 {s['decode_batch_p50']:.0f}, step p50 "
+                  f"{1e3 * s['decode_step_p50_s']:.1f} ms, outside the forward {100 * s['decode_host_fraction_p50']:.1f}%")
     if "tracing_overhead" in report:
         print(f"tracing overhead: {100 * report['tracing_overhead']:+.1f}% wall time")
     if "trace_work" in report:

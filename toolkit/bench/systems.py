@@ -20,7 +20,7 @@ import psutil
 import torch
 
 from toolkit.bench.workloads import BenchRequest
-from toolkit.config import EngineConfig, SamplingParams, SpeculativeConfig
+from toolkit.config import EngineConfig, SamplingParams, SpeculativeConfig, from_mapping
 from toolkit.engine import Engine
 from toolkit.metrics import percentile
 from toolkit.trace import new_run_id
@@ -86,11 +86,17 @@ def rss_monitor(interval_s: float = 0.05):
 
 
 def run_engine(loaded, engine_cfg: EngineConfig, requests: list[BenchRequest], trace_dir: Path | None = None,
-               name: str = "engine", speculative: SpeculativeConfig | None = None) -> SystemResult:
+               name: str = "engine", speculative: SpeculativeConfig | None = None,
+               sampling: dict[str, Any] | None = None) -> SystemResult:
+    """The requests through our engine: greedy, or with the `sampling` fields given (every request
+    still makes its max_tokens, ignore_eos, so sampled and greedy runs do the same work)."""
+    fields = {"temperature": 0.0, **(sampling or {})}
     engine = Engine(loaded, engine_cfg, SamplingParams(temperature=0.0), speculative)
     for r in requests:
+        params = from_mapping(SamplingParams, {**fields, "max_tokens": r.max_tokens, "ignore_eos": True},
+                              section="bench.sampled_variants")
         engine.add_request(prompt_token_ids=r.prompt_token_ids, request_id=r.id, arrival_step=r.arrival_step,
-                           sampling_params=SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True))
+                           sampling_params=params)
     writer = TraceWriter(trace_dir, new_run_id()) if trace_dir is not None else None
     step_log = []
     with rss_monitor() as rss:
@@ -101,7 +107,7 @@ def run_engine(loaded, engine_cfg: EngineConfig, requests: list[BenchRequest], t
                 writer.write_step(out.samples, out.logits_RV)
             if out.batch_size:
                 step_log.append((out.batch_size, out.num_decode_tokens, out.num_prefill_tokens,
-                                 time.perf_counter() - t))
+                                 time.perf_counter() - t, out.forward_s))
         if writer is not None:
             writer.close()  # the trace is part of the job: generation ends when it is on disk
             engine.last_finish_time = time.perf_counter()
@@ -122,8 +128,19 @@ def run_engine(loaded, engine_cfg: EngineConfig, requests: list[BenchRequest], t
                     "preemptions": sum(s.num_preemptions for s in engine.requests.values()),
                     "prefix_cache_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else None,
                     **(engine.speculator.stats.summary() if engine.speculator is not None else {})}
-    result.extra_steps = step_log  # type: ignore[attr-defined]
+    result.extra.update(_host_work(step_log))
     return result
+
+
+def _host_work(step_log: list[tuple[int, int, int, float, float]]) -> dict[str, Any]:
+    """Of the decode-only steps (the steady state), the median step time and the median share of it
+    spent outside the model's forward: scheduling, packing, processors, sampling, commit, trace."""
+    decode = [(step_s, forward_s) for _, _, prefill, step_s, forward_s in step_log if prefill == 0]
+    if not decode:
+        return {}
+    return {"decode_steps": len(decode), "decode_step_p50_s": percentile([s for s, _ in decode], 50),
+            "decode_host_fraction_p50": percentile([1 - f / s for s, f in decode], 50),
+            "decode_batch_p50": percentile([b for b, _, prefill, _, _ in step_log if prefill == 0], 50)}
 
 
 # --------------------------------------------------------------------------- HF transformers

@@ -58,13 +58,20 @@ class BatchView:
         """A per-row parameter as an (R, 1) tensor, ready to broadcast against (R, V)."""
         return torch.tensor([[getattr(r.params, name)] for r in self.rows], dtype=dtype, device=self.device)
 
+    def token_index(self, ids_per_row: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, cols) int64 index tensors of each row's listed token ids (repeats kept)."""
+        counts = torch.tensor([len(ids) for ids in ids_per_row], dtype=torch.int64)
+        rows = torch.repeat_interleave(torch.arange(len(ids_per_row)), counts)
+        cols = (torch.cat([torch.as_tensor(ids if isinstance(ids, (list, tuple)) else list(ids), dtype=torch.int64)
+                           for ids in ids_per_row]) if ids_per_row else torch.zeros(0, dtype=torch.int64))
+        return rows.to(self.device), cols.to(self.device)
+
     def token_mask(self, ids_per_row: Sequence[Sequence[int]]) -> torch.Tensor:
         """(R, V) bool, True at each row's listed token ids."""
-        rows = [i for i, ids in enumerate(ids_per_row) for _ in ids]
-        cols = [t for ids in ids_per_row for t in ids]
+        rows, cols = self.token_index(ids_per_row)
         mask = torch.zeros(len(self.rows), self.vocab_size, dtype=torch.bool, device=self.device)
-        if cols:
-            mask[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = True
+        if cols.numel():
+            mask[rows, cols] = True
         return mask
 
     @cached_property

@@ -8,11 +8,15 @@ from toolkit.processors.base import BatchView
 
 
 def repetition_penalty(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:
-    """Tokens seen in prompt or output: positive logits are divided by the penalty, negative ones multiplied."""
-    seen_RV = view.token_mask([set(r.token_ids) for r in view.rows])
-    penalty_R1 = view.column("repetition_penalty")
-    penalised = torch.where(logits_RV > 0, logits_RV / penalty_R1, logits_RV * penalty_R1)
-    return torch.where(seen_RV, penalised, logits_RV)
+    """Tokens seen in prompt or output: positive logits are divided by the penalty, negative ones multiplied.
+    Only the seen entries are read and written (a token seen twice is penalised once: both writes
+    carry the same value, computed from the input)."""
+    rows_S, cols_S = view.token_index([r.token_ids for r in view.rows])
+    penalty_S = view.column("repetition_penalty").flatten()[rows_S]
+    seen_S = logits_RV[rows_S, cols_S]
+    out = logits_RV.clone()
+    out[rows_S, cols_S] = torch.where(seen_S > 0, seen_S / penalty_S, seen_S * penalty_S)
+    return out
 
 
 def presence_penalty(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:

@@ -20,15 +20,34 @@ def top_k(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:
     return logits_RV.masked_fill(logits_RV < kth_R1, NEG_INF)
 
 
-def top_p(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:
-    """Keep the smallest highest-probability set whose mass reaches p: the token that crosses p is kept."""
-    sorted_RV, order_RV = torch.sort(logits_RV, dim=-1, descending=True, stable=True)
-    probs_RV = torch.softmax(sorted_RV, dim=-1)
-    mass_before_RV = torch.cumsum(probs_RV, dim=-1) - probs_RV  # mass of the tokens ranked above
-    remove_sorted_RV = mass_before_RV >= view.column("top_p")
-    remove_sorted_RV[:, 0] = False  # the top token always stays
-    remove_RV = torch.zeros_like(remove_sorted_RV).scatter(1, order_RV, remove_sorted_RV)
-    return logits_RV.masked_fill(remove_RV, NEG_INF)
+def top_p(logits_RV: torch.Tensor, view: BatchView, first_k: int = 256) -> torch.Tensor:
+    """Keep the smallest highest-probability set whose mass reaches p: the token that crosses p is kept,
+    and so are tokens tied with it. Probabilities are exp(logit - logsumexp(row)) and their running mass
+    is summed in float64 down the ranking. No vocabulary-wide sort (28 ms at 16 rows of 49,152 on the
+    EPYC): fp32 rows on the CPU take the native bisection over the logits' order (mass summed in double
+    lanes; toolkit/csrc/gumbel.c), others rank only the top of each row (torch.topk, k = 256 and 4x more
+    for the rows whose mass has not reached p yet)."""
+    from toolkit.kernels import top_p_thresholds_cpu
+    from toolkit.sampling import logsumexp_rows
+
+    native = top_p_thresholds_cpu(logits_RV, view.column("top_p").flatten())
+    if native is not None:
+        return logits_RV.masked_fill(logits_RV < native.unsqueeze(1), NEG_INF)
+    vocab = logits_RV.shape[1]
+    p_R = view.column("top_p", torch.float64).flatten()
+    lse_R = logsumexp_rows(logits_RV).double()
+    threshold_R = torch.empty(logits_RV.shape[0], dtype=logits_RV.dtype, device=logits_RV.device)
+    todo = torch.arange(logits_RV.shape[0], device=logits_RV.device)
+    k = min(first_k, vocab)
+    while todo.numel():
+        top_TK = torch.topk(logits_RV.index_select(0, todo), k, dim=-1).values  # sorted, largest first
+        probs_TK = torch.exp(top_TK.double() - lse_R[todo, None])
+        mass_before_TK = torch.cumsum(probs_TK, dim=-1) - probs_TK  # mass of the tokens ranked above
+        keep_T = (mass_before_TK < p_R[todo, None]).sum(dim=-1).clamp_min(1)  # the top token always stays
+        done_T = (keep_T < k) | (k == vocab)
+        threshold_R[todo[done_T]] = top_TK[done_T].gather(1, (keep_T[done_T] - 1).unsqueeze(1)).squeeze(1)
+        todo, k = todo[~done_T], min(4 * k, vocab)
+    return logits_RV.masked_fill(logits_RV < threshold_R.unsqueeze(1), NEG_INF)
 
 
 def min_p(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:
