@@ -58,12 +58,12 @@ def test_top_p_is_the_smallest_set_reaching_p(path, rows, vocab, scale, p, ties,
     """Both paths (the native bisection and the torch top-k ranking) keep exactly {x >= t} where the
     tokens above t hold less than p of the mass and those at or above t at least p (to 1e-5)."""
     from toolkit import kernels
-    from toolkit.kernels import top_p_thresholds_cpu
+    from toolkit.kernels import truncate_cpu
 
     if path == "native" and not kernels.available():
         pytest.skip(f"needs the native kernels: {kernels.describe_native()}")
     if path == "native":
-        assert top_p_thresholds_cpu(torch.zeros(1, 4), torch.tensor([0.5])) is not None
+        assert truncate_cpu(torch.zeros(1, 4), "top_p", torch.tensor([0.5])) is not None
     x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
     if ties:
         x = x.round()
@@ -71,7 +71,7 @@ def test_top_p_is_the_smallest_set_reaching_p(path, rows, vocab, scale, p, ties,
         x[0, vocab // 3:] = -INF  # an earlier processor's truncation
     with pytest.MonkeyPatch.context() as patch:
         if path == "torch":
-            patch.setattr(kernels, "top_p_thresholds_cpu", lambda *a, **k: None)
+            patch.setattr(kernels, "truncate_cpu", lambda *a, **k: None)
         out = REGISTRY["top_p"](x, view(*[(SamplingParams(top_p=p), [0], 1)] * rows, vocab=vocab))
     probs = torch.softmax(x.double(), dim=-1)
     for r in range(rows):
@@ -80,6 +80,29 @@ def test_top_p_is_the_smallest_set_reaching_p(path, rows, vocab, scale, p, ties,
         assert torch.equal(kept, x[r] >= t)
         assert float(probs[r][x[r] > t].sum()) < p + 1e-5
         assert float(probs[r][kept].sum()) >= p - 1e-5
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 6), vocab=st.sampled_from([3, 17, 1000, 49152]), k=st.integers(1, 300), ties=st.booleans(),
+       masked=st.booleans(), seed=st.integers(0, 10**6))
+def test_native_top_k_is_torchs_topk(rows, vocab, k, ties, masked, seed):
+    """The native top-k (bisection with exact counts) keeps exactly what torch.topk's k-th value keeps,
+    ties with the k-th included, and a row with fewer than k finite logits whole."""
+    from toolkit import kernels
+
+    if not kernels.available():
+        pytest.skip(f"needs the native kernels: {kernels.describe_native()}")
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    if ties:
+        x = x.round()
+    if masked and vocab > 3:
+        x[0, vocab // 3:] = -INF
+    v = view(*[(SamplingParams(top_k=k), [0], 1)] * rows, vocab=vocab)
+    native, _ = kernels.truncate_cpu(x, "top_k", torch.full((rows,), float(min(k, vocab))))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "truncate_cpu", lambda *a, **kw: None)
+        reference = REGISTRY["top_k"](x, v)
+    assert torch.equal(native, reference)
 
 
 def test_top_k_min_p_temperature_per_row():

@@ -9,7 +9,10 @@ text, stop conditions, finishing). Each step returns the SampleTrace rows it pro
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
+import functools
 import hashlib
 import time
 from dataclasses import dataclass
@@ -117,6 +120,21 @@ class StepOutput:
     forward_s: float = 0.0  # the model's forward alone: the rest of the step is host work
 
 
+@functools.lru_cache(maxsize=None)
+def keep_freed_memory() -> bool:
+    """Ask glibc's malloc to keep freed blocks of up to 256 MB in the heap instead of unmapping them.
+    Every step allocates and frees (rows x vocabulary) logits blocks and activations of several MB;
+    returned to the kernel, each new one page-faults on first touch: at 64 rows this made the
+    processors' elementwise ops 3-5x slower than in isolation (temperature 6 ms, masked_fill 8 ms a
+    step on the EPYC). Other C libraries: nothing to do, False."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 256 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+    except (OSError, AttributeError):
+        return False
+
+
 def derive_seed(run_seed: int, request_id: str) -> int:
     """A request's seed when it gave none: a stable function of the run seed and its id."""
     digest = hashlib.sha256(f"{run_seed}/{request_id}".encode()).digest()
@@ -127,6 +145,7 @@ class Engine:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig | None = None,
                  default_sampling: SamplingParams | None = None, speculative: SpeculativeConfig | None = None):
         self.cfg = cfg or EngineConfig()
+        keep_freed_memory()
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.default_sampling = default_sampling or SamplingParams()

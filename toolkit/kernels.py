@@ -135,7 +135,7 @@ SIGNATURES = {  # symbol -> argument types (every one returns int)
     "toolkit_matmul_invariant_f32": [P, I64, P, P, I64, I64, I64, I64, ctypes.c_int],
     "toolkit_gumbel_sample_rows": [P, I64, I64, P, I64, P, P, P, P, P, ctypes.c_int],
     "toolkit_gumbel_noise": [P, I64, ctypes.c_uint32, ctypes.c_uint32, P],
-    "toolkit_top_p_thresholds_f32": [P, I64, I64, I64, P, P, ctypes.c_int],
+    "toolkit_truncate_f32": [P, I64, I64, I64, ctypes.c_int, P, P, I64, P, ctypes.c_int],
     "toolkit_decoder_layers": [P, I64, P, P, P, P, P, P, P, P, P, P, ctypes.c_float, ctypes.c_float, ctypes.c_int],
 }
 
@@ -383,19 +383,25 @@ def gumbel_sample_cpu(x_RV: torch.Tensor, rows: list[int], keys: list[tuple[int,
     return tokens.tolist(), noise.tolist(), support.tolist()
 
 
-def top_p_thresholds_cpu(x_RV: torch.Tensor, p_R: torch.Tensor, lib: NativeLib | None = None) -> torch.Tensor | None:
-    """Per row, the smallest logit t such that the logits above t hold less than p of the mass (keep
-    x >= t), by bisection over the logits' order (toolkit/csrc/gumbel.c); None where the kernel does not
-    apply."""
+TRUNCATION_MODES = {"top_p": 0, "top_k": 1}
+
+
+def truncate_cpu(x_RV: torch.Tensor, mode: str, param_R: torch.Tensor, lib: NativeLib | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """top-p (param p) or top-k (param k) of every row in one C call: (the rows with the logits below
+    each row's threshold set to -inf, the thresholds), found by bisection over the logits' order
+    (toolkit/csrc/gumbel.c); None where the kernel does not apply."""
     lib = _lib_or_none(lib) if _rows_ok(x_RV) and x_RV.shape[1] > 0 else None
     if lib is None:
         return None
-    p_R = p_R.to(torch.float32).contiguous()
-    out = torch.empty(x_RV.shape[0], dtype=torch.float32)
-    if lib.fn["top_p_thresholds"](x_RV.data_ptr(), x_RV.stride(0), x_RV.shape[0], x_RV.shape[1], p_R.data_ptr(),
-                                  out.data_ptr(), torch.get_num_threads()) != 0:
-        raise MemoryError("top_p_thresholds: out of memory")
-    return out
+    param_R = param_R.to(torch.float32).contiguous()
+    out = torch.empty(x_RV.shape, dtype=torch.float32)
+    thresholds = torch.empty(x_RV.shape[0], dtype=torch.float32)
+    if lib.fn["truncate"](x_RV.data_ptr(), x_RV.stride(0), x_RV.shape[0], x_RV.shape[1], TRUNCATION_MODES[mode],
+                          param_R.data_ptr(), out.data_ptr(), out.stride(0), thresholds.data_ptr(),
+                          torch.get_num_threads()) != 0:
+        raise MemoryError("truncate: out of memory")
+    return out, thresholds
 
 
 def gumbel_noise_cpu(ids: torch.Tensor, key: tuple[int, int], lib: NativeLib | None = None) -> torch.Tensor:

@@ -188,13 +188,14 @@ int toolkit_gumbel_noise(const int32_t *ids, int64_t n, uint32_t k0, uint32_t k1
 }
 
 /*
- * Top-p (nucleus) thresholds: for each row r, the smallest logit value t such that the tokens with a
- * larger logit hold less than p[r] of the row's probability mass. Keeping the logits >= t keeps the
- * smallest highest-probability set whose mass reaches p (the token that crosses p, and tokens tied
- * with it). Probabilities are exp(x - max) / Z (vexp, within 2 ulp; Z and every mass summed in VL
- * double lanes in a fixed order), and t is found by bisection over the logits' order-preserving
- * 32-bit keys: at most 32 vectorised passes over the row, no sort. A row without a finite logit
- * gives -inf. Returns 0, or -1 if out of memory.
+ * Truncation of the support in one call for a step's rows: top-p (mode 0, param p) keeps the smallest
+ * highest-probability set whose mass reaches p (the token that crosses p, and tokens tied with it);
+ * top-k (mode 1, param k) keeps the k largest logits and tokens tied with the k-th. Both find the
+ * row's threshold t (keep x >= t, the rest becomes -inf) by bisection over the logits'
+ * order-preserving 32-bit keys: at most 32 vectorised passes over a shrinking set, no sort. The
+ * "mass" is exp(x - max) (vexp, within 2 ulp) for top-p, summed in float lanes per block and double
+ * lanes across blocks in a fixed order, and 1 per token for top-k (exact counts). A row without a
+ * finite logit is copied unchanged. Returns 0, or -1 if out of memory.
  */
 typedef double vdl __attribute__((vector_size(8 * VL)));
 
@@ -229,8 +230,72 @@ static double mass_above(const uint32_t *keys, const float *e, int64_t n, uint32
     return lanes[0];
 }
 
-int toolkit_top_p_thresholds_f32(const float *x, int64_t ldx, int64_t R, int64_t V, const float *p, float *out,
-                                 int threads) {
+/* the threshold of one row (keys and e: scratch of `padded` entries); -inf when nothing is finite */
+static float row_threshold(const float *row, int64_t V, int64_t padded, uint32_t *keys, float *e, int mode,
+                           float param) {
+    vf mv = splat(-INFINITY);
+    for (int64_t i = 0; i < padded; i += VL) { /* the largest finite logit */
+        vf v = splat(-INFINITY);
+        memcpy(&v, row + i, sizeof(float) * (size_t)(i + VL <= V ? VL : V - i));
+        vi finite = (vi)(((vu)v & 0x7FFFFFFFu) < 0x7F800000u);
+        v = vselect(finite, v, splat(-INFINITY));
+        mv = vselect(v > mv, v, mv);
+    }
+    const float m = hmax(mv);
+    if (m == -INFINITY) return -INFINITY;
+    vu lov = (vu){REPEAT_VL(0xFFFFFFFFu)}, hiv = (vu){REPEAT_VL(0u)};
+    for (int64_t i = 0; i < padded; i += VL) { /* keys and masses; 0 off the finite logits */
+        vf v = splat(-INFINITY);
+        memcpy(&v, row + i, sizeof(float) * (size_t)(i + VL <= V ? VL : V - i));
+        vu u = (vu)v;
+        vi finite = (vi)((u & 0x7FFFFFFFu) < 0x7F800000u);
+        vu key = (vu)vselect((vi)(u >> 31) != 0, (vf)~u, (vf)(u | 0x80000000u));
+        key &= (vu)finite;
+        vf ev = mode == 0 ? vexp(vselect(finite, v, splat(m)) - splat(m)) : splat(1.0f);
+        ev = vselect(finite, ev, splat(0.0f));
+        memcpy(keys + i, &key, sizeof key);
+        memcpy(e + i, &ev, sizeof ev);
+        lov = (vu)vselect(finite & (vi)(key < lov), (vf)key, (vf)lov);
+        hiv = (vu)vselect(finite & (vi)(key > hiv), (vf)key, (vf)hiv);
+    }
+    uint32_t lo = 0xFFFFFFFFu, hi = 0;
+    for (int j = 0; j < VL; j++) {
+        if (lov[j] < lo) lo = lov[j];
+        if (hiv[j] > hi) hi = hiv[j];
+    }
+    /* find the smallest key whose mass above is < target: invariants mass above hi < target (nothing is
+     * above the largest key) and mass above `below` >= target */
+    const double target = mode == 0 ? (double)param * mass_above(keys, e, padded, 0u) : (double)param - 0.5;
+    uint32_t below = lo - 1u; /* lo >= 0x00800000 for a finite float, so no wrap */
+    if (mass_above(keys, e, padded, below) < target) return key_value(lo); /* keep everything */
+    /* every fourth pass drops the tokens the bracket has settled (key <= below never counts again;
+     * key > hi always does, its mass added once, in index order) */
+    int64_t n = padded;
+    double settled = 0.0;
+    for (int pass = 0; hi - below > 1u; pass++) {
+        uint32_t mid = below + (hi - below) / 2u;
+        if (settled + mass_above(keys, e, n, mid) < target)
+            hi = mid;
+        else
+            below = mid;
+        if (pass % 4 == 3) {
+            int64_t kept = 0;
+            for (int64_t i = 0; i < n; i++) { /* branch-free: the keys are in no useful order */
+                uint32_t k = keys[i];
+                float v = e[i];
+                settled += k > hi ? (double)v : 0.0;
+                keys[kept] = k;
+                e[kept] = v;
+                kept += (k > below) & (k <= hi);
+            }
+            for (n = kept; n % VL; n++) keys[n] = 0u, e[n] = 0.0f;
+        }
+    }
+    return key_value(hi); /* a logit's key: the mass changes there */
+}
+
+int toolkit_truncate_f32(const float *x, int64_t ldx, int64_t R, int64_t V, int mode, const float *param, float *out,
+                         int64_t ldo, float *thresholds, int threads) {
     int failed = 0;
     const int64_t padded = (V + VL - 1) / VL * VL;
 #pragma omp parallel num_threads(threads) if (threads > 1 && R > 1)
@@ -245,70 +310,16 @@ int toolkit_top_p_thresholds_f32(const float *x, int64_t ldx, int64_t R, int64_t
         for (int64_t r = 0; r < R; r++) {
             if (!keys || !e) continue;
             const float *row = x + r * ldx;
-            vf mv = splat(-INFINITY);
-            for (int64_t i = 0; i < padded; i += VL) { /* the largest finite logit */
-                vf v = splat(-INFINITY);
-                memcpy(&v, row + i, sizeof(float) * (size_t)(i + VL <= V ? VL : V - i));
-                vi finite = (vi)(((vu)v & 0x7FFFFFFFu) < 0x7F800000u);
-                v = vselect(finite, v, splat(-INFINITY));
-                mv = vselect(v > mv, v, mv);
+            float *o = out + r * ldo;
+            const float t = row_threshold(row, V, padded, keys, e, mode, param[r]);
+            thresholds[r] = t;
+            const vf tv = splat(t);
+            int64_t i = 0;
+            for (; i + VL <= V; i += VL) { /* x < t becomes -inf (NaN compares false and stays) */
+                vf v = loadv(row + i);
+                storev(o + i, vselect((vi)(v < tv), splat(-INFINITY), v));
             }
-            const float m = hmax(mv);
-            if (m == -INFINITY) {
-                out[r] = -INFINITY;
-                continue;
-            }
-            vu lov = (vu){REPEAT_VL(0xFFFFFFFFu)}, hiv = (vu){REPEAT_VL(0u)};
-            for (int64_t i = 0; i < padded; i += VL) { /* keys and exp(x - max); 0 mass off the finite logits */
-                vf v = splat(-INFINITY);
-                memcpy(&v, row + i, sizeof(float) * (size_t)(i + VL <= V ? VL : V - i));
-                vu u = (vu)v;
-                vi finite = (vi)((u & 0x7FFFFFFFu) < 0x7F800000u);
-                vu key = (vu)vselect((vi)(u >> 31) != 0, (vf)~u, (vf)(u | 0x80000000u));
-                key &= (vu)finite;
-                vf ev = vselect(finite, vexp(vselect(finite, v, splat(m)) - splat(m)), splat(0.0f));
-                memcpy(keys + i, &key, sizeof key);
-                memcpy(e + i, &ev, sizeof ev);
-                lov = (vu)vselect(finite & (vi)(key < lov), (vf)key, (vf)lov);
-                hiv = (vu)vselect(finite & (vi)(key > hiv), (vf)key, (vf)hiv);
-            }
-            uint32_t lo = 0xFFFFFFFFu, hi = 0;
-            for (int j = 0; j < VL; j++) {
-                if (lov[j] < lo) lo = lov[j];
-                if (hiv[j] > hi) hi = hiv[j];
-            }
-            const double target = (double)p[r] * mass_above(keys, e, padded, 0u);
-            /* invariants: mass above hi < target (nothing is above the largest key), mass above lo - 1 >= target */
-            uint32_t below = lo - 1u; /* lo >= 0x00800000 for a finite float, so no wrap */
-            if (mass_above(keys, e, padded, below) < target) { /* rounding left nothing to cut */
-                out[r] = key_value(lo);
-                continue;
-            }
-            /* bisection; every fourth pass drops the tokens the bracket has settled (key <= below never
-             * counts again; key > hi always does, its mass added once, in index order) */
-            int64_t n = padded;
-            double settled = 0.0;
-            for (int pass = 0; hi - below > 1u; pass++) {
-                uint32_t mid = below + (hi - below) / 2u;
-                if (settled + mass_above(keys, e, n, mid) < target)
-                    hi = mid;
-                else
-                    below = mid;
-                if (pass == 4 || pass == 9 || pass == 14 || pass == 20) {
-                    int64_t kept = 0;
-                    for (int64_t i = 0; i < n; i++) { /* branch-free: the keys are in no useful order */
-                        uint32_t k = keys[i];
-                        float v = e[i];
-                        settled += k > hi ? (double)v : 0.0;
-                        keys[kept] = k;
-                        e[kept] = v;
-                        kept += (k > below) & (k <= hi);
-                    }
-                    for (n = kept; n % VL; n++) keys[n] = 0u, e[n] = 0.0f;
-                }
-            }
-            /* hi: the smallest key whose mass above is < target, the key of a logit (the mass changes there) */
-            out[r] = key_value(hi);
+            for (; i < V; i++) o[i] = row[i] < t ? -INFINITY : row[i];
         }
         free(keys);
         free(e);
