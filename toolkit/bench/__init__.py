@@ -89,6 +89,11 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
                                            name=name, sampling=dict(fields or {}))
         sampled[name].extra["sampling"] = dict(fields or {})
         print(f"  {name}: {sampled[name].wall_s:.2f} s", flush=True)
+    if b.get("host_work_batch"):  # decode steps at a full batch, greedy and each sampled variant
+        report_host = _host_work_at_batch(loaded, engine_cfg, requests, int(b["host_work_batch"]),
+                                          b.get("sampled_variants") or {}, run_dir)
+    else:
+        report_host = None
     for variant, overrides in (b.get("engine_variants") or {}).items():
         name = f"engine[{variant}]"
         overrides = dict(overrides or {})
@@ -138,6 +143,8 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
         report["greedy_agreement"] = {k: agreement(ours.tokens, v.tokens) for k, v in results.items()
                                       if k != ours.name}
     report["systems"].update({k: v.summary() for k, v in sampled.items()})
+    if report_host is not None:
+        report["host_work_at_batch"] = report_host
     if sampled and "engine" in results:
         greedy = results["engine"].summary()["output_tok_per_s"]
         report["sampled_over_greedy"] = {k: v.summary()["output_tok_per_s"] / greedy for k, v in sampled.items()}
@@ -184,6 +191,23 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
     plot_bench(report, run_dir / "bench.png")
     print_report(report, run_dir)
     return 0
+
+
+def _host_work_at_batch(loaded, engine_cfg, requests: list[BenchRequest], batch: int, variants: dict,
+                        run_dir: Path) -> dict[str, Any]:
+    """`batch` requests admitted together (their prompts cut to 32 tokens so that all are prefilled within
+    a few steps; 32 new tokens each; traced): the median decode-only step, at that batch, and its share
+    outside the model's forward, greedy and with each sampled variant's fields."""
+    group = [dataclasses.replace(r, prompt_token_ids=r.prompt_token_ids[:32], arrival_step=0, max_tokens=32)
+             for r in requests[:batch]]
+    cfg = dataclasses.replace(engine_cfg, max_num_seqs=max(engine_cfg.max_num_seqs, batch))
+    out = {}
+    for name, fields in {"greedy": {}, **variants}.items():
+        result = systems.run_engine(loaded, cfg, group, trace_dir=run_dir / f"host_work_trace_{name}",
+                                    name=f"host_work[{name}]", sampling=dict(fields or {}))
+        out[name] = {k: result.extra.get(k) for k in ("decode_steps", "decode_batch_p50", "decode_step_p50_s",
+                                                      "decode_host_fraction_p50")}
+    return out
 
 
 def _long_prompt_report(loaded, engine_cfg, requests: list[BenchRequest], workload, ours) -> dict[str, Any]:
@@ -238,6 +262,9 @@ def print_report(report: dict[str, Any], run_dir: Path) -> None:
                   f"{spec['target_forwards_per_output_token']:.3f}")
     for name, ratio in report.get("sampled_over_greedy", {}).items():
         print(f"throughput {name} / engine (greedy), both traced: {ratio:.2f}x  ({report['systems'][name]['sampling']})")
+    for name, h in report.get("host_work_at_batch", {}).items():
+        print(f"host work at decode batch {h['decode_batch_p50']:.0f} ({name}): step p50 {1e3 * h['decode_step_p50_s']:.1f} ms, "
+              f"outside the forward {100 * h['decode_host_fraction_p50']:.1f}%")
     for name, s in report["systems"].items():
         if s.get("decode_host_fraction_p50") is not None:
             print(f"  {name}: decode-only steps {s['decode_steps']}, batch p50 {s['decode_batch_p50']:.0f}, step p50 "
