@@ -14,10 +14,19 @@ def test_bench_harness_reports_systems_roofline_kernels_and_kv_capacity(tmp_path
                    "bench.roofline_batch_context=32", "bench.roofline_context_batch=[1,2]", "bench.kv_cost=true",
                    "bench.kv_dtypes=[auto,int8]", "bench.kv_context=64", "bench.kv_budget_gb=0.0002",
                    "bench.engine_variants={torch_matmul: {matmul_backend: torch}}", "bench.kernel_cost=true",
-                   run_dir=tmp_path)
+                   "bench.host_work_batch=4", run_dir=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "bench.json").read_text())
-    assert set(report["systems"]) == {"engine", "engine_notrace", "engine[torch_matmul]"}
+    sampled = {"engine[t0.8_top_p0.95]", "engine[t0.8_top_k50_rep1.1]"}  # conf/bench/default.yaml
+    assert set(report["systems"]) == {"engine", "engine_notrace", "engine[torch_matmul]"} | sampled
+    for name in sampled:  # sampled beside greedy: the same work (ignore_eos), traced, its ratio and host share
+        assert report["systems"][name]["output_tokens"] == report["systems"]["engine"]["output_tokens"]
+        assert report["systems"][name]["sampling"]["temperature"] == 0.8
+        assert report["sampled_over_greedy"][name] > 0
+        assert 0 < report["systems"][name]["decode_host_fraction_p50"] < 1
+    host = report["host_work_at_batch"]
+    assert set(host) == {"greedy", "t0.8_top_p0.95", "t0.8_top_k50_rep1.1"}
+    assert all(h["decode_batch_p50"] == 4 and 0 < h["decode_host_fraction_p50"] < 1 for h in host.values())
     assert report["greedy_agreement"]["engine_notrace"]["identical"] == 4  # tracing changes no token
     assert report["systems"]["engine"]["output_tokens"] == report["systems"]["engine_notrace"]["output_tokens"]
     work = report["trace_work"]  # the trace's own time, measured where it runs
