@@ -172,8 +172,10 @@ def test_gumbel_noise_and_sampling_are_the_twins_bit_for_bit(lib):
     x[5, 7] = float("nan")  # not finite: never chosen
     keys = [rng.row_key(9, 40 + i, i % 3) for i in range(9)]
     keys[6] = None  # a greedy row: support only
-    rows = [8, 0, 1, 2, 3, 4, 5, 6, 7]
-    tokens, noise, support = kernels.gumbel_sample_cpu(x, rows, [keys[r] for r in rows], lib=lib)
+    rows = [8, 0, 1, 2, 3, 4, 5, 6, 7]  # the rows as a strided view (every other row of a wider block)
+    block = torch.full((18, 1003), float("nan"))
+    block[0::2] = x[rows]
+    tokens, noise, support = kernels.gumbel_sample_cpu(block[0::2], [keys[r] for r in rows], lib=lib)
     for i, r in enumerate(rows):
         assert support[i] == int(torch.isfinite(x[r]).sum())
         if keys[r] is None:

@@ -133,7 +133,7 @@ SIGNATURES = {  # symbol -> argument types (every one returns int)
     "toolkit_argmax_f32": [P, I64, I64, I64, P, ctypes.c_int],
     "toolkit_sha256_rows": [P, P, I64, I64, P, ctypes.c_int],
     "toolkit_matmul_invariant_f32": [P, I64, P, P, I64, I64, I64, I64, ctypes.c_int],
-    "toolkit_gumbel_sample_rows": [P, I64, I64, P, I64, P, P, P, P, P, ctypes.c_int],
+    "toolkit_gumbel_sample_rows": [P, I64, I64, I64, P, P, P, P, P, ctypes.c_int],
     "toolkit_gumbel_noise": [P, I64, ctypes.c_uint32, ctypes.c_uint32, P],
     "toolkit_truncate_f32": [P, I64, I64, I64, ctypes.c_int, P, P, I64, P, ctypes.c_int],
     "toolkit_decoder_layers": [P, I64, P, P, P, P, P, P, P, P, P, P, ctypes.c_float, ctypes.c_float, ctypes.c_int],
@@ -361,24 +361,23 @@ def argmax_cpu(x_RV: torch.Tensor, lib: NativeLib | None = None) -> list[int] | 
     return out.tolist()
 
 
-def gumbel_sample_cpu(x_RV: torch.Tensor, rows: list[int], keys: list[tuple[int, int] | None],
+def gumbel_sample_cpu(x_RV: torch.Tensor, keys: list[tuple[int, int] | None],
                       lib: NativeLib | None = None) -> tuple[list[int], list[float], list[int]] | None:
-    """For each listed row: the Gumbel-max token over its finite logits under its key (None: not
-    sampled, token -1), that token's noise (NaN where none) and the row's count of finite logits,
-    all rows in one C call (toolkit/csrc/gumbel.c); None where the kernel does not apply."""
+    """For each row: the Gumbel-max token over its finite logits under its key (None: not sampled,
+    token -1), that token's noise (NaN where none) and the row's count of finite logits, all rows in
+    one C call (toolkit/csrc/gumbel.c); None where the kernel does not apply."""
     lib = _lib_or_none(lib) if _rows_ok(x_RV) and x_RV.shape[1] < 2 ** 31 else None
     if lib is None:
         return None
-    n = len(rows)
-    rows_t = torch.tensor(rows, dtype=torch.int64)
+    n = x_RV.shape[0]
     keys_t = torch.tensor([k if k is not None else (0, 0) for k in keys], dtype=torch.int64).to(torch.int32)
     sampled = torch.tensor([k is not None for k in keys], dtype=torch.int8)
     tokens = torch.full((n,), -1, dtype=torch.int64)
     noise = torch.full((n,), float("nan"), dtype=torch.float64)
     support = torch.empty(n, dtype=torch.int64)
-    if lib.fn["gumbel_sample_rows"](x_RV.data_ptr(), x_RV.stride(0), x_RV.shape[1], rows_t.data_ptr(), n,
-                                    keys_t.data_ptr(), sampled.data_ptr(), tokens.data_ptr(), noise.data_ptr(),
-                                    support.data_ptr(), torch.get_num_threads()) != 0:
+    if lib.fn["gumbel_sample_rows"](x_RV.data_ptr(), x_RV.stride(0), x_RV.shape[1], n, keys_t.data_ptr(),
+                                    sampled.data_ptr(), tokens.data_ptr(), noise.data_ptr(), support.data_ptr(),
+                                    torch.get_num_threads()) != 0:
         raise MemoryError("gumbel_sample_rows: out of memory")
     return tokens.tolist(), noise.tolist(), support.tolist()
 

@@ -34,8 +34,8 @@ int toolkit_silu_mul_f32(const float *, int64_t, float *, int64_t, int64_t, int6
 int toolkit_logsumexp_f32(const float *, int64_t, int64_t, int64_t, float *, int);
 int toolkit_argmax_f32(const float *, int64_t, int64_t, int64_t, int64_t *, int);
 int toolkit_sha256_rows(const uint8_t *, const int64_t *, int64_t, int64_t, uint8_t *, int);
-int toolkit_gumbel_sample_rows(const float *, int64_t, int64_t, const int64_t *, int64_t, const uint32_t *,
-                               const int8_t *, int64_t *, double *, int64_t *, int);
+int toolkit_gumbel_sample_rows(const float *, int64_t, int64_t, int64_t, const uint32_t *, const int8_t *, int64_t *,
+                               double *, int64_t *, int);
 int toolkit_gumbel_noise(const int32_t *, int64_t, uint32_t, uint32_t, double *);
 
 static uint64_t state = 0x9e3779b97f4a7c15ull;
@@ -188,12 +188,12 @@ static void check_gumbel(void) {
     float *logits = uniform(S * SV, 6.0f);
     for (int v = 0; v < SV; v++)
         if (v % 97) logits[3 * SV + v] = -INFINITY; /* row 3: a truncated support */
-    int64_t rows[S] = {4, 0, 3, 2, 1}, tokens[S], support[S];
+    int64_t tokens[S], support[S];
     uint32_t keys[2 * S];
     int8_t sampled[S] = {1, 1, 1, 0, 1};
     double chosen_noise[S];
     for (int i = 0; i < 2 * S; i++) keys[i] = next_u32();
-    toolkit_gumbel_sample_rows(logits, SV, SV, rows, S, keys, sampled, tokens, chosen_noise, support, 2);
+    toolkit_gumbel_sample_rows(logits, SV, SV, S, keys, sampled, tokens, chosen_noise, support, 2);
     save("gumbel_tokens", tokens, sizeof tokens);
     save("gumbel_chosen_noise", chosen_noise, sizeof chosen_noise);
     save("gumbel_support", support, sizeof support);

@@ -23,7 +23,25 @@
 typedef uint32_t vu __attribute__((vector_size(4 * VL)));
 typedef int64_t vq __attribute__((vector_size(8 * VL)));
 typedef double vd __attribute__((vector_size(8 * VL)));
-typedef float vf32 __attribute__((vector_size(4 * VL)));
+
+/* the logits of the chunk at i (VL lanes; -inf past the row's end) */
+INLINE vf chunk(const float *row, int64_t V, int64_t i) {
+    if (i + VL <= V) return loadv(row + i);
+    vf v = splat(-INFINITY);
+    for (int64_t j = i; j < V; j++) v[j - i] = row[j];
+    return v;
+}
+
+/* lanes -1 where the logit is finite (neither infinite nor NaN), 0 elsewhere */
+INLINE vi finite_mask(vf v) { return (vi)(((vu)v & 0x7FFFFFFFu) < 0x7F800000u); }
+
+INLINE int any_lane(vi mask) { /* an OR-halving tree over the lanes */
+    int32_t lanes[VL];
+    memcpy(lanes, &mask, sizeof lanes);
+    for (int w = VL / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) lanes[j] |= lanes[j + w];
+    return lanes[0] != 0;
+}
 
 INLINE vu mix32(vu x) {
     x ^= x >> 16;
@@ -88,13 +106,15 @@ static int64_t reduce(const lanes_best *b) {
     return index;
 }
 
-/* lanes -1 where the logit is finite (neither infinite nor NaN), 0 elsewhere */
-INLINE vq finite_lanes(vf32 l) {
-    vu magnitude = (vu)l & 0x7FFFFFFFu;
-    return __builtin_convertvector(magnitude < 0x7F800000u, vq);
-}
-
-static int64_t sample_row(const float *x, int64_t V, int32_t *ids, int64_t n_ids, uint32_t k0, uint32_t k1) {
+/*
+ * The Gumbel-max token of one row. Over the whole vocabulary most tokens cannot win and are skipped
+ * before their noise is computed: the winner's value is at least bound = m + G(top), m the largest
+ * logit, and token i reaches it only if G_i >= bound - x_i, i.e. -log(u_i) <= exp(x_i - bound); as
+ * -log(u) >= 1 - u, a token with 1 - u_i > exp(x_i - bound) cannot win (tested on a lower bound of
+ * 1 - u_i from u's top 32 bits, with a 0.1% margin for vexp's 2 ulp and the float rounding). What is left, a few tokens a row, gets the exact
+ * noise; the result is the same token with the same noise as evaluating every token.
+ */
+static int64_t sample_row(const float *x, int64_t V, const int32_t *ids, int64_t n_ids, uint32_t k0, uint32_t k1) {
     lanes_best b = {{0}, {0}};
     for (int j = 0; j < VL; j++) {
         b.best[j] = -INFINITY;
@@ -102,31 +122,44 @@ static int64_t sample_row(const float *x, int64_t V, int32_t *ids, int64_t n_ids
     }
     vu lane = {0};
     for (int j = 0; j < VL; j++) lane[j] = (uint32_t)j;
-    if (!ids) { /* the whole vocabulary, non-finite logits masked */
+    if (!ids) { /* the whole vocabulary, pruned: see the comment above */
+        vf mv = splat(-INFINITY);
         for (int64_t i = 0; i < V; i += VL) {
-            vf32 l = {0};
-            vu id = lane + (uint32_t)i;
-            vq valid = {0};
-            if (i + VL <= V) {
-                memcpy(&l, x + i, sizeof l);
-                valid = finite_lanes(l);
-            } else {
-                for (int j = 0; j < VL; j++) l[j] = i + j < V ? x[i + j] : -INFINITY;
-                valid = finite_lanes(l);
-            }
+            vf l = chunk(x, V, i);
+            mv = vselect(finite_mask(l) & (vi)(l > mv), l, mv);
+        }
+        const float m = hmax(mv);
+        if (m == -INFINITY) return -1; /* no finite logit */
+        int64_t top = 0;
+        while (x[top] != m) top++; /* the first largest finite logit */
+        vu id = {0};
+        id[0] = (uint32_t)top;
+        const double bound = (double)m + gumbel(id, k0, k1)[0]; /* the winner's value is at least this */
+        vq first = {0};
+        first[0] = -1;
+        consider(&b, __builtin_convertvector(chunk(x, V, top), vd) + gumbel(id, k0, k1),
+                 __builtin_convertvector(id, vq), first);
+        for (int64_t i = 0; i < V; i += VL) {
+            vf l = chunk(x, V, i);
+            id = lane + (uint32_t)i;
+            /* u's top 32 bits are a: 1 - u >= (2^32 - 1 - a) 2^-32, which needs no second hash */
+            vu a = mix32(mix32(id * 2u + 1u) ^ k0);
+            vf one_minus_u = __builtin_convertvector(0xFFFFFFFFu - a, vf) * splat(0x1p-32f);
+            vf reach = vexp(vselect(finite_mask(l), l - splat((float)bound), splat(-100.0f)));
+            vi may_win = finite_mask(l) & (vi)(one_minus_u <= reach * splat(1.001f));
+            if (!any_lane(may_win)) continue;
             vd value = __builtin_convertvector(l, vd) + gumbel(id, k0, k1);
-            consider(&b, value, __builtin_convertvector(id, vq), valid);
+            consider(&b, value, __builtin_convertvector(id, vq), __builtin_convertvector(may_win, vq));
         }
     } else { /* the finite ids only */
         for (int64_t i = 0; i < n_ids; i += VL) {
-            vf32 l = {0};
+            vf l = splat(-INFINITY);
             vu id = {0};
             vq valid = {0};
-            for (int j = 0; j < VL; j++) {
-                int ok = i + j < n_ids;
-                id[j] = ok ? (uint32_t)ids[i + j] : 0u;
-                l[j] = ok ? x[ids[i + j]] : -INFINITY;
-                valid[j] = ok ? -1 : 0;
+            for (int j = 0; j < VL && i + j < n_ids; j++) {
+                id[j] = (uint32_t)ids[i + j];
+                l[j] = x[ids[i + j]];
+                valid[j] = -1;
             }
             vd value = __builtin_convertvector(l, vd) + gumbel(id, k0, k1);
             consider(&b, value, __builtin_convertvector(id, vq), valid);
@@ -136,31 +169,38 @@ static int64_t sample_row(const float *x, int64_t V, int32_t *ids, int64_t n_ids
 }
 
 /*
- * For each listed row r = rows[i] of x (R rows of V, row stride ldx): support[i] = its finite logits;
- * where keys is given and sampled[i] != 0, tokens[i] = the Gumbel-max token under (keys[2i], keys[2i+1])
- * and noise[i] = its G (a row without a finite logit gives token -1). Returns 0, or -1 if out of memory.
+ * For each row i of x (n_rows rows of V, row stride ldx): support[i] = its finite logits; where keys is
+ * given and sampled[i] != 0, tokens[i] = the Gumbel-max token under (keys[2i], keys[2i+1]) and noise[i]
+ * = its G (a row without a finite logit gives token -1). Returns 0, or -1 if out of memory.
  */
-int toolkit_gumbel_sample_rows(const float *x, int64_t ldx, int64_t V, const int64_t *rows, int64_t n_rows,
-                               const uint32_t *keys, const int8_t *sampled, int64_t *tokens, double *noise,
-                               int64_t *support, int threads) {
+int toolkit_gumbel_sample_rows(const float *x, int64_t ldx, int64_t V, int64_t n_rows, const uint32_t *keys,
+                               const int8_t *sampled, int64_t *tokens, double *noise, int64_t *support, int threads) {
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && n_rows > 1)
     for (int64_t i = 0; i < n_rows; i++) {
-        const float *row = x + rows[i] * ldx;
+        const float *row = x + i * ldx;
+        vi finite = {0}; /* lanes count down: each finite logit adds -1 */
+        for (int64_t v = 0; v < V; v += VL) finite += finite_mask(chunk(row, V, v));
         int64_t count = 0;
-        for (int64_t v = 0; v < V; v++) count += isfinite(row[v]) ? 1 : 0;
+        for (int j = 0; j < VL; j++) count -= finite[j];
         support[i] = count;
         if (!keys || !sampled[i]) continue;
         int32_t *ids = 0;
-        if (count * 4 < V) {
-            ids = malloc(sizeof *ids * (count > 0 ? count : 1));
+        if (count * 4 < V) { /* a truncated support: its ids, from the chunks that hold any */
+            ids = malloc(sizeof *ids * (size_t)(count + VL));
             if (!ids) {
                 failed = 1;
                 continue;
             }
             int64_t n = 0;
-            for (int64_t v = 0; v < V; v++)
-                if (isfinite(row[v])) ids[n++] = (int32_t)v;
+            for (int64_t v = 0; v < V; v += VL) {
+                vi mask = finite_mask(chunk(row, V, v));
+                if (!any_lane(mask)) continue;
+                for (int j = 0; j < VL; j++) { /* branch-free append */
+                    ids[n] = (int32_t)(v + j);
+                    n += mask[j] != 0;
+                }
+            }
         }
         int64_t token = sample_row(row, V, ids, count, keys[2 * i], keys[2 * i + 1]);
         free(ids);
@@ -192,10 +232,17 @@ int toolkit_gumbel_noise(const int32_t *ids, int64_t n, uint32_t k0, uint32_t k1
  * highest-probability set whose mass reaches p (the token that crosses p, and tokens tied with it);
  * top-k (mode 1, param k) keeps the k largest logits and tokens tied with the k-th. Both find the
  * row's threshold t (keep x >= t, the rest becomes -inf) by bisection over the logits'
- * order-preserving 32-bit keys: at most 32 vectorised passes over a shrinking set, no sort. The
- * "mass" is exp(x - max) (vexp, within 2 ulp) for top-p, summed in float lanes per block and double
- * lanes across blocks in a fixed order, and 1 per token for top-k (exact counts). A row without a
- * finite logit is copied unchanged. Returns 0, or -1 if out of memory.
+ * order-preserving 32-bit keys, no sort. The "mass" is exp(x - max) (vexp, within 2 ulp) for top-p,
+ * summed in float lanes per block and double lanes across blocks in a fixed order, and 1 per token
+ * for top-k (exact counts).
+ *
+ * The bisection runs over candidates only, the tokens at or above a floor that t cannot be below:
+ * top-p: max - ln(V / (1 - p)) - 1 (each token under it has mass < e^-1 (1 - p) / V of the top
+ * token's, so together they hold less than 1 - p of the row); top-k: the k-th largest of the maxima
+ * of the row's VL-token chunks (k distinct tokens reach it). On SmolLM2's logits ~3% of the
+ * vocabulary are candidates. Should rounding leave the candidates short of the target, the search
+ * repeats over every finite token. A row without a finite logit is copied unchanged.
+ * Returns 0, or -1 if out of memory.
  */
 typedef double vdl __attribute__((vector_size(8 * VL)));
 
@@ -230,47 +277,22 @@ static double mass_above(const uint32_t *keys, const float *e, int64_t n, uint32
     return lanes[0];
 }
 
-/* the threshold of one row (keys and e: scratch of `padded` entries); -inf when nothing is finite */
-static float row_threshold(const float *row, int64_t V, int64_t padded, uint32_t *keys, float *e, int mode,
-                           float param) {
-    vf mv = splat(-INFINITY);
-    for (int64_t i = 0; i < padded; i += VL) { /* the largest finite logit */
-        vf v = splat(-INFINITY);
-        memcpy(&v, row + i, sizeof(float) * (size_t)(i + VL <= V ? VL : V - i));
-        vi finite = (vi)(((vu)v & 0x7FFFFFFFu) < 0x7F800000u);
-        v = vselect(finite, v, splat(-INFINITY));
-        mv = vselect(v > mv, v, mv);
-    }
-    const float m = hmax(mv);
-    if (m == -INFINITY) return -INFINITY;
-    vu lov = (vu){REPEAT_VL(0xFFFFFFFFu)}, hiv = (vu){REPEAT_VL(0u)};
-    for (int64_t i = 0; i < padded; i += VL) { /* keys and masses; 0 off the finite logits */
-        vf v = splat(-INFINITY);
-        memcpy(&v, row + i, sizeof(float) * (size_t)(i + VL <= V ? VL : V - i));
-        vu u = (vu)v;
-        vi finite = (vi)((u & 0x7FFFFFFFu) < 0x7F800000u);
-        vu key = (vu)vselect((vi)(u >> 31) != 0, (vf)~u, (vf)(u | 0x80000000u));
-        key &= (vu)finite;
-        vf ev = mode == 0 ? vexp(vselect(finite, v, splat(m)) - splat(m)) : splat(1.0f);
-        ev = vselect(finite, ev, splat(0.0f));
-        memcpy(keys + i, &key, sizeof key);
-        memcpy(e + i, &ev, sizeof ev);
-        lov = (vu)vselect(finite & (vi)(key < lov), (vf)key, (vf)lov);
-        hiv = (vu)vselect(finite & (vi)(key > hiv), (vf)key, (vf)hiv);
-    }
+enum { TOP_P = 0, TOP_K = 1 };
+
+/* the smallest key whose mass above is < target among n candidates (keys, e: padded to VL with 0),
+ * or 0 when even all of them hold less than the target */
+static uint32_t bisect(uint32_t *keys, float *e, int64_t n, double target) {
     uint32_t lo = 0xFFFFFFFFu, hi = 0;
-    for (int j = 0; j < VL; j++) {
-        if (lov[j] < lo) lo = lov[j];
-        if (hiv[j] > hi) hi = hiv[j];
+    for (int64_t i = 0; i < n; i++) {
+        if (e[i] == 0.0f) continue; /* padding */
+        if (keys[i] < lo) lo = keys[i];
+        if (keys[i] > hi) hi = keys[i];
     }
-    /* find the smallest key whose mass above is < target: invariants mass above hi < target (nothing is
-     * above the largest key) and mass above `below` >= target */
-    const double target = mode == 0 ? (double)param * mass_above(keys, e, padded, 0u) : (double)param - 0.5;
     uint32_t below = lo - 1u; /* lo >= 0x00800000 for a finite float, so no wrap */
-    if (mass_above(keys, e, padded, below) < target) return key_value(lo); /* keep everything */
-    /* every fourth pass drops the tokens the bracket has settled (key <= below never counts again;
+    if (hi == 0 || mass_above(keys, e, n, below) < target) return 0;
+    /* invariants: mass above hi < target (nothing is above the largest key), mass above `below` >= target;
+     * every fourth pass drops the tokens the bracket has settled (key <= below never counts again;
      * key > hi always does, its mass added once, in index order) */
-    int64_t n = padded;
     double settled = 0.0;
     for (int pass = 0; hi - below > 1u; pass++) {
         uint32_t mid = below + (hi - below) / 2u;
@@ -291,17 +313,93 @@ static float row_threshold(const float *row, int64_t V, int64_t padded, uint32_t
             for (n = kept; n % VL; n++) keys[n] = 0u, e[n] = 0.0f;
         }
     }
-    return key_value(hi); /* a logit's key: the mass changes there */
+    return hi; /* a logit's key: the mass changes there */
+}
+
+/* gather the finite tokens at or above `floor` (keys, masses) into the scratch; the row's total mass */
+static int64_t candidates(const float *row, int64_t V, int mode, float m, float floor, uint32_t *keys, float *e,
+                          double *total) {
+    int64_t n = 0;
+    vdl acc = {0};
+    for (int64_t start = 0; start < V; start += 32 * VL) {
+        vf part = splat(0.0f);
+        for (int64_t i = start; i < V && i < start + 32 * VL; i += VL) {
+            vf v = chunk(row, V, i);
+            vi finite = finite_mask(v);
+            vf ev = mode == TOP_P ? vexp(vselect(finite, v, splat(m)) - splat(m)) : splat(1.0f);
+            ev = vselect(finite, ev, splat(0.0f));
+            part += ev;
+            vi take = finite & (vi)(v >= splat(floor));
+            if (!any_lane(take)) continue;
+            vu u = (vu)v;
+            vu key = (vu)vselect((vi)(u >> 31) != 0, (vf)~u, (vf)(u | 0x80000000u));
+            for (int j = 0; j < VL; j++) { /* branch-free append */
+                keys[n] = key[j];
+                e[n] = ev[j];
+                n += take[j] != 0;
+            }
+        }
+        acc += __builtin_convertvector(part, vdl);
+    }
+    for (int64_t pad = n; pad % VL; pad++) keys[pad] = 0u, e[pad] = 0.0f;
+    double lanes[VL];
+    memcpy(lanes, &acc, sizeof lanes);
+    for (int w = VL / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) lanes[j] += lanes[j + w];
+    *total = lanes[0];
+    return (n + VL - 1) / VL * VL;
+}
+
+/* the threshold of one row (keys, e: scratch of V + VL entries); -inf when nothing is finite */
+static float row_threshold(const float *row, int64_t V, uint32_t *keys, float *e, int mode, float param) {
+    vf mv = splat(-INFINITY);
+    for (int64_t i = 0; i < V; i += VL) { /* the largest finite logit */
+        vf v = chunk(row, V, i);
+        v = vselect(finite_mask(v), v, splat(-INFINITY));
+        mv = vselect(v > mv, v, mv);
+    }
+    const float m = hmax(mv);
+    if (m == -INFINITY) return -INFINITY;
+    float floor = -INFINITY;
+    if (mode == TOP_P && param < 1.0f) {
+        floor = m - (logf((float)V / (1.0f - param)) + 1.0f);
+    } else if (mode == TOP_K && param * VL <= (float)V) {
+        int64_t n = 0; /* the chunk maxima, as candidates of a count search */
+        for (int64_t i = 0; i < V; i += VL) {
+            vf v = chunk(row, V, i);
+            float cm = hmax(vselect(finite_mask(v), v, splat(-INFINITY)));
+            if (cm == -INFINITY) continue;
+            uint32_t u;
+            memcpy(&u, &cm, sizeof u);
+            keys[n] = (u & 0x80000000u) ? ~u : u | 0x80000000u;
+            e[n++] = 1.0f;
+        }
+        for (; n % VL; n++) keys[n] = 0u, e[n] = 0.0f;
+        uint32_t k = bisect(keys, e, n, (double)param - 0.5);
+        if (k) floor = key_value(k);
+    }
+    for (;;) {
+        double total;
+        int64_t n = candidates(row, V, mode, m, floor, keys, e, &total);
+        const double target = mode == TOP_P ? (double)param * total : (double)param - 0.5;
+        uint32_t t = bisect(keys, e, n, target);
+        if (t) return key_value(t);
+        if (floor == -INFINITY) break; /* even every finite token is short of the target (rounding): keep all */
+        floor = -INFINITY;
+    }
+    float lo = INFINITY; /* the smallest finite logit */
+    for (int64_t i = 0; i < V; i++)
+        if (isfinite(row[i]) && row[i] < lo) lo = row[i];
+    return lo;
 }
 
 int toolkit_truncate_f32(const float *x, int64_t ldx, int64_t R, int64_t V, int mode, const float *param, float *out,
                          int64_t ldo, float *thresholds, int threads) {
     int failed = 0;
-    const int64_t padded = (V + VL - 1) / VL * VL;
 #pragma omp parallel num_threads(threads) if (threads > 1 && R > 1)
     {
-        uint32_t *keys = malloc(sizeof *keys * padded);
-        float *e = malloc(sizeof *e * padded);
+        uint32_t *keys = malloc(sizeof *keys * (V + VL));
+        float *e = malloc(sizeof *e * (V + VL));
         if (!keys || !e) {
 #pragma omp atomic write
             failed = 1;
@@ -311,7 +409,7 @@ int toolkit_truncate_f32(const float *x, int64_t ldx, int64_t R, int64_t V, int 
             if (!keys || !e) continue;
             const float *row = x + r * ldx;
             float *o = out + r * ldo;
-            const float t = row_threshold(row, V, padded, keys, e, mode, param[r]);
+            const float t = row_threshold(row, V, keys, e, mode, param[r]);
             thresholds[r] = t;
             const vf tv = splat(t);
             int64_t i = 0;

@@ -14,17 +14,17 @@ def temperature(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:
 
 
 def top_k(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:
-    """Keep the k largest logits of each row (ties with the k-th are kept too). torch.topk's cost grows
-    with k (3.5 ms at 64 rows of 49,152 for k = 50, 13 ms for k = 1,000 on the EPYC); the native
-    bisection over the logits' order (toolkit/csrc/gumbel.c) costs 3.5-4.5 ms for any k, so fp32 CPU
-    rows with some k above 64 take it. Both keep the same tokens."""
+    """Keep the k largest logits of each row (ties with the k-th are kept too). fp32 CPU rows take the
+    native bisection over the logits' order (toolkit/csrc/gumbel.c: 1.7-3 ms at 64 rows of 49,152 for
+    k = 1..1,000 on the AVX-512 EPYC, where torch.topk + masked_fill took 2.9-13 ms); others torch.topk.
+    Both keep the same tokens."""
     from toolkit.kernels import truncate_cpu
 
     k = [min(r.params.top_k, view.vocab_size) for r in view.rows]
-    native = truncate_cpu(logits_RV, "top_k", torch.tensor(k, dtype=torch.float32)) if max(k) > 64 else None
+    native = truncate_cpu(logits_RV, "top_k", torch.tensor(k, dtype=torch.float32))
     if native is not None:
         return native[0]
-    k_R = torch.tensor([min(r.params.top_k, view.vocab_size) for r in view.rows], device=logits_RV.device)
+    k_R = torch.tensor(k, device=logits_RV.device)
     top_RK = torch.topk(logits_RV, int(k_R.max()), dim=-1).values
     kth_R1 = top_RK.gather(1, (k_R - 1).unsqueeze(1))
     return logits_RV.masked_fill(logits_RV < kth_R1, NEG_INF)
