@@ -96,8 +96,7 @@ class ModelRunner:
         decode_tables = decode_bias = decode_ctx = None
         if singles and self.backend == "sdpa":
             width = max(len(c.block_table) for c in singles)
-            padded = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in singles]
-            decode_tables = torch.tensor(padded, dtype=torch.int64, device=dev)  # (D, B)
+            decode_tables = tables_cpu[:len(singles), :width].to(dev)  # (D, B): the decodes come first
             ctx = torch.tensor([c.context_len for c in singles], device=dev)
             decode_bias = additive_bias(torch.arange(width * bs, device=dev)[None, :] < ctx[:, None], self.dtype)
             decode_ctx = ctx

@@ -64,13 +64,12 @@ def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRo
     raw_lse = raw_logsumexp_R if raw_logsumexp_R is not None else logsumexp_rows(raw_RV, per_row)
     keys = [None if row.greedy else rng.row_key(row.seed, row.position, row.stream, row.purpose) for row in rows]
     sampled = [i for i, key in enumerate(keys) if key is not None]
-    native = (gumbel_sample_cpu(processed_RV, list(range(r)), keys)
-              if sampled or not unprocessed else None)
+    native = gumbel_sample_cpu(processed_RV, keys) if sampled or not unprocessed else None
     if native is not None:
         chosen, noise, support = native
     else:
         finite_RV = None if unprocessed else torch.isfinite(processed_RV)
-        support = [vocab] * r if unprocessed else finite_RV.sum(dim=-1).tolist()
+        support = None if unprocessed else finite_RV.sum(dim=-1).tolist()
         chosen, noise = [-1] * r, [float("nan")] * r
         for i in sampled:
             chosen[i], noise[i] = gumbel_choice(processed_RV[i], keys[i], None if unprocessed else finite_RV[i])

@@ -89,11 +89,9 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
                                            name=name, sampling=dict(fields or {}))
         sampled[name].extra["sampling"] = dict(fields or {})
         print(f"  {name}: {sampled[name].wall_s:.2f} s", flush=True)
-    if b.get("host_work_batch"):  # decode steps at a full batch, greedy and each sampled variant
-        report_host = _host_work_at_batch(loaded, engine_cfg, requests, int(b["host_work_batch"]),
-                                          b.get("sampled_variants") or {}, run_dir)
-    else:
-        report_host = None
+    report_host = (_host_work_at_batch(loaded, engine_cfg, requests, int(b["host_work_batch"]),
+                                       b.get("sampled_variants") or {}, run_dir)
+                   if b.get("host_work_batch") else None)  # decode steps at a full batch, greedy and sampled
     for variant, overrides in (b.get("engine_variants") or {}).items():
         name = f"engine[{variant}]"
         overrides = dict(overrides or {})

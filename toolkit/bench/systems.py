@@ -135,12 +135,12 @@ def run_engine(loaded, engine_cfg: EngineConfig, requests: list[BenchRequest], t
 def _host_work(step_log: list[tuple[int, int, int, float, float]]) -> dict[str, Any]:
     """Of the decode-only steps (the steady state), the median step time and the median share of it
     spent outside the model's forward: scheduling, packing, processors, sampling, commit, trace."""
-    decode = [(step_s, forward_s) for _, _, prefill, step_s, forward_s in step_log if prefill == 0]
+    decode = [(batch, step_s, forward_s) for batch, _, prefill, step_s, forward_s in step_log if prefill == 0]
     if not decode:
         return {}
-    return {"decode_steps": len(decode), "decode_step_p50_s": percentile([s for s, _ in decode], 50),
-            "decode_host_fraction_p50": percentile([1 - f / s for s, f in decode], 50),
-            "decode_batch_p50": percentile([b for b, _, prefill, _, _ in step_log if prefill == 0], 50)}
+    return {"decode_steps": len(decode), "decode_batch_p50": percentile([b for b, _, _ in decode], 50),
+            "decode_step_p50_s": percentile([s for _, s, _ in decode], 50),
+            "decode_host_fraction_p50": percentile([1 - f / s for _, s, f in decode], 50)}
 
 
 # --------------------------------------------------------------------------- HF transformers
