@@ -185,6 +185,47 @@ def test_gumbel_noise_and_sampling_are_the_twins_bit_for_bit(lib):
         assert tokens[i] == want[0] and (noise[i] == want[1] or math.isnan(noise[i]) and math.isnan(want[1])), r
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("ops", [(), (("temperature", 0.8),), (("temperature", 0.8), ("top_p", 0.95)),
+                                 (("temperature", 0.7), ("top_k", 50.0)), (("top_k", 1.0),), (("top_p", 0.999),),
+                                 (("top_p", 0.3), ("temperature", 1.7)),
+                                 (("temperature", 0.4), ("top_k", 300.0), ("top_p", 0.9)), (("top_k", 2000.0),)])
+def test_fused_sampler_tail_is_the_stages_bit_for_bit(lib, ops):
+    """kernels.sample_tail_cpu (temperature / top-k / top-p, then support, logsumexp, Gumbel-max token and
+    noise, each row in one pass) equals the stages it replaces called one after another, bit for bit:
+    torch's division (the temperature processor), truncate_cpu, logsumexp_cpu and gumbel_sample_cpu.
+    Rows: real-looking logits, a sparse support, a few finite ids, ties, a greedy row, a NaN, an odd width."""
+    from toolkit import rng
+
+    gen = torch.Generator().manual_seed(len(ops))
+    for vocab in (1003, 4096):
+        x = torch.randn(8, vocab, generator=gen) * 3
+        x[1, torch.rand(vocab, generator=gen) < 0.9] = float("-inf")
+        x[2, 20:] = float("-inf")
+        x[3] = (x[3] * 2).round()  # ties
+        x[5, 11] = float("nan")
+        block = torch.full((8, vocab + 5), 7.0)
+        block[:, :vocab] = x  # strided rows
+        rows = block[:, :vocab]
+        keys = [rng.row_key(3, 50 + i, i % 2) for i in range(8)]
+        keys[4] = None
+        got = kernels.sample_tail_cpu(rows, [ops] * 8, keys, lib=lib)
+        want = rows.clone()
+        for name, value in ops:
+            if name == "temperature":
+                want = want / torch.full((8, 1), value).expand_as(want)
+            else:
+                want = kernels.truncate_cpu(want, name, torch.full((8,), value), lib=lib)[0]
+        tokens, noise, support = kernels.gumbel_sample_cpu(want, keys, lib=lib)
+        assert torch.equal(_bits(got[0]), _bits(want))
+        assert got[1] == tokens and got[3] == support
+        assert [float(n).hex() for n in got[2]] == [float(n).hex() for n in noise]
+        assert torch.equal(_bits(got[4]), _bits(kernels.logsumexp_cpu(want, lib=lib)))
+
+
 def test_rope_is_the_torch_expression_bit_for_bit(lib):
     gen = torch.Generator().manual_seed(4)
     cos, sin = torch.randn(50, 64, generator=gen), torch.randn(50, 64, generator=gen)
@@ -299,7 +340,7 @@ def test_aarch64_kernels_under_qemu_match_the_host(tmp_path):
     if host_target in kernels.TARGETS and shutil.which("gcc"):
         host = _run_driver("gcc", _driver_flags(host_target, None), tmp_path, "host", [])
         for name in ("sha256", "argmax", "rope", "rms_norm_x", "sha256_data", "gumbel_noise", "gumbel_tokens",
-                     "gumbel_chosen_noise", "gumbel_support"):
+                     "gumbel_chosen_noise", "gumbel_support", "tail_support"):
             assert arm[name] == host[name], name  # exact in every build
         for name in ("matmul", "attention_h9_d64", "attention_h8_d128", "attention_h4_d16", "attention_q8_h6_d64",
                      "rms_norm", "silu_mul", "logsumexp"):

@@ -118,3 +118,41 @@ def test_native_logsumexp_and_argmax_are_torchs(rows, vocab, scale, specials, ti
     finite = torch.isfinite(want)
     assert torch.equal(got[~finite].nan_to_num(1.0), want[~finite].nan_to_num(1.0))
     assert ((got - want).abs()[finite] <= 4e-7 * want.abs()[finite].clamp_min(1.0)).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(params=st.lists(st.fixed_dictionaries({
+    "temperature": st.sampled_from([0.0, 0.5, 1.0, 1.3]), "top_k": st.sampled_from([0, 1, 7, 100, 10**6]),
+    "top_p": st.sampled_from([1.0, 0.9, 0.5, 0.01]), "min_p": st.sampled_from([0.0, 0.1]),
+    "repetition_penalty": st.sampled_from([1.0, 1.2]), "seed": st.integers(0, 2**32),
+    "processors": st.sampled_from([None, ["temperature", "top_p", "min_p", "top_k", "repetition_penalty"],
+                                   ["repetition_penalty", "top_k", "temperature", "min_p", "top_p"]])}),
+    min_size=1, max_size=6),
+       vocab=st.sampled_from([50, 1000, 4099]), torch_seed=st.integers(0, 1000))
+def test_the_sampler_applying_the_pipeline_tail_changes_nothing(params, vocab, torch_seed):
+    """apply_pipeline(defer_tail=True) leaves each row's trailing temperature / top-k / top-p to the sampler
+    (one native pass a row); the engine's result must be what the whole pipeline then the sampler give:
+    the same tokens, noise, supports, log-probabilities and top alternatives, bit for bit."""
+    from toolkit.config import SamplingParams
+    from toolkit.processors import BatchView, RowState, apply_pipeline, invalid_rows
+    from toolkit.sampling import logsumexp_rows
+
+    gen = torch.Generator().manual_seed(torch_seed)
+    rows = [SamplingParams(max_tokens=4, logprobs=3, **p) for p in params]
+    logits = torch.randn(len(rows), vocab, generator=gen) * 4
+    history = [torch.randint(0, vocab, (5,), generator=gen).tolist() for _ in rows]
+    view = BatchView(rows=tuple(RowState(p, h, 3, ()) for p, h in zip(rows, history)), vocab_size=vocab,
+                     device=logits.device)
+    srows = [SampleRow(greedy=p.greedy, seed=p.seed, position=9, stream=0, num_top=3) for p in rows]
+    lse = logsumexp_rows(logits)
+    results = []
+    for defer in (False, True):
+        pipe = apply_pipeline(logits, view, row_errors=invalid_rows(lse), defer_tail=defer)
+        assert (pipe.tail is not None) == defer  # the native build runs here
+        assert not pipe.errors
+        results.append(sample(logits, pipe.processed_RV, srows, lse, tail=pipe.tail))
+    whole, deferred = results
+    assert deferred.token_ids == whole.token_ids and deferred.support_sizes == whole.support_sizes
+    assert [float(n).hex() for n in deferred.noise] == [float(n).hex() for n in whole.noise]
+    assert deferred.processed_logprobs == whole.processed_logprobs and deferred.raw_logprobs == whole.raw_logprobs
+    assert deferred.top_processed == whole.top_processed

@@ -293,6 +293,7 @@ class SamplingParams:
         set_("structured_outputs", StructuredOutputs.coerce(self.structured_outputs))
         # which processors change anything: fixed for these (frozen) parameters, asked per row and step
         set_("_active", frozenset(name for name, on in self._activity().items() if on))
+        set_("_active_order", tuple(p for p in self.order if p in self._active))
         self._check_processors()
         set_("_description", tuple([self.describe(p) for p in self.active_processors()]
                                    + ["argmax" if self.greedy else "gumbel_max"]))
@@ -346,7 +347,9 @@ class SamplingParams:
         }
 
     def active_processors(self, order: tuple[str, ...] | None = None) -> tuple[str, ...]:
-        return tuple(p for p in (order or self.order) if self.is_active(p))
+        if order is None:
+            return self._active_order
+        return tuple(p for p in order if self.is_active(p))
 
     def describe(self, name: str) -> str:
         """A processor with its parameters, as recorded in every trace row."""

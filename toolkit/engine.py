@@ -464,7 +464,8 @@ class Engine:
                          vocab_size=self.vocab_size, device=logits_RV.device, eos_token_ids=self.eos_token_ids,
                          grammar_mask_RV=grammar_mask)
         lse_R = logsumexp_rows(logits_RV, per_row=self.cfg.batch_invariant)
-        pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse_R))
+        # with no speculation the sampler applies each row's temperature / top-k / top-p itself (one pass)
+        pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse_R), defer_tail=not proposals)
         decisions = self._decide(rows, logits_RV, pipe, lse_R, proposals)
 
         # ---- commit: the one place where results feed back into sequence state
@@ -593,12 +594,14 @@ class Engine:
         if plain:
             srows = [SampleRow(greedy=rows[i].seq.sampling.greedy, seed=rows[i].seq.seed, position=rows[i].position,
                                stream=rows[i].seq.stream, num_top=rows[i].seq.sampling.logprobs or 0) for i in plain]
+            tail = [pipe.tail[i] for i in plain] if pipe.tail is not None else None
             if len(plain) == len(rows):
-                result = sample(logits_RV, pipe.processed_RV, srows, lse_R, per_row=self.cfg.batch_invariant)
+                result = sample(logits_RV, pipe.processed_RV, srows, lse_R, per_row=self.cfg.batch_invariant,
+                                tail=tail)
             else:
                 index = torch.tensor(plain, device=logits_RV.device)
                 result = sample(logits_RV.index_select(0, index), pipe.processed_RV.index_select(0, index), srows,
-                                lse_R.index_select(0, index), per_row=self.cfg.batch_invariant)
+                                lse_R.index_select(0, index), per_row=self.cfg.batch_invariant, tail=tail)
         if self.speculator is not None:
             self.speculator.stats.plain_samples += len(plain)
         slot = {row: j for j, row in enumerate(plain)}

@@ -9,12 +9,17 @@ gives the same values as evaluating it everywhere: each token's noise depends on
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from toolkit import rng
-from toolkit.kernels import argmax_cpu, gumbel_sample_cpu, logsumexp_cpu
+from toolkit.kernels import argmax_cpu, gumbel_sample_cpu, logsumexp_cpu, sample_tail_cpu
+
+if TYPE_CHECKING:
+    from toolkit.processors import Tail
 
 
 @dataclass(frozen=True)
@@ -54,28 +59,40 @@ def logsumexp_rows(x_RV: torch.Tensor, per_row: bool = True) -> torch.Tensor:
 
 
 def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRow],
-           raw_logsumexp_R: torch.Tensor | None = None, per_row: bool = True) -> SampleResult:
+           raw_logsumexp_R: torch.Tensor | None = None, per_row: bool = True,
+           tail: Sequence[Tail] | None = None) -> SampleResult:
     """Choose one token per row. `processed_RV is raw_RV` (no processor changed anything) takes a fast
     path: the processed distribution is the raw one and its support is the whole vocabulary. Every
     sampled row's noise, and every processed row's support, comes from one native pass over the step
-    (toolkit/csrc/gumbel.c); torch computes the same bits where the kernel does not run."""
+    (toolkit/csrc/gumbel.c); torch computes the same bits where the kernel does not run.
+
+    `tail` (from apply_pipeline(defer_tail=True)): per row, the processors still to apply to
+    `processed_RV`; they run in the same native pass, each row processed, counted and sampled while it is
+    in cache (the same values as the processors, then this function, one after the other)."""
     r, vocab = raw_RV.shape
-    unprocessed = processed_RV is raw_RV
     raw_lse = raw_logsumexp_R if raw_logsumexp_R is not None else logsumexp_rows(raw_RV, per_row)
     keys = [None if row.greedy else rng.row_key(row.seed, row.position, row.stream, row.purpose) for row in rows]
     sampled = [i for i, key in enumerate(keys) if key is not None]
-    native = gumbel_sample_cpu(processed_RV, keys) if sampled or not unprocessed else None
-    if native is not None:
-        chosen, noise, support = native
+    fused = sample_tail_cpu(processed_RV, list(tail), keys) if tail is not None and any(tail) else None
+    if tail is not None and any(tail) and fused is None:
+        raise RuntimeError("a pipeline tail was left to the sampler where its kernel does not run")
+    if fused is not None:
+        processed_RV, chosen, noise, support, proc_lse = fused
+        unprocessed = False
     else:
-        finite_RV = None if unprocessed else torch.isfinite(processed_RV)
-        support = None if unprocessed else finite_RV.sum(dim=-1).tolist()
-        chosen, noise = [-1] * r, [float("nan")] * r
-        for i in sampled:
-            chosen[i], noise[i] = gumbel_choice(processed_RV[i], keys[i], None if unprocessed else finite_RV[i])
-    if unprocessed:
-        support = [vocab] * r
-    proc_lse = raw_lse if unprocessed else logsumexp_rows(processed_RV, per_row)
+        unprocessed = processed_RV is raw_RV
+        native = gumbel_sample_cpu(processed_RV, keys) if sampled or not unprocessed else None
+        if native is not None:
+            chosen, noise, support = native
+        else:
+            finite_RV = None if unprocessed else torch.isfinite(processed_RV)
+            support = None if unprocessed else finite_RV.sum(dim=-1).tolist()
+            chosen, noise = [-1] * r, [float("nan")] * r
+            for i in sampled:
+                chosen[i], noise[i] = gumbel_choice(processed_RV[i], keys[i], None if unprocessed else finite_RV[i])
+        if unprocessed:
+            support = [vocab] * r
+        proc_lse = raw_lse if unprocessed else logsumexp_rows(processed_RV, per_row)
     tokens = chosen
     if len(sampled) < r or -1 in chosen:  # greedy rows, or a row without a finite logit: the argmax
         argmax = argmax_cpu(processed_RV)

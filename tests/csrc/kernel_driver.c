@@ -37,6 +37,10 @@ int toolkit_sha256_rows(const uint8_t *, const int64_t *, int64_t, int64_t, uint
 int toolkit_gumbel_sample_rows(const float *, int64_t, int64_t, int64_t, const uint32_t *, const int8_t *, int64_t *,
                                double *, int64_t *, int);
 int toolkit_gumbel_noise(const int32_t *, int64_t, uint32_t, uint32_t, double *);
+int toolkit_truncate_f32(const float *, int64_t, int64_t, int64_t, int, const float *, float *, int64_t, float *, int);
+int toolkit_sample_tail_rows(const float *, int64_t, int64_t, int64_t, const int32_t *, const float *,
+                             const uint32_t *, const int8_t *, float *, int64_t, float *, int64_t *, double *,
+                             int64_t *, int);
 
 static uint64_t state = 0x9e3779b97f4a7c15ull;
 static uint32_t next_u32(void) {
@@ -200,6 +204,52 @@ static void check_gumbel(void) {
     free(logits);
 }
 
+/* the fused pipeline tail (temperature, top-p, top-k, then support, logsumexp, token, noise) against the
+ * same stages called one after another: equal bits in any build */
+static void check_tail(void) {
+    enum { S = 6, SV = 5003, W = 3 };
+    const int32_t ops[S * W] = {2, 0, -1, 2, 1, -1, -1, -1, -1, 1, -1, -1, 2, -1, -1, 0, 2, 1};
+    const float params[S * W] = {0.8f, 0.9f, 0, 0.7f, 40.0f, 0, 0, 0, 0, 7.0f, 0, 0, 1.3f, 0, 0, 0.5f, 0.6f, 100.0f};
+    float *logits = uniform(S * SV, 9.0f);
+    for (int v = 0; v < SV; v++)
+        if (v % 13) logits[2 * SV + v] = -INFINITY; /* row 2: a sparse support, no ops */
+    uint32_t keys[2 * S];
+    int8_t sampled[S] = {1, 1, 1, 1, 0, 1};
+    float lse[S], lse_want[S], threshold;
+    int64_t tokens[S], support[S], tokens_want[S], support_want[S];
+    double noise[S], noise_want[S];
+    for (int i = 0; i < 2 * S; i++) keys[i] = next_u32();
+    for (int r = 0; r < S; r++) tokens[r] = tokens_want[r] = -1; /* a row not sampled keeps its -1 */
+    float *out = malloc(sizeof(float) * S * SV), *step = malloc(sizeof(float) * S * SV);
+    toolkit_sample_tail_rows(logits, SV, S, SV, ops, params, keys, sampled, out, SV, lse, tokens, noise, support, 2);
+    memcpy(step, logits, sizeof(float) * S * SV);
+    for (int r = 0; r < S; r++)
+        for (int j = 0; j < W; j++) {
+            float *row = step + r * SV;
+            const int op = ops[r * W + j];
+            if (op == 2)
+                for (int v = 0; v < SV; v++) row[v] = row[v] / params[r * W + j];
+            else if (op >= 0)
+                toolkit_truncate_f32(row, SV, 1, SV, op, &params[r * W + j], row, SV, &threshold, 1);
+        }
+    toolkit_logsumexp_f32(step, SV, S, SV, lse_want, 2);
+    toolkit_gumbel_sample_rows(step, SV, SV, S, keys, sampled, tokens_want, noise_want, support_want, 2);
+    if (memcmp(out, step, sizeof(float) * S * SV) || memcmp(lse, lse_want, sizeof lse) ||
+        memcmp(support, support_want, sizeof support)) {
+        printf("tail: processed rows, logsumexp or support differ from the stages\n");
+        failures++;
+    }
+    for (int r = 0; r < S; r++)
+        if (sampled[r] && (tokens[r] != tokens_want[r] || memcmp(&noise[r], &noise_want[r], sizeof(double)))) {
+            printf("tail: row %d token or noise differs from the stages\n", r);
+            failures++;
+        }
+    save("tail_rows", out, sizeof(float) * S * SV);
+    save("tail_support", support, sizeof support);
+    save("tail_tokens", tokens, sizeof tokens);
+    free(logits); free(out); free(step);
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) { fprintf(stderr, "usage: kernel_driver <outdir>\n"); return 2; }
     outdir = argv[1];
@@ -210,6 +260,7 @@ int main(int argc, char **argv) {
     check_attention(6, 3, 64, 16, 1, "attention_q8_h6_d64");
     check_rowwise();
     check_gumbel();
+    check_tail();
     int64_t profile[4];
     toolkit_kernel_profile(profile);
     if (failures) return 1;

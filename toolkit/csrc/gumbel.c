@@ -19,6 +19,11 @@
 #include <string.h>
 
 #include "simd.h" /* VL, INLINE */
+#if (VL == 16 && defined(__AVX512F__)) || (VL == 8 && defined(__AVX__)) || (VL == 4 && defined(__SSE4_1__))
+#include <immintrin.h>
+#elif VL == 4 && defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 typedef uint32_t vu __attribute__((vector_size(4 * VL)));
 typedef int64_t vq __attribute__((vector_size(8 * VL)));
@@ -35,12 +40,42 @@ INLINE vf chunk(const float *row, int64_t V, int64_t i) {
 /* lanes -1 where the logit is finite (neither infinite nor NaN), 0 elsewhere */
 INLINE vi finite_mask(vf v) { return (vi)(((vu)v & 0x7FFFFFFFu) < 0x7F800000u); }
 
-INLINE int any_lane(vi mask) { /* an OR-halving tree over the lanes */
+/* whether any lane of a mask is set: one test instruction where the target has one (it is asked per chunk
+ * of the vocabulary), else an OR-halving tree over the lanes; the same answer either way */
+INLINE int any_lane(vi mask) {
+#if VL == 16 && defined(__AVX512F__)
+    return _mm512_test_epi32_mask((__m512i)mask, (__m512i)mask) != 0;
+#elif VL == 8 && defined(__AVX__)
+    return !_mm256_testz_si256((__m256i)mask, (__m256i)mask);
+#elif VL == 4 && defined(__SSE4_1__)
+    return !_mm_testz_si128((__m128i)mask, (__m128i)mask);
+#elif VL == 4 && defined(__aarch64__)
+    return vmaxvq_u32((uint32x4_t)mask) != 0;
+#else
     int32_t lanes[VL];
     memcpy(lanes, &mask, sizeof lanes);
     for (int w = VL / 2; w > 0; w /= 2)
         for (int j = 0; j < w; j++) lanes[j] |= lanes[j + w];
     return lanes[0] != 0;
+#endif
+}
+
+/* dst[n..] = the lanes of v whose mask is set, in lane order (dst has room for VL more); the new n.
+ * AVX-512 compresses the lanes in a register and stores them at once; other targets append lane by
+ * lane, branch-free. The same values either way: this only moves data. */
+INLINE int64_t append_lanes(uint32_t *dst, int64_t n, vi mask, vu v) {
+#if VL == 16 && defined(__AVX512F__)
+    const __mmask16 k = _mm512_test_epi32_mask((__m512i)mask, (__m512i)mask);
+    const __m512i packed = _mm512_maskz_compress_epi32(k, (__m512i)v);
+    memcpy(dst + n, &packed, sizeof packed);
+    return n + __builtin_popcount(k);
+#else
+    for (int j = 0; j < VL; j++) {
+        dst[n] = v[j];
+        n += mask[j] != 0;
+    }
+    return n;
+#endif
 }
 
 INLINE vu mix32(vu x) {
@@ -169,6 +204,45 @@ static int64_t sample_row(const float *x, int64_t V, const int32_t *ids, int64_t
 }
 
 /*
+ * One row: its count of finite logits and, where a key is given, its Gumbel-max token and that token's
+ * noise (token -1 and NaN without a finite logit). A support under a quarter of the vocabulary is
+ * sampled over its ids, gathered from the chunks that hold any. Returns 0, or -1 if out of memory.
+ */
+static int sample_one(const float *row, int64_t V, const uint32_t *key, int64_t *token, double *noise,
+                      int64_t *support) {
+    vi finite = {0}; /* lanes count down: each finite logit adds -1 */
+    for (int64_t v = 0; v < V; v += VL) finite += finite_mask(chunk(row, V, v));
+    int64_t count = 0;
+    for (int j = 0; j < VL; j++) count -= finite[j];
+    *support = count;
+    if (!key) return 0;
+    int32_t *ids = 0;
+    if (count * 4 < V) { /* a truncated support: its ids */
+        ids = malloc(sizeof *ids * (size_t)(count + VL));
+        if (!ids) return -1;
+        int64_t n = 0;
+        vu lane;
+        for (int j = 0; j < VL; j++) lane[j] = (uint32_t)j;
+        for (int64_t v = 0; v < V; v += VL) {
+            vi mask = finite_mask(chunk(row, V, v));
+            if (!any_lane(mask)) continue;
+            n = append_lanes((uint32_t *)ids, n, mask, lane + (uint32_t)v);
+        }
+    }
+    const int64_t t = sample_row(row, V, ids, count, key[0], key[1]);
+    free(ids);
+    *token = t;
+    if (t >= 0) {
+        vu id = {0};
+        id[0] = (uint32_t)t;
+        *noise = gumbel(id, key[0], key[1])[0];
+    } else {
+        *noise = NAN;
+    }
+    return 0;
+}
+
+/*
  * For each row i of x (n_rows rows of V, row stride ldx): support[i] = its finite logits; where keys is
  * given and sampled[i] != 0, tokens[i] = the Gumbel-max token under (keys[2i], keys[2i+1]) and noise[i]
  * = its G (a row without a finite logit gives token -1). Returns 0, or -1 if out of memory.
@@ -178,40 +252,8 @@ int toolkit_gumbel_sample_rows(const float *x, int64_t ldx, int64_t V, int64_t n
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && n_rows > 1)
     for (int64_t i = 0; i < n_rows; i++) {
-        const float *row = x + i * ldx;
-        vi finite = {0}; /* lanes count down: each finite logit adds -1 */
-        for (int64_t v = 0; v < V; v += VL) finite += finite_mask(chunk(row, V, v));
-        int64_t count = 0;
-        for (int j = 0; j < VL; j++) count -= finite[j];
-        support[i] = count;
-        if (!keys || !sampled[i]) continue;
-        int32_t *ids = 0;
-        if (count * 4 < V) { /* a truncated support: its ids, from the chunks that hold any */
-            ids = malloc(sizeof *ids * (size_t)(count + VL));
-            if (!ids) {
-                failed = 1;
-                continue;
-            }
-            int64_t n = 0;
-            for (int64_t v = 0; v < V; v += VL) {
-                vi mask = finite_mask(chunk(row, V, v));
-                if (!any_lane(mask)) continue;
-                for (int j = 0; j < VL; j++) { /* branch-free append */
-                    ids[n] = (int32_t)(v + j);
-                    n += mask[j] != 0;
-                }
-            }
-        }
-        int64_t token = sample_row(row, V, ids, count, keys[2 * i], keys[2 * i + 1]);
-        free(ids);
-        tokens[i] = token;
-        if (token >= 0) {
-            vu id = {0};
-            id[0] = (uint32_t)token;
-            noise[i] = gumbel(id, keys[2 * i], keys[2 * i + 1])[0];
-        } else {
-            noise[i] = NAN;
-        }
+        const uint32_t *key = keys && sampled[i] ? keys + 2 * i : 0;
+        if (sample_one(x + i * ldx, V, key, tokens + i, noise + i, support + i) != 0) failed = 1;
     }
     return failed ? -1 : 0;
 }
@@ -282,11 +324,21 @@ enum { TOP_P = 0, TOP_K = 1 };
 /* the smallest key whose mass above is < target among n candidates (keys, e: padded to VL with 0),
  * or 0 when even all of them hold less than the target */
 static uint32_t bisect(uint32_t *keys, float *e, int64_t n, double target) {
+    vu lov, hiv; /* the smallest and largest key of the candidates (padding has mass 0) */
+    for (int j = 0; j < VL; j++) lov[j] = 0xFFFFFFFFu, hiv[j] = 0u;
+    for (int64_t i = 0; i < n; i += VL) {
+        vu k;
+        vf v;
+        memcpy(&k, keys + i, sizeof k);
+        memcpy(&v, e + i, sizeof v);
+        const vu real = (vu)(v != splat(0.0f));
+        lov = (vu)vselect((vi)(real & (k < lov)), (vf)k, (vf)lov);
+        hiv = (vu)vselect((vi)(real & (k > hiv)), (vf)k, (vf)hiv);
+    }
     uint32_t lo = 0xFFFFFFFFu, hi = 0;
-    for (int64_t i = 0; i < n; i++) {
-        if (e[i] == 0.0f) continue; /* padding */
-        if (keys[i] < lo) lo = keys[i];
-        if (keys[i] > hi) hi = keys[i];
+    for (int j = 0; j < VL; j++) {
+        lo = lov[j] < lo ? lov[j] : lo;
+        hi = hiv[j] > hi ? hiv[j] : hi;
     }
     uint32_t below = lo - 1u; /* lo >= 0x00800000 for a finite float, so no wrap */
     if (hi == 0 || mass_above(keys, e, n, below) < target) return 0;
@@ -302,18 +354,48 @@ static uint32_t bisect(uint32_t *keys, float *e, int64_t n, double target) {
             below = mid;
         if (pass % 4 == 3) {
             int64_t kept = 0;
-            for (int64_t i = 0; i < n; i++) { /* branch-free: the keys are in no useful order */
-                uint32_t k = keys[i];
-                float v = e[i];
-                settled += k > hi ? (double)v : 0.0;
-                keys[kept] = k;
-                e[kept] = v;
-                kept += (k > below) & (k <= hi);
+            for (int64_t i = 0; i < n; i += VL) { /* in place: a block is stored at or before where it was */
+                vu k;
+                vf v;
+                memcpy(&k, keys + i, sizeof k);
+                memcpy(&v, e + i, sizeof v);
+                const vi above = (vi)(k > hi);
+                if (any_lane(above)) /* index order, one by one (adding the 0.0s skipped changes nothing) */
+                    for (int j = 0; j < VL; j++)
+                        if (above[j]) settled += (double)v[j];
+                const vi keep = (vi)((k > below) & (k <= hi));
+                append_lanes((uint32_t *)e, kept, keep, (vu)v);
+                kept = append_lanes(keys, kept, keep, k);
             }
             for (n = kept; n % VL; n++) keys[n] = 0u, e[n] = 0.0f;
         }
     }
     return hi; /* a logit's key: the mass changes there */
+}
+
+/* R[t] = the largest lane of P[t], t < VL (simd.h's transpose_sum with max for +); a maximum does not
+ * depend on the order it is taken in (the lanes hold no NaN) */
+#define FOLD_MAX(a, b, LO, HI) \
+    vselect((vi)(__builtin_shufflevector(a, b, LO) > __builtin_shufflevector(a, b, HI)), \
+            __builtin_shufflevector(a, b, LO), __builtin_shufflevector(a, b, HI))
+INLINE vf transpose_max(const vf P[VL]) {
+#if VL == 1
+    return P[0];
+#else
+    vf A[VL];
+    int n = VL;
+    for (int i = 0; i < n; i++) A[i] = P[i];
+#if VL == 16
+    for (int i = 0; i < n / 2; i++) A[i] = FOLD_MAX(A[2 * i], A[2 * i + 1], LO1, HI1);
+    n /= 2;
+#endif
+#if VL >= 8
+    for (int i = 0; i < n / 2; i++) A[i] = FOLD_MAX(A[2 * i], A[2 * i + 1], LO2, HI2);
+    n /= 2;
+#endif
+    for (int i = 0; i < n / 2; i++) A[i] = FOLD_MAX(A[2 * i], A[2 * i + 1], LO3, HI3);
+    return FOLD_MAX(A[0], A[1], LO4, HI4);
+#endif
 }
 
 /* gather the finite tokens at or above `floor` (keys, masses) into the scratch; the row's total mass */
@@ -333,11 +415,8 @@ static int64_t candidates(const float *row, int64_t V, int mode, float m, float 
             if (!any_lane(take)) continue;
             vu u = (vu)v;
             vu key = (vu)vselect((vi)(u >> 31) != 0, (vf)~u, (vf)(u | 0x80000000u));
-            for (int j = 0; j < VL; j++) { /* branch-free append */
-                keys[n] = key[j];
-                e[n] = ev[j];
-                n += take[j] != 0;
-            }
+            append_lanes((uint32_t *)e, n, take, (vu)ev);
+            n = append_lanes(keys, n, take, key);
         }
         acc += __builtin_convertvector(part, vdl);
     }
@@ -364,8 +443,21 @@ static float row_threshold(const float *row, int64_t V, uint32_t *keys, float *e
     if (mode == TOP_P && param < 1.0f) {
         floor = m - (logf((float)V / (1.0f - param)) + 1.0f);
     } else if (mode == TOP_K && param * VL <= (float)V) {
-        int64_t n = 0; /* the chunk maxima, as candidates of a count search */
-        for (int64_t i = 0; i < V; i += VL) {
+        int64_t n = 0, i = 0; /* the chunk maxima, as candidates of a count search, VL chunks at a time */
+        for (; i + VL * VL <= V; i += VL * VL) {
+            vf P[VL];
+            for (int c = 0; c < VL; c++) {
+                vf v = loadv(row + i + c * VL);
+                P[c] = vselect(finite_mask(v), v, splat(-INFINITY));
+            }
+            const vf cm = transpose_max(P); /* lane c: the maximum of chunk c */
+            const vu u = (vu)cm;
+            const vu key = (vu)vselect((vi)(u >> 31) != 0, (vf)~u, (vf)(u | 0x80000000u));
+            const vi real = (vi)(cm != splat(-INFINITY));
+            append_lanes((uint32_t *)e, n, real, (vu)splat(1.0f));
+            n = append_lanes(keys, n, real, key);
+        }
+        for (; i < V; i += VL) {
             vf v = chunk(row, V, i);
             float cm = hmax(vselect(finite_mask(v), v, splat(-INFINITY)));
             if (cm == -INFINITY) continue;
@@ -393,6 +485,19 @@ static float row_threshold(const float *row, int64_t V, uint32_t *keys, float *e
     return lo;
 }
 
+/* o = row with the logits below the row's threshold set to -inf (o may be row); the threshold */
+static float truncate_row(const float *row, float *o, int64_t V, uint32_t *keys, float *e, int mode, float param) {
+    const float t = row_threshold(row, V, keys, e, mode, param);
+    const vf tv = splat(t);
+    int64_t i = 0;
+    for (; i + VL <= V; i += VL) { /* x < t becomes -inf (NaN compares false and stays) */
+        vf v = loadv(row + i);
+        storev(o + i, vselect((vi)(v < tv), splat(-INFINITY), v));
+    }
+    for (; i < V; i++) o[i] = row[i] < t ? -INFINITY : row[i];
+    return t;
+}
+
 int toolkit_truncate_f32(const float *x, int64_t ldx, int64_t R, int64_t V, int mode, const float *param, float *out,
                          int64_t ldo, float *thresholds, int threads) {
     int failed = 0;
@@ -409,17 +514,131 @@ int toolkit_truncate_f32(const float *x, int64_t ldx, int64_t R, int64_t V, int 
             if (!keys || !e) continue;
             const float *row = x + r * ldx;
             float *o = out + r * ldo;
-            const float t = row_threshold(row, V, keys, e, mode, param[r]);
-            thresholds[r] = t;
-            const vf tv = splat(t);
-            int64_t i = 0;
-            for (; i + VL <= V; i += VL) { /* x < t becomes -inf (NaN compares false and stays) */
-                vf v = loadv(row + i);
-                storev(o + i, vselect((vi)(v < tv), splat(-INFINITY), v));
-            }
-            for (; i < V; i++) o[i] = row[i] < t ? -INFINITY : row[i];
+            thresholds[r] = truncate_row(row, o, V, keys, e, mode, param[r]);
         }
         free(keys);
+        free(e);
+    }
+    return failed ? -1 : 0;
+}
+
+/*
+ * Of a processed row, in one pass after its maximum: lse (exactly toolkit_logsumexp_f32's: the same
+ * maximum, and the same lane sums, as a chunk without a finite logit adds exp(-inf - max) = vexp's
+ * floor in every lane, which is added here without computing it), support (its finite logits) and the
+ * ids of those while they are under a quarter of V (ids: V + VL entries). Returns whether ids holds
+ * them all.
+ */
+static int finish_row(const float *row, int64_t V, float *lse, int64_t *support, int32_t *ids) {
+    const int64_t vec = V - V % VL;
+    vf mv = splat(-INFINITY);
+    vi nanv = splati(0);
+    for (int64_t i = 0; i < vec; i += VL) {
+        const vf v = loadv(row + i);
+        mv = vselect(v > mv, v, mv);
+        nanv |= v != v;
+    }
+    float m = -INFINITY;
+    int nan = 0;
+    for (int i = 0; i < VL; i++) {
+        m = mv[i] > m ? mv[i] : m;
+        nan |= nanv[i] != 0;
+    }
+    for (int64_t i = vec; i < V; i++) {
+        nan |= row[i] != row[i];
+        m = row[i] > m ? row[i] : m;
+    }
+    const int sum = !nan && m != INFINITY && m != -INFINITY;
+    const vf floor = vexp(splat(-INFINITY)), mvec = splat(m);
+    vf sv = splat(0.0f);
+    vi finite = {0}; /* lanes count down: each finite logit adds -1 */
+    int64_t n = 0;
+    vu lane;
+    for (int j = 0; j < VL; j++) lane[j] = (uint32_t)j;
+    for (int64_t i = 0; i < V; i += VL) {
+        const vf v = chunk(row, V, i);
+        const vi mask = finite_mask(v);
+        if (!any_lane(mask)) {
+            if (sum && i < vec) sv += floor;
+            continue;
+        }
+        finite += mask;
+        if (sum && i < vec) sv += vexp(v - mvec);
+        if (n * 4 < V) n = append_lanes((uint32_t *)ids, n, mask, lane + (uint32_t)i);
+    }
+    int64_t count = 0;
+    for (int j = 0; j < VL; j++) count -= finite[j];
+    *support = count;
+    if (!sum) {
+        *lse = nan ? NAN : m;
+    } else {
+        float s = hsum(sv);
+        for (int64_t i = vec; i < V; i++) s += sexp(row[i] - m);
+        *lse = m + logf(s);
+    }
+    return count * 4 < V;
+}
+
+/*
+ * The default pipeline's tail and the sampler in one call, each row by one thread while it is in cache
+ * (separately, each stage streamed the whole step's logits block through memory once or twice).
+ * Row r goes through up to TAIL_OPS ops (ops[r * TAIL_OPS + j], -1: none; params alike), in order:
+ * TAIL_TEMPERATURE divides by its param, TOP_P / TOP_K truncate as toolkit_truncate_f32 does; the
+ * result is written to out. Then, over that row, exactly as the separate calls compute them:
+ * support[r] (finite logits), lse[r] (toolkit_logsumexp_f32) and, where sampled[r], tokens[r] and
+ * noise[r] (toolkit_gumbel_sample_rows). The same bits as the stages one after another: the same
+ * arithmetic on the same values. Returns 0, or -1 if out of memory.
+ */
+enum { TAIL_OPS = 3, TAIL_TEMPERATURE = 2 };
+
+int toolkit_sample_tail_rows(const float *x, int64_t ldx, int64_t R, int64_t V, const int32_t *ops,
+                             const float *params, const uint32_t *keys, const int8_t *sampled, float *out,
+                             int64_t ldo, float *lse, int64_t *tokens, double *noise, int64_t *support, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && R > 1)
+    {
+        uint32_t *kscratch = malloc(sizeof *kscratch * (V + VL));
+        float *e = malloc(sizeof *e * (V + VL));
+        if (!kscratch || !e) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < R; r++) {
+            if (!kscratch || !e) continue;
+            const float *src = x + r * ldx;
+            float *o = out + r * ldo;
+            for (int j = 0; j < TAIL_OPS; j++) {
+                const int op = ops[r * TAIL_OPS + j];
+                const float p = params[r * TAIL_OPS + j];
+                if (op == TAIL_TEMPERATURE) {
+                    const vf pv = splat(p);
+                    int64_t i = 0;
+                    for (; i + VL <= V; i += VL) storev(o + i, loadv(src + i) / pv);
+                    for (; i < V; i++) o[i] = src[i] / p;
+                } else if (op == TOP_P || op == TOP_K) {
+                    truncate_row(src, o, V, kscratch, e, op, p);
+                } else {
+                    continue;
+                }
+                src = o;
+            }
+            if (src != o) memcpy(o, src, sizeof *o * (size_t)V);
+            int32_t *ids = (int32_t *)kscratch;
+            const int listed = finish_row(o, V, lse + r, support + r, ids);
+            if (!keys || !sampled[r]) continue;
+            const uint32_t k0 = keys[2 * r], k1 = keys[2 * r + 1];
+            const int64_t t = sample_row(o, V, listed ? ids : 0, support[r], k0, k1);
+            tokens[r] = t;
+            if (t >= 0) {
+                vu id = {0};
+                id[0] = (uint32_t)t;
+                noise[r] = gumbel(id, k0, k1)[0];
+            } else {
+                noise[r] = NAN;
+            }
+        }
+        free(kscratch);
         free(e);
     }
     return failed ? -1 : 0;

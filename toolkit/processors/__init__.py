@@ -37,10 +37,30 @@ REGISTRY: dict[str, Processor] = {
 assert tuple(REGISTRY) == DEFAULT_PROCESSORS
 
 
+# processors the sampler can apply itself, fused with its own passes over a row (kernels.sample_tail_cpu)
+SAMPLER_TAIL = frozenset({"temperature", "top_k", "top_p"})
+Tail = tuple[tuple[str, float], ...]  # (processor, its value) in order
+
+
 @dataclass(frozen=True)
 class PipelineResult:
     processed_RV: torch.Tensor  # processed logits (rows with an error are left as they were)
     errors: dict[int, str]  # row -> why it cannot be sampled
+    # with defer_tail: per row, the processors left to the sampler (sampling.sample(tail=...)); processed_RV
+    # is then the logits before them
+    tail: tuple[Tail, ...] | None = None
+
+
+def sampler_tail(params, vocab_size: int) -> Tail:
+    """The longest run at the end of a row's active processors that the sampler applies itself: these
+    come last in the row's order, so leaving them to the sampler changes no value (it computes them as
+    the processors do, see kernels.sample_tail_cpu)."""
+    active = params.active_processors()
+    n = len(active)
+    while n and active[n - 1] in SAMPLER_TAIL:
+        n -= 1
+    values = {"temperature": params.temperature, "top_k": min(params.top_k, vocab_size), "top_p": params.top_p}
+    return tuple((name, values[name]) for name in active[n:])
 
 
 def invalid_rows(logsumexp_R: torch.Tensor) -> dict[int, str]:
@@ -50,16 +70,22 @@ def invalid_rows(logsumexp_R: torch.Tensor) -> dict[int, str]:
 
 
 def apply_pipeline(logits_RV: torch.Tensor, view: BatchView, registry: dict[str, Processor] | None = None,
-                   row_errors: dict[int, str] | None = None) -> PipelineResult:
+                   row_errors: dict[int, str] | None = None, defer_tail: bool = False) -> PipelineResult:
     """Run every row through its processors in its order. Never mutates `logits_RV`.
 
     `row_errors` are rows already known to be unusable (see `invalid_rows`); without it the
     logits are scanned for NaN here. When no processor is active, the result IS the input.
+    `defer_tail` (the default registry, where the native sampler runs on these logits) leaves each row's
+    `sampler_tail` to the sampler, which applies it in the same pass that samples the row.
     """
+    from toolkit.kernels import tail_fusable
+
+    defer_tail = defer_tail and registry in (None, REGISTRY) and tail_fusable(logits_RV)
     registry = registry or REGISTRY
     if row_errors is None:
         row_errors = invalid_rows(torch.logsumexp(logits_RV, dim=-1))
     errors: dict[int, str] = dict(row_errors)
+    tail = tuple(sampler_tail(row.params, view.vocab_size) for row in view.rows) if defer_tail else None
     groups: dict[tuple[str, ...], list[int]] = defaultdict(list)
     for i, row in enumerate(view.rows):
         if i not in errors:
@@ -67,10 +93,11 @@ def apply_pipeline(logits_RV: torch.Tensor, view: BatchView, registry: dict[str,
     out = logits_RV
     for order, rows in groups.items():
         for name in order:
-            active = [i for i in rows if i not in errors and view.rows[i].params.is_active(name)]
+            active = [i for i in rows if i not in errors and view.rows[i].params.is_active(name)
+                      and not (tail and any(name == t for t, _ in tail[i]))]
             if active:
                 out = _apply_one(out, view, name, registry[name], active, errors)
-    return PipelineResult(processed_RV=out, errors=errors)
+    return PipelineResult(processed_RV=out, errors=errors, tail=tail)
 
 
 def _apply_one(logits_RV: torch.Tensor, view: BatchView, name: str, fn: Processor, rows: list[int],
@@ -108,4 +135,5 @@ def _apply_row_by_row(logits_RV, view, name, fn, rows, errors) -> torch.Tensor:
     return out
 
 
-__all__ = ["BatchView", "PipelineResult", "REGISTRY", "RowState", "apply_pipeline", "invalid_rows"]
+__all__ = ["BatchView", "PipelineResult", "REGISTRY", "RowState", "SAMPLER_TAIL", "Tail", "apply_pipeline",
+           "invalid_rows", "sampler_tail"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import chain
 from typing import Callable, Sequence
 
 import torch
@@ -62,8 +63,7 @@ class BatchView:
         """(rows, cols) int64 index tensors of each row's listed token ids (repeats kept)."""
         counts = torch.tensor([len(ids) for ids in ids_per_row], dtype=torch.int64)
         rows = torch.repeat_interleave(torch.arange(len(ids_per_row)), counts)
-        cols = (torch.cat([torch.as_tensor(ids if isinstance(ids, (list, tuple)) else list(ids), dtype=torch.int64)
-                           for ids in ids_per_row]) if ids_per_row else torch.zeros(0, dtype=torch.int64))
+        cols = torch.tensor(list(chain.from_iterable(ids_per_row)), dtype=torch.int64)  # one tensor, not one a row
         return rows.to(self.device), cols.to(self.device)
 
     def token_mask(self, ids_per_row: Sequence[Sequence[int]]) -> torch.Tensor:
