@@ -213,6 +213,7 @@ def test_fused_sampler_tail_is_the_stages_bit_for_bit(lib, ops):
         keys = [rng.row_key(3, 50 + i, i % 2) for i in range(8)]
         keys[4] = None
         got = kernels.sample_tail_cpu(rows, [ops] * 8, keys, lib=lib)
+        lean = kernels.sample_tail_cpu(rows, [ops] * 8, keys, keep_rows=False, lib=lib)
         want = rows.clone()
         for name, value in ops:
             if name == "temperature":
@@ -220,10 +221,14 @@ def test_fused_sampler_tail_is_the_stages_bit_for_bit(lib, ops):
             else:
                 want = kernels.truncate_cpu(want, name, torch.full((8,), value), lib=lib)[0]
         tokens, noise, support = kernels.gumbel_sample_cpu(want, keys, lib=lib)
-        assert torch.equal(_bits(got[0]), _bits(want))
-        assert got[1] == tokens and got[3] == support
-        assert [float(n).hex() for n in got[2]] == [float(n).hex() for n in noise]
-        assert torch.equal(_bits(got[4]), _bits(kernels.logsumexp_cpu(want, lib=lib)))
+        argmax = kernels.argmax_cpu(want, lib=lib)
+        tokens = [t if t >= 0 else a for t, a in zip(tokens, argmax)]  # not sampled, or nothing finite
+        assert torch.equal(_bits(got.processed_RV), _bits(want)) and lean.processed_RV is None
+        for result in (got, lean):
+            assert result.tokens == tokens and result.support == support
+            assert [float(n).hex() for n in result.noise] == [float(n).hex() for n in noise]
+            assert torch.equal(_bits(result.logsumexp_R), _bits(kernels.logsumexp_cpu(want, lib=lib)))
+            assert torch.equal(_bits(result.picked_R), _bits(want[torch.arange(8), torch.tensor(tokens)]))
 
 
 def test_rope_is_the_torch_expression_bit_for_bit(lib):

@@ -136,7 +136,7 @@ SIGNATURES = {  # symbol -> argument types (every one returns int)
     "toolkit_gumbel_sample_rows": [P, I64, I64, I64, P, P, P, P, P, ctypes.c_int],
     "toolkit_gumbel_noise": [P, I64, ctypes.c_uint32, ctypes.c_uint32, P],
     "toolkit_truncate_f32": [P, I64, I64, I64, ctypes.c_int, P, P, I64, P, ctypes.c_int],
-    "toolkit_sample_tail_rows": [P, I64, I64, I64, P, P, P, P, P, I64, P, P, P, P, ctypes.c_int],
+    "toolkit_sample_tail_rows": [P, I64, I64, I64, P, P, P, P, P, I64, P, P, P, P, P, ctypes.c_int],
     "toolkit_decoder_layers": [P, I64, P, P, P, P, P, P, P, P, P, P, ctypes.c_float, ctypes.c_float, ctypes.c_int],
 }
 
@@ -413,14 +413,28 @@ def tail_fusable(x_RV: torch.Tensor, lib: NativeLib | None = None) -> bool:
     return _rows_ok(x_RV) and 0 < x_RV.shape[1] < 2 ** 31 and _lib_or_none(lib) is not None
 
 
+@dataclass(frozen=True)
+class TailSample:
+    """What sample_tail_cpu returns: per row, the token (the Gumbel-max token where sampled, else the
+    processed row's argmax), its noise (NaN where not sampled), the processed row's support (finite
+    logits) and logsumexp, and the processed logit at the token; the processed rows where asked for."""
+
+    tokens: list[int]
+    noise: list[float]
+    support: list[int]
+    logsumexp_R: torch.Tensor
+    picked_R: torch.Tensor
+    processed_RV: torch.Tensor | None
+
+
 def sample_tail_cpu(x_RV: torch.Tensor, ops: list[tuple[tuple[str, float], ...]], keys: list[tuple[int, int] | None],
-                    lib: NativeLib | None = None
-                    ) -> tuple[torch.Tensor, list[int], list[float], list[int], torch.Tensor] | None:
+                    keep_rows: bool = True, lib: NativeLib | None = None) -> TailSample | None:
     """Each row through its ops ((name, value) in order: temperature, top_k, top_p, as the processors of
-    those names compute them), then its support, logsumexp and Gumbel-max token and noise under its key
-    (None: not sampled), in one C call that keeps each row in cache (toolkit/csrc/gumbel.c). Returns
-    (processed rows, tokens, noise, support, logsumexp), the same bits as `truncate_cpu`, `logsumexp_cpu`
-    and `gumbel_sample_cpu` one after another, or None where the kernel does not apply."""
+    those names compute them), then its support, logsumexp, and Gumbel-max token and noise under its key
+    (None: not sampled, the argmax instead), in one C call that keeps each row in cache
+    (toolkit/csrc/gumbel.c): the same bits as `truncate_cpu`, `logsumexp_cpu`, `gumbel_sample_cpu` and
+    `argmax_cpu` one after another. `keep_rows=False` never writes the processed rows out (a write of the
+    whole block saved); None where the kernel does not apply."""
     lib = _lib_or_none(lib) if tail_fusable(x_RV, lib) else None
     if lib is None:
         return None
@@ -432,17 +446,16 @@ def sample_tail_cpu(x_RV: torch.Tensor, ops: list[tuple[tuple[str, float], ...]]
     codes_t, values_t = torch.tensor(codes, dtype=torch.int32), torch.tensor(values, dtype=torch.float32)
     keys_t = torch.tensor([k if k is not None else (0, 0) for k in keys], dtype=torch.int64).to(torch.int32)
     sampled = torch.tensor([k is not None for k in keys], dtype=torch.int8)
-    out = torch.empty((n, vocab), dtype=torch.float32)
-    lse = torch.empty(n, dtype=torch.float32)
-    tokens = torch.full((n,), -1, dtype=torch.int64)
-    noise = torch.full((n,), float("nan"), dtype=torch.float64)
+    out = torch.empty((n, vocab), dtype=torch.float32) if keep_rows else None
+    lse, picked = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
+    tokens, noise = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.float64)
     support = torch.empty(n, dtype=torch.int64)
     if lib.fn["sample_tail_rows"](x_RV.data_ptr(), x_RV.stride(0), n, vocab, codes_t.data_ptr(), values_t.data_ptr(),
-                                  keys_t.data_ptr(), sampled.data_ptr(), out.data_ptr(), out.stride(0), lse.data_ptr(),
-                                  tokens.data_ptr(), noise.data_ptr(), support.data_ptr(),
-                                  torch.get_num_threads()) != 0:
+                                  keys_t.data_ptr(), sampled.data_ptr(), out.data_ptr() if keep_rows else None,
+                                  vocab, lse.data_ptr(), tokens.data_ptr(), noise.data_ptr(), support.data_ptr(),
+                                  picked.data_ptr(), torch.get_num_threads()) != 0:
         raise MemoryError("sample_tail_rows: out of memory")
-    return out, tokens.tolist(), noise.tolist(), support.tolist(), lse
+    return TailSample(tokens.tolist(), noise.tolist(), support.tolist(), lse, picked, out)
 
 
 def gumbel_noise_cpu(ids: torch.Tensor, key: tuple[int, int], lib: NativeLib | None = None) -> torch.Tensor:

@@ -68,45 +68,53 @@ def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRo
 
     `tail` (from apply_pipeline(defer_tail=True)): per row, the processors still to apply to
     `processed_RV`; they run in the same native pass, each row processed, counted and sampled while it is
-    in cache (the same values as the processors, then this function, one after the other)."""
+    in cache, and the processed rows are written out only when top alternatives are asked for (the same
+    values as the processors, then this function, one after the other)."""
     r, vocab = raw_RV.shape
     raw_lse = raw_logsumexp_R if raw_logsumexp_R is not None else logsumexp_rows(raw_RV, per_row)
     keys = [None if row.greedy else rng.row_key(row.seed, row.position, row.stream, row.purpose) for row in rows]
+    num_top = max((row.num_top for row in rows), default=0)
+    if tail is not None and any(tail):
+        fused = sample_tail_cpu(processed_RV, list(tail), keys, keep_rows=num_top > 0)
+        if fused is None:
+            raise RuntimeError("a pipeline tail was left to the sampler where its kernel does not run")
+        tokens, noise, support, proc_lse = fused.tokens, fused.noise, fused.support, fused.logsumexp_R
+        raw_lp = _logprobs_at(raw_RV, raw_lse, tokens)
+        return SampleResult(token_ids=tokens, raw_logprobs=raw_lp,
+                            processed_logprobs=(fused.picked_R - proc_lse).tolist(), support_sizes=support,
+                            noise=noise, top_raw=_top(raw_RV, raw_lse, rows, num_top),
+                            top_processed=_top(fused.processed_RV, proc_lse, rows, num_top))
     sampled = [i for i, key in enumerate(keys) if key is not None]
-    fused = sample_tail_cpu(processed_RV, list(tail), keys) if tail is not None and any(tail) else None
-    if tail is not None and any(tail) and fused is None:
-        raise RuntimeError("a pipeline tail was left to the sampler where its kernel does not run")
-    if fused is not None:
-        processed_RV, chosen, noise, support, proc_lse = fused
-        unprocessed = False
+    unprocessed = processed_RV is raw_RV
+    native = gumbel_sample_cpu(processed_RV, keys) if sampled or not unprocessed else None
+    if native is not None:
+        chosen, noise, support = native
     else:
-        unprocessed = processed_RV is raw_RV
-        native = gumbel_sample_cpu(processed_RV, keys) if sampled or not unprocessed else None
-        if native is not None:
-            chosen, noise, support = native
-        else:
-            finite_RV = None if unprocessed else torch.isfinite(processed_RV)
-            support = None if unprocessed else finite_RV.sum(dim=-1).tolist()
-            chosen, noise = [-1] * r, [float("nan")] * r
-            for i in sampled:
-                chosen[i], noise[i] = gumbel_choice(processed_RV[i], keys[i], None if unprocessed else finite_RV[i])
-        if unprocessed:
-            support = [vocab] * r
-        proc_lse = raw_lse if unprocessed else logsumexp_rows(processed_RV, per_row)
+        finite_RV = None if unprocessed else torch.isfinite(processed_RV)
+        support = None if unprocessed else finite_RV.sum(dim=-1).tolist()
+        chosen, noise = [-1] * r, [float("nan")] * r
+        for i in sampled:
+            chosen[i], noise[i] = gumbel_choice(processed_RV[i], keys[i], None if unprocessed else finite_RV[i])
+    if unprocessed:
+        support = [vocab] * r
+    proc_lse = raw_lse if unprocessed else logsumexp_rows(processed_RV, per_row)
     tokens = chosen
     if len(sampled) < r or -1 in chosen:  # greedy rows, or a row without a finite logit: the argmax
         argmax = argmax_cpu(processed_RV)
         if argmax is None:
             argmax = torch.argmax(processed_RV, dim=-1).tolist()
         tokens = [t if t >= 0 else a for t, a in zip(chosen, argmax)]
-    token_t = torch.tensor(tokens, device=raw_RV.device).unsqueeze(1)
-    raw_lp = (raw_RV.gather(1, token_t).squeeze(1) - raw_lse).tolist()
-    proc_lp = raw_lp if unprocessed else (processed_RV.gather(1, token_t).squeeze(1) - proc_lse).tolist()
-    num_top = max((row.num_top for row in rows), default=0)
+    raw_lp = _logprobs_at(raw_RV, raw_lse, tokens)
+    proc_lp = raw_lp if unprocessed else _logprobs_at(processed_RV, proc_lse, tokens)
     top_raw = _top(raw_RV, raw_lse, rows, num_top)
     top_proc = top_raw if unprocessed else _top(processed_RV, proc_lse, rows, num_top)
     return SampleResult(token_ids=tokens, raw_logprobs=raw_lp, processed_logprobs=proc_lp, support_sizes=support,
                         noise=noise, top_raw=top_raw, top_processed=top_proc)
+
+
+def _logprobs_at(logits_RV: torch.Tensor, lse_R: torch.Tensor, tokens: list[int]) -> list[float]:
+    token_t = torch.tensor(tokens, device=logits_RV.device).unsqueeze(1)
+    return (logits_RV.gather(1, token_t).squeeze(1) - lse_R).tolist()
 
 
 def gumbel_choice(logits_V: torch.Tensor, key: tuple[int, int], finite_V: torch.Tensor | None = None

@@ -555,16 +555,21 @@ static int finish_row(const float *row, int64_t V, float *lse, int64_t *support,
     int64_t n = 0;
     vu lane;
     for (int j = 0; j < VL; j++) lane[j] = (uint32_t)j;
-    for (int64_t i = 0; i < V; i += VL) {
-        const vf v = chunk(row, V, i);
+    for (int64_t i = 0; i < vec; i += VL) { /* one accumulation point: sv stays in a register */
+        const vf v = loadv(row + i);
         const vi mask = finite_mask(v);
-        if (!any_lane(mask)) {
-            if (sum && i < vec) sv += floor;
-            continue;
+        vf add = floor;
+        if (any_lane(mask)) {
+            finite += mask;
+            add = vexp(v - mvec);
+            if (n * 4 < V) n = append_lanes((uint32_t *)ids, n, mask, lane + (uint32_t)i);
         }
+        if (sum) sv += add;
+    }
+    if (vec < V) { /* the last, partial chunk: counted and listed; its sum is taken in scalars below */
+        const vi mask = finite_mask(chunk(row, V, vec));
         finite += mask;
-        if (sum && i < vec) sv += vexp(v - mvec);
-        if (n * 4 < V) n = append_lanes((uint32_t *)ids, n, mask, lane + (uint32_t)i);
+        if (n * 4 < V) n = append_lanes((uint32_t *)ids, n, mask, lane + (uint32_t)vec);
     }
     int64_t count = 0;
     for (int j = 0; j < VL; j++) count -= finite[j];
@@ -583,31 +588,38 @@ static int finish_row(const float *row, int64_t V, float *lse, int64_t *support,
  * The default pipeline's tail and the sampler in one call, each row by one thread while it is in cache
  * (separately, each stage streamed the whole step's logits block through memory once or twice).
  * Row r goes through up to TAIL_OPS ops (ops[r * TAIL_OPS + j], -1: none; params alike), in order:
- * TAIL_TEMPERATURE divides by its param, TOP_P / TOP_K truncate as toolkit_truncate_f32 does; the
- * result is written to out. Then, over that row, exactly as the separate calls compute them:
- * support[r] (finite logits), lse[r] (toolkit_logsumexp_f32) and, where sampled[r], tokens[r] and
- * noise[r] (toolkit_gumbel_sample_rows). The same bits as the stages one after another: the same
+ * TAIL_TEMPERATURE divides by its param, TOP_P / TOP_K truncate as toolkit_truncate_f32 does. Then,
+ * over the processed row, exactly as the separate calls compute them: support[r] (finite logits),
+ * lse[r] (toolkit_logsumexp_f32) and, where sampled[r], the Gumbel-max token and its noise
+ * (toolkit_gumbel_sample_rows); a row not sampled, or without a finite logit, takes its argmax
+ * (toolkit_argmax_f32) as the token and keeps noise NaN. picked[r] = the processed logit at the token.
+ * The processed rows are written to out (row stride ldo) where out is given; without it they stay in a
+ * scratch row that never leaves the cache. The same bits as the stages one after another: the same
  * arithmetic on the same values. Returns 0, or -1 if out of memory.
  */
 enum { TAIL_OPS = 3, TAIL_TEMPERATURE = 2 };
 
+int toolkit_argmax_f32(const float *x, int64_t ldx, int64_t R, int64_t V, int64_t *out, int threads);
+
 int toolkit_sample_tail_rows(const float *x, int64_t ldx, int64_t R, int64_t V, const int32_t *ops,
                              const float *params, const uint32_t *keys, const int8_t *sampled, float *out,
-                             int64_t ldo, float *lse, int64_t *tokens, double *noise, int64_t *support, int threads) {
+                             int64_t ldo, float *lse, int64_t *tokens, double *noise, int64_t *support,
+                             float *picked, int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && R > 1)
     {
         uint32_t *kscratch = malloc(sizeof *kscratch * (V + VL));
         float *e = malloc(sizeof *e * (V + VL));
-        if (!kscratch || !e) {
+        float *scratch = out ? 0 : malloc(sizeof *scratch * (size_t)V);
+        if (!kscratch || !e || (!out && !scratch)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < R; r++) {
-            if (!kscratch || !e) continue;
+            if (!kscratch || !e || (!out && !scratch)) continue;
             const float *src = x + r * ldx;
-            float *o = out + r * ldo;
+            float *o = out ? out + r * ldo : scratch;
             for (int j = 0; j < TAIL_OPS; j++) {
                 const int op = ops[r * TAIL_OPS + j];
                 const float p = params[r * TAIL_OPS + j];
@@ -623,23 +635,28 @@ int toolkit_sample_tail_rows(const float *x, int64_t ldx, int64_t R, int64_t V, 
                 }
                 src = o;
             }
-            if (src != o) memcpy(o, src, sizeof *o * (size_t)V);
+            if (out && src != o) memcpy(o, src, sizeof *o * (size_t)V);
+            const float *row = src; /* the processed row */
             int32_t *ids = (int32_t *)kscratch;
-            const int listed = finish_row(o, V, lse + r, support + r, ids);
-            if (!keys || !sampled[r]) continue;
-            const uint32_t k0 = keys[2 * r], k1 = keys[2 * r + 1];
-            const int64_t t = sample_row(o, V, listed ? ids : 0, support[r], k0, k1);
-            tokens[r] = t;
-            if (t >= 0) {
-                vu id = {0};
-                id[0] = (uint32_t)t;
-                noise[r] = gumbel(id, k0, k1)[0];
-            } else {
-                noise[r] = NAN;
+            const int listed = finish_row(row, V, lse + r, support + r, ids);
+            int64_t t = -1;
+            noise[r] = NAN;
+            if (keys && sampled[r]) {
+                const uint32_t k0 = keys[2 * r], k1 = keys[2 * r + 1];
+                t = sample_row(row, V, listed ? ids : 0, support[r], k0, k1);
+                if (t >= 0) {
+                    vu id = {0};
+                    id[0] = (uint32_t)t;
+                    noise[r] = gumbel(id, k0, k1)[0];
+                }
             }
+            if (t < 0) toolkit_argmax_f32(row, V, 1, V, &t, 1);
+            tokens[r] = t;
+            picked[r] = row[t];
         }
         free(kscratch);
         free(e);
+        free(scratch);
     }
     return failed ? -1 : 0;
 }

@@ -92,9 +92,13 @@ def apply_pipeline(logits_RV: torch.Tensor, view: BatchView, registry: dict[str,
             groups[row.params.order].append(i)
     out = logits_RV
     for order, rows in groups.items():
+        runs: dict[str, list[int]] = defaultdict(list)  # processor -> the rows it runs on here
+        for i in rows:
+            active = view.rows[i].params.active_processors()
+            for name in active[:len(active) - len(tail[i])] if tail else active:  # the tail is the sampler's
+                runs[name].append(i)
         for name in order:
-            active = [i for i in rows if i not in errors and view.rows[i].params.is_active(name)
-                      and not (tail and any(name == t for t, _ in tail[i]))]
+            active = [i for i in runs.get(name, ()) if i not in errors]  # a row emptied earlier stops there
             if active:
                 out = _apply_one(out, view, name, registry[name], active, errors)
     return PipelineResult(processed_RV=out, errors=errors, tail=tail)
