@@ -161,7 +161,7 @@ def test_truncated_gguf_is_a_model_load_error(tmp_path, monkeypatch):
 
 
 def test_requests_file_rows(tmp_path, tiny):
-    from toolkit.app import add_specs
+    from toolkit.workload import add_specs
 
     _expect(28, WorkloadError, "does not exist", lambda: load_requests(tmp_path / "missing.jsonl"))
     path = tmp_path / "reqs.jsonl"

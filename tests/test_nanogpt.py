@@ -13,7 +13,7 @@ from toolkit.errors import ConfigError
 from toolkit.models import load_model
 from toolkit.models.loading import hf_reference_model, load_checkpoint
 from toolkit.train import train
-from toolkit.workload import _passages
+from toolkit.workload import passages
 
 SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, max_position_embeddings=32)
 
@@ -21,7 +21,7 @@ SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, max_position_embeddings=
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     text = tmp_path_factory.mktemp("text") / "input.txt"
-    text.write_text("\n".join(_passages()) * 3)
+    text.write_text("\n".join(passages()) * 3)
     out = tmp_path_factory.mktemp("ckpt") / "nanogpt"
     result = train(dict(text=str(text), steps=120, batch_size=16, learning_rate=3e-3, eval_interval=60, seed=0),
                    SMALL, out, log=lambda *_: None)
@@ -67,7 +67,7 @@ def test_bad_training_text_is_one_line_error(tmp_path):
 
 def test_train_then_serve_from_the_command_line(tmp_path):
     text = tmp_path / "input.txt"
-    text.write_text("\n".join(_passages()))
+    text.write_text("\n".join(passages()))
     proc = run_cli("mode=train", "model=nanogpt", f"train.text={text}", "train.steps=10", "train.eval_interval=5",
                    "model.num_layers=1", "model.hidden_size=32", "model.max_position_embeddings=64",
                    run_dir=tmp_path / "train")

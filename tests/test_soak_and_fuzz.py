@@ -68,7 +68,7 @@ LINE = st.one_of(
 @settings(max_examples=60)
 @given(st.lists(LINE, min_size=1, max_size=6))
 def test_fuzzed_request_files_never_crash_the_engine_or_the_trace(tiny, tmp_path_factory, lines):
-    from toolkit.app import add_specs
+    from toolkit.workload import add_specs
     from toolkit.session import record
     from toolkit.workload import load_requests
 

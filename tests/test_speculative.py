@@ -13,7 +13,7 @@ import torch
 
 from tests.conftest import make_engine
 from tests.stats import chi_square
-from toolkit import engine as engine_module
+from toolkit import decide as decide_module
 from toolkit import replay, speculative
 from toolkit.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
 from toolkit.engine import Engine
@@ -140,7 +140,7 @@ def test_speculative_samples_follow_the_target_distribution(acceptance):
 
 
 def test_resampling_from_p_instead_of_the_residual_fails(monkeypatch):
-    monkeypatch.setattr(engine_module, "verify", functools.partial(speculative.verify, residual_from_p=True))
+    monkeypatch.setattr(decide_module, "verify", functools.partial(speculative.verify, residual_from_p=True))
     samples = speculative_samples("rejection")
     with pytest.raises(AssertionError):
         assert_matches(samples, exact_marginals(small_models()))

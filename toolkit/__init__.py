@@ -5,7 +5,7 @@
     print(report.summary_line())
 """
 
-__version__ = "0.1.0"
+from toolkit.version import __version__
 
 
 def replay(run_dir, overrides=(), **kwargs):

@@ -10,11 +10,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from toolkit.engine import Engine, RequestOutput
-from toolkit.errors import RequestError, ToolkitError
+from toolkit.errors import ToolkitError
 from toolkit.metrics import structured_output_validity
 from toolkit.session import record
 from toolkit.trace.writer import atomic_write_bytes
-from toolkit.workload import Rejected, RequestSpec, builtin_workload, load_requests
+from toolkit.workload import add_specs, workload_specs
 
 
 def main(cfg: DictConfig, run_dir: Path) -> int:
@@ -65,27 +65,6 @@ def run_train(cfg: DictConfig, run_dir: Path) -> int:
     print(f"val loss {first['val_loss']:.3f} -> {last['val_loss']:.3f}; checkpoint {out_dir}\n"
           f"serve it: python run.py model=nanogpt model.path={out_dir} workload=text")
     return 0
-
-
-def workload_specs(cfg: DictConfig) -> tuple[list[RequestSpec], list[Rejected]]:
-    w = OmegaConf.to_container(cfg.workload, resolve=True)
-    assert isinstance(w, dict)
-    if w.get("requests"):
-        return load_requests(w["requests"])
-    name = w.pop("name", "chat")
-    w.pop("requests", None)
-    return builtin_workload(name, **w), []
-
-
-def add_specs(engine: Engine, specs: list[RequestSpec]) -> tuple[list[str], list[Rejected]]:
-    """Add every spec; a bad request is rejected with its source and does not stop the others."""
-    ids, rejected = [], []
-    for spec in specs:
-        try:
-            ids.append(engine.add_request(**spec.add_kwargs()))
-        except RequestError as exc:
-            rejected.append(Rejected(spec.source, f"{spec.source}: {exc}"))
-    return ids, rejected
 
 
 def run_workload(cfg: DictConfig, run_dir: Path) -> int:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.models.loading import cache_root
+from toolkit.paths import cache_root
 
 CSRC = Path(__file__).with_name("csrc")
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-std=gnu11",

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -41,9 +41,18 @@ from toolkit.sampling import gumbel_choice
 if TYPE_CHECKING:  # pragma: no cover
     from toolkit.engine import Engine
     from toolkit.request import Request
-    from toolkit.scheduler import ScheduledChunk
 
 PLAIN, ACCEPTED, RESAMPLED, BONUS = "plain", "draft_accepted", "resampled", "bonus"
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What a proposer may use of the target while drafting: its block tables (a self-draft reads the
+    target's cache) and the draft sampler (toolkit.decide.Decider.draft_sample: each sequence's own
+    processors and grammar, on forked matchers)."""
+
+    block_table: Callable[[str], list[int]]
+    sample: Callable[..., tuple[torch.Tensor, list[int]]]
 
 
 @dataclass(frozen=True)
@@ -146,7 +155,7 @@ class NgramProposer:
     def max_drafts(self, seq: "Request", k: int) -> int:
         return len(self.lookup(seq.token_ids, k))
 
-    def propose(self, engine: "Engine", items: list[tuple["Request", int]]) -> dict[str, Proposal]:
+    def propose(self, context: "DraftContext", items: list[tuple["Request", int]]) -> dict[str, Proposal]:
         return {seq.seq_id: Proposal(self.lookup(seq.token_ids, slots)) for seq, slots in items}
 
     def release(self, seq_id: str) -> None:
@@ -188,13 +197,13 @@ class ModelProposer:
         if state is not None:
             state.computed = min(state.computed, num_valid)
 
-    def propose(self, engine: "Engine", items: list[tuple["Request", int]]) -> dict[str, Proposal]:
+    def propose(self, context: "DraftContext", items: list[tuple["Request", int]]) -> dict[str, Proposal]:
         from toolkit.scheduler import ScheduledBatch, ScheduledChunk
 
         drafts: dict[str, list[int]] = {seq.seq_id: [] for seq, _ in items}
         q_rows: dict[str, list[torch.Tensor]] = {seq.seq_id: [] for seq, _ in items}
         active = [(seq, slots) for seq, slots in items if slots > 0]
-        accepted_in_grammar: dict[str, int] = {}
+        draft_grammars: dict[str, Any] = {}  # grammar sequences' matchers, forked, through their drafts
         step = 0
         while active:
             chunks = []
@@ -202,7 +211,7 @@ class ModelProposer:
                 tokens = list(seq.token_ids) + drafts[seq.seq_id]
                 if self.shares_target_cache:
                     start = len(tokens) - 1  # committed tokens' K/V for these layers are the target's
-                    table = engine.block_manager.block_table(seq.seq_id)
+                    table = context.block_table(seq.seq_id)
                 else:
                     state = self._state.setdefault(seq.seq_id, _DraftSeq())
                     start = state.computed
@@ -217,7 +226,7 @@ class ModelProposer:
             out = self.runner.run(batch, self.num_layers)
             by_id = {seq.seq_id: seq for seq, _ in active}
             rows = [by_id[c.seq_id] for c in out.sample_chunks]
-            processed, tokens_out = engine.draft_sample(rows, drafts, out.logits_RV, accepted_in_grammar)
+            processed, tokens_out = context.sample(rows, drafts, out.logits_RV, draft_grammars)
             for i, seq in enumerate(rows):
                 if not self.shares_target_cache:
                     self._state[seq.seq_id].computed = len(seq.token_ids) + len(drafts[seq.seq_id])
@@ -226,7 +235,6 @@ class ModelProposer:
             step += 1
             active = [(seq, slots) for seq, slots in active
                       if seq.seq_id in {c.seq_id for c in chunks} and len(drafts[seq.seq_id]) < slots]
-        engine.rewind_draft_grammar(accepted_in_grammar)
         return {sid: Proposal(tuple(d), torch.stack(q_rows[sid]) if q_rows[sid] else None)
                 for sid, d in drafts.items()}
 
@@ -264,7 +272,8 @@ class SpecStats:
 
 
 class Speculator:
-    """The engine's speculative state: the proposer and running statistics."""
+    """The engine's speculative state: the proposer and running statistics (counted by the decide stage,
+    which verifies). `build` takes the engine only to read the components a proposer shares with it."""
 
     def __init__(self, cfg, proposer):
         self.cfg = cfg
@@ -314,8 +323,8 @@ class Speculator:
     def max_drafts(self, seq, room: int) -> int:
         return self.proposer.max_drafts(seq, room)
 
-    def propose(self, engine, items):
-        return self.proposer.propose(engine, items)
+    def propose(self, context: "DraftContext", items):
+        return self.proposer.propose(context, items)
 
     def rewind(self, seq_id: str, num_valid: int) -> None:
         if isinstance(self.proposer, ModelProposer):

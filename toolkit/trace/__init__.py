@@ -12,8 +12,8 @@ from typing import Any, Sequence
 
 import torch
 
-import toolkit
 from toolkit.trace.schema import SCHEMA_VERSION, SampleTrace
+from toolkit.version import __version__
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,7 +48,7 @@ def build_manifest(engine, run_id: str, extra: dict[str, Any] | None = None) -> 
         "device": str(engine.device),
         "torch_version": torch.__version__,
         "num_threads": torch.get_num_threads(),
-        "toolkit_version": toolkit.__version__,
+        "toolkit_version": __version__,
         "git_commit": git_commit(),
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -79,7 +79,7 @@ def native_kernels(engine) -> dict[str, Any]:
 
 def request_rows(engine, run_id: str, request_ids: Sequence[str]) -> list[dict[str, Any]]:
     """One row per sequence, with everything replay needs to rebuild it."""
-    from toolkit.engine import request_metrics
+    from toolkit.outputs import request_metrics
 
     rows = []
     for rid in request_ids:

@@ -1,0 +1,126 @@
+"""What the engine runs on, chosen once when it is built: the attention and matmul backends (the native
+kernels where they build and take the model's shapes, else torch's, with the reason), the KV pool's size,
+static KV scales, and glibc's memory policy."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+
+import torch
+
+from toolkit.config import EngineConfig
+from toolkit.errors import ConfigError
+from toolkit.kernels import KernelUnavailable, native
+from toolkit.kv import PagedKVCache
+from toolkit.kv.quant import FORMATS
+from toolkit.models import LoadedModel
+from toolkit.runner import ModelRunner
+from toolkit.scheduler import ScheduledBatch, ScheduledChunk
+from toolkit.workload import passages
+
+
+@functools.lru_cache(maxsize=None)
+def keep_freed_memory() -> bool:
+    """Ask glibc's malloc to keep freed blocks of up to 256 MB in the heap instead of unmapping them.
+    Every step allocates and frees (rows x vocabulary) logits blocks and activations of several MB;
+    returned to the kernel, each new one page-faults on first touch: at 64 rows this made the
+    processors' elementwise ops 3-5x slower than in isolation (temperature 6 ms, masked_fill 8 ms a
+    step on the EPYC). Other C libraries: nothing to do, False."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 256 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+    except (OSError, AttributeError):
+        return False
+
+
+def attention_backend(cfg: EngineConfig, loaded: LoadedModel) -> str:
+    """auto: the native kernel on CPU fp32 when it builds here and takes the model's shapes, else torch's
+    sdpa path (one warning line on stderr when the kernels do not build: toolkit.kernels.native)."""
+    wanted = cfg.attention_backend
+    if wanted == "flex" and cfg.kv_cache_dtype != "auto":
+        raise ConfigError(f"engine.attention_backend=flex reads the cache as stored; use engine.kv_cache_dtype=auto "
+                          f"or attention_backend=sdpa with kv_cache_dtype={cfg.kv_cache_dtype}")
+    if wanted in ("sdpa", "flex"):
+        return wanted
+    problem = None
+    arch = loaded.arch
+    unsupported = arch.needs_torch_attention
+    if unsupported:
+        problem = f"the native kernel has no {unsupported} ({arch.family})"
+    elif cfg.kv_cache_dtype == "bf16":
+        problem = "the native kernel reads an fp32 or 8-bit cache, not engine.kv_cache_dtype=bf16"
+    elif torch.device(cfg.device).type != "cpu" or loaded.model.embed.dtype != torch.float32:
+        problem = "the native kernel runs on the CPU in float32 only"
+    else:
+        try:
+            lib = native()
+        except KernelUnavailable as exc:
+            problem = str(exc)
+        else:
+            quantized = cfg.kv_cache_dtype != "auto"
+            if not lib.attention_supports(arch.num_heads, arch.num_kv_heads, arch.head_dim, cfg.block_size,
+                                          quantized):
+                problem = (f"the native kernel reads an 8-bit cache at head_dim 64 or 128 with <= 32 heads, not "
+                           f"engine.kv_cache_dtype={cfg.kv_cache_dtype} at head_dim {arch.head_dim} with "
+                           f"{arch.num_heads} heads" if quantized else
+                           f"the native kernel takes head_dim <= 256, <= 32 query heads per KV head and "
+                           f"engine.block_size <= 64, not head_dim {arch.head_dim}, {arch.num_heads} heads over "
+                           f"{arch.num_kv_heads} KV heads, block_size {cfg.block_size}")
+    if problem is None:
+        return "kernel"
+    if cfg.batch_invariant:
+        raise ConfigError(f"engine.batch_invariant=true is unavailable here: {problem}")
+    if wanted == "kernel":
+        raise ConfigError(f"engine.attention_backend=kernel is unavailable: {problem}")
+    return "sdpa"
+
+
+def matmul_backend(cfg: EngineConfig, loaded: LoadedModel) -> str:
+    """auto: the native packed matmul on CPU fp32 when the kernels build (faster than torch's GEMM at
+    every step size measured here, see README "Benchmark"), else torch's."""
+    wanted = "native" if cfg.batch_invariant else cfg.matmul_backend
+    if wanted == "torch":
+        return "torch"
+    problem = None
+    if torch.device(cfg.device).type != "cpu" or loaded.model.embed.dtype != torch.float32:
+        problem = "the native matmul runs on the CPU in float32 only"
+    else:
+        try:
+            native()
+        except KernelUnavailable as exc:
+            problem = str(exc)
+    if problem is None:
+        return "native"
+    if cfg.batch_invariant:
+        raise ConfigError(f"engine.batch_invariant=true is unavailable here: {problem}")
+    if wanted == "native":
+        raise ConfigError(f"engine.matmul_backend=native is unavailable: {problem}")
+    return "torch"
+
+
+def auto_num_blocks(cfg: EngineConfig, max_model_len: int, block_bytes: int) -> int:
+    """As many blocks as engine.kv_cache_memory_gb holds, but no more than max_num_seqs full-length
+    sequences could ever use."""
+    budget = int(cfg.kv_cache_memory_gb * 2**30 // block_bytes)
+    useful = cfg.max_num_seqs * -(-max_model_len // cfg.block_size)
+    return max(1, min(budget, useful))
+
+
+def calibrate_kv_scales(kv_cache: PagedKVCache, loaded: LoadedModel, cfg: EngineConfig, max_model_len: int) -> None:
+    """Static per-tensor KV scales from one prefill of a fixed calibration text in full precision
+    (the built-in passages, or fixed ids without a tokenizer): the same scales on every run."""
+    length = min(512, max_model_len)
+    ids = loaded.tokenizer.encode(" ".join(passages()), add_special_tokens=False)[:length] if loaded.tokenizer \
+        else [(7 * i + 3) % loaded.arch.vocab_size for i in range(length)]
+    layers, kv_heads, head_dim = loaded.model.kv_shape
+    blocks = -(-len(ids) // cfg.block_size)
+    probe = PagedKVCache(layers, blocks, cfg.block_size, kv_heads, head_dim, loaded.model.embed.dtype,
+                         torch.device(cfg.device))
+    chunk = ScheduledChunk("calibration", tuple(ids), 0, tuple(range(blocks)), samples=True, num_logits=1)
+    ModelRunner(loaded.model, probe, torch.device(cfg.device), "sdpa").run(
+        ScheduledBatch(step=0, chunks=(chunk,), num_decode_tokens=0, num_prefill_tokens=len(ids)))
+    used = [(k.flatten(0, 1)[: len(ids)], v.flatten(0, 1)[: len(ids)]) for k, v in probe.layers]
+    kv_cache.calibrate(used, FORMATS[cfg.kv_cache_dtype][1])

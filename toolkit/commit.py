@@ -1,0 +1,171 @@
+"""The commit stage: the one place where a step's results feed back into sequence state.
+
+For each decided token, in row order: append it, advance the grammar matcher and the stop-string
+matcher, detokenize the new text, finish the sequence (eos, stop token, stop string, grammar
+complete, length, error), and build its SampleTrace row. Around that, the step's bookkeeping:
+tokens now in the cache, parallel samples forked from their leader, rejected drafts' cache
+dropped, full blocks published to the prefix cache.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from toolkit.decide import Decision, Emit
+from toolkit.grammar import GrammarBackend
+from toolkit.kv import BlockManager
+from toolkit.models.tokenizer import Tokenizer
+from toolkit.outputs import TextDelta
+from toolkit.request import FinishReason, Request, RequestStatus
+from toolkit.scheduler import ScheduledBatch, Scheduler
+from toolkit.speculative import Proposal, Speculator
+from toolkit.stop import TextUpdate, update_text
+from toolkit.trace.schema import SampleTrace
+
+
+@dataclass(frozen=True)
+class Committed:
+    traces: tuple[SampleTrace, ...]
+    deltas: tuple[TextDelta, ...]  # only those with text, tokens or a finish
+    finished: tuple[str, ...]  # sequence ids
+
+
+class Committer:
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...], max_model_len: int,
+                 grammar: Callable[[], GrammarBackend], scheduler: Scheduler, block_manager: BlockManager,
+                 speculator: Speculator | None):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.grammar = grammar  # the engine's grammar backend, created on first use
+        self.scheduler = scheduler
+        self.block_manager = block_manager
+        self.speculator = speculator
+        self.last_finish_time: float | None = None
+
+    def preempted(self, preempted: tuple[tuple[str, str], ...], requests: Mapping[str, Request]) -> None:
+        """A sequence preempted by recompute rebuilds its grammar matcher from its committed tokens."""
+        for seq_id, mode in preempted:
+            seq = requests[seq_id]
+            if mode == "recompute" and seq.grammar is not None:
+                seq.grammar = self.grammar().matcher(seq.sampling.structured_outputs, seq.output_token_ids)
+
+    def commit(self, batch: ScheduledBatch, decision: Decision, proposals: Mapping[str, Proposal],
+               requests: Mapping[str, Request], start_time: float) -> Committed:
+        step = batch.step
+        for chunk in batch.chunks:
+            requests[chunk.seq_id].num_computed_tokens = chunk.context_len
+        for leader, follower in decision.forks:
+            self.block_manager.fork(leader.seq_id, follower.seq_id)
+            follower.num_computed_tokens = leader.num_computed_tokens
+            follower.arrival_time, follower.admitted_step = leader.arrival_time, step
+            follower.first_scheduled_time = leader.first_scheduled_time
+            leader.followers = []
+        forked = {f.seq_id for _, f in decision.forks}
+        traces, deltas, finished = [], [], []
+        for seq, emitted in decision.emits:
+            verified = seq.seq_id in proposals
+            for e in emitted:
+                position = seq.num_tokens
+                delta = self.commit_row(seq, e.token, e.error)
+                if seq.seq_id in forked and not delta.finished:
+                    self.scheduler.adopt(seq)
+                deltas.append(delta)
+                traces.append(self.trace_row(seq, e, position, batch, delta.finished, decision.grammar_allowed,
+                                             start_time))
+                if delta.finished:
+                    finished.append(seq.seq_id)
+                    break
+            if verified and not seq.is_finished:
+                # rejected drafts: their K/V is dropped and blocks past the sequence are returned
+                seq.num_computed_tokens = seq.num_tokens - 1
+                self.block_manager.truncate(seq.seq_id, seq.num_tokens)
+            if verified and self.speculator is not None:
+                self.speculator.rewind(seq.seq_id, seq.num_tokens - 1)
+        for chunk in batch.chunks:
+            seq = requests[chunk.seq_id]
+            self.block_manager.commit_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        return Committed(tuple(traces), tuple(d for d in deltas if d.text or d.token_ids or d.finished),
+                         tuple(finished))
+
+    def commit_row(self, seq: Request, token: int, error: str | None) -> TextDelta:
+        """One sampling result into its sequence: token, grammar, text, stop conditions."""
+        now = time.perf_counter()
+        if error is not None:
+            update = self.text(seq, final=True)
+            self.finish(seq, FinishReason.ERROR, f"error: {error}", None, now)
+            return TextDelta(seq.request_id, seq.stream, update.delta, (), True, seq.finish_reason.value)
+        seq.token_ids.append(token)
+        seq.status = RequestStatus.DECODING
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        p = seq.sampling
+        stop: tuple[FinishReason, str, int | str | None] | None = None
+        if seq.grammar is not None and not self.grammar().accept(seq.grammar, token):
+            update = self.text(seq, final=True)
+            self.finish(seq, FinishReason.ERROR, f"error: grammar rejected token {token}", None, now)
+            return TextDelta(seq.request_id, seq.stream, update.delta, (token,), True, seq.finish_reason.value)
+        if token in self.eos_token_ids and not p.ignore_eos:
+            stop = (FinishReason.STOP, "eos", None)
+        elif token in p.stop_token_ids:
+            stop = (FinishReason.STOP, f"stop_token_id:{token}", token)
+        elif seq.grammar is not None and self.grammar().finished(seq.grammar):
+            stop = (FinishReason.STOP, "grammar", None)  # the structured output is complete
+        at_length = seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
+        update = self.text(seq, final=stop is not None or at_length)
+        if stop is None and update.stop_string is not None:
+            stop = (FinishReason.STOP, f"stop_str:{update.stop_string}", update.stop_string)
+        if stop is None and seq.num_output_tokens >= p.max_tokens:
+            stop = (FinishReason.LENGTH, "max_tokens", None)
+        if stop is None and seq.num_tokens >= self.max_model_len:
+            stop = (FinishReason.LENGTH, "max_model_len", None)
+        if stop is not None:
+            self.finish(seq, stop[0], stop[1], stop[2], now)
+        return TextDelta(seq.request_id, seq.stream, update.delta, (token,), stop is not None,
+                         seq.finish_reason.value if stop is not None else None)
+
+    def text(self, seq: Request, *, final: bool) -> TextUpdate:
+        """Advance the sequence's text and stop-string matcher (no text without a tokenizer)."""
+        if self.tokenizer is None:
+            return TextUpdate(delta="", stop_string=None)
+        p = seq.sampling
+        return update_text(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens),
+                           seq.token_ids, p.stop, seq.stop_state,
+                           check_stops=seq.num_output_tokens >= p.min_tokens,
+                           include_stop=p.include_stop_str_in_output, final=final, first=seq.num_prompt_tokens)
+
+    def finish(self, seq: Request, reason: FinishReason, detail: str, stop_reason, now: float) -> None:
+        if self.speculator is not None:
+            self.speculator.release(seq.seq_id)
+        seq.status = RequestStatus.FINISHED
+        seq.finish_reason, seq.finish_detail, seq.stop_reason = reason, detail, stop_reason
+        seq.finish_time = now
+        self.last_finish_time = now
+        self.scheduler.finish(seq)
+
+    def abort(self, seqs: list[Request]) -> None:
+        """Finish every sequence of a request now (finish_reason "abort"): no token, no trace row."""
+        now = time.perf_counter()
+        for seq in seqs:
+            seq.followers = []
+            if not seq.is_finished:
+                self.finish(seq, FinishReason.ABORT, "abort", None, now)
+
+    def trace_row(self, seq: Request, e: Emit, position: int, batch: ScheduledBatch, finished: bool,
+                  allowed: dict[int, int], start_time: float) -> SampleTrace:
+        p = seq.sampling
+        return SampleTrace(
+            request_id=seq.request_id, stream=seq.stream, step=batch.step, position=position, token_id=e.token,
+            raw_logprob=e.raw_logprob, processed_logprob=e.processed_logprob, support_size=e.support,
+            top_raw=e.top_raw, top_processed=e.top_processed, processors=tuple(p.pipeline_description()),
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seq.seed, noise=e.noise,
+            batch_size=len(batch.chunks), step_tokens=batch.num_tokens,
+            finish_reason=seq.finish_reason.value if finished else None,
+            stop_reason=seq.finish_detail if finished else None, error=e.error,
+            t_emit_s=time.perf_counter() - start_time, logits_row=e.row,
+            grammar_allowed=allowed.get(e.row),
+            origin=e.origin, draft_logprob=e.draft_logprob, spec_proposed=e.spec_proposed,
+            spec_accepted=e.spec_accepted)

@@ -1,0 +1,261 @@
+"""The decide stage: a step's logits rows become tokens, and nothing else changes.
+
+    rows (plain, forked parallel samples, verification positions) -> grammar masks -> processors ->
+    sample (plain rows, batched) / verify (each speculating sequence's rows) -> Decision
+
+It reads sequences and writes none of them: the grammar masks of verification depths and of draft
+tokens are filled on forks of a sequence's matcher (xgrammar's `fork`), so a committed matcher is
+never advanced by a draft and never rolled back. The only state it keeps is the speculation
+statistics it counts while verifying. What it decides is committed by toolkit.commit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from toolkit import rng
+from toolkit.grammar import GrammarBackend
+from toolkit.processors import BatchView, PipelineResult, RowState, apply_pipeline, invalid_rows
+from toolkit.request import Request
+from toolkit.runner import ModelOutput
+from toolkit.sampling import SampleRow, logsumexp_rows, sample
+from toolkit.speculative import PLAIN, Proposal, Speculator, verify
+
+
+@dataclass
+class Row:
+    """One logits row to decide: the sequence, its history for the processors, the position it samples."""
+
+    seq: Request
+    logits_row: int
+    tokens: Sequence[int]
+    position: int
+    depth: int = 0  # verification rows: number of drafts before this position
+
+
+@dataclass(frozen=True)
+class Emit:
+    """A token to commit (or an error), with what its trace row records."""
+
+    token: int
+    row: int
+    raw_logprob: float = float("nan")
+    processed_logprob: float = float("nan")
+    support: int = 0
+    noise: float = float("nan")
+    top_raw: tuple = ()
+    top_processed: tuple = ()
+    error: str | None = None
+    origin: str = PLAIN
+    draft_logprob: float | None = None
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one step decided, for the commit stage."""
+
+    emits: list[tuple[Request, list[Emit]]]  # per sequence, in row order: the tokens (or error) to commit
+    forks: list[tuple[Request, Request]]  # (leader, follower): parallel samples that leave their leader now
+    logits_RV: torch.Tensor  # the raw logits rows decided from (Emit.row indexes them)
+    grammar_allowed: dict[int, int]  # row -> tokens its grammar allowed
+
+
+class Decider:
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], grammar: Callable[[], GrammarBackend],
+                 speculator: Speculator | None, acceptance: str, batch_invariant: bool):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.grammar = grammar  # the engine's grammar backend, created on first use
+        self.speculator = speculator
+        self.acceptance = acceptance  # speculative.acceptance: how drafts are verified
+        self.batch_invariant = batch_invariant
+
+    def decide(self, out: ModelOutput, proposals: Mapping[str, Proposal], requests: Mapping[str, Request]
+               ) -> Decision:
+        rows, forks = self.rows(out, proposals, requests)
+        logits_RV = out.logits_RV
+        if len(rows) != logits_RV.shape[0] or any(r.logits_row != i for i, r in enumerate(rows)):
+            logits_RV = logits_RV.index_select(0, torch.tensor([r.logits_row for r in rows], device=logits_RV.device))
+        grammar_mask, allowed = self.grammar_masks(rows, logits_RV.shape, logits_RV.device)
+        view = self._view(rows, logits_RV.device, grammar_mask)
+        lse_R = logsumexp_rows(logits_RV, per_row=self.batch_invariant)
+        # with no speculation the sampler applies each row's temperature / top-k / top-p itself (one pass)
+        pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse_R), defer_tail=not proposals)
+        emits = self._sample_and_verify(rows, logits_RV, pipe, lse_R, proposals)
+        return Decision(emits, forks, logits_RV, allowed)
+
+    def rows(self, out: ModelOutput, proposals: Mapping[str, Proposal], requests: Mapping[str, Request]
+             ) -> tuple[list[Row], list[tuple[Request, Request]]]:
+        """One row per logits row to decide: plain samples, forked parallel samples, verification positions."""
+        rows, forks = [], []
+        offset = 0
+        for chunk in out.sample_chunks:
+            seq = requests[chunk.seq_id]
+            if chunk.num_logits > 1:
+                drafts = list(proposals[seq.seq_id].tokens)
+                for j in range(chunk.num_logits):
+                    rows.append(Row(seq, offset + j, list(seq.token_ids) + drafts[:j], seq.num_tokens + j, j))
+            else:
+                rows.append(Row(seq, offset, seq.token_ids, seq.num_tokens))
+                if seq.followers and seq.num_output_tokens == 0:
+                    for follower_id in seq.followers:
+                        follower = requests[follower_id]
+                        rows.append(Row(follower, offset, follower.token_ids, follower.num_tokens))
+                        forks.append((seq, follower))
+            offset += chunk.num_logits
+        return rows, forks
+
+    def grammar_masks(self, rows: list[Row], shape, device) -> tuple[torch.Tensor | None, dict[int, int]]:
+        """Bitmasks of every grammar row, filled per verification depth in one batched call each. Past
+        depth 0 a row's matcher is a fork of its sequence's, advanced through the drafts before it."""
+        grammar_rows = [i for i, r in enumerate(rows) if r.seq.grammar is not None]
+        if not grammar_rows:
+            return None, {}
+        mask = torch.ones(shape, dtype=torch.bool)
+        allowed: dict[int, int] = {}
+        reached: dict[str, tuple[int, Any]] = {}  # sequence -> (depth, its matcher there)
+        depth = 0
+        while True:
+            at_depth = [i for i in grammar_rows if rows[i].depth == depth]
+            if not at_depth:
+                break
+            ready = []
+            for i in at_depth:
+                d, matcher = reached.get(rows[i].seq.seq_id, (0, rows[i].seq.grammar))
+                if d == depth and not matcher.is_terminated():  # past a stop token nothing is masked
+                    ready.append((i, matcher))
+            if ready:
+                masks = self.grammar().fill_masks([m for _, m in ready])
+                index = [i for i, _ in ready]
+                mask[torch.tensor(index)] = masks
+                allowed.update(zip(index, masks.sum(dim=-1).tolist()))
+            for i, matcher in ready:  # through this row's draft token to the next depth's state
+                nxt = i + 1
+                if nxt < len(rows) and rows[nxt].seq is rows[i].seq and rows[nxt].depth == depth + 1:
+                    ahead = matcher.fork() if depth == 0 else matcher
+                    if self.grammar().accept(ahead, rows[nxt].tokens[-1]):
+                        reached[rows[i].seq.seq_id] = (depth + 1, ahead)
+            depth += 1
+        return mask.to(device), allowed
+
+    def _view(self, rows: list[Row], device, grammar_mask) -> BatchView:
+        return BatchView(rows=tuple(RowState(r.seq.sampling, r.tokens, r.seq.num_prompt_tokens, r.seq.bad_words_ids)
+                                    for r in rows),
+                         vocab_size=self.vocab_size, device=device, eos_token_ids=self.eos_token_ids,
+                         grammar_mask_RV=grammar_mask)
+
+    def _sample_and_verify(self, rows: list[Row], logits_RV: torch.Tensor, pipe: PipelineResult,
+                           lse_R: torch.Tensor, proposals: Mapping[str, Proposal]) -> list[tuple[Request, list[Emit]]]:
+        """Sample the plain rows (batched) and verify each speculating sequence's rows."""
+        plain = [i for i, r in enumerate(rows) if r.seq.seq_id not in proposals and i not in pipe.errors]
+        result = None
+        if plain:
+            srows = [SampleRow(greedy=rows[i].seq.sampling.greedy, seed=rows[i].seq.seed, position=rows[i].position,
+                               stream=rows[i].seq.stream, num_top=rows[i].seq.sampling.logprobs or 0) for i in plain]
+            tail = [pipe.tail[i] for i in plain] if pipe.tail is not None else None
+            if len(plain) == len(rows):
+                result = sample(logits_RV, pipe.processed_RV, srows, lse_R, per_row=self.batch_invariant, tail=tail)
+            else:
+                index = torch.tensor(plain, device=logits_RV.device)
+                result = sample(logits_RV.index_select(0, index), pipe.processed_RV.index_select(0, index), srows,
+                                lse_R.index_select(0, index), per_row=self.batch_invariant, tail=tail)
+        if self.speculator is not None:
+            self.speculator.stats.plain_samples += len(plain)
+        slot = {row: j for j, row in enumerate(plain)}
+        decisions: list[tuple[Request, list[Emit]]] = []
+        seen: set[str] = set()
+        for i, r in enumerate(rows):
+            sid = r.seq.seq_id
+            if sid in proposals:
+                if sid in seen:
+                    continue
+                seen.add(sid)
+                decisions.append((r.seq, self._verify_rows(i, rows, logits_RV, pipe, lse_R, proposals[sid])))
+            elif i in pipe.errors:
+                decisions.append((r.seq, [Emit(token=-1, row=i, error=pipe.errors[i])]))
+            else:
+                j = slot[i]
+                decisions.append((r.seq, [Emit(
+                    token=result.token_ids[j], row=i, raw_logprob=result.raw_logprobs[j],
+                    processed_logprob=result.processed_logprobs[j], support=result.support_sizes[j],
+                    noise=result.noise[j], top_raw=tuple(result.top_raw[j]),
+                    top_processed=tuple(result.top_processed[j]))]))
+        return decisions
+
+    def _verify_rows(self, first: int, rows: list[Row], logits_RV: torch.Tensor, pipe: PipelineResult,
+                     lse_R: torch.Tensor, proposal: Proposal) -> list[Emit]:
+        seq = rows[first].seq
+        m = len(proposal.tokens)
+        span = list(range(first, first + m + 1))
+        bad = next((i for i in span if i in pipe.errors), None)
+        if bad is not None and bad == first:
+            return [Emit(token=-1, row=first, error=pipe.errors[first])]
+        usable = span if bad is None else span[: span.index(bad)]
+        depth = len(usable) - 1  # verify only as many drafts as there are usable positions
+        sub = Proposal(proposal.tokens[:depth], proposal.q_logits[:depth] if proposal.q_logits is not None else None)
+        verdict = verify(pipe.processed_RV[usable], sub, greedy=seq.sampling.greedy, mode=self.acceptance,
+                         seed=seq.seed, stream=seq.stream, first_position=rows[first].position)
+        self.speculator.stats.steps += 1
+        self.speculator.stats.proposed += m
+        self.speculator.stats.accepted += verdict.accepted
+        self.speculator.stats.emitted += len(verdict.tokens)
+        emits = []
+        for k, (token, origin, g, dlp) in enumerate(zip(verdict.tokens, verdict.origins, verdict.noise,
+                                                        verdict.draft_logprobs)):
+            i = usable[k]
+            raw_lp = float(logits_RV[i, token] - lse_R[i])
+            proc = pipe.processed_RV[i]
+            proc_lse = logsumexp_rows(proc[None])[0]
+            proc_lp = float(proc[token] - proc_lse)
+            emits.append(Emit(token=token, row=i, raw_logprob=raw_lp, processed_logprob=proc_lp,
+                              support=int(torch.isfinite(proc).sum()), noise=g, origin=origin, draft_logprob=dlp,
+                              spec_proposed=m, spec_accepted=verdict.accepted,
+                              top_raw=_top(logits_RV[i], lse_R[i], seq.sampling.logprobs),
+                              top_processed=_top(proc, proc_lse, seq.sampling.logprobs)))
+        return emits
+
+    def draft_sample(self, seqs: list[Request], drafts: Mapping[str, list[int]], logits_RV: torch.Tensor,
+                     draft_grammars: dict[str, Any]) -> tuple[torch.Tensor, list[int]]:
+        """A draft model's next token for each sequence, processed with the sequence's own pipeline.
+        `draft_grammars` (the proposer's, for one proposal round) holds each grammar sequence's matcher
+        forked and advanced through its drafts so far; a sequence's own matcher is never touched."""
+        tokens_hist = [list(s.token_ids) + drafts[s.seq_id] for s in seqs]
+        matchers = [draft_grammars.get(s.seq_id, s.grammar) for s in seqs]
+        mask = None
+        grammar_rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+        if grammar_rows:
+            mask = torch.ones(logits_RV.shape, dtype=torch.bool)
+            mask[torch.tensor(grammar_rows)] = self.grammar().fill_masks([matchers[i] for i in grammar_rows])
+            mask = mask.to(logits_RV.device)
+        view = BatchView(rows=tuple(RowState(s.sampling, t, s.num_prompt_tokens, s.bad_words_ids)
+                                    for s, t in zip(seqs, tokens_hist)),
+                         vocab_size=self.vocab_size, device=logits_RV.device, eos_token_ids=self.eos_token_ids,
+                         grammar_mask_RV=mask)
+        lse = logsumexp_rows(logits_RV, per_row=self.batch_invariant)
+        pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse))
+        processed = pipe.processed_RV.clone()
+        purpose = rng.SAMPLE if self.acceptance == "coupled" else rng.DRAFT
+        srows = [SampleRow(greedy=s.sampling.greedy, seed=s.seed, position=len(t), stream=s.stream, purpose=purpose)
+                 for s, t in zip(seqs, tokens_hist)]
+        safe = processed.clone()
+        for i in pipe.errors:  # a row the pipeline could not process proposes greedily from raw logits
+            safe[i] = logits_RV[i]
+        tokens = sample(logits_RV, safe, srows, per_row=self.batch_invariant).token_ids
+        for i in grammar_rows:
+            s = seqs[i]
+            ahead = draft_grammars[s.seq_id] if s.seq_id in draft_grammars else s.grammar.fork()
+            if self.grammar().accept(ahead, tokens[i]):
+                draft_grammars[s.seq_id] = ahead
+        return safe, tokens
+
+
+def _top(logits_V: torch.Tensor, lse: torch.Tensor, k: int | None) -> tuple[tuple[int, float], ...]:
+    if not k:
+        return ()
+    values, ids = torch.topk(logits_V, k)
+    return tuple((int(t), float(v - lse)) for t, v in zip(ids, values) if v != float("-inf"))

@@ -1,0 +1,148 @@
+"""Request intake: what a caller sends becomes validated sequences. Ids, the prompt's tokens (text, chat
+messages through the tokenizer's template, or token ids), sampling parameters resolved against the
+defaults, the context and KV-pool limits, token ids inside the vocabulary, bad words, grammars compiled
+(an invalid one is refused here), seeds. Every refusal is a RequestError naming the field."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any, Callable, Container, Mapping, Sequence
+
+from toolkit.config import EngineConfig, SamplingParams
+from toolkit.errors import ConfigError, RequestError
+from toolkit.grammar import GrammarBackend
+from toolkit.models.tokenizer import Tokenizer
+from toolkit.processors.masks import resolve_bad_words
+from toolkit.request import Request
+
+
+def derive_seed(run_seed: int, request_id: str) -> int:
+    """A request's seed when it gave none: a stable function of the run seed and its id."""
+    digest = hashlib.sha256(f"{run_seed}/{request_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+class RequestIntake:
+    def __init__(self, cfg: EngineConfig, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
+                 num_kv_blocks: int, default_sampling: SamplingParams, grammar: Callable[[], GrammarBackend]):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.num_kv_blocks = num_kv_blocks
+        self.default_sampling = default_sampling
+        self.grammar = grammar  # the engine's grammar backend, created on first use
+        self._next_id = 0
+
+    def sequences(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                  prompt_token_ids: Sequence[int] | None = None,
+                  sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+                  request_id: str | None = None, arrival_step: int | None = None, priority: int = 0,
+                  step_index: int = 0, taken: Container[str] = ()) -> list[Request]:
+        """The sequences of one request (n when n > 1; the first leads, the others follow it), or a
+        RequestError naming what is wrong. `taken`: the request ids in use; `step_index`: the engine's
+        current step (a request arrives no earlier)."""
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        request_id = str(request_id)
+        if request_id in taken:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if "#" in request_id:
+            raise RequestError(f"request id {request_id!r} must not contain '#' (reserved for parallel samples)")
+        params = self._sampling(sampling_params)
+        ids, text = self._prompt_ids(prompt, messages, prompt_token_ids)
+        self._check_fits(request_id, len(ids), params.max_tokens)
+        self._check_token_ids(params)
+        bad_words_ids = self._bad_words_ids(params)
+        if params.structured_outputs is not None:
+            self.grammar().compile(params.structured_outputs)  # an invalid grammar is refused here
+        if arrival_step is not None and not (isinstance(arrival_step, int) and arrival_step >= 0):
+            raise RequestError(f"arrival_step must be a non-negative integer, got {arrival_step!r}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RequestError(f"priority must be an integer, got {priority!r}")
+        if params.n > self.cfg.max_num_seqs:
+            raise RequestError(f"n={params.n} parallel samples exceed engine.max_num_seqs ({self.cfg.max_num_seqs})")
+        seed = params.seed if params.seed is not None else derive_seed(self.cfg.seed, request_id)
+        now = time.perf_counter()
+        seqs = []
+        for stream in range(params.n):
+            seq_id = request_id if params.n == 1 else f"{request_id}#{stream}"
+            seq = Request(seq_id=seq_id, request_id=request_id, prompt_token_ids=tuple(ids), sampling=params,
+                          seed=seed, arrival_step=max(arrival_step or 0, step_index), prompt_text=text,
+                          stream=stream, bad_words_ids=bad_words_ids, add_time=now, priority=priority)
+            if params.structured_outputs is not None:
+                seq.grammar = self.grammar().matcher(params.structured_outputs)
+            seqs.append(seq)
+        seqs[0].followers = [s.seq_id for s in seqs[1:]]
+        return seqs
+
+    def _sampling(self, params: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
+        if params is None:
+            return self.default_sampling
+        if isinstance(params, SamplingParams):
+            return params
+        if not isinstance(params, Mapping):
+            raise RequestError(f"sampling must be a mapping of SamplingParams fields, got {params!r}")
+        merged = {**self.default_sampling.to_dict(), **dict(params)}
+        try:
+            return SamplingParams.from_mapping(merged)
+        except ConfigError as exc:
+            raise RequestError(str(exc)) from None
+
+    def _prompt_ids(self, prompt, messages, prompt_token_ids) -> tuple[list[int], str | None]:
+        given = [x is not None for x in (prompt, messages, prompt_token_ids)]
+        if sum(given) != 1:
+            raise RequestError("give exactly one of prompt, messages or prompt_token_ids")
+        if prompt_token_ids is not None:
+            if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
+                raise RequestError("prompt_token_ids must be a list of integers")
+            ids = list(prompt_token_ids)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise RequestError("prompt_token_ids must be a list of integers")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            text = self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer else None
+        else:
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer matching its vocabulary; give prompt_token_ids")
+            if messages is not None:
+                ids = self.tokenizer.apply_chat_template(messages)
+                text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            else:
+                if not isinstance(prompt, str):
+                    raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
+                ids, text = self.tokenizer.encode(prompt), prompt
+        if not ids:
+            raise RequestError("the prompt is empty")
+        return ids, text
+
+    def _check_fits(self, request_id: str, prompt_len: int, max_tokens: int) -> None:
+        if prompt_len >= self.max_model_len:
+            raise RequestError(f"request {request_id}: prompt has {prompt_len} tokens but the context is "
+                               f"{self.max_model_len} (engine.max_model_len); shorten the prompt")
+        total = prompt_len + max_tokens
+        if total > self.max_model_len:
+            raise RequestError(f"request {request_id}: prompt ({prompt_len}) + max_tokens ({max_tokens}) = {total} "
+                               f"exceeds engine.max_model_len ({self.max_model_len}); lower max_tokens")
+        pool = self.num_kv_blocks * self.cfg.block_size
+        if total > pool:
+            raise RequestError(f"request {request_id}: prompt + max_tokens = {total} tokens can never fit the KV pool "
+                               f"of {pool} tokens; raise engine.num_kv_blocks or lower max_tokens")
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        v = self.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
+                          ("logit_bias", tuple(params.logit_bias or ())),
+                          ("bad_words", tuple(t for w in params.bad_words if isinstance(w, tuple) for t in w))):
+            bad = [t for t in ids or () if t >= v]
+            if bad:
+                raise RequestError(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {v})")
+
+    def _bad_words_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        try:
+            return resolve_bad_words(params.bad_words, self.tokenizer)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None

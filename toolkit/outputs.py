@@ -1,0 +1,118 @@
+"""What the engine hands out: step outputs, streamed text deltas, finished requests and their metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from toolkit.request import Request
+from toolkit.trace.schema import SampleTrace
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    arrival_step: int
+    admitted_step: int | None
+    queue_s: float | None  # eligible -> first scheduled
+    ttft_s: float | None  # eligible -> first token
+    tpot_s: float | None  # mean time between output tokens after the first
+    e2e_s: float | None  # eligible -> finished
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One sample of a request (vLLM's CompletionOutput)."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    seed: int
+    metrics: RequestMetrics
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    outputs: tuple[CompletionOutput, ...]
+    finished: bool
+
+    # conveniences for the common n == 1 case
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def seed(self) -> int:
+        return self.outputs[0].seed
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        return self.outputs[0].metrics
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """What a stream consumer sees of one sequence after one step."""
+
+    request_id: str
+    index: int  # sample index (stream)
+    text: str  # new text since the last delta (never part of a stop string)
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    step: int
+    batch_size: int  # sequences in the forward
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    samples: tuple[SampleTrace, ...]  # one per sampled (or errored) sequence
+    logits_RV: torch.Tensor | None  # raw logits; samples[i].logits_row indexes it
+    deltas: tuple[TextDelta, ...]
+    finished: tuple[str, ...]  # sequence ids
+    preempted: tuple[tuple[str, str], ...]  # (sequence id, "recompute" | "swap")
+    kv_blocks_used: int
+    kv_utilization: float = 0.0  # used / total device blocks after the step
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache this step
+    forward_s: float = 0.0  # the model's forward alone: the rest of the step is host work
+
+
+def request_metrics(r: Request) -> RequestMetrics:
+    start = r.arrival_time
+    since = lambda t: None if (t is None or start is None) else t - start  # noqa: E731
+    tpot = None
+    if r.first_token_time is not None and r.last_token_time is not None and r.num_output_tokens > 1:
+        tpot = (r.last_token_time - r.first_token_time) / (r.num_output_tokens - 1)
+    return RequestMetrics(arrival_step=r.arrival_step, admitted_step=r.admitted_step,
+                          queue_s=since(r.first_scheduled_time), ttft_s=since(r.first_token_time), tpot_s=tpot,
+                          e2e_s=since(r.finish_time), num_preemptions=r.num_preemptions)
+
+
+def request_output(request_id: str, seqs: Sequence[Request]) -> RequestOutput:
+    """A request's output from its sequences (one per parallel sample, in stream order)."""
+    first = seqs[0]
+    return RequestOutput(
+        request_id=request_id, prompt=first.prompt_text, prompt_token_ids=first.prompt_token_ids,
+        outputs=tuple(CompletionOutput(index=s.stream, text=s.text, token_ids=tuple(s.output_token_ids),
+                                       finish_reason=s.finish_reason.value if s.finish_reason else None,
+                                       stop_reason=s.stop_reason, seed=s.seed, metrics=request_metrics(s))
+                      for s in seqs),
+        finished=all(s.is_finished for s in seqs),
+    )
