@@ -203,6 +203,35 @@ def test_grammar_and_speculation_keep_outputs_valid(tiny):
     assert engine.speculator.stats.proposed > 0
 
 
+def test_drafting_and_verifying_never_move_a_committed_grammar_matcher(tiny, monkeypatch):
+    """Draft tokens and verification depths look ahead on forks of a sequence's matcher: the committed
+    matcher is advanced only by committed tokens and never rolled back (the engine used to advance it
+    through the drafts and roll it back)."""
+    import xgrammar
+
+    forks = []
+    real_fork = xgrammar.GrammarMatcher.fork
+
+    def counted_fork(self):
+        forks.append(1)
+        return real_fork(self)
+
+    def no_rollback(self, n):
+        raise AssertionError(f"a committed grammar matcher was rolled back by {n} tokens")
+
+    monkeypatch.setattr(xgrammar.GrammarMatcher, "fork", counted_fork)
+    monkeypatch.setattr(xgrammar.GrammarMatcher, "rollback", no_rollback)
+    engine = spec_engine(tiny, "draft_model", "rejection", max_num_batched_tokens=64, max_num_seqs=8)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    requests = [{"prompt_token_ids": [i + 1, i + 2], "sampling_params": SamplingParams(
+        temperature=1.0, seed=i, max_tokens=40, structured_outputs={"json": schema})} for i in range(4)]
+    outs = engine.generate(requests)
+    assert engine.speculator.stats.proposed > 0 and forks
+    for out in outs:
+        matcher = engine.grammar.matcher(SamplingParams(structured_outputs={"json": schema}).structured_outputs)
+        assert all(matcher.accept_token(t) for t in out.output_token_ids)
+
+
 def test_bad_speculative_configs():
     from toolkit.errors import ConfigError
 
