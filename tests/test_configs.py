@@ -134,3 +134,29 @@ def test_wandb_offline_run_logs_config_steps_requests_summary_and_trace_artifact
     assert "run_table" in kinds  # per-request TTFT/TPOT table
     assert {"requests.parquet", "steps.parquet", "summary.json"} <= set(kinds["trace"])
     assert any(f.startswith("samples.parquet/part-") for f in kinds["trace"])
+
+
+def test_the_models_generation_config_fills_the_sampling_defaults(tmp_path):
+    """vLLM's generation_config="auto": a checkpoint's generation_config.json sets the sampling fields the run
+    leaves at the library's default; a field the run sets keeps its value; model.generation_config=none
+    keeps the library's defaults; SmolLM2 (no generation config in its GGUF) takes its model card's."""
+    import json
+    import shutil
+
+    from tests.families import checkpoint_dir
+    from toolkit.engine import Engine
+    from toolkit.models.loading import SMOLLM2_GENERATION, generation_defaults
+
+    model = tmp_path / "model"
+    shutil.copytree(checkpoint_dir("llama"), model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20, "do_sample": True,
+                                                              "bos_token_id": 1}))
+    assert generation_defaults(model) == {"temperature": 0.6, "top_k": 20}
+    cfg = {"model": {"name": "hf", "path": str(model)}, "sampling": {"top_p": 0.5, "top_k": 7}}
+    engine = Engine.from_config(cfg)
+    p = engine.default_sampling
+    assert (p.temperature, p.top_k, p.top_p) == (0.6, 7, 0.5)
+    assert engine.model_sampling_defaults == {"temperature": 0.6}
+    library = Engine.from_config({**cfg, "model": {**cfg["model"], "generation_config": "none"}}).default_sampling
+    assert (library.temperature, library.top_k, library.top_p) == (1.0, 7, 0.5)
+    assert SMOLLM2_GENERATION == {"temperature": 0.2, "top_p": 0.9}

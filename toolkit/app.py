@@ -91,6 +91,12 @@ def run_workload(cfg: DictConfig, run_dir: Path) -> int:
     if cfg.get("print_outputs", True):
         print_outputs(outputs)
     print_summary(summary, run_dir)
+    if engine.model_sampling_defaults:
+        fields = ", ".join(f"{k}={v}" for k, v in engine.model_sampling_defaults.items())
+        print(f"sampling defaults from the model's generation config: {fields} (model.generation_config=none: "
+              f"the library's)")
+    print(f"replay it bit for bit:   python run.py mode=replay replay.trace={run_dir}\n"
+          f"verify its logits:       python run.py mode=verify verify.trace={run_dir}")
     return 1 if rejected else 0
 
 

@@ -7,14 +7,14 @@ then the prefill chunks, each contiguous. Keys and values live in per-layer page
 Two backends here:
 - `kernel` (CPU; fp32, or int8/fp8 blocks with their scales): the native kernel in
   csrc/paged_attention.c reads every query's keys straight from its blocks (no gathered
-  copy, no padding) in a fixed order. It serves the decode rows, and every row in
-  batch-invariant mode.
+  copy, no padding) in a fixed order. It serves every row of a step: decode rows and
+  prefill chunks alike.
 - `sdpa` (any device): each sequence's blocks are gathered into a key axis and torch's
   scaled_dot_product_attention runs with an additive mask; decode rows in one batched
   call, each prefill chunk in its own call. Grouped-query attention is computed without
   repeating K/V: the G query heads of one KV head are laid along the query axis. It also
   runs Gemma2's soft-capping and sliding windows, and de-quantises bf16/int8/fp8 blocks.
-Prefill chunks use the sdpa path in both backends, except in batch-invariant mode.
+On the sdpa backend prefill chunks are SDPA calls too; on the kernel backend they are kernel rows.
 A third backend, `flex` (toolkit/flex.py), sends every row through torch's FlexAttention.
 """
 

@@ -62,9 +62,14 @@ class ModelConfig:
     intermediate_size: int = 128
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
+    # auto: the checkpoint's own sampling defaults (generation_config) replace the library's for the fields a
+    # run leaves at the library default (vLLM's generation_config="auto"); none: the library's defaults
+    generation_config: str = "auto"
 
     def __post_init__(self):
         _check(self.name in MODEL_NAMES, f"model.name must be one of {MODEL_NAMES}, got {self.name!r}")
+        _check(self.generation_config in ("auto", "none"),
+               f"model.generation_config must be auto or none, got {self.generation_config!r}")
         _check(self.dtype in DTYPES, f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.name == "hf":
             _check(bool(self.path), "model=hf needs model.path=<dir with config.json + safetensors>")
@@ -386,6 +391,17 @@ class SamplingParams:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None) -> "SamplingParams":
         return from_mapping(cls, data, section="sampling")
+
+    @classmethod
+    def with_model_defaults(cls, data: Mapping[str, Any] | None, generation: Mapping[str, Any]
+                            ) -> tuple["SamplingParams", dict[str, Any]]:
+        """The run's sampling section with the model's own defaults (its generation_config) in the fields
+        the section leaves at the library's default; and which fields those were."""
+        data = dict(data or {})
+        library = cls()
+        taken = {k: v for k, v in generation.items()
+                 if k in {f.name for f in fields(cls)} and data.get(k, getattr(library, k)) == getattr(library, k)}
+        return cls.from_mapping({**data, **taken}), taken
 
 
 def _bad_words(words: Any) -> tuple:

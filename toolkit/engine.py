@@ -105,6 +105,7 @@ class Engine:
         self.step_index = 0
         self.start_time: float | None = None
         self.first_admission_time: float | None = None
+        self.model_sampling_defaults: dict[str, Any] = {}  # sampling fields taken from the model (from_config)
 
     @property
     def grammar(self) -> GrammarBackend:
@@ -127,13 +128,18 @@ class Engine:
         """Build from a composed config with `model`, `engine` and optional `sampling` sections."""
         engine_cfg = from_mapping(EngineConfig, _plain(cfg.get("engine")), section="engine")
         model_cfg = from_mapping(ModelConfig, _plain(cfg.get("model")), section="model")
-        sampling = SamplingParams.from_mapping(_plain(cfg.get("sampling")))
+        SamplingParams.from_mapping(_plain(cfg.get("sampling")))  # a bad value is refused before the load
         speculative = from_mapping(SpeculativeConfig, _plain(cfg.get("speculative")), section="speculative")
         if engine_cfg.num_threads:
             torch.set_num_threads(engine_cfg.num_threads)
         if engine_cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"engine.device={engine_cfg.device} but CUDA is not available; use engine.device=cpu")
-        return cls(load_model(model_cfg, engine_cfg.device), engine_cfg, sampling, speculative)
+        loaded = load_model(model_cfg, engine_cfg.device)
+        generation = loaded.generation if model_cfg.generation_config == "auto" else {}
+        sampling, taken = SamplingParams.with_model_defaults(_plain(cfg.get("sampling")), generation)
+        engine = cls(loaded, engine_cfg, sampling, speculative)
+        engine.model_sampling_defaults = taken
+        return engine
 
     # ------------------------------------------------------------------ requests in
 

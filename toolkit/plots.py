@@ -16,6 +16,9 @@ import pyarrow.parquet as pq
 
 
 def _pyplot():
+    import logging
+
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its first use logs building a font cache
     import matplotlib
 
     matplotlib.use("Agg")

