@@ -7,6 +7,8 @@
 
 from toolkit.version import __version__
 
+__all__ = ["__version__", "replay", "verify"]
+
 
 def replay(run_dir, overrides=(), **kwargs):
     """Re-run a recorded run directory and compare every sample row bit for bit (see toolkit.audit.replay)."""

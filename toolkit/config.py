@@ -8,10 +8,11 @@ into one of these, refusing unknown keys with the list of known ones.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from toolkit.errors import ConfigError
+from toolkit.structured import StructuredOutputs
 
 MODEL_NAMES = ("smollm2", "tiny", "hf", "nanogpt")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -293,8 +294,6 @@ class SamplingParams:
                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be null or an integer in [0, 20], got {self.logprobs!r}")
-        from toolkit.grammar import StructuredOutputs
-
         set_("structured_outputs", StructuredOutputs.coerce(self.structured_outputs))
         # which processors change anything: fixed for these (frozen) parameters, asked per row and step
         set_("_active", frozenset(name for name, on in self._activity().items() if on))
