@@ -69,13 +69,7 @@ def attention_backend(cfg: EngineConfig, loaded: LoadedModel) -> str:
                            f"the native kernel takes head_dim <= 256, <= 32 query heads per KV head and "
                            f"engine.block_size <= 64, not head_dim {arch.head_dim}, {arch.num_heads} heads over "
                            f"{arch.num_kv_heads} KV heads, block_size {cfg.block_size}")
-    if problem is None:
-        return "kernel"
-    if cfg.batch_invariant:
-        raise ConfigError(f"engine.batch_invariant=true is unavailable here: {problem}")
-    if wanted == "kernel":
-        raise ConfigError(f"engine.attention_backend=kernel is unavailable: {problem}")
-    return "sdpa"
+    return _native_or_fallback(cfg, "attention_backend", wanted, ("kernel", "sdpa"), problem)
 
 
 def matmul_backend(cfg: EngineConfig, loaded: LoadedModel) -> str:
@@ -92,13 +86,21 @@ def matmul_backend(cfg: EngineConfig, loaded: LoadedModel) -> str:
             native()
         except KernelUnavailable as exc:
             problem = str(exc)
+    return _native_or_fallback(cfg, "matmul_backend", wanted, ("native", "torch"), problem)
+
+
+def _native_or_fallback(cfg: EngineConfig, option: str, wanted: str, names: tuple[str, str],
+                        problem: str | None) -> str:
+    """The native choice where nothing stands in its way; else the torch one, unless the native one was
+    asked for (engine.<option>, or batch_invariant, which needs it): then a one-line error with the cause."""
+    native_name, fallback = names
     if problem is None:
-        return "native"
+        return native_name
     if cfg.batch_invariant:
         raise ConfigError(f"engine.batch_invariant=true is unavailable here: {problem}")
-    if wanted == "native":
-        raise ConfigError(f"engine.matmul_backend=native is unavailable: {problem}")
-    return "torch"
+    if wanted == native_name:
+        raise ConfigError(f"engine.{option}={native_name} is unavailable: {problem}")
+    return fallback
 
 
 def auto_num_blocks(cfg: EngineConfig, max_model_len: int, block_bytes: int) -> int:

@@ -373,31 +373,6 @@ static uint32_t bisect(uint32_t *keys, float *e, int64_t n, double target) {
     return hi; /* a logit's key: the mass changes there */
 }
 
-/* R[t] = the largest lane of P[t], t < VL (simd.h's transpose_sum with max for +); a maximum does not
- * depend on the order it is taken in (the lanes hold no NaN) */
-#define FOLD_MAX(a, b, LO, HI) \
-    vselect((vi)(__builtin_shufflevector(a, b, LO) > __builtin_shufflevector(a, b, HI)), \
-            __builtin_shufflevector(a, b, LO), __builtin_shufflevector(a, b, HI))
-INLINE vf transpose_max(const vf P[VL]) {
-#if VL == 1
-    return P[0];
-#else
-    vf A[VL];
-    int n = VL;
-    for (int i = 0; i < n; i++) A[i] = P[i];
-#if VL == 16
-    for (int i = 0; i < n / 2; i++) A[i] = FOLD_MAX(A[2 * i], A[2 * i + 1], LO1, HI1);
-    n /= 2;
-#endif
-#if VL >= 8
-    for (int i = 0; i < n / 2; i++) A[i] = FOLD_MAX(A[2 * i], A[2 * i + 1], LO2, HI2);
-    n /= 2;
-#endif
-    for (int i = 0; i < n / 2; i++) A[i] = FOLD_MAX(A[2 * i], A[2 * i + 1], LO3, HI3);
-    return FOLD_MAX(A[0], A[1], LO4, HI4);
-#endif
-}
-
 /* gather the finite tokens at or above `floor` (keys, masses) into the scratch; the row's total mass */
 static int64_t candidates(const float *row, int64_t V, int mode, float m, float floor, uint32_t *keys, float *e,
                           double *total) {
@@ -531,23 +506,8 @@ int toolkit_truncate_f32(const float *x, int64_t ldx, int64_t R, int64_t V, int 
  */
 static int finish_row(const float *row, int64_t V, float *lse, int64_t *support, int32_t *ids) {
     const int64_t vec = V - V % VL;
-    vf mv = splat(-INFINITY);
-    vi nanv = splati(0);
-    for (int64_t i = 0; i < vec; i += VL) {
-        const vf v = loadv(row + i);
-        mv = vselect(v > mv, v, mv);
-        nanv |= v != v;
-    }
-    float m = -INFINITY;
-    int nan = 0;
-    for (int i = 0; i < VL; i++) {
-        m = mv[i] > m ? mv[i] : m;
-        nan |= nanv[i] != 0;
-    }
-    for (int64_t i = vec; i < V; i++) {
-        nan |= row[i] != row[i];
-        m = row[i] > m ? row[i] : m;
-    }
+    int nan;
+    const float m = row_max(row, V, &nan); /* toolkit_logsumexp_f32's maximum */
     const int sum = !nan && m != INFINITY && m != -INFINITY;
     const vf floor = vexp(splat(-INFINITY)), mvec = splat(m);
     vf sv = splat(0.0f);

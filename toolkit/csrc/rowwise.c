@@ -71,23 +71,8 @@ int toolkit_logsumexp_f32(const float *x, int64_t ldx, int64_t R, int64_t V, flo
     for (int64_t r = 0; r < R; r++) {
         const float *row = x + r * ldx;
         const int64_t vec = V - V % VL;
-        vf mv = splat(-INFINITY);
-        vi nanv = splati(0);
-        for (int64_t i = 0; i < vec; i += VL) {
-            const vf v = loadv(row + i);
-            mv = vselect(v > mv, v, mv);
-            nanv |= v != v;
-        }
-        float m = -INFINITY;
-        int nan = 0;
-        for (int i = 0; i < VL; i++) {
-            m = mv[i] > m ? mv[i] : m;
-            nan |= nanv[i] != 0;
-        }
-        for (int64_t i = vec; i < V; i++) {
-            nan |= row[i] != row[i];
-            m = row[i] > m ? row[i] : m;
-        }
+        int nan;
+        const float m = row_max(row, V, &nan);
         if (nan) { lse[r] = NAN; continue; }
         if (m == INFINITY || m == -INFINITY) { lse[r] = m; continue; }
         vf sv = splat(0.0f);

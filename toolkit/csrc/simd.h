@@ -20,6 +20,7 @@
 #ifndef TOOLKIT_SIMD_H
 #define TOOLKIT_SIMD_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -165,8 +166,9 @@ INLINE float sexp(float x) {
 HREDUCE(hmax, MAX2)
 HREDUCE(hsum, ADD2)
 
-/* R[t] = the sum of the VL lanes of P[t], t < VL, in lane t: pairs of vectors are folded by halves
- * (each level adds the low and high half of every lane block), a fixed tree whatever the input */
+/* R[t] = the sum (or the maximum) of the VL lanes of P[t], t < VL, in lane t: pairs of vectors are folded
+ * by halves (each level combines the low and high half of every lane block), a fixed tree whatever the
+ * input */
 #if VL == 16
 #define LO1 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
 #define HI1 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
@@ -189,26 +191,55 @@ HREDUCE(hsum, ADD2)
 #define LO4 0, 2, 4, 6
 #define HI4 1, 3, 5, 7
 #endif
-#define FOLD(a, b, LO, HI) (__builtin_shufflevector(a, b, LO) + __builtin_shufflevector(a, b, HI))
+/* the low halves with the high halves: their sum, or (max) the larger (the first where equal) */
+INLINE vf fold(vf lo, vf hi, int max) { return max ? vselect((vi)(lo > hi), lo, hi) : lo + hi; }
+#define FOLD(a, b, LO, HI, MAX) fold(__builtin_shufflevector(a, b, LO), __builtin_shufflevector(a, b, HI), MAX)
 
-INLINE vf transpose_sum(const vf P[VL]) {
+INLINE vf transpose_reduce(const vf P[VL], int max) {
 #if VL == 1
+    (void)max;
     return P[0];
 #else
     vf A[VL];
     int n = VL;
     for (int i = 0; i < n; i++) A[i] = P[i];
 #if VL == 16
-    for (int i = 0; i < n / 2; i++) A[i] = FOLD(A[2 * i], A[2 * i + 1], LO1, HI1);
+    for (int i = 0; i < n / 2; i++) A[i] = FOLD(A[2 * i], A[2 * i + 1], LO1, HI1, max);
     n /= 2;
 #endif
 #if VL >= 8
-    for (int i = 0; i < n / 2; i++) A[i] = FOLD(A[2 * i], A[2 * i + 1], LO2, HI2);
+    for (int i = 0; i < n / 2; i++) A[i] = FOLD(A[2 * i], A[2 * i + 1], LO2, HI2, max);
     n /= 2;
 #endif
-    for (int i = 0; i < n / 2; i++) A[i] = FOLD(A[2 * i], A[2 * i + 1], LO3, HI3);
-    return FOLD(A[0], A[1], LO4, HI4);
+    for (int i = 0; i < n / 2; i++) A[i] = FOLD(A[2 * i], A[2 * i + 1], LO3, HI3, max);
+    return FOLD(A[0], A[1], LO4, HI4, max);
 #endif
+}
+INLINE vf transpose_sum(const vf P[VL]) { return transpose_reduce(P, 0); }
+INLINE vf transpose_max(const vf P[VL]) { return transpose_reduce(P, 1); } /* lanes without NaN */
+
+/* the largest entry of a row (VL lanes over its whole chunks, then the rest one by one) and whether it
+ * holds a NaN; the same order wherever a row's maximum must have the same bits */
+INLINE float row_max(const float *row, int64_t V, int *nan) {
+    const int64_t vec = V - V % VL;
+    vf mv = splat(-INFINITY);
+    vi nanv = splati(0);
+    for (int64_t i = 0; i < vec; i += VL) {
+        const vf v = loadv(row + i);
+        mv = vselect(v > mv, v, mv);
+        nanv |= v != v;
+    }
+    float m = -INFINITY;
+    *nan = 0;
+    for (int i = 0; i < VL; i++) {
+        m = mv[i] > m ? mv[i] : m;
+        *nan |= nanv[i] != 0;
+    }
+    for (int64_t i = vec; i < V; i++) {
+        *nan |= row[i] != row[i];
+        m = row[i] > m ? row[i] : m;
+    }
+    return m;
 }
 
 #endif
