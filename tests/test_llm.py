@@ -1,0 +1,70 @@
+"""toolkit.LLM, the vLLM-shaped entry point: the engine's outputs, every call a replayable recorded run."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from toolkit import LLM, SamplingParams, replay
+from toolkit.config import EngineConfig
+from toolkit.engine import Engine
+from toolkit.errors import ConfigError, RequestError
+
+PROMPTS = [[5, 9, 2, 7], [11, 3], [8, 8, 8, 1, 4, 6]]
+
+
+def test_generate_is_the_engine_and_records_a_replayable_run(tiny, tmp_path):
+    llm = LLM(model="tiny", max_num_seqs=4, max_num_batched_tokens=16, trace_root=tmp_path)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params)
+    engine = Engine(tiny, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16))
+    want = engine.generate([{"prompt_token_ids": p, "sampling_params": params} for p in PROMPTS])
+    assert [o.outputs[0].token_ids for o in outs] == [w.outputs[0].token_ids for w in want]
+    assert [o.prompt_token_ids for o in outs] == [tuple(p) for p in PROMPTS]
+    rows = pq.read_table(llm.trace_dir / "samples.parquet").to_pylist()
+    assert len(rows) == sum(len(o.outputs[0].token_ids) for o in outs) == 18
+    report = replay(llm.trace_dir, out_dir=tmp_path / "replayed")
+    assert report.identical, report.summary_line()
+
+
+def test_each_call_is_its_own_run_and_a_seed_does_not_depend_on_the_batch(tmp_path):
+    llm = LLM(model="tiny", trace_root=tmp_path)
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=5, ignore_eos=True)
+    alone = llm.generate(PROMPTS[2], params)  # a single prompt (token ids)
+    among = llm.generate(PROMPTS, [SamplingParams(seed=i, max_tokens=4) for i in (1, 2)] + [params])
+    assert alone[0].outputs[0].token_ids == among[2].outputs[0].token_ids
+    assert len(llm.trace_dirs) == 2 and llm.trace_dirs[0] != llm.trace_dirs[1] == llm.trace_dir
+
+
+def test_without_tracing_nothing_is_written(tmp_path):
+    llm = LLM(model="tiny", trace=False, trace_root=tmp_path)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3 and llm.trace_dir is None and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: LLM(model="tiny", max_num_seqz=4), ConfigError, "max_num_seqz"),
+    (lambda: LLM(model="tiny", max_num_seqs=0), ConfigError, "max_num_seqs"),
+    (lambda: LLM(model="/nonexistent/model"), Exception, "does not exist"),
+    (lambda: LLM(model="tiny", trace=False).generate(PROMPTS, [SamplingParams()] * 2), ConfigError, "2 SamplingParams for 3"),
+    (lambda: LLM(model="tiny", trace=False).generate({"prompt_ids": [1]}), ConfigError, "prompt_ids"),
+    (lambda: LLM(model="tiny", trace=False).generate([[1, 10**9]]), RequestError, "outside the vocabulary"),
+])
+def test_bad_input_is_one_clear_error(make, error, match):
+    with pytest.raises(error, match=match) as info:
+        make()
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.slow
+def test_smollm2_chat_and_text_prompts_use_the_models_sampling_defaults(tmp_path):
+    llm = LLM(model="smollm2", trace_root=tmp_path)
+    assert llm.get_default_sampling_params().temperature == 0.2 and llm.model_sampling_defaults
+    chat = llm.chat([{"role": "user", "content": "Name a primary colour."}], SamplingParams(temperature=0,
+                                                                                           max_tokens=8))
+    text = llm.generate("The capital of France is")  # the model's defaults: temperature 0.2, top_p 0.9
+    assert chat[0].outputs[0].text and text[0].outputs[0].text
+    recorded = json.loads(pq.read_table(llm.trace_dir / "requests.parquet").to_pylist()[0]["sampling_params"])
+    assert (recorded["temperature"], recorded["top_p"]) == (0.2, 0.9)  # resolved defaults are in the trace

@@ -1,0 +1,126 @@
+"""A vLLM-shaped entry point for Python users: `LLM(model=...)`, `llm.generate(...)`, `llm.chat(...)`.
+
+    from toolkit import LLM, SamplingParams
+
+    llm = LLM(model="smollm2", max_num_seqs=32)
+    outputs = llm.generate(["The capital of France is", "Once upon a time"], SamplingParams(max_tokens=32))
+    print(outputs[0].outputs[0].text, llm.trace_dir)
+
+Every call is a recorded run: its requests go through a fresh engine over the same loaded weights (so a
+call never depends on an earlier one's cache, and replays alone), and its run directory (config,
+manifest, requests.parquet, samples.parquet, summary) is written under `trace_root`; `llm.trace_dir` is
+the latest call's, `llm.trace_dirs` all of them. `python run.py mode=replay replay.trace=<dir>` and
+`mode=verify` take them as they take a CLI run's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from toolkit.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig, from_mapping
+from toolkit.errors import ConfigError
+from toolkit.outputs import RequestOutput
+
+Prompt = str | Sequence[int] | Mapping[str, Any]  # text, token ids, or {"prompt" | "prompt_token_ids": ...}
+Conversation = Sequence[Mapping[str, Any]]  # chat messages: [{"role": ..., "content": ...}, ...]
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2", *, dtype: str = "float32", generation_config: str = "auto",
+                 speculative: Mapping[str, Any] | None = None, trace: bool = True,
+                 trace_root: str | Path | None = None, **engine_options: Any):
+        """`model`: "smollm2", "tiny" or a local HF checkpoint directory. `engine_options`: EngineConfig's
+        fields (max_num_seqs, max_num_batched_tokens, max_model_len, seed, enable_prefix_caching, ...;
+        an unknown one is a one-line ConfigError). `generation_config`: "auto" takes the model's own
+        sampling defaults, "none" the library's. `trace_root`: where run directories go (default
+        traces/<date>/<time>-llm-<n>)."""
+        from toolkit.models import load_model
+
+        known = {"smollm2", "tiny"}
+        model_cfg = ModelConfig(name=model, dtype=dtype, generation_config=generation_config) if model in known \
+            else ModelConfig(name="hf", path=str(model), dtype=dtype, generation_config=generation_config)
+        self.engine_cfg = from_mapping(EngineConfig, engine_options, section="engine")
+        self.spec_cfg = from_mapping(SpeculativeConfig, dict(speculative or {}), section="speculative")
+        if self.engine_cfg.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(f"device={self.engine_cfg.device} but CUDA is not available; use device=cpu")
+        self.loaded = load_model(model_cfg, self.engine_cfg.device)
+        generation = self.loaded.generation if generation_config == "auto" else {}
+        self.default_sampling, self.model_sampling_defaults = SamplingParams.with_model_defaults({}, generation)
+        self.trace = trace
+        self.trace_root = Path(trace_root) if trace_root is not None else Path("traces") / time.strftime("%Y-%m-%d")
+        self.trace_dirs: list[Path] = []
+
+    @property
+    def trace_dir(self) -> Path | None:
+        """The latest call's run directory (None before the first call, or with trace=False)."""
+        return self.trace_dirs[-1] if self.trace_dirs else None
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without its own SamplingParams gets (vLLM's name): the model's defaults where it has
+        them (generation_config="auto"), else the library's."""
+        return self.default_sampling
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One output per prompt, in order. `sampling_params`: one for every prompt, or one each."""
+        prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
+        return self._run([_prompt_request(p) for p in prompts], sampling_params)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One output per conversation (the tokenizer's chat template, generation prompt added)."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        return self._run([{"messages": [dict(m) for m in c]} for c in conversations], sampling_params)
+
+    def _run(self, requests: list[dict[str, Any]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[RequestOutput]:
+        from toolkit.engine import Engine
+        from toolkit.session import record
+
+        params = _per_request(sampling_params, len(requests), self.default_sampling)
+        engine = Engine(self.loaded, self.engine_cfg, self.default_sampling, self.spec_cfg)
+        ids = [engine.add_request(**r, sampling_params=p, request_id=f"{i}") for i, (r, p) in
+               enumerate(zip(requests, params))]  # a bad request raises before anything runs
+        if not self.trace:
+            engine.run_until_done()
+            return [engine.output(i) for i in ids]
+        run_dir = self.trace_root / f"{time.strftime('%H-%M-%S')}-llm-{len(self.trace_dirs)}"
+        config = {"model": dataclasses.asdict(self.loaded.config), "engine": dataclasses.asdict(self.engine_cfg),
+                  "speculative": dataclasses.asdict(self.spec_cfg), "mode": "run", "entry": "toolkit.LLM"}
+        recorded = record(engine, ids, run_dir, config)
+        self.trace_dirs.append(recorded.run_dir)
+        return recorded.outputs
+
+
+def _is_single_prompt(prompts: Any) -> bool:
+    if isinstance(prompts, (str, Mapping)):
+        return True
+    return bool(prompts) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+
+
+def _prompt_request(prompt: Prompt) -> dict[str, Any]:
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if isinstance(prompt, Mapping):
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+        if unknown:
+            raise ConfigError(f"a prompt mapping takes prompt or prompt_token_ids, not {', '.join(unknown)}")
+        return dict(prompt)
+    return {"prompt_token_ids": list(prompt)}
+
+
+def _per_request(sampling_params, n: int, default: SamplingParams) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [default] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ConfigError(f"{len(params)} SamplingParams for {n} prompts: give one, or one per prompt")
+    return params
