@@ -38,7 +38,7 @@ from toolkit.commit import Committed, Committer
 from toolkit.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig, from_mapping
 from toolkit.decide import Decider
 from toolkit.errors import ConfigError, RequestError
-from toolkit.grammar import GrammarBackend
+from toolkit.grammar import GrammarBackend, LazyGrammar
 from toolkit.intake import RequestIntake, derive_seed
 from toolkit.kv import BlockManager, PagedKVCache
 from toolkit.models import LoadedModel, load_model
@@ -91,7 +91,9 @@ class Engine:
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, self.attention_backend,
                                   batch_invariant=self.cfg.batch_invariant,
                                   native_matmul=self.matmul_backend == "native", flex_compile=self.cfg.flex_compile)
-        self._grammar: GrammarBackend | None = None  # created on the first structured-output request
+        # created on the first structured-output request; the stages share it without a reference back to the
+        # engine (an engine in a reference cycle would keep its KV cache until the cycle collector runs)
+        self._grammar_backend = LazyGrammar(self.tokenizer, self.vocab_size, self.eos_token_ids or (0,))
         self.spec_cfg = speculative or SpeculativeConfig()
         self.speculator = Speculator.build(self.spec_cfg, self) if self.spec_cfg.enabled else None
         self.intake = RequestIntake(self.cfg, self.tokenizer, self.vocab_size, self.max_model_len, self.num_kv_blocks,
@@ -110,14 +112,6 @@ class Engine:
     @property
     def grammar(self) -> GrammarBackend:
         return self._grammar_backend()
-
-    def _grammar_backend(self) -> GrammarBackend:
-        if self._grammar is None:
-            if self.tokenizer is None:
-                raise RequestError("structured outputs need a tokenizer that matches the model's vocabulary")
-            self._grammar = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids or (0,),
-                                           threads=max(1, torch.get_num_threads()))
-        return self._grammar
 
     @property
     def last_finish_time(self) -> float | None:

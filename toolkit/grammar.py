@@ -19,7 +19,7 @@ import torch
 from toolkit.errors import RequestError
 from toolkit.structured import KINDS, StructuredOutputs, choice_ebnf
 
-__all__ = ["GrammarBackend", "KINDS", "StructuredOutputs", "choice_ebnf", "unpack_bitmask"]
+__all__ = ["GrammarBackend", "KINDS", "LazyGrammar", "StructuredOutputs", "choice_ebnf", "unpack_bitmask"]
 
 def _compiler_message(exc: Exception) -> str:
     """xgrammar's message without its timestamp and source location, on one line."""
@@ -95,6 +95,22 @@ class GrammarBackend:
             return False
         allowed = self.fill_masks([matcher])[0].nonzero().flatten().tolist()
         return all(t in self.stop_token_ids for t in allowed)
+
+
+class LazyGrammar:
+    """One engine's GrammarBackend, built on first use (xgrammar's tokenizer info takes a while to make)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]):
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, tuple(stop_token_ids)
+        self.backend: GrammarBackend | None = None
+
+    def __call__(self) -> GrammarBackend:
+        if self.backend is None:
+            if self.tokenizer is None:
+                raise RequestError("structured outputs need a tokenizer that matches the model's vocabulary")
+            self.backend = GrammarBackend(self.tokenizer, self.vocab_size, self.stop_token_ids,
+                                          threads=max(1, torch.get_num_threads()))
+        return self.backend
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
