@@ -408,9 +408,13 @@ TAIL_OPS = {"top_p": 0, "top_k": 1, "temperature": 2}  # what toolkit_sample_tai
 TAIL_WIDTH = 3  # ops per row
 
 
+def _tail_lib(x_RV: torch.Tensor, lib: NativeLib | None) -> NativeLib | None:
+    return _lib_or_none(lib) if _rows_ok(x_RV) and 0 < x_RV.shape[1] < 2 ** 31 else None
+
+
 def tail_fusable(x_RV: torch.Tensor, lib: NativeLib | None = None) -> bool:
     """Whether `sample_tail_cpu` runs on these logits (fp32 CPU rows and a native build)."""
-    return _rows_ok(x_RV) and 0 < x_RV.shape[1] < 2 ** 31 and _lib_or_none(lib) is not None
+    return _tail_lib(x_RV, lib) is not None
 
 
 @dataclass(frozen=True)
@@ -435,7 +439,7 @@ def sample_tail_cpu(x_RV: torch.Tensor, ops: list[tuple[tuple[str, float], ...]]
     (toolkit/csrc/gumbel.c): the same bits as `truncate_cpu`, `logsumexp_cpu`, `gumbel_sample_cpu` and
     `argmax_cpu` one after another. `keep_rows=False` never writes the processed rows out (a write of the
     whole block saved); None where the kernel does not apply."""
-    lib = _lib_or_none(lib) if tail_fusable(x_RV, lib) else None
+    lib = _tail_lib(x_RV, lib)
     if lib is None:
         return None
     n, vocab = x_RV.shape

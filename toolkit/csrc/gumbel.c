@@ -203,61 +203,6 @@ static int64_t sample_row(const float *x, int64_t V, const int32_t *ids, int64_t
     return reduce(&b);
 }
 
-/*
- * One row: its count of finite logits and, where a key is given, its Gumbel-max token and that token's
- * noise (token -1 and NaN without a finite logit). A support under a quarter of the vocabulary is
- * sampled over its ids, gathered from the chunks that hold any. Returns 0, or -1 if out of memory.
- */
-static int sample_one(const float *row, int64_t V, const uint32_t *key, int64_t *token, double *noise,
-                      int64_t *support) {
-    vi finite = {0}; /* lanes count down: each finite logit adds -1 */
-    for (int64_t v = 0; v < V; v += VL) finite += finite_mask(chunk(row, V, v));
-    int64_t count = 0;
-    for (int j = 0; j < VL; j++) count -= finite[j];
-    *support = count;
-    if (!key) return 0;
-    int32_t *ids = 0;
-    if (count * 4 < V) { /* a truncated support: its ids */
-        ids = malloc(sizeof *ids * (size_t)(count + VL));
-        if (!ids) return -1;
-        int64_t n = 0;
-        vu lane;
-        for (int j = 0; j < VL; j++) lane[j] = (uint32_t)j;
-        for (int64_t v = 0; v < V; v += VL) {
-            vi mask = finite_mask(chunk(row, V, v));
-            if (!any_lane(mask)) continue;
-            n = append_lanes((uint32_t *)ids, n, mask, lane + (uint32_t)v);
-        }
-    }
-    const int64_t t = sample_row(row, V, ids, count, key[0], key[1]);
-    free(ids);
-    *token = t;
-    if (t >= 0) {
-        vu id = {0};
-        id[0] = (uint32_t)t;
-        *noise = gumbel(id, key[0], key[1])[0];
-    } else {
-        *noise = NAN;
-    }
-    return 0;
-}
-
-/*
- * For each row i of x (n_rows rows of V, row stride ldx): support[i] = its finite logits; where keys is
- * given and sampled[i] != 0, tokens[i] = the Gumbel-max token under (keys[2i], keys[2i+1]) and noise[i]
- * = its G (a row without a finite logit gives token -1). Returns 0, or -1 if out of memory.
- */
-int toolkit_gumbel_sample_rows(const float *x, int64_t ldx, int64_t V, int64_t n_rows, const uint32_t *keys,
-                               const int8_t *sampled, int64_t *tokens, double *noise, int64_t *support, int threads) {
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && n_rows > 1)
-    for (int64_t i = 0; i < n_rows; i++) {
-        const uint32_t *key = keys && sampled[i] ? keys + 2 * i : 0;
-        if (sample_one(x + i * ldx, V, key, tokens + i, noise + i, support + i) != 0) failed = 1;
-    }
-    return failed ? -1 : 0;
-}
-
 /* the noise itself for n ids under one key (checks and the twins' tests) */
 int toolkit_gumbel_noise(const int32_t *ids, int64_t n, uint32_t k0, uint32_t k1, double *out) {
     for (int64_t i = 0; i < n; i += VL) {
@@ -498,50 +443,85 @@ int toolkit_truncate_f32(const float *x, int64_t ldx, int64_t R, int64_t V, int 
 }
 
 /*
- * Of a processed row, in one pass after its maximum: lse (exactly toolkit_logsumexp_f32's: the same
- * maximum, and the same lane sums, as a chunk without a finite logit adds exp(-inf - max) = vexp's
- * floor in every lane, which is added here without computing it), support (its finite logits) and the
- * ids of those while they are under a quarter of V (ids: V + VL entries). Returns whether ids holds
- * them all.
+ * Of a row, in one pass: support (its finite logits) and the ids of those while they are under a quarter
+ * of V (ids: V / 4 + 2 VL entries); where lse is given, also its logsumexp, exactly toolkit_logsumexp_f32's
+ * (the same maximum, and the same lane sums: a chunk without a finite logit adds exp(-inf - max), vexp's
+ * floor, in every lane, which is added here without computing it). Returns whether ids holds them all.
  */
 static int finish_row(const float *row, int64_t V, float *lse, int64_t *support, int32_t *ids) {
     const int64_t vec = V - V % VL;
-    int nan;
-    const float m = row_max(row, V, &nan); /* toolkit_logsumexp_f32's maximum */
-    const int sum = !nan && m != INFINITY && m != -INFINITY;
+    int nan = 0;
+    const float m = lse ? row_max(row, V, &nan) : 0.0f; /* toolkit_logsumexp_f32's maximum */
+    const int sum = lse && !nan && m != INFINITY && m != -INFINITY;
     const vf floor = vexp(splat(-INFINITY)), mvec = splat(m);
     vf sv = splat(0.0f);
     vi finite = {0}; /* lanes count down: each finite logit adds -1 */
     int64_t n = 0;
     vu lane;
     for (int j = 0; j < VL; j++) lane[j] = (uint32_t)j;
-    for (int64_t i = 0; i < vec; i += VL) { /* one accumulation point: sv stays in a register */
-        const vf v = loadv(row + i);
+    for (int64_t i = 0; i < V; i += VL) { /* the last, partial chunk is counted and listed; summed below */
+        const vf v = chunk(row, V, i);
         const vi mask = finite_mask(v);
-        vf add = floor;
-        if (any_lane(mask)) {
+        const int any = any_lane(mask);
+        if (any) {
             finite += mask;
-            add = vexp(v - mvec);
             if (n * 4 < V) n = append_lanes((uint32_t *)ids, n, mask, lane + (uint32_t)i);
         }
-        if (sum) sv += add;
-    }
-    if (vec < V) { /* the last, partial chunk: counted and listed; its sum is taken in scalars below */
-        const vi mask = finite_mask(chunk(row, V, vec));
-        finite += mask;
-        if (n * 4 < V) n = append_lanes((uint32_t *)ids, n, mask, lane + (uint32_t)vec);
+        if (sum && i < vec) sv += any ? vexp(v - mvec) : floor; /* one accumulation point: a register */
     }
     int64_t count = 0;
     for (int j = 0; j < VL; j++) count -= finite[j];
     *support = count;
-    if (!sum) {
+    if (lse && !sum) {
         *lse = nan ? NAN : m;
-    } else {
+    } else if (sum) {
         float s = hsum(sv);
         for (int64_t i = vec; i < V; i++) s += sexp(row[i] - m);
         *lse = m + logf(s);
     }
     return count * 4 < V;
+}
+
+/* the Gumbel-max token of a row under (k0, k1) over its `count` finite logits (listed in ids, or NULL:
+ * the whole row), -1 without one; its noise (NaN without a token) */
+static int64_t draw(const float *row, int64_t V, const int32_t *ids, int64_t count, uint32_t k0, uint32_t k1,
+                    double *noise) {
+    const int64_t t = sample_row(row, V, ids, count, k0, k1);
+    *noise = NAN;
+    if (t >= 0) {
+        vu id = {0};
+        id[0] = (uint32_t)t;
+        *noise = gumbel(id, k0, k1)[0];
+    }
+    return t;
+}
+
+/*
+ * For each row i of x (n_rows rows of V, row stride ldx): support[i] = its finite logits; where keys is
+ * given and sampled[i] != 0, tokens[i] = the Gumbel-max token under (keys[2i], keys[2i+1]) and noise[i]
+ * = its G (a row without a finite logit gives token -1). Returns 0, or -1 if out of memory.
+ */
+int toolkit_gumbel_sample_rows(const float *x, int64_t ldx, int64_t V, int64_t n_rows, const uint32_t *keys,
+                               const int8_t *sampled, int64_t *tokens, double *noise, int64_t *support, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n_rows > 1)
+    {
+        int32_t *ids = malloc(sizeof *ids * (size_t)(V / 4 + 2 * VL));
+        if (!ids) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_rows; i++) {
+            if (!ids) continue;
+            const float *row = x + i * ldx;
+            const int listed = finish_row(row, V, 0, support + i, ids);
+            if (keys && sampled[i])
+                tokens[i] = draw(row, V, listed ? ids : 0, support[i], keys[2 * i], keys[2 * i + 1], noise + i);
+        }
+        free(ids);
+    }
+    return failed ? -1 : 0;
 }
 
 /*
@@ -601,15 +581,8 @@ int toolkit_sample_tail_rows(const float *x, int64_t ldx, int64_t R, int64_t V, 
             const int listed = finish_row(row, V, lse + r, support + r, ids);
             int64_t t = -1;
             noise[r] = NAN;
-            if (keys && sampled[r]) {
-                const uint32_t k0 = keys[2 * r], k1 = keys[2 * r + 1];
-                t = sample_row(row, V, listed ? ids : 0, support[r], k0, k1);
-                if (t >= 0) {
-                    vu id = {0};
-                    id[0] = (uint32_t)t;
-                    noise[r] = gumbel(id, k0, k1)[0];
-                }
-            }
+            if (keys && sampled[r])
+                t = draw(row, V, listed ? ids : 0, support[r], keys[2 * r], keys[2 * r + 1], noise + r);
             if (t < 0) toolkit_argmax_f32(row, V, 1, V, &t, 1);
             tokens[r] = t;
             picked[r] = row[t];

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.config import DEFAULT_PROCESSORS
+from toolkit.kernels import tail_fusable
 from toolkit.processors import masks, penalties, truncation
 from toolkit.processors.base import NEG_INF, BatchView, Processor, RowState
 
@@ -80,8 +81,6 @@ def apply_pipeline(logits_RV: torch.Tensor, view: BatchView, registry: dict[str,
     `defer_tail` (the default registry, where the native sampler runs on these logits) leaves each row's
     `sampler_tail` to the sampler, which applies it in the same pass that samples the row.
     """
-    from toolkit.kernels import tail_fusable
-
     defer_tail = defer_tail and registry in (None, REGISTRY) and tail_fusable(logits_RV)
     registry = registry or REGISTRY
     if row_errors is None:
