@@ -50,7 +50,7 @@ from toolkit.scheduler import ScheduledBatch, Scheduler
 from toolkit.speculative import DraftContext, Proposal, Speculator
 
 __all__ = ["CompletionOutput", "Engine", "RequestMetrics", "RequestOutput", "StepOutput", "TextDelta",
-           "derive_seed", "keep_freed_memory", "request_metrics"]
+           "derive_seed", "keep_freed_memory", "load_for", "request_metrics"]
 
 
 class Engine:
@@ -124,13 +124,7 @@ class Engine:
         model_cfg = from_mapping(ModelConfig, _plain(cfg.get("model")), section="model")
         SamplingParams.from_mapping(_plain(cfg.get("sampling")))  # a bad value is refused before the load
         speculative = from_mapping(SpeculativeConfig, _plain(cfg.get("speculative")), section="speculative")
-        if engine_cfg.num_threads:
-            torch.set_num_threads(engine_cfg.num_threads)
-        if engine_cfg.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError(f"engine.device={engine_cfg.device} but CUDA is not available; use engine.device=cpu")
-        loaded = load_model(model_cfg, engine_cfg.device)
-        generation = loaded.generation if model_cfg.generation_config == "auto" else {}
-        sampling, taken = SamplingParams.with_model_defaults(_plain(cfg.get("sampling")), generation)
+        loaded, sampling, taken = load_for(model_cfg, engine_cfg, _plain(cfg.get("sampling")))
         engine = cls(loaded, engine_cfg, sampling, speculative)
         engine.model_sampling_defaults = taken
         return engine
@@ -284,6 +278,21 @@ class Engine:
         self._add_all(requests)
         while self.has_unfinished():
             yield from self.step().deltas
+
+
+def load_for(model_cfg: ModelConfig, engine_cfg: EngineConfig, sampling: Mapping[str, Any] | None
+             ) -> tuple[LoadedModel, SamplingParams, dict[str, Any]]:
+    """The weights an engine runs (on its device, with its threads), the run's default sampling with the
+    model's own defaults where the run leaves the library's (model.generation_config=auto), and which
+    fields came from the model."""
+    if engine_cfg.num_threads:
+        torch.set_num_threads(engine_cfg.num_threads)
+    if engine_cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"engine.device={engine_cfg.device} but CUDA is not available; use engine.device=cpu")
+    loaded = load_model(model_cfg, engine_cfg.device)
+    generation = loaded.generation if model_cfg.generation_config == "auto" else {}
+    default_sampling, taken = SamplingParams.with_model_defaults(sampling, generation)
+    return loaded, default_sampling, taken
 
 
 def _plain(section: Any) -> dict[str, Any]:

@@ -37,21 +37,14 @@ class LLM:
         an unknown one is a one-line ConfigError). `generation_config`: "auto" takes the model's own
         sampling defaults, "none" the library's. `trace_root`: where run directories go (default
         traces/<date>/<time>-llm-<n>)."""
-        from toolkit.models import load_model
+        from toolkit.engine import load_for
 
         known = {"smollm2", "tiny"}
         model_cfg = ModelConfig(name=model, dtype=dtype, generation_config=generation_config) if model in known \
             else ModelConfig(name="hf", path=str(model), dtype=dtype, generation_config=generation_config)
         self.engine_cfg = from_mapping(EngineConfig, engine_options, section="engine")
         self.spec_cfg = from_mapping(SpeculativeConfig, dict(speculative or {}), section="speculative")
-        if self.engine_cfg.device.startswith("cuda"):
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ConfigError(f"device={self.engine_cfg.device} but CUDA is not available; use device=cpu")
-        self.loaded = load_model(model_cfg, self.engine_cfg.device)
-        generation = self.loaded.generation if generation_config == "auto" else {}
-        self.default_sampling, self.model_sampling_defaults = SamplingParams.with_model_defaults({}, generation)
+        self.loaded, self.default_sampling, self.model_sampling_defaults = load_for(model_cfg, self.engine_cfg, {})
         self.trace = trace
         self.trace_root = Path(trace_root) if trace_root is not None else Path("traces") / time.strftime("%Y-%m-%d")
         self.trace_dirs: list[Path] = []

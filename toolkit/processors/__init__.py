@@ -61,8 +61,8 @@ def sampler_tail(params, vocab_size: int) -> Tail:
     n = len(active)
     while n and active[n - 1] in SAMPLER_TAIL:
         n -= 1
-    values = {"temperature": params.temperature, "top_k": min(params.top_k, vocab_size), "top_p": params.top_p}
-    return tuple((name, values[name]) for name in active[n:])
+    return tuple((name, min(params.top_k, vocab_size) if name == "top_k" else getattr(params, name))
+                 for name in active[n:])
 
 
 def invalid_rows(logsumexp_R: torch.Tensor) -> dict[int, str]:
