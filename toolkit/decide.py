@@ -238,11 +238,10 @@ class Decider:
                          grammar_mask_RV=mask)
         lse = logsumexp_rows(logits_RV, per_row=self.batch_invariant)
         pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse))
-        processed = pipe.processed_RV.clone()
         purpose = rng.SAMPLE if self.acceptance == "coupled" else rng.DRAFT
         srows = [SampleRow(greedy=s.sampling.greedy, seed=s.seed, position=len(t), stream=s.stream, purpose=purpose)
                  for s, t in zip(seqs, tokens_hist)]
-        safe = processed.clone()
+        safe = pipe.processed_RV.clone()  # never the raw logits themselves: error rows are replaced below
         for i in pipe.errors:  # a row the pipeline could not process proposes greedily from raw logits
             safe[i] = logits_RV[i]
         tokens = sample(logits_RV, safe, srows, per_row=self.batch_invariant).token_ids
