@@ -146,12 +146,13 @@ class Committer:
         self.last_finish_time = now
         self.scheduler.finish(seq)
 
-    def abort(self, seqs: list[Request]) -> None:
-        """Finish every sequence of a request now (finish_reason "abort"): no token, no trace row."""
+    def abort(self, seqs: list[Request], step: int) -> None:
+        """Finish every sequence of a request now, before `step` (finish_reason "abort"): no token, no trace row."""
         now = time.perf_counter()
         for seq in seqs:
             seq.followers = []
             if not seq.is_finished:
+                seq.abort_step = step
                 self.finish(seq, FinishReason.ABORT, "abort", None, now)
 
     def trace_row(self, seq: Request, e: Emit, position: int, batch: ScheduledBatch, finished: bool,

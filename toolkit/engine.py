@@ -236,10 +236,11 @@ class Engine:
                           prefix_hit_tokens=batch.prefix_hit_tokens, forward_s=forward_s)
 
     def abort(self, request_id: str) -> None:
-        """Finish every sequence of a request now (finish_reason "abort") and free its blocks."""
+        """Finish every sequence of a request now, before the next step (finish_reason "abort"), and free its
+        blocks; the request's trace row records that step (abort_step) so that a replay aborts it there too."""
         if request_id not in self.groups:
             raise RequestError(f"unknown request id {request_id!r}")
-        self.committer.abort([self.requests[s] for s in self.groups[request_id]])
+        self.committer.abort([self.requests[s] for s in self.groups[request_id]], self.step_index)
 
     # ------------------------------------------------------------------ results out
 

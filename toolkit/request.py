@@ -63,6 +63,7 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_time: float | None = None
+    abort_step: int | None = None  # the step before which it was aborted (null: it was not)
     num_preemptions: int = 0
     preempted_steps: list[int] = field(default_factory=list)
     preemption_modes: list[str] = field(default_factory=list)

@@ -95,12 +95,14 @@ def effective_config(engine: Engine, config: DictConfig | Mapping | None) -> Dic
 def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictConfig | Mapping | None = None, *,
            trace: bool = True, flush_every_steps: int = 64, manifest_extra: dict[str, Any] | None = None,
            summary_extra: dict[str, Any] | None = None,
-           on_step: Callable[[StepOutput], None] | None = None, logger: Mapping[str, Any] | None = None,
+           on_step: Callable[[StepOutput], None] | None = None,
+           before_step: Callable[[Engine], None] | None = None, logger: Mapping[str, Any] | None = None,
            progress: bool = False, plots: bool = False) -> Recorded:
     """Run the engine until every request finished; write config, manifest, requests, trace, summary.
 
     `logger` is a `logger` config section (see toolkit.loggers); `progress` draws a progress
-    line on a terminal; `plots` writes the step timeline and latency plots."""
+    line on a terminal; `plots` writes the step timeline and latency plots; `before_step` is called with the
+    engine before each step (a replay aborts there what the recorded run aborted)."""
     run_id = new_run_id()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -115,6 +117,10 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
     interrupted = False
     try:
         while engine.has_unfinished():
+            if before_step is not None:
+                before_step(engine)
+                if not engine.has_unfinished():
+                    break
             t0 = time.perf_counter()
             out = engine.step()
             if writer is not None:

@@ -16,7 +16,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -191,7 +191,8 @@ def check_manifest(manifest: dict[str, Any], engine: Engine, allow_mismatch: boo
 
 
 def add_recorded_requests(engine: Engine, requests: pa.Table) -> list[str]:
-    """Re-add every recorded request with its recorded prompt ids, resolved seed and arrival step."""
+    """Re-add every recorded request with its recorded prompt ids, resolved seed and arrival step, in the
+    recorded order (the order of arrivals within a step)."""
     ids: list[str] = []
     for row in requests.to_pylist():
         if row["request_id"] in engine.groups:
@@ -203,6 +204,21 @@ def add_recorded_requests(engine: Engine, requests: pa.Table) -> list[str]:
                            priority=row.get("priority") or 0)
         ids.append(row["request_id"])
     return ids
+
+
+def recorded_aborts(requests: pa.Table) -> Callable[[Engine], None]:
+    """Abort each request before the step its recorded run aborted it at (a served client that left)."""
+    due: dict[int, list[str]] = {}
+    for row in requests.to_pylist():
+        if row.get("abort_step") is not None and row["stream"] == 0:
+            due.setdefault(row["abort_step"], []).append(row["request_id"])
+
+    def before_step(engine: Engine) -> None:
+        for step in [s for s in due if s <= engine.step_index]:
+            for request_id in due.pop(step):
+                engine.abort(request_id)
+
+    return before_step
 
 
 def compare(recorded: pa.Table, replayed: pa.Table, report: ReplayReport) -> None:
@@ -279,6 +295,7 @@ def replay(run_dir: str | Path, overrides: Sequence[str] = (), *, allow_mismatch
     ids = add_recorded_requests(engine, requests)
     trace_cfg = cfg.get("trace") or {}
     record(engine, ids, out_dir, cfg, flush_every_steps=trace_cfg.get("flush_every_steps", 64),
+           before_step=recorded_aborts(requests),
            manifest_extra={"replay_of": manifest.get("run_id"), "replay_overrides": list(overrides)})
     report = ReplayReport(trace_dir=run_dir, replay_dir=out_dir, mismatches=mismatches, overrides=list(overrides))
     compare(recorded_samples, read_samples(out_dir), report)

@@ -98,7 +98,7 @@ def request_rows(engine, run_id: str, request_ids: Sequence[str]) -> list[dict[s
                 "priority": s.priority, "queue_s": m.queue_s, "ttft_s": m.ttft_s,
                 "grammar_kind": s.sampling.structured_outputs.kind if s.sampling.structured_outputs else None,
                 "grammar_sha256": s.sampling.structured_outputs.digest if s.sampling.structured_outputs else None,
-                "tpot_s": m.tpot_s, "e2e_s": m.e2e_s,
+                "tpot_s": m.tpot_s, "e2e_s": m.e2e_s, "abort_step": s.abort_step,
             })
     return rows
 

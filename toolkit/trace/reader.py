@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from toolkit.errors import ToolkitError
-from toolkit.trace.schema import REQUESTS_SCHEMA, SAMPLES_SCHEMA, SCHEMA_VERSION, SUPERSEDED
+from toolkit.trace.schema import COMPATIBLE, REQUESTS_SCHEMA, SAMPLES_SCHEMA, SCHEMA_VERSION, SUPERSEDED
 from toolkit.trace.writer import MANIFEST_FILE, REQUESTS_FILE, SAMPLES_DIR
 
 
@@ -32,15 +32,18 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
     if version in SUPERSEDED:
         raise TraceError(f"{path}: trace schema version {version}, this toolkit reads version {SCHEMA_VERSION}: "
                          f"{SUPERSEDED[version]}")
-    if version != SCHEMA_VERSION:
+    if version != SCHEMA_VERSION and version not in COMPATIBLE:
         raise TraceError(f"{path}: trace schema version {version!r}, this toolkit reads version {SCHEMA_VERSION}")
     return manifest
 
 
+def _version(table: pa.Table) -> str:
+    return (table.schema.metadata or {}).get(b"toolkit_schema_version", b"").decode()
+
+
 def _check_version(table: pa.Table, what: str) -> None:
-    meta = table.schema.metadata or {}
-    version = meta.get(b"toolkit_schema_version", b"").decode()
-    if version != str(SCHEMA_VERSION):
+    version = _version(table)
+    if version != str(SCHEMA_VERSION) and version not in {str(v) for v in COMPATIBLE}:
         raise TraceError(f"{what}: schema version {version or 'missing'!r}, this toolkit reads {SCHEMA_VERSION}")
 
 
@@ -75,6 +78,11 @@ def read_requests(run_dir: Path, check_version: bool = True) -> pa.Table:
         raise TraceError(f"{path} is truncated or corrupt: {exc}") from None
     if check_version:
         _check_version(table, str(path))
+    missing = next((cols for v, cols in COMPATIBLE.items() if str(v) == _version(table)), ())
+    if missing and table.schema.names == [n for n in REQUESTS_SCHEMA.names if n not in missing]:
+        for name in missing:  # an older version's table: the columns it did not have are null
+            column = REQUESTS_SCHEMA.field(name)
+            table = table.append_column(column, pa.nulls(table.num_rows, column.type))
     if table.schema.names != REQUESTS_SCHEMA.names:
         raise TraceError(f"{path} has columns {table.schema.names}, expected {REQUESTS_SCHEMA.names}")
     return table

@@ -10,7 +10,10 @@ from dataclasses import dataclass, fields
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
+
+# older versions this toolkit still reads, and what their tables lack (read as null)
+COMPATIBLE = {4: ("request_body", "abort_step")}
 
 # versions this toolkit no longer reads, and why (the reader says so instead of "unknown version")
 SUPERSEDED = {
@@ -116,6 +119,8 @@ REQUESTS_SCHEMA = pa.schema([
     ("ttft_s", pa.float64()),
     ("tpot_s", pa.float64()),
     ("e2e_s", pa.float64()),
+    ("request_body", pa.string()),  # the HTTP request body as received (served runs; null otherwise)
+    ("abort_step", pa.int64()),  # the step before which the request was aborted (a client left); null otherwise
 ], metadata={"toolkit_schema_version": str(SCHEMA_VERSION)})
 
 TRACE_FIELDS = [f.name for f in fields(SampleTrace) if f.name != "logits_row"]

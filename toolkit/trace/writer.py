@@ -86,7 +86,8 @@ class TraceWriter:
     def __init__(self, run_dir: Path, run_id: str, flush_every_steps: int = 64):
         if not 1 <= flush_every_steps <= 64:
             raise ValueError(f"flush_every_steps must be in [1, 64], got {flush_every_steps}")
-        self.dir = Path(run_dir) / SAMPLES_DIR
+        self.run_dir = Path(run_dir)
+        self.dir = self.run_dir / SAMPLES_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id
         self.flush_every_steps = flush_every_steps
@@ -95,13 +96,18 @@ class TraceWriter:
         self.worker_cpu_s = 0.0  # CPU time of the writer thread (Arrow conversion, Parquet writes)
         self._parts = 0
         self._pending: list[tuple[SampleTrace, str]] = []
+        self._requests: Sequence[dict[str, Any]] | None = None  # the newest request rows not yet written
         self._steps_since_flush = 0
         self._queue: queue.Queue = queue.Queue(maxsize=256)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._work, name="trace-writer", daemon=True)
         self._thread.start()
 
-    def write_step(self, traces: Sequence[SampleTrace], logits_RV: torch.Tensor | None) -> None:
+    def write_step(self, traces: Sequence[SampleTrace], logits_RV: torch.Tensor | None,
+                   requests: Sequence[dict[str, Any]] | None = None) -> None:
+        """Queue a step's rows. `requests`: the run's request rows as of this step (a server passes them when
+        they changed); they are written to requests.parquet before any part holding later rows, so a part on
+        disk never holds a row whose request is not in requests.parquet."""
         if self._error is not None:
             raise RuntimeError(f"trace writer failed: {self._error}") from self._error
         start = time.perf_counter()
@@ -113,12 +119,12 @@ class TraceWriter:
                 rows = rows.index_select(0, torch.tensor(index, device=rows.device)).float().cpu()
                 index = list(range(len(index)))
             digests = sha256_rows(rows, index)
-        self._queue.put((tuple(traces), digests))
+        self._queue.put((tuple(traces), digests, requests))
         self.engine_thread_s += time.perf_counter() - start
 
     def flush(self) -> None:
         """Write everything received so far (blocks until the worker has written it)."""
-        self._queue.put(("flush", None))
+        self._queue.put(("flush", None, None))
         self._queue.join()
         if self._error is not None:
             raise RuntimeError(f"trace writer failed: {self._error}") from self._error
@@ -141,7 +147,9 @@ class TraceWriter:
             try:
                 if item is None:
                     return
-                traces, digests = item
+                traces, digests, requests = item
+                if requests is not None:
+                    self._requests = requests
                 if traces == "flush":
                     self._write_part()
                     continue
@@ -157,6 +165,9 @@ class TraceWriter:
 
     def _write_part(self) -> None:
         self._steps_since_flush = 0
+        if self._requests is not None:
+            write_requests(self.run_dir, self._requests)
+            self._requests = None
         if not self._pending:
             return
         table = sample_rows_table(self.run_id, [t for t, _ in self._pending], [d for _, d in self._pending])

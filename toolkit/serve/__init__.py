@@ -1,0 +1,10 @@
+"""An OpenAI-compatible server over the engine: `python run.py mode=serve` (or `make serve`).
+
+    toolkit.serve.loop      EngineLoop: the one thread that owns the Engine and records the run
+    toolkit.serve.protocol  the request bodies (pydantic), refused fields named
+    toolkit.serve.api       the FastAPI routes: parse, submit, await updates, answer (JSON or SSE)
+    toolkit.serve.metrics   /metrics in Prometheus' format
+    toolkit.serve.main      run_serve: config -> engine -> loop -> uvicorn; start_server for tests and the bench
+
+Needs the `serve` extra (FastAPI, uvicorn, prometheus-client).
+"""

@@ -1,0 +1,168 @@
+"""The OpenAI request bodies this server accepts (pydantic models), and what they become for the engine.
+
+Every field a client may send is declared; anything else is refused with a 400 naming the field (OpenAI's
+fields this engine does not implement, such as `tools`, say so). Sampling fields a request leaves out take
+the server's defaults (the model's generation config where it has one), exactly as `LLM.generate` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# OpenAI fields refused with a clear reason rather than "unknown field"
+UNSUPPORTED = {
+    "tools": "tool calling is not supported by this server",
+    "tool_choice": "tool calling is not supported by this server",
+    "functions": "function calling is not supported by this server",
+    "function_call": "function calling is not supported by this server",
+    "parallel_tool_calls": "tool calling is not supported by this server",
+    "audio": "audio output is not supported by this server",
+    "modalities": "only text output is supported by this server",
+    "prediction": "predicted outputs are not supported by this server",
+    "web_search_options": "web search is not supported by this server",
+    "reasoning_effort": "reasoning models are not served here",
+    "service_tier": "service tiers are not supported by this server",
+    "store": "stored completions are not supported by this server",
+    "suffix": "suffix (insertion) is not supported by this server",
+}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class JsonSchema(Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class SamplingFields(Strict):
+    """The sampling fields both endpoints take (OpenAI's, plus vLLM's extras)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    max_tokens: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
+        """SamplingParams fields the request set (the rest are the server's defaults)."""
+        fields = {name: getattr(self, name) for name in (
+            "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
+            "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output",
+            "skip_special_tokens", "bad_words", "allowed_token_ids")}
+        out = {k: v for k, v in fields.items() if v is not None}
+        if self.logit_bias:
+            out["logit_bias"] = self.logit_bias
+        if max_tokens is not None:
+            out["max_tokens"] = max_tokens
+        if logprobs is not None:
+            out["logprobs"] = logprobs
+        structured = self.structured_outputs()
+        if structured is not None:
+            out["structured_outputs"] = structured
+        return out
+
+    def structured_outputs(self) -> dict[str, Any] | None:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"json": {"type": "object"}}
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise FieldError("response_format.json_schema.schema", "response_format type json_schema needs "
+                                                                   "json_schema.schema (a JSON schema object)")
+        return {"json": fmt.json_schema.schema_}
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[dict[str, Any]]:
+        """One add_request prompt per prompt given (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [{"prompt": p}]
+        if not p:
+            raise FieldError("prompt", "prompt must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [{"prompt_token_ids": list(p)}]
+        return [{"prompt": x} if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in p]
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def plain(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class FieldError(ValueError):
+    """A request field the server refuses: a 400 naming it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
