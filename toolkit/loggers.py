@@ -36,8 +36,8 @@ class WandbLogger(RunLogger):
             raise ConfigError(f"logger.mode must be offline, online or disabled, got {mode!r}")
         try:
             import wandb
-        except ImportError:  # pragma: no cover - wandb is a pinned dependency
-            raise ConfigError("logger=wandb needs the wandb package (pip install wandb)") from None
+        except ImportError:  # pragma: no cover - wandb comes with the wandb (and dev) extra
+            raise ConfigError("logger=wandb needs the wandb package: pip install 'toolkit[wandb]'") from None
         os.environ.setdefault("WANDB_SILENT", "true")
         self.wandb = wandb
         self.run = wandb.init(project=cfg.get("project") or "toolkit", entity=cfg.get("entity"), mode=mode,

@@ -5,6 +5,10 @@
   KV-cache utilisation on a second axis;
 - `latency.png`: TTFT and TPOT distributions of the run's requests;
 - `compare.png` (mode=compare): throughput per run and TTFT/TPOT distributions side by side.
+
+matplotlib comes with the `bench` extra (`pip install 'toolkit[bench]'`), imported on first use.
+Without it a run's plots are skipped with one line on stderr; `mode=compare` and the KV
+quantisation report stop with an error that says what to install.
 """
 
 from __future__ import annotations
@@ -14,12 +18,17 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+MISSING_MATPLOTLIB = "plots need matplotlib: pip install 'toolkit[bench]'"
+
 
 def _pyplot():
     import logging
 
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its first use logs building a font cache
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ModuleNotFoundError(MISSING_MATPLOTLIB, name="matplotlib") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -38,7 +47,14 @@ def _budget(run_dir: Path) -> int | None:
 
 def plot_run(run_dir: Path) -> list[Path]:
     run_dir = Path(run_dir)
-    plt = _pyplot()
+    try:
+        plt = _pyplot()
+    except ModuleNotFoundError as exc:  # a core install without the bench extra: the run itself is complete
+        import sys
+
+        print(f"{exc}; timeline.png and latency.png skipped (plots=false turns them off)", file=sys.stderr,
+              flush=True)
+        return []
     written = []
     steps_path = run_dir / "steps.parquet"
     if steps_path.exists():

@@ -7,10 +7,9 @@ from typing import Any
 
 
 def plot_bench(report: dict[str, Any], path: Path) -> Path | None:
-    import matplotlib
+    from toolkit.plots import _pyplot  # matplotlib comes with the bench extra; a clear error without it
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     roof = report.get("roofline")
     panels = 3 if roof else 1
