@@ -46,7 +46,7 @@ class ApiError(Exception):
 def validation_error(exc: ValidationError) -> ApiError:
     """The first problem pydantic found, as a 400 naming the field (dotted path)."""
     err = exc.errors()[0]
-    loc = [str(x) for x in err["loc"] if not str(x).startswith(("function-", "list[", "str", "int"))]
+    loc = [str(x) for x in err["loc"] if not _union_tag(x)]
     param = ".".join(loc) or None
     if err["type"] == "extra_forbidden":
         leaf = loc[-1] if loc else "?"
@@ -55,10 +55,16 @@ def validation_error(exc: ValidationError) -> ApiError:
     return ApiError(400, f"{param}: {err['msg']}" if param else err["msg"], param)
 
 
+def _union_tag(part: Any) -> bool:
+    """pydantic names the member of a union it tried (`str`, `list[int]`, ...) in an error's location."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none")
+                                      or part.startswith(("list[", "dict[", "tuple[", "function-")))
+
+
 def request_error(exc: Exception, fields: Any) -> ApiError:
     """A RequestError / ConfigError from the engine's intake as a 400; `param` is the field it names first."""
     message = str(exc)
-    names = sorted(getattr(fields, "model_fields", {}), key=len, reverse=True) + ["max_tokens", "prompt", "logprobs"]
+    names = sorted(getattr(type(fields), "model_fields", {}), key=len, reverse=True) + ["max_tokens", "prompt", "logprobs"]
     param = next((n for n in names if message.startswith(n) or f" {n} " in f" {message} "), None)
     return ApiError(400, message, param)
 
@@ -204,10 +210,12 @@ class Job:
 
     async def submit(self) -> None:
         sink = self._sink()
-        futures = []
+        score = self.req.logprobs if not self.chat and self.req.echo else None
+        submissions = []
         for i, prompt in enumerate(self.prompts):
             kwargs = {**prompt, "sampling_params": self.sampling, "request_id": f"{self.id}-{i}"}
-            futures.append(self.api.loop.submit(Submission(kwargs, self.body, sink, self.fill_max_tokens)))
+            submissions.append(Submission(kwargs, self.body, sink, self.fill_max_tokens, prompt_logprobs=score))
+        futures = [self.api.loop.submit(sub) for sub in submissions]
         failed = None
         for fut in futures:
             try:
@@ -217,34 +225,7 @@ class Job:
         if failed is not None:
             self.abort()
             raise request_error(failed, self.req)
-        if not self.chat and self.req.echo and self.req.logprobs is not None:
-            self.prompt_logprobs = [await self._prompt_logprobs(i) for i in range(len(self.prompts))]
-
-    async def _prompt_logprobs(self, index: int) -> list:
-        """Raw logprobs of every prompt token given the ones before it (the first has none), with the top
-        `logprobs` alternatives, from one no-cache forward on the engine thread."""
-        k = self.req.logprobs
-        request_id = self.request_ids[index]
-
-        def compute(engine):
-            import torch
-
-            from toolkit.runner import recompute_logits
-
-            ids = list(engine.requests[engine.groups[request_id][0]].prompt_token_ids) \
-                if request_id in engine.groups else None
-            if ids is None:
-                return []
-            logprobs = torch.log_softmax(recompute_logits(engine.loaded.model, ids, batch_invariant=False)
-                                         [:-1].double(), dim=-1)
-            rows = [None]
-            for pos in range(1, len(ids)):
-                row = logprobs[pos - 1]
-                top = torch.topk(row, k).indices.tolist() if k else []
-                rows.append((ids[pos], float(row[ids[pos]]), [(t, float(row[t])) for t in top]))
-            return rows
-
-        return await asyncio.wrap_future(self.api.loop.call(compute))
+        self.prompt_logprobs = [sub.prompt_scores for sub in submissions]
 
     def abort(self) -> None:
         for request_id in self.request_ids:

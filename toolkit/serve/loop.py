@@ -55,6 +55,8 @@ class Submission:
     body: Any
     sink: Sink
     fill_max_tokens: bool = False  # max_tokens: the rest of the context (a chat request that gave none)
+    prompt_logprobs: int | None = None  # score the prompt too, with this many alternatives per position
+    prompt_scores: list | None = None  # then: per prompt position, None or (token, logprob, [(alt, logprob)])
     accepted: Future = field(default_factory=Future)  # the request id, or the RequestError refusing it
 
 
@@ -161,6 +163,7 @@ class EngineLoop:
                     self._after_step(None)
                     break
                 if not engine.has_unfinished():
+                    self._refresh_stats()
                     if self._rows_changed and self.writer is not None:  # an abort while idle
                         self.writer.write_step((), None, self._snapshot())
                     self._wake.wait(0.5)
@@ -208,6 +211,9 @@ class EngineLoop:
                 kwargs["sampling_params"] = {**kwargs.get("sampling_params", {}),
                                              "max_tokens": max(engine.max_model_len - len(ids), 1)}
             request_id = engine.add_request(**kwargs)
+            if sub.prompt_logprobs is not None:
+                seq = engine.requests[engine.groups[request_id][0]]
+                sub.prompt_scores = prompt_scores(engine, list(seq.prompt_token_ids), sub.prompt_logprobs)
         except ToolkitError as exc:
             sub.accepted.set_exception(RequestError(str(exc)))
             return
@@ -242,12 +248,15 @@ class EngineLoop:
                 if request_id in self._sinks and engine.output(request_id).finished:
                     deltas, samples = by_request.get(request_id, ((), ()))
                     self._finish(request_id, deltas, samples)
-        sched = engine.scheduler
-        self.stats.running, self.stats.waiting = len(sched.running), len(sched.waiting)
-        self.stats.kv_blocks_used = engine.block_manager.num_used_blocks
+        self._refresh_stats()
         if self.writer is not None and (out is not None or self._rows_changed):
             snapshot = self._snapshot() if self._rows_changed else None
             self.writer.write_step(out.samples if out else (), out.logits_RV if out else None, snapshot)
+
+    def _refresh_stats(self) -> None:
+        sched = self.engine.scheduler
+        self.stats.running, self.stats.waiting = len(sched.running), len(sched.waiting)
+        self.stats.kv_blocks_used = self.engine.block_manager.num_used_blocks
 
     def _finish(self, request_id: str, deltas, samples=()) -> None:
         self._record_rows(request_id)
@@ -287,6 +296,23 @@ class EngineLoop:
                                 model_revision=self.engine.loaded.revision, served=True,
                                 served_s=time.perf_counter() - self._started)
             atomic_write_bytes(self.run_dir / "summary.json", json.dumps(summary, indent=2).encode())
+
+
+def prompt_scores(engine: Engine, ids: list[int], k: int) -> list:
+    """Raw logprobs of every prompt token given the ones before it (the first has none) and the top `k`
+    alternatives at each position, from one no-cache forward through the engine's model (an eval harness's
+    loglikelihood request: echo + logprobs)."""
+    import torch
+
+    from toolkit.runner import recompute_logits
+
+    logprobs = torch.log_softmax(recompute_logits(engine.loaded.model, ids, batch_invariant=False)[:-1].double(), -1)
+    rows: list = [None]
+    for pos in range(1, len(ids)):
+        row = logprobs[pos - 1]
+        top = torch.topk(row, k).indices.tolist() if k else []
+        rows.append((ids[pos], float(row[ids[pos]]), [(t, float(row[t])) for t in top]))
+    return rows
 
 
 def _prompt_ids(engine: Engine, kwargs: Mapping[str, Any]) -> list[int]:

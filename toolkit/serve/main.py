@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 import time
@@ -70,7 +71,7 @@ def start_server(engine: Engine, run_dir: Path | None, cfg: Mapping[str, Any] | 
 
     loop, app = build(engine, run_dir, cfg, section)
     config = uvicorn.Config(app, host=host, port=port, log_level=section.get("log_level", "warning"),
-                            timeout_graceful_shutdown=section.get("timeout_graceful_shutdown", 5), lifespan="on")
+                            timeout_graceful_shutdown=section.get("timeout_graceful_shutdown", 2), lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
@@ -98,8 +99,17 @@ def run_serve(cfg: DictConfig, run_dir: Path) -> int:
     print(f"serving {engine.loaded.name} at http://{host}:{port}/v1 (OpenAI API); trace: {run_dir}", file=sys.stderr,
           flush=True)
     config = uvicorn.Config(app, host=host, port=port, log_level=section.get("log_level", "warning"),
-                            timeout_graceful_shutdown=section.get("timeout_graceful_shutdown", 5), lifespan="on")
-    uvicorn.Server(config).run()
+                            timeout_graceful_shutdown=section.get("timeout_graceful_shutdown", 2), lifespan="on")
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then re-raises the signal to the handlers it found:
+    # ours only note it, so the run directory is closed and the process exits 0 instead of dying of it
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda number, frame: caught.append(number))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     loop.stop()
     if loop.error is not None:
         raise loop.error
