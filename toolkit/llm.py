@@ -49,6 +49,18 @@ class LLM:
         self.trace_root = Path(trace_root) if trace_root is not None else Path("traces") / time.strftime("%Y-%m-%d")
         self.trace_dirs: list[Path] = []
 
+    @classmethod
+    def over(cls, loaded, engine_cfg: EngineConfig, *, default_sampling: SamplingParams | None = None,
+             trace: bool = True, trace_root: str | Path | None = None) -> "LLM":
+        """An LLM over weights already loaded (the benchmark's, a test's): nothing is loaded again."""
+        llm = cls.__new__(cls)
+        llm.engine_cfg, llm.spec_cfg, llm.loaded = engine_cfg, SpeculativeConfig(), loaded
+        llm.default_sampling, llm.model_sampling_defaults = default_sampling or SamplingParams(), {}
+        llm.trace = trace
+        llm.trace_root = Path(trace_root) if trace_root is not None else Path("traces") / time.strftime("%Y-%m-%d")
+        llm.trace_dirs = []
+        return llm
+
     @property
     def trace_dir(self) -> Path | None:
         """The latest call's run directory (None before the first call, or with trace=False)."""

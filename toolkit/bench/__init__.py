@@ -180,6 +180,15 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
         report["kernel_cost"] = kernel_cost.measure(loaded, tuple(b.get("roofline_batches") or (1, 8, 32, 64)),
                                                     context=b["roofline_batch_context"],
                                                     block_size=engine_cfg.block_size, repeats=max(5, b.get("repeats") or 1))
+    if b.get("serving", False):
+        from toolkit.bench import serving
+        from toolkit.llm import LLM
+
+        print(f"  serving: {b['serving_clients']} HTTP clients beside LLM.generate ...", flush=True)
+        llm = LLM.over(loaded, engine_cfg, trace_root=run_dir / "serving_llm")
+        n = min(int(b["serving_requests"]), len(requests))
+        report["serving"] = serving.measure(llm, [r.prompt_token_ids for r in requests[:n]], int(b["serving_max_tokens"]),
+                                            int(b["serving_clients"]), float(b["serving_stagger_s"]), run_dir)
     if b.get("roofline", True):
         print("  measuring the roofline ...", flush=True)
         report["roofline"] = roofline.measure(loaded, engine_cfg, list(b["roofline_batches"]),
@@ -285,6 +294,14 @@ def print_report(report: dict[str, Any], run_dir: Path) -> None:
     for row in report.get("invariant_cost", []):
         print(f"batch-invariant step at {row['batch']}: {row['invariant_ms']:.1f} ms vs default {row['default_ms']:.1f} ms "
               f"({row['ratio']:.2f}x)")
+    sv = report.get("serving")
+    if sv:
+        h, d = sv["http"], sv["llm_generate"]
+        q = lambda x: "/".join(_fmt(x[k], ".3f") for k in ("p50", "p95", "p99"))  # noqa: E731
+        print(f"serving, {sv['clients']} streaming HTTP clients, {sv['requests']} requests x {sv['max_tokens']} tokens: "
+              f"{h['output_tok_per_s']:.1f} out tok/s, {h['requests_per_s']:.2f} req/s, TTFT p50/p95/p99 "
+              f"{q(h['ttft_s'])} s, TPOT {q(h['tpot_s'])} s; LLM.generate {d['output_tok_per_s']:.1f} out tok/s -> HTTP "
+              f"overhead {100 * sv['http_overhead']:+.1f}% (same outputs: {sv['same_outputs']})")
     roof = report.get("roofline")
     if roof:
         native = roof.get("gemm_gflops_native") or {}

@@ -177,7 +177,7 @@ class EngineLoop:
         except BaseException as exc:  # noqa: BLE001 - every waiting client is told; the server reports it
             self.error = exc
             for request_id, sink in list(self._sinks.items()):
-                sink(Update(request_id, error=f"engine loop failed: {exc}"))
+                _send(sink, Update(request_id, error=f"engine loop failed: {exc}"))
             self._sinks.clear()
         finally:
             self._close()
@@ -243,7 +243,7 @@ class EngineLoop:
                     continue
                 sink = self._sinks.get(request_id)
                 if sink is not None:
-                    sink(Update(request_id, tuple(deltas), tuple(samples)))
+                    _send(sink, Update(request_id, tuple(deltas), tuple(samples)))
             for request_id in done:
                 if request_id in self._sinks and engine.output(request_id).finished:
                     deltas, samples = by_request.get(request_id, ((), ()))
@@ -268,7 +268,7 @@ class EngineLoop:
             self.stats.finished[c.finish_reason] = self.stats.finished.get(c.finish_reason, 0) + 1
         if self.on_finish is not None:
             self.on_finish(output)
-        sink(Update(request_id, tuple(deltas), tuple(samples), output=output))
+        _send(sink, Update(request_id, tuple(deltas), tuple(samples), output=output))
 
     def _record_rows(self, request_id: str) -> None:
         rows = request_rows(self.engine, self.run_id, [request_id])
@@ -296,6 +296,14 @@ class EngineLoop:
                                 model_revision=self.engine.loaded.revision, served=True,
                                 served_s=time.perf_counter() - self._started)
             atomic_write_bytes(self.run_dir / "summary.json", json.dumps(summary, indent=2).encode())
+
+
+def _send(sink: Sink, update: Update) -> None:
+    """Hand an update to its caller; a caller that is gone (its event loop closed) changes nothing here."""
+    try:
+        sink(update)
+    except RuntimeError:
+        pass
 
 
 def prompt_scores(engine: Engine, ids: list[int], k: int) -> list:

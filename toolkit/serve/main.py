@@ -64,15 +64,20 @@ def build(engine: Engine, run_dir: Path | None, cfg: Mapping[str, Any] | None, s
     return loop, api.app
 
 
+def _uvicorn_config(app, host: str, port: int, section: Mapping[str, Any]):
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, log_level=section.get("log_level", "warning"),
+                          timeout_graceful_shutdown=section.get("timeout_graceful_shutdown", 2), lifespan="on")
+
+
 def start_server(engine: Engine, run_dir: Path | None, cfg: Mapping[str, Any] | None = None, *,
                  host: str = "127.0.0.1", port: int = 0, **section: Any) -> Server:
     """Serve `engine` on a background thread (port 0: a free port); returns once it accepts connections."""
     import uvicorn
 
     loop, app = build(engine, run_dir, cfg, section)
-    config = uvicorn.Config(app, host=host, port=port, log_level=section.get("log_level", "warning"),
-                            timeout_graceful_shutdown=section.get("timeout_graceful_shutdown", 2), lifespan="on")
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(_uvicorn_config(app, host, port, section))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.time() + 60
@@ -98,8 +103,7 @@ def run_serve(cfg: DictConfig, run_dir: Path) -> int:
     host, port = section.get("host", "127.0.0.1"), section.get("port", 8000)
     print(f"serving {engine.loaded.name} at http://{host}:{port}/v1 (OpenAI API); trace: {run_dir}", file=sys.stderr,
           flush=True)
-    config = uvicorn.Config(app, host=host, port=port, log_level=section.get("log_level", "warning"),
-                            timeout_graceful_shutdown=section.get("timeout_graceful_shutdown", 2), lifespan="on")
+    config = _uvicorn_config(app, host, port, section)
     # uvicorn shuts down gracefully on SIGINT / SIGTERM, then re-raises the signal to the handlers it found:
     # ours only note it, so the run directory is closed and the process exits 0 instead of dying of it
     caught: list[int] = []
