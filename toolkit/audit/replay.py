@@ -221,12 +221,15 @@ def recorded_aborts(requests: pa.Table) -> Callable[[Engine], None]:
     return before_step
 
 
-def compare(recorded: pa.Table, replayed: pa.Table, report: ReplayReport) -> None:
+def compare(recorded: pa.Table, replayed: pa.Table, report: ReplayReport,
+            aborted: frozenset[tuple[str, int]] = frozenset()) -> None:
+    """Every recorded row against the replay's. `aborted`: sequences the recorded run aborted (no finish row, yet
+    finished: a replayed row past their last one is a divergence, as past any finished sequence's)."""
     key = lambda r: (r["request_id"], r["stream"], r["position"])  # noqa: E731
     mine = {key(r): r for r in replayed.to_pylist()}
     rows = recorded.to_pylist()
     seen = set()
-    finished = set()
+    finished = set(aborted)
     for r in rows:
         seen.add(key(r))
         if r["finish_reason"] is not None:
@@ -257,7 +260,7 @@ def compare(recorded: pa.Table, replayed: pa.Table, report: ReplayReport) -> Non
     # rows beyond a finished recorded sequence are divergences (the replay kept going); beyond an
     # unfinished (partial) one they are simply not in the trace
     for k, r in mine.items():
-        if k not in seen and (k[0], k[1]) in sequences and (k[0], k[1]) not in unfinished:
+        if k not in seen and (k[0], k[1]) in sequences | aborted and (k[0], k[1]) not in unfinished:
             report.divergences.append(Divergence(k[0], k[1], k[2], "row", "absent", "present"))
 
 
@@ -298,7 +301,8 @@ def replay(run_dir: str | Path, overrides: Sequence[str] = (), *, allow_mismatch
            before_step=recorded_aborts(requests),
            manifest_extra={"replay_of": manifest.get("run_id"), "replay_overrides": list(overrides)})
     report = ReplayReport(trace_dir=run_dir, replay_dir=out_dir, mismatches=mismatches, overrides=list(overrides))
-    compare(recorded_samples, read_samples(out_dir), report)
+    aborted = frozenset((r["request_id"], r["stream"]) for r in requests.to_pylist() if r.get("abort_step") is not None)
+    compare(recorded_samples, read_samples(out_dir), report, aborted)
     if report.divergences:
         write_divergences(out_dir / "divergence.parquet", report.divergences)
     (out_dir / "replay.json").write_text(json.dumps(report.to_dict(), indent=2))
