@@ -85,14 +85,17 @@ class ReplayReport:
             return (f"bit-identical: {self.rows_compared} sample rows of {self.sequences_compared} sequences match "
                     f"(token_id, raw/processed logprob bits, logits_sha256, noise){partial}")
         diverged = len(self.first_divergences)
-        rows = len({(d.request_id, d.stream, d.position) for d in self.divergences})
+        extra = {(d.request_id, d.stream, d.position) for d in self.divergences
+                 if d.field == "row" and d.recorded == "absent"}
+        rows = len({(d.request_id, d.stream, d.position) for d in self.divergences} - extra)
         other = rows - self.token_mismatches - self.logprob_bit_mismatches - self.rows_missing_in_replay
         return (f"diverged: {diverged} of {self.sequences_compared} sequences, {rows} of {self.rows_compared} "
                 f"rows differ: tokens in {self.token_mismatches} rows, logprob bits (same token) in "
                 f"{self.logprob_bit_mismatches} rows, other fields only in {other} rows; "
                 f"max |logprob diff| {self.max_abs_logprob_diff:.3g}"
                 + (f", {self.rows_missing_in_replay} recorded rows missing from the replay"
-                   if self.rows_missing_in_replay else "") + partial)
+                   if self.rows_missing_in_replay else "")
+                + (f", {len(extra)} replayed rows past a recorded sequence's end" if extra else "") + partial)
 
     def to_dict(self) -> dict[str, Any]:
         return {
