@@ -22,11 +22,9 @@ from typing import Any, Sequence
 
 
 def _quantiles(values: Sequence[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p95": None, "p99": None}
-    ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"p50": pick(0.5), "p95": pick(0.95), "p99": pick(0.99)}
+    from toolkit.metrics import percentile
+
+    return {f"p{q}": percentile(values, q) for q in (50, 95, 99)}
 
 
 def measure(llm, prompts: list[list[int]], max_tokens: int, clients: int, stagger_s: float, run_dir: Path

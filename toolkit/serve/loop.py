@@ -237,17 +237,15 @@ class EngineLoop:
                 by_request.setdefault(s.request_id, ([], []))[1].append(s)
                 self.stats.output_tokens += s.token_id >= 0
             self.stats.recent.append((time.perf_counter(), self.stats.output_tokens))
-            done = {engine.requests[s].request_id for s in out.finished}
+            ended = {engine.requests[s].request_id for s in out.finished}
+            done = {r for r in ended if all(engine.requests[s].is_finished for s in engine.groups[r])}
             for request_id, (deltas, samples) in by_request.items():
-                if request_id in done and engine.output(request_id).finished:
-                    continue
                 sink = self._sinks.get(request_id)
-                if sink is not None:
+                if sink is not None and request_id not in done:
                     _send(sink, Update(request_id, tuple(deltas), tuple(samples)))
-            for request_id in done:
-                if request_id in self._sinks and engine.output(request_id).finished:
-                    deltas, samples = by_request.get(request_id, ((), ()))
-                    self._finish(request_id, deltas, samples)
+            for request_id in done & self._sinks.keys():
+                deltas, samples = by_request.get(request_id, ((), ()))
+                self._finish(request_id, deltas, samples)
         self._refresh_stats()
         if self.writer is not None and (out is not None or self._rows_changed):
             snapshot = self._snapshot() if self._rows_changed else None
