@@ -33,6 +33,10 @@ def main(cfg: DictConfig, run_dir: Path) -> int:
             return run_verify(cfg, run_dir)
         if mode == "compare":
             return run_compare(cfg, run_dir)
+        if mode == "audit":
+            from toolkit.audit.foreign import run_audit
+
+            return run_audit(cfg, run_dir)
         if mode == "serve":
             from toolkit.serve.main import run_serve
 
@@ -47,7 +51,7 @@ def main(cfg: DictConfig, run_dir: Path) -> int:
             from toolkit.audit.kv_quantization import run_kv_quantization
 
             return run_kv_quantization(cfg, run_dir)
-        raise ToolkitError(f"unknown mode {mode!r}; known: run, serve, bench, replay, verify, compare, soak, train, "
+        raise ToolkitError(f"unknown mode {mode!r}; known: run, serve, bench, replay, verify, compare, audit, soak, train, "
                            f"kv_quantization")
     except ToolkitError as exc:
         print(f"error: {exc}", file=sys.stderr)

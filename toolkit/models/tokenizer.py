@@ -56,6 +56,21 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, vocab_size: int) -> list[bytes]:
+        """Each token id's bytes (what it spells; special tokens their text), via xgrammar's decoded vocab."""
+        if getattr(self, "_token_bytes", None) is None or len(self._token_bytes) != vocab_size:
+            import warnings
+
+            import xgrammar as xgr
+            from transformers import PreTrainedTokenizerFast
+
+            hf = PreTrainedTokenizerFast(tokenizer_object=self._tok)
+            with warnings.catch_warnings():  # "stop_token_ids ... will be automatically detected": not used here
+                warnings.simplefilter("ignore")
+                info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size)
+            self._token_bytes = [bytes(b) for b in info.decoded_vocab]
+        return self._token_bytes
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         if not self.chat_template:
             raise RequestError("this tokenizer has no chat template; give `prompt` instead of `messages`")

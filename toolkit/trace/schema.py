@@ -10,10 +10,11 @@ from dataclasses import dataclass, fields
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 # older versions this toolkit still reads, and what their tables lack (read as null)
-COMPATIBLE = {4: ("request_body", "abort_step")}
+COMPATIBLE = {4: ("request_body", "abort_step", "origin_engine", "source_record"),
+              5: ("origin_engine", "source_record")}
 
 # versions this toolkit no longer reads, and why (the reader says so instead of "unknown version")
 SUPERSEDED = {
@@ -121,6 +122,8 @@ REQUESTS_SCHEMA = pa.schema([
     ("e2e_s", pa.float64()),
     ("request_body", pa.string()),  # the HTTP request body as received (served runs; null otherwise)
     ("abort_step", pa.int64()),  # the step before which the request was aborted (a client left); null otherwise
+    ("origin_engine", pa.string()),  # the engine that produced a converted transcript (mode=audit); null: this toolkit
+    ("source_record", pa.string()),  # the transcript line it was converted from, as read (mode=audit)
 ], metadata={"toolkit_schema_version": str(SCHEMA_VERSION)})
 
 TRACE_FIELDS = [f.name for f in fields(SampleTrace) if f.name != "logits_row"]

@@ -1,0 +1,481 @@
+"""Audit: did the engine that wrote a transcript compute the probabilities it claims?
+
+`python run.py mode=audit audit.input=<file> audit.format=<openai|token_ids|hf> audit.reference=<ours|hf>`
+reads another engine's tokens and logprobs (toolkit.audit.transcripts), converts them into our
+trace (requests.parquet with `origin_engine` and the source line, samples.parquet with the claimed
+logprobs and top alternatives), recomputes every token teacher-forced with the reference (our float64
+forward and/or HF transformers on the same weights) and reports, per request and overall:
+
+- claimed vs recomputed logprob of every token: max / p50 / p99 absolute error;
+- KL(claimed || reference) where top-logprobs allow it: over the claimed top ids plus one bucket
+  for the rest of the vocabulary (a lower bound of the full KL);
+- top-logprobs that cannot be a distribution (mass above 1) and top alternatives off by more than atol;
+- tokens the claimed policy could not have produced: outside the top-k / top-p / min-p support its
+  stated sampling parameters give under the reference (beyond atol of the support's edge);
+- for greedy requests (temperature 0), the first position whose token is not the reference's argmax
+  (beyond atol: near ties are not departures);
+- the per-token importance ratio exp(reference - claimed) RL users correct with: mean, max, the share
+  outside [0.5, 2] and the sequence-level product.
+
+Exit code 0 when every token is within `audit.atol` and nothing is flagged, 1 when anything is
+flagged (a bad line included: the other lines are still audited), 2 when the input is unusable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pyarrow as pa
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from toolkit.audit.transcripts import FORMATS, LineError, Transcript, TranscriptError, read_transcripts
+from toolkit.config import ModelConfig, SamplingParams, from_mapping
+from toolkit.errors import ConfigError, ToolkitError
+from toolkit.metrics import percentile
+
+REFERENCES = ("ours", "hf")
+RATIO_BAND = (0.5, 2.0)
+
+
+class AuditInputError(ToolkitError):
+    """The transcript cannot be audited at all (exit code 2)."""
+
+    exit_code = 2
+
+
+@dataclass
+class TokenCheck:
+    request_id: str
+    stream: int
+    position: int
+    token_id: int
+    claimed: float | None
+    recomputed: float
+    abs_error: float | None
+    ratio: float | None  # exp(recomputed - claimed)
+    kl: float | None  # KL(claimed || reference) over the claimed top ids + the rest
+    top_max_abs_error: float | None
+    reference_argmax: int
+    kinds: list[str] = field(default_factory=list)
+    why: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RequestReport:
+    request_id: str
+    stream: int
+    line: int
+    origin_engine: str
+    tokens: int = 0  # output tokens with a claimed logprob
+    output_tokens: int = 0
+    checks: list[TokenCheck] = field(default_factory=list)
+    problems: list[dict] = field(default_factory=list)  # from reading the line: missing logprob, unmapped token
+    first_greedy_departure: int | None = None
+    first_departure_margin: float | None = None  # the reference's logprob margin of its argmax there
+
+    def flagged(self) -> list[dict]:
+        out = [{"position": c.position, "token_id": c.token_id, "claimed": c.claimed, "recomputed": c.recomputed,
+                "kind": ",".join(c.kinds), "why": "; ".join(c.why)} for c in self.checks if c.kinds]
+        out += [dict(p) for p in self.problems]
+        return sorted(out, key=lambda f: f["position"])
+
+    def to_dict(self) -> dict[str, Any]:
+        errors = [c.abs_error for c in self.checks if c.abs_error is not None]
+        ratios = [c.ratio for c in self.checks if c.ratio is not None]
+        kls = [c.kl for c in self.checks if c.kl is not None]
+        flagged = self.flagged()
+        log_product = sum(math.log(r) for r in ratios if r > 0) if ratios and all(r > 0 for r in ratios) else None
+        return {"request_id": self.request_id, "stream": self.stream, "line": self.line,
+                "origin_engine": self.origin_engine, "tokens": self.tokens, "output_tokens": self.output_tokens,
+                **_error_stats(errors), **_ratio_stats(ratios),
+                "sequence_log_ratio": log_product,
+                "sequence_ratio": _safe_exp(log_product),
+                "kl_mean": sum(kls) / len(kls) if kls else None, "kl_max": max(kls) if kls else None,
+                "first_greedy_departure": self.first_greedy_departure,
+                "first_departure_margin": self.first_departure_margin,
+                "first_flagged_position": flagged[0]["position"] if flagged else None,
+                "flagged": flagged}
+
+
+@dataclass
+class AuditReport:
+    source: str
+    fmt: str
+    reference: str
+    atol: float
+    requests: list[RequestReport] = field(default_factory=list)
+    line_errors: list[LineError] = field(default_factory=list)
+
+    @property
+    def checks(self) -> list[TokenCheck]:
+        return [c for r in self.requests for c in r.checks]
+
+    @property
+    def flagged_tokens(self) -> int:
+        return sum(len(r.flagged()) for r in self.requests)
+
+    @property
+    def passed(self) -> bool:
+        return not self.flagged_tokens and not self.line_errors
+
+    def to_dict(self) -> dict[str, Any]:
+        checks = self.checks
+        errors = [c.abs_error for c in checks if c.abs_error is not None]
+        ratios = [c.ratio for c in checks if c.ratio is not None]
+        kls = [c.kl for c in checks if c.kl is not None]
+        per_request = [r.to_dict() for r in self.requests]
+        seq = [r["sequence_ratio"] for r in per_request if r["sequence_ratio"] is not None]
+        engines = sorted({r.origin_engine for r in self.requests})
+        return {"source": self.source, "format": self.fmt, "origin_engines": engines, "reference": self.reference,
+                "atol": self.atol, "passed": self.passed, "tokens": len(errors), "flagged_tokens": self.flagged_tokens,
+                **_error_stats(errors), **_ratio_stats(ratios),
+                "kl_mean": sum(kls) / len(kls) if kls else None, "kl_max": max(kls) if kls else None,
+                "kl_tokens": len(kls),
+                "sequence_ratio_min": min(seq) if seq else None, "sequence_ratio_max": max(seq) if seq else None,
+                "greedy_departures": sum(r.first_greedy_departure is not None for r in self.requests),
+                "requests_flagged": sum(bool(r["flagged"]) for r in per_request),
+                "lines_rejected": len(self.line_errors),
+                "line_errors": [{"line": e.line, "request_id": e.request_id, "why": e.why} for e in self.line_errors],
+                "requests": per_request}
+
+
+def _safe_exp(x: float | None) -> float | None:
+    if x is None:
+        return None
+    return math.exp(x) if x < 700 else math.inf
+
+
+def _error_stats(errors: list[float]) -> dict[str, float | None]:
+    if not errors:
+        return {"max_abs_error": None, "p50_abs_error": None, "p99_abs_error": None, "mean_abs_error": None}
+    return {"max_abs_error": max(errors), "p50_abs_error": percentile(errors, 50),
+            "p99_abs_error": percentile(errors, 99), "mean_abs_error": sum(errors) / len(errors)}
+
+
+def _ratio_stats(ratios: list[float]) -> dict[str, float | None]:
+    if not ratios:
+        return {"ratio_mean": None, "ratio_min": None, "ratio_max": None, "ratio_outside_share": None}
+    lo, hi = RATIO_BAND
+    return {"ratio_mean": sum(ratios) / len(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "ratio_outside_share": sum(not lo <= r <= hi for r in ratios) / len(ratios)}
+
+
+# ------------------------------------------------------------------------------------------- the checks
+
+Forward = Callable[[list[int]], torch.Tensor]  # token ids -> float64 logits (T, V), row t predicts token t + 1
+
+
+def reference_forward(loaded, reference: str) -> Forward:
+    """Our float64 textbook forward, or HF transformers' forward of the same family on the same weights."""
+    if reference == "hf":
+        from toolkit.audit.verify import _hf_forward
+
+        return _hf_forward(loaded.config)
+    from toolkit.reference import reference_logits
+
+    return lambda ids: reference_logits(loaded.model, ids)
+
+
+def audit_transcripts(records: list[Transcript], forward: Forward, loaded, *, atol: float, reference: str,
+                      source: str = "", fmt: str = "", line_errors: list[LineError] | None = None) -> AuditReport:
+    report = AuditReport(source=source, fmt=fmt, reference=reference, atol=atol, line_errors=list(line_errors or []))
+    eos = tuple(sorted(set(loaded.arch.eos_token_ids)))
+    for record in records:
+        report.requests.append(_audit_one(record, forward, loaded, atol, eos))
+    return report
+
+
+def _policy_params(record: Transcript) -> SamplingParams | None:
+    if record.sampling is None:
+        return None
+    try:
+        return SamplingParams.from_mapping(dict(record.sampling))
+    except (ConfigError, TypeError, ValueError):
+        return None
+
+
+def _audit_one(record: Transcript, forward: Forward, loaded, atol: float, eos: tuple[int, ...]) -> RequestReport:
+    from toolkit.processors import BatchView, RowState, apply_pipeline
+
+    rep = RequestReport(record.request_id, record.stream, record.line, record.origin_engine,
+                        output_tokens=len(record.output_token_ids))
+    rep.problems = [{"position": p.position, "token_id": None, "claimed": None, "recomputed": None, "kind": p.kind,
+                     "why": p.why} for p in record.problems]
+    prompt, output = record.prompt_token_ids, record.output_token_ids
+    if not output:
+        return rep
+    if not prompt:
+        rep.problems.append({"position": 0, "token_id": output[0], "claimed": None, "recomputed": None,
+                             "kind": "no_prompt", "why": "an empty prompt: the first token has no context"})
+        return rep
+    tokens = prompt + output
+    logits = forward(tokens[:-1])[len(prompt) - 1:].double()  # row j predicts output[j]
+    raw = torch.log_softmax(logits, dim=-1)
+    params = _policy_params(record)
+    processed = None
+    if params is not None:
+        positions = range(len(prompt), len(tokens))
+        view = BatchView(tuple(RowState(params, tokens[:p], len(prompt)) for p in positions),
+                         loaded.arch.vocab_size, logits.device, eos)
+        processed = torch.log_softmax(apply_pipeline(logits, view).processed_RV.double(), dim=-1)
+    mode = record.logprobs_mode
+    if mode == "processed_logprobs" and processed is None:
+        rep.problems.append({"position": len(prompt), "token_id": output[0], "claimed": None, "recomputed": None,
+                             "kind": "no_policy", "why": "processed logprobs are claimed but the transcript does not "
+                                                         "state the sampling parameters to recompute them"})
+        return rep
+    claimed_space = processed if mode == "processed_logprobs" else raw
+    greedy = params is not None and params.temperature == 0.0
+    mass_limit = math.exp(atol)
+    for j, token in enumerate(output):
+        position = len(prompt) + j
+        recomputed = float(claimed_space[j, token])
+        argmax = int(torch.argmax(processed[j] if processed is not None else raw[j]))
+        claimed = record.claimed[j]
+        check = TokenCheck(record.request_id, record.stream, position, token, claimed, recomputed, None, None, None,
+                           None, argmax)
+        if claimed is None:
+            check.kinds.append("missing_logprob")
+            check.why.append("no logprob given for this token")
+        elif not math.isfinite(claimed) or not math.isfinite(recomputed):
+            check.kinds.append("not_finite")
+            check.why.append(f"claimed {claimed!r}, recomputed {recomputed!r}")
+        else:
+            rep.tokens += 1
+            check.abs_error = abs(claimed - recomputed)
+            check.ratio = _safe_exp(recomputed - claimed)
+            if check.abs_error > atol:
+                check.kinds.append("logprob")
+                check.why.append(f"claimed {claimed:.6g}, recomputed {recomputed:.6g} (|diff| {check.abs_error:.3g} "
+                                 f"> atol {atol:g})")
+        top = _unique(record.top[j]) if j < len(record.top) else []
+        if top:
+            _check_top(check, top, claimed_space[j], atol, mass_limit)
+        if processed is not None and not math.isfinite(float(processed[j, token])):
+            kept = torch.isfinite(processed[j])
+            edge = float(raw[j][kept].min()) if bool(kept.any()) else math.inf
+            if float(raw[j, token]) < edge - atol:
+                check.kinds.append("outside_support")
+                check.why.append(f"token {token} is outside the support the stated sampling parameters give "
+                                 f"({int(kept.sum())} tokens kept; its reference logprob {float(raw[j, token]):.4g} "
+                                 f"is below the least kept {edge:.4g})")
+        if greedy and token != argmax:
+            space = processed[j] if math.isfinite(float(processed[j, token])) else raw[j]  # truncated: raw margin
+            margin = float(space[argmax] - space[token])
+            if margin > atol:
+                check.kinds.append("greedy_departure")
+                check.why.append(f"greedy token {token} is not the reference's argmax {argmax} (margin {margin:.3g})")
+                if rep.first_greedy_departure is None:
+                    rep.first_greedy_departure, rep.first_departure_margin = position, margin
+        rep.checks.append(check)
+    return rep
+
+
+def _unique(top: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    seen: dict[int, float] = {}
+    for t, lp in top:
+        seen.setdefault(t, lp)
+    return list(seen.items())
+
+
+def _check_top(check: TokenCheck, top: list[tuple[int, float]], reference_V: torch.Tensor, atol: float,
+               mass_limit: float) -> None:
+    ids = torch.tensor([t for t, _ in top])
+    claimed = torch.tensor([lp for _, lp in top], dtype=torch.float64)
+    ref = reference_V[ids]
+    finite = torch.isfinite(claimed) & torch.isfinite(ref)
+    if bool(finite.any()):
+        diff = (claimed - ref).abs()[finite]
+        check.top_max_abs_error = float(diff.max())
+        if check.top_max_abs_error > atol:
+            worst = int(torch.argmax((claimed - ref).abs().where(finite, torch.zeros_like(claimed))))
+            check.kinds.append("top_logprob")
+            check.why.append(f"top alternative {top[worst][0]}: claimed {top[worst][1]:.6g}, recomputed "
+                             f"{float(ref[worst]):.6g}")
+    mass = float(torch.exp(claimed).sum())
+    if mass > mass_limit:
+        check.kinds.append("top_logprobs_mass")
+        check.why.append(f"top logprobs hold probability {mass:.4g} > 1: not a distribution")
+        return
+    p, q = torch.exp(claimed), torch.exp(ref)
+    kl = float(torch.where(p > 0, p * (claimed - ref), torch.zeros_like(p)).sum())
+    p_rest, q_rest = max(0.0, 1.0 - mass), max(0.0, 1.0 - float(q.sum()))
+    if p_rest > 0:
+        kl += p_rest * (math.log(p_rest) - math.log(q_rest)) if q_rest > 0 else math.inf
+    check.kl = max(kl, 0.0)
+
+
+# ------------------------------------------------------------------------------------------- the mode
+
+def run_audit(cfg: DictConfig, run_dir: Path) -> int:
+    from toolkit.models import load_model
+
+    a = OmegaConf.to_container(cfg.audit, resolve=True) if cfg.get("audit") else {}
+    source, fmt = a.get("input"), a.get("format", "openai")
+    if not source:
+        raise AuditInputError("mode=audit needs audit.input=<transcript.jsonl>")
+    if fmt not in FORMATS:
+        raise AuditInputError(f"audit.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    references = a.get("reference", "ours")
+    references = [references] if isinstance(references, str) else list(references)
+    if references == ["both"]:
+        references = list(REFERENCES)
+    bad = [r for r in references if r not in REFERENCES]
+    if bad or not references:
+        raise ConfigError(f"audit.reference must be ours, hf, both or a list of them, got {a.get('reference')!r}")
+    atol = a.get("atol", 1e-4)
+    if not (isinstance(atol, (int, float)) and not isinstance(atol, bool) and atol > 0):
+        raise ConfigError(f"audit.atol must be a positive number, got {atol!r}")
+    if not Path(source).is_file():
+        raise AuditInputError(f"audit.input {source!r} is not a file")
+    model_cfg = from_mapping(ModelConfig, OmegaConf.to_container(cfg.model, resolve=True), section="model")
+    loaded = load_model(model_cfg, "cpu")
+    if loaded.tokenizer is None:
+        raise AuditInputError(f"model {model_cfg.name!r} has no tokenizer to read a transcript with")
+    try:
+        records, line_errors = read_transcripts(source, fmt, loaded.tokenizer, loaded.arch.vocab_size,
+                                                a.get("logprobs_mode"))
+    except TranscriptError as exc:
+        raise AuditInputError(str(exc)) from None
+    for e in line_errors:
+        print(f"line {e.line}{' (' + e.request_id + ')' if e.request_id else ''}: {e.why}", file=sys.stderr)
+    if not records:
+        raise AuditInputError(f"no usable request in {source} ({len(line_errors)} lines rejected)")
+    reports = [audit_transcripts(records, reference_forward(loaded, r), loaded, atol=float(atol), reference=r,
+                                 source=str(source), fmt=fmt, line_errors=line_errors) for r in references]
+    write_converted_trace(run_dir, records, loaded, cfg, source=str(source), fmt=fmt)
+    write_audit(run_dir, reports)
+    print(format_table(reports))
+    print(f"audit.json, audit.parquet, audit.png and the converted trace: {run_dir}")
+    return 0 if all(r.passed for r in reports) else 1
+
+
+def write_audit(run_dir: Path, reports: list[AuditReport]) -> dict[str, Any]:
+    from toolkit.trace.writer import atomic_write_bytes, atomic_write_table
+
+    first = reports[0].to_dict()
+    if len(reports) > 1:
+        first["by_reference"] = {r.reference: r.to_dict() for r in reports}
+        first["passed"] = all(r.passed for r in reports)
+    rows = [{"reference": r.reference, **{k: v for k, v in c.__dict__.items() if k not in ("kinds", "why")},
+             "kinds": ",".join(c.kinds), "why": "; ".join(c.why)} for r in reports for c in r.checks]
+    atomic_write_table(run_dir / "audit.parquet", pa.Table.from_pylist(rows) if rows else
+                       pa.table({"request_id": pa.array([], pa.string())}))
+    atomic_write_bytes(run_dir / "audit.json", json.dumps(first, indent=2, allow_nan=True).encode())
+    try:
+        plot_errors(run_dir / "audit.png", {f"{', '.join(sorted({q.origin_engine for q in r.requests}))} vs "
+                                            f"{r.reference}": [c.abs_error for c in r.checks] for r in reports})
+    except ModuleNotFoundError as exc:
+        print(f"audit.png skipped: {exc}", file=sys.stderr)
+    return first
+
+
+def plot_errors(path: Path, errors_by_source: dict[str, list[float | None]]) -> None:
+    """One PNG: a histogram of |claimed - recomputed| logprob per source, on a log axis."""
+    from toolkit.plots import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    floor = 1e-9
+    values = {k: [max(e, floor) for e in v if e is not None] for k, v in errors_by_source.items()}
+    top = max((max(v) for v in values.values() if v), default=1.0)
+    bins = torch.logspace(math.log10(floor), math.log10(max(top, 1e-6) * 2), 60).tolist()
+    for name, v in values.items():
+        if v:
+            ax.hist(v, bins=bins, histtype="step", linewidth=1.5, label=f"{name} ({len(v)} tokens)")
+    ax.set_xscale("log")
+    ax.set_xlabel("|claimed - recomputed| logprob (errors below 1e-9 drawn at 1e-9)")
+    ax.set_ylabel("tokens")
+    ax.set_title("logprob error per source")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fmt(v: Any, spec: str = ".3g") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def format_table(reports: list[AuditReport], limit: int = 20) -> str:
+    lines = []
+    for report in reports:
+        d = report.to_dict()
+        lines.append(f"audit of {d['source']} ({d['format']}, {', '.join(d['origin_engines'])}) against the "
+                     f"{report.reference} reference, atol {report.atol:g}")
+        head = (f"{'request':<28} {'tokens':>6} {'max|d|':>9} {'p99|d|':>9} {'KL':>9} {'ratio out':>9} "
+                f"{'seq ratio':>9} {'greedy dep':>10} {'flagged':>7}")
+        lines.append(head)
+        shown = [r for r in d["requests"] if r["flagged"]][:limit] or d["requests"][:limit]
+        for r in shown:
+            name = r["request_id"] + (f"#{r['stream']}" if r["stream"] else "")
+            lines.append(f"{name[:28]:<28} {r['tokens']:>6} {_fmt(r['max_abs_error']):>9} {_fmt(r['p99_abs_error']):>9} "
+                         f"{_fmt(r['kl_mean']):>9} {_fmt(r['ratio_outside_share'], '.1%'):>9} "
+                         f"{_fmt(r['sequence_ratio']):>9} {_fmt(r['first_greedy_departure'], 'd'):>10} "
+                         f"{len(r['flagged']):>7}")
+            for f in r["flagged"][:3]:
+                lines.append(f"    position {f['position']}: {f['kind']}: {f['why']}")
+        if len(d["requests"]) > len(shown):
+            lines.append(f"  ... {len(d['requests']) - len(shown)} more requests in audit.json")
+        verdict = "PASSED" if report.passed else "FLAGGED"
+        lines.append(f"{verdict}: {d['tokens']} tokens of {len(d['requests'])} requests; {d['flagged_tokens']} flagged; "
+                     f"max |d| {_fmt(d['max_abs_error'])}, p50 {_fmt(d['p50_abs_error'])}, p99 "
+                     f"{_fmt(d['p99_abs_error'])}; KL mean {_fmt(d['kl_mean'])}; ratio mean {_fmt(d['ratio_mean'])}, "
+                     f"max {_fmt(d['ratio_max'])}, outside [0.5, 2] {_fmt(d['ratio_outside_share'], '.2%')}; "
+                     f"greedy departures {d['greedy_departures']}; lines rejected {d['lines_rejected']}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------- the trace
+
+def write_converted_trace(run_dir: Path, records: list[Transcript], loaded, cfg: DictConfig, *, source: str,
+                          fmt: str) -> None:
+    """The transcript in our trace schema: what the other engine claimed, where our engine would record it
+    (raw claims in raw_logprob / top_raw, processed ones in processed_logprob / top_processed). Fields only
+    an engine run has (step, noise, logits digest, batch) are null."""
+    from toolkit.trace.schema import SAMPLES_SCHEMA, SCHEMA_VERSION
+    from toolkit.trace.writer import SAMPLES_DIR, atomic_write_bytes, atomic_write_table, write_manifest, write_requests
+    from toolkit.version import __version__
+
+    run_id = uuid.uuid4().hex[:12]
+    samples, requests = [], []
+    for r in records:
+        params = _policy_params(r)
+        policy = {k: getattr(params, k) for k in ("temperature", "top_k", "top_p", "min_p")} if params else {}
+        processed = r.logprobs_mode == "processed_logprobs"
+        for j, token in enumerate(r.output_token_ids):
+            top = [{"token_id": t, "logprob": lp} for t, lp in _unique(r.top[j])] if j < len(r.top) else []
+            last = j == len(r.output_token_ids) - 1
+            samples.append({"run_id": run_id, "request_id": r.request_id, "stream": r.stream,
+                            "position": len(r.prompt_token_ids) + j, "token_id": token,
+                            "raw_logprob": None if processed else r.claimed[j],
+                            "processed_logprob": r.claimed[j] if processed else None,
+                            "top_raw": [] if processed else top, "top_processed": top if processed else [],
+                            "processors": [], "noise": float("nan"), **policy,
+                            "finish_reason": r.finish_reason if last else None, "origin": "plain",
+                            "spec_proposed": 0, "spec_accepted": 0})
+        sampling = {k: v for k, v in (r.sampling or {}).items()}
+        requests.append({"run_id": run_id, "request_id": r.request_id, "stream": r.stream,
+                         "prompt_token_ids": r.prompt_token_ids, "prompt_text": r.prompt_text,
+                         "sampling_params": json.dumps(sampling), "output_token_ids": r.output_token_ids,
+                         "output_text": r.output_text, "finish_reason": r.finish_reason,
+                         "origin_engine": r.origin_engine, "source_record": r.source})
+    run_dir.mkdir(parents=True, exist_ok=True)
+    table = pa.Table.from_pylist(samples, schema=SAMPLES_SCHEMA)
+    atomic_write_table(run_dir / SAMPLES_DIR / "part-000000.parquet", table)
+    write_requests(run_dir, requests)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    atomic_write_bytes(run_dir / "config.yaml", OmegaConf.to_yaml(resolved).encode())
+    write_manifest(run_dir, {"schema_version": SCHEMA_VERSION, "run_id": run_id, "converted_from": source,
+                             "format": fmt, "origin_engines": sorted({r.origin_engine for r in records}),
+                             "model_name": loaded.name, "model_id": loaded.model_id,
+                             "weights_sha256": loaded.revision,
+                             "tokenizer_sha256": loaded.tokenizer.digest if loaded.tokenizer else None,
+                             "toolkit_version": __version__})
