@@ -319,20 +319,13 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
 
     a = OmegaConf.to_container(cfg.audit, resolve=True) if cfg.get("audit") else {}
     source, fmt = a.get("input"), a.get("format", "openai")
+    if not source and a.get("sources"):
+        return run_engine_mismatch(cfg, run_dir, a)
     if not source:
-        raise AuditInputError("mode=audit needs audit.input=<transcript.jsonl>")
+        raise AuditInputError("mode=audit needs audit.input=<transcript.jsonl> (or audit.sources=[hf,server,llama_cpp])")
     if fmt not in FORMATS:
         raise AuditInputError(f"audit.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    references = a.get("reference", "ours")
-    references = [references] if isinstance(references, str) else list(references)
-    if references == ["both"]:
-        references = list(REFERENCES)
-    bad = [r for r in references if r not in REFERENCES]
-    if bad or not references:
-        raise ConfigError(f"audit.reference must be ours, hf, both or a list of them, got {a.get('reference')!r}")
-    atol = a.get("atol", 1e-4)
-    if not (isinstance(atol, (int, float)) and not isinstance(atol, bool) and atol > 0):
-        raise ConfigError(f"audit.atol must be a positive number, got {atol!r}")
+    references, atol = _references(a), _atol(a)
     if not Path(source).is_file():
         raise AuditInputError(f"audit.input {source!r} is not a file")
     model_cfg = from_mapping(ModelConfig, OmegaConf.to_container(cfg.model, resolve=True), section="model")
@@ -355,6 +348,85 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
     print(format_table(reports))
     print(f"audit.json, audit.parquet, audit.png and the converted trace: {run_dir}")
     return 0 if all(r.passed for r in reports) else 1
+
+
+def _references(a: dict) -> list[str]:
+    references = a.get("reference", "ours")
+    references = [references] if isinstance(references, str) else list(references)
+    if references == ["both"]:
+        references = list(REFERENCES)
+    if not references or any(r not in REFERENCES for r in references):
+        raise ConfigError(f"audit.reference must be ours, hf, both or a list of them, got {a.get('reference')!r}")
+    return references
+
+
+def _atol(a: dict) -> float:
+    atol = a.get("atol", 1e-4)
+    if not (isinstance(atol, (int, float)) and not isinstance(atol, bool) and atol > 0):
+        raise ConfigError(f"audit.atol must be a positive number, got {atol!r}")
+    return float(atol)
+
+
+def run_engine_mismatch(cfg: DictConfig, run_dir: Path, a: dict) -> int:
+    """experiments/engine_mismatch.yaml: a transcript from each engine available here, each audited; one table
+    (source, tokens, max and p99 |d logprob|, KL, share of ratios outside [0.5, 2]) and one histogram PNG."""
+    from toolkit.audit import sources as src
+    from toolkit.engine import Engine, load_for
+    from toolkit.config import EngineConfig
+
+    names = list(a["sources"])
+    unknown = [n for n in names if n not in src.SOURCES]
+    if unknown:
+        raise ConfigError(f"audit.sources: unknown {unknown}; known: {', '.join(src.SOURCES)}")
+    references, atol = _references(a), _atol(a)
+    model_cfg = from_mapping(ModelConfig, OmegaConf.to_container(cfg.model, resolve=True), section="model")
+    engine_cfg = from_mapping(EngineConfig, OmegaConf.to_container(cfg.engine, resolve=True), section="engine")
+    loaded, default_sampling, _ = load_for(model_cfg, engine_cfg, {})
+    chats = list(a.get("prompts") or src.DEFAULT_PROMPTS)
+    prompts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
+    max_tokens, k = int(a.get("max_tokens", 32)), int(a.get("top_logprobs", 5))
+    out_dir = run_dir / "transcripts"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows, errors = [], {}
+    for name in names:
+        path = out_dir / f"{name}.jsonl"
+        if name == "llama_cpp":
+            missing = src.llama_cpp_missing() or (None if model_cfg.name == "smollm2" else
+                                                  "llama.cpp runs the SmolLM2 GGUF only (model=smollm2)")
+            if missing:
+                print(f"{name}: skipped: {missing}", file=sys.stderr)
+                continue
+            from toolkit.models.loading import smollm2_gguf
+
+            fmt = src.llama_cpp_transcript(path, smollm2_gguf(), prompts, max_tokens, k)
+        elif name == "hf":
+            fmt = src.hf_transcript(path, loaded, prompts, max_tokens, k)
+        else:
+            fmt = src.server_transcript(path, Engine(loaded, engine_cfg, default_sampling), chats, max_tokens, k)
+        records, line_errors = read_transcripts(path, fmt, loaded.tokenizer, loaded.arch.vocab_size)
+        for reference in references:
+            report = audit_transcripts(records, reference_forward(loaded, reference), loaded, atol=atol,
+                                       reference=reference, source=str(path), fmt=fmt, line_errors=line_errors)
+            d = report.to_dict()
+            rows.append({"source": name, "reference": reference, **{key: d[key] for key in (
+                "tokens", "flagged_tokens", "max_abs_error", "p50_abs_error", "p99_abs_error", "kl_mean",
+                "ratio_mean", "ratio_outside_share", "greedy_departures", "lines_rejected")}, "requests": d["requests"]})
+            errors[f"{name} vs {reference}"] = [c.abs_error for c in report.checks]
+    from toolkit.trace.writer import atomic_write_bytes
+
+    atomic_write_bytes(run_dir / "engine_mismatch.json", json.dumps(rows, indent=2).encode())
+    try:
+        plot_errors(run_dir / "engine_mismatch.png", errors)
+    except ModuleNotFoundError as exc:
+        print(f"engine_mismatch.png skipped: {exc}", file=sys.stderr)
+    print(f"{'source':<10} {'reference':<9} {'tokens':>6} {'max|d|':>9} {'p50|d|':>9} {'p99|d|':>9} {'KL':>9} "
+          f"{'ratio out':>9} {'greedy dep':>10}")
+    for r in rows:
+        print(f"{r['source']:<10} {r['reference']:<9} {r['tokens']:>6} {_fmt(r['max_abs_error']):>9} "
+              f"{_fmt(r['p50_abs_error']):>9} {_fmt(r['p99_abs_error']):>9} {_fmt(r['kl_mean']):>9} "
+              f"{_fmt(r['ratio_outside_share'], '.2%'):>9} {r['greedy_departures']:>10}")
+    print(f"engine_mismatch.json, engine_mismatch.png, transcripts/: {run_dir}")
+    return 0
 
 
 def write_audit(run_dir: Path, reports: list[AuditReport]) -> dict[str, Any]:

@@ -60,9 +60,14 @@ def hf_transcript(path: Path, loaded, prompts: Sequence[list[int]], max_tokens: 
 def server_transcript(path: Path, engine, messages: Sequence[str], max_tokens: int, top_logprobs: int = 5,
                       sampling: dict[str, Any] | None = None) -> str:
     """Chat and text completions from our server through the openai client, as {request, response} lines."""
+    import logging
+
     import openai
 
     from toolkit.serve.main import start_server
+
+    for name in ("httpx", "httpx2", "openai"):  # a line per HTTP request under Hydra's INFO logging
+        logging.getLogger(name).setLevel(logging.WARNING)
 
     server = start_server(engine, None)
     lines = []

@@ -95,14 +95,20 @@ class TokenMap:
         if token.startswith("token_id:") and token[9:].isdigit():  # vLLM's return_tokens_as_token_ids
             return self.to_id(int(token[9:]))
         if token_bytes is not None:
-            raw = bytes(token_bytes)
+            try:
+                raw = bytes(token_bytes)
+            except (TypeError, ValueError):
+                return None, f"token {token!r}: bytes {token_bytes!r} are not a list of byte values"
+        elif "\ufffd" in token or not token:
+            # servers print U+FFFD (or nothing) for a token that is part of a multi-byte character: which
+            # token it was cannot be known from the string
+            return None, (f"token string {token!r} stands for a partial UTF-8 sequence: ask the server for "
+                          f"`bytes` or token ids")
         else:
             raw = token.encode("utf-8")
         ids = self._ids.get(raw)
         if not ids:
-            hint = (" (a partial UTF-8 sequence: ask the server for `bytes` or token ids)"
-                    if "\ufffd" in token or not raw else "")
-            return None, f"token string {token!r} is not the text of any one token of this model{hint}"
+            return None, f"token string {token!r} is not the text of any one token of this model"
         if len(ids) > 1:
             return None, f"token string {token!r} is the text of several tokens {ids[:4]}: ambiguous"
         return ids[0], ""
@@ -139,6 +145,8 @@ def read_transcripts(path: str | Path, fmt: str, tokenizer, vocab_size: int,
                 found = _openai_line(obj, number, tokens)
             else:
                 found = [_token_ids_line(obj, number, tokens, "hf" if fmt == "hf" else "unknown", logprobs_mode)]
+            for record in found:
+                _check_ids(record, vocab_size)
         except TranscriptError as exc:
             errors.append(LineError(number, _request_id(obj), str(exc)))
             continue
@@ -146,7 +154,6 @@ def read_transcripts(path: str | Path, fmt: str, tokenizer, vocab_size: int,
             record.source = text
             if logprobs_mode is not None:
                 record.logprobs_mode = logprobs_mode
-            _check_ids(record, vocab_size)
             records.append(record)
     seen: set[tuple[str, int]] = set()
     for record in records:  # request ids name a request in the converted trace: make repeats unique
@@ -170,7 +177,7 @@ def _check_ids(record: Transcript, vocab_size: int) -> None:
     for what, ids in (("prompt_token_ids", record.prompt_token_ids), ("output token", record.output_token_ids)):
         bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
         if bad is not None:
-            raise TranscriptError(f"line {record.line}: {what} {bad!r} is outside the model's vocabulary of "
+            raise TranscriptError(f"{what} {bad!r} is outside the model's vocabulary of "
                                   f"{vocab_size}: the transcript comes from another tokenizer")
 
 

@@ -305,9 +305,12 @@ class Job:
             return None
         tok = self.api.tokenizer
 
-        def entry(token_id: int, logprob: float) -> dict:
+        spelled = tok.token_bytes(self.api.loop.engine.loaded.arch.vocab_size) if tok is not None else None
+
+        def entry(token_id: int, logprob: float) -> dict:  # bytes: what the token spells, whole or not
             text = token_text(tok, token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"token": text, "logprob": logprob,
+                    "bytes": list(spelled[token_id]) if spelled is not None else list(text.encode())}
 
         return {"content": [{**entry(r.token_id, r.raw_logprob),
                              "top_logprobs": [entry(t, lp) for t, lp in self._top(r)]}
