@@ -145,13 +145,22 @@ def test_the_sampler_applying_the_pipeline_tail_changes_nothing(params, vocab, t
                      device=logits.device)
     srows = [SampleRow(greedy=p.greedy, seed=p.seed, position=9, stream=0, num_top=3) for p in rows]
     lse = logsumexp_rows(logits)
-    results = []
+    results, processed = [], None
     for defer in (False, True):
         pipe = apply_pipeline(logits, view, row_errors=invalid_rows(lse), defer_tail=defer)
         assert (pipe.tail is not None) == defer  # the native build runs here
         assert not pipe.errors
+        processed = pipe.processed_RV if not defer else processed
         results.append(sample(logits, pipe.processed_RV, srows, lse, tail=pipe.tail))
     whole, deferred = results
+    # the kept-set digest: sha256 of the finite-logit mask packed little-endian (numpy's packbits, a twin)
+    import hashlib
+
+    import numpy as np
+
+    want = [hashlib.sha256(np.packbits(torch.isfinite(row).numpy(), bitorder="little").tobytes()).hexdigest()
+            for row in processed]
+    assert whole.kept_sha256 == want and deferred.kept_sha256 == want
     assert deferred.token_ids == whole.token_ids and deferred.support_sizes == whole.support_sizes
     assert [float(n).hex() for n in deferred.noise] == [float(n).hex() for n in whole.noise]
     assert deferred.processed_logprobs == whole.processed_logprobs and deferred.raw_logprobs == whole.raw_logprobs

@@ -161,3 +161,45 @@ def test_side_by_side_sha256_is_hashlibs():
         assert sha256_rows(wide, index, threads=threads) == expected
     with pytest.raises(IndexError, match="outside the 40 rows"):
         sha256_rows(wide, [0, 40, 1])
+
+
+def test_full_logits_and_kept_digest_let_a_trainer_rebuild_the_sampling_mask(tiny, tmp_path):
+    """trace.full_logits writes the raw fp32 rows of the asked-for requests (their sha256 is the trace's
+    logits digest), and re-applying a row's processors to them gives a kept set whose digest is the trace's
+    kept_sha256: the exact mask the token was sampled under (vLLM's "mask replay")."""
+    import hashlib
+
+    import numpy as np
+
+    from toolkit.processors import BatchView, RowState, apply_pipeline
+
+    engine = make_engine(tiny, max_num_batched_tokens=8, max_num_seqs=4)
+    ids = [engine.add_request(**r) for r in MIXED]
+    steps = []
+    with TraceWriter(tmp_path, "test-run", 2, full_logits=["topp", "pair"]) as writer:
+        while engine.has_unfinished():
+            out = engine.step()
+            writer.write_step(out.samples, out.logits_RV)
+            steps.append(out)
+    write_requests(tmp_path, request_rows(engine, "test-run", ids))
+    rows = {(r["request_id"], r["stream"], r["position"]): r for r in read_samples(tmp_path).to_pylist()}
+    logits = pq.read_table(tmp_path / "logits.parquet").to_pylist()
+    assert {r["request_id"] for r in logits} == {"topp", "pair"}
+    assert len(logits) == sum(1 for k in rows if k[0] in ("topp", "pair"))
+    requests = {(r["request_id"], r["stream"]): r for r in read_requests(tmp_path).to_pylist()}
+    full = hashlib.sha256(np.packbits(np.ones(tiny.arch.vocab_size, bool), bitorder="little").tobytes()).hexdigest()
+    partial = 0
+    for entry in logits:
+        key = (entry["request_id"], entry["stream"], entry["position"])
+        raw = torch.tensor(entry["logits"], dtype=torch.float32)
+        assert logits_digest(raw) == rows[key]["logits_sha256"]
+        req = requests[key[:2]]
+        params = next(r["sampling_params"] for r in MIXED if r["request_id"] == key[0])
+        history = list(req["prompt_token_ids"]) + list(req["output_token_ids"])[: key[2] - len(req["prompt_token_ids"])]
+        view = BatchView((RowState(params, history, len(req["prompt_token_ids"])),), tiny.arch.vocab_size, raw.device)
+        kept = torch.isfinite(apply_pipeline(raw[None], view).processed_RV[0]).numpy()
+        digest = hashlib.sha256(np.packbits(kept, bitorder="little").tobytes()).hexdigest()
+        assert digest == rows[key]["kept_sha256"], key
+        partial += digest != full
+    assert partial > 0  # top-k / top-p rows have their own masks
+    assert all(r["kept_sha256"] == full for k, r in rows.items() if k[0] == "greedy")

@@ -169,4 +169,4 @@ class Committer:
             t_emit_s=time.perf_counter() - start_time, logits_row=e.row,
             grammar_allowed=allowed.get(e.row),
             origin=e.origin, draft_logprob=e.draft_logprob, spec_proposed=e.spec_proposed,
-            spec_accepted=e.spec_accepted)
+            spec_accepted=e.spec_accepted, kept_sha256=e.kept_sha256)

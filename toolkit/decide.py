@@ -21,7 +21,7 @@ from toolkit.grammar import GrammarBackend
 from toolkit.processors import BatchView, PipelineResult, RowState, apply_pipeline, invalid_rows
 from toolkit.request import Request
 from toolkit.runner import ModelOutput
-from toolkit.sampling import SampleRow, logsumexp_rows, sample
+from toolkit.sampling import SampleRow, kept_digests, logsumexp_rows, sample
 from toolkit.speculative import PLAIN, Proposal, Speculator, verify
 
 
@@ -53,6 +53,7 @@ class Emit:
     draft_logprob: float | None = None
     spec_proposed: int = 0
     spec_accepted: int = 0
+    kept_sha256: str | None = None  # digest of the kept set (toolkit.sampling.kept_digests)
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,7 @@ class Decider:
                     token=result.token_ids[j], row=i, raw_logprob=result.raw_logprobs[j],
                     processed_logprob=result.processed_logprobs[j], support=result.support_sizes[j],
                     noise=result.noise[j], top_raw=tuple(result.top_raw[j]),
-                    top_processed=tuple(result.top_processed[j]))]))
+                    top_processed=tuple(result.top_processed[j]), kept_sha256=result.kept_sha256[j])]))
         return decisions
 
     def _verify_rows(self, first: int, rows: list[Row], logits_RV: torch.Tensor, pipe: PipelineResult,
@@ -212,8 +213,11 @@ class Decider:
             proc = pipe.processed_RV[i]
             proc_lse = logsumexp_rows(proc[None])[0]
             proc_lp = float(proc[token] - proc_lse)
+            finite = torch.isfinite(proc)
+            support = int(finite.sum())
             emits.append(Emit(token=token, row=i, raw_logprob=raw_lp, processed_logprob=proc_lp,
-                              support=int(torch.isfinite(proc).sum()), noise=g, origin=origin, draft_logprob=dlp,
+                              support=support, noise=g, origin=origin, draft_logprob=dlp,
+                              kept_sha256=kept_digests([support], proc.shape[0], finite_RV=finite[None])[0],
                               spec_proposed=m, spec_accepted=verdict.accepted,
                               top_raw=_top(logits_RV[i], lse_R[i], seq.sampling.logprobs),
                               top_processed=_top(proc, proc_lse, seq.sampling.logprobs)))

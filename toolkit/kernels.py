@@ -136,7 +136,7 @@ SIGNATURES = {  # symbol -> argument types (every one returns int)
     "toolkit_gumbel_sample_rows": [P, I64, I64, I64, P, P, P, P, P, ctypes.c_int],
     "toolkit_gumbel_noise": [P, I64, ctypes.c_uint32, ctypes.c_uint32, P],
     "toolkit_truncate_f32": [P, I64, I64, I64, ctypes.c_int, P, P, I64, P, ctypes.c_int],
-    "toolkit_sample_tail_rows": [P, I64, I64, I64, P, P, P, P, P, I64, P, P, P, P, P, ctypes.c_int],
+    "toolkit_sample_tail_rows": [P, I64, I64, I64, P, P, P, P, P, I64, P, P, P, P, P, P, I64, ctypes.c_int],
     "toolkit_decoder_layers": [P, I64, P, P, P, P, P, P, P, P, P, P, ctypes.c_float, ctypes.c_float, ctypes.c_int],
 }
 
@@ -429,6 +429,7 @@ class TailSample:
     logsumexp_R: torch.Tensor
     picked_R: torch.Tensor
     processed_RV: torch.Tensor | None
+    kept_bits_RB: torch.Tensor | None = None  # (R, ceil(V / 8)) uint8 kept masks of rows with support < V
 
 
 def sample_tail_cpu(x_RV: torch.Tensor, ops: list[tuple[tuple[str, float], ...]], keys: list[tuple[int, int] | None],
@@ -454,12 +455,15 @@ def sample_tail_cpu(x_RV: torch.Tensor, ops: list[tuple[tuple[str, float], ...]]
     lse, picked = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
     tokens, noise = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.float64)
     support = torch.empty(n, dtype=torch.int64)
+    truncating = any(TAIL_OPS[name] != TAIL_OPS["temperature"] for row in ops for name, _ in row)
+    kept = torch.empty((n, (vocab + 7) // 8), dtype=torch.uint8) if truncating else None  # else every row is full
     if lib.fn["sample_tail_rows"](x_RV.data_ptr(), x_RV.stride(0), n, vocab, codes_t.data_ptr(), values_t.data_ptr(),
                                   keys_t.data_ptr(), sampled.data_ptr(), out.data_ptr() if keep_rows else None,
                                   vocab, lse.data_ptr(), tokens.data_ptr(), noise.data_ptr(), support.data_ptr(),
-                                  picked.data_ptr(), torch.get_num_threads()) != 0:
+                                  picked.data_ptr(), kept.data_ptr() if kept is not None else None,
+                                  kept.shape[1] if kept is not None else 0, torch.get_num_threads()) != 0:
         raise MemoryError("sample_tail_rows: out of memory")
-    return TailSample(tokens.tolist(), noise.tolist(), support.tolist(), lse, picked, out)
+    return TailSample(tokens.tolist(), noise.tolist(), support.tolist(), lse, picked, out, kept)
 
 
 def gumbel_noise_cpu(ids: torch.Tensor, key: tuple[int, int], lib: NativeLib | None = None) -> torch.Tensor:

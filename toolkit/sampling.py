@@ -9,6 +9,8 @@ gives the same values as evaluating it everywhere: each token's noise depends on
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -41,6 +43,43 @@ class SampleResult:
     noise: list[float]  # Gumbel noise of the chosen token (NaN for greedy rows)
     top_raw: list[list[tuple[int, float]]]
     top_processed: list[list[tuple[int, float]]]
+    kept_sha256: list[str]  # digest of each row's kept set (see kept_digest)
+
+
+def pack_kept(finite_RV: torch.Tensor) -> torch.Tensor:
+    """(R, V) bool -> (R, ceil(V / 8)) uint8: bit i & 7 of byte i >> 3 is token i (the kernel's layout)."""
+    r, vocab = finite_RV.shape
+    padded = torch.zeros((r, (vocab + 7) // 8 * 8), dtype=torch.uint8, device=finite_RV.device)
+    padded[:, :vocab] = finite_RV
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=finite_RV.device)
+    return (padded.view(r, -1, 8) * weights).sum(-1, dtype=torch.uint8)
+
+
+@functools.lru_cache(maxsize=8)
+def full_kept_digest(vocab: int) -> str:
+    return kept_digest_of_bits(pack_kept(torch.ones((1, vocab), dtype=torch.bool))[0])
+
+
+def kept_digest_of_bits(bits_B: torch.Tensor) -> str:
+    return hashlib.sha256(bits_B.cpu().contiguous().numpy()).hexdigest()
+
+
+def kept_digests(support: Sequence[int], vocab: int, bits_RB: torch.Tensor | None = None,
+                 finite_RV: torch.Tensor | None = None) -> list[str]:
+    """The kept-set digest of each row: sha256 of its mask of tokens with a finite processed logit, packed
+    as ceil(V / 8) bytes (token i is bit i & 7 of byte i >> 3; a trainer rebuilds the sampling mask and
+    checks it against this). Rows with the whole vocabulary share one digest; the others are read from the
+    kernel's `bits_RB` or packed from `finite_RV`."""
+    out, partial = [], [i for i, s in enumerate(support) if s < vocab]
+    full = full_kept_digest(vocab)
+    if partial and bits_RB is None:
+        bits_RB = pack_kept(finite_RV[partial])
+        rows = {i: k for k, i in enumerate(partial)}
+    else:
+        rows = {i: i for i in partial}
+    for i, s in enumerate(support):
+        out.append(full if s >= vocab else kept_digest_of_bits(bits_RB[rows[i]]))
+    return out
 
 
 def logsumexp_rows(x_RV: torch.Tensor, per_row: bool = True) -> torch.Tensor:
@@ -83,10 +122,12 @@ def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRo
         return SampleResult(token_ids=tokens, raw_logprobs=raw_lp,
                             processed_logprobs=(fused.picked_R - proc_lse).tolist(), support_sizes=support,
                             noise=noise, top_raw=_top(raw_RV, raw_lse, rows, num_top),
-                            top_processed=_top(fused.processed_RV, proc_lse, rows, num_top))
+                            top_processed=_top(fused.processed_RV, proc_lse, rows, num_top),
+                            kept_sha256=kept_digests(support, vocab, fused.kept_bits_RB))
     sampled = [i for i, key in enumerate(keys) if key is not None]
     unprocessed = processed_RV is raw_RV
     native = gumbel_sample_cpu(processed_RV, keys) if sampled or not unprocessed else None
+    finite_RV = None
     if native is not None:
         chosen, noise, support = native
     else:
@@ -108,8 +149,11 @@ def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRo
     proc_lp = raw_lp if unprocessed else _logprobs_at(processed_RV, proc_lse, tokens)
     top_raw = _top(raw_RV, raw_lse, rows, num_top)
     top_proc = top_raw if unprocessed else _top(processed_RV, proc_lse, rows, num_top)
+    if not unprocessed and finite_RV is None and min(support, default=vocab) < vocab:
+        finite_RV = torch.isfinite(processed_RV)
     return SampleResult(token_ids=tokens, raw_logprobs=raw_lp, processed_logprobs=proc_lp, support_sizes=support,
-                        noise=noise, top_raw=top_raw, top_processed=top_proc)
+                        noise=noise, top_raw=top_raw, top_processed=top_proc,
+                        kept_sha256=kept_digests(support, vocab, finite_RV=finite_RV))
 
 
 def _logprobs_at(logits_RV: torch.Tensor, lse_R: torch.Tensor, tokens: list[int]) -> list[float]:

@@ -20,7 +20,7 @@ from toolkit.errors import Interrupted
 from toolkit.loggers import make_logger
 from toolkit.metrics import summarize
 from toolkit.trace import build_manifest, new_run_id, request_rows
-from toolkit.trace.writer import TraceWriter, atomic_write_bytes, write_manifest, write_requests
+from toolkit.trace.writer import TraceWriter, atomic_write_bytes, full_logits_selection, write_manifest, write_requests
 
 
 @dataclass(frozen=True)
@@ -97,12 +97,14 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
            summary_extra: dict[str, Any] | None = None,
            on_step: Callable[[StepOutput], None] | None = None,
            before_step: Callable[[Engine], None] | None = None, logger: Mapping[str, Any] | None = None,
-           progress: bool = False, plots: bool = False) -> Recorded:
+           progress: bool = False, plots: bool = False, full_logits: Any = None) -> Recorded:
     """Run the engine until every request finished; write config, manifest, requests, trace, summary.
 
     `logger` is a `logger` config section (see toolkit.loggers); `progress` draws a progress
     line on a terminal; `plots` writes the step timeline and latency plots; `before_step` is called with the
-    engine before each step (a replay aborts there what the recorded run aborted)."""
+    engine before each step (a replay aborts there what the recorded run aborted); `full_logits` (off, all or
+    request ids) also writes those requests' raw logits rows to logits.parquet."""
+    full_logits_selection(full_logits)  # a bad value is a one-line error before anything runs
     run_id = new_run_id()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -111,7 +113,7 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
     write_manifest(run_dir, build_manifest(engine, run_id, manifest_extra))
     write_requests(run_dir, request_rows(engine, run_id, request_ids))  # replayable even if the run dies
     run_logger = make_logger(logger, OmegaConf.to_container(resolved, resolve=True), run_dir, run_id)
-    writer = TraceWriter(run_dir, run_id, flush_every_steps) if trace else None
+    writer = TraceWriter(run_dir, run_id, flush_every_steps, full_logits) if trace else None
     bar = Progress(sum(len(engine.groups.get(i, [i])) for i in request_ids)) if progress else None
     steps: list[dict[str, Any]] = []
     interrupted = False

@@ -40,7 +40,7 @@ int toolkit_gumbel_noise(const int32_t *, int64_t, uint32_t, uint32_t, double *)
 int toolkit_truncate_f32(const float *, int64_t, int64_t, int64_t, int, const float *, float *, int64_t, float *, int);
 int toolkit_sample_tail_rows(const float *, int64_t, int64_t, int64_t, const int32_t *, const float *,
                              const uint32_t *, const int8_t *, float *, int64_t, float *, int64_t *, double *,
-                             int64_t *, float *, int);
+                             int64_t *, float *, uint8_t *, int64_t, int);
 
 static uint64_t state = 0x9e3779b97f4a7c15ull;
 static uint32_t next_u32(void) {
@@ -222,10 +222,24 @@ static void check_tail(void) {
     for (int i = 0; i < 2 * S; i++) keys[i] = next_u32();
     for (int r = 0; r < S; r++) tokens_want[r] = -1;
     float *out = malloc(sizeof(float) * S * SV), *step = malloc(sizeof(float) * S * SV);
+    const int64_t LDK = (SV + 7) / 8;
+    uint8_t *kept = malloc((size_t)(S * LDK));
+    memset(kept, 0xAB, (size_t)(S * LDK)); /* full rows are left alone */
     toolkit_sample_tail_rows(logits, SV, S, SV, ops, params, keys, sampled, out, SV, lse[0], tokens[0], noise[0],
-                             support[0], picked[0], 2);
+                             support[0], picked[0], 0, 0, 2);
     toolkit_sample_tail_rows(logits, SV, S, SV, ops, params, keys, sampled, 0, 0, lse[1], tokens[1], noise[1],
-                             support[1], picked[1], 2);
+                             support[1], picked[1], kept, LDK, 2);
+    for (int r = 0; r < S; r++) /* the kept bitmask: bit v & 7 of byte v >> 3 is whether token v is finite */
+        for (int v = 0; v < SV; v++) {
+            const int bit = support[1][r] < SV ? (kept[r * LDK + (v >> 3)] >> (v & 7)) & 1 : -1;
+            const int finite = out[r * SV + v] > -INFINITY && out[r * SV + v] < INFINITY;
+            if (bit >= 0 && bit != finite) {
+                printf("tail: row %d kept bit of token %d is %d, its processed logit finite %d\n", r, v, bit, finite);
+                failures++;
+                break;
+            }
+        }
+    free(kept);
     memcpy(step, logits, sizeof(float) * S * SV);
     for (int r = 0; r < S; r++)
         for (int j = 0; j < W; j++) {

@@ -535,7 +535,10 @@ int toolkit_gumbel_sample_rows(const float *x, int64_t ldx, int64_t V, int64_t n
  * (toolkit_argmax_f32) as the token and keeps noise NaN. picked[r] = the processed logit at the token.
  * The processed rows are written to out (row stride ldo) where out is given; without it they stay in a
  * scratch row that never leaves the cache. The same bits as the stages one after another: the same
- * arithmetic on the same values. Returns 0, or -1 if out of memory.
+ * arithmetic on the same values. Where kept is given, a row whose support is not the whole vocabulary
+ * gets its kept set there as a bitmask (row stride ldk >= ceil(V / 8) bytes: bit i & 7 of byte i >> 3 is
+ * token i), built from the listed ids or, for a large support, one more pass; full rows are left alone.
+ * Returns 0, or -1 if out of memory.
  */
 enum { TAIL_OPS = 3, TAIL_TEMPERATURE = 2 };
 
@@ -544,7 +547,7 @@ int toolkit_argmax_f32(const float *x, int64_t ldx, int64_t R, int64_t V, int64_
 int toolkit_sample_tail_rows(const float *x, int64_t ldx, int64_t R, int64_t V, const int32_t *ops,
                              const float *params, const uint32_t *keys, const int8_t *sampled, float *out,
                              int64_t ldo, float *lse, int64_t *tokens, double *noise, int64_t *support,
-                             float *picked, int threads) {
+                             float *picked, uint8_t *kept, int64_t ldk, int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && R > 1)
     {
@@ -586,6 +589,15 @@ int toolkit_sample_tail_rows(const float *x, int64_t ldx, int64_t R, int64_t V, 
             if (t < 0) toolkit_argmax_f32(row, V, 1, V, &t, 1);
             tokens[r] = t;
             picked[r] = row[t];
+            if (kept && support[r] < V) {
+                uint8_t *bits = kept + r * ldk;
+                memset(bits, 0, (size_t)((V + 7) / 8));
+                if (listed)
+                    for (int64_t j = 0; j < support[r]; j++) bits[ids[j] >> 3] |= (uint8_t)(1u << (ids[j] & 7));
+                else
+                    for (int64_t i = 0; i < V; i++)
+                        if (row[i] > -INFINITY && row[i] < INFINITY) bits[i >> 3] |= (uint8_t)(1u << (i & 7));
+            }
         }
         free(kscratch);
         free(e);

@@ -47,6 +47,16 @@ def _check_version(table: pa.Table, what: str) -> None:
         raise TraceError(f"{what}: schema version {version or 'missing'!r}, this toolkit reads {SCHEMA_VERSION}")
 
 
+def _add_missing(table: pa.Table, schema: pa.Schema, kind: str) -> pa.Table:
+    """An older version's table gets the columns it did not have, as nulls (in the current order)."""
+    missing = next((cols[kind] for v, cols in COMPATIBLE.items() if str(v) == _version(table)), ())
+    if not missing or table.schema.names != [n for n in schema.names if n not in missing]:
+        return table
+    columns = {name: table.column(name) if name in table.schema.names else pa.nulls(table.num_rows, schema.field(name).type)
+               for name in schema.names}
+    return pa.table(columns, schema=schema.remove_metadata().with_metadata(table.schema.metadata))
+
+
 def read_samples(run_dir: Path, check_version: bool = True) -> pa.Table:
     """Every SampleTrace row of the run, in the order written (parts in name order)."""
     directory = Path(run_dir) / SAMPLES_DIR
@@ -60,6 +70,7 @@ def read_samples(run_dir: Path, check_version: bool = True) -> pa.Table:
             raise TraceError(f"{part} is truncated or corrupt: {exc}") from None
         if check_version:
             _check_version(table, str(part))
+        table = _add_missing(table, SAMPLES_SCHEMA, "samples")
         if table.schema.names != SAMPLES_SCHEMA.names:
             raise TraceError(f"{part} has columns {table.schema.names}, expected {SAMPLES_SCHEMA.names}")
         tables.append(table)
@@ -78,11 +89,7 @@ def read_requests(run_dir: Path, check_version: bool = True) -> pa.Table:
         raise TraceError(f"{path} is truncated or corrupt: {exc}") from None
     if check_version:
         _check_version(table, str(path))
-    missing = next((cols for v, cols in COMPATIBLE.items() if str(v) == _version(table)), ())
-    if missing and table.schema.names == [n for n in REQUESTS_SCHEMA.names if n not in missing]:
-        for name in missing:  # an older version's table: the columns it did not have are null
-            column = REQUESTS_SCHEMA.field(name)
-            table = table.append_column(column, pa.nulls(table.num_rows, column.type))
+    table = _add_missing(table, REQUESTS_SCHEMA, "requests")
     if table.schema.names != REQUESTS_SCHEMA.names:
         raise TraceError(f"{path} has columns {table.schema.names}, expected {REQUESTS_SCHEMA.names}")
     return table

@@ -13,8 +13,9 @@ import pyarrow as pa
 SCHEMA_VERSION = 6
 
 # older versions this toolkit still reads, and what their tables lack (read as null)
-COMPATIBLE = {4: ("request_body", "abort_step", "origin_engine", "source_record"),
-              5: ("origin_engine", "source_record")}
+COMPATIBLE = {4: {"requests": ("request_body", "abort_step", "origin_engine", "source_record"),
+                  "samples": ("kept_sha256",)},
+              5: {"requests": ("origin_engine", "source_record"), "samples": ("kept_sha256",)}}
 
 # versions this toolkit no longer reads, and why (the reader says so instead of "unknown version")
 SUPERSEDED = {
@@ -60,6 +61,7 @@ class SampleTrace:
     draft_logprob: float | None = None  # the draft's processed logprob of this token (null: none proposed it)
     spec_proposed: int = 0  # drafts proposed for this sequence in this step
     spec_accepted: int = 0  # of which kept
+    kept_sha256: str | None = None  # sha256 of the kept set: the tokens with a finite processed logit, as a bitmask
 
 
 SAMPLE_COLUMNS = [
@@ -93,6 +95,7 @@ SAMPLE_COLUMNS = [
     ("draft_logprob", pa.float32()),
     ("spec_proposed", pa.int32()),
     ("spec_accepted", pa.int32()),
+    ("kept_sha256", pa.string()),
 ]
 SAMPLES_SCHEMA = pa.schema(SAMPLE_COLUMNS, metadata={"toolkit_schema_version": str(SCHEMA_VERSION)})
 

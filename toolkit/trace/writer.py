@@ -29,6 +29,7 @@ from toolkit.kernels import sha256_rows
 from toolkit.trace.schema import REQUESTS_SCHEMA, SAMPLES_SCHEMA, TRACE_FIELDS, SampleTrace
 
 SAMPLES_DIR = "samples.parquet"
+LOGITS_DIR = "logits.parquet"  # trace.full_logits: raw fp32 logits rows, keyed by (request_id, stream, position)
 REQUESTS_FILE = "requests.parquet"
 MANIFEST_FILE = "manifest.json"
 
@@ -80,12 +81,36 @@ def sample_rows_table(run_id: str, traces: Iterable[SampleTrace], digests: Itera
     return pa.table(columns, schema=SAMPLES_SCHEMA)
 
 
+class _Digests(list):
+    """A step's digests, carrying the full logits rows trace.full_logits asked for."""
+
+    def __init__(self, digests: list[str], logits: list[tuple[str, int, int, Any]]):
+        super().__init__(digests)
+        self.logits = logits
+
+
+def full_logits_selection(value: Any) -> str | frozenset[str] | None:
+    """trace.full_logits: off (null, false, "off"), "all", or a list of request ids."""
+    from toolkit.errors import ConfigError
+
+    if value in (None, False, "off", "none"):
+        return None
+    if value == "all":
+        return "all"
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, int)) for v in value):
+        return frozenset(str(v) for v in value)
+    raise ConfigError(f"trace.full_logits must be off, all or a list of request ids, got {value!r}")
+
+
 class TraceWriter:
     """Accepts each step's SampleTrace rows and raw logits; writes Parquet parts on a worker thread."""
 
-    def __init__(self, run_dir: Path, run_id: str, flush_every_steps: int = 64):
+    def __init__(self, run_dir: Path, run_id: str, flush_every_steps: int = 64, full_logits: Any = None):
         if not 1 <= flush_every_steps <= 64:
             raise ValueError(f"flush_every_steps must be in [1, 64], got {flush_every_steps}")
+        self.full_logits = full_logits_selection(full_logits)
+        self._logits: list[tuple[str, int, int, Any]] = []
+        self._logits_parts = 0
         self.run_dir = Path(run_dir)
         self.dir = self.run_dir / SAMPLES_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -119,6 +144,13 @@ class TraceWriter:
                 rows = rows.index_select(0, torch.tensor(index, device=rows.device)).float().cpu()
                 index = list(range(len(index)))
             digests = sha256_rows(rows, index)
+            if self.full_logits is not None:
+                wanted = [(t, i) for t, i in zip(traces, index) if t.token_id >= 0 and (
+                    self.full_logits == "all" or t.request_id in self.full_logits)]
+                if wanted:
+                    block = rows[[i for _, i in wanted]].float().cpu().numpy()  # a copy: the step's block moves on
+                    digests = _Digests(digests, [(t.request_id, t.stream, t.position, block[k])
+                                                 for k, (t, _) in enumerate(wanted)])
         self._queue.put((tuple(traces), digests, requests))
         self.engine_thread_s += time.perf_counter() - start
 
@@ -154,6 +186,8 @@ class TraceWriter:
                     self._write_part()
                     continue
                 self._pending.extend(zip(traces, digests))
+                if isinstance(digests, _Digests):
+                    self._logits.extend(digests.logits)
                 self._steps_since_flush += 1
                 if self._steps_since_flush >= self.flush_every_steps:
                     self._write_part()
@@ -168,6 +202,16 @@ class TraceWriter:
         if self._requests is not None:
             write_requests(self.run_dir, self._requests)
             self._requests = None
+        if self._logits:
+            import numpy as np
+
+            rows, self._logits = self._logits, []
+            flat = pa.array(np.concatenate([r[3] for r in rows]), pa.float32())
+            atomic_write_table(self.run_dir / LOGITS_DIR / f"part-{self._logits_parts:06d}.parquet", pa.table({
+                "request_id": [r[0] for r in rows], "stream": pa.array([r[1] for r in rows], pa.int32()),
+                "position": pa.array([r[2] for r in rows], pa.int64()),
+                "logits": pa.FixedSizeListArray.from_arrays(flat, len(rows[0][3]))}))
+            self._logits_parts += 1
         if not self._pending:
             return
         table = sample_rows_table(self.run_id, [t for t, _ in self._pending], [d for _, d in self._pending])
