@@ -192,12 +192,11 @@ def test_a_client_that_leaves_frees_its_blocks(server):
     body = {"model": "smollm2", "prompt": "Write a long story about the sea.", "max_tokens": 3000,
             "temperature": 0.8, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()  # held: a dropped generator closes the stream, and the client is gone early
         events = 0
-        for line in r.iter_lines():
-            events += line.startswith("data:")
-            if events == 3:
-                break
-        assert metric(server, "toolkit_kv_blocks_used") > 0
+        while events < 3:
+            events += next(lines).startswith("data:")
+        assert metric(server, "toolkit_kv_blocks_used") > 0 and metric(server, "toolkit_num_requests_running") == 1
     deadline = time.time() + 10  # far less than the 3000 tokens would take: only an abort frees the blocks in time
     while time.time() < deadline and (metric(server, "toolkit_kv_blocks_used") or
                                       metric(server, "toolkit_num_requests_running")):

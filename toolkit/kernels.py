@@ -455,13 +455,11 @@ def sample_tail_cpu(x_RV: torch.Tensor, ops: list[tuple[tuple[str, float], ...]]
     lse, picked = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
     tokens, noise = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.float64)
     support = torch.empty(n, dtype=torch.int64)
-    truncating = any(TAIL_OPS[name] != TAIL_OPS["temperature"] for row in ops for name, _ in row)
-    kept = torch.empty((n, (vocab + 7) // 8), dtype=torch.uint8) if truncating else None  # else every row is full
+    kept = torch.empty((n, (vocab + 7) // 8), dtype=torch.uint8)  # filled only for rows with support < V
     if lib.fn["sample_tail_rows"](x_RV.data_ptr(), x_RV.stride(0), n, vocab, codes_t.data_ptr(), values_t.data_ptr(),
                                   keys_t.data_ptr(), sampled.data_ptr(), out.data_ptr() if keep_rows else None,
                                   vocab, lse.data_ptr(), tokens.data_ptr(), noise.data_ptr(), support.data_ptr(),
-                                  picked.data_ptr(), kept.data_ptr() if kept is not None else None,
-                                  kept.shape[1] if kept is not None else 0, torch.get_num_threads()) != 0:
+                                  picked.data_ptr(), kept.data_ptr(), kept.shape[1], torch.get_num_threads()) != 0:
         raise MemoryError("sample_tail_rows: out of memory")
     return TailSample(tokens.tolist(), noise.tolist(), support.tolist(), lse, picked, out, kept)
 
