@@ -203,3 +203,27 @@ def test_full_logits_and_kept_digest_let_a_trainer_rebuild_the_sampling_mask(tin
         partial += digest != full
     assert partial > 0  # top-k / top-p rows have their own masks
     assert all(r["kept_sha256"] == full for k, r in rows.items() if k[0] == "greedy")
+
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_older_schema_versions_read_with_their_missing_columns_null(tiny, tmp_path, version):
+    from toolkit.trace.schema import COMPATIBLE, REQUESTS_SCHEMA, SAMPLES_SCHEMA
+
+    engine = make_engine(tiny, max_num_batched_tokens=8, max_num_seqs=4)
+    run_traced(engine, MIXED, tmp_path)
+    before = read_samples(tmp_path).drop_columns(["kept_sha256", "noise"])  # (NaN noise never compares equal)
+    meta = {b"toolkit_schema_version": str(version).encode()}
+    for path, kind in [(tmp_path / "requests.parquet", "requests"),
+                       *[(p, "samples") for p in (tmp_path / "samples.parquet").glob("part-*.parquet")]]:
+        table = pq.read_table(path)
+        old = table.drop_columns(list(COMPATIBLE[version][kind])).replace_schema_metadata(meta)
+        pq.write_table(old, path)
+    samples, requests = read_samples(tmp_path), read_requests(tmp_path)
+    assert samples.schema.names == SAMPLES_SCHEMA.names and requests.schema.names == REQUESTS_SCHEMA.names
+    assert samples.column("kept_sha256").null_count == samples.num_rows > 0
+    assert requests.column("origin_engine").null_count == requests.num_rows
+    assert samples.drop_columns(["kept_sha256", "noise"]).to_pylist() == before.to_pylist()  # the rest as written
+    table = pq.read_table(tmp_path / "requests.parquet").replace_schema_metadata({b"toolkit_schema_version": b"3"})
+    pq.write_table(table, tmp_path / "requests.parquet")
+    with pytest.raises(TraceError, match="schema version"):
+        read_requests(tmp_path)
