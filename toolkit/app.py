@@ -33,6 +33,10 @@ def main(cfg: DictConfig, run_dir: Path) -> int:
             return run_verify(cfg, run_dir)
         if mode == "compare":
             return run_compare(cfg, run_dir)
+        if mode == "scheduling":
+            from toolkit.bench.scheduling import run_scheduling
+
+            return run_scheduling(cfg, run_dir)
         if mode == "audit":
             from toolkit.audit.foreign import run_audit
 
@@ -51,7 +55,7 @@ def main(cfg: DictConfig, run_dir: Path) -> int:
             from toolkit.audit.kv_quantization import run_kv_quantization
 
             return run_kv_quantization(cfg, run_dir)
-        raise ToolkitError(f"unknown mode {mode!r}; known: run, serve, bench, replay, verify, compare, audit, soak, train, "
+        raise ToolkitError(f"unknown mode {mode!r}; known: run, serve, bench, scheduling, replay, verify, compare, audit, soak, train, "
                            f"kv_quantization")
     except ToolkitError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -172,8 +176,8 @@ def _fmt(value: Any) -> str:
 
 
 def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
-    keys = ["requests", "rejected", "output_tokens", "wall_s", "output_tok_per_s", "ttft_p50_s", "ttft_p95_s",
-            "tpot_p50_s", "tpot_p95_s", "num_preemptions", "prefix_cache_hit_rate", "json_validity_rate", "acceptance_rate", "mean_accepted_length",
+    keys = ["requests", "rejected", "output_tokens", "wall_s", "output_tok_per_s", "requests_per_s", "ttft_p50_s",
+            "ttft_p95_s", "tpot_p50_s", "tpot_p95_s", "itl_p95_s", "queue_p95_s", "num_preemptions", "prefix_cache_hit_rate", "json_validity_rate", "acceptance_rate", "mean_accepted_length",
             "target_forwards_per_output_token", "steps"]
     width = max(len(k) for k in keys)
     print("=" * (width + 14))

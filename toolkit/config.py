@@ -19,6 +19,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "kernel", "sdpa", "flex")
 MATMUL_BACKENDS = ("auto", "native", "torch")
 KV_CACHE_DTYPES = ("auto", "bf16", "int8", "fp8_e4m3")
+# fused: prefill chunks and decodes in ONE forward per step (the default); two_forwards: the same schedule, prefill
+# chunks and decodes in separate forwards; prefill_first: a waiting prompt is prefilled whole in a step of its
+# own before decodes continue (vLLM V0's default); no_chunking: a prompt enters a step only whole
+SCHEDULER_POLICIES = ("fused", "two_forwards", "prefill_first", "no_chunking")
 
 
 def _check(cond: bool, message: str) -> None:
@@ -111,6 +115,8 @@ class EngineConfig:
     kv_scale_granularity: str = "block"  # int8/fp8 scales: block (per block and KV head, running) | tensor (static)
     # auto: the native packed matmul (csrc/matmul_invariant.c) on CPU fp32 when it compiles, else torch's
     matmul_backend: str = "auto"  # auto | native | torch
+    scheduler_policy: str = "fused"  # fused | two_forwards | prefill_first | no_chunking (SCHEDULER_POLICIES)
+    max_chunk_tokens: int | None = None  # one sequence's prefill chunk at most (None: the step's budget)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -155,6 +161,10 @@ class EngineConfig:
                f"engine.matmul_backend must be one of {MATMUL_BACKENDS}, got {self.matmul_backend!r}")
         _check(not (self.batch_invariant and self.matmul_backend == "torch"),
                "engine.batch_invariant=true needs the native matmul, not engine.matmul_backend=torch")
+        _check(self.scheduler_policy in SCHEDULER_POLICIES,
+               f"engine.scheduler_policy must be one of {SCHEDULER_POLICIES}, got {self.scheduler_policy!r}")
+        _check(self.max_chunk_tokens is None or (_is_int(self.max_chunk_tokens) and self.max_chunk_tokens > 0),
+               f"engine.max_chunk_tokens must be a positive integer or null, got {self.max_chunk_tokens!r}")
         _check(self.max_num_batched_tokens >= self.max_num_seqs,
                f"engine.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                f"engine.max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step")

@@ -90,7 +90,8 @@ class Engine:
         self.matmul_backend = matmul_backend(self.cfg, loaded)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, self.attention_backend,
                                   batch_invariant=self.cfg.batch_invariant,
-                                  native_matmul=self.matmul_backend == "native", flex_compile=self.cfg.flex_compile)
+                                  native_matmul=self.matmul_backend == "native", flex_compile=self.cfg.flex_compile,
+                                  two_forwards=self.cfg.scheduler_policy == "two_forwards")
         # created on the first structured-output request; the stages share it without a reference back to the
         # engine (an engine in a reference cycle would keep its KV cache until the cycle collector runs)
         self._grammar_backend = LazyGrammar(self.tokenizer, self.vocab_size, self.eos_token_ids or (0,))
@@ -164,11 +165,13 @@ class Engine:
             return self._idle(batch)
         self._scheduled(batch, now)
         batch, proposals = self._propose(batch)
-        out = self.runner.run(batch)  # the ONE forward of this step
+        forwards = self.runner.num_forwards
+        out = self.runner.run(batch)  # the ONE forward of this step (two with scheduler_policy=two_forwards)
         decision = self.decider.decide(out, proposals, self.requests)
         committed = self.committer.commit(batch, decision, proposals, self.requests, self.start_time)
         self.step_index = step + 1
-        return self._step_output(batch, committed, decision.logits_RV, out.forward_s)
+        return self._step_output(batch, committed, decision.logits_RV, out.forward_s,
+                                 self.runner.num_forwards - forwards)
 
     # ---- step stages ---------------------------------------------------------------------
 
@@ -225,7 +228,7 @@ class Engine:
             c.draft_slots for c in batch.chunks) + proposed), proposals
 
     def _step_output(self, batch: ScheduledBatch, committed: Committed | None = None,
-                     logits_RV: torch.Tensor | None = None, forward_s: float = 0.0) -> StepOutput:
+                     logits_RV: torch.Tensor | None = None, forward_s: float = 0.0, forwards: int = 0) -> StepOutput:
         used = self.block_manager.num_used_blocks
         return StepOutput(step=batch.step, batch_size=len(batch.chunks), num_decode_tokens=batch.num_decode_tokens,
                           num_prefill_tokens=batch.num_prefill_tokens,
@@ -233,7 +236,7 @@ class Engine:
                           deltas=committed.deltas if committed else (),
                           finished=committed.finished if committed else (), preempted=batch.preempted,
                           kv_blocks_used=used, kv_utilization=used / self.num_kv_blocks,
-                          prefix_hit_tokens=batch.prefix_hit_tokens, forward_s=forward_s)
+                          prefix_hit_tokens=batch.prefix_hit_tokens, forward_s=forward_s, forwards=forwards)
 
     def abort(self, request_id: str) -> None:
         """Finish every sequence of a request now, before the next step (finish_reason "abort"), and free its

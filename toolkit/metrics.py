@@ -18,23 +18,53 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def summarize(outputs: Iterable[RequestOutput], wall_s: float, **extra) -> dict:
+class InterTokenLatency:
+    """ITL: the time between a sequence's consecutive tokens, from the per-token emit times the trace records
+    (`t_emit_s`; tokens committed together in one step, e.g. kept drafts, are 0 apart)."""
+
+    def __init__(self):
+        self.values: list[float] = []
+        self._last: dict[tuple[str, int], float] = {}
+
+    def update(self, samples: Iterable) -> None:
+        for s in samples:
+            if s.token_id < 0:
+                continue
+            key = (s.request_id, s.stream)
+            if key in self._last:
+                self.values.append(s.t_emit_s - self._last[key])
+            self._last[key] = s.t_emit_s
+
+
+def summarize(outputs: Iterable[RequestOutput], wall_s: float, itl_s: Sequence[float] = (), **extra) -> dict:
+    """The serving chapter's figures: throughput (output and prompt tokens, requests), TTFT, TPOT, ITL (`itl_s`:
+    InterTokenLatency.values) and queue time percentiles, finish reasons."""
     outputs = list(outputs)
     completions = [c for o in outputs for c in o.outputs]
     output_tokens = sum(len(c.token_ids) for c in completions)
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     ttfts = [c.metrics.ttft_s for c in completions if c.metrics.ttft_s is not None]
     tpots = [c.metrics.tpot_s for c in completions if c.metrics.tpot_s is not None]
+    queues = [c.metrics.queue_s for c in completions if c.metrics.queue_s is not None]
+    rate = (lambda n: n / wall_s if wall_s > 0 else None)  # noqa: E731
     return {
         "requests": len(outputs),
         "sequences": len(completions),
         "output_tokens": output_tokens,
-        "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
+        "prompt_tokens": prompt_tokens,
         "wall_s": wall_s,
-        "output_tok_per_s": output_tokens / wall_s if wall_s > 0 else None,
+        "output_tok_per_s": rate(output_tokens),
+        "prompt_tok_per_s": rate(prompt_tokens),
+        "requests_per_s": rate(len(outputs)),
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p95_s": percentile(ttfts, 95),
         "tpot_p50_s": percentile(tpots, 50),
         "tpot_p95_s": percentile(tpots, 95),
+        "itl_p50_s": percentile(itl_s, 50),
+        "itl_p95_s": percentile(itl_s, 95),
+        "itl_p99_s": percentile(itl_s, 99),
+        "queue_p50_s": percentile(queues, 50),
+        "queue_p95_s": percentile(queues, 95),
         "finish_reasons": {r: sum((c.finish_reason or "unfinished") == r for c in completions)
                            for r in sorted({c.finish_reason or "unfinished" for c in completions})},
         "num_preemptions": sum(c.metrics.num_preemptions for c in completions),

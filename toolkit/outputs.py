@@ -92,6 +92,7 @@ class StepOutput:
     kv_utilization: float = 0.0  # used / total device blocks after the step
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache this step
     forward_s: float = 0.0  # the model's forward alone: the rest of the step is host work
+    forwards: int = 0  # target-model forwards the step made (1; 2 with scheduler_policy=two_forwards on a mixed step)
 
 
 def request_metrics(r: Request) -> RequestMetrics:

@@ -8,6 +8,7 @@ that samples get logits rows (one, or 1 + drafts when verifying), consecutively.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ class ModelOutput:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
                  attention_backend: str = "sdpa", batch_invariant: bool = False, native_matmul: bool = False,
-                 flex_compile: bool = True):
+                 flex_compile: bool = True, two_forwards: bool = False):
         self.model = model
         self.backend = attention_backend  # "kernel", "sdpa" or "flex" (resolved by the engine)
         self.flex_compile = flex_compile
@@ -53,6 +54,9 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
         self.num_forwards = 0
+        # engine.scheduler_policy=two_forwards: a step's decodes and its prefill chunks in separate forwards
+        # (the interleaving post's starting point); the logits rows come out in the fused order
+        self.two_forwards = two_forwards
 
     def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
         bs = self.block_size
@@ -152,6 +156,18 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch, num_layers: int | None = None) -> ModelOutput:
         self.move_blocks(batch)
+        decodes = tuple(c for c in batch.chunks if c.num_tokens == 1 or c.num_logits > 1)
+        if self.two_forwards and decodes and len(decodes) < len(batch.chunks):
+            prefills = tuple(c for c in batch.chunks if c not in decodes)
+            parts = [self._forward(dataclasses.replace(batch, chunks=decodes, num_prefill_tokens=0), num_layers),
+                     self._forward(dataclasses.replace(batch, chunks=prefills, num_decode_tokens=0), num_layers)]
+            # prepare() orders decodes before prefill chunks, so these rows are in the fused forward's order
+            return ModelOutput(logits_RV=torch.cat([p.logits_RV for p in parts]),
+                               sample_chunks=parts[0].sample_chunks + parts[1].sample_chunks,
+                               forward_s=parts[0].forward_s + parts[1].forward_s)
+        return self._forward(batch, num_layers)
+
+    def _forward(self, batch: ScheduledBatch, num_layers: int | None) -> ModelOutput:
         inputs = self.prepare(batch)
         self.num_forwards += 1
         t = time.perf_counter()

@@ -12,6 +12,12 @@ Policy (vLLM's chunked-prefill scheduler):
    sequence slot (`max_num_seqs`) and KV blocks, never in a step that preempted: swapped
    sequences come back into fresh blocks, others start from their longest prefix-cache hit.
 A chunk that reaches the end of a sequence's tokens samples its next token in the same step.
+
+`engine.scheduler_policy` changes this for the design documents' baselines: `two_forwards` schedules
+the same way (the runner then makes two forwards); `no_chunking` takes a prompt only whole (the
+step's first prompt may exceed the budget, as in an engine without chunked prefill); `prefill_first`
+also takes prompts whole, and in a step of their own: decodes wait while a prompt can be admitted
+(vLLM V0's default). `engine.max_chunk_tokens` caps one sequence's chunk below the step budget.
 Copy jobs (swap out, swap in, copy-on-write) travel with the batch, to run before the forward.
 """
 
@@ -121,6 +127,11 @@ class Scheduler:
         """`draft_slots`: for decoding sequences that speculate, how many draft tokens to make room for."""
         plan = _Plan()
         plan.draft_slots = draft_slots or {}
+        if self.cfg.scheduler_policy == "prefill_first" and (self.waiting or any(
+                s.status is RequestStatus.PREFILLING for s in self.running)):
+            batch = self._schedule_once(step, plan, decodes=False)  # prompts first, in a step of their own
+            if batch.chunks:
+                return batch
         while True:
             batch = self._schedule_once(step, plan)
             if batch.chunks or not self.running:
@@ -129,14 +140,27 @@ class Scheduler:
             # cannot grow): free a victim so the others progress.
             self._preempt(self._victim(set()), step, plan)
 
-    def _schedule_once(self, step: int, plan: "_Plan") -> ScheduledBatch:
+    def _schedule_once(self, step: int, plan: "_Plan", decodes: bool = True) -> ScheduledBatch:
         budget = self.cfg.max_num_batched_tokens
+        # prefill_first and no_chunking take prompts whole: the step's first prompt may exceed the budget
+        whole = self.cfg.scheduler_policy in ("prefill_first", "no_chunking")
+        max_chunk = self.cfg.max_chunk_tokens or budget
         chunks: list[ScheduledChunk] = []
         scheduled: set[str] = set()
         num_decode = num_prefill = 0
 
+        def chunk_size(seq: Request) -> int:
+            """This step's chunk of seq's prompt: what is left (whole, or 0 where it does not fit), else what the
+            budget, max_chunk_tokens and the free KV blocks allow."""
+            left = seq.num_uncomputed_tokens
+            if whole:
+                if left > budget and num_prefill > 0:
+                    return 0
+                return left if self._fit(seq, left) == left else 0
+            return self._fit(seq, min(budget, left, max_chunk))
+
         # 1. decodes: one token each, oldest first; preempt a victim to make room
-        for seq in list(self.running):
+        for seq in list(self.running) if decodes else ():
             if budget == 0:
                 break
             if seq.status is not RequestStatus.DECODING or seq not in self.running:
@@ -158,19 +182,19 @@ class Scheduler:
 
         # 2. running prefills continue, oldest first, shrunk to the free KV blocks
         for seq in list(self.running):
-            if budget == 0:
+            if budget == 0 and not (whole and num_prefill == 0):
                 break
             if seq.status is not RequestStatus.PREFILLING:
                 continue
-            size = self._fit(seq, min(budget, seq.num_uncomputed_tokens))
+            size = chunk_size(seq)
             if size > 0:
                 chunks.append(self._take(seq, size, plan))
                 scheduled.add(seq.seq_id)
-                budget -= size
+                budget = max(budget - size, 0)
                 num_prefill += size
 
         # 3. admissions, FCFS; never in a step that had to preempt (avoids thrashing)
-        while self.waiting and budget > 0 and not plan.preempted:
+        while self.waiting and (budget > 0 or (whole and num_prefill == 0)) and not plan.preempted:
             seq = self.waiting[0]
             if len(self.running) + seq.group_slots > self.cfg.max_num_seqs:
                 break
@@ -184,8 +208,11 @@ class Scheduler:
                 cached = len(hits) * self.blocks.block_size
                 room = (self.blocks.num_free_blocks - sum(self.blocks.ref_counts[b] == 0 for b in hits)) \
                     * self.blocks.block_size
-                if min(budget, seq.num_tokens - cached, room) <= 0:
+                need = seq.num_tokens - cached
+                if min(budget, need, room) <= 0 and not whole:
                     break
+                if whole and (need > room or (need > budget and num_prefill > 0)):
+                    break  # whole or not at all; over the budget only as the step's first prompt
                 self.waiting.popleft()
                 seq.num_computed_tokens = self.blocks.allocate_prefix(seq.seq_id, seq.token_ids, seq.num_tokens - 1)
                 plan.prefix_hit_tokens += seq.num_computed_tokens
@@ -194,11 +221,11 @@ class Scheduler:
             if seq.admitted_step is None:
                 seq.admitted_step = step
             self.running.append(seq)
-            size = self._fit(seq, min(budget, seq.num_uncomputed_tokens))
+            size = chunk_size(seq)
             if size > 0:
                 chunks.append(self._take(seq, size, plan))
                 scheduled.add(seq.seq_id)
-                budget -= size
+                budget = max(budget - size, 0)
                 if seq.status is RequestStatus.DECODING:
                     num_decode += size
                 else:

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from toolkit.engine import Engine, RequestOutput, StepOutput
 from toolkit.errors import Interrupted
 from toolkit.loggers import make_logger
-from toolkit.metrics import summarize
+from toolkit.metrics import InterTokenLatency, summarize
 from toolkit.trace import build_manifest, new_run_id, request_rows
 from toolkit.trace.writer import TraceWriter, atomic_write_bytes, full_logits_selection, write_manifest, write_requests
 
@@ -39,7 +39,8 @@ def step_record(out: StepOutput, seconds: float) -> dict[str, Any]:
     return {"step": out.step, "batch_size": out.batch_size, "decode_tokens": out.num_decode_tokens,
             "prefill_tokens": out.num_prefill_tokens, "sampled": len(out.samples), "finished": len(out.finished),
             "preempted": len(out.preempted), "kv_blocks_used": out.kv_blocks_used,
-            "kv_utilization": out.kv_utilization, "prefix_hit_tokens": out.prefix_hit_tokens, "step_s": seconds}
+            "kv_utilization": out.kv_utilization, "prefix_hit_tokens": out.prefix_hit_tokens, "step_s": seconds,
+            "forwards": out.forwards}
 
 
 class Progress:
@@ -116,6 +117,7 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
     writer = TraceWriter(run_dir, run_id, flush_every_steps, full_logits) if trace else None
     bar = Progress(sum(len(engine.groups.get(i, [i])) for i in request_ids)) if progress else None
     steps: list[dict[str, Any]] = []
+    itl = InterTokenLatency()
     interrupted = False
     try:
         while engine.has_unfinished():
@@ -127,6 +129,7 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
             out = engine.step()
             if writer is not None:
                 writer.write_step(out.samples, out.logits_RV)
+            itl.update(out.samples)
             if out.batch_size:
                 steps.append(step_record(out, time.perf_counter() - t0))
                 run_logger.log_step(steps[-1])
@@ -147,7 +150,8 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
     outputs = [engine.output(i) for i in request_ids]
     wall = (engine.last_finish_time or 0.0) - (engine.first_admission_time or 0.0)
     bm = engine.block_manager
-    summary = summarize(outputs, wall, steps=engine.step_index, run_id=run_id,
+    summary = summarize(outputs, wall, itl.values, steps=engine.step_index, run_id=run_id,
+                        forwards=sum(s["forwards"] for s in steps), scheduler_policy=engine.cfg.scheduler_policy,
                         trace_rows=writer.rows_written if writer else 0, model=engine.loaded.model_id,
                         model_revision=engine.loaded.revision,
                         kv_utilization_max=max((s["kv_utilization"] for s in steps), default=0.0),

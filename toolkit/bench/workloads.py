@@ -98,8 +98,24 @@ def copy_heavy(tokenizer, num_requests: int = 16, max_tokens: int = 128, seed: i
     return Workload("copy_heavy", reqs, description="quote a passage back (for speculative decoding)")
 
 
+def long_among_short(tokenizer, num_requests: int = 18, max_tokens: int = 64, seed: int = 0) -> Workload:
+    """The chunked-prefill lesson's case: 2 long prompts (about 2,000 tokens) arriving among short chat requests
+    (one every step): do the short ones wait behind them (TTFT), do running decodes stall (TPOT)?"""
+    rnd = random.Random(seed)
+    corpus = _corpus_ids(tokenizer)
+    num_short = max(1, num_requests - 2)
+    reqs = [BenchRequest(f"short-{i}", tokenizer.apply_chat_template([{"role": "user", "content": rnd.choice(
+        CHAT_QUESTIONS)}]), max_tokens, arrival_step=i, group="short") for i in range(num_short)]
+    for j in range(min(2, num_requests - num_short)):
+        ids = _prompt_of_length(tokenizer, corpus, 2000, "Summarize the following text.", 131 * j)
+        reqs.append(BenchRequest(f"long-{j}", ids, 16, arrival_step=2 + 6 * j, group="long"))
+    return Workload("long_among_short", sorted(reqs, key=lambda r: r.arrival_step),
+                    description=f"{num_short} short chat requests (one a step) + 2 prompts of ~2,000 tokens "
+                                f"arriving at steps 2 and 8")
+
+
 WORKLOADS = {"standard": standard, "long_prompt": long_prompt, "shared_prefix": shared_prefix,
-             "copy_heavy": copy_heavy}
+             "copy_heavy": copy_heavy, "long_among_short": long_among_short}
 
 
 def make_workload(name: str, tokenizer, num_requests: int | None = None, max_tokens: int | None = None,

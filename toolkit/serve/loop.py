@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from toolkit.engine import Engine, RequestOutput, StepOutput, TextDelta
 from toolkit.errors import RequestError, ToolkitError
-from toolkit.metrics import summarize
+from toolkit.metrics import InterTokenLatency, summarize
 from toolkit.session import effective_config, step_record, write_steps
 from toolkit.trace import SampleTrace, build_manifest, new_run_id, request_rows
 from toolkit.trace.writer import TraceWriter, atomic_write_bytes, write_manifest, write_requests
@@ -100,6 +100,7 @@ class EngineLoop:
         self._bodies: dict[str, str] = {}
         self._outputs: list[RequestOutput] = []
         self._steps: list[dict[str, Any]] = []
+        self._itl = InterTokenLatency()
         self._rows_changed = False
         self.writer: TraceWriter | None = None
         if self.run_dir is not None:
@@ -174,6 +175,7 @@ class EngineLoop:
                     continue
                 t0 = time.perf_counter()
                 out = engine.step()
+                self._itl.update(out.samples)
                 if out.batch_size:
                     self._steps.append(step_record(out, time.perf_counter() - t0))
                 self._after_step(out)
@@ -292,7 +294,7 @@ class EngineLoop:
             write_requests(self.run_dir, rows)
             write_steps(self.run_dir, self._steps)
             wall = (self.engine.last_finish_time or 0.0) - (self.engine.first_admission_time or 0.0)
-            summary = summarize(self._outputs, wall, steps=self.engine.step_index, run_id=self.run_id,
+            summary = summarize(self._outputs, wall, self._itl.values, steps=self.engine.step_index, run_id=self.run_id,
                                 trace_rows=self.writer.rows_written, model=self.engine.loaded.model_id,
                                 model_revision=self.engine.loaded.revision, served=True,
                                 served_s=time.perf_counter() - self._started)

@@ -54,6 +54,9 @@ def build_manifest(engine, run_id: str, extra: dict[str, Any] | None = None) -> 
         "platform": platform.platform(),
         "engine": {k: getattr(engine.cfg, k) for k in engine.cfg.__dataclass_fields__},
         "num_kv_blocks": engine.num_kv_blocks,
+        "scheduler_policy": engine.cfg.scheduler_policy,
+        # no_chunking / prefill_first admit a prompt whole: a step may exceed max_num_batched_tokens for one
+        "may_exceed_token_budget": engine.cfg.scheduler_policy in ("no_chunking", "prefill_first"),
         "attention_backend": engine.attention_backend,
         "matmul_backend": engine.matmul_backend,
         **native_kernels(engine),

@@ -1,0 +1,285 @@
+"""`mode=scheduling`: the design documents' scheduler experiments on a real model, one table and one plot each.
+
+A bundle (experiments/interleaving.yaml, chunked_prefill.yaml, batch_latency.yaml, continuous_batching.yaml)
+names a workload and engine variants: `scheduling.variants` ({name: engine overrides}) and/or
+`scheduling.sweep` ({engine field: [values]}, one variant per value on top of `scheduling.base`). Every
+variant runs the same greedy requests (ignore_eos: the same work) through its own engine, untraced, and
+reports the serving chapter's figures: output / prompt tok/s, requests/s, TTFT, TPOT, ITL and queue
+percentiles (per request group too, e.g. the short requests behind long prompts), forwards per step, step
+time, KV utilisation. `scheduling.kind: walkthrough` instead replays the continuous-batching post's
+three-request arrival example step by step, then static batching against continuous batching on the same
+arrivals. Greedy tokens are checked to agree across variants (the policies change when, not what).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from toolkit.config import EngineConfig, ModelConfig, SamplingParams, from_mapping
+from toolkit.engine import Engine, load_for
+from toolkit.errors import ConfigError
+from toolkit.metrics import InterTokenLatency, percentile, summarize
+from toolkit.session import step_record
+
+COLUMNS = {  # column -> (header, format)
+    "forwards_per_step": ("fwd/step", ".2f"), "step_s_mean": ("step ms", "ms"), "output_tok_per_s": ("tok/s", ".1f"),
+    "requests_per_s": ("req/s", ".2f"), "prompt_tok_per_s": ("prompt tok/s", ".0f"),
+    "ttft_p50_s": ("TTFT p50", "ms"), "ttft_p95_s": ("TTFT p95", "ms"), "tpot_p50_s": ("TPOT p50", "ms"),
+    "tpot_p95_s": ("TPOT p95", "ms"), "itl_p50_s": ("ITL p50", "ms"), "itl_p95_s": ("ITL p95", "ms"),
+    "itl_p99_s": ("ITL p99", "ms"), "queue_p95_s": ("queue p95", "ms"), "kv_utilization_max": ("KV max", ".0%"),
+    "max_step_tokens": ("max step tok", "d"), "steps": ("steps", "d"),
+}
+
+
+def run_scheduling(cfg: DictConfig, run_dir: Path) -> int:
+    s = OmegaConf.to_container(cfg.scheduling, resolve=True) if cfg.get("scheduling") else {}
+    model_cfg = from_mapping(ModelConfig, OmegaConf.to_container(cfg.model, resolve=True), section="model")
+    engine_cfg = from_mapping(EngineConfig, OmegaConf.to_container(cfg.engine, resolve=True), section="engine")
+    loaded, _, _ = load_for(model_cfg, engine_cfg, {})
+    if loaded.tokenizer is None:
+        raise ConfigError(f"mode=scheduling workloads need a tokenizer; model {model_cfg.name!r} has none")
+    if s.get("kind") == "walkthrough":
+        report = walkthrough(loaded, engine_cfg, s)
+    else:
+        report = compare_variants(loaded, engine_cfg, s)
+    report.update({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": _machine(), "model": loaded.model_id,
+                   "experiment": s.get("title", "")})
+    (run_dir / "scheduling.json").write_text(json.dumps(report, indent=2))
+    try:
+        plot(report, s, run_dir / "scheduling.png")
+    except ModuleNotFoundError as exc:
+        print(f"scheduling.png skipped: {exc}", file=sys.stderr)
+    print(f"scheduling.json, scheduling.png: {run_dir}")
+    return 0 if report.get("greedy_tokens_agree", True) else 1
+
+
+def _machine() -> str:
+    from toolkit.bench import _machine as machine
+
+    return machine()
+
+
+# ------------------------------------------------------------------------------------------- variants
+
+def variants(s: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    base = dict(s.get("base") or {})
+    out = {name: {**base, **(over or {})} for name, over in (s.get("variants") or {}).items()}
+    for name, values in (s.get("sweep") or {}).items():
+        for v in values:
+            out[f"{name}={v}"] = {**base, name: v}
+    if not out:
+        raise ConfigError("mode=scheduling needs scheduling.variants or scheduling.sweep")
+    return out
+
+
+def compare_variants(loaded, engine_cfg: EngineConfig, s: dict[str, Any]) -> dict[str, Any]:
+    from toolkit.bench.workloads import make_workload
+
+    workload = make_workload(s.get("workload", "standard"), loaded.tokenizer, s.get("num_requests"),
+                             s.get("max_tokens"))
+    rows, tokens = {}, {}
+    for name, overrides in variants(s).items():
+        cfg = from_mapping(EngineConfig, {**dataclasses.asdict(engine_cfg), **overrides}, section="engine")
+        print(f"  {name} ...", end="", flush=True)
+        rows[name], tokens[name] = run_variant(loaded, cfg, workload.requests)
+        rows[name]["overrides"] = overrides
+        print(f" {rows[name]['wall_s']:.2f} s", flush=True)
+    first = next(iter(tokens.values()))
+    agree = all(t == first for t in tokens.values())
+    report = {"workload": {"name": workload.name, "description": workload.description,
+                           "requests": len(workload.requests),
+                           "prompt_tokens": sum(len(r.prompt_token_ids) for r in workload.requests)},
+              "engine_config": dataclasses.asdict(engine_cfg), "variants": rows, "greedy_tokens_agree": agree}
+    print(format_table(report, s.get("columns") or list(COLUMNS)))
+    if not agree:
+        print("greedy tokens differ between variants (near ties in fp32: run with engine.batch_invariant=true)")
+    return report
+
+
+def run_variant(loaded, cfg: EngineConfig, requests) -> tuple[dict[str, Any], dict[str, list[int]]]:
+    engine = Engine(loaded, cfg, SamplingParams(temperature=0.0))
+    for r in requests:
+        engine.add_request(prompt_token_ids=r.prompt_token_ids, request_id=r.id, arrival_step=r.arrival_step,
+                           sampling_params=SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True))
+    itl, steps = InterTokenLatency(), []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        out = engine.step()
+        itl.update(out.samples)
+        if out.batch_size:
+            steps.append(step_record(out, time.perf_counter() - t0))
+    outputs = [engine.output(r.id) for r in requests]
+    wall = (engine.last_finish_time or 0.0) - (engine.first_admission_time or 0.0)
+    row = summarize(outputs, wall, itl.values)
+    row.pop("finish_reasons", None)
+    row.update({"forwards_per_step": sum(st["forwards"] for st in steps) / max(len(steps), 1),
+                "step_s_mean": sum(st["step_s"] for st in steps) / max(len(steps), 1),
+                "steps": len(steps), "max_step_tokens": max((st["decode_tokens"] + st["prefill_tokens"]
+                                                             for st in steps), default=0),
+                "kv_utilization_max": max((st["kv_utilization"] for st in steps), default=0.0),
+                "kv_utilization_mean": sum(st["kv_utilization"] for st in steps) / max(len(steps), 1)})
+    groups: dict[str, list] = {}
+    for r, o in zip(requests, outputs):
+        groups.setdefault(r.group, []).append(o.outputs[0].metrics)
+    if len(groups) > 1:
+        row["groups"] = {g: {"requests": len(ms), "ttft_p50_s": percentile([m.ttft_s for m in ms], 50),
+                             "ttft_p95_s": percentile([m.ttft_s for m in ms], 95),
+                             "tpot_p95_s": percentile([m.tpot_s for m in ms], 95)} for g, ms in groups.items()}
+    return row, {o.request_id: list(o.outputs[0].token_ids) for o in outputs}
+
+
+def field(row: dict[str, Any], name: str) -> Any:
+    """A figure of a variant's row; `group.figure` (e.g. short.ttft_p95_s) reads a request group's."""
+    if "." in name:
+        group, key = name.split(".", 1)
+        return row.get("groups", {}).get(group, {}).get(key)
+    return row.get(name)
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if fmt == "ms":
+        return f"{1000 * value:.1f}"
+    return format(value, fmt)
+
+
+def format_table(report: dict[str, Any], columns: list[str]) -> str:
+    rows = report["variants"]
+    groups = sorted({g for r in rows.values() for g in r.get("groups", {})})
+    head = ["variant"] + [COLUMNS[c][0] for c in columns] + [f"{g} {k}" for g in groups for k in ("TTFT p50",
+                                                                                                 "TTFT p95", "TPOT p95")]
+    body = []
+    for name, r in rows.items():
+        cells = [name] + [_cell(r.get(c), COLUMNS[c][1]) for c in columns]
+        for g in groups:
+            m = r.get("groups", {}).get(g, {})
+            cells += [_cell(m.get("ttft_p50_s"), "ms"), _cell(m.get("ttft_p95_s"), "ms"), _cell(m.get("tpot_p95_s"), "ms")]
+        body.append(cells)
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    w = report["workload"]
+    out = [f"workload {w['name']}: {w['requests']} requests, {w['prompt_tokens']} prompt tokens (times in ms)",
+           line(head)] + [line(b) for b in body]
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------- the walkthrough
+
+def walkthrough(loaded, engine_cfg: EngineConfig, s: dict[str, Any]) -> dict[str, Any]:
+    """The continuous-batching post's example: requests (arrival step, prompt, max new tokens), max batch 4."""
+    arrivals = s.get("arrivals") or [[0, "O Romeo, ", 17], [0, "To be or ", 22], [3, "KING HENRY:\n", 15]]
+    max_batch = int(s.get("max_batch_size", 4))
+    requests = [(int(a), loaded.tokenizer.encode(text, add_special_tokens=False), int(n)) for a, text, n in arrivals]
+    cfg = dataclasses.replace(engine_cfg, max_num_seqs=max_batch,
+                              max_num_batched_tokens=max(engine_cfg.max_num_batched_tokens, max_batch))
+    continuous = _walk(loaded, cfg, requests, static=False)
+    static = _walk(loaded, cfg, requests, static=True)
+    print("Continuous batching: which sequences ran each step, and their cache lengths after it")
+    for line in continuous["log"]:
+        print("  " + line)
+    print(f"\n{'':<12}{'request':>8}{'arrives':>8}{'admitted':>9}{'completed':>10}{'queue steps':>12}")
+    for kind, run in (("continuous", continuous), ("static", static)):
+        for r in run["requests"]:
+            print(f"{kind:<12}{r['id']:>8}{r['arrival_step']:>8}{r['admitted_step']:>9}{r['completed_step']:>10}"
+                  f"{r['admitted_step'] - r['arrival_step']:>12}")
+    print(f"steps: continuous {continuous['steps']}, static {static['steps']}; the post: completed at steps 15, 20, "
+          f"16 (it counts a prefill step apart from the decodes)")
+    agree = [r["tokens"] for r in continuous["requests"]] == [r["tokens"] for r in static["requests"]]
+    return {"continuous": continuous, "static": static, "greedy_tokens_agree": agree,
+            "arrivals": [[a, len(p), n] for a, p, n in requests], "max_batch_size": max_batch}
+
+
+def _walk(loaded, cfg: EngineConfig, requests, static: bool) -> dict[str, Any]:
+    """Step the engine over the arrivals. continuous: a request joins the running batch at its arrival step.
+    static: a batch runs to its end before the next one starts, made of what has arrived by then."""
+    engine = Engine(loaded, cfg, SamplingParams(temperature=0.0))
+
+    def add(i: int, step: int) -> None:
+        _, prompt, n = requests[i]
+        engine.add_request(prompt_token_ids=prompt, request_id=str(i), arrival_step=step,
+                           sampling_params=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+
+    pending = list(range(len(requests)))
+    if not static:
+        for i in pending:
+            add(i, requests[i][0])
+        pending = []
+    log, completed = [], {}
+    while pending or engine.has_unfinished():
+        if not engine.has_unfinished():  # static: the batch is done; what has arrived forms the next one
+            step = max(engine.step_index, min(requests[i][0] for i in pending))
+            batch = [i for i in pending if requests[i][0] <= step][: cfg.max_num_seqs]
+            for i in batch:
+                add(i, step)
+                pending.remove(i)
+        out = engine.step()
+        if not out.batch_size:
+            continue
+        for f in out.finished:
+            completed[engine.requests[f].request_id] = out.step
+        cache = ", ".join(f"req {q.request_id}: {q.num_computed_tokens}" for q in engine.scheduler.running)
+        done = sorted(engine.requests[f].request_id for f in out.finished)
+        log.append(f"[step {out.step}] {out.num_prefill_tokens} prefill + {out.num_decode_tokens} decode tokens; "
+                   f"cache {{{cache}}}" + (f"; completed {', '.join('req ' + d for d in done)}" if done else ""))
+    rows = []
+    for i, (a, p, n) in enumerate(requests):
+        seq = engine.requests[str(i)]
+        rows.append({"id": i, "arrival_step": a, "prompt_tokens": len(p), "max_new_tokens": n,
+                     "admitted_step": seq.admitted_step, "completed_step": completed.get(str(i)),
+                     "tokens": list(seq.output_token_ids)})
+    return {"requests": rows, "steps": engine.step_index, "log": log}
+
+
+# ------------------------------------------------------------------------------------------- the plot
+
+def plot(report: dict[str, Any], s: dict[str, Any], path: Path) -> None:
+    from toolkit.plots import _pyplot
+
+    plt = _pyplot()
+    if "variants" not in report:  # the walkthrough: arrival, admission, completion per request, both ways
+        fig, ax = plt.subplots(figsize=(7, 3))
+        for k, (kind, color) in enumerate((("continuous", "tab:blue"), ("static", "tab:orange"))):
+            for r in report[kind]["requests"]:
+                y = r["id"] + 0.2 * k
+                ax.plot([r["arrival_step"], r["admitted_step"]], [y, y], ":", color=color)
+                ax.plot([r["admitted_step"], r["completed_step"]], [y, y], "-", color=color, linewidth=4,
+                        label=kind if r["id"] == 0 else None)
+        ax.set_xlabel("engine step (dotted: waiting; bar: admitted to completed)")
+        ax.set_ylabel("request")
+        ax.legend(fontsize=8)
+    else:
+        rows = report["variants"]
+        x_field = s.get("plot_x")
+        y_fields = s.get("plot_y") or ["output_tok_per_s", "tpot_p95_s"]
+        fig, axes = plt.subplots(1, len(y_fields), figsize=(5 * len(y_fields), 3.6))
+        axes = axes if len(y_fields) > 1 else [axes]
+        for ax, y in zip(axes, y_fields):
+            scale = 1000 if y.endswith("_s") else 1
+            swept = {n: r for n, r in rows.items() if x_field and x_field in r["overrides"] and "=" in n}
+            others = {n: r for n, r in rows.items() if n not in swept}
+            if swept:
+                xs = [r["overrides"][x_field] for r in swept.values()]
+                ax.plot(xs, [scale * (field(r, y) or 0) for r in swept.values()], "o-", label=f"swept {x_field}")
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel(x_field)
+                for n, r in others.items():
+                    ax.axhline(scale * (field(r, y) or 0), linestyle="--", color="grey")
+                    ax.text(min(xs), scale * (field(r, y) or 0), f" {n}", fontsize=8, va="bottom")
+            else:
+                ax.bar(list(others), [scale * (field(r, y) or 0) for r in others.values()])
+                ax.tick_params(axis="x", labelrotation=20)
+            ax.set_ylabel(COLUMNS.get(y.split(".")[-1], (y,))[0] + (f" ({y.split('.')[0]})" if "." in y else "")
+                          + (" (ms)" if scale == 1000 else ""))
+        fig.suptitle(s.get("title") or report["workload"]["name"], fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
