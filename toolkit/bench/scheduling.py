@@ -85,7 +85,13 @@ def compare_variants(loaded, engine_cfg: EngineConfig, s: dict[str, Any]) -> dic
     workload = make_workload(s.get("workload", "standard"), loaded.tokenizer, s.get("num_requests"),
                              s.get("max_tokens"))
     rows, tokens = {}, {}
-    for name, overrides in variants(s).items():
+    every = variants(s)
+    if s.get("warmup", True):  # the first variant measured otherwise pays the process's first forwards (~10%)
+        first = from_mapping(EngineConfig, {**dataclasses.asdict(engine_cfg), **next(iter(every.values()))},
+                             section="engine")
+        run_variant(loaded, first, [dataclasses.replace(r, max_tokens=min(r.max_tokens, 8), arrival_step=0)
+                                    for r in workload.requests[:8]])
+    for name, overrides in every.items():
         cfg = from_mapping(EngineConfig, {**dataclasses.asdict(engine_cfg), **overrides}, section="engine")
         print(f"  {name} ...", end="", flush=True)
         rows[name], tokens[name] = run_variant(loaded, cfg, workload.requests)
@@ -263,7 +269,7 @@ def plot(report: dict[str, Any], s: dict[str, Any], path: Path) -> None:
         fig, axes = plt.subplots(1, len(y_fields), figsize=(5 * len(y_fields), 3.6))
         axes = axes if len(y_fields) > 1 else [axes]
         for ax, y in zip(axes, y_fields):
-            scale = 1000 if y.endswith("_s") else 1
+            scale = 1000 if y.endswith("_s") and not y.endswith("per_s") else 1  # seconds drawn in ms
             swept = {n: r for n, r in rows.items() if x_field and x_field in r["overrides"] and "=" in n}
             others = {n: r for n, r in rows.items() if n not in swept}
             if swept:
