@@ -76,7 +76,9 @@ def test_two_forwards_makes_two_forwards_on_a_mixed_step_and_fused_one(runs):
         want = [2 if m and policy == "two_forwards" else 1 for m in mixed]
         assert [s.forwards for s in steps] == want, policy
     # the same schedule: the same batches step by step
-    shape = lambda p: [tuple((c.seq_id, c.start_pos, c.num_tokens) for c in b.chunks) for b, _, _ in runs[p][2]]  # noqa: E731
+    def shape(policy):
+        return [tuple((c.seq_id, c.start_pos, c.num_tokens) for c in b.chunks) for b, _, _ in runs[policy][2]]
+
     assert shape("two_forwards") == shape("fused")
 
 

@@ -322,7 +322,8 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
     if not source and a.get("sources"):
         return run_engine_mismatch(cfg, run_dir, a)
     if not source:
-        raise AuditInputError("mode=audit needs audit.input=<transcript.jsonl> (or audit.sources=[hf,server,llama_cpp])")
+        raise AuditInputError("mode=audit needs audit.input=<transcript.jsonl> "
+                              "(or audit.sources=[hf,server,llama_cpp])")
     if fmt not in FORMATS:
         raise AuditInputError(f"audit.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     references, atol = _references(a), _atol(a)
@@ -410,7 +411,8 @@ def run_engine_mismatch(cfg: DictConfig, run_dir: Path, a: dict) -> int:
             d = report.to_dict()
             rows.append({"source": name, "reference": reference, **{key: d[key] for key in (
                 "tokens", "flagged_tokens", "max_abs_error", "p50_abs_error", "p99_abs_error", "kl_mean",
-                "ratio_mean", "ratio_outside_share", "greedy_departures", "lines_rejected")}, "requests": d["requests"]})
+                "ratio_mean", "ratio_outside_share", "greedy_departures", "lines_rejected")},
+                         "requests": d["requests"]})
             errors[f"{name} vs {reference}"] = [c.abs_error for c in report.checks]
     from toolkit.trace.writer import atomic_write_bytes
 
@@ -488,7 +490,8 @@ def format_table(reports: list[AuditReport], limit: int = 20) -> str:
         shown = [r for r in d["requests"] if r["flagged"]][:limit] or d["requests"][:limit]
         for r in shown:
             name = r["request_id"] + (f"#{r['stream']}" if r["stream"] else "")
-            lines.append(f"{name[:28]:<28} {r['tokens']:>6} {_fmt(r['max_abs_error']):>9} {_fmt(r['p99_abs_error']):>9} "
+            lines.append(f"{name[:28]:<28} {r['tokens']:>6} {_fmt(r['max_abs_error']):>9} "
+                         f"{_fmt(r['p99_abs_error']):>9} "
                          f"{_fmt(r['kl_mean']):>9} {_fmt(r['ratio_outside_share'], '.1%'):>9} "
                          f"{_fmt(r['sequence_ratio']):>9} {_fmt(r['first_greedy_departure'], 'd'):>10} "
                          f"{len(r['flagged']):>7}")
@@ -497,7 +500,8 @@ def format_table(reports: list[AuditReport], limit: int = 20) -> str:
         if len(d["requests"]) > len(shown):
             lines.append(f"  ... {len(d['requests']) - len(shown)} more requests in audit.json")
         verdict = "PASSED" if report.passed else "FLAGGED"
-        lines.append(f"{verdict}: {d['tokens']} tokens of {len(d['requests'])} requests; {d['flagged_tokens']} flagged; "
+        lines.append(f"{verdict}: {d['tokens']} tokens of {len(d['requests'])} requests; "
+                     f"{d['flagged_tokens']} flagged; "
                      f"max |d| {_fmt(d['max_abs_error'])}, p50 {_fmt(d['p50_abs_error'])}, p99 "
                      f"{_fmt(d['p99_abs_error'])}; KL mean {_fmt(d['kl_mean'])}; ratio mean {_fmt(d['ratio_mean'])}, "
                      f"max {_fmt(d['ratio_max'])}, outside [0.5, 2] {_fmt(d['ratio_outside_share'], '.2%')}; "

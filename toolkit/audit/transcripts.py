@@ -413,7 +413,8 @@ def _top_entries(entry: Any, where: str) -> list[tuple[int, float]]:
         out = []
         for i, alt in enumerate(entry):
             if isinstance(alt, dict):
-                out.append((_key_id(alt.get("token_id"), f"{where}[{i}]"), _number(alt.get("logprob"), f"{where}[{i}]")))
+                out.append((_key_id(alt.get("token_id"), f"{where}[{i}]"),
+                            _number(alt.get("logprob"), f"{where}[{i}]")))
             elif isinstance(alt, (list, tuple)) and len(alt) >= 2:  # SGLang's [logprob, token_id, text]
                 out.append((_key_id(alt[1], f"{where}[{i}]"), _number(alt[0], f"{where}[{i}]")))
             else:

@@ -160,14 +160,14 @@ def _cell(value: Any, fmt: str) -> str:
 def format_table(report: dict[str, Any], columns: list[str]) -> str:
     rows = report["variants"]
     groups = sorted({g for r in rows.values() for g in r.get("groups", {})})
-    head = ["variant"] + [COLUMNS[c][0] for c in columns] + [f"{g} {k}" for g in groups for k in ("TTFT p50",
-                                                                                                 "TTFT p95", "TPOT p95")]
+    head = ["variant"] + [COLUMNS[c][0] for c in columns] + [
+        f"{g} {k}" for g in groups for k in ("TTFT p50", "TTFT p95", "TPOT p95")]
     body = []
     for name, r in rows.items():
         cells = [name] + [_cell(r.get(c), COLUMNS[c][1]) for c in columns]
         for g in groups:
             m = r.get("groups", {}).get(g, {})
-            cells += [_cell(m.get("ttft_p50_s"), "ms"), _cell(m.get("ttft_p95_s"), "ms"), _cell(m.get("tpot_p95_s"), "ms")]
+            cells += [_cell(m.get(k), "ms") for k in ("ttft_p50_s", "ttft_p95_s", "tpot_p95_s")]
         body.append(cells)
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w)  # noqa: E731

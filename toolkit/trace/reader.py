@@ -52,8 +52,8 @@ def _add_missing(table: pa.Table, schema: pa.Schema, kind: str) -> pa.Table:
     missing = next((cols[kind] for v, cols in COMPATIBLE.items() if str(v) == _version(table)), ())
     if not missing or table.schema.names != [n for n in schema.names if n not in missing]:
         return table
-    columns = {name: table.column(name) if name in table.schema.names else pa.nulls(table.num_rows, schema.field(name).type)
-               for name in schema.names}
+    columns = {name: table.column(name) if name in table.schema.names
+               else pa.nulls(table.num_rows, schema.field(name).type) for name in schema.names}
     return pa.table(columns, schema=schema.remove_metadata().with_metadata(table.schema.metadata))
 
 
