@@ -174,3 +174,19 @@ def test_each_experiment_bundle_composes_and_runs_on_tiny(bundle, tmp_path):
         assert static[2]["admitted_step"] == max(r["completed_step"] for r in static[:2]) + 1  # static waits
     else:
         assert len(report["variants"]) >= 2 and "tok/s" in proc.stdout
+
+
+@pytest.mark.parametrize("policy", ["two_forwards", "prefill_first"])
+def test_a_policy_run_replays_bit_for_bit(tiny, tmp_path, policy):
+    """The policy is part of the recorded config: replay rebuilds the same schedule and the same bits."""
+    from toolkit.audit.replay import replay
+
+    engine = make_engine(tiny, scheduler_policy=policy, max_num_batched_tokens=32, max_num_seqs=8,
+                         sampling=SamplingParams())
+    ids = [engine.add_request(**{**r, "sampling_params": SamplingParams(temperature=0.8, top_p=0.9, seed=5,
+                                                                         max_tokens=6, ignore_eos=True)})
+           for r in _requests()]
+    record(engine, ids, tmp_path / "run", {"mode": "run"})
+    report = replay(tmp_path / "run", [], out_dir=tmp_path / "replay")
+    assert report.identical, report.summary_line()
+    assert json.loads((tmp_path / "run" / "manifest.json").read_text())["engine"]["scheduler_policy"] == policy

@@ -22,7 +22,7 @@ import torch
 from toolkit.bench.workloads import BenchRequest
 from toolkit.config import EngineConfig, SamplingParams, SpeculativeConfig, from_mapping
 from toolkit.engine import Engine
-from toolkit.metrics import percentile
+from toolkit.metrics import InterTokenLatency, percentile
 from toolkit.trace import new_run_id
 from toolkit.trace.writer import TraceWriter
 
@@ -99,10 +99,12 @@ def run_engine(loaded, engine_cfg: EngineConfig, requests: list[BenchRequest], t
                            sampling_params=params)
     writer = TraceWriter(trace_dir, new_run_id()) if trace_dir is not None else None
     step_log = []
+    itl = InterTokenLatency()
     with rss_monitor() as rss:
         while engine.has_unfinished():
             t = time.perf_counter()
             out = engine.step()
+            itl.update(out.samples)
             if writer is not None:
                 writer.write_step(out.samples, out.logits_RV)
             if out.batch_size:
@@ -122,7 +124,13 @@ def run_engine(loaded, engine_cfg: EngineConfig, requests: list[BenchRequest], t
         if m.tpot_s is not None:
             result.tpot_s[r.id] = m.tpot_s
     bm = engine.block_manager
+    queues = [engine.output(r.id).metrics.queue_s for r in requests]
     result.extra = {"steps": engine.step_index, "traced": writer is not None,
+                    "itl_p50_s": percentile(itl.values, 50), "itl_p95_s": percentile(itl.values, 95),
+                    "itl_p99_s": percentile(itl.values, 99), "queue_p50_s": percentile(queues, 50),
+                    "queue_p95_s": percentile(queues, 95), "requests_per_s": len(requests) / wall if wall > 0 else None,
+                    "prompt_tok_per_s": sum(len(r.prompt_token_ids) for r in requests) / wall if wall > 0 else None,
+                    "scheduler_policy": engine_cfg.scheduler_policy,
                     **({"trace_engine_thread_s": writer.engine_thread_s, "trace_worker_cpu_s": writer.worker_cpu_s}
                        if writer is not None else {}),
                     "attention_backend": engine.attention_backend,
