@@ -10,7 +10,6 @@ gives the same values as evaluating it everywhere: each token's noise depends on
 from __future__ import annotations
 
 import functools
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from toolkit import rng
-from toolkit.kernels import argmax_cpu, gumbel_sample_cpu, logsumexp_cpu, sample_tail_cpu
+from toolkit.kernels import argmax_cpu, gumbel_sample_cpu, logsumexp_cpu, sample_tail_cpu, sha256_rows
 
 if TYPE_CHECKING:
     from toolkit.processors import Tail
@@ -57,11 +56,7 @@ def pack_kept(finite_RV: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=8)
 def full_kept_digest(vocab: int) -> str:
-    return kept_digest_of_bits(pack_kept(torch.ones((1, vocab), dtype=torch.bool))[0])
-
-
-def kept_digest_of_bits(bits_B: torch.Tensor) -> str:
-    return hashlib.sha256(bits_B.cpu().contiguous().numpy()).hexdigest()
+    return sha256_rows(pack_kept(torch.ones((1, vocab), dtype=torch.bool)))[0]
 
 
 def kept_digests(support: Sequence[int], vocab: int, bits_RB: torch.Tensor | None = None,
@@ -70,15 +65,16 @@ def kept_digests(support: Sequence[int], vocab: int, bits_RB: torch.Tensor | Non
     as ceil(V / 8) bytes (token i is bit i & 7 of byte i >> 3; a trainer rebuilds the sampling mask and
     checks it against this). Rows with the whole vocabulary share one digest; the others are read from the
     kernel's `bits_RB` or packed from `finite_RV`."""
-    out, partial = [], [i for i, s in enumerate(support) if s < vocab]
-    full = full_kept_digest(vocab)
-    if partial and bits_RB is None:
-        bits_RB = pack_kept(finite_RV[partial])
-        rows = {i: k for k, i in enumerate(partial)}
-    else:
-        rows = {i: i for i in partial}
-    for i, s in enumerate(support):
-        out.append(full if s >= vocab else kept_digest_of_bits(bits_RB[rows[i]]))
+    partial = [i for i, s in enumerate(support) if s < vocab]
+    out = [full_kept_digest(vocab)] * len(support)
+    if not partial:
+        return out
+    if bits_RB is None:
+        digests = sha256_rows(pack_kept(finite_RV[partial]).cpu())
+    else:  # the kernel's masks, hashed in place (its lanes of rows at a time)
+        digests = sha256_rows(bits_RB, partial)
+    for i, d in zip(partial, digests):
+        out[i] = d
     return out
 
 
