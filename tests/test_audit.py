@@ -298,3 +298,35 @@ def test_llama_cpp_error_is_bounded_and_its_departures_are_near_ties(smollm2, tm
     for r in d["requests"]:  # any greedy departure is a near tie within llama.cpp's own measured error
         if r["first_greedy_departure"] is not None:
             assert r["first_departure_margin"] <= 2 * r["max_abs_error"], r
+
+
+def test_streamed_responses_audit_like_whole_ones(tiny, tmp_path):
+    """Our server streamed through the openai client: the chunks, kept as a list, read as one response."""
+    import openai
+
+    from tests.conftest import make_engine
+    from toolkit.config import SamplingParams
+    from toolkit.serve.main import start_server
+
+    server = start_server(make_engine(tiny, sampling=SamplingParams()), None)
+    lines = []
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        for body in ({"model": "tiny", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 6,
+                      "logprobs": True, "top_logprobs": 3, "temperature": 0.0},
+                     {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 6, "logprobs": 3, "n": 2,
+                      "temperature": 0.9, "seed": 4}):
+            create = client.chat.completions.create if "messages" in body else client.completions.create
+            whole = create(**body).model_dump()
+            chunks = [c.model_dump() for c in create(**body, stream=True)]
+            lines += [{"request": body, "response": whole}, {"request": body, "response": chunks}]
+    finally:
+        server.stop()
+    report = _audit(_write(tmp_path / "s.jsonl", lines), "openai", tiny)
+    d = report.to_dict()
+    assert d["passed"] and d["lines_rejected"] == 0, d
+    by_line = {}
+    for r in report.requests:
+        by_line.setdefault(r.line, []).append([c.token_id for c in r.checks])
+    assert by_line[1] == by_line[2] and by_line[3] == by_line[4]  # the same tokens whole and streamed
+    assert len(by_line[3]) == 2 and all(len(t) == 6 for t in by_line[3])  # n=2 streams, 6 tokens each

@@ -4,7 +4,7 @@ Three formats (`audit.format`), each JSONL, one request per line:
 
 - `openai`: `{"request": <body sent>, "response": <body received>}` pairs from any OpenAI-compatible
   server (vLLM, SGLang, llama.cpp's server, TGI, ours), completions or chat completions with
-  `logprobs`. Tokens given as strings are mapped back to ids through the tokenizer's byte vocabulary
+  `logprobs`; a streamed response is the list of its `data:` chunks, in order. Tokens given as strings are mapped back to ids through the tokenizer's byte vocabulary
   (a chat entry's `bytes` when present, vLLM's `token_id:<id>` form, else the string's UTF-8 bytes); a
   string no single token spells (e.g. half of a multi-byte character) is reported, not guessed.
   `prompt_token_ids` / `token_ids` in the response (vLLM's `return_token_ids`) are used when present.
@@ -204,8 +204,49 @@ def _policy(obj: dict | None) -> dict[str, Any] | None:
 
 # ---------------------------------------------------------------------------------------------- openai
 
+def _merge_stream(chunks: list) -> dict:
+    """A streamed response (its `data:` chunks, in order) as the one response a non-streaming call returns:
+    per choice index, the text or message content and the logprob entries concatenated, the last
+    finish_reason, and the usage of the chunk that has it."""
+    merged: dict[str, Any] = {}
+    choices: dict[int, dict] = {}
+    for chunk in chunks:
+        if not isinstance(chunk, dict):
+            raise TranscriptError("a streamed response is a list of chunk objects")
+        for key in ("id", "model", "system_fingerprint", "prompt_token_ids"):
+            if chunk.get(key) is not None:
+                merged.setdefault(key, chunk[key])
+        if chunk.get("usage"):
+            merged["usage"] = chunk["usage"]
+        for c in chunk.get("choices") or []:
+            index = c.get("index", 0)
+            out = choices.setdefault(index, {"index": index, "text": "", "message": {"content": ""},
+                                             "logprobs": None, "finish_reason": None})
+            delta = c.get("delta")
+            if isinstance(delta, dict):  # chat
+                out["message"]["content"] += delta.get("content") or ""
+            else:
+                out["text"] += c.get("text") or ""
+            lp = c.get("logprobs")
+            if isinstance(lp, dict):
+                if out["logprobs"] is None:
+                    out["logprobs"] = {k: [] for k in lp if isinstance(lp[k], list)}
+                for k, v in lp.items():
+                    if isinstance(v, list):
+                        out["logprobs"].setdefault(k, []).extend(v)
+            for key in ("token_ids", "prompt_token_ids"):
+                if isinstance(c.get(key), list):
+                    out.setdefault(key, []).extend(c[key])
+            if c.get("finish_reason"):
+                out["finish_reason"] = c["finish_reason"]
+    merged["choices"] = [choices[i] for i in sorted(choices)]
+    return merged
+
+
 def _openai_line(obj: dict, line: int, tokens: TokenMap) -> list[Transcript]:
     request, response = obj.get("request"), obj.get("response")
+    if isinstance(response, list):  # a streamed response: its chunks
+        response = _merge_stream(response)
     if not isinstance(request, dict) or not isinstance(response, dict):
         raise TranscriptError('an openai line is {"request": <body sent>, "response": <body received>}')
     if "error" in response and "choices" not in response:
