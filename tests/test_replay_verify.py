@@ -83,6 +83,7 @@ def test_replay_of_a_mixed_run_is_bit_identical(recorded_run, tmp_path):
     ("token_id", lambda t: (t + 1) % 49152, "token_id"),
     ("raw_logprob", lambda x: x - 0.001, "raw_logprob"),
     ("noise", lambda x: x + 1e-12, "noise"),
+    ("kept_sha256", lambda d: d[::-1], "kept_sha256"),  # the sampling mask a row claims
 ])
 def test_tampering_one_value_is_reported_at_exactly_that_row(recorded_run, tmp_path, column, change, field):
     run = copy_run(recorded_run, tmp_path / "run")

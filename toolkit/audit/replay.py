@@ -30,7 +30,8 @@ from toolkit.session import record
 from toolkit.trace.reader import TraceError, read_manifest, read_requests, read_samples
 from toolkit.trace.writer import atomic_write_table
 
-COMPARED_FIELDS = ("token_id", "raw_logprob", "processed_logprob", "logits_sha256", "noise", "finish_reason", "error")
+COMPARED_FIELDS = ("token_id", "raw_logprob", "processed_logprob", "logits_sha256", "noise", "kept_sha256",
+                   "finish_reason", "error")
 _BITS = {"raw_logprob": "<f", "processed_logprob": "<f", "noise": "<d"}
 
 
@@ -83,7 +84,7 @@ class ReplayReport:
                    f"recorded rows compared)" if self.sequences_unfinished_in_trace else "")
         if self.identical:
             return (f"bit-identical: {self.rows_compared} sample rows of {self.sequences_compared} sequences match "
-                    f"(token_id, raw/processed logprob bits, logits_sha256, noise){partial}")
+                    f"(token_id, raw/processed logprob bits, logits_sha256, noise, kept_sha256){partial}")
         diverged = len(self.first_divergences)
         extra = {(d.request_id, d.stream, d.position) for d in self.divergences
                  if d.field == "row" and d.recorded == "absent"}
@@ -116,6 +117,9 @@ def _show(name: str, value: Any) -> str:
 
 
 def _same(name: str, a: Any, b: Any) -> bool:
+    """`a` recorded, `b` replayed; a trace older than schema 6 recorded no kept-set digest."""
+    if name == "kept_sha256" and a is None:
+        return True
     if name in _BITS and isinstance(a, float) and isinstance(b, float):
         return struct.pack(_BITS[name], a) == struct.pack(_BITS[name], b)
     return a == b
