@@ -92,8 +92,7 @@ def run_workload(cfg: DictConfig, run_dir: Path) -> int:
     trace_cfg = cfg.get("trace") or {}
     recorded = record(engine, ids, run_dir, cfg, trace=trace_cfg.get("enabled", True),
                       flush_every_steps=trace_cfg.get("flush_every_steps", 64),
-                      full_logits=OmegaConf.to_container(trace_cfg, resolve=True).get("full_logits")
-                      if trace_cfg else None,
+                      full_logits=trace_cfg.get("full_logits"),
                       logger=OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else None,
                       progress=cfg.get("progress", True), plots=cfg.get("plots", True),
                       summary_extra={"rejected": len(rejected), "rejected_requests": [r.reason for r in rejected]})

@@ -156,8 +156,8 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch, num_layers: int | None = None) -> ModelOutput:
         self.move_blocks(batch)
-        decodes = tuple(c for c in batch.chunks if c.num_tokens == 1 or c.num_logits > 1)
-        if self.two_forwards and decodes and len(decodes) < len(batch.chunks):
+        decodes = tuple(c for c in batch.chunks if c.num_tokens == 1 or c.num_logits > 1) if self.two_forwards else ()
+        if decodes and len(decodes) < len(batch.chunks):
             prefills = tuple(c for c in batch.chunks if c not in decodes)
             parts = [self._forward(dataclasses.replace(batch, chunks=decodes, num_prefill_tokens=0), num_layers),
                      self._forward(dataclasses.replace(batch, chunks=prefills, num_decode_tokens=0), num_layers)]

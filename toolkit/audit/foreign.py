@@ -36,6 +36,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from toolkit.audit.transcripts import FORMATS, LineError, Transcript, TranscriptError, read_transcripts
+from toolkit.audit.verify import reference_forward
 from toolkit.config import ModelConfig, SamplingParams, from_mapping
 from toolkit.errors import ConfigError, ToolkitError
 from toolkit.metrics import percentile
@@ -170,17 +171,6 @@ def _ratio_stats(ratios: list[float]) -> dict[str, float | None]:
 # ------------------------------------------------------------------------------------------- the checks
 
 Forward = Callable[[list[int]], torch.Tensor]  # token ids -> float64 logits (T, V), row t predicts token t + 1
-
-
-def reference_forward(loaded, reference: str) -> Forward:
-    """Our float64 textbook forward, or HF transformers' forward of the same family on the same weights."""
-    if reference == "hf":
-        from toolkit.audit.verify import _hf_forward
-
-        return _hf_forward(loaded.config)
-    from toolkit.reference import reference_logits
-
-    return lambda ids: reference_logits(loaded.model, ids)
 
 
 def audit_transcripts(records: list[Transcript], forward: Forward, loaded, *, atol: float, reference: str,

@@ -24,7 +24,6 @@ position len(prompt).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -538,6 +537,3 @@ def save_hf_generate(path: str | Path, out: Any, prompt_token_ids: Sequence[Sequ
         fh.write("".join(line + "\n" for line in lines))
     return len(lines)
 
-
-def is_finite(value: float | None) -> bool:
-    return value is not None and math.isfinite(value)

@@ -107,6 +107,14 @@ def _hf_forward(model_cfg: ModelConfig):
     return forward
 
 
+def reference_forward(loaded, reference: str):
+    """ids -> float64 logits (T, V): our textbook forward ("ours"), or HF transformers' forward of the same
+    family on the same weights ("hf")."""
+    if reference == "hf":
+        return _hf_forward(loaded.config)
+    return lambda ids: reference_logits(loaded.model, ids)
+
+
 def verify(run_dir: str | Path, *, reference: str = "ours", atol: float = 1e-4,
            out_dir: str | Path | None = None) -> VerifyReport:
     run_dir = Path(run_dir)
@@ -126,10 +134,8 @@ def verify(run_dir: str | Path, *, reference: str = "ours", atol: float = 1e-4,
             raise ConfigError("verify.reference=exact needs a trace recorded with engine.batch_invariant=true "
                               "(other runs' bits depend on their batches; use reference=ours)")
         forward = lambda ids: recompute_logits(loaded.model, ids)  # noqa: E731
-    elif reference == "hf":
-        forward = _hf_forward(model_cfg)
     else:
-        forward = lambda ids: reference_logits(loaded.model, ids)  # noqa: E731
+        forward = reference_forward(loaded, reference)
     requests = {(r["request_id"], r["stream"]): r for r in read_requests(run_dir).to_pylist()}
     samples = read_samples(run_dir).to_pylist()
     eos = tuple(sorted(set(loaded.arch.eos_token_ids) | (

@@ -22,6 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from toolkit.bench import _machine as bench_machine
 from toolkit.config import EngineConfig, ModelConfig, SamplingParams, from_mapping
 from toolkit.engine import Engine, load_for
 from toolkit.errors import ConfigError
@@ -49,7 +50,7 @@ def run_scheduling(cfg: DictConfig, run_dir: Path) -> int:
         report = walkthrough(loaded, engine_cfg, s)
     else:
         report = compare_variants(loaded, engine_cfg, s)
-    report.update({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": _machine(), "model": loaded.model_id,
+    report.update({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": bench_machine(), "model": loaded.model_id,
                    "experiment": s.get("title", "")})
     (run_dir / "scheduling.json").write_text(json.dumps(report, indent=2))
     try:
@@ -58,12 +59,6 @@ def run_scheduling(cfg: DictConfig, run_dir: Path) -> int:
         print(f"scheduling.png skipped: {exc}", file=sys.stderr)
     print(f"scheduling.json, scheduling.png: {run_dir}")
     return 0 if report.get("greedy_tokens_agree", True) else 1
-
-
-def _machine() -> str:
-    from toolkit.bench import _machine as machine
-
-    return machine()
 
 
 # ------------------------------------------------------------------------------------------- variants

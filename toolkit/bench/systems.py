@@ -116,15 +116,16 @@ def run_engine(loaded, engine_cfg: EngineConfig, requests: list[BenchRequest], t
             end = time.perf_counter()
     wall = end - engine.first_admission_time
     result = SystemResult(name, {}, wall, sum(len(r.prompt_token_ids) for r in requests), peak_rss_mb=rss["peak_mb"])
+    queues = []
     for r in requests:
         out = engine.output(r.id)
         result.tokens[r.id] = list(out.output_token_ids)
         m = out.metrics
+        queues.append(m.queue_s)
         result.ttft_s[r.id] = m.ttft_s
         if m.tpot_s is not None:
             result.tpot_s[r.id] = m.tpot_s
     bm = engine.block_manager
-    queues = [engine.output(r.id).metrics.queue_s for r in requests]
     result.extra = {"steps": engine.step_index, "traced": writer is not None,
                     "itl_p50_s": percentile(itl.values, 50), "itl_p95_s": percentile(itl.values, 95),
                     "itl_p99_s": percentile(itl.values, 99), "queue_p50_s": percentile(queues, 50),

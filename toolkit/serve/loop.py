@@ -109,10 +109,8 @@ class EngineLoop:
             atomic_write_bytes(self.run_dir / "config.yaml", OmegaConf.to_yaml(resolved).encode())
             write_manifest(self.run_dir, build_manifest(engine, self.run_id, {"served": True}))
             write_requests(self.run_dir, [])
-            trace_cfg = (resolved.get("trace") or {}) if hasattr(resolved, "get") else {}
             self.writer = TraceWriter(self.run_dir, self.run_id, flush_every_steps,
-                                      OmegaConf.to_container(trace_cfg, resolve=True).get("full_logits")
-                                      if trace_cfg else None)
+                                      OmegaConf.select(resolved, "trace.full_logits"))
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._started = time.perf_counter()
         self.error: BaseException | None = None

@@ -81,18 +81,14 @@ def sample_rows_table(run_id: str, traces: Iterable[SampleTrace], digests: Itera
     return pa.table(columns, schema=SAMPLES_SCHEMA)
 
 
-class _Digests(list):
-    """A step's digests, carrying the full logits rows trace.full_logits asked for."""
-
-    def __init__(self, digests: list[str], logits: list[tuple[str, int, int, Any]]):
-        super().__init__(digests)
-        self.logits = logits
-
-
 def full_logits_selection(value: Any) -> str | frozenset[str] | None:
-    """trace.full_logits: off (null, false, "off"), "all", or a list of request ids."""
+    """trace.full_logits: off (null, false, "off"), "all", or a list of request ids (a Hydra list too)."""
+    from omegaconf import OmegaConf
+
     from toolkit.errors import ConfigError
 
+    if OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value, resolve=True)
     if value in (None, False, "off", "none"):
         return None
     if value == "all":
@@ -137,6 +133,7 @@ class TraceWriter:
             raise RuntimeError(f"trace writer failed: {self._error}") from self._error
         start = time.perf_counter()
         digests: list[str] = []
+        logits: list[tuple[str, int, int, Any]] = []  # trace.full_logits: (request, stream, position, row)
         if traces:
             index = [t.logits_row for t in traces]
             rows = logits_RV.detach()
@@ -149,14 +146,13 @@ class TraceWriter:
                     self.full_logits == "all" or t.request_id in self.full_logits)]
                 if wanted:
                     block = rows[[i for _, i in wanted]].float().cpu().numpy()  # a copy: the step's block moves on
-                    digests = _Digests(digests, [(t.request_id, t.stream, t.position, block[k])
-                                                 for k, (t, _) in enumerate(wanted)])
-        self._queue.put((tuple(traces), digests, requests))
+                    logits = [(t.request_id, t.stream, t.position, block[k]) for k, (t, _) in enumerate(wanted)]
+        self._queue.put((tuple(traces), digests, requests, logits))
         self.engine_thread_s += time.perf_counter() - start
 
     def flush(self) -> None:
         """Write everything received so far (blocks until the worker has written it)."""
-        self._queue.put(("flush", None, None))
+        self._queue.put(("flush", None, None, ()))
         self._queue.join()
         if self._error is not None:
             raise RuntimeError(f"trace writer failed: {self._error}") from self._error
@@ -179,15 +175,14 @@ class TraceWriter:
             try:
                 if item is None:
                     return
-                traces, digests, requests = item
+                traces, digests, requests, logits = item
                 if requests is not None:
                     self._requests = requests
                 if traces == "flush":
                     self._write_part()
                     continue
                 self._pending.extend(zip(traces, digests))
-                if isinstance(digests, _Digests):
-                    self._logits.extend(digests.logits)
+                self._logits.extend(logits)
                 self._steps_since_flush += 1
                 if self._steps_since_flush >= self.flush_every_steps:
                     self._write_part()
