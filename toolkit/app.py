@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from toolkit.engine import Engine, RequestOutput
 from toolkit.errors import ToolkitError
 from toolkit.metrics import structured_output_validity
+from toolkit.report import report_after
 from toolkit.session import record
 from toolkit.trace.writer import atomic_write_bytes
 from toolkit.workload import add_specs, workload_specs
@@ -51,12 +52,16 @@ def main(cfg: DictConfig, run_dir: Path) -> int:
             return run_soak(cfg, run_dir)
         if mode == "train":
             return run_train(cfg, run_dir)
+        if mode == "report":
+            from toolkit.report import run_report
+
+            return run_report(cfg, run_dir)
         if mode == "kv_quantization":
             from toolkit.audit.kv_quantization import run_kv_quantization
 
             return run_kv_quantization(cfg, run_dir)
         raise ToolkitError(f"unknown mode {mode!r}; known: run, serve, bench, scheduling, replay, verify, compare, audit, soak, train, "
-                           f"kv_quantization")
+                           f"kv_quantization, report")
     except ToolkitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -110,7 +115,18 @@ def run_workload(cfg: DictConfig, run_dir: Path) -> int:
               f"the library's)")
     print(f"replay it bit for bit:   python run.py mode=replay replay.trace={run_dir}\n"
           f"verify its logits:       python run.py mode=verify verify.trace={run_dir}")
+    if trace_cfg.get("enabled", True) and _auto_report(cfg):
+        _report_line(report_after(run_dir))
     return 1 if rejected else 0
+
+
+def _auto_report(cfg: DictConfig) -> bool:
+    return bool((cfg.get("report") or {}).get("auto", False))
+
+
+def _report_line(path: Path | None) -> None:
+    if path is not None:
+        print(f"see it:                  {path} (open it in a browser)")
 
 
 def _trace_arg(cfg: DictConfig, mode: str) -> Path:
@@ -126,6 +142,8 @@ def run_replay(cfg: DictConfig, run_dir: Path) -> int:
     r = cfg.replay
     report = replay(_trace_arg(cfg, "replay"), list(r.get("overrides") or []),
                     allow_mismatch=bool(r.get("allow_mismatch")), out_dir=run_dir)
+    if _auto_report(cfg):  # the recorded run against its replay: where they part, and why
+        _report_line(report_after(report.trace_dir, run_dir, run_dir / "report.html"))
     for problem in report.mismatches:
         print(f"mismatch (allowed): {problem}")
     print(report.summary_line())
@@ -157,6 +175,13 @@ def run_compare(cfg: DictConfig, run_dir: Path) -> int:
     result = compare(runs or [], out_dir=run_dir)
     print(result.table())
     print(f"compare.json, compare.parquet, compare.png: {run_dir}")
+    if _auto_report(cfg):  # the first run against each other one
+        from toolkit.audit.compare import resolve_runs
+
+        resolved = resolve_runs(runs or [])
+        for k, other in enumerate(resolved[1:], start=1):
+            _report_line(report_after(resolved[0], other,
+                                      run_dir / ("report.html" if len(resolved) == 2 else f"report-{k}.html")))
     return 0
 
 
