@@ -120,6 +120,7 @@ def test_first_divergence_names_the_changed_field_and_its_cause(real_run):
         changed[key] = rows[:k] if kind == "length" else rows[:k] + [changes[kind](rows[k])] + rows[k + 1:]
         (d,) = first_divergences(seqs, changed)
         assert (d.request_id, d.stream, d.position, d.index, d.kind) == (*key, rows[k]["position"], k, kind)
+        assert d.token_index == (k if kind in ("logits", "token") else None)
 
     check()
 
@@ -231,6 +232,10 @@ def test_the_two_run_view_names_the_first_divergence_of_a_changed_replay(real_ru
         assert cause.get_attribute("data-kind") == "logits" and "numerical" in cause.inner_text()
         index = [r["position"] for r in trace[key]].index(expected[key])
         assert page.locator("#strip-a .tok.first-div").get_attribute("data-i") == str(index)
+        a_tokens = [r["token_id"] for r in trace[key]]
+        b_tokens = [r["token_id"] for r in sequences(read_samples(out))[key]]
+        differ = next((i for i, (x, y) in enumerate(zip(a_tokens, b_tokens)) if x != y), "")
+        assert page.locator("#token-divergence").get_attribute("data-index") == str(differ)
         assert page.locator("#strip-b .tok.first-div").get_attribute("data-i") == str(index)
     assert page.locator("#compare-summary").inner_text().startswith(f"{len(expected)} of {len(trace)} sequences")
     page.screenshot(path=str(tmp_path / "compare.png"))

@@ -68,6 +68,7 @@ class Divergence:
     fields: tuple[str, ...]  # the trace columns that differ there
     a_token: int | None
     b_token: int | None
+    token_index: int | None = None  # the first output token whose id differs (None: every shared token agrees)
 
     @property
     def cause(self) -> str:
@@ -76,7 +77,7 @@ class Divergence:
     def to_dict(self) -> dict[str, Any]:
         return {"request_id": self.request_id, "stream": self.stream, "position": self.position,
                 "index": self.index, "kind": self.kind, "cause": self.cause, "fields": list(self.fields),
-                "a_token": self.a_token, "b_token": self.b_token}
+                "a_token": self.a_token, "b_token": self.b_token, "token_index": self.token_index}
 
 
 def differing_fields(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, ...]:
@@ -120,21 +121,23 @@ def cause_of(fields: Sequence[str]) -> str:
 
 
 def first_divergences(a: dict[SeqKey, list[dict]], b: dict[SeqKey, list[dict]]) -> list[Divergence]:
-    """For each sequence of either run, the first position where their rows differ (rows by position)."""
+    """For each sequence of either run, the first position where their rows differ (rows by position), and the
+    first output token whose id differs."""
     out = []
     for key in sorted(set(a) | set(b)):
         rows_a = {r["position"]: r for r in a.get(key, [])}
         rows_b = {r["position"]: r for r in b.get(key, [])}
-        for index, position in enumerate(sorted(set(rows_a) | set(rows_b))):
+        positions = sorted(set(rows_a) | set(rows_b))
+        tokens = [(rows_a[p]["token_id"] if p in rows_a else None, rows_b[p]["token_id"] if p in rows_b else None)
+                  for p in positions]
+        token_index = next((i for i, (x, y) in enumerate(tokens) if x != y and x is not None and y is not None),
+                           None)
+        for index, position in enumerate(positions):
             x, y = rows_a.get(position), rows_b.get(position)
-            if x is None or y is None:
-                out.append(Divergence(key[0], key[1], position, index, "length", ("row",),
-                                      None if x is None else x["token_id"], None if y is None else y["token_id"]))
-                break
-            fields = differing_fields(x, y)
-            if fields:
-                out.append(Divergence(key[0], key[1], position, index, cause_of(fields), fields, x["token_id"],
-                                      y["token_id"]))
+            kind, fields = ("length", ("row",)) if x is None or y is None else (None, differing_fields(x, y))
+            if kind or fields:
+                out.append(Divergence(key[0], key[1], position, index, kind or cause_of(fields), fields,
+                                      *tokens[index], token_index=token_index))
                 break
     return out
 

@@ -293,6 +293,9 @@
       const parts = [el("h2", { id: "pair-title", text: d.stream ? `${d.request_id}#${d.stream}` : d.request_id }),
         el("p", {}, `First divergence at position ${d.position} (output token ${d.index}): `,
           el("span", { class: "cause", id: "div-cause", "data-kind": d.kind, "data-position": d.position, text: d.cause })),
+        el("p", { id: "token-divergence", "data-index": d.token_index === null ? "" : d.token_index,
+          text: d.token_index === null ? "The tokens both runs have agree; they part in other fields only."
+            : `The tokens first differ at output token ${d.token_index}` + (d.token_index === d.index ? " (here)." : ".") }),
         el("p", { class: "muted", text: `differing fields: ${d.fields.join(", ")}; token A ${d.a_token === null ? "none" : JSON.stringify(piece(d.a_token)) + " (" + d.a_token + ")"}, token B ${d.b_token === null ? "none" : JSON.stringify(piece(d.b_token)) + " (" + d.b_token + ")"}` }),
         colourControls(drawPair)];
       for (const [name, run, map] of [["A", A, ia], ["B", B, ib]]) {
