@@ -102,12 +102,19 @@ def test_first_divergence_names_the_changed_field_and_its_cause(real_run):
     seqs = sequences(read_samples(real_run))
     keys = sorted(seqs)
     assert first_divergences(seqs, seqs) == []
+    def nudge(r):  # a later stage of the pipeline, changed as a change upstream would change it
+        return {"token_id": r["token_id"] + 1, "noise": (r["noise"] if r["noise"] == r["noise"] else 0.0) + 1e-12,
+                "raw_logprob": float(np.nextafter(f32(r["raw_logprob"]), f32(0))),
+                "processed_logprob": float(np.nextafter(f32(r["processed_logprob"]), f32(0)))}
+
+    # each change also moves everything downstream of it, as a real one does: the cause is the most upstream
     changes = {
-        "logits": lambda r: {**r, "logits_sha256": "0" * 64, "token_id": r["token_id"] + 1},
-        "support": lambda r: {**r, "kept_sha256": "f" * 64, "support_size": r["support_size"] - 1},
-        "noise": lambda r: {**r, "noise": (r["noise"] if r["noise"] == r["noise"] else 0.0) + 1e-12},
-        "token": lambda r: {**r, "token_id": r["token_id"] + 1},
-        "logprob": lambda r: {**r, "raw_logprob": float(np.nextafter(f32(r["raw_logprob"]), f32(0)))},
+        "logits": lambda r: {**r, **nudge(r), "logits_sha256": "0" * 64, "kept_sha256": "f" * 64,
+                             "support_size": r["support_size"] - 1},
+        "support": lambda r: {**r, **nudge(r), "kept_sha256": "f" * 64, "support_size": r["support_size"] - 1},
+        "noise": lambda r: {**r, **nudge(r)},
+        "token": lambda r: {**r, "token_id": r["token_id"] + 1, "raw_logprob": nudge(r)["raw_logprob"]},
+        "logprob": lambda r: {**r, "raw_logprob": nudge(r)["raw_logprob"]},
         "finish": lambda r: {**r, "finish_reason": "abort"},
     }
 
@@ -120,7 +127,7 @@ def test_first_divergence_names_the_changed_field_and_its_cause(real_run):
         changed[key] = rows[:k] if kind == "length" else rows[:k] + [changes[kind](rows[k])] + rows[k + 1:]
         (d,) = first_divergences(seqs, changed)
         assert (d.request_id, d.stream, d.position, d.index, d.kind) == (*key, rows[k]["position"], k, kind)
-        assert d.token_index == (k if kind in ("logits", "token") else None)
+        assert d.token_index == (k if kind in ("logits", "support", "noise", "token") else None)
 
     check()
 
