@@ -320,6 +320,25 @@ def test_a_100k_row_run_gives_a_small_report_that_opens_and_pages(real_run, brow
     assert page.errors == []
 
 
+@needs_browser
+def test_an_audited_transcript_without_engine_fields_renders(real_run, browser, tmp_path):
+    """A mode=audit directory holds what only the claims give: no step, batch, noise, digests or steps.parquet."""
+    run = tmp_path / "audit"
+    shutil.copytree(real_run, run)
+    (run / "steps.parquet").unlink(missing_ok=True)
+    for part in (run / "samples.parquet").glob("part-*.parquet"):
+        table = pq.read_table(part)
+        rows = [{**r, "step": None, "batch_size": None, "step_tokens": None, "noise": None, "logits_sha256": None,
+                 "kept_sha256": None, "t_emit_s": None, "support_size": None} for r in table.to_pylist()]
+        pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), part)
+    page = open_report(browser, write_report(run))
+    page.locator("#strip .tok").nth(0).hover()
+    assert page.locator("#detail [data-field=step]").inner_text() == "–"
+    page.click("#tabs button[data-view=engine]")
+    assert "no steps" in page.locator("#view-engine").inner_text()
+    assert page.errors == []
+
+
 def test_mode_report_writes_the_page_and_refuses_bad_arguments_in_one_line(real_run, tmp_path):
     def cli(*args):
         return subprocess.run([sys.executable, "run.py", "mode=report", *args, f"hydra.run.dir={tmp_path / 'h'}"],
