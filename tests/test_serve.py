@@ -324,6 +324,7 @@ def test_mode_serve_closes_cleanly_on_sigterm_and_stays_readable_after_kill_9(tm
     assert requests.num_rows == 4
     if sig == signal.SIGTERM:
         assert proc.returncode == 0 and (run_dir / "summary.json").is_file()
+        assert (run_dir / "report.html").is_file()  # written once the served run is closed
         assert sorted(r["finish_reason"] for r in requests.to_pylist())[:3] == ["abort"] * 3
     report = replay(run_dir, out_dir=tmp_path / "replayed")
     assert report.identical, report.summary_line()

@@ -117,6 +117,12 @@ def run_serve(cfg: DictConfig, run_dir: Path) -> int:
     loop.stop()
     if loop.error is not None:
         raise loop.error
+    if (cfg.get("report") or {}).get("auto", False):  # the served run as a page, once it is closed
+        from toolkit.report import report_after
+
+        page = report_after(run_dir)
+        if page is not None:
+            print(f"see it: {page} (open it in a browser)", file=sys.stderr)
     print(f"stopped; replay it bit for bit:  python run.py mode=replay replay.trace={run_dir}\n"
           f"verify its logits:              python run.py mode=verify verify.trace={run_dir}", file=sys.stderr)
     return 0
