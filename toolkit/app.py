@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from toolkit.engine import Engine, RequestOutput
 from toolkit.errors import ToolkitError
 from toolkit.metrics import structured_output_validity
-from toolkit.report import report_after
+from toolkit.report import report_after, run_report, wanted
 from toolkit.session import record
 from toolkit.trace.writer import atomic_write_bytes
 from toolkit.workload import add_specs, workload_specs
@@ -53,8 +53,6 @@ def main(cfg: DictConfig, run_dir: Path) -> int:
         if mode == "train":
             return run_train(cfg, run_dir)
         if mode == "report":
-            from toolkit.report import run_report
-
             return run_report(cfg, run_dir)
         if mode == "kv_quantization":
             from toolkit.audit.kv_quantization import run_kv_quantization
@@ -115,13 +113,9 @@ def run_workload(cfg: DictConfig, run_dir: Path) -> int:
               f"the library's)")
     print(f"replay it bit for bit:   python run.py mode=replay replay.trace={run_dir}\n"
           f"verify its logits:       python run.py mode=verify verify.trace={run_dir}")
-    if trace_cfg.get("enabled", True) and _auto_report(cfg):
+    if trace_cfg.get("enabled", True) and wanted(cfg):
         _report_line(report_after(run_dir))
     return 1 if rejected else 0
-
-
-def _auto_report(cfg: DictConfig) -> bool:
-    return bool((cfg.get("report") or {}).get("auto", False))
 
 
 def _report_line(path: Path | None) -> None:
@@ -142,7 +136,7 @@ def run_replay(cfg: DictConfig, run_dir: Path) -> int:
     r = cfg.replay
     report = replay(_trace_arg(cfg, "replay"), list(r.get("overrides") or []),
                     allow_mismatch=bool(r.get("allow_mismatch")), out_dir=run_dir)
-    if _auto_report(cfg):  # the recorded run against its replay: where they part, and why
+    if wanted(cfg):  # the recorded run against its replay: where they part, and why
         _report_line(report_after(report.trace_dir, run_dir, run_dir / "report.html"))
     for problem in report.mismatches:
         print(f"mismatch (allowed): {problem}")
@@ -175,7 +169,7 @@ def run_compare(cfg: DictConfig, run_dir: Path) -> int:
     result = compare(runs or [], out_dir=run_dir)
     print(result.table())
     print(f"compare.json, compare.parquet, compare.png: {run_dir}")
-    if _auto_report(cfg):  # the first run against each other one
+    if wanted(cfg):  # the first run against each other one
         from toolkit.audit.compare import resolve_runs
 
         resolved = resolve_runs(runs or [])

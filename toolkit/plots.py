@@ -36,7 +36,8 @@ def _pyplot():
     return plt
 
 
-def _budget(run_dir: Path) -> int | None:
+def token_budget(run_dir: Path) -> int | None:
+    """The run's engine.max_num_batched_tokens (its config.yaml), or None."""
     from omegaconf import OmegaConf
 
     try:
@@ -64,7 +65,7 @@ def plot_run(run_dir: Path) -> list[Path]:
         ax.bar(x, steps["decode_tokens"], width=1.0, color="#3a7dc9", label="decode tokens")
         ax.bar(x, steps["prefill_tokens"], width=1.0, bottom=steps["decode_tokens"], color="#f0a030",
                label="prefill tokens")
-        budget = _budget(run_dir)
+        budget = token_budget(run_dir)
         if budget:
             ax.axhline(budget, color="black", lw=1, ls="--", label=f"token budget ({budget})")
         ax.set_xlabel("engine step")

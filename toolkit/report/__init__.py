@@ -21,8 +21,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from markupsafe import Markup
+
 from toolkit.errors import ConfigError, ToolkitError
+from toolkit.plots import token_budget
 from toolkit.report.data import Pieces, RunData, first_divergences
+from toolkit.trace.writer import atomic_write_bytes
 from toolkit.version import __version__
 
 ASSETS = Path(__file__).parent / "assets"
@@ -131,18 +135,9 @@ def _json(fig) -> dict[str, Any] | None:
     return None if fig is None else json.loads(fig.to_json())
 
 
-def _budget(config_yaml: str) -> int | None:
-    from omegaconf import OmegaConf
-
-    try:
-        return int(OmegaConf.create(config_yaml).engine.max_num_batched_tokens)
-    except Exception:  # noqa: BLE001 - no config, or not an engine run
-        return None
-
-
 def _steps_note(steps: dict[str, list] | None) -> str:
     if not steps or not steps.get("step"):
-        return "This run recorded no steps (steps.parquet is missing: an audit or a served run without one)."
+        return "This run recorded no steps (no steps.parquet: e.g. a mode=audit transcript)."
     n = len(steps["step"])
     times = sorted(steps["step_s"])
     return (f"{n} steps; step time p50 {1e3 * times[n // 2]:.1f} ms; {sum(steps.get('preempted') or [])} "
@@ -156,7 +151,7 @@ def build_payload(run: RunData, against: RunData | None = None, tokenizer=None) 
         payload["against"] = against.payload(pieces, processors)
         payload["divergences"] = [d.to_dict() for d in first_divergences(run.seqs, against.seqs)]
         payload["compared_sequences"] = len(set(run.seqs) | set(against.seqs))
-    payload["figures"] = {"timeline": _json(timeline_figure(run.steps, _budget(run.config_yaml))),
+    payload["figures"] = {"timeline": _json(timeline_figure(run.steps, token_budget(run.run_dir))),
                           "probabilities": _json(probability_figure(run)), "latency": _json(latency_figure(run))}
     payload["steps_note"] = _steps_note(run.steps)
     payload["pieces"] = {str(k): v for k, v in pieces.table.items()}
@@ -176,11 +171,10 @@ def render(payload: dict[str, Any], title: str) -> str:
     for name, text in (("plotly.js", plotly_js), ("report.js", app_js)):
         if "</script" in text.lower():
             raise RuntimeError(f"{name} contains '</script': it cannot be inlined")
-    env = jinja2.Environment(autoescape=True)
-    template = env.from_string((ASSETS / "report.html").read_text())
-    return template.render(title=title, version=__version__, css=jinja2.utils.markupsafe.Markup(
-        (ASSETS / "report.css").read_text()), plotly_js=jinja2.utils.markupsafe.Markup(plotly_js),
-        app_js=jinja2.utils.markupsafe.Markup(app_js), payload=base64.b64encode(data).decode())
+    template = jinja2.Environment(autoescape=True).from_string((ASSETS / "report.html").read_text())
+    return template.render(title=title, version=__version__, css=Markup((ASSETS / "report.css").read_text()),
+                           plotly_js=Markup(plotly_js), app_js=Markup(app_js),
+                           payload=base64.b64encode(data).decode())
 
 
 def write_report(run_dir: str | Path, against: str | Path | None = None, out: str | Path | None = None,
@@ -194,8 +188,6 @@ def write_report(run_dir: str | Path, against: str | Path | None = None, out: st
     title = f"{run_dir.name}" + (f" vs {Path(against).name}" if against is not None else "")
     html = render(build_payload(run, other, tokenizer), f"toolkit report: {title}")
     out = Path(out) if out is not None else run_dir / "report.html"
-    from toolkit.trace.writer import atomic_write_bytes
-
     atomic_write_bytes(out, html.encode())
     return out
 
@@ -214,6 +206,11 @@ def run_report(cfg, run_dir: Path) -> int:
     size = out.stat().st_size / 2 ** 20
     print(f"report: {out} ({size:.1f} MB)")
     return 0
+
+
+def wanted(cfg) -> bool:
+    """Whether a mode writes report.html when it ends (`report.auto`)."""
+    return bool((cfg.get("report") or {}).get("auto", False))
 
 
 def report_after(run_dir: Path, against: Path | None = None, out: Path | None = None) -> Path | None:

@@ -117,9 +117,9 @@ def run_serve(cfg: DictConfig, run_dir: Path) -> int:
     loop.stop()
     if loop.error is not None:
         raise loop.error
-    if (cfg.get("report") or {}).get("auto", False):  # the served run as a page, once it is closed
-        from toolkit.report import report_after
+    from toolkit.report import report_after, wanted
 
+    if wanted(cfg):  # the served run as a page, once it is closed
         page = report_after(run_dir)
         if page is not None:
             print(f"see it: {page} (open it in a browser)", file=sys.stderr)
