@@ -123,6 +123,48 @@ def test_ctrl_c_flushes_the_trace_writes_the_summary_and_exits_130(tmp_path):
     assert report.identical, report.summary_line()
 
 
+def test_ctrl_c_is_taken_between_steps_never_inside_one(tiny, tmp_path):
+    """SIGINT while a step's work is under way lets that step finish (its callback runs to the end, its rows reach
+    the trace) and stops before the next: a KeyboardInterrupt raised mid-step could land inside the trace
+    writer's queue and hang close() (seen once in a suite run). A second SIGINT interrupts at once."""
+    import os
+    import signal
+
+    from tests.conftest import make_engine
+    from toolkit.config import SamplingParams
+    from toolkit.errors import Interrupted
+    from toolkit.session import record
+    from toolkit.trace.reader import read_samples
+
+    engine = make_engine(tiny, max_num_batched_tokens=32, max_num_seqs=4, num_kv_blocks=128)
+    ids = [engine.add_request(prompt_token_ids=[5 + i, 6, 7], sampling_params=SamplingParams(
+        temperature=0.0, max_tokens=50, ignore_eos=True)) for i in range(3)]
+    seen = []
+
+    def on_step(out):
+        if out.step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        seen.append(out.step)  # reached after the signal: the step is not cut short
+
+    with pytest.raises(Interrupted, match="interrupted at step 4"):
+        record(engine, ids, tmp_path / "run", {}, on_step=on_step, flush_every_steps=2)
+    assert seen == [0, 1, 2, 3]
+    assert max(read_samples(tmp_path / "run")["step"].to_pylist()) == 3  # step 3's rows are in the trace
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+    def twice(out):
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # the user insists: out at once, in the callback
+        seen.append("not reached")
+
+    engine = make_engine(tiny, max_num_batched_tokens=32, max_num_seqs=4, num_kv_blocks=128)
+    ids = [engine.add_request(prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(temperature=0.0,
+                                                                                          max_tokens=20))]
+    with pytest.raises(Interrupted):
+        record(engine, ids, tmp_path / "run2", {}, on_step=twice)
+    assert "not reached" not in seen
+
+
 def test_kill_9_leaves_a_readable_partial_trace_that_replays_and_verifies(tmp_path):
     import signal
     import time

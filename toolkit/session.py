@@ -6,8 +6,11 @@ a run records.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +96,33 @@ def effective_config(engine: Engine, config: DictConfig | Mapping | None) -> Dic
     return OmegaConf.create(base)
 
 
+class _CtrlC:
+    pressed = False
+
+
+@contextlib.contextmanager
+def _ctrl_c_between_steps():
+    """Ctrl-C while the engine steps only sets a flag, which the loop reads between steps: a KeyboardInterrupt
+    raised at an arbitrary bytecode can land inside the trace writer's queue (threading.Condition.notify between
+    dropping a waiter and waking it) and leave close() waiting forever. A second Ctrl-C interrupts at once."""
+    state = _CtrlC()
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield state  # not ours to change (a server's handler, an ignored SIGINT, a worker thread)
+        return
+
+    def handler(signum, frame):
+        if state.pressed:
+            raise KeyboardInterrupt
+        state.pressed = True
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield state
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictConfig | Mapping | None = None, *,
            trace: bool = True, flush_every_steps: int = 64, manifest_extra: dict[str, Any] | None = None,
            summary_extra: dict[str, Any] | None = None,
@@ -120,24 +150,27 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
     itl = InterTokenLatency()
     interrupted = False
     try:
-        while engine.has_unfinished():
-            if before_step is not None:
-                before_step(engine)
-                if not engine.has_unfinished():
-                    break
-            t0 = time.perf_counter()
-            out = engine.step()
-            if writer is not None:
-                writer.write_step(out.samples, out.logits_RV)
-            itl.update(out.samples)
-            if out.batch_size:
-                steps.append(step_record(out, time.perf_counter() - t0))
-                run_logger.log_step(steps[-1])
-            if bar is not None:
-                bar.update(out)
-            if on_step is not None:
-                on_step(out)
-    except KeyboardInterrupt:  # Ctrl-C: stop stepping; the trace is flushed and what finished is summarised
+        with _ctrl_c_between_steps() as ctrl_c:
+            while engine.has_unfinished():
+                if ctrl_c.pressed:
+                    raise KeyboardInterrupt
+                if before_step is not None:
+                    before_step(engine)
+                    if not engine.has_unfinished():
+                        break
+                t0 = time.perf_counter()
+                out = engine.step()
+                if writer is not None:
+                    writer.write_step(out.samples, out.logits_RV)
+                itl.update(out.samples)
+                if out.batch_size:
+                    steps.append(step_record(out, time.perf_counter() - t0))
+                    run_logger.log_step(steps[-1])
+                if bar is not None:
+                    bar.update(out)
+                if on_step is not None:
+                    on_step(out)
+    except KeyboardInterrupt:  # Ctrl-C (between steps; a second one anywhere): the trace is flushed, the run summarised
         interrupted = True
     finally:
         if bar is not None:
