@@ -339,6 +339,45 @@ def test_an_audited_transcript_without_engine_fields_renders(real_run, browser, 
     assert page.errors == []
 
 
+@needs_browser
+def test_speculation_grammar_and_parallel_samples_show_their_fields(tiny, browser, tmp_path):
+    """A run with n-gram speculation, a JSON grammar and n=2: every token of every sequence hovers without a
+    script error, and the detail shows the grammar / speculation fields the trace holds for it."""
+    from toolkit.config import EngineConfig, SpeculativeConfig
+    from toolkit.engine import Engine
+
+    engine = Engine(tiny, EngineConfig(**ENGINE_CFG), SamplingParams(temperature=0.0),
+                    SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    ids = [engine.add_request(prompt="a b c a b c a b", request_id="spec", sampling_params=SamplingParams(
+               temperature=0.0, max_tokens=12, ignore_eos=True)),
+           engine.add_request(prompt="JSON:", request_id="json", sampling_params=SamplingParams(
+               temperature=0.7, max_tokens=10, seed=1, structured_outputs={"json": {"type": "object"}})),
+           engine.add_request(prompt="Two:", request_id="pair", sampling_params=SamplingParams(
+               n=2, temperature=1.0, max_tokens=6, seed=2, ignore_eos=True))]
+    record(engine, ids, tmp_path / "run", {"engine": ENGINE_CFG, "sampling": {}})
+    seqs = sequences(read_samples(tmp_path / "run"))
+    page = open_report(browser, write_report(tmp_path / "run"))
+    names = page.locator("#req-table tr.req td:first-child").all_inner_texts()
+    assert sorted(names) == sorted(f"{r}#{s}" if s else r for r, s in seqs)
+    for i, name in enumerate(names):
+        page.locator(f"#req-table tr.req[data-index='{i}']").click()
+        request, _, stream = name.partition("#")
+        rows = seqs[(request, int(stream or 0))]
+        tokens = page.locator("#strip .tok")
+        assert tokens.count() == len(rows)
+        for k, r in enumerate(rows):
+            tokens.nth(k).hover()
+            field = lambda f: page.locator(f"#detail [data-field={f}]")  # noqa: E731
+            if r["grammar_allowed"] is not None:
+                assert int(field("grammar").get_attribute("data-value")) == r["grammar_allowed"]
+            if r["origin"] not in (None, "plain"):
+                assert field("origin").get_attribute("data-value") == r["origin"]
+            if r["spec_proposed"]:
+                assert int(field("spec").get_attribute("data-value")) == r["spec_proposed"]
+    assert any(r["origin"] == "draft_accepted" for r in seqs[("spec", 0)])  # the run did speculate
+    assert page.errors == []
+
+
 def test_mode_report_writes_the_page_and_refuses_bad_arguments_in_one_line(real_run, tmp_path):
     def cli(*args):
         return subprocess.run([sys.executable, "run.py", "mode=report", *args, f"hydra.run.dir={tmp_path / 'h'}"],
