@@ -163,10 +163,13 @@ def test_every_request_renders_its_tokens_and_a_hovered_token_shows_its_trace_va
             shown = {int(t) for t in detail.page.locator(".alternatives tr[data-token]").evaluate_all(
                 "rows => rows.map(r => r.dataset.token)")}
             assert shown == {e["token_id"] for e in (r["top_raw"] or []) + (r["top_processed"] or [])}
+    rows.nth(0).click()  # greedy: 10 tokens
     tokens.nth(1).click()  # a click pins the details: hovering elsewhere leaves them
     pinned = page.locator("#detail [data-field=position]").get_attribute("data-value")
     tokens.nth(0).hover()
     assert page.locator("#detail [data-field=position]").get_attribute("data-value") == pinned
+    page.keyboard.press("ArrowRight")  # the arrow keys move the pin along the strip
+    assert int(page.locator("#detail [data-field=position]").get_attribute("data-value")) == int(pinned) + 1
     page.screenshot(path=str(tmp_path / "requests.png"))
     for view in ("engine", "summary"):
         page.click(f"#tabs button[data-view={view}]")

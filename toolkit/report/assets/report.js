@@ -15,7 +15,7 @@
   const A = D.run, B = D.against;
   const pieces = D.pieces, procs = D.processors;
   let colourBy = "raw";
-  let pinned = null; /* {run, seq, k} of a clicked token */
+  let pinned = null; /* {run, seq, k, box} of a clicked token and its strip */
 
   /* ---------------------------------------------------------------- helpers */
   function el(tag, attrs, ...children) {
@@ -81,7 +81,7 @@
   /* ---------------------------------------------------------------- token details */
   function detailPane() {
     const pane = el("div", { class: "pane sticky detail" }, el("h2", { text: "Token" }),
-      el("p", { class: "muted", text: "Hover over a token to see its details; click to pin them." }));
+      el("p", { class: "muted", text: "Hover over a token to see its details; click to pin them (then ← / → move along the strip)." }));
     return pane;
   }
   function kv(dl, label, field, value, shown) {
@@ -178,8 +178,9 @@
       if (pinned && pinned.run === run && pinned.seq === s && pinned.k === k) {
         pinned = null;
       } else {
-        pinned = { run, seq: s, k };
+        pinned = { run, seq: s, k, box };
         t.classList.add("focus");
+        t.scrollIntoView({ block: "nearest" });
       }
       showDetail(opts.pane, run, s, k, opts.label);
     });
@@ -348,6 +349,15 @@
         el("div", { class: "pane" }, el("h2", { text: "Manifest" }), manifest),
         el("div", { class: "pane" }, el("h2", { text: "Config (config.yaml)" }), el("pre", { class: "config", text: A.config || "(none)" }))));
   }
+
+  /* with a token pinned, the arrow keys pin the previous / next one of the same strip */
+  document.addEventListener("keydown", (ev) => {
+    if (!pinned || (ev.key !== "ArrowLeft" && ev.key !== "ArrowRight") || !pinned.box.isConnected) return;
+    const next = pinned.box.querySelector(`.tok[data-i="${pinned.k + (ev.key === "ArrowRight" ? 1 : -1)}"]`);
+    if (!next) return;
+    ev.preventDefault();
+    next.click();
+  });
 
   addTab("requests", "Requests", requestsView);
   if (B) addTab("compare", "Compare", compareView);
