@@ -102,6 +102,7 @@ def test_first_divergence_names_the_changed_field_and_its_cause(real_run):
     seqs = sequences(read_samples(real_run))
     keys = sorted(seqs)
     assert first_divergences(seqs, seqs) == []
+
     def nudge(r):  # a later stage of the pipeline, changed as a change upstream would change it
         return {"token_id": r["token_id"] + 1, "noise": (r["noise"] if r["noise"] == r["noise"] else 0.0) + 1e-12,
                 "raw_logprob": float(np.nextafter(f32(r["raw_logprob"]), f32(0))),
