@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -28,11 +27,11 @@ from toolkit.engine import Engine
 from toolkit.errors import ConfigError
 from toolkit.session import record
 from toolkit.trace.reader import TraceError, read_manifest, read_requests, read_samples
+from toolkit.trace.schema import FLOAT_BITS, same_value
 from toolkit.trace.writer import atomic_write_table
 
 COMPARED_FIELDS = ("token_id", "raw_logprob", "processed_logprob", "logits_sha256", "noise", "kept_sha256",
                    "finish_reason", "error")
-_BITS = {"raw_logprob": "<f", "processed_logprob": "<f", "noise": "<d"}
 
 
 @dataclass(frozen=True)
@@ -111,18 +110,14 @@ class ReplayReport:
 
 
 def _show(name: str, value: Any) -> str:
-    if name in _BITS and isinstance(value, float):
-        return f"{value!r} (0x{struct.pack('>' + _BITS[name][1], value).hex()})"
+    if name in FLOAT_BITS and isinstance(value, float):
+        return f"{value!r} (0x{struct.pack('>' + FLOAT_BITS[name][1], value).hex()})"
     return repr(value)
 
 
 def _same(name: str, a: Any, b: Any) -> bool:
     """`a` recorded, `b` replayed; a trace older than schema 6 recorded no kept-set digest."""
-    if name == "kept_sha256" and a is None:
-        return True
-    if name in _BITS and isinstance(a, float) and isinstance(b, float):
-        return struct.pack(_BITS[name], a) == struct.pack(_BITS[name], b)
-    return a == b
+    return (name == "kept_sha256" and a is None) or same_value(name, a, b)
 
 
 def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:

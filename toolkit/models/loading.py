@@ -83,6 +83,14 @@ def load_checkpoint(cfg: ModelConfig) -> Checkpoint:
     return dataclasses.replace(ckpt, generation={**SMOLLM2_GENERATION, **ckpt.generation})
 
 
+def tokenizer_dir(cfg: ModelConfig) -> Path | None:
+    """The directory whose tokenizer.json load_checkpoint(cfg) reads, without loading the weights (None: a tiny
+    model whose vocabulary matches no tokenizer)."""
+    if cfg.name == "tiny":
+        return smollm2_dir() if cfg.vocab_size == 49152 else None
+    return Path(cfg.path).expanduser() if cfg.path else smollm2_dir()
+
+
 # --------------------------------------------------------------------------- local HF checkpoints
 
 
@@ -240,9 +248,8 @@ def tiny_checkpoint(cfg: ModelConfig) -> Checkpoint:
         eos_token_ids=(2,) if cfg.vocab_size > 2 else (),
     )
     state_dict = tiny_state_dict(arch, cfg.seed)
-    tokenizer = None
-    if cfg.vocab_size == 49152:
-        tokenizer = Tokenizer(smollm2_dir())
+    directory = tokenizer_dir(cfg)
+    tokenizer = Tokenizer(directory) if directory is not None else None
     digest = hashlib.sha256()
     for key in sorted(state_dict):
         digest.update(key.encode())

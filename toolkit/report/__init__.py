@@ -44,28 +44,22 @@ def _plotly():
 
 
 def report_tokenizer(run_dir: Path, manifest: dict[str, Any]):
-    """The run's tokenizer (from its config.yaml's model section) when it is the one the manifest names, else
+    """The run's tokenizer (the one its config.yaml's model loads) when it is the one the manifest names, else
     None: the page then shows token ids."""
     from omegaconf import OmegaConf
 
+    from toolkit.config import ModelConfig, from_mapping
+    from toolkit.models.loading import tokenizer_dir
     from toolkit.models.tokenizer import Tokenizer
 
     try:
-        model = OmegaConf.load(run_dir / "config.yaml").model
-        name, path = model.get("name"), model.get("path")
-        if path:
-            directory = Path(path)
-        elif name in ("smollm2", "tiny"):
-            from toolkit.models.loading import smollm2_dir
-
-            directory = smollm2_dir()
-        else:
-            return None
-        tokenizer = Tokenizer(directory)
+        model = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml").model, resolve=True)
+        directory = tokenizer_dir(from_mapping(ModelConfig, model, section="model"))
+        tokenizer = Tokenizer(directory) if directory is not None else None
     except Exception:  # noqa: BLE001 - no config, no tokenizer, another layout: ids instead of text
         return None
     recorded = manifest.get("tokenizer_sha256")
-    return tokenizer if recorded in (None, tokenizer.digest) else None
+    return tokenizer if tokenizer is not None and recorded in (None, tokenizer.digest) else None
 
 
 def timeline_figure(steps: dict[str, list] | None, budget: int | None):

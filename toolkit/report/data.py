@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from toolkit.trace.reader import read_manifest, read_requests, read_samples
+from toolkit.trace.schema import same_value
 
 SeqKey = tuple[str, int]  # (request_id, stream)
 
@@ -48,14 +49,6 @@ def f64(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else x
 
 
-def _bits32(x: float | None) -> int | None:
-    return None if x is None else int(np.float32(x).view(np.uint32))
-
-
-def _bits64(x: float | None) -> int | None:
-    return None if x is None else int(np.float64(x).view(np.uint64))
-
-
 @dataclass(frozen=True)
 class Divergence:
     """Where two runs' rows of one sequence first differ, and why."""
@@ -81,27 +74,12 @@ class Divergence:
 
 
 def differing_fields(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, ...]:
-    """The compared trace columns in which two rows of the same (sequence, position) differ, floats by bits; a
-    digest either run did not record (null) is not compared."""
-    out = []
-    for name in ("logits_sha256", "kept_sha256", "support_size", "noise", "token_id", "raw_logprob",
-                 "processed_logprob", "finish_reason", "error"):
-        x, y = a.get(name), b.get(name)
-        if name in ("logits_sha256", "kept_sha256") and (x is None or y is None):
-            continue
-        if name == "noise":
-            same = _bits64(_nan_none(x)) == _bits64(_nan_none(y))
-        elif name in ("raw_logprob", "processed_logprob"):
-            same = _bits32(_nan_none(x)) == _bits32(_nan_none(y))
-        else:
-            same = x == y
-        if not same:
-            out.append(name)
-    return tuple(out)
-
-
-def _nan_none(x):
-    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+    """The compared trace columns in which two rows of the same (sequence, position) differ, floats by bits (as
+    replay compares them); a digest either run did not record (null) is not compared."""
+    return tuple(name for name in ("logits_sha256", "kept_sha256", "support_size", "noise", "token_id",
+                                   "raw_logprob", "processed_logprob", "finish_reason", "error")
+                 if not (name.endswith("sha256") and (a.get(name) is None or b.get(name) is None))
+                 and not same_value(name, a.get(name), b.get(name)))
 
 
 def cause_of(fields: Sequence[str]) -> str:

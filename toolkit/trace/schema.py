@@ -6,7 +6,9 @@ docs/trace-schema.md for the meaning of every column.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, fields
+from typing import Any
 
 import pyarrow as pa
 
@@ -24,6 +26,18 @@ SUPERSEDED = {
        "everywhere), so about 1 noise value in 7 differs by an ulp and a sampled token near a tie could "
        "differ: it cannot be replayed bit for bit (replay it with the toolkit commit that wrote it)",
 }
+
+# the float columns compared by their bits (replay, the report): struct formats of their stored width
+FLOAT_BITS = {"raw_logprob": "<f", "processed_logprob": "<f", "noise": "<d"}
+
+
+def same_value(name: str, a: Any, b: Any) -> bool:
+    """Whether two values of one sample column are the same: the float columns by their bits (a NaN equals the
+    same NaN), the others by ==."""
+    if name in FLOAT_BITS and isinstance(a, float) and isinstance(b, float):
+        return struct.pack(FLOAT_BITS[name], a) == struct.pack(FLOAT_BITS[name], b)
+    return a == b
+
 
 TOP_TYPE = pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float32())]))
 
