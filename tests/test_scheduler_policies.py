@@ -190,3 +190,23 @@ def test_a_policy_run_replays_bit_for_bit(tiny, tmp_path, policy):
     report = replay(tmp_path / "run", [], out_dir=tmp_path / "replay")
     assert report.identical, report.summary_line()
     assert json.loads((tmp_path / "run" / "manifest.json").read_text())["engine"]["scheduler_policy"] == policy
+
+
+def test_mode_scheduling_records_each_variant_and_tabulates_its_figures(tiny, tmp_path):
+    """compare_variants: each variant is a recorded (untraced) run in variants/<name>, its row the run's summary
+    plus per-step figures taken from the same steps steps.parquet holds."""
+    import pyarrow.parquet as pq
+
+    from toolkit.bench.scheduling import compare_variants
+    from toolkit.config import EngineConfig
+
+    s = {"workload": "standard", "num_requests": 4, "max_tokens": 6, "warmup": False,
+         "variants": {"wide": {}, "narrow": {"max_num_batched_tokens": 64}}}
+    report = compare_variants(tiny, EngineConfig(num_kv_blocks=256), s, tmp_path)
+    for name in ("wide", "narrow"):
+        row = report["variants"][name]
+        steps = pq.read_table(tmp_path / "variants" / name / "steps.parquet").to_pydict()
+        assert row["steps"] == len(steps["step"]) and row["requests"] == 4
+        assert row["max_step_tokens"] == max(d + p for d, p in zip(steps["decode_tokens"], steps["prefill_tokens"]))
+        assert json.loads((tmp_path / "variants" / name / "summary.json").read_text())["output_tokens"] == 24
+    assert report["variants"]["narrow"]["max_step_tokens"] <= 64 < report["variants"]["wide"]["max_step_tokens"]

@@ -32,6 +32,7 @@ class Recorded:
     run_dir: Path
     outputs: list[RequestOutput]
     summary: dict[str, Any]
+    steps: list[dict[str, Any]]  # step_record of every step that ran a forward (steps.parquet)
 
 
 STEPS_FILE = "steps.parquet"
@@ -203,4 +204,4 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
         raise Interrupted(f"interrupted at step {engine.step_index}: {done}/{len(final_rows)} sequences finished; "
                           f"trace flushed ({writer.rows_written if writer else 0} rows) and summary.json written in "
                           f"{run_dir} (replay and verify accept the partial run)")
-    return Recorded(run_id=run_id, run_dir=run_dir, outputs=outputs, summary=summary)
+    return Recorded(run_id=run_id, run_dir=run_dir, outputs=outputs, summary=summary, steps=steps)

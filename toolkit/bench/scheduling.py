@@ -26,8 +26,8 @@ from toolkit.bench import _machine as bench_machine
 from toolkit.config import EngineConfig, ModelConfig, SamplingParams, from_mapping
 from toolkit.engine import Engine, load_for
 from toolkit.errors import ConfigError
-from toolkit.metrics import InterTokenLatency, percentile, summarize
-from toolkit.session import step_record
+from toolkit.metrics import percentile
+from toolkit.session import record
 
 COLUMNS = {  # column -> (header, format)
     "forwards_per_step": ("fwd/step", ".2f"), "step_s_mean": ("step ms", "ms"), "output_tok_per_s": ("tok/s", ".1f"),
@@ -49,7 +49,7 @@ def run_scheduling(cfg: DictConfig, run_dir: Path) -> int:
     if s.get("kind") == "walkthrough":
         report = walkthrough(loaded, engine_cfg, s)
     else:
-        report = compare_variants(loaded, engine_cfg, s)
+        report = compare_variants(loaded, engine_cfg, s, run_dir)
     report.update({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": bench_machine(), "model": loaded.model_id,
                    "experiment": s.get("title", "")})
     (run_dir / "scheduling.json").write_text(json.dumps(report, indent=2))
@@ -74,7 +74,7 @@ def variants(s: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def compare_variants(loaded, engine_cfg: EngineConfig, s: dict[str, Any]) -> dict[str, Any]:
+def compare_variants(loaded, engine_cfg: EngineConfig, s: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     from toolkit.bench.workloads import make_workload
 
     workload = make_workload(s.get("workload", "standard"), loaded.tokenizer, s.get("num_requests"),
@@ -85,11 +85,11 @@ def compare_variants(loaded, engine_cfg: EngineConfig, s: dict[str, Any]) -> dic
         first = from_mapping(EngineConfig, {**dataclasses.asdict(engine_cfg), **next(iter(every.values()))},
                              section="engine")
         run_variant(loaded, first, [dataclasses.replace(r, max_tokens=min(r.max_tokens, 8), arrival_step=0)
-                                    for r in workload.requests[:8]])
+                                    for r in workload.requests[:8]], run_dir / "variants" / "_warmup")
     for name, overrides in every.items():
         cfg = from_mapping(EngineConfig, {**dataclasses.asdict(engine_cfg), **overrides}, section="engine")
         print(f"  {name} ...", end="", flush=True)
-        rows[name], tokens[name] = run_variant(loaded, cfg, workload.requests)
+        rows[name], tokens[name] = run_variant(loaded, cfg, workload.requests, run_dir / "variants" / name)
         rows[name]["overrides"] = overrides
         print(f" {rows[name]['wall_s']:.2f} s", flush=True)
     first = next(iter(tokens.values()))
@@ -104,28 +104,21 @@ def compare_variants(loaded, engine_cfg: EngineConfig, s: dict[str, Any]) -> dic
     return report
 
 
-def run_variant(loaded, cfg: EngineConfig, requests) -> tuple[dict[str, Any], dict[str, list[int]]]:
+def run_variant(loaded, cfg: EngineConfig, requests, run_dir: Path) -> tuple[dict[str, Any], dict[str, list[int]]]:
+    """The requests, greedy, through an engine of `cfg`, recorded untraced in `run_dir` (config, manifest,
+    requests, steps.parquet, summary.json): the summary's figures and per-step ones, and each request's tokens."""
     engine = Engine(loaded, cfg, SamplingParams(temperature=0.0))
     for r in requests:
         engine.add_request(prompt_token_ids=r.prompt_token_ids, request_id=r.id, arrival_step=r.arrival_step,
                            sampling_params=SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True))
-    itl, steps = InterTokenLatency(), []
-    while engine.has_unfinished():
-        t0 = time.perf_counter()
-        out = engine.step()
-        itl.update(out.samples)
-        if out.batch_size:
-            steps.append(step_record(out, time.perf_counter() - t0))
-    outputs = [engine.output(r.id) for r in requests]
-    wall = (engine.last_finish_time or 0.0) - (engine.first_admission_time or 0.0)
-    row = summarize(outputs, wall, itl.values)
-    row.pop("finish_reasons", None)
+    recorded = record(engine, [r.id for r in requests], run_dir, {"engine": dataclasses.asdict(cfg)}, trace=False)
+    outputs, steps = recorded.outputs, recorded.steps
+    row = {k: v for k, v in recorded.summary.items()
+           if k not in ("finish_reasons", "run_id", "model", "model_revision", "trace_rows")}
     row.update({"forwards_per_step": sum(st["forwards"] for st in steps) / max(len(steps), 1),
                 "step_s_mean": sum(st["step_s"] for st in steps) / max(len(steps), 1),
                 "steps": len(steps), "max_step_tokens": max((st["decode_tokens"] + st["prefill_tokens"]
-                                                             for st in steps), default=0),
-                "kv_utilization_max": max((st["kv_utilization"] for st in steps), default=0.0),
-                "kv_utilization_mean": sum(st["kv_utilization"] for st in steps) / max(len(steps), 1)})
+                                                             for st in steps), default=0)})
     groups: dict[str, list] = {}
     for r, o in zip(requests, outputs):
         groups.setdefault(r.group, []).append(o.outputs[0].metrics)
