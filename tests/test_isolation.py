@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from tests.conftest import make_engine, native_only
@@ -63,9 +64,13 @@ def test_a_processor_exception_finishes_only_its_request(tiny, monkeypatch):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_nan_logits_finish_only_their_request(tiny, monkeypatch):
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9),
+                                      dict(temperature=0.7, top_k=5, repetition_penalty=1.3)])
+def test_nan_logits_finish_only_their_request(tiny, monkeypatch, sampling):
+    """The bad request's rows are NaN: found before its processors (plain sampling) or after the sampler's
+    kernel read them (a tail, with or without the repetition penalty's changes), it ends with that error."""
     good, bad = _requests()
-    bad = dict(bad, sampling_params=SamplingParams(temperature=1.0, seed=9, max_tokens=12, ignore_eos=True))
+    bad = dict(bad, sampling_params=SamplingParams(**sampling, seed=9, max_tokens=12, ignore_eos=True))
     alone = {}
     for r in good:
         rows, _ = _run(make_engine(tiny, **KW), [r])

@@ -151,7 +151,7 @@ def test_the_sampler_applying_the_pipeline_tail_changes_nothing(params, vocab, t
         assert (pipe.tail is not None) == defer  # the native build runs here
         assert not pipe.errors
         processed = pipe.processed_RV if not defer else processed
-        results.append(sample(logits, pipe.processed_RV, srows, lse, tail=pipe.tail))
+        results.append(sample(logits, pipe.processed_RV, srows, lse, tail=pipe.tail, patches=pipe.patches))
     whole, deferred = results
     # the kept-set digest: sha256 of the finite-logit mask packed little-endian (numpy's packbits, a twin)
     import hashlib

@@ -18,6 +18,7 @@ import torch
 
 from toolkit import rng
 from toolkit.grammar import GrammarBackend
+from toolkit.kernels import tail_fusable
 from toolkit.processors import BatchView, PipelineResult, RowState, apply_pipeline, invalid_rows
 from toolkit.request import Request
 from toolkit.runner import ModelOutput
@@ -84,9 +85,12 @@ class Decider:
             logits_RV = logits_RV.index_select(0, torch.tensor([r.logits_row for r in rows], device=logits_RV.device))
         grammar_mask, allowed = self.grammar_masks(rows, logits_RV.shape, logits_RV.device)
         view = self._view(rows, logits_RV.device, grammar_mask)
-        lse_R = logsumexp_rows(logits_RV, per_row=self.batch_invariant)
-        # with no speculation the sampler applies each row's temperature / top-k / top-p itself (one pass)
-        pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse_R), defer_tail=not proposals)
+        # with no speculation the sampler applies each row's temperature / top-k / top-p itself, and reads the
+        # raw rows' logsumexp, in one pass a row: rows with NaN or infinite logits are found after it
+        fused = not proposals and tail_fusable(logits_RV)
+        lse_R = None if fused else logsumexp_rows(logits_RV, per_row=self.batch_invariant)
+        pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse_R) if lse_R is not None else {},
+                              defer_tail=not proposals)
         emits = self._sample_and_verify(rows, logits_RV, pipe, lse_R, proposals)
         return Decision(emits, forks, logits_RV, allowed)
 
@@ -151,20 +155,37 @@ class Decider:
                          grammar_mask_RV=grammar_mask)
 
     def _sample_and_verify(self, rows: list[Row], logits_RV: torch.Tensor, pipe: PipelineResult,
-                           lse_R: torch.Tensor, proposals: Mapping[str, Proposal]) -> list[tuple[Request, list[Emit]]]:
-        """Sample the plain rows (batched) and verify each speculating sequence's rows."""
+                           lse_R: torch.Tensor | None, proposals: Mapping[str, Proposal]
+                           ) -> list[tuple[Request, list[Emit]]]:
+        """Sample the plain rows (batched) and verify each speculating sequence's rows. Without `lse_R` (the
+        raw rows' logsumexp) the sampler reads it, and rows whose raw logits hold NaN or +inf become errors
+        here, whatever the processors made of them."""
         plain = [i for i, r in enumerate(rows) if r.seq.seq_id not in proposals and i not in pipe.errors]
+        errors = pipe.errors
         result = None
         if plain:
             srows = [SampleRow(greedy=rows[i].seq.sampling.greedy, seed=rows[i].seq.seed, position=rows[i].position,
                                stream=rows[i].seq.stream, num_top=rows[i].seq.sampling.logprobs or 0) for i in plain]
             tail = [pipe.tail[i] for i in plain] if pipe.tail is not None else None
             if len(plain) == len(rows):
-                result = sample(logits_RV, pipe.processed_RV, srows, lse_R, per_row=self.batch_invariant, tail=tail)
+                result = sample(logits_RV, pipe.processed_RV, srows, lse_R, per_row=self.batch_invariant, tail=tail,
+                                patches=pipe.patches)
             else:
                 index = torch.tensor(plain, device=logits_RV.device)
-                result = sample(logits_RV.index_select(0, index), pipe.processed_RV.index_select(0, index), srows,
-                                lse_R.index_select(0, index), per_row=self.batch_invariant, tail=tail)
+                patches = pipe.patches.select(plain, len(rows)) if pipe.patches is not None else None
+                raw = logits_RV.index_select(0, index)
+                processed = raw if pipe.processed_RV is logits_RV else pipe.processed_RV.index_select(0, index)
+                result = sample(raw, processed, srows, lse_R.index_select(0, index) if lse_R is not None else None,
+                                per_row=self.batch_invariant, tail=tail, patches=patches)
+        if lse_R is None:
+            lse_R = torch.empty(len(rows), dtype=logits_RV.dtype, device=logits_RV.device)
+            if plain:
+                lse_R[plain] = result.raw_logsumexp_R
+            sampled = set(plain)
+            unsampled = [i for i in range(len(rows)) if i not in sampled]
+            if unsampled:  # the rows the processors failed: is their model output to blame?
+                lse_R[unsampled] = logsumexp_rows(logits_RV[unsampled], per_row=self.batch_invariant)
+            errors = {**pipe.errors, **invalid_rows(lse_R)}
         if self.speculator is not None:
             self.speculator.stats.plain_samples += len(plain)
         slot = {row: j for j, row in enumerate(plain)}
@@ -177,8 +198,8 @@ class Decider:
                     continue
                 seen.add(sid)
                 decisions.append((r.seq, self._verify_rows(i, rows, logits_RV, pipe, lse_R, proposals[sid])))
-            elif i in pipe.errors:
-                decisions.append((r.seq, [Emit(token=-1, row=i, error=pipe.errors[i])]))
+            elif i in errors:
+                decisions.append((r.seq, [Emit(token=-1, row=i, error=errors[i])]))
             else:
                 j = slot[i]
                 decisions.append((r.seq, [Emit(

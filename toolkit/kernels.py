@@ -28,10 +28,14 @@ import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from toolkit.paths import cache_root
+
+if TYPE_CHECKING:
+    from toolkit.processors.base import Patches
 
 CSRC = Path(__file__).with_name("csrc")
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-std=gnu11",
@@ -136,7 +140,7 @@ SIGNATURES = {  # symbol -> argument types (every one returns int)
     "toolkit_gumbel_sample_rows": [P, I64, I64, I64, P, P, P, P, P, ctypes.c_int],
     "toolkit_gumbel_noise": [P, I64, ctypes.c_uint32, ctypes.c_uint32, P],
     "toolkit_truncate_f32": [P, I64, I64, I64, ctypes.c_int, P, P, I64, P, ctypes.c_int],
-    "toolkit_sample_tail_rows": [P, I64, I64, I64, P, P, P, P, P, I64, P, P, P, P, P, P, I64, ctypes.c_int],
+    "toolkit_sample_tail_rows": [P, I64, I64, I64, P, P, P, P, P, P, P, P, I64, P, P, P, P, P, P, P, I64, ctypes.c_int],
     "toolkit_decoder_layers": [P, I64, P, P, P, P, P, P, P, P, P, P, ctypes.c_float, ctypes.c_float, ctypes.c_int],
 }
 
@@ -430,16 +434,20 @@ class TailSample:
     picked_R: torch.Tensor
     processed_RV: torch.Tensor | None
     kept_bits_RB: torch.Tensor | None = None  # (R, ceil(V / 8)) uint8 kept masks of rows with support < V
+    raw_logsumexp_R: torch.Tensor | None = None  # the input rows' logsumexp, where asked for
 
 
 def sample_tail_cpu(x_RV: torch.Tensor, ops: list[tuple[tuple[str, float], ...]], keys: list[tuple[int, int] | None],
-                    keep_rows: bool = True, lib: NativeLib | None = None) -> TailSample | None:
+                    keep_rows: bool = True, lib: NativeLib | None = None,
+                    patches: Patches | None = None, raw_logsumexp: bool = False) -> TailSample | None:
     """Each row through its ops ((name, value) in order: temperature, top_k, top_p, as the processors of
     those names compute them), then its support, logsumexp, and Gumbel-max token and noise under its key
     (None: not sampled, the argmax instead), in one C call that keeps each row in cache
     (toolkit/csrc/gumbel.c): the same bits as `truncate_cpu`, `logsumexp_cpu`, `gumbel_sample_cpu` and
     `argmax_cpu` one after another. `keep_rows=False` never writes the processed rows out (a write of the
-    whole block saved); None where the kernel does not apply."""
+    whole block saved); `patches` are made to each row before its ops (`patches.apply(x_RV)` as the
+    input, without copying the block); `raw_logsumexp` also returns the input rows' logsumexp (logsumexp_cpu's
+    bits), read while each row is in cache; None where the kernel does not apply."""
     lib = _tail_lib(x_RV, lib)
     if lib is None:
         return None
@@ -453,15 +461,28 @@ def sample_tail_cpu(x_RV: torch.Tensor, ops: list[tuple[tuple[str, float], ...]]
     sampled = torch.tensor([k is not None for k in keys], dtype=torch.int8)
     out = torch.empty((n, vocab), dtype=torch.float32) if keep_rows else None
     lse, picked = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
+    raw_lse = torch.empty(n, dtype=torch.float32) if raw_logsumexp else None
     tokens, noise = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.float64)
     support = torch.empty(n, dtype=torch.int64)
     kept = torch.empty((n, (vocab + 7) // 8), dtype=torch.uint8)  # filled only for rows with support < V
+    patch_args = (None, None, None)
+    if patches is not None and patches.rows_S.numel():
+        rows_S, cols_S = patches.rows_S, patches.cols_S  # checked: the kernel writes where they say
+        if (int(rows_S[0]) < 0 or int(rows_S[-1]) >= n or bool((rows_S[1:] < rows_S[:-1]).any())
+                or int(cols_S.min()) < 0 or int(cols_S.max()) >= vocab):
+            raise ValueError(f"patches must list rows in order within [0, {n}) and columns within [0, {vocab})")
+        off = torch.zeros(n + 1, dtype=torch.int64)
+        off[1:] = torch.cumsum(torch.bincount(rows_S, minlength=n), 0)
+        cols, vals = cols_S.to(torch.int32), patches.values_S.to(torch.float32).contiguous()
+        patch_args = (off.data_ptr(), cols.data_ptr(), vals.data_ptr())
     if lib.fn["sample_tail_rows"](x_RV.data_ptr(), x_RV.stride(0), n, vocab, codes_t.data_ptr(), values_t.data_ptr(),
-                                  keys_t.data_ptr(), sampled.data_ptr(), out.data_ptr() if keep_rows else None,
-                                  vocab, lse.data_ptr(), tokens.data_ptr(), noise.data_ptr(), support.data_ptr(),
-                                  picked.data_ptr(), kept.data_ptr(), kept.shape[1], torch.get_num_threads()) != 0:
+                                  *patch_args, keys_t.data_ptr(), sampled.data_ptr(),
+                                  out.data_ptr() if keep_rows else None, vocab,
+                                  raw_lse.data_ptr() if raw_logsumexp else None, lse.data_ptr(), tokens.data_ptr(),
+                                  noise.data_ptr(), support.data_ptr(), picked.data_ptr(), kept.data_ptr(),
+                                  kept.shape[1], torch.get_num_threads()) != 0:
         raise MemoryError("sample_tail_rows: out of memory")
-    return TailSample(tokens.tolist(), noise.tolist(), support.tolist(), lse, picked, out, kept)
+    return TailSample(tokens.tolist(), noise.tolist(), support.tolist(), lse, picked, out, kept, raw_lse)
 
 
 def gumbel_noise_cpu(ids: torch.Tensor, key: tuple[int, int], lib: NativeLib | None = None) -> torch.Tensor:

@@ -20,7 +20,7 @@ from toolkit import rng
 from toolkit.kernels import argmax_cpu, gumbel_sample_cpu, logsumexp_cpu, sample_tail_cpu, sha256_rows
 
 if TYPE_CHECKING:
-    from toolkit.processors import Tail
+    from toolkit.processors import Patches, Tail
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class SampleResult:
     top_raw: list[list[tuple[int, float]]]
     top_processed: list[list[tuple[int, float]]]
     kept_sha256: list[str]  # digest of each row's kept set (see kept_digest)
+    raw_logsumexp_R: torch.Tensor | None = None  # the raw rows' logsumexp the log-probabilities were taken with
 
 
 def pack_kept(finite_RV: torch.Tensor) -> torch.Tensor:
@@ -95,7 +96,7 @@ def logsumexp_rows(x_RV: torch.Tensor, per_row: bool = True) -> torch.Tensor:
 
 def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRow],
            raw_logsumexp_R: torch.Tensor | None = None, per_row: bool = True,
-           tail: Sequence[Tail] | None = None) -> SampleResult:
+           tail: Sequence[Tail] | None = None, patches: Patches | None = None) -> SampleResult:
     """Choose one token per row. `processed_RV is raw_RV` (no processor changed anything) takes a fast
     path: the processed distribution is the raw one and its support is the whole vocabulary. Every
     sampled row's noise, and every processed row's support, comes from one native pass over the step
@@ -104,22 +105,30 @@ def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRo
     `tail` (from apply_pipeline(defer_tail=True)): per row, the processors still to apply to
     `processed_RV`; they run in the same native pass, each row processed, counted and sampled while it is
     in cache, and the processed rows are written out only when top alternatives are asked for (the same
-    values as the processors, then this function, one after the other)."""
+    values as the processors, then this function, one after the other). `patches` (the pipeline's, made
+    before the tail) are made in that pass too, or to a copy of `processed_RV` where it does not run."""
     r, vocab = raw_RV.shape
-    raw_lse = raw_logsumexp_R if raw_logsumexp_R is not None else logsumexp_rows(raw_RV, per_row)
     keys = [None if row.greedy else rng.row_key(row.seed, row.position, row.stream, row.purpose) for row in rows]
     num_top = max((row.num_top for row in rows), default=0)
     if tail is not None and any(tail):
-        fused = sample_tail_cpu(processed_RV, list(tail), keys, keep_rows=num_top > 0)
+        # not given, the raw rows' logsumexp is read by the kernel where its input is the raw rows
+        own_lse = raw_logsumexp_R is None and processed_RV is raw_RV
+        fused = sample_tail_cpu(processed_RV, list(tail), keys, keep_rows=num_top > 0, patches=patches,
+                                raw_logsumexp=own_lse)
         if fused is None:
             raise RuntimeError("a pipeline tail was left to the sampler where its kernel does not run")
+        raw_lse = fused.raw_logsumexp_R if own_lse else (
+            raw_logsumexp_R if raw_logsumexp_R is not None else logsumexp_rows(raw_RV, per_row))
         tokens, noise, support, proc_lse = fused.tokens, fused.noise, fused.support, fused.logsumexp_R
         raw_lp = _logprobs_at(raw_RV, raw_lse, tokens)
         return SampleResult(token_ids=tokens, raw_logprobs=raw_lp,
                             processed_logprobs=(fused.picked_R - proc_lse).tolist(), support_sizes=support,
                             noise=noise, top_raw=_top(raw_RV, raw_lse, rows, num_top),
                             top_processed=_top(fused.processed_RV, proc_lse, rows, num_top),
-                            kept_sha256=kept_digests(support, vocab, fused.kept_bits_RB))
+                            kept_sha256=kept_digests(support, vocab, fused.kept_bits_RB), raw_logsumexp_R=raw_lse)
+    raw_lse = raw_logsumexp_R if raw_logsumexp_R is not None else logsumexp_rows(raw_RV, per_row)
+    if patches is not None and patches.rows_S.numel():
+        processed_RV = patches.apply(processed_RV)
     sampled = [i for i, key in enumerate(keys) if key is not None]
     unprocessed = processed_RV is raw_RV
     native = gumbel_sample_cpu(processed_RV, keys) if sampled or not unprocessed else None
@@ -149,7 +158,7 @@ def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRo
         finite_RV = torch.isfinite(processed_RV)
     return SampleResult(token_ids=tokens, raw_logprobs=raw_lp, processed_logprobs=proc_lp, support_sizes=support,
                         noise=noise, top_raw=top_raw, top_processed=top_proc,
-                        kept_sha256=kept_digests(support, vocab, finite_RV=finite_RV))
+                        kept_sha256=kept_digests(support, vocab, finite_RV=finite_RV), raw_logsumexp_R=raw_lse)
 
 
 def _logprobs_at(logits_RV: torch.Tensor, lse_R: torch.Tensor, tokens: list[int]) -> list[float]:

@@ -39,7 +39,7 @@ int toolkit_gumbel_sample_rows(const float *, int64_t, int64_t, int64_t, const u
 int toolkit_gumbel_noise(const int32_t *, int64_t, uint32_t, uint32_t, double *);
 int toolkit_truncate_f32(const float *, int64_t, int64_t, int64_t, int, const float *, float *, int64_t, float *, int);
 int toolkit_sample_tail_rows(const float *, int64_t, int64_t, int64_t, const int32_t *, const float *,
-                             const uint32_t *, const int8_t *, float *, int64_t, float *, int64_t *, double *,
+                             const int64_t *, const int32_t *, const float *, const uint32_t *, const int8_t *, float *, int64_t, float *, float *, int64_t *, double *,
                              int64_t *, float *, uint8_t *, int64_t, int);
 
 static uint64_t state = 0x9e3779b97f4a7c15ull;
@@ -225,12 +225,31 @@ static void check_tail(void) {
     const int64_t LDK = (SV + 7) / 8;
     uint8_t *kept = malloc((size_t)(S * LDK));
     memset(kept, 0xAB, (size_t)(S * LDK)); /* full rows are left alone */
-    toolkit_sample_tail_rows(logits, SV, S, SV, ops, params, keys, sampled, out, SV, lse[0], tokens[0], noise[0],
+    toolkit_sample_tail_rows(logits, SV, S, SV, ops, params, 0, 0, 0, keys, sampled, out, SV, 0, lse[0], tokens[0], noise[0],
                              support[0], picked[0], 0, 0, 2);
-    toolkit_sample_tail_rows(logits, SV, S, SV, ops, params, keys, sampled, 0, 0, lse[1], tokens[1], noise[1],
-                             support[1], picked[1], kept, LDK, 2);
+    /* the second call also reads the raw rows' logsumexp, and patches row 3 first (two entries) */
+    const int64_t patch_off[S + 1] = {0, 0, 0, 0, 2, 2, 2};
+    const int32_t patch_col[2] = {17, 4001};
+    const float patch_val[2] = {30.0f, -INFINITY};
+    float raw_lse[S], raw_want[S];
+    toolkit_logsumexp_f32(logits, SV, S, SV, raw_want, 2);
+    toolkit_sample_tail_rows(logits, SV, S, SV, ops, params, patch_off, patch_col, patch_val, keys, sampled, 0, 0,
+                             raw_lse, lse[1], tokens[1], noise[1], support[1], picked[1], kept, LDK, 2);
+    if (memcmp(raw_lse, raw_want, sizeof raw_lse)) {
+        printf("tail: the raw rows' logsumexp differs from toolkit_logsumexp_f32's\n");
+        failures++;
+    }
+    const float patched_token = 30.0f; /* row 3 (top-k 7 after the patch): token 17 is the argmax, then kept */
+    if (support[1][3] != 7 || tokens[1][3] != 17 || picked[1][3] != patched_token) {
+        printf("tail: the patched row 3 (support %lld, token %lld) is not what its patches make it\n",
+               (long long)support[1][3], (long long)tokens[1][3]);
+        failures++;
+    }
+    /* the rest of the comparison is with the unpatched stages: give row 3 the first call's results */
+    support[1][3] = support[0][3], tokens[1][3] = tokens[0][3], noise[1][3] = noise[0][3];
+    lse[1][3] = lse[0][3], picked[1][3] = picked[0][3];
     for (int r = 0; r < S; r++) /* the kept bitmask: bit v & 7 of byte v >> 3 is whether token v is finite */
-        for (int v = 0; v < SV; v++) {
+        for (int v = 0; v < SV && r != 3; v++) { /* (row 3 was patched: checked above) */
             const int bit = support[1][r] < SV ? (kept[r * LDK + (v >> 3)] >> (v & 7)) & 1 : -1;
             const int finite = out[r * SV + v] > -INFINITY && out[r * SV + v] < INFINITY;
             if (bit >= 0 && bit != finite) {

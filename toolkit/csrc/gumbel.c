@@ -349,15 +349,30 @@ static int64_t candidates(const float *row, int64_t V, int mode, float m, float 
     return (n + VL - 1) / VL * VL;
 }
 
+/* the largest finite logit of a row (-inf without one): four independent maxima (see row_max) */
+static float finite_max(const float *row, int64_t V) {
+    const vf ninf = splat(-INFINITY);
+    vf m0 = ninf, m1 = ninf, m2 = ninf, m3 = ninf;
+    int64_t i = 0;
+    for (; i + 4 * VL <= V; i += 4 * VL) {
+        const vf a = loadv(row + i), b = loadv(row + i + VL), c = loadv(row + i + 2 * VL), d = loadv(row + i + 3 * VL);
+        m0 = vselect(finite_mask(a) & (vi)(a > m0), a, m0);
+        m1 = vselect(finite_mask(b) & (vi)(b > m1), b, m1);
+        m2 = vselect(finite_mask(c) & (vi)(c > m2), c, m2);
+        m3 = vselect(finite_mask(d) & (vi)(d > m3), d, m3);
+    }
+    for (; i < V; i += VL) {
+        const vf v = chunk(row, V, i);
+        m0 = vselect(finite_mask(v) & (vi)(v > m0), v, m0);
+    }
+    m0 = vselect(m1 > m0, m1, m0);
+    m2 = vselect(m3 > m2, m3, m2);
+    return hmax(vselect(m2 > m0, m2, m0));
+}
+
 /* the threshold of one row (keys, e: scratch of V + VL entries); -inf when nothing is finite */
 static float row_threshold(const float *row, int64_t V, uint32_t *keys, float *e, int mode, float param) {
-    vf mv = splat(-INFINITY);
-    for (int64_t i = 0; i < V; i += VL) { /* the largest finite logit */
-        vf v = chunk(row, V, i);
-        v = vselect(finite_mask(v), v, splat(-INFINITY));
-        mv = vselect(v > mv, v, mv);
-    }
-    const float m = hmax(mv);
+    const float m = finite_max(row, V);
     if (m == -INFINITY) return -INFINITY;
     float floor = -INFINITY;
     if (mode == TOP_P && param < 1.0f) {
@@ -453,28 +468,29 @@ static int finish_row(const float *row, int64_t V, float *lse, int64_t *support,
     int nan = 0;
     const float m = lse ? row_max(row, V, &nan) : 0.0f; /* toolkit_logsumexp_f32's maximum */
     const int sum = lse && !nan && m != INFINITY && m != -INFINITY;
-    const vf floor = vexp(splat(-INFINITY)), mvec = splat(m);
-    vf sv = splat(0.0f);
     vi finite = {0}; /* lanes count down: each finite logit adds -1 */
     int64_t n = 0;
     vu lane;
     for (int j = 0; j < VL; j++) lane[j] = (uint32_t)j;
     for (int64_t i = 0; i < V; i += VL) { /* the last, partial chunk is counted and listed; summed below */
-        const vf v = chunk(row, V, i);
-        const vi mask = finite_mask(v);
-        const int any = any_lane(mask);
-        if (any) {
+        const vi mask = finite_mask(chunk(row, V, i));
+        if (any_lane(mask)) {
             finite += mask;
             if (n * 4 < V) n = append_lanes((uint32_t *)ids, n, mask, lane + (uint32_t)i);
         }
-        if (sum && i < vec) sv += any ? vexp(v - mvec) : floor; /* one accumulation point: a register */
     }
     int64_t count = 0;
     for (int j = 0; j < VL; j++) count -= finite[j];
     *support = count;
     if (lse && !sum) {
         *lse = nan ? NAN : m;
-    } else if (sum) {
+    } else if (sum) { /* a pass of its own, so that the sum stays in a register */
+        const vf floor = vexp(splat(-INFINITY)), mvec = splat(m);
+        vf sv = splat(0.0f);
+        for (int64_t i = 0; i < vec; i += VL) {
+            const vf v = loadv(row + i);
+            sv += any_lane(finite_mask(v)) ? vexp(v - mvec) : floor;
+        }
         float s = hsum(sv);
         for (int64_t i = vec; i < V; i++) s += sexp(row[i] - m);
         *lse = m + logf(s);
@@ -538,6 +554,10 @@ int toolkit_gumbel_sample_rows(const float *x, int64_t ldx, int64_t V, int64_t n
  * arithmetic on the same values. Where kept is given, a row whose support is not the whole vocabulary
  * gets its kept set there as a bitmask (row stride ldk >= ceil(V / 8) bytes: bit i & 7 of byte i >> 3 is
  * token i), built from the listed ids or, for a large support, one more pass; full rows are left alone.
+ * Where raw_lse is given, raw_lse[r] = the logsumexp of row r as it comes in (toolkit_logsumexp_f32's),
+ * read while the row is loaded for its ops. Where patch_off is given, row r first takes the values patch_val[k] at the columns patch_col[k],
+ * patch_off[r] <= k < patch_off[r + 1] (a processor that changes a few entries, e.g. the repetition
+ * penalty, handed over as its changes rather than as a copy of the whole block).
  * Returns 0, or -1 if out of memory.
  */
 enum { TAIL_OPS = 3, TAIL_TEMPERATURE = 2 };
@@ -545,8 +565,9 @@ enum { TAIL_OPS = 3, TAIL_TEMPERATURE = 2 };
 int toolkit_argmax_f32(const float *x, int64_t ldx, int64_t R, int64_t V, int64_t *out, int threads);
 
 int toolkit_sample_tail_rows(const float *x, int64_t ldx, int64_t R, int64_t V, const int32_t *ops,
-                             const float *params, const uint32_t *keys, const int8_t *sampled, float *out,
-                             int64_t ldo, float *lse, int64_t *tokens, double *noise, int64_t *support,
+                             const float *params, const int64_t *patch_off, const int32_t *patch_col,
+                             const float *patch_val, const uint32_t *keys, const int8_t *sampled, float *out,
+                             int64_t ldo, float *raw_lse, float *lse, int64_t *tokens, double *noise, int64_t *support,
                              float *picked, uint8_t *kept, int64_t ldk, int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && R > 1)
@@ -563,6 +584,12 @@ int toolkit_sample_tail_rows(const float *x, int64_t ldx, int64_t R, int64_t V, 
             if (!kscratch || !e || (!out && !scratch)) continue;
             const float *src = x + r * ldx;
             float *o = out ? out + r * ldo : scratch;
+            if (raw_lse) raw_lse[r] = row_logsumexp(src, V);
+            if (patch_off && patch_off[r + 1] > patch_off[r]) {
+                memcpy(o, src, sizeof *o * (size_t)V);
+                for (int64_t k = patch_off[r]; k < patch_off[r + 1]; k++) o[patch_col[k]] = patch_val[k];
+                src = o;
+            }
             for (int j = 0; j < TAIL_OPS; j++) {
                 const int op = ops[r * TAIL_OPS + j];
                 const float p = params[r * TAIL_OPS + j];

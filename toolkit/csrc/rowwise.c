@@ -68,19 +68,7 @@ int toolkit_silu_mul_f32(const float *gu, int64_t ldgu, float *h, int64_t ldh, i
    -inf if every entry is -inf */
 int toolkit_logsumexp_f32(const float *x, int64_t ldx, int64_t R, int64_t V, float *lse, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && R > 1)
-    for (int64_t r = 0; r < R; r++) {
-        const float *row = x + r * ldx;
-        const int64_t vec = V - V % VL;
-        int nan;
-        const float m = row_max(row, V, &nan);
-        if (nan) { lse[r] = NAN; continue; }
-        if (m == INFINITY || m == -INFINITY) { lse[r] = m; continue; }
-        vf sv = splat(0.0f);
-        for (int64_t i = 0; i < vec; i += VL) sv += vexp(loadv(row + i) - splat(m));
-        float s = hsum(sv);
-        for (int64_t i = vec; i < V; i++) s += sexp(row[i] - m);
-        lse[r] = m + logf(s);
-    }
+    for (int64_t r = 0; r < R; r++) lse[r] = row_logsumexp(x + r * ldx, V);
     return 0;
 }
 

@@ -218,21 +218,35 @@ INLINE vf transpose_reduce(const vf P[VL], int max) {
 INLINE vf transpose_sum(const vf P[VL]) { return transpose_reduce(P, 0); }
 INLINE vf transpose_max(const vf P[VL]) { return transpose_reduce(P, 1); } /* lanes without NaN */
 
-/* the largest entry of a row (VL lanes over its whole chunks, then the rest one by one) and whether it
- * holds a NaN; the same order wherever a row's maximum must have the same bits */
+/* the largest entry of a row and whether it holds a NaN: four independent VL-lane maxima over its whole
+ * chunks (one chain would wait on each compare), combined, then the rest one by one. A maximum has one
+ * value whatever the order of the compares; only which of +0.0 and -0.0 wins a tie between them may
+ * differ, and every use subtracts it from the logits or adds a logarithm to it, where the two give the
+ * same bits */
 INLINE float row_max(const float *row, int64_t V, int *nan) {
-    const int64_t vec = V - V % VL;
-    vf mv = splat(-INFINITY);
+    const int64_t vec = V - V % VL, vec4 = V - V % (4 * VL);
+    vf m0 = splat(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
     vi nanv = splati(0);
-    for (int64_t i = 0; i < vec; i += VL) {
+    for (int64_t i = 0; i < vec4; i += 4 * VL) {
+        const vf a = loadv(row + i), b = loadv(row + i + VL), c = loadv(row + i + 2 * VL), d = loadv(row + i + 3 * VL);
+        m0 = vselect(a > m0, a, m0);
+        m1 = vselect(b > m1, b, m1);
+        m2 = vselect(c > m2, c, m2);
+        m3 = vselect(d > m3, d, m3);
+        nanv |= (a != a) | (b != b) | (c != c) | (d != d);
+    }
+    for (int64_t i = vec4; i < vec; i += VL) {
         const vf v = loadv(row + i);
-        mv = vselect(v > mv, v, mv);
+        m0 = vselect(v > m0, v, m0);
         nanv |= v != v;
     }
+    m0 = vselect(m1 > m0, m1, m0);
+    m2 = vselect(m3 > m2, m3, m2);
+    m0 = vselect(m2 > m0, m2, m0);
     float m = -INFINITY;
     *nan = 0;
     for (int i = 0; i < VL; i++) {
-        m = mv[i] > m ? mv[i] : m;
+        m = m0[i] > m ? m0[i] : m;
         *nan |= nanv[i] != 0;
     }
     for (int64_t i = vec; i < V; i++) {
@@ -240,6 +254,21 @@ INLINE float row_max(const float *row, int64_t V, int *nan) {
         m = row[i] > m ? row[i] : m;
     }
     return m;
+}
+
+/* max + log(sum(exp(x - max))) of a row: NaN if it has a NaN, +inf if it has +inf, -inf if every
+ * entry is -inf (toolkit_logsumexp_f32's rows, and the sampler's raw rows: the same bits) */
+INLINE float row_logsumexp(const float *row, int64_t V) {
+    const int64_t vec = V - V % VL;
+    int nan;
+    const float m = row_max(row, V, &nan);
+    if (nan) return NAN;
+    if (m == INFINITY || m == -INFINITY) return m;
+    vf sv = splat(0.0f);
+    for (int64_t i = 0; i < vec; i += VL) sv += vexp(loadv(row + i) - splat(m));
+    float s = hsum(sv);
+    for (int64_t i = vec; i < V; i++) s += sexp(row[i] - m);
+    return m + logf(s);
 }
 
 #endif

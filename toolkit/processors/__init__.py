@@ -19,7 +19,7 @@ import torch
 from toolkit.config import DEFAULT_PROCESSORS
 from toolkit.kernels import tail_fusable
 from toolkit.processors import masks, penalties, truncation
-from toolkit.processors.base import NEG_INF, BatchView, Processor, RowState
+from toolkit.processors.base import NEG_INF, BatchView, Patches, Processor, RowState
 
 REGISTRY: dict[str, Processor] = {
     "repetition_penalty": penalties.repetition_penalty,
@@ -51,6 +51,9 @@ class PipelineResult:
     # with defer_tail: per row, the processors left to the sampler (sampling.sample(tail=...)); processed_RV
     # is then the logits before them
     tail: tuple[Tail, ...] | None = None
+    # with defer_tail: changes of processors with `changes` (see base.py) left to the sampler's kernel, made
+    # before each row's tail; processed_RV is then the logits before them too
+    patches: Patches | None = None
 
 
 def sampler_tail(params, vocab_size: int) -> Tail:
@@ -91,18 +94,63 @@ def apply_pipeline(logits_RV: torch.Tensor, view: BatchView, registry: dict[str,
     for i, row in enumerate(view.rows):
         if i not in errors:
             groups[row.params.order].append(i)
-    out = logits_RV
+    out, patches = logits_RV, []
     for order, rows in groups.items():
         runs: dict[str, list[int]] = defaultdict(list)  # processor -> the rows it runs on here
+        last: dict[int, str] = {}  # row -> its last processor before a tail the sampler applies
         for i in rows:
             active = view.rows[i].params.active_processors()
-            for name in active[:len(active) - len(tail[i])] if tail else active:  # the tail is the sampler's
+            before_tail = active[:len(active) - len(tail[i])] if tail else active  # the tail is the sampler's
+            for name in before_tail:
                 runs[name].append(i)
+            if tail and tail[i] and before_tail:
+                last[i] = before_tail[-1]
         for name in order:
             active = [i for i in runs.get(name, ()) if i not in errors]  # a row emptied earlier stops there
+            fn = registry[name]
+            if hasattr(fn, "changes"):  # where nothing reads its output before the sampler: its changes
+                deferred = [i for i in active if last.get(i) == name]
+                made = _changes(out, view, name, fn, deferred, errors) if deferred else None
+                if made is not None:
+                    patches.append(made)
+                    active = [i for i in active if last.get(i) != name]
             if active:
-                out = _apply_one(out, view, name, registry[name], active, errors)
-    return PipelineResult(processed_RV=out, errors=errors, tail=tail)
+                out = _apply_one(out, view, name, fn, active, errors)
+    return PipelineResult(processed_RV=out, errors=errors, tail=tail, patches=_merge(patches) if tail else None)
+
+
+def _changes(logits_RV: torch.Tensor, view: BatchView, name: str, fn: Processor, rows: list[int],
+             errors: dict[int, str]) -> Patches | None:
+    """`fn.changes` on `rows`, numbered as in the block; a row whose changes leave it nothing finite is an
+    error. None if it fails: the rows are then left to `_apply_one`, which isolates the row that fails."""
+    whole = len(rows) == logits_RV.shape[0]
+    index = torch.tensor(rows, device=logits_RV.device)
+    before = logits_RV if whole else logits_RV.index_select(0, index)
+    try:
+        changes = fn.changes(before, view if whole else view.subset(rows))
+    except Exception:  # noqa: BLE001 - the dense call decides which row fails
+        return None
+    rows_S = changes.rows_S if whole else index[changes.rows_S]
+    # a row can only be emptied where a change leaves -inf or NaN: check those rows whole
+    for j in sorted(set(changes.rows_S[~(changes.values_S > NEG_INF)].tolist())):
+        mine = changes.rows_S == j
+        row = before[j].clone()
+        row[changes.cols_S[mine]] = changes.values_S[mine]
+        if not bool(torch.amax(row) > NEG_INF):
+            errors[rows[j]] = f"empty support: processor {name!r} removed every token"
+    return Patches(rows_S, changes.cols_S, changes.values_S)
+
+
+def _merge(parts: list[Patches]) -> Patches | None:
+    """One set of changes, rows in order (each row's changes come from one processor, in one part)."""
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    rows_S = torch.cat([p.rows_S for p in parts])
+    order = torch.argsort(rows_S, stable=True)
+    return Patches(rows_S[order], torch.cat([p.cols_S for p in parts])[order],
+                   torch.cat([p.values_S for p in parts])[order])
 
 
 def _apply_one(logits_RV: torch.Tensor, view: BatchView, name: str, fn: Processor, rows: list[int],
@@ -140,5 +188,5 @@ def _apply_row_by_row(logits_RV, view, name, fn, rows, errors) -> torch.Tensor:
     return out
 
 
-__all__ = ["BatchView", "PipelineResult", "REGISTRY", "RowState", "SAMPLER_TAIL", "Tail", "apply_pipeline",
+__all__ = ["BatchView", "Patches", "PipelineResult", "REGISTRY", "RowState", "SAMPLER_TAIL", "Tail", "apply_pipeline",
            "invalid_rows", "sampler_tail"]

@@ -7,15 +7,20 @@ A processor is a pure function
 of a float32 logits block (one row per sampled sequence) and a read-only view of those
 rows' request state. It returns a NEW tensor (never writes into its input), applies
 per-row parameters with vectorised tensor ops, and expresses a ban as -inf.
+
+A processor that changes only a few entries of each row (the repetition penalty) may also offer
+`processor.changes(logits_RV, view) -> Patches`, those entries' new values; the pipeline then hands
+them to the sampler's kernel, which makes them in its pass over each row, instead of copying the block.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import chain
+from array import array
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from toolkit.config import SamplingParams
@@ -61,10 +66,15 @@ class BatchView:
 
     def token_index(self, ids_per_row: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, cols) int64 index tensors of each row's listed token ids (repeats kept)."""
-        counts = torch.tensor([len(ids) for ids in ids_per_row], dtype=torch.int64)
-        rows = torch.repeat_interleave(torch.arange(len(ids_per_row)), counts)
-        cols = torch.tensor(list(chain.from_iterable(ids_per_row)), dtype=torch.int64)  # one tensor, not one a row
-        return rows.to(self.device), cols.to(self.device)
+        flat, counts = array("q"), array("q")  # one buffer, filled by C loops, not a tensor a row
+        for ids in ids_per_row:
+            flat.extend(ids)
+            counts.append(len(ids))
+        if not flat:
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            return empty, empty
+        rows = torch.from_numpy(np.repeat(np.arange(len(counts), dtype=np.int64), np.frombuffer(counts, np.int64)))
+        return rows.to(self.device), torch.frombuffer(flat, dtype=torch.int64).to(self.device)
 
     def token_mask(self, ids_per_row: Sequence[Sequence[int]]) -> torch.Tensor:
         """(R, V) bool, True at each row's listed token ids."""
@@ -84,6 +94,32 @@ class BatchView:
                 ids = torch.as_tensor(list(out), dtype=torch.int64, device=self.device)
                 counts[i].index_add_(0, ids, torch.ones(len(out), device=self.device))
         return counts
+
+
+@dataclass(frozen=True)
+class Patches:
+    """Changes to a few entries of a logits block, rows in order: entry k sets row rows_S[k], column
+    cols_S[k] to values_S[k] (a processor's output where it changes only these, see
+    processors.apply_pipeline); an entry listed twice carries the same value both times."""
+
+    rows_S: torch.Tensor  # int64, non-decreasing
+    cols_S: torch.Tensor  # int64
+    values_S: torch.Tensor  # float32
+
+    def apply(self, x_RV: torch.Tensor) -> torch.Tensor:
+        """A copy of x_RV with the changes made (what the kernel computes from them)."""
+        out = x_RV.clone()
+        out[self.rows_S, self.cols_S] = self.values_S
+        return out
+
+    def select(self, index: list[int], num_rows: int) -> "Patches":
+        """The changes of rows `index` (increasing) of a block of num_rows, renumbered 0.. as
+        index_select(0, index) renumbers them."""
+        where = torch.full((num_rows,), -1, dtype=torch.int64)
+        where[torch.tensor(index, dtype=torch.int64)] = torch.arange(len(index))
+        new = where[self.rows_S]
+        keep = new >= 0
+        return Patches(new[keep], self.cols_S[keep], self.values_S[keep])
 
 
 Processor = Callable[[torch.Tensor, BatchView], torch.Tensor]
