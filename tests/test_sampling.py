@@ -165,3 +165,11 @@ def test_the_sampler_applying_the_pipeline_tail_changes_nothing(params, vocab, t
     assert [float(n).hex() for n in deferred.noise] == [float(n).hex() for n in whole.noise]
     assert deferred.processed_logprobs == whole.processed_logprobs and deferred.raw_logprobs == whole.raw_logprobs
     assert deferred.top_processed == whole.top_processed
+
+
+@settings(max_examples=50, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**40), st.integers(0, 2**31),
+                               st.sampled_from([rng.SAMPLE, rng.DRAFT, rng.ACCEPT, rng.RESIDUAL])), max_size=40))
+def test_batched_row_keys_are_row_key(rows):
+    """rng.row_keys (numpy words, a step's rows at once) gives row_key's two words for every row."""
+    assert rng.row_keys(rows) == [rng.row_key(*row) for row in rows]

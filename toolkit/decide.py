@@ -37,9 +37,10 @@ class Row:
     depth: int = 0  # verification rows: number of drafts before this position
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Emit:
-    """A token to commit (or an error), with what its trace row records."""
+    """A token to commit (or an error), with what its trace row records. Read-only by convention (not
+    frozen: a frozen dataclass's __init__ took ~3x as long, a step makes one a row)."""
 
     token: int
     row: int
@@ -177,7 +178,10 @@ class Decider:
                 processed = raw if pipe.processed_RV is logits_RV else pipe.processed_RV.index_select(0, index)
                 result = sample(raw, processed, srows, lse_R.index_select(0, index) if lse_R is not None else None,
                                 per_row=self.batch_invariant, tail=tail, patches=patches)
-        if lse_R is None:
+        if lse_R is None and len(plain) == len(rows):
+            lse_R = result.raw_logsumexp_R
+            errors = invalid_rows(lse_R)
+        elif lse_R is None:
             lse_R = torch.empty(len(rows), dtype=logits_RV.dtype, device=logits_RV.device)
             if plain:
                 lse_R[plain] = result.raw_logsumexp_R

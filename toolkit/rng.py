@@ -17,7 +17,9 @@ noise that way; see toolkit/trace/schema.py.)
 from __future__ import annotations
 
 import struct
+from typing import Sequence
 
+import numpy as np
 import torch
 
 MASK32 = 0xFFFFFFFF
@@ -55,6 +57,23 @@ def row_key(seed: int, position: int, stream: int, purpose: int = SAMPLE) -> tup
     h = mix32(h ^ (seed & MASK32))
     h = mix32(h ^ ((seed >> 32) & MASK32) ^ _SEED_SALT)
     return h, mix32(h ^ _WORD_SALT)
+
+
+def row_keys(rows: "Sequence[tuple[int, int, int, int]]") -> list[tuple[int, int]]:
+    """row_key(seed, position, stream, purpose) of many rows at once: the same mixer on numpy words
+    (the per-row Python calls took ~3 us a row, a step's worth at batch 64 ~0.2 ms)."""
+    if len(rows) < 4:
+        return [row_key(*row) for row in rows]
+    words = np.array([(stream & MASK32, purpose & MASK32, position & MASK32, (position >> 32) & MASK32,
+                       seed & MASK32, (seed >> 32) & MASK32) for seed, position, stream, purpose in rows],
+                     dtype=np.uint64)
+    stream, purpose, pos_lo, pos_hi, seed_lo, seed_hi = words.T
+    h = mix32((stream ^ _STREAM_SALT ^ ((purpose * 0x3C6EF372) & MASK32)) & MASK32)
+    h = mix32(h ^ pos_lo)
+    h = mix32(h ^ pos_hi)
+    h = mix32(h ^ seed_lo)
+    h = mix32(h ^ seed_hi ^ _SEED_SALT)
+    return list(zip(h.tolist(), mix32(h ^ _WORD_SALT).tolist()))
 
 
 _TOKEN_HASHES: dict[tuple[int, str], torch.Tensor] = {}

@@ -108,7 +108,9 @@ def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRo
     values as the processors, then this function, one after the other). `patches` (the pipeline's, made
     before the tail) are made in that pass too, or to a copy of `processed_RV` where it does not run."""
     r, vocab = raw_RV.shape
-    keys = [None if row.greedy else rng.row_key(row.seed, row.position, row.stream, row.purpose) for row in rows]
+    sampled_rows = [row for row in rows if not row.greedy]
+    drawn = iter(rng.row_keys([(row.seed, row.position, row.stream, row.purpose) for row in sampled_rows]))
+    keys = [None if row.greedy else next(drawn) for row in rows]
     num_top = max((row.num_top for row in rows), default=0)
     if tail is not None and any(tail):
         # not given, the raw rows' logsumexp is read by the kernel where its input is the raw rows
