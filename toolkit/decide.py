@@ -178,7 +178,7 @@ class Decider:
                 processed = raw if pipe.processed_RV is logits_RV else pipe.processed_RV.index_select(0, index)
                 result = sample(raw, processed, srows, lse_R.index_select(0, index) if lse_R is not None else None,
                                 per_row=self.batch_invariant, tail=tail, patches=patches)
-        if lse_R is None and len(plain) == len(rows):
+        if lse_R is None and plain and len(plain) == len(rows):
             lse_R = result.raw_logsumexp_R
             errors = invalid_rows(lse_R)
         elif lse_R is None:
