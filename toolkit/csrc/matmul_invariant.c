@@ -18,9 +18,10 @@
  * next panel into L2 (a share of its lines each, spread over its k steps, as many a step as the
  * share needs): at decode batch sizes the weights stream from memory once per step, and this
  * overlaps that stream with the FMAs (prefetching never changes a result). Every line of the next
- * panel must be asked for: when a pass issued at most one line a k step, a 64-step block left half
- * of the next panel (at M = 1, three quarters) to the hardware, and a decode step's GEMMs took
- * 13.4 ms at M = 1 and 19.1 ms at M = 10 instead of 10.0 and 11.9 (SmolLM2, AMD EPYC, 2 cores).
+ * panel is asked for: when a pass issued at most one line a k step, a 64-step block left half of
+ * the next panel (at M = 1, three quarters) to the hardware, and a decode step's GEMMs (SmolLM2,
+ * AMD EPYC, 2 cores, the two builds alternating in one process) took 20.3-20.6 ms at M = 10
+ * instead of 14.2-16.5, and 22.4-22.7 ms at M = 16 instead of 18.7-19.5; M = 1 within 4%.
  */
 #include <stdint.h>
 #include <string.h>
@@ -53,7 +54,7 @@ static void tile_##R##_##TAG(const float *x, int64_t ldx, const float *w, int64_
     vf acc[R][V];                                                                                     \
     for (int r = 0; r < R; r++)                                                                        \
         for (int v = 0; v < V; v++) acc[r][v] = first ? splat(0.0f) : loadv(out + r * ldo + VL * v);   \
-    const int64_t per_k = (pf_lines + K - 1) / K; /* lines to prefetch a k step: all of them in K steps */ \
+    const int64_t per_k = (pf_lines + K - 1) / K; \
     for (int64_t k = 0; k < K; k++) {                                                                  \
         for (int64_t q = k * per_k; q < (k + 1) * per_k && q < pf_lines; q++)                          \
             __builtin_prefetch(pf + 64 * q, 0, 2);                                                     \
