@@ -155,6 +155,34 @@ def test_empty_support_is_a_row_error_naming_the_processor():
     assert torch.isfinite(result.processed_RV[1]).sum() == 2
 
 
+def test_repetition_penalty_before_a_sampler_tail_is_handed_over_as_changes():
+    """With the sampler applying the tail, the repetition penalty (the last processor before it) becomes its
+    changes, made by the sampler's kernel: the block is not copied, and sampling gives what the dense
+    processors give. A penalty that drives every token to -inf is the same row error both ways."""
+    from toolkit.kernels import tail_fusable
+    from toolkit.sampling import SampleRow, sample
+
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    logits[2] = -torch.rand(64) - 1.0  # all negative: a huge penalty sends every seen token to -inf
+    rows = ((SamplingParams(repetition_penalty=1.5, top_k=5, temperature=0.7, seed=1), [1, 2, 2, 9], 2),
+            (SamplingParams(temperature=0.9, seed=2), [4, 5], 1),
+            (SamplingParams(repetition_penalty=1e300, top_p=0.9, seed=3), list(range(64)), 10))
+    v = view(*rows, vocab=64)
+    assert tail_fusable(logits)  # the native build runs here
+    deferred = apply_pipeline(logits, v, defer_tail=True)
+    dense = apply_pipeline(logits, v, defer_tail=False)
+    assert deferred.processed_RV is logits and deferred.patches is not None  # no copy of the block
+    assert deferred.patches.rows_S.tolist() == [0, 0, 0, 0]  # row 2's changes emptied it: an error instead
+    assert deferred.errors == dense.errors == {2: "empty support: processor 'repetition_penalty' removed every token"}
+    srows = [SampleRow(greedy=False, seed=p.seed, position=7, stream=0, num_top=2) for p, _, _ in rows[:2]]
+    keep = torch.tensor([0, 1])
+    got = sample(logits[keep], deferred.processed_RV[keep], srows, tail=[deferred.tail[0], deferred.tail[1]],
+                 patches=deferred.patches.select([0, 1], 3))
+    want = sample(logits[keep], dense.processed_RV[keep], srows)
+    assert got.token_ids == want.token_ids and got.support_sizes == want.support_sizes
+    assert got.processed_logprobs == want.processed_logprobs and got.top_processed == want.top_processed
+
+
 def test_nan_logits_and_failing_processor_are_isolated_to_their_row():
     logits = torch.arange(8.0).repeat(3, 1)
     logits[1, 2] = float("nan")

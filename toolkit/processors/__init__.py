@@ -130,15 +130,19 @@ def _changes(logits_RV: torch.Tensor, view: BatchView, name: str, fn: Processor,
         changes = fn.changes(before, view if whole else view.subset(rows))
     except Exception:  # noqa: BLE001 - the dense call decides which row fails
         return None
-    rows_S = changes.rows_S if whole else index[changes.rows_S]
     # a row can only be emptied where a change leaves -inf or NaN: check those rows whole
+    emptied = []
     for j in sorted(set(changes.rows_S[~(changes.values_S > NEG_INF)].tolist())):
         mine = changes.rows_S == j
         row = before[j].clone()
         row[changes.cols_S[mine]] = changes.values_S[mine]
         if not bool(torch.amax(row) > NEG_INF):
             errors[rows[j]] = f"empty support: processor {name!r} removed every token"
-    return Patches(rows_S, changes.cols_S, changes.values_S)
+            emptied.append(j)
+    if emptied:  # an error row is not sampled: its changes are dropped
+        keep = ~torch.isin(changes.rows_S, torch.tensor(emptied, device=changes.rows_S.device))
+        changes = Patches(changes.rows_S[keep], changes.cols_S[keep], changes.values_S[keep])
+    return Patches(changes.rows_S if whole else index[changes.rows_S], changes.cols_S, changes.values_S)
 
 
 def _merge(parts: list[Patches]) -> Patches | None:
@@ -188,5 +192,5 @@ def _apply_row_by_row(logits_RV, view, name, fn, rows, errors) -> torch.Tensor:
     return out
 
 
-__all__ = ["BatchView", "Patches", "PipelineResult", "REGISTRY", "RowState", "SAMPLER_TAIL", "Tail", "apply_pipeline",
-           "invalid_rows", "sampler_tail"]
+__all__ = ["BatchView", "Patches", "PipelineResult", "REGISTRY", "RowState", "SAMPLER_TAIL", "Tail",
+           "apply_pipeline", "invalid_rows", "sampler_tail"]
