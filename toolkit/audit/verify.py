@@ -180,7 +180,6 @@ def _verify_sequence(key, rows, request, forward, loaded, eos, report: VerifyRep
     else:
         logprobs = torch.log_softmax(logits.double(), dim=-1)
     greedy = params.temperature == 0.0
-    processed_argmax = None
     if greedy:
         view = BatchView(tuple(RowState(params, tokens[:p], len(prompt), resolve_bad_words(params.bad_words, loaded.tokenizer))
                                for p in expected_positions), loaded.arch.vocab_size, logits.device, eos)
