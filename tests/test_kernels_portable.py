@@ -213,7 +213,9 @@ def test_fused_sampler_tail_is_the_stages_bit_for_bit(lib, ops):
         keys = [rng.row_key(3, 50 + i, i % 2) for i in range(8)]
         keys[4] = None
         got = kernels.sample_tail_cpu(rows, [ops] * 8, keys, lib=lib)
-        lean = kernels.sample_tail_cpu(rows, [ops] * 8, keys, keep_rows=False, lib=lib)
+        lean = kernels.sample_tail_cpu(rows, [ops] * 8, keys, keep_rows=False, lib=lib, raw_logsumexp=True)
+        # the raw rows' logsumexp, read by the kernel on the way: logsumexp_cpu's bits (NaN row included)
+        assert torch.equal(_bits(lean.raw_logsumexp_R), _bits(kernels.logsumexp_cpu(rows, lib=lib)))
         want = rows.clone()
         for name, value in ops:
             if name == "temperature":

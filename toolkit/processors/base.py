@@ -15,9 +15,9 @@ them to the sampler's kernel, which makes them in its pass over each row, instea
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from functools import cached_property
-from array import array
 from typing import Callable, Sequence
 
 import numpy as np
