@@ -130,7 +130,13 @@ def test_policy_is_in_the_manifest_and_the_itl_percentiles_are_the_traces(tiny, 
     assert s["queue_p95_s"] >= s["queue_p50_s"] >= 0 and 0 < s["kv_utilization_max"] <= 1
     import pyarrow.parquet as pq
 
-    assert s["forwards"] == pq.read_table(tmp_path / "steps.parquet").num_rows  # one forward per step here
+    steps = pq.read_table(tmp_path / "steps.parquet").to_pylist()
+    assert s["forwards"] == len(steps)  # one forward per step here
+    decode_only = {}  # the summary's decode steps by batch are steps.parquet's rows without prompt tokens
+    for row in steps:
+        if row["prefill_tokens"] == 0:
+            decode_only.setdefault(str(row["decode_tokens"]), []).append(row["step_s"])
+    assert s["decode_steps"] == {b: {"steps": len(v), "p50_s": percentile(v, 50)} for b, v in decode_only.items()}
     assert s["scheduler_policy"] == "no_chunking"
 
 
@@ -210,3 +216,13 @@ def test_mode_scheduling_records_each_variant_and_tabulates_its_figures(tiny, tm
         assert row["max_step_tokens"] == max(d + p for d, p in zip(steps["decode_tokens"], steps["prefill_tokens"]))
         assert json.loads((tmp_path / "variants" / name / "summary.json").read_text())["output_tokens"] == 24
     assert report["variants"]["narrow"]["max_step_tokens"] <= 64 < report["variants"]["wide"]["max_step_tokens"]
+
+
+def test_batch_vs_single_takes_the_widest_batch_with_enough_steps():
+    from toolkit.metrics import batch_vs_single
+
+    by = {"1": {"steps": 4, "p50_s": 0.010}, "6": {"steps": 9, "p50_s": 0.012}, "10": {"steps": 3, "p50_s": 0.015},
+          "12": {"steps": 2, "p50_s": 0.020}}
+    assert batch_vs_single(by) == (10, pytest.approx(1.5))  # batch 12 has too few steps to say
+    assert batch_vs_single({**by, "1": {"steps": 2, "p50_s": 0.01}}) is None  # nor has batch 1 here
+    assert batch_vs_single({"1": by["1"]}) is None

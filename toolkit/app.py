@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from toolkit.engine import Engine, RequestOutput
 from toolkit.errors import ToolkitError
-from toolkit.metrics import structured_output_validity
+from toolkit.metrics import batch_vs_single, structured_output_validity
 from toolkit.report import report_after, run_report, wanted
 from toolkit.session import record
 from toolkit.trace.writer import atomic_write_bytes
@@ -202,4 +202,10 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
     for k in keys:
         if k in summary:
             print(f"{k:<{width}}  {_fmt(summary[k])}")
+    by_batch = summary.get("decode_steps") or {}
+    wide = batch_vs_single(by_batch)
+    if wide is not None:  # what batching costs a decode step (steps with no prompt tokens, medians)
+        b, ratio = wide
+        print(f"{'decode step, batch 1 / ' + str(b):<{width}}  {1e3 * by_batch['1']['p50_s']:.1f} / "
+              f"{1e3 * by_batch[str(b)]['p50_s']:.1f} ms ({ratio:.2f}x)")
     print(f"{'run_dir':<{width}}  {run_dir}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from toolkit.engine import RequestOutput
 
@@ -70,6 +70,28 @@ def summarize(outputs: Iterable[RequestOutput], wall_s: float, itl_s: Sequence[f
         "num_preemptions": sum(c.metrics.num_preemptions for c in completions),
         **extra,
     }
+
+
+def decode_steps_by_batch(steps: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    """Of the steps with no prompt tokens (steps.parquet rows), per decode batch (sequences decoded): how many
+    and their median time, keyed by the batch as a string (a JSON object's keys)."""
+    by_batch: dict[int, list[float]] = {}
+    for s in steps:
+        if s["prefill_tokens"] == 0 and s["decode_tokens"] > 0:
+            by_batch.setdefault(int(s["decode_tokens"]), []).append(float(s["step_s"]))
+    return {str(b): {"steps": len(v), "p50_s": percentile(v, 50)} for b, v in sorted(by_batch.items())}
+
+
+def batch_vs_single(by_batch: Mapping[str, Mapping[str, float]], min_steps: int = 3) -> tuple[int, float] | None:
+    """(batch, its median decode step / batch 1's) for the largest batch with at least `min_steps` decode-only
+    steps, when batch 1 has them too: what batching costs a step (the portable-kernels issue's goal: <= 1.5x at
+    batch ~10)."""
+    single = by_batch.get("1")
+    wide = [int(b) for b, v in by_batch.items() if int(b) > 1 and v["steps"] >= min_steps]
+    if single is None or single["steps"] < min_steps or not wide:
+        return None
+    b = max(wide)
+    return b, by_batch[str(b)]["p50_s"] / single["p50_s"]
 
 
 def structured_output_validity(outputs, params_by_request) -> dict | None:

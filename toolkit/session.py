@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from toolkit.engine import Engine, RequestOutput, StepOutput
 from toolkit.errors import Interrupted
 from toolkit.loggers import make_logger
-from toolkit.metrics import InterTokenLatency, summarize
+from toolkit.metrics import InterTokenLatency, decode_steps_by_batch, summarize
 from toolkit.trace import build_manifest, new_run_id, request_rows
 from toolkit.trace.writer import TraceWriter, atomic_write_bytes, full_logits_selection, write_manifest, write_requests
 
@@ -191,6 +191,7 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
                         kv_utilization_max=max((s["kv_utilization"] for s in steps), default=0.0),
                         kv_utilization_mean=sum(s["kv_utilization"] for s in steps) / max(len(steps), 1),
                         prefix_cache_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else None,
+                        decode_steps=decode_steps_by_batch(steps),
                         **(engine.speculator.stats.summary() if engine.speculator is not None else {}),
                         **(summary_extra or {}), **({"interrupted": True} if interrupted else {}))
     atomic_write_bytes(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
