@@ -39,8 +39,9 @@ int toolkit_gumbel_sample_rows(const float *, int64_t, int64_t, int64_t, const u
 int toolkit_gumbel_noise(const int32_t *, int64_t, uint32_t, uint32_t, double *);
 int toolkit_truncate_f32(const float *, int64_t, int64_t, int64_t, int, const float *, float *, int64_t, float *, int);
 int toolkit_sample_tail_rows(const float *, int64_t, int64_t, int64_t, const int32_t *, const float *,
-                             const int64_t *, const int32_t *, const float *, const uint32_t *, const int8_t *, float *, int64_t, float *, float *, int64_t *, double *,
-                             int64_t *, float *, uint8_t *, int64_t, int);
+                             const int64_t *, const int32_t *, const float *, const uint32_t *, const int8_t *,
+                             float *, int64_t, float *, float *, int64_t *, double *, int64_t *, float *, uint8_t *,
+                             int64_t, int);
 
 static uint64_t state = 0x9e3779b97f4a7c15ull;
 static uint32_t next_u32(void) {

@@ -555,9 +555,10 @@ int toolkit_gumbel_sample_rows(const float *x, int64_t ldx, int64_t V, int64_t n
  * gets its kept set there as a bitmask (row stride ldk >= ceil(V / 8) bytes: bit i & 7 of byte i >> 3 is
  * token i), built from the listed ids or, for a large support, one more pass; full rows are left alone.
  * Where raw_lse is given, raw_lse[r] = the logsumexp of row r as it comes in (toolkit_logsumexp_f32's),
- * read while the row is loaded for its ops. Where patch_off is given, row r first takes the values patch_val[k] at the columns patch_col[k],
- * patch_off[r] <= k < patch_off[r + 1] (a processor that changes a few entries, e.g. the repetition
- * penalty, handed over as its changes rather than as a copy of the whole block).
+ * read while the row is loaded for its ops. Where patch_off is given, row r first takes the values
+ * patch_val[k] at the columns patch_col[k], patch_off[r] <= k < patch_off[r + 1] (a processor that changes
+ * a few entries, e.g. the repetition penalty, handed over as its changes rather than as a copy of the
+ * whole block).
  * Returns 0, or -1 if out of memory.
  */
 enum { TAIL_OPS = 3, TAIL_TEMPERATURE = 2 };
@@ -567,8 +568,8 @@ int toolkit_argmax_f32(const float *x, int64_t ldx, int64_t R, int64_t V, int64_
 int toolkit_sample_tail_rows(const float *x, int64_t ldx, int64_t R, int64_t V, const int32_t *ops,
                              const float *params, const int64_t *patch_off, const int32_t *patch_col,
                              const float *patch_val, const uint32_t *keys, const int8_t *sampled, float *out,
-                             int64_t ldo, float *raw_lse, float *lse, int64_t *tokens, double *noise, int64_t *support,
-                             float *picked, uint8_t *kept, int64_t ldk, int threads) {
+                             int64_t ldo, float *raw_lse, float *lse, int64_t *tokens, double *noise,
+                             int64_t *support, float *picked, uint8_t *kept, int64_t ldk, int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && R > 1)
     {
