@@ -18,7 +18,6 @@ import torch
 
 from toolkit import rng
 from toolkit.grammar import GrammarBackend
-from toolkit.kernels import tail_fusable
 from toolkit.processors import BatchView, PipelineResult, RowState, apply_pipeline, invalid_rows
 from toolkit.request import Request
 from toolkit.runner import ModelOutput
@@ -86,10 +85,9 @@ class Decider:
             logits_RV = logits_RV.index_select(0, torch.tensor([r.logits_row for r in rows], device=logits_RV.device))
         grammar_mask, allowed = self.grammar_masks(rows, logits_RV.shape, logits_RV.device)
         view = self._view(rows, logits_RV.device, grammar_mask)
-        # with no speculation the sampler applies each row's temperature / top-k / top-p itself, and reads the
-        # raw rows' logsumexp, in one pass a row: rows with NaN or infinite logits are found after it
-        fused = not proposals and tail_fusable(logits_RV)
-        lse_R = None if fused else logsumexp_rows(logits_RV, per_row=self.batch_invariant)
+        # with no speculation the sampler applies each row's temperature / top-k / top-p itself and takes the raw
+        # rows' logsumexp (its kernel reads it in the same pass): rows with NaN or infinite logits are found after
+        lse_R = logsumexp_rows(logits_RV, per_row=self.batch_invariant) if proposals else None
         pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse_R) if lse_R is not None else {},
                               defer_tail=not proposals)
         emits = self._sample_and_verify(rows, logits_RV, pipe, lse_R, proposals)
@@ -178,17 +176,8 @@ class Decider:
                 processed = raw if pipe.processed_RV is logits_RV else pipe.processed_RV.index_select(0, index)
                 result = sample(raw, processed, srows, lse_R.index_select(0, index) if lse_R is not None else None,
                                 per_row=self.batch_invariant, tail=tail, patches=patches)
-        if lse_R is None and plain and len(plain) == len(rows):
-            lse_R = result.raw_logsumexp_R
-            errors = invalid_rows(lse_R)
-        elif lse_R is None:
-            lse_R = torch.empty(len(rows), dtype=logits_RV.dtype, device=logits_RV.device)
-            if plain:
-                lse_R[plain] = result.raw_logsumexp_R
-            sampled = set(plain)
-            unsampled = [i for i in range(len(rows)) if i not in sampled]
-            if unsampled:  # the rows the processors failed: is their model output to blame?
-                lse_R[unsampled] = logsumexp_rows(logits_RV[unsampled], per_row=self.batch_invariant)
+        if lse_R is None:
+            lse_R = self._raw_logsumexp(logits_RV, plain, result)
             errors = {**pipe.errors, **invalid_rows(lse_R)}
         if self.speculator is not None:
             self.speculator.stats.plain_samples += len(plain)
@@ -212,6 +201,20 @@ class Decider:
                     noise=result.noise[j], top_raw=tuple(result.top_raw[j]),
                     top_processed=tuple(result.top_processed[j]), kept_sha256=result.kept_sha256[j])]))
         return decisions
+
+    def _raw_logsumexp(self, logits_RV: torch.Tensor, plain: list[int], result) -> torch.Tensor:
+        """Every row's raw logsumexp: the sampler's for the rows it sampled (`plain`), computed for the rest
+        (rows the processors failed: is the model's output to blame?)."""
+        if len(plain) == logits_RV.shape[0] and plain:
+            return result.raw_logsumexp_R
+        lse_R = torch.empty(logits_RV.shape[0], dtype=logits_RV.dtype, device=logits_RV.device)
+        if plain:
+            lse_R[plain] = result.raw_logsumexp_R
+        sampled = set(plain)
+        rest = [i for i in range(logits_RV.shape[0]) if i not in sampled]
+        if rest:
+            lse_R[rest] = logsumexp_rows(logits_RV[rest], per_row=self.batch_invariant)
+        return lse_R
 
     def _verify_rows(self, first: int, rows: list[Row], logits_RV: torch.Tensor, pipe: PipelineResult,
                      lse_R: torch.Tensor, proposal: Proposal) -> list[Emit]:

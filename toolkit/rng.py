@@ -51,29 +51,30 @@ def row_key(seed: int, position: int, stream: int, purpose: int = SAMPLE) -> tup
     draft in coupled mode); `DRAFT`, `ACCEPT` and `RESIDUAL` are the draft's own samples, the
     acceptance uniforms and the residual samples of rejection-sampling speculation.
     """
-    h = mix32((stream ^ _STREAM_SALT ^ (purpose * 0x3C6EF372)) & MASK32)
-    h = mix32(h ^ (position & MASK32))
-    h = mix32(h ^ ((position >> 32) & MASK32))
-    h = mix32(h ^ (seed & MASK32))
-    h = mix32(h ^ ((seed >> 32) & MASK32) ^ _SEED_SALT)
-    return h, mix32(h ^ _WORD_SALT)
+    return _key_words(seed & MASK32, (seed >> 32) & MASK32, position & MASK32, (position >> 32) & MASK32,
+                      stream & MASK32, purpose & MASK32)
 
 
 def row_keys(rows: Sequence[tuple[int, int, int, int]]) -> list[tuple[int, int]]:
-    """row_key(seed, position, stream, purpose) of many (seed, position, stream, purpose) rows at once: the
-    same mixer on numpy words (the per-row Python calls took ~2 us a row)."""
+    """row_key of many (seed, position, stream, purpose) rows at once: the same words, mixed as numpy
+    arrays (the per-row Python calls took ~2 us a row)."""
     if len(rows) < 4:
         return [row_key(*row) for row in rows]
-    words = np.array([(stream & MASK32, purpose & MASK32, position & MASK32, (position >> 32) & MASK32,
-                       seed & MASK32, (seed >> 32) & MASK32) for seed, position, stream, purpose in rows],
+    words = np.array([(seed & MASK32, (seed >> 32) & MASK32, position & MASK32, (position >> 32) & MASK32,
+                       stream & MASK32, purpose & MASK32) for seed, position, stream, purpose in rows],
                      dtype=np.uint64)
-    stream, purpose, pos_lo, pos_hi, seed_lo, seed_hi = words.T
-    h = mix32((stream ^ _STREAM_SALT ^ ((purpose * 0x3C6EF372) & MASK32)) & MASK32)
+    k0, k1 = _key_words(*words.T)
+    return list(zip(k0.tolist(), k1.tolist()))
+
+
+def _key_words(seed_lo, seed_hi, pos_lo, pos_hi, stream, purpose):
+    """The key's two words from 32-bit words (ints, or uint64 arrays of them)."""
+    h = mix32((stream ^ _STREAM_SALT ^ (purpose * 0x3C6EF372)) & MASK32)
     h = mix32(h ^ pos_lo)
     h = mix32(h ^ pos_hi)
     h = mix32(h ^ seed_lo)
     h = mix32(h ^ seed_hi ^ _SEED_SALT)
-    return list(zip(h.tolist(), mix32(h ^ _WORD_SALT).tolist()))
+    return h, mix32(h ^ _WORD_SALT)
 
 
 _TOKEN_HASHES: dict[tuple[int, str], torch.Tensor] = {}

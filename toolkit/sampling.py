@@ -119,8 +119,7 @@ def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRo
                                 raw_logsumexp=own_lse)
         if fused is None:
             raise RuntimeError("a pipeline tail was left to the sampler where its kernel does not run")
-        raw_lse = fused.raw_logsumexp_R if own_lse else (
-            raw_logsumexp_R if raw_logsumexp_R is not None else logsumexp_rows(raw_RV, per_row))
+        raw_lse = fused.raw_logsumexp_R if own_lse else _raw_lse(raw_RV, raw_logsumexp_R, per_row)
         tokens, noise, support, proc_lse = fused.tokens, fused.noise, fused.support, fused.logsumexp_R
         raw_lp = _logprobs_at(raw_RV, raw_lse, tokens)
         return SampleResult(token_ids=tokens, raw_logprobs=raw_lp,
@@ -128,7 +127,7 @@ def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRo
                             noise=noise, top_raw=_top(raw_RV, raw_lse, rows, num_top),
                             top_processed=_top(fused.processed_RV, proc_lse, rows, num_top),
                             kept_sha256=kept_digests(support, vocab, fused.kept_bits_RB), raw_logsumexp_R=raw_lse)
-    raw_lse = raw_logsumexp_R if raw_logsumexp_R is not None else logsumexp_rows(raw_RV, per_row)
+    raw_lse = _raw_lse(raw_RV, raw_logsumexp_R, per_row)
     if patches is not None and patches.rows_S.numel():
         processed_RV = patches.apply(processed_RV)
     sampled = [i for i, key in enumerate(keys) if key is not None]
@@ -161,6 +160,10 @@ def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRo
     return SampleResult(token_ids=tokens, raw_logprobs=raw_lp, processed_logprobs=proc_lp, support_sizes=support,
                         noise=noise, top_raw=top_raw, top_processed=top_proc,
                         kept_sha256=kept_digests(support, vocab, finite_RV=finite_RV), raw_logsumexp_R=raw_lse)
+
+
+def _raw_lse(raw_RV: torch.Tensor, given: torch.Tensor | None, per_row: bool) -> torch.Tensor:
+    return given if given is not None else logsumexp_rows(raw_RV, per_row)
 
 
 def _logprobs_at(logits_RV: torch.Tensor, lse_R: torch.Tensor, tokens: list[int]) -> list[float]:
