@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import Phase, settings
 
+from toolkit import kernels
 from toolkit.config import EngineConfig, ModelConfig, SamplingParams
 from toolkit.engine import Engine
 from toolkit.models import load_model
@@ -38,14 +39,14 @@ def smollm2():
     return load_model(ModelConfig(name="smollm2"))
 
 
-def _native_reason() -> str:
-    from toolkit import kernels
-
-    return "" if kernels.available() else f"needs the native kernels: {kernels.describe_native()}"
-
-
-NATIVE_MISSING = _native_reason()
-native_only = pytest.mark.skipif(bool(NATIVE_MISSING), reason=NATIVE_MISSING or "-")
+# TOOLKIT_NATIVE=0 (the documented switch) runs the suite on the torch fallback: a test of the kernels
+# themselves, or of a mode only they give (engine.batch_invariant=true, attention_backend=kernel), skips then
+# with this reason. With the switch on, a kernel that does not build fails those tests: it never skips them.
+NATIVE_OFF = kernels.switched_off()
+NATIVE_OFF_REASON = "TOOLKIT_NATIVE=0 switches the native kernels off, and this test checks them or a mode only they give"
+native_only = pytest.mark.skipif(NATIVE_OFF, reason=NATIVE_OFF_REASON)
+# the attention backends an engine can be asked for here, the native kernel first
+ATTENTION_BACKENDS = ("sdpa",) if NATIVE_OFF else ("kernel", "sdpa")
 
 
 def make_engine(loaded, **engine_kwargs) -> Engine:

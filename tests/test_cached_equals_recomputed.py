@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import make_engine
+from tests.conftest import ATTENTION_BACKENDS, make_engine
 from toolkit.config import SamplingParams
 from toolkit.reference import reference_logits
 
@@ -27,7 +27,7 @@ def workloads(draw):
         ))
     budget = draw(st.integers(1, 48))  # often smaller than a prompt: prompts are split into chunks
     block_size = draw(st.sampled_from([1, 4, 16]))
-    backend = draw(st.sampled_from(["kernel", "sdpa"]))
+    backend = draw(st.sampled_from(ATTENTION_BACKENDS))
     return requests, budget, block_size, backend
 
 

@@ -123,7 +123,18 @@ def test_ctrl_c_flushes_the_trace_writes_the_summary_and_exits_130(tmp_path):
     assert report.identical, report.summary_line()
 
 
-def test_ctrl_c_is_taken_between_steps_never_inside_one(tiny, tmp_path):
+@pytest.fixture
+def sigint_default():
+    """Python's own SIGINT handler for the test: a suite started in the background (nohup, &) inherits SIGINT
+    as ignored, and record() leaves a handler it did not expect alone."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_is_taken_between_steps_never_inside_one(tiny, tmp_path, sigint_default):
     """SIGINT while a step's work is under way lets that step finish (its callback runs to the end, its rows reach
     the trace) and stops before the next: a KeyboardInterrupt raised mid-step could land inside the trace
     writer's queue and hang close() (seen once in a suite run). A second SIGINT interrupts at once."""

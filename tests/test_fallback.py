@@ -47,8 +47,8 @@ def test_a_failing_compiler_is_tried_once_warned_once_and_recorded(tmp_path):
     fake = tmp_path / "fakecc"
     fake.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\necho 'fakecc: error: no such compiler' >&2\nexit 1\n")
     fake.chmod(0o755)
-    result = _run({"CC": str(fake), "TOOLKIT_CACHE": str(tmp_path / "cache"),
-                   "TOOLKIT_KERNEL_TARGET": ""})
+    result = _run({"CC": str(fake), "TOOLKIT_CACHE": str(tmp_path / "cache"), "TOOLKIT_KERNEL_TARGET": "",
+                   "TOOLKIT_NATIVE": "1"})  # the switch on, even in a suite run with TOOLKIT_NATIVE=0
     assert result.returncode == 0, result.stderr[-3000:]
     warnings = [l for l in result.stderr.splitlines() if l.startswith(WARNING)]
     assert len(warnings) == 1, result.stderr
@@ -80,9 +80,11 @@ def test_batch_invariant_without_kernels_is_one_line_naming_the_cause(tiny, monk
     assert "\n" not in message and "batch_invariant=true is unavailable here" in message and "TOOLKIT_NATIVE" in message
 
 
-def test_kernel_limits_are_checked_when_the_backend_is_chosen(tiny):
+def test_kernel_limits_are_checked_when_the_backend_is_chosen(tiny, monkeypatch):
     """A block size past the kernel's limit: auto takes the torch path and generates; asking for the kernel
-    is a one-line error at construction, never an exception at the first forward."""
+    is a one-line error at construction, never an exception at the first forward. (The limits are the built
+    kernel's: the switch is on here even in a suite run with TOOLKIT_NATIVE=0.)"""
+    monkeypatch.setenv("TOOLKIT_NATIVE", "1")
     engine = make_engine(tiny, block_size=128, num_kv_blocks=16)
     assert engine.attention_backend == "sdpa"
     out = engine.generate([{"prompt_token_ids": list(range(3, 30)),

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import make_engine
+from tests.conftest import ATTENTION_BACKENDS, make_engine
 from tests.test_oracle import engine_prefill_logits
 from tests.families import CONFIGS, VOCAB, checkpoint_dir
 from toolkit.config import ModelConfig, SamplingParams
@@ -50,7 +50,7 @@ def run(engine, requests):
 
 
 def backends(family: str) -> list[str]:
-    return ["sdpa"] if loaded(family).arch.needs_torch_attention else ["kernel", "sdpa"]
+    return ["sdpa"] if loaded(family).arch.needs_torch_attention else list(ATTENTION_BACKENDS)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

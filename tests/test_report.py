@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import make_engine
+from tests.conftest import make_engine, native_only
 from toolkit.config import SamplingParams
 from toolkit.report import write_report
 from toolkit.report.data import first_divergences, sequences
@@ -254,6 +254,7 @@ def test_the_two_run_view_names_the_first_divergence_of_a_changed_replay(real_ru
 
 
 @needs_browser
+@native_only  # "the logits agree" across the two runs' batch mixes: the kernels' batch-independent rows
 def test_a_sampling_change_is_named_noise_or_support(real_run, browser, tmp_path, smollm2):
     """Run B: the same requests, one with another seed, one with top_k 5: the logits agree at the first
     divergence, so the causes are the noise and the kept set."""

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tests.conftest import make_engine
+from tests.conftest import NATIVE_OFF, make_engine, native_only
 from toolkit.config import SamplingParams
 from toolkit.metrics import percentile
 from toolkit.session import record
@@ -31,7 +31,7 @@ def _requests():
 def _run(tiny, policy, **cfg):
     """Every request through an engine with this policy; returns (engine, outputs, batches seen by the runner)."""
     engine = make_engine(tiny, scheduler_policy=policy, max_num_batched_tokens=32, max_num_seqs=8,
-                         batch_invariant=True, **cfg)
+                         batch_invariant=not NATIVE_OFF, **cfg)
     batches = []
     run = engine.runner.run
 
@@ -52,6 +52,7 @@ def runs(tiny):
     return {p: _run(tiny, p) for p in POLICIES}
 
 
+@native_only  # the bits: batch-invariant mode
 def test_greedy_tokens_and_logprob_bits_do_not_depend_on_the_policy(runs):
     base = {i: o.outputs[0].token_ids for i, o in runs["fused"][1].items()}
     assert all(len(t) == 6 for t in base.values())
@@ -167,7 +168,8 @@ def test_each_experiment_bundle_composes_and_runs_on_tiny(bundle, tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, str(root / "run.py"), f"experiment={bundle}", "model=tiny",
-                           "engine.batch_invariant=true", f"hydra.run.dir={tmp_path}", *BUNDLES[bundle]],
+                           f"engine.batch_invariant={str(not NATIVE_OFF).lower()}", f"hydra.run.dir={tmp_path}",
+                           *BUNDLES[bundle]],
                           capture_output=True, text=True, cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "scheduling.json").read_text())

@@ -20,7 +20,7 @@ import openai
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import make_engine
+from tests.conftest import make_engine, native_only
 from toolkit import replay, verify
 from toolkit.config import SamplingParams
 from toolkit.serve.main import start_server
@@ -206,6 +206,7 @@ def test_a_client_that_leaves_frees_its_blocks(server):
     assert 'finished_reason="abort"' in text and "toolkit_time_to_first_token_seconds_count" in text
 
 
+@native_only  # batch-invariant mode
 def test_a_seed_gives_the_same_tokens_alone_and_among_16_concurrent_requests(smollm2, tmp_path):
     engine = make_engine(smollm2, max_num_seqs=32, batch_invariant=True, sampling=SamplingParams())
     srv = start_server(engine, tmp_path / "run")

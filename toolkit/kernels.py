@@ -273,10 +273,15 @@ def _warn_once(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def switched_off() -> bool:
+    """Whether TOOLKIT_NATIVE (0, false, off or no) switches the native path off in this process."""
+    return os.environ.get("TOOLKIT_NATIVE", "1").strip().lower() in ("0", "false", "off", "no")
+
+
 def native() -> NativeLib:
     """The process's build of the kernels (raises KernelUnavailable). The first failure of a build prints
     one warning line on stderr; with TOOLKIT_NATIVE=0 nothing is compiled and nothing is printed."""
-    if os.environ.get("TOOLKIT_NATIVE", "1").strip().lower() in ("0", "false", "off", "no"):
+    if switched_off():
         raise KernelUnavailable("native kernels are switched off (TOOLKIT_NATIVE=0; unset it to use them)")
     target, lanes = _default_spec()
     result = _build(target, lanes, os.environ.get("CC") or None)
