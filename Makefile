@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench soak serve setup clean-venv
+.PHONY: run test test-fallback bench soak serve setup clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ run: $(STAMP)
 test: $(STAMP) $(LLAMA)
 	bash .ci/toolchains
 	$(PY) -m pytest -q $(ARGS)
+
+# the whole suite again on torch's code (TOOLKIT_NATIVE=0, the native kernels switched off): tests of the
+# kernels themselves, or of modes only they give, skip with the reason printed
+test-fallback: $(STAMP)
+	TOOLKIT_NATIVE=0 $(PY) -m pytest -q $(ARGS)
 
 bench: $(STAMP)
 	$(PY) run.py mode=bench $(ARGS)
