@@ -43,8 +43,11 @@ def smollm2():
 # themselves, or of a mode only they give (engine.batch_invariant=true, attention_backend=kernel), skips then
 # with this reason. With the switch on, a kernel that does not build fails those tests: it never skips them.
 NATIVE_OFF = kernels.switched_off()
-NATIVE_OFF_REASON = "TOOLKIT_NATIVE=0 switches the native kernels off, and this test checks them or a mode only they give"
+NATIVE_OFF_REASON = ("TOOLKIT_NATIVE=0 switches the native kernels off, and this test checks them or a mode only "
+                     "they give")
 native_only = pytest.mark.skipif(NATIVE_OFF, reason=NATIVE_OFF_REASON)
+# engine.batch_invariant=true where the kernels run (its bits), the default mode with the switch off
+BATCH_INVARIANT_OVERRIDE = f"engine.batch_invariant={str(not NATIVE_OFF).lower()}"
 # the attention backends an engine can be asked for here, the native kernel first
 ATTENTION_BACKENDS = ("sdpa",) if NATIVE_OFF else ("kernel", "sdpa")
 

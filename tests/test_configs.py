@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from tests.conftest import NATIVE_OFF
+from tests.conftest import BATCH_INVARIANT_OVERRIDE, NATIVE_OFF
 from toolkit.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig, from_mapping, register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,8 +86,8 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 def test_joblib_multirun_writes_a_trace_per_job_and_compare_reads_them(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = _run(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "model=tiny",
-                 f"engine.batch_invariant={str(not NATIVE_OFF).lower()}", "engine.max_num_seqs=4", "engine.max_num_batched_tokens=8,64", "workload.num_requests=3",
+    proc = _run(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "model=tiny", BATCH_INVARIANT_OVERRIDE,
+                 "engine.max_num_seqs=4", "engine.max_num_batched_tokens=8,64", "workload.num_requests=3",
                  "workload.max_tokens=20", "print_outputs=false", f"hydra.sweep.dir={sweep}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Joblib.Parallel" in proc.stdout + proc.stderr

@@ -9,12 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import NATIVE_OFF, NATIVE_OFF_REASON, native_only
+from tests.conftest import native_only
 from toolkit.config import SamplingParams
 from toolkit.processors import REGISTRY, BatchView, RowState, apply_pipeline
 from toolkit.processors.masks import banned_ngram_next_tokens
 
 INF = float("inf")
+PATHS = [pytest.param("native", marks=native_only), "torch"]  # the processors' native kernels, torch's code
 
 
 def view(*rows: tuple[SamplingParams, list[int], int], vocab: int = 8, eos=(7,), bad=None) -> BatchView:
@@ -44,7 +45,7 @@ def test_no_repeat_3gram_on_the_cat_sat_on_the_cat_bans_sat():
     assert out[0, sat] == -INF and torch.isfinite(out[0, [0, 1, 2, 4, 5, 6, 7]]).all()
 
 
-@pytest.mark.parametrize("path", ["native", "torch"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("p, support", [(0.6, {0, 1}), (0.4999, {0}), (0.5001, {0, 1}), (0.7999, {0, 1}),
                                         (0.8001, {0, 1, 2}), (1e-6, {0}), (1.0, {0, 1, 2})])
 def test_top_p_keeps_the_token_that_crosses_p(path, p, support):
@@ -52,8 +53,6 @@ def test_top_p_keeps_the_token_that_crosses_p(path, p, support):
     next. (At p = 0.5 or 0.8 exactly, the side is decided by how log(0.3) and the sum round in fp32: not asked.)"""
     from toolkit import kernels
 
-    if path == "native" and NATIVE_OFF:
-        pytest.skip(NATIVE_OFF_REASON)
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
     with pytest.MonkeyPatch.context() as patch:
         if path == "torch":
@@ -62,7 +61,7 @@ def test_top_p_keeps_the_token_that_crosses_p(path, p, support):
     assert set(torch.isfinite(out[0]).nonzero().flatten().tolist()) == support
 
 
-@pytest.mark.parametrize("path", ["native", "torch"])
+@pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 6), vocab=st.sampled_from([3, 17, 1000, 49152]), scale=st.sampled_from([0.3, 3.0, 30.0]),
        p=st.floats(0.05, 0.99), ties=st.booleans(), masked=st.booleans(), seed=st.integers(0, 10**6))
@@ -72,8 +71,6 @@ def test_top_p_is_the_smallest_set_reaching_p(path, rows, vocab, scale, p, ties,
     from toolkit import kernels
     from toolkit.kernels import truncate_cpu
 
-    if path == "native" and NATIVE_OFF:
-        pytest.skip(NATIVE_OFF_REASON)
     if path == "native":
         assert truncate_cpu(torch.zeros(1, 4), "top_p", torch.tensor([0.5])) is not None
     x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
@@ -94,6 +91,7 @@ def test_top_p_is_the_smallest_set_reaching_p(path, rows, vocab, scale, p, ties,
         assert float(probs[r][kept].sum()) >= p - 1e-5
 
 
+@native_only
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 6), vocab=st.sampled_from([3, 17, 1000, 49152]), k=st.integers(1, 300), ties=st.booleans(),
        masked=st.booleans(), seed=st.integers(0, 10**6))
@@ -102,8 +100,6 @@ def test_native_top_k_is_torchs_topk(rows, vocab, k, ties, masked, seed):
     ties with the k-th included, and a row with fewer than k finite logits whole."""
     from toolkit import kernels
 
-    if NATIVE_OFF:
-        pytest.skip(NATIVE_OFF_REASON)
     x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
     if ties:
         x = x.round()

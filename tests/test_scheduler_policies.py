@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tests.conftest import NATIVE_OFF, make_engine, native_only
+from tests.conftest import BATCH_INVARIANT_OVERRIDE, NATIVE_OFF, make_engine, native_only
 from toolkit.config import SamplingParams
 from toolkit.metrics import percentile
 from toolkit.session import record
@@ -168,8 +168,7 @@ def test_each_experiment_bundle_composes_and_runs_on_tiny(bundle, tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, str(root / "run.py"), f"experiment={bundle}", "model=tiny",
-                           f"engine.batch_invariant={str(not NATIVE_OFF).lower()}", f"hydra.run.dir={tmp_path}",
-                           *BUNDLES[bundle]],
+                           BATCH_INVARIANT_OVERRIDE, f"hydra.run.dir={tmp_path}", *BUNDLES[bundle]],
                           capture_output=True, text=True, cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "scheduling.json").read_text())

@@ -175,18 +175,10 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
                                             context=b.get("kv_context", 2048), budget_gb=b.get("kv_budget_gb", 0.5))
     if b.get("kernel_cost", False):
         from toolkit.bench import kernel_cost
-        from toolkit.kernels import KernelUnavailable, native
 
-        try:
-            native()
-        except KernelUnavailable as exc:  # nothing native to measure: said once, recorded, the rest runs
-            print(f"  the native kernels are not measured: {exc}", flush=True)
-            report["kernel_cost"] = {"unavailable": str(exc)}
-        else:
-            print("  measuring the native kernels beside torch ...", flush=True)
-            report["kernel_cost"] = kernel_cost.measure(
-                loaded, tuple(b.get("roofline_batches") or (1, 8, 32, 64)), context=b["roofline_batch_context"],
-                block_size=engine_cfg.block_size, repeats=max(5, b.get("repeats") or 1))
+        report["kernel_cost"] = kernel_cost.measure(
+            loaded, tuple(b.get("roofline_batches") or (1, 8, 32, 64)), context=b["roofline_batch_context"],
+            block_size=engine_cfg.block_size, repeats=max(5, b.get("repeats") or 1))
     if b.get("serving", False):
         from toolkit.bench import serving
         from toolkit.llm import LLM

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from toolkit.attention import _grouped_sdpa, additive_bias
-from toolkit.kernels import paged_attention_cpu, rope_cpu
+from toolkit.kernels import KernelUnavailable, native, paged_attention_cpu, rope_cpu
 from toolkit.models.decoder import rotate_half
 
 
@@ -73,6 +73,13 @@ def _attention_case(arch, contexts: list[int], prompt: bool, block_size: int, re
 
 def measure(loaded, batch_sizes=(1, 8, 32, 64), context: int = 256, prompt: int = 512, block_size: int = 16,
             repeats: int = 5) -> dict[str, Any]:
+    """The report; {"unavailable": why} (said in one line) where the native kernels do not run here."""
+    try:
+        native()
+    except KernelUnavailable as exc:
+        print(f"  the native kernels are not measured: {exc}", flush=True)
+        return {"unavailable": str(exc)}
+    print("  measuring the native kernels beside torch ...", flush=True)
     arch, model = loaded.arch, loaded.model
     gen = torch.Generator().manual_seed(0)
     report: dict[str, Any] = {"attention_decode": [], "attention_prefill": [], "rope": []}
