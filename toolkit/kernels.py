@@ -572,10 +572,12 @@ def pack_weight(w_KN: torch.Tensor, lib: NativeLib | None = None) -> PackedWeigh
     k, n = w_KN.shape
     wide, narrow = n // nr, (n % nr) // vl
     vec_end = wide * nr + narrow * vl
-    parts = [w_KN[:, : wide * nr].reshape(k, wide, nr).permute(1, 0, 2).reshape(-1),
-             w_KN[:, wide * nr: vec_end].reshape(k, narrow, vl).permute(1, 0, 2).reshape(-1),
-             w_KN[:, vec_end:].reshape(-1)]
-    return PackedWeight(torch.cat(parts).float().contiguous(), k, n, nr, vl)
+    data = torch.empty(k * n, dtype=torch.float32)  # each part copied into place once
+    data[: k * wide * nr].view(wide, k, nr).copy_(w_KN[:, : wide * nr].reshape(k, wide, nr).permute(1, 0, 2))
+    data[k * wide * nr: k * vec_end].view(narrow, k, vl).copy_(
+        w_KN[:, wide * nr: vec_end].reshape(k, narrow, vl).permute(1, 0, 2))
+    data[k * vec_end:].view(k, n - vec_end).copy_(w_KN[:, vec_end:])
+    return PackedWeight(data, k, n, nr, vl)
 
 
 def matmul_invariant(x_MK: torch.Tensor, w: torch.Tensor | PackedWeight, lib: NativeLib | None = None) -> torch.Tensor:

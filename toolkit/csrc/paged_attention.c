@@ -104,13 +104,21 @@ INLINE void attend_chunk(const int DV, const int C, const int q8, const vf *qs, 
         for (int i = 0; i < DV; i++) a[c][i] = acc[c * DV + i] * splat(alpha);
         storev(pw[c], e);
     }
-    for (int64_t t = 0; t < tn; t++) {
-        vf v[DV_MAX];
-        for (int i = 0; i < DV; i++) v[i] = load_elem(v_cache, rows[t] + off + VL * i, q8, lut);
-        for (int c = 0; c < C; c++) {
-            const vf w = splat(q8 ? pw[c][t] * vsc[t] : pw[c][t]); /* and the value's out of p.v */
-            for (int i = 0; i < DV; i++) a[c][i] = vfma(w, v[i], a[c][i]);
+    if ((C + 1) * DV <= TOOLKIT_VREGS - 4) { /* every head's accumulators in registers: a V row loaded once */
+        for (int64_t t = 0; t < tn; t++) {
+            vf v[DV_MAX];
+            for (int i = 0; i < DV; i++) v[i] = load_elem(v_cache, rows[t] + off + VL * i, q8, lut);
+            for (int c = 0; c < C; c++) {
+                const vf w = splat(q8 ? pw[c][t] * vsc[t] : pw[c][t]); /* and the value's out of p.v */
+                for (int i = 0; i < DV; i++) a[c][i] = vfma(w, v[i], a[c][i]);
+            }
         }
+    } else { /* head by head, so that one head's accumulators stay in registers (the V rows come from L1) */
+        for (int c = 0; c < C; c++)
+            for (int64_t t = 0; t < tn; t++) {
+                const vf w = splat(q8 ? pw[c][t] * vsc[t] : pw[c][t]);
+                for (int i = 0; i < DV; i++) a[c][i] = vfma(w, load_elem(v_cache, rows[t] + off + VL * i, q8, lut), a[c][i]);
+            }
     }
     for (int c = 0; c < C; c++)
         for (int i = 0; i < DV; i++) acc[c * DV + i] = a[c][i];
@@ -119,7 +127,7 @@ INLINE void attend_chunk(const int DV, const int C, const int q8, const vf *qs, 
 /* How many query heads of a KV head are taken together: the largest C <= 4 that divides G and keeps
  * C * DV <= 16 vectors (the queries of a chunk), at least 1 */
 static int heads_per_chunk(int64_t G, int DV) {
-    int C = 16 / DV < C_MAX ? 16 / DV : C_MAX;
+    int C = 24 / DV < C_MAX ? 24 / DV : C_MAX;
     if (C < 1) C = 1;
     while (G % C) C--;
     return C;
