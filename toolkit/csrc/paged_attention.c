@@ -10,7 +10,8 @@
  * size or the number of threads (each query is computed by one thread, in one fixed order).
  *
  * The G query heads that share a KV head are processed together, up to 4 at a time, so each key
- * and value row is loaded once per group. Dot products use VL independent lanes (SIMD without
+ * row is loaded once per group (and each value row too, where the group's accumulators fit in the
+ * target's registers; else the values are read head by head, from L1). Dot products use VL independent lanes (SIMD without
  * reassociation); exp is a Cody-Waite + polynomial approximation (~2 ulp). Shapes outside the
  * SIMD path (head_dim other than 64 / 128, more than 32 heads) take a scalar path with its own
  * fixed order.
@@ -125,7 +126,7 @@ INLINE void attend_chunk(const int DV, const int C, const int q8, const vf *qs, 
 }
 
 /* How many query heads of a KV head are taken together: the largest C <= 4 that divides G and keeps
- * C * DV <= 16 vectors (the queries of a chunk), at least 1 */
+ * C * DV <= 24 vectors (the queries of a chunk), at least 1 */
 static int heads_per_chunk(int64_t G, int DV) {
     int C = 24 / DV < C_MAX ? 24 / DV : C_MAX;
     if (C < 1) C = 1;
