@@ -12,9 +12,9 @@
  * The G query heads that share a KV head are processed together, up to 4 at a time, so each key
  * row is loaded once per group (and each value row too, where the group's accumulators fit in the
  * target's registers; else the values are read head by head, from L1). Dot products use VL
- * independent lanes (SIMD without reassociation); exp is a Cody-Waite + polynomial approximation (~2 ulp). Shapes outside the
- * SIMD path (head_dim other than 64 / 128, more than 32 heads) take a scalar path with its own
- * fixed order.
+ * independent lanes (SIMD without reassociation); exp is a Cody-Waite + polynomial approximation
+ * (~2 ulp). Shapes outside the SIMD path (head_dim other than 64 / 128, more than 32 heads) take a
+ * scalar path with its own fixed order.
  */
 #include <stdint.h>
 #include <string.h>
