@@ -242,12 +242,19 @@ def test_rope_is_the_torch_expression_bit_for_bit(lib):
     assert torch.equal(kernels.rope_cpu(x, cos, sin, pos, lib=lib), want)
 
 
-@pytest.mark.parametrize("rows,width", [(3, 1), (21, 1000), (40, 49152 // 64)])
-def test_sha256_rows_are_hashlib_digests(lib, rows, width):
+@pytest.mark.parametrize("method", ["lanes", "sha_ni"])
+@pytest.mark.parametrize("rows,width", [(3, 1), (21, 1000), (40, 49152 // 64), (2, 14), (5, 15), (9, 16), (1, 0)])
+def test_sha256_rows_are_hashlib_digests(lib, rows, width, method):
+    """Both paths, with tails of one and of two padding blocks (a row of 56 bytes or more past its last
+    whole block needs two), and fewer rows than there are threads times streams."""
+    if method == "sha_ni" and not lib.sha_ni:
+        pytest.skip("this CPU has no x86 SHA extensions: sha256_rows takes the lanes path here")
     x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows))
     index = [(i * 5) % rows for i in range(rows)]
     want = [hashlib.sha256(x[i].numpy().tobytes()).hexdigest() for i in index]
-    assert kernels.sha256_rows(x, index, lib=lib) == want
+    for threads in (1, 2, 3):
+        assert kernels.sha256_rows(x, index, threads=threads, lib=lib, method=method) == want
+    assert kernels.sha256_rows(x, index, lib=lib) == want  # whichever "auto" picks
 
 
 # ----------------------------------------------------------------------------- across builds

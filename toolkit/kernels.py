@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -136,6 +137,8 @@ SIGNATURES = {  # symbol -> argument types (every one returns int)
     "toolkit_logsumexp_f32": [P, I64, I64, I64, P, ctypes.c_int],
     "toolkit_argmax_f32": [P, I64, I64, I64, P, ctypes.c_int],
     "toolkit_sha256_rows": [P, P, I64, I64, P, ctypes.c_int],
+    "toolkit_sha256_rows_ni": [P, P, I64, I64, P, ctypes.c_int],
+    "toolkit_sha256_ni_available": [],
     "toolkit_matmul_invariant_f32": [P, I64, P, P, I64, I64, I64, I64, ctypes.c_int],
     "toolkit_gumbel_sample_rows": [P, I64, I64, I64, P, P, P, P, P, ctypes.c_int],
     "toolkit_gumbel_noise": [P, I64, ctypes.c_uint32, ctypes.c_uint32, P],
@@ -162,6 +165,8 @@ class NativeLib:
         layout = (ctypes.c_int64 * 2)()
         dll.toolkit_matmul_layout(layout)
         self.panel, self.lanes = int(layout[0]), int(layout[1])  # the packing its matmul reads
+        self.sha_ni = bool(self.fn["sha256_ni_available"]())  # this CPU has the x86 SHA extensions (sha256_rows)
+        self.sha_costs: tuple[float, float] | None = None  # measured on first use: see _sha_costs
 
     def attention_supports(self, heads: int, kv_heads: int, head_dim: int, block_size: int, quantized: bool) -> bool:
         return bool(self.fn["paged_attention_supports"](heads, kv_heads, head_dim, block_size, int(quantized)))
@@ -526,12 +531,19 @@ def silu_mul_cpu(gate_up_N2F: torch.Tensor, lib: NativeLib | None = None) -> tor
     return h
 
 
+SHA_METHODS = ("auto", "lanes", "sha_ni")
+
+
 def sha256_rows(rows_RB, index: "list[int] | None" = None, threads: int | None = None,
-                lib: NativeLib | None = None) -> list[str]:
+                lib: NativeLib | None = None, method: str = "auto") -> list[str]:
     """The sha256 hex digest of the bytes of each row of a 2-D CPU tensor or numpy array (rows
-    `index`, all by default), read in place: a build's lanes of rows per pass in C on `threads` threads
-    (default torch's), the digests hashlib gives; hashlib row by row for one or two rows or without
-    the native kernels."""
+    `index`, all by default), read in place, in C on `threads` threads (default torch's): a build's
+    lanes of rows per pass, or, on a CPU with the x86 SHA extensions, up to 4 rows interleaved per
+    thread (`method` "lanes" / "sha_ni"; "auto" takes the one _sha_costs predicts faster for these
+    rows). The digests hashlib gives; hashlib row by row for one or two rows or without the native
+    kernels."""
+    if method not in SHA_METHODS:
+        raise ValueError(f"sha256_rows: method must be one of {SHA_METHODS}, got {method!r}")
     x = torch.from_numpy(rows_RB) if not isinstance(rows_RB, torch.Tensor) else rows_RB
     if x.dim() != 2 or x.device.type != "cpu":
         raise ValueError(f"sha256_rows wants a 2-D CPU array, got shape {tuple(x.shape)} on {x.device}")
@@ -541,15 +553,52 @@ def sha256_rows(rows_RB, index: "list[int] | None" = None, threads: int | None =
     if any(not 0 <= i < x.shape[0] for i in index):
         raise IndexError(f"sha256_rows: a row index is outside the {x.shape[0]} rows")
     # a pass of the build's lanes costs about what hashlib takes for two rows
-    lib = _lib_or_none(lib) if len(index) > 2 else None
+    lib = _lib_or_none(lib) if len(index) > 2 or method != "auto" else None
     if lib is None:
         return [hashlib.sha256(x[i].numpy().view("uint8")).hexdigest() for i in index]
+    threads = threads or torch.get_num_threads()
+    if method == "sha_ni" and not lib.sha_ni:
+        raise KernelUnavailable("this CPU has no SHA extensions (sha256_rows method='sha_ni')")
+    if method == "auto":
+        method = "sha_ni" if lib.sha_ni and _sha_ni_faster(lib, len(index), threads) else "lanes"
     offsets = torch.tensor(index, dtype=torch.int64) * (x.stride(0) * x.element_size())
     out = torch.empty((len(index), 32), dtype=torch.uint8)
-    lib.fn["sha256_rows"](x.data_ptr(), offsets.data_ptr(), len(index), x.shape[1] * x.element_size(),
-                                out.data_ptr(), threads or torch.get_num_threads())
+    lib.fn["sha256_rows_ni" if method == "sha_ni" else "sha256_rows"](
+        x.data_ptr(), offsets.data_ptr(), len(index), x.shape[1] * x.element_size(), out.data_ptr(), threads)
     hexes = out.numpy().tobytes().hex()
     return [hexes[64 * i:64 * i + 64] for i in range(len(index))]
+
+
+def _sha_costs(lib: NativeLib) -> tuple[float, float]:
+    """Seconds, on one thread, of a lanes pass (the build's lanes of rows) and of one row with the SHA
+    extensions (4 interleaved), for 128 KiB rows (a logits row is 196 KiB; smaller rows would sit in a
+    cache the real ones do not): measured once per build, best of three (~2 ms)."""
+    if lib.sha_costs is None:
+        lanes = lib.profile.lanes
+        data = torch.zeros((max(lanes, 4), 131072), dtype=torch.uint8)
+        offsets = torch.arange(data.shape[0], dtype=torch.int64) * data.shape[1]
+        out = torch.empty((data.shape[0], 32), dtype=torch.uint8)
+        best = []
+        for fn, rows in (("sha256_rows", lanes), ("sha256_rows_ni", 4)):
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                lib.fn[fn](data.data_ptr(), offsets.data_ptr(), rows, data.shape[1], out.data_ptr(), 1)
+                times.append(time.perf_counter() - start)
+            best.append(min(times))
+        lib.sha_costs = (best[0], best[1] / 4)
+    return lib.sha_costs
+
+
+def _sha_ni_faster(lib: NativeLib, rows: int, threads: int) -> bool:
+    """Whether `rows` rows on `threads` threads hash sooner with the SHA extensions than in lanes (the
+    work of the busiest thread under each path's split of the rows, toolkit/csrc/sha256_rows.c)."""
+    per_pass, per_row = _sha_costs(lib)
+    groups = -(-rows // lib.profile.lanes)
+    lanes_s = -(-groups // min(threads, groups)) * per_pass
+    per = min(4, -(-rows // threads))
+    ni_groups = -(-rows // per)
+    return -(-ni_groups // min(threads, ni_groups)) * per * per_row < lanes_s
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,13 @@
  * With AVX-512 the rounds use native rotates and three-input logic (vprord, vpternlogd) and a
  * block's 16 rows are loaded whole and transposed in registers; elsewhere the same rounds are
  * written with vector extensions of VL lanes, the portable twin (the digests are the same).
+ *
+ * An x86 CPU with the SHA extensions (every AMD Zen, Intel since Ice Lake and Goldmont) also gets
+ * toolkit_sha256_rows_ni: a row per message, up to 4 rows interleaved per thread so the rounds of
+ * one hide the latency of another's. Without AVX-512 it is faster than the lanes (on this Zen 5:
+ * 2.7 GB/s a core vs 1.75 for 8 lanes, 5 for 16), and at any width when a step has few rows; the
+ * caller (toolkit.kernels.sha256_rows) picks the faster by a cost it measures once. The build
+ * target does not need to include SHA: the function is compiled for it alone and asks the CPU.
  */
 #include <stdint.h>
 #include <string.h>
@@ -171,3 +178,117 @@ int toolkit_sha256_rows(const uint8_t *base, const int64_t *offsets, int64_t row
     }
     return 0;
 }
+
+/* ---------------------------------------------------------------- the x86 SHA extensions */
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#include <immintrin.h>
+#define NI_TARGET __attribute__((target("sha,sse4.1,ssse3")))
+#define NI_MAX 4 /* rows interleaved per thread */
+
+static int cpu_has_sha(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 19)) || !(c & (1u << 9))) return 0; /* SSE4.1, SSSE3 */
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b & (1u << 29)); /* SHA */
+}
+
+/* n blocks of S messages (message s at d[s] + 64 b) into their states st[s] (kept as ABEF / CDGH) */
+static inline __attribute__((always_inline)) NI_TARGET void ni_blocks(const int S, __m128i abef[NI_MAX],
+                                                                     __m128i cdgh[NI_MAX], const uint8_t *const *d,
+                                                                     int64_t n) {
+    const __m128i bswap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+    for (int64_t b = 0; b < n; b++) {
+        __m128i w[NI_MAX][4], save0[NI_MAX], save1[NI_MAX];
+        for (int s = 0; s < S; s++) save0[s] = abef[s], save1[s] = cdgh[s];
+        for (int i = 0; i < 16; i++) { /* rounds 4i .. 4i + 3, message words 4i .. 4i + 3 */
+            const __m128i k = _mm_loadu_si128((const __m128i *)(K256 + 4 * i));
+            for (int s = 0; s < S; s++) {
+                __m128i x;
+                if (i < 4)
+                    x = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(d[s] + 64 * b + 16 * i)), bswap);
+                else
+                    x = _mm_sha256msg2_epu32(_mm_add_epi32(_mm_sha256msg1_epu32(w[s][i & 3], w[s][(i + 1) & 3]),
+                                                           _mm_alignr_epi8(w[s][(i + 3) & 3], w[s][(i + 2) & 3], 4)),
+                                             w[s][(i + 3) & 3]);
+                w[s][i & 3] = x;
+                const __m128i m = _mm_add_epi32(x, k);
+                cdgh[s] = _mm_sha256rnds2_epu32(cdgh[s], abef[s], m);
+                abef[s] = _mm_sha256rnds2_epu32(abef[s], cdgh[s], _mm_shuffle_epi32(m, 0x0E));
+            }
+        }
+        for (int s = 0; s < S; s++) abef[s] = _mm_add_epi32(abef[s], save0[s]), cdgh[s] = _mm_add_epi32(cdgh[s], save1[s]);
+    }
+}
+
+/* the digests of S rows (row s at base + offsets[s]) into out[s * 32 ..] */
+static inline __attribute__((always_inline)) NI_TARGET void ni_rows(const int S, const uint8_t *base,
+                                                                   const int64_t *offsets, int64_t row_bytes,
+                                                                   uint8_t *out) {
+    const int64_t full = row_bytes / 64, rem = row_bytes % 64, tail_blocks = rem + 9 <= 64 ? 1 : 2;
+    const uint64_t bits = (uint64_t)row_bytes * 8;
+    __m128i abef[NI_MAX], cdgh[NI_MAX];
+    const uint8_t *ptr[NI_MAX];
+    uint8_t tail[NI_MAX][128];
+    const __m128i dcba = _mm_loadu_si128((const __m128i *)IV), hgfe = _mm_loadu_si128((const __m128i *)(IV + 4));
+    for (int s = 0; s < S; s++) {
+        const __m128i cdab = _mm_shuffle_epi32(dcba, 0xB1), efgh = _mm_shuffle_epi32(hgfe, 0x1B);
+        abef[s] = _mm_alignr_epi8(cdab, efgh, 8);
+        cdgh[s] = _mm_blend_epi16(efgh, cdab, 0xF0);
+        ptr[s] = base + offsets[s];
+    }
+    ni_blocks(S, abef, cdgh, ptr, full);
+    for (int s = 0; s < S; s++) { /* the last rem bytes, 0x80, zeros and the length in bits, big-endian */
+        memset(tail[s], 0, sizeof tail[s]);
+        memcpy(tail[s], ptr[s] + 64 * full, (size_t)rem);
+        tail[s][rem] = 0x80;
+        for (int i = 0; i < 8; i++) tail[s][64 * tail_blocks - 1 - i] = (uint8_t)(bits >> (8 * i));
+        ptr[s] = tail[s];
+    }
+    ni_blocks(S, abef, cdgh, ptr, tail_blocks);
+    for (int s = 0; s < S; s++) {
+        const __m128i feba = _mm_shuffle_epi32(abef[s], 0x1B), dchg = _mm_shuffle_epi32(cdgh[s], 0xB1);
+        __m128i h[2] = {_mm_shuffle_epi8(_mm_blend_epi16(feba, dchg, 0xF0), _mm_set_epi64x(0x0c0d0e0f08090a0bULL,
+                                                                                          0x0405060700010203ULL)),
+                        _mm_shuffle_epi8(_mm_alignr_epi8(dchg, feba, 8), _mm_set_epi64x(0x0c0d0e0f08090a0bULL,
+                                                                                         0x0405060700010203ULL))};
+        memcpy(out + 32 * s, h, 32);
+    }
+}
+
+static NI_TARGET void ni_group(int S, const uint8_t *base, const int64_t *offsets, int64_t row_bytes, uint8_t *out) {
+    switch (S) { /* the stream count a constant in each copy, so its loops unroll */
+    case 4: ni_rows(4, base, offsets, row_bytes, out); break;
+    case 3: ni_rows(3, base, offsets, row_bytes, out); break;
+    case 2: ni_rows(2, base, offsets, row_bytes, out); break;
+    default: ni_rows(1, base, offsets, row_bytes, out); break;
+    }
+}
+
+int toolkit_sha256_ni_available(void) { return cpu_has_sha(); }
+
+/* as toolkit_sha256_rows, with the SHA extensions: the rows in groups of up to NI_MAX (fewer when that
+   keeps every thread busy), the groups on the threads; -1 where the CPU lacks them */
+int toolkit_sha256_rows_ni(const uint8_t *base, const int64_t *offsets, int64_t rows, int64_t row_bytes,
+                           uint8_t *out, int threads) {
+    if (rows < 0 || row_bytes < 0 || threads < 1 || !cpu_has_sha()) return -1;
+    if (rows == 0) return 0;
+    int64_t per = (rows + threads - 1) / threads;
+    if (per > NI_MAX) per = NI_MAX;
+    const int64_t groups = (rows + per - 1) / per;
+    if (threads > groups) threads = (int)groups;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t lo = g * rows / groups, hi = (g + 1) * rows / groups;
+        ni_group((int)(hi - lo), base, offsets + lo, row_bytes, out + lo * 32);
+    }
+    return 0;
+}
+#else
+int toolkit_sha256_ni_available(void) { return 0; }
+
+int toolkit_sha256_rows_ni(const uint8_t *base, const int64_t *offsets, int64_t rows, int64_t row_bytes,
+                           uint8_t *out, int threads) {
+    (void)base, (void)offsets, (void)rows, (void)row_bytes, (void)out, (void)threads;
+    return -1;
+}
+#endif
