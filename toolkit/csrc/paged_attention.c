@@ -105,22 +105,24 @@ INLINE void attend_chunk(const int DV, const int C, const int q8, const vf *qs, 
         for (int i = 0; i < DV; i++) a[c][i] = acc[c * DV + i] * splat(alpha);
         storev(pw[c], e);
     }
-    if ((C + 1) * DV <= TOOLKIT_VREGS - 4) { /* every head's accumulators in registers: a V row loaded once */
+    /* p.v (a value's scale factors out of it): with every head's accumulators in registers a V row is loaded
+     * once for the C heads; else head by head, so one head's stay in registers (its V rows come from L1).
+     * Per head the same operations in the same order either way. */
+#define PV_WEIGHT(c, t) splat(q8 ? pw[c][t] * vsc[t] : pw[c][t])
+    if ((C + 1) * DV <= TOOLKIT_VREGS - 4) {
         for (int64_t t = 0; t < tn; t++) {
             vf v[DV_MAX];
             for (int i = 0; i < DV; i++) v[i] = load_elem(v_cache, rows[t] + off + VL * i, q8, lut);
-            for (int c = 0; c < C; c++) {
-                const vf w = splat(q8 ? pw[c][t] * vsc[t] : pw[c][t]); /* and the value's out of p.v */
-                for (int i = 0; i < DV; i++) a[c][i] = vfma(w, v[i], a[c][i]);
-            }
+            for (int c = 0; c < C; c++)
+                for (int i = 0; i < DV; i++) a[c][i] = vfma(PV_WEIGHT(c, t), v[i], a[c][i]);
         }
-    } else { /* head by head, so that one head's accumulators stay in registers (the V rows come from L1) */
+    } else {
         for (int c = 0; c < C; c++)
-            for (int64_t t = 0; t < tn; t++) {
-                const vf w = splat(q8 ? pw[c][t] * vsc[t] : pw[c][t]);
-                for (int i = 0; i < DV; i++) a[c][i] = vfma(w, load_elem(v_cache, rows[t] + off + VL * i, q8, lut), a[c][i]);
-            }
+            for (int64_t t = 0; t < tn; t++)
+                for (int i = 0; i < DV; i++)
+                    a[c][i] = vfma(PV_WEIGHT(c, t), load_elem(v_cache, rows[t] + off + VL * i, q8, lut), a[c][i]);
     }
+#undef PV_WEIGHT
     for (int c = 0; c < C; c++)
         for (int i = 0; i < DV; i++) acc[c * DV + i] = a[c][i];
 }

@@ -126,9 +126,21 @@ static inline __attribute__((always_inline)) void compress(V st[8], V w[16]) {
     st[4] = ADD(st[4], e); st[5] = ADD(st[5], f); st[6] = ADD(st[6], g); st[7] = ADD(st[7], h);
 }
 
+/* the padded end of a message of row_bytes bytes at row: its last row_bytes % 64 bytes, 0x80, zeros and
+   the length in bits (big-endian), in tail (room for two blocks); the number of blocks it takes, 1 or 2 */
+static int64_t pad_tail(const uint8_t *row, int64_t row_bytes, uint8_t tail[128]) {
+    const int64_t full = row_bytes / 64, rem = row_bytes % 64, blocks = rem + 9 <= 64 ? 1 : 2;
+    const uint64_t bits = (uint64_t)row_bytes * 8;
+    memset(tail, 0, 128);
+    memcpy(tail, row + 64 * full, (size_t)rem);
+    tail[rem] = 0x80;
+    for (int i = 0; i < 8; i++) tail[64 * blocks - 1 - i] = (uint8_t)(bits >> (8 * i));
+    return blocks;
+}
+
 /* digests of n <= VL rows (row i at base + offsets[i]) into out[i * 32 ..] */
 static void hash_group(const uint8_t *base, const int64_t *offsets, int64_t n, int64_t row_bytes, uint8_t *out) {
-    const int64_t full = row_bytes / 64, rem = row_bytes % 64, tail_blocks = rem + 9 <= 64 ? 1 : 2;
+    const int64_t full = row_bytes / 64;
     const uint8_t *ptr[VL];
     for (int lane = 0; lane < VL; lane++) ptr[lane] = base + offsets[lane < n ? lane : n - 1];
     V st[8], w[16];
@@ -137,15 +149,11 @@ static void hash_group(const uint8_t *base, const int64_t *offsets, int64_t n, i
         load_block(ptr, 64 * b, w);
         compress(st, w);
     }
-    /* the last rem bytes, 0x80, zeros and the length in bits (big-endian) in one or two blocks */
     uint8_t tail[VL][128];
     const uint8_t *tptr[VL];
-    const uint64_t bits = (uint64_t)row_bytes * 8;
+    int64_t tail_blocks = 1;
     for (int lane = 0; lane < VL; lane++) {
-        memset(tail[lane], 0, sizeof tail[lane]);
-        memcpy(tail[lane], ptr[lane] + 64 * full, (size_t)rem);
-        tail[lane][rem] = 0x80;
-        for (int i = 0; i < 8; i++) tail[lane][64 * tail_blocks - 1 - i] = (uint8_t)(bits >> (8 * i));
+        tail_blocks = pad_tail(ptr[lane], row_bytes, tail[lane]);
         tptr[lane] = tail[lane];
     }
     for (int64_t b = 0; b < tail_blocks; b++) {
@@ -186,17 +194,25 @@ int toolkit_sha256_rows(const uint8_t *base, const int64_t *offsets, int64_t row
 #define NI_TARGET __attribute__((target("sha,sse4.1,ssse3")))
 #define NI_MAX 4 /* rows interleaved per thread */
 
-static int cpu_has_sha(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 19)) || !(c & (1u << 9))) return 0; /* SSE4.1, SSSE3 */
-    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b & (1u << 29)); /* SHA */
+static int cpu_has_sha(void) { /* asked once (cpuid leaves a virtual machine: microseconds a call) */
+    static int has = -1;
+    if (has < 0) {
+        unsigned a, b, c, d;
+        has = __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 19)) && (c & (1u << 9)) /* SSE4.1, SSSE3 */
+              && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b & (1u << 29)); /* SHA */
+    }
+    return has;
+}
+
+/* the byte order of each 32-bit word swapped (SHA-256 reads big-endian words) */
+static inline __attribute__((always_inline)) NI_TARGET __m128i bswap32x4(__m128i x) {
+    return _mm_shuffle_epi8(x, _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL));
 }
 
 /* n blocks of S messages (message s at d[s] + 64 b) into their states st[s] (kept as ABEF / CDGH) */
 static inline __attribute__((always_inline)) NI_TARGET void ni_blocks(const int S, __m128i abef[NI_MAX],
                                                                      __m128i cdgh[NI_MAX], const uint8_t *const *d,
                                                                      int64_t n) {
-    const __m128i bswap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
     for (int64_t b = 0; b < n; b++) {
         __m128i w[NI_MAX][4], save0[NI_MAX], save1[NI_MAX];
         for (int s = 0; s < S; s++) save0[s] = abef[s], save1[s] = cdgh[s];
@@ -205,7 +221,7 @@ static inline __attribute__((always_inline)) NI_TARGET void ni_blocks(const int 
             for (int s = 0; s < S; s++) {
                 __m128i x;
                 if (i < 4)
-                    x = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(d[s] + 64 * b + 16 * i)), bswap);
+                    x = bswap32x4(_mm_loadu_si128((const __m128i *)(d[s] + 64 * b + 16 * i)));
                 else
                     x = _mm_sha256msg2_epu32(_mm_add_epi32(_mm_sha256msg1_epu32(w[s][i & 3], w[s][(i + 1) & 3]),
                                                            _mm_alignr_epi8(w[s][(i + 3) & 3], w[s][(i + 2) & 3], 4)),
@@ -216,7 +232,8 @@ static inline __attribute__((always_inline)) NI_TARGET void ni_blocks(const int 
                 abef[s] = _mm_sha256rnds2_epu32(abef[s], cdgh[s], _mm_shuffle_epi32(m, 0x0E));
             }
         }
-        for (int s = 0; s < S; s++) abef[s] = _mm_add_epi32(abef[s], save0[s]), cdgh[s] = _mm_add_epi32(cdgh[s], save1[s]);
+        for (int s = 0; s < S; s++)
+            abef[s] = _mm_add_epi32(abef[s], save0[s]), cdgh[s] = _mm_add_epi32(cdgh[s], save1[s]);
     }
 }
 
@@ -224,8 +241,6 @@ static inline __attribute__((always_inline)) NI_TARGET void ni_blocks(const int 
 static inline __attribute__((always_inline)) NI_TARGET void ni_rows(const int S, const uint8_t *base,
                                                                    const int64_t *offsets, int64_t row_bytes,
                                                                    uint8_t *out) {
-    const int64_t full = row_bytes / 64, rem = row_bytes % 64, tail_blocks = rem + 9 <= 64 ? 1 : 2;
-    const uint64_t bits = (uint64_t)row_bytes * 8;
     __m128i abef[NI_MAX], cdgh[NI_MAX];
     const uint8_t *ptr[NI_MAX];
     uint8_t tail[NI_MAX][128];
@@ -236,21 +251,16 @@ static inline __attribute__((always_inline)) NI_TARGET void ni_rows(const int S,
         cdgh[s] = _mm_blend_epi16(efgh, cdab, 0xF0);
         ptr[s] = base + offsets[s];
     }
-    ni_blocks(S, abef, cdgh, ptr, full);
-    for (int s = 0; s < S; s++) { /* the last rem bytes, 0x80, zeros and the length in bits, big-endian */
-        memset(tail[s], 0, sizeof tail[s]);
-        memcpy(tail[s], ptr[s] + 64 * full, (size_t)rem);
-        tail[s][rem] = 0x80;
-        for (int i = 0; i < 8; i++) tail[s][64 * tail_blocks - 1 - i] = (uint8_t)(bits >> (8 * i));
+    ni_blocks(S, abef, cdgh, ptr, row_bytes / 64);
+    int64_t tail_blocks = 1;
+    for (int s = 0; s < S; s++) {
+        tail_blocks = pad_tail(ptr[s], row_bytes, tail[s]);
         ptr[s] = tail[s];
     }
     ni_blocks(S, abef, cdgh, ptr, tail_blocks);
     for (int s = 0; s < S; s++) {
         const __m128i feba = _mm_shuffle_epi32(abef[s], 0x1B), dchg = _mm_shuffle_epi32(cdgh[s], 0xB1);
-        __m128i h[2] = {_mm_shuffle_epi8(_mm_blend_epi16(feba, dchg, 0xF0), _mm_set_epi64x(0x0c0d0e0f08090a0bULL,
-                                                                                          0x0405060700010203ULL)),
-                        _mm_shuffle_epi8(_mm_alignr_epi8(dchg, feba, 8), _mm_set_epi64x(0x0c0d0e0f08090a0bULL,
-                                                                                         0x0405060700010203ULL))};
+        const __m128i h[2] = {bswap32x4(_mm_blend_epi16(feba, dchg, 0xF0)), bswap32x4(_mm_alignr_epi8(dchg, feba, 8))};
         memcpy(out + 32 * s, h, 32);
     }
 }
