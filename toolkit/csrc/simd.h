@@ -112,12 +112,32 @@ INLINE float sfma(float a, float b, float c) {
 #endif
 }
 
+/* lo <= x <= hi lane-wise, NaN passing through: where x86's max / min instructions map onto the lanes, one
+ * each (they return their second operand, here x, when either is NaN), else two selects: the same bits */
+#if (VL == 16 && defined(__AVX512F__)) || (VL == 8 && defined(__AVX__)) || (VL == 4 && defined(__SSE__))
+#include <immintrin.h>
+#endif
+INLINE vf vclamp(vf x, float lo, float hi) {
+#if VL == 16 && defined(__AVX512F__)
+    x = (vf)_mm512_max_ps((__m512)splat(lo), (__m512)x);
+    return (vf)_mm512_min_ps((__m512)splat(hi), (__m512)x);
+#elif VL == 8 && defined(__AVX__)
+    x = (vf)_mm256_max_ps((__m256)splat(lo), (__m256)x);
+    return (vf)_mm256_min_ps((__m256)splat(hi), (__m256)x);
+#elif VL == 4 && defined(__SSE__)
+    x = (vf)_mm_max_ps((__m128)splat(lo), (__m128)x);
+    return (vf)_mm_min_ps((__m128)splat(hi), (__m128)x);
+#else
+    x = vselect(x < splat(lo), splat(lo), x);
+    return vselect(x > splat(hi), splat(hi), x);
+#endif
+}
+
 /* exp: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (Cephes' expf coefficients),
  * scaled by 2^n; x clamped to [-87, 88] (NaN passes through); within 2 ulp. The scalar twin
  * computes exactly what one lane does. */
 INLINE vf vexp(vf x) {
-    x = vselect(x < splat(-87.0f), splat(-87.0f), x);
-    x = vselect(x > splat(88.0f), splat(88.0f), x);
+    x = vclamp(x, -87.0f, 88.0f);
     vf y = x * splat(1.44269504088896341f);
     vf n = (y + splat(12582912.0f)) - splat(12582912.0f); /* round to nearest (|y| < 2^22) */
     vf r = x - n * splat(0.693359375f);
