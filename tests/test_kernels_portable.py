@@ -17,6 +17,7 @@ import hashlib
 import math
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -255,6 +256,25 @@ def test_sha256_rows_are_hashlib_digests(lib, rows, width, method):
     for threads in (1, 2, 3):
         assert kernels.sha256_rows(x, index, threads=threads, lib=lib, method=method) == want
     assert kernels.sha256_rows(x, index, lib=lib) == want  # whichever "auto" picks
+
+
+@pytest.mark.parametrize("method", ["lanes", "sha_ni"])
+def test_sha256_rows_beside_returns_the_callables_result_and_every_digest(lib, method, capfd):
+    """The callable runs once, on the calling thread, while the other threads hash; its exception is
+    raised after the call (no traceback printed from inside the C call)."""
+    if method == "sha_ni" and not lib.sha_ni:
+        pytest.skip("this CPU has no x86 SHA extensions: sha256_rows takes the lanes path here")
+    x = torch.randn(37, 1000, generator=torch.Generator().manual_seed(37))
+    index = [(i * 5) % 37 for i in range(37)] + [3]
+    want = [hashlib.sha256(x[i].numpy().tobytes()).hexdigest() for i in index]
+    for threads in (1, 2, 3):
+        ran = []
+        result, got = kernels.sha256_rows_beside(lambda: ran.append(threading.get_ident()) or "done", x, index,
+                                                 threads=threads, lib=lib, method=method)
+        assert result == "done" and got == want and ran == [threading.get_ident()]
+    with pytest.raises(ZeroDivisionError):
+        kernels.sha256_rows_beside(lambda: 1 / 0, x, index, lib=lib, method=method)
+    assert "Traceback" not in capfd.readouterr().err
 
 
 # ----------------------------------------------------------------------------- across builds

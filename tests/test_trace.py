@@ -61,21 +61,29 @@ MIXED = [
 ]
 
 
-def run_traced(engine, requests, run_dir, flush_every_steps=64):
+def run_traced(engine, requests, run_dir, flush_every_steps=64, beside=False):
+    """`beside`: the engine hashes the rows beside its commit and the writer takes those digests."""
     ids = [engine.add_request(**r) for r in requests]
     steps = []
     with TraceWriter(run_dir, "test-run", flush_every_steps) as writer:
         while engine.has_unfinished():
-            out = engine.step()
-            writer.write_step(out.samples, out.logits_RV)
+            out = engine.step(trace_digests=beside)
+            writer.write_step(out.samples, out.logits_RV, digests=out.logits_sha256)
             steps.append(out)
     write_requests(run_dir, request_rows(engine, "test-run", ids))
     return ids, steps
 
 
-def test_one_row_per_sampled_token_with_digests(tiny, tmp_path):
+@pytest.mark.parametrize("beside", [False, True])
+def test_one_row_per_sampled_token_with_digests(tiny, tmp_path, monkeypatch, beside):
+    """Digests hashed by the writer, or by the engine beside its commit (the writer then hashes nothing)."""
     engine = make_engine(tiny, max_num_batched_tokens=8, max_num_seqs=4)
-    ids, steps = run_traced(engine, MIXED, tmp_path)
+    if beside:
+        def refuse(*args, **kwargs):
+            raise AssertionError("the writer hashed rows it was given digests for")
+        monkeypatch.setattr("toolkit.trace.writer.sha256_rows", refuse)
+    ids, steps = run_traced(engine, MIXED, tmp_path, beside=beside)
+    assert all((s.logits_sha256 is not None) == (beside and bool(s.samples)) for s in steps)
     table = read_samples(tmp_path)
     rows = table.to_pylist()
     outputs = {(o.request_id, c.index): c for o in map(engine.output, ids) for c in o.outputs}

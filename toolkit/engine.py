@@ -36,10 +36,11 @@ from toolkit.backends import (attention_backend, auto_num_blocks, calibrate_kv_s
                               matmul_backend)
 from toolkit.commit import Committed, Committer
 from toolkit.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig, from_mapping
-from toolkit.decide import Decider
+from toolkit.decide import Decider, Decision
 from toolkit.errors import ConfigError, RequestError
 from toolkit.grammar import GrammarBackend, LazyGrammar
 from toolkit.intake import RequestIntake, derive_seed
+from toolkit.kernels import sha256_rows_beside
 from toolkit.kv import BlockManager, PagedKVCache
 from toolkit.models import LoadedModel, load_model
 from toolkit.outputs import (CompletionOutput, RequestMetrics, RequestOutput, StepOutput, TextDelta, request_metrics,
@@ -156,7 +157,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(self) -> StepOutput:
+    def step(self, *, trace_digests: bool = False) -> StepOutput:
+        """One step: schedule, one forward, decide, commit. `trace_digests` (whoever writes the trace): the
+        sha256 of every decided logits row too, in StepOutput.logits_sha256 for TraceWriter.write_step,
+        hashed beside the commit (see _commit) rather than by the writer after it."""
         step, now = self.step_index, time.perf_counter()
         self._arrive(step, now)
         batch = self.scheduler.schedule(step, self._draft_slots())
@@ -168,10 +172,10 @@ class Engine:
         forwards = self.runner.num_forwards
         out = self.runner.run(batch)  # the ONE forward of this step (two with scheduler_policy=two_forwards)
         decision = self.decider.decide(out, proposals, self.requests)
-        committed = self.committer.commit(batch, decision, proposals, self.requests, self.start_time)
+        committed, digests = self._commit(batch, decision, proposals, trace_digests)
         self.step_index = step + 1
         return self._step_output(batch, committed, decision.logits_RV, out.forward_s,
-                                 self.runner.num_forwards - forwards)
+                                 self.runner.num_forwards - forwards, digests)
 
     # ---- step stages ---------------------------------------------------------------------
 
@@ -227,8 +231,24 @@ class Engine:
         return dataclasses.replace(batch, chunks=chunks, num_decode_tokens=batch.num_decode_tokens - sum(
             c.draft_slots for c in batch.chunks) + proposed), proposals
 
+    def _commit(self, batch: ScheduledBatch, decision: Decision, proposals: Mapping[str, Proposal],
+                digests: bool) -> tuple[Committed, dict[int, str] | None]:
+        """The commit stage; with `digests`, the sha256 of every decided logits row too (by row), hashed on
+        the other threads beside the commit's Python, which leaves them idle, where the rows are CPU fp32
+        (kernels.sha256_rows_beside)."""
+        def commit() -> Committed:
+            return self.committer.commit(batch, decision, proposals, self.requests, self.start_time)
+
+        logits = decision.logits_RV
+        rows = sorted({e.row for _, emits in decision.emits for e in emits})
+        if not (digests and rows and logits.device.type == "cpu" and logits.dtype == torch.float32):
+            return commit(), None
+        committed, hexes = sha256_rows_beside(commit, logits, rows)
+        return committed, dict(zip(rows, hexes))
+
     def _step_output(self, batch: ScheduledBatch, committed: Committed | None = None,
-                     logits_RV: torch.Tensor | None = None, forward_s: float = 0.0, forwards: int = 0) -> StepOutput:
+                     logits_RV: torch.Tensor | None = None, forward_s: float = 0.0, forwards: int = 0,
+                     digests: dict[int, str] | None = None) -> StepOutput:
         used = self.block_manager.num_used_blocks
         return StepOutput(step=batch.step, batch_size=len(batch.chunks), num_decode_tokens=batch.num_decode_tokens,
                           num_prefill_tokens=batch.num_prefill_tokens,
@@ -236,7 +256,8 @@ class Engine:
                           deltas=committed.deltas if committed else (),
                           finished=committed.finished if committed else (), preempted=batch.preempted,
                           kv_blocks_used=used, kv_utilization=used / self.num_kv_blocks,
-                          prefix_hit_tokens=batch.prefix_hit_tokens, forward_s=forward_s, forwards=forwards)
+                          prefix_hit_tokens=batch.prefix_hit_tokens, forward_s=forward_s, forwards=forwards,
+                          logits_sha256=digests)
 
     def abort(self, request_id: str) -> None:
         """Finish every sequence of a request now, before the next step (finish_reason "abort"), and free its

@@ -29,11 +29,13 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
 
 from toolkit.paths import cache_root
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from toolkit.processors.base import Patches
@@ -139,6 +141,7 @@ SIGNATURES = {  # symbol -> argument types (every one returns int)
     "toolkit_sha256_rows": [P, P, I64, I64, P, ctypes.c_int],
     "toolkit_sha256_rows_ni": [P, P, I64, I64, P, ctypes.c_int],
     "toolkit_sha256_ni_available": [],
+    "toolkit_sha256_rows_beside": [P, P, I64, I64, P, ctypes.c_int, ctypes.c_int, P],
     "toolkit_matmul_invariant_f32": [P, I64, P, P, I64, I64, I64, I64, ctypes.c_int],
     "toolkit_gumbel_sample_rows": [P, I64, I64, I64, P, P, P, P, P, ctypes.c_int],
     "toolkit_gumbel_noise": [P, I64, ctypes.c_uint32, ctypes.c_uint32, P],
@@ -542,6 +545,49 @@ def sha256_rows(rows_RB, index: "list[int] | None" = None, threads: int | None =
     thread (`method` "lanes" / "sha_ni"; "auto" takes the one _sha_costs predicts faster for these
     rows). The digests hashlib gives; hashlib row by row for one or two rows or without the native
     kernels."""
+    job = _sha_job(rows_RB, index, threads, lib, method)
+    if isinstance(job, list):
+        return job
+    lib, x, index, threads, method, offsets, out = job
+    lib.fn["sha256_rows_ni" if method == "sha_ni" else "sha256_rows"](
+        x.data_ptr(), offsets.data_ptr(), len(index), x.shape[1] * x.element_size(), out.data_ptr(), threads)
+    return _hexes(out)
+
+
+def sha256_rows_beside(fn: Callable[[], T], rows_RB, index: "list[int] | None" = None, threads: int | None = None,
+                       lib: NativeLib | None = None, method: str = "auto") -> tuple[T, list[str]]:
+    """(fn(), sha256_rows(rows_RB, index, ...)) with fn run on this thread while the other threads hash the
+    rows, and this thread hashing what is left when fn returns: Python's own work (one core) beside the
+    hashing that would otherwise leave it alone. fn must not change the rows. Where the kernels do not run
+    (or for one or two rows), fn first and then the rows. An exception from fn is raised after the rows are
+    hashed (their digests then discarded)."""
+    job = _sha_job(rows_RB, index, threads, lib, method)
+    if isinstance(job, list):
+        return fn(), job
+    lib, x, index, threads, method, offsets, out = job
+    result: list = []
+
+    def call() -> int:
+        try:
+            result.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - raised below, on the caller's side of the C call
+            result.append(exc)
+        return 0
+
+    callback = _TASK(call)  # kept alive for the whole call
+    lib.fn["sha256_rows_beside"](x.data_ptr(), offsets.data_ptr(), len(index), x.shape[1] * x.element_size(),
+                                 out.data_ptr(), threads, int(method == "sha_ni"), callback)
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0], _hexes(out)
+
+
+_TASK = ctypes.CFUNCTYPE(ctypes.c_int)
+
+
+def _sha_job(rows_RB, index, threads, lib, method):
+    """sha256_rows' arguments checked and resolved: the digests themselves (hashlib's) where the kernels do
+    not run, else (lib, rows, index, threads, method, byte offsets, output)."""
     if method not in SHA_METHODS:
         raise ValueError(f"sha256_rows: method must be one of {SHA_METHODS}, got {method!r}")
     x = torch.from_numpy(rows_RB) if not isinstance(rows_RB, torch.Tensor) else rows_RB
@@ -562,11 +608,12 @@ def sha256_rows(rows_RB, index: "list[int] | None" = None, threads: int | None =
     if method == "auto":
         method = "sha_ni" if lib.sha_ni and _sha_ni_faster(lib, len(index), threads) else "lanes"
     offsets = torch.tensor(index, dtype=torch.int64) * (x.stride(0) * x.element_size())
-    out = torch.empty((len(index), 32), dtype=torch.uint8)
-    lib.fn["sha256_rows_ni" if method == "sha_ni" else "sha256_rows"](
-        x.data_ptr(), offsets.data_ptr(), len(index), x.shape[1] * x.element_size(), out.data_ptr(), threads)
+    return lib, x, index, threads, method, offsets, torch.empty((len(index), 32), dtype=torch.uint8)
+
+
+def _hexes(out: torch.Tensor) -> list[str]:
     hexes = out.numpy().tobytes().hex()
-    return [hexes[64 * i:64 * i + 64] for i in range(len(index))]
+    return [hexes[64 * i:64 * i + 64] for i in range(out.shape[0])]
 
 
 def _sha_costs(lib: NativeLib) -> tuple[float, float]:

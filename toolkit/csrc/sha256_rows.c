@@ -302,3 +302,53 @@ int toolkit_sha256_rows_ni(const uint8_t *base, const int64_t *offsets, int64_t 
     return -1;
 }
 #endif
+
+/* ---------------------------------------------------------------- hashing beside the caller's work */
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* one group of rows by the lanes (method 0) or the SHA extensions (method 1) */
+static void hash_rows_by(int method, const uint8_t *base, const int64_t *offsets, int64_t n, int64_t row_bytes,
+                         uint8_t *out) {
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+    if (method == 1) {
+        ni_group((int)n, base, offsets, row_bytes, out);
+        return;
+    }
+#endif
+    hash_group(base, offsets, n, row_bytes, out);
+}
+
+/*
+ * As toolkit_sha256_rows (method 0) or toolkit_sha256_rows_ni (method 1), while the calling thread runs
+ * fn() (e.g. a callback into Python: the interpreter's own work, which would leave the other cores idle):
+ * the team's other threads hash groups of rows (a build's lanes, or 4 rows, each claimed from a counter)
+ * from the start, and the calling thread claims what is left once fn has returned. Returns fn's value, or
+ * -1 for bad arguments (fn not called). Without OpenMP, fn runs first and the rows after it.
+ */
+int toolkit_sha256_rows_beside(const uint8_t *base, const int64_t *offsets, int64_t rows, int64_t row_bytes,
+                               uint8_t *out, int threads, int method, int (*fn)(void)) {
+    if (rows < 0 || row_bytes < 0 || threads < 1 || method < 0 || method > 1 || !fn) return -1;
+    if (method == 1 && !toolkit_sha256_ni_available()) return -1;
+    const int64_t per = method == 1 ? 4 : VL;
+    const int64_t groups = (rows + per - 1) / per;
+    int64_t next = 0;
+    int rc = 0;
+#ifndef _OPENMP
+    rc = fn();
+#endif
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#ifdef _OPENMP
+        if (omp_get_thread_num() == 0) rc = fn();
+#endif
+        for (;;) {
+            const int64_t g = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
+            if (g >= groups) break;
+            const int64_t lo = g * per, n = rows - lo < per ? rows - lo : per;
+            hash_rows_by(method, base, offsets + lo, n, row_bytes, out + lo * 32);
+        }
+    }
+    return rc;
+}

@@ -172,7 +172,7 @@ class EngineLoop:
                     self._wake.clear()
                     continue
                 t0 = time.perf_counter()
-                out = engine.step()
+                out = engine.step(trace_digests=self.writer is not None)
                 self._itl.update(out.samples)
                 if out.batch_size:
                     self._steps.append(step_record(out, time.perf_counter() - t0))
@@ -252,7 +252,8 @@ class EngineLoop:
         self._refresh_stats()
         if self.writer is not None and (out is not None or self._rows_changed):
             snapshot = self._snapshot() if self._rows_changed else None
-            self.writer.write_step(out.samples if out else (), out.logits_RV if out else None, snapshot)
+            self.writer.write_step(out.samples if out else (), out.logits_RV if out else None, snapshot,
+                                   digests=out.logits_sha256 if out else None)
 
     def _refresh_stats(self) -> None:
         sched = self.engine.scheduler

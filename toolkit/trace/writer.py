@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -125,22 +125,27 @@ class TraceWriter:
         self._thread.start()
 
     def write_step(self, traces: Sequence[SampleTrace], logits_RV: torch.Tensor | None,
-                   requests: Sequence[dict[str, Any]] | None = None) -> None:
+                   requests: Sequence[dict[str, Any]] | None = None,
+                   digests: Mapping[int, str] | None = None) -> None:
         """Queue a step's rows. `requests`: the run's request rows as of this step (a server passes them when
         they changed); they are written to requests.parquet before any part holding later rows, so a part on
-        disk never holds a row whose request is not in requests.parquet."""
+        disk never holds a row whose request is not in requests.parquet. `digests`: the sha256 of logits rows
+        already hashed (StepOutput.logits_sha256, by row); the rest are hashed here."""
         if self._error is not None:
             raise RuntimeError(f"trace writer failed: {self._error}") from self._error
         start = time.perf_counter()
-        digests: list[str] = []
+        given, digests = digests, []
         logits: list[tuple[str, int, int, Any]] = []  # trace.full_logits: (request, stream, position, row)
         if traces:
             index = [t.logits_row for t in traces]
             rows = logits_RV.detach()
             if rows.device.type != "cpu" or rows.dtype != torch.float32:
                 rows = rows.index_select(0, torch.tensor(index, device=rows.device)).float().cpu()
-                index = list(range(len(index)))
-            digests = sha256_rows(rows, index)
+                index, given = list(range(len(index))), None
+            if given is not None and all(i in given for i in index):
+                digests = [given[i] for i in index]
+            else:
+                digests = sha256_rows(rows, index)
             if self.full_logits is not None:
                 wanted = [(t, i) for t, i in zip(traces, index) if t.token_id >= 0 and (
                     self.full_logits == "all" or t.request_id in self.full_logits)]
