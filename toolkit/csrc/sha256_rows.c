@@ -304,9 +304,6 @@ int toolkit_sha256_rows_ni(const uint8_t *base, const int64_t *offsets, int64_t 
 #endif
 
 /* ---------------------------------------------------------------- hashing beside the caller's work */
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 /* one group of rows by the lanes (method 0) or the SHA extensions (method 1) */
 static void hash_rows_by(int method, const uint8_t *base, const int64_t *offsets, int64_t n, int64_t row_bytes,
@@ -325,7 +322,7 @@ static void hash_rows_by(int method, const uint8_t *base, const int64_t *offsets
  * fn() (e.g. a callback into Python: the interpreter's own work, which would leave the other cores idle):
  * the team's other threads hash groups of rows (a build's lanes, or 4 rows, each claimed from a counter)
  * from the start, and the calling thread claims what is left once fn has returned. Returns fn's value, or
- * -1 for bad arguments (fn not called). Without OpenMP, fn runs first and the rows after it.
+ * -1 for bad arguments (fn not called). Without OpenMP (the pragmas ignored), fn runs first and the rows after.
  */
 int toolkit_sha256_rows_beside(const uint8_t *base, const int64_t *offsets, int64_t rows, int64_t row_bytes,
                                uint8_t *out, int threads, int method, int (*fn)(void)) {
@@ -335,14 +332,10 @@ int toolkit_sha256_rows_beside(const uint8_t *base, const int64_t *offsets, int6
     const int64_t groups = (rows + per - 1) / per;
     int64_t next = 0;
     int rc = 0;
-#ifndef _OPENMP
-    rc = fn();
-#endif
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-#ifdef _OPENMP
-        if (omp_get_thread_num() == 0) rc = fn();
-#endif
+#pragma omp master
+        rc = fn(); /* the calling thread; the others start on the rows (master has no barrier) */
         for (;;) {
             const int64_t g = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
             if (g >= groups) break;

@@ -129,8 +129,8 @@ class TraceWriter:
                    digests: Mapping[int, str] | None = None) -> None:
         """Queue a step's rows. `requests`: the run's request rows as of this step (a server passes them when
         they changed); they are written to requests.parquet before any part holding later rows, so a part on
-        disk never holds a row whose request is not in requests.parquet. `digests`: the sha256 of logits rows
-        already hashed (StepOutput.logits_sha256, by row); the rest are hashed here."""
+        disk never holds a row whose request is not in requests.parquet. `digests`: the sha256 of the logits
+        rows already hashed (StepOutput.logits_sha256, by row); where one is missing, every row is hashed here."""
         if self._error is not None:
             raise RuntimeError(f"trace writer failed: {self._error}") from self._error
         start = time.perf_counter()
