@@ -68,7 +68,7 @@ def run_traced(engine, requests, run_dir, flush_every_steps=64, beside=False):
     with TraceWriter(run_dir, "test-run", flush_every_steps) as writer:
         while engine.has_unfinished():
             out = engine.step(trace_digests=beside)
-            writer.write_step(out.samples, out.logits_RV, digests=out.logits_sha256)
+            writer.write_output(out)
             steps.append(out)
     write_requests(run_dir, request_rows(engine, "test-run", ids))
     return ids, steps

@@ -162,7 +162,7 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
                 t0 = time.perf_counter()
                 out = engine.step(trace_digests=writer is not None)
                 if writer is not None:
-                    writer.write_step(out.samples, out.logits_RV, digests=out.logits_sha256)
+                    writer.write_output(out)
                 itl.update(out.samples)
                 if out.batch_size:
                     steps.append(step_record(out, time.perf_counter() - t0))

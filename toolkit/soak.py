@@ -60,7 +60,7 @@ def soak(loaded, engine_cfg: EngineConfig, run_dir: Path, *, duration_s: float, 
             counts["added"] += 1
         out = engine.step(trace_digests=True)
         counts["steps"] += 1
-        writer.write_step(out.samples, out.logits_RV, digests=out.logits_sha256)
+        writer.write_output(out)
         counts["sample_rows"] += len(out.samples)
         counts["error_rows"] += sum(1 for row in out.samples if row.token_id < 0)
         counts["preemptions"] += len(out.preempted)

@@ -106,7 +106,7 @@ def run_engine(loaded, engine_cfg: EngineConfig, requests: list[BenchRequest], t
             out = engine.step(trace_digests=writer is not None)
             itl.update(out.samples)
             if writer is not None:
-                writer.write_step(out.samples, out.logits_RV, digests=out.logits_sha256)
+                writer.write_output(out)
             if out.batch_size:
                 step_log.append((out.batch_size, out.num_decode_tokens, out.num_prefill_tokens,
                                  time.perf_counter() - t, out.forward_s))

@@ -252,8 +252,10 @@ class EngineLoop:
         self._refresh_stats()
         if self.writer is not None and (out is not None or self._rows_changed):
             snapshot = self._snapshot() if self._rows_changed else None
-            self.writer.write_step(out.samples if out else (), out.logits_RV if out else None, snapshot,
-                                   digests=out.logits_sha256 if out else None)
+            if out is not None:
+                self.writer.write_output(out, snapshot)
+            else:
+                self.writer.write_step((), None, snapshot)
 
     def _refresh_stats(self) -> None:
         sched = self.engine.scheduler

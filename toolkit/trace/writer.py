@@ -155,6 +155,10 @@ class TraceWriter:
         self._queue.put((tuple(traces), digests, requests, logits))
         self.engine_thread_s += time.perf_counter() - start
 
+    def write_output(self, out, requests: Sequence[dict[str, Any]] | None = None) -> None:
+        """write_step for an Engine.step(trace_digests=True) output: its rows, logits and digests."""
+        self.write_step(out.samples, out.logits_RV, requests, digests=out.logits_sha256)
+
     def flush(self) -> None:
         """Write everything received so far (blocks until the worker has written it)."""
         self._queue.put(("flush", None, None, ()))
