@@ -18,6 +18,7 @@ import math
 import shutil
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -259,21 +260,28 @@ def test_sha256_rows_are_hashlib_digests(lib, rows, width, method):
 
 
 @pytest.mark.parametrize("method", ["lanes", "sha_ni"])
-def test_sha256_rows_beside_returns_the_callables_result_and_every_digest(lib, method, capfd):
-    """The callable runs once, on the calling thread, while the other threads hash; its exception is
-    raised after the call (no traceback printed from inside the C call)."""
+def test_sha_job_in_parts_gives_every_digest_and_each_callables_result(lib, method, capfd):
+    """A ShaJob hashed in parts: each beside(fn) runs fn once, on the calling thread, and returns its value
+    while the other threads hash slices of the rows (rows of 20 KB: several slices a row, and a tail that
+    needs two padding blocks); digests() then hashes the rest. Whatever was hashed beside which call, the
+    digests are hashlib's. An exception from fn is raised after the call, with no traceback printed."""
     if method == "sha_ni" and not lib.sha_ni:
         pytest.skip("this CPU has no x86 SHA extensions: sha256_rows takes the lanes path here")
-    x = torch.randn(37, 1000, generator=torch.Generator().manual_seed(37))
+    x = torch.randn(37, 5000, generator=torch.Generator().manual_seed(37))
     index = [(i * 5) % 37 for i in range(37)] + [3]
     want = [hashlib.sha256(x[i].numpy().tobytes()).hexdigest() for i in index]
     for threads in (1, 2, 3):
-        ran = []
-        result, got = kernels.sha256_rows_beside(lambda: ran.append(threading.get_ident()) or "done", x, index,
-                                                 threads=threads, lib=lib, method=method)
-        assert result == "done" and got == want and ran == [threading.get_ident()]
+        for calls in (0, 1, 3):
+            job = kernels.ShaJob(x, index, threads=threads, lib=lib, method=method)
+            ran = []
+            for k in range(calls):  # a short sleep: the other threads get some slices done meanwhile
+                assert job.beside(lambda: ran.append(threading.get_ident()) or time.sleep(0.002) or k) == k
+            assert ran == [threading.get_ident()] * calls
+            assert job.digests() == want and job.digests() == want
+    job = kernels.ShaJob(x, index, threads=2, lib=lib, method=method)
     with pytest.raises(ZeroDivisionError):
-        kernels.sha256_rows_beside(lambda: 1 / 0, x, index, lib=lib, method=method)
+        job.beside(lambda: 1 / 0)
+    assert job.digests() == want
     assert "Traceback" not in capfd.readouterr().err
 
 

@@ -21,7 +21,7 @@ from toolkit.grammar import GrammarBackend
 from toolkit.processors import BatchView, PipelineResult, RowState, apply_pipeline, invalid_rows
 from toolkit.request import Request
 from toolkit.runner import ModelOutput
-from toolkit.sampling import SampleRow, kept_digests, logsumexp_rows, sample
+from toolkit.sampling import FusedSample, SampleRow, kept_digests, logsumexp_rows, sample
 from toolkit.speculative import PLAIN, Proposal, Speculator, verify
 
 
@@ -67,6 +67,23 @@ class Decision:
     grammar_allowed: dict[int, int]  # row -> tokens its grammar allowed
 
 
+@dataclass
+class Staged:
+    """What Decider.stage prepared for Decider.finish."""
+
+    rows: list[Row]
+    forks: list[tuple[Request, Request]]
+    logits_RV: torch.Tensor  # the raw logits rows decided from
+    allowed: dict[int, int]
+    pipe: PipelineResult
+    lse_R: torch.Tensor | None  # the raw rows' logsumexp where the sampler does not read it
+    proposals: Mapping[str, Proposal]
+    plain: list[int]  # rows sampled (not verified, not failed)
+    sample_rows: list[SampleRow] | None = None
+    sample_args: tuple | None = None  # sample()'s arguments for the plain rows
+    sampler: FusedSample | None = None  # its fused path, where it takes one: the native pass still to run
+
+
 class Decider:
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], grammar: Callable[[], GrammarBackend],
                  speculator: Speculator | None, acceptance: str, batch_invariant: bool):
@@ -79,6 +96,12 @@ class Decider:
 
     def decide(self, out: ModelOutput, proposals: Mapping[str, Proposal], requests: Mapping[str, Request]
                ) -> Decision:
+        return self.finish(self.stage(out, proposals, requests))
+
+    def stage(self, out: ModelOutput, proposals: Mapping[str, Proposal], requests: Mapping[str, Request]) -> Staged:
+        """The part of decide before the sampler's native pass: rows, grammar masks, processors, the sampler's
+        keys. Python and torch only where the sampler's kernel takes the rest (Staged.sampler): a caller may run
+        it beside other work, then Staged.sampler.run() on every thread, then finish()."""
         rows, forks = self.rows(out, proposals, requests)
         logits_RV = out.logits_RV
         if len(rows) != logits_RV.shape[0] or any(r.logits_row != i for i, r in enumerate(rows)):
@@ -90,8 +113,21 @@ class Decider:
         lse_R = logsumexp_rows(logits_RV, per_row=self.batch_invariant) if proposals else None
         pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse_R) if lse_R is not None else {},
                               defer_tail=not proposals)
-        emits = self._sample_and_verify(rows, logits_RV, pipe, lse_R, proposals)
-        return Decision(emits, forks, logits_RV, allowed)
+        plain = [i for i, r in enumerate(rows) if r.seq.seq_id not in proposals and i not in pipe.errors]
+        staged = Staged(rows, forks, logits_RV, allowed, pipe, lse_R, proposals, plain)
+        if plain:
+            staged.sample_rows = [SampleRow(greedy=rows[i].seq.sampling.greedy, seed=rows[i].seq.seed,
+                                            position=rows[i].position, stream=rows[i].seq.stream,
+                                            num_top=rows[i].seq.sampling.logprobs or 0) for i in plain]
+            staged.sample_args = self._sample_args(staged)
+            staged.sampler = FusedSample.of(*staged.sample_args)
+        return staged
+
+    def finish(self, staged: Staged) -> Decision:
+        """The rest of decide: the plain rows sampled (from the sampler's pass where it ran), speculating
+        sequences verified, a token or an error for every row."""
+        emits = self._sample_and_verify(staged)
+        return Decision(emits, staged.forks, staged.logits_RV, staged.allowed)
 
     def rows(self, out: ModelOutput, proposals: Mapping[str, Proposal], requests: Mapping[str, Request]
              ) -> tuple[list[Row], list[tuple[Request, Request]]]:
@@ -153,29 +189,29 @@ class Decider:
                          vocab_size=self.vocab_size, device=device, eos_token_ids=self.eos_token_ids,
                          grammar_mask_RV=grammar_mask)
 
-    def _sample_and_verify(self, rows: list[Row], logits_RV: torch.Tensor, pipe: PipelineResult,
-                           lse_R: torch.Tensor | None, proposals: Mapping[str, Proposal]
-                           ) -> list[tuple[Request, list[Emit]]]:
+    def _sample_args(self, staged: Staged) -> tuple:
+        """sample()'s arguments for the plain rows (all the rows, or a copy of theirs)."""
+        rows, logits_RV, pipe, lse_R, plain = staged.rows, staged.logits_RV, staged.pipe, staged.lse_R, staged.plain
+        tail = [pipe.tail[i] for i in plain] if pipe.tail is not None else None
+        if len(plain) == len(rows):
+            return (logits_RV, pipe.processed_RV, staged.sample_rows, lse_R, self.batch_invariant, tail, pipe.patches)
+        index = torch.tensor(plain, device=logits_RV.device)
+        patches = pipe.patches.select(plain, len(rows)) if pipe.patches is not None else None
+        raw = logits_RV.index_select(0, index)
+        processed = raw if pipe.processed_RV is logits_RV else pipe.processed_RV.index_select(0, index)
+        return (raw, processed, staged.sample_rows, lse_R.index_select(0, index) if lse_R is not None else None,
+                self.batch_invariant, tail, patches)
+
+    def _sample_and_verify(self, staged: Staged) -> list[tuple[Request, list[Emit]]]:
         """Sample the plain rows (batched) and verify each speculating sequence's rows. Without `lse_R` (the
         raw rows' logsumexp) the sampler reads it, and rows whose raw logits hold NaN or +inf become errors
         here, whatever the processors made of them."""
-        plain = [i for i, r in enumerate(rows) if r.seq.seq_id not in proposals and i not in pipe.errors]
+        rows, logits_RV, pipe, lse_R, proposals, plain = (staged.rows, staged.logits_RV, staged.pipe, staged.lse_R,
+                                                          staged.proposals, staged.plain)
         errors = pipe.errors
         result = None
         if plain:
-            srows = [SampleRow(greedy=rows[i].seq.sampling.greedy, seed=rows[i].seq.seed, position=rows[i].position,
-                               stream=rows[i].seq.stream, num_top=rows[i].seq.sampling.logprobs or 0) for i in plain]
-            tail = [pipe.tail[i] for i in plain] if pipe.tail is not None else None
-            if len(plain) == len(rows):
-                result = sample(logits_RV, pipe.processed_RV, srows, lse_R, per_row=self.batch_invariant, tail=tail,
-                                patches=pipe.patches)
-            else:
-                index = torch.tensor(plain, device=logits_RV.device)
-                patches = pipe.patches.select(plain, len(rows)) if pipe.patches is not None else None
-                raw = logits_RV.index_select(0, index)
-                processed = raw if pipe.processed_RV is logits_RV else pipe.processed_RV.index_select(0, index)
-                result = sample(raw, processed, srows, lse_R.index_select(0, index) if lse_R is not None else None,
-                                per_row=self.batch_invariant, tail=tail, patches=patches)
+            result = staged.sampler.result() if staged.sampler is not None else sample(*staged.sample_args)
         if lse_R is None:
             lse_R = self._raw_logsumexp(logits_RV, plain, result)
             errors = {**pipe.errors, **invalid_rows(lse_R)}

@@ -40,13 +40,13 @@ from toolkit.decide import Decider, Decision
 from toolkit.errors import ConfigError, RequestError
 from toolkit.grammar import GrammarBackend, LazyGrammar
 from toolkit.intake import RequestIntake, derive_seed
-from toolkit.kernels import sha256_rows_beside
+from toolkit.kernels import ShaJob
 from toolkit.kv import BlockManager, PagedKVCache
 from toolkit.models import LoadedModel, load_model
 from toolkit.outputs import (CompletionOutput, RequestMetrics, RequestOutput, StepOutput, TextDelta, request_metrics,
                              request_output)
 from toolkit.request import Request, RequestStatus
-from toolkit.runner import ModelRunner
+from toolkit.runner import ModelOutput, ModelRunner
 from toolkit.scheduler import ScheduledBatch, Scheduler
 from toolkit.speculative import DraftContext, Proposal, Speculator
 
@@ -171,8 +171,7 @@ class Engine:
         batch, proposals = self._propose(batch)
         forwards = self.runner.num_forwards
         out = self.runner.run(batch)  # the ONE forward of this step (two with scheduler_policy=two_forwards)
-        decision = self.decider.decide(out, proposals, self.requests)
-        committed, digests = self._commit(batch, decision, proposals, trace_digests)
+        decision, committed, digests = self._decide_and_commit(batch, out, proposals, trace_digests)
         self.step_index = step + 1
         return self._step_output(batch, committed, decision.logits_RV, out.forward_s,
                                  self.runner.num_forwards - forwards, digests)
@@ -231,20 +230,41 @@ class Engine:
         return dataclasses.replace(batch, chunks=chunks, num_decode_tokens=batch.num_decode_tokens - sum(
             c.draft_slots for c in batch.chunks) + proposed), proposals
 
-    def _commit(self, batch: ScheduledBatch, decision: Decision, proposals: Mapping[str, Proposal],
-                digests: bool) -> tuple[Committed, dict[int, str] | None]:
-        """The commit stage; with `digests`, the sha256 of every decided logits row too (by row), hashed on
-        the other threads beside the commit's Python, which leaves them idle, where the rows are CPU fp32
-        (kernels.sha256_rows_beside)."""
-        def commit() -> Committed:
+    def _decide_and_commit(self, batch: ScheduledBatch, out: ModelOutput, proposals: Mapping[str, Proposal],
+                           digests: bool) -> tuple[Decision, Committed, dict[int, str] | None]:
+        """The decide and commit stages; with `digests`, the sha256 of every decided logits row too (by decided
+        row), where the rows are CPU fp32: hashed on the other threads beside these stages' Python, which leaves
+        them idle (a kernels.ShaJob): the decider's work before the sampler's native pass, then the rest of
+        decide and the commit where the sampler took that pass (else the commit alone), then whatever is left
+        on every thread."""
+        def commit(decision: Decision) -> Committed:
             return self.committer.commit(batch, decision, proposals, self.requests, self.start_time)
 
-        logits = decision.logits_RV
-        rows = sorted({e.row for _, emits in decision.emits for e in emits})
-        if not (digests and rows and logits.device.type == "cpu" and logits.dtype == torch.float32):
-            return commit(), None
-        committed, hexes = sha256_rows_beside(commit, logits, rows)
-        return committed, dict(zip(rows, hexes))
+        def finish_and_commit() -> tuple[Decision, Committed]:
+            decision = self.decider.finish(staged)
+            return decision, commit(decision)
+
+        logits = out.logits_RV
+        if not (digests and logits.shape[0] and logits.device.type == "cpu" and logits.dtype == torch.float32):
+            decision = self.decider.decide(out, proposals, self.requests)
+            return decision, commit(decision), None
+        if proposals:  # verification's torch work stays on every thread; its rejected rows are not hashed
+            decision = self.decider.decide(out, proposals, self.requests)
+            rows = sorted({e.row for _, emits in decision.emits for e in emits})
+            job = ShaJob(decision.logits_RV, rows)
+            committed = job.beside(lambda: commit(decision))
+            return decision, committed, dict(zip(rows, job.digests()))
+        job = ShaJob(logits)  # every row of the forward's is decided (a follower's row is its leader's)
+        staged = job.beside(lambda: self.decider.stage(out, proposals, self.requests))
+        if staged.sampler is not None:
+            staged.sampler.run()
+            decision, committed = job.beside(finish_and_commit)
+        else:
+            decision = self.decider.finish(staged)
+            committed = job.beside(lambda: commit(decision))
+        hexes = job.digests()
+        return decision, committed, {e.row: hexes[staged.rows[e.row].logits_row]
+                                     for _, emits in decision.emits for e in emits}
 
     def _step_output(self, batch: ScheduledBatch, committed: Committed | None = None,
                      logits_RV: torch.Tensor | None = None, forward_s: float = 0.0, forwards: int = 0,

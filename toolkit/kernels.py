@@ -141,7 +141,8 @@ SIGNATURES = {  # symbol -> argument types (every one returns int)
     "toolkit_sha256_rows": [P, P, I64, I64, P, ctypes.c_int],
     "toolkit_sha256_rows_ni": [P, P, I64, I64, P, ctypes.c_int],
     "toolkit_sha256_ni_available": [],
-    "toolkit_sha256_rows_beside": [P, P, I64, I64, P, ctypes.c_int, ctypes.c_int, P],
+    "toolkit_sha256_job": [P, P, I64, I64, P, ctypes.c_int, ctypes.c_int, I64, P, P],
+    "toolkit_sha256_job_group_bytes": [],
     "toolkit_matmul_invariant_f32": [P, I64, P, P, I64, I64, I64, I64, ctypes.c_int],
     "toolkit_gumbel_sample_rows": [P, I64, I64, I64, P, P, P, P, P, ctypes.c_int],
     "toolkit_gumbel_noise": [P, I64, ctypes.c_uint32, ctypes.c_uint32, P],
@@ -554,32 +555,57 @@ def sha256_rows(rows_RB, index: "list[int] | None" = None, threads: int | None =
     return _hexes(out)
 
 
-def sha256_rows_beside(fn: Callable[[], T], rows_RB, index: "list[int] | None" = None, threads: int | None = None,
-                       lib: NativeLib | None = None, method: str = "auto") -> tuple[T, list[str]]:
-    """(fn(), sha256_rows(rows_RB, index, ...)) with fn run on this thread while the other threads hash the
-    rows, and this thread hashing what is left when fn returns: Python's own work (one core) beside the
-    hashing that would otherwise leave it alone. fn must not change the rows. Where the kernels do not run
-    (or for one or two rows), fn first and then the rows. An exception from fn is raised after the rows are
-    hashed (their digests then discarded)."""
-    job = _sha_job(rows_RB, index, threads, lib, method)
-    if isinstance(job, list):
-        return fn(), job
-    lib, x, index, threads, method, offsets, out = job
-    result: list = []
+class ShaJob:
+    """The sha256 hex digests of rows of a 2-D CPU tensor or numpy array (rows `index`, all by default), hashed
+    in parts: `beside(fn)` runs fn on this thread while the other threads hash, as far as they get before fn
+    returns (Python's own work on one core, beside hashing that would otherwise leave it alone), and may be
+    called several times; `digests()` hashes what is left on every thread and returns what sha256_rows would.
+    The rows must not change until then. Where the kernels do not run (or for one or two rows) beside(fn) is
+    fn() and digests() hashes every row. An exception from fn is raised after the other threads stop."""
 
-    def call() -> int:
-        try:
-            result.append(fn())
-        except BaseException as exc:  # noqa: BLE001 - raised below, on the caller's side of the C call
-            result.append(exc)
-        return 0
+    def __init__(self, rows_RB, index: "list[int] | None" = None, threads: int | None = None,
+                 lib: NativeLib | None = None, method: str = "auto"):
+        job = _sha_job(rows_RB, index, threads, lib, method)
+        self._hexes = job if isinstance(job, list) else None
+        if self._hexes is None:
+            self._lib, self._x, index, self._threads, method, self._offsets, self._out = job
+            self._rows, self._method = len(index), int(method == "sha_ni")
+            # the SHA path: up to 4 rows a group, fewer where that keeps every thread busy at the end
+            self._group_rows = min(4, -(-self._rows // self._threads)) if self._method else self._lib.profile.lanes
+            groups = -(-self._rows // self._group_rows)
+            self._state = torch.zeros(groups * self._lib.fn["sha256_job_group_bytes"](), dtype=torch.uint8)
 
-    callback = _TASK(call)  # kept alive for the whole call
-    lib.fn["sha256_rows_beside"](x.data_ptr(), offsets.data_ptr(), len(index), x.shape[1] * x.element_size(),
-                                 out.data_ptr(), threads, int(method == "sha_ni"), callback)
-    if isinstance(result[0], BaseException):
-        raise result[0]
-    return result[0], _hexes(out)
+    def _call(self, callback) -> int:
+        return self._lib.fn["sha256_job"](self._x.data_ptr(), self._offsets.data_ptr(), self._rows,
+                                          self._x.shape[1] * self._x.element_size(), self._out.data_ptr(),
+                                          self._threads, self._method, self._group_rows, self._state.data_ptr(),
+                                          callback)
+
+    def beside(self, fn: Callable[[], T]) -> T:
+        if self._hexes is not None:
+            return fn()
+        result: list = []
+
+        def call() -> int:
+            try:
+                result.append(fn())
+            except BaseException as exc:  # noqa: BLE001 - raised below, on the caller's side of the C call
+                result.append(exc)
+            return 0
+
+        callback = _TASK(call)  # kept alive for the whole call
+        if self._call(callback) != 0 or not result:
+            raise ValueError("sha256 job: bad arguments")
+        if isinstance(result[0], BaseException):
+            raise result[0]
+        return result[0]
+
+    def digests(self) -> list[str]:
+        if self._hexes is None:
+            if self._call(None) != 0:
+                raise ValueError("sha256 job: bad arguments")
+            self._hexes = _hexes(self._out)
+        return self._hexes
 
 
 _TASK = ctypes.CFUNCTYPE(ctypes.c_int)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from toolkit import rng
-from toolkit.kernels import argmax_cpu, gumbel_sample_cpu, logsumexp_cpu, sample_tail_cpu, sha256_rows
+from toolkit.kernels import TailSample, argmax_cpu, gumbel_sample_cpu, logsumexp_cpu, sample_tail_cpu, sha256_rows
 
 if TYPE_CHECKING:
     from toolkit.processors import Patches, Tail
@@ -107,26 +107,12 @@ def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRo
     in cache, and the processed rows are written out only when top alternatives are asked for (the same
     values as the processors, then this function, one after the other). `patches` (the pipeline's, made
     before the tail) are made in that pass too, or to a copy of `processed_RV` where it does not run."""
+    fused = FusedSample.of(raw_RV, processed_RV, rows, raw_logsumexp_R, per_row, tail, patches)
+    if fused is not None:
+        return fused.result()
     r, vocab = raw_RV.shape
-    sampled_rows = [row for row in rows if not row.greedy]
-    drawn = iter(rng.row_keys([(row.seed, row.position, row.stream, row.purpose) for row in sampled_rows]))
-    keys = [None if row.greedy else next(drawn) for row in rows]
+    keys = _keys(rows)
     num_top = max((row.num_top for row in rows), default=0)
-    if tail is not None and any(tail):
-        # not given, the raw rows' logsumexp is read by the kernel where its input is the raw rows
-        own_lse = raw_logsumexp_R is None and processed_RV is raw_RV
-        fused = sample_tail_cpu(processed_RV, list(tail), keys, keep_rows=num_top > 0, patches=patches,
-                                raw_logsumexp=own_lse)
-        if fused is None:
-            raise RuntimeError("a pipeline tail was left to the sampler where its kernel does not run")
-        raw_lse = fused.raw_logsumexp_R if own_lse else _raw_lse(raw_RV, raw_logsumexp_R, per_row)
-        tokens, noise, support, proc_lse = fused.tokens, fused.noise, fused.support, fused.logsumexp_R
-        raw_lp = _logprobs_at(raw_RV, raw_lse, tokens)
-        return SampleResult(token_ids=tokens, raw_logprobs=raw_lp,
-                            processed_logprobs=(fused.picked_R - proc_lse).tolist(), support_sizes=support,
-                            noise=noise, top_raw=_top(raw_RV, raw_lse, rows, num_top),
-                            top_processed=_top(fused.processed_RV, proc_lse, rows, num_top),
-                            kept_sha256=kept_digests(support, vocab, fused.kept_bits_RB), raw_logsumexp_R=raw_lse)
     raw_lse = _raw_lse(raw_RV, raw_logsumexp_R, per_row)
     if patches is not None and patches.rows_S.numel():
         processed_RV = patches.apply(processed_RV)
@@ -160,6 +146,54 @@ def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRo
     return SampleResult(token_ids=tokens, raw_logprobs=raw_lp, processed_logprobs=proc_lp, support_sizes=support,
                         noise=noise, top_raw=top_raw, top_processed=top_proc,
                         kept_sha256=kept_digests(support, vocab, finite_RV=finite_RV), raw_logsumexp_R=raw_lse)
+
+
+class FusedSample:
+    """sample() where a tail of processors is left to it: its keys and arguments (Python), the kernel's one
+    native pass over the rows on every thread (`run`), and the SampleResult (Python, `result`; it runs the
+    pass first if nobody did). Apart, so that a caller can put other work beside the Python parts."""
+
+    def __init__(self, raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRow],
+                 raw_logsumexp_R: torch.Tensor | None, per_row: bool, tail: Sequence[Tail], patches: Patches | None):
+        self.raw_RV, self.processed_RV, self.rows, self.per_row = raw_RV, processed_RV, rows, per_row
+        self.tail, self.patches, self.given_lse = list(tail), patches, raw_logsumexp_R
+        self.keys = _keys(rows)
+        self.num_top = max((row.num_top for row in rows), default=0)
+        # not given, the raw rows' logsumexp is read by the kernel where its input is the raw rows
+        self.own_lse = raw_logsumexp_R is None and processed_RV is raw_RV
+        self.fused: TailSample | None = None
+
+    @classmethod
+    def of(cls, raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRow],
+           raw_logsumexp_R: torch.Tensor | None = None, per_row: bool = True, tail: Sequence[Tail] | None = None,
+           patches: Patches | None = None) -> FusedSample | None:
+        """sample()'s fused path for these arguments, not yet run; None where sample() takes another."""
+        return cls(raw_RV, processed_RV, rows, raw_logsumexp_R, per_row, tail, patches) if tail and any(tail) else None
+
+    def run(self) -> None:
+        if self.fused is None:
+            self.fused = sample_tail_cpu(self.processed_RV, self.tail, self.keys, keep_rows=self.num_top > 0,
+                                         patches=self.patches, raw_logsumexp=self.own_lse)
+            if self.fused is None:
+                raise RuntimeError("a pipeline tail was left to the sampler where its kernel does not run")
+
+    def result(self) -> SampleResult:
+        self.run()
+        fused, raw_RV, rows, num_top = self.fused, self.raw_RV, self.rows, self.num_top
+        raw_lse = fused.raw_logsumexp_R if self.own_lse else _raw_lse(raw_RV, self.given_lse, self.per_row)
+        tokens, proc_lse = fused.tokens, fused.logsumexp_R
+        return SampleResult(token_ids=tokens, raw_logprobs=_logprobs_at(raw_RV, raw_lse, tokens),
+                            processed_logprobs=(fused.picked_R - proc_lse).tolist(), support_sizes=fused.support,
+                            noise=fused.noise, top_raw=_top(raw_RV, raw_lse, rows, num_top),
+                            top_processed=_top(fused.processed_RV, proc_lse, rows, num_top),
+                            kept_sha256=kept_digests(fused.support, raw_RV.shape[1], fused.kept_bits_RB),
+                            raw_logsumexp_R=raw_lse)
+
+
+def _keys(rows: list[SampleRow]) -> list[tuple[int, int] | None]:
+    """Each row's noise key (None for greedy rows), all drawn in one call."""
+    drawn = iter(rng.row_keys([(row.seed, row.position, row.stream, row.purpose) for row in rows if not row.greedy]))
+    return [None if row.greedy else next(drawn) for row in rows]
 
 
 def _raw_lse(raw_RV: torch.Tensor, given: torch.Tensor | None, per_row: bool) -> torch.Tensor:

@@ -138,17 +138,26 @@ static int64_t pad_tail(const uint8_t *row, int64_t row_bytes, uint8_t tail[128]
     return blocks;
 }
 
-/* digests of n <= VL rows (row i at base + offsets[i]) into out[i * 32 ..] */
-static void hash_group(const uint8_t *base, const int64_t *offsets, int64_t n, int64_t row_bytes, uint8_t *out) {
-    const int64_t full = row_bytes / 64;
-    const uint8_t *ptr[VL];
+static inline void lanes_ptrs(const uint8_t *base, const int64_t *offsets, int64_t n, const uint8_t *ptr[VL]) {
     for (int lane = 0; lane < VL; lane++) ptr[lane] = base + offsets[lane < n ? lane : n - 1];
-    V st[8], w[16];
+}
+
+static inline void lanes_init(V st[8]) {
     for (int i = 0; i < 8; i++) st[i] = SPLAT(IV[i]);
-    for (int64_t b = 0; b < full; b++) {
+}
+
+/* whole blocks [from, to) of each lane's message */
+static inline void lanes_blocks(V st[8], const uint8_t *const ptr[VL], int64_t from, int64_t to) {
+    V w[16];
+    for (int64_t b = from; b < to; b++) {
         load_block(ptr, 64 * b, w);
         compress(st, w);
     }
+}
+
+/* the padded end of each lane's message, then the digests of its n rows into out[i * 32 ..] */
+static void lanes_end(V st[8], const uint8_t *const ptr[VL], int64_t n, int64_t row_bytes, uint8_t *out) {
+    V w[16];
     uint8_t tail[VL][128];
     const uint8_t *tptr[VL];
     int64_t tail_blocks = 1;
@@ -167,6 +176,16 @@ static void hash_group(const uint8_t *base, const int64_t *offsets, int64_t n, i
             const uint32_t be = __builtin_bswap32(words[i][lane]);
             memcpy(out + lane * 32 + 4 * i, &be, 4);
         }
+}
+
+/* digests of n <= VL rows (row i at base + offsets[i]) into out[i * 32 ..] */
+static void hash_group(const uint8_t *base, const int64_t *offsets, int64_t n, int64_t row_bytes, uint8_t *out) {
+    const uint8_t *ptr[VL];
+    V st[8];
+    lanes_ptrs(base, offsets, n, ptr);
+    lanes_init(st);
+    lanes_blocks(st, ptr, 0, row_bytes / 64);
+    lanes_end(st, ptr, n, row_bytes, out);
 }
 
 /* out[i * 32 .. i * 32 + 31] = sha256(base + offsets[i], row_bytes) for i < rows: the rows in
@@ -237,24 +256,39 @@ static inline __attribute__((always_inline)) NI_TARGET void ni_blocks(const int 
     }
 }
 
-/* the digests of S rows (row s at base + offsets[s]) into out[s * 32 ..] */
-static inline __attribute__((always_inline)) NI_TARGET void ni_rows(const int S, const uint8_t *base,
+/* blocks [from, to) of S rows (row s at base + offsets[s]), from the standard initial state where from is 0, else
+   from each row's ABEF and CDGH kept in st (8 words a row); where `to` is the rows' last whole block, their padded
+   ends and digests too (into out[s * 32 ..]), else the state back into st */
+static inline __attribute__((always_inline)) NI_TARGET void ni_part(const int S, const uint8_t *base,
                                                                    const int64_t *offsets, int64_t row_bytes,
+                                                                   uint32_t *st, int64_t from, int64_t to,
                                                                    uint8_t *out) {
     __m128i abef[NI_MAX], cdgh[NI_MAX];
     const uint8_t *ptr[NI_MAX];
-    uint8_t tail[NI_MAX][128];
     const __m128i dcba = _mm_loadu_si128((const __m128i *)IV), hgfe = _mm_loadu_si128((const __m128i *)(IV + 4));
     for (int s = 0; s < S; s++) {
-        const __m128i cdab = _mm_shuffle_epi32(dcba, 0xB1), efgh = _mm_shuffle_epi32(hgfe, 0x1B);
-        abef[s] = _mm_alignr_epi8(cdab, efgh, 8);
-        cdgh[s] = _mm_blend_epi16(efgh, cdab, 0xF0);
-        ptr[s] = base + offsets[s];
+        if (from == 0) {
+            const __m128i cdab = _mm_shuffle_epi32(dcba, 0xB1), efgh = _mm_shuffle_epi32(hgfe, 0x1B);
+            abef[s] = _mm_alignr_epi8(cdab, efgh, 8);
+            cdgh[s] = _mm_blend_epi16(efgh, cdab, 0xF0);
+        } else {
+            abef[s] = _mm_loadu_si128((const __m128i *)(st + 8 * s));
+            cdgh[s] = _mm_loadu_si128((const __m128i *)(st + 8 * s + 4));
+        }
+        ptr[s] = base + offsets[s] + 64 * from;
     }
-    ni_blocks(S, abef, cdgh, ptr, row_bytes / 64);
+    ni_blocks(S, abef, cdgh, ptr, to - from);
+    if (to < row_bytes / 64) {
+        for (int s = 0; s < S; s++) {
+            _mm_storeu_si128((__m128i *)(st + 8 * s), abef[s]);
+            _mm_storeu_si128((__m128i *)(st + 8 * s + 4), cdgh[s]);
+        }
+        return;
+    }
+    uint8_t tail[NI_MAX][128];
     int64_t tail_blocks = 1;
     for (int s = 0; s < S; s++) {
-        tail_blocks = pad_tail(ptr[s], row_bytes, tail[s]);
+        tail_blocks = pad_tail(base + offsets[s], row_bytes, tail[s]);
         ptr[s] = tail[s];
     }
     ni_blocks(S, abef, cdgh, ptr, tail_blocks);
@@ -265,12 +299,13 @@ static inline __attribute__((always_inline)) NI_TARGET void ni_rows(const int S,
     }
 }
 
-static NI_TARGET void ni_group(int S, const uint8_t *base, const int64_t *offsets, int64_t row_bytes, uint8_t *out) {
+static NI_TARGET void ni_group(int S, const uint8_t *base, const int64_t *offsets, int64_t row_bytes, uint32_t *st,
+                               int64_t from, int64_t to, uint8_t *out) {
     switch (S) { /* the stream count a constant in each copy, so its loops unroll */
-    case 4: ni_rows(4, base, offsets, row_bytes, out); break;
-    case 3: ni_rows(3, base, offsets, row_bytes, out); break;
-    case 2: ni_rows(2, base, offsets, row_bytes, out); break;
-    default: ni_rows(1, base, offsets, row_bytes, out); break;
+    case 4: ni_part(4, base, offsets, row_bytes, st, from, to, out); break;
+    case 3: ni_part(3, base, offsets, row_bytes, st, from, to, out); break;
+    case 2: ni_part(2, base, offsets, row_bytes, st, from, to, out); break;
+    default: ni_part(1, base, offsets, row_bytes, st, from, to, out); break;
     }
 }
 
@@ -289,7 +324,7 @@ int toolkit_sha256_rows_ni(const uint8_t *base, const int64_t *offsets, int64_t 
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t lo = g * rows / groups, hi = (g + 1) * rows / groups;
-        ni_group((int)(hi - lo), base, offsets + lo, row_bytes, out + lo * 32);
+        ni_group((int)(hi - lo), base, offsets + lo, row_bytes, NULL, 0, row_bytes / 64, out + lo * 32);
     }
     return 0;
 }
@@ -303,44 +338,107 @@ int toolkit_sha256_rows_ni(const uint8_t *base, const int64_t *offsets, int64_t 
 }
 #endif
 
-/* ---------------------------------------------------------------- hashing beside the caller's work */
+/* ---------------------------------------------------------------- hashing in parts, beside the caller's work */
 
-/* one group of rows by the lanes (method 0) or the SHA extensions (method 1) */
-static void hash_rows_by(int method, const uint8_t *base, const int64_t *offsets, int64_t n, int64_t row_bytes,
-                         uint8_t *out) {
+/*
+ * A hashing job that stops and goes on: the rows in groups (up to a build's lanes, or up to 4 rows with the SHA
+ * extensions), each group's state kept between calls in a record the caller allocates (zeroed) and keeps.
+ * toolkit_sha256_job with fn runs fn() on the calling thread (e.g. a callback into Python: the interpreter's
+ * own work, which leaves the other cores idle) while the team's other threads hash slices of the groups, the
+ * group least far along first, until fn returns; without fn, every thread hashes what is left, and the digests
+ * are all in `out`. So the hashing runs beside several stretches of the caller's work and the rest, if any,
+ * on every thread at the end. Without OpenMP (the pragmas ignored) fn hashes nothing; the last call does all.
+ */
+typedef struct {
+    uint32_t st[8 * 16]; /* the lanes' state (8 vectors of VL words), or each SHA row's ABEF and CDGH (8 words) */
+    int64_t done;        /* whole blocks hashed */
+    int32_t busy;        /* a thread is hashing this group */
+    int32_t complete;    /* its digests are in out */
+} sha_group;
+
+#define SLICE_BLOCKS 128 /* 8 KiB of each row between looks at whether fn has returned */
+
+int toolkit_sha256_job_group_bytes(void) { return (int)sizeof(sha_group); }
+
+/* the incomplete group nobody is hashing that is least far along, now claimed; -1 if none */
+static int64_t claim_group(sha_group *gs, int64_t groups) {
+    for (;;) {
+        int64_t best = -1, best_done = INT64_MAX;
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t done = __atomic_load_n(&gs[g].done, __ATOMIC_RELAXED);
+            if (!__atomic_load_n(&gs[g].complete, __ATOMIC_ACQUIRE) && !__atomic_load_n(&gs[g].busy, __ATOMIC_RELAXED)
+                && done < best_done)
+                best = g, best_done = done;
+        }
+        if (best < 0) return -1;
+        int32_t idle = 0;
+        if (__atomic_compare_exchange_n(&gs[best].busy, &idle, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) return best;
+    }
+}
+
+/* up to `blocks` more whole blocks of group g's rows (all that are left where blocks < 0), and its digests
+   when it gets to the end of them */
+static void hash_slice(int method, const uint8_t *base, const int64_t *offsets, int64_t rows, int64_t per,
+                       int64_t row_bytes, uint8_t *out, sha_group *grp, int64_t g, int64_t blocks) {
+    const int64_t lo = g * per, n = rows - lo < per ? rows - lo : per, full = row_bytes / 64, from = grp->done;
+    const int64_t to = blocks < 0 || full - from < blocks ? full : from + blocks;
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
     if (method == 1) {
-        ni_group((int)n, base, offsets, row_bytes, out);
-        return;
-    }
+        ni_group((int)n, base, offsets + lo, row_bytes, grp->st, from, to, out + lo * 32);
+    } else
 #endif
-    hash_group(base, offsets, n, row_bytes, out);
+    {
+        const uint8_t *ptr[VL];
+        V st[8];
+        lanes_ptrs(base, offsets + lo, n, ptr);
+        if (from == 0)
+            lanes_init(st);
+        else
+            memcpy(st, grp->st, sizeof st);
+        lanes_blocks(st, ptr, from, to);
+        if (to == full)
+            lanes_end(st, ptr, n, row_bytes, out + lo * 32);
+        else
+            memcpy(grp->st, st, sizeof st);
+    }
+    __atomic_store_n(&grp->done, to, __ATOMIC_RELAXED);
+    if (to == full) __atomic_store_n(&grp->complete, 1, __ATOMIC_RELEASE);
 }
 
 /*
- * As toolkit_sha256_rows (method 0) or toolkit_sha256_rows_ni (method 1), while the calling thread runs
- * fn() (e.g. a callback into Python: the interpreter's own work, which would leave the other cores idle):
- * the team's other threads hash groups of rows (a build's lanes, or 4 rows, each claimed from a counter)
- * from the start, and the calling thread claims what is left once fn has returned. Returns fn's value, or
- * -1 for bad arguments (fn not called). Without OpenMP (the pragmas ignored), fn runs first and the rows after.
+ * The job over `rows` rows (row i at base + offsets[i], row_bytes each; digest i into out[i * 32 ..]) in groups
+ * of group_rows (at most the build's lanes, or 4 with method 1, the SHA extensions), whose records are `state`
+ * (ceil(rows / group_rows) of toolkit_sha256_job_group_bytes(), zeroed before the first call; the same rows,
+ * group_rows and method at every call). With fn: fn's value; without: 0. -1 for bad arguments (fn not called).
  */
-int toolkit_sha256_rows_beside(const uint8_t *base, const int64_t *offsets, int64_t rows, int64_t row_bytes,
-                               uint8_t *out, int threads, int method, int (*fn)(void)) {
-    if (rows < 0 || row_bytes < 0 || threads < 1 || method < 0 || method > 1 || !fn) return -1;
+int toolkit_sha256_job(const uint8_t *base, const int64_t *offsets, int64_t rows, int64_t row_bytes, uint8_t *out,
+                       int threads, int method, int64_t group_rows, void *state, int (*fn)(void)) {
+    if (rows < 0 || row_bytes < 0 || threads < 1 || method < 0 || method > 1 || !state || group_rows < 1
+        || group_rows > (method == 1 ? 4 : VL))
+        return -1;
     if (method == 1 && !toolkit_sha256_ni_available()) return -1;
-    const int64_t per = method == 1 ? 4 : VL;
-    const int64_t groups = (rows + per - 1) / per;
-    int64_t next = 0;
-    int rc = 0;
+    sha_group *gs = state;
+    const int64_t groups = (rows + group_rows - 1) / group_rows;
+    int stop = 0, rc = 0;
+    if (!fn) {
+        if (threads > groups) threads = groups > 0 ? (int)groups : 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+        for (int64_t g; (g = claim_group(gs, groups)) >= 0;) {
+            hash_slice(method, base, offsets, rows, group_rows, row_bytes, out, &gs[g], g, -1);
+            __atomic_store_n(&gs[g].busy, 0, __ATOMIC_RELEASE);
+        }
+        return 0;
+    }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp master
-        rc = fn(); /* the calling thread; the others start on the rows (master has no barrier) */
-        for (;;) {
-            const int64_t g = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
-            if (g >= groups) break;
-            const int64_t lo = g * per, n = rows - lo < per ? rows - lo : per;
-            hash_rows_by(method, base, offsets + lo, n, row_bytes, out + lo * 32);
+        { /* the calling thread; the others start on the rows (master has no barrier) */
+            rc = fn();
+            __atomic_store_n(&stop, 1, __ATOMIC_RELEASE);
+        }
+        for (int64_t g; !__atomic_load_n(&stop, __ATOMIC_ACQUIRE) && (g = claim_group(gs, groups)) >= 0;) {
+            hash_slice(method, base, offsets, rows, group_rows, row_bytes, out, &gs[g], g, SLICE_BLOCKS);
+            __atomic_store_n(&gs[g].busy, 0, __ATOMIC_RELEASE);
         }
     }
     return rc;
