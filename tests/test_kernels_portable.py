@@ -285,6 +285,31 @@ def test_sha_job_in_parts_gives_every_digest_and_each_callables_result(lib, meth
     assert "Traceback" not in capfd.readouterr().err
 
 
+def test_sha_job_calls_from_two_threads_take_turns(lib):
+    """digests() from another thread while beside(fn) runs waits for it (a group is never hashed by two calls
+    at once: a finishing call that skipped a group another call held would leave its digests unwritten);
+    digests() from inside fn is refused with a clear error rather than hanging."""
+    x = torch.randn(40, 20000, generator=torch.Generator().manual_seed(40))
+    want = [hashlib.sha256(x[i].numpy().tobytes()).hexdigest() for i in range(40)]
+    for method in ["lanes", "lanes", "lanes"] + (["sha_ni"] if lib.sha_ni else []):  # a race: three tries
+        job = kernels.ShaJob(x, threads=2, lib=lib, method=method)
+        seen = []
+        other = threading.Thread(target=lambda: seen.append(job.digests()))
+
+        def fn():
+            other.start()
+            time.sleep(0.02)  # the other thread asks for the digests while this call's worker hashes
+            return "done"
+
+        assert job.beside(fn) == "done"
+        other.join()
+        assert seen == [want] and job.digests() == want
+        inner = kernels.ShaJob(x, threads=2, lib=lib, method=method)
+        with pytest.raises(RuntimeError, match="inside its own fn"):
+            inner.beside(inner.digests)
+        assert inner.digests() == want
+
+
 # ----------------------------------------------------------------------------- across builds
 
 def _fingerprint(lib) -> dict[str, torch.Tensor]:

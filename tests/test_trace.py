@@ -106,6 +106,32 @@ def test_one_row_per_sampled_token_with_digests(tiny, tmp_path, monkeypatch, bes
     assert [(r["request_id"], r["stream"]) for r in requests] == [("greedy", 0), ("topp", 0), ("pair", 0), ("pair", 1)]
 
 
+def test_step_digests_are_finished_on_first_look_and_written_when_the_next_output_comes(tiny, tmp_path):
+    """The engine hashes a step's rows on beside the next step's Python: read before any next step, the digests
+    are finished on the spot and are the rows' sha256; TraceWriter.write_output takes a step's rows when the
+    next output comes (or at flush), in step order."""
+    engine = make_engine(tiny, max_num_batched_tokens=8, max_num_seqs=4)
+    for r in MIXED:
+        engine.add_request(**r)
+    out = engine.step(trace_digests=True)
+    rows = {t.logits_row for t in out.samples}
+    assert rows and set(out.logits_sha256) == rows
+    assert dict(out.logits_sha256) == {i: logits_digest(out.logits_RV[i]) for i in rows}
+    writer = TraceWriter(tmp_path, "test-run")
+    steps = [engine.step(trace_digests=True) for _ in range(3)]
+    writer.write_output(steps[0])
+    writer.write_output(steps[1])
+    writer.flush()
+    assert writer.rows_written == len(steps[0].samples) + len(steps[1].samples)
+    writer.write_output(steps[2])
+    writer.close()
+    table = read_samples(tmp_path).to_pylist()
+    assert [(r["request_id"], r["position"]) for r in table] == [
+        (t.request_id, t.position) for s in steps for t in s.samples]
+    assert [r["logits_sha256"] for r in table] == [logits_digest(s.logits_RV[t.logits_row]) for s in steps
+                                                   for t in s.samples]
+
+
 def test_empty_support_finishes_only_that_request_with_error(tiny, tmp_path):
     bad = {"prompt_token_ids": [1, 2, 3], "request_id": "bad", "sampling_params": SamplingParams(
         allowed_token_ids=[100], bad_words=[[100]], max_tokens=5)}

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -49,6 +49,8 @@ from toolkit.request import Request, RequestStatus
 from toolkit.runner import ModelOutput, ModelRunner
 from toolkit.scheduler import ScheduledBatch, Scheduler
 from toolkit.speculative import DraftContext, Proposal, Speculator
+
+T = TypeVar("T")
 
 __all__ = ["CompletionOutput", "Engine", "RequestMetrics", "RequestOutput", "StepOutput", "TextDelta",
            "derive_seed", "keep_freed_memory", "load_for", "request_metrics"]
@@ -109,6 +111,7 @@ class Engine:
         self.step_index = 0
         self.start_time: float | None = None
         self.first_admission_time: float | None = None
+        self._hashing: ShaJob | None = None  # the last step's trace digests, hashed on beside this step's Python
         self.model_sampling_defaults: dict[str, Any] = {}  # sampling fields taken from the model (from_config)
 
     @property
@@ -159,18 +162,22 @@ class Engine:
 
     def step(self, *, trace_digests: bool = False) -> StepOutput:
         """One step: schedule, one forward, decide, commit. `trace_digests` (whoever writes the trace): the
-        sha256 of every decided logits row too, in StepOutput.logits_sha256 for TraceWriter.write_step,
-        hashed beside the commit (see _commit) rather than by the writer after it."""
+        sha256 of every decided logits row too, in StepOutput.logits_sha256 for TraceWriter.write_output,
+        hashed on the other threads beside this step's Python and the next one's (see _decide_and_commit)."""
         step, now = self.step_index, time.perf_counter()
+        # the last step's rows still to hash go on beside this step's scheduling and packing
+        hashing, self._hashing = self._hashing, None
+        beside = hashing.beside if hashing is not None else _now
         self._arrive(step, now)
-        batch = self.scheduler.schedule(step, self._draft_slots())
+        batch = beside(lambda: self.scheduler.schedule(step, self._draft_slots()))
         self.committer.preempted(batch.preempted, self.requests)
         if batch.is_empty:
             return self._idle(batch)
         self._scheduled(batch, now)
         batch, proposals = self._propose(batch)
         forwards = self.runner.num_forwards
-        out = self.runner.run(batch)  # the ONE forward of this step (two with scheduler_policy=two_forwards)
+        # the ONE forward of this step (two with scheduler_policy=two_forwards)
+        out = self.runner.run(batch, beside=hashing.beside if hashing is not None else None)
         decision, committed, digests = self._decide_and_commit(batch, out, proposals, trace_digests)
         self.step_index = step + 1
         return self._step_output(batch, committed, decision.logits_RV, out.forward_s,
@@ -231,12 +238,12 @@ class Engine:
             c.draft_slots for c in batch.chunks) + proposed), proposals
 
     def _decide_and_commit(self, batch: ScheduledBatch, out: ModelOutput, proposals: Mapping[str, Proposal],
-                           digests: bool) -> tuple[Decision, Committed, dict[int, str] | None]:
+                           digests: bool) -> tuple[Decision, Committed, RowDigests | None]:
         """The decide and commit stages; with `digests`, the sha256 of every decided logits row too (by decided
-        row), where the rows are CPU fp32: hashed on the other threads beside these stages' Python, which leaves
-        them idle (a kernels.ShaJob): the decider's work before the sampler's native pass, then the rest of
-        decide and the commit where the sampler took that pass (else the commit alone), then whatever is left
-        on every thread."""
+        row), where the rows are CPU fp32: hashed on the other threads beside the Python, which leaves them idle
+        (a kernels.ShaJob): beside the decider's work before the sampler's native pass, then beside the rest of
+        decide and the commit where the sampler took that pass (else the commit alone), then beside the next
+        step's scheduling and packing; what is left then is hashed on every thread when the digests are read."""
         def commit(decision: Decision) -> Committed:
             return self.committer.commit(batch, decision, proposals, self.requests, self.start_time)
 
@@ -253,7 +260,8 @@ class Engine:
             rows = sorted({e.row for _, emits in decision.emits for e in emits})
             job = ShaJob(decision.logits_RV, rows)
             committed = job.beside(lambda: commit(decision))
-            return decision, committed, dict(zip(rows, job.digests()))
+            self._hashing = job
+            return decision, committed, RowDigests(job, {row: i for i, row in enumerate(rows)})
         job = ShaJob(logits)  # every row of the forward's is decided (a follower's row is its leader's)
         staged = job.beside(lambda: self.decider.stage(out, proposals, self.requests))
         if staged.sampler is not None:
@@ -262,13 +270,13 @@ class Engine:
         else:
             decision = self.decider.finish(staged)
             committed = job.beside(lambda: commit(decision))
-        hexes = job.digests()
-        return decision, committed, {e.row: hexes[staged.rows[e.row].logits_row]
-                                     for _, emits in decision.emits for e in emits}
+        self._hashing = job
+        return decision, committed, RowDigests(job, {e.row: staged.rows[e.row].logits_row
+                                                     for _, emits in decision.emits for e in emits})
 
     def _step_output(self, batch: ScheduledBatch, committed: Committed | None = None,
                      logits_RV: torch.Tensor | None = None, forward_s: float = 0.0, forwards: int = 0,
-                     digests: dict[int, str] | None = None) -> StepOutput:
+                     digests: RowDigests | None = None) -> StepOutput:
         used = self.block_manager.num_used_blocks
         return StepOutput(step=batch.step, batch_size=len(batch.chunks), num_decode_tokens=batch.num_decode_tokens,
                           num_prefill_tokens=batch.num_prefill_tokens,
@@ -323,6 +331,37 @@ class Engine:
         self._add_all(requests)
         while self.has_unfinished():
             yield from self.step().deltas
+
+
+def _now(fn: Callable[[], T]) -> T:
+    return fn()
+
+
+class RowDigests(Mapping[int, str]):
+    """A step's logits row digests (decided row -> sha256 hex) whose hashing may go on beside the engine's next
+    step: the first look at a digest hashes what is left (ShaJob.digests, on every thread)."""
+
+    def __init__(self, job: ShaJob, rows: dict[int, int]):  # decided row -> the job's row
+        self._job, self._rows = job, rows
+        self._hexes: dict[int, str] | None = None
+
+    def _all(self) -> dict[int, str]:
+        if self._hexes is None:
+            hexes = self._job.digests()
+            self._hexes = {row: hexes[i] for row, i in self._rows.items()}
+        return self._hexes
+
+    def __getitem__(self, row: int) -> str:
+        return self._all()[row]
+
+    def __contains__(self, row: object) -> bool:
+        return row in self._rows
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
 
 
 def load_for(model_cfg: ModelConfig, engine_cfg: EngineConfig, sampling: Mapping[str, Any] | None

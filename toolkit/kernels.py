@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -171,6 +172,7 @@ class NativeLib:
         self.panel, self.lanes = int(layout[0]), int(layout[1])  # the packing its matmul reads
         self.sha_ni = bool(self.fn["sha256_ni_available"]())  # this CPU has the x86 SHA extensions (sha256_rows)
         self.sha_costs: tuple[float, float] | None = None  # measured on first use: see _sha_costs
+        self.sha_group_bytes = int(self.fn["sha256_job_group_bytes"]())  # a ShaJob's record of a group of rows
 
     def attention_supports(self, heads: int, kv_heads: int, head_dim: int, block_size: int, quantized: bool) -> bool:
         return bool(self.fn["paged_attention_supports"](heads, kv_heads, head_dim, block_size, int(quantized)))
@@ -561,19 +563,22 @@ class ShaJob:
     returns (Python's own work on one core, beside hashing that would otherwise leave it alone), and may be
     called several times; `digests()` hashes what is left on every thread and returns what sha256_rows would.
     The rows must not change until then. Where the kernels do not run (or for one or two rows) beside(fn) is
-    fn() and digests() hashes every row. An exception from fn is raised after the other threads stop."""
+    fn() and digests() hashes every row. An exception from fn is raised after the other threads stop. Calls
+    from different threads take turns (a lock): a group of rows is never hashed by two calls at once."""
 
     def __init__(self, rows_RB, index: "list[int] | None" = None, threads: int | None = None,
                  lib: NativeLib | None = None, method: str = "auto"):
         job = _sha_job(rows_RB, index, threads, lib, method)
         self._hexes = job if isinstance(job, list) else None
+        self._lock = threading.Lock()
+        self._inside: int | None = None  # the thread running fn in beside(), while it does
         if self._hexes is None:
             self._lib, self._x, index, self._threads, method, self._offsets, self._out = job
             self._rows, self._method = len(index), int(method == "sha_ni")
             # the SHA path: up to 4 rows a group, fewer where that keeps every thread busy at the end
             self._group_rows = min(4, -(-self._rows // self._threads)) if self._method else self._lib.profile.lanes
             groups = -(-self._rows // self._group_rows)
-            self._state = torch.zeros(groups * self._lib.fn["sha256_job_group_bytes"](), dtype=torch.uint8)
+            self._state = torch.zeros(groups * self._lib.sha_group_bytes, dtype=torch.uint8)
 
     def _call(self, callback) -> int:
         return self._lib.fn["sha256_job"](self._x.data_ptr(), self._offsets.data_ptr(), self._rows,
@@ -594,18 +599,33 @@ class ShaJob:
             return 0
 
         callback = _TASK(call)  # kept alive for the whole call
-        if self._call(callback) != 0 or not result:
-            raise ValueError("sha256 job: bad arguments")
+        self._check_not_inside()
+        with self._lock:
+            if self._hexes is not None:  # hashed meanwhile (by digests() on another thread)
+                return fn()
+            self._inside = threading.get_ident()
+            try:
+                if self._call(callback) != 0 or not result:
+                    raise ValueError("sha256 job: bad arguments")
+            finally:
+                self._inside = None
         if isinstance(result[0], BaseException):
             raise result[0]
         return result[0]
 
     def digests(self) -> list[str]:
-        if self._hexes is None:
-            if self._call(None) != 0:
-                raise ValueError("sha256 job: bad arguments")
-            self._hexes = _hexes(self._out)
+        self._check_not_inside()
+        with self._lock:
+            if self._hexes is None:
+                if self._call(None) != 0:
+                    raise ValueError("sha256 job: bad arguments")
+                self._hexes = _hexes(self._out)
         return self._hexes
+
+
+    def _check_not_inside(self) -> None:
+        if self._hexes is None and self._inside == threading.get_ident():
+            raise RuntimeError("a ShaJob's beside(fn) or digests() called from inside its own fn")
 
 
 _TASK = ctypes.CFUNCTYPE(ctypes.c_int)
@@ -621,8 +641,9 @@ def _sha_job(rows_RB, index, threads, lib, method):
         raise ValueError(f"sha256_rows wants a 2-D CPU array, got shape {tuple(x.shape)} on {x.device}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    index = list(range(x.shape[0])) if index is None else [int(i) for i in index]
-    if any(not 0 <= i < x.shape[0] for i in index):
+    whole = index is None
+    index = range(x.shape[0]) if whole else [int(i) for i in index]
+    if not whole and any(not 0 <= i < x.shape[0] for i in index):
         raise IndexError(f"sha256_rows: a row index is outside the {x.shape[0]} rows")
     # a pass of the build's lanes costs about what hashlib takes for two rows
     lib = _lib_or_none(lib) if len(index) > 2 or method != "auto" else None
@@ -633,7 +654,8 @@ def _sha_job(rows_RB, index, threads, lib, method):
         raise KernelUnavailable("this CPU has no SHA extensions (sha256_rows method='sha_ni')")
     if method == "auto":
         method = "sha_ni" if lib.sha_ni and _sha_ni_faster(lib, len(index), threads) else "lanes"
-    offsets = torch.tensor(index, dtype=torch.int64) * (x.stride(0) * x.element_size())
+    offsets = (torch.arange(len(index), dtype=torch.int64) if whole else torch.tensor(index, dtype=torch.int64)
+               ) * (x.stride(0) * x.element_size())
     return lib, x, index, threads, method, offsets, torch.empty((len(index), 32), dtype=torch.uint8)
 
 

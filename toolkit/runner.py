@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -156,21 +157,26 @@ class ModelRunner:
         cache.swap_in([c.device for c in batch.swap_in], [c.host for c in batch.swap_in])
         cache.copy_blocks([c.src for c in batch.block_copies], [c.dst for c in batch.block_copies])
 
-    def run(self, batch: ScheduledBatch, num_layers: int | None = None) -> ModelOutput:
+    def run(self, batch: ScheduledBatch, num_layers: int | None = None,
+            beside: Callable[[Callable[[], ForwardInputs]], ForwardInputs] | None = None) -> ModelOutput:
+        """The forward of a batch. `beside` runs the packing of its inputs (Python) where the caller has work
+        for the other threads meanwhile (Engine.step: the last step's trace digests, kernels.ShaJob.beside)."""
         self.move_blocks(batch)
         decodes = tuple(c for c in batch.chunks if c.num_tokens == 1 or c.num_logits > 1) if self.two_forwards else ()
         if decodes and len(decodes) < len(batch.chunks):
             prefills = tuple(c for c in batch.chunks if c not in decodes)
-            parts = [self._forward(dataclasses.replace(batch, chunks=decodes, num_prefill_tokens=0), num_layers),
-                     self._forward(dataclasses.replace(batch, chunks=prefills, num_decode_tokens=0), num_layers)]
+            parts = [self._forward(dataclasses.replace(batch, chunks=decodes, num_prefill_tokens=0), num_layers, beside),
+                     self._forward(dataclasses.replace(batch, chunks=prefills, num_decode_tokens=0), num_layers,
+                                   beside)]
             # prepare() orders decodes before prefill chunks, so these rows are in the fused forward's order
             return ModelOutput(logits_RV=torch.cat([p.logits_RV for p in parts]),
                                sample_chunks=parts[0].sample_chunks + parts[1].sample_chunks,
                                forward_s=parts[0].forward_s + parts[1].forward_s)
-        return self._forward(batch, num_layers)
+        return self._forward(batch, num_layers, beside)
 
-    def _forward(self, batch: ScheduledBatch, num_layers: int | None) -> ModelOutput:
-        inputs = self.prepare(batch)
+    def _forward(self, batch: ScheduledBatch, num_layers: int | None,
+                 beside: Callable[[Callable[[], ForwardInputs]], ForwardInputs] | None = None) -> ModelOutput:
+        inputs = self.prepare(batch) if beside is None else beside(lambda: self.prepare(batch))
         self.num_forwards += 1
         t = time.perf_counter()
         logits = self.model(inputs.input_ids_N, inputs.positions_N, inputs.attn, self.kv_cache.layers,

@@ -118,6 +118,7 @@ class TraceWriter:
         self._parts = 0
         self._pending: list[tuple[SampleTrace, str]] = []
         self._requests: Sequence[dict[str, Any]] | None = None  # the newest request rows not yet written
+        self._held: tuple[Any, Sequence[dict[str, Any]] | None] | None = None  # write_output's last (out, requests)
         self._steps_since_flush = 0
         self._queue: queue.Queue = queue.Queue(maxsize=256)
         self._error: BaseException | None = None
@@ -131,6 +132,11 @@ class TraceWriter:
         they changed); they are written to requests.parquet before any part holding later rows, so a part on
         disk never holds a row whose request is not in requests.parquet. `digests`: the sha256 of the logits
         rows already hashed (StepOutput.logits_sha256, by row); where one is missing, every row is hashed here."""
+        self._release_held()
+        self._write_step(traces, logits_RV, requests, digests)
+
+    def _write_step(self, traces: Sequence[SampleTrace], logits_RV: torch.Tensor | None,
+                    requests: Sequence[dict[str, Any]] | None, digests: Mapping[int, str] | None) -> None:
         if self._error is not None:
             raise RuntimeError(f"trace writer failed: {self._error}") from self._error
         start = time.perf_counter()
@@ -156,11 +162,25 @@ class TraceWriter:
         self.engine_thread_s += time.perf_counter() - start
 
     def write_output(self, out, requests: Sequence[dict[str, Any]] | None = None) -> None:
-        """write_step for an Engine.step(trace_digests=True) output: its rows, logits and digests."""
-        self.write_step(out.samples, out.logits_RV, requests, digests=out.logits_sha256)
+        """write_step for an Engine.step(trace_digests=True) output: its rows, logits and digests. Its rows are
+        taken when the next output comes (or at write_step, flush or close), in order: the engine hashes the
+        rest of its digests beside that next step's Python (they are read, and so finished, only then)."""
+        held, self._held = self._held, (out, requests)
+        if held is not None:
+            self._write_held(held)
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            self._write_held(held)
+
+    def _write_held(self, held) -> None:
+        out, requests = held
+        self._write_step(out.samples, out.logits_RV, requests, out.logits_sha256)
 
     def flush(self) -> None:
         """Write everything received so far (blocks until the worker has written it)."""
+        self._release_held()
         self._queue.put(("flush", None, None, ()))
         self._queue.join()
         if self._error is not None:
