@@ -188,6 +188,11 @@ static void hash_group(const uint8_t *base, const int64_t *offsets, int64_t n, i
     lanes_end(st, ptr, n, row_bytes, out);
 }
 
+/* hash_group for other kernels (gumbel.c hashes its kept masks with it): n <= the build's lanes (VL) rows */
+void toolkit_sha256_group(const uint8_t *base, const int64_t *offsets, int64_t n, int64_t row_bytes, uint8_t *out) {
+    if (n > 0 && n <= VL) hash_group(base, offsets, n, row_bytes, out);
+}
+
 /* out[i * 32 .. i * 32 + 31] = sha256(base + offsets[i], row_bytes) for i < rows: the rows in
    ceil(rows / VL) groups of balanced size, the groups on up to `threads` threads. (Splitting
    VL rows or fewer over the threads gained nothing on AVX-512: a pass costs the same with 8 or 16
@@ -372,7 +377,10 @@ static int64_t claim_group(sha_group *gs, int64_t groups) {
         }
         if (best < 0) return -1;
         int32_t idle = 0;
-        if (__atomic_compare_exchange_n(&gs[best].busy, &idle, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) return best;
+        if (__atomic_compare_exchange_n(&gs[best].busy, &idle, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+            if (!__atomic_load_n(&gs[best].complete, __ATOMIC_ACQUIRE)) return best;
+            __atomic_store_n(&gs[best].busy, 0, __ATOMIC_RELEASE); /* finished by another thread since the scan */
+        }
     }
 }
 
