@@ -188,11 +188,6 @@ static void hash_group(const uint8_t *base, const int64_t *offsets, int64_t n, i
     lanes_end(st, ptr, n, row_bytes, out);
 }
 
-/* hash_group for other kernels (gumbel.c hashes its kept masks with it): n <= the build's lanes (VL) rows */
-void toolkit_sha256_group(const uint8_t *base, const int64_t *offsets, int64_t n, int64_t row_bytes, uint8_t *out) {
-    if (n > 0 && n <= VL) hash_group(base, offsets, n, row_bytes, out);
-}
-
 /* out[i * 32 .. i * 32 + 31] = sha256(base + offsets[i], row_bytes) for i < rows: the rows in
    ceil(rows / VL) groups of balanced size, the groups on up to `threads` threads. (Splitting
    VL rows or fewer over the threads gained nothing on AVX-512: a pass costs the same with 8 or 16
