@@ -177,7 +177,7 @@ class Engine:
         batch, proposals = self._propose(batch)
         forwards = self.runner.num_forwards
         # the ONE forward of this step (two with scheduler_policy=two_forwards)
-        out = self.runner.run(batch, beside=hashing.beside if hashing is not None else None)
+        out = self.runner.run(batch, beside=beside)
         decision, committed, digests = self._decide_and_commit(batch, out, proposals, trace_digests)
         self.step_index = step + 1
         return self._step_output(batch, committed, decision.logits_RV, out.forward_s,
@@ -342,13 +342,15 @@ class RowDigests(Mapping[int, str]):
     step: the first look at a digest hashes what is left (ShaJob.digests, on every thread)."""
 
     def __init__(self, job: ShaJob, rows: dict[int, int]):  # decided row -> the job's row
-        self._job, self._rows = job, rows
+        self._job: ShaJob | None = job
+        self._rows = rows
         self._hexes: dict[int, str] | None = None
 
     def _all(self) -> dict[int, str]:
         if self._hexes is None:
             hexes = self._job.digests()
             self._hexes = {row: hexes[i] for row, i in self._rows.items()}
+            self._job = None
         return self._hexes
 
     def __getitem__(self, row: int) -> str:

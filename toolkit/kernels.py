@@ -569,10 +569,10 @@ class ShaJob:
     def __init__(self, rows_RB, index: "list[int] | None" = None, threads: int | None = None,
                  lib: NativeLib | None = None, method: str = "auto"):
         job = _sha_job(rows_RB, index, threads, lib, method)
-        self._hexes = job if isinstance(job, list) else None
+        self._done = job if isinstance(job, list) else None
         self._lock = threading.Lock()
         self._inside: int | None = None  # the thread running fn in beside(), while it does
-        if self._hexes is None:
+        if self._done is None:
             self._lib, self._x, index, self._threads, method, self._offsets, self._out = job
             self._rows, self._method = len(index), int(method == "sha_ni")
             # the SHA path: up to 4 rows a group, fewer where that keeps every thread busy at the end
@@ -587,7 +587,7 @@ class ShaJob:
                                           callback)
 
     def beside(self, fn: Callable[[], T]) -> T:
-        if self._hexes is not None:
+        if self._done is not None:
             return fn()
         result: list = []
 
@@ -601,7 +601,7 @@ class ShaJob:
         callback = _TASK(call)  # kept alive for the whole call
         self._check_not_inside()
         with self._lock:
-            if self._hexes is not None:  # hashed meanwhile (by digests() on another thread)
+            if self._done is not None:  # hashed meanwhile (by digests() on another thread)
                 return fn()
             self._inside = threading.get_ident()
             try:
@@ -616,15 +616,15 @@ class ShaJob:
     def digests(self) -> list[str]:
         self._check_not_inside()
         with self._lock:
-            if self._hexes is None:
+            if self._done is None:
                 if self._call(None) != 0:
                     raise ValueError("sha256 job: bad arguments")
-                self._hexes = _hexes(self._out)
-        return self._hexes
+                self._done = _hexes(self._out)
+        return self._done
 
 
     def _check_not_inside(self) -> None:
-        if self._hexes is None and self._inside == threading.get_ident():
+        if self._done is None and self._inside == threading.get_ident():
             raise RuntimeError("a ShaJob's beside(fn) or digests() called from inside its own fn")
 
 

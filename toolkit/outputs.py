@@ -93,7 +93,9 @@ class StepOutput:
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache this step
     forward_s: float = 0.0  # the model's forward alone: the rest of the step is host work
     forwards: int = 0  # target-model forwards the step made (1; 2 with scheduler_policy=two_forwards on a mixed step)
-    logits_sha256: Mapping[int, str] | None = None  # step(trace_digests=True): logits row -> sha256 of its bytes
+    # step(trace_digests=True): logits row -> sha256 of its bytes (hashed on beside the next step; a first look
+    # finishes it)
+    logits_sha256: Mapping[int, str] | None = None
 
 
 def request_metrics(r: Request) -> RequestMetrics:

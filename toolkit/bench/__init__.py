@@ -280,7 +280,7 @@ def print_report(report: dict[str, Any], run_dir: Path) -> None:
     if "trace_work" in report:
         tw = report["trace_work"]
         print(f"trace work: {tw['engine_thread_s']:.2f} s in write_step on the engine thread (the logits rows are "
-              f"hashed in the engine's step, beside its commit) + "
+              f"hashed in the engine, beside its steps' Python) + "
               f"{tw['worker_cpu_s']:.2f} s CPU on the writer thread = {100 * tw['fraction_of_wall']:.1f}% "
               f"of the traced run's wall time")
     if "long_prompt" in report:

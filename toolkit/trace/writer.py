@@ -165,18 +165,14 @@ class TraceWriter:
         """write_step for an Engine.step(trace_digests=True) output: its rows, logits and digests. Its rows are
         taken when the next output comes (or at write_step, flush or close), in order: the engine hashes the
         rest of its digests beside that next step's Python (they are read, and so finished, only then)."""
-        held, self._held = self._held, (out, requests)
-        if held is not None:
-            self._write_held(held)
+        self._release_held()
+        self._held = (out, requests)
 
     def _release_held(self) -> None:
         held, self._held = self._held, None
         if held is not None:
-            self._write_held(held)
-
-    def _write_held(self, held) -> None:
-        out, requests = held
-        self._write_step(out.samples, out.logits_RV, requests, out.logits_sha256)
+            out, requests = held
+            self._write_step(out.samples, out.logits_RV, requests, out.logits_sha256)
 
     def flush(self) -> None:
         """Write everything received so far (blocks until the worker has written it)."""
