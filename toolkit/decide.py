@@ -79,7 +79,6 @@ class Staged:
     lse_R: torch.Tensor | None  # the raw rows' logsumexp where the sampler does not read it
     proposals: Mapping[str, Proposal]
     plain: list[int]  # rows sampled (not verified, not failed)
-    sample_rows: list[SampleRow] | None = None
     sample_args: tuple | None = None  # sample()'s arguments for the plain rows
     sampler: FusedSample | None = None  # its fused path, where it takes one: the native pass still to run
 
@@ -116,10 +115,9 @@ class Decider:
         plain = [i for i, r in enumerate(rows) if r.seq.seq_id not in proposals and i not in pipe.errors]
         staged = Staged(rows, forks, logits_RV, allowed, pipe, lse_R, proposals, plain)
         if plain:
-            staged.sample_rows = [SampleRow(greedy=rows[i].seq.sampling.greedy, seed=rows[i].seq.seed,
-                                            position=rows[i].position, stream=rows[i].seq.stream,
-                                            num_top=rows[i].seq.sampling.logprobs or 0) for i in plain]
-            staged.sample_args = self._sample_args(staged)
+            staged.sample_args = self._sample_args(staged, [SampleRow(
+                greedy=rows[i].seq.sampling.greedy, seed=rows[i].seq.seed, position=rows[i].position,
+                stream=rows[i].seq.stream, num_top=rows[i].seq.sampling.logprobs or 0) for i in plain])
             staged.sampler = FusedSample.of(*staged.sample_args)
         return staged
 
@@ -189,17 +187,17 @@ class Decider:
                          vocab_size=self.vocab_size, device=device, eos_token_ids=self.eos_token_ids,
                          grammar_mask_RV=grammar_mask)
 
-    def _sample_args(self, staged: Staged) -> tuple:
+    def _sample_args(self, staged: Staged, sample_rows: list[SampleRow]) -> tuple:
         """sample()'s arguments for the plain rows (all the rows, or a copy of theirs)."""
         rows, logits_RV, pipe, lse_R, plain = staged.rows, staged.logits_RV, staged.pipe, staged.lse_R, staged.plain
         tail = [pipe.tail[i] for i in plain] if pipe.tail is not None else None
         if len(plain) == len(rows):
-            return (logits_RV, pipe.processed_RV, staged.sample_rows, lse_R, self.batch_invariant, tail, pipe.patches)
+            return (logits_RV, pipe.processed_RV, sample_rows, lse_R, self.batch_invariant, tail, pipe.patches)
         index = torch.tensor(plain, device=logits_RV.device)
         patches = pipe.patches.select(plain, len(rows)) if pipe.patches is not None else None
         raw = logits_RV.index_select(0, index)
         processed = raw if pipe.processed_RV is logits_RV else pipe.processed_RV.index_select(0, index)
-        return (raw, processed, staged.sample_rows, lse_R.index_select(0, index) if lse_R is not None else None,
+        return (raw, processed, sample_rows, lse_R.index_select(0, index) if lse_R is not None else None,
                 self.batch_invariant, tail, patches)
 
     def _sample_and_verify(self, staged: Staged) -> list[tuple[Request, list[Emit]]]:

@@ -20,6 +20,7 @@
  * target does not need to include SHA: the function is compiled for it alone and asks the CPU.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "simd.h" /* VL */
@@ -178,34 +179,6 @@ static void lanes_end(V st[8], const uint8_t *const ptr[VL], int64_t n, int64_t 
         }
 }
 
-/* digests of n <= VL rows (row i at base + offsets[i]) into out[i * 32 ..] */
-static void hash_group(const uint8_t *base, const int64_t *offsets, int64_t n, int64_t row_bytes, uint8_t *out) {
-    const uint8_t *ptr[VL];
-    V st[8];
-    lanes_ptrs(base, offsets, n, ptr);
-    lanes_init(st);
-    lanes_blocks(st, ptr, 0, row_bytes / 64);
-    lanes_end(st, ptr, n, row_bytes, out);
-}
-
-/* out[i * 32 .. i * 32 + 31] = sha256(base + offsets[i], row_bytes) for i < rows: the rows in
-   ceil(rows / VL) groups of balanced size, the groups on up to `threads` threads. (Splitting
-   VL rows or fewer over the threads gained nothing on AVX-512: a pass costs the same with 8 or 16
-   lanes busy.) */
-
-int toolkit_sha256_rows(const uint8_t *base, const int64_t *offsets, int64_t rows, int64_t row_bytes, uint8_t *out,
-                        int threads) {
-    if (rows < 0 || row_bytes < 0 || threads < 1) return -1;
-    const int64_t groups = (rows + VL - 1) / VL;
-    if (threads > groups) threads = groups > 0 ? (int)groups : 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t lo = g * rows / groups, hi = (g + 1) * rows / groups;
-        hash_group(base, offsets + lo, hi - lo, row_bytes, out + lo * 32);
-    }
-    return 0;
-}
-
 /* ---------------------------------------------------------------- the x86 SHA extensions */
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <cpuid.h>
@@ -311,31 +284,9 @@ static NI_TARGET void ni_group(int S, const uint8_t *base, const int64_t *offset
 
 int toolkit_sha256_ni_available(void) { return cpu_has_sha(); }
 
-/* as toolkit_sha256_rows, with the SHA extensions: the rows in groups of up to NI_MAX (fewer when that
-   keeps every thread busy), the groups on the threads; -1 where the CPU lacks them */
-int toolkit_sha256_rows_ni(const uint8_t *base, const int64_t *offsets, int64_t rows, int64_t row_bytes,
-                           uint8_t *out, int threads) {
-    if (rows < 0 || row_bytes < 0 || threads < 1 || !cpu_has_sha()) return -1;
-    if (rows == 0) return 0;
-    int64_t per = (rows + threads - 1) / threads;
-    if (per > NI_MAX) per = NI_MAX;
-    const int64_t groups = (rows + per - 1) / per;
-    if (threads > groups) threads = (int)groups;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t lo = g * rows / groups, hi = (g + 1) * rows / groups;
-        ni_group((int)(hi - lo), base, offsets + lo, row_bytes, NULL, 0, row_bytes / 64, out + lo * 32);
-    }
-    return 0;
-}
 #else
 int toolkit_sha256_ni_available(void) { return 0; }
 
-int toolkit_sha256_rows_ni(const uint8_t *base, const int64_t *offsets, int64_t rows, int64_t row_bytes,
-                           uint8_t *out, int threads) {
-    (void)base, (void)offsets, (void)rows, (void)row_bytes, (void)out, (void)threads;
-    return -1;
-}
 #endif
 
 /* ---------------------------------------------------------------- hashing in parts, beside the caller's work */
@@ -445,4 +396,32 @@ int toolkit_sha256_job(const uint8_t *base, const int64_t *offsets, int64_t rows
         }
     }
     return rc;
+}
+
+/* every row's digest in one call: a job from its first block to its last, on up to `threads` threads */
+static int whole_job(int method, int64_t group_rows, const uint8_t *base, const int64_t *offsets, int64_t rows,
+                     int64_t row_bytes, uint8_t *out, int threads) {
+    if (rows < 0 || threads < 1) return -1;
+    if (rows == 0) return method == 1 && !toolkit_sha256_ni_available() ? -1 : 0;
+    sha_group *state = calloc((size_t)((rows + group_rows - 1) / group_rows), sizeof *state);
+    if (!state) return -1;
+    const int rc = toolkit_sha256_job(base, offsets, rows, row_bytes, out, threads, method, group_rows, state, 0);
+    free(state);
+    return rc;
+}
+
+/* out[i * 32 .. i * 32 + 31] = sha256(base + offsets[i], row_bytes) for i < rows, in groups of the build's lanes
+   (splitting VL rows or fewer over the threads gained nothing on AVX-512: a pass costs the same with 8 or 16 lanes
+   busy) */
+int toolkit_sha256_rows(const uint8_t *base, const int64_t *offsets, int64_t rows, int64_t row_bytes, uint8_t *out,
+                        int threads) {
+    return whole_job(0, VL, base, offsets, rows, row_bytes, out, threads);
+}
+
+/* as toolkit_sha256_rows, with the SHA extensions: groups of up to 4 rows (fewer when that keeps every thread
+   busy); -1 where the CPU lacks them */
+int toolkit_sha256_rows_ni(const uint8_t *base, const int64_t *offsets, int64_t rows, int64_t row_bytes,
+                           uint8_t *out, int threads) {
+    const int64_t per = threads < 1 ? 1 : (rows + threads - 1) / threads;
+    return whole_job(1, per < 1 ? 1 : per > 4 ? 4 : per, base, offsets, rows, row_bytes, out, threads);
 }
