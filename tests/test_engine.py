@@ -237,3 +237,25 @@ def test_an_engine_is_freed_as_soon_as_it_is_dropped(tiny):
         assert cache() is None
     finally:
         gc.enable()
+
+
+def test_a_penalty_the_sampler_makes_that_empties_a_row_is_that_rows_error_only(tiny):
+    """The repetition penalty, last before the sampler's own processors, is made inside the sampler's pass; one
+    that leaves a row no finite logit (every allowed token seen, pushed down and multiplied by inf) is that
+    request's error naming the processor, found after the pass, and its batch mates sample as they do alone."""
+    order = ["logit_bias", "allowed_token_ids", "repetition_penalty", "temperature"]
+    doomed = SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True, processors=order,
+                            logit_bias={5: -100.0, 6: -100.0}, allowed_token_ids=[5, 6], repetition_penalty=1e300)
+    fine = SamplingParams(temperature=0.8, seed=4, max_tokens=4, ignore_eos=True, repetition_penalty=1.3)
+    alone = make_engine(tiny).generate([{"prompt_token_ids": [7, 8, 9, 7], "sampling_params": fine}])[0]
+    engine = make_engine(tiny)
+    engine.add_request(prompt_token_ids=[5, 6, 5], request_id="doomed", sampling_params=doomed)
+    engine.add_request(prompt_token_ids=[7, 8, 9, 7], request_id="fine", sampling_params=fine)
+    rows = []
+    while engine.has_unfinished():
+        rows += engine.step().samples
+    doomed_rows = [r for r in rows if r.request_id == "doomed"]
+    assert [(r.token_id, r.finish_reason, r.error) for r in doomed_rows] == [
+        (-1, "error", "empty support: processor 'repetition_penalty' removed every token")]
+    assert [r.token_id for r in rows if r.request_id == "fine"] == list(alone.output_token_ids)
+    assert len(alone.output_token_ids) == 4

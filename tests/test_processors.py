@@ -167,8 +167,10 @@ def test_empty_support_is_a_row_error_naming_the_processor():
 def test_repetition_penalty_before_a_sampler_tail_is_handed_over_as_changes():
     """With the sampler applying the tail, the repetition penalty (the last processor before it) becomes its
     changes, made by the sampler's kernel: the block is not copied, and sampling gives what the dense
-    processors give. A penalty that drives every token to -inf is the same row error both ways."""
+    processors give. A penalty that drives every token to -inf is the same row error both ways: the dense
+    pipeline's at once, the deferred one's once the sampler has found the row empty."""
     from toolkit.kernels import tail_fusable
+    from toolkit.processors import emptied_by_changes
     from toolkit.sampling import SampleRow, sample
 
     logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
@@ -181,9 +183,15 @@ def test_repetition_penalty_before_a_sampler_tail_is_handed_over_as_changes():
     deferred = apply_pipeline(logits, v, defer_tail=True)
     dense = apply_pipeline(logits, v, defer_tail=False)
     assert deferred.processed_RV is logits and deferred.patches is not None  # no copy of the block
-    assert deferred.patches.rows_S.tolist() == [0, 0, 0, 0]  # row 2's changes emptied it: an error instead
-    assert deferred.errors == dense.errors == {2: "empty support: processor 'repetition_penalty' removed every token"}
-    srows = [SampleRow(greedy=False, seed=p.seed, position=7, stream=0, num_top=2) for p, _, _ in rows[:2]]
+    assert deferred.patches.rows_S.tolist() == [0] * 4 + [2] * 64 and deferred.changed_by == {
+        0: "repetition_penalty", 2: "repetition_penalty"}
+    assert dense.errors == {2: "empty support: processor 'repetition_penalty' removed every token"}
+    assert deferred.errors == {}  # known once the sampler has run: row 2 comes out without a finite logit
+    srows = [SampleRow(greedy=False, seed=p.seed, position=7, stream=0, num_top=2) for p, _, _ in rows]
+    whole = sample(logits, deferred.processed_RV, srows, tail=deferred.tail, patches=deferred.patches)
+    assert whole.support_sizes[2] == 0 and whole.support_sizes[0] == 5
+    assert emptied_by_changes(deferred, [0, 2]) == dense.errors  # row 0 has 5: not emptied
+    srows = srows[:2]
     keep = torch.tensor([0, 1])
     got = sample(logits[keep], deferred.processed_RV[keep], srows, tail=[deferred.tail[0], deferred.tail[1]],
                  patches=deferred.patches.select([0, 1], 3))

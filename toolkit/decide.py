@@ -18,7 +18,7 @@ import torch
 
 from toolkit import rng
 from toolkit.grammar import GrammarBackend
-from toolkit.processors import BatchView, PipelineResult, RowState, apply_pipeline, invalid_rows
+from toolkit.processors import BatchView, PipelineResult, RowState, apply_pipeline, emptied_by_changes, invalid_rows
 from toolkit.request import Request
 from toolkit.runner import ModelOutput
 from toolkit.sampling import FusedSample, SampleRow, kept_digests, logsumexp_rows, sample
@@ -210,9 +210,12 @@ class Decider:
         result = None
         if plain:
             result = staged.sampler.result() if staged.sampler is not None else sample(*staged.sample_args)
+        if pipe.changed_by and result is not None:  # changes the sampler made that left a row nothing
+            empty = [i for i, support in zip(plain, result.support_sizes) if support == 0]
+            errors = {**errors, **emptied_by_changes(pipe, empty)}
         if lse_R is None:
             lse_R = self._raw_logsumexp(logits_RV, plain, result)
-            errors = {**pipe.errors, **invalid_rows(lse_R)}
+            errors = {**errors, **invalid_rows(lse_R)}
         if self.speculator is not None:
             self.speculator.stats.plain_samples += len(plain)
         slot = {row: j for j, row in enumerate(plain)}

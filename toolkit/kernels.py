@@ -32,6 +32,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
+import numpy as np
 import torch
 
 from toolkit.paths import cache_root
@@ -483,14 +484,16 @@ def sample_tail_cpu(x_RV: torch.Tensor, ops: list[tuple[tuple[str, float], ...]]
     kept = torch.empty((n, (vocab + 7) // 8), dtype=torch.uint8)  # filled only for rows with support < V
     patch_args = (None, None, None)
     if patches is not None and patches.rows_S.numel():
-        rows_S, cols_S = patches.rows_S, patches.cols_S  # checked: the kernel writes where they say
-        if (int(rows_S[0]) < 0 or int(rows_S[-1]) >= n or bool((rows_S[1:] < rows_S[:-1]).any())
-                or int(cols_S.min()) < 0 or int(cols_S.max()) >= vocab):
+        # checked, host-side in numpy (a few hundred entries): the kernel writes where they say
+        rows_S, cols_S = patches.rows_S.numpy(), patches.cols_S.numpy()
+        if (rows_S[0] < 0 or rows_S[-1] >= n or (rows_S[1:] < rows_S[:-1]).any()
+                or cols_S.min() < 0 or cols_S.max() >= vocab):
             raise ValueError(f"patches must list rows in order within [0, {n}) and columns within [0, {vocab})")
-        off = torch.zeros(n + 1, dtype=torch.int64)
-        off[1:] = torch.cumsum(torch.bincount(rows_S, minlength=n), 0)
-        cols, vals = cols_S.to(torch.int32), patches.values_S.to(torch.float32).contiguous()
-        patch_args = (off.data_ptr(), cols.data_ptr(), vals.data_ptr())
+        off = np.zeros(n + 1, np.int64)
+        np.cumsum(np.bincount(rows_S, minlength=n), out=off[1:])
+        cols = cols_S.astype(np.int32)
+        factors = np.ascontiguousarray(patches.factor_S.to(torch.float32).numpy())
+        patch_args = (off.ctypes.data, cols.ctypes.data, factors.ctypes.data)
     if lib.fn["sample_tail_rows"](x_RV.data_ptr(), x_RV.stride(0), n, vocab, codes_t.data_ptr(), values_t.data_ptr(),
                                   *patch_args, keys_t.data_ptr(), sampled.data_ptr(),
                                   out.data_ptr() if keep_rows else None, vocab,

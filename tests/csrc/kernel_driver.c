@@ -215,6 +215,7 @@ static void check_tail(void) {
     float *logits = uniform(S * SV, 9.0f);
     for (int v = 0; v < SV; v++)
         if (v % 13) logits[2 * SV + v] = -INFINITY; /* row 2: a sparse support, no ops */
+    logits[3 * SV + 17] = 3.0f, logits[3 * SV + 4001] = -1.0f; /* row 3's penalised entries (below) */
     uint32_t keys[2 * S];
     int8_t sampled[S] = {1, 1, 1, 1, 0, 1};
     float lse[2][S], lse_want[S], picked[2][S], threshold;
@@ -228,19 +229,20 @@ static void check_tail(void) {
     memset(kept, 0xAB, (size_t)(S * LDK)); /* full rows are left alone */
     toolkit_sample_tail_rows(logits, SV, S, SV, ops, params, 0, 0, 0, keys, sampled, out, SV, 0, lse[0], tokens[0], noise[0],
                              support[0], picked[0], 0, 0, 2);
-    /* the second call also reads the raw rows' logsumexp, and patches row 3 first (two entries) */
+    /* the second call also reads the raw rows' logsumexp, and penalises row 3 first (two entries: 3 / 0.1
+     * becomes the row's largest, -1 * inf leaves the support) */
     const int64_t patch_off[S + 1] = {0, 0, 0, 0, 2, 2, 2};
     const int32_t patch_col[2] = {17, 4001};
-    const float patch_val[2] = {30.0f, -INFINITY};
+    const float patch_factor[2] = {0.1f, INFINITY};
     float raw_lse[S], raw_want[S];
     toolkit_logsumexp_f32(logits, SV, S, SV, raw_want, 2);
-    toolkit_sample_tail_rows(logits, SV, S, SV, ops, params, patch_off, patch_col, patch_val, keys, sampled, 0, 0,
+    toolkit_sample_tail_rows(logits, SV, S, SV, ops, params, patch_off, patch_col, patch_factor, keys, sampled, 0, 0,
                              raw_lse, lse[1], tokens[1], noise[1], support[1], picked[1], kept, LDK, 2);
     if (memcmp(raw_lse, raw_want, sizeof raw_lse)) {
         printf("tail: the raw rows' logsumexp differs from toolkit_logsumexp_f32's\n");
         failures++;
     }
-    const float patched_token = 30.0f; /* row 3 (top-k 7 after the patch): token 17 is the argmax, then kept */
+    const float patched_token = 3.0f / patch_factor[0]; /* row 3 (top-k 7 after it): token 17 is the argmax */
     if (support[1][3] != 7 || tokens[1][3] != 17 || picked[1][3] != patched_token) {
         printf("tail: the patched row 3 (support %lld, token %lld) is not what its patches make it\n",
                (long long)support[1][3], (long long)tokens[1][3]);

@@ -555,10 +555,11 @@ int toolkit_gumbel_sample_rows(const float *x, int64_t ldx, int64_t V, int64_t n
  * gets its kept set there as a bitmask (row stride ldk >= ceil(V / 8) bytes: bit i & 7 of byte i >> 3 is
  * token i), built from the listed ids or, for a large support, one more pass; full rows are left alone.
  * Where raw_lse is given, raw_lse[r] = the logsumexp of row r as it comes in (toolkit_logsumexp_f32's),
- * read while the row is loaded for its ops. Where patch_off is given, row r first takes the values
- * patch_val[k] at the columns patch_col[k], patch_off[r] <= k < patch_off[r + 1] (a processor that changes
- * a few entries, e.g. the repetition penalty, handed over as its changes rather than as a copy of the
- * whole block).
+ * read while the row is loaded for its ops. Where patch_off is given, row r is first penalised at the
+ * columns patch_col[k], patch_off[r] <= k < patch_off[r + 1]: its logit x there becomes x / patch_factor[k]
+ * where x > 0, else x * patch_factor[k] (the repetition penalty, handed over as its entries rather than as
+ * a processed copy of the whole block; computed from the incoming row, so a column listed twice is
+ * penalised once).
  * Returns 0, or -1 if out of memory.
  */
 enum { TAIL_OPS = 3, TAIL_TEMPERATURE = 2 };
@@ -567,7 +568,7 @@ int toolkit_argmax_f32(const float *x, int64_t ldx, int64_t R, int64_t V, int64_
 
 int toolkit_sample_tail_rows(const float *x, int64_t ldx, int64_t R, int64_t V, const int32_t *ops,
                              const float *params, const int64_t *patch_off, const int32_t *patch_col,
-                             const float *patch_val, const uint32_t *keys, const int8_t *sampled, float *out,
+                             const float *patch_factor, const uint32_t *keys, const int8_t *sampled, float *out,
                              int64_t ldo, float *raw_lse, float *lse, int64_t *tokens, double *noise,
                              int64_t *support, float *picked, uint8_t *kept, int64_t ldk, int threads) {
     int failed = 0;
@@ -588,7 +589,10 @@ int toolkit_sample_tail_rows(const float *x, int64_t ldx, int64_t R, int64_t V, 
             if (raw_lse) raw_lse[r] = row_logsumexp(src, V);
             if (patch_off && patch_off[r + 1] > patch_off[r]) {
                 memcpy(o, src, sizeof *o * (size_t)V);
-                for (int64_t k = patch_off[r]; k < patch_off[r + 1]; k++) o[patch_col[k]] = patch_val[k];
+                for (int64_t k = patch_off[r]; k < patch_off[r + 1]; k++) {
+                    const float seen = src[patch_col[k]], f = patch_factor[k];
+                    o[patch_col[k]] = seen > 0.0f ? seen / f : seen * f;
+                }
                 src = o;
             }
             for (int j = 0; j < TAIL_OPS; j++) {

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,8 +52,10 @@ class PipelineResult:
     # is then the logits before them
     tail: tuple[Tail, ...] | None = None
     # with defer_tail: changes of processors with `changes` (see base.py) left to the sampler's kernel, made
-    # before each row's tail; processed_RV is then the logits before them too
+    # before each row's tail; processed_RV is then the logits before them too. Whether they empty a row is
+    # known once the sampler has run (see emptied_by_changes)
     patches: Patches | None = None
+    changed_by: dict[int, str] = field(default_factory=dict)  # row -> the processor whose changes it has
 
 
 def sampler_tail(params, vocab_size: int) -> Tail:
@@ -94,7 +96,7 @@ def apply_pipeline(logits_RV: torch.Tensor, view: BatchView, registry: dict[str,
     for i, row in enumerate(view.rows):
         if i not in errors:
             groups[row.params.order].append(i)
-    out, patches = logits_RV, []
+    out, patches, changed_by = logits_RV, [], {}
     for order, rows in groups.items():
         runs: dict[str, list[int]] = defaultdict(list)  # processor -> the rows it runs on here
         last: dict[int, str] = {}  # row -> its last processor before a tail the sampler applies
@@ -110,39 +112,44 @@ def apply_pipeline(logits_RV: torch.Tensor, view: BatchView, registry: dict[str,
             fn = registry[name]
             if hasattr(fn, "changes"):  # where nothing reads its output before the sampler: its changes
                 deferred = [i for i in active if last.get(i) == name]
-                made = _changes(out, view, name, fn, deferred, errors) if deferred else None
+                made = _changes(out, view, fn, deferred) if deferred else None
                 if made is not None:
                     patches.append(made)
+                    changed_by.update(dict.fromkeys(deferred, name))
                     active = [i for i in active if last.get(i) != name]
             if active:
                 out = _apply_one(out, view, name, fn, active, errors)
-    return PipelineResult(processed_RV=out, errors=errors, tail=tail, patches=_merge(patches) if tail else None)
+    return PipelineResult(processed_RV=out, errors=errors, tail=tail, patches=_merge(patches) if tail else None,
+                          changed_by=changed_by)
 
 
-def _changes(logits_RV: torch.Tensor, view: BatchView, name: str, fn: Processor, rows: list[int],
-             errors: dict[int, str]) -> Patches | None:
-    """`fn.changes` on `rows`, numbered as in the block; a row whose changes leave it nothing finite is an
-    error. None if it fails: the rows are then left to `_apply_one`, which isolates the row that fails."""
+def _changes(logits_RV: torch.Tensor, view: BatchView, fn: Processor, rows: list[int]) -> Patches | None:
+    """`fn.changes` on `rows`, numbered as in the block. None if it fails: the rows are then left to
+    `_apply_one`, which isolates the row that fails."""
     whole = len(rows) == logits_RV.shape[0]
-    index = torch.tensor(rows, device=logits_RV.device)
-    before = logits_RV if whole else logits_RV.index_select(0, index)
+    index = None if whole else torch.tensor(rows, device=logits_RV.device)
     try:
-        changes = fn.changes(before, view if whole else view.subset(rows))
+        changes = fn.changes(logits_RV if whole else logits_RV.index_select(0, index),
+                             view if whole else view.subset(rows))
     except Exception:  # noqa: BLE001 - the dense call decides which row fails
         return None
-    # a row can only be emptied where a change leaves -inf or NaN: check those rows whole
-    emptied = []
-    for j in sorted(set(changes.rows_S[~(changes.values_S > NEG_INF)].tolist())):
-        mine = changes.rows_S == j
-        row = before[j].clone()
-        row[changes.cols_S[mine]] = changes.values_S[mine]
-        if not bool(torch.amax(row) > NEG_INF):
-            errors[rows[j]] = f"empty support: processor {name!r} removed every token"
-            emptied.append(j)
-    if emptied:  # an error row is not sampled: its changes are dropped
-        keep = ~torch.isin(changes.rows_S, torch.tensor(emptied, device=changes.rows_S.device))
-        changes = Patches(changes.rows_S[keep], changes.cols_S[keep], changes.values_S[keep])
-    return Patches(changes.rows_S if whole else index[changes.rows_S], changes.cols_S, changes.values_S)
+    return changes if whole else Patches(index[changes.rows_S], changes.cols_S, changes.factor_S)
+
+
+def emptied_by_changes(pipe: PipelineResult, rows: list[int]) -> dict[int, str]:
+    """Of `rows` (rows of the block the sampler found without a finite logit), those that the changes left
+    to it emptied, with the error apply_pipeline gives them when it makes the changes itself. A change can
+    leave a row nothing only through -inf or NaN (a penalty that overflows), so this is found after the
+    sampler's pass rather than by reading every changed entry before it."""
+    errors = {}
+    for i in rows:
+        if i in pipe.changed_by:
+            mine = pipe.patches.rows_S == i
+            row = Patches(torch.zeros_like(pipe.patches.rows_S[mine]), pipe.patches.cols_S[mine],
+                          pipe.patches.factor_S[mine]).apply(pipe.processed_RV[i:i + 1])
+            if not bool(torch.amax(row) > NEG_INF):
+                errors[i] = f"empty support: processor {pipe.changed_by[i]!r} removed every token"
+    return errors
 
 
 def _merge(parts: list[Patches]) -> Patches | None:
@@ -154,7 +161,7 @@ def _merge(parts: list[Patches]) -> Patches | None:
     rows_S = torch.cat([p.rows_S for p in parts])
     order = torch.argsort(rows_S, stable=True)
     return Patches(rows_S[order], torch.cat([p.cols_S for p in parts])[order],
-                   torch.cat([p.values_S for p in parts])[order])
+                   torch.cat([p.factor_S for p in parts])[order])
 
 
 def _apply_one(logits_RV: torch.Tensor, view: BatchView, name: str, fn: Processor, rows: list[int],
@@ -193,4 +200,4 @@ def _apply_row_by_row(logits_RV, view, name, fn, rows, errors) -> torch.Tensor:
 
 
 __all__ = ["BatchView", "Patches", "PipelineResult", "REGISTRY", "RowState", "SAMPLER_TAIL", "Tail",
-           "apply_pipeline", "invalid_rows", "sampler_tail"]
+           "apply_pipeline", "emptied_by_changes", "invalid_rows", "sampler_tail"]

@@ -8,8 +8,8 @@ of a float32 logits block (one row per sampled sequence) and a read-only view of
 rows' request state. It returns a NEW tensor (never writes into its input), applies
 per-row parameters with vectorised tensor ops, and expresses a ban as -inf.
 
-A processor that changes only a few entries of each row (the repetition penalty) may also offer
-`processor.changes(logits_RV, view) -> Patches`, those entries' new values; the pipeline then hands
+A processor that penalises only a few entries of each row (the repetition penalty) may also offer
+`processor.changes(logits_RV, view) -> Patches`, those entries and their factors; the pipeline then hands
 them to the sampler's kernel, which makes them in its pass over each row, instead of copying the block.
 """
 
@@ -66,15 +66,8 @@ class BatchView:
 
     def token_index(self, ids_per_row: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, cols) int64 index tensors of each row's listed token ids (repeats kept)."""
-        flat, counts = array("q"), array("q")  # one buffer, filled by C loops, not a tensor a row
-        for ids in ids_per_row:
-            flat.extend(ids)
-            counts.append(len(ids))
-        if not flat:
-            empty = torch.empty(0, dtype=torch.int64, device=self.device)
-            return empty, empty
-        rows = torch.from_numpy(np.repeat(np.arange(len(counts), dtype=np.int64), np.frombuffer(counts, np.int64)))
-        return rows.to(self.device), torch.frombuffer(flat, dtype=torch.int64).to(self.device)
+        rows, cols = token_index_np(ids_per_row)
+        return torch.from_numpy(rows).to(self.device), torch.from_numpy(cols).to(self.device)
 
     def token_mask(self, ids_per_row: Sequence[Sequence[int]]) -> torch.Tensor:
         """(R, V) bool, True at each row's listed token ids."""
@@ -96,20 +89,36 @@ class BatchView:
         return counts
 
 
+def token_index_np(ids_per_row: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, cols) int64 arrays of each row's listed token ids (repeats kept), host-side."""
+    flat, counts = array("q"), array("q")  # one buffer, filled by C loops, not an array a row
+    for ids in ids_per_row:
+        flat.extend(ids)
+        counts.append(len(ids))
+    rows = np.repeat(np.arange(len(counts), dtype=np.int64), np.frombuffer(counts, np.int64))
+    return rows, np.frombuffer(flat, np.int64) if flat else np.empty(0, np.int64)
+
+
 @dataclass(frozen=True)
 class Patches:
-    """Changes to a few entries of a logits block, rows in order: entry k sets row rows_S[k], column
-    cols_S[k] to values_S[k] (a processor's output where it changes only these, see
-    processors.apply_pipeline); an entry listed twice carries the same value both times."""
+    """A penalty on a few entries of a logits block, rows in order: entry k divides the logit at row
+    rows_S[k], column cols_S[k] by factor_S[k] where it is positive and multiplies it by factor_S[k]
+    otherwise (a processor's output where it changes only these, see processors.apply_pipeline). The new
+    values are computed from the incoming logits, so an entry listed twice is penalised once."""
 
     rows_S: torch.Tensor  # int64, non-decreasing
     cols_S: torch.Tensor  # int64
-    values_S: torch.Tensor  # float32
+    factor_S: torch.Tensor  # float32
+
+    def values(self, x_RV: torch.Tensor) -> torch.Tensor:
+        """The entries' new values (float32 for float32 or narrower logits)."""
+        seen_S = x_RV[self.rows_S, self.cols_S]
+        return torch.where(seen_S > 0, seen_S / self.factor_S, seen_S * self.factor_S)
 
     def apply(self, x_RV: torch.Tensor) -> torch.Tensor:
         """A copy of x_RV with the changes made (what the kernel computes from them)."""
         out = x_RV.clone()
-        out[self.rows_S, self.cols_S] = self.values_S
+        out[self.rows_S, self.cols_S] = self.values(x_RV).to(out.dtype)
         return out
 
     def select(self, index: list[int], num_rows: int) -> "Patches":
@@ -119,7 +128,7 @@ class Patches:
         where[torch.tensor(index, dtype=torch.int64)] = torch.arange(len(index))
         new = where[self.rows_S]
         keep = new >= 0
-        return Patches(new[keep], self.cols_S[keep], self.values_S[keep])
+        return Patches(new[keep], self.cols_S[keep], self.factor_S[keep])
 
 
 Processor = Callable[[torch.Tensor, BatchView], torch.Tensor]

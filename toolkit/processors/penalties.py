@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from toolkit.processors.base import BatchView, Patches
+from toolkit.processors.base import BatchView, Patches, token_index_np
 
 
 def repetition_penalty(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:
@@ -15,11 +16,13 @@ def repetition_penalty(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor
 
 
 def repetition_penalty_changes(logits_RV: torch.Tensor, view: BatchView) -> Patches:
-    """The entries repetition_penalty changes, with their new values (rows in order)."""
-    rows_S, cols_S = view.token_index([r.token_ids for r in view.rows])
-    penalty_S = view.column("repetition_penalty").flatten()[rows_S]
-    seen_S = logits_RV[rows_S, cols_S]
-    return Patches(rows_S, cols_S, torch.where(seen_S > 0, seen_S / penalty_S, seen_S * penalty_S))
+    """The entries repetition_penalty changes and their factors (rows in order). Built host-side in numpy
+    without reading the logits: a few hundred entries, where each small torch call cost more than the work."""
+    rows_S, cols_S = token_index_np([r.token_ids for r in view.rows])
+    with np.errstate(over="ignore"):  # a penalty beyond float32 is inf, as a float32 tensor of it
+        factor_S = np.array([r.params.repetition_penalty for r in view.rows], np.float32)[rows_S]
+    device = logits_RV.device
+    return Patches(*(torch.from_numpy(a).to(device) for a in (rows_S, cols_S, factor_S)))
 
 
 repetition_penalty.changes = repetition_penalty_changes
