@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -126,15 +127,17 @@ def test_native_logsumexp_and_argmax_are_torchs(rows, vocab, scale, specials, ti
 @given(params=st.lists(st.fixed_dictionaries({
     "temperature": st.sampled_from([0.0, 0.5, 1.0, 1.3]), "top_k": st.sampled_from([0, 1, 7, 100, 10**6]),
     "top_p": st.sampled_from([1.0, 0.9, 0.5, 0.01]), "min_p": st.sampled_from([0.0, 0.1]),
-    "repetition_penalty": st.sampled_from([1.0, 1.2]), "seed": st.integers(0, 2**32),
+    "repetition_penalty": st.sampled_from([1.0, 1.2, 0.8]), "seed": st.integers(0, 2**32),
     "processors": st.sampled_from([None, ["temperature", "top_p", "min_p", "top_k", "repetition_penalty"],
                                    ["repetition_penalty", "top_k", "temperature", "min_p", "top_p"]])}),
     min_size=1, max_size=6),
-       vocab=st.sampled_from([50, 1000, 4099]), torch_seed=st.integers(0, 1000))
-def test_the_sampler_applying_the_pipeline_tail_changes_nothing(params, vocab, torch_seed):
+       vocab=st.sampled_from([50, 1000, 4099]), torch_seed=st.integers(0, 1000), seen_max=st.booleans())
+def test_the_sampler_applying_the_pipeline_tail_changes_nothing(params, vocab, torch_seed, seen_max):
     """apply_pipeline(defer_tail=True) leaves each row's trailing temperature / top-k / top-p to the sampler
     (one native pass a row); the engine's result must be what the whole pipeline then the sampler give:
-    the same tokens, noise, supports, log-probabilities and top alternatives, bit for bit."""
+    the same tokens, noise, supports, log-probabilities and top alternatives, bit for bit. `seen_max`: each
+    row's history holds its largest logit, so a repetition penalty moves the row's maximum (which the
+    kernel otherwise carries from its temperature pass instead of reading the row again)."""
     from toolkit.config import SamplingParams
     from toolkit.processors import BatchView, RowState, apply_pipeline, invalid_rows
     from toolkit.sampling import logsumexp_rows
@@ -142,7 +145,8 @@ def test_the_sampler_applying_the_pipeline_tail_changes_nothing(params, vocab, t
     gen = torch.Generator().manual_seed(torch_seed)
     rows = [SamplingParams(max_tokens=4, logprobs=3, **p) for p in params]
     logits = torch.randn(len(rows), vocab, generator=gen) * 4
-    history = [torch.randint(0, vocab, (5,), generator=gen).tolist() for _ in rows]
+    history = [torch.randint(0, vocab, (5,), generator=gen).tolist() + ([int(row.argmax())] if seen_max else [])
+               for row in logits]
     view = BatchView(rows=tuple(RowState(p, h, 3, ()) for p, h in zip(rows, history)), vocab_size=vocab,
                      device=logits.device)
     srows = [SampleRow(greedy=p.greedy, seed=p.seed, position=9, stream=0, num_top=3) for p in rows]
@@ -175,3 +179,38 @@ def test_the_sampler_applying_the_pipeline_tail_changes_nothing(params, vocab, t
 def test_batched_row_keys_are_row_key(rows):
     """rng.row_keys (numpy words, a step's rows at once) gives row_key's two words for every row."""
     assert rng.row_keys(rows) == [rng.row_key(*row) for row in rows]
+
+
+@native_only
+@pytest.mark.parametrize("ops", [(("temperature", 0.5), ("top_p", 0.9)), (("temperature", 1.3), ("top_k", 7)),
+                                 (("temperature", 0.5),), (("top_k", 7), ("temperature", 0.7)),
+                                 (("temperature", 0.9), ("top_k", 50), ("top_p", 0.8))])
+def test_a_penalty_made_in_the_sampler_pass_moves_the_row_maximum_bit_for_bit(ops):
+    """The sampler's kernel carries each row's maxima from its temperature pass instead of reading the row again;
+    a repetition penalty made in that pass may move them (the largest logit penalised down, or up by a factor
+    under 1; 0 or inf times inf). Everything it returns must be what the penalised rows give without it."""
+    from toolkit.kernels import sample_tail_cpu
+    from toolkit.processors.base import Patches
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(20, 4099, generator=gen) * 3
+    x[17, 7], x[18, 9] = 0.0, float("inf")  # 0 * inf and inf / inf: NaN where they are penalised by inf
+    top2 = x.topk(2, dim=1).indices
+    seen = [[int(top2[r, 0])] for r in range(12)] + [  # rows 0-11: the largest logit, by factors over and under 1
+        [int(top2[12, 0]), int(top2[12, 1])], [int(top2[13, 1])], [3, 3, int(top2[14, 0])], [], [5], [7], [9, 10],
+        [int(top2[19, 0])]]
+    factor = [1.1, 1.2, 1.3, 1.5, 2.0, 3.0, 1.05, 1.15, 1.25, 0.8, 0.5, 0.9, 1.2, 0.8, 1.5, 1.0, 1.3,
+              float("inf"), float("inf"), 0.5]
+    rows = [r for r, ids in enumerate(seen) for _ in ids]
+    patches = Patches(torch.tensor(rows), torch.tensor([c for ids in seen for c in ids]),
+                      torch.tensor([factor[r] for r in rows], dtype=torch.float32))
+    keys = [(5, r) for r in range(20)]
+    got = sample_tail_cpu(x, [ops] * 20, keys, patches=patches, raw_logsumexp=True)
+    want = sample_tail_cpu(patches.apply(x), [ops] * 20, keys)
+    assert got.tokens == want.tokens and got.support == want.support
+    assert [float(n).hex() for n in got.noise] == [float(n).hex() for n in want.noise]
+    for a, b in ((got.logsumexp_R, want.logsumexp_R), (got.picked_R, want.picked_R),
+                 (got.processed_RV, want.processed_RV)):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    part = [r for r in range(20) if got.support[r] < 4099]  # kept masks are written for these rows only
+    assert torch.equal(got.kept_bits_RB[part], want.kept_bits_RB[part])

@@ -349,6 +349,51 @@ static int64_t candidates(const float *row, int64_t V, int mode, float m, float 
     return (n + VL - 1) / VL * VL;
 }
 
+/* a row's maxima where the pass that wrote it saw them (known 0: nobody did): its largest entry with NaN
+ * aside (row_max's), whether it holds a NaN, and its largest finite entry (finite_max's). A maximum has one
+ * value whatever the order of its compares (see row_max on +0.0 and -0.0), so later passes take these
+ * instead of reading the row again. Truncation keeps all three (it keeps the row's largest entries and
+ * its NaNs). */
+typedef struct {
+    float all, finite;
+    int nan, known;
+} row_maxima;
+
+/* o = row / t (the temperature processor's division), noting o's maxima */
+static void scale_row(const float *row, float *o, int64_t V, float t, row_maxima *mx) {
+    const vf tv = splat(t), ninf = splat(-INFINITY);
+    vf m[4] = {ninf, ninf, ninf, ninf}, mf[4] = {ninf, ninf, ninf, ninf}; /* independent chains (see row_max) */
+    vi nanv = splati(0);
+    int64_t i = 0;
+    for (; i + 4 * VL <= V; i += 4 * VL)
+        for (int c = 0; c < 4; c++) {
+            const vf v = loadv(row + i + c * VL) / tv;
+            storev(o + i + c * VL, v);
+            m[c] = vselect(v > m[c], v, m[c]);
+            mf[c] = vselect(finite_mask(v) & (vi)(v > mf[c]), v, mf[c]);
+            nanv |= v != v;
+        }
+    for (; i + VL <= V; i += VL) {
+        const vf v = loadv(row + i) / tv;
+        storev(o + i, v);
+        m[0] = vselect(v > m[0], v, m[0]);
+        mf[0] = vselect(finite_mask(v) & (vi)(v > mf[0]), v, mf[0]);
+        nanv |= v != v;
+    }
+    for (int c = 1; c < 4; c++) {
+        m[0] = vselect(m[c] > m[0], m[c], m[0]);
+        mf[0] = vselect(mf[c] > mf[0], mf[c], mf[0]);
+    }
+    mx->all = hmax(m[0]), mx->finite = hmax(mf[0]), mx->nan = any_lane(nanv), mx->known = 1;
+    for (; i < V; i++) {
+        const float v = row[i] / t;
+        o[i] = v;
+        mx->all = v > mx->all ? v : mx->all;
+        mx->finite = isfinite(v) && v > mx->finite ? v : mx->finite;
+        mx->nan |= v != v;
+    }
+}
+
 /* the largest finite logit of a row (-inf without one): four independent maxima (see row_max) */
 static float finite_max(const float *row, int64_t V) {
     const vf ninf = splat(-INFINITY);
@@ -371,8 +416,9 @@ static float finite_max(const float *row, int64_t V) {
 }
 
 /* the threshold of one row (keys, e: scratch of V + VL entries); -inf when nothing is finite */
-static float row_threshold(const float *row, int64_t V, uint32_t *keys, float *e, int mode, float param) {
-    const float m = finite_max(row, V);
+static float row_threshold(const float *row, int64_t V, uint32_t *keys, float *e, int mode, float param,
+                           const row_maxima *mx) {
+    const float m = mx && mx->known ? mx->finite : finite_max(row, V);
     if (m == -INFINITY) return -INFINITY;
     float floor = -INFINITY;
     if (mode == TOP_P && param < 1.0f) {
@@ -421,8 +467,9 @@ static float row_threshold(const float *row, int64_t V, uint32_t *keys, float *e
 }
 
 /* o = row with the logits below the row's threshold set to -inf (o may be row); the threshold */
-static float truncate_row(const float *row, float *o, int64_t V, uint32_t *keys, float *e, int mode, float param) {
-    const float t = row_threshold(row, V, keys, e, mode, param);
+static float truncate_row(const float *row, float *o, int64_t V, uint32_t *keys, float *e, int mode, float param,
+                          const row_maxima *mx) {
+    const float t = row_threshold(row, V, keys, e, mode, param, mx);
     const vf tv = splat(t);
     int64_t i = 0;
     for (; i + VL <= V; i += VL) { /* x < t becomes -inf (NaN compares false and stays) */
@@ -449,7 +496,7 @@ int toolkit_truncate_f32(const float *x, int64_t ldx, int64_t R, int64_t V, int 
             if (!keys || !e) continue;
             const float *row = x + r * ldx;
             float *o = out + r * ldo;
-            thresholds[r] = truncate_row(row, o, V, keys, e, mode, param[r]);
+            thresholds[r] = truncate_row(row, o, V, keys, e, mode, param[r], 0);
         }
         free(keys);
         free(e);
@@ -463,10 +510,12 @@ int toolkit_truncate_f32(const float *x, int64_t ldx, int64_t R, int64_t V, int 
  * (the same maximum, and the same lane sums: a chunk without a finite logit adds exp(-inf - max), vexp's
  * floor, in every lane, which is added here without computing it). Returns whether ids holds them all.
  */
-static int finish_row(const float *row, int64_t V, float *lse, int64_t *support, int32_t *ids) {
+static int finish_row(const float *row, int64_t V, float *lse, int64_t *support, int32_t *ids,
+                      const row_maxima *mx) {
     const int64_t vec = V - V % VL;
-    int nan = 0;
-    const float m = lse ? row_max(row, V, &nan) : 0.0f; /* toolkit_logsumexp_f32's maximum */
+    int nan = mx && mx->known ? mx->nan : 0;
+    /* toolkit_logsumexp_f32's maximum */
+    const float m = !lse ? 0.0f : mx && mx->known ? mx->all : row_max(row, V, &nan);
     const int sum = lse && !nan && m != INFINITY && m != -INFINITY;
     vi finite = {0}; /* lanes count down: each finite logit adds -1 */
     int64_t n = 0;
@@ -531,7 +580,7 @@ int toolkit_gumbel_sample_rows(const float *x, int64_t ldx, int64_t V, int64_t n
         for (int64_t i = 0; i < n_rows; i++) {
             if (!ids) continue;
             const float *row = x + i * ldx;
-            const int listed = finish_row(row, V, 0, support + i, ids);
+            const int listed = finish_row(row, V, 0, support + i, ids, 0);
             if (keys && sampled[i])
                 tokens[i] = draw(row, V, listed ? ids : 0, support[i], keys[2 * i], keys[2 * i + 1], noise + i);
         }
@@ -587,33 +636,49 @@ int toolkit_sample_tail_rows(const float *x, int64_t ldx, int64_t R, int64_t V, 
             const float *src = x + r * ldx;
             float *o = out ? out + r * ldo : scratch;
             if (raw_lse) raw_lse[r] = row_logsumexp(src, V);
+            row_maxima mx = {0};
+            int first = 0; /* the first op not yet made */
             if (patch_off && patch_off[r + 1] > patch_off[r]) {
-                memcpy(o, src, sizeof *o * (size_t)V);
+                /* the penalty, then a leading temperature, in one pass: o = row / t, then each penalised
+                 * entry's value / t (the same two roundings). The maxima the division noted stay right where
+                 * no penalised entry was at them (a change elsewhere can only raise them); else nobody knows */
+                const int scaled = ops[r * TAIL_OPS] == TAIL_TEMPERATURE;
+                const float t = params[r * TAIL_OPS];
+                if (scaled)
+                    scale_row(src, o, V, t, &mx), first = 1;
+                else
+                    memcpy(o, src, sizeof *o * (size_t)V);
                 for (int64_t k = patch_off[r]; k < patch_off[r + 1]; k++) {
                     const float seen = src[patch_col[k]], f = patch_factor[k];
-                    o[patch_col[k]] = seen > 0.0f ? seen / f : seen * f;
+                    const float penalised = seen > 0.0f ? seen / f : seen * f;
+                    if (!scaled) {
+                        o[patch_col[k]] = penalised;
+                        continue;
+                    }
+                    const float was = seen / t, now = penalised / t;
+                    o[patch_col[k]] = now;
+                    if (!(was < mx.all) || !(was < mx.finite)) mx.known = 0;
+                    mx.nan |= now != now;
+                    mx.all = now > mx.all ? now : mx.all;
+                    mx.finite = isfinite(now) && now > mx.finite ? now : mx.finite;
                 }
                 src = o;
             }
-            for (int j = 0; j < TAIL_OPS; j++) {
+            for (int j = first; j < TAIL_OPS; j++) {
                 const int op = ops[r * TAIL_OPS + j];
                 const float p = params[r * TAIL_OPS + j];
-                if (op == TAIL_TEMPERATURE) {
-                    const vf pv = splat(p);
-                    int64_t i = 0;
-                    for (; i + VL <= V; i += VL) storev(o + i, loadv(src + i) / pv);
-                    for (; i < V; i++) o[i] = src[i] / p;
-                } else if (op == TOP_P || op == TOP_K) {
-                    truncate_row(src, o, V, kscratch, e, op, p);
-                } else {
+                if (op == TAIL_TEMPERATURE)
+                    scale_row(src, o, V, p, &mx);
+                else if (op == TOP_P || op == TOP_K)
+                    truncate_row(src, o, V, kscratch, e, op, p, &mx);
+                else
                     continue;
-                }
                 src = o;
             }
             if (out && src != o) memcpy(o, src, sizeof *o * (size_t)V);
             const float *row = src; /* the processed row */
             int32_t *ids = (int32_t *)kscratch;
-            const int listed = finish_row(row, V, lse + r, support + r, ids);
+            const int listed = finish_row(row, V, lse + r, support + r, ids, &mx);
             int64_t t = -1;
             noise[r] = NAN;
             if (keys && sampled[r])
