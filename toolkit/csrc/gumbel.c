@@ -641,7 +641,8 @@ int toolkit_sample_tail_rows(const float *x, int64_t ldx, int64_t R, int64_t V, 
             if (patch_off && patch_off[r + 1] > patch_off[r]) {
                 /* the penalty, then a leading temperature, in one pass: o = row / t, then each penalised
                  * entry's value / t (the same two roundings). The maxima the division noted stay right where
-                 * no penalised entry was at them (a change elsewhere can only raise them); else nobody knows */
+                 * every penalised entry was below them (its new value can then only raise them); else they are
+                 * read again */
                 const int scaled = ops[r * TAIL_OPS] == TAIL_TEMPERATURE;
                 const float t = params[r * TAIL_OPS];
                 if (scaled)
