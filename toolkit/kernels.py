@@ -625,7 +625,6 @@ class ShaJob:
                 self._done = _hexes(self._out)
         return self._done
 
-
     def _check_not_inside(self) -> None:
         if self._done is None and self._inside == threading.get_ident():
             raise RuntimeError("a ShaJob's beside(fn) or digests() called from inside its own fn")

@@ -112,7 +112,7 @@ def apply_pipeline(logits_RV: torch.Tensor, view: BatchView, registry: dict[str,
             fn = registry[name]
             if hasattr(fn, "changes"):  # where nothing reads its output before the sampler: its changes
                 deferred = [i for i in active if last.get(i) == name]
-                made = _changes(out, view, fn, deferred) if deferred else None
+                made = _changes(view, fn, deferred) if deferred else None
                 if made is not None:
                     patches.append(made)
                     changed_by.update(dict.fromkeys(deferred, name))
@@ -123,17 +123,18 @@ def apply_pipeline(logits_RV: torch.Tensor, view: BatchView, registry: dict[str,
                           changed_by=changed_by)
 
 
-def _changes(logits_RV: torch.Tensor, view: BatchView, fn: Processor, rows: list[int]) -> Patches | None:
+def _changes(view: BatchView, fn: Processor, rows: list[int]) -> Patches | None:
     """`fn.changes` on `rows`, numbered as in the block. None if it fails: the rows are then left to
     `_apply_one`, which isolates the row that fails."""
-    whole = len(rows) == logits_RV.shape[0]
-    index = None if whole else torch.tensor(rows, device=logits_RV.device)
+    whole = len(rows) == len(view.rows)
     try:
-        changes = fn.changes(logits_RV if whole else logits_RV.index_select(0, index),
-                             view if whole else view.subset(rows))
+        changes = fn.changes(view if whole else view.subset(rows))
     except Exception:  # noqa: BLE001 - the dense call decides which row fails
         return None
-    return changes if whole else Patches(index[changes.rows_S], changes.cols_S, changes.factor_S)
+    if whole:
+        return changes
+    index = torch.tensor(rows, device=changes.rows_S.device)
+    return Patches(index[changes.rows_S], changes.cols_S, changes.factor_S)
 
 
 def emptied_by_changes(pipe: PipelineResult, rows: list[int]) -> dict[int, str]:

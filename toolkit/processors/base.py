@@ -9,8 +9,9 @@ rows' request state. It returns a NEW tensor (never writes into its input), appl
 per-row parameters with vectorised tensor ops, and expresses a ban as -inf.
 
 A processor that penalises only a few entries of each row (the repetition penalty) may also offer
-`processor.changes(logits_RV, view) -> Patches`, those entries and their factors; the pipeline then hands
-them to the sampler's kernel, which makes them in its pass over each row, instead of copying the block.
+`processor.changes(view) -> Patches`, those entries and their factors (from the rows' state alone); the
+pipeline then hands them to the sampler's kernel, which makes them in its pass over each row, instead of
+copying the block.
 """
 
 from __future__ import annotations

@@ -12,17 +12,17 @@ def repetition_penalty(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor
     """Tokens seen in prompt or output: positive logits are divided by the penalty, negative ones multiplied.
     Only the seen entries are read and written (a token seen twice is penalised once: both writes
     carry the same value, computed from the input)."""
-    return repetition_penalty_changes(logits_RV, view).apply(logits_RV)
+    return repetition_penalty_changes(view).apply(logits_RV)
 
 
-def repetition_penalty_changes(logits_RV: torch.Tensor, view: BatchView) -> Patches:
-    """The entries repetition_penalty changes and their factors (rows in order). Built host-side in numpy
-    without reading the logits: a few hundred entries, where each small torch call cost more than the work."""
+def repetition_penalty_changes(view: BatchView) -> Patches:
+    """The entries repetition_penalty changes and their factors (rows in order), on the view's device. Built
+    host-side in numpy from the rows' tokens alone: a few hundred entries, where each small torch call cost more
+    than the work."""
     rows_S, cols_S = token_index_np([r.token_ids for r in view.rows])
     with np.errstate(over="ignore"):  # a penalty beyond float32 is inf, as a float32 tensor of it
         factor_S = np.array([r.params.repetition_penalty for r in view.rows], np.float32)[rows_S]
-    device = logits_RV.device
-    return Patches(*(torch.from_numpy(a).to(device) for a in (rows_S, cols_S, factor_S)))
+    return Patches(*(torch.from_numpy(a).to(view.device) for a in (rows_S, cols_S, factor_S)))
 
 
 repetition_penalty.changes = repetition_penalty_changes
