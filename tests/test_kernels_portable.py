@@ -194,12 +194,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("ops", [(), (("temperature", 0.8),), (("temperature", 0.8), ("top_p", 0.95)),
                                  (("temperature", 0.7), ("top_k", 50.0)), (("top_k", 1.0),), (("top_p", 0.999),),
                                  (("top_p", 0.3), ("temperature", 1.7)),
-                                 (("temperature", 0.4), ("top_k", 300.0), ("top_p", 0.9)), (("top_k", 2000.0),)])
+                                 (("temperature", 0.4), ("top_k", 300.0), ("top_p", 0.9)), (("top_k", 2000.0),),
+                                 (("temperature", -0.5), ("top_k", 7.0))])
 def test_fused_sampler_tail_is_the_stages_bit_for_bit(lib, ops):
     """kernels.sample_tail_cpu (temperature / top-k / top-p, then support, logsumexp, Gumbel-max token and
     noise, each row in one pass) equals the stages it replaces called one after another, bit for bit:
     torch's division (the temperature processor), truncate_cpu, logsumexp_cpu and gumbel_sample_cpu.
-    Rows: real-looking logits, a sparse support, a few finite ids, ties, a greedy row, a NaN, an odd width."""
+    Rows: real-looking logits, a sparse support, a few finite ids, ties, a greedy row, a NaN, a +inf, an odd
+    width. (A negative temperature is no processor's, but the kernel's own maxima must not assume one > 0.)"""
     from toolkit import rng
 
     gen = torch.Generator().manual_seed(len(ops))
@@ -209,6 +211,7 @@ def test_fused_sampler_tail_is_the_stages_bit_for_bit(lib, ops):
         x[2, 20:] = float("-inf")
         x[3] = (x[3] * 2).round()  # ties
         x[5, 11] = float("nan")
+        x[6, 5] = x[5, 12] = float("inf")  # row 5: a NaN beside a +inf (NaN wins)
         block = torch.full((8, vocab + 5), 7.0)
         block[:, :vocab] = x  # strided rows
         rows = block[:, :vocab]

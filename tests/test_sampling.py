@@ -189,12 +189,13 @@ def test_a_penalty_made_in_the_sampler_pass_moves_the_row_maximum_bit_for_bit(op
     """The sampler's kernel carries each row's maxima from its temperature pass instead of reading the row again;
     a repetition penalty made in that pass may move them (the largest logit penalised down, or up by a factor
     under 1; 0 or inf times inf). Everything it returns must be what the penalised rows give without it."""
-    from toolkit.kernels import sample_tail_cpu
+    from toolkit.kernels import logsumexp_cpu, sample_tail_cpu
     from toolkit.processors.base import Patches
 
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(20, 4099, generator=gen) * 3
     x[17, 7], x[18, 9] = 0.0, float("inf")  # 0 * inf and inf / inf: NaN where they are penalised by inf
+    x[16, 100:102] = torch.tensor([float("nan"), float("inf")])  # a penalised row's own NaN: raw logsumexp NaN
     top2 = x.topk(2, dim=1).indices
     seen = [[int(top2[r, 0])] for r in range(12)] + [  # rows 0-11: the largest logit, by factors over and under 1
         [int(top2[12, 0]), int(top2[12, 1])], [int(top2[13, 1])], [3, 3, int(top2[14, 0])], [], [5], [7], [9, 10],
@@ -207,6 +208,8 @@ def test_a_penalty_made_in_the_sampler_pass_moves_the_row_maximum_bit_for_bit(op
     keys = [(5, r) for r in range(20)]
     got = sample_tail_cpu(x, [ops] * 20, keys, patches=patches, raw_logsumexp=True)
     want = sample_tail_cpu(patches.apply(x), [ops] * 20, keys)
+    # the raw rows' logsumexp (the kernel finds their maxima in its temperature pass): logsumexp_cpu's bits
+    assert torch.equal(got.raw_logsumexp_R.view(torch.int32), logsumexp_cpu(x).view(torch.int32))
     assert got.tokens == want.tokens and got.support == want.support
     assert [float(n).hex() for n in got.noise] == [float(n).hex() for n in want.noise]
     for a, b in ((got.logsumexp_R, want.logsumexp_R), (got.picked_R, want.picked_R),

@@ -359,24 +359,28 @@ typedef struct {
     int nan, known;
 } row_maxima;
 
-/* o = row / t (the temperature processor's division), noting o's maxima */
-static void scale_row(const float *row, float *o, int64_t V, float t, row_maxima *mx) {
+/* o = row / t (the temperature processor's division), noting o's maxima; returns row's largest entry (NaN
+ * aside, row_max's). For a finite t > 0 the division keeps the order of the entries (correctly rounded, it
+ * never swaps two) and makes no NaN, so o's largest entry is that one divided by t and o has a NaN where row
+ * has: the loop follows row's maximum and o's finite one. Another t (not a temperature the processor takes)
+ * reads o once more for its maximum. */
+static float scale_row(const float *row, float *o, int64_t V, float t, row_maxima *mx) {
     const vf tv = splat(t), ninf = splat(-INFINITY);
     vf m[4] = {ninf, ninf, ninf, ninf}, mf[4] = {ninf, ninf, ninf, ninf}; /* independent chains (see row_max) */
     vi nanv = splati(0);
     int64_t i = 0;
     for (; i + 4 * VL <= V; i += 4 * VL)
         for (int c = 0; c < 4; c++) {
-            const vf v = loadv(row + i + c * VL) / tv;
+            const vf x = loadv(row + i + c * VL), v = x / tv;
             storev(o + i + c * VL, v);
-            m[c] = vselect(v > m[c], v, m[c]);
+            m[c] = vselect(x > m[c], x, m[c]);
             mf[c] = vselect(finite_mask(v) & (vi)(v > mf[c]), v, mf[c]);
             nanv |= v != v;
         }
     for (; i + VL <= V; i += VL) {
-        const vf v = loadv(row + i) / tv;
+        const vf x = loadv(row + i), v = x / tv;
         storev(o + i, v);
-        m[0] = vselect(v > m[0], v, m[0]);
+        m[0] = vselect(x > m[0], x, m[0]);
         mf[0] = vselect(finite_mask(v) & (vi)(v > mf[0]), v, mf[0]);
         nanv |= v != v;
     }
@@ -384,14 +388,20 @@ static void scale_row(const float *row, float *o, int64_t V, float t, row_maxima
         m[0] = vselect(m[c] > m[0], m[c], m[0]);
         mf[0] = vselect(mf[c] > mf[0], mf[c], mf[0]);
     }
-    mx->all = hmax(m[0]), mx->finite = hmax(mf[0]), mx->nan = any_lane(nanv), mx->known = 1;
+    float top = hmax(m[0]);
+    mx->finite = hmax(mf[0]), mx->nan = any_lane(nanv), mx->known = 1;
     for (; i < V; i++) {
-        const float v = row[i] / t;
+        const float x = row[i], v = x / t;
         o[i] = v;
-        mx->all = v > mx->all ? v : mx->all;
+        top = x > top ? x : top;
         mx->finite = isfinite(v) && v > mx->finite ? v : mx->finite;
         mx->nan |= v != v;
     }
+    if (t > 0.0f && t < INFINITY)
+        mx->all = top / t;
+    else
+        mx->all = row_max(o, V, &mx->nan);
+    return top;
 }
 
 /* the largest finite logit of a row (-inf without one): four independent maxima (see row_max) */
@@ -547,6 +557,54 @@ static int finish_row(const float *row, int64_t V, float *lse, int64_t *support,
     return count * 4 < V;
 }
 
+/*
+ * truncate_row then finish_row in one pass (the row's last op a truncation): o = row with the logits below
+ * its threshold set to -inf (o may be row), and of o: support, ids while under a quarter of V, and lse, each
+ * what finish_row computes over o (the same lane sums in the same order). Truncation keeps the row's largest
+ * entries and its NaNs, so o's maximum and NaN flag are row's. ids may be keys (the threshold is found
+ * first). Returns whether ids holds every finite logit.
+ */
+static int truncate_finish_row(const float *row, float *o, int64_t V, uint32_t *keys, float *e, int mode,
+                               float param, const row_maxima *mx, float *lse, int64_t *support, int32_t *ids) {
+    const float t = row_threshold(row, V, keys, e, mode, param, mx);
+    int nan = mx && mx->known ? mx->nan : 0;
+    const float m = mx && mx->known ? mx->all : row_max(row, V, &nan);
+    const int sum = !nan && m != INFINITY && m != -INFINITY;
+    const vf tv = splat(t), ninf = splat(-INFINITY), floor = vexp(ninf), mvec = splat(m);
+    vi finite = {0}; /* lanes count down: each finite logit adds -1 */
+    vf sv = splat(0.0f);
+    int64_t n = 0, i = 0;
+    vu lane;
+    for (int j = 0; j < VL; j++) lane[j] = (uint32_t)j;
+    for (; i + VL <= V; i += VL) {
+        const vf v = loadv(row + i), w = vselect((vi)(v < tv), ninf, v); /* NaN compares false and stays */
+        storev(o + i, w);
+        const vi mask = finite_mask(w);
+        if (any_lane(mask)) {
+            finite += mask;
+            if (n * 4 < V) n = append_lanes((uint32_t *)ids, n, mask, lane + (uint32_t)i);
+            if (sum) sv += vexp(w - mvec);
+        } else if (sum) {
+            sv += floor;
+        }
+    }
+    int64_t count = 0;
+    for (int j = 0; j < VL; j++) count -= finite[j];
+    float s = hsum(sv);
+    for (; i < V; i++) {
+        const float w = row[i] < t ? -INFINITY : row[i];
+        o[i] = w;
+        if (isfinite(w)) {
+            if (n * 4 < V) ids[n++] = (int32_t)i;
+            count++;
+        }
+        if (sum) s += sexp(w - m);
+    }
+    *support = count;
+    *lse = sum ? m + logf(s) : nan ? NAN : m;
+    return count * 4 < V;
+}
+
 /* the Gumbel-max token of a row under (k0, k1) over its `count` finite logits (listed in ids, or NULL:
  * the whole row), -1 without one; its noise (NaN without a token) */
 static int64_t draw(const float *row, int64_t V, const int32_t *ids, int64_t count, uint32_t k0, uint32_t k1,
@@ -635,7 +693,15 @@ int toolkit_sample_tail_rows(const float *x, int64_t ldx, int64_t R, int64_t V, 
             if (!kscratch || !e || (!out && !scratch)) continue;
             const float *src = x + r * ldx;
             float *o = out ? out + r * ldo : scratch;
-            if (raw_lse) raw_lse[r] = row_logsumexp(src, V);
+            const int32_t *op_r = ops + r * TAIL_OPS;
+            const float *param_r = params + r * TAIL_OPS;
+            /* a leading temperature's pass finds the raw row's maximum (see scale_row): the raw logsumexp
+             * then takes one more pass instead of two */
+            const int raw_scaled = op_r[0] == TAIL_TEMPERATURE && param_r[0] > 0.0f && param_r[0] < INFINITY;
+            if (raw_lse && !raw_scaled) raw_lse[r] = row_logsumexp(src, V);
+            int last = -1; /* the last op made: where it is a truncation, the finish goes in its pass */
+            for (int j = 0; j < TAIL_OPS; j++)
+                if (op_r[j] == TAIL_TEMPERATURE || op_r[j] == TOP_P || op_r[j] == TOP_K) last = j;
             row_maxima mx = {0};
             int first = 0; /* the first op not yet made */
             if (patch_off && patch_off[r + 1] > patch_off[r]) {
@@ -643,12 +709,15 @@ int toolkit_sample_tail_rows(const float *x, int64_t ldx, int64_t R, int64_t V, 
                  * entry's value / t (the same two roundings). The maxima the division noted stay right where
                  * every penalised entry was below them (its new value can then only raise them); else they are
                  * read again */
-                const int scaled = ops[r * TAIL_OPS] == TAIL_TEMPERATURE;
-                const float t = params[r * TAIL_OPS];
-                if (scaled)
-                    scale_row(src, o, V, t, &mx), first = 1;
-                else
+                const int scaled = op_r[0] == TAIL_TEMPERATURE;
+                const float t = param_r[0];
+                if (scaled) {
+                    const float top = scale_row(src, o, V, t, &mx);
+                    if (raw_lse && raw_scaled) raw_lse[r] = logsumexp_at(src, V, top, mx.nan);
+                    first = 1;
+                } else {
                     memcpy(o, src, sizeof *o * (size_t)V);
+                }
                 for (int64_t k = patch_off[r]; k < patch_off[r + 1]; k++) {
                     const float seen = src[patch_col[k]], f = patch_factor[k];
                     const float penalised = seen > 0.0f ? seen / f : seen * f;
@@ -665,21 +734,26 @@ int toolkit_sample_tail_rows(const float *x, int64_t ldx, int64_t R, int64_t V, 
                 }
                 src = o;
             }
+            int32_t *ids = (int32_t *)kscratch;
+            int listed = -1; /* -1: the processed row not finished yet */
             for (int j = first; j < TAIL_OPS; j++) {
-                const int op = ops[r * TAIL_OPS + j];
-                const float p = params[r * TAIL_OPS + j];
-                if (op == TAIL_TEMPERATURE)
-                    scale_row(src, o, V, p, &mx);
-                else if (op == TOP_P || op == TOP_K)
+                const int op = op_r[j];
+                const float p = param_r[j];
+                if (op == TAIL_TEMPERATURE) {
+                    const float top = scale_row(src, o, V, p, &mx);
+                    if (j == 0 && raw_lse && raw_scaled) raw_lse[r] = logsumexp_at(src, V, top, mx.nan);
+                } else if ((op == TOP_P || op == TOP_K) && j == last) {
+                    listed = truncate_finish_row(src, o, V, kscratch, e, op, p, &mx, lse + r, support + r, ids);
+                } else if (op == TOP_P || op == TOP_K) {
                     truncate_row(src, o, V, kscratch, e, op, p, &mx);
-                else
+                } else {
                     continue;
+                }
                 src = o;
             }
             if (out && src != o) memcpy(o, src, sizeof *o * (size_t)V);
             const float *row = src; /* the processed row */
-            int32_t *ids = (int32_t *)kscratch;
-            const int listed = finish_row(row, V, lse + r, support + r, ids, &mx);
+            if (listed < 0) listed = finish_row(row, V, lse + r, support + r, ids, &mx);
             int64_t t = -1;
             noise[r] = NAN;
             if (keys && sampled[r])

@@ -276,12 +276,9 @@ INLINE float row_max(const float *row, int64_t V, int *nan) {
     return m;
 }
 
-/* max + log(sum(exp(x - max))) of a row: NaN if it has a NaN, +inf if it has +inf, -inf if every
- * entry is -inf (toolkit_logsumexp_f32's rows, and the sampler's raw rows: the same bits) */
-INLINE float row_logsumexp(const float *row, int64_t V) {
+/* row_logsumexp given the row's maximum and NaN flag (row_max's, or the same values found on another pass) */
+INLINE float logsumexp_at(const float *row, int64_t V, float m, int nan) {
     const int64_t vec = V - V % VL;
-    int nan;
-    const float m = row_max(row, V, &nan);
     if (nan) return NAN;
     if (m == INFINITY || m == -INFINITY) return m;
     vf sv = splat(0.0f);
@@ -289,6 +286,14 @@ INLINE float row_logsumexp(const float *row, int64_t V) {
     float s = hsum(sv);
     for (int64_t i = vec; i < V; i++) s += sexp(row[i] - m);
     return m + logf(s);
+}
+
+/* max + log(sum(exp(x - max))) of a row: NaN if it has a NaN, +inf if it has +inf, -inf if every
+ * entry is -inf (toolkit_logsumexp_f32's rows, and the sampler's raw rows: the same bits) */
+INLINE float row_logsumexp(const float *row, int64_t V) {
+    int nan;
+    const float m = row_max(row, V, &nan);
+    return logsumexp_at(row, V, m, nan);
 }
 
 #endif
