@@ -469,19 +469,22 @@ def sample_tail_cpu(x_RV: torch.Tensor, ops: list[tuple[tuple[str, float], ...]]
     if lib is None:
         return None
     n, vocab = x_RV.shape
-    if any(len(row) > TAIL_WIDTH for row in ops):
+    # the rows' ops, encoded once per distinct tuple (a step's rows mostly share their parameters); the small
+    # arrays in numpy (a torch.tensor of nested lists took ~10 us each, several times that cold after a forward)
+    distinct: dict = {}
+    which = [distinct.setdefault(row, len(distinct)) for row in ops]
+    if any(len(row) > TAIL_WIDTH for row in distinct):
         raise ValueError(f"at most {TAIL_WIDTH} tail ops a row")
-    codes = [[TAIL_OPS[name] for name, _ in row] + [-1] * (TAIL_WIDTH - len(row)) for row in ops]
-    values = [[value for _, value in row] + [0.0] * (TAIL_WIDTH - len(row)) for row in ops]
-    codes_t, values_t = torch.tensor(codes, dtype=torch.int32), torch.tensor(values, dtype=torch.float32)
-    keys_t = torch.tensor([k if k is not None else (0, 0) for k in keys], dtype=torch.int64).to(torch.int32)
-    sampled = torch.tensor([k is not None for k in keys], dtype=torch.int8)
+    pad = ((-1, 0.0),) * TAIL_WIDTH
+    table = [[(TAIL_OPS[name], value) for name, value in row] + list(pad[len(row):]) for row in distinct]
+    codes = np.array([[code for code, _ in row] for row in table], np.int32)[which]
+    values = np.array([[value for _, value in row] for row in table], np.float32)[which]
+    keys_w = np.array([k if k is not None else (0, 0) for k in keys], np.uint32).reshape(n, 2)
+    sampled = np.array([k is not None for k in keys], np.int8)
     out = torch.empty((n, vocab), dtype=torch.float32) if keep_rows else None
-    lse, picked = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
-    raw_lse = torch.empty(n, dtype=torch.float32) if raw_logsumexp else None
-    tokens, noise = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.float64)
-    support = torch.empty(n, dtype=torch.int64)
-    kept = torch.empty((n, (vocab + 7) // 8), dtype=torch.uint8)  # filled only for rows with support < V
+    lse, picked, raw_lse = np.empty(n, np.float32), np.empty(n, np.float32), np.empty(n, np.float32)
+    tokens, noise, support = np.empty(n, np.int64), np.empty(n, np.float64), np.empty(n, np.int64)
+    kept = np.empty((n, (vocab + 7) // 8), np.uint8)  # filled only for rows with support < V
     patch_args = (None, None, None)
     if patches is not None and patches.rows_S.numel():
         # checked, host-side in numpy (a few hundred entries): the kernel writes where they say
@@ -494,14 +497,16 @@ def sample_tail_cpu(x_RV: torch.Tensor, ops: list[tuple[tuple[str, float], ...]]
         cols = cols_S.astype(np.int32)
         factors = np.ascontiguousarray(patches.factor_S.to(torch.float32).numpy())
         patch_args = (off.ctypes.data, cols.ctypes.data, factors.ctypes.data)
-    if lib.fn["sample_tail_rows"](x_RV.data_ptr(), x_RV.stride(0), n, vocab, codes_t.data_ptr(), values_t.data_ptr(),
-                                  *patch_args, keys_t.data_ptr(), sampled.data_ptr(),
+    if lib.fn["sample_tail_rows"](x_RV.data_ptr(), x_RV.stride(0), n, vocab, codes.ctypes.data, values.ctypes.data,
+                                  *patch_args, keys_w.ctypes.data, sampled.ctypes.data,
                                   out.data_ptr() if keep_rows else None, vocab,
-                                  raw_lse.data_ptr() if raw_logsumexp else None, lse.data_ptr(), tokens.data_ptr(),
-                                  noise.data_ptr(), support.data_ptr(), picked.data_ptr(), kept.data_ptr(),
-                                  kept.shape[1], torch.get_num_threads()) != 0:
+                                  raw_lse.ctypes.data if raw_logsumexp else None, lse.ctypes.data,
+                                  tokens.ctypes.data, noise.ctypes.data, support.ctypes.data, picked.ctypes.data,
+                                  kept.ctypes.data, kept.shape[1], torch.get_num_threads()) != 0:
         raise MemoryError("sample_tail_rows: out of memory")
-    return TailSample(tokens.tolist(), noise.tolist(), support.tolist(), lse, picked, out, kept, raw_lse)
+    return TailSample(tokens.tolist(), noise.tolist(), support.tolist(), torch.from_numpy(lse),
+                      torch.from_numpy(picked), out, torch.from_numpy(kept),
+                      torch.from_numpy(raw_lse) if raw_logsumexp else None)
 
 
 def gumbel_noise_cpu(ids: torch.Tensor, key: tuple[int, int], lib: NativeLib | None = None) -> torch.Tensor:
