@@ -465,48 +465,79 @@ def sample_tail_cpu(x_RV: torch.Tensor, ops: list[tuple[tuple[str, float], ...]]
     whole block saved); `patches` are made to each row before its ops (`patches.apply(x_RV)` as the
     input, without copying the block); `raw_logsumexp` also returns the input rows' logsumexp (logsumexp_cpu's
     bits), read while each row is in cache; None where the kernel does not apply."""
-    lib = _tail_lib(x_RV, lib)
-    if lib is None:
+    call = TailCall.of(x_RV, ops, keys, keep_rows, lib, patches, raw_logsumexp)
+    if call is None:
         return None
-    n, vocab = x_RV.shape
-    # the rows' ops, encoded once per distinct tuple (a step's rows mostly share their parameters); the small
-    # arrays in numpy (a torch.tensor of nested lists took ~10 us each, several times that cold after a forward)
-    distinct: dict = {}
-    which = [distinct.setdefault(row, len(distinct)) for row in ops]
-    if any(len(row) > TAIL_WIDTH for row in distinct):
-        raise ValueError(f"at most {TAIL_WIDTH} tail ops a row")
-    pad = ((-1, 0.0),) * TAIL_WIDTH
-    table = [[(TAIL_OPS[name], value) for name, value in row] + list(pad[len(row):]) for row in distinct]
-    codes = np.array([[code for code, _ in row] for row in table], np.int32)[which]
-    values = np.array([[value for _, value in row] for row in table], np.float32)[which]
-    keys_w = np.array([k if k is not None else (0, 0) for k in keys], np.uint32).reshape(n, 2)
-    sampled = np.array([k is not None for k in keys], np.int8)
-    out = torch.empty((n, vocab), dtype=torch.float32) if keep_rows else None
-    lse, picked, raw_lse = np.empty(n, np.float32), np.empty(n, np.float32), np.empty(n, np.float32)
-    tokens, noise, support = np.empty(n, np.int64), np.empty(n, np.float64), np.empty(n, np.int64)
-    kept = np.empty((n, (vocab + 7) // 8), np.uint8)  # filled only for rows with support < V
-    patch_args = (None, None, None)
-    if patches is not None and patches.rows_S.numel():
-        # checked, host-side in numpy (a few hundred entries): the kernel writes where they say
-        rows_S, cols_S = patches.rows_S.numpy(), patches.cols_S.numpy()
-        if (rows_S[0] < 0 or rows_S[-1] >= n or (rows_S[1:] < rows_S[:-1]).any()
-                or cols_S.min() < 0 or cols_S.max() >= vocab):
-            raise ValueError(f"patches must list rows in order within [0, {n}) and columns within [0, {vocab})")
-        off = np.zeros(n + 1, np.int64)
-        np.cumsum(np.bincount(rows_S, minlength=n), out=off[1:])
-        cols = cols_S.astype(np.int32)
-        factors = np.ascontiguousarray(patches.factor_S.to(torch.float32).numpy())
-        patch_args = (off.ctypes.data, cols.ctypes.data, factors.ctypes.data)
-    if lib.fn["sample_tail_rows"](x_RV.data_ptr(), x_RV.stride(0), n, vocab, codes.ctypes.data, values.ctypes.data,
-                                  *patch_args, keys_w.ctypes.data, sampled.ctypes.data,
-                                  out.data_ptr() if keep_rows else None, vocab,
-                                  raw_lse.ctypes.data if raw_logsumexp else None, lse.ctypes.data,
-                                  tokens.ctypes.data, noise.ctypes.data, support.ctypes.data, picked.ctypes.data,
-                                  kept.ctypes.data, kept.shape[1], torch.get_num_threads()) != 0:
-        raise MemoryError("sample_tail_rows: out of memory")
-    return TailSample(tokens.tolist(), noise.tolist(), support.tolist(), torch.from_numpy(lse),
-                      torch.from_numpy(picked), out, torch.from_numpy(kept),
-                      torch.from_numpy(raw_lse) if raw_logsumexp else None)
+    call.run()
+    return call.result()
+
+
+class TailCall:
+    """sample_tail_cpu in its three parts, so that a caller can put its Python beside other work: the
+    arguments checked and laid out (`of`), the kernel's pass on every thread (`run`), and its TailSample
+    (`result`)."""
+
+    def __init__(self, lib: NativeLib, x_RV: torch.Tensor, ops: list[tuple[tuple[str, float], ...]],
+                 keys: list[tuple[int, int] | None], keep_rows: bool, patches: Patches | None, raw_logsumexp: bool):
+        n, vocab = x_RV.shape
+        # the rows' ops, encoded once per distinct tuple (a step's rows mostly share their parameters); the
+        # small arrays in numpy (a torch.tensor of nested lists took ~10 us each, several times that cold)
+        distinct: dict = {}
+        which = [distinct.setdefault(row, len(distinct)) for row in ops]
+        if any(len(row) > TAIL_WIDTH for row in distinct):
+            raise ValueError(f"at most {TAIL_WIDTH} tail ops a row")
+        pad = ((-1, 0.0),) * TAIL_WIDTH
+        table = [[(TAIL_OPS[name], value) for name, value in row] + list(pad[len(row):]) for row in distinct]
+        codes = np.array([[code for code, _ in row] for row in table], np.int32)[which]
+        values = np.array([[value for _, value in row] for row in table], np.float32)[which]
+        keys_w = np.array([k if k is not None else (0, 0) for k in keys], np.uint32).reshape(n, 2)
+        sampled = np.array([k is not None for k in keys], np.int8)
+        self.out = torch.empty((n, vocab), dtype=torch.float32) if keep_rows else None
+        self.lse, self.picked = np.empty(n, np.float32), np.empty(n, np.float32)
+        self.raw_lse = np.empty(n, np.float32) if raw_logsumexp else None
+        self.tokens, self.noise, self.support = np.empty(n, np.int64), np.empty(n, np.float64), np.empty(n, np.int64)
+        self.kept = np.empty((n, (vocab + 7) // 8), np.uint8)  # filled only for rows with support < V
+        patch = (None, None, None)
+        if patches is not None and patches.rows_S.numel():
+            # checked, host-side in numpy (a few hundred entries): the kernel writes where they say
+            rows_S, cols_S = patches.rows_S.numpy(), patches.cols_S.numpy()
+            if (rows_S[0] < 0 or rows_S[-1] >= n or (rows_S[1:] < rows_S[:-1]).any()
+                    or cols_S.min() < 0 or cols_S.max() >= vocab):
+                raise ValueError(f"patches must list rows in order within [0, {n}) and columns within [0, {vocab})")
+            off = np.zeros(n + 1, np.int64)
+            np.cumsum(np.bincount(rows_S, minlength=n), out=off[1:])
+            patch = (off, cols_S.astype(np.int32), np.ascontiguousarray(patches.factor_S.to(torch.float32).numpy()))
+        self._keep = (x_RV, codes, values, keys_w, sampled, patch)  # alive until the call returns
+        self._args = (x_RV.data_ptr(), x_RV.stride(0), n, vocab, codes.ctypes.data, values.ctypes.data,
+                      *(a.ctypes.data if a is not None else None for a in patch), keys_w.ctypes.data,
+                      sampled.ctypes.data, self.out.data_ptr() if keep_rows else None, vocab,
+                      self.raw_lse.ctypes.data if raw_logsumexp else None, self.lse.ctypes.data,
+                      self.tokens.ctypes.data, self.noise.ctypes.data, self.support.ctypes.data,
+                      self.picked.ctypes.data, self.kept.ctypes.data, self.kept.shape[1], torch.get_num_threads())
+        self._fn = lib.fn["sample_tail_rows"]
+        self.done = False
+
+    @classmethod
+    def of(cls, x_RV: torch.Tensor, ops: list[tuple[tuple[str, float], ...]], keys: list[tuple[int, int] | None],
+           keep_rows: bool = True, lib: NativeLib | None = None, patches: Patches | None = None,
+           raw_logsumexp: bool = False) -> "TailCall | None":
+        """sample_tail_cpu's call for these arguments (see there), not yet run; None where the kernel does not
+        apply."""
+        lib = _tail_lib(x_RV, lib)
+        return cls(lib, x_RV, ops, keys, keep_rows, patches, raw_logsumexp) if lib is not None else None
+
+    def run(self) -> None:
+        """The kernel's pass (once)."""
+        if not self.done:
+            if self._fn(*self._args) != 0:
+                raise MemoryError("sample_tail_rows: out of memory")
+            self.done = True
+
+    def result(self) -> TailSample:
+        self.run()
+        return TailSample(self.tokens.tolist(), self.noise.tolist(), self.support.tolist(), torch.from_numpy(self.lse),
+                          torch.from_numpy(self.picked), self.out, torch.from_numpy(self.kept),
+                          torch.from_numpy(self.raw_lse) if self.raw_lse is not None else None)
 
 
 def gumbel_noise_cpu(ids: torch.Tensor, key: tuple[int, int], lib: NativeLib | None = None) -> torch.Tensor:
@@ -561,7 +592,7 @@ def sha256_rows(rows_RB, index: "list[int] | None" = None, threads: int | None =
         return job
     lib, x, index, threads, method, offsets, out = job
     lib.fn["sha256_rows_ni" if method == "sha_ni" else "sha256_rows"](
-        x.data_ptr(), offsets.data_ptr(), len(index), x.shape[1] * x.element_size(), out.data_ptr(), threads)
+        x.data_ptr(), offsets.ctypes.data, len(index), x.shape[1] * x.element_size(), out.ctypes.data, threads)
     return _hexes(out)
 
 
@@ -586,12 +617,12 @@ class ShaJob:
             # the SHA path: up to 4 rows a group, fewer where that keeps every thread busy at the end
             self._group_rows = min(4, -(-self._rows // self._threads)) if self._method else self._lib.profile.lanes
             groups = -(-self._rows // self._group_rows)
-            self._state = torch.zeros(groups * self._lib.sha_group_bytes, dtype=torch.uint8)
+            self._state = np.zeros(groups * self._lib.sha_group_bytes, np.uint8)
 
     def _call(self, callback) -> int:
-        return self._lib.fn["sha256_job"](self._x.data_ptr(), self._offsets.data_ptr(), self._rows,
-                                          self._x.shape[1] * self._x.element_size(), self._out.data_ptr(),
-                                          self._threads, self._method, self._group_rows, self._state.data_ptr(),
+        return self._lib.fn["sha256_job"](self._x.data_ptr(), self._offsets.ctypes.data, self._rows,
+                                          self._x.shape[1] * self._x.element_size(), self._out.ctypes.data,
+                                          self._threads, self._method, self._group_rows, self._state.ctypes.data,
                                           callback)
 
     def beside(self, fn: Callable[[], T]) -> T:
@@ -661,13 +692,13 @@ def _sha_job(rows_RB, index, threads, lib, method):
         raise KernelUnavailable("this CPU has no SHA extensions (sha256_rows method='sha_ni')")
     if method == "auto":
         method = "sha_ni" if lib.sha_ni and _sha_ni_faster(lib, len(index), threads) else "lanes"
-    offsets = (torch.arange(len(index), dtype=torch.int64) if whole else torch.tensor(index, dtype=torch.int64)
+    offsets = (np.arange(len(index), dtype=np.int64) if whole else np.array(index, dtype=np.int64)
                ) * (x.stride(0) * x.element_size())
-    return lib, x, index, threads, method, offsets, torch.empty((len(index), 32), dtype=torch.uint8)
+    return lib, x, index, threads, method, offsets, np.empty((len(index), 32), np.uint8)
 
 
-def _hexes(out: torch.Tensor) -> list[str]:
-    hexes = out.numpy().tobytes().hex()
+def _hexes(out: np.ndarray) -> list[str]:
+    hexes = out.tobytes().hex()
     return [hexes[64 * i:64 * i + 64] for i in range(out.shape[0])]
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from toolkit import rng
-from toolkit.kernels import TailSample, argmax_cpu, gumbel_sample_cpu, logsumexp_cpu, sample_tail_cpu, sha256_rows
+from toolkit.kernels import TailCall, TailSample, argmax_cpu, gumbel_sample_cpu, logsumexp_cpu, sha256_rows
 
 if TYPE_CHECKING:
     from toolkit.processors import Patches, Tail
@@ -156,11 +156,13 @@ class FusedSample:
     def __init__(self, raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRow],
                  raw_logsumexp_R: torch.Tensor | None, per_row: bool, tail: Sequence[Tail], patches: Patches | None):
         self.raw_RV, self.processed_RV, self.rows, self.per_row = raw_RV, processed_RV, rows, per_row
-        self.tail, self.patches, self.given_lse = list(tail), patches, raw_logsumexp_R
+        self.tail, self.given_lse = list(tail), raw_logsumexp_R
         self.keys = _keys(rows)
         self.num_top = max((row.num_top for row in rows), default=0)
         # not given, the raw rows' logsumexp is read by the kernel where its input is the raw rows
         self.own_lse = raw_logsumexp_R is None and processed_RV is raw_RV
+        self.call = TailCall.of(processed_RV, self.tail, self.keys, keep_rows=self.num_top > 0, patches=patches,
+                                raw_logsumexp=self.own_lse)
         self.fused: TailSample | None = None
 
     @classmethod
@@ -171,14 +173,14 @@ class FusedSample:
         return cls(raw_RV, processed_RV, rows, raw_logsumexp_R, per_row, tail, patches) if tail and any(tail) else None
 
     def run(self) -> None:
-        if self.fused is None:
-            self.fused = sample_tail_cpu(self.processed_RV, self.tail, self.keys, keep_rows=self.num_top > 0,
-                                         patches=self.patches, raw_logsumexp=self.own_lse)
-            if self.fused is None:
-                raise RuntimeError("a pipeline tail was left to the sampler where its kernel does not run")
+        if self.call is None:
+            raise RuntimeError("a pipeline tail was left to the sampler where its kernel does not run")
+        self.call.run()
 
     def result(self) -> SampleResult:
         self.run()
+        if self.fused is None:
+            self.fused = self.call.result()
         fused, raw_RV, rows, num_top = self.fused, self.raw_RV, self.rows, self.num_top
         raw_lse = fused.raw_logsumexp_R if self.own_lse else _raw_lse(raw_RV, self.given_lse, self.per_row)
         tokens, proc_lse = fused.tokens, fused.logsumexp_R
