@@ -475,7 +475,7 @@ def sample_tail_cpu(x_RV: torch.Tensor, ops: list[tuple[tuple[str, float], ...]]
 class TailCall:
     """sample_tail_cpu in its three parts, so that a caller can put its Python beside other work: the
     arguments checked and laid out (`of`), the kernel's pass on every thread (`run`), and its TailSample
-    (`result`)."""
+    (`result`). The input rows and patches must not change until the pass has run."""
 
     def __init__(self, lib: NativeLib, x_RV: torch.Tensor, ops: list[tuple[tuple[str, float], ...]],
                  keys: list[tuple[int, int] | None], keep_rows: bool, patches: Patches | None, raw_logsumexp: bool):
