@@ -15,7 +15,7 @@ def test_bench_harness_reports_systems_roofline_kernels_and_kv_capacity(tmp_path
                    "bench.roofline_batch_context=32", "bench.roofline_context_batch=[1,2]", "bench.kv_cost=true",
                    "bench.kv_dtypes=[auto,int8]", "bench.kv_context=64", "bench.kv_budget_gb=0.0002",
                    "bench.engine_variants={torch_matmul: {matmul_backend: torch}}", "bench.kernel_cost=true",
-                   "bench.host_work_batch=4", run_dir=tmp_path)
+                   "bench.host_work_batch=4", "bench.text_cost=true", "bench.text_tokens=400", run_dir=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "bench.json").read_text())
     sampled = {"engine[t0.8_top_p0.95]", "engine[t0.8_top_k50_rep1.1]"}  # conf/bench/default.yaml
@@ -39,6 +39,9 @@ def test_bench_harness_reports_systems_roofline_kernels_and_kv_capacity(tmp_path
     for row in roof["by_batch"] + roof["by_context"]:
         assert row["step_ms"] > 0 and row["gemm_bound_ms"] > 0 and row["gemm_gflops_alongside"] > 0
         assert abs(row["fraction_of_gemm_roofline"] - row["gemm_bound_ms"] / row["step_ms"]) < 1e-9
+    text = report["text_cost"]  # fed a token at a time, the incremental text is the whole output's decode
+    assert text["tokens"] == 400 and text["window"] == 100 and text["same_text"] is True
+    assert all(r["start_us"] > 0 and r["end_us"] > 0 for r in text["runs"])
     kv = {(r["kv_cache_dtype"], r["attention_backend"]): r for r in report["kv_cost"]}
     assert kv[("int8", "auto")]["kv_bytes_per_sequence"] < kv[("auto", "auto")]["kv_bytes_per_sequence"] / 3.5
     assert kv[("int8", "auto")]["max_batch"] >= 3 * kv[("auto", "auto")]["max_batch"]

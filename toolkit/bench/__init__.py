@@ -173,6 +173,11 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
         print("  measuring what each KV storage buys ...", flush=True)
         report["kv_cost"] = kv_cost.measure(loaded, engine_cfg, tuple(b.get("kv_dtypes") or ("auto", "int8")),
                                             context=b.get("kv_context", 2048), budget_gb=b.get("kv_budget_gb", 0.5))
+    if b.get("text_cost", False):
+        from toolkit.bench import text_cost
+
+        print("  measuring the text and stop-string work per token ...", flush=True)
+        report["text_cost"] = text_cost.measure(loaded, int(b.get("text_tokens", 4096)))
     if b.get("kernel_cost", False):
         from toolkit.bench import kernel_cost
 
@@ -291,6 +296,15 @@ def print_report(report: dict[str, Any], run_dir: Path) -> None:
     for row in report.get("grammar_cost", []):
         print(f"grammar masking at batch {row['batch']:>2}: {row['grammar_ms']:.2f} ms of a {row['step_ms_constrained']:.1f} ms "
               f"step ({100 * row['grammar_fraction_of_step']:.1f}%); unconstrained step {row['step_ms_unconstrained']:.1f} ms")
+    tc = report.get("text_cost")
+    if tc and "runs" in tc:
+        lo, hi = tc["end_over_start_range"]
+        print(f"text/stop work per token, output of {tc['tokens']} tokens: median of the first {tc['window']} "
+              + " / ".join(f"{r['start_us']:.1f}" for r in tc["runs"]) + " us, of the last "
+              + " / ".join(f"{r['end_us']:.1f}" for r in tc["runs"]) + f" us: end / start {lo:.2f}-{hi:.2f}x "
+              f"(text equal to a whole decode: {tc['same_text']})")
+    elif tc:
+        print(f"text/stop work: {tc['skipped']}")
     for row in report.get("invariant_cost", []):
         print(f"batch-invariant step at {row['batch']}: {row['invariant_ms']:.1f} ms vs default {row['default_ms']:.1f} ms "
               f"({row['ratio']:.2f}x)")
