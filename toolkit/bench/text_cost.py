@@ -31,14 +31,15 @@ def long_output(tokenizer, tokens: int, seed: int = 0) -> list[int]:
     return ids[:tokens]
 
 
-def per_token_us(tokenizer, ids: list[int], stops=STOPS) -> tuple[list[float], str]:
-    """Microseconds of `update_text` for each token of `ids`, fed one at a time, and the text it built."""
-    state, seen, out = StopState(), [], []
+def per_token_us(tokenizer, ids: list[int], prompt: list[int], stops=STOPS) -> tuple[list[float], str]:
+    """Microseconds of `update_text` for each output token of `ids`, fed one at a time after the prompt's
+    tokens (the sequence's token list, as the commit passes it), and the output text it built."""
+    state, seen, out = StopState(), list(prompt), []
     decode = lambda xs: tokenizer.decode(xs, skip_special_tokens=True)  # noqa: E731
     for token in ids:
         seen.append(token)
         start = time.perf_counter_ns()
-        update_text(decode, seen, stops, state, check_stops=True, include_stop=False, final=False)
+        update_text(decode, seen, stops, state, check_stops=True, include_stop=False, final=False, first=len(prompt))
         out.append((time.perf_counter_ns() - start) / 1e3)
     return out, state.text
 
@@ -46,12 +47,13 @@ def per_token_us(tokenizer, ids: list[int], stops=STOPS) -> tuple[list[float], s
 def measure(loaded, tokens: int = 4096, window: int = 256, repeats: int = 3) -> dict[str, Any]:
     if loaded.tokenizer is None:
         return {"skipped": "the model has no tokenizer"}
-    ids = long_output(loaded.tokenizer, tokens)
+    ids, prompt = long_output(loaded.tokenizer, tokens), long_output(loaded.tokenizer, 128, seed=1)
     window = max(1, min(window, len(ids) // 4))  # the first and last windows do not overlap
     whole = loaded.tokenizer.decode(ids, skip_special_tokens=True)
+    per_token_us(loaded.tokenizer, ids[:window], prompt)  # warm-up: the first timed tokens would pay for it
     runs = []
     for _ in range(repeats):
-        t, text = per_token_us(loaded.tokenizer, ids)
+        t, text = per_token_us(loaded.tokenizer, ids, prompt)
         start, end = statistics.median(t[:window]), statistics.median(t[-window:])
         runs.append({"start_us": start, "end_us": end, "end_over_start": end / start, "same_text": text == whole})
     ratios = [r["end_over_start"] for r in runs]
