@@ -195,13 +195,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
                                  (("temperature", 0.7), ("top_k", 50.0)), (("top_k", 1.0),), (("top_p", 0.999),),
                                  (("top_p", 0.3), ("temperature", 1.7)),
                                  (("temperature", 0.4), ("top_k", 300.0), ("top_p", 0.9)), (("top_k", 2000.0),),
-                                 (("temperature", -0.5), ("top_k", 7.0))])
+                                 (("temperature", -0.5), ("top_k", 7.0)), (("temperature", float("inf")), ("top_k", 3.0))])
 def test_fused_sampler_tail_is_the_stages_bit_for_bit(lib, ops):
     """kernels.sample_tail_cpu (temperature / top-k / top-p, then support, logsumexp, Gumbel-max token and
     noise, each row in one pass) equals the stages it replaces called one after another, bit for bit:
     torch's division (the temperature processor), truncate_cpu, logsumexp_cpu and gumbel_sample_cpu.
     Rows: real-looking logits, a sparse support, a few finite ids, ties, a greedy row, a NaN, a +inf, an odd
-    width. (A negative temperature is no processor's, but the kernel's own maxima must not assume one > 0.)"""
+    width. (A negative or infinite temperature is no processor's, but the kernel's own maxima must not assume a
+    finite one > 0: inf / inf is a NaN the raw row does not have.)"""
     from toolkit import rng
 
     gen = torch.Generator().manual_seed(len(ops))

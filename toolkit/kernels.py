@@ -466,10 +466,7 @@ def sample_tail_cpu(x_RV: torch.Tensor, ops: list[tuple[tuple[str, float], ...]]
     input, without copying the block); `raw_logsumexp` also returns the input rows' logsumexp (logsumexp_cpu's
     bits), read while each row is in cache; None where the kernel does not apply."""
     call = TailCall.of(x_RV, ops, keys, keep_rows, lib, patches, raw_logsumexp)
-    if call is None:
-        return None
-    call.run()
-    return call.result()
+    return call.result() if call is not None else None
 
 
 class TailCall:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from toolkit import rng
-from toolkit.kernels import TailCall, TailSample, argmax_cpu, gumbel_sample_cpu, logsumexp_cpu, sha256_rows
+from toolkit.kernels import TailCall, argmax_cpu, gumbel_sample_cpu, logsumexp_cpu, sha256_rows
 
 if TYPE_CHECKING:
     from toolkit.processors import Patches, Tail
@@ -163,7 +163,6 @@ class FusedSample:
         self.own_lse = raw_logsumexp_R is None and processed_RV is raw_RV
         self.call = TailCall.of(processed_RV, self.tail, self.keys, keep_rows=self.num_top > 0, patches=patches,
                                 raw_logsumexp=self.own_lse)
-        self.fused: TailSample | None = None
 
     @classmethod
     def of(cls, raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRow],
@@ -179,9 +178,7 @@ class FusedSample:
 
     def result(self) -> SampleResult:
         self.run()
-        if self.fused is None:
-            self.fused = self.call.result()
-        fused, raw_RV, rows, num_top = self.fused, self.raw_RV, self.rows, self.num_top
+        fused, raw_RV, rows, num_top = self.call.result(), self.raw_RV, self.rows, self.num_top
         raw_lse = fused.raw_logsumexp_R if self.own_lse else _raw_lse(raw_RV, self.given_lse, self.per_row)
         tokens, proc_lse = fused.tokens, fused.logsumexp_R
         return SampleResult(token_ids=tokens, raw_logprobs=_logprobs_at(raw_RV, raw_lse, tokens),

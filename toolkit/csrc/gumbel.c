@@ -404,6 +404,14 @@ static float scale_row(const float *row, float *o, int64_t V, float t, row_maxim
     return top;
 }
 
+/* scale_row for a row's leading temperature, and the raw row's logsumexp (lse NULL: none) from the maximum that
+ * pass found, made while the row is in cache; for a t other than a finite t > 0 the NaN flag the pass noted is
+ * not the raw row's, and the raw row is read again */
+static void scale_leading(const float *row, float *o, int64_t V, float t, row_maxima *mx, float *lse) {
+    const float top = scale_row(row, o, V, t, mx);
+    if (lse) *lse = t > 0.0f && t < INFINITY ? logsumexp_at(row, V, top, mx->nan) : row_logsumexp(row, V);
+}
+
 /* the largest finite logit of a row (-inf without one): four independent maxima (see row_max) */
 static float finite_max(const float *row, int64_t V) {
     const vf ninf = splat(-INFINITY);
@@ -695,10 +703,10 @@ int toolkit_sample_tail_rows(const float *x, int64_t ldx, int64_t R, int64_t V, 
             float *o = out ? out + r * ldo : scratch;
             const int32_t *op_r = ops + r * TAIL_OPS;
             const float *param_r = params + r * TAIL_OPS;
-            /* a leading temperature's pass finds the raw row's maximum (see scale_row): the raw logsumexp
-             * then takes one more pass instead of two */
-            const int raw_scaled = op_r[0] == TAIL_TEMPERATURE && param_r[0] > 0.0f && param_r[0] < INFINITY;
-            if (raw_lse && !raw_scaled) raw_lse[r] = row_logsumexp(src, V);
+            /* a leading temperature's pass finds the raw row's maximum: the raw logsumexp is made there
+             * (scale_leading), in one more pass instead of two */
+            float *raw_lse_r = raw_lse ? raw_lse + r : NULL;
+            if (raw_lse && op_r[0] != TAIL_TEMPERATURE) raw_lse[r] = row_logsumexp(src, V);
             int last = -1; /* the last op made: where it is a truncation, the finish goes in its pass */
             for (int j = 0; j < TAIL_OPS; j++)
                 if (op_r[j] == TAIL_TEMPERATURE || op_r[j] == TOP_P || op_r[j] == TOP_K) last = j;
@@ -712,8 +720,7 @@ int toolkit_sample_tail_rows(const float *x, int64_t ldx, int64_t R, int64_t V, 
                 const int scaled = op_r[0] == TAIL_TEMPERATURE;
                 const float t = param_r[0];
                 if (scaled) {
-                    const float top = scale_row(src, o, V, t, &mx);
-                    if (raw_lse && raw_scaled) raw_lse[r] = logsumexp_at(src, V, top, mx.nan);
+                    scale_leading(src, o, V, t, &mx, raw_lse_r);
                     first = 1;
                 } else {
                     memcpy(o, src, sizeof *o * (size_t)V);
@@ -739,9 +746,10 @@ int toolkit_sample_tail_rows(const float *x, int64_t ldx, int64_t R, int64_t V, 
             for (int j = first; j < TAIL_OPS; j++) {
                 const int op = op_r[j];
                 const float p = param_r[j];
-                if (op == TAIL_TEMPERATURE) {
-                    const float top = scale_row(src, o, V, p, &mx);
-                    if (j == 0 && raw_lse && raw_scaled) raw_lse[r] = logsumexp_at(src, V, top, mx.nan);
+                if (op == TAIL_TEMPERATURE && j == 0) {
+                    scale_leading(src, o, V, p, &mx, raw_lse_r);
+                } else if (op == TAIL_TEMPERATURE) {
+                    scale_row(src, o, V, p, &mx);
                 } else if ((op == TOP_P || op == TOP_K) && j == last) {
                     listed = truncate_finish_row(src, o, V, kscratch, e, op, p, &mx, lse + r, support + r, ids);
                 } else if (op == TOP_P || op == TOP_K) {
