@@ -140,6 +140,8 @@ def run_replay(cfg: DictConfig, run_dir: Path) -> int:
         _report_line(report_after(report.trace_dir, run_dir, run_dir / "report.html"))
     for problem in report.mismatches:
         print(f"mismatch (allowed): {problem}")
+    for missing in report.cannot_rebuild:
+        print(f"cannot rebuild: {missing}")
     print(report.summary_line())
     for d in report.first_divergences:
         print(f"  first divergence: {d.describe()}")

@@ -11,7 +11,9 @@ committed tokens after a recompute preemption.
 from __future__ import annotations
 
 import re
+import threading
 import time
+from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
@@ -20,6 +22,9 @@ from toolkit.errors import RequestError
 from toolkit.structured import KINDS, StructuredOutputs, choice_ebnf
 
 __all__ = ["GrammarBackend", "KINDS", "LazyGrammar", "StructuredOutputs", "choice_ebnf", "unpack_bitmask"]
+
+MAX_COMPILED = 256  # compiled grammars kept per engine
+
 
 def _compiler_message(exc: Exception) -> str:
     """xgrammar's message without its timestamp and source location, on one line."""
@@ -40,28 +45,36 @@ class GrammarBackend:
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
-        self._compiled: dict[tuple[str, str], Any] = {}
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()  # a server compiles on its handlers' threads, the engine on its own
         self.compilations = 0
         self.seconds = 0.0  # time spent filling masks, advancing and checking matchers (for benchmarks)
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
 
     def compile(self, spec: StructuredOutputs):
+        """The compiled grammar, from an LRU cache of MAX_COMPILED (a long-running server sees endless schemas)."""
         key = (spec.kind, spec.text)
-        if key not in self._compiled:
-            try:
-                if spec.kind == "json":
-                    # any whitespace, but never more than 16 in a row: the model cannot pad forever
-                    compiled = self.compiler.compile_json_schema(spec.text, any_whitespace=True,
-                                                                 max_whitespace_cnt=16)
-                elif spec.kind == "regex":
-                    compiled = self.compiler.compile_regex(spec.regex)
-                else:
-                    compiled = self.compiler.compile_grammar(spec.text)
-            except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the reason
-                raise RequestError(f"invalid structured_outputs.{spec.kind}: {_compiler_message(exc)}") from None
+        with self._lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
+        try:
+            if spec.kind == "json":
+                # any whitespace, but never more than 16 in a row: the model cannot pad forever
+                compiled = self.compiler.compile_json_schema(spec.text, any_whitespace=True, max_whitespace_cnt=16)
+            elif spec.kind == "regex":
+                compiled = self.compiler.compile_regex(spec.regex)
+            else:
+                compiled = self.compiler.compile_grammar(spec.text)
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the reason
+            raise RequestError(f"invalid structured_outputs.{spec.kind}: {_compiler_message(exc)}") from None
+        with self._lock:
             self._compiled[key] = compiled
+            self._compiled.move_to_end(key)
             self.compilations += 1
-        return self._compiled[key]
+            while len(self._compiled) > MAX_COMPILED:
+                self._compiled.popitem(last=False)
+        return compiled
 
     def matcher(self, spec: StructuredOutputs, accepted: Sequence[int] = ()):
         """A fresh matcher; `accepted` committed tokens are replayed into it (rebuild after preemption)."""
@@ -103,14 +116,16 @@ class LazyGrammar:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]):
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, tuple(stop_token_ids)
         self.backend: GrammarBackend | None = None
+        self._lock = threading.Lock()
 
     def __call__(self) -> GrammarBackend:
-        if self.backend is None:
-            if self.tokenizer is None:
-                raise RequestError("structured outputs need a tokenizer that matches the model's vocabulary")
-            self.backend = GrammarBackend(self.tokenizer, self.vocab_size, self.stop_token_ids,
-                                          threads=max(1, torch.get_num_threads()))
-        return self.backend
+        with self._lock:
+            if self.backend is None:
+                if self.tokenizer is None:
+                    raise RequestError("structured outputs need a tokenizer that matches the model's vocabulary")
+                self.backend = GrammarBackend(self.tokenizer, self.vocab_size, self.stop_token_ids,
+                                              threads=max(1, torch.get_num_threads()))
+            return self.backend
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -35,6 +35,13 @@ class RequestIntake:
         self.grammar = grammar  # the engine's grammar backend, created on first use
         self._next_id = 0
 
+    def precompile(self, sampling_params: SamplingParams | Mapping[str, Any] | None) -> None:
+        """Compile a request's grammar into the engine's cache ahead of `sequences` (a server does it on its
+        handlers' threads, so the engine thread never waits for a compiler); a RequestError if it is invalid."""
+        params = self._sampling(sampling_params)
+        if params.structured_outputs is not None:
+            self.grammar().compile(params.structured_outputs)
+
     def sequences(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                   prompt_token_ids: Sequence[int] | None = None,
                   sampling_params: SamplingParams | Mapping[str, Any] | None = None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any, Iterable, Mapping, Sequence
 
 from toolkit.engine import RequestOutput
@@ -20,10 +21,11 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 class InterTokenLatency:
     """ITL: the time between a sequence's consecutive tokens, from the per-token emit times the trace records
-    (`t_emit_s`; tokens committed together in one step, e.g. kept drafts, are 0 apart)."""
+    (`t_emit_s`; tokens committed together in one step, e.g. kept drafts, are 0 apart). `max_values`: keep the
+    latest values only (a server's run); `forget` a sequence once it ended."""
 
-    def __init__(self):
-        self.values: list[float] = []
+    def __init__(self, max_values: int | None = None):
+        self.values: deque[float] = deque(maxlen=max_values)
         self._last: dict[tuple[str, int], float] = {}
 
     def update(self, samples: Iterable) -> None:
@@ -35,41 +37,68 @@ class InterTokenLatency:
                 self.values.append(s.t_emit_s - self._last[key])
             self._last[key] = s.t_emit_s
 
+    def forget(self, request_id: str, stream: int) -> None:
+        self._last.pop((request_id, stream), None)
+
+
+class RunningSummary:
+    """What `summarize` reports, gathered one finished request at a time: the totals exact, the percentiles over
+    the latest `window` sequences (all of them when None), so a server that runs for days holds a bounded sum."""
+
+    def __init__(self, window: int | None = None):
+        self.requests = self.sequences = self.output_tokens = self.prompt_tokens = self.num_preemptions = 0
+        self.ttfts: deque[float] = deque(maxlen=window)
+        self.tpots: deque[float] = deque(maxlen=window)
+        self.queues: deque[float] = deque(maxlen=window)
+        self.finish_reasons: dict[str, int] = {}
+
+    def add(self, output: RequestOutput) -> None:
+        self.requests += 1
+        self.prompt_tokens += len(output.prompt_token_ids)
+        for c in output.outputs:
+            self.sequences += 1
+            self.output_tokens += len(c.token_ids)
+            self.num_preemptions += c.metrics.num_preemptions
+            for values, value in ((self.ttfts, c.metrics.ttft_s), (self.tpots, c.metrics.tpot_s),
+                                  (self.queues, c.metrics.queue_s)):
+                if value is not None:
+                    values.append(value)
+            reason = c.finish_reason or "unfinished"
+            self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
+
+    def result(self, wall_s: float, itl_s: Sequence[float] = (), **extra) -> dict:
+        rate = (lambda n: n / wall_s if wall_s > 0 else None)  # noqa: E731
+        return {
+            "requests": self.requests,
+            "sequences": self.sequences,
+            "output_tokens": self.output_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "wall_s": wall_s,
+            "output_tok_per_s": rate(self.output_tokens),
+            "prompt_tok_per_s": rate(self.prompt_tokens),
+            "requests_per_s": rate(self.requests),
+            "ttft_p50_s": percentile(self.ttfts, 50),
+            "ttft_p95_s": percentile(self.ttfts, 95),
+            "tpot_p50_s": percentile(self.tpots, 50),
+            "tpot_p95_s": percentile(self.tpots, 95),
+            "itl_p50_s": percentile(itl_s, 50),
+            "itl_p95_s": percentile(itl_s, 95),
+            "itl_p99_s": percentile(itl_s, 99),
+            "queue_p50_s": percentile(self.queues, 50),
+            "queue_p95_s": percentile(self.queues, 95),
+            "finish_reasons": dict(sorted(self.finish_reasons.items())),
+            "num_preemptions": self.num_preemptions,
+            **extra,
+        }
+
 
 def summarize(outputs: Iterable[RequestOutput], wall_s: float, itl_s: Sequence[float] = (), **extra) -> dict:
     """The serving chapter's figures: throughput (output and prompt tokens, requests), TTFT, TPOT, ITL (`itl_s`:
     InterTokenLatency.values) and queue time percentiles, finish reasons."""
-    outputs = list(outputs)
-    completions = [c for o in outputs for c in o.outputs]
-    output_tokens = sum(len(c.token_ids) for c in completions)
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    ttfts = [c.metrics.ttft_s for c in completions if c.metrics.ttft_s is not None]
-    tpots = [c.metrics.tpot_s for c in completions if c.metrics.tpot_s is not None]
-    queues = [c.metrics.queue_s for c in completions if c.metrics.queue_s is not None]
-    rate = (lambda n: n / wall_s if wall_s > 0 else None)  # noqa: E731
-    return {
-        "requests": len(outputs),
-        "sequences": len(completions),
-        "output_tokens": output_tokens,
-        "prompt_tokens": prompt_tokens,
-        "wall_s": wall_s,
-        "output_tok_per_s": rate(output_tokens),
-        "prompt_tok_per_s": rate(prompt_tokens),
-        "requests_per_s": rate(len(outputs)),
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p95_s": percentile(ttfts, 95),
-        "tpot_p50_s": percentile(tpots, 50),
-        "tpot_p95_s": percentile(tpots, 95),
-        "itl_p50_s": percentile(itl_s, 50),
-        "itl_p95_s": percentile(itl_s, 95),
-        "itl_p99_s": percentile(itl_s, 99),
-        "queue_p50_s": percentile(queues, 50),
-        "queue_p95_s": percentile(queues, 95),
-        "finish_reasons": {r: sum((c.finish_reason or "unfinished") == r for c in completions)
-                           for r in sorted({c.finish_reason or "unfinished" for c in completions})},
-        "num_preemptions": sum(c.metrics.num_preemptions for c in completions),
-        **extra,
-    }
+    running = RunningSummary()
+    for output in outputs:
+        running.add(output)
+    return running.result(wall_s, itl_s, **extra)
 
 
 def decode_steps_by_batch(steps: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:

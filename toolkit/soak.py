@@ -117,13 +117,20 @@ def run_soak(cfg: DictConfig, run_dir: Path) -> int:
     s = OmegaConf.to_container(cfg.soak, resolve=True) if cfg.get("soak") else {}
     engine_cfg = from_mapping(EngineConfig, OmegaConf.to_container(cfg.engine, resolve=True), section="engine")
     model_cfg = from_mapping(ModelConfig, OmegaConf.to_container(cfg.model, resolve=True), section="model")
-    known = {"duration_s", "seed", "queue_depth", "abort_prob", "max_prompt", "max_new", "check_every", "warmup_s",
-             "max_rss_growth_mb"}
+    over = s.pop("over", "engine")
+    known = HTTP_OPTIONS if over == "http" else {
+        "duration_s", "seed", "queue_depth", "abort_prob", "max_prompt", "max_new", "check_every", "warmup_s",
+        "max_rss_growth_mb"}
+    if over not in ("engine", "http"):
+        raise ConfigError(f"soak.over must be engine or http, got {over!r}")
     unknown = sorted(set(s) - known)
     if unknown:
-        raise ConfigError(f"unknown soak option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        raise ConfigError(f"unknown soak option(s) for soak.over={over}: {', '.join(unknown)}; known: "
+                          f"{', '.join(sorted(known))}")
     run_dir.mkdir(parents=True, exist_ok=True)
     loaded = load_model(model_cfg, engine_cfg.device)
+    if over == "http":
+        return _run_http(cfg, loaded, engine_cfg, run_dir, s)
     report = soak(loaded, engine_cfg, run_dir, **s)
     print(f"soak: {report['seconds']:.0f} s, {report['steps']} steps, {report['added']} requests "
           f"({report['finished']} finished, {report['aborted']} aborted, {report['errored']} errored), "
@@ -134,3 +141,31 @@ def run_soak(cfg: DictConfig, run_dir: Path) -> int:
         print(f"FAILED: {p}")
     print(f"soak.json: {run_dir}")
     return 0 if report["passed"] else 1
+
+
+HTTP_OPTIONS = {"requests", "concurrency", "max_tokens", "report_every", "seed", "max_waiting", "replay",
+                "max_rss_growth_mb", "max_flush_ratio"}
+
+
+def _run_http(cfg: DictConfig, loaded, engine_cfg: EngineConfig, run_dir: Path, s: dict[str, Any]) -> int:
+    """soak.over=http: toolkit.serve.soak over a real server; the goals (RSS growth, flush time) checked here."""
+    from toolkit.serve.soak import soak_http
+
+    max_growth, max_ratio = s.pop("max_rss_growth_mb", 100.0), s.pop("max_flush_ratio", 1.5)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    report = soak_http(Engine(loaded, engine_cfg), run_dir, config, **s)
+    growth, ratio = report.get("rss_growth_mb"), report.get("flush_last_over_second")
+    if growth is not None and growth > max_growth:
+        report["problems"].append(f"RSS grew {growth:.0f} MB from the first checkpoint to the last "
+                                  f"(limit {max_growth:.0f})")
+    if ratio is not None and ratio > max_ratio:
+        report["problems"].append(f"flush time of the last thousand is {ratio:.2f}x the second's (limit {max_ratio})")
+    print(f"soak over HTTP: {report['served']} requests served in {report['seconds']:.0f} s "
+          f"({report['retried_503']} 503s retried), {report['tokens']} tokens; trace: {report['trace_requests']} "
+          f"requests, {report['trace_sample_rows']} sample rows; RSS growth "
+          f"{growth if growth is None else f'{growth:+.0f} MB'}, flush last / second "
+          f"{ratio if ratio is None else f'{ratio:.2f}x'}; replay: {report.get('replay', 'not run')}")
+    for p in report["problems"]:
+        print(f"FAILED: {p}")
+    print(f"soak_http.json: {run_dir}")
+    return 0 if not report["problems"] else 1

@@ -63,6 +63,7 @@ class ReplayReport:
     max_abs_logprob_diff: float = 0.0  # over rows with the same token
     divergences: list[Divergence] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)  # manifest differences let through by allow_mismatch
+    cannot_rebuild: list[str] = field(default_factory=list)  # what the trace did not keep (replayed without it)
     overrides: list[str] = field(default_factory=list)
 
     @property
@@ -105,7 +106,7 @@ class ReplayReport:
             "rows_only_in_replay": self.rows_only_in_replay, "rows_missing_in_replay": self.rows_missing_in_replay,
             "token_mismatches": self.token_mismatches, "logprob_bit_mismatches": self.logprob_bit_mismatches,
             "max_abs_logprob_diff": self.max_abs_logprob_diff, "mismatches": self.mismatches,
-            "overrides": self.overrides, "first_divergences": [d.describe() for d in self.first_divergences],
+            "overrides": self.overrides, "cannot_rebuild": self.cannot_rebuild, "first_divergences": [d.describe() for d in self.first_divergences],
         }
 
 
@@ -276,6 +277,17 @@ def write_divergences(path: Path, divergences: Iterable[Divergence]) -> None:
     atomic_write_table(path, table)
 
 
+def cannot_rebuild(manifest: dict[str, Any]) -> list[str]:
+    """What a served run recorded without: its HTTP bodies under serve.record_body=hash or off."""
+    kept = manifest.get("record_body", "full")
+    if kept == "full":
+        return []
+    what = "their sha256 only" if kept == "hash" else "nothing of them"
+    return [f"the HTTP request bodies (serve.record_body={kept}: the trace keeps {what}): the requests cannot be "
+            f"re-sent to a server as received; the engine requests are replayed from their recorded token ids and "
+            f"resolved sampling"]
+
+
 def replay(run_dir: str | Path, overrides: Sequence[str] = (), *, allow_mismatch: bool = False,
            out_dir: str | Path | None = None) -> ReplayReport:
     """Re-run a recorded run (optionally with config overrides) and compare every sample row."""
@@ -302,7 +314,8 @@ def replay(run_dir: str | Path, overrides: Sequence[str] = (), *, allow_mismatch
     record(engine, ids, out_dir, cfg, flush_every_steps=trace_cfg.get("flush_every_steps", 64),
            before_step=recorded_aborts(requests),
            manifest_extra={"replay_of": manifest.get("run_id"), "replay_overrides": list(overrides)})
-    report = ReplayReport(trace_dir=run_dir, replay_dir=out_dir, mismatches=mismatches, overrides=list(overrides))
+    report = ReplayReport(trace_dir=run_dir, replay_dir=out_dir, mismatches=mismatches, overrides=list(overrides),
+                          cannot_rebuild=cannot_rebuild(manifest))
     aborted = frozenset((r["request_id"], r["stream"]) for r in requests.to_pylist() if r.get("abort_step") is not None)
     compare(recorded_samples, read_samples(out_dir), report, aborted)
     if report.divergences:

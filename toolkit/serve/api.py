@@ -1,46 +1,60 @@
 """The OpenAI-compatible HTTP API (FastAPI): handlers parse and validate, submit to the engine loop and await
 their requests' updates; they never touch the engine.
 
-    GET  /health               200 while the engine loop runs
-    GET  /metrics              Prometheus text (running / waiting, KV blocks, tokens/s, TTFT / TPOT histograms)
+    GET  /health               200 while the engine loop runs (never needs a key)
+    GET  /metrics              Prometheus text (running / waiting, KV blocks, tokens/s, TTFT / TPOT histograms);
+                               needs a key when serve.metrics_public is false
     GET  /v1/models            the served model
     POST /v1/completions       prompt as text or token ids (or a list of them), n, echo, logprobs, stream
     POST /v1/chat/completions  messages through the tokenizer's chat template, logprobs + top_logprobs,
                                response_format (json_object / json_schema through xgrammar), stream
 
 Errors are OpenAI's JSON (`{"error": {"message", "type", "param", "code"}}`): a 400 naming the field for a
-request the server refuses, never a 500 for a user's mistake.
+request the server refuses, never a 500 for a user's mistake; 401 without a valid key (serve.api_key), 413 past
+serve.max_body_mb, 503 with Retry-After past serve.max_waiting, 500 (one line) when the engine failed on a request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import ValidationError
 
-from toolkit.errors import RequestError
-from toolkit.serve.loop import EngineLoop, Submission, Update
+from toolkit.errors import RequestError, ToolkitError
+from toolkit.outputs import TextDelta
+from toolkit.serve.loop import (EngineLoop, InternalError, Submission, Unavailable, Update, _prompt_ids, one_line,
+                                prompt_scores)
 from toolkit.serve.metrics import ServerMetrics
-from toolkit.serve.protocol import (UNSUPPORTED, ChatCompletionRequest, CompletionRequest, FieldError,
+from toolkit.serve.protocol import (UNSUPPORTED, ChatCompletionRequest, CompletionRequest, FieldError, Limits,
                                     SamplingFields)
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, " ".join(message.split()), param, kind
+        self.code, self.headers = code, headers
 
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": None}}, status_code=self.status)
+                                       "code": self.code}}, status_code=self.status, headers=self.headers)
+
+
+def unavailable(exc: Unavailable) -> ApiError:
+    return ApiError(503, str(exc), None, "server_overloaded", "server_overloaded",
+                    {"Retry-After": str(exc.retry_after_s)})
 
 
 def validation_error(exc: ValidationError) -> ApiError:
@@ -83,8 +97,13 @@ def token_text(tokenizer, token_id: int) -> str:
 
 class Api:
     def __init__(self, loop: EngineLoop, served: ServedModel, metrics: ServerMetrics,
-                 on_shutdown: Callable[[], None] | None = None):
-        self.loop, self.served, self.metrics = loop, served, metrics
+                 on_shutdown: Callable[[], None] | None = None, *, limits: Limits = Limits(),
+                 api_keys: Sequence[str] = (), metrics_public: bool = True):
+        """`api_keys`: when any, every /v1 route (and /metrics unless `metrics_public`) needs
+        `Authorization: Bearer <one of them>`."""
+        self.loop, self.served, self.metrics, self.limits = loop, served, metrics, limits
+        self.api_keys = tuple(k.encode() for k in api_keys)
+        self.metrics_public = metrics_public
         self.tokenizer = loop.engine.tokenizer
         self.app = FastAPI(title="toolkit", lifespan=self._lifespan(on_shutdown))
         app = self.app
@@ -105,6 +124,16 @@ class Api:
 
         return lifespan
 
+    def _authorize(self, request: Request) -> None:
+        """An ApiError 401 unless the request carries one of the keys (compared in constant time)."""
+        if not self.api_keys:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        given = key.strip().encode()
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k) for k in self.api_keys):
+            raise ApiError(401, "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'",
+                           None, "invalid_request_error", "invalid_api_key")
+
     # ------------------------------------------------------------------ small routes
 
     async def health(self) -> Response:
@@ -113,12 +142,21 @@ class Api:
                                 status_code=503)
         return JSONResponse({"status": "ok"})
 
-    async def render_metrics(self) -> Response:
+    async def render_metrics(self, request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        if not self.metrics_public:
+            try:
+                self._authorize(request)
+            except ApiError as exc:
+                return exc.response()
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def models(self) -> Response:
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except ApiError as exc:
+            return exc.response()
         return JSONResponse({"object": "list", "data": [
             {"id": self.served.name, "object": "model", "created": self.served.created, "owned_by": "toolkit",
              "root": self.served.name, "max_model_len": self.served.max_model_len}]})
@@ -132,8 +170,11 @@ class Api:
         return await self._serve(request, "/v1/chat/completions", ChatCompletionRequest)
 
     async def _serve(self, request: Request, route: str, model_cls) -> Response:
+        job = None
         try:
-            body = await _json_body(request)
+            self._authorize(request)
+            raw = await _read_body(request, int(self.limits.max_body_mb * 2**20))
+            body = _json_body(raw)
             try:
                 req = model_cls.model_validate(body)
             except ValidationError as exc:
@@ -143,6 +184,8 @@ class Api:
             await job.submit()
         except ApiError as exc:
             self.metrics.http.labels(route, str(exc.status)).inc()
+            if exc.status == 503:
+                self.loop.reject(job.id if job else "", route, 503, exc.message, job.body_sha256 if job else None)
             return exc.response()
         self.metrics.http.labels(route, "200").inc()
         if req.stream:
@@ -155,8 +198,23 @@ class Api:
                            "model", "not_found_error")
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 once it is longer than `limit` bytes (read no further: a huge upload costs nothing)."""
+    declared = request.headers.get("content-length")
+    too_large = ApiError(413, f"the request body is larger than this server takes ({limit} bytes; "
+                              f"serve.max_body_mb)", None, "invalid_request_error", "request_too_large")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _json_body(raw: bytes) -> Any:
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -164,6 +222,44 @@ async def _json_body(request: Request) -> Any:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
+
+
+class Mailbox:
+    """A request's updates from the engine thread, bounded: past `limit` unread updates a new one is merged into
+    the last (its text and rows appended), so a slow reader costs the text and rows it has not read yet, never a
+    queue of every step."""
+
+    def __init__(self, limit: int = 64):
+        self.limit = limit
+        self._items: deque[Update] = deque()
+        self._ready = asyncio.Event()
+
+    def put(self, update: Update) -> None:  # on the event loop's thread
+        last = self._items[-1] if self._items else None
+        if len(self._items) >= self.limit and last.output is None and last.error is None:
+            self._items[-1] = _merge(last, update)
+        else:
+            self._items.append(update)
+        self._ready.set()
+
+    async def get(self) -> Update:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _merge(a: Update, b: Update) -> Update:
+    """One update that says what `a` then `b` said: a sequence's deltas joined into one."""
+    deltas: dict[int, TextDelta] = {}
+    for d in a.deltas + b.deltas:
+        seen = deltas.get(d.index)
+        deltas[d.index] = d if seen is None else replace(d, text=seen.text + d.text,
+                                                         token_ids=seen.token_ids + d.token_ids)
+    return Update(a.request_id, tuple(deltas.values()), a.samples + b.samples, b.output, b.error)
 
 
 class Job:
@@ -177,7 +273,8 @@ class Job:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.request_ids: list[str] = []
-        self.queue: asyncio.Queue[Update] = asyncio.Queue()
+        self.body_sha256 = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+        self.queue = Mailbox()
         self.outputs: dict[str, Any] = {}
         self.samples: dict[tuple[str, int], list] = {}  # (request id, sample index) -> trace rows, in order
         self.prompt_logprobs: list[list | None] = []
@@ -196,6 +293,7 @@ class Job:
                 prompts, max_tokens, logprobs = req.prompts(), req.max_tokens, req.logprobs
                 if req.echo and req.stream and logprobs is not None:
                     raise FieldError("echo", "echo with logprobs is not supported when streaming")
+            api.limits.check(req, len(prompts))
             sampling = req.sampling(max_tokens, logprobs)
         except FieldError as exc:
             raise ApiError(400, str(exc), exc.param) from None
@@ -205,27 +303,51 @@ class Job:
 
     def _sink(self) -> Callable[[Update], None]:
         loop = asyncio.get_running_loop()
-        queue = self.queue
-        return lambda update: loop.call_soon_threadsafe(queue.put_nowait, update)
+        mailbox = self.queue
+        return lambda update: loop.call_soon_threadsafe(mailbox.put, update)
 
     async def submit(self) -> None:
+        """Prepare off the engine thread (grammars compiled, echoed prompts scored), then hand the engine requests
+        to the loop, all or none: 400 for what the engine refuses, 503 when it is full, 500 when it failed."""
+        try:
+            scores = await asyncio.to_thread(self._prepare)
+        except ToolkitError as exc:
+            raise request_error(exc, self.req) from None
+        except Exception as exc:  # noqa: BLE001 - an unexpected failure is this request's 500, one line
+            raise ApiError(500, f"preparing the request failed: {one_line(exc)}", None, "internal_error") from None
         sink = self._sink()
-        score = self.req.logprobs if not self.chat and self.req.echo else None
-        submissions = []
-        for i, prompt in enumerate(self.prompts):
-            kwargs = {**prompt, "sampling_params": self.sampling, "request_id": f"{self.id}-{i}"}
-            submissions.append(Submission(kwargs, self.body, sink, self.fill_max_tokens, prompt_logprobs=score))
-        futures = [self.api.loop.submit(sub) for sub in submissions]
+        submissions = [Submission({**prompt, "sampling_params": self.sampling, "request_id": f"{self.id}-{i}"},
+                                  self.body, sink, self.fill_max_tokens, route=self.route)
+                       for i, prompt in enumerate(self.prompts)]
+        try:
+            futures = self.api.loop.submit(submissions)
+        except Unavailable as exc:
+            raise unavailable(exc) from None
         failed = None
         for fut in futures:
             try:
                 self.request_ids.append(await asyncio.wrap_future(fut))
-            except RequestError as exc:
+            except (RequestError, InternalError, Unavailable) as exc:
                 failed = failed or exc
         if failed is not None:
             self.abort()
+            if isinstance(failed, Unavailable):
+                raise unavailable(failed)
+            if isinstance(failed, InternalError):
+                raise ApiError(500, str(failed), None, "internal_error")
             raise request_error(failed, self.req)
-        self.prompt_logprobs = [sub.prompt_scores for sub in submissions]
+        self.prompt_logprobs = scores
+
+    def _prepare(self) -> list:
+        """What can be done before the engine thread sees the request: its grammar compiled (into the engine's
+        cache) and, for echo with logprobs, its prompts scored. Per prompt: None or prompt_scores' rows."""
+        engine = self.api.loop.engine
+        grammar = self.sampling.get("structured_outputs")
+        if grammar is not None:
+            engine.intake.precompile(self.sampling)
+        if self.chat or not self.req.echo or self.req.logprobs is None:
+            return [None] * len(self.prompts)
+        return [prompt_scores(engine, _prompt_ids(engine, prompt), self.req.logprobs) for prompt in self.prompts]
 
     def abort(self) -> None:
         for request_id in self.request_ids:

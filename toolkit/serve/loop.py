@@ -1,19 +1,27 @@
 """The engine loop of a server: one thread owns the Engine and records the run; callers only submit.
 
-    HTTP handler --submit(request)--> command queue --> engine thread: add, step, trace, dispatch
+    HTTP handler --submit(requests)--> command queue --> engine thread: add, step, trace, dispatch
     HTTP handler <--Update per step-- sink (called on the engine thread; the server hands it to its event loop)
 
 Concurrent requests share continuous-batching steps exactly as a CLI run's do (one forward per step). The run
-directory is written as the server runs: config, manifest, requests.parquet (rewritten before any sample part
-that needs it: arrival step and order, resolved sampling, seed, the HTTP body as received, the step of an abort)
-and samples.parquet part files, so that after a `kill -9` the run is still readable, replayable and verifiable.
-Scheduling depends on steps only, so `mode=replay` re-creates the same batches from requests.parquet.
+directory is written as the server runs, append-only: config, manifest, samples.parquet parts, requests.parquet
+parts (a request's final row once it ended: arrival order and step, resolved sampling, seed, the HTTP body as
+received or its digest, the step of an abort), requests.open.parquet (the requests not yet ended, replaced as
+they change: bounded by what the server holds), rejected.parquet parts (the requests refused with a 503 or
+failed with a 500) and steps.parquet parts, so that after a `kill -9` the run is still readable, replayable and
+verifiable. Scheduling depends on steps only, so `mode=replay` re-creates the same batches.
+
+Bounded by construction: at most `max_waiting` requests wait (past it `submit` raises Unavailable: a 503), the
+loop keeps rows only for requests not yet ended, the summary's percentiles cover the latest requests, and an
+unexpected exception while adding or stepping fails the requests it touched (a 500 each), not the loop.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -22,14 +30,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import pyarrow as pa
 from omegaconf import OmegaConf
 
 from toolkit.engine import Engine, RequestOutput, StepOutput, TextDelta
-from toolkit.errors import RequestError, ToolkitError
-from toolkit.metrics import InterTokenLatency, summarize
-from toolkit.session import effective_config, step_record, write_steps
+from toolkit.errors import ConfigError, RequestError, ToolkitError
+from toolkit.metrics import InterTokenLatency, RunningSummary
+from toolkit.session import STEPS_FILE, effective_config, step_record
 from toolkit.trace import SampleTrace, build_manifest, new_run_id, request_rows
-from toolkit.trace.writer import TraceWriter, atomic_write_bytes, write_manifest, write_requests
+from toolkit.trace.writer import (REQUESTS_FILE, RequestsUpdate, TraceWriter, atomic_write_bytes, atomic_write_table,
+                                  write_manifest)
 
 
 @dataclass(frozen=True)
@@ -55,8 +65,7 @@ class Submission:
     body: Any
     sink: Sink
     fill_max_tokens: bool = False  # max_tokens: the rest of the context (a chat request that gave none)
-    prompt_logprobs: int | None = None  # score the prompt too, with this many alternatives per position
-    prompt_scores: list | None = None  # then: per prompt position, None or (token, logprob, [(alt, logprob)])
+    route: str = ""  # the HTTP route it came on
     accepted: Future = field(default_factory=Future)  # the request id, or the RequestError refusing it
 
 
@@ -65,7 +74,8 @@ class LoopStats:
     """What /metrics reads (written by the engine thread only; readers take a consistent-enough snapshot)."""
 
     running: int = 0
-    waiting: int = 0
+    waiting: int = 0  # sequences
+    waiting_requests: int = 0  # requests with a sequence waiting (what serve.max_waiting bounds)
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     steps: int = 0
@@ -82,33 +92,71 @@ class LoopStats:
         return (self.output_tokens - points[0][1]) / max(now - points[0][0], 1e-3) if len(points) > 1 else 0.0
 
 
+class Unavailable(ToolkitError):
+    """The server cannot take a request now: its waiting queue is full (serve.max_waiting) or it is stopping.
+    An HTTP 503 with Retry-After."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class InternalError(ToolkitError):
+    """An unexpected exception on the engine thread, for the requests it touched: an HTTP 500 each."""
+
+
+def one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:500]
+
+
+STEPS_PART_ROWS = 4096  # steps.parquet rows per part file
+
+
 class EngineLoop:
     def __init__(self, engine: Engine, run_dir: Path | None, config: Mapping[str, Any] | None = None, *,
-                 flush_every_steps: int = 8, on_finish: Callable[[RequestOutput], None] | None = None):
+                 flush_every_steps: int = 8, on_finish: Callable[[RequestOutput], None] | None = None,
+                 max_waiting: int = 256, record_body: str = "full", max_failed_steps: int = 3,
+                 summary_window: int = 100_000):
         """`run_dir`: where the run is recorded (None: not recorded). `on_finish`: called on the engine thread
-        with each finished request's output (the server's latency histograms)."""
+        with each finished request's output (the server's latency histograms). `max_waiting`: requests queued
+        or admitted but not running before submit refuses more. `record_body`: full | hash | off, what the
+        trace keeps of each HTTP body (its sha256 always). `max_failed_steps`: steps failing in a row before
+        the loop gives up (the engine is then broken, not one request)."""
+        if record_body not in ("full", "hash", "off"):
+            raise ConfigError(f"serve.record_body must be full, hash or off, got {record_body!r}")
+        if not (isinstance(max_waiting, int) and max_waiting >= 1):
+            raise ConfigError(f"serve.max_waiting must be a positive integer, got {max_waiting!r}")
         self.engine = engine
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.run_id = new_run_id()
         self.on_finish = on_finish
+        self.max_waiting, self.record_body, self.max_failed_steps = max_waiting, record_body, max_failed_steps
         self.stats = LoopStats(kv_blocks_total=engine.num_kv_blocks)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._queued = 0  # adds submitted, not yet taken with the waiting count refreshed after them
         self._wake = threading.Event()
         self._stopping = False
         self._sinks: dict[str, Sink] = {}
-        self._rows: dict[str, list[dict[str, Any]]] = {}  # every request served, in arrival order
-        self._bodies: dict[str, str] = {}
-        self._outputs: list[RequestOutput] = []
-        self._steps: list[dict[str, Any]] = []
-        self._itl = InterTokenLatency()
-        self._rows_changed = False
+        self._open: dict[str, list[dict[str, Any]]] = {}  # rows of the requests not yet ended, in arrival order
+        self._bodies: dict[str, tuple[str | None, str | None]] = {}  # open requests: (body as kept, its sha256)
+        self._arrivals = 0
+        self._ended: list[dict[str, Any]] = []  # final rows not yet handed to the writer
+        self._rejected: list[dict[str, Any]] = []  # refusals not yet handed to the writer (any thread appends)
+        self._open_changed = False
+        self._steps: list[dict[str, Any]] = []  # steps.parquet rows not yet in a part
+        self._step_parts = 0
+        self._failed_steps = 0
+        self._summary = RunningSummary(window=summary_window)
+        self._itl = InterTokenLatency(max_values=summary_window)
         self.writer: TraceWriter | None = None
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             resolved = effective_config(engine, config)
             atomic_write_bytes(self.run_dir / "config.yaml", OmegaConf.to_yaml(resolved).encode())
-            write_manifest(self.run_dir, build_manifest(engine, self.run_id, {"served": True}))
-            write_requests(self.run_dir, [])
+            write_manifest(self.run_dir, build_manifest(engine, self.run_id, {"served": True,
+                                                                              "record_body": record_body}))
+            (self.run_dir / REQUESTS_FILE).mkdir(exist_ok=True)
             self.writer = TraceWriter(self.run_dir, self.run_id, flush_every_steps,
                                       OmegaConf.select(resolved, "trace.full_logits"))
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -121,36 +169,51 @@ class EngineLoop:
         self._thread.start()
         return self
 
-    def submit(self, submission: Submission) -> Future:
-        """Queue a request; the returned future holds its id once the engine took it (or a RequestError)."""
-        if self._stopping or self.error is not None:
-            submission.accepted.set_exception(RequestError("the server is shutting down"))
-            return submission.accepted
-        self._commands.put(("add", submission))
+    def submit(self, submissions: list[Submission]) -> list[Future]:
+        """Queue one HTTP request's engine requests, all or none: Unavailable when the loop is stopping or
+        `max_waiting` would be passed. Each future holds its id once the engine took it (or the error)."""
+        with self._lock:
+            if self._stopping or self.error is not None:
+                raise Unavailable("the server is shutting down")
+            waiting = self._queued + self.stats.waiting_requests
+            if waiting + len(submissions) > self.max_waiting:
+                raise Unavailable(f"the server is at capacity: {waiting} requests are waiting "
+                                  f"(serve.max_waiting={self.max_waiting}); retry later")
+            self._queued += len(submissions)
+            for sub in submissions:  # under the lock: _fail_queued, once it holds it, sees every one of them
+                self._commands.put(("add", sub))
         self._wake.set()
-        return submission.accepted
+        return [sub.accepted for sub in submissions]
+
+    def reject(self, request_id: str, route: str, status: int, reason: str, body_sha256: str | None) -> None:
+        """Record a request refused before it reached the engine (a 503), in rejected.parquet."""
+        if self.writer is not None:
+            with self._lock:
+                self._rejected.append({"run_id": self.run_id, "request_id": request_id, "route": route,
+                                       "status": status, "reason": reason, "step": self.engine.step_index,
+                                       "time": time.time(), "request_body_sha256": body_sha256})
+        self._wake.set()
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its client left): it finishes before the next step and its blocks are freed."""
         self._commands.put(("abort", request_id))
         self._wake.set()
 
-    def call(self, fn: Callable[[Engine], Any]) -> Future:
-        """Run `fn(engine)` on the engine thread between steps (e.g. a prompt's logprobs); its result or error."""
-        done: Future = Future()
-        self._commands.put(("call", (fn, done)))
-        self._wake.set()
-        return done
-
     def stop(self, timeout: float | None = 30.0) -> None:
         """Abort what is still running, write the rest of the trace, requests.parquet and summary.json."""
-        self._stopping = True
+        with self._lock:
+            self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    @property
+    def open_requests(self) -> int:
+        """Requests the loop holds state for (admitted, not ended)."""
+        return len(self._sinks)
 
     # ------------------------------------------------------------------ the engine thread
 
@@ -166,46 +229,73 @@ class EngineLoop:
                     break
                 if not engine.has_unfinished():
                     self._refresh_stats()
-                    if self._rows_changed and self.writer is not None:  # an abort while idle
-                        self.writer.write_step((), None, self._snapshot())
+                    if self._changed() and self.writer is not None:  # an abort or a refusal while idle
+                        self.writer.write_step((), None, self._requests_update())
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                t0 = time.perf_counter()
-                out = engine.step(trace_digests=self.writer is not None)
-                self._itl.update(out.samples)
-                if out.batch_size:
-                    self._steps.append(step_record(out, time.perf_counter() - t0))
-                self._after_step(out)
+                self._step()
         except BaseException as exc:  # noqa: BLE001 - every waiting client is told; the server reports it
             self.error = exc
             for request_id, sink in list(self._sinks.items()):
-                _send(sink, Update(request_id, error=f"engine loop failed: {exc}"))
+                _send(sink, Update(request_id, error=f"engine loop failed: {one_line(exc)}"))
             self._sinks.clear()
         finally:
+            self._fail_queued()
             self._close()
 
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            out = self.engine.step(trace_digests=self.writer is not None)
+        except ToolkitError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the requests of this step fail; the loop goes on
+            self._failed_steps += 1
+            if self._failed_steps >= self.max_failed_steps:
+                raise
+            self._fail_running(exc)
+            return
+        self._failed_steps = 0
+        self._itl.update(out.samples)
+        if out.batch_size:
+            self._steps.append(step_record(out, time.perf_counter() - t0))
+        self._after_step(out)
+
+    def _fail_running(self, exc: BaseException) -> None:
+        """A step raised: the requests it scheduled (those running) end with that error, and are released."""
+        message = f"the engine failed while stepping this request: {one_line(exc)}"
+        print(f"serve: {message}", file=sys.stderr, flush=True)
+        running = {self.engine.requests[s].request_id for s in self._running_seq_ids()}
+        for request_id in sorted(running & self._sinks.keys()):
+            self.engine.abort(request_id)
+            self._finish(request_id, (), error=message)
+        self._after_step(None)
+
+    def _running_seq_ids(self) -> list[str]:
+        return [seq.seq_id for seq in self.engine.scheduler.running]
+
     def _take_commands(self) -> None:
+        added = 0
         while True:
             try:
                 kind, item = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
             if kind == "add":
+                added += 1
                 self._add(item)
-            elif kind == "abort":
-                if item in self._sinks:
-                    self._abort(item)
-            else:
-                fn, done = item
-                try:
-                    done.set_result(fn(self.engine))
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    done.set_exception(exc)
+            elif item in self._sinks:
+                self._abort(item)
+        if added:
+            self._refresh_stats()
+            with self._lock:
+                self._queued -= added
 
     def _add(self, sub: Submission) -> None:
         engine = self.engine
         kwargs = dict(sub.kwargs)
+        request_id = kwargs.get("request_id")
         try:
             if sub.fill_max_tokens:
                 ids = _prompt_ids(engine, kwargs)
@@ -214,16 +304,29 @@ class EngineLoop:
                 kwargs["sampling_params"] = {**kwargs.get("sampling_params", {}),
                                              "max_tokens": max(engine.max_model_len - len(ids), 1)}
             request_id = engine.add_request(**kwargs)
-            if sub.prompt_logprobs is not None:
-                seq = engine.requests[engine.groups[request_id][0]]
-                sub.prompt_scores = prompt_scores(engine, list(seq.prompt_token_ids), sub.prompt_logprobs)
         except ToolkitError as exc:
             sub.accepted.set_exception(RequestError(str(exc)))
             return
+        except Exception as exc:  # noqa: BLE001 - this request's error (a 500), not the loop's
+            if request_id in engine.groups:
+                engine.abort(request_id)
+                engine.release(request_id)
+            self._record_failure(request_id, sub, exc)
+            sub.accepted.set_exception(InternalError(f"the engine failed to add this request: {one_line(exc)}"))
+            return
         self._sinks[request_id] = sub.sink
-        self._bodies[request_id] = json.dumps(sub.body, sort_keys=True) if sub.body is not None else None
-        self._record_rows(request_id)
+        body = json.dumps(sub.body, sort_keys=True) if sub.body is not None else None
+        self._bodies[request_id] = (body if self.record_body == "full" else None,
+                                    _sha256(body) if self.record_body != "off" else None)
+        self._open[request_id] = self._rows(request_id, self._arrivals)
+        self._arrivals += 1
+        self._open_changed = True
         sub.accepted.set_result(request_id)
+
+    def _record_failure(self, request_id: str | None, sub: Submission, exc: BaseException) -> None:
+        print(f"serve: request {request_id}: {one_line(exc)}", file=sys.stderr, flush=True)
+        body = json.dumps(sub.body, sort_keys=True) if sub.body is not None else None
+        self.reject(str(request_id), sub.route, 500, one_line(exc), _sha256(body) if self.record_body != "off" else None)
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -250,56 +353,94 @@ class EngineLoop:
                 deltas, samples = by_request.get(request_id, ((), ()))
                 self._finish(request_id, deltas, samples)
         self._refresh_stats()
-        if self.writer is not None and (out is not None or self._rows_changed):
-            snapshot = self._snapshot() if self._rows_changed else None
+        if len(self._steps) >= STEPS_PART_ROWS:
+            self._write_steps()
+        if self.writer is not None and (out is not None or self._changed()):
+            update = self._requests_update() if self._changed() else None
             if out is not None:
-                self.writer.write_output(out, snapshot)
+                self.writer.write_output(out, update)
             else:
-                self.writer.write_step((), None, snapshot)
+                self.writer.write_step((), None, update)
 
     def _refresh_stats(self) -> None:
         sched = self.engine.scheduler
         self.stats.running, self.stats.waiting = len(sched.running), len(sched.waiting)
+        self.stats.waiting_requests = len({seq.request_id for seq in sched.waiting})
         self.stats.kv_blocks_used = self.engine.block_manager.num_used_blocks
 
-    def _finish(self, request_id: str, deltas, samples=()) -> None:
-        self._record_rows(request_id)
+    def _finish(self, request_id: str, deltas, samples=(), error: str | None = None) -> None:
+        final = self._rows(request_id, self._open.pop(request_id)[0]["arrival_index"])
+        _, digest = self._bodies.pop(request_id, (None, None))
+        self._ended.extend(final)
+        self._open_changed = True
         output = self.engine.release(request_id)
         sink = self._sinks.pop(request_id)
-        self._outputs.append(output)
+        for c in output.outputs:
+            self._itl.forget(request_id, c.index)
+        self._summary.add(output)
         self.stats.prompt_tokens += len(output.prompt_token_ids)
         for c in output.outputs:
             self.stats.finished[c.finish_reason] = self.stats.finished.get(c.finish_reason, 0) + 1
+        if error is not None:
+            self.reject(request_id, "", 500, error, digest)
+            _send(sink, Update(request_id, tuple(deltas), tuple(samples), error=error))
+            return
         if self.on_finish is not None:
             self.on_finish(output)
         _send(sink, Update(request_id, tuple(deltas), tuple(samples), output=output))
 
-    def _record_rows(self, request_id: str) -> None:
-        rows = request_rows(self.engine, self.run_id, [request_id])
-        for row in rows:
-            row["request_body"] = self._bodies.get(request_id)
-        self._rows[request_id] = rows
-        self._rows_changed = True
+    def _rows(self, request_id: str, arrival_index: int) -> list[dict[str, Any]]:
+        body, digest = self._bodies.get(request_id, (None, None))
+        return [{**row, "request_body": body, "request_body_sha256": digest, "arrival_index": arrival_index}
+                for row in request_rows(self.engine, self.run_id, [request_id])]
 
-    def _snapshot(self) -> list[dict[str, Any]]:
-        self._rows_changed = False
-        return [row for rows in self._rows.values() for row in rows]
+    def _changed(self) -> bool:
+        return self._open_changed or bool(self._ended) or bool(self._rejected)
+
+    def _requests_update(self) -> RequestsUpdate:
+        self._open_changed = False
+        ended, self._ended = self._ended, []
+        with self._lock:
+            rejected, self._rejected = self._rejected, []
+        return RequestsUpdate(ended, [row for rows in self._open.values() for row in rows], rejected)
+
+    def _write_steps(self) -> None:
+        if self.run_dir is not None and self._steps:
+            atomic_write_table(self.run_dir / STEPS_FILE / f"part-{self._step_parts:06d}.parquet",
+                               pa.Table.from_pylist(self._steps))
+            self._step_parts += 1
+        self._steps = []
+
+    def _fail_queued(self) -> None:
+        """Every request still queued when the loop ends gets its answer (a 503): none is left waiting."""
+        with self._lock:
+            self._stopping = True
+        while True:
+            try:
+                kind, item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add" and not item.accepted.done():
+                item.accepted.set_exception(Unavailable("the server is shutting down"))
 
     def _close(self) -> None:
         if self.writer is None:
             return
         try:
+            self.writer.write_step((), None, self._requests_update())
             self.writer.close()
         finally:
-            rows = self._snapshot()
-            write_requests(self.run_dir, rows)
-            write_steps(self.run_dir, self._steps)
+            self._write_steps()
             wall = (self.engine.last_finish_time or 0.0) - (self.engine.first_admission_time or 0.0)
-            summary = summarize(self._outputs, wall, self._itl.values, steps=self.engine.step_index, run_id=self.run_id,
-                                trace_rows=self.writer.rows_written, model=self.engine.loaded.model_id,
-                                model_revision=self.engine.loaded.revision, served=True,
-                                served_s=time.perf_counter() - self._started)
+            summary = self._summary.result(wall, self._itl.values, steps=self.engine.step_index, run_id=self.run_id,
+                                           trace_rows=self.writer.rows_written, model=self.engine.loaded.model_id,
+                                           model_revision=self.engine.loaded.revision, served=True,
+                                           served_s=time.perf_counter() - self._started)
             atomic_write_bytes(self.run_dir / "summary.json", json.dumps(summary, indent=2).encode())
+
+
+def _sha256(text: str | None) -> str | None:
+    return hashlib.sha256(text.encode()).hexdigest() if text is not None else None
 
 
 def _send(sink: Sink, update: Update) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
+import os
 import signal
 import sys
 import threading
@@ -14,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from toolkit.engine import Engine
 from toolkit.errors import ConfigError
+from toolkit.serve.protocol import Limits
 
 
 @dataclass
@@ -33,42 +37,73 @@ class Server:
         self.loop.stop()
 
 
+SERVE_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "served_model_name": None, "log_level": "warning",
+                  "flush_every_steps": 8, "timeout_graceful_shutdown": 2, "max_waiting": 256, "api_key": None,
+                  "metrics_public": True, "record_body": "full", **dataclasses.asdict(Limits())}
+
+
 def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The serve section, checked: every key known, the port and limits in range. `api_key` may be one key
+    or a list; TOOLKIT_API_KEY (comma-separated) adds to it."""
     section = cfg.get("serve") or {}
     section = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else dict(section)
-    known = {"host", "port", "served_model_name", "log_level", "flush_every_steps", "timeout_graceful_shutdown"}
-    unknown = sorted(set(section) - known)
+    unknown = sorted(set(section) - set(SERVE_DEFAULTS))
     if unknown:
-        raise ConfigError(f"unknown serve option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    port = section.get("port", 8000)
+        raise ConfigError(f"unknown serve option(s) {', '.join(unknown)}; known: {', '.join(sorted(SERVE_DEFAULTS))}")
+    section = {**SERVE_DEFAULTS, **{k: v for k, v in section.items() if v is not None}}
+    port = section["port"]
     if not (isinstance(port, int) and 0 <= port < 65536):
         raise ConfigError(f"serve.port must be an integer in [0, 65535], got {port!r}")
+    for name in ("max_waiting", "max_prompts", "max_stop", "max_bad_words", "max_logit_bias"):
+        if not (isinstance(section[name], int) and not isinstance(section[name], bool) and section[name] >= 1):
+            raise ConfigError(f"serve.{name} must be a positive integer, got {section[name]!r}")
+    if not (isinstance(section["max_body_mb"], (int, float)) and section["max_body_mb"] > 0):
+        raise ConfigError(f"serve.max_body_mb must be a positive number, got {section['max_body_mb']!r}")
+    keys = section["api_key"]
+    keys = [keys] if isinstance(keys, str) else list(keys or [])
+    keys += [k for k in os.environ.get("TOOLKIT_API_KEY", "").split(",") if k.strip()]
+    if not all(isinstance(k, str) and k.strip() for k in keys):
+        raise ConfigError("serve.api_key must be a non-empty string or a list of them")
+    section["api_key"] = [k.strip() for k in keys]
     return section
 
 
 def build(engine: Engine, run_dir: Path | None, cfg: Mapping[str, Any] | None, section: Mapping[str, Any]):
-    """The engine loop (started) and the FastAPI app over it."""
+    """The engine loop (started) and the FastAPI app over it; `section`: serve_config's."""
     from toolkit.serve.api import Api, ServedModel
     from toolkit.serve.loop import EngineLoop
     from toolkit.serve.metrics import ServerMetrics
 
-    name = section.get("served_model_name") or engine.loaded.name
+    name = section["served_model_name"] or engine.loaded.name
     served = ServedModel(name=name, aliases=tuple({engine.loaded.name, engine.loaded.model_id} - {name}),
                          max_model_len=engine.max_model_len)
     metrics_box: dict[str, Any] = {}
-    loop = EngineLoop(engine, run_dir, cfg, flush_every_steps=int(section.get("flush_every_steps", 8)),
-                      on_finish=lambda out: metrics_box["m"].finished(out))
+    loop = EngineLoop(engine, run_dir, cfg, flush_every_steps=int(section["flush_every_steps"]),
+                      on_finish=lambda out: metrics_box["m"].finished(out), max_waiting=section["max_waiting"],
+                      record_body=section["record_body"])
     metrics_box["m"] = metrics = ServerMetrics(loop, name)
-    api = Api(loop, served, metrics, on_shutdown=loop.stop)
+    limits = Limits(**{f.name: section[f.name] for f in dataclasses.fields(Limits)})
+    api = Api(loop, served, metrics, on_shutdown=loop.stop, limits=limits, api_keys=section["api_key"],
+              metrics_public=bool(section["metrics_public"]))
+    if not section["api_key"] and not _loopback(section["host"]):
+        print(f"warning: serving on {section['host']} without an API key: anyone who can reach this port can use "
+              f"it (set serve.api_key or TOOLKIT_API_KEY)", file=sys.stderr, flush=True)
     loop.start()
     return loop, api.app
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _uvicorn_config(app, host: str, port: int, section: Mapping[str, Any]):
     import uvicorn
 
-    return uvicorn.Config(app, host=host, port=port, log_level=section.get("log_level", "warning"),
-                          timeout_graceful_shutdown=section.get("timeout_graceful_shutdown", 2), lifespan="on")
+    return uvicorn.Config(app, host=host, port=port, log_level=section["log_level"],
+                          timeout_graceful_shutdown=section["timeout_graceful_shutdown"], lifespan="on")
 
 
 def start_server(engine: Engine, run_dir: Path | None, cfg: Mapping[str, Any] | None = None, *,
@@ -76,6 +111,7 @@ def start_server(engine: Engine, run_dir: Path | None, cfg: Mapping[str, Any] | 
     """Serve `engine` on a background thread (port 0: a free port); returns once it accepts connections."""
     import uvicorn
 
+    section = serve_config({"serve": {**section, "host": host, "port": port}})
     loop, app = build(engine, run_dir, cfg, section)
     server = uvicorn.Server(_uvicorn_config(app, host, port, section))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
@@ -100,7 +136,7 @@ def run_serve(cfg: DictConfig, run_dir: Path) -> int:
     section = serve_config(cfg)
     engine = Engine.from_config(cfg)
     loop, app = build(engine, run_dir, cfg, section)
-    host, port = section.get("host", "127.0.0.1"), section.get("port", 8000)
+    host, port = section["host"], section["port"]
     print(f"serving {engine.loaded.name} at http://{host}:{port}/v1 (OpenAI API); trace: {run_dir}", file=sys.stderr,
           flush=True)
     config = _uvicorn_config(app, host, port, section)

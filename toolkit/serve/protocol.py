@@ -7,6 +7,7 @@ the server's defaults (the model's generation config where it has one), exactly 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -158,6 +159,28 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for (serve.max_*): past a limit a request is refused, the field named."""
+
+    max_body_mb: float = 8.0  # a larger body: 413
+    max_prompts: int = 64  # prompts in one /v1/completions request
+    max_stop: int = 32  # stop strings (and stop_token_ids)
+    max_bad_words: int = 256
+    max_logit_bias: int = 1024  # logit_bias entries
+
+    def check(self, req: "SamplingFields", prompts: int) -> None:
+        """A FieldError naming the first field past its limit."""
+        stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
+        for name, count, knob in (("prompt", prompts, "max_prompts"), ("stop", len(stop), "max_stop"),
+                                  ("stop_token_ids", len(req.stop_token_ids or ()), "max_stop"),
+                                  ("bad_words", len(req.bad_words or ()), "max_bad_words"),
+                                  ("logit_bias", len(req.logit_bias or {}), "max_logit_bias")):
+            if count > getattr(self, knob):
+                raise FieldError(name, f"{name}: {count} entries, more than this server takes "
+                                       f"(serve.{knob}={getattr(self, knob)})")
 
 
 class FieldError(ValueError):

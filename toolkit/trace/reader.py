@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from toolkit.errors import ToolkitError
-from toolkit.trace.schema import COMPATIBLE, REQUESTS_SCHEMA, SAMPLES_SCHEMA, SCHEMA_VERSION, SUPERSEDED
-from toolkit.trace.writer import MANIFEST_FILE, REQUESTS_FILE, SAMPLES_DIR
+from toolkit.trace.schema import COMPATIBLE, REJECTED_SCHEMA, REQUESTS_SCHEMA, SAMPLES_SCHEMA, SCHEMA_VERSION, SUPERSEDED
+from toolkit.trace.writer import MANIFEST_FILE, OPEN_REQUESTS_FILE, REJECTED_DIR, REQUESTS_FILE, SAMPLES_DIR
 
 
 class TraceError(ToolkitError):
@@ -80,7 +80,25 @@ def read_samples(run_dir: Path, check_version: bool = True) -> pa.Table:
 
 
 def read_requests(run_dir: Path, check_version: bool = True) -> pa.Table:
+    """One row per sequence. A served run's requests.parquet is a directory of append-only parts (final rows, in
+    the order requests ended) beside requests.open.parquet (those not ended when it was written, e.g. before a
+    kill -9): both are read, a request's final row wins, and rows come back in arrival order."""
     path = Path(run_dir) / REQUESTS_FILE
+    if not path.is_dir():
+        return _read_requests_table(path, check_version)
+    ended = [_read_requests_table(part, check_version) for part in sorted(path.glob("part-*.parquet"))]
+    table = pa.concat_tables(ended) if ended else REQUESTS_SCHEMA.empty_table()
+    open_path = Path(run_dir) / OPEN_REQUESTS_FILE
+    if open_path.exists():
+        still_open = _read_requests_table(open_path, check_version)
+        done = set(zip(table.column("request_id").to_pylist(), table.column("stream").to_pylist()))
+        keep = [(r, s) not in done for r, s in zip(still_open.column("request_id").to_pylist(),
+                                                   still_open.column("stream").to_pylist())]
+        table = pa.concat_tables([table, still_open.filter(pa.array(keep, pa.bool_()))])
+    return table.sort_by([("arrival_index", "ascending"), ("stream", "ascending")])
+
+
+def _read_requests_table(path: Path, check_version: bool) -> pa.Table:
     try:
         table = pq.read_table(path)
     except FileNotFoundError:
@@ -93,3 +111,13 @@ def read_requests(run_dir: Path, check_version: bool = True) -> pa.Table:
     if table.schema.names != REQUESTS_SCHEMA.names:
         raise TraceError(f"{path} has columns {table.schema.names}, expected {REQUESTS_SCHEMA.names}")
     return table
+
+
+def read_rejected(run_dir: Path) -> pa.Table:
+    """A served run's refused (503) and failed (500) requests, in the order recorded (none: an empty table)."""
+    parts = sorted((Path(run_dir) / REJECTED_DIR).glob("part-*.parquet"))
+    try:
+        tables = [pq.read_table(part) for part in parts]
+    except (pa.ArrowException, OSError) as exc:
+        raise TraceError(f"{Path(run_dir) / REJECTED_DIR} has a truncated or corrupt part: {exc}") from None
+    return pa.concat_tables(tables) if tables else REJECTED_SCHEMA.empty_table()

@@ -12,12 +12,14 @@ from typing import Any
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 # older versions this toolkit still reads, and what their tables lack (read as null)
-COMPATIBLE = {4: {"requests": ("request_body", "abort_step", "origin_engine", "source_record"),
+COMPATIBLE = {4: {"requests": ("request_body", "abort_step", "origin_engine", "source_record", "arrival_index",
+                               "request_body_sha256"), "samples": ("kept_sha256",)},
+              5: {"requests": ("origin_engine", "source_record", "arrival_index", "request_body_sha256"),
                   "samples": ("kept_sha256",)},
-              5: {"requests": ("origin_engine", "source_record"), "samples": ("kept_sha256",)}}
+              6: {"requests": ("arrival_index", "request_body_sha256"), "samples": ()}}
 
 # versions this toolkit no longer reads, and why (the reader says so instead of "unknown version")
 SUPERSEDED = {
@@ -141,6 +143,19 @@ REQUESTS_SCHEMA = pa.schema([
     ("abort_step", pa.int64()),  # the step before which the request was aborted (a client left); null otherwise
     ("origin_engine", pa.string()),  # the engine that produced a converted transcript (mode=audit); null: this toolkit
     ("source_record", pa.string()),  # the transcript line it was converted from, as read (mode=audit)
+    ("arrival_index", pa.int64()),  # the request's place in the run's arrival order (served runs; null otherwise)
+    ("request_body_sha256", pa.string()),  # sha256 of the HTTP body as received (served runs, whatever record_body)
+], metadata={"toolkit_schema_version": str(SCHEMA_VERSION)})
+
+REJECTED_SCHEMA = pa.schema([  # a served run's requests refused (503: serve.max_waiting) or failed (500)
+    ("run_id", pa.string()),
+    ("request_id", pa.string()),  # the HTTP response's id (cmpl-..., chatcmpl-...) or the engine request's
+    ("route", pa.string()),
+    ("status", pa.int32()),
+    ("reason", pa.string()),
+    ("step", pa.int64()),  # the engine's step when it was refused
+    ("time", pa.float64()),  # unix seconds
+    ("request_body_sha256", pa.string()),
 ], metadata={"toolkit_schema_version": str(SCHEMA_VERSION)})
 
 TRACE_FIELDS = [f.name for f in fields(SampleTrace) if f.name != "logits_row"]

@@ -18,6 +18,7 @@ import queue
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -26,11 +27,13 @@ import pyarrow.parquet as pq
 import torch
 
 from toolkit.kernels import sha256_rows
-from toolkit.trace.schema import REQUESTS_SCHEMA, SAMPLES_SCHEMA, TRACE_FIELDS, SampleTrace
+from toolkit.trace.schema import REJECTED_SCHEMA, REQUESTS_SCHEMA, SAMPLES_SCHEMA, TRACE_FIELDS, SampleTrace
 
 SAMPLES_DIR = "samples.parquet"
 LOGITS_DIR = "logits.parquet"  # trace.full_logits: raw fp32 logits rows, keyed by (request_id, stream, position)
-REQUESTS_FILE = "requests.parquet"
+REQUESTS_FILE = "requests.parquet"  # a file (mode=run) or, for a served run, a directory of append-only parts
+OPEN_REQUESTS_FILE = "requests.open.parquet"  # a served run's requests not yet ended (replaced as they change)
+REJECTED_DIR = "rejected.parquet"  # a served run's requests refused (503) or failed on the engine thread (500)
 MANIFEST_FILE = "manifest.json"
 
 
@@ -62,8 +65,23 @@ def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
 
 
 def write_requests(run_dir: Path, rows: Sequence[dict[str, Any]]) -> None:
-    columns = {name: [r.get(name) for r in rows] for name in REQUESTS_SCHEMA.names}
-    atomic_write_table(run_dir / REQUESTS_FILE, pa.table(columns, schema=REQUESTS_SCHEMA))
+    atomic_write_table(run_dir / REQUESTS_FILE, requests_table(rows))
+
+
+def requests_table(rows: Sequence[dict[str, Any]]) -> pa.Table:
+    return pa.table({name: [r.get(name) for r in rows] for name in REQUESTS_SCHEMA.names}, schema=REQUESTS_SCHEMA)
+
+
+@dataclass(frozen=True)
+class RequestsUpdate:
+    """A served run's request rows since its last update: `ended` (final rows, appended to requests.parquet/ as
+    a part) and `open` (the admission rows of every request not yet ended, replacing requests.open.parquet:
+    bounded by the requests a server holds at once, so a flush costs the same after a day as after a minute),
+    and `rejected` (refusals, appended to rejected.parquet/)."""
+
+    ended: Sequence[dict[str, Any]]
+    open: Sequence[dict[str, Any]]
+    rejected: Sequence[dict[str, Any]] = ()
 
 
 def sample_rows_table(run_id: str, traces: Iterable[SampleTrace], digests: Iterable[str]) -> pa.Table:
@@ -117,8 +135,12 @@ class TraceWriter:
         self.worker_cpu_s = 0.0  # CPU time of the writer thread (Arrow conversion, Parquet writes)
         self._parts = 0
         self._pending: list[tuple[SampleTrace, str]] = []
-        self._requests: Sequence[dict[str, Any]] | None = None  # the newest request rows not yet written
-        self._held: tuple[Any, Sequence[dict[str, Any]] | None] | None = None  # write_output's last (out, requests)
+        self._ended: list[dict[str, Any]] = []  # RequestsUpdate.ended rows not yet in a part
+        self._open: Sequence[dict[str, Any]] | None = None  # the newest RequestsUpdate.open not yet written
+        self._rejected: list[dict[str, Any]] = []  # RequestsUpdate.rejected rows not yet in a part
+        self._request_parts = self._rejected_parts = 0
+        self.flush_s = 0.0  # CPU time of the part writes (samples, logits, requests) on the writer thread
+        self._held: tuple[Any, RequestsUpdate | None] | None = None  # write_output's last (out, requests)
         self._steps_since_flush = 0
         self._queue: queue.Queue = queue.Queue(maxsize=256)
         self._error: BaseException | None = None
@@ -126,17 +148,17 @@ class TraceWriter:
         self._thread.start()
 
     def write_step(self, traces: Sequence[SampleTrace], logits_RV: torch.Tensor | None,
-                   requests: Sequence[dict[str, Any]] | None = None,
+                   requests: RequestsUpdate | None = None,
                    digests: Mapping[int, str] | None = None) -> None:
-        """Queue a step's rows. `requests`: the run's request rows as of this step (a server passes them when
-        they changed); they are written to requests.parquet before any part holding later rows, so a part on
-        disk never holds a row whose request is not in requests.parquet. `digests`: the sha256 of the logits
+        """Queue a step's rows. `requests`: a served run's request rows that changed up to this step; they are
+        written before any sample part holding later rows, so a part on disk never holds a row whose request is
+        not in requests.parquet/ or requests.open.parquet. `digests`: the sha256 of the logits
         rows already hashed (StepOutput.logits_sha256, by row); where one is missing, every row is hashed here."""
         self._release_held()
         self._write_step(traces, logits_RV, requests, digests)
 
     def _write_step(self, traces: Sequence[SampleTrace], logits_RV: torch.Tensor | None,
-                    requests: Sequence[dict[str, Any]] | None, digests: Mapping[int, str] | None) -> None:
+                    requests: RequestsUpdate | None, digests: Mapping[int, str] | None) -> None:
         if self._error is not None:
             raise RuntimeError(f"trace writer failed: {self._error}") from self._error
         start = time.perf_counter()
@@ -161,7 +183,7 @@ class TraceWriter:
         self._queue.put((tuple(traces), digests, requests, logits))
         self.engine_thread_s += time.perf_counter() - start
 
-    def write_output(self, out, requests: Sequence[dict[str, Any]] | None = None) -> None:
+    def write_output(self, out, requests: RequestsUpdate | None = None) -> None:
         """write_step for an Engine.step(trace_digests=True) output: its rows, logits and digests. Its rows are
         taken when the next output comes (or at write_step, flush or close), in order: the engine hashes the
         rest of its digests beside that next step's Python (they are read, and so finished, only then)."""
@@ -202,7 +224,9 @@ class TraceWriter:
                     return
                 traces, digests, requests, logits = item
                 if requests is not None:
-                    self._requests = requests
+                    self._ended.extend(requests.ended)
+                    self._open = requests.open
+                    self._rejected.extend(requests.rejected)
                 if traces == "flush":
                     self._write_part()
                     continue
@@ -218,10 +242,30 @@ class TraceWriter:
                 self._queue.task_done()
 
     def _write_part(self) -> None:
+        start = time.thread_time()
+        try:
+            self._write_parts()
+        finally:
+            self.flush_s += time.thread_time() - start
+
+    def _write_parts(self) -> None:
         self._steps_since_flush = 0
-        if self._requests is not None:
-            write_requests(self.run_dir, self._requests)
-            self._requests = None
+        if self._ended:  # before the open rows: a kill between the two leaves a request in both, never in neither
+            rows, self._ended = self._ended, []
+            atomic_write_table(self.run_dir / REQUESTS_FILE / f"part-{self._request_parts:06d}.parquet",
+                               requests_table(rows))
+            self._request_parts += 1
+        if self._rejected:
+            rows, self._rejected = self._rejected, []
+            atomic_write_table(self.run_dir / REJECTED_DIR / f"part-{self._rejected_parts:06d}.parquet",
+                               pa.Table.from_pylist(rows, schema=REJECTED_SCHEMA))
+            self._rejected_parts += 1
+        if self._open is not None:
+            open_rows, self._open = self._open, None
+            if open_rows:
+                atomic_write_table(self.run_dir / OPEN_REQUESTS_FILE, requests_table(open_rows))
+            else:
+                (self.run_dir / OPEN_REQUESTS_FILE).unlink(missing_ok=True)
         if self._logits:
             import numpy as np
 

@@ -1,0 +1,266 @@
+"""The server under overload, hostile input and failures on its engine thread, over real HTTP on loopback (tiny
+model): every answer is 200 or 503 past serve.max_waiting, keys and limits are enforced with OpenAI-shaped errors,
+an exception on the engine thread is one request's 500, a slow reader's updates are merged, and a served run is
+written append-only (requests.parquet parts), read back in arrival order and replayed bit for bit."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import make_engine
+from toolkit import replay
+from toolkit.config import SamplingParams
+from toolkit.outputs import TextDelta
+from toolkit.serve.api import Mailbox
+from toolkit.serve.loop import Update
+from toolkit.serve.main import start_server
+from toolkit.trace.reader import read_rejected, read_requests, read_samples
+from toolkit.trace.writer import OPEN_REQUESTS_FILE, REQUESTS_FILE
+
+
+def _engine(tiny, **kwargs):
+    return make_engine(tiny, sampling=SamplingParams(), **{"max_num_seqs": 8, **kwargs})
+
+
+def _post(url: str, body: dict, **kwargs) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json=body, timeout=60, **kwargs)
+
+
+def test_overload_is_answered_200_or_503_and_the_server_then_serves_normally(tiny, tmp_path):
+    run_dir = tmp_path / "run"
+    srv = start_server(_engine(tiny, max_num_seqs=4), run_dir, max_waiting=32)
+    body = {"prompt": "Overload", "max_tokens": 24, "ignore_eos": True, "temperature": 0.8}
+
+    async def flood() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=512)
+        async with httpx.AsyncClient(base_url=srv.url, limits=limits, timeout=120) as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json={**body, "seed": i})
+                                          for i in range(512)))
+
+    try:
+        answers = asyncio.run(flood())
+        statuses = [r.status_code for r in answers]
+        assert set(statuses) == {200, 503}, sorted(set(statuses))  # none 500, none hangs (gather returned)
+        for r in answers:
+            if r.status_code == 503:
+                assert int(r.headers["retry-after"]) >= 1
+                error = r.json()["error"]
+                assert error["code"] == "server_overloaded" and "serve.max_waiting=32" in error["message"]
+        assert httpx.get(srv.url + "/health").status_code == 200
+        after = _post(srv.url, {**body, "seed": 999})
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 24
+    finally:
+        srv.stop()
+    accepted = statuses.count(200) + 1
+    requests = read_requests(run_dir)
+    assert requests.num_rows == accepted  # the trace holds every accepted request
+    assert read_samples(run_dir).num_rows == 24 * accepted
+    rejected = read_rejected(run_dir).to_pylist()
+    assert len(rejected) == statuses.count(503) and {r["status"] for r in rejected} == {503}
+    assert [r["arrival_index"] for r in requests.to_pylist()] == list(range(accepted))
+
+
+def test_api_keys_body_size_and_list_limits(tiny, monkeypatch):
+    monkeypatch.setenv("TOOLKIT_API_KEY", "from-env")
+    srv = start_server(_engine(tiny), None, api_key=["k1", "k2"], metrics_public=False, max_body_mb=0.01,
+                       max_prompts=4, max_stop=3, max_bad_words=2, max_logit_bias=5)
+    ok = {"prompt": "Hi", "max_tokens": 2}
+    try:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "k1"}, {"Authorization": "Basic k1"}):
+            r = _post(srv.url, ok, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        assert httpx.get(srv.url + "/metrics").status_code == 401  # metrics_public=false
+        assert httpx.get(srv.url + "/health").status_code == 200  # /health stays open
+        for key in ("k1", "k2", "from-env"):
+            assert _post(srv.url, ok, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="k2", max_retries=0)
+        assert c.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0).models.list()
+        auth = {"Authorization": "Bearer k1"}
+        big = _post(srv.url, {"prompt": "x" * 20000, "max_tokens": 2}, headers=auth)
+        assert big.status_code == 413 and "serve.max_body_mb" in big.json()["error"]["message"]
+        chunked = httpx.post(srv.url + "/v1/completions", content=iter([b'{"prompt": "', b"y" * 20000, b'"}']),
+                             headers=auth)  # no content-length: counted as it arrives
+        assert chunked.status_code == 413
+        for field, value in (("stop", ["a", "b", "c", "d"]), ("stop_token_ids", [1, 2, 3, 4]),
+                             ("bad_words", ["a", "b", "c"]), ("logit_bias", {str(i): 1.0 for i in range(6)}),
+                             ("prompt", ["a"] * 5)):
+            r = _post(srv.url, {**ok, field: value}, headers=auth)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+        at_limit = {**ok, "stop": ["a", "b", "c"], "logit_bias": {str(i): 1.0 for i in range(5)}}
+        assert _post(srv.url, at_limit, headers=auth).status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_an_exception_on_the_engine_thread_is_one_requests_500(tiny, tmp_path):
+    engine = _engine(tiny)
+    srv = start_server(engine, tmp_path / "run")
+    add, run = engine.add_request, engine.runner.run
+    fail_next_step = threading.Event()
+
+    def add_request(*args, **kwargs):
+        if kwargs.get("prompt") == "boom":
+            raise KeyError("injected while adding")
+        return add(*args, **kwargs)
+
+    def forward(*args, **kwargs):  # the model runner, inside a step, after the batch was scheduled
+        if fail_next_step.is_set():
+            fail_next_step.clear()
+            raise RuntimeError("injected while stepping")
+        return run(*args, **kwargs)
+
+    engine.add_request, engine.runner.run = add_request, forward
+    try:
+        r = _post(srv.url, {"prompt": "boom", "max_tokens": 3})
+        assert r.status_code == 500 and "injected while adding" in r.json()["error"]["message"]
+        assert "\n" not in r.json()["error"]["message"]
+        assert _post(srv.url, {"prompt": "next", "max_tokens": 3}).status_code == 200
+        fail_next_step.set()
+        r = _post(srv.url, {"prompt": "stepped", "max_tokens": 3})
+        assert r.status_code == 500 and "injected while stepping" in r.json()["error"]["message"]
+        assert httpx.get(srv.url + "/health").status_code == 200
+        assert _post(srv.url, {"prompt": "and after", "max_tokens": 3}).status_code == 200
+        assert engine.block_manager.num_used_blocks == 0 and not engine.requests  # nothing kept of them
+    finally:
+        srv.stop()
+    failed = read_rejected(tmp_path / "run").to_pylist()
+    assert [r["status"] for r in failed] == [500, 500]
+    assert "injected while adding" in failed[0]["reason"] and "injected while stepping" in failed[1]["reason"]
+
+
+def test_requests_queued_when_the_loop_dies_are_answered(tiny):
+    engine = _engine(tiny)
+    srv = start_server(engine, None)
+    step, entered, release = engine.step, threading.Event(), threading.Event()
+
+    def broken(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        raise RuntimeError("the engine is broken")
+
+    engine.step = broken
+    srv.loop.max_failed_steps = 1
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as client:
+            with ThreadPoolExecutor(4) as pool:
+                first = pool.submit(client.post, "/v1/completions", json={"prompt": "a", "max_tokens": 2})
+                assert entered.wait(30)
+                queued = [pool.submit(client.post, "/v1/completions", json={"prompt": "b", "max_tokens": 2})
+                          for _ in range(3)]
+                while srv.loop._queued < 3:  # all three wait in the command queue behind the stuck step
+                    threading.Event().wait(0.01)
+                release.set()
+                assert first.result().status_code == 500
+                assert [f.result().status_code for f in queued] == [503] * 3  # none left hanging
+        assert httpx.get(srv.url + "/health").status_code == 503
+    finally:
+        engine.step = step
+        srv.stop()
+
+
+def test_record_body_hash_keeps_the_digest_and_replay_says_what_it_cannot_rebuild(tiny, tmp_path):
+    run_dir = tmp_path / "run"
+    srv = start_server(_engine(tiny), run_dir, record_body="hash")
+    body = {"prompt": "A secret prompt", "max_tokens": 5, "temperature": 0.9, "seed": 7}
+    try:
+        assert _post(srv.url, body).status_code == 200
+    finally:
+        srv.stop()
+    row = read_requests(run_dir).to_pylist()[0]
+    assert row["request_body"] is None
+    assert row["request_body_sha256"] == hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    report = replay(run_dir, out_dir=tmp_path / "replayed")
+    assert report.identical and report.rows_compared == 5
+    assert len(report.cannot_rebuild) == 1 and "serve.record_body=hash" in report.cannot_rebuild[0]
+
+
+def test_a_served_run_is_written_append_only_and_read_back_in_arrival_order(tiny, tmp_path):
+    run_dir = tmp_path / "run"
+    engine = _engine(tiny, max_num_seqs=4)
+    srv = start_server(engine, run_dir, flush_every_steps=1)
+    bodies = [{"prompt": f"Request {i}", "max_tokens": 1 + (7 * i) % 11, "temperature": 0.7, "seed": i}
+              for i in range(24)]
+    seen: dict[str, int] = {}  # part -> mtime when first seen
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as client, ThreadPoolExecutor(6) as pool:
+            for i in range(0, 24, 6):  # six at a time: they end out of arrival order
+                list(pool.map(lambda b: client.post("/v1/completions", json=b).raise_for_status(), bodies[i:i + 6]))
+                assert srv.loop.open_requests == 0  # nothing kept of ended requests
+                for p in (run_dir / REQUESTS_FILE).glob("part-*.parquet"):
+                    seen.setdefault(p.name, p.stat().st_mtime_ns)
+    finally:
+        srv.stop()
+    parts = sorted((run_dir / REQUESTS_FILE).glob("part-*.parquet"))
+    assert len(parts) > 1 and sum(pq.read_table(p).num_rows for p in parts) == 24  # each request once
+    assert all(p.stat().st_mtime_ns == seen.get(p.name, p.stat().st_mtime_ns) for p in parts)  # never rewritten
+    assert not (run_dir / OPEN_REQUESTS_FILE).exists()  # closed cleanly: every request ended
+    rows = read_requests(run_dir).to_pylist()
+    assert [r["arrival_index"] for r in rows] == list(range(24))  # in arrival order, though they ended otherwise
+    got = [json.loads(r["request_body"]) for r in rows]
+    for i in range(0, 24, 6):  # each batch of six arrived after the one before it
+        assert sorted(got[i:i + 6], key=lambda b: b["seed"]) == bodies[i:i + 6]
+    assert [r["arrival_step"] for r in rows] == sorted(r["arrival_step"] for r in rows)
+    assert replay(run_dir, out_dir=tmp_path / "replayed").identical
+
+
+def _delta(index: int, text: str) -> TextDelta:
+    return TextDelta("r", index, text, (len(text),), False, None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.dictionaries(st.integers(0, 2), st.text(max_size=3), max_size=3).map(lambda d: list(d.items())),
+                max_size=40), st.integers(1, 6))  # a step: at most one delta per sample
+def test_a_slow_readers_mailbox_stays_bounded_and_loses_nothing(steps, limit):
+    async def run() -> None:
+        box = Mailbox(limit)
+        for k, deltas in enumerate(steps):
+            box.put(Update("r", tuple(_delta(i, t) for i, t in deltas), samples=(k,)))
+            assert len(box) <= limit
+        box.put(Update("r", output="done"))
+        texts: dict[int, str] = {}
+        tokens: dict[int, tuple] = {}
+        samples = []
+        while True:
+            update = await box.get()
+            assert len({d.index for d in update.deltas}) == len(update.deltas)  # one delta per sample
+            for d in update.deltas:
+                texts[d.index] = texts.get(d.index, "") + d.text
+                tokens[d.index] = tokens.get(d.index, ()) + d.token_ids
+            samples += update.samples
+            if update.output is not None:
+                break
+        want_text: dict[int, str] = {}
+        want_tokens: dict[int, tuple] = {}
+        for deltas in steps:
+            for i, t in deltas:
+                want_text[i] = want_text.get(i, "") + t
+                want_tokens[i] = want_tokens.get(i, ()) + (len(t),)
+        assert texts == want_text and tokens == want_tokens and samples == list(range(len(steps)))
+
+    asyncio.run(run())
+
+
+def test_soak_over_http_loses_nothing_and_keeps_nothing(tiny, tmp_path):
+    from toolkit.serve.soak import soak_http
+
+    engine = make_engine(tiny, max_num_seqs=4, sampling=SamplingParams())
+    report = soak_http(engine, tmp_path, requests=400, concurrency=16, report_every=100, max_waiting=8)
+    assert report["passed"], report["problems"]
+    assert report["served"] == report["trace_requests"] == 400 and report["trace_sample_rows"] == report["tokens"]
+    assert [c["open_requests"] for c in report["checkpoints"]][-1] == 0
+    assert report["retried_503"] > 0  # 16 clients against max_waiting=8: some were told to retry, none lost
+    assert report["replay"].startswith("bit-identical")
