@@ -143,7 +143,7 @@ def run_soak(cfg: DictConfig, run_dir: Path) -> int:
     return 0 if report["passed"] else 1
 
 
-HTTP_OPTIONS = {"requests", "concurrency", "max_tokens", "report_every", "seed", "max_waiting", "replay",
+HTTP_OPTIONS = {"requests", "concurrency", "max_tokens", "report_every", "seed", "max_waiting", "burst", "replay",
                 "max_rss_growth_mb", "max_flush_ratio"}
 
 

@@ -3,7 +3,8 @@
     python run.py experiment=serve_soak                      # 20,000 requests on the tiny model
     python run.py experiment=serve_soak soak.requests=2000   # a short one
 
-A fixed number of clients (`concurrency`) send completions with random short prompts, sampling and seeds; a
+First a burst of requests at once (the overload check: every answer 200 or 503). Then a fixed number of
+clients (`concurrency`) send completions with random short prompts, sampling and seeds; a
 503 is retried after its Retry-After. After every `report_every` requests served it prints the process's RSS,
 the trace writer's flush time for that thousand and the requests the loop still holds. At the end it checks
 that nothing was lost (requests.parquet rows == requests served, samples rows == tokens answered) and replays
@@ -33,14 +34,17 @@ WORDS = ("the", "cat", "river", "sang", "over", "a", "quiet", "moon", "and", "se
 
 def soak_http(engine: Engine, run_dir: Path, config: dict[str, Any] | None = None, *, requests: int = 20000,
               concurrency: int = 32, max_tokens: int = 4, report_every: int = 1000, seed: int = 0,
-              max_waiting: int = 256, replay: bool = True) -> dict[str, Any]:
+              max_waiting: int = 256, burst: int = 0, replay: bool = True) -> dict[str, Any]:
+    """`burst`: first send that many requests at once (each 16 tokens long), the overload check: every answer
+    must be 200 or 503, /health 200 afterwards."""
     for name in ("httpx", "httpcore"):  # a line per HTTP request under Hydra's INFO logging
         logging.getLogger(name).setLevel(logging.WARNING)
     served_dir = Path(run_dir) / "served"
     server = start_server(engine, served_dir, config, max_waiting=max_waiting)
     proc = psutil.Process()
     rows: list[dict[str, Any]] = []
-    counts = {"served": 0, "tokens": 0, "retried_503": 0, "errors": 0}
+    counts = {"served": 0, "tokens": 0, "retried_503": 0, "errors": 0, "burst_served": 0}
+    report_burst: dict[str, Any] = {}
     start = time.perf_counter()
     flushed = [0.0]
 
@@ -71,7 +75,25 @@ def soak_http(engine: Engine, run_dir: Path, config: dict[str, Any] | None = Non
         if counts["served"] % report_every == 0:
             checkpoint()
 
+    async def overload() -> None:
+        body = {"prompt": "Overload", "max_tokens": 16, "ignore_eos": True, "temperature": 1.0}
+        async with httpx.AsyncClient(base_url=server.url, limits=httpx.Limits(max_connections=burst),
+                                     timeout=300) as client:
+            t0 = time.perf_counter()
+            answers = await asyncio.gather(*(client.post("/v1/completions", json={**body, "seed": i})
+                                             for i in range(burst)), return_exceptions=True)
+            statuses = [a.status_code if isinstance(a, httpx.Response) else type(a).__name__ for a in answers]
+            health = (await client.get("/health")).status_code
+        by = {str(k): statuses.count(k) for k in sorted(set(statuses), key=str)}
+        counts["burst_served"] = statuses.count(200)
+        counts["tokens"] += 16 * statuses.count(200)
+        report_burst.update(statuses=by, health_after=health, seconds=time.perf_counter() - t0)
+        print(f"overload: {burst} requests at once against serve.max_waiting={max_waiting}: {by} in "
+              f"{report_burst['seconds']:.1f} s; /health {health} afterwards", flush=True)
+
     async def drive() -> None:
+        if burst:
+            await overload()
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=120) as client:
             left = iter(range(requests))
@@ -90,12 +112,16 @@ def soak_http(engine: Engine, run_dir: Path, config: dict[str, Any] | None = Non
     recorded = read_requests(served_dir).num_rows
     sample_rows = read_samples(served_dir).num_rows
     report: dict[str, Any] = {**counts, "requests": requests, "seconds": time.perf_counter() - start,
-                              "checkpoints": rows, "trace_requests": recorded, "trace_sample_rows": sample_rows}
+                              "checkpoints": rows, "trace_requests": recorded, "trace_sample_rows": sample_rows,
+                              "burst": report_burst}
     problems = []
     if counts["errors"]:
         problems.append(f"{counts['errors']} requests answered neither 200 nor 503")
-    if recorded != counts["served"]:
-        problems.append(f"requests.parquet holds {recorded} requests, {counts['served']} were served")
+    if set(report_burst.get("statuses", {})) - {"200", "503"} or report_burst.get("health_after", 200) != 200:
+        problems.append(f"overload: {report_burst}")
+    served = counts["served"] + counts["burst_served"]
+    if recorded != served:
+        problems.append(f"requests.parquet holds {recorded} requests, {served} were served")
     if sample_rows != counts["tokens"]:
         problems.append(f"samples.parquet holds {sample_rows} rows, {counts['tokens']} tokens were answered")
     if len(rows) >= 2:  # from the second checkpoint (the first includes warm-up) to the last
