@@ -4,12 +4,9 @@
     HTTP handler <--Update per step-- sink (called on the engine thread; the server hands it to its event loop)
 
 Concurrent requests share continuous-batching steps exactly as a CLI run's do (one forward per step). The run
-directory is written as the server runs, append-only: config, manifest, samples.parquet parts, requests.parquet
-parts (a request's final row once it ended: arrival order and step, resolved sampling, seed, the HTTP body as
-received or its digest, the step of an abort), requests.open.parquet (the requests not yet ended, replaced as
-they change: bounded by what the server holds), rejected.parquet parts (the requests refused with a 503 or
-failed with a 500) and steps.parquet parts, so that after a `kill -9` the run is still readable, replayable and
-verifiable. Scheduling depends on steps only, so `mode=replay` re-creates the same batches.
+directory is written as the server runs, append-only (toolkit.serve.record), so that after a `kill -9` the run is
+still readable, replayable and verifiable. Scheduling depends on steps only, so `mode=replay` re-creates the same
+batches.
 
 Bounded by construction: at most `max_waiting` requests wait (past it `submit` raises Unavailable: a 503), the
 loop keeps rows only for requests not yet ended, the summary's percentiles cover the latest requests, and an
@@ -18,8 +15,6 @@ unexpected exception while adding or stepping fails the requests it touched (a 5
 
 from __future__ import annotations
 
-import hashlib
-import json
 import queue
 import sys
 import threading
@@ -30,16 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import pyarrow as pa
-from omegaconf import OmegaConf
-
 from toolkit.engine import Engine, RequestOutput, StepOutput, TextDelta
 from toolkit.errors import ConfigError, RequestError, ToolkitError
-from toolkit.metrics import InterTokenLatency, RunningSummary
-from toolkit.session import STEPS_FILE, effective_config, step_record
-from toolkit.trace import SampleTrace, build_manifest, new_run_id, request_rows
-from toolkit.trace.writer import (REQUESTS_FILE, RequestsUpdate, TraceWriter, atomic_write_bytes, atomic_write_table,
-                                  write_manifest)
+from toolkit.serve.record import ServedRun, body_sha256
+from toolkit.trace import SampleTrace
 
 
 @dataclass(frozen=True)
@@ -109,28 +98,23 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:500]
 
 
-STEPS_PART_ROWS = 4096  # steps.parquet rows per part file
-
-
 class EngineLoop:
     def __init__(self, engine: Engine, run_dir: Path | None, config: Mapping[str, Any] | None = None, *,
                  flush_every_steps: int = 8, on_finish: Callable[[RequestOutput], None] | None = None,
-                 max_waiting: int = 256, record_body: str = "full", max_failed_steps: int = 3,
-                 summary_window: int = 100_000):
-        """`run_dir`: where the run is recorded (None: not recorded). `on_finish`: called on the engine thread
-        with each finished request's output (the server's latency histograms). `max_waiting`: requests queued
-        or admitted but not running before submit refuses more. `record_body`: full | hash | off, what the
-        trace keeps of each HTTP body (its sha256 always). `max_failed_steps`: steps failing in a row before
-        the loop gives up (the engine is then broken, not one request)."""
-        if record_body not in ("full", "hash", "off"):
-            raise ConfigError(f"serve.record_body must be full, hash or off, got {record_body!r}")
+                 max_waiting: int = 256, record_body: str = "full", max_failed_steps: int = 3):
+        """`run_dir`: where the run is recorded (None: not recorded; toolkit.serve.record). `on_finish`: called
+        on the engine thread with each finished request's output (the server's latency histograms).
+        `max_waiting`: requests queued or admitted but not running before submit refuses more. `record_body`:
+        full | hash | off, what the trace keeps of each HTTP body. `max_failed_steps`: steps failing in a row
+        before the loop gives up (the engine is then broken, not one request)."""
         if not (isinstance(max_waiting, int) and max_waiting >= 1):
             raise ConfigError(f"serve.max_waiting must be a positive integer, got {max_waiting!r}")
         self.engine = engine
-        self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.run_id = new_run_id()
+        self.record = ServedRun(engine, run_dir, config, flush_every_steps=flush_every_steps,
+                                record_body=record_body)
+        self.run_id, self.writer = self.record.run_id, self.record.writer
         self.on_finish = on_finish
-        self.max_waiting, self.record_body, self.max_failed_steps = max_waiting, record_body, max_failed_steps
+        self.max_waiting, self.max_failed_steps = max_waiting, max_failed_steps
         self.stats = LoopStats(kv_blocks_total=engine.num_kv_blocks)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -138,29 +122,8 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopping = False
         self._sinks: dict[str, Sink] = {}
-        self._open: dict[str, list[dict[str, Any]]] = {}  # rows of the requests not yet ended, in arrival order
-        self._bodies: dict[str, tuple[str | None, str | None]] = {}  # open requests: (body as kept, its sha256)
-        self._arrivals = 0
-        self._ended: list[dict[str, Any]] = []  # final rows not yet handed to the writer
-        self._rejected: list[dict[str, Any]] = []  # refusals not yet handed to the writer (any thread appends)
-        self._open_changed = False
-        self._steps: list[dict[str, Any]] = []  # steps.parquet rows not yet in a part
-        self._step_parts = 0
         self._failed_steps = 0
-        self._summary = RunningSummary(window=summary_window)
-        self._itl = InterTokenLatency(max_values=summary_window)
-        self.writer: TraceWriter | None = None
-        if self.run_dir is not None:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            resolved = effective_config(engine, config)
-            atomic_write_bytes(self.run_dir / "config.yaml", OmegaConf.to_yaml(resolved).encode())
-            write_manifest(self.run_dir, build_manifest(engine, self.run_id, {"served": True,
-                                                                              "record_body": record_body}))
-            (self.run_dir / REQUESTS_FILE).mkdir(exist_ok=True)
-            self.writer = TraceWriter(self.run_dir, self.run_id, flush_every_steps,
-                                      OmegaConf.select(resolved, "trace.full_logits"))
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._started = time.perf_counter()
         self.error: BaseException | None = None
 
     # ------------------------------------------------------------------ callers (any thread)
@@ -187,11 +150,7 @@ class EngineLoop:
 
     def reject(self, request_id: str, route: str, status: int, reason: str, body_sha256: str | None) -> None:
         """Record a request refused before it reached the engine (a 503), in rejected.parquet."""
-        if self.writer is not None:
-            with self._lock:
-                self._rejected.append({"run_id": self.run_id, "request_id": request_id, "route": route,
-                                       "status": status, "reason": reason, "step": self.engine.step_index,
-                                       "time": time.time(), "request_body_sha256": body_sha256})
+        self.record.reject(request_id, route, status, reason, body_sha256)
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -229,8 +188,7 @@ class EngineLoop:
                     break
                 if not engine.has_unfinished():
                     self._refresh_stats()
-                    if self._changed() and self.writer is not None:  # an abort or a refusal while idle
-                        self.writer.write_step((), None, self._requests_update())
+                    self.record.write(None)  # an abort or a refusal while idle
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
@@ -242,7 +200,7 @@ class EngineLoop:
             self._sinks.clear()
         finally:
             self._fail_queued()
-            self._close()
+            self.record.close()
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -257,9 +215,7 @@ class EngineLoop:
             self._fail_running(exc)
             return
         self._failed_steps = 0
-        self._itl.update(out.samples)
-        if out.batch_size:
-            self._steps.append(step_record(out, time.perf_counter() - t0))
+        self.record.stepped(out, time.perf_counter() - t0)
         self._after_step(out)
 
     def _fail_running(self, exc: BaseException) -> None:
@@ -315,18 +271,12 @@ class EngineLoop:
             sub.accepted.set_exception(InternalError(f"the engine failed to add this request: {one_line(exc)}"))
             return
         self._sinks[request_id] = sub.sink
-        body = json.dumps(sub.body, sort_keys=True) if sub.body is not None else None
-        self._bodies[request_id] = (body if self.record_body == "full" else None,
-                                    _sha256(body) if self.record_body != "off" else None)
-        self._open[request_id] = self._rows(request_id, self._arrivals)
-        self._arrivals += 1
-        self._open_changed = True
+        self.record.admitted(request_id, sub.body)
         sub.accepted.set_result(request_id)
 
     def _record_failure(self, request_id: str | None, sub: Submission, exc: BaseException) -> None:
         print(f"serve: request {request_id}: {one_line(exc)}", file=sys.stderr, flush=True)
-        body = json.dumps(sub.body, sort_keys=True) if sub.body is not None else None
-        self.reject(str(request_id), sub.route, 500, one_line(exc), _sha256(body) if self.record_body != "off" else None)
+        self.record.reject(str(request_id), sub.route, 500, one_line(exc), body_sha256(sub.body))
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -353,14 +303,7 @@ class EngineLoop:
                 deltas, samples = by_request.get(request_id, ((), ()))
                 self._finish(request_id, deltas, samples)
         self._refresh_stats()
-        if len(self._steps) >= STEPS_PART_ROWS:
-            self._write_steps()
-        if self.writer is not None and (out is not None or self._changed()):
-            update = self._requests_update() if self._changed() else None
-            if out is not None:
-                self.writer.write_output(out, update)
-            else:
-                self.writer.write_step((), None, update)
+        self.record.write(out)
 
     def _refresh_stats(self) -> None:
         sched = self.engine.scheduler
@@ -369,47 +312,20 @@ class EngineLoop:
         self.stats.kv_blocks_used = self.engine.block_manager.num_used_blocks
 
     def _finish(self, request_id: str, deltas, samples=(), error: str | None = None) -> None:
-        final = self._rows(request_id, self._open.pop(request_id)[0]["arrival_index"])
-        _, digest = self._bodies.pop(request_id, (None, None))
-        self._ended.extend(final)
-        self._open_changed = True
+        digest = self.record.ended(request_id)
         output = self.engine.release(request_id)
         sink = self._sinks.pop(request_id)
-        for c in output.outputs:
-            self._itl.forget(request_id, c.index)
-        self._summary.add(output)
+        self.record.finished(output)
         self.stats.prompt_tokens += len(output.prompt_token_ids)
         for c in output.outputs:
             self.stats.finished[c.finish_reason] = self.stats.finished.get(c.finish_reason, 0) + 1
         if error is not None:
-            self.reject(request_id, "", 500, error, digest)
+            self.record.reject(request_id, "", 500, error, digest)
             _send(sink, Update(request_id, tuple(deltas), tuple(samples), error=error))
             return
         if self.on_finish is not None:
             self.on_finish(output)
         _send(sink, Update(request_id, tuple(deltas), tuple(samples), output=output))
-
-    def _rows(self, request_id: str, arrival_index: int) -> list[dict[str, Any]]:
-        body, digest = self._bodies.get(request_id, (None, None))
-        return [{**row, "request_body": body, "request_body_sha256": digest, "arrival_index": arrival_index}
-                for row in request_rows(self.engine, self.run_id, [request_id])]
-
-    def _changed(self) -> bool:
-        return self._open_changed or bool(self._ended) or bool(self._rejected)
-
-    def _requests_update(self) -> RequestsUpdate:
-        self._open_changed = False
-        ended, self._ended = self._ended, []
-        with self._lock:
-            rejected, self._rejected = self._rejected, []
-        return RequestsUpdate(ended, [row for rows in self._open.values() for row in rows], rejected)
-
-    def _write_steps(self) -> None:
-        if self.run_dir is not None and self._steps:
-            atomic_write_table(self.run_dir / STEPS_FILE / f"part-{self._step_parts:06d}.parquet",
-                               pa.Table.from_pylist(self._steps))
-            self._step_parts += 1
-        self._steps = []
 
     def _fail_queued(self) -> None:
         """Every request still queued when the loop ends gets its answer (a 503): none is left waiting."""
@@ -422,26 +338,6 @@ class EngineLoop:
                 return
             if kind == "add" and not item.accepted.done():
                 item.accepted.set_exception(Unavailable("the server is shutting down"))
-
-    def _close(self) -> None:
-        if self.writer is None:
-            return
-        try:
-            self.writer.write_step((), None, self._requests_update())
-            self.writer.close()
-        finally:
-            self._write_steps()
-            wall = (self.engine.last_finish_time or 0.0) - (self.engine.first_admission_time or 0.0)
-            summary = self._summary.result(wall, self._itl.values, steps=self.engine.step_index, run_id=self.run_id,
-                                           trace_rows=self.writer.rows_written, model=self.engine.loaded.model_id,
-                                           model_revision=self.engine.loaded.revision, served=True,
-                                           served_s=time.perf_counter() - self._started)
-            atomic_write_bytes(self.run_dir / "summary.json", json.dumps(summary, indent=2).encode())
-
-
-def _sha256(text: str | None) -> str | None:
-    return hashlib.sha256(text.encode()).hexdigest() if text is not None else None
-
 
 def _send(sink: Sink, update: Update) -> None:
     """Hand an update to its caller; a caller that is gone (its event loop closed) changes nothing here."""
