@@ -172,20 +172,22 @@ def test_requests_queued_when_the_loop_dies_are_answered(tiny):
         srv.stop()
 
 
-def test_record_body_hash_keeps_the_digest_and_replay_says_what_it_cannot_rebuild(tiny, tmp_path):
+@pytest.mark.parametrize("kept", ["hash", "off"])
+def test_record_body_hash_or_off_and_replay_says_what_it_cannot_rebuild(tiny, tmp_path, kept):
     run_dir = tmp_path / "run"
-    srv = start_server(_engine(tiny), run_dir, record_body="hash")
-    body = {"prompt": "A secret prompt", "max_tokens": 5, "temperature": 0.9, "seed": 7}
+    srv = start_server(_engine(tiny), run_dir, record_body=kept)
+    body = {"prompt": "A prompt", "max_tokens": 5, "temperature": 0.9, "seed": 7, "user": "alice@example.com"}
     try:
         assert _post(srv.url, body).status_code == 200
     finally:
         srv.stop()
     row = read_requests(run_dir).to_pylist()[0]
-    assert row["request_body"] is None
-    assert row["request_body_sha256"] == hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    assert row["request_body"] is None and "alice" not in json.dumps(row)  # the prompt's tokens stay: replay
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    assert row["request_body_sha256"] == (digest if kept == "hash" else None)
     report = replay(run_dir, out_dir=tmp_path / "replayed")
     assert report.identical and report.rows_compared == 5
-    assert len(report.cannot_rebuild) == 1 and "serve.record_body=hash" in report.cannot_rebuild[0]
+    assert len(report.cannot_rebuild) == 1 and f"serve.record_body={kept}" in report.cannot_rebuild[0]
 
 
 def test_a_served_run_is_written_append_only_and_read_back_in_arrival_order(tiny, tmp_path):
