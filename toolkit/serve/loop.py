@@ -206,8 +206,6 @@ class EngineLoop:
         t0 = time.perf_counter()
         try:
             out = self.engine.step(trace_digests=self.writer is not None)
-        except ToolkitError:
-            raise
         except Exception as exc:  # noqa: BLE001 - the requests of this step fail; the loop goes on
             self._failed_steps += 1
             if self._failed_steps >= self.max_failed_steps:
@@ -222,14 +220,11 @@ class EngineLoop:
         """A step raised: the requests it scheduled (those running) end with that error, and are released."""
         message = f"the engine failed while stepping this request: {one_line(exc)}"
         print(f"serve: {message}", file=sys.stderr, flush=True)
-        running = {self.engine.requests[s].request_id for s in self._running_seq_ids()}
+        running = {seq.request_id for seq in self.engine.scheduler.running}
         for request_id in sorted(running & self._sinks.keys()):
             self.engine.abort(request_id)
             self._finish(request_id, (), error=message)
         self._after_step(None)
-
-    def _running_seq_ids(self) -> list[str]:
-        return [seq.seq_id for seq in self.engine.scheduler.running]
 
     def _take_commands(self) -> None:
         added = 0
