@@ -18,10 +18,17 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # llama.cpp (the audit's third engine, a bench system): built from source for this CPU (--no-cache-dir:
-# a wheel cached on another machine may use instructions this one lacks); a failed build is one warning
-LLAMA := $(VENV)/.llama_cpp
+# a wheel cached on another machine may use instructions this one lacks), never with AMX on x86 (see
+# .ci/llama_cmake_args); the stamp names the build's options, so another CPU rebuilds it. It runs in a
+# child process (toolkit/child.py): its crash is an error, never the suite's death. A failed build is one
+# warning. The log's first line names the variant built.
+LLAMA_ARGS := $(shell bash .ci/llama_cmake_args)
+LLAMA := $(VENV)/.llama_cpp-$(shell echo '$(LLAMA_ARGS)' | md5sum | cut -c1-12)
 $(LLAMA): $(STAMP)
-	$(PY) -m pip install --quiet --no-cache-dir -e '.[llama]' -c constraints.txt >$(VENV)/llama_build.log 2>&1 \
+	echo "llama.cpp build variant: $(LLAMA_ARGS) (CPU: $$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), amx: $$(grep -q amx_tile /proc/cpuinfo && echo yes || echo no))" >$(VENV)/llama_build.log
+	( $(PY) -m pip install --quiet -c constraints.txt diskcache jinja2 numpy typing-extensions \
+		&& CMAKE_ARGS="$(LLAMA_ARGS)" $(PY) -m pip install --quiet --no-cache-dir --force-reinstall --no-deps \
+			llama-cpp-python -c constraints.txt ) >>$(VENV)/llama_build.log 2>&1 \
 		|| echo "warning: llama-cpp-python did not build (see $(VENV)/llama_build.log): the llama.cpp audit test skips"
 	touch $(LLAMA)
 

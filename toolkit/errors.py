@@ -35,3 +35,7 @@ class Interrupted(ToolkitError):
     """The run was interrupted (Ctrl-C) after its trace was flushed and its summary written."""
 
     exit_code = 130
+
+
+class ForeignEngineError(ToolkitError):
+    """Another engine (llama.cpp), run in a child process, crashed, failed or ran past its time."""

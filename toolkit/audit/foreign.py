@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from toolkit.audit.transcripts import FORMATS, LineError, Transcript, TranscriptError, read_transcripts
 from toolkit.audit.verify import reference_forward
 from toolkit.config import ModelConfig, SamplingParams, from_mapping
-from toolkit.errors import ConfigError, ToolkitError
+from toolkit.errors import ConfigError, ForeignEngineError, ToolkitError
 from toolkit.metrics import percentile
 
 REFERENCES = ("ours", "hf")
@@ -389,7 +389,11 @@ def run_engine_mismatch(cfg: DictConfig, run_dir: Path, a: dict) -> int:
                 continue
             from toolkit.models.loading import smollm2_gguf
 
-            fmt = src.llama_cpp_transcript(path, smollm2_gguf(), prompts, max_tokens, k)
+            try:
+                fmt = src.llama_cpp_transcript(path, smollm2_gguf(), prompts, max_tokens, k)
+            except ForeignEngineError as exc:  # its crash is this source's error, not the run's
+                print(f"{name}: failed: {exc}", file=sys.stderr)
+                continue
         elif name == "hf":
             fmt = src.hf_transcript(path, loaded, prompts, max_tokens, k)
         else:

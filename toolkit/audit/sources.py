@@ -12,9 +12,12 @@ greedy (temperature 0) unless `sampling` says otherwise.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any, Sequence
+
+from toolkit.child import run_in_child
 
 SOURCES = ("hf", "server", "llama_cpp")
 DEFAULT_PROMPTS = (
@@ -26,11 +29,10 @@ DEFAULT_PROMPTS = (
 
 
 def llama_cpp_missing() -> str | None:
-    """Why llama.cpp cannot run here (None: it can)."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return "llama-cpp-python is not installed (make setup builds it; pip install llama-cpp-python==0.3.36)"
+    """Why llama.cpp cannot run here (None: it can). Asked without importing it: its native library is loaded
+    only in the child process that runs it (toolkit.child)."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed (make test builds it; pip install llama-cpp-python==0.3.36)"
     return None
 
 
@@ -92,8 +94,17 @@ def server_transcript(path: Path, engine, messages: Sequence[str], max_tokens: i
 
 
 def llama_cpp_transcript(path: Path, gguf: Path, prompts: Sequence[list[int]], max_tokens: int,
-                         top_logprobs: int = 5, threads: int = 2, sampling: dict[str, Any] | None = None) -> str:
-    """llama.cpp's own completions of the prompts' token ids (no BOS is added to a token list)."""
+                         top_logprobs: int = 5, threads: int = 2, sampling: dict[str, Any] | None = None,
+                         timeout: float = 1800) -> str:
+    """llama.cpp's own completions of the prompts' token ids (no BOS is added to a token list), made in a child
+    process: a crash there is a ForeignEngineError naming the signal."""
+    run_in_child(_llama_cpp_transcript, path, gguf, [list(p) for p in prompts], max_tokens, top_logprobs, threads,
+                 sampling, what="llama.cpp", timeout=timeout)
+    return "openai"
+
+
+def _llama_cpp_transcript(path: Path, gguf: Path, prompts: list[list[int]], max_tokens: int, top_logprobs: int,
+                          threads: int, sampling: dict[str, Any] | None) -> None:
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads, logits_all=True, verbose=False, seed=0)
@@ -106,4 +117,3 @@ def llama_cpp_transcript(path: Path, gguf: Path, prompts: Sequence[list[int]], m
                                  "origin_engine": f"llama.cpp (llama-cpp-python, {gguf.name})"},
                                 default=float))  # its logprobs are numpy float32
     path.write_text("".join(line + "\n" for line in lines))
-    return "openai"

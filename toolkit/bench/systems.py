@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 import time
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ import psutil
 import torch
 
 from toolkit.bench.workloads import BenchRequest
+from toolkit.child import run_in_child
 from toolkit.config import EngineConfig, SamplingParams, SpeculativeConfig, from_mapping
 from toolkit.engine import Engine
 from toolkit.metrics import InterTokenLatency, percentile
@@ -256,15 +258,16 @@ def run_naive(model, requests: list[BenchRequest]) -> SystemResult:
 
 
 def llama_cpp_available() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("llama_cpp") is not None  # not imported here: it runs in a child process
 
 
 def run_llama_cpp(gguf_path: Path, requests: list[BenchRequest], threads: int) -> SystemResult:
-    """llama.cpp through llama-cpp-python on the Q4_1 GGUF itself: a different precision, reported beside."""
+    """llama.cpp through llama-cpp-python on the Q4_1 GGUF itself: a different precision, reported beside. It
+    runs in a child process (its peak RSS is the child's); a crash there is a ForeignEngineError."""
+    return run_in_child(_run_llama_cpp, gguf_path, requests, threads, what="llama.cpp", timeout=3600)
+
+
+def _run_llama_cpp(gguf_path: Path, requests: list[BenchRequest], threads: int) -> SystemResult:
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(gguf_path), n_ctx=4096, n_threads=threads, verbose=False, logits_all=False)
