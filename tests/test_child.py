@@ -10,6 +10,7 @@ import time
 import psutil
 import pytest
 
+from toolkit.audit.sources import llama_cpp_missing, llama_cpp_transcript
 from toolkit.child import run_in_child
 from toolkit.errors import ForeignEngineError
 
@@ -48,3 +49,12 @@ def test_a_child_past_its_timeout_is_killed():
         run_in_child(time.sleep, 60, what="sleeper", timeout=1)
     assert time.monotonic() - start < 30
     assert {p.pid for p in psutil.Process().children()} <= before  # no child left behind
+
+
+def test_llama_cpp_failing_in_its_child_is_an_error_of_the_caller(tmp_path):
+    if reason := llama_cpp_missing():
+        print(f"SKIP reason: {reason}")
+        pytest.skip(reason)
+    with pytest.raises(ForeignEngineError, match=r"^llama.cpp failed: ValueError: .*missing.gguf"):
+        llama_cpp_transcript(tmp_path / "out.jsonl", tmp_path / "missing.gguf", [[1, 2, 3]], max_tokens=2)
+    assert not (tmp_path / "out.jsonl").exists()
