@@ -17,7 +17,6 @@ serve.max_body_mb, 503 with Retry-After past serve.max_waiting, 500 (one line) w
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import json
 import time
@@ -33,11 +32,12 @@ from pydantic import ValidationError
 
 from toolkit.errors import RequestError, ToolkitError
 from toolkit.outputs import TextDelta
-from toolkit.serve.loop import (EngineLoop, InternalError, Submission, Unavailable, Update, _prompt_ids, one_line,
+from toolkit.serve.loop import (EngineLoop, InternalError, Submission, Unavailable, Update, one_line, prompt_ids,
                                 prompt_scores)
 from toolkit.serve.metrics import ServerMetrics
 from toolkit.serve.protocol import (UNSUPPORTED, ChatCompletionRequest, CompletionRequest, FieldError, Limits,
                                     SamplingFields)
+from toolkit.serve.record import body_sha256
 
 
 class ApiError(Exception):
@@ -273,7 +273,7 @@ class Job:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.request_ids: list[str] = []
-        self.body_sha256 = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+        self.body_sha256 = body_sha256(body)
         self.queue = Mailbox()
         self.outputs: dict[str, Any] = {}
         self.samples: dict[tuple[str, int], list] = {}  # (request id, sample index) -> trace rows, in order
@@ -347,7 +347,7 @@ class Job:
             engine.intake.precompile(self.sampling)
         if self.chat or not self.req.echo or self.req.logprobs is None:
             return [None] * len(self.prompts)
-        return [prompt_scores(engine, _prompt_ids(engine, prompt), self.req.logprobs) for prompt in self.prompts]
+        return [prompt_scores(engine, prompt_ids(engine, prompt), self.req.logprobs) for prompt in self.prompts]
 
     def abort(self) -> None:
         for request_id in self.request_ids:

@@ -249,7 +249,7 @@ class EngineLoop:
         request_id = kwargs.get("request_id")
         try:
             if sub.fill_max_tokens:
-                ids = _prompt_ids(engine, kwargs)
+                ids = prompt_ids(engine, kwargs)
                 kwargs = {k: v for k, v in kwargs.items() if k not in ("prompt", "messages")}
                 kwargs["prompt_token_ids"] = ids
                 kwargs["sampling_params"] = {**kwargs.get("sampling_params", {}),
@@ -359,7 +359,7 @@ def prompt_scores(engine: Engine, ids: list[int], k: int) -> list:
     return rows
 
 
-def _prompt_ids(engine: Engine, kwargs: Mapping[str, Any]) -> list[int]:
+def prompt_ids(engine: Engine, kwargs: Mapping[str, Any]) -> list[int]:
     """The prompt's token ids as intake would compute them (a chat request's through the chat template)."""
     if kwargs.get("prompt_token_ids") is not None:
         return list(kwargs["prompt_token_ids"])
