@@ -56,17 +56,20 @@ class AttentionMetadata:
 @dataclass(frozen=True)
 class KVQuant:
     """How a quantised cache is stored: `kv_dtype` (int8 | fp8_e4m3) and, per layer, the running
-    per-block scales (k, v: [blocks, K]) or the static per-tensor ones (k, v: [K])."""
+    per-block scales (k, v: [blocks, K]; granularity=channel: k [blocks, K, D] and per-token
+    v [blocks, block_size, K]) or the static per-tensor ones (k, v: [K])."""
 
     kv_dtype: str
     block_scales: list[tuple[torch.Tensor, torch.Tensor]] | None
     tensor_scales: list[tuple[torch.Tensor, torch.Tensor]] | None
+    granularity: str = "block"
 
-    def layer(self, i: int, which: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(per-block scales, static scale) of layer i's keys (which=0) or values (which=1)."""
+    def layer(self, i: int, which: int) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
+        """(per-block scales, static scale, per-token) of layer i's keys (which=0) or values (which=1)."""
+        per_token = self.granularity == "channel" and which == 1
         if self.block_scales is not None:
-            return self.block_scales[i][which], None
-        return None, self.tensor_scales[i][which]
+            return self.block_scales[i][which], None, per_token
+        return None, self.tensor_scales[i][which], per_token
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor,
@@ -90,7 +93,7 @@ def additive_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype,
-                   scales: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> torch.Tensor:
+                   scales: tuple[torch.Tensor | None, torch.Tensor | None, bool] | None = None) -> torch.Tensor:
     """Copy the blocks a table lists into one key axis: (..., B) -> (..., B * block_size, K, D),
     in the compute dtype (de-quantised with the blocks' scales for an int8/fp8 cache)."""
     _, block_size, h_kv, d = cache.shape
@@ -151,7 +154,7 @@ def paged_attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         from toolkit.kernels import paged_attention_cpu_q8
 
         rows = meta.kernel_rows
-        (k_block, k_static), (v_block, v_static) = meta.kv_quant.layer(layer, 0), meta.kv_quant.layer(layer, 1)
+        (k_block, k_static, _), (v_block, v_static, _) = (meta.kv_quant.layer(layer, w) for w in (0, 1))
         paged_attention_cpu_q8(q_NHD[:rows], k_cache, v_cache, k_block if k_block is not None else k_static,
                                v_block if v_block is not None else v_static, meta.block_tables_SB,
                                meta.query_table_N[:rows], meta.query_ctx_N[:rows], scale, out_NHD[:rows])

@@ -52,6 +52,8 @@ def attention_backend(cfg: EngineConfig, loaded: LoadedModel) -> str:
         problem = f"the native kernel has no {unsupported} ({arch.family})"
     elif cfg.kv_cache_dtype == "bf16":
         problem = "the native kernel reads an fp32 or 8-bit cache, not engine.kv_cache_dtype=bf16"
+    elif cfg.kv_cache_dtype != "auto" and cfg.kv_scale_granularity == "channel":
+        problem = "the native kernel reads block or tensor scales, not engine.kv_scale_granularity=channel"
     elif torch.device(cfg.device).type != "cpu" or loaded.model.embed.dtype != torch.float32:
         problem = "the native kernel runs on the CPU in float32 only"
     else:

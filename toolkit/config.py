@@ -113,6 +113,7 @@ class EngineConfig:
     batch_invariant: bool = False
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | bf16 | int8 | fp8_e4m3 (quantised, with scales)
     kv_scale_granularity: str = "block"  # int8/fp8 scales: block (per block and KV head, running) | tensor (static)
+    # | channel (keys per block, head and channel, running; values per token and head)
     # auto: the native packed matmul (csrc/matmul_invariant.c) on CPU fp32 when it compiles, else torch's
     matmul_backend: str = "auto"  # auto | native | torch
     scheduler_policy: str = "fused"  # fused | two_forwards | prefill_first | no_chunking (SCHEDULER_POLICIES)
@@ -152,8 +153,8 @@ class EngineConfig:
                f"engine.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
                f"engine.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        _check(self.kv_scale_granularity in ("block", "tensor"),
-               f"engine.kv_scale_granularity must be block or tensor, got {self.kv_scale_granularity!r}")
+        _check(self.kv_scale_granularity in ("block", "tensor", "channel"),
+               f"engine.kv_scale_granularity must be block, tensor or channel, got {self.kv_scale_granularity!r}")
         _check(not (self.batch_invariant and self.kv_cache_dtype != "auto"),
                f"engine.batch_invariant=true needs the fp32 cache of the native kernel, not "
                f"engine.kv_cache_dtype={self.kv_cache_dtype}")

@@ -3,8 +3,8 @@
 The same requests run once per KV storage variant (`auto` first: the reference), each
 recorded as a normal run directory (so replay and verify work on it), then:
 
-- tokens: the fraction of requests whose tokens equal the `auto` run's, and per request the
-  first position where they differ (None: identical);
+- tokens: the fraction of requests whose tokens equal the `auto` run's, the fraction that keep
+  at least their first 8, and per request the first position where they differ (None: identical);
 - teacher forcing: `verify` recomputes every recorded token's raw logprob with the full
   precision reference on the run's own tokens; the max and mean |recorded - recomputed|
   measure what the quantised cache did to the distribution itself (the `auto` run's own
@@ -31,13 +31,13 @@ KV_VARIANTS = ("auto", "bf16", "int8", "fp8_e4m3")
 
 
 def parse_variant(text: str) -> tuple[str, str]:
-    """'int8' -> (int8, block); 'fp8_e4m3/tensor' -> (fp8_e4m3, tensor)."""
+    """'int8' -> (int8, block); 'fp8_e4m3/tensor' -> (fp8_e4m3, tensor); 'int8/channel' -> (int8, channel)."""
     dtype, _, granularity = str(text).partition("/")
     granularity = granularity or "block"
-    if dtype not in KV_VARIANTS or granularity not in ("block", "tensor") or (granularity == "tensor" and
-                                                                            not is_quantized(dtype)):
+    if dtype not in KV_VARIANTS or granularity not in ("block", "tensor", "channel") or (
+            granularity != "block" and not is_quantized(dtype)):
         raise ConfigError(f"kv_quantization.variants: bad variant {text!r}; use one of {', '.join(KV_VARIANTS)}, "
-                          f"optionally int8/tensor or fp8_e4m3/tensor")
+                          f"optionally int8/tensor, int8/channel, fp8_e4m3/tensor or fp8_e4m3/channel")
     return dtype, granularity
 
 
@@ -82,6 +82,7 @@ def run_kv_quantization(cfg: DictConfig, run_dir: Path) -> int:
             "variant": name, "kv_cache_dtype": dtype, "kv_scale_granularity": cache.granularity,
             "kv_bytes_per_token": cache.bytes_per_token + cache.scale_bytes_per_block / cache.block_size,
             "identical_fraction": sum(d is None for d in divergence.values()) / len(divergence),
+            "first_8_kept_fraction": sum(d is None or d >= 8 for d in divergence.values()) / len(divergence),
             "first_divergence": divergence,
             "teacher_forced_max_abs_logprob_diff": max(diffs, default=0.0),
             "teacher_forced_mean_abs_logprob_diff": sum(diffs) / len(diffs) if diffs else 0.0,
@@ -95,11 +96,12 @@ def run_kv_quantization(cfg: DictConfig, run_dir: Path) -> int:
     report_path = run_dir / "kv_quantization.json"
     report_path.write_text(json.dumps({"reference": study["reference"], "variants": results}, indent=2))
     _plot(results, run_dir / "kv_quantization.png")
-    print(f"\n{'variant':<16} {'identical':>9} {'first divergences':<28} {'max |dlogp|':>11} {'mean |dlogp|':>12} "
-          f"{'KV B/token':>10}")
+    print(f"\n{'variant':<18} {'identical':>9} {'first 8 kept':>12} {'first divergences':<28} {'max |dlogp|':>11} "
+          f"{'mean |dlogp|':>12} {'KV B/token':>10}")
     for r in results:
         divs = sorted(d for d in r["first_divergence"].values() if d is not None)
-        print(f"{r['variant']:<16} {100 * r['identical_fraction']:>8.0f}% {str(divs)[:28]:<28} "
+        print(f"{r['variant']:<18} {100 * r['identical_fraction']:>8.0f}% {100 * r['first_8_kept_fraction']:>11.0f}% "
+              f"{str(divs)[:28]:<28} "
               f"{r['teacher_forced_max_abs_logprob_diff']:>11.4f} {r['teacher_forced_mean_abs_logprob_diff']:>12.5f} "
               f"{r['kv_bytes_per_token']:>10.0f}")
     print(f"kv_quantization.json, kv_quantization.png and one run directory per variant: {run_dir}")

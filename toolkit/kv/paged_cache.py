@@ -2,16 +2,25 @@
 
 `kv_dtype` picks the storage: `auto` (the model dtype), `bf16`, or the quantised `int8` and
 `fp8_e4m3` (toolkit/kv/quant.py), whose scales live here too: per block and KV head
-([num_blocks, H_kv] per layer, moved with their blocks by copy-on-write and swap) or one
-static scale per layer and KV head (`granularity="tensor"`, set by `calibrate`).
+([num_blocks, H_kv] per layer, moved with their blocks by copy-on-write and swap), per block,
+KV head and channel for keys with per-token value scales (`granularity="channel"`: [num_blocks,
+H_kv, D] and [num_blocks, block_size, H_kv], moved the same way) or one static scale per layer and
+KV head (`granularity="tensor"`, set by `calibrate`).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from toolkit.attention import KVQuant
 from toolkit.kv.quant import is_quantized, raw, storage_dtype
+
+
+# a block's key and value scale shapes (after the block axis), by granularity
+SCALE_SHAPES = {"block": lambda block_size, kv_heads, head_dim: ((kv_heads,), (kv_heads,)),
+                "channel": lambda block_size, kv_heads, head_dim: ((kv_heads, head_dim), (block_size, kv_heads))}
 
 
 class PagedKVCache:
@@ -43,9 +52,11 @@ class PagedKVCache:
             for _ in range(num_layers)
         ] if num_host_blocks else []
         self.block_scales = self.host_block_scales = self.tensor_scales = None
-        if self.granularity == "block":
+        if self.granularity in ("block", "channel"):
+            k_shape, v_shape = SCALE_SHAPES[self.granularity](block_size, num_kv_heads, head_dim)
+
             def scales(n: int, dev) -> list[tuple[torch.Tensor, torch.Tensor]]:
-                return [(torch.zeros((n, num_kv_heads), device=dev), torch.zeros((n, num_kv_heads), device=dev))
+                return [(torch.zeros((n, *k_shape), device=dev), torch.zeros((n, *v_shape), device=dev))
                         for _ in range(num_layers)]
 
             self.block_scales = scales(num_blocks, device)
@@ -59,7 +70,7 @@ class PagedKVCache:
         """What attention needs to write and read a quantised cache (None: plain storage)."""
         if self.granularity is None:
             return None
-        return KVQuant(self.kv_dtype, self.block_scales, self.tensor_scales)
+        return KVQuant(self.kv_dtype, self.block_scales, self.tensor_scales, self.granularity)
 
     def _device_tensors(self) -> list[torch.Tensor]:
         """Every tensor indexed by device block: K, V (as bytes for fp8) and their per-block scales."""
@@ -106,7 +117,10 @@ class PagedKVCache:
                     kv_dtype: str = "auto", granularity: str = "block") -> int:
         """Bytes one block takes over all layers (K, V and per-block fp32 scales), before any is allocated."""
         element = torch.empty((), dtype=storage_dtype(kv_dtype, dtype)).element_size()
-        scales = 2 * num_layers * num_kv_heads * 4 if is_quantized(kv_dtype) and granularity == "block" else 0
+        scales = 0
+        if is_quantized(kv_dtype) and granularity in SCALE_SHAPES:
+            k_shape, v_shape = SCALE_SHAPES[granularity](block_size, num_kv_heads, head_dim)
+            scales = num_layers * 4 * (math.prod(k_shape) + math.prod(v_shape))
         return 2 * num_layers * block_size * num_kv_heads * head_dim * element + scales
 
     @property
@@ -117,7 +131,7 @@ class PagedKVCache:
     def scale_bytes_per_block(self) -> int:
         if not self.block_scales:
             return 0
-        return sum(s[0].element_size() * s[0].shape[1] * 2 for s in self.block_scales)
+        return sum(t[0].nbytes for kv in self.block_scales for t in kv)
 
     @property
     def bytes_per_token(self) -> int:
