@@ -15,7 +15,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from toolkit.errors import ForeignEngineError
+from toolkit.errors import ForeignEngineError, one_line
 
 
 def _child(conn, fn: Callable, args: tuple, kwargs: dict) -> None:
@@ -23,7 +23,7 @@ def _child(conn, fn: Callable, args: tuple, kwargs: dict) -> None:
         result = ("ok", fn(*args, **kwargs))
     except BaseException as exc:  # noqa: BLE001 - handed to the parent as one line; the traceback to stderr
         traceback.print_exc()
-        result = ("error", f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+        result = ("error", one_line(exc))
     conn.send(result)
     conn.close()
 

@@ -15,6 +15,11 @@ class ToolkitError(Exception):
         super().__init__(" ".join(str(message).split()))
 
 
+def one_line(exc: BaseException) -> str:
+    """An unexpected exception as one line, its type first (what a server answers or a child reports)."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:500]
+
+
 class ConfigError(ToolkitError, ValueError):
     """A configuration value is out of range, mistyped or unknown."""
 

@@ -30,10 +30,9 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import ValidationError
 
-from toolkit.errors import RequestError, ToolkitError
+from toolkit.errors import RequestError, ToolkitError, one_line
 from toolkit.outputs import TextDelta
-from toolkit.serve.loop import (EngineLoop, InternalError, Submission, Unavailable, Update, one_line, prompt_ids,
-                                prompt_scores)
+from toolkit.serve.loop import EngineLoop, InternalError, Submission, Unavailable, Update, prompt_ids, prompt_scores
 from toolkit.serve.metrics import ServerMetrics
 from toolkit.serve.protocol import (UNSUPPORTED, ChatCompletionRequest, CompletionRequest, FieldError, Limits,
                                     SamplingFields)
@@ -342,9 +341,7 @@ class Job:
         """What can be done before the engine thread sees the request: its grammar compiled (into the engine's
         cache) and, for echo with logprobs, its prompts scored. Per prompt: None or prompt_scores' rows."""
         engine = self.api.loop.engine
-        grammar = self.sampling.get("structured_outputs")
-        if grammar is not None:
-            engine.intake.precompile(self.sampling)
+        engine.intake.precompile(self.sampling)
         if self.chat or not self.req.echo or self.req.logprobs is None:
             return [None] * len(self.prompts)
         return [prompt_scores(engine, prompt_ids(engine, prompt), self.req.logprobs) for prompt in self.prompts]

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from toolkit.engine import Engine, RequestOutput, StepOutput, TextDelta
-from toolkit.errors import ConfigError, RequestError, ToolkitError
+from toolkit.errors import ConfigError, RequestError, ToolkitError, one_line
 from toolkit.serve.record import ServedRun, body_sha256
 from toolkit.trace import SampleTrace
 
@@ -92,10 +92,6 @@ class Unavailable(ToolkitError):
 
 class InternalError(ToolkitError):
     """An unexpected exception on the engine thread, for the requests it touched: an HTTP 500 each."""
-
-
-def one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:500]
 
 
 class EngineLoop:
