@@ -411,7 +411,8 @@ def test_aarch64_kernels_under_qemu_match_the_host(tmp_path):
     if host_target in kernels.TARGETS and shutil.which("gcc"):
         host = _run_driver("gcc", _driver_flags(host_target, None), tmp_path, "host", [])
         for name in ("sha256", "argmax", "rope", "rms_norm_x", "sha256_data", "gumbel_noise", "gumbel_tokens",
-                     "gumbel_chosen_noise", "gumbel_support", "tail_support"):
+                     "gumbel_chosen_noise", "gumbel_support", "tail_support",
+                     "round_bf16", "round_f16"):
             assert arm[name] == host[name], name  # exact in every build
         for name in ("matmul", "attention_h9_d64", "attention_h8_d128", "attention_h4_d16", "attention_q8_h6_d64",
                      "rms_norm", "silu_mul", "logsumexp"):

@@ -50,24 +50,25 @@ def attention_backend(cfg: EngineConfig, loaded: LoadedModel) -> str:
     unsupported = arch.needs_torch_attention
     if unsupported:
         problem = f"the native kernel has no {unsupported} ({arch.family})"
-    elif cfg.kv_cache_dtype == "bf16":
-        problem = "the native kernel reads an fp32 or 8-bit cache, not engine.kv_cache_dtype=bf16"
-    elif cfg.kv_cache_dtype != "auto" and cfg.kv_scale_granularity == "channel":
+    elif cfg.kv_cache_dtype not in ("auto", "bf16") and cfg.kv_scale_granularity == "channel":
         problem = "the native kernel reads block or tensor scales, not engine.kv_scale_granularity=channel"
-    elif torch.device(cfg.device).type != "cpu" or loaded.model.embed.dtype != torch.float32:
-        problem = "the native kernel runs on the CPU in float32 only"
+    elif torch.device(cfg.device).type != "cpu":
+        problem = "the native kernel runs on the CPU"
     else:
         try:
             lib = native()
         except KernelUnavailable as exc:
             problem = str(exc)
         else:
-            quantized = cfg.kv_cache_dtype != "auto"
+            # a cache other than fp32 (8-bit, or 16-bit: kv_cache_dtype=bf16 or a bf16 / fp16 model's) takes
+            # the kernel's vector path only
+            quantized = cfg.kv_cache_dtype != "auto" or loaded.model.embed.dtype != torch.float32
             if not lib.attention_supports(arch.num_heads, arch.num_kv_heads, arch.head_dim, cfg.block_size,
                                           quantized):
-                problem = (f"the native kernel reads an 8-bit cache at head_dim 64 or 128 with <= 32 heads, not "
-                           f"engine.kv_cache_dtype={cfg.kv_cache_dtype} at head_dim {arch.head_dim} with "
-                           f"{arch.num_heads} heads" if quantized else
+                problem = (f"the native kernel reads an 8- or 16-bit cache at head_dim 64 or 128 with <= 32 heads, "
+                           f"not engine.kv_cache_dtype={cfg.kv_cache_dtype} at head_dim {arch.head_dim} with "
+                           f"{arch.num_heads} heads (a {str(loaded.model.embed.dtype).removeprefix('torch.')} model)"
+                           if quantized else
                            f"the native kernel takes head_dim <= 256, <= 32 query heads per KV head and "
                            f"engine.block_size <= 64, not head_dim {arch.head_dim}, {arch.num_heads} heads over "
                            f"{arch.num_kv_heads} KV heads, block_size {cfg.block_size}")
@@ -75,14 +76,15 @@ def attention_backend(cfg: EngineConfig, loaded: LoadedModel) -> str:
 
 
 def matmul_backend(cfg: EngineConfig, loaded: LoadedModel) -> str:
-    """auto: the native packed matmul on CPU fp32 when the kernels build (faster than torch's GEMM at
-    every step size measured here, see README "Benchmark"), else torch's."""
+    """auto: the native packed matmul on the CPU (fp32, or bf16 / fp16 weights widened as they are read, fp32
+    sums) when the kernels build (faster than torch's GEMM at every step size measured here, see README
+    "Benchmark"), else torch's."""
     wanted = "native" if cfg.batch_invariant else cfg.matmul_backend
     if wanted == "torch":
         return "torch"
     problem = None
-    if torch.device(cfg.device).type != "cpu" or loaded.model.embed.dtype != torch.float32:
-        problem = "the native matmul runs on the CPU in float32 only"
+    if torch.device(cfg.device).type != "cpu":
+        problem = "the native matmul runs on the CPU"
     else:
         try:
             native()

@@ -146,11 +146,16 @@ SIGNATURES = {  # symbol -> argument types (every one returns int)
     "toolkit_sha256_job": [P, P, I64, I64, P, ctypes.c_int, ctypes.c_int, I64, P, P],
     "toolkit_sha256_job_group_bytes": [],
     "toolkit_matmul_invariant_f32": [P, I64, P, P, I64, I64, I64, I64, ctypes.c_int],
+    "toolkit_matmul_invariant_h16": [P, I64, P, P, I64, I64, I64, I64, ctypes.c_int, ctypes.c_int],
+    "toolkit_paged_attention_h16": [P, I64, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, ctypes.c_float,
+                                    ctypes.c_int, ctypes.c_int],
+    "toolkit_round_h16": [P, I64, ctypes.c_int, ctypes.c_int],
     "toolkit_gumbel_sample_rows": [P, I64, I64, I64, P, P, P, P, P, ctypes.c_int],
     "toolkit_gumbel_noise": [P, I64, ctypes.c_uint32, ctypes.c_uint32, P],
     "toolkit_truncate_f32": [P, I64, I64, I64, ctypes.c_int, P, P, I64, P, ctypes.c_int],
     "toolkit_sample_tail_rows": [P, I64, I64, I64, P, P, P, P, P, P, P, P, I64, P, P, P, P, P, P, P, I64, ctypes.c_int],
-    "toolkit_decoder_layers": [P, I64, P, P, P, P, P, P, P, P, P, P, ctypes.c_float, ctypes.c_float, ctypes.c_int],
+    "toolkit_decoder_layers": [P, I64, P, P, P, P, P, P, P, P, P, P, ctypes.c_float, ctypes.c_float, ctypes.c_int,
+                               ctypes.c_int],
 }
 
 
@@ -328,6 +333,27 @@ def _lib(lib: NativeLib | None) -> NativeLib:
     return lib if lib is not None else native()
 
 
+# the 16-bit formats the kernels read (simd.h's H16_* kinds): weights and caches widened exactly to fp32 as they
+# are loaded, fp32 multiplies and sums, outputs rounded to the caller's format (nearest, ties to even)
+H16_KINDS = {torch.bfloat16: 2, torch.float16: 3}
+FLOATS = (torch.float32, *H16_KINDS)  # the activation formats the native kernels take
+
+
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    """x as fp32 (exact from bf16 / fp16): what the kernels compute on."""
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def round_h16(x: torch.Tensor, dtype: torch.dtype, lib: NativeLib | None = None) -> torch.Tensor:
+    """fp32 `x` (contiguous) rounded in place to the nearest values of bf16 / fp16, the kernels' rounding
+    (tests hold it to torch's .to(dtype))."""
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError("round_h16 rounds a contiguous fp32 tensor in place")
+    if _lib(lib).fn["round_h16"](x.data_ptr(), x.numel(), H16_KINDS[dtype], torch.get_num_threads()) != 0:
+        raise ValueError(f"no 16-bit format {dtype}")
+    return x
+
+
 def _lib_or_none(lib: NativeLib | None) -> NativeLib | None:
     """The build to use, or None where the native kernels do not run (the caller takes torch's path)."""
     try:
@@ -342,6 +368,8 @@ def rope_cpu(x_NHD: torch.Tensor, cos_PD: torch.Tensor, sin_PD: torch.Tensor, po
     (a view into the fused q|k|v output); returns a new contiguous tensor. No fused multiply-add: its
     bits are those of torch's `x * cos + rotate_half(x) * sin` in every build."""
     n, h, d = x_NHD.shape
+    if x_NHD.dtype != torch.float32:  # bf16 / fp16 heads: computed in fp32, rounded back
+        return rope_cpu(x_NHD.float(), cos_PD, sin_PD, positions_N, lib).to(x_NHD.dtype)
     if x_NHD.stride(2) != 1 or x_NHD.stride(1) != d:
         x_NHD = x_NHD.contiguous()
     out = torch.empty((n, h, d), dtype=torch.float32)
@@ -548,7 +576,13 @@ def gumbel_noise_cpu(ids: torch.Tensor, key: tuple[int, int], lib: NativeLib | N
 def add_rms_norm_cpu(x_ND: torch.Tensor, residual_ND: torch.Tensor | None, weight_D: torch.Tensor,
                      eps: float, lib: NativeLib | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + residual, RMSNorm(x + residual) * weight) for fp32 rows in one pass; `x` is updated in place
-    (it must be a tensor the caller owns) and returned; without a residual, just the norm."""
+    (it must be a tensor the caller owns) and returned; without a residual, just the norm. bf16 / fp16 rows
+    are computed in fp32 and both outputs rounded back (x then is a new tensor)."""
+    if x_ND.dtype != torch.float32:
+        dtype = x_ND.dtype
+        x32, h32 = add_rms_norm_cpu(x_ND.float(), None if residual_ND is None else _fp32(residual_ND),
+                                    _fp32(weight_D), eps, lib)
+        return x32.to(dtype), h32.to(dtype)
     n, d = x_ND.shape
     if x_ND.stride(1) != 1:
         x_ND = x_ND.contiguous()
@@ -562,7 +596,10 @@ def add_rms_norm_cpu(x_ND: torch.Tensor, residual_ND: torch.Tensor | None, weigh
 
 
 def silu_mul_cpu(gate_up_N2F: torch.Tensor, lib: NativeLib | None = None) -> torch.Tensor:
-    """silu(gate) * up from fp32 rows [gate | up] (a fused projection's output), in one pass."""
+    """silu(gate) * up from fp32 rows [gate | up] (a fused projection's output), in one pass; bf16 / fp16
+    rows in fp32, rounded back."""
+    if gate_up_N2F.dtype != torch.float32:
+        return silu_mul_cpu(gate_up_N2F.float(), lib).to(gate_up_N2F.dtype)
     n, f2 = gate_up_N2F.shape
     if gate_up_N2F.stride(1) != 1:
         gate_up_N2F = gate_up_N2F.contiguous()
@@ -733,8 +770,8 @@ def _sha_ni_faster(lib: NativeLib, rows: int, threads: int) -> bool:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A (K, N) fp32 weight laid out panel by panel for the batch-invariant matmul of builds whose wide
-    panels are `panel` columns and narrow ones `lanes`."""
+    """A (K, N) fp32, bf16 or fp16 weight laid out panel by panel for the batch-invariant matmul of builds
+    whose wide panels are `panel` columns and narrow ones `lanes` (`data` keeps the weight's format)."""
 
     data: torch.Tensor
     k: int
@@ -751,7 +788,9 @@ def pack_weight(w_KN: torch.Tensor, lib: NativeLib | None = None) -> PackedWeigh
     k, n = w_KN.shape
     wide, narrow = n // nr, (n % nr) // vl
     vec_end = wide * nr + narrow * vl
-    data = torch.empty(k * n, dtype=torch.float32)  # each part copied into place once
+    if w_KN.dtype not in FLOATS:
+        raise KernelUnavailable(f"the batch-invariant matmul reads fp32, bf16 or fp16 weights, not {w_KN.dtype}")
+    data = torch.empty(k * n, dtype=w_KN.dtype)  # each part copied into place once
     data[: k * wide * nr].view(wide, k, nr).copy_(w_KN[:, : wide * nr].reshape(k, wide, nr).permute(1, 0, 2))
     data[k * wide * nr: k * vec_end].view(narrow, k, vl).copy_(
         w_KN[:, wide * nr: vec_end].reshape(k, narrow, vl).permute(1, 0, 2))
@@ -768,33 +807,52 @@ def matmul_invariant(x_MK: torch.Tensor, w: torch.Tensor | PackedWeight, lib: Na
     if (packed.panel, packed.lanes) != (lib.panel, lib.lanes):
         raise ValueError(f"weight packed for panels of {packed.panel}/{packed.lanes} columns, this build reads "
                          f"{lib.panel}/{lib.lanes}: pack it with this build")
-    if x_MK.dtype != torch.float32 or x_MK.device.type != "cpu":
-        raise KernelUnavailable("the batch-invariant matmul runs fp32 on the CPU")
+    if x_MK.dtype not in FLOATS or x_MK.device.type != "cpu":
+        raise KernelUnavailable("the batch-invariant matmul runs fp32, bf16 or fp16 on the CPU")
+    dtype = x_MK.dtype
+    x_MK = _fp32(x_MK)
     if x_MK.stride(-1) != 1:
         x_MK = x_MK.contiguous()
     m = x_MK.shape[0]
     out = torch.empty((m, packed.n), dtype=torch.float32)
-    lib.fn["matmul_invariant"](x_MK.data_ptr(), x_MK.stride(0), packed.data.data_ptr(), out.data_ptr(), packed.n,
-                               m, packed.k, packed.n, torch.get_num_threads())
-    return out
+    args = (x_MK.data_ptr(), x_MK.stride(0), packed.data.data_ptr(), out.data_ptr(), packed.n, m, packed.k, packed.n,
+            torch.get_num_threads())
+    if packed.data.dtype == torch.float32:
+        lib.fn["matmul_invariant"](*args)
+    else:
+        lib.fn["matmul_invariant_h16"](*args, H16_KINDS[packed.data.dtype])
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
 def paged_attention_cpu(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables_SB: torch.Tensor, query_table_N: torch.Tensor, query_ctx_N: torch.Tensor,
                         scale: float, out_NHD: torch.Tensor | None = None, lib: NativeLib | None = None) -> torch.Tensor:
-    """Attention of N query tokens, each over its own sequence's first query_ctx[n] cached keys."""
+    """Attention of N query tokens, each over its own sequence's first query_ctx[n] cached keys. The cache is
+    fp32, bf16 or fp16 (read widened); bf16 / fp16 queries are computed in fp32 and the output rounded to
+    their format (`out_NHD`, if given, has the queries' format)."""
     n, h, d = q_NHD.shape
     _, bs, k, _ = k_cache.shape
+    dtype = q_NHD.dtype
+    q_NHD = _fp32(q_NHD)
     if q_NHD.stride(2) != 1 or q_NHD.stride(1) != d:
         q_NHD = q_NHD.contiguous()
-    out = out_NHD if out_NHD is not None else torch.empty((n, h, d), dtype=torch.float32)
-    rc = _lib(lib).fn["paged_attention"](
-        q_NHD.data_ptr(), q_NHD.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables_SB.data_ptr(),
-        block_tables_SB.stride(0), query_table_N.data_ptr(), query_ctx_N.data_ptr(), out.data_ptr(),
-        n, h, k, d, bs, float(scale), torch.get_num_threads())
+    direct = out_NHD is not None and dtype == torch.float32
+    out = out_NHD if direct else torch.empty((n, h, d), dtype=torch.float32)
+    args = (q_NHD.data_ptr(), q_NHD.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables_SB.data_ptr(),
+            block_tables_SB.stride(0), query_table_N.data_ptr(), query_ctx_N.data_ptr(), out.data_ptr(),
+            n, h, k, d, bs, float(scale), torch.get_num_threads())
+    if k_cache.dtype == torch.float32:
+        rc = _lib(lib).fn["paged_attention"](*args)
+    else:
+        rc = _lib(lib).fn["paged_attention_h16"](*args, H16_KINDS[k_cache.dtype])
     if rc != 0:
-        raise KernelUnavailable(f"paged attention kernel refused shapes H={h} K={k} D={d} block_size={bs}")
-    return out
+        raise KernelUnavailable(f"paged attention kernel refused shapes H={h} K={k} D={d} block_size={bs} "
+                                f"over a {k_cache.dtype} cache")
+    if direct or dtype == torch.float32:
+        return out
+    if out_NHD is None:
+        return out.to(dtype)
+    return out_NHD.copy_(out)
 
 
 def paged_attention_cpu_q8(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -802,7 +860,12 @@ def paged_attention_cpu_q8(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            query_table_N: torch.Tensor, query_ctx_N: torch.Tensor, scale: float,
                            out_NHD: torch.Tensor, lib: NativeLib | None = None) -> torch.Tensor:
     """paged_attention_cpu over an int8 / fp8 cache with per-(block, KV head) scales ([blocks, K]) or
-    static per-tensor ones ([K])."""
+    static per-tensor ones ([K]); bf16 / fp16 queries in fp32, the output rounded into `out_NHD`."""
+    if q_NHD.dtype != torch.float32:
+        out32 = paged_attention_cpu_q8(q_NHD.float(), k_cache, v_cache, _fp32(k_scales), _fp32(v_scales),
+                                       block_tables_SB, query_table_N, query_ctx_N, scale,
+                                       torch.empty(q_NHD.shape, dtype=torch.float32), lib)
+        return out_NHD.copy_(out32)
     n, h, d = q_NHD.shape
     _, bs, k, _ = k_cache.shape
     if q_NHD.stride(2) != 1 or q_NHD.stride(1) != d:
@@ -821,12 +884,19 @@ def paged_attention_cpu_q8(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def decoder_layers_cpu(x_NE: torch.Tensor, layers_L8: torch.Tensor, dims: tuple[int, ...], positions_N: torch.Tensor,
                        slots_N: torch.Tensor, cos_PD: torch.Tensor, sin_PD: torch.Tensor, block_tables_SB: torch.Tensor,
                        query_table_N: torch.Tensor, query_ctx_N: torch.Tensor, eps: float, scale: float,
-                       num_slots: int, lib: NativeLib | None = None) -> None:
+                       num_slots: int, lib: NativeLib | None = None, kind: int = 0) -> None:
     """Run a Llama-style decoder's layers over the step's N tokens in one call (csrc/decoder_layers.c):
     `x` (N, hidden), contiguous, is updated in place to the last layer's residual stream. `layers_L8` holds
     each layer's addresses (ln_attn, ln_mlp, packed w_qkv, w_o, w_gate_up, w_down, K cache, V cache);
     dims = (N, hidden, heads, kv heads, head dim, MLP width, block size); a slot outside the cache's
-    `num_slots` raises before anything is written."""
+    `num_slots` raises before anything is written. A bf16 / fp16 model passes x in its format, 16-bit packed
+    projections and caches and fp32 norm weights: every operation's outputs are rounded to that format."""
+    if x_NE.dtype != torch.float32:
+        x32 = x_NE.float()
+        decoder_layers_cpu(x32, layers_L8, dims, positions_N, slots_N, cos_PD, sin_PD, block_tables_SB, query_table_N,
+                           query_ctx_N, eps, scale, num_slots, lib, kind=H16_KINDS[x_NE.dtype])
+        x_NE.copy_(x32)  # exact: rounded already
+        return
     n, e, h, k, d, f, bs = dims
     widths = [e, (h + 2 * k) * d, (h + k) * d, h * d, e, 2 * f, f, e]  # h, qkv, qk, attn, o, gate_up, act, m
     work = torch.empty(n * sum(widths), dtype=torch.float32)
@@ -836,7 +906,7 @@ def decoder_layers_cpu(x_NE: torch.Tensor, layers_L8: torch.Tensor, dims: tuple[
     rc = _lib(lib).fn["decoder_layers"](
         layers_L8.data_ptr(), layers_L8.shape[0], all_dims.data_ptr(), x_NE.data_ptr(), offsets.data_ptr(),
         positions_N.data_ptr(), slots_N.data_ptr(), cos_PD.data_ptr(), sin_PD.data_ptr(), block_tables_SB.data_ptr(),
-        query_table_N.data_ptr(), query_ctx_N.data_ptr(), eps, scale, torch.get_num_threads())
+        query_table_N.data_ptr(), query_ctx_N.data_ptr(), eps, scale, torch.get_num_threads(), kind)
     if rc == -3:
         raise IndexError(f"a KV slot is outside the cache's {num_slots} slots")
     if rc == -2:

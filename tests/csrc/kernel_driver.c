@@ -19,6 +19,12 @@
 int toolkit_matmul_invariant_f32(const float *, int64_t, const float *, float *, int64_t, int64_t, int64_t, int64_t,
                                  int);
 void toolkit_matmul_layout(int64_t *);
+int toolkit_matmul_invariant_h16(const float *, int64_t, const uint16_t *, float *, int64_t, int64_t, int64_t,
+                                 int64_t, int, int);
+int toolkit_paged_attention_h16(const float *, int64_t, const uint16_t *, const uint16_t *, const int64_t *, int64_t,
+                                const int64_t *, const int64_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                float, int, int);
+int toolkit_round_h16(float *, int64_t, int, int);
 void toolkit_kernel_profile(int64_t *);
 int toolkit_paged_attention_f32(const float *, int64_t, const float *, const float *, const int64_t *, int64_t,
                                 const int64_t *, const int64_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t,
@@ -297,6 +303,63 @@ static void check_tail(void) {
     free(logits); free(out); free(step);
 }
 
+/* 16-bit formats (2 bf16, 3 fp16): round_h16 gives values the format holds exactly (re-rounding changes
+ * nothing); the matmul on 16-bit weights and the attention over a 16-bit cache are the fp32 kernels' on the
+ * widened values, bit for bit. The rounded values are saved: exact in every build. */
+static uint16_t bits16(float f, int kind) { /* f is representable: its 16-bit pattern */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (kind == 2) return (uint16_t)(u >> 16);
+    const uint32_t sign = (u >> 16) & 0x8000u, e = (u >> 23) & 0xffu, man = u & 0x7fffffu;
+    if (e == 0xff) return (uint16_t)(sign | 0x7c00u | (man >> 13));
+    if (e == 0) return (uint16_t)sign;
+    if (e < 113) return (uint16_t)(sign | ((man | 0x800000u) >> (126 - e))); /* fp16 subnormal */
+    return (uint16_t)(sign | ((e - 112) << 10) | (man >> 13));
+}
+
+static void check_h16(int kind, const char *name) {
+    const int64_t n = 4096, M = 5, K = 67, N = 181;
+    float *v = uniform(n, 70000.0f), *again = malloc(sizeof(float) * n);
+    for (int64_t i = 0; i < n; i += 4) v[i] *= 1e-9f; /* fp16 subnormals and underflow */
+    toolkit_round_h16(v, n, kind, 2);
+    memcpy(again, v, sizeof(float) * n);
+    toolkit_round_h16(again, n, kind, 1);
+    char what[128];
+    snprintf(what, sizeof what, "%s: rounding a rounded value changes it", name);
+    expect_same(what, v, again, sizeof(float) * n);
+    char saved[64];
+    snprintf(saved, sizeof saved, "round_%s", name);
+    save(saved, v, sizeof(float) * n);
+    /* the matmul: fp32 on the widened weights vs 16-bit */
+    float *x = uniform(M * K, 1.0f), *w = uniform(K * N, 1.0f);
+    toolkit_round_h16(w, K * N, kind, 1);
+    float *pw = pack(w, K, N), *want = malloc(sizeof(float) * M * N), *got = malloc(sizeof(float) * M * N);
+    uint16_t *ph = malloc(sizeof(uint16_t) * K * N);
+    for (int64_t i = 0; i < K * N; i++) ph[i] = bits16(pw[i], kind);
+    toolkit_matmul_invariant_f32(x, K, pw, want, N, M, K, N, 2);
+    toolkit_matmul_invariant_h16(x, K, ph, got, N, M, K, N, 2, kind);
+    snprintf(what, sizeof what, "%s: the 16-bit matmul differs from fp32 on the widened weights", name);
+    expect_same(what, want, got, sizeof(float) * M * N);
+    /* the attention: one sequence of 40 positions in blocks of 16, three queries */
+    const int64_t H = 8, KH = 2, D = 64, BS = 16, blocks = 3, slots = blocks * BS * KH * D;
+    float *kf = uniform(slots, 1.0f), *vf = uniform(slots, 1.0f), *q = uniform(3 * H * D, 1.0f);
+    toolkit_round_h16(kf, slots, kind, 1);
+    toolkit_round_h16(vf, slots, kind, 1);
+    uint16_t *kh = malloc(sizeof(uint16_t) * slots), *vh = malloc(sizeof(uint16_t) * slots);
+    for (int64_t i = 0; i < slots; i++) { kh[i] = bits16(kf[i], kind); vh[i] = bits16(vf[i], kind); }
+    int64_t table[3] = {2, 0, 1}, qt[3] = {0, 0, 0}, qc[3] = {1, 23, 40};
+    float *a32 = malloc(sizeof(float) * 3 * H * D), *a16 = malloc(sizeof(float) * 3 * H * D);
+    toolkit_paged_attention_f32(q, H * D, kf, vf, table, 3, qt, qc, a32, 3, H, KH, D, BS, 0.125f, 2);
+    if (toolkit_paged_attention_h16(q, H * D, kh, vh, table, 3, qt, qc, a16, 3, H, KH, D, BS, 0.125f, 2, kind) != 0) {
+        printf("FAIL %s: the 16-bit attention refused its shapes\n", name);
+        failures++;
+    }
+    snprintf(what, sizeof what, "%s: the attention over a 16-bit cache differs from fp32 on the widened cache", name);
+    expect_same(what, a32, a16, sizeof(float) * 3 * H * D);
+    free(v); free(again); free(x); free(w); free(pw); free(want); free(got); free(ph);
+    free(kf); free(vf); free(q); free(kh); free(vh); free(a32); free(a16);
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) { fprintf(stderr, "usage: kernel_driver <outdir>\n"); return 2; }
     outdir = argv[1];
@@ -308,6 +371,8 @@ int main(int argc, char **argv) {
     check_rowwise();
     check_gumbel();
     check_tail();
+    check_h16(2, "bf16");
+    check_h16(3, "f16");
     int64_t profile[4];
     toolkit_kernel_profile(profile);
     if (failures) return 1;

@@ -12,9 +12,18 @@
  *   cache[slot] = k, v;  a = attention(q);  x += a @ w_o;  h = rmsnorm(x) * ln_mlp
  *   m = silu(gate) * up of (h @ w_gate_up) @ w_down
  * and after the last layer x += m (the caller applies the final norm to the rows it samples).
+ *
+ * A bf16 / fp16 model (kind H16_BF16 / H16_F16) runs the same kernels on 16-bit projections and a 16-bit
+ * cache (each widened exactly as it is read: fp32 multiplies and sums), and every operation's outputs are
+ * rounded to the model's format (nearest, ties to even) before the next one reads them: x and h after each
+ * add + norm, qkv, q|k after RoPE (so the cache holds them exactly), the attention output, o, gate_up, the
+ * SiLU product, m, and x after the last add. The layer-by-layer forward rounds at the same places, so the
+ * two give the same bits in every format. Norm weights are fp32 (a 16-bit model's, widened).
  */
 #include <stdint.h>
 #include <string.h>
+
+#include "simd.h" /* H16_*, narrow_h16 */
 
 int toolkit_matmul_invariant_f32(const float *, int64_t, const float *, float *, int64_t, int64_t, int64_t, int64_t,
                                  int);
@@ -26,6 +35,12 @@ int toolkit_rope_f32(const float *, int64_t, float *, const float *, const float
 int toolkit_paged_attention_f32(const float *, int64_t, const float *, const float *, const int64_t *, int64_t,
                                 const int64_t *, const int64_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t,
                                 float, int);
+int toolkit_matmul_invariant_h16(const float *, int64_t, const uint16_t *, float *, int64_t, int64_t, int64_t,
+                                 int64_t, int, int);
+int toolkit_paged_attention_h16(const float *, int64_t, const uint16_t *, const uint16_t *, const int64_t *, int64_t,
+                                const int64_t *, const int64_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                float, int, int);
+int toolkit_round_h16(float *, int64_t, int, int);
 #define matmul toolkit_matmul_invariant_f32
 #define norm toolkit_add_rms_norm_f32
 #define silu toolkit_silu_mul_f32
@@ -47,7 +62,7 @@ int toolkit_decoder_layers(const int64_t *layers, int64_t num_layers, const int6
                            float *x, const int64_t *work, const int64_t *positions, const int64_t *slots,
                            const float *cos_table, const float *sin_table, const int64_t *block_tables,
                            const int64_t *query_table, const int64_t *query_ctx, float eps, float scale,
-                           int threads)
+                           int threads, int kind)
 {
     const int64_t N = dims[D_N], E = dims[D_HIDDEN], H = dims[D_H], K = dims[D_K], D = dims[D_HD], F = dims[D_F];
     const int64_t qw = H * D, kvw = K * D, qkvw = qw + 2 * kvw, qkw = qw + kvw;
@@ -56,30 +71,61 @@ int toolkit_decoder_layers(const int64_t *layers, int64_t num_layers, const int6
     float *o = (float *)(intptr_t)work[W_O], *gu = (float *)(intptr_t)work[W_GATE_UP];
     float *act = (float *)(intptr_t)work[W_ACT], *m = (float *)(intptr_t)work[W_M];
     int rc;
+    if (kind != H16_NONE && kind != H16_BF16 && kind != H16_F16) return -1;
     for (int64_t n = 0; n < N; n++)
         if (slots[n] < 0 || slots[n] >= dims[D_SLOTS]) return -3;
 #define TRY(call) do { if ((rc = (call)) != 0) return rc; } while (0)
-#define PTR(l, f) ((const float *)(intptr_t)layers[(l) * L_FIELDS + (f)])
+#define PTR(l, f) ((const void *)(intptr_t)layers[(l) * L_FIELDS + (f)])
+#define ROUND(p, len) do { if (kind != H16_NONE) toolkit_round_h16(p, len, kind, threads); } while (0)
+#define MATMUL(in, ldi, f, out, M, Kd, Nd)                                                                     \
+    TRY(kind == H16_NONE ? matmul(in, ldi, (const float *)PTR(l, f), out, Nd, M, Kd, Nd, threads)             \
+                         : toolkit_matmul_invariant_h16(in, ldi, (const uint16_t *)PTR(l, f), out, Nd, M, Kd, Nd, \
+                                                        threads, kind));                                       \
+    ROUND(out, (M) * (Nd))
     for (int64_t l = 0; l < num_layers; l++) {
-        float *k_cache = (float *)PTR(l, L_K_CACHE), *v_cache = (float *)PTR(l, L_V_CACHE);
-        TRY(norm(x, E, l ? m : 0, E, PTR(l, L_LN_ATTN), eps, h, E, N, E, threads));
-        TRY(matmul(h, E, PTR(l, L_QKV), qkv, qkvw, N, E, qkvw, threads));
+        void *k_cache = (void *)PTR(l, L_K_CACHE), *v_cache = (void *)PTR(l, L_V_CACHE);
+        TRY(norm(x, E, l ? m : 0, E, (const float *)PTR(l, L_LN_ATTN), eps, h, E, N, E, threads));
+        ROUND(x, N * E);
+        ROUND(h, N * E);
+        MATMUL(h, E, L_QKV, qkv, N, E, qkvw);
         TRY(rope(qkv, qkvw, qk, cos_table, sin_table, dims[D_MAX_POS], positions, N, H + K, D, threads));
+        ROUND(qk, N * qkw);
         for (int64_t n = 0; n < N; n++) {  /* this step's keys and values into their slots */
-            memcpy(k_cache + slots[n] * kvw, qk + n * qkw + qw, (size_t)kvw * sizeof(float));
-            memcpy(v_cache + slots[n] * kvw, qkv + n * qkvw + qkw, (size_t)kvw * sizeof(float));
+            const float *kn = qk + n * qkw + qw, *vn = qkv + n * qkvw + qkw;
+            if (kind == H16_NONE) {
+                memcpy((float *)k_cache + slots[n] * kvw, kn, (size_t)kvw * sizeof(float));
+                memcpy((float *)v_cache + slots[n] * kvw, vn, (size_t)kvw * sizeof(float));
+            } else {
+                uint16_t *kd = (uint16_t *)k_cache + slots[n] * kvw, *vd = (uint16_t *)v_cache + slots[n] * kvw;
+                for (int64_t i = 0; i < kvw; i++) {  /* exact: both are rounded already */
+                    kd[i] = narrow_h16(kn[i], kind);
+                    vd[i] = narrow_h16(vn[i], kind);
+                }
+            }
         }
-        TRY(attention(qk, qkw, k_cache, v_cache, block_tables, dims[D_BT_STRIDE], query_table, query_ctx, att,
-                      N, H, K, D, dims[D_BS], scale, threads));
-        TRY(matmul(att, qw, PTR(l, L_O), o, E, N, qw, E, threads));
-        TRY(norm(x, E, o, E, PTR(l, L_LN_MLP), eps, h, E, N, E, threads));
-        TRY(matmul(h, E, PTR(l, L_GATE_UP), gu, 2 * F, N, E, 2 * F, threads));
+        if (kind == H16_NONE)
+            TRY(attention(qk, qkw, k_cache, v_cache, block_tables, dims[D_BT_STRIDE], query_table, query_ctx, att,
+                          N, H, K, D, dims[D_BS], scale, threads));
+        else
+            TRY(toolkit_paged_attention_h16(qk, qkw, k_cache, v_cache, block_tables, dims[D_BT_STRIDE], query_table,
+                                            query_ctx, att, N, H, K, D, dims[D_BS], scale, threads, kind));
+        ROUND(att, N * qw);
+        MATMUL(att, qw, L_O, o, N, qw, E);
+        TRY(norm(x, E, o, E, (const float *)PTR(l, L_LN_MLP), eps, h, E, N, E, threads));
+        ROUND(x, N * E);
+        ROUND(h, N * E);
+        MATMUL(h, E, L_GATE_UP, gu, N, E, 2 * F);
         TRY(silu(gu, 2 * F, act, F, N, F, threads));
-        TRY(matmul(act, F, PTR(l, L_DOWN), m, E, N, F, E, threads));
+        ROUND(act, N * F);
+        MATMUL(act, F, L_DOWN, m, N, F, E);
     }
-    if (num_layers > 0)
+    if (num_layers > 0) {
         for (int64_t i = 0; i < N * E; i++) x[i] += m[i];
+        ROUND(x, N * E);
+    }
     return 0;
 #undef TRY
 #undef PTR
+#undef ROUND
+#undef MATMUL
 }

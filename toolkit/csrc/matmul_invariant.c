@@ -47,9 +47,11 @@
 void toolkit_matmul_layout(int64_t *out) { out[0] = NR; out[1] = VL; }
 
 /* rows [m0, m0 + mr) x the VL * nv columns at n0, over K of the k steps: the chain acc = fma(x, w, acc)
- * goes on from the sums in `out` (from 0 when `first`): a chain split into blocks of k is the same chain */
-#define DEFINE_TILE(R, V, TAG)                                                                            \
-static void tile_##R##_##TAG(const float *x, int64_t ldx, const float *w, int64_t ldw, float *out,       \
+ * goes on from the sums in `out` (from 0 when `first`): a chain split into blocks of k is the same chain.
+ * The weights are fp32 (KIND H16_NONE) or 16-bit (bf16 / fp16), widened exactly as they are loaded. */
+#define WLOAD(p, KIND) ((KIND) == H16_NONE ? loadv((const float *)(p)) : loadv_h16((const uint16_t *)(p), KIND))
+#define DEFINE_TILE(R, V, TAG, WT, KIND)                                                                  \
+static void tile_##R##_##TAG(const float *x, int64_t ldx, const WT *w, int64_t ldw, float *out,          \
                            int64_t ldo, int64_t K, int first, const char *pf, int64_t pf_lines) {      \
     vf acc[R][V];                                                                                     \
     for (int r = 0; r < R; r++)                                                                        \
@@ -59,7 +61,7 @@ static void tile_##R##_##TAG(const float *x, int64_t ldx, const float *w, int64_
         for (int64_t q = k * per_k; q < (k + 1) * per_k && q < pf_lines; q++)                          \
             __builtin_prefetch(pf + 64 * q, 0, 2);                                                     \
         vf wk[V];                                                                                     \
-        for (int v = 0; v < V; v++) wk[v] = loadv(w + k * ldw + VL * v);                              \
+        for (int v = 0; v < V; v++) wk[v] = WLOAD(w + k * ldw + VL * v, KIND);                        \
         for (int r = 0; r < R; r++) {                                                                  \
             const vf xr = splat(x[r * ldx + k]);                                                      \
             for (int v = 0; v < V; v++) acc[r][v] = vfma(xr, wk[v], acc[r][v]);\
@@ -69,78 +71,108 @@ static void tile_##R##_##TAG(const float *x, int64_t ldx, const float *w, int64_
         for (int v = 0; v < V; v++) storev(out + r * ldo + VL * v, acc[r][v]);                        \
 }
 
-#define DEFINE_TILES(R) DEFINE_TILE(R, NV, wide) DEFINE_TILE(R, 1, narrow)
-#if MR == 6
-DEFINE_TILES(6)
-DEFINE_TILES(5)
-#endif
-DEFINE_TILES(4)
-DEFINE_TILES(3)
-DEFINE_TILES(2)
-DEFINE_TILES(1)
+/* every tile of one weight format: TILES_WIDE_<F> / TILES_NARROW_<F>[rows] */
+#define DEFINE_TILES(R, F, WT, KIND) DEFINE_TILE(R, NV, wide_##F, WT, KIND) DEFINE_TILE(R, 1, narrow_##F, WT, KIND)
+#define DEFINE_FORMAT(F, WT, KIND)                                                                         \
+    DEFINE_TILES(6, F, WT, KIND) DEFINE_TILES(5, F, WT, KIND) DEFINE_TILES(4, F, WT, KIND)                 \
+    DEFINE_TILES(3, F, WT, KIND) DEFINE_TILES(2, F, WT, KIND) DEFINE_TILES(1, F, WT, KIND)                 \
+    typedef void (*tile_##F)(const float *, int64_t, const WT *, int64_t, float *, int64_t, int64_t, int,   \
+                             const char *, int64_t);                                                       \
+    static const tile_##F TILES_WIDE_##F[7] = {0, tile_1_wide_##F, tile_2_wide_##F, tile_3_wide_##F,        \
+                                               tile_4_wide_##F, tile_5_wide_##F, tile_6_wide_##F};         \
+    static const tile_##F TILES_NARROW_##F[7] = {0, tile_1_narrow_##F, tile_2_narrow_##F, tile_3_narrow_##F, \
+                                                 tile_4_narrow_##F, tile_5_narrow_##F, tile_6_narrow_##F};
+DEFINE_FORMAT(f32, float, H16_NONE)
+DEFINE_FORMAT(bf16, uint16_t, H16_BF16)
+DEFINE_FORMAT(f16, uint16_t, H16_F16)
 
-typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int64_t, int, const char *,
-                        int64_t);
-#if MR == 6
-static const tile_fn TILES_WIDE[MR + 1] = {0, tile_1_wide, tile_2_wide, tile_3_wide, tile_4_wide, tile_5_wide,
-                                           tile_6_wide};
-static const tile_fn TILES_NARROW[MR + 1] = {0, tile_1_narrow, tile_2_narrow, tile_3_narrow, tile_4_narrow,
-                                             tile_5_narrow, tile_6_narrow};
-#else
-static const tile_fn TILES_WIDE[MR + 1] = {0, tile_1_wide, tile_2_wide, tile_3_wide, tile_4_wide};
-static const tile_fn TILES_NARROW[MR + 1] = {0, tile_1_narrow, tile_2_narrow, tile_3_narrow, tile_4_narrow};
-#endif
+INLINE float widen_any(const void *w, int64_t i, const int kind) {
+    return kind == H16_NONE ? ((const float *)w)[i] : widen_h16(((const uint16_t *)w)[i], kind);
+}
 
 /* columns that are not a multiple of VL: scalar chains, the same fma per k */
-static void tail_columns(const float *x, int64_t ldx, const float *w, int64_t ldw, float *out, int64_t ldo,
-                         int64_t M, int64_t K, int64_t n0, int64_t N) {
+INLINE void tail_columns(const float *x, int64_t ldx, const void *w, int64_t ldw, float *out, int64_t ldo,
+                         int64_t M, int64_t K, int64_t n0, int64_t N, const int kind) {
     for (int64_t m = 0; m < M; m++)
         for (int64_t n = n0; n < N; n++) {
             float acc = 0.0f;
-            for (int64_t k = 0; k < K; k++) acc = sfma(x[m * ldx + k], w[k * ldw + (n - n0)], acc);
+            for (int64_t k = 0; k < K; k++) acc = sfma(x[m * ldx + k], widen_any(w, k * ldw + (n - n0), kind), acc);
             out[m * ldo + n] = acc;
         }
 }
 
 /* w is packed panel by panel (see toolkit.kernels.pack_weight): the wide panels [N / NR][K][NR],
  * then the VL-column panels [.][K][VL], then the last N % VL columns as [K][N % VL]; each
- * panel is contiguous, so a tile streams it front to back. */
+ * panel is contiguous, so a tile streams it front to back. MR is at most 6 (the tables' size). */
+#define DEFINE_MATMUL(F, WT, KIND)                                                                              \
+static int matmul_##F(const float *x, int64_t ldx, const WT *w, float *out, int64_t ldo, int64_t M, int64_t K,  \
+                      int64_t N, int num_threads) {                                                            \
+    if (M <= 0 || N <= 0) return 0;                                                                            \
+    if (K <= 0) {                                                                                              \
+        for (int64_t m = 0; m < M; m++) memset(out + m * ldo, 0, (size_t)N * sizeof(float));                   \
+        return 0;                                                                                              \
+    }                                                                                                          \
+    const int64_t wide_panels = N / NR;                                                                        \
+    const int64_t narrow_start = wide_panels * NR;                                                             \
+    const int64_t narrow_panels = (N - narrow_start) / VL;                                                     \
+    const int64_t vec_end = narrow_start + narrow_panels * VL;                                                 \
+    const int64_t panels = wide_panels + narrow_panels;                                                        \
+    const int64_t per_line = 64 / (int64_t)sizeof(WT);                                                         \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && panels > 1)")   \
+    for (int64_t p = 0; p < panels; p++) {                                                                     \
+        const int wide = p < wide_panels;                                                                      \
+        const int64_t n0 = wide ? p * NR : narrow_start + (p - wide_panels) * VL;                              \
+        const int64_t width = wide ? NR : VL;                                                                  \
+        const WT *panel = w + n0 * K; /* panels before this one hold n0 columns of K rows */                  \
+        const tile_##F *tiles = wide ? TILES_WIDE_##F : TILES_NARROW_##F;                                      \
+        /* the row tiles of this panel prefetch the next one (packed right after it), a share each */         \
+        const char *next = (const char *)(panel + width * K);                                                  \
+        const int64_t lines = p + 1 < panels ? K * (p + 1 < wide_panels ? NR : VL) / per_line : 0;             \
+        /* k in blocks of KC whose slab of the panel stays in L1 while every row tile passes over it */       \
+        const int64_t row_tiles = (M + MR - 1) / MR, passes = row_tiles * ((K + KC - 1) / KC);                 \
+        const int64_t share = (lines + passes - 1) / passes;                                                   \
+        for (int64_t k0 = 0, r = 0; k0 < K; k0 += KC) {                                                        \
+            const int64_t kc = K - k0 < KC ? K - k0 : KC;                                                      \
+            for (int64_t m0 = 0; m0 < M; m0 += MR, r++) {                                                      \
+                const int64_t mr = (M - m0) < MR ? (M - m0) : MR;                                              \
+                int64_t first = r * share, count = lines - first < share ? lines - first : share;              \
+                if (count < 0) count = 0;                                                                      \
+                tiles[mr](x + m0 * ldx + k0, ldx, panel + k0 * width, width, out + m0 * ldo + n0, ldo, kc,     \
+                          k0 == 0, next + 64 * first, count);                                                  \
+            }                                                                                                  \
+        }                                                                                                      \
+    }                                                                                                          \
+    if (vec_end < N) tail_columns(x, ldx, w + vec_end * K, N - vec_end, out, ldo, M, K, vec_end, N, KIND);     \
+    return 0;                                                                                                  \
+}
+DEFINE_MATMUL(f32, float, H16_NONE)
+DEFINE_MATMUL(bf16, uint16_t, H16_BF16)
+DEFINE_MATMUL(f16, uint16_t, H16_F16)
+
 int toolkit_matmul_invariant_f32(const float *x, int64_t ldx, const float *w, float *out, int64_t ldo,
                                  int64_t M, int64_t K, int64_t N, int num_threads) {
-    if (M <= 0 || N <= 0) return 0;
-    if (K <= 0) {
-        for (int64_t m = 0; m < M; m++) memset(out + m * ldo, 0, (size_t)N * sizeof(float));
-        return 0;
+    return matmul_f32(x, ldx, w, out, ldo, M, K, N, num_threads);
+}
+
+/* The same product with 16-bit weights (kind H16_BF16 or H16_F16, packed the same way): every weight is
+ * widened exactly to fp32 as it is loaded, so the result is the fp32 product's on the widened weights, bit
+ * for bit, while a decode step reads half the bytes. */
+int toolkit_matmul_invariant_h16(const float *x, int64_t ldx, const uint16_t *w, float *out, int64_t ldo,
+                                 int64_t M, int64_t K, int64_t N, int num_threads, int kind) {
+    if (kind == H16_BF16) return matmul_bf16(x, ldx, w, out, ldo, M, K, N, num_threads);
+    if (kind == H16_F16) return matmul_f16(x, ldx, w, out, ldo, M, K, N, num_threads);
+    return -1;
+}
+
+/* x[0..n) rounded in place to the 16-bit format `kind`'s nearest values (ties to even), in threads */
+int toolkit_round_h16(float *x, int64_t n, int kind, int num_threads) {
+    if (kind != H16_BF16 && kind != H16_F16) return -1;
+    const int64_t chunk = 4096, chunks = (n + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && chunks > 4)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t lo = c * chunk, len = n - lo < chunk ? n - lo : chunk;
+        if (kind == H16_BF16) round_h16(x + lo, len, H16_BF16);
+        else round_h16(x + lo, len, H16_F16);
     }
-    const int64_t wide_panels = N / NR;
-    const int64_t narrow_start = wide_panels * NR;
-    const int64_t narrow_panels = (N - narrow_start) / VL;
-    const int64_t vec_end = narrow_start + narrow_panels * VL;
-    const int64_t panels = wide_panels + narrow_panels;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && panels > 1)
-    for (int64_t p = 0; p < panels; p++) {
-        const int wide = p < wide_panels;
-        const int64_t n0 = wide ? p * NR : narrow_start + (p - wide_panels) * VL;
-        const int64_t width = wide ? NR : VL;
-        const float *panel = w + n0 * K; /* panels before this one hold n0 columns of K rows */
-        const tile_fn *tiles = wide ? TILES_WIDE : TILES_NARROW;
-        /* the row tiles of this panel prefetch the next one (packed right after it), a share each */
-        const char *next = (const char *)(panel + width * K);
-        const int64_t lines = p + 1 < panels ? K * (p + 1 < wide_panels ? NR : VL) / 16 : 0; /* 16 floats a line */
-        /* k in blocks of KC whose slab of the panel stays in L1 while every row tile passes over it */
-        const int64_t row_tiles = (M + MR - 1) / MR, passes = row_tiles * ((K + KC - 1) / KC);
-        const int64_t share = (lines + passes - 1) / passes;
-        for (int64_t k0 = 0, r = 0; k0 < K; k0 += KC) {
-            const int64_t kc = K - k0 < KC ? K - k0 : KC;
-            for (int64_t m0 = 0; m0 < M; m0 += MR, r++) {
-                const int64_t mr = (M - m0) < MR ? (M - m0) : MR;
-                int64_t first = r * share, count = lines - first < share ? lines - first : share;
-                if (count < 0) count = 0;
-                tiles[mr](x + m0 * ldx + k0, ldx, panel + k0 * width, width, out + m0 * ldo + n0, ldo, kc, k0 == 0,
-                          next + 64 * first, count);
-            }
-        }
-    }
-    if (vec_end < N) tail_columns(x, ldx, w + vec_end * K, N - vec_end, out, ldo, M, K, vec_end, N);
     return 0;
 }

@@ -63,8 +63,13 @@ INLINE vf load_q8(const uint8_t *p, const float *lut) { /* int8 (lut NULL) or a 
     return v;
 }
 
+/* the cache's element formats: fp32, 8-bit (int8 / fp8, scaled per block), bf16 / fp16 (widened exactly) */
+enum { CACHE_F32 = 0, CACHE_Q8 = 1, CACHE_BF16 = H16_BF16, CACHE_F16 = H16_F16 };
+
 INLINE vf load_elem(const void *base, int64_t idx, const int q8, const float *lut) {
-    return q8 ? load_q8((const uint8_t *)base + idx, lut) : loadv((const float *)base + idx);
+    if (q8 == CACHE_Q8) return load_q8((const uint8_t *)base + idx, lut);
+    if (q8 == CACHE_F32) return loadv((const float *)base + idx);
+    return loadv_h16((const uint16_t *)base + idx, q8);
 }
 
 /* One tile (tn <= VL positions, whose rows start at elements rows[t]) for C query heads that share
@@ -88,7 +93,7 @@ INLINE void attend_chunk(const int DV, const int C, const int q8, const vf *qs, 
             for (int c = 0; c < C; c++) {
                 vf s = qs[c * DV] * kr[0];
                 for (int i = 1; i < DV; i++) s = vfma(qs[c * DV + i], kr[i], s);
-                P[c][t] = q8 ? s * splat(ksc[t]) : s; /* the key's scale factors out of q.k */
+                P[c][t] = q8 == CACHE_Q8 ? s * splat(ksc[t]) : s; /* the key's scale factors out of q.k */
             }
         } else {
             for (int c = 0; c < C; c++) P[c][t] = splat(0.0f);
@@ -108,7 +113,7 @@ INLINE void attend_chunk(const int DV, const int C, const int q8, const vf *qs, 
     /* p.v (a value's scale factors out of it): with every head's accumulators in registers a V row is loaded
      * once for the C heads; else head by head, so one head's stay in registers (its V rows come from L1).
      * Per head the same operations in the same order either way. */
-#define PV_WEIGHT(c, t) splat(q8 ? pw[c][t] * vsc[t] : pw[c][t])
+#define PV_WEIGHT(c, t) splat(q8 == CACHE_Q8 ? pw[c][t] * vsc[t] : pw[c][t])
     if ((C + 1) * DV <= TOOLKIT_VREGS - 4) {
         for (int64_t t = 0; t < tn; t++) {
             vf v[DV_MAX];
@@ -143,7 +148,8 @@ INLINE void attend_query(const int DV, const int q8, const float *qn, const void
                          const int64_t *table, int64_t ctx, int64_t H, int64_t K, int64_t BS, float scale,
                          float *out, const float *k_scales, const float *v_scales, int64_t scale_stride,
                          const float *lut, const int prefetch) {
-    const int64_t D = DV * VL, G = H / K, esize = q8 ? 1 : 4, row_bytes = K * D * esize;
+    const int64_t D = DV * VL, G = H / K, esize = q8 == CACHE_Q8 ? 1 : q8 == CACHE_F32 ? 4 : 2;
+    const int64_t row_bytes = K * D * esize;
     const int C = heads_per_chunk(G, DV);
     vf q[SIMD_MAX_H * DV_MAX], acc[SIMD_MAX_H * DV_MAX];
     float m[SIMD_MAX_H], l[SIMD_MAX_H];
@@ -164,7 +170,7 @@ INLINE void attend_query(const int DV, const int q8, const float *qn, const void
         const int64_t tn = (ctx - t0) < VL ? (ctx - t0) : VL;
         for (int64_t t = 0, blk = t0 / BS, off = t0 % BS; t < tn; t++) {
             rows[t] = (table[blk] * BS + off) * K * D;
-            if (q8)
+            if (q8 == CACHE_Q8)
                 for (int64_t kh = 0; kh < K; kh++) {
                     ksc[kh][t] = k_scales[table[blk] * scale_stride + kh];
                     vsc[kh][t] = v_scales[table[blk] * scale_stride + kh];
@@ -218,8 +224,12 @@ DEFINE_ITEM(item_simd_64, 64 / VL, 0, float)
 DEFINE_ITEM(item_simd_128, 128 / VL, 0, float)
 DEFINE_ITEM(item_q8_64, 64 / VL, 1, uint8_t)
 DEFINE_ITEM(item_q8_128, 128 / VL, 1, uint8_t)
+DEFINE_ITEM(item_bf16_64, 64 / VL, CACHE_BF16, uint16_t)
+DEFINE_ITEM(item_bf16_128, 128 / VL, CACHE_BF16, uint16_t)
+DEFINE_ITEM(item_f16_64, 64 / VL, CACHE_F16, uint16_t)
+DEFINE_ITEM(item_f16_128, 128 / VL, CACHE_F16, uint16_t)
 
-/* 1 when the kernel takes these shapes (quantised: an 8-bit cache), else 0: the engine asks before it
+/* 1 when the kernel takes these shapes (quantised: an 8-bit or 16-bit cache), else 0: the engine asks before it
  * picks the native backend, so a model the kernel cannot run never reaches it */
 int toolkit_paged_attention_supports(int64_t H, int64_t K, int64_t D, int64_t BS, int quantized) {
     if (H <= 0 || K <= 0 || D <= 0 || BS <= 0 || H % K != 0) return 0;
@@ -316,6 +326,32 @@ int toolkit_paged_attention_q8(
                                out + n * H * D, k_scales, v_scales, scale_stride, lut, PREFETCH(n));
         else item_q8_128(q + n * q_row_stride, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale,
                        out + n * H * D, k_scales, v_scales, scale_stride, lut, PREFETCH(n));
+    }
+    return 0;
+}
+
+/* The same attention over a bf16 (kind 2) or fp16 (kind 3) cache, head_dim 64 or 128: every key and value
+ * is widened exactly to fp32 as it is read, so the result is the fp32 kernel's on the widened cache, bit for
+ * bit, while a step reads half the bytes. */
+int toolkit_paged_attention_h16(
+    const float *q, int64_t q_row_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+    const int64_t *block_tables, int64_t bt_row_stride, const int64_t *query_table, const int64_t *query_ctx,
+    float *out, int64_t N, int64_t H, int64_t K, int64_t D, int64_t BS, float scale, int num_threads, int kind)
+{
+    if (!toolkit_paged_attention_supports(H, K, D, BS, 1) || (kind != CACHE_BF16 && kind != CACHE_F16)) return -1;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t *table = block_tables + query_table[n] * bt_row_stride;
+        const float *qn = q + n * q_row_stride;
+        float *on = out + n * H * D;
+        const int pf = PREFETCH(n);
+        if (kind == CACHE_BF16) {
+            if (D == 64) item_bf16_64(qn, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, on, 0, 0, 0, 0, pf);
+            else item_bf16_128(qn, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, on, 0, 0, 0, 0, pf);
+        } else {
+            if (D == 64) item_f16_64(qn, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, on, 0, 0, 0, 0, pf);
+            else item_f16_128(qn, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, on, 0, 0, 0, 0, pf);
+        }
     }
     return 0;
 }

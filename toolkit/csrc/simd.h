@@ -288,6 +288,63 @@ INLINE float logsumexp_at(const float *row, int64_t V, float m, int nan) {
     return m + logf(s);
 }
 
+/* ---------------------------------------------------------------- 16-bit floats
+ * bf16 (kind H16_BF16) and IEEE binary16 (kind H16_F16) stored as uint16_t. Widening to fp32 is exact
+ * (bit shifts and one multiply by a power of two); narrowing rounds to nearest, ties to even, as
+ * torch's .to(torch.bfloat16 / torch.float16) does: fp16 keeps subnormals and overflows to inf, NaN
+ * stays NaN. A 16-bit kernel multiplies and accumulates in fp32, so its bits are the fp32 kernel's
+ * on the widened values. */
+enum { H16_NONE = 0, H16_BF16 = 2, H16_F16 = 3 };
+typedef uint16_t vh __attribute__((vector_size(2 * VL)));
+typedef uint32_t vu __attribute__((vector_size(4 * VL)));
+
+INLINE uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, sizeof u); return u; }
+INLINE float f32_from(uint32_t u) { float f; memcpy(&f, &u, sizeof f); return f; }
+
+INLINE float widen_h16(uint16_t h, const int kind) {
+    if (kind == H16_BF16) return f32_from((uint32_t)h << 16);
+    /* fp16: exponent and mantissa moved into fp32's fields, then rebiased by 2^112 (exact, subnormals too) */
+    const uint32_t u = h, mag = (u & 0x7fffu) << 13;
+    uint32_t bits = f32_bits(f32_from(mag) * 0x1p112f);
+    if ((u & 0x7c00u) == 0x7c00u) bits |= 0x7f800000u; /* inf / NaN */
+    return f32_from(bits | (u & 0x8000u) << 16);
+}
+
+INLINE vf loadv_h16(const uint16_t *p, const int kind) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    vu u = __builtin_convertvector(h, vu);
+    if (kind == H16_BF16) return (vf)(u << 16);
+    vf f = (vf)((u & 0x7fffu) << 13) * splat(0x1p112f);
+    vu bits = (vu)f | ((vu)((u & 0x7c00u) == 0x7c00u) & 0x7f800000u);
+    return (vf)(bits | (u & 0x8000u) << 16);
+}
+
+INLINE uint16_t narrow_h16(float f, const int kind) {
+    const uint32_t w = f32_bits(f);
+    if (kind == H16_BF16) {
+        if ((w & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((w >> 16) | 0x40u); /* NaN, quieted */
+        return (uint16_t)((w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
+    }
+    /* fp16: let fp32 addition do the rounding. |f| is scaled so that values past fp16's range reach inf,
+     * then a power of two is added whose ulp is fp16's ulp at f's exponent (never finer than the
+     * subnormals' 2^-24): the sum's low bits are f rounded to nearest even in fp16's precision. */
+    const uint32_t sign = w & 0x80000000u, twice = w + w;
+    if (twice > 0xff000000u) return (uint16_t)(sign >> 16 | 0x7e00u); /* NaN */
+    float base = (__builtin_fabsf(f) * 0x1p112f) * 0x1p-110f;
+    uint32_t bias = twice & 0xff000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = f32_from((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = f32_bits(base);
+    return (uint16_t)(sign >> 16 | (((bits >> 13) & 0x7c00u) + (bits & 0x0fffu)));
+}
+
+/* x[0..n) rounded in place to the nearest value of the 16-bit format `kind` (no-op for H16_NONE) */
+INLINE void round_h16(float *x, int64_t n, const int kind) {
+    if (kind == H16_NONE) return;
+    for (int64_t i = 0; i < n; i++) x[i] = widen_h16(narrow_h16(x[i], kind), kind);
+}
+
 /* max + log(sum(exp(x - max))) of a row: NaN if it has a NaN, +inf if it has +inf, -inf if every
  * entry is -inf (toolkit_logsumexp_f32's rows, and the sampler's raw rows: the same bits) */
 INLINE float row_logsumexp(const float *row, int64_t V) {

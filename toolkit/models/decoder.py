@@ -171,10 +171,11 @@ class PagedDecoder(nn.Module):
 
     @staticmethod
     def _native(x: torch.Tensor) -> bool:
-        """Whether fp32 CPU activations go through the native kernels (RoPE, bit-identical to the torch
-        expression; residual add + RMSNorm and SiLU * up, each one pass; all layers in one call): where
-        they build (toolkit.kernels.native) and are not switched off."""
-        if x.device.type != "cpu" or x.dtype != torch.float32:
+        """Whether CPU activations go through the native kernels (RoPE, bit-identical to the torch
+        expression in fp32; residual add + RMSNorm and SiLU * up, each one pass; all layers in one call):
+        where they build (toolkit.kernels.native) and are not switched off. bf16 / fp16 activations too:
+        each kernel computes in fp32 and rounds its outputs to the model's format."""
+        if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return False
         from toolkit import kernels
 
@@ -192,22 +193,24 @@ class PagedDecoder(nn.Module):
         return x, self._norm(x, weight, bias)
 
     def _fused(self, x: torch.Tensor, attn: AttentionMetadata, kv_caches, positions_N: torch.Tensor) -> bool:
-        """Whether this step's layers run in one native call (csrc/decoder_layers.c): a plain Llama in fp32 on
-        the CPU (the caller checks the native matmul, RoPE, norm and SiLU kernels apply), every row through the
-        attention kernel, an fp32 cache."""
+        """Whether this step's layers run in one native call (csrc/decoder_layers.c): a plain Llama on the CPU
+        (the caller checks the native matmul, RoPE, norm and SiLU kernels apply), every row through the
+        attention kernel, a cache in the model's format (fp32, bf16 or fp16)."""
         n = positions_N.shape[0]
         return (self.fused_layers and self._plain and n > 0 and attn.flex is None and attn.kv_quant is None
-                and attn.kernel_rows == n and kv_caches[0][0].dtype == torch.float32
+                and attn.kernel_rows == n and kv_caches[0][0].dtype == x.dtype
                 and all(t.dtype == torch.int64 and t.is_contiguous() for t in
                         (positions_N, attn.slot_mapping_N, attn.query_table_N, attn.query_ctx_N, attn.block_tables_SB))
                 and self._native(x))
 
     def _layer_table(self, packed, kv_caches, num_layers: int) -> torch.Tensor:
-        """Per layer: the addresses of its norm weights, packed projections and K / V caches."""
+        """Per layer: the addresses of its norm weights (fp32: a 16-bit model's widened, kept here), packed
+        projections and K / V caches."""
         if self._layer_weights is None:
-            self._layer_weights = [[l.ln_attn.data_ptr(), l.ln_mlp.data_ptr()]
+            self._norms_f32 = [(l.ln_attn.float(), l.ln_mlp.float()) for l in self.layers]
+            self._layer_weights = [[a.data_ptr(), b.data_ptr()]
                                    + [p[name].data.data_ptr() for name in ("w_qkv", "w_o", "w_gate_up", "w_down")]
-                                   for l, p in zip(self.layers, packed)]
+                                   for (a, b), p in zip(self._norms_f32, packed)]
         caches = tuple(p for k, v in kv_caches[:num_layers] for p in (k.data_ptr(), v.data_ptr()))
         table = self._layer_tables.get(caches)
         if table is None:  # built once per cache (and per depth, for the self-draft)
