@@ -93,8 +93,8 @@ def test_h16_attention_is_the_fp32_attention_on_the_widened_cache(dtype, heads, 
 def tiny16(request):
     """A random-init Llama at head_dim 64 (the kernel's vector path) in bf16 / fp16."""
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[request.param]
-    return load_model(ModelConfig(name="tiny", seed=2, dtype=dtype, hidden_size=256, num_heads=4, num_kv_heads=2,
-                                  intermediate_size=256))
+    return load_model(ModelConfig(name="tiny", seed=2, dtype=dtype, vocab_size=49153, hidden_size=256, num_heads=4,
+                                  num_kv_heads=2, intermediate_size=256))  # a vocabulary without a tokenizer
 
 
 def test_a_16_bit_model_takes_the_native_kernels(tiny16):

@@ -782,7 +782,8 @@ class PackedWeight:
 
 def pack_weight(w_KN: torch.Tensor, lib: NativeLib | None = None) -> PackedWeight:
     """Column panels of the build's wide panel width, then of its lanes, then the last N % lanes
-    columns, each panel contiguous."""
+    columns, each panel contiguous; in a bf16 wide panel each k's blocks of `lanes` columns are interleaved
+    in pairs (weight by weight), which the kernel widens two blocks at a time."""
     lib = _lib(lib)
     nr, vl = lib.panel, lib.lanes
     k, n = w_KN.shape
@@ -791,7 +792,10 @@ def pack_weight(w_KN: torch.Tensor, lib: NativeLib | None = None) -> PackedWeigh
     if w_KN.dtype not in FLOATS:
         raise KernelUnavailable(f"the batch-invariant matmul reads fp32, bf16 or fp16 weights, not {w_KN.dtype}")
     data = torch.empty(k * n, dtype=w_KN.dtype)  # each part copied into place once
-    data[: k * wide * nr].view(wide, k, nr).copy_(w_KN[:, : wide * nr].reshape(k, wide, nr).permute(1, 0, 2))
+    panels = w_KN[:, : wide * nr].reshape(k, wide, nr).permute(1, 0, 2)
+    if w_KN.dtype == torch.bfloat16:  # each k's column blocks in interleaved pairs (csrc/matmul_invariant.c)
+        panels = panels.reshape(wide, k, nr // (2 * vl), 2, vl).transpose(3, 4)
+    data[: k * wide * nr].view(panels.shape).copy_(panels)
     data[k * wide * nr: k * vec_end].view(narrow, k, vl).copy_(
         w_KN[:, wide * nr: vec_end].reshape(k, narrow, vl).permute(1, 0, 2))
     data[k * vec_end:].view(k, n - vec_end).copy_(w_KN[:, vec_end:])

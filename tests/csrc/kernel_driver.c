@@ -336,6 +336,17 @@ static void check_h16(int kind, const char *name) {
     float *pw = pack(w, K, N), *want = malloc(sizeof(float) * M * N), *got = malloc(sizeof(float) * M * N);
     uint16_t *ph = malloc(sizeof(uint16_t) * K * N);
     for (int64_t i = 0; i < K * N; i++) ph[i] = bits16(pw[i], kind);
+    if (kind == 2) { /* bf16 wide panels: each k's blocks of VL columns interleaved in pairs (pack_weight) */
+        int64_t layout[2];
+        toolkit_matmul_layout(layout);
+        const int64_t nr = layout[0], vl = layout[1];
+        for (int64_t i = 0; i < (N / nr) * K; i++) /* every k row of every wide panel */
+            for (int64_t b = 0; b < nr; b += 2 * vl)
+                for (int64_t j = 0; j < vl; j++) {
+                    ph[i * nr + b + 2 * j] = bits16(pw[i * nr + b + j], kind);
+                    ph[i * nr + b + 2 * j + 1] = bits16(pw[i * nr + b + vl + j], kind);
+                }
+    }
     toolkit_matmul_invariant_f32(x, K, pw, want, N, M, K, N, 2);
     toolkit_matmul_invariant_h16(x, K, ph, got, N, M, K, N, 2, kind);
     snprintf(what, sizeof what, "%s: the 16-bit matmul differs from fp32 on the widened weights", name);

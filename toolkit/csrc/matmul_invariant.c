@@ -45,11 +45,24 @@
 
 /* the packing this build expects (toolkit.kernels.pack_weight): {wide panel columns, narrow panel columns} */
 void toolkit_matmul_layout(int64_t *out) { out[0] = NR; out[1] = VL; }
+#if NV % 2
+#error "bf16 wide panels interleave pairs of column blocks: NV must be even"
+#endif
 
 /* rows [m0, m0 + mr) x the VL * nv columns at n0, over K of the k steps: the chain acc = fma(x, w, acc)
  * goes on from the sums in `out` (from 0 when `first`): a chain split into blocks of k is the same chain.
  * The weights are fp32 (KIND H16_NONE) or 16-bit (bf16 / fp16), widened exactly as they are loaded. */
 #define WLOAD(p, KIND) ((KIND) == H16_NONE ? loadv((const float *)(p)) : loadv_h16((const uint16_t *)(p), KIND))
+/* bf16 wide panels hold their column blocks in pairs, interleaved (pack_weight): a pair's 2 * VL weights
+ * are read as VL 32-bit words whose low halves are the first block's weights and high halves the second's,
+ * so a shift and a mask widen both (half the work of widening each block on its own) */
+#define WLOAD_PAIR(p, lo, hi)                        \
+    do {                                             \
+        vu u_;                                       \
+        memcpy(&u_, p, sizeof u_);                   \
+        lo = (vf)(u_ << 16);                         \
+        hi = (vf)(u_ & 0xffff0000u);                 \
+    } while (0)
 #define DEFINE_TILE(R, V, TAG, WT, KIND)                                                                  \
 static void tile_##R##_##TAG(const float *x, int64_t ldx, const WT *w, int64_t ldw, float *out,          \
                            int64_t ldo, int64_t K, int first, const char *pf, int64_t pf_lines) {      \
@@ -61,7 +74,7 @@ static void tile_##R##_##TAG(const float *x, int64_t ldx, const WT *w, int64_t l
         for (int64_t q = k * per_k; q < (k + 1) * per_k && q < pf_lines; q++)                          \
             __builtin_prefetch(pf + 64 * q, 0, 2);                                                     \
         vf wk[V];                                                                                     \
-        for (int v = 0; v < V; v++) wk[v] = WLOAD(w + k * ldw + VL * v, KIND);                        \
+        WLOAD_ROW(w + k * ldw, wk, V, KIND);                                                           \
         for (int r = 0; r < R; r++) {                                                                  \
             const vf xr = splat(x[r * ldx + k]);                                                      \
             for (int v = 0; v < V; v++) acc[r][v] = vfma(xr, wk[v], acc[r][v]);\
@@ -69,6 +82,36 @@ static void tile_##R##_##TAG(const float *x, int64_t ldx, const WT *w, int64_t l
     }                                                                                                  \
     for (int r = 0; r < R; r++)                                                                        \
         for (int v = 0; v < V; v++) storev(out + r * ldo + VL * v, acc[r][v]);                        \
+}
+
+/* V vectors of one k row of a panel into wk[] */
+#define WLOAD_ROW(p, wk, V, KIND)                                                              \
+    do {                                                                                       \
+        if ((KIND) == H16_BF16 && (V) % 2 == 0)                                                \
+            for (int v_ = 0; v_ < (V); v_ += 2) WLOAD_PAIR((p) + VL * v_, wk[v_], wk[v_ + 1]); \
+        else                                                                                   \
+            for (int v_ = 0; v_ < (V); v_++) wk[v_] = WLOAD((p) + VL * v_, KIND);              \
+    } while (0)
+
+/* One row (M = 1, a decode step at batch 1) over two adjacent wide panels at once: 2 * NV chains instead
+ * of NV, so the FMA latency does not bound the weights read per cycle (with AVX2's NV = 2 and 16-bit
+ * weights it did). Each column is still the one chain from 0 over k = 0 .. K-1: the same bits. */
+#define DEFINE_ROW_PAIR(F, WT, KIND)                                                                       \
+static void row_pair_##F(const float *x, const WT *w, float *out, int64_t K, const char *pf, int64_t pf_lines) { \
+    vf acc[2 * NV];                                                                                        \
+    for (int v = 0; v < 2 * NV; v++) acc[v] = splat(0.0f);                                                \
+    const WT *w1 = w + K * NR; /* the next panel */                                                       \
+    const int64_t per_k = (pf_lines + K - 1) / K;                                                          \
+    for (int64_t k = 0; k < K; k++) {                                                                      \
+        for (int64_t q = k * per_k; q < (k + 1) * per_k && q < pf_lines; q++)                              \
+            __builtin_prefetch(pf + 64 * q, 0, 2);                                                         \
+        vf wk[2 * NV];                                                                                     \
+        WLOAD_ROW(w + k * NR, wk, NV, KIND);                                                               \
+        WLOAD_ROW(w1 + k * NR, (wk + NV), NV, KIND);                                                       \
+        const vf xr = splat(x[k]);                                                                         \
+        for (int v = 0; v < 2 * NV; v++) acc[v] = vfma(xr, wk[v], acc[v]);                                 \
+    }                                                                                                      \
+    for (int v = 0; v < 2 * NV; v++) storev(out + VL * v, acc[v]); /* the two panels' columns are adjacent */ \
 }
 
 /* every tile of one weight format: TILES_WIDE_<F> / TILES_NARROW_<F>[rows] */
@@ -85,6 +128,9 @@ static void tile_##R##_##TAG(const float *x, int64_t ldx, const WT *w, int64_t l
 DEFINE_FORMAT(f32, float, H16_NONE)
 DEFINE_FORMAT(bf16, uint16_t, H16_BF16)
 DEFINE_FORMAT(f16, uint16_t, H16_F16)
+DEFINE_ROW_PAIR(f32, float, H16_NONE)
+DEFINE_ROW_PAIR(bf16, uint16_t, H16_BF16)
+DEFINE_ROW_PAIR(f16, uint16_t, H16_F16)
 
 INLINE float widen_any(const void *w, int64_t i, const int kind) {
     return kind == H16_NONE ? ((const float *)w)[i] : widen_h16(((const uint16_t *)w)[i], kind);
@@ -101,9 +147,10 @@ INLINE void tail_columns(const float *x, int64_t ldx, const void *w, int64_t ldw
         }
 }
 
-/* w is packed panel by panel (see toolkit.kernels.pack_weight): the wide panels [N / NR][K][NR],
- * then the VL-column panels [.][K][VL], then the last N % VL columns as [K][N % VL]; each
- * panel is contiguous, so a tile streams it front to back. MR is at most 6 (the tables' size). */
+/* w is packed panel by panel (see toolkit.kernels.pack_weight): the wide panels [N / NR][K][NR] (bf16: each
+ * k's NR columns as NV / 2 interleaved pairs of VL-column blocks), then the VL-column panels [.][K][VL], then
+ * the last N % VL columns as [K][N % VL]; each panel is contiguous, so a tile streams it front to back. MR is
+ * at most 6 (the tables' size). */
 #define DEFINE_MATMUL(F, WT, KIND)                                                                              \
 static int matmul_##F(const float *x, int64_t ldx, const WT *w, float *out, int64_t ldo, int64_t M, int64_t K,  \
                       int64_t N, int num_threads) {                                                            \
@@ -118,8 +165,16 @@ static int matmul_##F(const float *x, int64_t ldx, const WT *w, float *out, int6
     const int64_t vec_end = narrow_start + narrow_panels * VL;                                                 \
     const int64_t panels = wide_panels + narrow_panels;                                                        \
     const int64_t per_line = 64 / (int64_t)sizeof(WT);                                                         \
+    /* one row: the wide panels two at a time (row_pair), each pair prefetching the next */                    \
+    const int64_t pairs = M == 1 ? wide_panels / 2 : 0;                                                        \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && pairs > 1)")    \
+    for (int64_t q = 0; q < pairs; q++) {                                                                      \
+        const WT *pair = w + 2 * q * NR * K;                                                                   \
+        row_pair_##F(x, pair, out + 2 * q * NR, K, (const char *)(pair + 2 * NR * K),                          \
+                     q + 1 < pairs ? 2 * NR * K / per_line : 0);                                               \
+    }                                                                                                          \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && panels > 1)")   \
-    for (int64_t p = 0; p < panels; p++) {                                                                     \
+    for (int64_t p = 2 * pairs; p < panels; p++) {                                                             \
         const int wide = p < wide_panels;                                                                      \
         const int64_t n0 = wide ? p * NR : narrow_start + (p - wide_panels) * VL;                              \
         const int64_t width = wide ? NR : VL;                                                                  \

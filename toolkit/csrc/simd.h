@@ -310,7 +310,23 @@ INLINE float widen_h16(uint16_t h, const int kind) {
     return f32_from(bits | (u & 0x8000u) << 16);
 }
 
+/* fp16 widened and narrowed by the F16C instructions where the lanes map onto them (exact, and the same
+ * rounding as narrow_h16: the tests hold both to torch's) */
+#if defined(__F16C__) && VL == 8
+#include <immintrin.h>
+#define F16C_WIDEN(p) ((vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))))
+#define F16C_NARROW(p, v) _mm_storeu_si128((__m128i *)(p), _mm256_cvtps_ph((__m256)(v), _MM_FROUND_TO_NEAREST_INT))
+#elif defined(__AVX512F__) && VL == 16
+#include <immintrin.h>
+#define F16C_WIDEN(p) ((vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p))))
+#define F16C_NARROW(p, v) \
+    _mm256_storeu_si256((__m256i *)(p), _mm512_cvtps_ph((__m512)(v), _MM_FROUND_TO_NEAREST_INT))
+#endif
+
 INLINE vf loadv_h16(const uint16_t *p, const int kind) {
+#ifdef F16C_WIDEN
+    if (kind == H16_F16) return F16C_WIDEN(p);
+#endif
     vh h;
     memcpy(&h, p, sizeof h);
     vu u = __builtin_convertvector(h, vu);
@@ -339,10 +355,27 @@ INLINE uint16_t narrow_h16(float f, const int kind) {
     return (uint16_t)(sign >> 16 | (((bits >> 13) & 0x7c00u) + (bits & 0x0fffu)));
 }
 
-/* x[0..n) rounded in place to the nearest value of the 16-bit format `kind` (no-op for H16_NONE) */
+/* x[0..n) rounded in place to the nearest value of the 16-bit format `kind` (no-op for H16_NONE): VL lanes
+ * at a time where the lanes allow, then one by one (the same rounding either way) */
 INLINE void round_h16(float *x, int64_t n, const int kind) {
     if (kind == H16_NONE) return;
-    for (int64_t i = 0; i < n; i++) x[i] = widen_h16(narrow_h16(x[i], kind), kind);
+    int64_t i = 0;
+    if (kind == H16_BF16)
+        for (; i + VL <= n; i += VL) {
+            const vu w = (vu)loadv(x + i);
+            const vu nan = (vu)((w & 0x7fffffffu) > 0x7f800000u);
+            const vu rounded = (w + 0x7fffu + ((w >> 16) & 1u)) & 0xffff0000u;
+            storev(x + i, (vf)((nan & ((w | 0x400000u) & 0xffff0000u)) | (~nan & rounded)));
+        }
+#ifdef F16C_NARROW
+    else
+        for (; i + VL <= n; i += VL) {
+            uint16_t h[VL];
+            F16C_NARROW(h, loadv(x + i));
+            storev(x + i, F16C_WIDEN(h));
+        }
+#endif
+    for (; i < n; i++) x[i] = widen_h16(narrow_h16(x[i], kind), kind);
 }
 
 /* max + log(sum(exp(x - max))) of a row: NaN if it has a NaN, +inf if it has +inf, -inf if every

@@ -1,0 +1,73 @@
+"""Decode steps per model format, measured side by side in one process (issue 44's speed goal: bf16 at
+batch 1 >= 1.8x fp32, the weights' bytes halved).
+
+    python -m toolkit.bench.precision                      # SmolLM2 on this CPU, batches 1 and 8
+    python -m toolkit.bench.precision --shape --device cuda  # random weights of SmolLM2's shape on a GPU
+    TOOLKIT_KERNEL_TARGET=x86-64-v3 python -m toolkit.bench.precision   # AVX2 kernels on an AVX-512 CPU
+
+Each batch size times a pure decode step (toolkit.bench.roofline.decode_step_ms, context 128) for every
+format in turn, `--repeats` rounds, and prints the medians and each one's speed relative to fp32, with the
+machine's name beside them."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from toolkit import kernels
+from toolkit.bench.roofline import decode_step_ms
+from toolkit.config import EngineConfig, ModelConfig
+from toolkit.models import load_model
+
+FORMATS = ("float32", "bfloat16", "float16")
+# SmolLM2-135M's dimensions with random weights (a vocabulary one past its tokenizer's, so none is loaded):
+# where the real weights cannot travel (a GPU machine), the same bytes per step
+SMOLLM2_SHAPE = dict(name="tiny", seed=0, vocab_size=49153, num_layers=30, hidden_size=576, num_heads=9,
+                     num_kv_heads=3, intermediate_size=1536)
+
+
+def machine(device: str) -> str:
+    """The CPU's model name and its bf16 / AMX flags, or the GPU's name."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    name = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    flags = kernels._cpu_flags()
+    extra = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "asimd") if f in flags]
+    return f"{name} ({' '.join(extra) or 'no SIMD flags read'}); kernels: {kernels.describe_native()}"
+
+
+def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--shape", action="store_true", help="random weights of SmolLM2's shape, not SmolLM2")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    args = parser.parse_args(argv)
+    base = SMOLLM2_SHAPE if args.shape else dict(name="smollm2")
+    models = {f: load_model(ModelConfig(**base, dtype=f), device=args.device) for f in args.formats}
+    print(f"decode step, {'SmolLM2-shaped random weights' if args.shape else 'SmolLM2'}, context {args.context}, "
+          f"on {machine(args.device)}", flush=True)
+    table = {}
+    for batch in args.batches:
+        times: dict[str, list[float]] = {f: [] for f in args.formats}
+        for _ in range(args.repeats):  # alternating, so drift hits every format alike
+            for f in args.formats:
+                times[f].append(decode_step_ms(models[f], EngineConfig(device=args.device), batch, args.context))
+        table[batch] = {f: statistics.median(t) for f, t in times.items()}
+        first = table[batch][args.formats[0]]
+        print(f"batch {batch:3d}: " + ", ".join(f"{f} {ms:7.2f} ms ({first / ms:4.2f}x)"
+                                                for f, ms in table[batch].items()), flush=True)
+    return table
+
+
+if __name__ == "__main__":
+    main()
