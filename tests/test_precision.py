@@ -19,6 +19,7 @@ from toolkit.config import ModelConfig, SamplingParams
 from toolkit.kernels import matmul_invariant, pack_weight, paged_attention_cpu, round_h16
 from toolkit.models import load_model
 from toolkit.runner import recompute_logits
+from toolkit.trace import build_manifest
 
 pytestmark = native_only
 H16 = [torch.bfloat16, torch.float16]
@@ -89,18 +90,27 @@ def test_h16_attention_is_the_fp32_attention_on_the_widened_cache(dtype, heads, 
     assert torch.equal(out, paged_attention_cpu(q.to(dtype).float(), kh, vh, tables, qt, qc, 0.125).to(dtype))
 
 
+# a random-init Llama at head_dim 64 (the kernel's vector path), with a vocabulary no tokenizer has
+TINY16 = dict(name="tiny", seed=2, vocab_size=49153, hidden_size=256, num_heads=4, num_kv_heads=2,
+              intermediate_size=256)
+
+
 @pytest.fixture(scope="module", params=H16, ids=H16_IDS)
 def tiny16(request):
-    """A random-init Llama at head_dim 64 (the kernel's vector path) in bf16 / fp16."""
-    dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[request.param]
-    return load_model(ModelConfig(name="tiny", seed=2, dtype=dtype, vocab_size=49153, hidden_size=256, num_heads=4,
-                                  num_kv_heads=2, intermediate_size=256))  # a vocabulary without a tokenizer
+    """TINY16 in bf16 / fp16."""
+    return load_model(ModelConfig(**TINY16, dtype=str(request.param).removeprefix("torch.")))
 
 
-def test_a_16_bit_model_takes_the_native_kernels(tiny16):
+def test_a_16_bit_model_takes_the_native_kernels_and_its_manifest_says_so(tiny16):
     engine = make_engine(tiny16)
     assert (engine.attention_backend, engine.matmul_backend) == ("kernel", "native")
     assert engine.kv_cache.layers[0][0].dtype == tiny16.model.embed.dtype
+    fmt = str(tiny16.model.embed.dtype).removeprefix("torch.")
+    precision = build_manifest(engine, "run")["precision"]
+    assert precision["weights"] == fmt and f"rounded to {fmt}" in precision["activations"] + precision["matmul"]
+    assert precision["matmul"].startswith("native: fp32 multiply-adds") and f"the {fmt} cache" in precision["attention"]
+    torch_engine = make_engine(tiny16, attention_backend="sdpa", matmul_backend="torch")
+    assert build_manifest(torch_engine, "run")["precision"]["matmul"].startswith(f"torch.matmul in {fmt}")
 
 
 @settings(max_examples=8, deadline=None)
@@ -151,3 +161,31 @@ def test_smollm2_16_bit_logprobs_are_as_close_to_fp32_as_torchs(smollm2, dtype):
     assert native.mean() <= 2 * peer.mean() and native.quantile(0.99) <= 2 * peer.quantile(0.99), (
         native.mean().item(), peer.mean().item(), native.quantile(0.99).item(), peer.quantile(0.99).item())
     assert native.max() > 0  # 16 bits change something: the comparison is not of fp32 with itself
+
+
+def test_a_16_bit_run_replays_bit_for_bit_and_verifies_against_float64_and_fp32(tiny16, tmp_path):
+    """A recorded bf16 / fp16 run replays to the same bits; verify recomputes it with float64 and with fp32
+    arithmetic on its weights, passes at the format's tolerance (atol auto) and reports both errors; a raw
+    logprob shifted by more than that tolerance fails at its row."""
+    from tests.test_replay_verify import MIXED, edit_sample
+    from toolkit import replay, verify
+    from toolkit.audit.verify import AUTO_ATOL
+    from toolkit.session import record
+
+    fmt = str(tiny16.model.embed.dtype).removeprefix("torch.")
+    engine_cfg = {"max_num_batched_tokens": 16, "max_num_seqs": 4, "num_kv_blocks": 256}
+    requests = [r for r in MIXED if "prompt" not in r]  # token ids only: this vocabulary has no tokenizer
+    engine = make_engine(tiny16, **engine_cfg)
+    ids = [engine.add_request(**r) for r in requests]
+    run = tmp_path / "run"
+    record(engine, ids, run, {"model": {**TINY16, "dtype": fmt}, "engine": engine_cfg, "sampling": {}, "trace": {}})
+    report = replay(run, out_dir=tmp_path / "replayed")
+    assert report.identical, report.summary_line()
+    by_dtype = {d: verify(run, reference_dtype=d) for d in ("float64", "float32")}
+    for d, checked in by_dtype.items():
+        assert checked.passed and checked.atol == AUTO_ATOL[fmt] and checked.rows_checked > 20, checked.summary_line()
+        assert checked.run_dtype == fmt and f"({fmt} run)" in checked.summary_line() and f"in {d}" in checked.summary_line()
+        assert 0 < checked.max_abs_diff < AUTO_ATOL[fmt]  # 16-bit rounding shows, within the tolerance
+    edit_sample(run, "greedy", 6, "raw_logprob", lambda v: v - 2 * AUTO_ATOL[fmt])
+    bad = verify(run)
+    assert not bad.passed and (bad.failures[0].request_id, bad.failures[0].position) == ("greedy", 6)

@@ -10,7 +10,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from toolkit.engine import Engine, RequestOutput
-from toolkit.errors import ToolkitError
+from toolkit.errors import ConfigError, ToolkitError
 from toolkit.metrics import batch_vs_single, structured_output_validity
 from toolkit.report import report_after, run_report, wanted
 from toolkit.session import record
@@ -154,8 +154,11 @@ def run_verify(cfg: DictConfig, run_dir: Path) -> int:
     from toolkit.audit.verify import verify
 
     v = cfg.verify
-    report = verify(_trace_arg(cfg, "verify"), reference=v.get("reference", "ours"), atol=float(v.get("atol", 1e-4)),
-                    out_dir=run_dir)
+    atol = v.get("atol", "auto")
+    if atol != "auto" and not isinstance(atol, (int, float)):
+        raise ConfigError(f"verify.atol must be a positive number or auto, got {atol!r}")
+    report = verify(_trace_arg(cfg, "verify"), reference=v.get("reference", "ours"), atol=atol,
+                    reference_dtype=str(v.get("reference_dtype", "float64")), out_dir=run_dir)
     print(report.summary_line())
     for c in report.failures:
         print(f"  first failure: {c.request_id}#{c.stream} position {c.position} token {c.token_id}: {c.reason}")

@@ -9,6 +9,10 @@ For a trace recorded with `engine.batch_invariant=true`, `reference="exact"` rec
 with the engine's own batch-invariant forward (fresh cache, one prefill) and demands the
 recorded bits: every row's sha256 of the raw fp32 logits must equal the recorded digest
 and its raw log-probability must be the same float (cached == recomputed, exactly).
+The textbook reference runs the recorded run's weights (in the run's format, bf16 / fp16 included) with
+float64 arithmetic by default, or fp32 (`reference_dtype`), so a 16-bit run's error is reported against
+either; `atol="auto"` is the run format's tolerance (AUTO_ATOL: about 2.5x the largest error measured on
+SmolLM2 chat runs, docs/precision.md).
 A hand-edited token fails at its own row: its recorded log-probability no longer matches,
 and the rows after it are reported as depending on it.
 """
@@ -54,11 +58,20 @@ class RowCheck:
     reason: str
 
 
+# verify's default tolerance per recorded format: fp32's rounding, and about 2.5x the largest |raw logprob
+# diff| measured against the float64 reference on 16 SmolLM2 chat requests of up to 128 tokens (AMD EPYC, AVX2:
+# bf16 0.195 over 1,095 rows, fp16 0.018 over 1,104)
+AUTO_ATOL = {"float32": 1e-4, "bfloat16": 0.5, "float16": 0.05}
+REFERENCE_DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
 @dataclass
 class VerifyReport:
     trace_dir: Path
     reference: str
     atol: float
+    run_dtype: str = "float32"
+    reference_dtype: str = "float64"
     rows_checked: int = 0
     sequences_checked: int = 0
     max_abs_diff: float = 0.0
@@ -76,8 +89,9 @@ class VerifyReport:
 
     def summary_line(self) -> str:
         head = "verified" if self.passed else "FAILED"
-        line = (f"{head}: {self.rows_checked} rows of {self.sequences_checked} sequences recomputed with the "
-                f"{self.reference} reference; max |raw logprob diff| {self.max_abs_diff:.3g}"
+        arithmetic = f" in {self.reference_dtype}" if self.reference == "ours" else ""
+        line = (f"{head}: {self.rows_checked} rows of {self.sequences_checked} sequences ({self.run_dtype} run) "
+                f"recomputed with the {self.reference} reference{arithmetic}; max |raw logprob diff| {self.max_abs_diff:.3g}"
                 f"{' at ' + self.max_at if self.max_at else ''} (atol {self.atol:g}); greedy rows still argmax: "
                 f"{self.greedy_rows - self.greedy_argmax_mismatches}/{self.greedy_rows}")
         if self.near_tie_flips:
@@ -86,6 +100,7 @@ class VerifyReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"trace_dir": str(self.trace_dir), "reference": self.reference, "atol": self.atol,
+                "run_dtype": self.run_dtype, "reference_dtype": self.reference_dtype,
                 "passed": self.passed, "rows_checked": self.rows_checked,
                 "sequences_checked": self.sequences_checked, "max_abs_diff": self.max_abs_diff,
                 "max_at": self.max_at, "greedy_rows": self.greedy_rows,
@@ -107,22 +122,27 @@ def _hf_forward(model_cfg: ModelConfig):
     return forward
 
 
-def reference_forward(loaded, reference: str):
-    """ids -> float64 logits (T, V): our textbook forward ("ours"), or HF transformers' forward of the same
-    family on the same weights ("hf")."""
+def reference_forward(loaded, reference: str, dtype: torch.dtype = torch.float64):
+    """ids -> logits (T, V): our textbook forward ("ours") on the loaded weights with `dtype` arithmetic, or HF
+    transformers' forward of the same family on the checkpoint's fp32 weights ("hf")."""
     if reference == "hf":
         return _hf_forward(loaded.config)
-    return lambda ids: reference_logits(loaded.model, ids)
+    return lambda ids: reference_logits(loaded.model, ids, dtype)
 
 
-def verify(run_dir: str | Path, *, reference: str = "ours", atol: float = 1e-4,
-           out_dir: str | Path | None = None) -> VerifyReport:
+def verify(run_dir: str | Path, *, reference: str = "ours", atol: float | str = "auto",
+           reference_dtype: str = "float64", out_dir: str | Path | None = None) -> VerifyReport:
     run_dir = Path(run_dir)
     if reference not in ("ours", "hf", "exact"):
         raise ConfigError(f"verify.reference must be 'ours', 'hf' or 'exact', got {reference!r}")
-    if not (isinstance(atol, (int, float)) and atol > 0):
-        raise ConfigError(f"verify.atol must be a positive number, got {atol!r}")
+    if atol != "auto" and not (isinstance(atol, (int, float)) and not isinstance(atol, bool) and atol > 0):
+        raise ConfigError(f"verify.atol must be a positive number or auto, got {atol!r}")
+    if reference_dtype not in REFERENCE_DTYPES:
+        raise ConfigError(f"verify.reference_dtype must be float64 or float32, got {reference_dtype!r}")
     manifest = read_manifest(run_dir)
+    run_dtype = manifest.get("dtype", "float32")
+    if atol == "auto":
+        atol = AUTO_ATOL.get(run_dtype, AUTO_ATOL["float32"])
     cfg = load_recorded_config(run_dir)
     model_cfg = from_mapping(ModelConfig, OmegaConf.to_container(cfg.model, resolve=True), section="model")
     engine_cfg = from_mapping(EngineConfig, OmegaConf.to_container(cfg.engine, resolve=True), section="engine")
@@ -135,12 +155,13 @@ def verify(run_dir: str | Path, *, reference: str = "ours", atol: float = 1e-4,
                               "(other runs' bits depend on their batches; use reference=ours)")
         forward = lambda ids: recompute_logits(loaded.model, ids)  # noqa: E731
     else:
-        forward = reference_forward(loaded, reference)
+        forward = reference_forward(loaded, reference, REFERENCE_DTYPES[reference_dtype])
     requests = {(r["request_id"], r["stream"]): r for r in read_requests(run_dir).to_pylist()}
     samples = read_samples(run_dir).to_pylist()
     eos = tuple(sorted(set(loaded.arch.eos_token_ids) | (
         {loaded.tokenizer.eos_token_id} if loaded.tokenizer and loaded.tokenizer.eos_token_id is not None else set())))
-    report = VerifyReport(trace_dir=run_dir, reference=reference, atol=atol)
+    report = VerifyReport(trace_dir=run_dir, reference=reference, atol=float(atol), run_dtype=run_dtype,
+                          reference_dtype=reference_dtype)
 
     by_seq: dict[tuple[str, int], list[dict]] = {}
     for row in samples:

@@ -59,6 +59,8 @@ def build_manifest(engine, run_id: str, extra: dict[str, Any] | None = None) -> 
         "may_exceed_token_budget": engine.cfg.scheduler_policy in ("no_chunking", "prefill_first"),
         "attention_backend": engine.attention_backend,
         "matmul_backend": engine.matmul_backend,
+        "precision": precision(loaded.model.embed.dtype, engine.cfg.kv_cache_dtype, engine.attention_backend,
+                               engine.matmul_backend, native_rowwise(engine)),  # which operation, which precision
         **native_kernels(engine),
         "kv_cache_dtype": engine.cfg.kv_cache_dtype,  # the KV storage every logit was computed from
         "kv_scale_granularity": engine.kv_cache.granularity,
@@ -66,6 +68,36 @@ def build_manifest(engine, run_id: str, extra: dict[str, Any] | None = None) -> 
         "batch_invariant": engine.cfg.batch_invariant,  # bits comparable across batchings only when true
         **(extra or {}),
     }
+
+
+def precision(dtype: torch.dtype, kv_cache_dtype: str, attention: str, matmul: str,
+              native_rowwise: bool) -> dict[str, str]:
+    """Which precision each part of a step runs in, for the manifest (docs/precision.md says the same);
+    `native_rowwise`: RMSNorm, RoPE and SiLU ran on the native kernels (the CPU, where they build)."""
+    fmt = str(dtype).removeprefix("torch.")
+    half = dtype != torch.float32
+    cache = {"auto": fmt, "bf16": "bfloat16"}.get(kv_cache_dtype, f"{kv_cache_dtype} with fp32 scales")
+    rounded = f", outputs rounded to {fmt}" if half else ""
+    return {
+        "weights": fmt,
+        "activations": fmt + (" (every operation's outputs rounded to nearest, ties to even)" if half else ""),
+        "matmul": (f"native: fp32 multiply-adds over {fmt} weights widened exactly, one FMA chain per element{rounded}"
+                   if matmul == "native" else f"torch.matmul in {fmt} (BLAS; 16-bit inputs accumulate in fp32)"),
+        "attention": (f"native kernel: fp32 scores, online softmax and sums over the {cache} cache{rounded}"
+                      if attention == "kernel" else
+                      f"torch {attention} in {fmt} over the {cache} cache (read in {fmt})"),
+        "norm_rope_silu": (f"native kernels in fp32{rounded}" if native_rowwise else
+                           f"torch: RMSNorm statistics in fp32, the rest in {fmt}"),
+        "logits": f"{fmt}, widened to fp32" if half else "fp32",
+        "sampling": "fp32 logits; log-softmax and processors in fp32",
+    }
+
+
+def native_rowwise(engine) -> bool:
+    """Whether the step's RMSNorm, RoPE and SiLU ran on the native kernels (on the CPU, where they build)."""
+    from toolkit import kernels
+
+    return torch.device(engine.device).type == "cpu" and kernels.available()
 
 
 def native_kernels(engine) -> dict[str, Any]:
