@@ -189,3 +189,30 @@ def test_a_16_bit_run_replays_bit_for_bit_and_verifies_against_float64_and_fp32(
     edit_sample(run, "greedy", 6, "raw_logprob", lambda v: v - 2 * AUTO_ATOL[fmt])
     bad = verify(run)
     assert not bad.passed and (bad.failures[0].request_id, bad.failures[0].position) == ("greedy", 6)
+
+
+def test_the_precision_experiment_runs_end_to_end_on_the_tiny_model(tmp_path):
+    """experiment=precision: one recorded run per variant, each replayable, and precision.json whose fp32 row
+    is the references' (errors at fp32 rounding) while the 16-bit rows show their rounding, HF's spread
+    beside them; a bad variant is one line."""
+    import json
+
+    from tests.test_cli import TINY, run_cli
+
+    result = run_cli(*TINY, "experiment=precision", "workload.num_requests=2", "workload.max_tokens=6",
+                     "workload.min_tokens=6", "precision.variants=[float32,bfloat16,float16/int8]",
+                     run_dir=tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-2000:]
+    study = json.loads((tmp_path / "run" / "precision.json").read_text())["variants"]
+    by_name = {v["variant"]: v for v in study}
+    assert list(by_name) == ["float32", "bfloat16", "float16/int8"]
+    assert by_name["float32"]["vs_float64"]["max"] < 1e-3 and by_name["float32"]["identical_fraction"] == 1.0
+    for name in ("bfloat16", "float16/int8"):
+        row = by_name[name]
+        assert row["rows"] == 12 and row["vs_float64"]["max"] > by_name["float32"]["vs_float64"]["max"]
+        assert row["hf_spread_p99"] >= 0 and row["ours_vs_hf_eager_p99"] >= 0 and row["decode_step_batch1_ms"] > 0
+        assert (tmp_path / "run" / row["run_dir"].split("/")[-1] / "manifest.json").exists()
+    assert (tmp_path / "run" / "precision.png").stat().st_size > 0
+    bad = run_cli(*TINY, "experiment=precision", "precision.variants=[float8]", run_dir=tmp_path / "bad")
+    assert bad.returncode != 0 and "precision.variants: bad variant 'float8'" in bad.stderr
+    assert "Traceback" not in bad.stderr

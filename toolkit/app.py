@@ -58,8 +58,12 @@ def main(cfg: DictConfig, run_dir: Path) -> int:
             from toolkit.audit.kv_quantization import run_kv_quantization
 
             return run_kv_quantization(cfg, run_dir)
+        if mode == "precision":
+            from toolkit.audit.precision import run_precision
+
+            return run_precision(cfg, run_dir)
         raise ToolkitError(f"unknown mode {mode!r}; known: run, serve, bench, scheduling, replay, verify, compare, audit, soak, train, "
-                           f"kv_quantization, report")
+                           f"kv_quantization, precision, report")
     except ToolkitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
