@@ -216,3 +216,28 @@ def test_the_precision_experiment_runs_end_to_end_on_the_tiny_model(tmp_path):
     bad = run_cli(*TINY, "experiment=precision", "precision.variants=[float8]", run_dir=tmp_path / "bad")
     assert bad.returncode != 0 and "precision.variants: bad variant 'float8'" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_a_bf16_servers_claims_audit_clean_against_bf16_and_not_against_fp32(tmp_path):
+    """audit.reference in a stated format: a transcript from our own bf16 server (real HTTP, the openai client)
+    checks out against our bf16 recomputation (ours@bfloat16) at fp32's tolerance, while the fp32 one
+    (ours@float32) flags its tokens: side by side, a claim is tied to the format that produced it."""
+    from toolkit.audit.foreign import _references, audit_transcripts, stated_reference
+    from toolkit.audit.sources import server_transcript
+    from toolkit.audit.transcripts import read_transcripts
+    from toolkit.errors import ConfigError
+
+    cfg = dict(TINY16, vocab_size=49152)  # SmolLM2's vocabulary: the tokenizer reads the transcript
+    served = load_model(ModelConfig(**cfg, dtype="bfloat16"))
+    path = tmp_path / "server.jsonl"
+    fmt = server_transcript(path, make_engine(served), ["Tell me about ships.", "The sea is"], max_tokens=8)
+    loaded = load_model(ModelConfig(**cfg))  # the audit's model as stated: fp32 weights
+    records, errors = read_transcripts(path, fmt, loaded.tokenizer, loaded.arch.vocab_size)
+    assert records and not errors
+    reports = {r: audit_transcripts(records, stated_reference(loaded, r), loaded, atol=1e-4, reference=r)
+               for r in _references({"reference": ["ours@bfloat16", "ours@float32"]})}
+    same, other = reports["ours@bfloat16"].to_dict(), reports["ours@float32"].to_dict()
+    assert reports["ours@bfloat16"].passed and same["max_abs_error"] <= 1e-5, same["max_abs_error"]
+    assert not reports["ours@float32"].passed and other["max_abs_error"] > 1e-3
+    with pytest.raises(ConfigError, match="each optionally @<dtype>"):
+        _references({"reference": "ours@int8"})

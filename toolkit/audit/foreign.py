@@ -23,6 +23,7 @@ flagged (a bad line included: the other lines are still audited), 2 when the inp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -332,7 +333,7 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
         print(f"line {e.line}{' (' + e.request_id + ')' if e.request_id else ''}: {e.why}", file=sys.stderr)
     if not records:
         raise AuditInputError(f"no usable request in {source} ({len(line_errors)} lines rejected)")
-    reports = [audit_transcripts(records, reference_forward(loaded, r), loaded, atol=float(atol), reference=r,
+    reports = [audit_transcripts(records, stated_reference(loaded, r), loaded, atol=float(atol), reference=r,
                                  source=str(source), fmt=fmt, line_errors=line_errors) for r in references]
     write_converted_trace(run_dir, records, loaded, cfg, source=str(source), fmt=fmt)
     write_audit(run_dir, reports)
@@ -341,14 +342,51 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
     return 0 if all(r.passed for r in reports) else 1
 
 
+REFERENCE_DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+
 def _references(a: dict) -> list[str]:
+    """ours | hf | both, or a list of them, each optionally in a stated format: ours@bfloat16 (our engine's
+    own forward of the model in bf16), hf@bfloat16 (HF's model cast to bf16), ours@float64 (= ours)."""
     references = a.get("reference", "ours")
     references = [references] if isinstance(references, str) else list(references)
     if references == ["both"]:
         references = list(REFERENCES)
-    if not references or any(r not in REFERENCES for r in references):
-        raise ConfigError(f"audit.reference must be ours, hf, both or a list of them, got {a.get('reference')!r}")
-    return references
+
+    def ok(r) -> bool:
+        name, _, dtype = str(r).partition("@")
+        return name in REFERENCES and (not dtype or dtype in REFERENCE_DTYPES)
+
+    if not references or not all(ok(r) for r in references):
+        raise ConfigError(f"audit.reference must be ours, hf, both or a list of them, each optionally @<dtype> "
+                          f"({', '.join(REFERENCE_DTYPES)}), got {a.get('reference')!r}")
+    return [str(r) for r in references]
+
+
+def stated_reference(loaded, reference: str):
+    """ids -> logits for an audit reference: `ours` / `hf` (toolkit.audit.verify.reference_forward), or one in a
+    stated format: ours@float64 is the float64 textbook forward; ours@<float32 | bfloat16 | float16> is our
+    engine's own forward (one no-cache prefill, the native kernels where they run) of the model loaded in that
+    format, the recomputation a claim from an engine running that format is checked against; hf@<dtype> is HF
+    transformers' model cast to it."""
+    name, _, dtype = reference.partition("@")
+    if not dtype or (name, dtype) == ("ours", "float64"):
+        return reference_forward(loaded, name)
+    from toolkit.models import load_model
+    from toolkit.runner import recompute_logits
+
+    if name == "ours":
+        model = load_model(dataclasses.replace(loaded.config, dtype=dtype)).model
+        return lambda ids: recompute_logits(model, ids).double()
+    from toolkit.models.loading import hf_reference_model, load_checkpoint
+
+    hf = hf_reference_model(load_checkpoint(loaded.config)).to(getattr(torch, dtype))
+
+    @torch.inference_mode()
+    def forward(ids: list[int]) -> torch.Tensor:
+        return hf(torch.tensor([ids])).logits[0].double()
+
+    return forward
 
 
 def _atol(a: dict) -> float:
@@ -400,7 +438,7 @@ def run_engine_mismatch(cfg: DictConfig, run_dir: Path, a: dict) -> int:
             fmt = src.server_transcript(path, Engine(loaded, engine_cfg, default_sampling), chats, max_tokens, k)
         records, line_errors = read_transcripts(path, fmt, loaded.tokenizer, loaded.arch.vocab_size)
         for reference in references:
-            report = audit_transcripts(records, reference_forward(loaded, reference), loaded, atol=atol,
+            report = audit_transcripts(records, stated_reference(loaded, reference), loaded, atol=atol,
                                        reference=reference, source=str(path), fmt=fmt, line_errors=line_errors)
             d = report.to_dict()
             rows.append({"source": name, "reference": reference, **{key: d[key] for key in (
