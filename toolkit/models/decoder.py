@@ -21,6 +21,8 @@ Only the rows that will be sampled go through the final norm and the LM head.
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -157,6 +159,7 @@ class PagedDecoder(nn.Module):
             for i, l in enumerate(self.layers))
         self.fused_layers = True  # may be switched off per model (tests compare both paths bit for bit)
         self._layer_weights = None  # the packed weights' addresses per layer, for the fused call
+        self._norms_f32 = None  # the norm weights in fp32 (a 16-bit model's widened) the fused call reads
         self._layer_tables: dict[tuple[int, ...], torch.Tensor] = {}  # with the caches' addresses
 
     def packed_weights(self):
@@ -267,7 +270,7 @@ class PagedDecoder(nn.Module):
             cos = self.rope_cos[positions_N].unsqueeze(1).to(self.embed.dtype)  # (N, 1, Dh)
             sin = self.rope_sin[positions_N].unsqueeze(1).to(self.embed.dtype)
         pending = None  # the previous layer's MLP output: the next norm adds it to x
-        layers = list(zip(self.layers[:num_layers], kv_caches))
+        layers = list(zip(itertools.islice(self.layers, num_layers), kv_caches))  # no ModuleList slice per step
         if native_matmul and native_silu and native_rope and self._fused(x, attn, kv_caches, positions_N):
             from toolkit.kernels import decoder_layers_cpu
 
