@@ -184,7 +184,8 @@ def test_a_16_bit_run_replays_bit_for_bit_and_verifies_against_float64_and_fp32(
     by_dtype = {d: verify(run, reference_dtype=d) for d in ("float64", "float32")}
     for d, checked in by_dtype.items():
         assert checked.passed and checked.atol == AUTO_ATOL[fmt] and checked.rows_checked > 20, checked.summary_line()
-        assert checked.run_dtype == fmt and f"({fmt} run)" in checked.summary_line() and f"in {d}" in checked.summary_line()
+        line = checked.summary_line()
+        assert checked.run_dtype == fmt and f"({fmt} run)" in line and f"in {d}" in line
         assert 0 < checked.max_abs_diff < AUTO_ATOL[fmt]  # 16-bit rounding shows, within the tolerance
     edit_sample(run, "greedy", 6, "raw_logprob", lambda v: v - 2 * AUTO_ATOL[fmt])
     bad = verify(run)

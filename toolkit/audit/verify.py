@@ -91,7 +91,8 @@ class VerifyReport:
         head = "verified" if self.passed else "FAILED"
         arithmetic = f" in {self.reference_dtype}" if self.reference == "ours" else ""
         line = (f"{head}: {self.rows_checked} rows of {self.sequences_checked} sequences ({self.run_dtype} run) "
-                f"recomputed with the {self.reference} reference{arithmetic}; max |raw logprob diff| {self.max_abs_diff:.3g}"
+                f"recomputed with the {self.reference} reference{arithmetic}; max |raw logprob diff| "
+                f"{self.max_abs_diff:.3g}"
                 f"{' at ' + self.max_at if self.max_at else ''} (atol {self.atol:g}); greedy rows still argmax: "
                 f"{self.greedy_rows - self.greedy_argmax_mismatches}/{self.greedy_rows}")
         if self.near_tie_flips:
