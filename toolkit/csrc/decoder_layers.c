@@ -25,22 +25,7 @@
 
 #include "simd.h" /* H16_*, narrow_h16 */
 
-int toolkit_matmul_invariant_f32(const float *, int64_t, const float *, float *, int64_t, int64_t, int64_t, int64_t,
-                                 int);
-int toolkit_add_rms_norm_f32(float *, int64_t, const float *, int64_t, const float *, float, float *, int64_t, int64_t,
-                             int64_t, int);
-int toolkit_silu_mul_f32(const float *, int64_t, float *, int64_t, int64_t, int64_t, int);
-int toolkit_rope_f32(const float *, int64_t, float *, const float *, const float *, int64_t, const int64_t *, int64_t,
-                     int64_t, int64_t, int);
-int toolkit_paged_attention_f32(const float *, int64_t, const float *, const float *, const int64_t *, int64_t,
-                                const int64_t *, const int64_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                float, int);
-int toolkit_matmul_invariant_h16(const float *, int64_t, const uint16_t *, float *, int64_t, int64_t, int64_t,
-                                 int64_t, int, int);
-int toolkit_paged_attention_h16(const float *, int64_t, const uint16_t *, const uint16_t *, const int64_t *, int64_t,
-                                const int64_t *, const int64_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                float, int, int);
-int toolkit_round_h16(float *, int64_t, int, int);
+#include "kernels.h" /* the kernels this calls */
 #define matmul toolkit_matmul_invariant_f32
 #define norm toolkit_add_rms_norm_f32
 #define silu toolkit_silu_mul_f32

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "simd.h" /* VL, INLINE */
+#include "kernels.h" /* the entry points this file defines, declared once */
 #if (VL == 16 && defined(__AVX512F__)) || (VL == 8 && defined(__AVX__)) || (VL == 4 && defined(__SSE4_1__))
 #include <immintrin.h>
 #elif VL == 4 && defined(__aarch64__)
@@ -678,8 +679,6 @@ int toolkit_gumbel_sample_rows(const float *x, int64_t ldx, int64_t V, int64_t n
  * Returns 0, or -1 if out of memory.
  */
 enum { TAIL_OPS = 3, TAIL_TEMPERATURE = 2 };
-
-int toolkit_argmax_f32(const float *x, int64_t ldx, int64_t R, int64_t V, int64_t *out, int threads);
 
 int toolkit_sample_tail_rows(const float *x, int64_t ldx, int64_t R, int64_t V, const int32_t *ops,
                              const float *params, const int64_t *patch_off, const int32_t *patch_col,

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "simd.h" /* vf (VL lanes), loadv / storev / splat, vfma / sfma */
+#include "kernels.h" /* the entry points this file defines, declared once */
 
 /* the micro-tile: MR rows x NV vectors of columns, MR * NV accumulators + NV weight vectors + one
  * broadcast x within the target's vector registers */

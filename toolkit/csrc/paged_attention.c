@@ -21,6 +21,7 @@
 #include <math.h>
 
 #include "simd.h" /* vf / vi (VL lanes), loadv / storev / splat / vselect, vfma / sfma, vexp / sexp, hmax / hsum, transpose_sum */
+#include "kernels.h" /* the entry points this file defines, declared once */
 
 #define MAX_G 32
 #define MAX_D 256

@@ -4,6 +4,7 @@
 #include <stdint.h>
 
 #include "simd.h"
+#include "kernels.h" /* the entry points this file defines, declared once */
 
 /* out = {lanes (VL), fused multiply-add (0 / 1), vector registers assumed, OpenMP threads (0 / 1)} */
 void toolkit_kernel_profile(int64_t *out) {

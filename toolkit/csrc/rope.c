@@ -10,6 +10,8 @@
  */
 #include <stdint.h>
 
+#include "kernels.h" /* the entry points this file defines, declared once */
+
 int toolkit_rope_f32(const float *x, int64_t x_row_stride,   /* x[n][h][d] at x + n*x_row_stride + h*D + d */
                      float *out,                              /* [N][heads][D] contiguous */
                      const float *cos_table, const float *sin_table, int64_t max_pos,  /* [max_pos][D] */

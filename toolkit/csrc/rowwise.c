@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "simd.h" /* vf / vi (VL lanes), loadv / storev / splat / vselect, vexp / sexp, hsum */
+#include "kernels.h" /* the entry points this file defines, declared once */
 
 int toolkit_add_rms_norm_f32(float *x, int64_t ldx, const float *r, int64_t ldr, const float *w, float eps,
                              float *h, int64_t ldh, int64_t N, int64_t D, int threads) {

@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "simd.h" /* VL */
+#include "kernels.h" /* the entry points this file defines, declared once */
 #if VL == 16 && defined(__AVX512F__) && defined(__AVX512BW__)
 #define SHA_AVX512 1
 #include <immintrin.h>
