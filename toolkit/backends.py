@@ -62,13 +62,13 @@ def attention_backend(cfg: EngineConfig, loaded: LoadedModel) -> str:
         else:
             # a cache other than fp32 (8-bit, or 16-bit: kv_cache_dtype=bf16 or a bf16 / fp16 model's) takes
             # the kernel's vector path only
-            quantized = cfg.kv_cache_dtype != "auto" or loaded.model.embed.dtype != torch.float32
+            vector_only = cfg.kv_cache_dtype != "auto" or loaded.model.embed.dtype != torch.float32
             if not lib.attention_supports(arch.num_heads, arch.num_kv_heads, arch.head_dim, cfg.block_size,
-                                          quantized):
+                                          vector_only):
                 problem = (f"the native kernel reads an 8- or 16-bit cache at head_dim 64 or 128 with <= 32 heads, "
                            f"not engine.kv_cache_dtype={cfg.kv_cache_dtype} at head_dim {arch.head_dim} with "
                            f"{arch.num_heads} heads (a {str(loaded.model.embed.dtype).removeprefix('torch.')} model)"
-                           if quantized else
+                           if vector_only else
                            f"the native kernel takes head_dim <= 256, <= 32 query heads per KV head and "
                            f"engine.block_size <= 64, not head_dim {arch.head_dim}, {arch.num_heads} heads over "
                            f"{arch.num_kv_heads} KV heads, block_size {cfg.block_size}")

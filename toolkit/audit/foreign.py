@@ -342,7 +342,7 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
     return 0 if all(r.passed for r in reports) else 1
 
 
-REFERENCE_DTYPES = ("float64", "float32", "bfloat16", "float16")
+STATED_DTYPES = ("float64", "float32", "bfloat16", "float16")  # the formats an audit reference may be stated in
 
 
 def _references(a: dict) -> list[str]:
@@ -355,11 +355,11 @@ def _references(a: dict) -> list[str]:
 
     def ok(r) -> bool:
         name, _, dtype = str(r).partition("@")
-        return name in REFERENCES and (not dtype or dtype in REFERENCE_DTYPES)
+        return name in REFERENCES and (not dtype or dtype in STATED_DTYPES)
 
     if not references or not all(ok(r) for r in references):
         raise ConfigError(f"audit.reference must be ours, hf, both or a list of them, each optionally @<dtype> "
-                          f"({', '.join(REFERENCE_DTYPES)}), got {a.get('reference')!r}")
+                          f"({', '.join(STATED_DTYPES)}), got {a.get('reference')!r}")
     return [str(r) for r in references]
 
 
@@ -376,7 +376,8 @@ def stated_reference(loaded, reference: str):
     from toolkit.runner import recompute_logits
 
     if name == "ours":
-        model = load_model(dataclasses.replace(loaded.config, dtype=dtype)).model
+        same = str(loaded.model.embed.dtype).removeprefix("torch.") == dtype
+        model = loaded.model if same else load_model(dataclasses.replace(loaded.config, dtype=dtype)).model
         return lambda ids: recompute_logits(model, ids).double()
     from toolkit.models.loading import hf_reference_model, load_checkpoint
 

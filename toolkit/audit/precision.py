@@ -19,6 +19,7 @@ Writes precision.json and precision.png (the error distributions and step times)
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,7 @@ def run_precision(cfg: DictConfig, run_dir: Path) -> int:
                              section="model")
     fp32 = load_model(model_cfg)
     hf_fp32 = hf_reference_model(load_checkpoint(model_cfg)) if study["hf_spread"] else None
+    hf_by_dtype: dict[str, Any] = {}
     results: list[dict[str, Any]] = []
     reference_tokens: dict[str, list[int]] = {}
     for dtype, kv_dtype, granularity in variants:
@@ -97,9 +99,10 @@ def run_precision(cfg: DictConfig, run_dir: Path) -> int:
         rows: dict[str, list[dict]] = {}
         for r in read_samples(out).to_pylist():
             rows.setdefault(r["request_id"], []).append(r)
-        hf_low = None  # HF's model in this variant's format (a copy: .to() converts in place)
-        if hf_fp32 is not None and dtype != "float32":
-            hf_low = copy.deepcopy(hf_fp32).to(getattr(torch, dtype))
+        if hf_fp32 is not None and dtype != "float32" and dtype not in hf_by_dtype:
+            # HF's model in this format: a copy (.to() converts in place), made once per format
+            hf_by_dtype[dtype] = copy.deepcopy(hf_fp32).to(getattr(torch, dtype))
+        hf_low = hf_by_dtype.get(dtype)
         errors: dict[str, list[torch.Tensor]] = {"float64": [], "float32": [], "hf_spread": [], "ours_vs_hf": []}
         for rid, seq_rows in rows.items():
             seq_rows.sort(key=lambda r: r["position"])
@@ -137,8 +140,7 @@ def run_precision(cfg: DictConfig, run_dir: Path) -> int:
     # a pure decode step at batch 1 per model format, the formats alternating (3 rounds, medians): one stream's
     # time per token, measured side by side so that drift hits every format alike
     dtypes = list(dict.fromkeys(r["model_dtype"] for r in results))
-    models = {d: load_model(from_mapping(ModelConfig, {**OmegaConf.to_container(cfg.model, resolve=True), "dtype": d},
-                                         section="model")) for d in dtypes}
+    models = {d: fp32 if d == "float32" else load_model(dataclasses.replace(model_cfg, dtype=d)) for d in dtypes}
     times: dict[str, list[float]] = {d: [] for d in dtypes}
     for _ in range(3):
         for d in dtypes:
