@@ -102,36 +102,46 @@ def test_per_block_scales_beat_per_tensor_scales_on_an_outlier_block():
 
 
 def channel_round_trip(x_TKD: torch.Tensor, kv_dtype: str, values: bool, one_write: bool = True) -> torch.Tensor:
-    """granularity=channel: keys with running scales per (block, head, channel), or values (`values`) with a
-    scale per (token, head); written all at once or token by token, read back."""
+    """granularity=channel: keys with running ranges per (block, head, channel), or values (`values`) with a
+    range per (token, head); written all at once or token by token, read back."""
     t = x_TKD.shape[0]
     blocks = -(-t // BS)
     cache = torch.zeros((blocks, BS, K, D), dtype=FORMATS[kv_dtype][0])
-    scales = torch.zeros((blocks, BS, K) if values else (blocks, K, D))
+    ranges = torch.zeros((blocks, BS, K, 2) if values else (blocks, K, D, 2))
     writes = [(x_TKD, torch.arange(t))] if one_write else [(x_TKD[i:i + 1], torch.tensor([i])) for i in range(t)]
     for x, slots in writes:
-        write_quantized(cache, scales, None, values, x, slots, kv_dtype)
-    return read_blocks(cache, scales, None, values, torch.arange(blocks), torch.float32).flatten(0, 1)[:t]
+        write_quantized(cache, ranges, None, values, x, slots, kv_dtype)
+    return read_blocks(cache, ranges, None, values, torch.arange(blocks), torch.float32).flatten(0, 1)[:t]
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
 @settings(max_examples=40)
 @given(spec=blocks_strategy, one_write=st.booleans())
-def test_channel_scales_round_trip_within_their_own_bound(kv_dtype, spec, one_write):
-    """Keys come back within half a step of their (block, head, channel) scale (BS + 1 such steps when written
-    token by token and re-rounded), values within half a step of their (token, head) scale; zeros exactly."""
+def test_channel_ranges_round_trip_within_their_own_bound(kv_dtype, spec, one_write):
+    """Keys come back within half a step of their (block, head, channel) range, step = (hi - lo) / (2 q_max)
+    (BS + 1 such steps when written token by token and re-rounded), values within half a step of their
+    (token, head) range; a range's two ends come back exact (to fp32 rounding), so a constant channel does."""
     x = make_blocks(spec)
     t = x.shape[0]
     q_max = FORMATS[kv_dtype][1]
-    pad = torch.cat([x, torch.zeros((-t % BS, K, D))]).view(-1, BS, K, D)
-    key_scale = (pad.abs().amax(dim=1, keepdim=True).expand(-1, BS, -1, -1).flatten(0, 1)[:t]) / q_max
-    value_scale = x.abs().amax(dim=2, keepdim=True) / q_max
-    for values, scale in ((False, key_scale), (True, value_scale)):
+    pad = torch.cat([x, x[-1:].expand(-t % BS, K, D)]).view(-1, BS, K, D)  # padding inside the last block's range
+    key_lo, key_hi = (r.expand(-1, BS, -1, -1).flatten(0, 1)[:t] for r in (pad.amin(dim=1, keepdim=True),
+                                                                         pad.amax(dim=1, keepdim=True)))
+    ranges = ((key_lo, key_hi), (x.amin(dim=2, keepdim=True), x.amax(dim=2, keepdim=True)))
+    for values, (lo, hi) in zip((False, True), ranges):
         back = channel_round_trip(x, kv_dtype, values, one_write)
+        step, offset = (hi - lo) / (2 * q_max), x - (hi + lo) / 2
         steps = 1 if one_write or values else BS + 1
-        limit = (scale / 2 if kv_dtype == "int8" else torch.maximum(x.abs() * 2 ** -4, scale * 2 ** -10)) * steps
-        assert ((back - x).abs() <= limit + 1e-6 * scale).all(), values
-        assert torch.equal(back[x == 0], x[x == 0])
+        if kv_dtype == "int8":
+            limit = step / 2 * steps
+        else:  # fp8 keeps 2^-4 of the offset from the centre: a re-rounded one, from a centre inside the range
+            offset = offset.abs() if steps == 1 else (hi - lo) / 2
+            limit = torch.maximum(offset * 2 ** -4, step * 2 ** -10) * steps
+        slack = 1e-6 * torch.maximum(lo.abs(), hi.abs())
+        assert ((back - x).abs() <= limit + slack).all(), values
+        ends = (x == lo) | (x == hi)
+        if one_write or values:
+            assert ((back - x)[ends].abs() <= slack.expand_as(x)[ends]).all(), values
 
 
 def test_channel_key_scales_beat_block_scales_on_an_outlier_channel():
@@ -146,6 +156,19 @@ def test_channel_key_scales_beat_block_scales_on_an_outlier_channel():
     err_block = (per_block - x)[:, 0, others].abs().mean()
     err_channel = (per_channel - x)[:, 0, others].abs().mean()
     assert err_channel < err_block / 5, (err_channel, err_block)
+
+
+@pytest.mark.parametrize("values", [False, True])
+def test_channel_ranges_spend_the_int8_range_on_values_away_from_zero(values):
+    """Keys of a low-frequency RoPE channel sit far from zero within a block (and a value row can too): an
+    asymmetric range (KIVI) spends all 255 levels between lo and hi, a symmetric max|x| scale wastes half of them
+    and more: 40 +- 1 comes back 20x closer."""
+    g = torch.Generator().manual_seed(1)
+    x = 40.0 + torch.rand((2 * BS, K, D), generator=g) * 2 - 1
+    back = channel_round_trip(x, "int8", values)
+    symmetric_half_step = 41.0 / 127 / 2
+    assert (back - x).abs().max() <= 1.0 / 127 / 2 * 1.001 + 1e-5
+    assert (back - x).abs().max() < symmetric_half_step / 20
 
 
 @pytest.mark.parametrize("kv_dtype,granularity", [("int8", "block"), ("fp8_e4m3", "block"), ("int8", "channel")])
@@ -290,9 +313,9 @@ def test_int8_kv_keeps_smollm2_greedy_output_close(smollm2, smollm2_reference, t
 
 @pytest.mark.slow
 def test_int8_channel_scales_halve_the_block_scales_error_on_smollm2(smollm2, smollm2_reference, tmp_path):
-    """Per-channel key / per-token value scales: teacher-forced, the mean |logprob error| is at most half the
-    block scales' on the same prompts (measured 4x lower on 32 chat requests), the worst one lower too, and at
-    least as many prompts keep their first 8 greedy tokens."""
+    """Per-channel key / per-token value ranges: teacher-forced, the mean |logprob error| is at most half the
+    block scales' on the same prompts (measured 6.6x lower here: 0.0050 vs 0.0332), the worst one lower too, and
+    every prompt keeps its first 8 greedy tokens (block scales: 7 of 8)."""
     from toolkit.audit.verify import verify
 
     reference, _ = smollm2_reference
@@ -304,7 +327,7 @@ def test_int8_channel_scales_halve_the_block_scales_error_on_smollm2(smollm2, sm
         errors[granularity] = (sum(diffs) / len(diffs), max(diffs))
     assert errors["channel"][0] <= errors["block"][0] / 2, errors
     assert errors["channel"][1] < errors["block"][1], errors
-    assert kept["channel"] >= kept["block"], kept
+    assert kept["channel"] == len(reference) >= kept["block"], kept  # issue 44: >= 90% keep their first 8
 
 
 @native_only

@@ -56,8 +56,8 @@ class AttentionMetadata:
 @dataclass(frozen=True)
 class KVQuant:
     """How a quantised cache is stored: `kv_dtype` (int8 | fp8_e4m3) and, per layer, the running
-    per-block scales (k, v: [blocks, K]; granularity=channel: k [blocks, K, D] and per-token
-    v [blocks, block_size, K]) or the static per-tensor ones (k, v: [K])."""
+    per-block scales (k, v: [blocks, K]; granularity=channel: (lo, hi) ranges, k [blocks, K, D, 2] and
+    per-token v [blocks, block_size, K, 2]) or the static per-tensor ones (k, v: [K])."""
 
     kv_dtype: str
     block_scales: list[tuple[torch.Tensor, torch.Tensor]] | None

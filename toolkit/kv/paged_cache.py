@@ -3,8 +3,8 @@
 `kv_dtype` picks the storage: `auto` (the model dtype), `bf16`, or the quantised `int8` and
 `fp8_e4m3` (toolkit/kv/quant.py), whose scales live here too: per block and KV head
 ([num_blocks, H_kv] per layer, moved with their blocks by copy-on-write and swap), per block,
-KV head and channel for keys with per-token value scales (`granularity="channel"`: [num_blocks,
-H_kv, D] and [num_blocks, block_size, H_kv], moved the same way) or one static scale per layer and
+KV head and channel for keys with per-token value ranges (`granularity="channel"`: (lo, hi) pairs,
+[num_blocks, H_kv, D, 2] and [num_blocks, block_size, H_kv, 2], moved the same way) or one static scale per layer and
 KV head (`granularity="tensor"`, set by `calibrate`).
 """
 
@@ -20,7 +20,7 @@ from toolkit.kv.quant import is_quantized, raw, storage_dtype
 
 # a block's key and value scale shapes (after the block axis), by granularity
 SCALE_SHAPES = {"block": lambda block_size, kv_heads, head_dim: ((kv_heads,), (kv_heads,)),
-                "channel": lambda block_size, kv_heads, head_dim: ((kv_heads, head_dim), (block_size, kv_heads))}
+                "channel": lambda block_size, kv_heads, head_dim: ((kv_heads, head_dim, 2), (block_size, kv_heads, 2))}
 
 
 class PagedKVCache:
