@@ -18,8 +18,8 @@ values beyond its range saturate.
 (a key's outliers sit in a few channels, which one scale per block and head spreads over all of
 them), values a range per token and KV head, set when the token is written. A range [lo, hi] is
 stored as its own two fp32 ends, and x as round((x - centre) / step) with centre (lo + hi) / 2 and
-step (hi - lo) / (2 q_max): asymmetric, as KIVI's, so a channel whose keys sit away from zero (most
-of a block's low-frequency RoPE channels) spends the whole int8 range on the values it holds, and
+step (hi - lo) / (2 q_max): asymmetric, as KIVI's, so a channel whose keys sit away from zero within a
+block (a low-frequency RoPE channel often does) spends the whole int8 range on the values it holds, and
 the range's ends come back exact. A key range that grows re-rounds what the block holds, as the
 block scales do.
 """
@@ -92,12 +92,12 @@ def write_quantized(cache: torch.Tensor, scales: torch.Tensor | None, static_sca
     hi = torch.full_like(lo, -torch.inf).scatter_reduce_(0, index, x, "amax")
     old = scales.index_select(0, touched)  # (T, K, D, 2)
     # a block written from its first slot belongs to a new owner: its old range is empty
-    owned = torch.ones(touched.shape[0], dtype=torch.bool, device=x.device)
-    owned[inverse[slots_N % block_size == 0]] = False
-    keep = owned.view(-1, 1, 1)
+    held = torch.ones(touched.shape[0], dtype=torch.bool, device=x.device)  # the block's old range still holds
+    held[inverse[slots_N % block_size == 0]] = False
+    keep = held.view(-1, 1, 1)
     new = torch.stack((torch.where(keep, torch.minimum(old[..., 0], lo), lo),
                        torch.where(keep, torch.maximum(old[..., 1], hi), hi)), dim=-1)
-    grown = owned & (new != old).flatten(1).any(dim=1)
+    grown = held & (new != old).flatten(1).any(dim=1)
     if grown.any():  # re-round what these blocks already hold to their wider range
         rows = touched[grown]
         stored = raw(cache).index_select(0, rows).view(cache.dtype)  # (G, bs, K, D)
