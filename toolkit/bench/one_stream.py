@@ -66,6 +66,13 @@ def f32_gguf(source: Path, target: Path) -> Path:
     return target
 
 
+def smollm2_f32_gguf() -> Path:
+    """SmolLM2 as an F32 GGUF beside its fp32 cache (written on first use)."""
+    from toolkit.models.loading import smollm2_dir, smollm2_gguf
+
+    return f32_gguf(smollm2_gguf(), smollm2_dir() / "smollm2-f32.gguf")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -150,17 +157,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default=None, help="also write the figures here as JSON")
     args = parser.parse_args(argv)
 
-    from toolkit.models.loading import smollm2_dir, smollm2_gguf
-
     root = Path(__file__).resolve().parents[2]
     work = Path(tempfile.mkdtemp(prefix="one-stream-"))
     systems: dict[str, list[str]] = {}
     llama = args.llama_server or next((str(p) for p in (root / ".venv/bin/llama-server",) if p.is_file()),
                                       shutil.which("llama-server"))
     if llama:
-        gguf = f32_gguf(smollm2_gguf(), smollm2_dir() / "smollm2-f32.gguf")
-        systems["llama-server f32"] = [llama, "-m", str(gguf), "--host", "127.0.0.1", "-t", str(args.threads),
-                                       "-c", "2048", "-np", "1", "--jinja"]
+        systems["llama-server f32"] = [llama, "-m", str(smollm2_f32_gguf()), "--host", "127.0.0.1",
+                                       "-t", str(args.threads), "-c", "2048", "-np", "1", "--jinja"]
     else:
         print("llama-server: not built (make llama-server): this project's server only")
     for dtype in args.dtypes:
