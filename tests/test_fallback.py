@@ -14,7 +14,7 @@ import pytest
 
 from toolkit.config import SamplingParams
 from toolkit.errors import ConfigError
-from tests.conftest import make_engine
+from tests.conftest import NATIVE_OFF, make_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 WARNING = "toolkit: warning: native CPU kernels unavailable"
@@ -94,6 +94,8 @@ def test_kernel_limits_are_checked_when_the_backend_is_chosen(tiny, monkeypatch)
         make_engine(tiny, block_size=128, num_kv_blocks=16, attention_backend="kernel")
 
 
+@pytest.mark.skipif(NATIVE_OFF, reason="this whole run has the native kernels off (make test-fallback): these suites "
+                                       "run in it directly")
 def test_engine_oracle_and_replay_suites_pass_with_native_off():
     """The engine, oracle and replay tests, run again in a process with TOOLKIT_NATIVE=0 (HF generate's
     long greedy comparison is left to the native run: the fallback's forward is compared with HF there too)."""
