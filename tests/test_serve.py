@@ -329,3 +329,4 @@ def test_mode_serve_closes_cleanly_on_sigterm_and_stays_readable_after_kill_9(tm
         assert sorted(r["finish_reason"] for r in requests.to_pylist())[:3] == ["abort"] * 3
     report = replay(run_dir, out_dir=tmp_path / "replayed")
     assert report.identical, report.summary_line()
+    assert report.rows_only_in_replay == 0  # the replay ends where the trace does, not at max_tokens

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -209,17 +210,29 @@ def add_recorded_requests(engine: Engine, requests: pa.Table) -> list[str]:
     return ids
 
 
-def recorded_aborts(requests: pa.Table) -> Callable[[Engine], None]:
-    """Abort each request before the step its recorded run aborted it at (a served client that left)."""
+def recorded_aborts(requests: pa.Table, samples: pa.Table | None = None) -> Callable[[Engine], None]:
+    """Abort each request before the step its recorded run aborted it at (a served client that left). A trace
+    cut short (a run killed with requests unfinished) ends the replay after its last recorded step: every request
+    still running then is aborted, since nothing past that step was recorded to compare (aborting one request
+    earlier would change its batch mates' steps)."""
     due: dict[int, list[str]] = {}
-    for row in requests.to_pylist():
+    rows = requests.to_pylist()
+    for row in rows:
         if row.get("abort_step") is not None and row["stream"] == 0:
             due.setdefault(row["abort_step"], []).append(row["request_id"])
+    truncated = any(r["finish_reason"] is None and r.get("abort_step") is None for r in rows)
+    last_step = None  # of a trace cut short: its last step with a row (-1: it has none)
+    if truncated and samples is not None:
+        last_step = pc.max(samples.column("step")).as_py() if samples.num_rows else -1
 
     def before_step(engine: Engine) -> None:
         for step in [s for s in due if s <= engine.step_index]:
             for request_id in due.pop(step):
                 engine.abort(request_id)
+        if last_step is not None and engine.step_index > last_step:
+            for request_id, seqs in list(engine.groups.items()):
+                if not all(engine.requests[s].is_finished for s in seqs):
+                    engine.abort(request_id)
 
     return before_step
 
@@ -312,7 +325,7 @@ def replay(run_dir: str | Path, overrides: Sequence[str] = (), *, allow_mismatch
     ids = add_recorded_requests(engine, requests)
     trace_cfg = cfg.get("trace") or {}
     record(engine, ids, out_dir, cfg, flush_every_steps=trace_cfg.get("flush_every_steps", 64),
-           before_step=recorded_aborts(requests),
+           before_step=recorded_aborts(requests, recorded_samples),
            manifest_extra={"replay_of": manifest.get("run_id"), "replay_overrides": list(overrides)})
     report = ReplayReport(trace_dir=run_dir, replay_dir=out_dir, mismatches=mismatches, overrides=list(overrides),
                           cannot_rebuild=cannot_rebuild(manifest))
