@@ -325,13 +325,21 @@ def test_streamed_responses_audit_like_whole_ones(tiny, tmp_path):
                       "temperature": 0.9, "seed": 4}):
             create = client.chat.completions.create if "messages" in body else client.completions.create
             whole = create(**body).model_dump()
-            chunks = [c.model_dump() for c in create(**body, stream=True)]
-            lines += [{"request": body, "response": whole}, {"request": body, "response": chunks}]
+            streamed = {**body, "stream_options": {"include_usage": True}}  # the count that confirms the prompt
+            chunks = [c.model_dump() for c in create(**streamed, stream=True)]
+            lines += [{"request": body, "response": whole}, {"request": streamed, "response": chunks}]
     finally:
         server.stop()
     report = _audit(_write(tmp_path / "s.jsonl", lines), "openai", tiny)
     d = report.to_dict()
-    assert d["passed"] and d["lines_rejected"] == 0, d
+    assert d["passed"] and d["lines_rejected"] == 0, [r["flagged"] for r in d["requests"]]
+    assert [r["prompt"] for r in d["requests"]] == ["rebuilt"] * 2 + ["encoded"] * 4
+    # without the usage chunk nothing confirms the rebuilt prompts: reported, not audited as if exact
+    bare = [{"request": line["request"], "response": [c for c in line["response"] if not c.get("usage")]}
+            for line in lines[1::2]]
+    d = _audit(_write(tmp_path / "bare.jsonl", bare), "openai", tiny).to_dict()
+    assert d["tokens"] == 0 and not d["passed"]
+    assert {f["kind"] for r in d["requests"] for f in r["flagged"]} == {"unconfirmed_prompt"}
     by_line = {}
     for r in report.requests:
         by_line.setdefault(r.line, []).append([c.token_id for c in r.checks])

@@ -81,6 +81,7 @@ class RequestReport:
     problems: list[dict] = field(default_factory=list)  # from reading the line: missing logprob, unmapped token
     first_greedy_departure: int | None = None
     first_departure_margin: float | None = None  # the reference's logprob margin of its argmax there
+    prompt_source: str = "given"  # given | encoded | rebuilt (toolkit.audit.transcripts.Transcript)
 
     def flagged(self) -> list[dict]:
         out = [{"position": c.position, "token_id": c.token_id, "claimed": c.claimed, "recomputed": c.recomputed,
@@ -95,7 +96,8 @@ class RequestReport:
         flagged = self.flagged()
         log_product = sum(math.log(r) for r in ratios if r > 0) if ratios and all(r > 0 for r in ratios) else None
         return {"request_id": self.request_id, "stream": self.stream, "line": self.line,
-                "origin_engine": self.origin_engine, "tokens": self.tokens, "output_tokens": self.output_tokens,
+                "origin_engine": self.origin_engine, "prompt": self.prompt_source, "tokens": self.tokens,
+                "output_tokens": self.output_tokens,
                 **_error_stats(errors), **_ratio_stats(ratios),
                 "sequence_log_ratio": log_product,
                 "sequence_ratio": _safe_exp(log_product),
@@ -196,7 +198,7 @@ def _audit_one(record: Transcript, forward: Forward, loaded, atol: float, eos: t
     from toolkit.processors import BatchView, RowState, apply_pipeline
 
     rep = RequestReport(record.request_id, record.stream, record.line, record.origin_engine,
-                        output_tokens=len(record.output_token_ids))
+                        output_tokens=len(record.output_token_ids), prompt_source=record.prompt_source)
     rep.problems = [{"position": p.position, "token_id": None, "claimed": None, "recomputed": None, "kind": p.kind,
                      "why": p.why} for p in record.problems]
     prompt, output = record.prompt_token_ids, record.output_token_ids

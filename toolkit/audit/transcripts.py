@@ -4,10 +4,17 @@ Three formats (`audit.format`), each JSONL, one request per line:
 
 - `openai`: `{"request": <body sent>, "response": <body received>}` pairs from any OpenAI-compatible
   server (vLLM, SGLang, llama.cpp's server, TGI, ours), completions or chat completions with
-  `logprobs`; a streamed response is the list of its `data:` chunks, in order. Tokens given as strings are mapped back to ids through the tokenizer's byte vocabulary
-  (a chat entry's `bytes` when present, vLLM's `token_id:<id>` form, else the string's UTF-8 bytes); a
-  string no single token spells (e.g. half of a multi-byte character) is reported, not guessed.
-  `prompt_token_ids` / `token_ids` in the response (vLLM's `return_token_ids`) are used when present.
+  `logprobs`; a streamed response is the list of its `data:` chunks, in order. Tokens given as strings
+  are mapped back to ids through the tokenizer's byte vocabulary (a chat entry's `bytes` when present,
+  vLLM's `token_id:<id>` form, else the string's UTF-8 bytes), and the mapped tokens must spell the
+  choice's text byte for byte (toolkit.audit.spelling): a string that names another token than the text
+  has there (a server that strips a leading space) is `unmapped_token`, reported with its reason, and a
+  U+FFFD piece of a character is recovered from the text when one choice of tokens spells it.
+  `prompt_token_ids` / `token_ids` in the response (vLLM's `return_token_ids`) are used when present; a
+  prompt rebuilt here (`prompt` in audit.json: `rebuilt` from messages through the chat template,
+  `encoded` from text) must have as many tokens as usage.prompt_tokens counts, else the line is refused;
+  without that count its request is `unconfirmed_prompt` and not audited. Chat fields this rendering does
+  not apply (`tools`, a message's `name` or `tool_calls`, `chat_template_kwargs`, ...) refuse the line.
 - `token_ids`: `{"prompt_token_ids": [...], "output_token_ids": [...], "logprobs": [...]}` with
   optional `request_id`, `top_logprobs`, `sampling`, `origin_engine`, `logprobs_mode`. A `logprobs`
   entry is the chosen token's logprob, or vLLM's `RequestOutput.logprobs` dict `{id: logprob |
@@ -28,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from toolkit.audit.spelling import spell
+
 FORMATS = ("openai", "token_ids", "hf")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's names: before / after the processors
 # the request fields that decide which tokens a policy can produce (OpenAI's and vLLM's names = ours)
@@ -44,7 +53,7 @@ class Problem:
     """Something wrong at one output position of a usable request (the rest is still audited)."""
 
     position: int
-    kind: str  # missing_logprob | unmapped_token | not_finite
+    kind: str  # missing_logprob | unmapped_token | unconfirmed_prompt | not_finite
     why: str
 
 
@@ -63,6 +72,7 @@ class Transcript:
     prompt_text: str | None = None
     output_text: str | None = None
     finish_reason: str | None = None
+    prompt_source: str = "given"  # given (token ids) | encoded (a text prompt, our tokenizer) | rebuilt (chat template)
     source: str = ""  # the line as read (JSON), kept in requests.parquet
     problems: list[Problem] = field(default_factory=list)
 
@@ -80,9 +90,15 @@ class TokenMap:
     def __init__(self, tokenizer, vocab_size: int):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.bytes_of: list[bytes] = tokenizer.token_bytes(vocab_size)
+        self.special_ids: frozenset[int] = getattr(tokenizer, "special_ids", frozenset())
+        self.max_bytes = max(map(len, self.bytes_of), default=0)
         self._ids: dict[bytes, list[int]] = {}
         for i, b in enumerate(self.bytes_of):
             self._ids.setdefault(b, []).append(i)
+
+    def ids_of(self, data: bytes) -> list[int]:
+        """The tokens whose bytes are exactly `data`."""
+        return self._ids.get(data, [])
 
     def to_id(self, token: Any, token_bytes: Sequence[int] | None = None) -> tuple[int | None, str]:
         """(id, "") or (None, why)."""
@@ -258,12 +274,7 @@ def _openai_line(obj: dict, line: int, tokens: TokenMap) -> list[Transcript]:
     base_id = str(response.get("id") or f"line{line}")
     n = request.get("n") or 1
     prompts = _openai_prompts(request, response, tokens, chat)
-    usage = response.get("usage") or {}
-    if (isinstance(usage.get("prompt_tokens"), int) and len(prompts) == 1 and not isinstance(
-            response.get("prompt_token_ids"), list) and usage["prompt_tokens"] != len(prompts[0][0])):
-        source = "the chat template" if chat else "the tokenizer"
-        raise TranscriptError(f"usage.prompt_tokens is {usage['prompt_tokens']} but {source} of this model gives "
-                              f"{len(prompts[0][0])} prompt tokens: the transcript's {source} or model differs")
+    unconfirmed = _confirm_prompts(prompts, response, chat)
     sampling = _policy(request)
     records = []
     for position_in_list, choice in enumerate(choices):
@@ -273,9 +284,10 @@ def _openai_line(obj: dict, line: int, tokens: TokenMap) -> list[Transcript]:
         prompt_index = index // n if isinstance(index, int) and len(prompts) > 1 else 0
         if prompt_index >= len(prompts):
             raise TranscriptError(f"response.choices[{position_in_list}].index {index} has no prompt")
-        prompt_ids, prompt_text = prompts[prompt_index]
+        prompt_ids, prompt_text, prompt_source = prompts[prompt_index]
         if isinstance(choice.get("prompt_token_ids"), list):  # vLLM completions, return_token_ids
             prompt_ids = _int_list(choice["prompt_token_ids"], f"choices[{position_in_list}].prompt_token_ids")
+            prompt_source = "given"
         where = f"choices[{position_in_list}].logprobs"
         logprobs = choice.get("logprobs")
         if not isinstance(logprobs, dict):
@@ -295,23 +307,24 @@ def _openai_line(obj: dict, line: int, tokens: TokenMap) -> list[Transcript]:
                             stream=index % n if isinstance(index, int) else 0, line=line, origin_engine=engine,
                             prompt_token_ids=list(prompt_ids), output_token_ids=[], claimed=[], top=[],
                             sampling=sampling, prompt_text=prompt_text, output_text=text,
-                            finish_reason=choice.get("finish_reason"))
+                            finish_reason=choice.get("finish_reason"), prompt_source=prompt_source)
+        records.append(record)
+        if prompt_source != "given" and unconfirmed:
+            # not audited as if exact: nothing says the prompt was these tokens
+            record.problems.append(Problem(len(prompt_ids), "unconfirmed_prompt", f"{unconfirmed} ({len(steps)} "
+                                                                                  f"output tokens not audited)"))
+            continue
         given_ids = choice.get("token_ids")  # vLLM's return_token_ids
         if given_ids is not None:
             given_ids = _int_list(given_ids, f"choices[{position_in_list}].token_ids")
             if len(given_ids) != len(steps):
                 raise TranscriptError(f"choices[{position_in_list}]: {len(given_ids)} token_ids but {len(steps)} "
                                       f"logprob entries")
-        for j, (token, token_bytes, logprob, top) in enumerate(steps):
-            position = len(prompt_ids) + j
-            if given_ids is not None:
-                token_id, why = given_ids[j], ""
-            else:
-                token_id, why = tokens.to_id(token, token_bytes)
-            if token_id is None:
-                # the context after an unknown token is unknown: audit what came before, report this one
-                record.problems.append(Problem(position, "unmapped_token", why))
-                break
+            ids, problems = given_ids, []
+        else:
+            ids, problems = _map_tokens(steps, text, prompt_text if request.get("echo") else None,
+                                       choice.get("finish_reason"), tokens)
+        for token_id, (_, _, logprob, top) in zip(ids, steps):
             record.output_token_ids.append(token_id)
             record.claimed.append(logprob)
             mapped = []
@@ -320,43 +333,97 @@ def _openai_line(obj: dict, line: int, tokens: TokenMap) -> list[Transcript]:
                 if alt_id is not None and alt_lp is not None:
                     mapped.append((alt_id, alt_lp))
             record.top.append(mapped)
-        records.append(record)
+        for n, (j, why) in enumerate(problems):
+            # the context after a token not known for sure is unknown: audit what came before, report each
+            left = len(steps) - j
+            note = f" ({left} output tokens from here on not audited)" if left and not n else ""
+            record.problems.append(Problem(len(prompt_ids) + j, "unmapped_token", why + note))
     return records
 
 
-def _openai_prompts(request: dict, response: dict, tokens: TokenMap, chat: bool) -> list[tuple[list[int], str | None]]:
+def _map_tokens(steps: list, text: str | None, echoed: str | None, finish_reason: Any,
+                tokens: TokenMap) -> tuple[list[int], list[tuple[int, str]]]:
+    """A choice's token strings as ids, each confirmed by the choice's text (toolkit.audit.spelling): the ids of
+    the tokens confirmed, and (index, why) of the first that is not and of each later one that does not spell
+    the text either."""
+    if text is not None and echoed is not None:  # echo: the text starts with the prompt's
+        text = text[len(echoed):] if text.startswith(echoed) else None
+    if text is None:
+        return [], [(0, "the response has no text to confirm its token strings by (the tokens they name cannot be "
+                        "known for sure): ask the server for `bytes`, token ids or return_token_ids")]
+    spelled = spell([(token, token_bytes) for token, token_bytes, _, _ in steps], text, tokens,
+                    stop_trimmed=finish_reason == "stop")
+    return spelled.ids, spelled.problems
+
+
+# chat fields that change the rendered prompt and that our rendering (role and text content only) does not apply
+_CHAT_REQUEST_FIELDS = ("tools", "functions", "documents", "chat_template", "chat_template_kwargs",
+                        "continue_final_message", "add_generation_prompt", "mm_processor_kwargs")
+
+
+def _confirm_prompts(prompts: list[tuple[list[int], str | None, str]], response: dict, chat: bool) -> str | None:
+    """Why the prompts rebuilt here cannot be confirmed as the ones the server ran (None: they are given, or as
+    many tokens as usage.prompt_tokens counts); a count that differs is the line's error."""
+    if all(source == "given" for _, _, source in prompts):
+        return None
+    usage = response.get("usage") or {}
+    counted, ours = usage.get("prompt_tokens"), sum(len(ids) for ids, _, _ in prompts)
+    source = "the chat template" if chat else "the tokenizer"
+    if not isinstance(counted, int) or isinstance(counted, bool):
+        return (f"the prompt was rebuilt with {source} of this model and the response gives neither "
+                f"prompt_token_ids nor usage.prompt_tokens to confirm it (stream with "
+                f"stream_options.include_usage, or ask for return_token_ids)")
+    if counted != ours:
+        raise TranscriptError(f"usage.prompt_tokens is {counted} but {source} of this model gives {ours} prompt "
+                              f"tokens: the transcript's {source} or model differs")
+    return None
+
+
+def _openai_prompts(request: dict, response: dict, tokens: TokenMap,
+                    chat: bool) -> list[tuple[list[int], str | None, str]]:
     tok = tokens.tokenizer
     if isinstance(response.get("prompt_token_ids"), list) and all(
             isinstance(t, int) for t in response["prompt_token_ids"]):  # vLLM chat, return_token_ids
-        return [(list(response["prompt_token_ids"]), None)]
+        return [(list(response["prompt_token_ids"]), None, "given")]
     if chat:
         messages = request.get("messages")
         if not isinstance(messages, list) or not messages:
             raise TranscriptError("request.messages must be a non-empty list")
+        used = [f for f in _CHAT_REQUEST_FIELDS if request.get(f) is not None]
+        if used:
+            raise TranscriptError(f"request.{used[0]} changes the prompt in a way this audit does not rebuild: "
+                                  f"send the transcript with the prompt's token ids (vLLM: return_token_ids)")
         flat = []
-        for m in messages:
+        for i, m in enumerate(messages):
             content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):  # content parts: the text ones
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            if isinstance(content, list):  # content parts: text only
+                if not all(isinstance(p, dict) and p.get("type", "text") == "text" for p in content):
+                    raise TranscriptError(f"request.messages[{i}] has non-text content parts: the prompt cannot be "
+                                          f"rebuilt here (send its token ids)")
+                content = "".join(p.get("text", "") for p in content)
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
                 raise TranscriptError("request.messages must be {role, content} objects")
+            extra = sorted(k for k in m if k not in ("role", "content") and m[k] is not None)
+            if extra:
+                raise TranscriptError(f"request.messages[{i}].{extra[0]} is not rendered by this audit's chat "
+                                      f"template call: the prompt cannot be rebuilt here (send its token ids)")
             flat.append({"role": m["role"], "content": content})
         try:
-            return [(tok.apply_chat_template(flat, add_generation_prompt=True), None)]
+            return [(tok.apply_chat_template(flat, add_generation_prompt=True), None, "rebuilt")]
         except Exception as exc:  # noqa: BLE001 - the template's own error, named
             raise TranscriptError(f"the model's chat template cannot render request.messages: {exc}") from None
     prompt = request.get("prompt")
     if isinstance(prompt, str):
-        return [(tok.encode(prompt), prompt)]
+        return [(tok.encode(prompt), prompt, "encoded")]
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return [(list(prompt), None)]
+        return [(list(prompt), None, "given")]
     if isinstance(prompt, list) and prompt:
         out = []
         for p in prompt:
             if isinstance(p, str):
-                out.append((tok.encode(p), p))
+                out.append((tok.encode(p), p, "encoded"))
             elif isinstance(p, list) and all(isinstance(t, int) for t in p):
-                out.append((list(p), None))
+                out.append((list(p), None, "given"))
             else:
                 raise TranscriptError("request.prompt must be text, token ids or a list of them")
         return out
@@ -424,7 +491,7 @@ def _token_ids_line(obj: dict, line: int, tokens: TokenMap, default_engine: str,
             top[-1] = _top_entries(tops_given[i], f"top_logprobs[{i}]")
     if mode == "processed_logprobs" and "processed_logprobs" in obj:
         top = [[] for _ in output]  # the top alternatives are raw ones
-    return Transcript(request_id=str(obj.get("request_id", f"line{line}")), stream=int(obj.get("stream", 0) or 0),
+    return Transcript(request_id=str(_request_id(obj) or f"line{line}"), stream=int(obj.get("stream", 0) or 0),
                       line=line, origin_engine=str(obj.get("origin_engine") or default_engine),
                       prompt_token_ids=prompt, output_token_ids=output, claimed=claimed, top=top,
                       logprobs_mode=mode, sampling=_policy(obj.get("sampling")),

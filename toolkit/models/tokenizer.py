@@ -46,6 +46,7 @@ class Tokenizer:
         self.eos_token = _token_text(config.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         digest = hashlib.sha256(path.read_bytes())
         digest.update((self.chat_template or "").encode())
         self.digest = digest.hexdigest()
