@@ -32,16 +32,17 @@ def token_map(tiny):
 
 
 def _line(tiny, text: str, *, strip: bool = False, with_bytes: bool = False, claimed=None, usage: bool = True,
-          finish_reason: str = "length") -> dict:
+          finish_reason: str = "length", empty_pieces: bool = False) -> dict:
     """A chat completion whose answer is `text` (tokenized by SmolLM2's tokenizer), its entries printed as a server
-    prints them: each token's bytes decoded with U+FFFD for a partial character, optionally with the leading
-    space stripped (and no `bytes`), or with `bytes`."""
+    prints them: each token's bytes decoded with U+FFFD for a partial character (or, `empty_pieces`, as ""),
+    optionally with the leading space stripped (and no `bytes`), or with `bytes`."""
     tok = tiny.tokenizer
     ids = tok.encode(text, add_special_tokens=False)
     raw = tok.token_bytes(tiny.arch.vocab_size)
     entries = []
     for j, i in enumerate(ids):
         token = raw[i].decode("utf-8", errors="replace")
+        token = "" if empty_pieces and "\ufffd" in token else token
         entry = {"token": token.lstrip(" ") if strip else token, "logprob": claimed[j] if claimed else -1.0}
         if with_bytes:
             entry["bytes"] = list(raw[i])
@@ -76,8 +77,9 @@ def test_mapped_tokens_are_the_true_ones_or_reported(tiny, token_map, tmp_path_f
     """Whatever the text: every mapped token is the one the server sampled, and a token the strings cannot name
     for sure is reported as unmapped (with U+FFFD pieces, the text decides them where one choice spells it)."""
     ids = tiny.tokenizer.encode(text, add_special_tokens=False)
-    for strip in (False, True):
-        records, errors = _read(tmp_path_factory.mktemp("m"), tiny, [_line(tiny, text, strip=strip)])
+    for strip, empty in ((False, False), (True, False), (False, True)):
+        records, errors = _read(tmp_path_factory.mktemp("m"), tiny, [_line(tiny, text, strip=strip,
+                                                                           empty_pieces=empty)])
         assert not errors, errors
         record = records[0]
         got = record.output_token_ids

@@ -58,9 +58,8 @@ def spell(steps: Sequence[tuple[Any, Any]], text: str, tokens, stop_trimmed: boo
                     nxt = END  # the text ends before or inside this token: a stop string was cut from it
                 else:
                     continue
-                before = reached.get(nxt)
-                reached[nxt] = (off, i, min(2, ways + (before[2] if before else 0))) if before is None else \
-                    (before[0], before[1], min(2, ways + before[2]))
+                before = reached.get(nxt)  # another choice of tokens reaching the same offset: count it
+                reached[nxt] = (off, i, ways) if before is None else (before[0], before[1], min(2, before[2] + ways))
         if not reached:
             first = (j, _why_not(token, token_bytes, exact, why, data, layers[-1], tokens))
             return Spelled(_path(layers), [first, *_later(steps, j, data, _furthest(layers[-1], data), tokens)])
@@ -83,13 +82,23 @@ def spell(steps: Sequence[tuple[Any, Any]], text: str, tokens, stop_trimmed: boo
 
 
 def _pieces_here(token: str, data: bytes, off: int, tokens) -> list[int]:
-    """The tokens whose bytes the text has at `off` and that print as `token` (an empty string: any piece)."""
+    """The tokens whose bytes the text has at `off` and that print as `token` (an empty string: any token that
+    is not whole UTF-8 on its own)."""
     found = []
     for length in range(1, min(tokens.max_bytes, len(data) - off) + 1):
         for i in tokens.ids_of(data[off:off + length]):
-            if not token or tokens.bytes_of[i].decode("utf-8", errors="replace") == token:
+            b = tokens.bytes_of[i]
+            if b.decode("utf-8", errors="replace") == token if token else not _whole(b):
                 found.append(i)
     return found
+
+
+def _whole(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 def _path(layers: list[dict], off: int | None = None) -> list[int]:
