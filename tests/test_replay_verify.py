@@ -18,7 +18,7 @@ from tests.conftest import make_engine, native_only
 from toolkit import replay, verify
 from toolkit.config import SamplingParams
 from toolkit.session import record
-from toolkit.trace.reader import TraceError, read_samples
+from toolkit.trace.reader import TraceError, read_requests, read_samples
 from toolkit.trace.writer import REQUESTS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,10 +130,16 @@ def test_partial_trace_replays_and_verifies_the_rows_it_has(tiny, tmp_path):
     assert len(parts) >= 3
     parts[-1].unlink()
     (run_dir / REQUESTS_FILE).write_bytes(initial_requests)
-    kept = read_samples(run_dir).num_rows
+    kept = read_samples(run_dir)
     report = replay(run_dir, out_dir=tmp_path / "replay")
-    assert report.identical and report.rows_compared == kept and report.rows_only_in_replay > 0
+    # the replay ends where the trace does: no row past it, each request still running then aborted there
+    assert report.identical and report.rows_compared == kept.num_rows and report.rows_only_in_replay == 0
     assert report.sequences_unfinished_in_trace > 0 and "partial trace" in report.summary_line()
+    cut = max(kept.column("step").to_pylist()) + 1
+    replayed = read_requests(tmp_path / "replay").to_pylist()
+    assert {r["abort_step"] for r in replayed if r["finish_reason"] == "abort"} == {cut}
+    assert sum(r["finish_reason"] == "abort" for r in replayed) == report.sequences_unfinished_in_trace
+    kept = kept.num_rows
     assert verify(run_dir).rows_checked == kept
 
 
