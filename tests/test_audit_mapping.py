@@ -32,20 +32,25 @@ def token_map(tiny):
 
 
 def _line(tiny, text: str, *, strip: bool = False, with_bytes: bool = False, claimed=None, usage: bool = True,
-          finish_reason: str = "length", empty_pieces: bool = False) -> dict:
+          finish_reason: str = "length", empty_pieces: bool = False, top=None) -> dict:
     """A chat completion whose answer is `text` (tokenized by SmolLM2's tokenizer), its entries printed as a server
     prints them: each token's bytes decoded with U+FFFD for a partial character (or, `empty_pieces`, as ""),
     optionally with the leading space stripped (and no `bytes`), or with `bytes`."""
     tok = tiny.tokenizer
     ids = tok.encode(text, add_special_tokens=False)
     raw = tok.token_bytes(tiny.arch.vocab_size)
-    entries = []
-    for j, i in enumerate(ids):
+    def printed(i: int) -> str:
         token = raw[i].decode("utf-8", errors="replace")
         token = "" if empty_pieces and "\ufffd" in token else token
-        entry = {"token": token.lstrip(" ") if strip else token, "logprob": claimed[j] if claimed else -1.0}
+        return token.lstrip(" ") if strip else token
+
+    entries = []
+    for j, i in enumerate(ids):
+        entry = {"token": printed(i), "logprob": claimed[j] if claimed else -1.0}
         if with_bytes:
             entry["bytes"] = list(raw[i])
+        if top:
+            entry["top_logprobs"] = [{"token": printed(a), "logprob": lp} for a, lp in top[j]]
         entries.append(entry)
     response = {"id": "chat-1", "choices": [{"index": 0, "message": {"role": "assistant", "content": tok.decode(ids)},
                                              "finish_reason": finish_reason, "logprobs": {"content": entries}}]}
@@ -61,13 +66,16 @@ def _read(tmp_path, tiny, lines):
     return read_transcripts(path, "openai", tiny.tokenizer, tiny.arch.vocab_size)
 
 
-def _claims(tiny, text: str) -> list[float]:
-    """The reference's own raw logprobs of the answer's tokens (a transcript the model could have written)."""
+def _claims(tiny, text: str, k: int = 3) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """The reference's own raw logprobs of the answer's tokens and its top `k` alternatives at each (a transcript
+    the model could have written)."""
     prompt = tiny.tokenizer.apply_chat_template(MESSAGES)
     ids = tiny.tokenizer.encode(text, add_special_tokens=False)
     logits = reference_forward(tiny, "ours")(prompt + ids[:-1])[len(prompt) - 1:]
     logprobs = torch.log_softmax(logits.double(), dim=-1)
-    return [float(logprobs[j, t]) for j, t in enumerate(ids)]
+    top = torch.topk(logprobs, k, dim=-1)
+    return ([float(logprobs[j, t]) for j, t in enumerate(ids)],
+            [list(zip(i.tolist(), v.tolist())) for i, v in zip(top.indices, top.values)])
 
 
 @settings(max_examples=60, deadline=None)
@@ -107,14 +115,15 @@ def test_a_server_that_strips_spaces_gets_no_false_logprob_flag(tiny, tmp_path):
     stripped one flags nothing but unmapped tokens, each at a token whose string lost its space."""
     lines, stripped = [], []
     for text in ANSWERS:
-        claimed = _claims(tiny, text)
-        lines.append(_line(tiny, text, claimed=claimed))
-        stripped.append(_line(tiny, text, claimed=claimed, strip=True))
+        claimed, top = _claims(tiny, text)
+        lines.append(_line(tiny, text, claimed=claimed, top=top))
+        stripped.append(_line(tiny, text, claimed=claimed, top=top, strip=True))
     forward = reference_forward(tiny, "ours")
     records, errors = _read(tmp_path, tiny, lines)
     clean = audit_transcripts(records, forward, tiny, atol=1e-4, reference="ours", line_errors=errors).to_dict()
     assert clean["passed"] and clean["tokens"] == sum(len(tiny.tokenizer.encode(t, add_special_tokens=False))
                                                       for t in ANSWERS), clean["requests"]
+    assert clean["kl_tokens"] == clean["tokens"]  # the alternatives were checked too
     records, errors = _read(tmp_path, tiny, stripped)
     report = audit_transcripts(records, forward, tiny, atol=1e-4, reference="ours", line_errors=errors).to_dict()
     raw = tiny.tokenizer.token_bytes(tiny.arch.vocab_size)
@@ -123,7 +132,7 @@ def test_a_server_that_strips_spaces_gets_no_false_logprob_flag(tiny, tmp_path):
         ids = tiny.tokenizer.encode(text, add_special_tokens=False)
         spaced = [prompt_len + j for j, i in enumerate(ids) if raw[i].startswith(b" ")]
         flagged = rep["flagged"]
-        assert {f["kind"] for f in flagged} == {"unmapped_token"}, flagged  # no logprob flag
+        assert {f["kind"] for f in flagged} == {"unmapped_token"}, flagged  # no logprob (or top_logprob) flag
         positions = [f["position"] for f in flagged]
         if "not recovered" in flagged[-1]["why"]:  # a stripped piece of a character: the scan stops there
             spaced = [p for p in spaced if p <= positions[-1]]

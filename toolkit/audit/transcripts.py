@@ -333,10 +333,13 @@ def _openai_line(obj: dict, line: int, tokens: TokenMap) -> list[Transcript]:
                 if alt_id is not None and alt_lp is not None:
                     mapped.append((alt_id, alt_lp))
             record.top.append(mapped)
+        if problems:  # the strings do not name the tokens the text has: the alternatives' strings are not trusted
+            record.top = [[] for _ in record.output_token_ids]
         for n, (j, why) in enumerate(problems):
             # the context after a token not known for sure is unknown: audit what came before, report each
             left = len(steps) - j
-            note = f" ({left} output tokens from here on not audited)" if left and not n else ""
+            note = f" ({left} output tokens from here on not audited" if left and not n else ""
+            note += "; no top alternative of this choice is checked)" if note else ""
             record.problems.append(Problem(len(prompt_ids) + j, "unmapped_token", why + note))
     return records
 
