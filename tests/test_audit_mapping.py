@@ -168,12 +168,16 @@ def test_prompts_rebuilt_are_confirmed_or_refused(tiny, tmp_path):
     named["request"]["messages"] = [{"role": "user", "content": "Tell me something.", "name": "ann"}]
     tools = _line(tiny, text)
     tools["request"]["tools"] = [{"type": "function", "function": {"name": "f"}}]
+    defaults = _line(tiny, text)  # fields at their no-op values change nothing
+    defaults["request"].update(add_generation_prompt=True, tools=[], continue_final_message=False)
+    defaults["request"]["messages"] = [{**MESSAGES[0], "name": None, "tool_calls": []}]
     given = _line(tiny, text, usage=False)
     given["response"]["prompt_token_ids"] = tiny.tokenizer.apply_chat_template(MESSAGES)
-    records, errors = _read(tmp_path, tiny, [unconfirmed, miscounted, named, tools, given])
+    records, errors = _read(tmp_path, tiny, [unconfirmed, miscounted, named, tools, defaults, given])
     assert [(e.line, e.why.split(" ")[0]) for e in errors] == [(2, "usage.prompt_tokens"),
                                                               (3, "request.messages[0].name"), (4, "request.tools")]
-    first, last = records
+    first, middle, last = records
+    assert middle.prompt_source == "rebuilt" and not middle.problems and len(middle.output_token_ids) > 0
     assert first.prompt_source == "rebuilt" and first.output_token_ids == []
     assert [p.kind for p in first.problems] == ["unconfirmed_prompt"] and "not audited" in first.problems[0].why
     assert last.prompt_source == "given" and not last.problems and len(last.output_token_ids) > 0

@@ -359,9 +359,16 @@ def _map_tokens(steps: list, text: str | None, echoed: str | None, finish_reason
     return spelled.ids, spelled.problems
 
 
-# chat fields that change the rendered prompt and that our rendering (role and text content only) does not apply
-_CHAT_REQUEST_FIELDS = ("tools", "functions", "documents", "chat_template", "chat_template_kwargs",
-                        "continue_final_message", "add_generation_prompt", "mm_processor_kwargs")
+# chat fields that change the rendered prompt and that our rendering (role and text content only) does not apply,
+# with the value that changes nothing where there is one
+_CHAT_REQUEST_FIELDS = {"tools": None, "functions": None, "documents": None, "chat_template": None,
+                        "chat_template_kwargs": None, "continue_final_message": False, "add_generation_prompt": True,
+                        "mm_processor_kwargs": None}
+
+
+def _set(value: Any, default: Any = None) -> bool:
+    """A field given a value that matters (not absent, empty or its no-op default)."""
+    return value is not None and value != default and value not in ("", [], {})
 
 
 def _confirm_prompts(prompts: list[tuple[list[int], str | None, str]], response: dict, chat: bool) -> str | None:
@@ -392,7 +399,7 @@ def _openai_prompts(request: dict, response: dict, tokens: TokenMap,
         messages = request.get("messages")
         if not isinstance(messages, list) or not messages:
             raise TranscriptError("request.messages must be a non-empty list")
-        used = [f for f in _CHAT_REQUEST_FIELDS if request.get(f) is not None]
+        used = [f for f, default in _CHAT_REQUEST_FIELDS.items() if _set(request.get(f), default)]
         if used:
             raise TranscriptError(f"request.{used[0]} changes the prompt in a way this audit does not rebuild: "
                                   f"send the transcript with the prompt's token ids (vLLM: return_token_ids)")
@@ -406,7 +413,7 @@ def _openai_prompts(request: dict, response: dict, tokens: TokenMap,
                 content = "".join(p.get("text", "") for p in content)
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
                 raise TranscriptError("request.messages must be {role, content} objects")
-            extra = sorted(k for k in m if k not in ("role", "content") and m[k] is not None)
+            extra = sorted(k for k in m if k not in ("role", "content") and _set(m[k]))
             if extra:
                 raise TranscriptError(f"request.messages[{i}].{extra[0]} is not rendered by this audit's chat "
                                       f"template call: the prompt cannot be rebuilt here (send its token ids)")
