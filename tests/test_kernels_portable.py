@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -401,15 +402,21 @@ def _cross_tools() -> tuple[str, str]:
 
 def test_aarch64_kernels_under_qemu_match_the_host(tmp_path):
     cc, qemu = _cross_tools()
-    arm = _run_driver(cc, [*_driver_flags("armv8-a", None), "-static"], tmp_path, "arm", [qemu])
+    host_target = kernels.host_target()
+    with ThreadPoolExecutor(3) as pool:  # the three builds and runs are independent: side by side on the cores
+        arm_job = pool.submit(_run_driver, cc, [*_driver_flags("armv8-a", None), "-static"], tmp_path, "arm", [qemu])
+        same_job = pool.submit(_run_driver, "gcc", _driver_flags(FMA_X86, 4), tmp_path, "x86_4", []) \
+            if FMA_X86 in kernels.runnable_targets() and shutil.which("gcc") else None
+        host_job = pool.submit(_run_driver, "gcc", _driver_flags(host_target, None), tmp_path, "host", []) \
+            if host_target in kernels.TARGETS and shutil.which("gcc") else None
+        arm = arm_job.result()
     assert len(arm) >= 10
-    if FMA_X86 in kernels.runnable_targets() and shutil.which("gcc"):
-        same_profile = _run_driver("gcc", _driver_flags(FMA_X86, 4), tmp_path, "x86_4", [])
+    if same_job is not None:
+        same_profile = same_job.result()
         for name, data in arm.items():  # NEON (4 lanes, FMA) and AVX2 at 4 lanes with FMA: the same bits
             assert data == same_profile[name], name
-    host_target = kernels.host_target()
-    if host_target in kernels.TARGETS and shutil.which("gcc"):
-        host = _run_driver("gcc", _driver_flags(host_target, None), tmp_path, "host", [])
+    if host_job is not None:
+        host = host_job.result()
         for name in ("sha256", "argmax", "rope", "rms_norm_x", "sha256_data", "gumbel_noise", "gumbel_tokens",
                      "gumbel_chosen_noise", "gumbel_support", "tail_support",
                      "round_bf16", "round_f16"):
@@ -424,6 +431,9 @@ def test_aarch64_build_with_clang_compiles():
     if not shutil.which("clang"):
         pytest.skip("clang is not installed (make test installs it where apt-get runs as root: .ci/toolchains)")
     flags = [*kernels.BASE_FLAGS, "--target=aarch64-linux-gnu", "-march=armv8-a", "-c", "-o", "/dev/null"]
-    for src in sorted(kernels.CSRC.glob("*.c")):
-        result = subprocess.run(["clang", *flags, str(src)], capture_output=True, text=True)
-        assert result.returncode == 0, (src.name, result.stderr[-1500:])
+    sources = sorted(kernels.CSRC.glob("*.c"))
+    with ThreadPoolExecutor(2) as pool:
+        results = pool.map(lambda src: subprocess.run(["clang", *flags, str(src)], capture_output=True, text=True),
+                           sources)
+        for src, result in zip(sources, results):
+            assert result.returncode == 0, (src.name, result.stderr[-1500:])
