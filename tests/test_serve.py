@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 
 from tests.conftest import make_engine, native_only
 from toolkit import replay, verify
+from toolkit.bench.one_stream import free_port
 from toolkit.config import SamplingParams
 from toolkit.serve.main import start_server
 from toolkit.trace.reader import read_requests, read_samples
@@ -274,12 +274,6 @@ def test_a_served_run_is_traced_replayed_bit_identical_and_verified(smollm2, tmp
     assert checked.passed, checked.summary_line()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve_process(run_dir: Path, port: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "run.py", "mode=serve", f"serve.port={port}", f"hydra.run.dir={run_dir}",
@@ -302,7 +296,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "kill-9"])
 def test_mode_serve_closes_cleanly_on_sigterm_and_stays_readable_after_kill_9(tmp_path, sig):
-    run_dir, port = tmp_path / "served", _free_port()
+    run_dir, port = tmp_path / "served", free_port()
     proc = _serve_process(run_dir, port)
     try:
         _wait_healthy(f"http://127.0.0.1:{port}", proc)

@@ -194,11 +194,11 @@ def check_manifest(manifest: dict[str, Any], engine: Engine, allow_mismatch: boo
     return problems
 
 
-def add_recorded_requests(engine: Engine, requests: pa.Table) -> list[str]:
-    """Re-add every recorded request with its recorded prompt ids, resolved seed and arrival step, in the
-    recorded order (the order of arrivals within a step)."""
+def add_recorded_requests(engine: Engine, requests: list[dict[str, Any]]) -> list[str]:
+    """Re-add every recorded request (requests.parquet's rows) with its recorded prompt ids, resolved seed and
+    arrival step, in the recorded order (the order of arrivals within a step)."""
     ids: list[str] = []
-    for row in requests.to_pylist():
+    for row in requests:
         if row["request_id"] in engine.groups:
             continue  # one row per sequence: the request was added with its first row
         params = json.loads(row["sampling_params"])
@@ -210,17 +210,16 @@ def add_recorded_requests(engine: Engine, requests: pa.Table) -> list[str]:
     return ids
 
 
-def recorded_aborts(requests: pa.Table, samples: pa.Table | None = None) -> Callable[[Engine], None]:
+def recorded_aborts(requests: list[dict[str, Any]], samples: pa.Table | None = None) -> Callable[[Engine], None]:
     """Abort each request before the step its recorded run aborted it at (a served client that left). A trace
     cut short (a run killed with requests unfinished) ends the replay after its last recorded step: every request
     still running then is aborted, since nothing past that step was recorded to compare (aborting one request
     earlier would change its batch mates' steps)."""
     due: dict[int, list[str]] = {}
-    rows = requests.to_pylist()
-    for row in rows:
+    for row in requests:
         if row.get("abort_step") is not None and row["stream"] == 0:
             due.setdefault(row["abort_step"], []).append(row["request_id"])
-    truncated = any(r["finish_reason"] is None and r.get("abort_step") is None for r in rows)
+    truncated = any(r["finish_reason"] is None and r.get("abort_step") is None for r in requests)
     last_step = None  # of a trace cut short: its last step with a row (-1: it has none)
     if truncated and samples is not None:
         last_step = pc.max(samples.column("step")).as_py() if samples.num_rows else -1
@@ -322,14 +321,15 @@ def replay(run_dir: str | Path, overrides: Sequence[str] = (), *, allow_mismatch
     mismatches += check_manifest(manifest, engine, allow_mismatch)
     out_dir = Path(out_dir) if out_dir is not None else \
         run_dir.parent / f"{run_dir.name}-replay-{time.strftime('%H%M%S')}"
-    ids = add_recorded_requests(engine, requests)
+    request_rows = requests.to_pylist()
+    ids = add_recorded_requests(engine, request_rows)
     trace_cfg = cfg.get("trace") or {}
     record(engine, ids, out_dir, cfg, flush_every_steps=trace_cfg.get("flush_every_steps", 64),
-           before_step=recorded_aborts(requests, recorded_samples),
+           before_step=recorded_aborts(request_rows, recorded_samples),
            manifest_extra={"replay_of": manifest.get("run_id"), "replay_overrides": list(overrides)})
     report = ReplayReport(trace_dir=run_dir, replay_dir=out_dir, mismatches=mismatches, overrides=list(overrides),
                           cannot_rebuild=cannot_rebuild(manifest))
-    aborted = frozenset((r["request_id"], r["stream"]) for r in requests.to_pylist() if r.get("abort_step") is not None)
+    aborted = frozenset((r["request_id"], r["stream"]) for r in request_rows if r.get("abort_step") is not None)
     compare(recorded_samples, read_samples(out_dir), report, aborted)
     if report.divergences:
         write_divergences(out_dir / "divergence.parquet", report.divergences)

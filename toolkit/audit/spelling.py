@@ -61,8 +61,9 @@ def spell(steps: Sequence[tuple[Any, Any]], text: str, tokens, stop_trimmed: boo
                 before = reached.get(nxt)  # another choice of tokens reaching the same offset: count it
                 reached[nxt] = (off, i, ways) if before is None else (before[0], before[1], min(2, before[2] + ways))
         if not reached:
-            first = (j, _why_not(token, token_bytes, exact, why, data, layers[-1], tokens))
-            return Spelled(_path(layers), [first, *_later(steps, j, data, _furthest(layers[-1], data), tokens)])
+            off = _furthest(layers[-1], data)
+            first = (j, _why_not(token, token_bytes, exact, why, data, off, tokens))
+            return Spelled(_path(layers), [first, *_later(steps, j, data, off, tokens)])
         layers.append(reached)
     final = {off: v for off, v in layers[-1].items() if off in (len(data), END)}
     if not final:
@@ -148,7 +149,7 @@ def _later(steps, j: int, data: bytes, off: int, tokens) -> list[tuple[int, str]
         if not skip:
             break
         if k > j:
-            found.append((k, _why_not(token, token_bytes, exact, why, data, {off: None}, tokens)))
+            found.append((k, _why_not(token, token_bytes, exact, why, data, off, tokens)))
         off += skip
     return found
 
@@ -170,13 +171,13 @@ def _skip(data: bytes, off: int, core: bytes) -> int:
     return len(rest) - len(stripped) + len(core) if core and stripped.startswith(core) else 0
 
 
-def _why_not(token, token_bytes, exact, why, data: bytes, states: dict, tokens) -> str:
+def _why_not(token, token_bytes, exact, why, data: bytes, off: int, tokens) -> str:
+    """Why the token at text offset `off` is not confirmed."""
     if exact is None and not _piece(token, token_bytes):
         return why
     if exact is None:
         return (f"token string {token!r} stands for part of a multi-byte character and no token the text has here "
                 f"prints as it")
-    off = _furthest(states, data)
     b = tokens.bytes_of[exact]
     return (f"token string {token!r} maps to token {exact} ({b!r}) but the text has {data[off:off + len(b) + 4]!r} "
             f"there: the server's token strings differ from its text (a leading space stripped, spacing cleaned "

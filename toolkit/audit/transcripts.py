@@ -337,10 +337,10 @@ def _openai_line(obj: dict, line: int, tokens: TokenMap) -> list[Transcript]:
             record.top = [[] for _ in record.output_token_ids]
         for n, (j, why) in enumerate(problems):
             # the context after a token not known for sure is unknown: audit what came before, report each
-            left = len(steps) - j
-            note = f" ({left} output tokens from here on not audited" if left and not n else ""
-            note += "; no top alternative of this choice is checked)" if note else ""
-            record.problems.append(Problem(len(prompt_ids) + j, "unmapped_token", why + note))
+            if n == 0 and j < len(steps):
+                why += f" ({len(steps) - j} output tokens from here on not audited; no top alternative of this " \
+                       f"choice is checked)"
+            record.problems.append(Problem(len(prompt_ids) + j, "unmapped_token", why))
     return records
 
 

@@ -75,7 +75,8 @@ def smollm2_f32_gguf() -> Path:
     return f32_gguf(smollm2_gguf(), smollm2_dir() / "smollm2-f32.gguf")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (for a server started next)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
     for round_ in range(args.rounds):
         for name, command in systems.items():
-            port = _free_port()
+            port = free_port()
             flag = ["--port", str(port)] if name.startswith("llama") else [f"serve.port={port}"]
             server = Server(name, command + flag, port, work / f"{name.replace(' ', '-')}-{round_}.log", cwd=root)
             try:
