@@ -266,3 +266,63 @@ def test_soak_over_http_loses_nothing_and_keeps_nothing(tiny, tmp_path):
     assert [c["open_requests"] for c in report["checkpoints"]][-1] == 0
     assert report["retried_503"] > 0  # 16 clients against max_waiting=8: some were told to retry, none lost
     assert report["replay"].startswith("bit-identical")
+
+
+OPENMP_SCRIPT = r"""
+import sys, time, torch
+from tests.conftest import make_engine
+from toolkit import kernels
+from toolkit.config import ModelConfig, SamplingParams
+from toolkit.models import load_model
+from toolkit.serve.loop import EngineLoop
+
+def threads():
+    with open("/proc/self/status") as f:
+        return int(f.read().split("Threads:")[1].split()[0])
+
+def settled(expected):  # released workers exit on their own: wait for them
+    for _ in range(100):
+        if threads() == expected:
+            break
+        time.sleep(0.05)
+    return threads()
+
+torch.set_num_threads(2)
+engine = make_engine(load_model(ModelConfig(name="tiny", seed=0)), sampling=SamplingParams())
+kernels.release_openmp_threads()  # loading ran parallel regions: start from no team
+time.sleep(0.5)
+base = threads()
+torch.ones(1 << 22).sum()  # a parallel region on this thread: its OpenMP team of two
+with_team = threads()
+released = kernels.release_openmp_threads()
+after_release = settled(base)
+torch.ones(1 << 22).sum()  # the team again, then the loop's start gives it back before its thread runs
+loop = EngineLoop(engine, None, None).start()
+after_start = settled(base + 1)  # + the engine-loop thread, idle (no team of its own yet)
+loop.stop()
+print(base, with_team, released, after_release, after_start)
+"""
+
+
+def test_the_thread_that_loaded_the_engine_gives_its_openmp_workers_back_before_the_loop_steps(tmp_path):
+    """libgomp counts every thread's team, idle ones too; past the CPU count its barriers sleep instead of
+    spinning, which made a 2-core server's steps ~20% slower than the same engine stepped on one thread. The
+    release must end this thread's workers (the process's thread count comes back), and EngineLoop.start must do
+    it on the thread that loaded the model."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    if sys.platform != "linux" or "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch's parallel backend here is not OpenMP on Linux: no OpenMP team to give back")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", OPENMP_SCRIPT], capture_output=True, text=True, cwd=root,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    base, with_team, released, after_release, after_start = map(int, done.stdout.split()[-5:])
+    assert with_team == base + 1, (base, with_team)  # one worker beside this thread
+    assert released >= 1, "no loaded OpenMP runtime released its workers"
+    assert after_release == base, (base, with_team, after_release)
+    assert after_start == base + 1, (base, with_team, after_start)

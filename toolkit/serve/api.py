@@ -31,6 +31,7 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import ValidationError
 
 from toolkit.errors import RequestError, ToolkitError, one_line
+from toolkit.kernels import release_openmp_threads
 from toolkit.outputs import TextDelta
 from toolkit.serve.loop import EngineLoop, InternalError, Submission, Unavailable, Update, prompt_ids, prompt_scores
 from toolkit.serve.metrics import ServerMetrics
@@ -344,7 +345,10 @@ class Job:
         engine.intake.precompile(self.sampling)
         if self.chat or not self.req.echo or self.req.logprobs is None:
             return [None] * len(self.prompts)
-        return [prompt_scores(engine, prompt_ids(engine, prompt), self.req.logprobs) for prompt in self.prompts]
+        try:
+            return [prompt_scores(engine, prompt_ids(engine, prompt), self.req.logprobs) for prompt in self.prompts]
+        finally:  # the forward's OpenMP workers on this handler thread would slow the engine thread's (kernels)
+            release_openmp_threads()
 
     def abort(self) -> None:
         for request_id in self.request_ids:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping
 
 from toolkit.engine import Engine, RequestOutput, StepOutput, TextDelta
 from toolkit.errors import ConfigError, RequestError, ToolkitError, one_line
+from toolkit.kernels import release_openmp_threads
 from toolkit.serve.record import ServedRun, body_sha256
 from toolkit.trace import SampleTrace
 
@@ -125,6 +126,10 @@ class EngineLoop:
     # ------------------------------------------------------------------ callers (any thread)
 
     def start(self) -> "EngineLoop":
+        """Step the engine on its own thread from now on; this thread (the one that loaded the model) gives
+        back its OpenMP workers first, or libgomp, counting both teams on a small machine, would sleep at
+        every barrier of the engine's steps (toolkit.kernels.release_openmp_threads)."""
+        release_openmp_threads()
         self._thread.start()
         return self
 
