@@ -323,14 +323,16 @@ def describe_native() -> str:
         return f"unavailable: {exc}"
 
 
-# OpenMP runtimes torch or a kernel build may have loaded: GNU (gcc, torch's CPU wheels), LLVM (clang), Intel
-OPENMP_RUNTIMES = ("libgomp.so.1", "libomp.so", "libomp.so.5", "libiomp5.so")
+# GNU OpenMP (gcc's, and torch's CPU wheels'), whose omp_pause_resource_all frees the calling thread's team
+# only. LLVM's and Intel's pause the whole runtime (every root's workers), which is not safe while the engine
+# thread runs a parallel region, and they have no throttled mode to leave: they are not called.
+OPENMP_RUNTIMES = ("libgomp.so.1",)
 OMP_PAUSE_SOFT = 1
 
 
 def release_openmp_threads() -> int:
-    """Give back the OpenMP worker threads this thread's parallel regions started (omp_pause_resource_all, in
-    every OpenMP runtime already loaded; none is loaded by this). Returns how many runtimes released theirs.
+    """Give back the OpenMP worker threads this thread's parallel regions started (omp_pause_resource_all of
+    GNU OpenMP if it is loaded; it is not loaded by this). Returns how many runtimes released theirs.
 
     Call it on a thread that will not run the engine's parallel work again, before another thread does: each
     thread that starts parallel regions keeps its own team of workers, and libgomp counts the idle ones too;
