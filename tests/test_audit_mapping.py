@@ -191,3 +191,20 @@ def test_id_names_a_token_ids_request(tiny, tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     records, errors = read_transcripts(path, "token_ids", tiny.tokenizer, tiny.arch.vocab_size)
     assert not errors and [r.request_id for r in records] == ["rollout-7", "r-8"]
+
+
+def test_a_choice_with_unmapped_tokens_leaves_its_sibling_choices_intact(tiny, tmp_path):
+    """n=2: the first choice's strings lost their spaces (reported), the second's are exact. The second is still
+    stream 1 of the same request and fully mapped (a loop over the first's problems once rebound `n`)."""
+    text = "Hello world."  # one token with a space: one problem in the first choice
+    ids = tiny.tokenizer.encode(text, add_special_tokens=False)
+    line = _line(tiny, text, strip=True)
+    second = _line(tiny, text)["response"]["choices"][0]
+    line["response"]["choices"].append({**second, "index": 1})
+    line["request"]["n"] = 2
+    line["response"]["usage"]["completion_tokens"] *= 2
+    records, errors = _read(tmp_path, tiny, [line])
+    assert not errors, errors
+    assert [(r.request_id, r.stream) for r in records] == [("chat-1", 0), ("chat-1", 1)]
+    assert records[0].problems and records[0].problems[0].kind == "unmapped_token"
+    assert records[1].output_token_ids == ids and not records[1].problems

@@ -335,9 +335,9 @@ def _openai_line(obj: dict, line: int, tokens: TokenMap) -> list[Transcript]:
             record.top.append(mapped)
         if problems:  # the strings do not name the tokens the text has: the alternatives' strings are not trusted
             record.top = [[] for _ in record.output_token_ids]
-        for n, (j, why) in enumerate(problems):
+        for k, (j, why) in enumerate(problems):
             # the context after a token not known for sure is unknown: audit what came before, report each
-            if n == 0 and j < len(steps):
+            if k == 0 and j < len(steps):
                 why += f" ({len(steps) - j} output tokens from here on not audited; no top alternative of this " \
                        f"choice is checked)"
             record.problems.append(Problem(len(prompt_ids) + j, "unmapped_token", why))
