@@ -300,7 +300,7 @@ torch.ones(1 << 22).sum()  # the team again, then the loop's start gives it back
 loop = EngineLoop(engine, None, None).start()
 after_start = settled(base + 1)  # + the engine-loop thread, idle (no team of its own yet)
 loop.stop()
-print(base, with_team, released, after_release, after_start)
+print(base, with_team, int(released), after_release, after_start)
 """
 
 

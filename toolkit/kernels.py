@@ -323,35 +323,38 @@ def describe_native() -> str:
         return f"unavailable: {exc}"
 
 
-# GNU OpenMP (gcc's, and torch's CPU wheels'), whose omp_pause_resource_all frees the calling thread's team
-# only. LLVM's and Intel's pause the whole runtime (every root's workers), which is not safe while the engine
-# thread runs a parallel region, and they have no throttled mode to leave: they are not called.
-OPENMP_RUNTIMES = ("libgomp.so.1",)
 OMP_PAUSE_SOFT = 1
 
 
-def release_openmp_threads() -> int:
-    """Give back the OpenMP worker threads this thread's parallel regions started (omp_pause_resource_all of
-    GNU OpenMP if it is loaded; it is not loaded by this). Returns how many runtimes released theirs.
+@lru_cache(maxsize=1)
+def _gnu_openmp_pause() -> Callable[[int], int] | None:
+    """omp_pause_resource_all of GNU OpenMP (gcc's, and torch's CPU wheels', loaded with torch), which frees the
+    calling thread's team only; None where it is not loaded. LLVM's and Intel's pause the whole runtime (every
+    thread's workers), which is not safe while the engine thread runs a parallel region, and they have no
+    throttled mode to leave: they are not called."""
+    if sys.platform != "linux":
+        return None
+    try:
+        runtime = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return None  # not loaded in this process (and not loaded by this)
+    pause = getattr(runtime, "omp_pause_resource_all", None)
+    if pause is not None:
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return pause
+
+
+def release_openmp_threads() -> bool:
+    """Give back the OpenMP worker threads this thread's parallel regions started (GNU OpenMP's
+    omp_pause_resource_all); whether they were released.
 
     Call it on a thread that will not run the engine's parallel work again, before another thread does: each
     thread that starts parallel regions keeps its own team of workers, and libgomp counts the idle ones too;
     once the threads it manages outnumber the CPUs it spins only ~100 times at a barrier before sleeping on a
     futex. A server whose main thread loaded the model while another thread steps the engine is in that state on
     2 cores: 78k context switches over 6 requests, its steps ~20% slower (docs/precision.md)."""
-    if sys.platform != "linux":
-        return 0
-    released = 0
-    for name in OPENMP_RUNTIMES:
-        try:
-            runtime = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-        except OSError:
-            continue  # not loaded in this process
-        pause = getattr(runtime, "omp_pause_resource_all", None)
-        if pause is not None:
-            pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-            released += pause(OMP_PAUSE_SOFT) == 0
-    return released
+    pause = _gnu_openmp_pause()
+    return pause is not None and pause(OMP_PAUSE_SOFT) == 0
 
 
 @lru_cache(maxsize=1)
