@@ -174,7 +174,9 @@ static int matmul_##F(const float *x, int64_t ldx, const WT *w, float *out, int6
         row_pair_##F(x, pair, out + 2 * q * NR, K, (const char *)(pair + 2 * NR * K),                          \
                      q + 1 < pairs ? 2 * NR * K / per_line : 0);                                               \
     }                                                                                                          \
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && panels > 1)")   \
+    /* the panels the pairs left (at M = 1 often none: then no threads are started for them) */               \
+    const int64_t left = panels - 2 * pairs;                                                                   \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && left > 1)")     \
     for (int64_t p = 2 * pairs; p < panels; p++) {                                                             \
         const int wide = p < wide_panels;                                                                      \
         const int64_t n0 = wide ? p * NR : narrow_start + (p - wide_panels) * VL;                              \
