@@ -186,6 +186,18 @@ class ModelRunner:
         return ModelOutput(logits_RV=logits, sample_chunks=inputs.sample_chunks, forward_s=time.perf_counter() - t)
 
 
+def _kernel_refuses(model: torch.nn.Module, block_size: int) -> bool:
+    """Whether the native attention kernel, built here, refuses this model's shapes on its cache (a 16-bit
+    cache: head_dim 64 or 128 only)."""
+    from toolkit import kernels
+
+    if model.embed.device.type != "cpu" or not kernels.available():
+        return False
+    a = model.arch
+    return not kernels.native().attention_supports(a.num_heads, a.num_kv_heads, a.head_dim, block_size,
+                                                   model.embed.dtype != torch.float32)
+
+
 def recompute_logits(model: torch.nn.Module, token_ids: list[int], *, batch_invariant: bool = True,
                      block_size: int = 16) -> torch.Tensor:
     """fp32 logits (T, V) of every position of `token_ids` (row t predicts token t + 1), from a
@@ -195,6 +207,8 @@ def recompute_logits(model: torch.nn.Module, token_ids: list[int], *, batch_inva
     n = len(token_ids)
     blocks = -(-n // block_size)
     device = model.embed.device
+    if batch_invariant and _kernel_refuses(model, block_size):
+        batch_invariant = False  # the engine runs such a model on sdpa too (toolkit.backends.attention_backend)
     cache = PagedKVCache(layers, blocks, block_size, kv_heads, head_dim, model.embed.dtype, device)
     runner = ModelRunner(model, cache, device, "kernel" if batch_invariant else "sdpa", batch_invariant=batch_invariant)
     chunk = ScheduledChunk("recompute", tuple(token_ids), 0, tuple(range(blocks)), samples=True, num_logits=n)

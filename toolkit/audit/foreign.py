@@ -36,6 +36,9 @@ import pyarrow as pa
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from toolkit.audit.detector import (DEFAULT_SCALES, RECOMPUTATION, WINDOWS, Detection, auc, calibrate_scales, combined,
+                                    detect, residuals_of, window_scores)
+from toolkit.audit.detector import FORMATS as DETECTOR_FORMATS
 from toolkit.audit.transcripts import FORMATS, LineError, Transcript, TranscriptError, read_transcripts
 from toolkit.audit.verify import reference_forward
 from toolkit.config import ModelConfig, SamplingParams, from_mapping
@@ -319,7 +322,7 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
                               "(or audit.sources=[hf,server,llama_cpp])")
     if fmt not in FORMATS:
         raise AuditInputError(f"audit.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    references, atol = _references(a), _atol(a)
+    references, atol, detector = _references(a), _atol(a), detector_config(a)
     if not Path(source).is_file():
         raise AuditInputError(f"audit.input {source!r} is not a file")
     model_cfg = from_mapping(ModelConfig, OmegaConf.to_container(cfg.model, resolve=True), section="model")
@@ -337,9 +340,17 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
         raise AuditInputError(f"no usable request in {source} ({len(line_errors)} lines rejected)")
     reports = [audit_transcripts(records, stated_reference(loaded, r), loaded, atol=float(atol), reference=r,
                                  source=str(source), fmt=fmt, line_errors=line_errors) for r in references]
+    detection = None
+    if detector is not None:
+        memo: dict[str, Forward] = {}
+        scales = detector_scales(loaded, detector, memo)
+        detection = run_detector(records, loaded, detector, scales, atol=atol,
+                                 done={r.reference: r for r in reports}, memo=memo)
     write_converted_trace(run_dir, records, loaded, cfg, source=str(source), fmt=fmt)
-    write_audit(run_dir, reports)
+    write_audit(run_dir, reports, detection)
     print(format_table(reports))
+    if detection is not None:
+        print(format_detection(detection))
     print(f"audit.json, audit.parquet, audit.png and the converted trace: {run_dir}")
     return 0 if all(r.passed for r in reports) else 1
 
@@ -392,6 +403,85 @@ def stated_reference(loaded, reference: str):
     return forward
 
 
+def detector_config(a: dict) -> dict | None:
+    """audit.detector: {stated, alternatives, calibrate, scales} checked (None: no alternatives, no detector)."""
+    d = a.get("detector")
+    if not d or (isinstance(d, dict) and not d.get("alternatives")):
+        return None
+    if not isinstance(d, dict):
+        raise ConfigError(f"audit.detector must be a mapping (stated, alternatives, calibrate, scales), got {d!r}")
+    unknown = sorted(set(d) - {"stated", "alternatives", "calibrate", "scales"})
+    if unknown:
+        raise ConfigError(f"audit.detector: unknown keys {unknown}; known: stated, alternatives, calibrate, scales")
+    stated, alternatives = d.get("stated", "float32"), list(d.get("alternatives") or [])
+    bad = [f for f in [stated, *alternatives] if f not in DETECTOR_FORMATS]
+    if bad:
+        raise ConfigError(f"audit.detector: formats must be among {', '.join(DETECTOR_FORMATS)}, got {bad}")
+    alternatives = [f for f in dict.fromkeys(alternatives) if f != stated]
+    if not alternatives:
+        raise ConfigError("audit.detector.alternatives needs at least one format other than the stated one")
+    scales = dict(d.get("scales") or {})
+    if any(f not in DETECTOR_FORMATS or not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0
+           for f, v in scales.items()):
+        raise ConfigError(f"audit.detector.scales: a positive number per format, got {scales!r}")
+    return {"stated": stated, "alternatives": alternatives, "calibrate": bool(d.get("calibrate", True)),
+            "scales": scales}
+
+
+def _forward(loaded, reference: str, memo: dict[str, Forward] | None) -> Forward:
+    """stated_reference, made once per reference where a memo is kept (a 16-bit model loaded once a run)."""
+    if memo is None:
+        return stated_reference(loaded, reference)
+    if reference not in memo:
+        memo[reference] = stated_reference(loaded, reference)
+    return memo[reference]
+
+
+def detector_scales(loaded, detector: dict, memo: dict[str, Forward] | None = None) -> dict[str, float]:
+    """The hypotheses' widths: measured (calibrate_scales on the built-in passages: HF's forward in each format and,
+    for float32, our engine's fp32 one) unless given or switched off."""
+    from toolkit.workload import passages
+
+    formats = [detector["stated"], *detector["alternatives"]]
+    scales = {f: DEFAULT_SCALES[f] for f in formats}
+    todo = [f for f in formats if f not in detector["scales"]]
+    if detector["calibrate"] and todo and loaded.tokenizer is not None:
+        sequences = [loaded.tokenizer.encode(text)[:96] for text in passages()[:3]]
+        scales.update(calibrate_scales(
+            todo, [s for s in sequences if len(s) > 1], lambda f: _forward(loaded, RECOMPUTATION[f], memo),
+            lambda f: [stated_reference(loaded, r) for r in (f"hf@{f}", f"ours@{f}") if r != RECOMPUTATION[f]]))
+    scales.update(detector["scales"])
+    return scales
+
+
+def run_detector(records: list[Transcript], loaded, detector: dict, scales: dict[str, float], *, atol: float,
+                 done: dict[str, AuditReport] | None = None, memo: dict[str, Forward] | None = None
+                 ) -> dict[str, Any]:
+    """Every claim recomputed under each hypothesis (an audit already made with a hypothesis' reference is
+    reused), and the detector's answer per request and for the transcript as a whole."""
+    formats = [detector["stated"], *detector["alternatives"]]
+    residuals = {}
+    for f in formats:
+        reference = RECOMPUTATION[f]
+        report = (done or {}).get(reference) or audit_transcripts(
+            records, _forward(loaded, reference, memo), loaded, atol=atol, reference=reference)
+        residuals[f] = residuals_of(report)
+    detections = detect(residuals, scales, detector["stated"])
+    return {"scales": scales, "recomputed_by": {f: RECOMPUTATION[f] for f in formats},
+            "transcript": combined(detections, detector["stated"]),
+            "requests": [(r.request_id, r.stream, d) for r, d in zip(records, detections)]}
+
+
+def format_detection(detection: dict[str, Any]) -> str:
+    d = detection["transcript"].to_dict()
+    if not d["tokens"]:
+        return "detector: no token carries a usable claim"
+    posterior = ", ".join(f"{f} {p:.3g}" for f, p in d["posterior"].items())
+    scales = ", ".join(f"{f} {b:.3g}" for f, b in detection["scales"].items())
+    return (f"detector ({d['tokens']} tokens; widths {scales}): {d['verdict']}; llr per token vs the best "
+            f"alternative {d['llr_per_token']:.4g}; misfit {d['misfit']:.3g}; posterior {posterior}")
+
+
 def _atol(a: dict) -> float:
     atol = a.get("atol", 1e-4)
     if not (isinstance(atol, (int, float)) and not isinstance(atol, bool) and atol > 0):
@@ -403,8 +493,9 @@ def run_engine_mismatch(cfg: DictConfig, run_dir: Path, a: dict) -> int:
     """experiments/engine_mismatch.yaml: a transcript from each engine available here, each audited; one table
     (source, tokens, max and p99 |d logprob|, KL, share of ratios outside [0.5, 2]) and one histogram PNG."""
     from toolkit.audit import sources as src
-    from toolkit.engine import Engine, load_for
     from toolkit.config import EngineConfig
+    from toolkit.engine import Engine, load_for
+    from toolkit.models import load_model
 
     names = list(a["sources"])
     unknown = [n for n in names if n not in src.SOURCES]
@@ -414,6 +505,10 @@ def run_engine_mismatch(cfg: DictConfig, run_dir: Path, a: dict) -> int:
     model_cfg = from_mapping(ModelConfig, OmegaConf.to_container(cfg.model, resolve=True), section="model")
     engine_cfg = from_mapping(EngineConfig, OmegaConf.to_container(cfg.engine, resolve=True), section="engine")
     loaded, default_sampling, _ = load_for(model_cfg, engine_cfg, {})
+    detector = detector_config(a)
+    memo: dict[str, Forward] = {}  # the hypotheses' recomputations, each model loaded once
+    scales = detector_scales(loaded, detector, memo) if detector is not None else {}
+    detections: dict[str, tuple[str, Detection]] = {}  # source -> (what produced it, the detector's answer)
     chats = list(a.get("prompts") or src.DEFAULT_PROMPTS)
     prompts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
     max_tokens, k = int(a.get("max_tokens", 32)), int(a.get("top_logprobs", 5))
@@ -437,9 +532,14 @@ def run_engine_mismatch(cfg: DictConfig, run_dir: Path, a: dict) -> int:
                 continue
         elif name == "hf":
             fmt = src.hf_transcript(path, loaded, prompts, max_tokens, k)
-        else:
+        elif name == "server":
             fmt = src.server_transcript(path, Engine(loaded, engine_cfg, default_sampling), chats, max_tokens, k)
+        else:  # server_bf16
+            bf16 = load_model(dataclasses.replace(model_cfg, dtype="bfloat16"), engine_cfg.device)
+            fmt = src.server_transcript(path, Engine(bf16, engine_cfg, default_sampling), chats, max_tokens, k)
+            del bf16
         records, line_errors = read_transcripts(path, fmt, loaded.tokenizer, loaded.arch.vocab_size)
+        done: dict[str, AuditReport] = {}
         for reference in references:
             report = audit_transcripts(records, stated_reference(loaded, reference), loaded, atol=atol,
                                        reference=reference, source=str(path), fmt=fmt, line_errors=line_errors)
@@ -449,9 +549,18 @@ def run_engine_mismatch(cfg: DictConfig, run_dir: Path, a: dict) -> int:
                 "ratio_mean", "ratio_outside_share", "greedy_departures", "lines_rejected")},
                          "requests": d["requests"]})
             errors[f"{name} vs {reference}"] = [c.abs_error for c in report.checks]
+            done[reference] = report
+        if detector is not None:
+            truth = {"llama_cpp": "llama.cpp Q4_1", "server_bf16": "bfloat16"}.get(name, model_cfg.dtype)
+            found = run_detector(records, loaded, detector, scales, atol=atol, done=done, memo=memo)
+            detections[name] = (truth, found["transcript"])
     from toolkit.trace.writer import atomic_write_bytes
 
-    atomic_write_bytes(run_dir / "engine_mismatch.json", json.dumps(rows, indent=2).encode())
+    table = detection_table(detections, detector["stated"]) if detector is not None else []
+    atomic_write_bytes(run_dir / "engine_mismatch.json", json.dumps(
+        rows if detector is None else {"audits": rows, "detector": {
+            "stated": detector["stated"], "alternatives": detector["alternatives"], "scales": scales,
+            "windows": list(WINDOWS), "sources": table}}, indent=2).encode())
     try:
         plot_errors(run_dir / "engine_mismatch.png", errors)
     except ModuleNotFoundError as exc:
@@ -462,17 +571,63 @@ def run_engine_mismatch(cfg: DictConfig, run_dir: Path, a: dict) -> int:
         print(f"{r['source']:<10} {r['reference']:<9} {r['tokens']:>6} {_fmt(r['max_abs_error']):>9} "
               f"{_fmt(r['p50_abs_error']):>9} {_fmt(r['p99_abs_error']):>9} {_fmt(r['kl_mean']):>9} "
               f"{_fmt(r['ratio_outside_share'], '.2%'):>9} {r['greedy_departures']:>10}")
+    if detector is not None:
+        print(format_detection_table(table, detector, scales))
     print(f"engine_mismatch.json, engine_mismatch.png, transcripts/: {run_dir}")
     return 0
 
 
-def write_audit(run_dir: Path, reports: list[AuditReport]) -> dict[str, Any]:
+def detection_table(detections: dict[str, tuple[str, Detection]], stated: str) -> list[dict[str, Any]]:
+    """Per source: the detector's answer on its whole transcript, and per window size n the AUC of telling its
+    windows of n tokens from those of the sources that ran the stated format (their windows pooled; the score
+    is the llr per token, low meaning "not the stated format"). A source that ran the stated format gets the
+    share of its windows the detector accepts (llr > 0) instead."""
+    negatives = {n: [x for truth, d in detections.values() if truth == stated for x in window_scores(d, n)]
+                 for n in WINDOWS}
+    rows = []
+    for name, (truth, d) in detections.items():
+        row = {"source": name, "produced_by": truth, **d.to_dict()}
+        for n in WINDOWS:
+            scores = window_scores(d, n)
+            row[f"windows_{n}"] = len(scores)
+            if truth == stated:
+                row[f"accepted_{n}"] = sum(x > 0 for x in scores) / len(scores) if scores else None
+            else:
+                row[f"auc_{n}"] = auc([-x for x in scores], [-x for x in negatives[n]])
+        rows.append(row)
+    return rows
+
+
+def format_detection_table(rows: list[dict[str, Any]], detector: dict, scales: dict[str, float]) -> str:
+    widths = ", ".join(f"{f} {b:.3g}" for f, b in scales.items())
+    lines = [f"detector: stated {detector['stated']} vs {', '.join(detector['alternatives'])} (widths {widths}); "
+             f"AUC of 'not {detector['stated']}' per window of n tokens against the {detector['stated']} sources' "
+             f"windows (their share accepted instead), windows in ()",
+             f"{'source':<12} {'produced by':<15} {'tokens':>6} {'best':<9} {'llr/token':>9} "
+             + " ".join(f"{'n=' + str(n):>14}" for n in WINDOWS)]
+    for r in rows:
+        cells = []
+        for n in WINDOWS:
+            v = r.get(f"auc_{n}", r.get(f"accepted_{n}"))
+            tag = "" if f"auc_{n}" in r else " ok"
+            cells.append(f"{_fmt(v, '.3f') + tag + ' (' + str(r[f'windows_{n}']) + ')':>14}")
+        lines.append(f"{r['source']:<12} {r['produced_by']:<15} {r['tokens']:>6} {str(r['best']):<9} "
+                     f"{_fmt(r['llr_per_token'], '.3g'):>9} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def write_audit(run_dir: Path, reports: list[AuditReport], detection: dict[str, Any] | None = None) -> dict[str, Any]:
     from toolkit.trace.writer import atomic_write_bytes, atomic_write_table
 
     first = reports[0].to_dict()
     if len(reports) > 1:
         first["by_reference"] = {r.reference: r.to_dict() for r in reports}
         first["passed"] = all(r.passed for r in reports)
+    if detection is not None:
+        first["detector"] = {"scales": detection["scales"], "recomputed_by": detection["recomputed_by"],
+                             **detection["transcript"].to_dict(),
+                             "requests": [{"request_id": rid, "stream": stream, **d.to_dict()}
+                                          for rid, stream, d in detection["requests"]]}
     rows = [{"reference": r.reference, **{k: v for k, v in c.__dict__.items() if k not in ("kinds", "why")},
              "kinds": ",".join(c.kinds), "why": "; ".join(c.why)} for r in reports for c in r.checks]
     atomic_write_table(run_dir / "audit.parquet", pa.Table.from_pylist(rows) if rows else

@@ -3,6 +3,8 @@
 
 - `hf`: HF transformers `generate` on the same weights (format hf, via save_hf_generate);
 - `server`: our OpenAI-compatible server, driven by the `openai` client (format openai);
+- `server_bf16`: the same server running the model in bfloat16 (`model.dtype=bfloat16`): a transcript whose
+  precision is not the stated one, for the detector (toolkit.audit.detector);
 - `llama_cpp`: llama.cpp through llama-cpp-python on the original Q4_1 GGUF, its
   `create_completion(..., logprobs=k)` (format openai; another precision: the error is not zero).
 
@@ -19,7 +21,7 @@ from typing import Any, Sequence
 
 from toolkit.child import run_in_child
 
-SOURCES = ("hf", "server", "llama_cpp")
+SOURCES = ("hf", "server", "server_bf16", "llama_cpp")
 DEFAULT_PROMPTS = (
     "What is the capital of France?",
     "Write a haiku about autumn leaves.",
