@@ -155,14 +155,17 @@ def run_replay(cfg: DictConfig, run_dir: Path) -> int:
 
 
 def run_verify(cfg: DictConfig, run_dir: Path) -> int:
+    from toolkit.audit.shard import launcher, ray_options
     from toolkit.audit.verify import verify
 
     v = cfg.verify
     atol = v.get("atol", "auto")
     if atol != "auto" and not isinstance(atol, (int, float)):
         raise ConfigError(f"verify.atol must be a positive number or auto, got {atol!r}")
+    plain = OmegaConf.to_container(v, resolve=True)
+    ray = ray_options(plain, "verify") if launcher(plain, "verify") == "ray" else None
     report = verify(_trace_arg(cfg, "verify"), reference=v.get("reference", "ours"), atol=atol,
-                    reference_dtype=str(v.get("reference_dtype", "float64")), out_dir=run_dir)
+                    reference_dtype=str(v.get("reference_dtype", "float64")), out_dir=run_dir, ray=ray)
     print(report.summary_line())
     for c in report.failures:
         print(f"  first failure: {c.request_id}#{c.stream} position {c.position} token {c.token_id}: {c.reason}")

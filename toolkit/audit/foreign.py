@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from toolkit.audit.detector import (DEFAULT_SCALES, RECOMPUTATION, WINDOWS, Detection, auc, calibrate_scales, combined,
                                     detect, residuals_of, window_scores)
 from toolkit.audit.detector import FORMATS as DETECTOR_FORMATS
+from toolkit.audit.shard import audit_on_ray, launcher, progress_bar, ray_options
 from toolkit.audit.transcripts import FORMATS, LineError, Transcript, TranscriptError, read_transcripts
 from toolkit.audit.verify import reference_forward
 from toolkit.config import ModelConfig, SamplingParams, from_mapping
@@ -180,11 +181,16 @@ Forward = Callable[[list[int]], torch.Tensor]  # token ids -> float64 logits (T,
 
 
 def audit_transcripts(records: list[Transcript], forward: Forward, loaded, *, atol: float, reference: str,
-                      source: str = "", fmt: str = "", line_errors: list[LineError] | None = None) -> AuditReport:
+                      source: str = "", fmt: str = "", line_errors: list[LineError] | None = None,
+                      progress: Callable[[int], Any] | None = None) -> AuditReport:
+    """Each record recomputed on its own (so its values never depend on the others: toolkit.audit.shard);
+    `progress` is told each record's tokens as it is done."""
     report = AuditReport(source=source, fmt=fmt, reference=reference, atol=atol, line_errors=list(line_errors or []))
     eos = tuple(sorted(set(loaded.arch.eos_token_ids)))
     for record in records:
         report.requests.append(_audit_one(record, forward, loaded, atol, eos))
+        if progress is not None:
+            progress(len(record.prompt_token_ids) + len(record.output_token_ids))
     return report
 
 
@@ -323,6 +329,8 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
     if fmt not in FORMATS:
         raise AuditInputError(f"audit.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     references, atol, detector = _references(a), _atol(a), detector_config(a)
+    if launcher(a) == "ray":
+        ray_options(a)  # checked before the model loads
     if not Path(source).is_file():
         raise AuditInputError(f"audit.input {source!r} is not a file")
     model_cfg = from_mapping(ModelConfig, OmegaConf.to_container(cfg.model, resolve=True), section="model")
@@ -338,8 +346,17 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
         print(f"line {e.line}{' (' + e.request_id + ')' if e.request_id else ''}: {e.why}", file=sys.stderr)
     if not records:
         raise AuditInputError(f"no usable request in {source} ({len(line_errors)} lines rejected)")
-    reports = [audit_transcripts(records, stated_reference(loaded, r), loaded, atol=float(atol), reference=r,
-                                 source=str(source), fmt=fmt, line_errors=line_errors) for r in references]
+    if launcher(a) == "ray":
+        options = ray_options(a)
+        found = audit_on_ray(records, OmegaConf.to_container(cfg.model, resolve=True), references, atol, options)
+        reports = [AuditReport(source=str(source), fmt=fmt, reference=r, atol=atol, requests=requests,
+                               line_errors=list(line_errors)) for r, requests in zip(references, found)]
+    else:
+        tokens = sum(len(r.prompt_token_ids) + len(r.output_token_ids) for r in records) * len(references)
+        with progress_bar(tokens, "audit") as bar:
+            reports = [audit_transcripts(records, stated_reference(loaded, r), loaded, atol=float(atol), reference=r,
+                                         source=str(source), fmt=fmt, line_errors=line_errors, progress=bar.update)
+                       for r in references]
     detection = None
     if detector is not None:
         memo: dict[str, Forward] = {}

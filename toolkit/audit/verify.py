@@ -23,7 +23,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 import torch
@@ -39,6 +39,7 @@ from toolkit.runner import recompute_logits
 from toolkit.sampling import logsumexp_rows
 from toolkit.trace.writer import logits_digest
 from toolkit.audit.replay import load_recorded_config
+from toolkit.audit.shard import RayOptions, progress_bar
 from toolkit.trace.reader import TraceError, read_manifest, read_requests, read_samples
 from toolkit.trace.writer import atomic_write_table
 
@@ -132,7 +133,10 @@ def reference_forward(loaded, reference: str, dtype: torch.dtype = torch.float64
 
 
 def verify(run_dir: str | Path, *, reference: str = "ours", atol: float | str = "auto",
-           reference_dtype: str = "float64", out_dir: str | Path | None = None) -> VerifyReport:
+           reference_dtype: str = "float64", out_dir: str | Path | None = None, ray: RayOptions | None = None
+           ) -> VerifyReport:
+    """The trace's every sampled row recomputed teacher-forced and compared (on Ray workers when `ray` is given:
+    toolkit.audit.shard, the same report)."""
     run_dir = Path(run_dir)
     if reference not in ("ours", "hf", "exact"):
         raise ConfigError(f"verify.reference must be 'ours', 'hf' or 'exact', got {reference!r}")
@@ -150,28 +154,31 @@ def verify(run_dir: str | Path, *, reference: str = "ours", atol: float | str = 
     loaded = load_model(model_cfg, engine_cfg.device)
     if loaded.revision != manifest.get("weights_sha256"):
         raise TraceError("refusing to verify: the model weights differ from the recorded run's")
-    if reference == "exact":
-        if not manifest.get("batch_invariant", False):
-            raise ConfigError("verify.reference=exact needs a trace recorded with engine.batch_invariant=true "
-                              "(other runs' bits depend on their batches; use reference=ours)")
-        forward = lambda ids: recompute_logits(loaded.model, ids)  # noqa: E731
-    else:
-        forward = reference_forward(loaded, reference, REFERENCE_DTYPES[reference_dtype])
+    if reference == "exact" and not manifest.get("batch_invariant", False):
+        raise ConfigError("verify.reference=exact needs a trace recorded with engine.batch_invariant=true "
+                          "(other runs' bits depend on their batches; use reference=ours)")
     requests = {(r["request_id"], r["stream"]): r for r in read_requests(run_dir).to_pylist()}
     samples = read_samples(run_dir).to_pylist()
-    eos = tuple(sorted(set(loaded.arch.eos_token_ids) | (
-        {loaded.tokenizer.eos_token_id} if loaded.tokenizer and loaded.tokenizer.eos_token_id is not None else set())))
     report = VerifyReport(trace_dir=run_dir, reference=reference, atol=float(atol), run_dtype=run_dtype,
                           reference_dtype=reference_dtype)
 
     by_seq: dict[tuple[str, int], list[dict]] = {}
     for row in samples:
         by_seq.setdefault((row["request_id"], row["stream"]), []).append(row)
+    jobs = []
     for key, rows in by_seq.items():
         if key not in requests:
             raise TraceError(f"samples.parquet has rows for {key[0]}#{key[1]}, which requests.parquet lacks")
         rows.sort(key=lambda r: r["position"])
-        _verify_sequence(key, rows, requests[key], forward, loaded, eos, report)
+        jobs.append((key, rows, requests[key]))
+    if ray is not None:  # each sequence on its own in a Ray worker; the parts joined in this order
+        from toolkit.audit.shard import verify_on_ray
+
+        for part in verify_on_ray(jobs, OmegaConf.to_container(cfg.model, resolve=True), report, ray):
+            absorb(report, part)
+    else:
+        with progress_bar(sum(len(r) + len(q["prompt_token_ids"]) for _, r, q in jobs), "verify") as bar:
+            verify_sequences(jobs, loaded, report, progress=bar.update)
     report.sequences_checked = len(by_seq)
     if out_dir is not None:
         out_dir = Path(out_dir)
@@ -180,6 +187,35 @@ def verify(run_dir: str | Path, *, reference: str = "ours", atol: float | str = 
         atomic_write_table(out_dir / "verify.parquet", pa.Table.from_pylist(
             [c.__dict__ for c in report.checks]) if report.checks else pa.table({"request_id": pa.array([], pa.string())}))
     return report
+
+
+def verify_sequences(jobs: list[tuple[tuple[str, int], list[dict], dict]], loaded, report: VerifyReport,
+                     progress: Callable[[int], Any] | None = None) -> VerifyReport:
+    """Each (key, sample rows, request row) recomputed on its own with the report's reference, into `report`."""
+    if report.reference == "exact":
+        forward = lambda ids: recompute_logits(loaded.model, ids)  # noqa: E731
+    else:
+        forward = reference_forward(loaded, report.reference, REFERENCE_DTYPES[report.reference_dtype])
+    eos = tuple(sorted(set(loaded.arch.eos_token_ids) | (
+        {loaded.tokenizer.eos_token_id} if loaded.tokenizer and loaded.tokenizer.eos_token_id is not None else set())))
+    for key, rows, request in jobs:
+        _verify_sequence(key, rows, request, forward, loaded, eos, report)
+        if progress is not None:
+            progress(len(rows) + len(request["prompt_token_ids"]))
+    return report
+
+
+COUNTS = ("rows_checked", "greedy_rows", "greedy_argmax_mismatches", "near_tie_flips", "downstream_rows")
+
+
+def absorb(report: VerifyReport, part: VerifyReport) -> None:
+    """A later shard's report joined to the earlier ones': what one pass over both in order would give."""
+    for name in COUNTS:
+        setattr(report, name, getattr(report, name) + getattr(part, name))
+    if part.max_abs_diff > report.max_abs_diff:
+        report.max_abs_diff, report.max_at = part.max_abs_diff, part.max_at
+    report.failures += part.failures
+    report.checks += part.checks
 
 
 def _verify_sequence(key, rows, request, forward, loaded, eos, report: VerifyReport) -> None:

@@ -1,0 +1,168 @@
+"""The audit's recomputation sharded over Ray: `mode=audit audit.launcher=ray`.
+
+Every request is recomputed on its own (one no-cache forward of its prompt and tokens), so its values do not
+depend on which other requests share a worker: a shard is a contiguous run of requests, balanced by tokens,
+and a worker's answers are the local audit's. The driver splits the transcript into shards, hands them to one
+worker per CPU it is given (a Ray actor that loads the model once and keeps each reference's forward), and
+puts the answers back in shard order, so audit.json, audit.parquet and the converted trace are the local
+run's, value for value and in the same order. `audit.ray.address=null` starts a local cluster of
+`audit.ray.workers` CPUs; `auto` (or host:port) joins a running one.
+
+Ray is its own extra (`pip install 'toolkit[ray]'`), imported only here, when a run asks for it.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from toolkit.errors import ConfigError
+
+LAUNCHERS = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    address: str | None = None  # None: a local cluster; "auto" or host:port: a running one
+    workers: int = 2  # actors (one CPU each)
+    shards_per_worker: int = 4  # more shards than workers: a slow one does not hold the rest back
+    threads: int = 1  # torch threads in each worker
+
+
+def ray_options(a: dict, section: str = "audit") -> RayOptions:
+    """<section>.ray checked: a one-line error naming the field."""
+    r = dict(a.get("ray") or {})
+    unknown = sorted(set(r) - {"address", "workers", "shards_per_worker", "threads"})
+    if unknown:
+        raise ConfigError(f"{section}.ray: unknown keys {unknown}; known: address, workers, shards_per_worker, "
+                          f"threads")
+    options = RayOptions(**r)
+    for name in ("workers", "shards_per_worker", "threads"):
+        value = getattr(options, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{section}.ray.{name} must be a positive integer, got {value!r}")
+    if options.address is not None and not isinstance(options.address, str):
+        raise ConfigError(f"{section}.ray.address must be null, auto or host:port, got {options.address!r}")
+    return options
+
+
+def launcher(a: dict, section: str = "audit") -> str:
+    name = a.get("launcher", "local")
+    if name not in LAUNCHERS:
+        raise ConfigError(f"{section}.launcher must be one of {', '.join(LAUNCHERS)}, got {name!r}")
+    return name
+
+
+def split(weights: Sequence[int], shards: int) -> list[range]:
+    """Contiguous ranges of indices covering them all, at most `shards` of them, a shard closed where the
+    running weight first reaches the next equal share of the total (so none exceeds a share by more than one
+    item's weight)."""
+    n, total = len(weights), sum(weights)
+    shards = max(1, min(shards, n))
+    bounds, seen, k = [0], 0, 1
+    for i, w in enumerate(weights):
+        seen += w
+        if k < shards and seen >= total * k / shards:
+            bounds.append(i + 1)
+            k += 1
+    bounds.append(n)
+    return [range(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def in_order(results: dict[int, list[list]], width: int) -> list[list]:
+    """Shards' answers (shard index -> per column, a list), arrived in any order, joined per column in shard
+    order: the local run's order."""
+    return [[item for k in sorted(results) for item in results[k][j]] for j in range(width)]
+
+
+def progress_bar(total: int, what: str):
+    """tqdm on a terminal (tokens/s and ETA), nothing otherwise."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="tok", unit_scale=True, desc=what, disable=not sys.stderr.isatty(),
+                file=sys.stderr, leave=False)
+
+
+class _Worker:
+    """One Ray actor: the model loaded once, each reference's forward made once, shards done as asked."""
+
+    def __init__(self, model_cfg: dict[str, Any], threads: int):
+        import torch
+
+        from toolkit.config import ModelConfig, from_mapping
+        from toolkit.models import load_model
+
+        torch.set_num_threads(threads)
+        self.loaded = load_model(from_mapping(ModelConfig, model_cfg, section="model"), "cpu")
+        self.forwards: dict[str, Callable] = {}
+
+    def audit(self, index: int, records: list, references: list[str], atol: float) -> tuple[int, list[list]]:
+        from toolkit.audit.foreign import audit_transcripts, stated_reference
+
+        out = []
+        for reference in references:
+            if reference not in self.forwards:
+                self.forwards[reference] = stated_reference(self.loaded, reference)
+            report = audit_transcripts(records, self.forwards[reference], self.loaded, atol=atol, reference=reference)
+            out.append(report.requests)
+        return index, out
+
+    def verify(self, index: int, jobs: list, empty) -> tuple[int, Any]:
+        from toolkit.audit.verify import verify_sequences
+
+        return index, verify_sequences(jobs, self.loaded, empty)
+
+
+def _on_ray(model_cfg: dict[str, Any], options: RayOptions, weights: list[int], what: str,
+            call: Callable[[Any, int, range], Any]) -> dict[int, Any]:
+    """Shards of the items (by weight) done by Ray workers: shard index -> what `call(worker, index, shard)`'s
+    remote call returned (index, answer), in the order they arrived."""
+    try:
+        import ray
+        from ray.util import ActorPool
+    except ModuleNotFoundError:
+        raise ConfigError(f"{what}.launcher=ray needs Ray: pip install 'toolkit[ray]'") from None
+    started = not ray.is_initialized()
+    if started:
+        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
+        if options.address is None:
+            kwargs["num_cpus"] = options.workers * options.threads
+        ray.init(address=options.address, **kwargs)
+    try:
+        shards = split(weights, options.workers * options.shards_per_worker)
+        actor = ray.remote(num_cpus=options.threads)(_Worker)
+        pool = ActorPool([actor.remote(model_cfg, options.threads) for _ in range(min(options.workers, len(shards)))])
+        results: dict[int, Any] = {}
+        with progress_bar(sum(weights), f"{what} on Ray") as bar:
+            for k, shard in enumerate(shards):
+                pool.submit(lambda w, job: call(w, *job), (k, shard))
+            while pool.has_next():
+                index, answer = pool.get_next_unordered()
+                results[index] = answer
+                bar.update(sum(weights[i] for i in shards[index]))
+        return results
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def audit_on_ray(records: list, model_cfg: dict[str, Any], references: list[str], atol: float,
+                 options: RayOptions) -> list[list]:
+    """Per reference, the RequestReports of every record, in the records' order, computed by Ray workers."""
+    weights = [len(r.prompt_token_ids) + len(r.output_token_ids) for r in records]
+    results = _on_ray(model_cfg, options, weights, "audit",
+                      lambda w, k, shard: w.audit.remote(k, [records[i] for i in shard], references, atol))
+    return in_order(results, len(references))
+
+
+def verify_on_ray(jobs: list, model_cfg: dict[str, Any], report, options: RayOptions) -> list:
+    """Partial VerifyReports of the sequences (key, rows, request) in shards, in the sequences' order; each
+    worker fills an empty copy of `report` (its reference, format and tolerance)."""
+    from dataclasses import replace
+
+    weights = [len(rows) + len(request["prompt_token_ids"]) for _, rows, request in jobs]
+    empty = replace(report, failures=[], checks=[])
+    results = _on_ray(model_cfg, options, weights, "verify",
+                      lambda w, k, shard: w.verify.remote(k, [jobs[i] for i in shard], empty))
+    return [results[k] for k in sorted(results)]
