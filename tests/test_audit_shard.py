@@ -100,8 +100,8 @@ def test_a_ray_sharded_verify_equals_the_local_one(tmp_path):
         print(f"SKIP reason: {RAY_MISSING}")
         pytest.skip(RAY_MISSING)
     trace = tmp_path / "trace"
-    proc = _cli("model=tiny", f"hydra.run.dir={trace}", "workload.num_requests=24", "workload.min_tokens=4", "workload.max_tokens=12",
-                "print_outputs=false", "report.auto=false")
+    proc = _cli("model=tiny", f"hydra.run.dir={trace}", "workload.num_requests=24", "workload.min_tokens=4",
+                "workload.max_tokens=12", "print_outputs=false", "report.auto=false")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = {}
     for name, extra in [("local", []), ("ray", ["verify.launcher=ray"])]:
