@@ -112,3 +112,16 @@ def test_a_ray_sharded_verify_equals_the_local_one(tmp_path):
     assert local["sequences_checked"] == 24 and local["rows_checked"] > 24 and local["passed"]
     assert ray == local
     assert _table(out["local"] / "verify.parquet") == _table(out["ray"] / "verify.parquet")
+
+
+def test_packed_recomputation_gives_each_request_the_bits_it_gets_alone(tiny, many):
+    from toolkit.audit.foreign import EngineForward, audit_transcripts
+    from toolkit.audit.transcripts import read_transcripts
+
+    records, _ = read_transcripts(many, "hf", tiny.tokenizer, tiny.arch.vocab_size)
+    records = records[:40]
+    packed = EngineForward(tiny.model, max_tokens=300)  # several forwards of several requests each
+    alone = lambda ids: packed(ids)  # noqa: E731  (no `many`: one request a forward)
+    a, b = (audit_transcripts(records, f, tiny, atol=1e-4, reference="ours@float32").to_dict() for f in (packed, alone))
+    assert a == b and a["tokens"] == 40 * 8
+    assert [r["request_id"] for r in a["requests"]] == [r.request_id for r in records]

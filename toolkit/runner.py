@@ -213,3 +213,42 @@ def recompute_logits(model: torch.nn.Module, token_ids: list[int], *, batch_inva
     runner = ModelRunner(model, cache, device, "kernel" if batch_invariant else "sdpa", batch_invariant=batch_invariant)
     chunk = ScheduledChunk("recompute", tuple(token_ids), 0, tuple(range(blocks)), samples=True, num_logits=n)
     return runner.run(ScheduledBatch(step=0, chunks=(chunk,), num_decode_tokens=0, num_prefill_tokens=n)).logits_RV
+
+
+def recompute_many(model: torch.nn.Module, sequences: list[list[int]], last: list[int], *, block_size: int = 16,
+                   max_tokens: int = 2048) -> list[torch.Tensor]:
+    """fp32 logits of the last `last[i]` positions of each `sequences[i]` (row t predicts token t + 1), the
+    sequences packed into prefills of up to `max_tokens` tokens through the engine's batch-invariant kernels:
+    the very bits `recompute_logits` gives each one alone (the audit's batched recomputation). Where the
+    kernel refuses the model's shapes they run one at a time (sdpa's bits depend on the packing)."""
+    if _kernel_refuses(model, block_size) or model.embed.device.type != "cpu":
+        return [recompute_logits(model, ids, batch_invariant=False)[len(ids) - k:] for ids, k in zip(sequences, last)]
+    out: list[torch.Tensor | None] = [None] * len(sequences)
+    group: list[int] = []
+    for i, ids in enumerate(sequences):
+        if group and sum(len(sequences[j]) for j in group) + len(ids) > max_tokens:
+            _packed(model, sequences, last, group, block_size, out)
+            group = []
+        group.append(i)
+    if group:
+        _packed(model, sequences, last, group, block_size, out)
+    return out  # type: ignore[return-value]
+
+
+def _packed(model, sequences, last, group: list[int], block_size: int, out: list) -> None:
+    layers, kv_heads, head_dim = model.kv_shape
+    blocks = [-(-len(sequences[i]) // block_size) for i in group]
+    cache = PagedKVCache(layers, sum(blocks), block_size, kv_heads, head_dim, model.embed.dtype, model.embed.device)
+    runner = ModelRunner(model, cache, model.embed.device, "kernel", batch_invariant=True)
+    chunks, first = [], 0
+    for i, b in zip(group, blocks):
+        chunks.append(ScheduledChunk(str(i), tuple(sequences[i]), 0, tuple(range(first, first + b)), samples=True,
+                                     num_logits=last[i]))
+        first += b
+    tokens = sum(len(sequences[i]) for i in group)
+    result = runner.run(ScheduledBatch(step=0, chunks=tuple(chunks), num_decode_tokens=0, num_prefill_tokens=tokens))
+    row = 0
+    for chunk in result.sample_chunks:  # the rows come in the runner's chunk order
+        out[int(chunk.seq_id)] = result.logits_RV[row:row + chunk.num_logits]
+        row += chunk.num_logits
+

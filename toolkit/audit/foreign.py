@@ -27,6 +27,7 @@ import dataclasses
 import json
 import math
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,11 +188,30 @@ def audit_transcripts(records: list[Transcript], forward: Forward, loaded, *, at
     `progress` is told each record's tokens as it is done."""
     report = AuditReport(source=source, fmt=fmt, reference=reference, atol=atol, line_errors=list(line_errors or []))
     eos = tuple(sorted(set(loaded.arch.eos_token_ids)))
-    for record in records:
-        report.requests.append(_audit_one(record, forward, loaded, atol, eos))
-        if progress is not None:
-            progress(len(record.prompt_token_ids) + len(record.output_token_ids))
+    many = getattr(forward, "many", None)  # a reference that packs several records in one forward
+    for group in _groups(records, getattr(forward, "max_tokens", 0) if many else 0):
+        todo = [r for r in group if r.prompt_token_ids and r.output_token_ids]
+        packed = dict(zip(map(id, todo), many([(r.prompt_token_ids + r.output_token_ids)[:-1] for r in todo],
+                                              [len(r.output_token_ids) for r in todo]))) if many and todo else {}
+        for record in group:
+            report.requests.append(_audit_one(record, forward, loaded, atol, eos, packed.get(id(record))))
+            if progress is not None:
+                progress(len(record.prompt_token_ids) + len(record.output_token_ids))
     return report
+
+
+def _groups(records: list[Transcript], max_tokens: int) -> list[list[Transcript]]:
+    """Consecutive records of up to max_tokens tokens together (each alone when max_tokens is 0)."""
+    groups: list[list[Transcript]] = []
+    size = 0
+    for r in records:
+        n = len(r.prompt_token_ids) + len(r.output_token_ids)
+        if not groups or not max_tokens or size + n > max_tokens:
+            groups.append([])
+            size = 0
+        groups[-1].append(r)
+        size += n
+    return groups
 
 
 def _policy_params(record: Transcript) -> SamplingParams | None:
@@ -203,7 +223,9 @@ def _policy_params(record: Transcript) -> SamplingParams | None:
         return None
 
 
-def _audit_one(record: Transcript, forward: Forward, loaded, atol: float, eos: tuple[int, ...]) -> RequestReport:
+def _audit_one(record: Transcript, forward: Forward, loaded, atol: float, eos: tuple[int, ...],
+               logits: torch.Tensor | None = None) -> RequestReport:
+    """One record's checks; `logits` (one row per output token), when the reference computed them already."""
     from toolkit.processors import BatchView, RowState, apply_pipeline
 
     rep = RequestReport(record.request_id, record.stream, record.line, record.origin_engine,
@@ -218,7 +240,9 @@ def _audit_one(record: Transcript, forward: Forward, loaded, atol: float, eos: t
                              "kind": "no_prompt", "why": "an empty prompt: the first token has no context"})
         return rep
     tokens = prompt + output
-    logits = forward(tokens[:-1])[len(prompt) - 1:].double()  # row j predicts output[j]
+    if logits is None:
+        logits = forward(tokens[:-1])[len(prompt) - 1:]
+    logits = logits.double()  # row j predicts output[j]
     raw = torch.log_softmax(logits, dim=-1)
     params = _policy_params(record)
     processed = None
@@ -352,11 +376,17 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
         reports = [AuditReport(source=str(source), fmt=fmt, reference=r, atol=atol, requests=requests,
                                line_errors=list(line_errors)) for r, requests in zip(references, found)]
     else:
-        tokens = sum(len(r.prompt_token_ids) + len(r.output_token_ids) for r in records) * len(references)
-        with progress_bar(tokens, "audit") as bar:
-            reports = [audit_transcripts(records, stated_reference(loaded, r), loaded, atol=float(atol), reference=r,
-                                         source=str(source), fmt=fmt, line_errors=line_errors, progress=bar.update)
-                       for r in references]
+        tokens = sum(len(r.prompt_token_ids) + len(r.output_token_ids) for r in records)
+        reports = []
+        with progress_bar(tokens * len(references), "audit") as bar:
+            for r in references:
+                forward, start = stated_reference(loaded, r), time.perf_counter()
+                reports.append(audit_transcripts(records, forward, loaded, atol=float(atol), reference=r,
+                                                 source=str(source), fmt=fmt, line_errors=line_errors,
+                                                 progress=bar.update))
+                took = time.perf_counter() - start
+                print(f"{r}: {tokens} tokens recomputed in {took:.1f} s ({tokens / max(took, 1e-9):.0f} tok/s"
+                      f"{', packed' if hasattr(forward, 'many') else ', one request at a time'})")
     detection = None
     if detector is not None:
         memo: dict[str, Forward] = {}
@@ -403,12 +433,11 @@ def stated_reference(loaded, reference: str):
     if not dtype or (name, dtype) == ("ours", "float64"):
         return reference_forward(loaded, name)
     from toolkit.models import load_model
-    from toolkit.runner import recompute_logits
 
     if name == "ours":
         same = str(loaded.model.embed.dtype).removeprefix("torch.") == dtype
         model = loaded.model if same else load_model(dataclasses.replace(loaded.config, dtype=dtype)).model
-        return lambda ids: recompute_logits(model, ids).double()
+        return EngineForward(model)
     from toolkit.models.loading import hf_reference_model, load_checkpoint
 
     hf = hf_reference_model(load_checkpoint(loaded.config)).to(getattr(torch, dtype))
@@ -497,6 +526,24 @@ def format_detection(detection: dict[str, Any]) -> str:
     scales = ", ".join(f"{f} {b:.3g}" for f, b in detection["scales"].items())
     return (f"detector ({d['tokens']} tokens; widths {scales}): {d['verdict']}; llr per token vs the best "
             f"alternative {d['llr_per_token']:.4g}; misfit {d['misfit']:.3g}; posterior {posterior}")
+
+
+class EngineForward:
+    """Our engine's own forward as an audit reference: one sequence (`forward(ids)`), or many packed into
+    prefills of up to `max_tokens` (`many`), bit for bit the same (toolkit.runner.recompute_many)."""
+
+    def __init__(self, model, max_tokens: int = 2048):
+        self.model, self.max_tokens = model, max_tokens
+
+    def __call__(self, ids: list[int]) -> torch.Tensor:
+        from toolkit.runner import recompute_logits
+
+        return recompute_logits(self.model, ids).double()
+
+    def many(self, sequences: list[list[int]], last: list[int]) -> list[torch.Tensor]:
+        from toolkit.runner import recompute_many
+
+        return [x.double() for x in recompute_many(self.model, sequences, last, max_tokens=self.max_tokens)]
 
 
 def _atol(a: dict) -> float:
