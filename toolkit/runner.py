@@ -186,16 +186,16 @@ class ModelRunner:
         return ModelOutput(logits_RV=logits, sample_chunks=inputs.sample_chunks, forward_s=time.perf_counter() - t)
 
 
-def _kernel_refuses(model: torch.nn.Module, block_size: int) -> bool:
-    """Whether the native attention kernel, built here, refuses this model's shapes on its cache (a 16-bit
-    cache: head_dim 64 or 128 only)."""
+def _kernel_runs(model: torch.nn.Module, block_size: int) -> bool:
+    """Whether the native attention kernel runs this model here: on the CPU, built (not switched off), and taking
+    its shapes on its cache (a 16-bit cache: head_dim 64 or 128 only)."""
     from toolkit import kernels
 
     if model.embed.device.type != "cpu" or not kernels.available():
         return False
     a = model.arch
-    return not kernels.native().attention_supports(a.num_heads, a.num_kv_heads, a.head_dim, block_size,
-                                                   model.embed.dtype != torch.float32)
+    return kernels.native().attention_supports(a.num_heads, a.num_kv_heads, a.head_dim, block_size,
+                                               model.embed.dtype != torch.float32)
 
 
 def recompute_logits(model: torch.nn.Module, token_ids: list[int], *, batch_invariant: bool = True,
@@ -207,7 +207,7 @@ def recompute_logits(model: torch.nn.Module, token_ids: list[int], *, batch_inva
     n = len(token_ids)
     blocks = -(-n // block_size)
     device = model.embed.device
-    if batch_invariant and _kernel_refuses(model, block_size):
+    if batch_invariant and not _kernel_runs(model, block_size):
         batch_invariant = False  # the engine runs such a model on sdpa too (toolkit.backends.attention_backend)
     cache = PagedKVCache(layers, blocks, block_size, kv_heads, head_dim, model.embed.dtype, device)
     runner = ModelRunner(model, cache, device, "kernel" if batch_invariant else "sdpa", batch_invariant=batch_invariant)
@@ -220,8 +220,9 @@ def recompute_many(model: torch.nn.Module, sequences: list[list[int]], last: lis
     """fp32 logits of the last `last[i]` positions of each `sequences[i]` (row t predicts token t + 1), the
     sequences packed into prefills of up to `max_tokens` tokens through the engine's batch-invariant kernels:
     the very bits `recompute_logits` gives each one alone (the audit's batched recomputation). Where the
-    kernel refuses the model's shapes they run one at a time (sdpa's bits depend on the packing)."""
-    if _kernel_refuses(model, block_size) or model.embed.device.type != "cpu":
+    kernel does not run (not built here, or the model's shapes) they run one at a time on sdpa, whose bits
+    depend on the packing."""
+    if not _kernel_runs(model, block_size):
         return [recompute_logits(model, ids, batch_invariant=False)[len(ids) - k:] for ids, k in zip(sequences, last)]
     out: list[torch.Tensor | None] = [None] * len(sequences)
     group: list[int] = []

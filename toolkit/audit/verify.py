@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 
 from toolkit.config import EngineConfig, ModelConfig, SamplingParams, from_mapping
 from toolkit.errors import ConfigError
+from toolkit.kernels import available as kernels_available
 from toolkit.models import load_model
 from toolkit.processors import BatchView, RowState, apply_pipeline
 from toolkit.processors.masks import resolve_bad_words
@@ -157,6 +158,9 @@ def verify(run_dir: str | Path, *, reference: str = "ours", atol: float | str = 
     if reference == "exact" and not manifest.get("batch_invariant", False):
         raise ConfigError("verify.reference=exact needs a trace recorded with engine.batch_invariant=true "
                           "(other runs' bits depend on their batches; use reference=ours)")
+    if reference == "exact" and not kernels_available():
+        raise ConfigError("verify.reference=exact needs the native kernels (the batch-invariant bits), which do not "
+                          "run here; use reference=ours")
     requests = {(r["request_id"], r["stream"]): r for r in read_requests(run_dir).to_pylist()}
     samples = read_samples(run_dir).to_pylist()
     report = VerifyReport(trace_dir=run_dir, reference=reference, atol=float(atol), run_dtype=run_dtype,
