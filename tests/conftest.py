@@ -46,6 +46,11 @@ NATIVE_OFF = kernels.switched_off()
 NATIVE_OFF_REASON = ("TOOLKIT_NATIVE=0 switches the native kernels off, and this test checks them or a mode only "
                      "they give")
 native_only = pytest.mark.skipif(NATIVE_OFF, reason=NATIVE_OFF_REASON)
+# a slow test of what does not change with the kernels (Ray's sharding, an experiment's table): run once, in
+# `make test`; the fallback run (TOOLKIT_NATIVE=0) skips it with this reason
+ONCE_REASON = ("TOOLKIT_NATIVE=0: this test's subject does not depend on the native kernels and it is slow; it "
+               "runs in make test")
+once = pytest.mark.skipif(NATIVE_OFF, reason=ONCE_REASON)
 # engine.batch_invariant=true where the kernels run (its bits), the default mode with the switch off
 BATCH_INVARIANT_OVERRIDE = f"engine.batch_invariant={str(not NATIVE_OFF).lower()}"
 # the attention backends an engine can be asked for here, the native kernel first

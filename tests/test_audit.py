@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from toolkit.audit.foreign import audit_transcripts, reference_forward
 from toolkit.audit.sources import hf_transcript, llama_cpp_missing, llama_cpp_transcript, server_transcript
 from toolkit.audit.transcripts import TokenMap, read_transcripts
-from toolkit.errors import ForeignEngineError
+from toolkit.errors import ConfigError, ForeignEngineError
 
 ROOT = Path(__file__).resolve().parents[1]
 CHATS = ("What is the capital of France?", "Write a haiku about rain.", "Name three colours.")
@@ -113,6 +113,35 @@ def test_processed_claims_are_recomputed_through_the_stated_policy(tiny, tmp_pat
     bad = _audit(_write(tmp_path / "outside.jsonl", objs), "hf", tiny)
     flag = _first_flag(bad, o["request_id"])
     assert flag["position"] == len(o["prompt_token_ids"]) and "outside_support" in flag["kind"]
+
+
+def test_policy_fields_a_request_leaves_out_are_labelled_and_taken_from_the_stated_defaults(tiny, tmp_path):
+    """A request that states temperature only: top_p / top_k / min_p are what a server's defaults make them. The
+    audit says which it assumed and from where; given a server's top_k, a token outside it is flagged."""
+    import torch
+
+    from toolkit.audit.foreign import assume_sampling, sampling_defaults
+    from toolkit.reference import reference_logits
+
+    prompt = tiny.tokenizer.apply_chat_template([{"role": "user", "content": "Pick a word."}])
+    logits = reference_logits(tiny.model, prompt)[-1]
+    rare = int(torch.argsort(logits, descending=True)[200])  # outside a top-20, inside "all tokens"
+    line = {"request_id": "r0", "prompt_token_ids": prompt, "output_token_ids": [rare],
+            "logprobs": [float(torch.log_softmax(logits.double(), -1)[rare])], "sampling": {"temperature": 1.0}}
+    path = _write(tmp_path / "t.jsonl", [line])
+    reports = {}
+    for given in ("library", {"top_k": 20}):
+        label, defaults = sampling_defaults({"sampling_defaults": given}, tiny)
+        records, errors = read_transcripts(path, "token_ids", tiny.tokenizer, tiny.arch.vocab_size)
+        assume_sampling(records, defaults)
+        reports[label] = audit_transcripts(records, reference_forward(tiny, "ours"), tiny, atol=1e-4,
+                                           reference="ours").to_dict()["requests"][0]
+    library, server = reports["library defaults"], reports["audit.sampling_defaults"]
+    assert library["sampling_assumed"] == {"top_p": 1.0, "top_k": -1, "min_p": 0.0} and library["flagged"] == []
+    assert server["sampling_assumed"] == {"top_p": 1.0, "top_k": 20, "min_p": 0.0}
+    assert [f["kind"] for f in server["flagged"]] == ["outside_support"]
+    with pytest.raises(ConfigError, match="audit.sampling_defaults must be library, model or a mapping"):
+        sampling_defaults({"sampling_defaults": {"seed": 3}}, tiny)
 
 
 def test_greedy_departure_is_the_first_non_argmax_position(hf_tiny, tiny, tmp_path):

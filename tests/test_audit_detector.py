@@ -26,6 +26,8 @@ from toolkit.audit.sources import hf_transcript
 from toolkit.audit.transcripts import read_transcripts
 from toolkit.errors import ConfigError
 
+from tests.conftest import once
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -171,11 +173,14 @@ def test_cli_writes_the_detector_and_refuses_a_bad_one(hf_tiny, tmp_path):
     assert detector_config({"detector": {"alternatives": []}}) is None
 
 
+@once
 def test_engine_mismatch_tabulates_detection_per_source_and_window(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "experiment=engine_mismatch", "model=tiny",
                            f"hydra.run.dir={out}", "audit.sources=[hf,server,server_bf16]", "audit.max_tokens=40",
-                           "audit.prompts=[Name a river.,Count to four.,Say hello twice.,Write one word.]"],
+                           "audit.prompts=[Name a river.,Count to four.,Say hello twice.,Write one word.]",
+                           # the tiny model's widths, as calibrate_scales measured them (the test above)
+                           "audit.detector.scales={float32: 6.2e-7, bfloat16: 0.013, float16: 0.0019}"],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     d = json.loads((out / "engine_mismatch.json").read_text())

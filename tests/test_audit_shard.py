@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +22,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from toolkit.audit.shard import in_order, ray_options, split
-from toolkit.audit.sources import hf_transcript
 from toolkit.errors import ConfigError
+
+from tests.conftest import once
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY_MISSING = None if importlib.util.find_spec("ray") else "Ray is not installed (pip install 'toolkit[ray]')"
@@ -67,15 +69,21 @@ def _table(path, drop=("run_id",)):
 
 @pytest.fixture(scope="module")
 def many(tiny, tmp_path_factory):
-    """200 transcripts of the tiny model (HF generate, 8 tokens each)."""
+    """200 transcripts for the tiny model: token ids of random lengths, each claim some logprob (what the
+    sharding must keep is every recomputed value and its order, whatever was claimed)."""
     path = tmp_path_factory.mktemp("shard") / "many.jsonl"
-    words = "river mountain city robot garden ocean planet violin forest desert".split()
-    prompts = [tiny.tokenizer.apply_chat_template([{"role": "user", "content": f"The {words[i % 10]} number {i}."}])
-               for i in range(200)]
-    hf_transcript(path, tiny, prompts, max_tokens=8)
+    g = random.Random(0)
+    lines = []
+    for i in range(200):
+        output = [g.randrange(100, 40000) for _ in range(8)]
+        prompt = [g.randrange(100, 40000) for _ in range(g.randrange(4, 24))]
+        lines.append({"request_id": f"r{i}", "prompt_token_ids": prompt, "output_token_ids": output,
+                      "logprobs": [-g.uniform(5, 15) for _ in output], "sampling": {"temperature": 1.0}})
+    path.write_text("".join(json.dumps(o) + "\n" for o in lines))
     return path
 
 
+@once
 def test_a_ray_sharded_audit_equals_the_local_one(many, tmp_path):
     if RAY_MISSING:
         print(f"SKIP reason: {RAY_MISSING}")
@@ -83,35 +91,35 @@ def test_a_ray_sharded_audit_equals_the_local_one(many, tmp_path):
     runs = {}
     for name, extra in [("local", []), ("ray", ["audit.launcher=ray", "audit.ray.shards_per_worker=8"])]:
         out = tmp_path / name
-        proc = _cli("mode=audit", "model=tiny", f"hydra.run.dir={out}", f"audit.input={many}", "audit.format=hf",
-                    "audit.reference=[ours,ours@float32]", *extra)
-        assert proc.returncode == 0, proc.stderr[-2000:]
+        proc = _cli("mode=audit", "model=tiny", f"hydra.run.dir={out}", f"audit.input={many}",
+                    "audit.format=token_ids", "audit.reference=ours@float32", *extra)
+        assert proc.returncode == 1, proc.stderr[-2000:]  # the random claims are flagged: exit code 1
         runs[name] = out
     local, ray = (json.loads((runs[n] / "audit.json").read_text()) for n in ("local", "ray"))
-    assert local["tokens"] == 200 * 8 and len(local["requests"]) == 200
+    assert local["tokens"] == 200 * 8 and len(local["requests"]) == 200 and local["flagged_tokens"] > 0
     assert ray == local  # every value, every request in the same order, both references
     for name in ("audit.parquet", "requests.parquet", "samples.parquet"):
         a, b = (_table(runs[n] / name) for n in ("local", "ray"))
         assert a == b and len(a) >= 200, name
 
 
+@once
 def test_a_ray_sharded_verify_equals_the_local_one(tmp_path):
     if RAY_MISSING:
         print(f"SKIP reason: {RAY_MISSING}")
         pytest.skip(RAY_MISSING)
+    from toolkit.audit.shard import RayOptions
+    from toolkit.audit.verify import verify
+
     trace = tmp_path / "trace"
     proc = _cli("model=tiny", f"hydra.run.dir={trace}", "workload.num_requests=24", "workload.min_tokens=4",
                 "workload.max_tokens=12", "print_outputs=false", "report.auto=false")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    out = {}
-    for name, extra in [("local", []), ("ray", ["verify.launcher=ray"])]:
-        out[name] = tmp_path / name
-        proc = _cli("mode=verify", f"verify.trace={trace}", f"hydra.run.dir={out[name]}", *extra)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-    local, ray = (json.loads((out[n] / "verify.json").read_text()) for n in ("local", "ray"))
-    assert local["sequences_checked"] == 24 and local["rows_checked"] > 24 and local["passed"]
-    assert ray == local
-    assert _table(out["local"] / "verify.parquet") == _table(out["ray"] / "verify.parquet")
+    local = verify(trace, out_dir=tmp_path / "local")
+    ray = verify(trace, out_dir=tmp_path / "ray", ray=RayOptions(workers=2, shards_per_worker=4))
+    assert local.sequences_checked == 24 and local.rows_checked > 24 and local.passed
+    assert ray.to_dict() == local.to_dict()
+    assert _table(tmp_path / "local" / "verify.parquet") == _table(tmp_path / "ray" / "verify.parquet")
 
 
 def test_packed_recomputation_gives_each_request_the_bits_it_gets_alone(tiny, many):

@@ -40,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 from toolkit.audit.detector import (DEFAULT_SCALES, RECOMPUTATION, WINDOWS, Detection, auc, calibrate_scales, combined,
                                     detect, residuals_of, window_scores)
 from toolkit.audit.detector import FORMATS as DETECTOR_FORMATS
-from toolkit.audit.shard import audit_on_ray, launcher, progress_bar, ray_options
+from toolkit.audit.shard import in_order, launcher, progress_bar, ray_options, run_on_ray
 from toolkit.audit.transcripts import FORMATS, LineError, Transcript, TranscriptError, read_transcripts
 from toolkit.audit.verify import reference_forward
 from toolkit.config import ModelConfig, SamplingParams, from_mapping
@@ -87,6 +87,7 @@ class RequestReport:
     first_greedy_departure: int | None = None
     first_departure_margin: float | None = None  # the reference's logprob margin of its argmax there
     prompt_source: str = "given"  # given | encoded | rebuilt (toolkit.audit.transcripts.Transcript)
+    sampling_assumed: dict[str, Any] = field(default_factory=dict)  # policy fields not stated: the values taken
 
     def flagged(self) -> list[dict]:
         out = [{"position": c.position, "token_id": c.token_id, "claimed": c.claimed, "recomputed": c.recomputed,
@@ -101,7 +102,8 @@ class RequestReport:
         flagged = self.flagged()
         log_product = sum(math.log(r) for r in ratios if r > 0) if ratios and all(r > 0 for r in ratios) else None
         return {"request_id": self.request_id, "stream": self.stream, "line": self.line,
-                "origin_engine": self.origin_engine, "prompt": self.prompt_source, "tokens": self.tokens,
+                "origin_engine": self.origin_engine, "prompt": self.prompt_source,
+                "sampling_assumed": self.sampling_assumed, "tokens": self.tokens,
                 "output_tokens": self.output_tokens,
                 **_error_stats(errors), **_ratio_stats(ratios),
                 "sequence_log_ratio": log_product,
@@ -121,6 +123,7 @@ class AuditReport:
     atol: float
     requests: list[RequestReport] = field(default_factory=list)
     line_errors: list[LineError] = field(default_factory=list)
+    sampling_defaults: str = "library defaults"  # where the policy fields requests leave out were taken from
 
     @property
     def checks(self) -> list[TokenCheck]:
@@ -143,7 +146,8 @@ class AuditReport:
         seq = [r["sequence_ratio"] for r in per_request if r["sequence_ratio"] is not None]
         engines = sorted({r.origin_engine for r in self.requests})
         return {"source": self.source, "format": self.fmt, "origin_engines": engines, "reference": self.reference,
-                "atol": self.atol, "passed": self.passed, "tokens": len(errors), "flagged_tokens": self.flagged_tokens,
+                "atol": self.atol, "sampling_defaults": self.sampling_defaults, "passed": self.passed,
+                "tokens": len(errors), "flagged_tokens": self.flagged_tokens,
                 **_error_stats(errors), **_ratio_stats(ratios),
                 "kl_mean": sum(kls) / len(kls) if kls else None, "kl_max": max(kls) if kls else None,
                 "kl_tokens": len(kls),
@@ -200,6 +204,13 @@ def audit_transcripts(records: list[Transcript], forward: Forward, loaded, *, at
     return report
 
 
+def _audit_shard(loaded, memo: dict[str, Forward], records: list[Transcript], references: list[str],
+                 atol: float) -> list[list[RequestReport]]:
+    """A Ray worker's part of an audit (toolkit.audit.shard.run_on_ray): per reference, its records' reports."""
+    return [audit_transcripts(records, _forward(loaded, r, memo), loaded, atol=atol, reference=r).requests
+            for r in references]
+
+
 def _groups(records: list[Transcript], max_tokens: int) -> list[list[Transcript]]:
     """Consecutive records of up to max_tokens tokens together (each alone when max_tokens is 0)."""
     groups: list[list[Transcript]] = []
@@ -212,6 +223,41 @@ def _groups(records: list[Transcript], max_tokens: int) -> list[list[Transcript]
         groups[-1].append(r)
         size += n
     return groups
+
+
+ASSUMED_FIELDS = ("temperature", "top_p", "top_k", "min_p")  # what the support and greedy checks read
+
+
+def sampling_defaults(a: dict, loaded) -> tuple[str, dict[str, Any]]:
+    """audit.sampling_defaults: what a server uses for the policy fields a request leaves out. `library` (our
+    SamplingParams' defaults), `model` (the model's generation_config, as vLLM's `--generation-config auto`
+    does), or a mapping of fields; returned as (label, fields)."""
+    given = a.get("sampling_defaults", "library")
+    if given == "library":
+        return "library defaults", {}
+    if given == "model":
+        return "the model's generation_config", {k: v for k, v in (loaded.generation or {}).items()
+                                                 if k in ASSUMED_FIELDS}
+    if isinstance(given, dict) and set(given) <= set(ASSUMED_FIELDS):
+        try:
+            SamplingParams.from_mapping(dict(given))
+        except (ConfigError, TypeError, ValueError) as exc:
+            raise ConfigError(f"audit.sampling_defaults: {exc}") from None
+        return "audit.sampling_defaults", dict(given)
+    raise ConfigError(f"audit.sampling_defaults must be library, model or a mapping of {', '.join(ASSUMED_FIELDS)}, "
+                      f"got {given!r}")
+
+
+def assume_sampling(records: list[Transcript], defaults: dict[str, Any]) -> None:
+    """Each request that states a policy gets `defaults` (else the library's) for the fields it left out, and
+    says which it did not state and what was taken (RequestReport.sampling_assumed)."""
+    library = SamplingParams()
+    for r in records:
+        if r.sampling is None:
+            continue  # no policy stated at all: none is checked
+        missing = [k for k in ASSUMED_FIELDS if k not in r.sampling]
+        r.sampling_assumed = {k: defaults.get(k, getattr(library, k)) for k in missing}
+        r.sampling = {**r.sampling, **{k: defaults[k] for k in missing if k in defaults}}
 
 
 def _policy_params(record: Transcript) -> SamplingParams | None:
@@ -229,7 +275,8 @@ def _audit_one(record: Transcript, forward: Forward, loaded, atol: float, eos: t
     from toolkit.processors import BatchView, RowState, apply_pipeline
 
     rep = RequestReport(record.request_id, record.stream, record.line, record.origin_engine,
-                        output_tokens=len(record.output_token_ids), prompt_source=record.prompt_source)
+                        output_tokens=len(record.output_token_ids), prompt_source=record.prompt_source,
+                        sampling_assumed=dict(record.sampling_assumed))
     rep.problems = [{"position": p.position, "token_id": None, "claimed": None, "recomputed": None, "kind": p.kind,
                      "why": p.why} for p in record.problems]
     prompt, output = record.prompt_token_ids, record.output_token_ids
@@ -370,9 +417,18 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
         print(f"line {e.line}{' (' + e.request_id + ')' if e.request_id else ''}: {e.why}", file=sys.stderr)
     if not records:
         raise AuditInputError(f"no usable request in {source} ({len(line_errors)} lines rejected)")
+    defaults_from, defaults = sampling_defaults(a, loaded)
+    assume_sampling(records, defaults)
+    assumed = sum(bool(r.sampling_assumed) for r in records)
+    if assumed:
+        print(f"sampling: {assumed} of {len(records)} requests leave policy fields out; taken from {defaults_from} "
+              f"(audit.json: sampling_assumed per request)")
     if launcher(a) == "ray":
         options = ray_options(a)
-        found = audit_on_ray(records, OmegaConf.to_container(cfg.model, resolve=True), references, atol, options)
+        weights = [len(r.prompt_token_ids) + len(r.output_token_ids) for r in records]
+        found = in_order(run_on_ray(OmegaConf.to_container(cfg.model, resolve=True), options, weights, "audit",
+                                    _audit_shard, lambda shard: ([records[i] for i in shard], references, atol)),
+                         len(references))
         reports = [AuditReport(source=str(source), fmt=fmt, reference=r, atol=atol, requests=requests,
                                line_errors=list(line_errors)) for r, requests in zip(references, found)]
     else:
@@ -387,6 +443,8 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
                 took = time.perf_counter() - start
                 print(f"{r}: {tokens} tokens recomputed in {took:.1f} s ({tokens / max(took, 1e-9):.0f} tok/s"
                       f"{', packed' if hasattr(forward, 'many') else ', one request at a time'})")
+    for report in reports:
+        report.sampling_defaults = defaults_from
     detection = None
     if detector is not None:
         memo: dict[str, Forward] = {}

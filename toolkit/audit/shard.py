@@ -85,7 +85,8 @@ def progress_bar(total: int, what: str):
 
 
 class _Worker:
-    """One Ray actor: the model loaded once, each reference's forward made once, shards done as asked."""
+    """One Ray actor: the model loaded once; each shard handed to the function the caller names, with the model
+    and a memo that outlives the shard (each reference's forward made once)."""
 
     def __init__(self, model_cfg: dict[str, Any], threads: int):
         import torch
@@ -95,29 +96,16 @@ class _Worker:
 
         torch.set_num_threads(threads)
         self.loaded = load_model(from_mapping(ModelConfig, model_cfg, section="model"), "cpu")
-        self.forwards: dict[str, Callable] = {}
+        self.memo: dict[str, Any] = {}
 
-    def audit(self, index: int, records: list, references: list[str], atol: float) -> tuple[int, list[list]]:
-        from toolkit.audit.foreign import audit_transcripts, stated_reference
-
-        out = []
-        for reference in references:
-            if reference not in self.forwards:
-                self.forwards[reference] = stated_reference(self.loaded, reference)
-            report = audit_transcripts(records, self.forwards[reference], self.loaded, atol=atol, reference=reference)
-            out.append(report.requests)
-        return index, out
-
-    def verify(self, index: int, jobs: list, empty) -> tuple[int, Any]:
-        from toolkit.audit.verify import verify_sequences
-
-        return index, verify_sequences(jobs, self.loaded, empty)
+    def run(self, index: int, work: Callable, args: tuple) -> tuple[int, Any]:
+        return index, work(self.loaded, self.memo, *args)
 
 
-def _on_ray(model_cfg: dict[str, Any], options: RayOptions, weights: list[int], what: str,
-            call: Callable[[Any, int, range], Any]) -> dict[int, Any]:
-    """Shards of the items (by weight) done by Ray workers: shard index -> what `call(worker, index, shard)`'s
-    remote call returned (index, answer), in the order they arrived."""
+def run_on_ray(model_cfg: dict[str, Any], options: RayOptions, weights: list[int], what: str, work: Callable,
+               args_of: Callable[[range], tuple]) -> dict[int, Any]:
+    """The items cut into shards by weight, each done by a Ray worker as `work(loaded, memo, *args_of(shard))`
+    (`work` a module-level function: Ray sends it by name); shard index -> answer, in the order they arrived."""
     try:
         import ray
         from ray.util import ActorPool
@@ -136,7 +124,7 @@ def _on_ray(model_cfg: dict[str, Any], options: RayOptions, weights: list[int], 
         results: dict[int, Any] = {}
         with progress_bar(sum(weights), f"{what} on Ray") as bar:
             for k, shard in enumerate(shards):
-                pool.submit(lambda w, job: call(w, *job), (k, shard))
+                pool.submit(lambda w, job: w.run.remote(job[0], work, args_of(job[1])), (k, shard))
             while pool.has_next():
                 index, answer = pool.get_next_unordered()
                 results[index] = answer
@@ -145,24 +133,3 @@ def _on_ray(model_cfg: dict[str, Any], options: RayOptions, weights: list[int], 
     finally:
         if started:
             ray.shutdown()
-
-
-def audit_on_ray(records: list, model_cfg: dict[str, Any], references: list[str], atol: float,
-                 options: RayOptions) -> list[list]:
-    """Per reference, the RequestReports of every record, in the records' order, computed by Ray workers."""
-    weights = [len(r.prompt_token_ids) + len(r.output_token_ids) for r in records]
-    results = _on_ray(model_cfg, options, weights, "audit",
-                      lambda w, k, shard: w.audit.remote(k, [records[i] for i in shard], references, atol))
-    return in_order(results, len(references))
-
-
-def verify_on_ray(jobs: list, model_cfg: dict[str, Any], report, options: RayOptions) -> list:
-    """Partial VerifyReports of the sequences (key, rows, request) in shards, in the sequences' order; each
-    worker fills an empty copy of `report` (its reference, format and tolerance)."""
-    from dataclasses import replace
-
-    weights = [len(rows) + len(request["prompt_token_ids"]) for _, rows, request in jobs]
-    empty = replace(report, failures=[], checks=[])
-    results = _on_ray(model_cfg, options, weights, "verify",
-                      lambda w, k, shard: w.verify.remote(k, [jobs[i] for i in shard], empty))
-    return [results[k] for k in sorted(results)]

@@ -19,6 +19,7 @@ and the rows after it are reported as depending on it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from toolkit.runner import recompute_logits
 from toolkit.sampling import logsumexp_rows
 from toolkit.trace.writer import logits_digest
 from toolkit.audit.replay import load_recorded_config
-from toolkit.audit.shard import RayOptions, progress_bar
+from toolkit.audit.shard import RayOptions, progress_bar, run_on_ray
 from toolkit.trace.reader import TraceError, read_manifest, read_requests, read_samples
 from toolkit.trace.writer import atomic_write_table
 
@@ -176,10 +177,12 @@ def verify(run_dir: str | Path, *, reference: str = "ours", atol: float | str = 
         rows.sort(key=lambda r: r["position"])
         jobs.append((key, rows, requests[key]))
     if ray is not None:  # each sequence on its own in a Ray worker; the parts joined in this order
-        from toolkit.audit.shard import verify_on_ray
-
-        for part in verify_on_ray(jobs, OmegaConf.to_container(cfg.model, resolve=True), report, ray):
-            absorb(report, part)
+        weights = [len(rows) + len(request["prompt_token_ids"]) for _, rows, request in jobs]
+        empty = dataclasses.replace(report, failures=[], checks=[])
+        parts = run_on_ray(OmegaConf.to_container(cfg.model, resolve=True), ray, weights, "verify", _verify_shard,
+                           lambda shard: ([jobs[i] for i in shard], empty))
+        for k in sorted(parts):
+            absorb(report, parts[k])
     else:
         with progress_bar(sum(len(r) + len(q["prompt_token_ids"]) for _, r, q in jobs), "verify") as bar:
             verify_sequences(jobs, loaded, report, progress=bar.update)
@@ -207,6 +210,11 @@ def verify_sequences(jobs: list[tuple[tuple[str, int], list[dict], dict]], loade
         if progress is not None:
             progress(len(rows) + len(request["prompt_token_ids"]))
     return report
+
+
+def _verify_shard(loaded, memo: dict, jobs: list, empty: VerifyReport) -> VerifyReport:
+    """A Ray worker's part of a verify (toolkit.audit.shard.run_on_ray): its sequences into an empty report."""
+    return verify_sequences(jobs, loaded, empty)
 
 
 COUNTS = ("rows_checked", "greedy_rows", "greedy_argmax_mismatches", "near_tie_flips", "downstream_rows")
