@@ -130,8 +130,8 @@ def test_policy_fields_a_request_leaves_out_are_labelled_and_taken_from_the_stat
             "logprobs": [float(torch.log_softmax(logits.double(), -1)[rare])], "sampling": {"temperature": 1.0}}
     path = _write(tmp_path / "t.jsonl", [line])
     reports = {}
-    for given in ("library", {"top_k": 20}):
-        label, defaults = sampling_defaults({"sampling_defaults": given}, tiny)
+    for stated in ("library", {"top_k": 20}):
+        label, defaults = sampling_defaults({"sampling_defaults": stated}, tiny)
         records, errors = read_transcripts(path, "token_ids", tiny.tokenizer, tiny.arch.vocab_size)
         assume_sampling(records, defaults)
         reports[label] = audit_transcripts(records, reference_forward(tiny, "ours"), tiny, atol=1e-4,
