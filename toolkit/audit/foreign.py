@@ -200,7 +200,7 @@ def audit_transcripts(records: list[Transcript], forward: Forward, loaded, *, at
         for record in group:
             report.requests.append(_audit_one(record, forward, loaded, atol, eos, packed.get(id(record))))
             if progress is not None:
-                progress(len(record.prompt_token_ids) + len(record.output_token_ids))
+                progress(_size(record))
     return report
 
 
@@ -211,12 +211,17 @@ def _audit_shard(loaded, memo: dict[str, Forward], records: list[Transcript], re
             for r in references]
 
 
+def _size(record: Transcript) -> int:
+    """The tokens a record's recomputation reads: its shard weight, its share of a packed forward, its progress."""
+    return len(record.prompt_token_ids) + len(record.output_token_ids)
+
+
 def _groups(records: list[Transcript], max_tokens: int) -> list[list[Transcript]]:
     """Consecutive records of up to max_tokens tokens together (each alone when max_tokens is 0)."""
     groups: list[list[Transcript]] = []
     size = 0
     for r in records:
-        n = len(r.prompt_token_ids) + len(r.output_token_ids)
+        n = _size(r)
         if not groups or not max_tokens or size + n > max_tokens:
             groups.append([])
             size = 0
@@ -425,14 +430,14 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
               f"(audit.json: sampling_assumed per request)")
     if launcher(a) == "ray":
         options = ray_options(a)
-        weights = [len(r.prompt_token_ids) + len(r.output_token_ids) for r in records]
+        weights = [_size(r) for r in records]
         found = in_order(run_on_ray(OmegaConf.to_container(cfg.model, resolve=True), options, weights, "audit",
                                     _audit_shard, lambda shard: ([records[i] for i in shard], references, atol)),
                          len(references))
         reports = [AuditReport(source=str(source), fmt=fmt, reference=r, atol=atol, requests=requests,
                                line_errors=list(line_errors)) for r, requests in zip(references, found)]
     else:
-        tokens = sum(len(r.prompt_token_ids) + len(r.output_token_ids) for r in records)
+        tokens = sum(map(_size, records))
         reports = []
         with progress_bar(tokens * len(references), "audit") as bar:
             for r in references:
