@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import torch
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -133,3 +134,68 @@ def test_packed_recomputation_gives_each_request_the_bits_it_gets_alone(tiny, ma
     a, b = (audit_transcripts(records, f, tiny, atol=1e-4, reference="ours@float32").to_dict() for f in (packed, alone))
     assert a == b and a["tokens"] == 40 * 8
     assert [r["request_id"] for r in a["requests"]] == [r.request_id for r in records]
+
+
+def _group_sequences(seed: int, prompts: int, samples: int, vocab: int,
+                     repeat: bool = False) -> tuple[list[list[int]], list[int]]:
+    """RL-shaped sequences: `samples` continuations of each of `prompts` prompts (one shared system prefix; with
+    `repeat`, one token 37 times, so its first two blocks hold the same tokens at different positions)."""
+    rng = random.Random(seed)
+    system = [0] * 37 if repeat else [rng.randrange(vocab) for _ in range(21)]
+    sequences, last = [], []
+    for _ in range(prompts):
+        prompt = system + [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        for _ in range(samples):
+            out = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+            sequences.append(prompt + out)
+            last.append(len(out))
+    return sequences, last
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 10_000), prompts=st.integers(1, 5), samples=st.integers(1, 5),
+       vocab=st.sampled_from([2, 50]), repeat=st.booleans(), max_tokens=st.sampled_from([1, 64, 300, 4096]))
+def test_a_pack_reads_a_shared_block_only_where_it_holds_the_same_tokens_at_the_same_positions(seed, prompts, samples,
+                                                                                             vocab, repeat, max_tokens):
+    from toolkit.runner import plan_packs
+
+    bs = 16
+    sequences, last = _group_sequences(seed, prompts, samples, vocab, repeat)
+    packs = plan_packs(sequences, last, bs, max_tokens)
+    chunks = [c for p in packs for c in p.chunks]
+    assert [int(c.seq_id) for c in chunks] == list(range(len(sequences)))  # every sequence once, in order
+    for pack in packs:
+        written: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (first position, tokens) its owner writes
+        for c in pack.chunks:
+            ids = sequences[int(c.seq_id)]
+            assert c.start_pos % bs == 0 and c.start_pos + c.num_tokens == len(ids)
+            assert c.num_logits == last[int(c.seq_id)]
+            assert c.start_pos <= len(ids) - c.num_logits  # every wanted logit row is computed by its own chunk
+            assert len(c.block_table) == -(-len(ids) // bs)
+            for b in range(c.start_pos // bs, len(c.block_table)):
+                assert c.block_table[b] not in written  # a block has one writer
+                written[c.block_table[b]] = (b * bs, tuple(ids[b * bs:(b + 1) * bs]))
+        assert sorted(written) == list(range(pack.num_blocks))
+        for c in pack.chunks:  # every block a chunk reads holds its own tokens at its own positions
+            ids = sequences[int(c.seq_id)]
+            for b, block in enumerate(c.block_table[:c.start_pos // bs]):
+                assert written[block] == (b * bs, tuple(ids[b * bs:(b + 1) * bs]))
+        assert pack.computed == sum(c.num_tokens for c in pack.chunks)
+        assert pack.computed <= max_tokens or len(pack.chunks) == 1
+    if max_tokens == 4096 and vocab == 50:  # one pack: each sample after its prompt's first reads the prompt's full
+        system = 2 if repeat else 1  # blocks; each prompt after the first, the system prompt's (prompts of 50
+        # random tokens: no two share a block by chance)
+        assert packs[0].computed == sum(map(len, sequences)) - sum(
+            (len(s) - k) // bs * bs for j, (s, k) in enumerate(zip(sequences, last)) if j % samples) \
+            - (prompts - 1) * system * bs
+
+
+def test_prompt_blocks_shared_in_a_pack_give_each_sequence_the_bits_it_gets_alone(tiny):
+    from toolkit.runner import recompute_logits, recompute_many
+
+    sequences, last = _group_sequences(3, prompts=3, samples=4, vocab=tiny.arch.vocab_size)
+    counts: dict[str, int] = {}
+    packed = recompute_many(tiny.model, sequences, last, max_tokens=300, counts=counts)  # several packs
+    alone = [recompute_logits(tiny.model, s)[len(s) - k:] for s, k in zip(sequences, last)]
+    assert all(torch.equal(p, a) for p, a in zip(packed, alone))
+    assert counts["tokens"] == sum(map(len, sequences)) and counts["computed"] < 0.7 * counts["tokens"]

@@ -216,40 +216,84 @@ def recompute_logits(model: torch.nn.Module, token_ids: list[int], *, batch_inva
 
 
 def recompute_many(model: torch.nn.Module, sequences: list[list[int]], last: list[int], *, block_size: int = 16,
-                   max_tokens: int = 2048) -> list[torch.Tensor]:
+                   max_tokens: int = 2048, counts: dict[str, int] | None = None) -> list[torch.Tensor]:
     """fp32 logits of the last `last[i]` positions of each `sequences[i]` (row t predicts token t + 1), the
-    sequences packed into prefills of up to `max_tokens` tokens through the engine's batch-invariant kernels:
-    the very bits `recompute_logits` gives each one alone (the audit's batched recomputation). Where the
-    kernel does not run (not built here, or the model's shapes) they run one at a time on sdpa, whose bits
-    depend on the packing."""
+    sequences packed into prefills of up to `max_tokens` computed tokens through the engine's batch-invariant
+    kernels, a prompt's full blocks that several of a pack share (an RL group's samples, a common system
+    prompt) computed once and read by each (plan_packs): the very bits `recompute_logits` gives each one
+    alone (the audit's batched recomputation). Where the kernel does not run (not built here, or the model's
+    shapes) they run one at a time on sdpa, whose bits depend on the packing. `counts` gains the tokens read
+    (`tokens`) and run through the model (`computed`)."""
+    counts = {} if counts is None else counts
+    counts["tokens"] = counts.get("tokens", 0) + sum(map(len, sequences))
     if not _kernel_runs(model, block_size):
+        counts["computed"] = counts.get("computed", 0) + sum(map(len, sequences))
         return [recompute_logits(model, ids, batch_invariant=False)[len(ids) - k:] for ids, k in zip(sequences, last)]
     out: list[torch.Tensor | None] = [None] * len(sequences)
-    group: list[int] = []
-    for i, ids in enumerate(sequences):
-        if group and sum(len(sequences[j]) for j in group) + len(ids) > max_tokens:
-            _packed(model, sequences, last, group, block_size, out)
-            group = []
-        group.append(i)
-    if group:
-        _packed(model, sequences, last, group, block_size, out)
+    layers, kv_heads, head_dim = model.kv_shape
+    for pack in plan_packs(sequences, last, block_size, max_tokens):
+        counts["computed"] = counts.get("computed", 0) + pack.computed
+        cache = PagedKVCache(layers, pack.num_blocks, block_size, kv_heads, head_dim, model.embed.dtype,
+                             model.embed.device)
+        runner = ModelRunner(model, cache, model.embed.device, "kernel", batch_invariant=True)
+        result = runner.run(ScheduledBatch(step=0, chunks=tuple(pack.chunks), num_decode_tokens=0,
+                                           num_prefill_tokens=pack.computed))
+        row = 0
+        for chunk in result.sample_chunks:  # the rows come in the runner's chunk order
+            out[int(chunk.seq_id)] = result.logits_RV[row:row + chunk.num_logits]
+            row += chunk.num_logits
     return out  # type: ignore[return-value]
 
 
-def _packed(model, sequences, last, group: list[int], block_size: int, out: list) -> None:
-    layers, kv_heads, head_dim = model.kv_shape
-    blocks = [-(-len(sequences[i]) // block_size) for i in group]
-    cache = PagedKVCache(layers, sum(blocks), block_size, kv_heads, head_dim, model.embed.dtype, model.embed.device)
-    runner = ModelRunner(model, cache, model.embed.device, "kernel", batch_invariant=True)
-    chunks, first = [], 0
-    for i, b in zip(group, blocks):
-        chunks.append(ScheduledChunk(str(i), tuple(sequences[i]), 0, tuple(range(first, first + b)), samples=True,
-                                     num_logits=last[i]))
-        first += b
-    tokens = sum(len(sequences[i]) for i in group)
-    result = runner.run(ScheduledBatch(step=0, chunks=tuple(chunks), num_decode_tokens=0, num_prefill_tokens=tokens))
-    row = 0
-    for chunk in result.sample_chunks:  # the rows come in the runner's chunk order
-        out[int(chunk.seq_id)] = result.logits_RV[row:row + chunk.num_logits]
-        row += chunk.num_logits
+@dataclass
+class Pack:
+    """One prefill of recompute_many: a chunk per sequence (seq_id its index), over `num_blocks` cache blocks,
+    `computed` tokens through the model (a shared block's counted once)."""
 
+    chunks: list[ScheduledChunk]
+    num_blocks: int = 0
+    computed: int = 0
+    shared: dict[tuple, int] = dataclasses.field(default_factory=dict)  # (parent block, its tokens) -> block
+
+    def reused(self, ids: list[int], last: int, block_size: int) -> int:
+        """How many leading full blocks of `ids` this pack computes already (only blocks before the first
+        position whose logits are wanted: those rows are computed by their own chunk)."""
+        parent, n = -1, 0
+        for b in range((len(ids) - last) // block_size):
+            parent = self.shared.get((parent, tuple(ids[b * block_size:(b + 1) * block_size])), -1)
+            if parent < 0:
+                break
+            n += 1
+        return n
+
+    def add(self, index: int, ids: list[int], last: int, block_size: int) -> None:
+        table: list[int] = []
+        reused = self.reused(ids, last, block_size)
+        shareable = (len(ids) - last) // block_size
+        for b in range(-(-len(ids) // block_size)):
+            key = (table[-1] if table else -1, tuple(ids[b * block_size:(b + 1) * block_size]))
+            if b < reused:
+                table.append(self.shared[key])
+                continue
+            table.append(self.num_blocks)
+            if b < shareable:  # a later sequence with this prefix reads it
+                self.shared[key] = self.num_blocks
+            self.num_blocks += 1
+        start = reused * block_size
+        self.chunks.append(ScheduledChunk(str(index), tuple(ids[start:]), start, tuple(table), samples=True,
+                                          num_logits=last))
+        self.computed += len(ids) - start
+
+
+def plan_packs(sequences: list[list[int]], last: list[int], block_size: int, max_tokens: int) -> list[Pack]:
+    """Consecutive sequences in packs of up to `max_tokens` computed tokens (one alone when it is longer),
+    each reading the full prompt blocks an earlier one in its pack computes."""
+    packs: list[Pack] = []
+    for i, ids in enumerate(sequences):
+        pack = packs[-1] if packs else None
+        new = None if pack is None else len(ids) - pack.reused(ids, last[i], block_size) * block_size
+        if pack is None or (pack.chunks and pack.computed + new > max_tokens):
+            pack = Pack(chunks=[])
+            packs.append(pack)
+        pack.add(i, ids, last[i], block_size)
+    return packs

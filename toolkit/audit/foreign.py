@@ -216,13 +216,14 @@ def _size(record: Transcript) -> int:
     return len(record.prompt_token_ids) + len(record.output_token_ids)
 
 
-def _groups(records: list[Transcript], max_tokens: int) -> list[list[Transcript]]:
-    """Consecutive records of up to max_tokens tokens together (each alone when max_tokens is 0)."""
+def _groups(records: list[Transcript], max_rows: int) -> list[list[Transcript]]:
+    """Consecutive records of up to max_rows output tokens together (each alone when max_rows is 0): the
+    logits rows one `many` call holds (it packs them into forwards by the tokens it computes)."""
     groups: list[list[Transcript]] = []
     size = 0
     for r in records:
-        n = _size(r)
-        if not groups or not max_tokens or size + n > max_tokens:
+        n = len(r.output_token_ids)
+        if not groups or not max_rows or size + n > max_rows:
             groups.append([])
             size = 0
         groups[-1].append(r)
@@ -277,7 +278,7 @@ def _policy_params(record: Transcript) -> SamplingParams | None:
 def _audit_one(record: Transcript, forward: Forward, loaded, atol: float, eos: tuple[int, ...],
                logits: torch.Tensor | None = None) -> RequestReport:
     """One record's checks; `logits` (one row per output token), when the reference computed them already."""
-    from toolkit.processors import BatchView, RowState, apply_pipeline
+    from toolkit.processors import BatchView, RowState, apply_pipeline, invalid_rows
 
     rep = RequestReport(record.request_id, record.stream, record.line, record.origin_engine,
                         output_tokens=len(record.output_token_ids), prompt_source=record.prompt_source,
@@ -302,7 +303,9 @@ def _audit_one(record: Transcript, forward: Forward, loaded, atol: float, eos: t
         positions = range(len(prompt), len(tokens))
         view = BatchView(tuple(RowState(params, tokens[:p], len(prompt)) for p in positions),
                          loaded.arch.vocab_size, logits.device, eos)
-        processed = torch.log_softmax(apply_pipeline(logits, view).processed_RV.double(), dim=-1)
+        # a row is unusable where its logits hold NaN or +inf: then its log-softmax's max is not finite
+        out = apply_pipeline(logits, view, row_errors=invalid_rows(raw.amax(dim=-1))).processed_RV
+        processed = raw if out is logits else torch.log_softmax(out.double(), dim=-1)  # no processor: the same
     mode = record.logprobs_mode
     if mode == "processed_logprobs" and processed is None:
         rep.problems.append({"position": len(prompt), "token_id": output[0], "claimed": None, "recomputed": None,
@@ -312,10 +315,11 @@ def _audit_one(record: Transcript, forward: Forward, loaded, atol: float, eos: t
     claimed_space = processed if mode == "processed_logprobs" else raw
     greedy = params is not None and params.temperature == 0.0
     mass_limit = math.exp(atol)
+    argmaxes = (processed if processed is not None else raw).argmax(dim=-1).tolist()
     for j, token in enumerate(output):
         position = len(prompt) + j
         recomputed = float(claimed_space[j, token])
-        argmax = int(torch.argmax(processed[j] if processed is not None else raw[j]))
+        argmax = argmaxes[j]
         claimed = record.claimed[j]
         check = TokenCheck(record.request_id, record.stream, position, token, claimed, recomputed, None, None, None,
                            None, argmax)
@@ -446,8 +450,10 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
                                                  source=str(source), fmt=fmt, line_errors=line_errors,
                                                  progress=bar.update))
                 took = time.perf_counter() - start
-                print(f"{r}: {tokens} tokens recomputed in {took:.1f} s ({tokens / max(took, 1e-9):.0f} tok/s"
-                      f"{', packed' if hasattr(forward, 'many') else ', one request at a time'})")
+                how = (f"packed, {forward.counts['computed']} computed, the rest read from prompt blocks shared "
+                       f"in a pack" if hasattr(forward, "many") else "one request at a time")
+                rate = tokens / max(took, 1e-9)
+                print(f"{r}: {tokens} tokens recomputed in {took:.1f} s ({rate:.0f} tok/s; {how})")
     for report in reports:
         report.sampling_defaults = defaults_from
     detection = None
@@ -593,10 +599,12 @@ def format_detection(detection: dict[str, Any]) -> str:
 
 class EngineForward:
     """Our engine's own forward as an audit reference: one sequence (`forward(ids)`), or many packed into
-    prefills of up to `max_tokens` (`many`), bit for bit the same (toolkit.runner.recompute_many)."""
+    prefills of up to `max_tokens` computed tokens, a prompt's blocks shared within a pack (`many`), bit for bit
+    the same (toolkit.runner.recompute_many). `counts`: the tokens `many` read and those it ran."""
 
     def __init__(self, model, max_tokens: int = 2048):
         self.model, self.max_tokens = model, max_tokens
+        self.counts = {"tokens": 0, "computed": 0}
 
     def __call__(self, ids: list[int]) -> torch.Tensor:
         from toolkit.runner import recompute_logits
@@ -604,9 +612,10 @@ class EngineForward:
         return recompute_logits(self.model, ids).double()
 
     def many(self, sequences: list[list[int]], last: list[int]) -> list[torch.Tensor]:
+        """fp32 logits of the last `last[i]` positions of each sequence (the caller widens one at a time)."""
         from toolkit.runner import recompute_many
 
-        return [x.double() for x in recompute_many(self.model, sequences, last, max_tokens=self.max_tokens)]
+        return recompute_many(self.model, sequences, last, max_tokens=self.max_tokens, counts=self.counts)
 
 
 def _atol(a: dict) -> float:

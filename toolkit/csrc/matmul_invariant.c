@@ -152,6 +152,15 @@ INLINE void tail_columns(const float *x, int64_t ldx, const void *w, int64_t ldw
  * k's NR columns as NV / 2 interleaved pairs of VL-column blocks), then the VL-column panels [.][K][VL], then
  * the last N % VL columns as [K][N % VL]; each panel is contiguous, so a tile streams it front to back. MR is
  * at most 6 (the tables' size). */
+/* rows per block of the many-row path: a multiple of MR whose x slab (rows x K floats) fits MC_BYTES */
+#ifndef MC_BYTES
+#define MC_BYTES (256 * 1024)
+#endif
+static int64_t row_block(int64_t K) {
+    int64_t rows = MC_BYTES / (K * (int64_t)sizeof(float)) / MR * MR;
+    return rows < 4 * MR ? 4 * MR : rows;
+}
+
 #define DEFINE_MATMUL(F, WT, KIND)                                                                              \
 static int matmul_##F(const float *x, int64_t ldx, const WT *w, float *out, int64_t ldo, int64_t M, int64_t K,  \
                       int64_t N, int num_threads) {                                                            \
@@ -174,8 +183,12 @@ static int matmul_##F(const float *x, int64_t ldx, const WT *w, float *out, int6
         row_pair_##F(x, pair, out + 2 * q * NR, K, (const char *)(pair + 2 * NR * K),                          \
                      q + 1 < pairs ? 2 * NR * K / per_line : 0);                                               \
     }                                                                                                          \
-    /* the panels the pairs left (at M = 1 often none: then no threads are started for them) */               \
+    /* the panels the pairs left (at M = 1 often none: then no threads are started for them), in blocks of  \
+     * rows whose x slab stays in L2 while every panel passes over it (a row's sums are the same in any block) */\
     const int64_t left = panels - 2 * pairs;                                                                   \
+    const int64_t mc = row_block(K);                                                                           \
+    for (int64_t mb = 0; mb < M && left > 0; mb += mc) {                                                       \
+    const int64_t mend = M - mb < mc ? M : mb + mc;                                                            \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && left > 1)")     \
     for (int64_t p = 2 * pairs; p < panels; p++) {                                                             \
         const int wide = p < wide_panels;                                                                      \
@@ -187,18 +200,19 @@ static int matmul_##F(const float *x, int64_t ldx, const WT *w, float *out, int6
         const char *next = (const char *)(panel + width * K);                                                  \
         const int64_t lines = p + 1 < panels ? K * (p + 1 < wide_panels ? NR : VL) / per_line : 0;             \
         /* k in blocks of KC whose slab of the panel stays in L1 while every row tile passes over it */       \
-        const int64_t row_tiles = (M + MR - 1) / MR, passes = row_tiles * ((K + KC - 1) / KC);                 \
+        const int64_t row_tiles = (mend - mb + MR - 1) / MR, passes = row_tiles * ((K + KC - 1) / KC);         \
         const int64_t share = (lines + passes - 1) / passes;                                                   \
         for (int64_t k0 = 0, r = 0; k0 < K; k0 += KC) {                                                        \
             const int64_t kc = K - k0 < KC ? K - k0 : KC;                                                      \
-            for (int64_t m0 = 0; m0 < M; m0 += MR, r++) {                                                      \
-                const int64_t mr = (M - m0) < MR ? (M - m0) : MR;                                              \
+            for (int64_t m0 = mb; m0 < mend; m0 += MR, r++) {                                                  \
+                const int64_t mr = (mend - m0) < MR ? (mend - m0) : MR;                                        \
                 int64_t first = r * share, count = lines - first < share ? lines - first : share;              \
                 if (count < 0) count = 0;                                                                      \
                 tiles[mr](x + m0 * ldx + k0, ldx, panel + k0 * width, width, out + m0 * ldo + n0, ldo, kc,     \
                           k0 == 0, next + 64 * first, count);                                                  \
             }                                                                                                  \
         }                                                                                                      \
+    }                                                                                                          \
     }                                                                                                          \
     if (vec_end < N) tail_columns(x, ldx, w + vec_end * K, N - vec_end, out, ldo, M, K, vec_end, N, KIND);     \
     return 0;                                                                                                  \
