@@ -3,11 +3,17 @@
 import sys
 from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+if __name__ == "__main__" and ("--help" in sys.argv[1:] or "-h" in sys.argv[1:]):
+    from toolkit.modes import usage
 
-from toolkit.config import register_configs
+    print(usage())
+    sys.exit(0)
+
+import hydra  # noqa: E402  (after the help, which needs neither Hydra nor torch)
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from toolkit.config import register_configs  # noqa: E402
 
 register_configs()
 

@@ -199,3 +199,18 @@ def test_kill_9_leaves_a_readable_partial_trace_that_replays_and_verifies(tmp_pa
     report = replay(run_dir, out_dir=tmp_path / "replay")
     assert report.identical and report.rows_compared == rows, report.summary_line()
     assert verify(run_dir).rows_checked == rows
+
+
+def test_help_lists_every_mode_with_one_line_and_each_is_dispatched(tmp_path):
+    from toolkit.modes import MODES
+
+    app = (ROOT / "toolkit" / "app.py").read_text()
+    assert all(f'mode == "{m}"' in app for m in MODES)  # a listed mode that run.py does not run fails here
+    for argv in (["run.py", "--help"], ["-m", "toolkit", "--help"]):
+        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        listed = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("  ")]
+        assert listed == list(MODES) and all(len(line) <= 120 for line in proc.stdout.splitlines())
+    proc = run_cli("mode=bogus", run_dir=tmp_path)  # a mode that does not exist: one line naming them all
+    assert proc.returncode != 0 and "unknown mode 'bogus'" in proc.stderr and all(m in proc.stderr for m in MODES)
+    assert "Traceback" not in proc.stderr

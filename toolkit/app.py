@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from toolkit.engine import Engine, RequestOutput
 from toolkit.errors import ConfigError, ToolkitError
 from toolkit.metrics import batch_vs_single, structured_output_validity
+from toolkit.modes import MODES
 from toolkit.report import report_after, run_report, wanted
 from toolkit.session import record
 from toolkit.trace.writer import atomic_write_bytes
@@ -62,8 +63,7 @@ def main(cfg: DictConfig, run_dir: Path) -> int:
             from toolkit.audit.precision import run_precision
 
             return run_precision(cfg, run_dir)
-        raise ToolkitError(f"unknown mode {mode!r}; known: run, serve, bench, scheduling, replay, verify, compare, audit, soak, train, "
-                           f"kv_quantization, precision, report")
+        raise ToolkitError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
     except ToolkitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
