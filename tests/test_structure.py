@@ -1,5 +1,6 @@
-"""The code's shape, checked from its source: no import cycles inside toolkit/, lower layers that import
-nothing of the orchestration above them, and no class a reader cannot hold in their head."""
+"""The code's shape, checked from its source: no import cycles inside toolkit/ (type-only imports under
+`if TYPE_CHECKING:` counted: a hint that names a class above is still a dependency on it), lower layers that
+import nothing of the orchestration above them, and no class a reader cannot hold in their head."""
 
 from __future__ import annotations
 
@@ -26,18 +27,14 @@ def modules(root: Path = ROOT) -> dict[str, Path]:
 
 
 def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
-    """module -> the toolkit modules it imports, at module level or inside a function (a lazy import is
-    still a dependency); imports under `if TYPE_CHECKING:` are annotations only and do not count."""
+    """module -> the toolkit modules it imports, at module level, inside a function (a lazy import is still a
+    dependency) or under `if TYPE_CHECKING:` (so is a type hint: a lower layer states what it needs as a Protocol
+    of its own, as toolkit.workload.AcceptsRequests and toolkit.speculative.DraftHost do)."""
     graph: dict[str, set[str]] = defaultdict(set)
     for name, path in mods.items():
         tree = ast.parse(path.read_text())
-        typing_only = {id(n) for node in ast.walk(tree)
-                       if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                       for n in ast.walk(node)}
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
             if isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
@@ -118,6 +115,17 @@ def test_the_cycle_check_finds_a_cycle(tmp_path):
     (pkg / "typed.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from toolkit import kernels\n")
     assert cycles(import_graph(modules(pkg))) == [["toolkit.kernels", "toolkit.models.decoder",
                                                    "toolkit.models.loading"]]
+
+
+def test_a_type_only_import_upward_is_a_cycle_too(tmp_path):
+    """A lower module naming the engine in a hint under TYPE_CHECKING (what speculative.py did) is reported."""
+    pkg = tmp_path / "toolkit"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine.py").write_text("from toolkit import speculative\n")
+    (pkg / "speculative.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                        "    from toolkit.engine import Engine\n")
+    assert cycles(import_graph(modules(pkg))) == [["toolkit.engine", "toolkit.speculative"]]
 
 
 @pytest.mark.parametrize("lower", LOWER)

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import Callable, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -39,8 +39,16 @@ from toolkit.paths import cache_root
 
 T = TypeVar("T")
 
-if TYPE_CHECKING:
-    from toolkit.processors.base import Patches
+
+class Patches(Protocol):
+    """What the sampler's pass reads of a few per-row logit changes (toolkit.processors.base.Patches is one):
+    entry k divides the logit at (rows_S[k], cols_S[k]) by factor_S[k] where it is positive, else multiplies."""
+
+    rows_S: torch.Tensor  # int64, non-decreasing
+    cols_S: torch.Tensor  # int64
+    factor_S: torch.Tensor
+
+    def apply(self, x_RV: torch.Tensor) -> torch.Tensor: ...
 
 CSRC = Path(__file__).with_name("csrc")
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-std=gnu11",

@@ -12,15 +12,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from toolkit import rng
-from toolkit.kernels import TailCall, argmax_cpu, gumbel_sample_cpu, logsumexp_cpu, sha256_rows
+from toolkit.kernels import Patches, TailCall, argmax_cpu, gumbel_sample_cpu, logsumexp_cpu, sha256_rows
 
-if TYPE_CHECKING:
-    from toolkit.processors import Patches, Tail
+Tail = tuple[tuple[str, float], ...]  # a row's trailing processors the sampler applies: (name, its value) in order
 
 
 @dataclass(frozen=True)

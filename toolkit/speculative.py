@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -39,8 +39,21 @@ from toolkit import rng
 from toolkit.sampling import gumbel_choice
 
 if TYPE_CHECKING:  # pragma: no cover
-    from toolkit.engine import Engine
     from toolkit.request import Request
+
+
+class DraftHost(Protocol):
+    """What Speculator.build reads of the engine it proposes for (toolkit.engine.Engine is one)."""
+
+    loaded: Any  # the target's LoadedModel
+    kv_cache: Any  # its PagedKVCache
+    device: torch.device
+    cfg: Any  # its EngineConfig (block_size, batch_invariant, flex_compile)
+    attention_backend: str
+    matmul_backend: str
+    vocab_size: int
+    tokenizer: Any
+    num_kv_blocks: int
 
 PLAIN, ACCEPTED, RESAMPLED, BONUS = "plain", "draft_accepted", "resampled", "bonus"
 
@@ -281,7 +294,7 @@ class Speculator:
         self.stats = SpecStats()
 
     @classmethod
-    def build(cls, cfg, engine: "Engine") -> "Speculator":
+    def build(cls, cfg, engine: DraftHost) -> "Speculator":
         from toolkit.errors import ConfigError
         from toolkit.runner import ModelRunner
 

@@ -15,12 +15,17 @@ import random
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from toolkit.errors import RequestError, WorkloadError
 
-if TYPE_CHECKING:
-    from toolkit.engine import Engine
+
+
+class AcceptsRequests(Protocol):
+    """What add_specs needs of an engine (toolkit.engine.Engine is one): a request in, its id out."""
+
+    def add_request(self, **kwargs: Any) -> str: ...
+
 
 REQUEST_KEYS = {"id", "prompt", "messages", "prompt_token_ids", "max_tokens", "arrival_step", "sampling", "priority"}
 
@@ -273,7 +278,7 @@ def workload_specs(cfg: Any) -> tuple[list[RequestSpec], list[Rejected]]:
     return builtin_workload(name, **w), []
 
 
-def add_specs(engine: "Engine", specs: list[RequestSpec]) -> tuple[list[str], list[Rejected]]:
+def add_specs(engine: AcceptsRequests, specs: list[RequestSpec]) -> tuple[list[str], list[Rejected]]:
     """Add every spec; a bad request is rejected with its source and does not stop the others."""
     ids, rejected = [], []
     for spec in specs:

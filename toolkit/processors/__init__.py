@@ -20,6 +20,7 @@ from toolkit.config import DEFAULT_PROCESSORS
 from toolkit.kernels import tail_fusable
 from toolkit.processors import masks, penalties, truncation
 from toolkit.processors.base import NEG_INF, BatchView, Patches, Processor, RowState
+from toolkit.sampling import Tail
 
 REGISTRY: dict[str, Processor] = {
     "repetition_penalty": penalties.repetition_penalty,
@@ -41,7 +42,6 @@ assert tuple(REGISTRY) == DEFAULT_PROCESSORS
 
 # processors the sampler can apply itself, fused with its own passes over a row (kernels.sample_tail_cpu)
 SAMPLER_TAIL = frozenset({"temperature", "top_k", "top_p"})
-Tail = tuple[tuple[str, float], ...]  # (processor, its value) in order
 
 
 @dataclass(frozen=True)
