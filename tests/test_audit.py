@@ -17,7 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from toolkit.audit.foreign import audit_transcripts, reference_forward
+from toolkit.audit.checks import audit_transcripts
+from toolkit.audit.verify import reference_forward
 from toolkit.audit.sources import hf_transcript, llama_cpp_missing, llama_cpp_transcript, server_transcript
 from toolkit.audit.transcripts import TokenMap, read_transcripts
 from toolkit.errors import ConfigError, ForeignEngineError
@@ -120,7 +121,7 @@ def test_policy_fields_a_request_leaves_out_are_labelled_and_taken_from_the_stat
     audit says which it assumed and from where; given a server's top_k, a token outside it is flagged."""
     import torch
 
-    from toolkit.audit.foreign import assume_sampling, sampling_defaults
+    from toolkit.audit.checks import assume_sampling, sampling_defaults
     from toolkit.reference import reference_logits
 
     prompt = tiny.tokenizer.apply_chat_template([{"role": "user", "content": "Pick a word."}])

@@ -15,7 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from toolkit.audit.foreign import audit_transcripts, reference_forward
+from toolkit.audit.checks import audit_transcripts
+from toolkit.audit.verify import reference_forward
 from toolkit.audit.transcripts import TokenMap, read_transcripts
 
 MESSAGES = [{"role": "user", "content": "Tell me something."}]

@@ -124,7 +124,8 @@ def test_a_ray_sharded_verify_equals_the_local_one(tmp_path):
 
 
 def test_packed_recomputation_gives_each_request_the_bits_it_gets_alone(tiny, many):
-    from toolkit.audit.foreign import EngineForward, audit_transcripts
+    from toolkit.audit.checks import audit_transcripts
+    from toolkit.audit.references import EngineForward
     from toolkit.audit.transcripts import read_transcripts
 
     records, _ = read_transcripts(many, "hf", tiny.tokenizer, tiny.arch.vocab_size)

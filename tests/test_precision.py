@@ -223,7 +223,8 @@ def test_a_bf16_servers_claims_audit_clean_against_bf16_and_not_against_fp32(tmp
     """audit.reference in a stated format: a transcript from our own bf16 server (real HTTP, the openai client)
     checks out against our bf16 recomputation (ours@bfloat16) at fp32's tolerance, while the fp32 one
     (ours@float32) flags its tokens: side by side, a claim is tied to the format that produced it."""
-    from toolkit.audit.foreign import _references, audit_transcripts, stated_reference
+    from toolkit.audit.checks import audit_transcripts
+    from toolkit.audit.references import _references, stated_reference
     from toolkit.audit.sources import server_transcript
     from toolkit.audit.transcripts import read_transcripts
     from toolkit.errors import ConfigError

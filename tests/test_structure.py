@@ -16,6 +16,10 @@ LOWER = ("toolkit.kv", "toolkit.processors", "toolkit.sampling", "toolkit.trace"
 ORCHESTRATION = ("toolkit.engine", "toolkit.scheduler", "toolkit.app", "toolkit.intake", "toolkit.decide",
                  "toolkit.commit")
 MAX_CLASS_LINES = 300
+MAX_MODULE_LINES = 500
+# modules still over MAX_MODULE_LINES, to be split (issue 46); the test fails when one of them is split and left
+# here, so this list only shrinks
+TOO_LONG_YET = {"kernels.py", "audit/transcripts.py", "serve/api.py"}
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
@@ -144,3 +148,10 @@ def test_no_class_is_too_long_to_read():
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
                 long.append(f"{path.relative_to(ROOT)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert not long, long
+
+
+def test_no_module_is_too_long_to_read():
+    lengths = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
+    over = {name for name, n in lengths.items() if n > MAX_MODULE_LINES}
+    assert over <= TOO_LONG_YET, f"over {MAX_MODULE_LINES} lines: {sorted(over - TOO_LONG_YET)}"
+    assert TOO_LONG_YET <= over, f"no longer over the limit (take them off TOO_LONG_YET): {sorted(TOO_LONG_YET - over)}"

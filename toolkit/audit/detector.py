@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 FORMATS = ("float32", "bfloat16", "float16")
-# the audit reference that recomputes each hypothesis (toolkit.audit.foreign.stated_reference)
+# the audit reference that recomputes each hypothesis (toolkit.audit.references.stated_reference)
 RECOMPUTATION = {"float32": "ours", "bfloat16": "ours@bfloat16", "float16": "ours@float16"}
 # b_h when not calibrated: what calibrate_scales measured on SmolLM2 (docs/logprobs.md, "Which format wrote it")
 DEFAULT_SCALES = {"float32": 7e-6, "bfloat16": 0.05, "float16": 0.007}

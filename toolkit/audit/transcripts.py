@@ -75,7 +75,7 @@ class Transcript:
     prompt_source: str = "given"  # given (token ids) | encoded (a text prompt, our tokenizer) | rebuilt (chat template)
     source: str = ""  # the line as read (JSON), kept in requests.parquet
     problems: list[Problem] = field(default_factory=list)
-    # policy fields the source left out, with the values the audit took for them (toolkit.audit.foreign)
+    # policy fields the source left out, with the values the audit took for them (toolkit.audit.checks)
     sampling_assumed: dict[str, Any] = field(default_factory=dict)
 
 

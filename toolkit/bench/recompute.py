@@ -23,7 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from toolkit.audit.foreign import EngineForward, audit_transcripts
+from toolkit.audit.checks import audit_transcripts
+from toolkit.audit.references import EngineForward
 from toolkit.audit.transcripts import read_transcripts
 from toolkit.bench.precision import machine
 from toolkit.config import EngineConfig, ModelConfig, SamplingParams
