@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from toolkit.audit.shard import in_order, ray_options, split
 from toolkit.errors import ConfigError
 
-from tests.conftest import once
+from tests.conftest import native_only, once
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY_MISSING = None if importlib.util.find_spec("ray") else "Ray is not installed (pip install 'toolkit[ray]')"
@@ -191,6 +191,7 @@ def test_a_pack_reads_a_shared_block_only_where_it_holds_the_same_tokens_at_the_
             - (prompts - 1) * system * bs
 
 
+@native_only  # sharing is the kernel path's: without the kernels each sequence runs alone on sdpa
 def test_prompt_blocks_shared_in_a_pack_give_each_sequence_the_bits_it_gets_alone(tiny):
     from toolkit.runner import recompute_logits, recompute_many
 
