@@ -30,6 +30,7 @@ from toolkit.bench.precision import machine
 from toolkit.config import EngineConfig, ModelConfig, SamplingParams
 from toolkit.engine import load_for
 from toolkit.llm import LLM
+from toolkit.trace.reader import read_samples
 
 SYSTEM = ("You are a careful math tutor. Solve the problem step by step in short numbered steps, check the "
           "arithmetic, and give the final answer on its own line as 'Answer: <number>'.")
@@ -50,15 +51,12 @@ PROBLEMS = ("A shop sells pencils at 3 for 2 dollars. How much do 27 pencils cos
 
 def rollouts(llm: LLM, path: Path, prompts: int, samples: int, shots: int, max_tokens: int, seed: int) -> None:
     """`prompts` x `samples` sampled chats written as a token_ids transcript (claims: the trace's raw logprobs)."""
-    import pyarrow.parquet as pq
-
     examples = [m for q, a in SHOTS[:shots] for m in ({"role": "user", "content": q},
                                                          {"role": "assistant", "content": a})]
     chats = [[{"role": "system", "content": SYSTEM}, *examples,
               {"role": "user", "content": PROBLEMS[i % len(PROBLEMS)]}] for i in range(prompts)]
     outs = llm.chat(chats, SamplingParams(n=samples, temperature=1.0, max_tokens=max_tokens, seed=seed))
-    rows = pq.read_table(llm.trace_dir / "samples.parquet",
-                         columns=["request_id", "stream", "position", "raw_logprob"]).to_pylist()
+    rows = read_samples(llm.trace_dir).select(["request_id", "stream", "position", "raw_logprob"]).to_pylist()
     claims: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for r in rows:
         claims.setdefault((r["request_id"], r["stream"]), []).append((r["position"], r["raw_logprob"]))
