@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml constraints.txt
 # llama.cpp (the audit's third engine, a bench system): built from source for this CPU (--no-cache-dir:
 # a wheel cached on another machine may use instructions this one lacks), never with AMX on x86 (see
 # .ci/llama_cmake_args); the stamp names the build's options, so another CPU rebuilds it. It runs in a
-# child process (toolkit/child.py): its crash is an error, never the suite's death. A failed build is one
+# child process (toolkit/native/child.py): its crash is an error, never the suite's death. A failed build is one
 # warning. The log's first line names the variant built.
 LLAMA_ARGS := $(shell bash .ci/llama_cmake_args)
 LLAMA := $(VENV)/.llama_cpp-$(shell echo '$(LLAMA_ARGS)' | md5sum | cut -c1-12)

@@ -20,7 +20,7 @@ register_configs()
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from toolkit.app import main as run_mode
+    from toolkit.modes.app import main as run_mode
 
     code = run_mode(cfg, Path(HydraConfig.get().runtime.output_dir))
     if code:

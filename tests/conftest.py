@@ -8,10 +8,11 @@ import pytest
 import torch
 from hypothesis import Phase, settings
 
-from toolkit import kernels
-from toolkit.config import EngineConfig, ModelConfig, SamplingParams
-from toolkit.engine import Engine
+from toolkit.config import EngineConfig, ModelConfig
+from toolkit.engine.core import Engine
 from toolkit.models import load_model
+from toolkit.native import library
+from toolkit.sampling.params import SamplingParams
 
 torch.set_num_threads(int(os.environ.get("TOOLKIT_TEST_THREADS", "2")))
 
@@ -42,7 +43,7 @@ def smollm2():
 # TOOLKIT_NATIVE=0 (the documented switch) runs the suite on the torch fallback: a test of the kernels
 # themselves, or of a mode only they give (engine.batch_invariant=true, attention_backend=kernel), skips then
 # with this reason. With the switch on, a kernel that does not build fails those tests: it never skips them.
-NATIVE_OFF = kernels.switched_off()
+NATIVE_OFF = library.switched_off()
 NATIVE_OFF_REASON = ("TOOLKIT_NATIVE=0 switches the native kernels off, and this test checks them or a mode only "
                      "they give")
 native_only = pytest.mark.skipif(NATIVE_OFF, reason=NATIVE_OFF_REASON)

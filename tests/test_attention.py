@@ -8,10 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from toolkit.config import SamplingParams
-from toolkit.kernels import add_rms_norm_cpu, paged_attention_cpu, rope_cpu, silu_mul_cpu
-from toolkit.models.decoder import rope_tables, rotate_half
 from tests.conftest import native_only
+from toolkit.models.decoder import rope_tables, rotate_half
+from toolkit.native.ops import add_rms_norm_cpu, paged_attention_cpu, rope_cpu, silu_mul_cpu
+from toolkit.sampling.params import SamplingParams
 
 pytestmark = native_only  # the default build's kernels; every build's: tests/test_kernels_portable.py
 

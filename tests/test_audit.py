@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from toolkit.audit.checks import audit_transcripts
-from toolkit.audit.verify import reference_forward
 from toolkit.audit.sources import hf_transcript, llama_cpp_missing, llama_cpp_transcript, server_transcript
 from toolkit.audit.transcripts import TokenMap, read_transcripts
+from toolkit.audit.verify import reference_forward
 from toolkit.errors import ConfigError, ForeignEngineError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,7 +105,7 @@ def test_processed_claims_are_recomputed_through_the_stated_policy(tiny, tmp_pat
     objs = _lines(path)
     import torch
 
-    from toolkit.reference import reference_logits
+    from toolkit.models.reference import reference_logits
 
     o = objs[0]
     logits = reference_logits(tiny.model, o["prompt_token_ids"])[-1]
@@ -122,7 +122,7 @@ def test_policy_fields_a_request_leaves_out_are_labelled_and_taken_from_the_stat
     import torch
 
     from toolkit.audit.checks import assume_sampling, sampling_defaults
-    from toolkit.reference import reference_logits
+    from toolkit.models.reference import reference_logits
 
     prompt = tiny.tokenizer.apply_chat_template([{"role": "user", "content": "Pick a word."}])
     logits = reference_logits(tiny.model, prompt)[-1]
@@ -148,7 +148,7 @@ def test_policy_fields_a_request_leaves_out_are_labelled_and_taken_from_the_stat
 def test_greedy_departure_is_the_first_non_argmax_position(hf_tiny, tiny, tmp_path):
     import torch
 
-    from toolkit.reference import reference_logits
+    from toolkit.models.reference import reference_logits
 
     objs = _lines(hf_tiny)
     o, j = objs[0], 2
@@ -288,8 +288,9 @@ def test_converted_trace_verifies_with_mode_verify(hf_tiny, tmp_path):
 
 @pytest.mark.slow
 def test_our_server_verifies_within_fp32_tolerance(smollm2, tmp_path):
-    from toolkit.config import EngineConfig, SamplingParams
-    from toolkit.engine import Engine
+    from toolkit.config import EngineConfig
+    from toolkit.engine.core import Engine
+    from toolkit.sampling.params import SamplingParams
 
     engine = Engine(smollm2, EngineConfig(), SamplingParams())
     path = tmp_path / "server.jsonl"
@@ -342,7 +343,7 @@ def test_streamed_responses_audit_like_whole_ones(tiny, tmp_path):
     import openai
 
     from tests.conftest import make_engine
-    from toolkit.config import SamplingParams
+    from toolkit.sampling.params import SamplingParams
     from toolkit.serve.main import start_server
 
     server = start_server(make_engine(tiny, sampling=SamplingParams()), None)

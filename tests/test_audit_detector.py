@@ -19,15 +19,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from toolkit.audit.detector import (DEFAULT_SCALES, FORMATS, Detection, auc, combined, detect, token_loglik,
-                                    window_scores)
+from tests.conftest import once
 from toolkit.audit.detection import detector_config, detector_scales, run_detector
+from toolkit.audit.detector import (
+    DEFAULT_SCALES,
+    FORMATS,
+    Detection,
+    auc,
+    combined,
+    detect,
+    token_loglik,
+    window_scores,
+)
 from toolkit.audit.references import stated_reference
 from toolkit.audit.sources import hf_transcript
 from toolkit.audit.transcripts import read_transcripts
 from toolkit.errors import ConfigError
-
-from tests.conftest import once
 
 ROOT = Path(__file__).resolve().parents[1]
 

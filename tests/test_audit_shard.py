@@ -17,15 +17,14 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
-import torch
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import native_only, once
 from toolkit.audit.shard import in_order, ray_options, split
 from toolkit.errors import ConfigError
-
-from tests.conftest import native_only, once
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY_MISSING = None if importlib.util.find_spec("ray") else "Ray is not installed (pip install 'toolkit[ray]')"
@@ -158,7 +157,7 @@ def _group_sequences(seed: int, prompts: int, samples: int, vocab: int,
        vocab=st.sampled_from([2, 50]), repeat=st.booleans(), max_tokens=st.sampled_from([1, 64, 300, 4096]))
 def test_a_pack_reads_a_shared_block_only_where_it_holds_the_same_tokens_at_the_same_positions(seed, prompts, samples,
                                                                                              vocab, repeat, max_tokens):
-    from toolkit.runner import plan_packs
+    from toolkit.engine.runner import plan_packs
 
     bs = 16
     sequences, last = _group_sequences(seed, prompts, samples, vocab, repeat)
@@ -193,7 +192,7 @@ def test_a_pack_reads_a_shared_block_only_where_it_holds_the_same_tokens_at_the_
 
 @native_only  # sharing is the kernel path's: without the kernels each sequence runs alone on sdpa
 def test_prompt_blocks_shared_in_a_pack_give_each_sequence_the_bits_it_gets_alone(tiny):
-    from toolkit.runner import recompute_logits, recompute_many
+    from toolkit.engine.runner import recompute_logits, recompute_many
 
     sequences, last = _group_sequences(3, prompts=3, samples=4, vocab=tiny.arch.vocab_size)
     counts: dict[str, int] = {}

@@ -15,10 +15,11 @@ from tests.conftest import make_engine, native_only
 
 pytestmark = native_only
 from toolkit import replay, verify
-from toolkit.config import EngineConfig, SamplingParams, SpeculativeConfig
-from toolkit.engine import Engine
-from toolkit.kernels import matmul_invariant
-from toolkit.runner import recompute_logits
+from toolkit.config import EngineConfig, SpeculativeConfig
+from toolkit.engine.core import Engine
+from toolkit.engine.runner import recompute_logits
+from toolkit.native.ops import matmul_invariant
+from toolkit.sampling.params import SamplingParams
 
 TARGET = dict(prompt_token_ids=[(37 * i) % 4000 + 11 for i in range(45)], request_id="target",
               sampling_params=SamplingParams(temperature=1.0, seed=5, max_tokens=10, ignore_eos=True))
@@ -164,7 +165,7 @@ def test_coupled_speculation_is_token_identical_to_plain(tiny):
 
 
 def _record(engine, requests, run_dir, config):
-    from toolkit.session import record
+    from toolkit.runs.session import record
 
     ids = [engine.add_request(**r) for r in requests]
     record(engine, ids, run_dir, config)

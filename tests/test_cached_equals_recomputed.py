@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import ATTENTION_BACKENDS, make_engine
-from toolkit.config import SamplingParams
-from toolkit.reference import reference_logits
+from toolkit.models.reference import reference_logits
+from toolkit.sampling.params import SamplingParams
 
 
 @st.composite

@@ -1,4 +1,4 @@
-"""Foreign native code runs in a child process (toolkit.child): a child killed by a real signal, one that
+"""Foreign native code runs in a child process (toolkit.native.child): a child killed by a real signal, one that
 raises, one that hangs and one that returns are each told apart, in one line, and the caller goes on."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import psutil
 import pytest
 
 from toolkit.audit.sources import llama_cpp_missing, llama_cpp_transcript
-from toolkit.child import run_in_child
 from toolkit.errors import ForeignEngineError
+from toolkit.native.child import run_in_child
 
 
 def test_a_child_that_returns_gives_its_result():

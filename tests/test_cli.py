@@ -142,9 +142,9 @@ def test_ctrl_c_is_taken_between_steps_never_inside_one(tiny, tmp_path, sigint_d
     import signal
 
     from tests.conftest import make_engine
-    from toolkit.config import SamplingParams
     from toolkit.errors import Interrupted
-    from toolkit.session import record
+    from toolkit.runs.session import record
+    from toolkit.sampling.params import SamplingParams
     from toolkit.trace.reader import read_samples
 
     engine = make_engine(tiny, max_num_batched_tokens=32, max_num_seqs=4, num_kv_blocks=128)

@@ -14,7 +14,8 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from tests.conftest import BATCH_INVARIANT_OVERRIDE, NATIVE_OFF
-from toolkit.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig, from_mapping, register_configs
+from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig, from_mapping, register_configs
+from toolkit.sampling.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -121,7 +122,7 @@ def test_compare_names_the_first_divergence(tmp_path):
 
 
 def test_wandb_offline_run_logs_config_steps_requests_summary_and_trace_artifact(tmp_path):
-    from toolkit.loggers import read_offline_run
+    from toolkit.runs.loggers import read_offline_run
 
     proc = _run(["model=tiny", "logger=wandb", "workload.num_requests=2", "workload.max_tokens=20",
                  "print_outputs=false", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
@@ -147,7 +148,7 @@ def test_the_models_generation_config_fills_the_sampling_defaults(tmp_path):
     import shutil
 
     from tests.families import checkpoint_dir
-    from toolkit.engine import Engine
+    from toolkit.engine.core import Engine
     from toolkit.models.loading import SMOLLM2_GENERATION, generation_defaults
 
     model = tmp_path / "model"

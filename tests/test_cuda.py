@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit.config import EngineConfig, ModelConfig, SamplingParams
-from toolkit.engine import Engine
+from toolkit.config import EngineConfig, ModelConfig
+from toolkit.engine.core import Engine
+from toolkit.engine.runner import recompute_logits
 from toolkit.models import load_model
-from toolkit.runner import recompute_logits
+from toolkit.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device here (torch.cuda.is_available() is False)")

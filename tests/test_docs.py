@@ -17,8 +17,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from tests.conftest import make_engine, once
-from toolkit.config import SamplingParams, register_configs
+from toolkit.config import register_configs
 from toolkit.modes import MODES
+from toolkit.sampling.params import SamplingParams
 
 pytestmark = once  # nothing here depends on the kernels: the fallback run leaves it out
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,10 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import make_engine
-from toolkit.config import EngineConfig, SamplingParams
-from toolkit.engine import Engine
+from toolkit.config import EngineConfig
+from toolkit.engine.core import Engine
+from toolkit.engine.request import RequestStatus
 from toolkit.errors import ConfigError, RequestError
-from toolkit.request import RequestStatus
+from toolkit.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -180,9 +181,9 @@ def test_step_inputs_are_the_per_token_definition(tiny, data, backend, block_siz
     """The runner builds positions, cache slots, per-token chunk index and logits rows with tensor ops;
     they must be the per-token definition: position = start + i, slot = table[pos // bs] * bs + pos % bs,
     in the packing order decodes, verifications, prefills."""
+    from toolkit.engine.runner import ModelRunner
+    from toolkit.engine.scheduler import ScheduledBatch, ScheduledChunk
     from toolkit.kv.paged_cache import PagedKVCache
-    from toolkit.runner import ModelRunner
-    from toolkit.scheduler import ScheduledBatch, ScheduledChunk
 
     layers, kv_heads, head_dim = tiny.model.kv_shape
     cache = PagedKVCache(layers, 64, block_size, kv_heads, head_dim, torch.float32, torch.device("cpu"))

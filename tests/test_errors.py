@@ -13,11 +13,12 @@ import pytest
 
 from tests.conftest import NATIVE_OFF, make_engine
 from toolkit import replay, verify
-from toolkit.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig, from_mapping
+from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig, from_mapping
 from toolkit.errors import ConfigError, ModelLoadError, RequestError, ToolkitError, WorkloadError
 from toolkit.models import load_model
+from toolkit.runs.workload import load_requests
+from toolkit.sampling.params import SamplingParams
 from toolkit.trace.reader import TraceError, read_samples
-from toolkit.workload import load_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = (ROOT / "docs" / "errors.md").read_text()
@@ -116,7 +117,7 @@ def test_model_rows(tmp_path):
 def test_family_and_training_rows(tmp_path, tiny):
     from tests.families import checkpoint_dir
     from toolkit.audit.kv_quantization import parse_variant
-    from toolkit.train import train
+    from toolkit.modes.train import train
 
     foreign = tmp_path / "mamba"
     foreign.mkdir()
@@ -161,7 +162,7 @@ def test_truncated_gguf_is_a_model_load_error(tmp_path, monkeypatch):
 
 
 def test_requests_file_rows(tmp_path, tiny):
-    from toolkit.workload import add_specs
+    from toolkit.runs.workload import add_specs
 
     _expect(28, WorkloadError, "does not exist", lambda: load_requests(tmp_path / "missing.jsonl"))
     path = tmp_path / "reqs.jsonl"
@@ -176,7 +177,7 @@ def test_requests_file_rows(tmp_path, tiny):
 
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory, tiny):
-    from toolkit.session import record
+    from toolkit.runs.session import record
 
     run = tmp_path_factory.mktemp("errors") / "run"
     engine = make_engine(tiny, max_num_seqs=2, max_num_batched_tokens=32)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.config import SamplingParams
+from tests.conftest import NATIVE_OFF, make_engine
 from toolkit.errors import ConfigError
 from toolkit.paths import cache_root
-from tests.conftest import NATIVE_OFF, make_engine
+from toolkit.sampling.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 WARNING = "toolkit: warning: native CPU kernels unavailable"
@@ -23,10 +23,11 @@ WARNING = "toolkit: warning: native CPU kernels unavailable"
 # two engines in one process, each generating: the second must not try the compiler again
 TWO_ENGINES = """
 import json, sys
-from toolkit.config import EngineConfig, ModelConfig, SamplingParams
-from toolkit.engine import Engine
+from toolkit.config import EngineConfig, ModelConfig
+from toolkit.sampling.params import SamplingParams
+from toolkit.engine.core import Engine
 from toolkit.models import load_model
-from toolkit.trace import native_kernels
+from toolkit.runs.manifest import native_kernels
 loaded = load_model(ModelConfig(name="tiny", seed=0))
 out = []
 for _ in range(2):

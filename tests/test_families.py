@@ -13,12 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import ATTENTION_BACKENDS, make_engine
-from tests.test_oracle import engine_prefill_logits
 from tests.families import CONFIGS, VOCAB, checkpoint_dir
-from toolkit.config import ModelConfig, SamplingParams
+from tests.test_oracle import engine_prefill_logits
+from toolkit.config import ModelConfig
 from toolkit.errors import ModelLoadError
 from toolkit.models import load_model
 from toolkit.models.loading import hf_reference_model, load_checkpoint
+from toolkit.sampling.params import SamplingParams
 
 FAMILIES = sorted(CONFIGS)
 

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import make_engine
-from toolkit.config import SamplingParams
 from toolkit.errors import RequestError
+from toolkit.sampling.params import SamplingParams
 
 SCHEMAS = {
     "person": ({"type": "object", "properties": {
@@ -187,7 +187,7 @@ def test_malformed_structured_outputs_spec(spec, match):
 
 def test_grammar_trace_and_replay(tiny, tmp_path):
     from toolkit import replay
-    from toolkit.session import record
+    from toolkit.runs.session import record
     from toolkit.trace.reader import read_requests, read_samples
 
     engine = make_engine(tiny, max_num_batched_tokens=16, max_num_seqs=4)

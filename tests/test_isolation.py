@@ -11,8 +11,8 @@ import torch
 from tests.conftest import make_engine, native_only
 
 pytestmark = native_only
-from toolkit import processors
-from toolkit.config import SamplingParams
+from toolkit.sampling import processors
+from toolkit.sampling.params import SamplingParams
 
 KW = dict(batch_invariant=True, max_num_batched_tokens=24, max_num_seqs=4)
 

@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 import torch
 
-from toolkit import kernels
-from toolkit.models.decoder import rotate_half
 from tests.test_attention import attention_case, dense_reference
+from toolkit.models.decoder import rotate_half
+from toolkit.native import cpu, library, ops, sha
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "csrc" / "kernel_driver.c"
@@ -36,9 +36,9 @@ FMA_X86 = "x86-64-v3"  # the x86 level with FMA: built with 4 lanes it has aarch
 
 
 def _builds() -> list[tuple[str, int | None, str]]:
-    out = [(t, None, cc) for t in kernels.runnable_targets() for cc in kernels.compilers()]
-    if FMA_X86 in kernels.runnable_targets():
-        out += [(FMA_X86, 4, cc) for cc in kernels.compilers()]
+    out = [(t, None, cc) for t in cpu.runnable_targets() for cc in library.compilers()]
+    if FMA_X86 in cpu.runnable_targets():
+        out += [(FMA_X86, 4, cc) for cc in library.compilers()]
     return out
 
 
@@ -55,7 +55,7 @@ def lib(request):
     if request.param is None:
         pytest.skip(_no_compiler_reason())
     target, lanes, cc = request.param
-    return kernels.build(target, lanes, cc)  # a build that fails here fails the test: the target is runnable
+    return library.build(target, lanes, cc)  # a build that fails here fails the test: the target is runnable
 
 
 def _ulps(got: torch.Tensor, want: torch.Tensor, n: float) -> bool:
@@ -77,13 +77,13 @@ def test_attention_against_float64_and_batch_independent(lib, heads, block_size)
     h, kh, d = heads
     gen = torch.Generator().manual_seed(h * 100 + d + block_size)
     q, kc, vc, tables, qt, qc = attention_case(gen, h, kh, d, block_size, [1, 17, 40, 90])
-    got = kernels.paged_attention_cpu(q, kc, vc, tables, qt, qc, d ** -0.5, lib=lib)
+    got = ops.paged_attention_cpu(q, kc, vc, tables, qt, qc, d ** -0.5, lib=lib)
     want = dense_reference(q, kc, vc, tables, qt, qc, d ** -0.5)
     assert (got.double() - want).abs().max().item() < 2e-5
-    serial = _with_threads(1, lambda: kernels.paged_attention_cpu(q, kc, vc, tables, qt, qc, d ** -0.5, lib=lib))
+    serial = _with_threads(1, lambda: ops.paged_attention_cpu(q, kc, vc, tables, qt, qc, d ** -0.5, lib=lib))
     assert torch.equal(serial, got)
     for i in range(0, q.shape[0], 2):  # each query alone gets the bits it got in the batch
-        alone = kernels.paged_attention_cpu(q[i:i + 1], kc, vc, tables, qt[i:i + 1], qc[i:i + 1], d ** -0.5, lib=lib)
+        alone = ops.paged_attention_cpu(q[i:i + 1], kc, vc, tables, qt[i:i + 1], qc[i:i + 1], d ** -0.5, lib=lib)
         assert torch.equal(alone[0], got[i])
 
 
@@ -94,7 +94,7 @@ def test_int8_attention_against_the_dequantised_reference(lib):
     v8 = (vc * 40).round().clamp(-127, 127).to(torch.int8)
     ks, vs = torch.rand(kc.shape[0], 3, generator=gen) / 20, torch.rand(vc.shape[0], 3, generator=gen) / 20
     out = torch.empty(q.shape)
-    got = kernels.paged_attention_cpu_q8(q, k8.view(torch.uint8), v8.view(torch.uint8), ks, vs, tables, qt, qc, 0.125,
+    got = ops.paged_attention_cpu_q8(q, k8.view(torch.uint8), v8.view(torch.uint8), ks, vs, tables, qt, qc, 0.125,
                                          out, lib=lib)
     kd = k8.float() * ks[:, None, :, None]
     vd = v8.float() * vs[:, None, :, None]
@@ -106,14 +106,14 @@ def test_int8_attention_against_the_dequantised_reference(lib):
 def test_matmul_against_float64_and_row_independent(lib, m, k, n):
     gen = torch.Generator().manual_seed(m + k + n)
     x, w = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
-    packed = kernels.pack_weight(w, lib)
-    got = kernels.matmul_invariant(x, packed, lib=lib)
+    packed = ops.pack_weight(w, lib)
+    got = ops.matmul_invariant(x, packed, lib=lib)
     want = x.double() @ w.double()
     bound = k * 2.0**-23 * (x.double().abs() @ w.double().abs())  # a sum of k rounded terms
     assert ((got.double() - want).abs() <= bound).all()
-    assert torch.equal(_with_threads(1, lambda: kernels.matmul_invariant(x, packed, lib=lib)), got)
+    assert torch.equal(_with_threads(1, lambda: ops.matmul_invariant(x, packed, lib=lib)), got)
     for i in range(m):
-        assert torch.equal(kernels.matmul_invariant(x[i:i + 1], packed, lib=lib)[0], got[i])
+        assert torch.equal(ops.matmul_invariant(x[i:i + 1], packed, lib=lib)[0], got[i])
 
 
 @pytest.mark.parametrize("width", [16, 576, 581, 2048])
@@ -122,10 +122,10 @@ def test_add_rms_norm_against_float64(lib, width):
     x, r, w = torch.randn(9, width, generator=gen) * 3, torch.randn(9, width, generator=gen), torch.randn(width, generator=gen)
     want_x = x + r
     want = want_x.double() * torch.rsqrt(want_x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
-    got_x, got = kernels.add_rms_norm_cpu(x, r, w, 1e-5, lib=lib)
+    got_x, got = ops.add_rms_norm_cpu(x, r, w, 1e-5, lib=lib)
     assert torch.equal(got_x, want_x)
     assert _ulps(got, want, 24)  # a sum of up to 2048 squares in the build's lanes
-    alone = kernels.add_rms_norm_cpu(want_x[4:5].clone(), None, w, 1e-5, lib=lib)[1]
+    alone = ops.add_rms_norm_cpu(want_x[4:5].clone(), None, w, 1e-5, lib=lib)[1]
     assert torch.equal(alone[0], got[4])
 
 
@@ -134,7 +134,7 @@ def test_silu_mul_against_float64(lib, width):
     gen = torch.Generator().manual_seed(width)
     gu = torch.randn(7, 2 * width, generator=gen) * 6
     gate, up = gu[:, :width].double(), gu[:, width:].double()
-    assert _ulps(kernels.silu_mul_cpu(gu, lib=lib), gate * torch.sigmoid(gate) * up, 4)
+    assert _ulps(ops.silu_mul_cpu(gu, lib=lib), gate * torch.sigmoid(gate) * up, 4)
 
 
 def test_logsumexp_and_argmax_against_torch(lib):
@@ -144,8 +144,8 @@ def test_logsumexp_and_argmax_against_torch(lib):
     x[2, 40] = float("nan")
     x[3] = float("-inf")
     x[4, 5] = float("inf")
-    assert kernels.argmax_cpu(x, lib=lib) == torch.argmax(x, dim=-1).tolist()
-    got, want = kernels.logsumexp_cpu(x, lib=lib), torch.logsumexp(x.double(), dim=-1)
+    assert ops.argmax_cpu(x, lib=lib) == torch.argmax(x, dim=-1).tolist()
+    got, want = ops.logsumexp_cpu(x, lib=lib), torch.logsumexp(x.double(), dim=-1)
     assert got[2].isnan() and got[3] == float("-inf") and got[4] == float("inf")
     ok = [0, 1, 5]
     assert (got[ok].double() - want[ok]).abs().max().item() < 1e-5
@@ -155,15 +155,15 @@ def test_gumbel_noise_and_sampling_are_the_twins_bit_for_bit(lib):
     """The native noise equals rng.py's torch and Python twins bit for bit in every build (our own
     logarithm in single IEEE operations), and a step's sampled rows pick what the torch sampler picks,
     with the same noise, over full and truncated supports (ties to the lowest id)."""
-    from toolkit import rng
-    from toolkit.sampling import gumbel_choice
+    from toolkit.sampling import rng
+    from toolkit.sampling.sampler import gumbel_choice
 
     vocab = 49152
     hashes = rng.token_hashes(vocab, torch.device("cpu"))
     ids = torch.randint(0, vocab, (4099,), generator=torch.Generator().manual_seed(1))
     for seed, position in ((0, 0), (2**63 - 1, 10**9), (12345, 77)):
         key = rng.row_key(seed, position, 3)
-        native = kernels.gumbel_noise_cpu(ids, key, lib=lib)
+        native = ops.gumbel_noise_cpu(ids, key, lib=lib)
         assert torch.equal(native, rng.gumbel(key, hashes[ids]))
         assert all(rng.gumbel_scalar(key, int(t)) == float(g) for t, g in zip(ids[:200], native[:200]))
     gen = torch.Generator().manual_seed(2)
@@ -178,7 +178,7 @@ def test_gumbel_noise_and_sampling_are_the_twins_bit_for_bit(lib):
     rows = [8, 0, 1, 2, 3, 4, 5, 6, 7]  # the rows as a strided view (every other row of a wider block)
     block = torch.full((18, 1003), float("nan"))
     block[0::2] = x[rows]
-    tokens, noise, support = kernels.gumbel_sample_cpu(block[0::2], [keys[r] for r in rows], lib=lib)
+    tokens, noise, support = ops.gumbel_sample_cpu(block[0::2], [keys[r] for r in rows], lib=lib)
     for i, r in enumerate(rows):
         assert support[i] == int(torch.isfinite(x[r]).sum())
         if keys[r] is None:
@@ -198,13 +198,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
                                  (("temperature", 0.4), ("top_k", 300.0), ("top_p", 0.9)), (("top_k", 2000.0),),
                                  (("temperature", -0.5), ("top_k", 7.0)), (("temperature", float("inf")), ("top_k", 3.0))])
 def test_fused_sampler_tail_is_the_stages_bit_for_bit(lib, ops):
-    """kernels.sample_tail_cpu (temperature / top-k / top-p, then support, logsumexp, Gumbel-max token and
+    """ops.sample_tail_cpu (temperature / top-k / top-p, then support, logsumexp, Gumbel-max token and
     noise, each row in one pass) equals the stages it replaces called one after another, bit for bit:
     torch's division (the temperature processor), truncate_cpu, logsumexp_cpu and gumbel_sample_cpu.
     Rows: real-looking logits, a sparse support, a few finite ids, ties, a greedy row, a NaN, a +inf, an odd
     width. (A negative or infinite temperature is no processor's, but the kernel's own maxima must not assume a
     finite one > 0: inf / inf is a NaN the raw row does not have.)"""
-    from toolkit import rng
+    from toolkit.sampling import rng
 
     gen = torch.Generator().manual_seed(len(ops))
     for vocab in (1003, 4096):
@@ -219,24 +219,24 @@ def test_fused_sampler_tail_is_the_stages_bit_for_bit(lib, ops):
         rows = block[:, :vocab]
         keys = [rng.row_key(3, 50 + i, i % 2) for i in range(8)]
         keys[4] = None
-        got = kernels.sample_tail_cpu(rows, [ops] * 8, keys, lib=lib)
-        lean = kernels.sample_tail_cpu(rows, [ops] * 8, keys, keep_rows=False, lib=lib, raw_logsumexp=True)
+        got = ops.sample_tail_cpu(rows, [ops] * 8, keys, lib=lib)
+        lean = ops.sample_tail_cpu(rows, [ops] * 8, keys, keep_rows=False, lib=lib, raw_logsumexp=True)
         # the raw rows' logsumexp, read by the kernel on the way: logsumexp_cpu's bits (NaN row included)
-        assert torch.equal(_bits(lean.raw_logsumexp_R), _bits(kernels.logsumexp_cpu(rows, lib=lib)))
+        assert torch.equal(_bits(lean.raw_logsumexp_R), _bits(ops.logsumexp_cpu(rows, lib=lib)))
         want = rows.clone()
         for name, value in ops:
             if name == "temperature":
                 want = want / torch.full((8, 1), value).expand_as(want)
             else:
-                want = kernels.truncate_cpu(want, name, torch.full((8,), value), lib=lib)[0]
-        tokens, noise, support = kernels.gumbel_sample_cpu(want, keys, lib=lib)
-        argmax = kernels.argmax_cpu(want, lib=lib)
+                want = ops.truncate_cpu(want, name, torch.full((8,), value), lib=lib)[0]
+        tokens, noise, support = ops.gumbel_sample_cpu(want, keys, lib=lib)
+        argmax = ops.argmax_cpu(want, lib=lib)
         tokens = [t if t >= 0 else a for t, a in zip(tokens, argmax)]  # not sampled, or nothing finite
         assert torch.equal(_bits(got.processed_RV), _bits(want)) and lean.processed_RV is None
         for result in (got, lean):
             assert result.tokens == tokens and result.support == support
             assert [float(n).hex() for n in result.noise] == [float(n).hex() for n in noise]
-            assert torch.equal(_bits(result.logsumexp_R), _bits(kernels.logsumexp_cpu(want, lib=lib)))
+            assert torch.equal(_bits(result.logsumexp_R), _bits(ops.logsumexp_cpu(want, lib=lib)))
             assert torch.equal(_bits(result.picked_R), _bits(want[torch.arange(8), torch.tensor(tokens)]))
 
 
@@ -246,7 +246,7 @@ def test_rope_is_the_torch_expression_bit_for_bit(lib):
     fused = torch.randn(7, 9 * 64, generator=gen)
     x, pos = fused[:, : 5 * 64].view(7, 5, 64), torch.tensor([0, 3, 49, 12, 12, 7, 30])
     want = x * cos[pos].unsqueeze(1) + rotate_half(x) * sin[pos].unsqueeze(1)
-    assert torch.equal(kernels.rope_cpu(x, cos, sin, pos, lib=lib), want)
+    assert torch.equal(ops.rope_cpu(x, cos, sin, pos, lib=lib), want)
 
 
 @pytest.mark.parametrize("method", ["lanes", "sha_ni"])
@@ -260,8 +260,8 @@ def test_sha256_rows_are_hashlib_digests(lib, rows, width, method):
     index = [(i * 5) % rows for i in range(rows)]
     want = [hashlib.sha256(x[i].numpy().tobytes()).hexdigest() for i in index]
     for threads in (1, 2, 3):
-        assert kernels.sha256_rows(x, index, threads=threads, lib=lib, method=method) == want
-    assert kernels.sha256_rows(x, index, lib=lib) == want  # whichever "auto" picks
+        assert sha.sha256_rows(x, index, threads=threads, lib=lib, method=method) == want
+    assert sha.sha256_rows(x, index, lib=lib) == want  # whichever "auto" picks
 
 
 @pytest.mark.parametrize("method", ["lanes", "sha_ni"])
@@ -277,13 +277,13 @@ def test_sha_job_in_parts_gives_every_digest_and_each_callables_result(lib, meth
     want = [hashlib.sha256(x[i].numpy().tobytes()).hexdigest() for i in index]
     for threads in (1, 2, 3):
         for calls in (0, 1, 3):
-            job = kernels.ShaJob(x, index, threads=threads, lib=lib, method=method)
+            job = sha.ShaJob(x, index, threads=threads, lib=lib, method=method)
             ran = []
             for k in range(calls):  # a short sleep: the other threads get some slices done meanwhile
                 assert job.beside(lambda: ran.append(threading.get_ident()) or time.sleep(0.002) or k) == k
             assert ran == [threading.get_ident()] * calls
             assert job.digests() == want and job.digests() == want
-    job = kernels.ShaJob(x, index, threads=2, lib=lib, method=method)
+    job = sha.ShaJob(x, index, threads=2, lib=lib, method=method)
     with pytest.raises(ZeroDivisionError):
         job.beside(lambda: 1 / 0)
     assert job.digests() == want
@@ -297,7 +297,7 @@ def test_sha_job_calls_from_two_threads_take_turns(lib):
     x = torch.randn(40, 20000, generator=torch.Generator().manual_seed(40))
     want = [hashlib.sha256(x[i].numpy().tobytes()).hexdigest() for i in range(40)]
     for method in ["lanes", "lanes", "lanes"] + (["sha_ni"] if lib.sha_ni else []):  # a race: three tries
-        job = kernels.ShaJob(x, threads=2, lib=lib, method=method)
+        job = sha.ShaJob(x, threads=2, lib=lib, method=method)
         seen = []
         other = threading.Thread(target=lambda: seen.append(job.digests()))
 
@@ -309,7 +309,7 @@ def test_sha_job_calls_from_two_threads_take_turns(lib):
         assert job.beside(fn) == "done"
         other.join()
         assert seen == [want] and job.digests() == want
-        inner = kernels.ShaJob(x, threads=2, lib=lib, method=method)
+        inner = sha.ShaJob(x, threads=2, lib=lib, method=method)
         with pytest.raises(RuntimeError, match="inside its own fn"):
             inner.beside(inner.digests)
         assert inner.digests() == want
@@ -324,17 +324,17 @@ def _fingerprint(lib) -> dict[str, torch.Tensor]:
     x, w = torch.randn(5, 576, generator=gen), torch.randn(576, 200, generator=gen)
     rows, norm_w = torch.randn(4, 581, generator=gen), torch.randn(581, generator=gen)
     gu, logits = torch.randn(4, 406, generator=gen) * 5, torch.randn(3, 1003, generator=gen) * 10
-    return {"attention": kernels.paged_attention_cpu(q, kc, vc, tables, qt, qc, 0.125, lib=lib),
-            "matmul": kernels.matmul_invariant(x, kernels.pack_weight(w, lib), lib=lib),
-            "rms_norm": kernels.add_rms_norm_cpu(rows.clone(), None, norm_w, 1e-5, lib=lib)[1],
-            "silu_mul": kernels.silu_mul_cpu(gu, lib=lib),
-            "logsumexp": kernels.logsumexp_cpu(logits, lib=lib)}
+    return {"attention": ops.paged_attention_cpu(q, kc, vc, tables, qt, qc, 0.125, lib=lib),
+            "matmul": ops.matmul_invariant(x, ops.pack_weight(w, lib), lib=lib),
+            "rms_norm": ops.add_rms_norm_cpu(rows.clone(), None, norm_w, 1e-5, lib=lib)[1],
+            "silu_mul": ops.silu_mul_cpu(gu, lib=lib),
+            "logsumexp": ops.logsumexp_cpu(logits, lib=lib)}
 
 
 def _all_builds():
     if not BUILDS:
         pytest.skip(_no_compiler_reason())
-    return [kernels.build(t, lanes, cc) for t, lanes, cc in BUILDS]
+    return [library.build(t, lanes, cc) for t, lanes, cc in BUILDS]
 
 
 def test_builds_with_one_profile_give_the_same_bits():
@@ -363,28 +363,28 @@ def test_every_fma_build_gives_the_matmul_the_same_bits():
 
 
 def test_targets_this_cpu_cannot_run_still_compile():
-    machine = kernels._machine()
-    others = [t for t, (arch, _) in kernels.TARGETS.items() if arch == machine and t not in kernels.runnable_targets()]
+    machine = cpu.machine()
+    others = [t for t, (arch, _) in cpu.TARGETS.items() if arch == machine and t not in cpu.runnable_targets()]
     if not others:
-        pytest.skip(f"this CPU ({kernels.host_target()}) runs every {machine} target: nothing compile-only")
-    if not kernels.compilers():
+        pytest.skip(f"this CPU ({cpu.host_target()}) runs every {machine} target: nothing compile-only")
+    if not library.compilers():
         pytest.skip(_no_compiler_reason())
     for target in others:
-        for cc in kernels.compilers():
-            assert kernels.compile_only(target, cc=cc).exists()
+        for cc in library.compilers():
+            assert library.compile_only(target, cc=cc).exists()
 
 
 # ----------------------------------------------------------------------------- aarch64 under qemu
 
 def _driver_flags(target: str, lanes: int | None) -> list[str]:
-    return [*kernels.BASE_FLAGS, *kernels.TARGETS[target][1], *([f"-DTOOLKIT_VL={lanes}"] if lanes else []),
-            "-fopenmp", f"-I{kernels.CSRC}"]
+    return [*library.BASE_FLAGS, *cpu.TARGETS[target][1], *([f"-DTOOLKIT_VL={lanes}"] if lanes else []),
+            "-fopenmp", f"-I{library.CSRC}"]
 
 
 def _run_driver(cc: str, flags: list[str], tmp: Path, name: str, runner: list[str]) -> dict[str, bytes]:
     exe, out = tmp / name, tmp / f"{name}-out"
     out.mkdir()
-    build = subprocess.run([cc, *flags, *map(str, sorted(kernels.CSRC.glob("*.c"))), str(DRIVER), "-o", str(exe), "-lm"],
+    build = subprocess.run([cc, *flags, *map(str, sorted(library.CSRC.glob("*.c"))), str(DRIVER), "-o", str(exe), "-lm"],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-2000:]
     run = subprocess.run([*runner, str(exe), str(out)], capture_output=True, text=True, timeout=600)
@@ -402,13 +402,13 @@ def _cross_tools() -> tuple[str, str]:
 
 def test_aarch64_kernels_under_qemu_match_the_host(tmp_path):
     cc, qemu = _cross_tools()
-    host_target = kernels.host_target()
+    host_target = cpu.host_target()
     with ThreadPoolExecutor(3) as pool:  # the three builds and runs are independent: side by side on the cores
         arm_job = pool.submit(_run_driver, cc, [*_driver_flags("armv8-a", None), "-static"], tmp_path, "arm", [qemu])
         same_job = pool.submit(_run_driver, "gcc", _driver_flags(FMA_X86, 4), tmp_path, "x86_4", []) \
-            if FMA_X86 in kernels.runnable_targets() and shutil.which("gcc") else None
+            if FMA_X86 in cpu.runnable_targets() and shutil.which("gcc") else None
         host_job = pool.submit(_run_driver, "gcc", _driver_flags(host_target, None), tmp_path, "host", []) \
-            if host_target in kernels.TARGETS and shutil.which("gcc") else None
+            if host_target in cpu.TARGETS and shutil.which("gcc") else None
         arm = arm_job.result()
     assert len(arm) >= 10
     if same_job is not None:
@@ -430,8 +430,8 @@ def test_aarch64_kernels_under_qemu_match_the_host(tmp_path):
 def test_aarch64_build_with_clang_compiles():
     if not shutil.which("clang"):
         pytest.skip("clang is not installed (make test installs it where apt-get runs as root: .ci/toolchains)")
-    flags = [*kernels.BASE_FLAGS, "--target=aarch64-linux-gnu", "-march=armv8-a", "-c", "-o", "/dev/null"]
-    sources = sorted(kernels.CSRC.glob("*.c"))
+    flags = [*library.BASE_FLAGS, "--target=aarch64-linux-gnu", "-march=armv8-a", "-c", "-o", "/dev/null"]
+    sources = sorted(library.CSRC.glob("*.c"))
     with ThreadPoolExecutor(2) as pool:
         results = pool.map(lambda src: subprocess.run(["clang", *flags, str(src)], capture_output=True, text=True),
                            sources)

@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 
 from tests.conftest import make_engine, native_only
 from tests.test_oracle import PROMPTS
-from toolkit.config import EngineConfig, SamplingParams
+from toolkit.config import EngineConfig
 from toolkit.errors import ConfigError
 from toolkit.kv import PagedKVCache
 from toolkit.kv.quant import FORMATS, quantize, read_blocks, write_quantized
+from toolkit.sampling.params import SamplingParams
 
 BS, K, D = 8, 3, 16
 
@@ -220,7 +221,7 @@ def test_quantised_budget_holds_more_blocks(tiny):
                                                   ("int8", "channel"), ("fp8_e4m3", "channel")])
 def test_quantised_run_replays_bit_for_bit_through_swap_and_prefix_caching(tiny, tmp_path, kv_dtype, granularity):
     from toolkit.audit.replay import replay
-    from toolkit.session import record
+    from toolkit.runs.session import record
     from toolkit.trace.reader import TraceError, read_manifest
 
     shared = list(range(5, 5 + 24))
@@ -266,7 +267,7 @@ INT8_MEAN_LOGPROB_ERROR = 0.1  # measured about 0.03
 def smollm2_greedy(smollm2, kv_dtype: str, granularity: str = "block", run_dir=None):
     """The held-in chat prompts' first 16 greedy tokens with this KV storage (sdpa), recorded to `run_dir` when
     given; without it also each step's top-2 raw logprob margin per request."""
-    from toolkit.session import record
+    from toolkit.runs.session import record
 
     engine = make_engine(smollm2, kv_cache_dtype=kv_dtype, kv_scale_granularity=granularity,
                          attention_backend="sdpa", max_num_batched_tokens=128, max_num_seqs=8)
@@ -338,10 +339,10 @@ def test_native_kernel_reads_quantised_blocks_like_sdpa(kv_dtype, granularity):
     path's (which de-quantises gathered blocks in torch) to fp32 noise. Compared layer by layer on one
     cache: through a whole model, an ulp of difference can move a later layer's key to the next
     quantisation step (1/8 relative in fp8), so end logits agree only to that."""
-    from toolkit.attention import paged_attention, write_kv
     from toolkit.config import ModelConfig
+    from toolkit.engine.runner import ModelRunner
+    from toolkit.kv.attention import paged_attention, write_kv
     from toolkit.models import load_model
-    from toolkit.runner import ModelRunner
 
     model = load_model(ModelConfig(name="tiny", seed=3, vocab_size=128, hidden_size=256, num_heads=4, num_kv_heads=2))
     engine = make_engine(model, kv_cache_dtype=kv_dtype, kv_scale_granularity=granularity, block_size=8,

@@ -9,7 +9,7 @@ import pytest
 
 from toolkit import LLM, SamplingParams, replay
 from toolkit.config import EngineConfig
-from toolkit.engine import Engine
+from toolkit.engine.core import Engine
 from toolkit.errors import ConfigError, RequestError
 
 PROMPTS = [[5, 9, 2, 7], [11, 3], [8, 8, 8, 1, 4, 6]]

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from tests.conftest import make_engine
-from toolkit import rng
-from toolkit.config import SamplingParams
+from toolkit.engine.scheduler import Scheduler
 from toolkit.errors import RequestError
-from toolkit.scheduler import Scheduler
-from toolkit.stop import StopState
+from toolkit.sampling import rng
+from toolkit.sampling.params import SamplingParams
+from toolkit.sampling.stop import StopState
 
 
 def workload(temperature: float, n: int = 12, seed: int = 0):

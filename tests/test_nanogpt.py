@@ -8,12 +8,13 @@ import torch
 
 from tests.conftest import make_engine
 from tests.test_cli import run_cli
-from toolkit.config import ModelConfig, SamplingParams
+from toolkit.config import ModelConfig
+from toolkit.data import passages
 from toolkit.errors import ConfigError
 from toolkit.models import load_model
 from toolkit.models.loading import hf_reference_model, load_checkpoint
-from toolkit.train import train
-from toolkit.workload import passages
+from toolkit.modes.train import train
+from toolkit.sampling.params import SamplingParams
 
 SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, max_position_embeddings=32)
 

@@ -9,9 +9,10 @@ import torch
 
 from tests.conftest import make_engine
 from tests.hf_oracle import hf_greedy, hf_logits
-from toolkit.config import ModelConfig, SamplingParams
-from toolkit.reference import reference_logits
-from toolkit.engine import Engine
+from toolkit.config import ModelConfig
+from toolkit.engine.core import Engine
+from toolkit.models.reference import reference_logits
+from toolkit.sampling.params import SamplingParams
 
 TINY = ModelConfig(name="tiny", seed=0)
 SMOLLM2 = ModelConfig(name="smollm2")
@@ -30,8 +31,8 @@ PROMPTS = [
 
 def engine_prefill_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     """Logits at every position from ONE engine step over the whole prompt (no cache reuse)."""
-    from toolkit.scheduler import ScheduledBatch, ScheduledChunk
-    from toolkit.runner import ModelRunner
+    from toolkit.engine.runner import ModelRunner
+    from toolkit.engine.scheduler import ScheduledBatch, ScheduledChunk
 
     bm = engine.block_manager
     bm.allocate("oracle", len(ids))

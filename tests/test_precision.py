@@ -15,11 +15,12 @@ from hypothesis import strategies as st
 from tests.conftest import make_engine, native_only
 from tests.test_attention import _run_both, attention_case
 from tests.test_batch_invariant import TARGET, assert_rows_equal, collect
-from toolkit.config import ModelConfig, SamplingParams
-from toolkit.kernels import matmul_invariant, pack_weight, paged_attention_cpu, round_h16
+from toolkit.config import ModelConfig
+from toolkit.engine.runner import recompute_logits
 from toolkit.models import load_model
-from toolkit.runner import recompute_logits
-from toolkit.trace import build_manifest
+from toolkit.native.ops import matmul_invariant, pack_weight, paged_attention_cpu, round_h16
+from toolkit.runs.manifest import build_manifest
+from toolkit.sampling.params import SamplingParams
 
 pytestmark = native_only
 H16 = [torch.bfloat16, torch.float16]
@@ -170,7 +171,7 @@ def test_a_16_bit_run_replays_bit_for_bit_and_verifies_against_float64_and_fp32(
     from tests.test_replay_verify import MIXED, edit_sample
     from toolkit import replay, verify
     from toolkit.audit.verify import AUTO_ATOL
-    from toolkit.session import record
+    from toolkit.runs.session import record
 
     fmt = str(tiny16.model.embed.dtype).removeprefix("torch.")
     engine_cfg = {"max_num_batched_tokens": 16, "max_num_seqs": 4, "num_kv_blocks": 256}

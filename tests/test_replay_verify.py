@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from tests.conftest import make_engine, native_only
 from toolkit import replay, verify
-from toolkit.config import SamplingParams
-from toolkit.session import record
+from toolkit.runs.session import record
+from toolkit.sampling.params import SamplingParams
 from toolkit.trace.reader import TraceError, read_requests, read_samples
 from toolkit.trace.writer import REQUESTS_FILE
 
@@ -244,7 +244,7 @@ def test_replay_refuses_a_trace_recorded_under_other_kernel_numerics(tiny):
     """The kernels' bits depend on the build's lanes and FMA: a trace from an AVX-512 build replayed on
     another profile is refused, naming the target to replay with."""
     from toolkit.audit.replay import check_manifest
-    from toolkit.trace import native_kernels
+    from toolkit.runs.manifest import native_kernels
     from toolkit.trace.reader import TraceError
 
     engine = make_engine(tiny)

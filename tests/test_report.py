@@ -23,10 +23,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import make_engine, native_only
-from toolkit.config import SamplingParams
 from toolkit.report import write_report
 from toolkit.report.data import first_divergences, sequences
-from toolkit.session import record
+from toolkit.runs.session import record
+from toolkit.sampling.params import SamplingParams
 from toolkit.trace.reader import read_requests, read_samples
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -349,7 +349,7 @@ def test_speculation_grammar_and_parallel_samples_show_their_fields(tiny, browse
     """A run with n-gram speculation, a JSON grammar and n=2: every token of every sequence hovers without a
     script error, and the detail shows the grammar / speculation fields the trace holds for it."""
     from toolkit.config import EngineConfig, SpeculativeConfig
-    from toolkit.engine import Engine
+    from toolkit.engine.core import Engine
 
     engine = Engine(tiny, EngineConfig(**ENGINE_CFG), SamplingParams(temperature=0.0),
                     SpeculativeConfig(method="ngram", num_speculative_tokens=3))

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from tests.conftest import NATIVE_OFF, native_only
 from tests.stats import chi_square
-from toolkit import rng
-from toolkit.sampling import SampleRow, sample
+from toolkit.sampling import rng
+from toolkit.sampling.sampler import SampleRow, sample
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, float("-inf"), 1.5])  # token 7 masked
 
@@ -105,7 +105,7 @@ SPECIAL = st.sampled_from([float("nan"), float("inf"), float("-inf"), 0.0, 80.0,
 def test_native_logsumexp_and_argmax_are_torchs(rows, vocab, scale, specials, ties, seed):
     """The sampler's C row kernels: argmax is torch's exactly (first maximal index, NaN wins, every
     entry -inf gives 0), logsumexp within 4e-7 relative of torch's and the same non-finite values."""
-    from toolkit.kernels import argmax_cpu, logsumexp_cpu
+    from toolkit.native.ops import argmax_cpu, logsumexp_cpu
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, vocab, generator=gen) * scale
@@ -138,9 +138,9 @@ def test_the_sampler_applying_the_pipeline_tail_changes_nothing(params, vocab, t
     the same tokens, noise, supports, log-probabilities and top alternatives, bit for bit. `seen_max`: each
     row's history holds its largest logit, so a repetition penalty moves the row's maximum (which the
     kernel otherwise carries from its temperature pass instead of reading the row again)."""
-    from toolkit.config import SamplingParams
-    from toolkit.processors import BatchView, RowState, apply_pipeline, invalid_rows
-    from toolkit.sampling import logsumexp_rows
+    from toolkit.sampling.params import SamplingParams
+    from toolkit.sampling.processors import BatchView, RowState, apply_pipeline, invalid_rows
+    from toolkit.sampling.sampler import logsumexp_rows
 
     gen = torch.Generator().manual_seed(torch_seed)
     rows = [SamplingParams(max_tokens=4, logprobs=3, **p) for p in params]
@@ -189,8 +189,8 @@ def test_a_penalty_made_in_the_sampler_pass_moves_the_row_maximum_bit_for_bit(op
     """The sampler's kernel carries each row's maxima from its temperature pass instead of reading the row again;
     a repetition penalty made in that pass may move them (the largest logit penalised down, or up by a factor
     under 1; 0 or inf times inf). Everything it returns must be what the penalised rows give without it."""
-    from toolkit.kernels import logsumexp_cpu, sample_tail_cpu
-    from toolkit.processors.base import Patches
+    from toolkit.native.ops import logsumexp_cpu, sample_tail_cpu
+    from toolkit.sampling.processors.base import Patches
 
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(20, 4099, generator=gen) * 3

@@ -12,9 +12,9 @@ import json
 import pytest
 
 from tests.conftest import BATCH_INVARIANT_OVERRIDE, NATIVE_OFF, make_engine, native_only
-from toolkit.config import SamplingParams
-from toolkit.metrics import percentile
-from toolkit.session import record
+from toolkit.runs.metrics import percentile
+from toolkit.runs.session import record
+from toolkit.sampling.params import SamplingParams
 from toolkit.trace.reader import read_samples
 
 POLICIES = ("fused", "two_forwards", "prefill_first", "no_chunking")
@@ -220,7 +220,7 @@ def test_mode_scheduling_records_each_variant_and_tabulates_its_figures(tiny, tm
 
 
 def test_batch_vs_single_takes_the_widest_batch_with_enough_steps():
-    from toolkit.metrics import batch_vs_single
+    from toolkit.runs.metrics import batch_vs_single
 
     by = {"1": {"steps": 4, "p50_s": 0.010}, "6": {"steps": 9, "p50_s": 0.012}, "10": {"steps": 3, "p50_s": 0.015},
           "12": {"steps": 2, "p50_s": 0.020}}

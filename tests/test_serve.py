@@ -22,7 +22,7 @@ import pytest
 from tests.conftest import make_engine, native_only
 from toolkit import replay, verify
 from toolkit.bench.one_stream import free_port
-from toolkit.config import SamplingParams
+from toolkit.sampling.params import SamplingParams
 from toolkit.serve.main import start_server
 from toolkit.trace.reader import read_requests, read_samples
 

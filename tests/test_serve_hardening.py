@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from tests.conftest import make_engine
 from toolkit import replay
-from toolkit.config import SamplingParams
-from toolkit.outputs import TextDelta
+from toolkit.engine.outputs import TextDelta
+from toolkit.sampling.params import SamplingParams
 from toolkit.serve.api import Mailbox
 from toolkit.serve.loop import Update
 from toolkit.serve.main import start_server
@@ -257,7 +257,7 @@ def test_a_slow_readers_mailbox_stays_bounded_and_loses_nothing(steps, limit):
 
 
 def test_soak_over_http_loses_nothing_and_keeps_nothing(tiny, tmp_path):
-    from toolkit.serve.soak import soak_http
+    from toolkit.modes.serve_soak import soak_http
 
     engine = make_engine(tiny, max_num_seqs=4, sampling=SamplingParams())
     report = soak_http(engine, tmp_path, requests=400, concurrency=16, report_every=100, max_waiting=8)
@@ -271,8 +271,9 @@ def test_soak_over_http_loses_nothing_and_keeps_nothing(tiny, tmp_path):
 OPENMP_SCRIPT = r"""
 import sys, time, torch
 from tests.conftest import make_engine
-from toolkit import kernels
-from toolkit.config import ModelConfig, SamplingParams
+from toolkit.native import library
+from toolkit.config import ModelConfig
+from toolkit.sampling.params import SamplingParams
 from toolkit.models import load_model
 from toolkit.serve.loop import EngineLoop
 
@@ -289,12 +290,12 @@ def settled(expected):  # released workers exit on their own: wait for them
 
 torch.set_num_threads(2)
 engine = make_engine(load_model(ModelConfig(name="tiny", seed=0)), sampling=SamplingParams())
-kernels.release_openmp_threads()  # loading ran parallel regions: start from no team
+library.release_openmp_threads()  # loading ran parallel regions: start from no team
 time.sleep(0.5)
 base = threads()
 torch.ones(1 << 22).sum()  # a parallel region on this thread: its OpenMP team of two
 with_team = threads()
-released = kernels.release_openmp_threads()
+released = library.release_openmp_threads()
 after_release = settled(base)
 torch.ones(1 << 22).sum()  # the team again, then the loop's start gives it back before its thread runs
 loop = EngineLoop(engine, None, None).start()

@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import make_engine
-from toolkit.config import EngineConfig, SamplingParams, from_mapping
+from toolkit.config import EngineConfig, from_mapping
 from toolkit.errors import ConfigError, RequestError, WorkloadError
-from toolkit.soak import soak
+from toolkit.modes.soak import soak
+from toolkit.sampling.params import SamplingParams
 from toolkit.trace.reader import read_samples
 
 
@@ -68,9 +69,8 @@ LINE = st.one_of(
 @settings(max_examples=60)
 @given(st.lists(LINE, min_size=1, max_size=6))
 def test_fuzzed_request_files_never_crash_the_engine_or_the_trace(tiny, tmp_path_factory, lines):
-    from toolkit.workload import add_specs
-    from toolkit.session import record
-    from toolkit.workload import load_requests
+    from toolkit.runs.session import record
+    from toolkit.runs.workload import add_specs, load_requests
 
     run = tmp_path_factory.mktemp("fuzz")
     path = run / "reqs.jsonl"

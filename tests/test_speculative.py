@@ -13,12 +13,14 @@ import torch
 
 from tests.conftest import make_engine
 from tests.stats import chi_square
-from toolkit import decide as decide_module
-from toolkit import replay, speculative
-from toolkit.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
-from toolkit.engine import Engine
+from toolkit import replay
+from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig
+from toolkit.engine import decide as decide_module
+from toolkit.engine import speculative
+from toolkit.engine.core import Engine
 from toolkit.models import load_model
-from toolkit.reference import reference_logits
+from toolkit.models.reference import reference_logits
+from toolkit.sampling.params import SamplingParams
 
 COPY_PROMPTS = ["Repeat exactly: The quick brown fox jumps over the lazy dog. The quick brown fox jumps.",
                 "Copy this sentence twice: I like green apples and red cherries.",
@@ -164,7 +166,7 @@ def test_coupled_equals_plain_sampling_with_the_same_seeds(tiny):
 
 
 def test_speculative_trace_and_replay(tiny, tmp_path):
-    from toolkit.session import record
+    from toolkit.runs.session import record
     from toolkit.trace.reader import read_samples
 
     engine = spec_engine(tiny, "ngram", "rejection", max_num_batched_tokens=64, max_num_seqs=4)

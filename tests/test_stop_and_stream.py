@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import make_engine
-from toolkit.config import SamplingParams
-from toolkit.stop import REPLACEMENT, StopState, held_back, update_text
+from toolkit.sampling.params import SamplingParams
+from toolkit.sampling.stop import REPLACEMENT, StopState, held_back, update_text
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

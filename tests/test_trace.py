@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import make_engine
-from toolkit.config import SamplingParams
+from toolkit.runs.manifest import request_rows
+from toolkit.sampling.params import SamplingParams
 from toolkit.trace.reader import TraceError, read_requests, read_samples
 from toolkit.trace.schema import TRACE_FIELDS, SampleTrace
 from toolkit.trace.writer import TraceWriter, logits_digest, sample_rows_table, write_requests
-from toolkit.trace import request_rows
 
 f32 = st.floats(width=32, allow_nan=False)
 traces = st.builds(
@@ -181,7 +181,7 @@ def test_side_by_side_sha256_is_hashlibs():
 
     import numpy as np
 
-    from toolkit.kernels import sha256_rows
+    from toolkit.native.sha import sha256_rows
 
     rng = np.random.default_rng(0)
     for nbytes in [*range(0, 130), 4 * 49152]:
@@ -205,7 +205,7 @@ def test_full_logits_and_kept_digest_let_a_trainer_rebuild_the_sampling_mask(tin
 
     import numpy as np
 
-    from toolkit.processors import BatchView, RowState, apply_pipeline
+    from toolkit.sampling.processors import BatchView, RowState, apply_pipeline
 
     engine = make_engine(tiny, max_num_batched_tokens=8, max_num_seqs=4)
     ids = [engine.add_request(**r) for r in MIXED]

@@ -10,6 +10,8 @@
     print(report.summary_line())
 """
 
+import importlib
+
 from toolkit.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "__version__", "replay", "verify"]
@@ -18,21 +20,19 @@ _LAZY = {"LLM": "toolkit.llm", "SamplingParams": "toolkit.config"}  # imported o
 
 def __getattr__(name):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'toolkit' has no attribute {name!r}")
 
 
 def replay(run_dir, overrides=(), **kwargs):
     """Re-run a recorded run directory and compare every sample row bit for bit (see toolkit.audit.replay)."""
-    from toolkit.audit.replay import replay as _replay
+    from toolkit.audit.replay import replay as _replay  # deferred: torch; `import toolkit` stays light
 
     return _replay(run_dir, overrides, **kwargs)
 
 
 def verify(run_dir, **kwargs):
     """Teacher-forced recomputation of a recorded run (see toolkit.audit.verify)."""
-    from toolkit.audit.verify import verify as _verify
+    from toolkit.audit.verify import verify as _verify  # deferred: torch; `import toolkit` stays light
 
     return _verify(run_dir, **kwargs)

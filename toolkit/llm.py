@@ -20,9 +20,12 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from toolkit.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig, from_mapping
+from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig, from_mapping
+from toolkit.engine.core import Engine, load_for
+from toolkit.engine.outputs import RequestOutput
 from toolkit.errors import ConfigError
-from toolkit.outputs import RequestOutput
+from toolkit.runs.session import record
+from toolkit.sampling.params import SamplingParams
 
 Prompt = str | Sequence[int] | Mapping[str, Any]  # text, token ids, or {"prompt" | "prompt_token_ids": ...}
 Conversation = Sequence[Mapping[str, Any]]  # chat messages: [{"role": ..., "content": ...}, ...]
@@ -37,8 +40,6 @@ class LLM:
         an unknown one is a one-line ConfigError). `generation_config`: "auto" takes the model's own
         sampling defaults, "none" the library's. `trace_root`: where run directories go (default
         traces/<date>/<time>-llm-<n>)."""
-        from toolkit.engine import load_for
-
         known = {"smollm2", "tiny"}
         model_cfg = ModelConfig(name=model, dtype=dtype, generation_config=generation_config) if model in known \
             else ModelConfig(name="hf", path=str(model), dtype=dtype, generation_config=generation_config)
@@ -85,9 +86,6 @@ class LLM:
 
     def _run(self, requests: list[dict[str, Any]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[RequestOutput]:
-        from toolkit.engine import Engine
-        from toolkit.session import record
-
         params = _per_request(sampling_params, len(requests), self.default_sampling)
         engine = Engine(self.loaded, self.engine_cfg, self.default_sampling, self.spec_cfg)
         ids = [engine.add_request(**r, sampling_params=p, request_id=f"{i}") for i, (r, p) in

@@ -12,9 +12,10 @@ from typing import Any, Callable
 import torch
 
 from toolkit.audit.transcripts import LineError, Transcript
-from toolkit.config import SamplingParams
 from toolkit.errors import ConfigError, ToolkitError
-from toolkit.metrics import percentile
+from toolkit.runs.metrics import percentile
+from toolkit.sampling.params import SamplingParams
+from toolkit.sampling.processors import BatchView, RowState, apply_pipeline, invalid_rows
 
 RATIO_BAND = (0.5, 2.0)
 
@@ -237,8 +238,6 @@ def _policy_params(record: Transcript) -> SamplingParams | None:
 def _audit_one(record: Transcript, forward: Forward, loaded, atol: float, eos: tuple[int, ...],
                logits: torch.Tensor | None = None) -> RequestReport:
     """One record's checks; `logits` (one row per output token), when the reference computed them already."""
-    from toolkit.processors import BatchView, RowState, apply_pipeline, invalid_rows
-
     rep = RequestReport(record.request_id, record.stream, record.line, record.origin_engine,
                         output_tokens=len(record.output_token_ids), prompt_source=record.prompt_source,
                         sampling_assumed=dict(record.sampling_assumed))

@@ -20,7 +20,8 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from toolkit.errors import ConfigError
-from toolkit.metrics import percentile
+from toolkit.runs.metrics import percentile
+from toolkit.runs.plots import plot_compare
 from toolkit.trace.reader import TraceError
 from toolkit.trace.writer import REQUESTS_FILE, SAMPLES_DIR, atomic_write_table
 
@@ -105,8 +106,6 @@ def compare(patterns: Sequence[str] | str, out_dir: Path | None = None) -> Compa
         result.rows.append(row)
         result.latencies[name] = {"ttft_s": ttft, "tpot_s": tpot}
     if out_dir is not None:
-        from toolkit.plots import plot_compare
-
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "compare.json").write_text(json.dumps(result.rows, indent=2))

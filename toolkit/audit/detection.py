@@ -7,11 +7,22 @@ from __future__ import annotations
 from typing import Any
 
 from toolkit.audit.checks import AuditReport, Forward, _fmt, audit_transcripts
-from toolkit.audit.detector import (DEFAULT_SCALES, RECOMPUTATION, WINDOWS, Detection, auc, calibrate_scales, combined,
-                                    detect, residuals_of, window_scores)
+from toolkit.audit.detector import (
+    DEFAULT_SCALES,
+    RECOMPUTATION,
+    WINDOWS,
+    Detection,
+    auc,
+    calibrate_scales,
+    combined,
+    detect,
+    residuals_of,
+    window_scores,
+)
 from toolkit.audit.detector import FORMATS as DETECTOR_FORMATS
 from toolkit.audit.references import _forward, stated_reference
 from toolkit.audit.transcripts import Transcript
+from toolkit.data import passages
 from toolkit.errors import ConfigError
 
 
@@ -43,8 +54,6 @@ def detector_config(a: dict) -> dict | None:
 def detector_scales(loaded, detector: dict, memo: dict[str, Forward] | None = None) -> dict[str, float]:
     """The hypotheses' widths: measured (calibrate_scales on the built-in passages: HF's forward in each format and,
     for float32, our engine's fp32 one) unless given or switched off."""
-    from toolkit.workload import passages
-
     formats = [detector["stated"], *detector["alternatives"]]
     scales = {f: DEFAULT_SCALES[f] for f in formats}
     todo = [f for f in formats if f not in detector["scales"]]

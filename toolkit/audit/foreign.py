@@ -36,16 +36,41 @@ import pyarrow as pa
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from toolkit.audit.checks import (AuditInputError, AuditReport, Forward, RequestReport, _fmt, _policy_params, _size,
-                                  _unique, assume_sampling, audit_transcripts, sampling_defaults)
-from toolkit.audit.detection import (detection_table, detector_config, detector_scales, format_detection,
-                                     format_detection_table, run_detector)
+from toolkit.audit import sources as src
+from toolkit.audit.checks import (
+    AuditInputError,
+    AuditReport,
+    Forward,
+    RequestReport,
+    _fmt,
+    _policy_params,
+    _size,
+    _unique,
+    assume_sampling,
+    audit_transcripts,
+    sampling_defaults,
+)
+from toolkit.audit.detection import (
+    detection_table,
+    detector_config,
+    detector_scales,
+    format_detection,
+    format_detection_table,
+    run_detector,
+)
 from toolkit.audit.detector import WINDOWS, Detection
 from toolkit.audit.references import _atol, _forward, _references, stated_reference
 from toolkit.audit.shard import in_order, launcher, progress_bar, ray_options, run_on_ray
 from toolkit.audit.transcripts import FORMATS, Transcript, TranscriptError, read_transcripts
-from toolkit.config import ModelConfig, from_mapping
+from toolkit.config import EngineConfig, ModelConfig, from_mapping
+from toolkit.engine.core import Engine, load_for
 from toolkit.errors import ConfigError, ForeignEngineError
+from toolkit.models import load_model
+from toolkit.models.loading import smollm2_gguf
+from toolkit.runs.plots import _pyplot
+from toolkit.trace.schema import SAMPLES_SCHEMA, SCHEMA_VERSION
+from toolkit.trace.writer import SAMPLES_DIR, atomic_write_bytes, atomic_write_table, write_manifest, write_requests
+from toolkit.version import __version__
 
 # ------------------------------------------------------------------------------------------- Ray shards
 
@@ -60,8 +85,6 @@ def _audit_shard(loaded, memo: dict[str, Forward], records: list[Transcript], re
 # ------------------------------------------------------------------------------------------- the mode
 
 def run_audit(cfg: DictConfig, run_dir: Path) -> int:
-    from toolkit.models import load_model
-
     a = OmegaConf.to_container(cfg.audit, resolve=True) if cfg.get("audit") else {}
     source, fmt = a.get("input"), a.get("format", "openai")
     if not source and a.get("sources"):
@@ -137,11 +160,6 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
 def run_engine_mismatch(cfg: DictConfig, run_dir: Path, a: dict) -> int:
     """experiments/engine_mismatch.yaml: a transcript from each engine available here, each audited; one table
     (source, tokens, max and p99 |d logprob|, KL, share of ratios outside [0.5, 2]) and one histogram PNG."""
-    from toolkit.audit import sources as src
-    from toolkit.config import EngineConfig
-    from toolkit.engine import Engine, load_for
-    from toolkit.models import load_model
-
     names = list(a["sources"])
     unknown = [n for n in names if n not in src.SOURCES]
     if unknown:
@@ -168,7 +186,6 @@ def run_engine_mismatch(cfg: DictConfig, run_dir: Path, a: dict) -> int:
             if missing:
                 print(f"{name}: skipped: {missing}", file=sys.stderr)
                 continue
-            from toolkit.models.loading import smollm2_gguf
 
             try:
                 fmt = src.llama_cpp_transcript(path, smollm2_gguf(), prompts, max_tokens, k)
@@ -199,7 +216,6 @@ def run_engine_mismatch(cfg: DictConfig, run_dir: Path, a: dict) -> int:
             truth = {"llama_cpp": "llama.cpp Q4_1", "server_bf16": "bfloat16"}.get(name, model_cfg.dtype)
             found = run_detector(records, loaded, detector, scales, atol=atol, done=done, memo=memo)
             detections[name] = (truth, found["transcript"])
-    from toolkit.trace.writer import atomic_write_bytes
 
     table = detection_table(detections, detector["stated"]) if detector is not None else []
     atomic_write_bytes(run_dir / "engine_mismatch.json", json.dumps(
@@ -223,8 +239,6 @@ def run_engine_mismatch(cfg: DictConfig, run_dir: Path, a: dict) -> int:
 
 
 def write_audit(run_dir: Path, reports: list[AuditReport], detection: dict[str, Any] | None = None) -> dict[str, Any]:
-    from toolkit.trace.writer import atomic_write_bytes, atomic_write_table
-
     first = reports[0].to_dict()
     if len(reports) > 1:
         first["by_reference"] = {r.reference: r.to_dict() for r in reports}
@@ -249,8 +263,6 @@ def write_audit(run_dir: Path, reports: list[AuditReport], detection: dict[str, 
 
 def plot_errors(path: Path, errors_by_source: dict[str, list[float | None]]) -> None:
     """One PNG: a histogram of |claimed - recomputed| logprob per source, on a log axis."""
-    from toolkit.plots import _pyplot
-
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     floor = 1e-9
@@ -308,10 +320,6 @@ def write_converted_trace(run_dir: Path, records: list[Transcript], loaded, cfg:
     """The transcript in our trace schema: what the other engine claimed, where our engine would record it
     (raw claims in raw_logprob / top_raw, processed ones in processed_logprob / top_processed). Fields only
     an engine run has (step, noise, logits digest, batch) are null."""
-    from toolkit.trace.schema import SAMPLES_SCHEMA, SCHEMA_VERSION
-    from toolkit.trace.writer import SAMPLES_DIR, atomic_write_bytes, atomic_write_table, write_manifest, write_requests
-    from toolkit.version import __version__
-
     run_id = uuid.uuid4().hex[:12]
     samples, requests = [], []
     for r in records:

@@ -23,9 +23,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from toolkit.audit.verify import verify
+from toolkit.engine.core import Engine
 from toolkit.errors import ConfigError
 from toolkit.kv.quant import is_quantized
-from toolkit.workload import add_specs, workload_specs
+from toolkit.runs.plots import _pyplot
+from toolkit.runs.session import record
+from toolkit.runs.workload import add_specs, workload_specs
 
 KV_VARIANTS = ("auto", "bf16", "int8", "fp8_e4m3")
 
@@ -48,10 +52,6 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def run_kv_quantization(cfg: DictConfig, run_dir: Path) -> int:
-    from toolkit.audit.verify import verify
-    from toolkit.engine import Engine
-    from toolkit.session import record
-
     study = OmegaConf.to_container(cfg.kv_quantization, resolve=True)
     variants = [parse_variant(v) for v in study["variants"]]
     if variants[0] != ("auto", "block"):
@@ -109,8 +109,6 @@ def run_kv_quantization(cfg: DictConfig, run_dir: Path) -> int:
 
 
 def _plot(results: list[dict[str, Any]], path: Path) -> None:
-    from toolkit.plots import _pyplot
-
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     quantised = results[1:]

@@ -28,9 +28,19 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from toolkit.audit.kv_quantization import first_divergence, parse_variant
+from toolkit.config import EngineConfig, ModelConfig, from_mapping
+from toolkit.engine.core import Engine
+from toolkit.engine.runner import recompute_logits
+from toolkit.engine.synthetic import decode_step_ms
 from toolkit.errors import ConfigError
 from toolkit.kv.quant import is_quantized
-from toolkit.workload import add_specs, workload_specs
+from toolkit.models import load_model
+from toolkit.models.loading import hf_reference_model, load_checkpoint
+from toolkit.models.reference import reference_logits
+from toolkit.runs.plots import _pyplot
+from toolkit.runs.session import record
+from toolkit.runs.workload import add_specs, workload_specs
+from toolkit.trace.reader import read_samples
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -58,16 +68,6 @@ def _hf_logprobs(model, impl: str, tokens: list[int], prompt_len: int) -> torch.
 
 
 def run_precision(cfg: DictConfig, run_dir: Path) -> int:
-    from toolkit.bench.roofline import decode_step_ms
-    from toolkit.config import EngineConfig, ModelConfig, from_mapping
-    from toolkit.engine import Engine
-    from toolkit.models import load_model
-    from toolkit.models.loading import hf_reference_model, load_checkpoint
-    from toolkit.reference import reference_logits
-    from toolkit.runner import recompute_logits
-    from toolkit.session import record
-    from toolkit.trace.reader import read_samples
-
     study = OmegaConf.to_container(cfg.precision, resolve=True)
     variants = [parse(v) for v in study["variants"]]
     if variants[0] != ("float32", "auto", "block"):
@@ -162,8 +162,6 @@ def run_precision(cfg: DictConfig, run_dir: Path) -> int:
 
 
 def _plot(results: list[dict[str, Any]], path: Path) -> None:
-    from toolkit.plots import _pyplot
-
     plt = _pyplot()
     fig, (errs, steps) = plt.subplots(1, 2, figsize=(12, 4.5))
     names = [r["variant"] for r in results]

@@ -10,7 +10,10 @@ import torch
 
 from toolkit.audit.checks import Forward
 from toolkit.audit.verify import reference_forward
+from toolkit.engine.runner import recompute_logits, recompute_many
 from toolkit.errors import ConfigError
+from toolkit.models import load_model
+from toolkit.models.loading import hf_reference_model, load_checkpoint
 
 REFERENCES = ("ours", "hf")
 
@@ -45,13 +48,11 @@ def stated_reference(loaded, reference: str):
     name, _, dtype = reference.partition("@")
     if not dtype or (name, dtype) == ("ours", "float64"):
         return reference_forward(loaded, name)
-    from toolkit.models import load_model
 
     if name == "ours":
         same = str(loaded.model.embed.dtype).removeprefix("torch.") == dtype
         model = loaded.model if same else load_model(dataclasses.replace(loaded.config, dtype=dtype)).model
         return EngineForward(model)
-    from toolkit.models.loading import hf_reference_model, load_checkpoint
 
     hf = hf_reference_model(load_checkpoint(loaded.config)).to(getattr(torch, dtype))
 
@@ -74,21 +75,17 @@ def _forward(loaded, reference: str, memo: dict[str, Forward] | None) -> Forward
 class EngineForward:
     """Our engine's own forward as an audit reference: one sequence (`forward(ids)`), or many packed into
     prefills of up to `max_tokens` computed tokens, a prompt's blocks shared within a pack (`many`), bit for bit
-    the same (toolkit.runner.recompute_many). `counts`: the tokens `many` read and those it ran."""
+    the same (toolkit.engine.runner.recompute_many). `counts`: the tokens `many` read and those it ran."""
 
     def __init__(self, model, max_tokens: int = 2048):
         self.model, self.max_tokens = model, max_tokens
         self.counts = {"tokens": 0, "computed": 0}
 
     def __call__(self, ids: list[int]) -> torch.Tensor:
-        from toolkit.runner import recompute_logits
-
         return recompute_logits(self.model, ids).double()
 
     def many(self, sequences: list[list[int]], last: list[int]) -> list[torch.Tensor]:
         """fp32 logits of the last `last[i]` positions of each sequence (the caller widens one at a time)."""
-        from toolkit.runner import recompute_many
-
         return recompute_many(self.model, sequences, last, max_tokens=self.max_tokens, counts=self.counts)
 
 

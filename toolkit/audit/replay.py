@@ -23,10 +23,11 @@ import pyarrow.compute as pc
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from toolkit.config import SamplingParams
-from toolkit.engine import Engine
+from toolkit.engine.core import Engine
 from toolkit.errors import ConfigError
-from toolkit.session import record
+from toolkit.runs.manifest import native_kernels
+from toolkit.runs.session import record
+from toolkit.sampling.params import SamplingParams
 from toolkit.trace.reader import TraceError, read_manifest, read_requests, read_samples
 from toolkit.trace.schema import FLOAT_BITS, same_value
 from toolkit.trace.writer import atomic_write_table
@@ -124,8 +125,8 @@ def _same(name: str, a: Any, b: Any) -> bool:
 
 def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     """Apply Hydra-syntax `key=value` overrides (`+key=value` adds, `~key` deletes) to a loaded config."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
+    from hydra.core.override_parser.overrides_parser import OverridesParser  # deferred: ANTLR
+    from hydra.errors import HydraException  # deferred: hydra, with its ANTLR parser
 
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     try:
@@ -182,7 +183,6 @@ def check_manifest(manifest: dict[str, Any], engine: Engine, allow_mismatch: boo
     if recorded_matmul != engine.matmul_backend:
         problems.append(f"matmul backend differs: recorded {recorded_matmul}, replay {engine.matmul_backend} "
                         f"(set engine.matmul_backend={recorded_matmul})")
-    from toolkit.trace import native_kernels
 
     recorded_numerics, now = manifest.get("kernel_numerics"), native_kernels(engine)
     if recorded_numerics and now["kernel_numerics"] and recorded_numerics != now["kernel_numerics"]:

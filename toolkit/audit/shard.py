@@ -17,7 +17,11 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import torch
+
+from toolkit.config import ModelConfig, from_mapping
 from toolkit.errors import ConfigError
+from toolkit.models import load_model
 
 LAUNCHERS = ("local", "ray")
 
@@ -78,7 +82,7 @@ def in_order(results: dict[int, list[list]], width: int) -> list[list]:
 
 def progress_bar(total: int, what: str):
     """tqdm on a terminal (tokens/s and ETA), nothing otherwise."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # deferred: tqdm, a progress bar only
 
     return tqdm(total=total, unit="tok", unit_scale=True, desc=what, disable=not sys.stderr.isatty(),
                 file=sys.stderr, leave=False)
@@ -89,10 +93,6 @@ class _Worker:
     and a memo that outlives the shard (each reference's forward made once)."""
 
     def __init__(self, model_cfg: dict[str, Any], threads: int):
-        import torch
-
-        from toolkit.config import ModelConfig, from_mapping
-        from toolkit.models import load_model
 
         torch.set_num_threads(threads)
         self.loaded = load_model(from_mapping(ModelConfig, model_cfg, section="model"), "cpu")
@@ -107,8 +107,8 @@ def run_on_ray(model_cfg: dict[str, Any], options: RayOptions, weights: list[int
     """The items cut into shards by weight, each done by a Ray worker as `work(loaded, memo, *args_of(shard))`
     (`work` a module-level function: Ray sends it by name); shard index -> answer, in the order they arrived."""
     try:
-        import ray
-        from ray.util import ActorPool
+        import ray  # deferred: ray, the [ray] extra
+        from ray.util import ActorPool  # deferred: ray, the [ray] extra
     except ModuleNotFoundError:
         raise ConfigError(f"{what}.launcher=ray needs Ray: pip install 'toolkit[ray]'") from None
     started = not ray.is_initialized()

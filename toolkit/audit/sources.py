@@ -16,10 +16,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from pathlib import Path
 from typing import Any, Sequence
 
-from toolkit.child import run_in_child
+import torch
+
+from toolkit.audit.transcripts import save_hf_generate
+from toolkit.models.loading import hf_reference_model, load_checkpoint
+from toolkit.native.child import run_in_child
 
 SOURCES = ("hf", "server", "server_bf16", "llama_cpp")
 DEFAULT_PROMPTS = (
@@ -32,7 +37,7 @@ DEFAULT_PROMPTS = (
 
 def llama_cpp_missing() -> str | None:
     """Why llama.cpp cannot run here (None: it can). Asked without importing it: its native library is loaded
-    only in the child process that runs it (toolkit.child)."""
+    only in the child process that runs it (toolkit.native.child)."""
     if importlib.util.find_spec("llama_cpp") is None:
         return "llama-cpp-python is not installed (make test builds it; pip install llama-cpp-python==0.3.36)"
     return None
@@ -40,10 +45,6 @@ def llama_cpp_missing() -> str | None:
 
 def hf_transcript(path: Path, loaded, prompts: Sequence[list[int]], max_tokens: int, top_logprobs: int = 5,
                   sampling: dict[str, Any] | None = None) -> str:
-    import torch
-
-    from toolkit.audit.transcripts import save_hf_generate
-    from toolkit.models.loading import hf_reference_model, load_checkpoint
 
     model = hf_reference_model(load_checkpoint(loaded.config))
     eos = list(loaded.arch.eos_token_ids)
@@ -64,11 +65,9 @@ def hf_transcript(path: Path, loaded, prompts: Sequence[list[int]], max_tokens: 
 def server_transcript(path: Path, engine, messages: Sequence[str], max_tokens: int, top_logprobs: int = 5,
                       sampling: dict[str, Any] | None = None) -> str:
     """Chat and text completions from our server through the openai client, as {request, response} lines."""
-    import logging
+    import openai  # deferred: the openai client, only for this source
 
-    import openai
-
-    from toolkit.serve.main import start_server
+    from toolkit.serve.main import start_server  # deferred: toolkit.serve needs the [serve] extra (FastAPI)
 
     for name in ("httpx", "httpx2", "openai"):  # a line per HTTP request under Hydra's INFO logging
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -107,7 +106,7 @@ def llama_cpp_transcript(path: Path, gguf: Path, prompts: Sequence[list[int]], m
 
 def _llama_cpp_transcript(path: Path, gguf: Path, prompts: list[list[int]], max_tokens: int, top_logprobs: int,
                           threads: int, sampling: dict[str, Any] | None) -> None:
-    from llama_cpp import Llama
+    from llama_cpp import Llama  # deferred: llama_cpp, the [llama] extra
 
     llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads, logits_all=True, verbose=False, seed=0)
     lines = []

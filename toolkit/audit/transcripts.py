@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import torch
+
 from toolkit.audit.spelling import spell
 
 FORMATS = ("openai", "token_ids", "hf")
@@ -577,8 +579,6 @@ def save_hf_generate(path: str | Path, out: Any, prompt_token_ids: Sequence[Sequ
     `processed_logprobs` = log_softmax(scores) (after HF's processors and warpers), and the raw top
     `top_logprobs`. A row's output stops after its first EOS (HF pads finished rows).
     """
-    import torch
-
     sequences = out.sequences
     logits, scores = getattr(out, "logits", None), getattr(out, "scores", None)
     if logits is None:

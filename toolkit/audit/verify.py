@@ -30,20 +30,21 @@ import pyarrow as pa
 import torch
 from omegaconf import OmegaConf
 
-from toolkit.config import EngineConfig, ModelConfig, SamplingParams, from_mapping
-from toolkit.errors import ConfigError
-from toolkit.kernels import available as kernels_available
-from toolkit.models import load_model
-from toolkit.processors import BatchView, RowState, apply_pipeline
-from toolkit.processors.masks import resolve_bad_words
-from toolkit.reference import reference_logits
-from toolkit.runner import recompute_logits
-from toolkit.sampling import logsumexp_rows
-from toolkit.trace.writer import logits_digest
 from toolkit.audit.replay import load_recorded_config
 from toolkit.audit.shard import RayOptions, progress_bar, run_on_ray
+from toolkit.config import EngineConfig, ModelConfig, from_mapping
+from toolkit.engine.runner import recompute_logits
+from toolkit.errors import ConfigError
+from toolkit.models import load_model
+from toolkit.models.loading import hf_reference_model, load_checkpoint
+from toolkit.models.reference import reference_logits
+from toolkit.native.library import available as kernels_available
+from toolkit.sampling.params import SamplingParams
+from toolkit.sampling.processors import BatchView, RowState, apply_pipeline
+from toolkit.sampling.processors.masks import resolve_bad_words
+from toolkit.sampling.sampler import logsumexp_rows
 from toolkit.trace.reader import TraceError, read_manifest, read_requests, read_samples
-from toolkit.trace.writer import atomic_write_table
+from toolkit.trace.writer import atomic_write_table, logits_digest
 
 
 @dataclass(frozen=True)
@@ -115,8 +116,6 @@ class VerifyReport:
 
 def _hf_forward(model_cfg: ModelConfig):
     """HF transformers' implementation of the model's family on the same weights, as a function ids -> logits (T, V)."""
-    from toolkit.models.loading import hf_reference_model, load_checkpoint
-
     model = hf_reference_model(load_checkpoint(model_cfg))
 
     @torch.inference_mode()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import platform
 import time
 from pathlib import Path
 from typing import Any
@@ -17,14 +19,15 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from toolkit.bench import roofline, systems
+from toolkit.bench import grammar_cost, invariant_cost, kernel_cost, kv_cost, roofline, systems, text_cost
 from toolkit.bench.plots import plot_bench
 from toolkit.bench.workloads import BenchRequest, make_workload
 from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig, from_mapping
 from toolkit.errors import ConfigError, ForeignEngineError
-from toolkit.metrics import percentile
+from toolkit.llm import LLM
 from toolkit.models import load_model
 from toolkit.models.loading import smollm2_dir, smollm2_gguf
+from toolkit.runs.metrics import percentile
 
 KNOWN_SYSTEMS = ("engine", "engine_notrace", "hf_static", "hf_cb", "naive", "llama_cpp")
 
@@ -160,36 +163,25 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
         report["long_prompt"] = _long_prompt_report(loaded, engine_cfg, requests, workload, ours)
     (run_dir / "bench.json").write_text(json.dumps(report, indent=2))  # the comparison is kept if a later part fails
     if b.get("grammar_cost", False):
-        from toolkit.bench import grammar_cost
-
         print("  measuring the grammar-masking cost ...", flush=True)
         report["grammar_cost"] = grammar_cost.measure(loaded, engine_cfg, tuple(b.get("grammar_batches") or (1, 16)))
     if b.get("invariant_cost", False):
-        from toolkit.bench import invariant_cost
-
         print("  measuring the batch-invariant mode's cost ...", flush=True)
         batches = tuple(b.get("invariant_batches") or (1, 16, 64))
         report["invariant_cost"] = invariant_cost.measure(loaded, engine_cfg, batches, repeats=b.get("repeats") or 1)
     if b.get("kv_cost", False):
-        from toolkit.bench import kv_cost
-
         print("  measuring what each KV storage buys ...", flush=True)
         report["kv_cost"] = kv_cost.measure(loaded, engine_cfg, tuple(b.get("kv_dtypes") or ("auto", "int8")),
                                             context=b.get("kv_context", 2048), budget_gb=b.get("kv_budget_gb", 0.5))
     if b.get("text_cost", False):
-        from toolkit.bench import text_cost
-
         print("  measuring the text and stop-string work per token ...", flush=True)
         report["text_cost"] = text_cost.measure(loaded, int(b.get("text_tokens", 4096)))
     if b.get("kernel_cost", False):
-        from toolkit.bench import kernel_cost
-
         report["kernel_cost"] = kernel_cost.measure(
             loaded, tuple(b.get("roofline_batches") or (1, 8, 32, 64)), context=b["roofline_batch_context"],
             block_size=engine_cfg.block_size, repeats=max(5, b.get("repeats") or 1))
     if b.get("serving", False):
-        from toolkit.bench import serving
-        from toolkit.llm import LLM
+        from toolkit.bench import serving  # deferred: toolkit.serve needs the [serve] extra (FastAPI)
 
         print(f"  serving: {b['serving_clients']} HTTP clients beside LLM.generate ...", flush=True)
         llm = LLM.over(loaded, engine_cfg, trace_root=run_dir / "serving_llm")
@@ -237,9 +229,6 @@ def _long_prompt_report(loaded, engine_cfg, requests: list[BenchRequest], worklo
 
 
 def _machine() -> str:
-    import os
-    import platform
-
     model = "unknown CPU"
     try:
         for line in open("/proc/cpuinfo"):

@@ -11,9 +11,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from toolkit.config import EngineConfig, SamplingParams
-from toolkit.engine import Engine
-from toolkit.workload import EXTRACTION_SCHEMA, extraction_workload
+from toolkit.config import EngineConfig
+from toolkit.engine.core import Engine
+from toolkit.runs.workload import EXTRACTION_SCHEMA, extraction_workload
+from toolkit.sampling.params import SamplingParams
 
 
 def _decode(loaded, engine_cfg: EngineConfig, batch: int, constrained: bool, steps: int) -> tuple[float, float]:

@@ -1,6 +1,6 @@
 """What batch-invariant mode costs: decode step time and a prefill step, invariant vs default.
 
-Both modes run the same synthetic decode state (see roofline.decode_step_ms) at each batch
+Both modes run the same synthetic decode state (see toolkit.engine.synthetic.decode_step_ms) at each batch
 size, alternating modes `repeats` times so that drift on a shared machine hits both; the
 median of each is reported with their ratio. A prefill step (one 512-token prompt chunk)
 is timed the same way.
@@ -14,9 +14,10 @@ import statistics
 import time
 from typing import Any
 
-from toolkit.bench.roofline import decode_step_ms
-from toolkit.config import EngineConfig, SamplingParams
-from toolkit.engine import Engine
+from toolkit.config import EngineConfig
+from toolkit.engine.core import Engine
+from toolkit.engine.synthetic import decode_step_ms
+from toolkit.sampling.params import SamplingParams
 
 
 def prefill_step_ms(loaded, engine_cfg: EngineConfig, tokens: int = 512) -> float:

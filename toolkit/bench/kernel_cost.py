@@ -17,9 +17,10 @@ from typing import Any, Callable
 
 import torch
 
-from toolkit.attention import _grouped_sdpa, additive_bias
-from toolkit.kernels import KernelUnavailable, native, paged_attention_cpu, rope_cpu
+from toolkit.kv.attention import _grouped_sdpa, additive_bias
 from toolkit.models.decoder import rotate_half
+from toolkit.native.library import KernelUnavailable, native
+from toolkit.native.ops import paged_attention_cpu, rope_cpu
 
 
 def _pair(ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int) -> tuple[float, float]:

@@ -3,7 +3,7 @@ memory budget holds at that context, and the decode throughput at that batch.
 
 For each `engine.kv_cache_dtype`, the budget divided by one sequence's KV bytes at `context`
 tokens (scales included) gives the batch; a pure decode step at that batch and context (the
-synthetic decode state of roofline.decode_step_ms) gives step time and tok/s. Each dtype runs
+synthetic decode state of toolkit.engine.synthetic.decode_step_ms) gives step time and tok/s. Each dtype runs
 on the engine's default backend (the native kernel reads fp32, int8 and fp8 blocks; bf16 goes
 through sdpa) and on sdpa (blocks gathered and de-quantised in torch).
 """
@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from toolkit.bench.roofline import decode_step_ms
-from toolkit.config import EngineConfig, SamplingParams
-from toolkit.engine import Engine
+from toolkit.config import EngineConfig
+from toolkit.engine.core import Engine
+from toolkit.engine.synthetic import decode_step_ms
+from toolkit.sampling.params import SamplingParams
 
 
 def bytes_per_sequence(loaded, engine_cfg: EngineConfig, context: int) -> float:

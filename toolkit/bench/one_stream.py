@@ -29,9 +29,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
+from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf.quants import dequantize
 
 from toolkit.bench.precision import machine
+from toolkit.models.loading import smollm2_dir, smollm2_gguf
+from toolkit.models.tokenizer import Tokenizer
 
 REQUESTS = [  # chat requests of the kind the issue measured with (short questions, a few sentences out)
     "Describe a lighthouse at night.", "What is a prime number? Give an example.",
@@ -45,8 +50,6 @@ def f32_gguf(source: Path, target: Path) -> Path:
     """`source` with every tensor de-quantised to F32 (metadata copied, file type ALL_F32), written once."""
     if target.is_file():
         return target
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
-    from gguf.quants import dequantize
 
     reader = GGUFReader(source)
     staging = target.with_suffix(".tmp")
@@ -70,8 +73,6 @@ def f32_gguf(source: Path, target: Path) -> Path:
 
 def smollm2_f32_gguf() -> Path:
     """SmolLM2 as an F32 GGUF beside its fp32 cache (written on first use)."""
-    from toolkit.models.loading import smollm2_dir, smollm2_gguf
-
     return f32_gguf(smollm2_gguf(), smollm2_dir() / "smollm2-f32.gguf")
 
 
@@ -90,8 +91,6 @@ class Server:
         self.process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=cwd)
 
     def up(self, timeout_s: float = 600.0) -> None:
-        import httpx
-
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -148,8 +147,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default=None, help="also write the figures here as JSON")
     args = parser.parse_args(argv)
 
-    from toolkit.models.loading import smollm2_dir
-    from toolkit.models.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(smollm2_dir())
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r}]) for r in REQUESTS]

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from toolkit.runs.plots import _pyplot
+
 
 def plot_bench(report: dict[str, Any], path: Path) -> Path | None:
-    from toolkit.plots import _pyplot  # matplotlib comes with the bench extra; a clear error without it
-
     plt = _pyplot()
 
     roof = report.get("roofline")

@@ -5,7 +5,7 @@ batch 1 >= 1.8x fp32, the weights' bytes halved).
     python -m toolkit.bench.precision --shape --device cuda  # random weights of SmolLM2's shape on a GPU
     TOOLKIT_KERNEL_TARGET=x86-64-v3 python -m toolkit.bench.precision   # AVX2 kernels on an AVX-512 CPU
 
-Each batch size times a pure decode step (toolkit.bench.roofline.decode_step_ms, context 128) for every
+Each batch size times a pure decode step (toolkit.engine.synthetic.decode_step_ms, context 128) for every
 format in turn, `--repeats` rounds, and prints the medians and each one's speed relative to fp32, with the
 machine's name beside them."""
 
@@ -16,10 +16,10 @@ import statistics
 
 import torch
 
-from toolkit import kernels
-from toolkit.bench.roofline import decode_step_ms
 from toolkit.config import EngineConfig, ModelConfig
+from toolkit.engine.synthetic import decode_step_ms
 from toolkit.models import load_model
+from toolkit.native import cpu, library
 
 FORMATS = ("float32", "bfloat16", "float16")
 # SmolLM2-135M's dimensions with random weights (a vocabulary one past its tokenizer's, so none is loaded):
@@ -38,9 +38,9 @@ def machine(device: str) -> str:
             name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
     except OSError:
         pass
-    flags = kernels._cpu_flags()
+    flags = cpu.cpu_flags()
     extra = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "asimd") if f in flags]
-    return f"{name} ({' '.join(extra) or 'no SIMD flags read'}); kernels: {kernels.describe_native()}"
+    return f"{name} ({' '.join(extra) or 'no SIMD flags read'}); kernels: {library.describe_native()}"
 
 
 def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:

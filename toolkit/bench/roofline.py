@@ -14,27 +14,21 @@
 
 from __future__ import annotations
 
-import random
-import statistics
-import time
 from typing import Any
 
 import torch
 
-from toolkit.config import EngineConfig, SamplingParams
-from toolkit.engine import Engine
-from toolkit.request import RequestStatus
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+from toolkit.config import EngineConfig
+from toolkit.engine.core import Engine
+from toolkit.engine.synthetic import decode_step_ms, timed
+from toolkit.native.library import KernelUnavailable
+from toolkit.native.ops import matmul_invariant
+from toolkit.sampling.params import SamplingParams
 
 
 def _best(fn, repeats: int) -> float:
     fn()
-    return min(_timed(fn) for _ in range(repeats))
+    return min(timed(fn) for _ in range(repeats))
 
 
 def memory_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
@@ -60,8 +54,7 @@ def _gemm_pass(model, m: int, native: bool):
     inputs = {w.shape[0]: torch.randn(m, w.shape[0], dtype=w.dtype) for w in weights}
     mm = torch.matmul
     if native:
-        from toolkit.kernels import matmul_invariant as mm
-
+        mm = matmul_invariant
         layers, head = model.packed_weights()
         weights = [w for layer in layers for w in layer.values()] + [head]
 
@@ -81,56 +74,6 @@ def kv_bytes(engine: Engine, num_rows: int, context: int) -> float:
     return num_rows * context * engine.kv_cache.bytes_per_token
 
 
-def decode_engine(loaded, engine_cfg: EngineConfig, batch: int, context: int, steps: int = 8) -> Engine:
-    """An engine in a pure decode state: `batch` sequences at `context` tokens of context, each with
-    room for `steps` more.
-
-    The decode state is synthetic: each sequence's KV blocks are allocated and filled with
-    random values and it is marked as decoding, instead of prefilling batch x context tokens
-    first (the step's cost does not depend on the cached values).
-    """
-    blocks_needed = batch * (-(-(context + steps + 2) // engine_cfg.block_size))
-    cfg = EngineConfig(**{**engine_cfg.__dict__, "max_num_seqs": max(batch, 1),
-                          "max_num_batched_tokens": max(engine_cfg.max_num_batched_tokens, batch),
-                          "num_kv_blocks": blocks_needed + batch + 8})
-    engine = Engine(loaded, cfg, SamplingParams(temperature=0.0))
-    gen = torch.Generator().manual_seed(batch * 7919 + context)
-    for k, v in engine.kv_cache.layers:
-        k.copy_(torch.randn(k.shape, generator=gen) * 0.5)
-        v.copy_(torch.randn(v.shape, generator=gen) * 0.5)
-    rnd = random.Random(batch * 7919 + context)
-    vocab = loaded.arch.vocab_size
-    for _ in range(batch):
-        engine.add_request(prompt_token_ids=[rnd.randrange(vocab) for _ in range(context)],
-                           sampling_params=SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True))
-    engine.scheduler.arrivals(0)
-    for seq in list(engine.scheduler.waiting):  # as if prefilled: context tokens cached, one sampled token
-        engine.scheduler.waiting.remove(seq)
-        engine.block_manager.allocate(seq.seq_id, context + 1)
-        seq.num_computed_tokens = context
-        seq.token_ids.append(rnd.randrange(vocab))
-        seq.status = RequestStatus.DECODING
-        seq.admitted_step = 0
-        engine.scheduler.running.append(seq)
-    return engine
-
-
-def decode_step_ms(loaded, engine_cfg: EngineConfig, batch: int, context: int, steps: int = 8,
-                   gemm_pass=None) -> float | tuple[float, float]:
-    """Median ms of a pure decode step with `batch` sequences at `context` tokens of context; with
-    `gemm_pass`, also the best ms of that function, timed after each step (alternately)."""
-    engine = decode_engine(loaded, engine_cfg, batch, context, steps)
-    if gemm_pass is not None:
-        gemm_pass()  # warm-up
-    times, gemm_times = [], []
-    for _ in range(steps):
-        times.append(_timed(engine.step))
-        if gemm_pass is not None:
-            gemm_times.append(_timed(gemm_pass))
-    step_ms = 1000 * statistics.median(times)
-    return step_ms if gemm_pass is None else (step_ms, 1000 * min(gemm_times))
-
-
 def measure(loaded, engine_cfg: EngineConfig, batch_sizes: list[int], contexts: list[int], batch_context: int,
             context_batches: list[int]) -> dict[str, Any]:
     model = loaded.model
@@ -139,8 +82,6 @@ def measure(loaded, engine_cfg: EngineConfig, batch_sizes: list[int], contexts: 
     torch_rates = {m: gemm_gflops(model, m) for m in sizes}
     native_rates = {}
     if engine_cfg.device == "cpu" and model.embed.dtype == torch.float32:
-        from toolkit.kernels import KernelUnavailable
-
         try:
             native_rates = {m: gemm_gflops(model, m, native=True) for m in sizes}
         except KernelUnavailable:

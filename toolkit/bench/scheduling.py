@@ -23,11 +23,14 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from toolkit.bench import _machine as bench_machine
-from toolkit.config import EngineConfig, ModelConfig, SamplingParams, from_mapping
-from toolkit.engine import Engine, load_for
+from toolkit.bench.workloads import make_workload
+from toolkit.config import EngineConfig, ModelConfig, from_mapping
+from toolkit.engine.core import Engine, load_for
 from toolkit.errors import ConfigError
-from toolkit.metrics import percentile
-from toolkit.session import record
+from toolkit.runs.metrics import percentile
+from toolkit.runs.plots import _pyplot
+from toolkit.runs.session import record
+from toolkit.sampling.params import SamplingParams
 
 COLUMNS = {  # column -> (header, format)
     "forwards_per_step": ("fwd/step", ".2f"), "step_s_mean": ("step ms", "ms"), "output_tok_per_s": ("tok/s", ".1f"),
@@ -75,8 +78,6 @@ def variants(s: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def compare_variants(loaded, engine_cfg: EngineConfig, s: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    from toolkit.bench.workloads import make_workload
-
     workload = make_workload(s.get("workload", "standard"), loaded.tokenizer, s.get("num_requests"),
                              s.get("max_tokens"))
     rows, tokens = {}, {}
@@ -236,8 +237,6 @@ def _walk(loaded, cfg: EngineConfig, requests, static: bool) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- the plot
 
 def plot(report: dict[str, Any], s: dict[str, Any], path: Path) -> None:
-    from toolkit.plots import _pyplot
-
     plt = _pyplot()
     if "variants" not in report:  # the walkthrough: arrival, admission, completion per request, both ways
         fig, ax = plt.subplots(figsize=(7, 3))

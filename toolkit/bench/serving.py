@@ -20,19 +20,18 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from toolkit.engine.core import Engine
+from toolkit.runs.metrics import percentile
+from toolkit.sampling.params import SamplingParams
+from toolkit.serve.main import start_server
+
 
 def _quantiles(values: Sequence[float]) -> dict[str, float | None]:
-    from toolkit.metrics import percentile
-
     return {f"p{q}": percentile(values, q) for q in (50, 95, 99)}
 
 
 def measure(llm, prompts: list[list[int]], max_tokens: int, clients: int, stagger_s: float, run_dir: Path
             ) -> dict[str, Any]:
-    from toolkit.config import SamplingParams
-    from toolkit.engine import Engine
-    from toolkit.serve.main import start_server
-
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -68,7 +67,7 @@ def measure(llm, prompts: list[list[int]], max_tokens: int, clients: int, stagge
 
 
 async def _clients(spec: dict[str, Any]) -> dict[str, Any]:
-    import openai
+    import openai  # deferred: the openai client, a test dependency
 
     client = openai.AsyncOpenAI(base_url=spec["url"] + "/v1", api_key="unused", max_retries=0, timeout=3600)
     prompts = spec["prompts"]

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import threading
 import time
 from contextlib import contextmanager
@@ -21,11 +22,12 @@ import psutil
 import torch
 
 from toolkit.bench.workloads import BenchRequest
-from toolkit.child import run_in_child
-from toolkit.config import EngineConfig, SamplingParams, SpeculativeConfig, from_mapping
-from toolkit.engine import Engine
-from toolkit.metrics import InterTokenLatency, percentile
-from toolkit.trace import new_run_id
+from toolkit.config import EngineConfig, SpeculativeConfig, from_mapping
+from toolkit.engine.core import Engine
+from toolkit.native.child import run_in_child
+from toolkit.runs.manifest import new_run_id
+from toolkit.runs.metrics import InterTokenLatency, percentile
+from toolkit.sampling.params import SamplingParams
 from toolkit.trace.writer import TraceWriter
 
 
@@ -159,10 +161,8 @@ def _host_work(step_log: list[tuple[int, int, int, float, float]]) -> dict[str, 
 
 
 def load_hf_model(path: str | Path, attn: str = "sdpa"):
-    import logging
-
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoModelForCausalLM  # deferred: transformers, seconds to import
+    from transformers.utils import logging as hf_logging  # deferred: transformers, seconds to import
 
     hf_logging.set_verbosity_error()
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
@@ -182,7 +182,7 @@ class _StepClock:
 
 
 def run_hf_static(model, requests: list[BenchRequest], batch_size: int, pad_id: int) -> SystemResult:
-    from transformers import LogitsProcessorList
+    from transformers import LogitsProcessorList  # deferred: transformers, seconds to import
 
     result = SystemResult("hf_static", {}, 0.0, sum(len(r.prompt_token_ids) for r in requests))
     with rss_monitor() as rss:
@@ -210,7 +210,7 @@ def run_hf_static(model, requests: list[BenchRequest], batch_size: int, pad_id: 
 
 def run_hf_cb(model, requests: list[BenchRequest]) -> SystemResult:
     """HF continuous batching: every request added at the start with its own max_new_tokens."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # deferred: transformers, seconds to import
 
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=256)
     result = SystemResult("hf_cb", {}, 0.0, sum(len(r.prompt_token_ids) for r in requests))
@@ -268,7 +268,7 @@ def run_llama_cpp(gguf_path: Path, requests: list[BenchRequest], threads: int) -
 
 
 def _run_llama_cpp(gguf_path: Path, requests: list[BenchRequest], threads: int) -> SystemResult:
-    from llama_cpp import Llama
+    from llama_cpp import Llama  # deferred: llama_cpp, the [llama] extra
 
     llm = Llama(model_path=str(gguf_path), n_ctx=4096, n_threads=threads, verbose=False, logits_all=False)
     result = SystemResult("llama_cpp", {}, 0.0, sum(len(r.prompt_token_ids) for r in requests))

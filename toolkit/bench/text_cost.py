@@ -1,6 +1,6 @@
 """What the text and stop-string work costs per token at the start and at the end of a long output.
 
-A sequence's text is decoded incrementally (toolkit/stop.py): each token is decoded with a few
+A sequence's text is decoded incrementally (toolkit/sampling/stop.py): each token is decoded with a few
 tokens of context, so the work per token should not grow with the output. This feeds one long
 output (the model's own tokenizer: mixed scripts, multi-byte characters, emoji, code) to
 `update_text` one token at a time, as the engine's commit does, with stop strings that never
@@ -16,7 +16,7 @@ import statistics
 import time
 from typing import Any
 
-from toolkit.stop import StopState, update_text
+from toolkit.sampling.stop import StopState, update_text
 
 _WORDS = ("the of and to in model token cache data return def class ( ) { } [ ] : , . \n 日本語 の テキスト "
           "καλημέρα κόσμε émigré naïve café Übergröße 🤖 🚀 ✓ → ½").split(" ")

@@ -9,8 +9,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from toolkit.data import passages
 from toolkit.errors import ConfigError
-from toolkit.workload import CHAT_QUESTIONS, passages
+from toolkit.runs.workload import CHAT_QUESTIONS
 
 
 @dataclass(frozen=True)

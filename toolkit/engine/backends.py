@@ -11,14 +11,14 @@ import functools
 import torch
 
 from toolkit.config import EngineConfig
+from toolkit.data import passages
+from toolkit.engine.runner import ModelRunner
+from toolkit.engine.scheduler import ScheduledBatch, ScheduledChunk
 from toolkit.errors import ConfigError
-from toolkit.kernels import KernelUnavailable, native
 from toolkit.kv import PagedKVCache
 from toolkit.kv.quant import FORMATS
 from toolkit.models import LoadedModel
-from toolkit.runner import ModelRunner
-from toolkit.scheduler import ScheduledBatch, ScheduledChunk
-from toolkit.workload import passages
+from toolkit.native.library import KernelUnavailable, native
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,7 +38,7 @@ def keep_freed_memory() -> bool:
 
 def attention_backend(cfg: EngineConfig, loaded: LoadedModel) -> str:
     """auto: the native kernel on CPU fp32 when it builds here and takes the model's shapes, else torch's
-    sdpa path (one warning line on stderr when the kernels do not build: toolkit.kernels.native)."""
+    sdpa path (one warning line on stderr when the kernels do not build: toolkit.native.library.native)."""
     wanted = cfg.attention_backend
     if wanted == "flex" and cfg.kv_cache_dtype != "auto":
         raise ConfigError(f"engine.attention_backend=flex reads the cache as stored; use engine.kv_cache_dtype=auto "

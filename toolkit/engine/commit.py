@@ -13,15 +13,15 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from toolkit.decide import Decision, Emit
-from toolkit.grammar import GrammarBackend
+from toolkit.engine.decide import Decision, Emit
+from toolkit.engine.outputs import TextDelta
+from toolkit.engine.request import FinishReason, Request, RequestStatus
+from toolkit.engine.scheduler import ScheduledBatch, Scheduler
+from toolkit.engine.speculative import Proposal, Speculator
 from toolkit.kv import BlockManager
 from toolkit.models.tokenizer import Tokenizer
-from toolkit.outputs import TextDelta
-from toolkit.request import FinishReason, Request, RequestStatus
-from toolkit.scheduler import ScheduledBatch, Scheduler
-from toolkit.speculative import Proposal, Speculator
-from toolkit.stop import TextUpdate, update_text
+from toolkit.sampling.grammar import GrammarBackend
+from toolkit.sampling.stop import TextUpdate, update_text
 from toolkit.trace.schema import SampleTrace
 
 

@@ -3,16 +3,16 @@
     arrivals -> schedule -> propose -> ONE forward -> decide -> commit -> outputs (trace rows, deltas)
 
 Each stage is a unit with one job:
-    toolkit.intake       RequestIntake: what a caller sends -> validated sequences (raises RequestError)
-    toolkit.backends     the attention and matmul backends, KV pool size and KV scales, chosen once
-    toolkit.scheduler    Scheduler: arrivals, admission, token budget, chunked prefill, preemption
-    toolkit.speculative  Speculator: draft tokens for the slots the scheduler reserved
-    toolkit.runner       ModelRunner: ScheduledBatch -> packed tensors -> the ONE forward -> logits rows
-    toolkit.decide       Decider: logits rows -> processors -> sampled / verified tokens (a Decision)
-    toolkit.commit       Committer: the Decision into the sequences, and one SampleTrace row per token
-    toolkit.outputs      StepOutput, TextDelta, RequestOutput: what the engine hands out
+    toolkit.engine.intake       RequestIntake: what a caller sends -> validated sequences (raises RequestError)
+    toolkit.engine.backends     the attention and matmul backends, KV pool size and KV scales, chosen once
+    toolkit.engine.scheduler    Scheduler: arrivals, admission, token budget, chunked prefill, preemption
+    toolkit.engine.speculative  Speculator: draft tokens for the slots the scheduler reserved
+    toolkit.engine.runner       ModelRunner: ScheduledBatch -> packed tensors -> the ONE forward -> logits rows
+    toolkit.engine.decide       Decider: logits rows -> processors -> sampled / verified tokens (a Decision)
+    toolkit.engine.commit       Committer: the Decision into the sequences, and one SampleTrace row per token
+    toolkit.engine.outputs      StepOutput, TextDelta, RequestOutput: what the engine hands out
 
-One owner per piece of a sequence's state (toolkit.request.Request); nothing else writes it:
+One owner per piece of a sequence's state (toolkit.engine.request.Request); nothing else writes it:
     intake       creates it: ids, prompt, sampling, seed, bad words, grammar matcher, followers
     engine.step  arrival_time (when it arrives), first_scheduled_time (its first step)
     scheduler    status PENDING / WAITING / PREFILLING (and DECODING on admission or adoption),
@@ -31,24 +31,38 @@ import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
-from toolkit.backends import (attention_backend, auto_num_blocks, calibrate_kv_scales, keep_freed_memory,
-                              matmul_backend)
-from toolkit.commit import Committed, Committer
-from toolkit.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig, from_mapping
-from toolkit.decide import Decider, Decision
+from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig, from_mapping
+from toolkit.engine.backends import (
+    attention_backend,
+    auto_num_blocks,
+    calibrate_kv_scales,
+    keep_freed_memory,
+    matmul_backend,
+)
+from toolkit.engine.commit import Committed, Committer
+from toolkit.engine.decide import Decider, Decision
+from toolkit.engine.intake import RequestIntake, derive_seed
+from toolkit.engine.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    StepOutput,
+    TextDelta,
+    request_metrics,
+    request_output,
+)
+from toolkit.engine.request import Request, RequestStatus
+from toolkit.engine.runner import ModelOutput, ModelRunner
+from toolkit.engine.scheduler import ScheduledBatch, Scheduler
+from toolkit.engine.speculative import DraftContext, Proposal, Speculator
 from toolkit.errors import ConfigError, RequestError
-from toolkit.grammar import GrammarBackend, LazyGrammar
-from toolkit.intake import RequestIntake, derive_seed
-from toolkit.kernels import ShaJob
 from toolkit.kv import BlockManager, PagedKVCache
 from toolkit.models import LoadedModel, load_model
-from toolkit.outputs import (CompletionOutput, RequestMetrics, RequestOutput, StepOutput, TextDelta, request_metrics,
-                             request_output)
-from toolkit.request import Request, RequestStatus
-from toolkit.runner import ModelOutput, ModelRunner
-from toolkit.scheduler import ScheduledBatch, Scheduler
-from toolkit.speculative import DraftContext, Proposal, Speculator
+from toolkit.native.sha import ShaJob
+from toolkit.sampling.grammar import GrammarBackend, LazyGrammar
+from toolkit.sampling.params import SamplingParams
 
 T = TypeVar("T")
 
@@ -385,8 +399,6 @@ def _plain(section: Any) -> dict[str, Any]:
     if section is None:
         return {}
     try:
-        from omegaconf import DictConfig, OmegaConf
-
         if isinstance(section, DictConfig):
             return OmegaConf.to_container(section, resolve=True)  # type: ignore[return-value]
     except ImportError:  # pragma: no cover

@@ -6,7 +6,7 @@
 It reads sequences and writes none of them: the grammar masks of verification depths and of draft
 tokens are filled on forks of a sequence's matcher (xgrammar's `fork`), so a committed matcher is
 never advanced by a draft and never rolled back. The only state it keeps is the speculation
-statistics it counts while verifying. What it decides is committed by toolkit.commit.
+statistics it counts while verifying. What it decides is committed by toolkit.engine.commit.
 """
 
 from __future__ import annotations
@@ -16,13 +16,20 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from toolkit import rng
-from toolkit.grammar import GrammarBackend
-from toolkit.processors import BatchView, PipelineResult, RowState, apply_pipeline, emptied_by_changes, invalid_rows
-from toolkit.request import Request
-from toolkit.runner import ModelOutput
-from toolkit.sampling import FusedSample, SampleRow, kept_digests, logsumexp_rows, sample
-from toolkit.speculative import PLAIN, Proposal, Speculator, verify
+from toolkit.engine.request import Request
+from toolkit.engine.runner import ModelOutput
+from toolkit.engine.speculative import PLAIN, Proposal, Speculator, verify
+from toolkit.sampling import rng
+from toolkit.sampling.grammar import GrammarBackend
+from toolkit.sampling.processors import (
+    BatchView,
+    PipelineResult,
+    RowState,
+    apply_pipeline,
+    emptied_by_changes,
+    invalid_rows,
+)
+from toolkit.sampling.sampler import FusedSample, SampleRow, kept_digests, logsumexp_rows, sample
 
 
 @dataclass
@@ -54,7 +61,7 @@ class Emit:
     draft_logprob: float | None = None
     spec_proposed: int = 0
     spec_accepted: int = 0
-    kept_sha256: str | None = None  # digest of the kept set (toolkit.sampling.kept_digests)
+    kept_sha256: str | None = None  # digest of the kept set (toolkit.sampling.sampler.kept_digests)
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,13 @@ import hashlib
 import time
 from typing import Any, Callable, Container, Mapping, Sequence
 
-from toolkit.config import EngineConfig, SamplingParams
+from toolkit.config import EngineConfig
+from toolkit.engine.request import Request
 from toolkit.errors import ConfigError, RequestError
-from toolkit.grammar import GrammarBackend
 from toolkit.models.tokenizer import Tokenizer
-from toolkit.processors.masks import resolve_bad_words
-from toolkit.request import Request
+from toolkit.sampling.grammar import GrammarBackend
+from toolkit.sampling.params import SamplingParams
+from toolkit.sampling.processors.masks import resolve_bad_words
 
 
 def derive_seed(run_seed: int, request_id: str) -> int:

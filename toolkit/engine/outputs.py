@@ -7,7 +7,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from toolkit.request import Request
+from toolkit.engine.request import Request
 from toolkit.trace.schema import SampleTrace
 
 

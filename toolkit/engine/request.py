@@ -14,8 +14,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolkit.config import SamplingParams
-from toolkit.stop import StopState
+from toolkit.sampling.params import SamplingParams
+from toolkit.sampling.stop import StopState
 
 
 class RequestStatus(str, enum.Enum):

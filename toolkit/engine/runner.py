@@ -15,9 +15,11 @@ from typing import Callable
 
 import torch
 
-from toolkit.attention import AttentionMetadata, PrefillChunk, additive_bias
+from toolkit.engine.scheduler import ScheduledBatch, ScheduledChunk
+from toolkit.kv import flex
+from toolkit.kv.attention import AttentionMetadata, PrefillChunk, additive_bias
 from toolkit.kv.paged_cache import PagedKVCache
-from toolkit.scheduler import ScheduledBatch, ScheduledChunk
+from toolkit.native import library
 
 
 @dataclass(frozen=True)
@@ -123,8 +125,6 @@ class ModelRunner:
 
         flex_meta = None
         if self.backend == "flex":
-            from toolkit import flex
-
             flex_meta = flex.build([list(c.block_table[: -(-c.context_len // bs)]) for c in ordered],
                                    [c.num_tokens for c in ordered], positions_t, self.kv_cache.num_blocks, bs,
                                    self.model.arch.sliding_window, self.flex_compile)
@@ -160,7 +160,7 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch, num_layers: int | None = None,
             beside: Callable[[Callable[[], ForwardInputs]], ForwardInputs] | None = None) -> ModelOutput:
         """The forward of a batch. `beside` runs the packing of its inputs (Python) where the caller has work
-        for the other threads meanwhile (Engine.step: the last step's trace digests, kernels.ShaJob.beside)."""
+        for the other threads meanwhile (Engine.step: the last step's trace digests, sha.ShaJob.beside)."""
         self.move_blocks(batch)
         decodes = tuple(c for c in batch.chunks if c.num_tokens == 1 or c.num_logits > 1) if self.two_forwards else ()
         if decodes and len(decodes) < len(batch.chunks):
@@ -189,12 +189,10 @@ class ModelRunner:
 def _kernel_runs(model: torch.nn.Module, block_size: int) -> bool:
     """Whether the native attention kernel runs this model here: on the CPU, built (not switched off), and taking
     its shapes on its cache (a 16-bit cache: head_dim 64 or 128 only)."""
-    from toolkit import kernels
-
-    if model.embed.device.type != "cpu" or not kernels.available():
+    if model.embed.device.type != "cpu" or not library.available():
         return False
     a = model.arch
-    return kernels.native().attention_supports(a.num_heads, a.num_kv_heads, a.head_dim, block_size,
+    return library.native().attention_supports(a.num_heads, a.num_kv_heads, a.head_dim, block_size,
                                                model.embed.dtype != torch.float32)
 
 
@@ -208,7 +206,7 @@ def recompute_logits(model: torch.nn.Module, token_ids: list[int], *, batch_inva
     blocks = -(-n // block_size)
     device = model.embed.device
     if batch_invariant and not _kernel_runs(model, block_size):
-        batch_invariant = False  # the engine runs such a model on sdpa too (toolkit.backends.attention_backend)
+        batch_invariant = False  # the engine runs such a model on sdpa too (toolkit.engine.backends.attention_backend)
     cache = PagedKVCache(layers, blocks, block_size, kv_heads, head_dim, model.embed.dtype, device)
     runner = ModelRunner(model, cache, device, "kernel" if batch_invariant else "sdpa", batch_invariant=batch_invariant)
     chunk = ScheduledChunk("recompute", tuple(token_ids), 0, tuple(range(blocks)), samples=True, num_logits=n)

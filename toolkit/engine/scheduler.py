@@ -28,8 +28,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from toolkit.config import EngineConfig
+from toolkit.engine.request import Request, RequestStatus
 from toolkit.kv.block_manager import BlockCopy, BlockManager, SwapCopy
-from toolkit.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)

@@ -35,15 +35,21 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 
-from toolkit import rng
-from toolkit.sampling import gumbel_choice
+from toolkit.config import ModelConfig, from_mapping
+from toolkit.engine.runner import ModelRunner
+from toolkit.engine.scheduler import ScheduledBatch, ScheduledChunk
+from toolkit.errors import ConfigError
+from toolkit.kv import BlockManager, PagedKVCache
+from toolkit.models import load_model
+from toolkit.sampling import rng
+from toolkit.sampling.sampler import gumbel_choice
 
 if TYPE_CHECKING:  # pragma: no cover
-    from toolkit.request import Request
+    from toolkit.engine.request import Request
 
 
 class DraftHost(Protocol):
-    """What Speculator.build reads of the engine it proposes for (toolkit.engine.Engine is one)."""
+    """What Speculator.build reads of the engine it proposes for (toolkit.engine.core.Engine is one)."""
 
     loaded: Any  # the target's LoadedModel
     kv_cache: Any  # its PagedKVCache
@@ -61,7 +67,7 @@ PLAIN, ACCEPTED, RESAMPLED, BONUS = "plain", "draft_accepted", "resampled", "bon
 @dataclass(frozen=True)
 class DraftContext:
     """What a proposer may use of the target while drafting: its block tables (a self-draft reads the
-    target's cache) and the draft sampler (toolkit.decide.Decider.draft_sample: each sequence's own
+    target's cache) and the draft sampler (toolkit.engine.decide.Decider.draft_sample: each sequence's own
     processors and grammar, on forked matchers)."""
 
     block_table: Callable[[str], list[int]]
@@ -87,7 +93,7 @@ class Verdict:
 
 
 def sample_plain(logits_V: torch.Tensor, greedy: bool, seed: int, position: int, stream: int) -> tuple[int, float]:
-    """The token a non-speculative run samples here (same rule as toolkit.sampling)."""
+    """The token a non-speculative run samples here (same rule as toolkit.sampling.sampler)."""
     if greedy:
         return int(torch.argmax(logits_V)), float("nan")
     return gumbel_choice(logits_V, rng.row_key(seed, position, stream, rng.SAMPLE))
@@ -211,8 +217,6 @@ class ModelProposer:
             state.computed = min(state.computed, num_valid)
 
     def propose(self, context: "DraftContext", items: list[tuple["Request", int]]) -> dict[str, Proposal]:
-        from toolkit.scheduler import ScheduledBatch, ScheduledChunk
-
         drafts: dict[str, list[int]] = {seq.seq_id: [] for seq, _ in items}
         q_rows: dict[str, list[torch.Tensor]] = {seq.seq_id: [] for seq, _ in items}
         active = [(seq, slots) for seq, slots in items if slots > 0]
@@ -295,9 +299,6 @@ class Speculator:
 
     @classmethod
     def build(cls, cfg, engine: DraftHost) -> "Speculator":
-        from toolkit.errors import ConfigError
-        from toolkit.runner import ModelRunner
-
         if cfg.method == "ngram":
             return cls(cfg, NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
         if cfg.method == "self_draft":
@@ -311,9 +312,6 @@ class Speculator:
                                  flex_compile=engine.cfg.flex_compile)
             return cls(cfg, ModelProposer(engine.loaded, runner, num_layers=cfg.draft_layers,
                                           shares_target_cache=True))
-        from toolkit.config import ModelConfig, from_mapping
-        from toolkit.kv import BlockManager, PagedKVCache
-        from toolkit.models import load_model
 
         draft_cfg = from_mapping(ModelConfig, dict(cfg.draft_model or {}), section="speculative.draft_model")
         draft = load_model(draft_cfg, engine.device)

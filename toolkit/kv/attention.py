@@ -15,7 +15,7 @@ Two backends here:
   repeating K/V: the G query heads of one KV head are laid along the query axis. It also
   runs Gemma2's soft-capping and sliding windows, and de-quantises bf16/int8/fp8 blocks.
 On the sdpa backend prefill chunks are SDPA calls too; on the kernel backend they are kernel rows.
-A third backend, `flex` (toolkit/flex.py), sends every row through torch's FlexAttention.
+A third backend, `flex` (toolkit/kv/flex.py), sends every row through torch's FlexAttention.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from toolkit.kv import flex
+from toolkit.kv.quant import read_blocks, write_quantized
+from toolkit.native.ops import paged_attention_cpu, paged_attention_cpu_q8
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ class AttentionMetadata:
     decode_bias_DT: torch.Tensor | None  # sdpa: (num_decodes, max_blocks * block_size) additive: -inf past ctx
     decode_ctx_D: torch.Tensor | None  # sdpa: (num_decodes,) keys each decode row sees
     prefills: tuple[PrefillChunk, ...]  # sdpa chunks (rows >= kernel_rows)
-    flex: object | None = None  # toolkit.flex.FlexMetadata: every row through FlexAttention
+    flex: object | None = None  # toolkit.kv.flex.FlexMetadata: every row through FlexAttention
     kv_quant: "KVQuant | None" = None  # int8/fp8 caches: the format and every layer's scales
 
 
@@ -77,8 +81,6 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_NHD: torch.Tensor, 
     """Scatter this step's keys and values into their slots (the cache is the only mutable state);
     a quantised cache quantises them on the way in (toolkit/kv/quant.py)."""
     if kv_quant is not None:
-        from toolkit.kv.quant import write_quantized
-
         for which, (cache, x) in enumerate(((k_cache, k_NHD), (v_cache, v_NHD))):
             write_quantized(cache, *kv_quant.layer(layer, which), x, slot_mapping_N, kv_quant.kv_dtype)
         return
@@ -98,8 +100,6 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype
     in the compute dtype (de-quantised with the blocks' scales for an int8/fp8 cache)."""
     _, block_size, h_kv, d = cache.shape
     if scales is not None:
-        from toolkit.kv.quant import read_blocks
-
         rows = read_blocks(cache, *scales, tables, dtype)
     else:
         rows = cache.index_select(0, tables.reshape(-1)).to(dtype)  # index_select is ~2x faster than cache[tables]
@@ -144,23 +144,17 @@ def paged_attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     `softcap` and `window` (Gemma2) run on the sdpa path only; the engine picks it for such models."""
     if meta.flex is not None:
-        from toolkit import flex
-
         return flex.attention(q_NHD, k_cache, v_cache, meta.flex, scale, softcap, window)
     out_NHD = torch.empty(q_NHD.shape, dtype=q_NHD.dtype, device=q_NHD.device)
     if meta.kernel_rows and (softcap is not None or window is not None):
         raise ValueError("the native attention kernel has no soft-capping or sliding window: use the sdpa backend")
     if meta.kernel_rows and meta.kv_quant is not None:
-        from toolkit.kernels import paged_attention_cpu_q8
-
         rows = meta.kernel_rows
         (k_block, k_static, _), (v_block, v_static, _) = (meta.kv_quant.layer(layer, w) for w in (0, 1))
         paged_attention_cpu_q8(q_NHD[:rows], k_cache, v_cache, k_block if k_block is not None else k_static,
                                v_block if v_block is not None else v_static, meta.block_tables_SB,
                                meta.query_table_N[:rows], meta.query_ctx_N[:rows], scale, out_NHD[:rows])
     elif meta.kernel_rows:
-        from toolkit.kernels import paged_attention_cpu
-
         rows = meta.kernel_rows
         paged_attention_cpu(q_NHD[:rows], k_cache, v_cache, meta.block_tables_SB, meta.query_table_N[:rows],
                             meta.query_ctx_N[:rows], scale, out_NHD[:rows])

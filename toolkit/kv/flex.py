@@ -17,6 +17,7 @@ axis is padded to a power of two so that a handful of compiled shapes serve ever
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
@@ -40,7 +41,7 @@ def build(seq_tables: list[list[int]], rows_per_seq: list[int], positions_N: tor
           block_size: int, window: int | None, compiled: bool) -> FlexMetadata:
     """`seq_tables[s]` is sequence s's block table (covering its context), `rows_per_seq[s]` its
     query rows in the packed order, `positions_N` every row's position."""
-    from torch.nn.attention.flex_attention import BlockMask
+    from torch.nn.attention.flex_attention import BlockMask  # deferred: only for flex attention
 
     rows = positions_N.shape[0]
     n = max(Q_TILE, 1 << (rows - 1).bit_length())  # padding rows belong to an extra sequence with no blocks
@@ -87,7 +88,7 @@ def build(seq_tables: list[list[int]], rows_per_seq: list[int], positions_N: tor
 
 @lru_cache(maxsize=1)
 def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention  # deferred: only for flex attention
 
     return torch.compile(flex_attention, dynamic=False)
 
@@ -102,9 +103,7 @@ def _softcap_mod(cap: float):
 def attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: FlexMetadata, scale: float,
               softcap: float | None, window: int | None) -> torch.Tensor:
     """(N, H, D) attention of the packed queries over the whole paged cache, masked per sequence."""
-    import warnings
-
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention  # deferred: only for flex attention
 
     num_blocks, block_size, kv_heads, d = k_cache.shape
     slots = num_blocks * block_size

@@ -14,9 +14,8 @@ import math
 
 import torch
 
-from toolkit.attention import KVQuant
+from toolkit.kv.attention import KVQuant
 from toolkit.kv.quant import is_quantized, raw, storage_dtype
-
 
 # a block's key and value scale shapes (after the block axis), by granularity
 SCALE_SHAPES = {"block": lambda block_size, kv_heads, head_dim: ((kv_heads,), (kv_heads,)),

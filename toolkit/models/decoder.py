@@ -22,7 +22,6 @@ Only the rows that will be sampled go through the final norm and the LM head.
 from __future__ import annotations
 
 import itertools
-
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -30,8 +29,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from toolkit.attention import AttentionMetadata, paged_attention, write_kv
 from toolkit.errors import ModelLoadError
+from toolkit.kv.attention import AttentionMetadata, paged_attention, write_kv
+from toolkit.native import library
+from toolkit.native.ops import (
+    add_rms_norm_cpu,
+    decoder_layers_cpu,
+    matmul_invariant,
+    pack_weight,
+    rope_cpu,
+    silu_mul_cpu,
+)
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 
@@ -166,8 +174,6 @@ class PagedDecoder(nn.Module):
         """The projections packed for the native matmul, made on first use (a second copy of
         the weights, held only by models that run with engine.matmul_backend=native)."""
         if self._packed is None:
-            from toolkit.kernels import pack_weight
-
             layers = [{n: pack_weight(getattr(l, n)) for n in l.projections} for l in self.layers]
             self._packed = (layers, pack_weight(self.lm_head_t))
         return self._packed
@@ -176,20 +182,16 @@ class PagedDecoder(nn.Module):
     def _native(x: torch.Tensor) -> bool:
         """Whether CPU activations go through the native kernels (RoPE, bit-identical to the torch
         expression in fp32; residual add + RMSNorm and SiLU * up, each one pass; all layers in one call):
-        where they build (toolkit.kernels.native) and are not switched off. bf16 / fp16 activations too:
+        where they build (toolkit.native.library.native) and are not switched off. bf16 / fp16 activations too:
         each kernel computes in fp32 and rounds its outputs to the model's format."""
         if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return False
-        from toolkit import kernels
-
-        return kernels.available()
+        return library.available()
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                   bias: torch.Tensor | None, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, norm of it); natively in one pass that updates x (an activation this forward owns)."""
         if native:
-            from toolkit.kernels import add_rms_norm_cpu
-
             return add_rms_norm_cpu(x, residual, weight, self.arch.rms_norm_eps)
         if residual is not None:
             x = x + residual
@@ -248,8 +250,7 @@ class PagedDecoder(nn.Module):
         a = self.arch
         mm, packed, head = torch.matmul, None, self.lm_head_t
         if native_matmul:
-            from toolkit.kernels import matmul_invariant as mm
-
+            mm = matmul_invariant
             packed, head = self.packed_weights()
         n = input_ids_N.shape[0]
         q_width, kv_width = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
@@ -260,10 +261,6 @@ class PagedDecoder(nn.Module):
         native_rope = self.pos_embed is None and native
         native_norm = a.norm == "rms" and native
         native_silu = native_norm and a.gated_mlp and a.activation == "silu"
-        if native_silu:
-            from toolkit.kernels import silu_mul_cpu
-        if native_rope:
-            from toolkit.kernels import rope_cpu
         if self.pos_embed is not None:
             x = x + self.pos_embed[positions_N]
         elif not native_rope:
@@ -272,8 +269,6 @@ class PagedDecoder(nn.Module):
         pending = None  # the previous layer's MLP output: the next norm adds it to x
         layers = list(zip(itertools.islice(self.layers, num_layers), kv_caches))  # no ModuleList slice per step
         if native_matmul and native_silu and native_rope and self._fused(x, attn, kv_caches, positions_N):
-            from toolkit.kernels import decoder_layers_cpu
-
             dims = (n, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, self.layers[0].w_down.shape[0],
                     kv_caches[0][0].shape[1])
             decoder_layers_cpu(x, self._layer_table(packed, kv_caches, len(layers)), dims, positions_N,

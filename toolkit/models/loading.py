@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from toolkit.config import ModelConfig
 from toolkit.errors import ModelLoadError
-from toolkit.models.decoder import DecoderArch
 from toolkit.models import llama
+from toolkit.models.decoder import DecoderArch
 from toolkit.models.families import arch_from_hf_config
 from toolkit.models.tokenizer import Tokenizer
 from toolkit.paths import cache_root
@@ -57,8 +59,8 @@ class Checkpoint:
 def hf_reference_model(ckpt: Checkpoint):
     """HF transformers' own implementation of this checkpoint's family on the same weights (fp32,
     eval, HF's default attention): the external reference of verify and of the tests."""
-    import transformers
-    from transformers.utils import logging as hf_logging
+    import transformers  # deferred: transformers, seconds to import
+    from transformers.utils import logging as hf_logging  # deferred: transformers, seconds to import
 
     hf_logging.set_verbosity_error()
     cfg = dict(ckpt.hf_config)
@@ -128,9 +130,6 @@ def generation_defaults(directory: Path) -> dict:
 
 
 def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     state_dict: dict[str, torch.Tensor] = {}
     for f in files:
         try:
@@ -209,9 +208,11 @@ def smollm2_dir() -> Path:
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
     os.environ.setdefault("TQDM_DISABLE", "1")  # read by tqdm when transformers imports it
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    from transformers import (  # deferred: transformers, seconds to import
+        AutoModelForCausalLM,
+        AutoTokenizer,
+    )
+    from transformers.utils import logging as hf_logging  # deferred: transformers, seconds to import
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

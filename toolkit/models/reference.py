@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from toolkit.errors import ConfigError
 from toolkit.models.decoder import PagedDecoder
 
 
@@ -22,8 +23,6 @@ def reference_logits(model: PagedDecoder, token_ids: list[int], dtype: torch.dty
     """
     a = model.arch
     if a.family != "llama":
-        from toolkit.errors import ConfigError
-
         raise ConfigError(f"the textbook reference covers the Llama family only, not {a.family}: "
                           f"use verify.reference=hf (HF transformers' {a.family})")
     device = model.embed.device

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -60,10 +61,8 @@ class Tokenizer:
     def token_bytes(self, vocab_size: int) -> list[bytes]:
         """Each token id's bytes (what it spells; special tokens their text), via xgrammar's decoded vocab."""
         if getattr(self, "_token_bytes", None) is None or len(self._token_bytes) != vocab_size:
-            import warnings
-
-            import xgrammar as xgr
-            from transformers import PreTrainedTokenizerFast
+            import xgrammar as xgr  # deferred: xgrammar, a second to import
+            from transformers import PreTrainedTokenizerFast  # deferred: transformers, seconds to import
 
             hf = PreTrainedTokenizerFast(tokenizer_object=self._tok)
             with warnings.catch_warnings():  # "stop_token_ids ... will be automatically detected": not used here

@@ -2,68 +2,53 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from toolkit.engine import Engine, RequestOutput
+from toolkit.audit.compare import compare, resolve_runs
+from toolkit.audit.replay import replay
+from toolkit.audit.shard import launcher, ray_options
+from toolkit.audit.verify import verify
+from toolkit.engine.core import Engine, RequestOutput
 from toolkit.errors import ConfigError, ToolkitError
-from toolkit.metrics import batch_vs_single, structured_output_validity
 from toolkit.modes import MODES
+from toolkit.modes.train import train
 from toolkit.report import report_after, run_report, wanted
-from toolkit.session import record
+from toolkit.runs.metrics import batch_vs_single, structured_output_validity
+from toolkit.runs.session import record
+from toolkit.runs.workload import add_specs, workload_specs
 from toolkit.trace.writer import atomic_write_bytes
-from toolkit.workload import add_specs, workload_specs
+
+
+def runner(mode: str) -> Callable[[DictConfig, Path], int]:
+    """The function that runs `mode`: one of this module's, or imported by name from the module that holds it
+    (only when that mode runs: between them the modes need FastAPI, Ray, llama.cpp and HF transformers)."""
+    target = RUNNERS[mode]
+    if callable(target):
+        return target
+    module, _, name = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        extra = EXTRAS.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        raise ConfigError(f"mode={mode} needs {exc.name}, in the {extra} extra: "
+                          f"pip install -e '.[{extra}]' -c constraints.txt") from None
 
 
 def main(cfg: DictConfig, run_dir: Path) -> int:
     """Run one mode; return the process exit code. User mistakes print one line, no traceback."""
     try:
         mode = cfg.get("mode", "run")
-        if mode == "run":
-            return run_workload(cfg, run_dir)
-        if mode == "bench":
-            from toolkit.bench import run_bench
-
-            return run_bench(cfg, run_dir)
-        if mode == "replay":
-            return run_replay(cfg, run_dir)
-        if mode == "verify":
-            return run_verify(cfg, run_dir)
-        if mode == "compare":
-            return run_compare(cfg, run_dir)
-        if mode == "scheduling":
-            from toolkit.bench.scheduling import run_scheduling
-
-            return run_scheduling(cfg, run_dir)
-        if mode == "audit":
-            from toolkit.audit.foreign import run_audit
-
-            return run_audit(cfg, run_dir)
-        if mode == "serve":
-            from toolkit.serve.main import run_serve
-
-            return run_serve(cfg, run_dir)
-        if mode == "soak":
-            from toolkit.soak import run_soak
-
-            return run_soak(cfg, run_dir)
-        if mode == "train":
-            return run_train(cfg, run_dir)
-        if mode == "report":
-            return run_report(cfg, run_dir)
-        if mode == "kv_quantization":
-            from toolkit.audit.kv_quantization import run_kv_quantization
-
-            return run_kv_quantization(cfg, run_dir)
-        if mode == "precision":
-            from toolkit.audit.precision import run_precision
-
-            return run_precision(cfg, run_dir)
-        raise ToolkitError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+        if mode not in RUNNERS:
+            raise ToolkitError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+        return runner(mode)(cfg, run_dir)
     except ToolkitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -73,8 +58,6 @@ def main(cfg: DictConfig, run_dir: Path) -> int:
 
 
 def run_train(cfg: DictConfig, run_dir: Path) -> int:
-    from toolkit.train import train
-
     if cfg.model.name != "nanogpt":
         raise ToolkitError("mode=train trains the character-level GPT: add model=nanogpt")
     train_cfg = OmegaConf.to_container(cfg.train, resolve=True)
@@ -135,8 +118,6 @@ def _trace_arg(cfg: DictConfig, mode: str) -> Path:
 
 
 def run_replay(cfg: DictConfig, run_dir: Path) -> int:
-    from toolkit.audit.replay import replay
-
     r = cfg.replay
     report = replay(_trace_arg(cfg, "replay"), list(r.get("overrides") or []),
                     allow_mismatch=bool(r.get("allow_mismatch")), out_dir=run_dir)
@@ -155,9 +136,6 @@ def run_replay(cfg: DictConfig, run_dir: Path) -> int:
 
 
 def run_verify(cfg: DictConfig, run_dir: Path) -> int:
-    from toolkit.audit.shard import launcher, ray_options
-    from toolkit.audit.verify import verify
-
     v = cfg.verify
     atol = v.get("atol", "auto")
     if atol != "auto" and not isinstance(atol, (int, float)):
@@ -175,14 +153,11 @@ def run_verify(cfg: DictConfig, run_dir: Path) -> int:
 
 
 def run_compare(cfg: DictConfig, run_dir: Path) -> int:
-    from toolkit.audit.compare import compare
-
     runs = OmegaConf.to_container(cfg.compare, resolve=True).get("runs") if cfg.get("compare") else None
     result = compare(runs or [], out_dir=run_dir)
     print(result.table())
     print(f"compare.json, compare.parquet, compare.png: {run_dir}")
     if wanted(cfg):  # the first run against each other one
-        from toolkit.audit.compare import resolve_runs
 
         resolved = resolve_runs(runs or [])
         for k, other in enumerate(resolved[1:], start=1):
@@ -221,3 +196,24 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
         print(f"{'decode step, batch 1 / ' + str(b):<{width}}  {1e3 * by_batch['1']['p50_s']:.1f} / "
               f"{1e3 * by_batch[str(b)]['p50_s']:.1f} ms ({ratio:.2f}x)")
     print(f"{'run_dir':<{width}}  {run_dir}")
+
+
+# the optional dependencies a mode may import, and the extra (pyproject.toml) that installs each
+EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "pydantic": "serve", "prometheus_client": "serve", "ray": "ray",
+          "llama_cpp": "llama", "matplotlib": "bench", "plotly": "report", "wandb": "wandb"}
+# mode -> what runs it (toolkit.modes.MODES says what each does; a test holds the two to the same modes)
+RUNNERS: dict[str, Callable[[DictConfig, Path], int] | str] = {
+    "run": run_workload,
+    "serve": "toolkit.serve.main:run_serve",
+    "bench": "toolkit.bench:run_bench",
+    "scheduling": "toolkit.bench.scheduling:run_scheduling",
+    "replay": run_replay,
+    "verify": run_verify,
+    "compare": run_compare,
+    "audit": "toolkit.audit.foreign:run_audit",
+    "soak": "toolkit.modes.soak:run_soak",
+    "train": run_train,
+    "kv_quantization": "toolkit.audit.kv_quantization:run_kv_quantization",
+    "precision": "toolkit.audit.precision:run_precision",
+    "report": run_report,
+}

@@ -24,7 +24,8 @@ from typing import Any
 import httpx
 import psutil
 
-from toolkit.engine import Engine
+from toolkit.audit.replay import replay as replay_run
+from toolkit.engine.core import Engine
 from toolkit.serve.main import start_server
 from toolkit.trace.reader import read_requests, read_samples
 
@@ -129,8 +130,6 @@ def soak_http(engine: Engine, run_dir: Path, config: dict[str, Any] | None = Non
         report["rss_growth_mb"] = last["rss_mb"] - second["rss_mb"]
         report["flush_last_over_second"] = last["flush_s"] / max(second["flush_s"], 1e-9)
     if replay:
-        from toolkit.audit.replay import replay as replay_run
-
         replayed = replay_run(served_dir, out_dir=Path(run_dir) / "replayed")
         report["replay"] = replayed.summary_line()
         if not replayed.identical:

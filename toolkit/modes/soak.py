@@ -24,11 +24,13 @@ from typing import Any
 import psutil
 from omegaconf import DictConfig, OmegaConf
 
-from toolkit.config import EngineConfig, ModelConfig, SamplingParams, from_mapping
-from toolkit.engine import Engine
+from toolkit.config import EngineConfig, ModelConfig, from_mapping
+from toolkit.engine.core import Engine
 from toolkit.errors import ConfigError
 from toolkit.models import load_model
-from toolkit.trace import new_run_id
+from toolkit.modes.serve_soak import soak_http
+from toolkit.runs.manifest import new_run_id
+from toolkit.sampling.params import SamplingParams
 from toolkit.trace.writer import TraceWriter
 
 
@@ -148,9 +150,7 @@ HTTP_OPTIONS = {"requests", "concurrency", "max_tokens", "report_every", "seed",
 
 
 def _run_http(cfg: DictConfig, loaded, engine_cfg: EngineConfig, run_dir: Path, s: dict[str, Any]) -> int:
-    """soak.over=http: toolkit.serve.soak over a real server; the goals (RSS growth, flush time) checked here."""
-    from toolkit.serve.soak import soak_http
-
+    """soak.over=http: toolkit.modes.serve_soak over a real server; the goals (RSS growth, flush time) checked here."""
     max_growth, max_ratio = s.pop("max_rss_growth_mb", 100.0), s.pop("max_flush_ratio", 1.5)
     config = OmegaConf.to_container(cfg, resolve=True)
     report = soak_http(Engine(loaded, engine_cfg), run_dir, config, **s)

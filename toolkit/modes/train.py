@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import save_file
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from toolkit.errors import ConfigError
 from toolkit.models import gpt2
@@ -79,8 +81,6 @@ class CharGPT(nn.Module):
 
 def char_tokenizer(chars: list[str]):
     """A HF `tokenizers` tokenizer with one token per character (ids 0, 1: end of text, unknown)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
     vocab = {EOS: 0, UNK: 1, **{c: i + 2 for i, c in enumerate(chars)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
@@ -91,8 +91,6 @@ def char_tokenizer(chars: list[str]):
 
 def train(cfg: dict[str, Any], model_cfg: dict[str, Any], out_dir: Path, log=print) -> dict[str, Any]:
     """Train on cfg["text"]; write the checkpoint to out_dir; return the losses."""
-    from safetensors.torch import save_file
-
     path = Path(str(cfg.get("text") or "")).expanduser()
     if not cfg.get("text") or not path.is_file():
         raise ConfigError(f"train.text must name a local text file, got {cfg.get('text')!r}")

@@ -21,11 +21,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jinja2
+import numpy as np
 from markupsafe import Markup
+from omegaconf import OmegaConf
 
+from toolkit.config import ModelConfig, from_mapping
 from toolkit.errors import ConfigError, ToolkitError
-from toolkit.plots import token_budget
+from toolkit.models.loading import tokenizer_dir
+from toolkit.models.tokenizer import Tokenizer
 from toolkit.report.data import Pieces, RunData, first_divergences
+from toolkit.runs.plots import token_budget
 from toolkit.trace.writer import atomic_write_bytes
 from toolkit.version import __version__
 
@@ -35,9 +41,9 @@ MISSING_PLOTLY = "the report needs plotly: pip install 'toolkit[report]'"
 
 def _plotly():
     try:
-        import plotly
-        import plotly.graph_objects as go
-        from plotly.subplots import make_subplots
+        import plotly  # deferred: plotly, the [report] extra
+        import plotly.graph_objects as go  # deferred: plotly, the [report] extra
+        from plotly.subplots import make_subplots  # deferred: plotly, the [report] extra
     except ImportError:
         raise ToolkitError(MISSING_PLOTLY) from None
     return plotly, go, make_subplots
@@ -46,11 +52,6 @@ def _plotly():
 def report_tokenizer(run_dir: Path, manifest: dict[str, Any]):
     """The run's tokenizer (the one its config.yaml's model loads) when it is the one the manifest names, else
     None: the page then shows token ids."""
-    from omegaconf import OmegaConf
-
-    from toolkit.config import ModelConfig, from_mapping
-    from toolkit.models.loading import tokenizer_dir
-    from toolkit.models.tokenizer import Tokenizer
 
     try:
         model = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml").model, resolve=True)
@@ -94,8 +95,6 @@ def timeline_figure(steps: dict[str, list] | None, budget: int | None):
 
 
 def probability_figure(run: RunData):
-    import numpy as np
-
     _, go, _ = _plotly()
     edges = np.linspace(0.0, 1.0, 21)
     fig = go.Figure()
@@ -155,8 +154,6 @@ def build_payload(run: RunData, against: RunData | None = None, tokenizer=None) 
 
 def render(payload: dict[str, Any], title: str) -> str:
     """The page: template, styles, Plotly and the app inlined; the payload gzip'd and base64'd."""
-    import jinja2
-
     plotly, _, _ = _plotly()
     data = gzip.compress(json.dumps(payload, separators=(",", ":"), allow_nan=False).encode(), 6, mtime=0)
     # </script> inside an inlined script would end it early: Plotly's bundle is checked, never edited blindly

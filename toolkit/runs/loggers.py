@@ -35,7 +35,7 @@ class WandbLogger(RunLogger):
         if mode not in ("offline", "online", "disabled"):
             raise ConfigError(f"logger.mode must be offline, online or disabled, got {mode!r}")
         try:
-            import wandb
+            import wandb  # deferred: wandb, the [wandb] extra
         except ImportError:  # pragma: no cover - wandb comes with the wandb (and dev) extra
             raise ConfigError("logger=wandb needs the wandb package: pip install 'toolkit[wandb]'") from None
         os.environ.setdefault("WANDB_SILENT", "true")
@@ -87,7 +87,7 @@ def read_offline_run(run_file: Path) -> dict[str, Any]:
 
     The file is a log of records (leveldb log framing: 32 KiB blocks, each record a 7-byte
     header of checksum, length and kind, split across blocks as first/middle/last)."""
-    from wandb.proto import wandb_internal_pb2 as pb
+    from wandb.proto import wandb_internal_pb2 as pb  # deferred: wandb, the [wandb] extra
 
     data = Path(run_file).read_bytes()
     if data[:4] != b":W&B":

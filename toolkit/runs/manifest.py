@@ -12,6 +12,8 @@ from typing import Any, Sequence
 
 import torch
 
+from toolkit.engine.outputs import request_metrics
+from toolkit.native import library
 from toolkit.trace.schema import SCHEMA_VERSION, SampleTrace
 from toolkit.version import __version__
 
@@ -95,27 +97,21 @@ def precision(dtype: torch.dtype, kv_cache_dtype: str, attention: str, matmul: s
 
 def native_rowwise(engine) -> bool:
     """Whether the step's RMSNorm, RoPE and SiLU ran on the native kernels (on the CPU, where they build)."""
-    from toolkit import kernels
-
-    return torch.device(engine.device).type == "cpu" and kernels.available()
+    return torch.device(engine.device).type == "cpu" and library.available()
 
 
 def native_kernels(engine) -> dict[str, Any]:
     """Which build of the native kernels the engine ran, and the profile its bits depend on (lanes, FMA);
     none when it ran torch's code only."""
-    from toolkit import kernels
-
     if engine.attention_backend != "kernel" and engine.matmul_backend != "native":
-        return {"native_kernels": f"not used ({kernels.describe_native()})", "kernel_numerics": None}
-    lib = kernels.native()
+        return {"native_kernels": f"not used ({library.describe_native()})", "kernel_numerics": None}
+    lib = library.native()
     return {"native_kernels": lib.profile.describe(), "kernel_numerics": lib.profile.numerics,
             "kernel_target": lib.profile.target}
 
 
 def request_rows(engine, run_id: str, request_ids: Sequence[str]) -> list[dict[str, Any]]:
     """One row per sequence, with everything replay needs to rebuild it."""
-    from toolkit.outputs import request_metrics
-
     rows = []
     for rid in request_ids:
         for seq_id in engine.groups[rid]:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections import deque
 from typing import Any, Iterable, Mapping, Sequence
 
-from toolkit.engine import RequestOutput
+import jsonschema
+
+from toolkit.engine.core import RequestOutput
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -125,10 +128,6 @@ def batch_vs_single(by_batch: Mapping[str, Mapping[str, float]], min_steps: int 
 
 def structured_output_validity(outputs, params_by_request) -> dict | None:
     """For requests constrained by a JSON schema: how many outputs parse and validate (jsonschema)."""
-    import json
-
-    import jsonschema
-
     checked = valid = 0
     for out in outputs:
         spec = params_by_request[out.request_id].structured_outputs

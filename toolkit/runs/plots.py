@@ -13,33 +13,32 @@ quantisation report stop with an error that says what to install.
 
 from __future__ import annotations
 
+import logging
+import sys
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+from omegaconf import OmegaConf
 
 MISSING_MATPLOTLIB = "plots need matplotlib: pip install 'toolkit[bench]'"
 
 
 def _pyplot():
-    import logging
-
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its first use logs building a font cache
     try:
-        import matplotlib
+        import matplotlib  # deferred: matplotlib, the [bench] extra
     except ImportError:
         raise ModuleNotFoundError(MISSING_MATPLOTLIB, name="matplotlib") from None
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: matplotlib, the [bench] extra
 
     return plt
 
 
 def token_budget(run_dir: Path) -> int | None:
     """The run's engine.max_num_batched_tokens (its config.yaml), or None."""
-    from omegaconf import OmegaConf
-
     try:
         return int(OmegaConf.load(run_dir / "config.yaml").engine.max_num_batched_tokens)
     except Exception:  # noqa: BLE001 - a run without a readable config just has no budget line
@@ -51,7 +50,6 @@ def plot_run(run_dir: Path) -> list[Path]:
     try:
         plt = _pyplot()
     except ModuleNotFoundError as exc:  # a core install without the bench extra: the run itself is complete
-        import sys
 
         print(f"{exc}; timeline.png and latency.png skipped (plots=false turns them off)", file=sys.stderr,
               flush=True)

@@ -10,20 +10,30 @@ import contextlib
 import dataclasses
 import json
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import pyarrow as pa
 from omegaconf import DictConfig, OmegaConf
 
-from toolkit.engine import Engine, RequestOutput, StepOutput
+from toolkit.engine.core import Engine, RequestOutput, StepOutput
 from toolkit.errors import Interrupted
-from toolkit.loggers import make_logger
-from toolkit.metrics import InterTokenLatency, decode_steps_by_batch, summarize
-from toolkit.trace import build_manifest, new_run_id, request_rows
-from toolkit.trace.writer import TraceWriter, atomic_write_bytes, full_logits_selection, write_manifest, write_requests
+from toolkit.runs.loggers import make_logger
+from toolkit.runs.manifest import build_manifest, new_run_id, request_rows
+from toolkit.runs.metrics import InterTokenLatency, decode_steps_by_batch, summarize
+from toolkit.runs.plots import plot_run
+from toolkit.trace.writer import (
+    TraceWriter,
+    atomic_write_bytes,
+    atomic_write_table,
+    full_logits_selection,
+    write_manifest,
+    write_requests,
+)
 
 
 @dataclass(frozen=True)
@@ -51,8 +61,6 @@ class Progress:
     """One progress line on stderr (sequences done, output tok/s); silent when stderr is not a terminal."""
 
     def __init__(self, total: int, stream=None):
-        import sys
-
         self.stream = stream or sys.stderr
         self.enabled = self.stream.isatty()
         self.total, self.done, self.tokens = total, 0, 0
@@ -79,9 +87,6 @@ class Progress:
 
 
 def write_steps(run_dir: Path, steps: list[dict[str, Any]]) -> None:
-    import pyarrow as pa
-
-    from toolkit.trace.writer import atomic_write_table
 
     if steps:
         atomic_write_table(run_dir / STEPS_FILE, pa.Table.from_pylist(steps))
@@ -132,7 +137,7 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
            progress: bool = False, plots: bool = False, full_logits: Any = None) -> Recorded:
     """Run the engine until every request finished; write config, manifest, requests, trace, summary.
 
-    `logger` is a `logger` config section (see toolkit.loggers); `progress` draws a progress
+    `logger` is a `logger` config section (see toolkit.runs.loggers); `progress` draws a progress
     line on a terminal; `plots` writes the step timeline and latency plots; `before_step` is called with the
     engine before each step (a replay aborts there what the recorded run aborted); `full_logits` (off, all or
     request ids) also writes those requests' raw logits rows to logits.parquet."""
@@ -196,8 +201,6 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
                         **(summary_extra or {}), **({"interrupted": True} if interrupted else {}))
     atomic_write_bytes(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
     if plots:
-        from toolkit.plots import plot_run
-
         plot_run(run_dir)
     run_logger.finish(summary, final_rows, run_dir)
     if interrupted:

@@ -13,16 +13,17 @@ import inspect
 import json
 import random
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
 
+from omegaconf import OmegaConf
+
+from toolkit.data import passages
 from toolkit.errors import RequestError, WorkloadError
 
 
-
 class AcceptsRequests(Protocol):
-    """What add_specs needs of an engine (toolkit.engine.Engine is one): a request in, its id out."""
+    """What add_specs needs of an engine (toolkit.engine.core.Engine is one): a request in, its id out."""
 
     def add_request(self, **kwargs: Any) -> str: ...
 
@@ -154,11 +155,6 @@ PASSAGE_TASKS = [
 ]
 
 
-def passages() -> list[str]:
-    text = resources.files("toolkit.data").joinpath("passages.txt").read_text(encoding="utf-8")
-    return [p.strip() for p in text.splitlines() if p.strip()]
-
-
 def chat_workload(num_requests: int = 10, seed: int = 0, min_tokens: int = 16, max_tokens: int = 64,
                   arrival_every: int = 3, long_every: int = 3, passages_per_long: int = 1) -> list[RequestSpec]:
     """Chat requests with mixed lengths and staggered arrivals.
@@ -267,8 +263,6 @@ def builtin_workload(name: str, **kwargs: Any) -> list[RequestSpec]:
 
 def workload_specs(cfg: Any) -> tuple[list[RequestSpec], list[Rejected]]:
     """The requests of a composed config's `workload` section: its file, or a built-in workload."""
-    from omegaconf import OmegaConf
-
     w = OmegaConf.to_container(cfg.workload, resolve=True)
     assert isinstance(w, dict)
     if w.get("requests"):

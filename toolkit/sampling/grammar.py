@@ -1,6 +1,6 @@
 """Grammar masks through xgrammar: JSON schema, regex, EBNF and choice outputs.
 
-Each distinct grammar (toolkit.structured.StructuredOutputs) is compiled once per engine
+Each distinct grammar (toolkit.sampling.structured.StructuredOutputs) is compiled once per engine
 (cached by kind and text); every sequence with structured outputs gets its own
 `GrammarMatcher`. Once per step the decide stage fills the bitmasks of all grammar rows
 together (`fill_masks`); the `grammar` processor applies them as a hard mask. Committed
@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from toolkit.errors import RequestError
-from toolkit.structured import KINDS, StructuredOutputs, choice_ebnf
+from toolkit.sampling.structured import KINDS, StructuredOutputs, choice_ebnf
 
 __all__ = ["GrammarBackend", "KINDS", "LazyGrammar", "StructuredOutputs", "choice_ebnf", "unpack_bitmask"]
 
@@ -36,8 +36,8 @@ class GrammarBackend:
     """xgrammar's tokenizer info and compiler for one tokenizer, plus the compiled-grammar cache."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int], threads: int = 1):
-        import xgrammar as xgr
-        from transformers import PreTrainedTokenizerFast
+        import xgrammar as xgr  # deferred: xgrammar, a second to import
+        from transformers import PreTrainedTokenizerFast  # deferred: transformers, seconds to import
 
         self._xgr = xgr
         hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer._tok)

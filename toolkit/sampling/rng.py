@@ -8,7 +8,7 @@ evaluated identically on Python ints and on int64 tensors (any device).
 
 Gumbel noise -log(-log(u)) takes its logarithm from `log_positive`, our own (fdlibm's reduction and
 polynomial) in +, -, *, / of doubles only, each step one correctly rounded IEEE operation: the
-native kernel (toolkit/csrc/gumbel.c), the torch twin and the Python-float twin here give the same
+native kernel (toolkit/native/csrc/gumbel.c), the torch twin and the Python-float twin here give the same
 bits on every CPU. (torch.log does not: its vectorised body and its scalar tail are two libraries,
 so a token's noise could change in the last bit with its place in the row. Traces of schema 3 drew
 noise that way; see toolkit/trace/schema.py.)
@@ -98,7 +98,7 @@ _MANTISSA, _SQRT2_MANTISSA, _ONE, _HALF_STEP = 0x000FFFFFFFFFFFFF, 0x6A09E667F3B
 
 def _log_polynomial(k, f):
     """log(2^k (1 + f)) from the reduced argument; the same operations, in the same order, as
-    toolkit/csrc/gumbel.c's dlog, on floats or float64 tensors."""
+    toolkit/native/csrc/gumbel.c's dlog, on floats or float64 tensors."""
     s = f / (f + 2.0)
     z = s * s
     w = z * z

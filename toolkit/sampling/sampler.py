@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit import rng
-from toolkit.kernels import Patches, TailCall, argmax_cpu, gumbel_sample_cpu, logsumexp_cpu, sha256_rows
+from toolkit.native.ops import Patches, TailCall, argmax_cpu, gumbel_sample_cpu, logsumexp_cpu
+from toolkit.native.sha import sha256_rows
+from toolkit.sampling import rng
 
 Tail = tuple[tuple[str, float], ...]  # a row's trailing processors the sampler applies: (name, its value) in order
 
@@ -83,7 +84,7 @@ def logsumexp_rows(x_RV: torch.Tensor, per_row: bool = True) -> torch.Tensor:
     token's log-probability must not depend on its batch. The default mode promises no such thing
     (with torch's GEMM, SDPA or a GPU its logits depend on the batch), so it takes the batched call
     (3-4x faster at 64 rows). fp32 rows on the CPU take one C pass per row instead, batch-invariant
-    and several times faster than either torch call (toolkit/csrc/rowwise.c)."""
+    and several times faster than either torch call (toolkit/native/csrc/rowwise.c)."""
     native = logsumexp_cpu(x_RV)
     if native is not None:
         return native
@@ -98,7 +99,7 @@ def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRo
     """Choose one token per row. `processed_RV is raw_RV` (no processor changed anything) takes a fast
     path: the processed distribution is the raw one and its support is the whole vocabulary. Every
     sampled row's noise, and every processed row's support, comes from one native pass over the step
-    (toolkit/csrc/gumbel.c); torch computes the same bits where the kernel does not run.
+    (toolkit/native/csrc/gumbel.c); torch computes the same bits where the kernel does not run.
 
     `tail` (from apply_pipeline(defer_tail=True)): per row, the processors still to apply to
     `processed_RV`; they run in the same native pass, each row processed, counted and sampled while it is

@@ -1,5 +1,5 @@
 """What a request asks its output to match: a JSON schema, a regex, an EBNF grammar or a list of choices.
-Plain data (no xgrammar, no torch): a request's parameters are validated with it; toolkit.grammar compiles it."""
+Plain data (no xgrammar, no torch): a request's parameters are validated with it; toolkit.sampling.grammar compiles it."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
     toolkit.serve.api       the FastAPI routes: parse, submit, await updates, answer (JSON or SSE)
     toolkit.serve.metrics   /metrics in Prometheus' format
     toolkit.serve.main      run_serve: config -> engine -> loop -> uvicorn; start_server for tests and the bench
-    toolkit.serve.soak      soak_http: an overload burst, then thousands of requests over loopback HTTP
+    toolkit.modes.serve_soak      soak_http: an overload burst, then thousands of requests over loopback HTTP
 
 Needs the `serve` extra (FastAPI, uvicorn, prometheus-client).
 """

@@ -22,21 +22,29 @@ import json
 import time
 import uuid
 from collections import deque
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
+from toolkit.engine.outputs import TextDelta
 from toolkit.errors import RequestError, ToolkitError, one_line
-from toolkit.kernels import release_openmp_threads
-from toolkit.outputs import TextDelta
+from toolkit.native.library import release_openmp_threads
 from toolkit.serve.loop import EngineLoop, InternalError, Submission, Unavailable, Update, prompt_ids, prompt_scores
 from toolkit.serve.metrics import ServerMetrics
-from toolkit.serve.protocol import (UNSUPPORTED, ChatCompletionRequest, CompletionRequest, FieldError, Limits,
-                                    SamplingFields)
+from toolkit.serve.protocol import (
+    UNSUPPORTED,
+    ChatCompletionRequest,
+    CompletionRequest,
+    FieldError,
+    Limits,
+    SamplingFields,
+)
 from toolkit.serve.record import body_sha256
 
 
@@ -114,8 +122,6 @@ class Api:
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
 
     def _lifespan(self, on_shutdown):
-        from contextlib import asynccontextmanager
-
         @asynccontextmanager
         async def lifespan(app):
             yield
@@ -143,8 +149,6 @@ class Api:
         return JSONResponse({"status": "ok"})
 
     async def render_metrics(self, request: Request) -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST
-
         if not self.metrics_public:
             try:
                 self._authorize(request)

@@ -25,11 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from toolkit.engine import Engine, RequestOutput, StepOutput, TextDelta
+import torch
+
+from toolkit.engine.core import Engine, RequestOutput, StepOutput, TextDelta
+from toolkit.engine.runner import recompute_logits
 from toolkit.errors import ConfigError, RequestError, ToolkitError, one_line
-from toolkit.kernels import release_openmp_threads
+from toolkit.native.library import release_openmp_threads
 from toolkit.serve.record import ServedRun, body_sha256
-from toolkit.trace import SampleTrace
+from toolkit.trace.schema import SampleTrace
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,7 @@ class EngineLoop:
     def start(self) -> "EngineLoop":
         """Step the engine on its own thread from now on; this thread (the one that loaded the model) gives
         back its OpenMP workers first, or libgomp, counting both teams on a small machine, would sleep at
-        every barrier of the engine's steps (toolkit.kernels.release_openmp_threads)."""
+        every barrier of the engine's steps (toolkit.native.library.release_openmp_threads)."""
         release_openmp_threads()
         self._thread.start()
         return self
@@ -347,9 +350,6 @@ def prompt_scores(engine: Engine, ids: list[int], k: int) -> list:
     """Raw logprobs of every prompt token given the ones before it (the first has none) and the top `k`
     alternatives at each position, from one no-cache forward through the engine's model (an eval harness's
     loglikelihood request: echo + logprobs)."""
-    import torch
-
-    from toolkit.runner import recompute_logits
 
     logprobs = torch.log_softmax(recompute_logits(engine.loaded.model, ids, batch_invariant=False)[:-1].double(), -1)
     rows: list = [None]

@@ -13,10 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+import uvicorn
 from omegaconf import DictConfig, OmegaConf
 
-from toolkit.engine import Engine
+from toolkit.engine.core import Engine
 from toolkit.errors import ConfigError
+from toolkit.report import report_after, wanted
+from toolkit.serve.api import Api, ServedModel
+from toolkit.serve.loop import EngineLoop
+from toolkit.serve.metrics import ServerMetrics
 from toolkit.serve.protocol import Limits
 
 
@@ -70,10 +75,6 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 def build(engine: Engine, run_dir: Path | None, cfg: Mapping[str, Any] | None, section: Mapping[str, Any]):
     """The engine loop (started) and the FastAPI app over it; `section`: serve_config's."""
-    from toolkit.serve.api import Api, ServedModel
-    from toolkit.serve.loop import EngineLoop
-    from toolkit.serve.metrics import ServerMetrics
-
     name = section["served_model_name"] or engine.loaded.name
     served = ServedModel(name=name, aliases=tuple({engine.loaded.name, engine.loaded.model_id} - {name}),
                          max_model_len=engine.max_model_len)
@@ -100,8 +101,6 @@ def _loopback(host: str) -> bool:
 
 
 def _uvicorn_config(app, host: str, port: int, section: Mapping[str, Any]):
-    import uvicorn
-
     return uvicorn.Config(app, host=host, port=port, log_level=section["log_level"],
                           timeout_graceful_shutdown=section["timeout_graceful_shutdown"], lifespan="on")
 
@@ -109,8 +108,6 @@ def _uvicorn_config(app, host: str, port: int, section: Mapping[str, Any]):
 def start_server(engine: Engine, run_dir: Path | None, cfg: Mapping[str, Any] | None = None, *,
                  host: str = "127.0.0.1", port: int = 0, **section: Any) -> Server:
     """Serve `engine` on a background thread (port 0: a free port); returns once it accepts connections."""
-    import uvicorn
-
     section = serve_config({"serve": {**section, "host": host, "port": port}})
     loop, app = build(engine, run_dir, cfg, section)
     server = uvicorn.Server(_uvicorn_config(app, host, port, section))
@@ -128,11 +125,6 @@ def start_server(engine: Engine, run_dir: Path | None, cfg: Mapping[str, Any] | 
 
 def run_serve(cfg: DictConfig, run_dir: Path) -> int:
     """The server in the foreground until SIGINT / SIGTERM; the run directory is closed cleanly then."""
-    try:
-        import uvicorn
-    except ImportError:
-        raise ConfigError("mode=serve needs the serve extra: pip install -e '.[serve]' -c constraints.txt") from None
-
     section = serve_config(cfg)
     engine = Engine.from_config(cfg)
     loop, app = build(engine, run_dir, cfg, section)
@@ -153,7 +145,6 @@ def run_serve(cfg: DictConfig, run_dir: Path) -> int:
     loop.stop()
     if loop.error is not None:
         raise loop.error
-    from toolkit.report import report_after, wanted
 
     if wanted(cfg):  # the served run as a page, once it is closed
         page = report_after(run_dir)

@@ -24,13 +24,19 @@ from typing import Any, Mapping
 import pyarrow as pa
 from omegaconf import OmegaConf
 
-from toolkit.engine import Engine, RequestOutput, StepOutput
+from toolkit.engine.core import Engine, RequestOutput, StepOutput
 from toolkit.errors import ConfigError
-from toolkit.metrics import InterTokenLatency, RunningSummary
-from toolkit.session import STEPS_FILE, effective_config, step_record
-from toolkit.trace import build_manifest, new_run_id, request_rows
-from toolkit.trace.writer import (REQUESTS_FILE, RequestsUpdate, TraceWriter, atomic_write_bytes, atomic_write_table,
-                                  write_manifest)
+from toolkit.runs.manifest import build_manifest, new_run_id, request_rows
+from toolkit.runs.metrics import InterTokenLatency, RunningSummary
+from toolkit.runs.session import STEPS_FILE, effective_config, step_record
+from toolkit.trace.writer import (
+    REQUESTS_FILE,
+    RequestsUpdate,
+    TraceWriter,
+    atomic_write_bytes,
+    atomic_write_table,
+    write_manifest,
+)
 
 STEPS_PART_ROWS = 4096  # steps.parquet rows per part file
 RECORD_BODY = ("full", "hash", "off")

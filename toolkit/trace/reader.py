@@ -10,8 +10,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from toolkit.errors import ToolkitError
-from toolkit.trace.schema import (COMPATIBLE, REJECTED_SCHEMA, REQUESTS_SCHEMA, SAMPLES_SCHEMA, SCHEMA_VERSION,
-                                  SUPERSEDED)
+from toolkit.trace.schema import (
+    COMPATIBLE,
+    REJECTED_SCHEMA,
+    REQUESTS_SCHEMA,
+    SAMPLES_SCHEMA,
+    SCHEMA_VERSION,
+    SUPERSEDED,
+)
 from toolkit.trace.writer import MANIFEST_FILE, OPEN_REQUESTS_FILE, REJECTED_DIR, REQUESTS_FILE, SAMPLES_DIR
 
 

@@ -4,7 +4,7 @@
 to a temporary name and renamed, so a reader never sees half a file and a crash loses at
 most the rows since the last flush (at most `flush_every_steps` steps). The digests of a
 step's raw logits rows are taken on the engine's thread as the step is written, read in place
-while they are hot and side by side (toolkit/csrc/sha256_rows.c, on torch's threads, which are
+while they are hot and side by side (toolkit/native/csrc/sha256_rows.c, on torch's threads, which are
 idle then); the Arrow conversion and the Parquet writes run on a background thread. (Hashing on
 that thread instead took a core from the next step's compute threads: tracing cost 11-30%.)
 """
@@ -22,11 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from omegaconf import OmegaConf
 
-from toolkit.kernels import sha256_rows
+from toolkit.errors import ConfigError
+from toolkit.native.sha import sha256_rows
 from toolkit.trace.schema import REJECTED_SCHEMA, REQUESTS_SCHEMA, SAMPLES_SCHEMA, TRACE_FIELDS, SampleTrace
 
 SAMPLES_DIR = "samples.parquet"
@@ -101,9 +104,6 @@ def sample_rows_table(run_id: str, traces: Iterable[SampleTrace], digests: Itera
 
 def full_logits_selection(value: Any) -> str | frozenset[str] | None:
     """trace.full_logits: off (null, false, "off"), "all", or a list of request ids (a Hydra list too)."""
-    from omegaconf import OmegaConf
-
-    from toolkit.errors import ConfigError
 
     if OmegaConf.is_config(value):
         value = OmegaConf.to_container(value, resolve=True)
@@ -267,8 +267,6 @@ class TraceWriter:
             else:
                 (self.run_dir / OPEN_REQUESTS_FILE).unlink(missing_ok=True)
         if self._logits:
-            import numpy as np
-
             rows, self._logits = self._logits, []
             flat = pa.array(np.concatenate([r[3] for r in rows]), pa.float32())
             atomic_write_table(self.run_dir / LOGITS_DIR / f"part-{self._logits_parts:06d}.parquet", pa.table({

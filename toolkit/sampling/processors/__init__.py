@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from toolkit.config import DEFAULT_PROCESSORS
-from toolkit.kernels import tail_fusable
-from toolkit.processors import masks, penalties, truncation
-from toolkit.processors.base import NEG_INF, BatchView, Patches, Processor, RowState
-from toolkit.sampling import Tail
+from toolkit.native.ops import tail_fusable
+from toolkit.sampling.params import DEFAULT_PROCESSORS
+from toolkit.sampling.processors import masks, penalties, truncation
+from toolkit.sampling.processors.base import NEG_INF, BatchView, Patches, Processor, RowState
+from toolkit.sampling.sampler import Tail
 
 REGISTRY: dict[str, Processor] = {
     "repetition_penalty": penalties.repetition_penalty,

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from toolkit.config import SamplingParams
+from toolkit.sampling.params import SamplingParams
 
 NEG_INF = float("-inf")
 

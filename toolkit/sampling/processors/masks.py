@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from toolkit.processors.base import NEG_INF, BatchView
+from toolkit.sampling.processors.base import NEG_INF, BatchView
 
 
 def allowed_token_ids(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from toolkit.processors.base import BatchView, Patches, token_index_np
+from toolkit.sampling.processors.base import BatchView, Patches, token_index_np
 
 
 def repetition_penalty(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.processors.base import NEG_INF, BatchView
+from toolkit.native.ops import truncate_cpu
+from toolkit.sampling.processors.base import NEG_INF, BatchView
+from toolkit.sampling.sampler import logsumexp_rows
 
 
 def temperature(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:
@@ -15,11 +17,9 @@ def temperature(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:
 
 def top_k(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:
     """Keep the k largest logits of each row (ties with the k-th are kept too). fp32 CPU rows take the
-    native bisection over the logits' order (toolkit/csrc/gumbel.c: 1.7-3 ms at 64 rows of 49,152 for
+    native bisection over the logits' order (toolkit/native/csrc/gumbel.c: 1.7-3 ms at 64 rows of 49,152 for
     k = 1..1,000 on the AVX-512 EPYC, where torch.topk + masked_fill took 2.9-13 ms); others torch.topk.
     Both keep the same tokens."""
-    from toolkit.kernels import truncate_cpu
-
     k = [min(r.params.top_k, view.vocab_size) for r in view.rows]
     native = truncate_cpu(logits_RV, "top_k", torch.tensor(k, dtype=torch.float32))
     if native is not None:
@@ -35,11 +35,8 @@ def top_p(logits_RV: torch.Tensor, view: BatchView, first_k: int = 256) -> torch
     and so are tokens tied with it. Probabilities are exp(logit - logsumexp(row)) and their running mass
     is summed in float64 down the ranking. No vocabulary-wide sort (28 ms at 16 rows of 49,152 on the
     EPYC): fp32 rows on the CPU take the native bisection over the logits' order (mass summed in double
-    lanes; toolkit/csrc/gumbel.c), others rank only the top of each row (torch.topk, k = 256 and 4x more
+    lanes; toolkit/native/csrc/gumbel.c), others rank only the top of each row (torch.topk, k = 256 and 4x more
     for the rows whose mass has not reached p yet)."""
-    from toolkit.kernels import truncate_cpu
-    from toolkit.sampling import logsumexp_rows
-
     native = truncate_cpu(logits_RV, "top_p", view.column("top_p").flatten())
     if native is not None:
         return native[0]
