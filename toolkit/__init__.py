@@ -15,7 +15,7 @@ import importlib
 from toolkit.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "__version__", "replay", "verify"]
-_LAZY = {"LLM": "toolkit.llm", "SamplingParams": "toolkit.config"}  # imported on first use: `import toolkit` stays light
+_LAZY = {"LLM": "toolkit.llm", "SamplingParams": "toolkit.sampling.params"}  # imported on first use: `import toolkit` stays light
 
 
 def __getattr__(name):
