@@ -18,8 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from toolkit.audit.checks import audit_transcripts
+from toolkit.audit.records import TokenMap
 from toolkit.audit.sources import hf_transcript, llama_cpp_missing, llama_cpp_transcript, server_transcript
-from toolkit.audit.transcripts import TokenMap, read_transcripts
+from toolkit.audit.transcripts import read_transcripts
 from toolkit.audit.verify import reference_forward
 from toolkit.errors import ConfigError, ForeignEngineError
 

@@ -22,7 +22,7 @@ from tests.conftest import make_engine
 from toolkit import replay
 from toolkit.engine.outputs import TextDelta
 from toolkit.sampling.params import SamplingParams
-from toolkit.serve.api import Mailbox
+from toolkit.serve.job import Mailbox
 from toolkit.serve.loop import Update
 from toolkit.serve.main import start_server
 from toolkit.trace.reader import read_rejected, read_requests, read_samples

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from toolkit.audit.transcripts import LineError, Transcript
+from toolkit.audit.records import LineError, Transcript
 from toolkit.errors import ConfigError, ToolkitError
 from toolkit.runs.metrics import percentile
 from toolkit.sampling.params import SamplingParams

@@ -20,8 +20,8 @@ from toolkit.audit.detector import (
     window_scores,
 )
 from toolkit.audit.detector import FORMATS as DETECTOR_FORMATS
+from toolkit.audit.records import Transcript
 from toolkit.audit.references import _forward, stated_reference
-from toolkit.audit.transcripts import Transcript
 from toolkit.data import passages
 from toolkit.errors import ConfigError
 

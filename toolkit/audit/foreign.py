@@ -59,9 +59,10 @@ from toolkit.audit.detection import (
     run_detector,
 )
 from toolkit.audit.detector import WINDOWS, Detection
+from toolkit.audit.records import FORMATS, Transcript, TranscriptError
 from toolkit.audit.references import _atol, _forward, _references, stated_reference
 from toolkit.audit.shard import in_order, launcher, progress_bar, ray_options, run_on_ray
-from toolkit.audit.transcripts import FORMATS, Transcript, TranscriptError, read_transcripts
+from toolkit.audit.transcripts import read_transcripts
 from toolkit.config import EngineConfig, ModelConfig, from_mapping
 from toolkit.engine.core import Engine, load_for
 from toolkit.errors import ConfigError, ForeignEngineError

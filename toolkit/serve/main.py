@@ -19,10 +19,10 @@ from omegaconf import DictConfig, OmegaConf
 from toolkit.engine.core import Engine
 from toolkit.errors import ConfigError
 from toolkit.report import report_after, wanted
-from toolkit.serve.api import Api, ServedModel
+from toolkit.serve.api import Api
 from toolkit.serve.loop import EngineLoop
 from toolkit.serve.metrics import ServerMetrics
-from toolkit.serve.protocol import Limits
+from toolkit.serve.protocol import Limits, ServedModel
 
 
 @dataclass

@@ -7,10 +7,12 @@ the server's defaults (the model's generation config where it has one), exactly 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 # OpenAI fields refused with a clear reason rather than "unknown field"
 UNSUPPORTED = {
@@ -189,3 +191,53 @@ class FieldError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, " ".join(message.split()), param, kind
+        self.code, self.headers = code, headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status, headers=self.headers)
+
+
+def validation_error(exc: ValidationError) -> ApiError:
+    """The first problem pydantic found, as a 400 naming the field (dotted path)."""
+    err = exc.errors()[0]
+    loc = [str(x) for x in err["loc"] if not _union_tag(x)]
+    param = ".".join(loc) or None
+    if err["type"] == "extra_forbidden":
+        leaf = loc[-1] if loc else "?"
+        reason = UNSUPPORTED.get(leaf, "this server does not know this field")
+        return ApiError(400, f"unsupported field {param}: {reason}", param)
+    return ApiError(400, f"{param}: {err['msg']}" if param else err["msg"], param)
+
+
+def _union_tag(part: Any) -> bool:
+    """pydantic names the member of a union it tried (`str`, `list[int]`, ...) in an error's location."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none")
+                                      or part.startswith(("list[", "dict[", "tuple[", "function-")))
+
+
+def request_error(exc: Exception, fields: Any) -> ApiError:
+    """A RequestError / ConfigError from the engine's intake as a 400; `param` is the field it names first."""
+    message = str(exc)
+    names = sorted(getattr(type(fields), "model_fields", {}), key=len, reverse=True) + ["max_tokens", "prompt", "logprobs"]
+    param = next((n for n in names if message.startswith(n) or f" {n} " in f" {message} "), None)
+    return ApiError(400, message, param)
+
+
+@dataclass
+class ServedModel:
+    name: str  # what clients send as `model`
+    aliases: tuple[str, ...]
+    max_model_len: int
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else str(token_id)

@@ -1,0 +1,137 @@
+"""The one shape every transcript format is read into (Transcript, its TokenMap, a Problem at a position, a
+LineError for a line that cannot be audited), and the checks each line's fields pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+FORMATS = ("openai", "token_ids", "hf")
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's names: before / after the processors
+# the request fields that decide which tokens a policy can produce (OpenAI's and vLLM's names = ours)
+POLICY_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "processors")
+
+
+class TranscriptError(Exception):
+    """A line (or the whole file) cannot be audited; the message names what is wrong."""
+
+
+@dataclass
+class Problem:
+    """Something wrong at one output position of a usable request (the rest is still audited)."""
+
+    position: int
+    kind: str  # missing_logprob | unmapped_token | unconfirmed_prompt | not_finite
+    why: str
+
+
+@dataclass
+class Transcript:
+    request_id: str
+    stream: int
+    line: int
+    origin_engine: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    claimed: list[float | None]  # per output token: the engine's logprob of it (None: not given)
+    top: list[list[tuple[int, float]]]  # per output token: the engine's top alternatives (may be empty)
+    logprobs_mode: str = "raw_logprobs"
+    sampling: dict[str, Any] | None = None  # the policy fields the source states (None: unknown)
+    prompt_text: str | None = None
+    output_text: str | None = None
+    finish_reason: str | None = None
+    prompt_source: str = "given"  # given (token ids) | encoded (a text prompt, our tokenizer) | rebuilt (chat template)
+    source: str = ""  # the line as read (JSON), kept in requests.parquet
+    problems: list[Problem] = field(default_factory=list)
+    # policy fields the source left out, with the values the audit took for them (toolkit.audit.checks)
+    sampling_assumed: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LineError:
+    line: int
+    request_id: str | None
+    why: str
+
+
+class TokenMap:
+    """Token strings back to ids through the tokenizer's byte vocabulary (xgrammar's decoded vocab)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.bytes_of: list[bytes] = tokenizer.token_bytes(vocab_size)
+        self.special_ids: frozenset[int] = getattr(tokenizer, "special_ids", frozenset())
+        self.max_bytes = max(map(len, self.bytes_of), default=0)
+        self._ids: dict[bytes, list[int]] = {}
+        for i, b in enumerate(self.bytes_of):
+            self._ids.setdefault(b, []).append(i)
+
+    def ids_of(self, data: bytes) -> list[int]:
+        """The tokens whose bytes are exactly `data`."""
+        return self._ids.get(data, [])
+
+    def to_id(self, token: Any, token_bytes: Sequence[int] | None = None) -> tuple[int | None, str]:
+        """(id, "") or (None, why)."""
+        if isinstance(token, int) and not isinstance(token, bool):
+            return (token, "") if 0 <= token < self.vocab_size else (None, f"token id {token} is outside the "
+                                                                         f"model's vocabulary of {self.vocab_size}")
+        if not isinstance(token, str):
+            return None, f"token {token!r} is neither a string nor an id"
+        if token.startswith("token_id:") and token[9:].isdigit():  # vLLM's return_tokens_as_token_ids
+            return self.to_id(int(token[9:]))
+        if token_bytes is not None:
+            try:
+                raw = bytes(token_bytes)
+            except (TypeError, ValueError):
+                return None, f"token {token!r}: bytes {token_bytes!r} are not a list of byte values"
+        elif "\ufffd" in token or not token:
+            # servers print U+FFFD (or nothing) for a token that is part of a multi-byte character: which
+            # token it was cannot be known from the string
+            return None, (f"token string {token!r} stands for a partial UTF-8 sequence: ask the server for "
+                          f"`bytes` or token ids")
+        else:
+            raw = token.encode("utf-8")
+        ids = self._ids.get(raw)
+        if not ids:
+            return None, f"token string {token!r} is not the text of any one token of this model"
+        if len(ids) > 1:
+            return None, f"token string {token!r} is the text of several tokens {ids[:4]}: ambiguous"
+        return ids[0], ""
+
+
+def request_id_of(obj: dict) -> str | None:
+    for holder in (obj, obj.get("response") if isinstance(obj.get("response"), dict) else {}):
+        for key in ("request_id", "id", "rid"):
+            if isinstance(holder.get(key), (str, int)):
+                return str(holder[key])
+    return None
+
+
+def check_ids(record: Transcript, vocab_size: int) -> None:
+    for what, ids in (("prompt_token_ids", record.prompt_token_ids), ("output token", record.output_token_ids)):
+        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
+        if bad is not None:
+            raise TranscriptError(f"{what} {bad!r} is outside the model's vocabulary of "
+                                  f"{vocab_size}: the transcript comes from another tokenizer")
+
+
+def as_number(value: Any, what: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TranscriptError(f"{what} is {value!r}, not a number")
+    return float(value)
+
+
+def as_int_list(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise TranscriptError(f"{what} must be a list of token ids")
+    return list(value)
+
+
+def policy_of(obj: dict | None) -> dict[str, Any] | None:
+    if not isinstance(obj, dict):
+        return None
+    found = {k: obj[k] for k in POLICY_FIELDS if obj.get(k) is not None}
+    return found or None

@@ -1,0 +1,375 @@
+"""One HTTP request's generation: its submissions to the engine loop, the updates it collects (a bounded
+mailbox), and the response or SSE stream it writes from them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections import deque
+from dataclasses import replace
+from typing import Any, AsyncIterator, Callable, Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.sse import format_sse_event
+
+from toolkit.engine.outputs import TextDelta
+from toolkit.errors import RequestError, ToolkitError, one_line
+from toolkit.native.library import release_openmp_threads
+from toolkit.serve.loop import EngineLoop, InternalError, Submission, Unavailable, Update, prompt_ids, prompt_scores
+from toolkit.serve.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    FieldError,
+    Limits,
+    SamplingFields,
+    ServedModel,
+    request_error,
+    token_text,
+)
+from toolkit.serve.record import body_sha256
+
+
+def unavailable(exc: Unavailable) -> ApiError:
+    """A 503 with Retry-After: the loop's queue is full."""
+    return ApiError(503, str(exc), None, "server_overloaded", "server_overloaded",
+                    {"Retry-After": str(exc.retry_after_s)})
+
+
+class JobHost(Protocol):
+    """What a Job reads of the API that made it (toolkit.serve.api.Api is one)."""
+
+    loop: EngineLoop
+    served: ServedModel
+    limits: Limits
+    tokenizer: Any
+
+
+class Mailbox:
+    """A request's updates from the engine thread, bounded: past `limit` unread updates a new one is merged into
+    the last (its text and rows appended), so a slow reader costs the text and rows it has not read yet, never a
+    queue of every step."""
+
+    def __init__(self, limit: int = 64):
+        self.limit = limit
+        self._items: deque[Update] = deque()
+        self._ready = asyncio.Event()
+
+    def put(self, update: Update) -> None:  # on the event loop's thread
+        last = self._items[-1] if self._items else None
+        if len(self._items) >= self.limit and last.output is None and last.error is None:
+            self._items[-1] = _merge(last, update)
+        else:
+            self._items.append(update)
+        self._ready.set()
+
+    async def get(self) -> Update:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _merge(a: Update, b: Update) -> Update:
+    """One update that says what `a` then `b` said: a sequence's deltas joined into one."""
+    deltas: dict[int, TextDelta] = {}
+    for d in a.deltas + b.deltas:
+        seen = deltas.get(d.index)
+        deltas[d.index] = d if seen is None else replace(d, text=seen.text + d.text,
+                                                         token_ids=seen.token_ids + d.token_ids)
+    return Update(a.request_id, tuple(deltas.values()), a.samples + b.samples, b.output, b.error)
+
+
+class Job:
+    """One HTTP request: its engine requests (one per prompt), the queue their updates arrive on, the answer."""
+
+    def __init__(self, api: JobHost, route: str, req: SamplingFields, body: dict, prompts: list[dict[str, Any]],
+                 sampling: dict[str, Any], fill_max_tokens: bool):
+        self.api, self.route, self.req, self.body = api, route, req, body
+        self.chat = route.endswith("chat/completions")
+        self.prompts, self.sampling, self.fill_max_tokens = prompts, sampling, fill_max_tokens
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.request_ids: list[str] = []
+        self.body_sha256 = body_sha256(body)
+        self.queue = Mailbox()
+        self.outputs: dict[str, Any] = {}
+        self.samples: dict[tuple[str, int], list] = {}  # (request id, sample index) -> trace rows, in order
+        self.prompt_logprobs: list[list | None] = []
+
+    @classmethod
+    def build(cls, api: JobHost, route: str, req: SamplingFields, body: dict) -> "Job":
+        try:
+            if isinstance(req, ChatCompletionRequest):
+                prompts = [{"messages": [m.plain() for m in req.messages]}]
+                if not req.messages:
+                    raise FieldError("messages", "messages must not be empty")
+                max_tokens, logprobs = req.max_new_tokens(), req.num_logprobs()
+            else:
+                if req.best_of is not None and req.best_of != req.n:
+                    raise FieldError("best_of", "best_of other than n is not supported (every sample is returned)")
+                prompts, max_tokens, logprobs = req.prompts(), req.max_tokens, req.logprobs
+                if req.echo and req.stream and logprobs is not None:
+                    raise FieldError("echo", "echo with logprobs is not supported when streaming")
+            api.limits.check(req, len(prompts))
+            sampling = req.sampling(max_tokens, logprobs)
+        except FieldError as exc:
+            raise ApiError(400, str(exc), exc.param) from None
+        return cls(api, route, req, body, prompts, sampling, fill_max_tokens=max_tokens is None)
+
+    # ------------------------------------------------------------------ submitting
+
+    def _sink(self) -> Callable[[Update], None]:
+        loop = asyncio.get_running_loop()
+        mailbox = self.queue
+        return lambda update: loop.call_soon_threadsafe(mailbox.put, update)
+
+    async def submit(self) -> None:
+        """Prepare off the engine thread (grammars compiled, echoed prompts scored), then hand the engine requests
+        to the loop, all or none: 400 for what the engine refuses, 503 when it is full, 500 when it failed."""
+        try:
+            scores = await asyncio.to_thread(self._prepare)
+        except ToolkitError as exc:
+            raise request_error(exc, self.req) from None
+        except Exception as exc:  # noqa: BLE001 - an unexpected failure is this request's 500, one line
+            raise ApiError(500, f"preparing the request failed: {one_line(exc)}", None, "internal_error") from None
+        sink = self._sink()
+        submissions = [Submission({**prompt, "sampling_params": self.sampling, "request_id": f"{self.id}-{i}"},
+                                  self.body, sink, self.fill_max_tokens, route=self.route)
+                       for i, prompt in enumerate(self.prompts)]
+        try:
+            futures = self.api.loop.submit(submissions)
+        except Unavailable as exc:
+            raise unavailable(exc) from None
+        failed = None
+        for fut in futures:
+            try:
+                self.request_ids.append(await asyncio.wrap_future(fut))
+            except (RequestError, InternalError, Unavailable) as exc:
+                failed = failed or exc
+        if failed is not None:
+            self.abort()
+            if isinstance(failed, Unavailable):
+                raise unavailable(failed)
+            if isinstance(failed, InternalError):
+                raise ApiError(500, str(failed), None, "internal_error")
+            raise request_error(failed, self.req)
+        self.prompt_logprobs = scores
+
+    def _prepare(self) -> list:
+        """What can be done before the engine thread sees the request: its grammar compiled (into the engine's
+        cache) and, for echo with logprobs, its prompts scored. Per prompt: None or prompt_scores' rows."""
+        engine = self.api.loop.engine
+        engine.intake.precompile(self.sampling)
+        if self.chat or not self.req.echo or self.req.logprobs is None:
+            return [None] * len(self.prompts)
+        try:
+            return [prompt_scores(engine, prompt_ids(engine, prompt), self.req.logprobs) for prompt in self.prompts]
+        finally:  # the forward's OpenMP workers on this handler thread would slow the engine thread's (kernels)
+            release_openmp_threads()
+
+    def abort(self) -> None:
+        for request_id in self.request_ids:
+            if request_id not in self.outputs:
+                self.api.loop.abort(request_id)
+
+    # ------------------------------------------------------------------ collecting
+
+    def _take(self, update: Update) -> None:
+        if update.error is not None:
+            raise ApiError(500, update.error, None, "internal_error")
+        for s in update.samples:
+            self.samples.setdefault((s.request_id, s.stream), []).append(s)
+        if update.output is not None:
+            self.outputs[update.request_id] = update.output
+
+    @property
+    def done(self) -> bool:
+        return len(self.outputs) == len(self.request_ids)
+
+    async def complete(self, request: Request) -> Response:
+        left = asyncio.ensure_future(_disconnected(request))
+        try:
+            while not self.done:
+                got = asyncio.ensure_future(self.queue.get())
+                finished, _ = await asyncio.wait({got, left}, return_when=asyncio.FIRST_COMPLETED)
+                if got not in finished:
+                    got.cancel()
+                    self.abort()  # the client left: free its blocks
+                    return Response(status_code=499)
+                self._take(got.result())
+        except ApiError as exc:
+            return exc.response()
+        finally:
+            left.cancel()
+        return JSONResponse(self.response())
+
+    def _choice_index(self, request_id: str, sample: int) -> int:
+        return self.request_ids.index(request_id) * self.req.n + sample
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(len(o.prompt_token_ids) for o in self.outputs.values())
+        completion = sum(len(c.token_ids) for o in self.outputs.values() for c in o.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for request_id in self.request_ids:
+            out = self.outputs[request_id]
+            for c in out.outputs:
+                rows = self.samples.get((request_id, c.index), [])
+                index = self._choice_index(request_id, c.index)
+                if self.chat:
+                    choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
+                                    "logprobs": self._chat_logprobs(rows), "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason})
+                else:
+                    text, logprobs = c.text, self._completion_logprobs(rows, 0)
+                    if self.req.echo:
+                        text = (out.prompt or "") + text
+                        if logprobs is not None and self.prompt_logprobs:
+                            logprobs = self._echo_logprobs(self.request_ids.index(request_id), rows)
+                    choices.append({"index": index, "text": text, "logprobs": logprobs,
+                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        choices.sort(key=lambda c: c["index"])
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.api.served.name, "choices": choices, "usage": self.usage(),
+                "system_fingerprint": self.api.loop.run_id}
+
+    # ------------------------------------------------------------------ logprobs
+
+    def _top(self, row) -> list[tuple[int, float]]:
+        return list(row.top_raw) if self.sampling.get("logprobs") else []
+
+    def _chat_logprobs(self, rows) -> dict | None:
+        if self.sampling.get("logprobs") is None:
+            return None
+        tok = self.api.tokenizer
+
+        spelled = tok.token_bytes(self.api.loop.engine.loaded.arch.vocab_size) if tok is not None else None
+
+        def entry(token_id: int, logprob: float) -> dict:  # bytes: what the token spells, whole or not
+            text = token_text(tok, token_id)
+            return {"token": text, "logprob": logprob,
+                    "bytes": list(spelled[token_id]) if spelled is not None else list(text.encode())}
+
+        return {"content": [{**entry(r.token_id, r.raw_logprob),
+                             "top_logprobs": [entry(t, lp) for t, lp in self._top(r)]}
+                            for r in rows if r.token_id >= 0], "refusal": None}
+
+    def _completion_logprobs(self, rows, offset: int) -> dict | None:
+        if self.sampling.get("logprobs") is None:
+            return None
+        tok = self.api.tokenizer
+        tokens, logprobs, tops, offsets = [], [], [], []
+        for r in rows:
+            if r.token_id < 0:
+                continue
+            text = token_text(tok, r.token_id)
+            offsets.append(offset)
+            offset += len(text)
+            tokens.append(text)
+            logprobs.append(r.raw_logprob)
+            tops.append({token_text(tok, t): lp for t, lp in self._top(r)})
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def _echo_logprobs(self, prompt_index: int, rows) -> dict:
+        tok = self.api.tokenizer
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        prompt = self.prompt_logprobs[prompt_index] or []
+        ids = self.outputs[self.request_ids[prompt_index]].prompt_token_ids
+        for pos, token_id in enumerate(ids):
+            text = token_text(tok, token_id)
+            entry = prompt[pos] if pos < len(prompt) else None
+            out["tokens"].append(text)
+            out["text_offset"].append(offset)
+            offset += len(text)
+            out["token_logprobs"].append(None if entry is None else entry[1])
+            out["top_logprobs"].append(None if entry is None else {token_text(tok, t): lp for t, lp in entry[2]})
+        generated = self._completion_logprobs(rows, offset)
+        for key in out:
+            out[key] += generated[key]
+        return out
+
+    # ------------------------------------------------------------------ streaming
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """SSE chunks as the engine steps; `data: [DONE]` last. A client that leaves aborts its requests."""
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        continuous = bool(self.req.stream_options and self.req.stream_options.continuous_usage_stats)
+        sent_tokens = 0
+        try:
+            if self.chat:
+                for request_id in self.request_ids:
+                    for i in range(self.req.n):
+                        yield self._event([{"index": self._choice_index(request_id, i),
+                                            "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                            "finish_reason": None}])
+            elif self.req.echo:
+                for request_id, prompt in zip(self.request_ids, self.prompts):
+                    text = _prompt_text(self.api.tokenizer, prompt)
+                    for i in range(self.req.n):
+                        yield self._event([{"index": self._choice_index(request_id, i), "text": text,
+                                            "logprobs": None, "finish_reason": None}])
+            while not self.done:
+                update = await self.queue.get()
+                self._take(update)
+                rows_by_sample: dict[int, list] = {}
+                for s in update.samples:
+                    rows_by_sample.setdefault(s.stream, []).append(s)
+                choices = []
+                for d in update.deltas:
+                    rows = rows_by_sample.get(d.index, [])
+                    sent_tokens += len(d.token_ids)
+                    if not d.text and not d.finished and not rows:
+                        continue
+                    index = self._choice_index(d.request_id, d.index)
+                    finish = d.finish_reason if d.finished else None
+                    if self.chat:
+                        choices.append({"index": index, "delta": {"content": d.text} if d.text else {},
+                                        "logprobs": self._chat_logprobs(rows), "finish_reason": finish})
+                    else:
+                        choices.append({"index": index, "text": d.text, "logprobs": self._completion_logprobs(rows, 0),
+                                        "finish_reason": finish})
+                if choices:
+                    usage = self._running_usage(sent_tokens) if continuous else None
+                    yield self._event(choices, usage)
+            if include_usage:
+                yield self._event([], self.usage())
+            yield format_sse_event(data_str="[DONE]")
+        except ApiError as exc:
+            yield format_sse_event(data_str=json.dumps({"error": {"message": exc.message, "type": exc.kind,
+                                                                  "param": exc.param, "code": None}}))
+        finally:
+            self.abort()  # no-op for finished requests; frees the blocks of a client that left
+
+    def _running_usage(self, completion: int) -> dict[str, int]:
+        prompt = sum(len(o.prompt_token_ids) for o in self.outputs.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _event(self, choices: list[dict], usage: dict | None = None) -> bytes:
+        chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                 "created": self.created, "model": self.api.served.name, "choices": choices}
+        if usage is not None:
+            chunk["usage"] = usage
+        return format_sse_event(data_str=json.dumps(chunk))
+
+
+def _prompt_text(tokenizer, prompt: dict[str, Any]) -> str:
+    if prompt.get("prompt") is not None:
+        return prompt["prompt"]
+    return tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False) if tokenizer else ""
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body is read already, so the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
