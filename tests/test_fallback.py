@@ -64,7 +64,7 @@ def test_a_failing_compiler_is_tried_once_warned_once_and_recorded(tmp_path):
     assert [(r["attention"], r["matmul"]) for r in runs] == [("sdpa", "torch")] * 2
     assert runs[0]["tokens"] == runs[1]["tokens"]
     assert runs[0]["native_kernels"].startswith("not used (unavailable:") and runs[0]["kernel_numerics"] is None
-    sources = len(list((ROOT / "toolkit" / "csrc").glob("*.c")))
+    sources = len(list((ROOT / "toolkit" / "native" / "csrc").glob("*.c")))
     invocations = calls.read_text().splitlines()
     # one --version, then each source with and without OpenMP: once per process, not once per use
     assert len(invocations) <= 1 + 2 * sources, invocations

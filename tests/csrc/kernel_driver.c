@@ -47,7 +47,7 @@ static void expect_same(const char *what, const void *a, const void *b, size_t b
     if (memcmp(a, b, bytes) != 0) { printf("FAIL %s\n", what); failures++; }
 }
 
-/* pack (K, N) row-major w as toolkit.kernels.pack_weight does for this build */
+/* pack (K, N) row-major w as toolkit.native.ops.pack_weight does for this build */
 static float *pack(const float *w, int64_t K, int64_t N) {
     int64_t layout[2];
     toolkit_matmul_layout(layout);

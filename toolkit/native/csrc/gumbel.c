@@ -3,7 +3,7 @@
  *
  * token = argmax_i (logit_i + G_i) over the finite logits of a row, G_i = -log(-log(u_i)) and
  * u_i = (bits53(i) + 0.5) * 2^-53, bits53 = (a << 21) | (b >> 11), a = mix32(mix32(2i + 1) ^ k0),
- * b = mix32(a ^ k1), (k0, k1) the row's key (toolkit/rng.py derives it from seed, position, stream
+ * b = mix32(a ^ k1), (k0, k1) the row's key (toolkit/sampling/rng.py derives it from seed, position, stream
  * and purpose). The logarithm is our own (fdlibm's reduction to [sqrt(1/2), sqrt(2)) and its
  * degree-14 odd polynomial, within 1 ulp) in +, -, *, / of doubles only, and every build is
  * -ffp-contract=off: each lane is computed alone, so the noise's bits are the same on every CPU,

@@ -1,7 +1,7 @@
 /*
  * The kernels' entry points, as C callers see them: the fused decoder layers (decoder_layers.c) and the test
  * driver (tests/csrc/kernel_driver.c) include this, and each kernel's own file too, so the compiler holds the
- * definitions to these declarations. Python binds the same functions through ctypes (toolkit/kernels.py's
+ * definitions to these declarations. Python binds the same functions through ctypes (toolkit/native/library.py's
  * SIGNATURES).
  */
 #ifndef TOOLKIT_KERNELS_H

@@ -44,7 +44,7 @@
 #define NR (VL * NV) /* columns per wide panel; narrow panels are VL columns */
 #define KC (4096 / NR > 64 ? 4096 / NR : 64) /* k per block: a 16 KB slab of a wide panel (L1 holds it) */
 
-/* the packing this build expects (toolkit.kernels.pack_weight): {wide panel columns, narrow panel columns} */
+/* the packing this build expects (toolkit.native.ops.pack_weight): {wide panel columns, narrow panel columns} */
 void toolkit_matmul_layout(int64_t *out) { out[0] = NR; out[1] = VL; }
 #if NV % 2
 #error "bf16 wide panels interleave pairs of column blocks: NV must be even"
@@ -148,7 +148,7 @@ INLINE void tail_columns(const float *x, int64_t ldx, const void *w, int64_t ldw
         }
 }
 
-/* w is packed panel by panel (see toolkit.kernels.pack_weight): the wide panels [N / NR][K][NR] (bf16: each
+/* w is packed panel by panel (see toolkit.native.ops.pack_weight): the wide panels [N / NR][K][NR] (bf16: each
  * k's NR columns as NV / 2 interleaved pairs of VL-column blocks), then the VL-column panels [.][K][VL], then
  * the last N % VL columns as [K][N % VL]; each panel is contiguous, so a tile streams it front to back. MR is
  * at most 6 (the tables' size). */

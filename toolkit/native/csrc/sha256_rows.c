@@ -16,7 +16,7 @@
  * toolkit_sha256_rows_ni: a row per message, up to 4 rows interleaved per thread so the rounds of
  * one hide the latency of another's. Without AVX-512 it is faster than the lanes (on this Zen 5:
  * 2.7 GB/s a core vs 1.75 for 8 lanes, 5 for 16), and at any width when a step has few rows; the
- * caller (toolkit.kernels.sha256_rows) picks the faster by a cost it measures once. The build
+ * caller (toolkit.native.sha.sha256_rows) picks the faster by a cost it measures once. The build
  * target does not need to include SHA: the function is compiled for it alone and asks the CPU.
  */
 #include <stdint.h>
