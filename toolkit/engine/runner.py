@@ -253,31 +253,29 @@ class Pack:
     computed: int = 0
     shared: dict[tuple, int] = dataclasses.field(default_factory=dict)  # (parent block, its tokens) -> block
 
-    def reused(self, ids: list[int], last: int, block_size: int) -> int:
-        """How many leading full blocks of `ids` this pack computes already (only blocks before the first
-        position whose logits are wanted: those rows are computed by their own chunk)."""
-        parent, n = -1, 0
-        for b in range((len(ids) - last) // block_size):
-            parent = self.shared.get((parent, tuple(ids[b * block_size:(b + 1) * block_size])), -1)
-            if parent < 0:
-                break
-            n += 1
-        return n
-
-    def add(self, index: int, ids: list[int], last: int, block_size: int) -> None:
+    def shared_prefix(self, ids: list[int], last: int, block_size: int) -> list[int]:
+        """The blocks holding the leading full blocks of `ids` this pack computes already (only blocks before
+        the first position whose logits are wanted: those rows are computed by their own chunk)."""
         table: list[int] = []
-        reused = self.reused(ids, last, block_size)
+        for b in range((len(ids) - last) // block_size):
+            block = self.shared.get((table[-1] if table else -1, tuple(ids[b * block_size:(b + 1) * block_size])))
+            if block is None:
+                break
+            table.append(block)
+        return table
+
+    def add(self, index: int, ids: list[int], last: int, block_size: int, prefix: list[int]) -> None:
+        """Sequence `index` as a chunk reading `prefix` (its shared_prefix in this pack) and computing the rest;
+        its full blocks before the checked rows become shareable by later sequences."""
+        table = list(prefix)
         shareable = (len(ids) - last) // block_size
-        for b in range(-(-len(ids) // block_size)):
-            key = (table[-1] if table else -1, tuple(ids[b * block_size:(b + 1) * block_size]))
-            if b < reused:
-                table.append(self.shared[key])
-                continue
-            table.append(self.num_blocks)
+        for b in range(len(prefix), -(-len(ids) // block_size)):
             if b < shareable:  # a later sequence with this prefix reads it
+                key = (table[-1] if table else -1, tuple(ids[b * block_size:(b + 1) * block_size]))
                 self.shared[key] = self.num_blocks
+            table.append(self.num_blocks)
             self.num_blocks += 1
-        start = reused * block_size
+        start = len(prefix) * block_size
         self.chunks.append(ScheduledChunk(str(index), tuple(ids[start:]), start, tuple(table), samples=True,
                                           num_logits=last))
         self.computed += len(ids) - start
@@ -289,9 +287,9 @@ def plan_packs(sequences: list[list[int]], last: list[int], block_size: int, max
     packs: list[Pack] = []
     for i, ids in enumerate(sequences):
         pack = packs[-1] if packs else None
-        new = None if pack is None else len(ids) - pack.reused(ids, last[i], block_size) * block_size
-        if pack is None or (pack.chunks and pack.computed + new > max_tokens):
-            pack = Pack(chunks=[])
+        prefix = pack.shared_prefix(ids, last[i], block_size) if pack is not None else []
+        if pack is None or (pack.chunks and pack.computed + len(ids) - len(prefix) * block_size > max_tokens):
+            pack, prefix = Pack(chunks=[]), []
             packs.append(pack)
-        pack.add(i, ids, last[i], block_size)
+        pack.add(i, ids, last[i], block_size, prefix)
     return packs
