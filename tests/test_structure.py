@@ -191,7 +191,8 @@ def function_level_imports(root: Path = ROOT) -> list[tuple[str, int, str, str]]
             for node in ast.walk(fn):
                 if isinstance(node, (ast.Import, ast.ImportFrom)):
                     module = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
-                    found.append((str(path.relative_to(root.parent)), node.lineno, module or "", lines[node.lineno - 1]))
+                    where = str(path.relative_to(root.parent))
+                    found.append((where, node.lineno, module or "", lines[node.lineno - 1]))
     return found
 
 

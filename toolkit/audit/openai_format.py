@@ -115,7 +115,7 @@ def openai_line(obj: dict, line: int, tokens: TokenMap) -> list[Transcript]:
             ids, problems = given_ids, []
         else:
             ids, problems = _map_tokens(steps, text, prompt_text if request.get("echo") else None,
-                                       choice.get("finish_reason"), tokens)
+                                        choice.get("finish_reason"), tokens)
         for token_id, (_, _, logprob, top) in zip(ids, steps):
             record.output_token_ids.append(token_id)
             record.claimed.append(logprob)
@@ -239,7 +239,8 @@ def _chat_entry(entry: Any, where: str):
     for i, alt in enumerate(entry.get("top_logprobs") or []):
         if not isinstance(alt, dict) or "token" not in alt:
             raise TranscriptError(f"{where}.top_logprobs[{i}] is not a {{token, logprob}} object")
-        top.append((alt["token"], alt.get("bytes"), as_number(alt.get("logprob"), f"{where}.top_logprobs[{i}].logprob")))
+        logprob = as_number(alt.get("logprob"), f"{where}.top_logprobs[{i}].logprob")
+        top.append((alt["token"], alt.get("bytes"), logprob))
     return entry["token"], entry.get("bytes"), as_number(entry.get("logprob"), f"{where}.logprob"), top
 
 

@@ -62,8 +62,9 @@ def rope_cpu(x_NHD: torch.Tensor, cos_PD: torch.Tensor, sin_PD: torch.Tensor, po
         x_NHD = x_NHD.contiguous()
     out = torch.empty((n, h, d), dtype=torch.float32)
     positions_N = positions_N.contiguous()
-    rc = resolve(lib).fn["rope"](x_NHD.data_ptr(), x_NHD.stride(0), out.data_ptr(), cos_PD.data_ptr(), sin_PD.data_ptr(),
-                              cos_PD.shape[0], positions_N.data_ptr(), n, h, d, torch.get_num_threads())
+    rc = resolve(lib).fn["rope"](x_NHD.data_ptr(), x_NHD.stride(0), out.data_ptr(), cos_PD.data_ptr(),
+                                 sin_PD.data_ptr(), cos_PD.shape[0], positions_N.data_ptr(), n, h, d,
+                                 torch.get_num_threads())
     if rc == -2:
         raise IndexError(f"a position is outside the rotary table of {cos_PD.shape[0]} positions")
     if rc != 0:
@@ -279,7 +280,7 @@ def add_rms_norm_cpu(x_ND: torch.Tensor, residual_ND: torch.Tensor | None, weigh
     h = torch.empty((n, d), dtype=torch.float32)
     r_ptr, r_stride = (residual_ND.data_ptr(), residual_ND.stride(0)) if residual_ND is not None else (None, 0)
     resolve(lib).fn["add_rms_norm"](x_ND.data_ptr(), x_ND.stride(0), r_ptr, r_stride, weight_D.data_ptr(), eps,
-                                 h.data_ptr(), d, n, d, torch.get_num_threads())
+                                    h.data_ptr(), d, n, d, torch.get_num_threads())
     return x_ND, h
 
 
@@ -294,7 +295,7 @@ def silu_mul_cpu(gate_up_N2F: torch.Tensor, lib: NativeLib | None = None) -> tor
     f = f2 // 2
     h = torch.empty((n, f), dtype=torch.float32)
     resolve(lib).fn["silu_mul"](gate_up_N2F.data_ptr(), gate_up_N2F.stride(0), h.data_ptr(), f, n, f,
-                             torch.get_num_threads())
+                                torch.get_num_threads())
     return h
 
 

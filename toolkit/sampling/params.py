@@ -62,23 +62,23 @@ class SamplingParams:
         check(is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         set_("top_p", float(self.top_p))
         check(is_int(self.top_k) and self.top_k >= -1,
-               f"top_k must be -1 (all tokens), 0 (all tokens) or a positive integer, got {self.top_k!r}")
+              f"top_k must be -1 (all tokens), 0 (all tokens) or a positive integer, got {self.top_k!r}")
         check(is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
         set_("min_p", float(self.min_p))
         check(is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-               f"repetition_penalty must be > 0 (1 means off), got {self.repetition_penalty!r}")
+              f"repetition_penalty must be > 0 (1 means off), got {self.repetition_penalty!r}")
         set_("repetition_penalty", float(self.repetition_penalty))
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             check(is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
             set_(name, float(value))
         check(is_int(self.no_repeat_ngram_size) and self.no_repeat_ngram_size >= 0,
-               f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}")
+              f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}")
         set_("bad_words", _bad_words(self.bad_words))
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             check(isinstance(ids, (list, tuple)) and len(ids) > 0 and all(is_int(i) and i >= 0 for i in ids),
-                   f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+                  f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
             set_("allowed_token_ids", tuple(ids))
         if self.logit_bias is not None:
             bias = self.logit_bias
@@ -88,27 +88,27 @@ class SamplingParams:
             except (TypeError, ValueError):
                 raise ConfigError(f"logit_bias must map token ids to numbers, got {dict(bias)!r}") from None
             check(all(k >= 0 for k in clean) and all(v == v for v in clean.values()),
-                   f"logit_bias keys must be token ids >= 0 and values numbers, got {dict(bias)!r}")
+                  f"logit_bias keys must be token ids >= 0 and values numbers, got {dict(bias)!r}")
             set_("logit_bias", dict(sorted(clean.items())) or None)
         check(self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**63),
-               f"seed must be an integer in [0, 2^63) or null, got {self.seed!r}")
+              f"seed must be an integer in [0, 2^63) or null, got {self.seed!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         check(isinstance(stop, (list, tuple)) and all(isinstance(x, str) for x in stop),
-               f"stop must be a list of strings, got {self.stop!r}")
+              f"stop must be a list of strings, got {self.stop!r}")
         check(all(len(x) > 0 for x in stop), "stop strings must not be empty")
         set_("stop", tuple(stop))
         ids = self.stop_token_ids
         check(isinstance(ids, (list, tuple)) and all(is_int(i) and i >= 0 for i in ids),
-               f"stop_token_ids must be a list of non-negative token ids, got {ids!r}")
+              f"stop_token_ids must be a list of non-negative token ids, got {ids!r}")
         set_("stop_token_ids", tuple(ids))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
         check(is_int(self.max_tokens) and self.max_tokens > 0,
-               f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+              f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-               f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+              f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-               f"logprobs must be null or an integer in [0, 20], got {self.logprobs!r}")
+              f"logprobs must be null or an integer in [0, 20], got {self.logprobs!r}")
         set_("structured_outputs", StructuredOutputs.coerce(self.structured_outputs))
         # which processors change anything: fixed for these (frozen) parameters, asked per row and step
         set_("_active", frozenset(name for name, on in self._activity().items() if on))
@@ -122,10 +122,10 @@ class SamplingParams:
             return
         procs = self.processors
         check(isinstance(procs, (list, tuple)) and all(isinstance(p, str) for p in procs),
-               f"processors must be a list of processor names, got {procs!r}")
+              f"processors must be a list of processor names, got {procs!r}")
         unknown = [p for p in procs if p not in DEFAULT_PROCESSORS]
         check(not unknown, f"unknown processor {unknown[0]!r} in processors; known: {', '.join(DEFAULT_PROCESSORS)}"
-               if unknown else "")
+              if unknown else "")
         dup = sorted({p for p in procs if procs.count(p) > 1})
         check(not dup, f"processor {dup[0]!r} is listed twice in processors" if dup else "")
         object.__setattr__(self, "processors", tuple(procs))
