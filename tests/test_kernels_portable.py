@@ -192,12 +192,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
-@pytest.mark.parametrize("ops", [(), (("temperature", 0.8),), (("temperature", 0.8), ("top_p", 0.95)),
-                                 (("temperature", 0.7), ("top_k", 50.0)), (("top_k", 1.0),), (("top_p", 0.999),),
-                                 (("top_p", 0.3), ("temperature", 1.7)),
-                                 (("temperature", 0.4), ("top_k", 300.0), ("top_p", 0.9)), (("top_k", 2000.0),),
-                                 (("temperature", -0.5), ("top_k", 7.0)), (("temperature", float("inf")), ("top_k", 3.0))])
-def test_fused_sampler_tail_is_the_stages_bit_for_bit(lib, ops):
+@pytest.mark.parametrize("stages", [(), (("temperature", 0.8),), (("temperature", 0.8), ("top_p", 0.95)),
+                                    (("temperature", 0.7), ("top_k", 50.0)), (("top_k", 1.0),), (("top_p", 0.999),),
+                                    (("top_p", 0.3), ("temperature", 1.7)),
+                                    (("temperature", 0.4), ("top_k", 300.0), ("top_p", 0.9)), (("top_k", 2000.0),),
+                                    (("temperature", -0.5), ("top_k", 7.0)), (("temperature", float("inf")), ("top_k", 3.0))])
+def test_fused_sampler_tail_is_the_stages_bit_for_bit(lib, stages):
     """ops.sample_tail_cpu (temperature / top-k / top-p, then support, logsumexp, Gumbel-max token and
     noise, each row in one pass) equals the stages it replaces called one after another, bit for bit:
     torch's division (the temperature processor), truncate_cpu, logsumexp_cpu and gumbel_sample_cpu.
@@ -206,7 +206,7 @@ def test_fused_sampler_tail_is_the_stages_bit_for_bit(lib, ops):
     finite one > 0: inf / inf is a NaN the raw row does not have.)"""
     from toolkit.sampling import rng
 
-    gen = torch.Generator().manual_seed(len(ops))
+    gen = torch.Generator().manual_seed(len(stages))
     for vocab in (1003, 4096):
         x = torch.randn(8, vocab, generator=gen) * 3
         x[1, torch.rand(vocab, generator=gen) < 0.9] = float("-inf")
@@ -219,12 +219,12 @@ def test_fused_sampler_tail_is_the_stages_bit_for_bit(lib, ops):
         rows = block[:, :vocab]
         keys = [rng.row_key(3, 50 + i, i % 2) for i in range(8)]
         keys[4] = None
-        got = ops.sample_tail_cpu(rows, [ops] * 8, keys, lib=lib)
-        lean = ops.sample_tail_cpu(rows, [ops] * 8, keys, keep_rows=False, lib=lib, raw_logsumexp=True)
+        got = ops.sample_tail_cpu(rows, [stages] * 8, keys, lib=lib)
+        lean = ops.sample_tail_cpu(rows, [stages] * 8, keys, keep_rows=False, lib=lib, raw_logsumexp=True)
         # the raw rows' logsumexp, read by the kernel on the way: logsumexp_cpu's bits (NaN row included)
         assert torch.equal(_bits(lean.raw_logsumexp_R), _bits(ops.logsumexp_cpu(rows, lib=lib)))
         want = rows.clone()
-        for name, value in ops:
+        for name, value in stages:
             if name == "temperature":
                 want = want / torch.full((8, 1), value).expand_as(want)
             else:
