@@ -218,3 +218,15 @@ def test_help_lists_every_mode_with_one_line_and_each_is_dispatched(tmp_path):
     proc = run_cli("mode=bogus", run_dir=tmp_path)  # a mode that does not exist: one line naming them all
     assert proc.returncode != 0 and "unknown mode 'bogus'" in proc.stderr and all(m in proc.stderr for m in MODES)
     assert "Traceback" not in proc.stderr
+
+
+def test_a_mode_missing_its_extra_is_one_line_naming_the_extra():
+    """mode=serve without FastAPI installed (here: hidden from the import system) is a ConfigError naming the extra
+    to install, not an ImportError traceback; a mode whose module imports fine is returned as is."""
+    code = ("import sys; sys.modules['fastapi'] = None\n"
+            "from toolkit.errors import ConfigError\nfrom toolkit.modes.app import runner\n"
+            "assert callable(runner('run'))\n"
+            "try:\n    runner('serve')\nexcept ConfigError as exc:\n    print(exc)\nelse:\n    print('no error')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().startswith("mode=serve needs fastapi, in the serve extra: pip install -e '.[serve]'")
