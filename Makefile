@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fallback bench soak serve docs setup clean-venv llama-server one-stream
+.PHONY: run test test-older-cpus test-fallback bench soak serve docs setup clean-venv llama-server one-stream
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,9 +61,15 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(PY) run.py $(ARGS)
 
+# the suite, then its numerics-sensitive tests (marker `numerics`) again as an older CPU runs them: the kernels
+# built for an older target, and the torch fallback held to an older instruction set (.ci/older_cpus.py)
 test: $(STAMP) $(LLAMA)
 	bash .ci/toolchains
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=15 $(ARGS)
+	$(PY) .ci/older_cpus.py $(ARGS)
+
+test-older-cpus: $(STAMP)
+	$(PY) .ci/older_cpus.py $(ARGS)
 
 # the whole suite again on torch's code (TOOLKIT_NATIVE=0, the native kernels switched off): tests of the
 # kernels themselves, or of modes only they give, skip with the reason printed

@@ -99,7 +99,8 @@ def test_verify_passes_and_a_hand_edited_token_fails_at_that_row(recorded_run, t
     report = verify(recorded_run)
     assert report.passed, report.summary_line()
     assert report.rows_checked == read_samples(recorded_run).num_rows and report.max_abs_diff < 1e-5
-    assert report.greedy_rows == 8 and report.greedy_argmax_mismatches == 0
+    # a flip of the argmax is allowed only at a near-tie within atol (which lane order wins one is the CPU's)
+    assert report.greedy_rows == 8 and report.greedy_argmax_mismatches == report.near_tie_flips
     run = copy_run(recorded_run, tmp_path / "run")
     edit_sample(run, "greedy", 7, "token_id", lambda t: (t + 1) % 49152)
     report = verify(run)

@@ -11,7 +11,8 @@ import re
 import pytest
 import torch
 
-from tests.conftest import make_engine
+from tests.conftest import NATIVE_OFF, make_engine
+from tests.numerics import assert_greedy_agreement, greedy_with_margins
 from tests.stats import chi_square
 from toolkit import replay
 from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig
@@ -53,12 +54,19 @@ def test_tiny_greedy_speculation_equals_plain_greedy(tiny, method):
 
 
 @pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("method", ["ngram", "self_draft"])
 def test_smollm2_greedy_speculation_equals_plain_greedy(smollm2, method):
+    """Token for token the plain greedy output. The native kernels give a row the same bits in a k+1-token
+    verify chunk as in a decode step, so nothing may differ; torch's fallback sums a chunk in another order than
+    a row, and there a divergence is allowed only at a near-tie of the plain run (tests/numerics.py): a margin
+    under 1e-3, ten times the bound fp32 logits of the same weights keep from HF's (test_oracle)."""
     requests = greedy_requests(smollm2, max_tokens=40)
-    plain = [o.output_token_ids for o in make_engine(smollm2).generate(requests)]
+    plain, margins = greedy_with_margins(make_engine(smollm2), requests)
     engine = spec_engine(smollm2, method)
-    assert [o.output_token_ids for o in engine.generate(requests)] == plain
+    speculated = {r["request_id"]: list(o.output_token_ids) for r, o in zip(requests, engine.generate(requests))}
+    agreement = assert_greedy_agreement(plain, margins, speculated, window=40, near_tie=1e-3 if NATIVE_OFF else 0.0)
+    assert agreement.checked, agreement.report()
     if method == "ngram":
         assert engine.speculator.stats.accepted > 10  # the copy prompts do get long accepted runs
 

@@ -220,3 +220,71 @@ def test_no_module_is_too_long_to_read():
     lengths = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
     over = sorted(f"{name} ({n} lines)" for name, n in lengths.items() if n > MAX_MODULE_LINES)
     assert not over, f"over {MAX_MODULE_LINES} lines: {over}"
+
+
+# --------------------------------------------------------------------------- the numerics marker
+TESTS = Path(__file__).resolve().parent
+# a SmolLM2 test that decodes greedily (or compares greedy tokens)...
+GREEDY = re.compile(r"temperature=0(\.0)?\b|hf_greedy|greedy_with_margins|assert_greedy_agreement")
+# ...carries @pytest.mark.numerics (make test reruns it as older CPUs round: .ci/older_cpus.py), unless what it
+# compares is one computation by design, said here
+ONE_COMPUTATION = {
+    "test_attention.py::test_fused_layers_on_smollm2_bit_for_bit": "fused vs unfused native layers: the same sums",
+    "test_report.py::test_a_sampling_change_is_named_noise_or_support": "divergence causes found within its runs",
+    "test_serve.py::test_completion_is_what_the_engine_computes": "the server's engine vs the same engine",
+    "test_serve.py::test_token_id_prompts_batches_and_n": "greedy choices of one request compared to each other",
+    "test_serve.py::test_chat_logprobs_are_a_distribution_and_name_the_chosen_token": "within one response",
+    "test_serve.py::test_streaming_gives_the_same_text_and_usage": "one engine, streamed vs not",
+    "test_serve.py::test_response_format_json_schema_and_json_object_are_valid_json": "validity, not agreement",
+    "test_serve.py::test_bad_json_and_the_server_still_serves": "a count of tokens, not which",
+    "test_serve.py::test_prompt_logprobs_with_echo_match_generation": "one engine's prefill vs its decode",
+    "test_serve.py::test_a_served_run_is_traced_replayed_bit_identical_and_verified": "replay of its own run",
+}
+
+
+def _marks(fn: ast.FunctionDef) -> set[str]:
+    return {m.group(1) for d in fn.decorator_list if (m := re.match(r"pytest\.mark\.(\w+)", ast.unparse(d)))}
+
+
+def smollm2_greedy_tests(root: Path = TESTS) -> dict[str, bool]:
+    """'file::test' -> whether it carries the numerics marker, for every test that uses SmolLM2 (the `smollm2`
+    fixture or SMOLLM2) and decodes greedily, in its own body or in a module-level helper or fixture it reaches."""
+    found = {}
+    for path in sorted(root.glob("test_*.py")):
+        if path.name == Path(__file__).name:  # this file plants such tests as text
+            continue
+        text = path.read_text()
+        funcs = {n.name: n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef)}
+
+        def reach(name: str, seen: set[str]) -> None:
+            if name in funcs and name not in seen:
+                seen.add(name)
+                for node in [*funcs[name].args.args, *ast.walk(funcs[name])]:
+                    reach(node.arg if isinstance(node, ast.arg) else getattr(node, "id", ""), seen)
+
+        for name, fn in funcs.items():
+            if name.startswith("test_"):
+                seen: set[str] = set()
+                reach(name, seen)
+                body = "\n".join(ast.get_source_segment(text, funcs[s]) or "" for s in seen)
+                uses = "SMOLLM2" in body or any(a.arg == "smollm2" for s in seen for a in funcs[s].args.args)
+                if uses and GREEDY.search(body):
+                    found[f"{path.name}::{name}"] = "numerics" in _marks(fn)
+    return found
+
+
+def test_every_smollm2_greedy_agreement_test_is_rerun_as_older_cpus_round():
+    found = smollm2_greedy_tests()
+    assert {t for t, marked in found.items() if not marked and t not in ONE_COMPUTATION} == set()
+    assert set(ONE_COMPUTATION) <= set(found), "a test named in ONE_COMPUTATION is gone or no longer greedy"
+    assert sum(found.values()) >= 4
+
+
+def test_the_marker_check_finds_an_unmarked_greedy_test(tmp_path):
+    (tmp_path / "test_planted.py").write_text(
+        "import pytest\n\ndef run(smollm2):\n    return SamplingParams(temperature=0.0)\n\n"
+        "def test_planted(smollm2):\n    assert run(smollm2) == run(smollm2)\n\n"
+        "@pytest.mark.numerics\ndef test_marked(smollm2):\n    assert run(smollm2)\n\n"
+        "def test_sampled(smollm2):\n    assert SamplingParams(temperature=1.0)\n")
+    assert smollm2_greedy_tests(tmp_path) == {"test_planted.py::test_planted": False,
+                                               "test_planted.py::test_marked": True}
