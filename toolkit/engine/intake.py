@@ -99,6 +99,16 @@ class RequestIntake:
         except ConfigError as exc:
             raise RequestError(str(exc)) from None
 
+    def prompt_ids(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                   prompt_token_ids: Sequence[int] | None = None) -> list[int]:
+        """A request's prompt as token ids, checked as `sequences` checks it (every id inside the vocabulary,
+        shorter than the context), or a RequestError naming the prompt: what scoring a prompt reads."""
+        ids, _ = self._prompt_ids(prompt, messages, prompt_token_ids)
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"prompt has {len(ids)} tokens but the context is {self.max_model_len} "
+                               f"(engine.max_model_len); shorten the prompt")
+        return ids
+
     def _prompt_ids(self, prompt, messages, prompt_token_ids) -> tuple[list[int], str | None]:
         given = [x is not None for x in (prompt, messages, prompt_token_ids)]
         if sum(given) != 1:

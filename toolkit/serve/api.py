@@ -162,6 +162,8 @@ def _json_body(raw: bytes) -> Any:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # the parser recurses per level: a body nested thousands deep
+        raise ApiError(400, "the request body is nested too deeply to parse") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body

@@ -130,10 +130,20 @@ class Job:
         return lambda update: loop.call_soon_threadsafe(mailbox.put, update)
 
     async def submit(self) -> None:
-        """Prepare off the engine thread (grammars compiled, echoed prompts scored), then hand the engine requests
-        to the loop, all or none: 400 for what the engine refuses, 503 when it is full, 500 when it failed."""
+        """Admit (503 when the loop is full, before any work), prepare off the engine thread (the grammar compiled
+        within serve.grammar_timeout_s, echoed prompts scored), then hand the engine requests to the loop, all or
+        none: 400 for what the engine refuses, 503 when it is full, 500 when it failed."""
         try:
+            self.api.loop.check_capacity(len(self.prompts))
+        except Unavailable as exc:
+            raise unavailable(exc) from None
+        timeout = self.api.limits.grammar_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.api.loop.engine.intake.precompile, self.sampling), timeout)
             scores = await asyncio.to_thread(self._prepare)
+        except TimeoutError:  # the compile goes on on its thread (bounded by the schema's limits) and is cached
+            raise ApiError(400, f"response_format: compiling its grammar took longer than this server allows "
+                                f"(serve.grammar_timeout_s={timeout:g})", "response_format") from None
         except ToolkitError as exc:
             raise request_error(exc, self.req) from None
         except Exception as exc:  # noqa: BLE001 - an unexpected failure is this request's 500, one line
@@ -162,10 +172,9 @@ class Job:
         self.prompt_logprobs = scores
 
     def _prepare(self) -> list:
-        """What can be done before the engine thread sees the request: its grammar compiled (into the engine's
-        cache) and, for echo with logprobs, its prompts scored. Per prompt: None or prompt_scores' rows."""
+        """What can be done before the engine thread sees the request, once its grammar is compiled: for echo
+        with logprobs, its prompts checked and scored. Per prompt: None or prompt_scores' rows."""
         engine = self.api.loop.engine
-        engine.intake.precompile(self.sampling)
         if self.chat or not self.req.echo or self.req.logprobs is None:
             return [None] * len(self.prompts)
         try:

@@ -136,16 +136,25 @@ class EngineLoop:
         self._thread.start()
         return self
 
+    def check_capacity(self, count: int) -> None:
+        """Unavailable (a 503) if `count` more requests would pass `max_waiting` now: asked before any work is
+        done for a request (its grammar, its prompt's scores), so a full server spends nothing on it."""
+        with self._lock:
+            self._refuse_past(count)
+
+    def _refuse_past(self, count: int) -> None:
+        if self._stopping or self.error is not None:
+            raise Unavailable("the server is shutting down")
+        waiting = self._queued + self.stats.waiting_requests
+        if waiting + count > self.max_waiting:
+            raise Unavailable(f"the server is at capacity: {waiting} requests are waiting "
+                              f"(serve.max_waiting={self.max_waiting}); retry later")
+
     def submit(self, submissions: list[Submission]) -> list[Future]:
         """Queue one HTTP request's engine requests, all or none: Unavailable when the loop is stopping or
         `max_waiting` would be passed. Each future holds its id once the engine took it (or the error)."""
         with self._lock:
-            if self._stopping or self.error is not None:
-                raise Unavailable("the server is shutting down")
-            waiting = self._queued + self.stats.waiting_requests
-            if waiting + len(submissions) > self.max_waiting:
-                raise Unavailable(f"the server is at capacity: {waiting} requests are waiting "
-                                  f"(serve.max_waiting={self.max_waiting}); retry later")
+            self._refuse_past(len(submissions))
             self._queued += len(submissions)
             for sub in submissions:  # under the lock: _fail_queued, once it holds it, sees every one of them
                 self._commands.put(("add", sub))
@@ -361,15 +370,6 @@ def prompt_scores(engine: Engine, ids: list[int], k: int) -> list:
 
 
 def prompt_ids(engine: Engine, kwargs: Mapping[str, Any]) -> list[int]:
-    """The prompt's token ids as intake would compute them (a chat request's through the chat template)."""
-    if kwargs.get("prompt_token_ids") is not None:
-        return list(kwargs["prompt_token_ids"])
-    if engine.tokenizer is None:
-        raise RequestError("this model has no tokenizer; give prompt token ids")
-    if kwargs.get("messages") is not None:
-        return engine.tokenizer.apply_chat_template(kwargs["messages"])
-    prompt = kwargs.get("prompt")
-    if not isinstance(prompt, str):
-        raise RequestError("prompt must be a string")
-    return engine.tokenizer.encode(prompt)
-
+    """The prompt's token ids as intake computes and checks them (a chat request's through the chat template)."""
+    return engine.intake.prompt_ids(kwargs.get("prompt"), messages=kwargs.get("messages"),
+                                    prompt_token_ids=kwargs.get("prompt_token_ids"))

@@ -44,7 +44,8 @@ class Server:
 
 SERVE_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "served_model_name": None, "log_level": "warning",
                   "flush_every_steps": 8, "timeout_graceful_shutdown": 2, "max_waiting": 256, "api_key": None,
-                  "metrics_public": True, "record_body": "full", **dataclasses.asdict(Limits())}
+                  "metrics_public": True, "record_body": "full", "limit_concurrency": 512, "timeout_keep_alive": 5,
+                  **dataclasses.asdict(Limits())}
 
 
 def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -59,11 +60,14 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     port = section["port"]
     if not (isinstance(port, int) and 0 <= port < 65536):
         raise ConfigError(f"serve.port must be an integer in [0, 65535], got {port!r}")
-    for name in ("max_waiting", "max_prompts", "max_stop", "max_bad_words", "max_logit_bias"):
+    for name in ("max_waiting", "max_prompts", "max_stop", "max_stop_chars", "max_bad_words", "max_logit_bias",
+                 "max_user_chars", "max_metadata", "max_schema_depth", "max_schema_nodes", "limit_concurrency",
+                 "timeout_keep_alive"):
         if not (isinstance(section[name], int) and not isinstance(section[name], bool) and section[name] >= 1):
             raise ConfigError(f"serve.{name} must be a positive integer, got {section[name]!r}")
-    if not (isinstance(section["max_body_mb"], (int, float)) and section["max_body_mb"] > 0):
-        raise ConfigError(f"serve.max_body_mb must be a positive number, got {section['max_body_mb']!r}")
+    for name in ("max_body_mb", "grammar_timeout_s"):
+        if not (isinstance(section[name], (int, float)) and not isinstance(section[name], bool) and section[name] > 0):
+            raise ConfigError(f"serve.{name} must be a positive number, got {section[name]!r}")
     keys = section["api_key"]
     keys = [keys] if isinstance(keys, str) else list(keys or [])
     keys += [k for k in os.environ.get("TOOLKIT_API_KEY", "").split(",") if k.strip()]
@@ -101,8 +105,12 @@ def _loopback(host: str) -> bool:
 
 
 def _uvicorn_config(app, host: str, port: int, section: Mapping[str, Any]):
+    """uvicorn's settings: past `limit_concurrency` open connections a new one gets 503; an idle keep-alive
+    connection is closed after `timeout_keep_alive` seconds."""
     return uvicorn.Config(app, host=host, port=port, log_level=section["log_level"],
-                          timeout_graceful_shutdown=section["timeout_graceful_shutdown"], lifespan="on")
+                          timeout_graceful_shutdown=section["timeout_graceful_shutdown"], lifespan="on",
+                          limit_concurrency=section["limit_concurrency"],
+                          timeout_keep_alive=section["timeout_keep_alive"])
 
 
 def start_server(engine: Engine, run_dir: Path | None, cfg: Mapping[str, Any] | None = None, *,

@@ -165,13 +165,21 @@ class ChatCompletionRequest(SamplingFields):
 
 @dataclass(frozen=True)
 class Limits:
-    """What one request may ask for (serve.max_*): past a limit a request is refused, the field named."""
+    """What one request may ask for (serve.max_*): past a limit a request is refused, the field named. Each one
+    bounds a cost the request would put on the server: the engine thread's work per token (stop strings, bad
+    words), a grammar's compilation (the schema's depth and size), what the trace keeps (user, metadata)."""
 
     max_body_mb: float = 8.0  # a larger body: 413
     max_prompts: int = 64  # prompts in one /v1/completions request
     max_stop: int = 32  # stop strings (and stop_token_ids)
+    max_stop_chars: int = 4096  # characters of all stop strings together (matched against every new token)
     max_bad_words: int = 256
     max_logit_bias: int = 1024  # logit_bias entries
+    max_user_chars: int = 256  # `user`: an end-user id
+    max_metadata: int = 16  # `metadata` pairs (OpenAI's limits: 16 pairs, keys <= 64 and values <= 512 chars)
+    max_schema_depth: int = 64  # nesting of response_format's JSON schema (a grammar's compile time grows with it)
+    max_schema_nodes: int = 10000  # objects, arrays and values in that schema
+    grammar_timeout_s: float = 10.0  # compiling a request's grammar past this: 400
 
     def check(self, req: "SamplingFields", prompts: int) -> None:
         """A FieldError naming the first field past its limit."""
@@ -179,10 +187,42 @@ class Limits:
         for name, count, knob in (("prompt", prompts, "max_prompts"), ("stop", len(stop), "max_stop"),
                                   ("stop_token_ids", len(req.stop_token_ids or ()), "max_stop"),
                                   ("bad_words", len(req.bad_words or ()), "max_bad_words"),
-                                  ("logit_bias", len(req.logit_bias or {}), "max_logit_bias")):
+                                  ("logit_bias", len(req.logit_bias or {}), "max_logit_bias"),
+                                  ("metadata", len(req.metadata or {}), "max_metadata")):
             if count > getattr(self, knob):
                 raise FieldError(name, f"{name}: {count} entries, more than this server takes "
                                        f"(serve.{knob}={getattr(self, knob)})")
+        for name, chars, knob in (("stop", sum(map(len, stop)), "max_stop_chars"),
+                                  ("bad_words", sum(map(len, req.bad_words or ())), "max_stop_chars"),
+                                  ("user", len(req.user or ""), "max_user_chars")):
+            if chars > getattr(self, knob):
+                raise FieldError(name, f"{name}: {chars} characters, more than this server takes "
+                                       f"(serve.{knob}={getattr(self, knob)})")
+        for key, value in (req.metadata or {}).items():
+            if len(key) > 64 or len(value) > 512:
+                raise FieldError("metadata", f"metadata: keys are at most 64 characters and values at most 512 "
+                                             f"(the key {key[:64]!r}... is past it)")
+        schema = req.structured_outputs()
+        if schema is not None:
+            depth, nodes = json_shape(schema["json"], self.max_schema_depth, self.max_schema_nodes)
+            for what, value, knob in (("nested", depth, "max_schema_depth"), ("large", nodes, "max_schema_nodes")):
+                if value > getattr(self, knob):
+                    raise FieldError("response_format.json_schema.schema",
+                                     f"response_format.json_schema.schema is too {what} to compile: {value} "
+                                     f"(serve.{knob}={getattr(self, knob)})")
+
+
+def json_shape(value: Any, max_depth: int, max_nodes: int) -> tuple[int, int]:
+    """(depth, nodes) of a parsed JSON value, walked without recursion (a hostile value may be deep) and no
+    further than one past either bound (a hostile value may be large)."""
+    depth, nodes, todo = 0, 0, [(value, 1)]
+    while todo and depth <= max_depth and nodes <= max_nodes:
+        item, level = todo.pop()
+        nodes += 1
+        depth = max(depth, level)
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        todo.extend((child, level + 1) for child in children)
+    return depth, nodes
 
 
 class FieldError(ValueError):

@@ -1,0 +1,134 @@
+"""Hostile requests against a live server (tiny model, real HTTP on loopback): each is refused before it costs
+the server anything, with a 4xx in OpenAI's error shape naming the field, and the server keeps serving."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import make_engine
+from toolkit.sampling.params import SamplingParams
+from toolkit.serve.main import serve_config, start_server
+
+
+def nested_schema(depth: int) -> dict:
+    """An object schema whose property holds an object `depth` levels down (xgrammar's compile time grows about
+    cubically with it: 0.05 / 0.43 / 4.35 s at 50 / 100 / 200, issue 58)."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    srv = start_server(make_engine(tiny, sampling=SamplingParams(), max_num_seqs=4), None)
+    yield srv
+    srv.stop()
+
+
+def refused(r: httpx.Response, status: int, param: str | None) -> dict:
+    """The OpenAI error shape, with this status and param; returns the error."""
+    assert r.status_code == status, r.text[:300]
+    assert r.headers["content-type"].startswith("application/json")
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, error
+    assert "\n" not in error["message"] and "Traceback" not in error["message"]
+    return error
+
+
+HOSTILE = {  # name -> (route, body, status, param, what the message says)
+    "echo scoring past the context": ("completions", {"prompt": [1] * 300_000, "echo": True, "logprobs": 1,
+                                                      "max_tokens": 1}, 400, "prompt", "engine.max_model_len"),
+    "echo scoring outside the vocabulary": ("completions", {"prompt": [1, 2, 10**9], "echo": True, "logprobs": 1,
+                                                            "max_tokens": 1}, 400, "prompt", "outside the vocabulary"),
+    "a schema nested 150 deep": ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                      "response_format": {"type": "json_schema", "json_schema": {
+                                                          "name": "deep", "schema": nested_schema(150)}}},
+                                 400, "response_format.json_schema.schema", "serve.max_schema_depth=64"),
+    "32 stop strings of 1000 characters": ("completions", {"prompt": "Hi", "stop": ["x" * 1000] * 32}, 400, "stop",
+                                           "serve.max_stop_chars=4096"),
+    "bad words of 8000 characters": ("completions", {"prompt": "Hi", "bad_words": ["y" * 4000] * 2}, 400,
+                                     "bad_words", "serve.max_stop_chars=4096"),
+    "a user of 100 kB": ("completions", {"prompt": "Hi", "user": "u" * 100_000}, 400, "user",
+                         "serve.max_user_chars=256"),
+    "17 metadata pairs": ("completions", {"prompt": "Hi", "metadata": {str(i): "v" for i in range(17)}}, 400,
+                          "metadata", "serve.max_metadata=16"),
+    "a metadata value of 1000 characters": ("completions", {"prompt": "Hi", "metadata": {"k": "v" * 1000}}, 400,
+                                            "metadata", "values at most 512"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_hostile_request_is_a_4xx_naming_its_field_and_costs_nothing(server, name):
+    route, body, status, param, says = HOSTILE[name]
+    t0 = time.perf_counter()
+    r = httpx.post(f"{server.url}/v1/{route}", json=body, timeout=60)
+    error = refused(r, status, param)
+    assert says in error["message"], error
+    assert time.perf_counter() - t0 < 5  # refused before any compile or forward
+    ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200 and httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_body_nested_5000_deep_is_a_400_in_openai_shape(server):
+    body = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    r = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert "nested too deeply" in refused(r, 400, None)["message"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_grammar_past_its_time_limit_is_a_400(tiny):
+    srv = start_server(make_engine(tiny, sampling=SamplingParams()), None, grammar_timeout_s=0.001)
+    try:
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "p", "schema": nested_schema(20)}}}
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
+        assert "serve.grammar_timeout_s=0.001" in refused(r, 400, "response_format")["message"]
+    finally:
+        srv.stop()
+
+
+def test_a_full_server_refuses_before_it_compiles_a_grammar(tiny):
+    """With one request running and one waiting (serve.max_waiting=1), a request with a new schema is a 503 +
+    Retry-After, and its grammar was never compiled (the admission check comes before any work)."""
+    engine = make_engine(tiny, sampling=SamplingParams(), max_num_seqs=1)
+    srv = start_server(engine, None, max_waiting=1)
+    long = {"prompt": "Fill", "max_tokens": 400, "ignore_eos": True}
+    threads = [threading.Thread(target=httpx.post, args=(f"{srv.url}/v1/completions",),
+                                kwargs={"json": {**long, "seed": i}, "timeout": 120}) for i in range(2)]
+    try:
+        for t, full in zip(threads, (lambda s: s.running == 1, lambda s: s.waiting_requests == 1)):
+            t.start()  # the first one running, then the second one waiting
+            deadline = time.time() + 30
+            while not full(srv.loop.stats) and time.time() < deadline:
+                time.sleep(0.002)
+        assert (srv.loop.stats.running, srv.loop.stats.waiting_requests) == (1, 1)
+        before = engine.grammar.compilations
+        body = {"messages": [{"role": "user", "content": "x"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "new", "schema": nested_schema(3)}}}
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
+        error = refused(r, 503, None)
+        assert error["code"] == "server_overloaded" and int(r.headers["retry-after"]) >= 1
+        assert engine.grammar.compilations == before  # nothing was compiled for a request that was refused
+    finally:
+        for t in threads:
+            t.join(120)
+        srv.stop()
+
+
+def test_connection_and_limit_knobs_are_checked_and_reach_uvicorn(tiny):
+    from toolkit.errors import ConfigError
+
+    for bad in ({"limit_concurrency": 0}, {"max_stop_chars": -1}, {"grammar_timeout_s": 0}, {"max_metadata": 1.5}):
+        with pytest.raises(ConfigError, match=f"serve.{next(iter(bad))} must be a positive"):
+            serve_config({"serve": bad})
+    srv = start_server(make_engine(tiny, sampling=SamplingParams()), None, limit_concurrency=7, timeout_keep_alive=3)
+    try:
+        assert (srv.uvicorn.config.limit_concurrency, srv.uvicorn.config.timeout_keep_alive) == (7, 3)
+    finally:
+        srv.stop()
