@@ -85,6 +85,9 @@ class Api:
         if not self.loop.alive:
             return JSONResponse({"status": "engine loop stopped", "error": str(self.loop.error or "")},
                                 status_code=503)
+        storage = self.loop.record.unavailable
+        if storage is not None:  # serving what runs, refusing new requests until the trace can be written
+            return JSONResponse({"status": "degraded", "error": storage}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def render_metrics(self, request: Request) -> Response:
@@ -127,7 +130,7 @@ class Api:
             await job.submit()
         except ApiError as exc:
             self.metrics.http.labels(route, str(exc.status)).inc()
-            if exc.status == 503:
+            if exc.status in (503, 507):
                 self.loop.reject(job.id if job else "", route, 503, exc.message, job.body_sha256 if job else None)
             return exc.response()
         self.metrics.http.labels(route, "200").inc()

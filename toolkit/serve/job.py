@@ -33,9 +33,8 @@ from toolkit.serve.record import body_sha256
 
 
 def unavailable(exc: Unavailable) -> ApiError:
-    """A 503 with Retry-After: the loop's queue is full."""
-    return ApiError(503, str(exc), None, "server_overloaded", "server_overloaded",
-                    {"Retry-After": str(exc.retry_after_s)})
+    """A 503 (the loop's queue is full) or 507 (its trace cannot be written) with Retry-After."""
+    return ApiError(exc.status, str(exc), None, exc.code, exc.code, {"Retry-After": str(exc.retry_after_s)})
 
 
 class JobHost(Protocol):

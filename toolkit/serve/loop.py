@@ -86,12 +86,12 @@ class LoopStats:
 
 
 class Unavailable(ToolkitError):
-    """The server cannot take a request now: its waiting queue is full (serve.max_waiting) or it is stopping.
-    An HTTP 503 with Retry-After."""
+    """The server cannot take a request now: its waiting queue is full (serve.max_waiting) or it is stopping (an
+    HTTP 503), or its trace cannot be written (a full disk, serve.max_trace_gb: a 507); with Retry-After."""
 
-    def __init__(self, message: str, retry_after_s: int = 1):
+    def __init__(self, message: str, retry_after_s: int = 1, status: int = 503, code: str = "server_overloaded"):
         super().__init__(message)
-        self.retry_after_s = retry_after_s
+        self.retry_after_s, self.status, self.code = retry_after_s, status, code
 
 
 class InternalError(ToolkitError):
@@ -101,17 +101,19 @@ class InternalError(ToolkitError):
 class EngineLoop:
     def __init__(self, engine: Engine, run_dir: Path | None, config: Mapping[str, Any] | None = None, *,
                  flush_every_steps: int = 8, on_finish: Callable[[RequestOutput], None] | None = None,
-                 max_waiting: int = 256, record_body: str = "full", max_failed_steps: int = 3):
+                 max_waiting: int = 256, record_body: str = "full", max_failed_steps: int = 3,
+                 max_trace_bytes: int | None = None):
         """`run_dir`: where the run is recorded (None: not recorded; toolkit.serve.record). `on_finish`: called
         on the engine thread with each finished request's output (the server's latency histograms).
         `max_waiting`: requests queued or admitted but not running before submit refuses more. `record_body`:
         full | hash | off, what the trace keeps of each HTTP body. `max_failed_steps`: steps failing in a row
-        before the loop gives up (the engine is then broken, not one request)."""
+        before the loop gives up (the engine is then broken, not one request). `max_trace_bytes`: the trace's
+        size past which new requests are refused (507), as while the disk refuses writes."""
         if not (isinstance(max_waiting, int) and max_waiting >= 1):
             raise ConfigError(f"serve.max_waiting must be a positive integer, got {max_waiting!r}")
         self.engine = engine
         self.record = ServedRun(engine, run_dir, config, flush_every_steps=flush_every_steps,
-                                record_body=record_body)
+                                record_body=record_body, max_trace_bytes=max_trace_bytes)
         self.run_id, self.writer = self.record.run_id, self.record.writer
         self.on_finish = on_finish
         self.max_waiting, self.max_failed_steps = max_waiting, max_failed_steps
@@ -145,6 +147,10 @@ class EngineLoop:
     def _refuse_past(self, count: int) -> None:
         if self._stopping or self.error is not None:
             raise Unavailable("the server is shutting down")
+        storage = self.record.unavailable
+        if storage is not None:
+            raise Unavailable(f"this server cannot take requests while {storage}; retry later", 5, 507,
+                              "insufficient_storage")
         waiting = self._queued + self.stats.waiting_requests
         if waiting + count > self.max_waiting:
             raise Unavailable(f"the server is at capacity: {waiting} requests are waiting "
@@ -199,7 +205,8 @@ class EngineLoop:
                         self._abort(request_id)
                     self._after_step(None)
                     break
-                if not engine.has_unfinished():
+                backlogged = self.writer is not None and self.writer.backlogged
+                if not engine.has_unfinished() or backlogged:  # idle, or the disk holds too many rows back
                     self._refresh_stats()
                     self.record.write(None)  # an abort or a refusal while idle
                     self._wake.wait(0.5)

@@ -44,7 +44,8 @@ class Server:
 
 SERVE_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "served_model_name": None, "log_level": "warning",
                   "flush_every_steps": 8, "timeout_graceful_shutdown": 2, "max_waiting": 256, "api_key": None,
-                  "metrics_public": True, "record_body": "full", "limit_concurrency": 512, "timeout_keep_alive": 5,
+                  "metrics_public": True, "record_body": "full", "limit_concurrency": 1024, "timeout_keep_alive": 5,
+                  "max_trace_gb": None,
                   **dataclasses.asdict(Limits())}
 
 
@@ -65,6 +66,10 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
                  "timeout_keep_alive"):
         if not (isinstance(section[name], int) and not isinstance(section[name], bool) and section[name] >= 1):
             raise ConfigError(f"serve.{name} must be a positive integer, got {section[name]!r}")
+    if section["max_trace_gb"] is not None and not (isinstance(section["max_trace_gb"], (int, float))
+                                                     and not isinstance(section["max_trace_gb"], bool)
+                                                     and section["max_trace_gb"] > 0):
+        raise ConfigError(f"serve.max_trace_gb must be a positive number or null, got {section['max_trace_gb']!r}")
     for name in ("max_body_mb", "grammar_timeout_s"):
         if not (isinstance(section[name], (int, float)) and not isinstance(section[name], bool) and section[name] > 0):
             raise ConfigError(f"serve.{name} must be a positive number, got {section[name]!r}")
@@ -85,7 +90,8 @@ def build(engine: Engine, run_dir: Path | None, cfg: Mapping[str, Any] | None, s
     metrics_box: dict[str, Any] = {}
     loop = EngineLoop(engine, run_dir, cfg, flush_every_steps=int(section["flush_every_steps"]),
                       on_finish=lambda out: metrics_box["m"].finished(out), max_waiting=section["max_waiting"],
-                      record_body=section["record_body"])
+                      record_body=section["record_body"], max_trace_bytes=None if section["max_trace_gb"] is None
+                      else int(section["max_trace_gb"] * 2**30))
     metrics_box["m"] = metrics = ServerMetrics(loop, name)
     limits = Limits(**{f.name: section[f.name] for f in dataclasses.fields(Limits)})
     api = Api(loop, served, metrics, on_shutdown=loop.stop, limits=limits, api_keys=section["api_key"],

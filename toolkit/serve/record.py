@@ -49,9 +49,11 @@ def body_sha256(body: Any) -> str | None:
 
 class ServedRun:
     def __init__(self, engine: Engine, run_dir: Path | None, config: Mapping[str, Any] | None = None, *,
-                 flush_every_steps: int = 8, record_body: str = "full", summary_window: int = 100_000):
+                 flush_every_steps: int = 8, record_body: str = "full", summary_window: int = 100_000,
+                 max_trace_bytes: int | None = None):
         """`run_dir`: None records nothing (rows are not even built). `record_body`: full | hash | off, what the
-        trace keeps of each HTTP body (hash: its sha256 only)."""
+        trace keeps of each HTTP body (hash: its sha256 only). `max_trace_bytes`: past it (serve.max_trace_gb),
+        `unavailable` says so, as it does while the disk refuses writes."""
         if record_body not in RECORD_BODY:
             raise ConfigError(f"serve.record_body must be full, hash or off, got {record_body!r}")
         self.engine, self.record_body = engine, record_body
@@ -66,6 +68,9 @@ class ServedRun:
         self._open_changed = False
         self._steps: list[dict[str, Any]] = []  # step records not yet in a part
         self._step_parts = 0
+        self.steps_dropped = 0  # step records dropped while the disk refused them (diagnostics, not trace rows)
+        self._steps_refused_at = -1e9  # when the disk last refused a part of them (retried a second later)
+        self.max_trace_bytes = max_trace_bytes
         self.summary = RunningSummary(window=summary_window)
         self._itl = InterTokenLatency(max_values=summary_window)
         self._started = time.perf_counter()
@@ -79,6 +84,19 @@ class ServedRun:
             (self.run_dir / REQUESTS_FILE).mkdir(exist_ok=True)
             self.writer = TraceWriter(self.run_dir, self.run_id, flush_every_steps,
                                       OmegaConf.select(resolved, "trace.full_logits"))
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why the trace cannot take a new request now (the disk refuses writes, or the trace is past its size), or
+        None: a server then answers new requests 507 and /health says why, until this clears."""
+        if self.writer is None:
+            return None
+        if self.writer.fault is not None:
+            return f"the trace cannot be written ({self.writer.fault}); its rows are held and retried"
+        if self.max_trace_bytes is not None and self.writer.bytes_written > self.max_trace_bytes:
+            return (f"the trace holds {self.writer.bytes_written:,} bytes, past serve.max_trace_gb "
+                    f"({self.max_trace_bytes:,} bytes)")
+        return None
 
     def admitted(self, request_id: str, body: Any) -> None:
         if self.writer is None:
@@ -119,7 +137,7 @@ class ServedRun:
         self._itl.update(out.samples)
         if out.batch_size:
             self._steps.append(step_record(out, seconds))
-        if len(self._steps) >= STEPS_PART_ROWS:
+        if len(self._steps) >= STEPS_PART_ROWS and time.monotonic() - self._steps_refused_at >= 1.0:
             self._write_steps()
 
     def write(self, out: StepOutput | None) -> None:
@@ -146,6 +164,7 @@ class ServedRun:
                                           trace_rows=self.writer.rows_written, model=engine.loaded.model_id,
                                           model_revision=engine.loaded.revision, served=True,
                                           served_s=time.perf_counter() - self._started)
+            summary["steps_dropped"], summary["rejected_dropped"] = self.steps_dropped, self.writer.rejected_dropped
             atomic_write_bytes(self.run_dir / "summary.json", json.dumps(summary, indent=2).encode())
 
     def _rows(self, request_id: str, arrival_index: int) -> list[dict[str, Any]]:
@@ -164,8 +183,20 @@ class ServedRun:
         return RequestsUpdate(ended, [row for rows in self._open.values() for row in rows], rejected)
 
     def _write_steps(self) -> None:
-        if self.run_dir is not None and self._steps:
+        """A part of step records; while the disk refuses it they stay (up to 4 parts' worth, then the oldest
+        are dropped and counted: they are diagnostics, the trace's rows are the writer's)."""
+        if self.run_dir is None or not self._steps:
+            self._steps = []
+            return
+        try:
             atomic_write_table(self.run_dir / STEPS_FILE / f"part-{self._step_parts:06d}.parquet",
                                pa.Table.from_pylist(self._steps))
-            self._step_parts += 1
+        except OSError:
+            self._steps_refused_at = time.monotonic()
+            extra = len(self._steps) - 4 * STEPS_PART_ROWS
+            if extra > 0:
+                del self._steps[:extra]
+                self.steps_dropped += extra
+            return
+        self._step_parts += 1
         self._steps = []

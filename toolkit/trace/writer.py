@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import queue
+import sys
 import tempfile
 import threading
 import time
@@ -38,6 +39,7 @@ REQUESTS_FILE = "requests.parquet"  # a file (mode=run) or, for a served run, a 
 OPEN_REQUESTS_FILE = "requests.open.parquet"  # a served run's requests not yet ended (replaced as they change)
 REJECTED_DIR = "rejected.parquet"  # a served run's requests refused (503) or failed on the engine thread (500)
 MANIFEST_FILE = "manifest.json"
+MAX_BUFFERED_REJECTED = 10_000  # refusal rows (rejected.parquet) held while writes fail; past it they are counted
 
 
 def logits_digest(row_V: torch.Tensor) -> str:
@@ -46,21 +48,34 @@ def logits_digest(row_V: torch.Tensor) -> str:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all: to a temporary name beside it, then renamed; a failed write (a full
+    disk) leaves no temporary file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name, suffix=".tmp")
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
-def atomic_write_table(path: Path, table: pa.Table) -> None:
+def atomic_write_table(path: Path, table: pa.Table) -> int:
+    """atomic_write_bytes for a Parquet table; returns the file's size in bytes."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name, suffix=".tmp")
     os.close(fd)
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    try:
+        pq.write_table(table, tmp)
+        size = os.path.getsize(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return size
 
 
 def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
@@ -117,9 +132,15 @@ def full_logits_selection(value: Any) -> str | frozenset[str] | None:
 
 
 class TraceWriter:
-    """Accepts each step's SampleTrace rows and raw logits; writes Parquet parts on a worker thread."""
+    """Accepts each step's SampleTrace rows and raw logits; writes Parquet parts on a worker thread.
 
-    def __init__(self, run_dir: Path, run_id: str, flush_every_steps: int = 64, full_logits: Any = None):
+    A write the file system refuses (a full disk, a quota) is a fault, not an error: the rows stay buffered,
+    `fault` says why, and the worker retries every `retry_s` seconds (and at every flush) until a write goes
+    through, in order, so no row is lost and no temporary file is left. `backlogged` tells the producer when the
+    buffered rows pass `max_buffered_rows` (a server stops stepping until the disk takes them)."""
+
+    def __init__(self, run_dir: Path, run_id: str, flush_every_steps: int = 64, full_logits: Any = None, *,
+                 max_buffered_rows: int = 200_000, retry_s: float = 0.5):
         if not 1 <= flush_every_steps <= 64:
             raise ValueError(f"flush_every_steps must be in [1, 64], got {flush_every_steps}")
         self.full_logits = full_logits_selection(full_logits)
@@ -144,6 +165,11 @@ class TraceWriter:
         self._steps_since_flush = 0
         self._queue: queue.Queue = queue.Queue(maxsize=256)
         self._error: BaseException | None = None
+        self.max_buffered_rows, self.retry_s = max_buffered_rows, retry_s
+        self.fault: str | None = None  # why the last write failed (None: the last one went through)
+        self.faults = 0  # writes the file system refused, in all
+        self.bytes_written = 0  # bytes of the part files written so far
+        self.rejected_dropped = 0  # refusal rows past MAX_BUFFERED_REJECTED while the disk refused writes
         self._thread = threading.Thread(target=self._work, name="trace-writer", daemon=True)
         self._thread.start()
 
@@ -204,10 +230,27 @@ class TraceWriter:
         if self._error is not None:
             raise RuntimeError(f"trace writer failed: {self._error}") from self._error
 
+    @property
+    def buffered_rows(self) -> int:
+        """Sample rows received and not yet on disk (approximate while the worker runs)."""
+        return len(self._pending) + self._queue.qsize()
+
+    @property
+    def backlogged(self) -> bool:
+        """A fault holds more than max_buffered_rows rows back: the producer should wait for the disk."""
+        return self.fault is not None and self.buffered_rows >= self.max_buffered_rows
+
     def close(self) -> None:
+        """Write the rest; a fault that outlasts one more retry is raised (the rows it holds are named)."""
         self.flush()
+        if self.fault is not None:
+            time.sleep(self.retry_s)
+            self.flush()
         self._queue.put(None)
         self._thread.join()
+        if self.fault is not None:
+            raise OSError(f"trace writer: {len(self._pending)} sample rows could not be written to "
+                          f"{self.run_dir}: {self.fault}")
 
     def __enter__(self) -> "TraceWriter":
         return self
@@ -217,7 +260,11 @@ class TraceWriter:
 
     def _work(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=self.retry_s if self.fault is not None else None)
+            except queue.Empty:  # a fault holds rows back: try the disk again
+                self._write_part()
+                continue
             start = time.thread_time()
             try:
                 if item is None:
@@ -226,7 +273,9 @@ class TraceWriter:
                 if requests is not None:
                     self._ended.extend(requests.ended)
                     self._open = requests.open
-                    self._rejected.extend(requests.rejected)
+                    room = MAX_BUFFERED_REJECTED - len(self._rejected)  # refusals pile up while a fault lasts
+                    self._rejected.extend(requests.rejected[:max(room, 0)])
+                    self.rejected_dropped += max(len(requests.rejected) - max(room, 0), 0)
                 if traces == "flush":
                     self._write_part()
                     continue
@@ -245,39 +294,46 @@ class TraceWriter:
         start = time.thread_time()
         try:
             self._write_parts()
+            self.fault = None
+        except OSError as exc:  # the disk refused: everything not yet written stays buffered, retried in order
+            if self.fault is None:
+                print(f"toolkit: trace writer: {exc}; buffering rows and retrying every {self.retry_s:g} s",
+                      file=sys.stderr, flush=True)
+            self.fault, self.faults = f"{type(exc).__name__}: {exc}", self.faults + 1
         finally:
             self.flush_s += time.thread_time() - start
 
     def _write_parts(self) -> None:
+        """Each buffer goes to its part file and is cleared only once that file is in place (so a refused write
+        keeps it, and its part number, for the retry)."""
         self._steps_since_flush = 0
         if self._ended:  # before the open rows: a kill between the two leaves a request in both, never in neither
-            rows, self._ended = self._ended, []
-            atomic_write_table(self.run_dir / REQUESTS_FILE / f"part-{self._request_parts:06d}.parquet",
-                               requests_table(rows))
-            self._request_parts += 1
+            self.bytes_written += atomic_write_table(
+                self.run_dir / REQUESTS_FILE / f"part-{self._request_parts:06d}.parquet", requests_table(self._ended))
+            self._ended, self._request_parts = [], self._request_parts + 1
         if self._rejected:
-            rows, self._rejected = self._rejected, []
-            atomic_write_table(self.run_dir / REJECTED_DIR / f"part-{self._rejected_parts:06d}.parquet",
-                               pa.Table.from_pylist(rows, schema=REJECTED_SCHEMA))
-            self._rejected_parts += 1
+            self.bytes_written += atomic_write_table(
+                self.run_dir / REJECTED_DIR / f"part-{self._rejected_parts:06d}.parquet",
+                pa.Table.from_pylist(self._rejected, schema=REJECTED_SCHEMA))
+            self._rejected, self._rejected_parts = [], self._rejected_parts + 1
         if self._open is not None:
-            open_rows, self._open = self._open, None
-            if open_rows:
-                atomic_write_table(self.run_dir / OPEN_REQUESTS_FILE, requests_table(open_rows))
+            if self._open:
+                atomic_write_table(self.run_dir / OPEN_REQUESTS_FILE, requests_table(self._open))
             else:
                 (self.run_dir / OPEN_REQUESTS_FILE).unlink(missing_ok=True)
+            self._open = None
         if self._logits:
-            rows, self._logits = self._logits, []
+            rows = self._logits
             flat = pa.array(np.concatenate([r[3] for r in rows]), pa.float32())
-            atomic_write_table(self.run_dir / LOGITS_DIR / f"part-{self._logits_parts:06d}.parquet", pa.table({
-                "request_id": [r[0] for r in rows], "stream": pa.array([r[1] for r in rows], pa.int32()),
-                "position": pa.array([r[2] for r in rows], pa.int64()),
-                "logits": pa.FixedSizeListArray.from_arrays(flat, len(rows[0][3]))}))
-            self._logits_parts += 1
+            self.bytes_written += atomic_write_table(
+                self.run_dir / LOGITS_DIR / f"part-{self._logits_parts:06d}.parquet", pa.table({
+                    "request_id": [r[0] for r in rows], "stream": pa.array([r[1] for r in rows], pa.int32()),
+                    "position": pa.array([r[2] for r in rows], pa.int64()),
+                    "logits": pa.FixedSizeListArray.from_arrays(flat, len(rows[0][3]))}))
+            self._logits, self._logits_parts = [], self._logits_parts + 1
         if not self._pending:
             return
         table = sample_rows_table(self.run_id, [t for t, _ in self._pending], [d for _, d in self._pending])
-        self._pending = []
-        atomic_write_table(self.dir / f"part-{self._parts:06d}.parquet", table)
-        self._parts += 1
+        self.bytes_written += atomic_write_table(self.dir / f"part-{self._parts:06d}.parquet", table)
+        self._pending, self._parts = [], self._parts + 1
         self.rows_written += table.num_rows
