@@ -172,6 +172,26 @@ def test_requests_queued_when_the_loop_dies_are_answered(tiny):
         srv.stop()
 
 
+def test_a_loop_that_cannot_go_on_tells_its_owner_after_answering_everyone(tiny):
+    """mode=serve passes on_fatal to stop uvicorn and exit 70 (a supervisor restarts it): the callback comes once,
+    with the error, after the request in flight was answered."""
+    from toolkit.serve.loop import EngineLoop, Submission
+
+    engine, fatal, answered = _engine(tiny), [], threading.Event()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the engine is broken")
+
+    engine.step = broken
+    loop = EngineLoop(engine, None, max_failed_steps=2, on_fatal=lambda exc: fatal.append((exc, answered.is_set())))
+    loop.start()
+    sub = Submission({"prompt": "a", "request_id": "a", "sampling_params": {"max_tokens": 2}}, None,
+                     lambda update: update.error and answered.set(), False)
+    loop.submit([sub])
+    loop._thread.join(30)
+    assert [(str(e), was) for e, was in fatal] == [("the engine is broken", True)] and not loop.alive
+
+
 @pytest.mark.parametrize("kept", ["hash", "off"])
 def test_record_body_hash_or_off_and_replay_says_what_it_cannot_rebuild(tiny, tmp_path, kept):
     run_dir = tmp_path / "run"

@@ -102,20 +102,22 @@ class EngineLoop:
     def __init__(self, engine: Engine, run_dir: Path | None, config: Mapping[str, Any] | None = None, *,
                  flush_every_steps: int = 8, on_finish: Callable[[RequestOutput], None] | None = None,
                  max_waiting: int = 256, record_body: str = "full", max_failed_steps: int = 3,
-                 max_trace_bytes: int | None = None):
+                 max_trace_bytes: int | None = None, on_fatal: Callable[[BaseException], None] | None = None):
         """`run_dir`: where the run is recorded (None: not recorded; toolkit.serve.record). `on_finish`: called
         on the engine thread with each finished request's output (the server's latency histograms).
         `max_waiting`: requests queued or admitted but not running before submit refuses more. `record_body`:
         full | hash | off, what the trace keeps of each HTTP body. `max_failed_steps`: steps failing in a row
         before the loop gives up (the engine is then broken, not one request). `max_trace_bytes`: the trace's
-        size past which new requests are refused (507), as while the disk refuses writes."""
+        size past which new requests are refused (507), as while the disk refuses writes. `on_fatal`: called on
+        the engine thread once the loop cannot go on, after every waiting client was answered (mode=serve
+        shuts the server down then and exits non-zero, for a supervisor to restart it)."""
         if not (isinstance(max_waiting, int) and max_waiting >= 1):
             raise ConfigError(f"serve.max_waiting must be a positive integer, got {max_waiting!r}")
         self.engine = engine
         self.record = ServedRun(engine, run_dir, config, flush_every_steps=flush_every_steps,
                                 record_body=record_body, max_trace_bytes=max_trace_bytes)
         self.run_id, self.writer = self.record.run_id, self.record.writer
-        self.on_finish = on_finish
+        self.on_finish, self.on_fatal = on_finish, on_fatal
         self.max_waiting, self.max_failed_steps = max_waiting, max_failed_steps
         self.stats = LoopStats(kv_blocks_total=engine.num_kv_blocks)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -221,6 +223,8 @@ class EngineLoop:
         finally:
             self._fail_queued()
             self.record.close()
+            if self.error is not None and self.on_fatal is not None:
+                self.on_fatal(self.error)
 
     def _step(self) -> None:
         t0 = time.perf_counter()

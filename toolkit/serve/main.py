@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import uvicorn
 from omegaconf import DictConfig, OmegaConf
@@ -82,8 +82,13 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return section
 
 
-def build(engine: Engine, run_dir: Path | None, cfg: Mapping[str, Any] | None, section: Mapping[str, Any]):
-    """The engine loop (started) and the FastAPI app over it; `section`: serve_config's."""
+EXIT_LOOP_FAILED = 70  # mode=serve's exit code when its engine loop could not go on (EX_SOFTWARE)
+
+
+def build(engine: Engine, run_dir: Path | None, cfg: Mapping[str, Any] | None, section: Mapping[str, Any],
+          on_fatal: Callable[[BaseException], None] | None = None):
+    """The engine loop (started) and the FastAPI app over it; `section`: serve_config's; `on_fatal`: the loop's
+    (EngineLoop)."""
     name = section["served_model_name"] or engine.loaded.name
     served = ServedModel(name=name, aliases=tuple({engine.loaded.name, engine.loaded.model_id} - {name}),
                          max_model_len=engine.max_model_len)
@@ -91,7 +96,7 @@ def build(engine: Engine, run_dir: Path | None, cfg: Mapping[str, Any] | None, s
     loop = EngineLoop(engine, run_dir, cfg, flush_every_steps=int(section["flush_every_steps"]),
                       on_finish=lambda out: metrics_box["m"].finished(out), max_waiting=section["max_waiting"],
                       record_body=section["record_body"], max_trace_bytes=None if section["max_trace_gb"] is None
-                      else int(section["max_trace_gb"] * 2**30))
+                      else int(section["max_trace_gb"] * 2**30), on_fatal=on_fatal)
     metrics_box["m"] = metrics = ServerMetrics(loop, name)
     limits = Limits(**{f.name: section[f.name] for f in dataclasses.fields(Limits)})
     api = Api(loop, served, metrics, on_shutdown=loop.stop, limits=limits, api_keys=section["api_key"],
@@ -141,7 +146,9 @@ def run_serve(cfg: DictConfig, run_dir: Path) -> int:
     """The server in the foreground until SIGINT / SIGTERM; the run directory is closed cleanly then."""
     section = serve_config(cfg)
     engine = Engine.from_config(cfg)
-    loop, app = build(engine, run_dir, cfg, section)
+    servers: list[uvicorn.Server] = []  # the loop's failure shuts the HTTP server down (on any thread)
+    loop, app = build(engine, run_dir, cfg, section, on_fatal=lambda exc: [setattr(s, "should_exit", True)
+                                                                          for s in servers])
     host, port = section["host"], section["port"]
     print(f"serving {engine.loaded.name} at http://{host}:{port}/v1 (OpenAI API); trace: {run_dir}", file=sys.stderr,
           flush=True)
@@ -151,14 +158,18 @@ def run_serve(cfg: DictConfig, run_dir: Path) -> int:
     caught: list[int] = []
     previous = {sig: signal.signal(sig, lambda number, frame: caught.append(number))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
+    servers.append(uvicorn.Server(config))
     try:
-        uvicorn.Server(config).run()
+        if loop.error is None:  # (a loop that failed before the server existed had no server to stop)
+            servers[0].run()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     loop.stop()
-    if loop.error is not None:
-        raise loop.error
+    if loop.error is not None:  # every waiting client was answered; a supervisor restarts a fresh process
+        print(f"serve: the engine loop stopped ({type(loop.error).__name__}: {loop.error}); exiting "
+              f"{EXIT_LOOP_FAILED} so a supervisor restarts the server", file=sys.stderr, flush=True)
+        return EXIT_LOOP_FAILED
 
     if wanted(cfg):  # the served run as a page, once it is closed
         page = report_after(run_dir)
