@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from toolkit.serve.job import Job
 from toolkit.serve.loop import EngineLoop
@@ -57,8 +57,10 @@ class Api:
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.render_metrics, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
-        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
-        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"],
+                          openapi_extra=_json_body_doc(CompletionRequest))
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"],
+                          openapi_extra=_json_body_doc(ChatCompletionRequest))
 
     def _lifespan(self, on_shutdown):
         @asynccontextmanager
@@ -158,6 +160,23 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _json_body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """The route's JSON body in /openapi.json, as the pydantic model it is validated with (the handlers read the
+    body themselves, to bound and refuse it first, so FastAPI cannot derive it): its $defs inlined."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
 def _json_body(raw: bytes) -> Any:
