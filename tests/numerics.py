@@ -19,6 +19,16 @@ from dataclasses import dataclass
 import torch
 
 
+def with_threads(n: int, fn):
+    """fn() with torch at n intra-op threads (the setting restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
 def first_divergence(a: list[int], b: list[int], window: int) -> int | None:
     """The first index < window where the two token lists differ (a shorter list differs where it ends)."""
     a, b = list(a[:window]), list(b[:window])

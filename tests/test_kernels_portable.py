@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.numerics import with_threads
 from tests.test_attention import attention_case, dense_reference
 from toolkit.models.decoder import rotate_half
 from toolkit.native import cpu, library, ops, sha
@@ -62,15 +63,6 @@ def _ulps(got: torch.Tensor, want: torch.Tensor, n: float) -> bool:
     return bool(((got.double() - want).abs() <= n * 2.0**-23 * want.abs() + 1e-30).all())
 
 
-def _with_threads(n, fn):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("heads,block_size", [((9, 3, 64), 16), ((8, 2, 128), 4), ((4, 4, 64), 1),
                                               ((12, 2, 128), 32), ((4, 2, 16), 16), ((6, 3, 8), 4)])
 def test_attention_against_float64_and_batch_independent(lib, heads, block_size):
@@ -80,7 +72,7 @@ def test_attention_against_float64_and_batch_independent(lib, heads, block_size)
     got = ops.paged_attention_cpu(q, kc, vc, tables, qt, qc, d ** -0.5, lib=lib)
     want = dense_reference(q, kc, vc, tables, qt, qc, d ** -0.5)
     assert (got.double() - want).abs().max().item() < 2e-5
-    serial = _with_threads(1, lambda: ops.paged_attention_cpu(q, kc, vc, tables, qt, qc, d ** -0.5, lib=lib))
+    serial = with_threads(1, lambda: ops.paged_attention_cpu(q, kc, vc, tables, qt, qc, d ** -0.5, lib=lib))
     assert torch.equal(serial, got)
     for i in range(0, q.shape[0], 2):  # each query alone gets the bits it got in the batch
         alone = ops.paged_attention_cpu(q[i:i + 1], kc, vc, tables, qt[i:i + 1], qc[i:i + 1], d ** -0.5, lib=lib)
@@ -111,7 +103,7 @@ def test_matmul_against_float64_and_row_independent(lib, m, k, n):
     want = x.double() @ w.double()
     bound = k * 2.0**-23 * (x.double().abs() @ w.double().abs())  # a sum of k rounded terms
     assert ((got.double() - want).abs() <= bound).all()
-    assert torch.equal(_with_threads(1, lambda: ops.matmul_invariant(x, packed, lib=lib)), got)
+    assert torch.equal(with_threads(1, lambda: ops.matmul_invariant(x, packed, lib=lib)), got)
     for i in range(m):
         assert torch.equal(ops.matmul_invariant(x[i:i + 1], packed, lib=lib)[0], got[i])
 

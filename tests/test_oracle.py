@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import make_engine
 from tests.hf_oracle import hf_greedy_with_margins, hf_logits
-from tests.numerics import assert_greedy_agreement
+from tests.numerics import assert_greedy_agreement, with_threads
 from toolkit.config import ModelConfig
 from toolkit.engine.core import Engine
 from toolkit.models.reference import one_thread, reference_logits
@@ -57,16 +57,6 @@ def test_tiny_forward_matches_hf(tiny, length):
     ours = engine_prefill_logits(engine, ids)
     assert (ours - expected).abs().max().item() < 1e-4
     assert (reference_logits(tiny.model, ids).float() - expected).abs().max().item() < 1e-4
-
-
-def with_threads(n: int, fn):
-    """fn() with torch at n intra-op threads (the setting restored after)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.numerics
