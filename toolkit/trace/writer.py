@@ -299,7 +299,9 @@ class TraceWriter:
             if self.fault is None:
                 print(f"toolkit: trace writer: {exc}; buffering rows and retrying every {self.retry_s:g} s",
                       file=sys.stderr, flush=True)
-            self.fault, self.faults = f"{type(exc).__name__}: {exc}", self.faults + 1
+            # what a client may be told: the errno's meaning, not the paths the message may name
+            self.fault = f"{os.strerror(exc.errno)} (errno {exc.errno})" if exc.errno else type(exc).__name__
+            self.faults += 1
         finally:
             self.flush_s += time.thread_time() - start
 
