@@ -82,6 +82,6 @@ def greedy_with_margins(engine, requests: list[dict]) -> tuple[dict[str, list[in
     margins: dict[str, list[float]] = {i: [] for i in ids}
     while engine.has_unfinished():
         out = engine.step()
-        for row, s in enumerate(out.samples):
-            margins[s.request_id].append(top2_margin(out.logits_RV[row]))
+        for s in out.samples:
+            margins[s.request_id].append(top2_margin(out.logits_RV[s.logits_row]))
     return {i: list(engine.output(i).outputs[0].token_ids) for i in ids}, margins

@@ -21,11 +21,11 @@ from toolkit.trace.reader import read_requests, read_samples
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 16 MB tmpfs of its own (root only: elsewhere the test skips with the reason)."""
+    """A 16 MB tmpfs of its own, 4096 files at most (root only: elsewhere the test skips with the reason)."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,nr_inodes=4096", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
     if done.returncode != 0:
         reason = f"cannot mount a tmpfs to fill (needs root): {done.stderr.strip()}"
         print(f"SKIP reason: {reason}")
@@ -34,17 +34,25 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def fill(disk: Path) -> Path:
-    """Write a file until the disk refuses another byte."""
-    filler = disk / "filler"
+def fill(disk: Path) -> list[Path]:
+    """Write a file until the disk refuses another byte, then create empty files until it refuses another file:
+    a write that fails then fails at its first step (no temporary file is made, so none is freed that a later,
+    smaller write could use). Returns what to delete to give the space back."""
+    filler, made = disk / "filler", []
     with open(filler, "wb", buffering=0) as fh:
-        for chunk in (65536, 4096, 1):  # down to the last byte: no part file fits after it
+        for chunk in (65536, 4096, 1):  # down to the last byte
             try:
                 while True:
                     fh.write(b"\0" * chunk)
             except OSError:
                 pass
-    return filler
+    try:
+        while True:
+            made.append(disk / f"inode-{len(made)}")
+            made[-1].touch()
+    except OSError:
+        made.pop()
+    return [filler, *made]
 
 
 def until(condition, seconds: float) -> float:
@@ -73,7 +81,7 @@ def test_a_full_disk_is_survived_and_no_served_row_is_lost(tiny, small_disk):
         running = threading.Thread(target=complete, args=("across the fault", 1500))
         running.start()  # admitted before the disk fills: it must finish, its rows held until they can be written
         until(lambda: srv.loop.writer.rows_written > 3 * 8 + 16, 30)  # some of its rows are on disk
-        filler = fill(small_disk)  # its next sample parts are refused
+        fillers = fill(small_disk)  # its next sample parts are refused
         until(lambda: srv.loop.record.unavailable is not None, 30)
         refused = complete("while full", 4)
         assert refused.status_code == 507 and int(refused.headers["retry-after"]) >= 1
@@ -84,7 +92,8 @@ def test_a_full_disk_is_survived_and_no_served_row_is_lost(tiny, small_disk):
         assert "No space left on device" in health.json()["error"]
         running.join(120)
         assert len(served) == 4  # the request admitted before the fault was answered 200
-        filler.unlink()  # space returns: serving and tracing resume on their own
+        for path in fillers:  # space returns: serving and tracing resume on their own
+            path.unlink()
         recovered = until(lambda: httpx.get(srv.url + "/health").status_code == 200, 5)
         assert complete("after", 8).status_code == 200
         print(f"healthy again {recovered:.2f} s after the space returned")

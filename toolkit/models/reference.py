@@ -14,8 +14,8 @@ shape and the threads; so every sum here has a shape fixed in advance and runs o
   row's dot products are computed by the same call whatever T is;
 - attention reads keys in blocks of KEYS: each query block against each key block is one call of
   one shape, and the blocks' partial sums are added in block order; a key a query may not see has
-  weight exactly 0, and adding an exact 0 changes no sum, so a row depends only on the positions
-  up to its own;
+  weight exactly 0, and adding an exact 0 changes no sum (for finite values, as a model's are), so
+  a row depends only on the positions up to its own;
 - the softmax's and RMSNorm's sums are balanced pairwise trees over a fixed (zero-padded) width;
 - the whole forward runs on one torch thread (the caller's setting is restored after).
 """
@@ -32,7 +32,8 @@ from toolkit.errors import ConfigError
 from toolkit.models.decoder import PagedDecoder
 
 ROWS = 16  # every matrix product runs on blocks of exactly this many rows
-KEYS = 64  # attention reads keys in blocks of this many
+KEYS = 64  # attention reads keys in blocks of this many (a multiple of ROWS: a query block's keys fit the padding)
+assert KEYS % ROWS == 0
 
 
 @torch.inference_mode()
@@ -140,15 +141,15 @@ def _causal_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Ten
     q = _pad_rows(q_THD, ROWS).transpose(0, 1)  # (H, Tq, D), Tq a multiple of ROWS
     k = _pad_rows(k_THD, KEYS).transpose(0, 1)  # (H, Tk, D), Tk a multiple of KEYS
     v = _pad_rows(v_THD, KEYS).transpose(0, 1).contiguous()
-    out = []
+    out, device = [], q_THD.device
     for q0 in range(0, q.shape[1], ROWS):
         q_blk = q[:, q0: q0 + ROWS].contiguous()  # (H, ROWS, D)
-        rows = torch.arange(q0, q0 + ROWS).unsqueeze(1)  # (ROWS, 1): the block's query positions
+        rows = torch.arange(q0, q0 + ROWS, device=device).unsqueeze(1)  # (ROWS, 1): the block's query positions
         starts = range(0, q0 + ROWS, KEYS)  # the key blocks this query block can see (not T: a prefix's rows
         scores = []  # are computed by the same calls in a longer sequence); each (H, ROWS, KEYS)
         for k0 in starts:
             s = torch.bmm(q_blk, k[:, k0: k0 + KEYS].transpose(1, 2).contiguous()) * scale
-            scores.append(s.masked_fill(torch.arange(k0, k0 + KEYS) > rows, float("-inf")))  # no looking ahead
+            scores.append(s.masked_fill(torch.arange(k0, k0 + KEYS, device=device) > rows, float("-inf")))
         top = torch.stack([s.amax(-1, keepdim=True) for s in scores]).amax(0)  # (H, ROWS, 1)
         total = acc = None
         for k0, s in zip(starts, scores):

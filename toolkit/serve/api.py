@@ -133,7 +133,8 @@ class Api:
         except ApiError as exc:
             self.metrics.http.labels(route, str(exc.status)).inc()
             if exc.status in (503, 507):
-                self.loop.reject(job.id if job else "", route, 503, exc.message, job.body_sha256 if job else None)
+                self.loop.reject(job.id if job else "", route, exc.status, exc.message,
+                                 job.body_sha256 if job else None)
             return exc.response()
         self.metrics.http.labels(route, "200").inc()
         if req.stream:

@@ -222,7 +222,11 @@ class EngineLoop:
             self._sinks.clear()
         finally:
             self._fail_queued()
-            self.record.close()
+            try:
+                self.record.close()
+            except Exception as exc:  # noqa: BLE001 - a trace that could not be closed (rows lost) fails the run
+                print(f"serve: closing the trace failed: {one_line(exc)}", file=sys.stderr, flush=True)
+                self.error = self.error or RuntimeError(f"closing the trace failed ({type(exc).__name__})")
             if self.error is not None and self.on_fatal is not None:
                 self.on_fatal(self.error)
 

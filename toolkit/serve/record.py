@@ -83,7 +83,7 @@ class ServedRun:
                                                                               "record_body": record_body}))
             (self.run_dir / REQUESTS_FILE).mkdir(exist_ok=True)
             self.writer = TraceWriter(self.run_dir, self.run_id, flush_every_steps,
-                                      OmegaConf.select(resolved, "trace.full_logits"))
+                                      OmegaConf.select(resolved, "trace.full_logits"), retry_faults=True)
 
     @property
     def unavailable(self) -> str | None:

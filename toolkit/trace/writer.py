@@ -134,13 +134,15 @@ def full_logits_selection(value: Any) -> str | frozenset[str] | None:
 class TraceWriter:
     """Accepts each step's SampleTrace rows and raw logits; writes Parquet parts on a worker thread.
 
-    A write the file system refuses (a full disk, a quota) is a fault, not an error: the rows stay buffered,
-    `fault` says why, and the worker retries every `retry_s` seconds (and at every flush) until a write goes
-    through, in order, so no row is lost and no temporary file is left. `backlogged` tells the producer when the
-    buffered rows pass `max_buffered_rows` (a server stops stepping until the disk takes them)."""
+    A failed write leaves no temporary file. With `retry_faults` (a server: it has to outlive a full disk) a
+    write the file system refuses is a fault, not an error: the rows stay buffered, `fault` says why, and the
+    worker retries every `retry_s` seconds (and at every explicit flush) until a write goes through, in order, so
+    no row is lost; `backlogged` tells the producer when the buffered rows pass `max_buffered_rows` (a server
+    stops stepping until the disk takes them). Without it (a run, a soak, a benchmark) the error is raised on
+    the producer's next call, as any writer error is."""
 
     def __init__(self, run_dir: Path, run_id: str, flush_every_steps: int = 64, full_logits: Any = None, *,
-                 max_buffered_rows: int = 200_000, retry_s: float = 0.5):
+                 retry_faults: bool = False, max_buffered_rows: int = 200_000, retry_s: float = 0.5):
         if not 1 <= flush_every_steps <= 64:
             raise ValueError(f"flush_every_steps must be in [1, 64], got {flush_every_steps}")
         self.full_logits = full_logits_selection(full_logits)
@@ -165,7 +167,8 @@ class TraceWriter:
         self._steps_since_flush = 0
         self._queue: queue.Queue = queue.Queue(maxsize=256)
         self._error: BaseException | None = None
-        self.max_buffered_rows, self.retry_s = max_buffered_rows, retry_s
+        self.retry_faults, self.max_buffered_rows, self.retry_s = retry_faults, max_buffered_rows, retry_s
+        self._tried = 0.0  # when a write last failed (monotonic): while a fault lasts, retried every retry_s
         self.fault: str | None = None  # why the last write failed (None: the last one went through)
         self.faults = 0  # writes the file system refused, in all
         self.bytes_written = 0  # bytes of the part files written so far
@@ -263,7 +266,10 @@ class TraceWriter:
             try:
                 item = self._queue.get(timeout=self.retry_s if self.fault is not None else None)
             except queue.Empty:  # a fault holds rows back: try the disk again
-                self._write_part()
+                try:
+                    self._write_part()
+                except BaseException as exc:  # noqa: BLE001 - surfaced on the next call from the engine thread
+                    self._error = exc
                 continue
             start = time.thread_time()
             try:
@@ -282,7 +288,8 @@ class TraceWriter:
                 self._pending.extend(zip(traces, digests))
                 self._logits.extend(logits)
                 self._steps_since_flush += 1
-                if self._steps_since_flush >= self.flush_every_steps:
+                due = self.fault is None or time.monotonic() - self._tried >= self.retry_s  # not every step
+                if self._steps_since_flush >= self.flush_every_steps and due:
                     self._write_part()
             except BaseException as exc:  # noqa: BLE001 - surfaced on the next call from the engine thread
                 self._error = exc
@@ -296,6 +303,9 @@ class TraceWriter:
             self._write_parts()
             self.fault = None
         except OSError as exc:  # the disk refused: everything not yet written stays buffered, retried in order
+            if not self.retry_faults:
+                raise
+            self._tried = time.monotonic()
             if self.fault is None:
                 print(f"toolkit: trace writer: {exc}; buffering rows and retrying every {self.retry_s:g} s",
                       file=sys.stderr, flush=True)
