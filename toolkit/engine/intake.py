@@ -102,12 +102,18 @@ class RequestIntake:
     def prompt_ids(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                    prompt_token_ids: Sequence[int] | None = None) -> list[int]:
         """A request's prompt as token ids, checked as `sequences` checks it (every id inside the vocabulary,
-        shorter than the context), or a RequestError naming the prompt: what scoring a prompt reads."""
+        shorter than the context), or a RequestError naming the prompt: what scoring a prompt reads. Ids past the
+        context are refused before they are read (a hostile prompt may hold a million)."""
+        if isinstance(prompt_token_ids, Sequence) and not isinstance(prompt_token_ids, (str, bytes)):
+            self._check_context(len(prompt_token_ids))
         ids, _ = self._prompt_ids(prompt, messages, prompt_token_ids)
-        if len(ids) >= self.max_model_len:
-            raise RequestError(f"prompt has {len(ids)} tokens but the context is {self.max_model_len} "
-                               f"(engine.max_model_len); shorten the prompt")
+        self._check_context(len(ids))
         return ids
+
+    def _check_context(self, prompt_len: int) -> None:
+        if prompt_len >= self.max_model_len:
+            raise RequestError(f"prompt has {prompt_len} tokens but the context is {self.max_model_len} "
+                               f"(engine.max_model_len); shorten the prompt")
 
     def _prompt_ids(self, prompt, messages, prompt_token_ids) -> tuple[list[int], str | None]:
         given = [x is not None for x in (prompt, messages, prompt_token_ids)]
