@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -47,35 +47,35 @@ def logits_digest(row_V: torch.Tensor) -> str:
     return hashlib.sha256(row_V.detach().float().cpu().contiguous().numpy()).hexdigest()  # the buffer, no copy
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `path` whole or not at all: to a temporary name beside it, then renamed; a failed write (a full
-    disk) leaves no temporary file behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_table(path: Path, table: pa.Table) -> int:
-    """atomic_write_bytes for a Parquet table; returns the file's size in bytes."""
+def _atomic_write(path: Path, write: Callable[[str], None]) -> int:
+    """`write(tmp)` to a temporary name beside `path`, then renamed to it: a reader never sees half a file, and a
+    failed write (a full disk) leaves no temporary file behind. Returns the file's size in bytes."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name, suffix=".tmp")
     os.close(fd)
     try:
-        pq.write_table(table, tmp)
+        write(tmp)
         size = os.path.getsize(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return size
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    _atomic_write(path, write)
+
+
+def atomic_write_table(path: Path, table: pa.Table) -> int:
+    """A Parquet table written atomically (_atomic_write); returns the file's size in bytes."""
+    return _atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
 
 def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
@@ -279,9 +279,9 @@ class TraceWriter:
                 if requests is not None:
                     self._ended.extend(requests.ended)
                     self._open = requests.open
-                    room = MAX_BUFFERED_REJECTED - len(self._rejected)  # refusals pile up while a fault lasts
-                    self._rejected.extend(requests.rejected[:max(room, 0)])
-                    self.rejected_dropped += max(len(requests.rejected) - max(room, 0), 0)
+                    room = max(MAX_BUFFERED_REJECTED - len(self._rejected), 0)  # they pile up while a fault lasts
+                    self._rejected.extend(requests.rejected[:room])
+                    self.rejected_dropped += max(len(requests.rejected) - room, 0)
                 if traces == "flush":
                     self._write_part()
                     continue
