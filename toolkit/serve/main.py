@@ -66,13 +66,12 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
                  "timeout_keep_alive"):
         if not (isinstance(section[name], int) and not isinstance(section[name], bool) and section[name] >= 1):
             raise ConfigError(f"serve.{name} must be a positive integer, got {section[name]!r}")
-    if section["max_trace_gb"] is not None and not (isinstance(section["max_trace_gb"], (int, float))
-                                                     and not isinstance(section["max_trace_gb"], bool)
-                                                     and section["max_trace_gb"] > 0):
-        raise ConfigError(f"serve.max_trace_gb must be a positive number or null, got {section['max_trace_gb']!r}")
-    for name in ("max_body_mb", "grammar_timeout_s"):
-        if not (isinstance(section[name], (int, float)) and not isinstance(section[name], bool) and section[name] > 0):
-            raise ConfigError(f"serve.{name} must be a positive number, got {section[name]!r}")
+    for name, nullable in (("max_body_mb", False), ("grammar_timeout_s", False), ("max_trace_gb", True)):
+        value = section[name]
+        if not ((nullable and value is None)
+                or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)):
+            raise ConfigError(f"serve.{name} must be a positive number{' or null' if nullable else ''}, "
+                              f"got {value!r}")
     keys = section["api_key"]
     keys = [keys] if isinstance(keys, str) else list(keys or [])
     keys += [k for k in os.environ.get("TOOLKIT_API_KEY", "").split(",") if k.strip()]
