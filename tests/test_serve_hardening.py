@@ -142,6 +142,52 @@ def test_an_exception_on_the_engine_thread_is_one_requests_500(tiny, tmp_path):
     assert "injected while adding" in failed[0]["reason"] and "injected while stepping" in failed[1]["reason"]
 
 
+def test_a_poison_request_among_32_is_the_only_500(tiny, tmp_path):
+    """32 concurrent completions, one of them poison (the model's forward raises whenever it is in the batch
+    from its 3rd token on): it alone gets a 500 in OpenAI's shape, recorded in rejected.parquet; the 31 others
+    get 200 with exactly the text and logprobs of a server that never saw it (batch-invariant kernels), and the
+    server stays healthy."""
+    def serve(with_poison: bool, run_dir):
+        engine = _engine(tiny, batch_invariant=True, max_num_seqs=32, max_num_batched_tokens=512)
+        run = engine.runner.run
+
+        def forward(batch, *args, **kwargs):
+            for chunk in batch.chunks:
+                seq = engine.requests[chunk.seq_id]
+                if seq.prompt_text == "poison" and seq.num_output_tokens >= 2:
+                    raise RuntimeError("poisoned forward")
+            return run(batch, *args, **kwargs)
+
+        engine.runner.run = forward
+        srv = start_server(engine, run_dir)
+        bodies = [{"prompt": f"Request {i} says", "max_tokens": 6, "ignore_eos": True, "temperature": 0.9,
+                   "seed": i, "logprobs": 1} for i in range(31)]
+        if with_poison:
+            bodies.insert(13, {"prompt": "poison", "max_tokens": 6, "ignore_eos": True})
+
+        async def all_at_once() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
+                return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+
+        try:
+            answers = asyncio.run(all_at_once())
+            assert httpx.get(srv.url + "/health").status_code == 200
+            assert _post(srv.url, {"prompt": "after", "max_tokens": 2}).status_code == 200
+        finally:
+            srv.stop()
+        return answers
+
+    plain = serve(False, None)
+    answers = serve(True, tmp_path / "run")
+    poison = answers.pop(13)
+    assert poison.status_code == 500 and "poisoned forward" in poison.json()["error"]["message"], poison.text
+    assert [r.status_code for r in answers] == [200] * 31
+    kept = lambda r: (r.json()["choices"][0]["text"], r.json()["choices"][0]["logprobs"]["token_logprobs"])  # noqa: E731
+    assert [kept(r) for r in answers] == [kept(r) for r in plain]
+    assert [(r["status"], "poisoned forward" in r["reason"]) for r in read_rejected(tmp_path / "run").to_pylist()] \
+        == [(500, True)]
+
+
 def test_requests_queued_when_the_loop_dies_are_answered(tiny):
     engine = _engine(tiny)
     srv = start_server(engine, None)

@@ -18,6 +18,7 @@ from toolkit.engine.outputs import TextDelta
 from toolkit.engine.request import FinishReason, Request, RequestStatus
 from toolkit.engine.scheduler import ScheduledBatch, Scheduler
 from toolkit.engine.speculative import Proposal, Speculator
+from toolkit.errors import one_line
 from toolkit.kv import BlockManager
 from toolkit.models.tokenizer import Tokenizer
 from toolkit.sampling.grammar import GrammarBackend
@@ -30,6 +31,7 @@ class Committed:
     traces: tuple[SampleTrace, ...]
     deltas: tuple[TextDelta, ...]  # only those with text, tokens or a finish
     finished: tuple[str, ...]  # sequence ids
+    failed: tuple[tuple[str, str], ...] = ()  # (request id, why): requests whose step raised for them alone
 
 
 class Committer:
@@ -64,20 +66,33 @@ class Committer:
             follower.first_scheduled_time = leader.first_scheduled_time
             leader.followers = []
         forked = {f.seq_id for _, f in decision.forks}
-        traces, deltas, finished = [], [], []
+        traces, deltas, finished, failed = [], [], [], []
         for seq, emitted in decision.emits:
             verified = seq.seq_id in proposals
-            for e in emitted:
-                position = seq.num_tokens
-                delta = self.commit_row(seq, e.token, e.error)
-                if seq.seq_id in forked and not delta.finished:
-                    self.scheduler.adopt(seq)
-                deltas.append(delta)
-                traces.append(self.trace_row(seq, e, position, batch, delta.finished, decision.grammar_allowed,
-                                             start_time))
-                if delta.finished:
-                    finished.append(seq.seq_id)
-                    break
+            position = seq.num_tokens
+            try:
+                for e in emitted:
+                    position = seq.num_tokens
+                    delta = self.commit_row(seq, e.token, e.error)
+                    if seq.seq_id in forked and not delta.finished:
+                        self.scheduler.adopt(seq)
+                    deltas.append(delta)
+                    traces.append(self.trace_row(seq, e, position, batch, delta.finished, decision.grammar_allowed,
+                                                 start_time))
+                    if delta.finished:
+                        finished.append(seq.seq_id)
+                        break
+            except Exception as exc:  # noqa: BLE001 - this sequence's commit raised (its tokenizer's decode, its
+                # grammar's accept): it alone ends, without the token it could not commit; its batch-mates go on
+                message = f"committing its token failed: {one_line(exc)}"
+                del seq.token_ids[max(position, seq.num_prompt_tokens):]
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+                if seq.seq_id in finished:
+                    finished.remove(seq.seq_id)
+                deltas.append(self.fail(seq, message))
+                finished.append(seq.seq_id)
+                failed.append((seq.request_id, message))
+                continue
             if verified and not seq.is_finished:
                 # rejected drafts: their K/V is dropped and blocks past the sequence are returned
                 seq.num_computed_tokens = seq.num_tokens - 1
@@ -88,7 +103,7 @@ class Committer:
             seq = requests[chunk.seq_id]
             self.block_manager.commit_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         return Committed(tuple(traces), tuple(d for d in deltas if d.text or d.token_ids or d.finished),
-                         tuple(finished))
+                         tuple(finished), tuple(failed))
 
     def commit_row(self, seq: Request, token: int, error: str | None) -> TextDelta:
         """One sampling result into its sequence: token, grammar, text, stop conditions."""
@@ -145,6 +160,14 @@ class Committer:
         seq.finish_time = now
         self.last_finish_time = now
         self.scheduler.finish(seq)
+
+    def fail(self, seq: Request, message: str) -> TextDelta:
+        """End a sequence whose step raised an exception for it alone (finish_reason "error", `message` its
+        detail), with no token and no trace row: nothing was sampled for it."""
+        seq.followers = []
+        if not seq.is_finished:
+            self.finish(seq, FinishReason.ERROR, f"error: {message}", None, time.perf_counter())
+        return TextDelta(seq.request_id, seq.stream, "", (), True, FinishReason.ERROR.value)
 
     def abort(self, seqs: list[Request], step: int) -> None:
         """Finish every sequence of a request now, before `step` (finish_reason "abort"): no token, no trace row."""

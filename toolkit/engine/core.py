@@ -27,6 +27,7 @@ One owner per piece of a sequence's state (toolkit.engine.request.Request); noth
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
@@ -55,9 +56,9 @@ from toolkit.engine.outputs import (
 )
 from toolkit.engine.request import Request, RequestStatus
 from toolkit.engine.runner import ModelOutput, ModelRunner
-from toolkit.engine.scheduler import ScheduledBatch, Scheduler
+from toolkit.engine.scheduler import ScheduledBatch, ScheduledChunk, Scheduler
 from toolkit.engine.speculative import DraftContext, Proposal, Speculator
-from toolkit.errors import ConfigError, RequestError
+from toolkit.errors import ConfigError, RequestError, one_line
 from toolkit.kv import BlockManager, PagedKVCache
 from toolkit.models import LoadedModel, load_model
 from toolkit.native.sha import ShaJob
@@ -190,9 +191,24 @@ class Engine:
         self._scheduled(batch, now)
         batch, proposals = self._propose(batch)
         forwards = self.runner.num_forwards
-        # the ONE forward of this step (two with scheduler_policy=two_forwards)
-        out = self.runner.run(batch, beside=beside)
-        decision, committed, digests = self._decide_and_commit(batch, out, proposals, trace_digests)
+        self.runner.move_blocks(batch)  # once: a forward retried below must not copy a swapped-out block again
+        try:
+            # the ONE forward of this step (two with scheduler_policy=two_forwards)
+            out = self.runner.run(batch, beside=beside, move_blocks=False)
+            decision, committed, digests = self._decide_and_commit(batch, out, proposals, trace_digests)
+        except _CommitFailed as exc:  # sequences changed: nothing to retry
+            raise exc.__cause__ from None
+        except Exception as exc:  # noqa: BLE001 - a request that fails alone fails alone; the step goes on
+            failed = self._isolate(batch, proposals, exc)
+            kept = tuple(c for c in batch.chunks if self.requests[c.seq_id].request_id not in failed)
+            batch = dataclasses.replace(batch, chunks=kept, num_decode_tokens=sum(
+                c.num_tokens for c in kept if self.requests[c.seq_id].status is RequestStatus.DECODING),
+                num_prefill_tokens=sum(c.num_tokens for c in kept
+                                       if self.requests[c.seq_id].status is not RequestStatus.DECODING))
+            proposals = {k: p for k, p in proposals.items() if k in {c.seq_id for c in kept}}
+            out = self.runner.run(batch, move_blocks=False)
+            decision, committed, digests = self._decide_and_commit(batch, out, proposals, trace_digests)
+            committed = self._fail(failed, committed)
         self.step_index = step + 1
         return self._step_output(batch, committed, decision.logits_RV, out.forward_s,
                                  self.runner.num_forwards - forwards, digests)
@@ -251,6 +267,61 @@ class Engine:
         return dataclasses.replace(batch, chunks=chunks, num_decode_tokens=batch.num_decode_tokens - sum(
             c.draft_slots for c in batch.chunks) + proposed), proposals
 
+    def _isolate(self, batch: ScheduledBatch, proposals: Mapping[str, Proposal], exc: Exception) -> dict[str, str]:
+        """The step's forward or decision raised `exc` (nothing was committed): find the requests that fail
+        alone, by bisection over the batch's requests, each part run through the forward and the decider again
+        (nothing committed, no copy job repeated): request id -> why it fails. The step then goes on without
+        them, the others' chunks in one forward as if those requests had never been in it (their bits, in
+        batch-invariant mode, are those of a run without them). Raises `exc` where no request fails alone (a
+        fault of the step, not of a request), where every request does (the engine, not a request), or past
+        4 probes per doubling of the batch (several culprits: the step is not worth saving)."""
+        units: dict[str, list[ScheduledChunk]] = {}
+        for chunk in batch.chunks:
+            units.setdefault(self.requests[chunk.seq_id].request_id, []).append(chunk)
+        ids, why = list(units), {}
+        budget = [4 * len(ids).bit_length() + 4]
+
+        def fails(part: list[str]) -> bool:
+            budget[0] -= 1
+            if budget[0] < 0:
+                raise exc
+            chunks = tuple(c for r in part for c in units[r])
+            seq_ids = {c.seq_id for c in chunks}
+            try:
+                out = self.runner.run(dataclasses.replace(batch, chunks=chunks), move_blocks=False)
+                self.decider.decide(out, {k: p for k, p in proposals.items() if k in seq_ids}, self.requests)
+            except Exception as alone:  # noqa: BLE001 - what this part raises, for its culprit's answer
+                if len(part) == 1:
+                    why[part[0]] = f"the engine failed while stepping this request: {one_line(alone)}"
+                return True
+            return False
+
+        def search(part: list[str], failing: bool = False) -> list[str]:
+            if not (failing or fails(part)):
+                return []
+            if len(part) == 1:
+                return part
+            half = len(part) // 2
+            return search(part[:half]) + search(part[half:])
+
+        culprits = search(ids, failing=True) if len(ids) > 1 else []
+        if not culprits or len(culprits) == len(ids):
+            raise exc
+        return {r: why[r] for r in culprits}
+
+    def _fail(self, failed: Mapping[str, str], committed: Committed) -> Committed:
+        """End every sequence of the requests `_isolate` found (finish_reason "error"), after the step's commit."""
+        deltas, finished = [], []
+        for request_id, message in failed.items():
+            print(f"engine: request {request_id}: {message}", file=sys.stderr, flush=True)
+            for seq_id in self.groups[request_id]:
+                seq = self.requests[seq_id]
+                if not seq.is_finished:
+                    deltas.append(self.committer.fail(seq, message))
+                    finished.append(seq_id)
+        return Committed(committed.traces, committed.deltas + tuple(deltas), committed.finished + tuple(finished),
+                         committed.failed + tuple(failed.items()))
+
     def _decide_and_commit(self, batch: ScheduledBatch, out: ModelOutput, proposals: Mapping[str, Proposal],
                            digests: bool) -> tuple[Decision, Committed, RowDigests | None]:
         """The decide and commit stages; with `digests`, the sha256 of every decided logits row too (by decided
@@ -259,7 +330,10 @@ class Engine:
         decide and the commit where the sampler took that pass (else the commit alone), then beside the next
         step's scheduling and packing; what is left then is hashed on every thread when the digests are read."""
         def commit(decision: Decision) -> Committed:
-            return self.committer.commit(batch, decision, proposals, self.requests, self.start_time)
+            try:
+                return self.committer.commit(batch, decision, proposals, self.requests, self.start_time)
+            except Exception as exc:  # noqa: BLE001 - raised by step as it was: a commit is not retried
+                raise _CommitFailed() from exc
 
         def finish_and_commit() -> tuple[Decision, Committed]:
             decision = self.decider.finish(staged)
@@ -299,7 +373,7 @@ class Engine:
                           finished=committed.finished if committed else (), preempted=batch.preempted,
                           kv_blocks_used=used, kv_utilization=used / self.num_kv_blocks,
                           prefix_hit_tokens=batch.prefix_hit_tokens, forward_s=forward_s, forwards=forwards,
-                          logits_sha256=digests)
+                          logits_sha256=digests, failed=committed.failed if committed else ())
 
     def abort(self, request_id: str) -> None:
         """Finish every sequence of a request now, before the next step (finish_reason "abort"), and free its
@@ -349,6 +423,10 @@ class Engine:
 
 def _now(fn: Callable[[], T]) -> T:
     return fn()
+
+
+class _CommitFailed(Exception):
+    """The commit stage raised (its __cause__): sequences may have changed, so the step is not retried."""
 
 
 class RowDigests(Mapping[int, str]):

@@ -158,10 +158,14 @@ class ModelRunner:
         cache.copy_blocks([c.src for c in batch.block_copies], [c.dst for c in batch.block_copies])
 
     def run(self, batch: ScheduledBatch, num_layers: int | None = None,
-            beside: Callable[[Callable[[], ForwardInputs]], ForwardInputs] | None = None) -> ModelOutput:
+            beside: Callable[[Callable[[], ForwardInputs]], ForwardInputs] | None = None,
+            move_blocks: bool = True) -> ModelOutput:
         """The forward of a batch. `beside` runs the packing of its inputs (Python) where the caller has work
-        for the other threads meanwhile (Engine.step: the last step's trace digests, sha.ShaJob.beside)."""
-        self.move_blocks(batch)
+        for the other threads meanwhile (Engine.step: the last step's trace digests, sha.ShaJob.beside).
+        `move_blocks=False`: the batch's copy jobs already ran (Engine.step runs them once, so that a forward it
+        retries does not copy a swapped-out block again, from a block the failed forward may have written)."""
+        if move_blocks:
+            self.move_blocks(batch)
         decodes = tuple(c for c in batch.chunks if c.num_tokens == 1 or c.num_logits > 1) if self.two_forwards else ()
         if decodes and len(decodes) < len(batch.chunks):
             prefills = tuple(c for c in batch.chunks if c not in decodes)

@@ -10,7 +10,9 @@ batches.
 
 Bounded by construction: at most `max_waiting` requests wait (past it `submit` raises Unavailable: a 503), the
 loop keeps rows only for requests not yet ended, the summary's percentiles cover the latest requests, and an
-unexpected exception while adding or stepping fails the requests it touched (a 500 each), not the loop.
+unexpected exception while adding or stepping fails the requests it touched (a 500 each), not the loop: a step
+that raises for one request alone ends only that one (Engine.step bisects the batch; StepOutput.failed), one that
+raises for no request alone fails the requests it ran, and `max_failed_steps` of those in a row end the loop.
 """
 
 from __future__ import annotations
@@ -322,9 +324,10 @@ class EngineLoop:
                 sink = self._sinks.get(request_id)
                 if sink is not None and request_id not in done:
                     _send(sink, Update(request_id, tuple(deltas), tuple(samples)))
+            failed = dict(out.failed)  # the step raised for these alone: a 500 each, their batch-mates go on
             for request_id in done & self._sinks.keys():
                 deltas, samples = by_request.get(request_id, ((), ()))
-                self._finish(request_id, deltas, samples)
+                self._finish(request_id, deltas, samples, error=failed.get(request_id))
         self._refresh_stats()
         self.record.write(out)
 
