@@ -322,6 +322,38 @@ def test_a_slow_readers_mailbox_stays_bounded_and_loses_nothing(steps, limit):
     asyncio.run(run())
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.text(max_size=40), min_size=1, max_size=60), st.integers(1, 4), st.integers(40, 400))
+def test_a_mailbox_past_its_bytes_gives_up_once_and_says_so(texts, limit, max_bytes):
+    """Unread bytes are counted exactly (each text, ROW_BYTES a row, less what was read); past max_bytes the
+    overflow callback runs once, nothing more is kept, and every read is the error."""
+    from toolkit.serve.job import ROW_BYTES
+
+    async def run() -> None:
+        calls = []
+        box = Mailbox(limit, max_bytes, on_overflow=lambda: calls.append(1))
+        unread = 0
+        for k, text in enumerate(texts):
+            box.put(Update("r", (_delta(0, text),), samples=(k,)))
+            unread += len(text) + ROW_BYTES
+            if unread > max_bytes:
+                break
+            assert box.unread_bytes == unread and len(box) <= limit
+        if unread <= max_bytes:
+            assert not calls
+            got = await box.get()
+            assert box.unread_bytes == unread - len(got.deltas[0].text) - ROW_BYTES * len(got.samples)
+            return
+        assert calls == [1] and len(box) == 0
+        box.put(Update("r", (_delta(0, "more"),)))
+        for _ in range(2):
+            update = await box.get()
+            assert "serve.max_unread_mb" in update.error and not update.deltas
+        assert calls == [1]
+
+    asyncio.run(run())
+
+
 def test_soak_over_http_loses_nothing_and_keeps_nothing(tiny, tmp_path):
     from toolkit.modes.serve_soak import soak_http
 

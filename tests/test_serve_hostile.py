@@ -132,3 +132,53 @@ def test_connection_and_limit_knobs_are_checked_and_reach_uvicorn(tiny):
         assert (srv.uvicorn.config.limit_concurrency, srv.uvicorn.config.timeout_keep_alive) == (7, 3)
     finally:
         srv.stop()
+
+
+def _stalled_stream(url: str, body: dict) -> "socket.socket":
+    """A streaming request from a client that never reads (a 4 KB receive buffer): the server's writes block
+    once the socket's buffers are full."""
+    import json
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((parts.hostname, parts.port))
+    payload = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    return sock
+
+
+LONG_STREAM = {"prompt": "Never read", "stream": True, "n": 16, "max_tokens": 1500, "ignore_eos": True,
+               "temperature": 1.0, "logprobs": 5}
+
+
+@pytest.mark.parametrize("knobs", [dict(stream_write_timeout_s=1.0, max_unread_mb=1024.0), dict(max_unread_mb=0.05)],
+                         ids=["write timeout", "unread bytes"])
+def test_a_stream_whose_client_stops_reading_is_aborted(tiny, knobs):
+    """A client that stops reading a long stream (several MB of SSE) holds no engine resources for long: past
+    serve.stream_write_timeout_s without a byte taken, or past serve.max_unread_mb of its output unread, its
+    requests are aborted and their blocks freed while it is still connected; a bystander is served meanwhile."""
+    engine = make_engine(tiny, sampling=SamplingParams(), max_num_seqs=32)
+    srv = start_server(engine, None, **{"stream_write_timeout_s": 3600.0, **knobs})
+    sock = _stalled_stream(srv.url, LONG_STREAM)
+    try:
+        deadline = time.monotonic() + 120
+        while srv.loop.stats.output_tokens == 0:  # it started
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        while srv.loop.open_requests:
+            assert time.monotonic() < deadline, "the stalled stream's requests were never aborted"
+            time.sleep(0.1)
+        generated = srv.loop.stats.output_tokens
+        assert generated < 16 * 1500, generated  # aborted before it ran to its end
+        assert srv.loop.stats.finished.get("abort") == 16
+        assert engine.block_manager.num_used_blocks == 0
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "bystander", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200
+        assert httpx.get(srv.url + "/health").status_code == 200
+    finally:
+        sock.close()
+        srv.stop()

@@ -24,11 +24,10 @@ from typing import Any, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from fastapi.sse import EventSourceResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
-from toolkit.serve.job import Job
+from toolkit.serve.job import Job, TimedEventStream
 from toolkit.serve.loop import EngineLoop
 from toolkit.serve.metrics import ServerMetrics
 from toolkit.serve.protocol import (
@@ -138,7 +137,7 @@ class Api:
             return exc.response()
         self.metrics.http.labels(route, "200").inc()
         if req.stream:
-            return EventSourceResponse(job.stream())
+            return TimedEventStream(job.stream(), self.limits.stream_write_timeout_s)
         return await job.complete(request)
 
     def _check_model(self, req: SamplingFields) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 import uuid
 from collections import deque
@@ -13,7 +14,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from fastapi.sse import format_sse_event
+from fastapi.sse import EventSourceResponse, format_sse_event
 
 from toolkit.engine.outputs import TextDelta
 from toolkit.errors import RequestError, ToolkitError, one_line
@@ -46,42 +47,84 @@ class JobHost(Protocol):
     tokenizer: Any
 
 
-class Mailbox:
-    """A request's updates from the engine thread, bounded: past `limit` unread updates a new one is merged into
-    the last (its text and rows appended), so a slow reader costs the text and rows it has not read yet, never a
-    queue of every step."""
+ROW_BYTES = 512  # what one unread trace row counts for against serve.max_unread_mb (its top logprobs with it)
 
-    def __init__(self, limit: int = 64):
-        self.limit = limit
+
+class Mailbox:
+    """A request's updates from the engine thread, bounded twice. At `limit` unread updates the next ones wait in
+    a tail that becomes one update when it is read (each sample's text joined once): a slow reader costs what it
+    has not read, never a queue of every step nor a copy of its text per step. Past `max_bytes` unread (text, and
+    ROW_BYTES a trace row) the request is given up: `on_overflow` is called once (the job aborts its engine
+    requests), what was unread is dropped, and every read from then on is that error."""
+
+    def __init__(self, limit: int = 64, max_bytes: int = 4 * 2**20, on_overflow: Callable[[], None] | None = None):
+        self.limit, self.max_bytes, self.on_overflow = limit, max_bytes, on_overflow
         self._items: deque[Update] = deque()
+        self._tail: list[Update] = []
+        self._bytes = 0
+        self._overflow: Update | None = None
         self._ready = asyncio.Event()
 
     def put(self, update: Update) -> None:  # on the event loop's thread
-        last = self._items[-1] if self._items else None
-        if len(self._items) >= self.limit and last.output is None and last.error is None:
-            self._items[-1] = _merge(last, update)
+        if self._overflow is not None:
+            return
+        self._bytes += _size(update)
+        if self._bytes > self.max_bytes:
+            self._items.clear()
+            self._tail.clear()
+            self._overflow = Update(update.request_id, error=f"the client read too slowly: more than "
+                                    f"{self.max_bytes} bytes of this request's output were unread "
+                                    f"(serve.max_unread_mb); the request was aborted")
+            if self.on_overflow is not None:
+                self.on_overflow()
+        elif self._tail or len(self._items) + 1 >= self.limit:
+            self._tail.append(update)
         else:
             self._items.append(update)
         self._ready.set()
 
     async def get(self) -> Update:
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        return self._items.popleft()
+        while True:
+            if self._overflow is not None:
+                return self._overflow
+            if self._items:
+                update = self._items.popleft()
+            elif self._tail:
+                update, self._tail = _merge(self._tail), []
+            else:
+                self._ready.clear()
+                await self._ready.wait()
+                continue
+            self._bytes -= _size(update)
+            return update
 
     def __len__(self) -> int:
-        return len(self._items)
+        """The updates a reader would get now (the tail is one)."""
+        return len(self._items) + bool(self._tail)
+
+    @property
+    def unread_bytes(self) -> int:
+        return self._bytes
 
 
-def _merge(a: Update, b: Update) -> Update:
-    """One update that says what `a` then `b` said: a sequence's deltas joined into one."""
-    deltas: dict[int, TextDelta] = {}
-    for d in a.deltas + b.deltas:
-        seen = deltas.get(d.index)
-        deltas[d.index] = d if seen is None else replace(d, text=seen.text + d.text,
-                                                         token_ids=seen.token_ids + d.token_ids)
-    return Update(a.request_id, tuple(deltas.values()), a.samples + b.samples, b.output, b.error)
+def _size(update: Update) -> int:
+    return sum(len(d.text) for d in update.deltas) + ROW_BYTES * len(update.samples)
+
+
+def _merge(updates: list[Update]) -> Update:
+    """One update that says what `updates` said in turn: each sample's deltas joined into one."""
+    texts: dict[int, list[str]] = {}
+    tokens: dict[int, list[int]] = {}
+    last: dict[int, TextDelta] = {}
+    for update in updates:
+        for d in update.deltas:
+            texts.setdefault(d.index, []).append(d.text)
+            tokens.setdefault(d.index, []).extend(d.token_ids)
+            last[d.index] = d
+    deltas = tuple(replace(d, text="".join(texts[i]), token_ids=tuple(tokens[i])) for i, d in last.items())
+    samples = tuple(s for update in updates for s in update.samples)
+    final = updates[-1]
+    return Update(final.request_id, deltas, samples, final.output, final.error)
 
 
 class Job:
@@ -96,7 +139,7 @@ class Job:
         self.created = int(time.time())
         self.request_ids: list[str] = []
         self.body_sha256 = body_sha256(body)
-        self.queue = Mailbox()
+        self.queue = Mailbox(max_bytes=int(api.limits.max_unread_mb * 2**20), on_overflow=self.abort)
         self.outputs: dict[str, Any] = {}
         self.samples: dict[tuple[str, int], list] = {}  # (request id, sample index) -> trace rows, in order
         self.prompt_logprobs: list[list | None] = []
@@ -367,6 +410,28 @@ class Job:
         if usage is not None:
             chunk["usage"] = usage
         return format_sse_event(data_str=json.dumps(chunk))
+
+
+class TimedEventStream(EventSourceResponse):
+    """An SSE response whose every write must finish within `write_timeout_s`: a client that takes no bytes for
+    that long (its socket's buffers full) has its stream closed (the generator's `finally` aborts its requests and
+    frees their blocks) and its connection dropped, instead of holding both for as long as it stays connected."""
+
+    def __init__(self, content: AsyncIterator[bytes], write_timeout_s: float):
+        super().__init__(content)
+        self.write_timeout_s = write_timeout_s
+
+    async def stream_response(self, send) -> None:
+        async def timed(message) -> None:
+            async with asyncio.timeout(self.write_timeout_s):
+                await send(message)
+
+        try:
+            await super().stream_response(timed)
+        except TimeoutError:
+            print(f"serve: a stream's client took no bytes for {self.write_timeout_s:g} s "
+                  f"(serve.stream_write_timeout_s): aborted, connection closed", file=sys.stderr, flush=True)
+            await self.body_iterator.aclose()
 
 
 def _prompt_text(tokenizer, prompt: dict[str, Any]) -> str:

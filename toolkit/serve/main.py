@@ -66,7 +66,8 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
                  "timeout_keep_alive"):
         if not (isinstance(section[name], int) and not isinstance(section[name], bool) and section[name] >= 1):
             raise ConfigError(f"serve.{name} must be a positive integer, got {section[name]!r}")
-    for name, nullable in (("max_body_mb", False), ("grammar_timeout_s", False), ("max_trace_gb", True)):
+    for name, nullable in (("max_body_mb", False), ("grammar_timeout_s", False), ("max_unread_mb", False),
+                           ("stream_write_timeout_s", False), ("max_trace_gb", True)):
         value = section[name]
         if not ((nullable and value is None)
                 or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)):
