@@ -93,6 +93,36 @@ def test_a_grammar_past_its_time_limit_is_a_400(tiny):
         srv.stop()
 
 
+def test_compiles_that_outlive_their_time_limit_hold_their_own_threads_and_a_bound(tiny):
+    """A compile past serve.grammar_timeout_s goes on (xgrammar's cannot be interrupted) on the compiler's own
+    threads: while it does, a new grammar past serve.max_compiling is a 503 + Retry-After naming the knob, and a
+    request without a grammar is served at once; once it ends, grammars are taken again."""
+    srv = start_server(make_engine(tiny, sampling=SamplingParams()), None, grammar_timeout_s=0.001,
+                       max_compiling=1)
+    wide = {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(3000)},
+            "required": [f"k{i}" for i in range(3000)]}
+
+    def chat(schema: dict) -> httpx.Response:
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}
+        return httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
+
+    try:
+        refused(chat(wide), 400, "response_format")  # timed out; its compile goes on (about a second)
+        assert srv.uvicorn.config.app.state.compiler.compiling == 1
+        r = chat(nested_schema(2))
+        assert "serve.max_compiling=1" in refused(r, 503, None)["message"] and int(r.headers["retry-after"]) >= 1
+        assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "plain", "max_tokens": 2},
+                          timeout=60).status_code == 200
+        deadline = time.monotonic() + 120
+        while srv.uvicorn.config.app.state.compiler.compiling:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        refused(chat(nested_schema(2)), 400, "response_format")  # taken again (and timed out at 1 ms)
+    finally:
+        srv.stop()
+
+
 def test_a_full_server_refuses_before_it_compiles_a_grammar(tiny):
     """With one request running and one waiting (serve.max_waiting=1), a request with a new schema is a 503 +
     Retry-After, and its grammar was never compiled (the admission check comes before any work)."""

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
-from toolkit.serve.job import Job, TimedEventStream
+from toolkit.serve.job import GrammarCompiler, Job, TimedEventStream
 from toolkit.serve.loop import EngineLoop
 from toolkit.serve.metrics import ServerMetrics
 from toolkit.serve.protocol import (
@@ -44,15 +44,18 @@ from toolkit.serve.protocol import (
 class Api:
     def __init__(self, loop: EngineLoop, served: ServedModel, metrics: ServerMetrics,
                  on_shutdown: Callable[[], None] | None = None, *, limits: Limits = Limits(),
-                 api_keys: Sequence[str] = (), metrics_public: bool = True):
+                 api_keys: Sequence[str] = (), metrics_public: bool = True, max_compiling: int = 8):
         """`api_keys`: when any, every /v1 route (and /metrics unless `metrics_public`) needs
-        `Authorization: Bearer <one of them>`."""
+        `Authorization: Bearer <one of them>`. `max_compiling`: grammars compiling or queued at once, past which
+        a request with a new one gets 503 (GrammarCompiler)."""
         self.loop, self.served, self.metrics, self.limits = loop, served, metrics, limits
+        self.compiler = GrammarCompiler(loop.engine.intake.precompile, max_compiling)
         self.api_keys = tuple(k.encode() for k in api_keys)
         self.metrics_public = metrics_public
         self.tokenizer = loop.engine.tokenizer
         self.app = FastAPI(title="toolkit", lifespan=self._lifespan(on_shutdown))
         app = self.app
+        app.state.compiler = self.compiler  # what /metrics-like checks read of it (tests)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.render_metrics, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
@@ -65,6 +68,7 @@ class Api:
         @asynccontextmanager
         async def lifespan(app):
             yield
+            self.compiler.close()
             if on_shutdown is not None:
                 await asyncio.get_running_loop().run_in_executor(None, on_shutdown)
 

@@ -9,6 +9,7 @@ import sys
 import time
 import uuid
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, AsyncIterator, Callable, Protocol
 
@@ -38,6 +39,39 @@ def unavailable(exc: Unavailable) -> ApiError:
     return ApiError(exc.status, str(exc), None, exc.code, exc.code, {"Retry-After": str(exc.retry_after_s)})
 
 
+class GrammarCompiler:
+    """Compiles requests' grammars (Intake.precompile) on `workers` threads of its own, never the event loop's
+    default pool: a compile past serve.grammar_timeout_s cannot be interrupted (xgrammar's) and goes on, so
+    compiles hold at most these threads and every other handler's work (echo scoring) keeps its own. Past
+    `max_compiling` compiles running or queued at once (timed-out ones still running among them), a request with
+    a grammar gets 503 + Retry-After; a request without one never waits here."""
+
+    def __init__(self, precompile: Callable[[Any], None], max_compiling: int, workers: int = 2):
+        self.precompile, self.max_compiling = precompile, max_compiling
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="grammar")
+        self.compiling = 0  # on the event loop's thread only
+
+    async def compile(self, sampling: dict[str, Any], timeout_s: float) -> None:
+        if sampling.get("structured_outputs") is None:
+            self.precompile(sampling)  # a check of the sampling fields: nothing to compile
+            return
+        if self.compiling >= self.max_compiling:
+            raise Unavailable(f"the server is compiling {self.compiling} grammars (serve.max_compiling="
+                              f"{self.max_compiling}); retry later")
+        self.compiling += 1
+        future = asyncio.get_running_loop().run_in_executor(self._pool, self.precompile, sampling)
+        future.add_done_callback(self._done)  # when the compile ends, not when its request stops waiting
+        await asyncio.wait_for(asyncio.shield(future), timeout_s)
+
+    def _done(self, future: asyncio.Future) -> None:
+        self.compiling -= 1
+        if not future.cancelled():
+            future.exception()  # read: a timed-out compile's error is its request's no longer
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 class JobHost(Protocol):
     """What a Job reads of the API that made it (toolkit.serve.api.Api is one)."""
 
@@ -45,6 +79,7 @@ class JobHost(Protocol):
     served: ServedModel
     limits: Limits
     tokenizer: Any
+    compiler: GrammarCompiler
 
 
 ROW_BYTES = 512  # what one unread trace row counts for against serve.max_unread_mb (its top logprobs with it)
@@ -181,11 +216,13 @@ class Job:
             raise unavailable(exc) from None
         timeout = self.api.limits.grammar_timeout_s
         try:
-            await asyncio.wait_for(asyncio.to_thread(self.api.loop.engine.intake.precompile, self.sampling), timeout)
+            await self.api.compiler.compile(self.sampling, timeout)
             scores = await asyncio.to_thread(self._prepare)
         except TimeoutError:  # the compile goes on on its thread (bounded by the schema's limits) and is cached
             raise ApiError(400, f"response_format: compiling its grammar took longer than this server allows "
                                 f"(serve.grammar_timeout_s={timeout:g})", "response_format") from None
+        except Unavailable as exc:
+            raise unavailable(exc) from None
         except ToolkitError as exc:
             raise request_error(exc, self.req) from None
         except Exception as exc:  # noqa: BLE001 - an unexpected failure is this request's 500, one line

@@ -45,7 +45,7 @@ class Server:
 SERVE_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "served_model_name": None, "log_level": "warning",
                   "flush_every_steps": 8, "timeout_graceful_shutdown": 2, "max_waiting": 256, "api_key": None,
                   "metrics_public": True, "record_body": "full", "limit_concurrency": 1024, "timeout_keep_alive": 5,
-                  "max_trace_gb": None,
+                  "max_trace_gb": None, "max_compiling": 8,
                   **dataclasses.asdict(Limits())}
 
 
@@ -63,7 +63,7 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"serve.port must be an integer in [0, 65535], got {port!r}")
     for name in ("max_waiting", "max_prompts", "max_stop", "max_stop_chars", "max_bad_words", "max_logit_bias",
                  "max_user_chars", "max_metadata", "max_schema_depth", "max_schema_nodes", "limit_concurrency",
-                 "timeout_keep_alive"):
+                 "timeout_keep_alive", "max_compiling"):
         if not (isinstance(section[name], int) and not isinstance(section[name], bool) and section[name] >= 1):
             raise ConfigError(f"serve.{name} must be a positive integer, got {section[name]!r}")
     for name, nullable in (("max_body_mb", False), ("grammar_timeout_s", False), ("max_unread_mb", False),
@@ -100,7 +100,7 @@ def build(engine: Engine, run_dir: Path | None, cfg: Mapping[str, Any] | None, s
     metrics_box["m"] = metrics = ServerMetrics(loop, name)
     limits = Limits(**{f.name: section[f.name] for f in dataclasses.fields(Limits)})
     api = Api(loop, served, metrics, on_shutdown=loop.stop, limits=limits, api_keys=section["api_key"],
-              metrics_public=bool(section["metrics_public"]))
+              metrics_public=bool(section["metrics_public"]), max_compiling=section["max_compiling"])
     if not section["api_key"] and not _loopback(section["host"]):
         print(f"warning: serving on {section['host']} without an API key: anyone who can reach this port can use "
               f"it (set serve.api_key or TOOLKIT_API_KEY)", file=sys.stderr, flush=True)
