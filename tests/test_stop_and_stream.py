@@ -59,6 +59,46 @@ def test_streamed_text_never_shows_a_stop_prefix_that_later_completes(tiny):
     assert held_back("abc", [stop]) == 0
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text("ab", min_size=1, max_size=7), min_size=1, max_size=4),
+       st.lists(st.text("abc", max_size=6), max_size=30))
+def test_the_incremental_prefix_matcher_holds_back_what_the_quadratic_scan_does(stops, chunks):
+    """The held-back length carried from token to token (PrefixMatcher, KMP) equals held_back's scan of the whole
+    text after every chunk, over a two-letter alphabet where prefixes overlap the most."""
+    from toolkit.sampling.stop import PrefixMatcher
+
+    matcher, text = PrefixMatcher(stops), ""
+    for chunk in chunks:
+        matcher.feed(chunk)
+        text += chunk
+        assert matcher.held() == held_back(text, stops), (text, stops)
+
+
+def test_holding_back_a_long_stop_string_costs_no_more_per_token_as_the_text_grows(tiny):
+    """One stop string at the server's bound (4,096 characters) that the text keeps almost matching: the held-back
+    work per update reads the new characters only (counted: the matcher's characters fed equal the text's)."""
+    from toolkit.sampling.stop import PrefixMatcher
+
+    stop = "e" * 4095 + "Z"
+    fed = []
+    original = PrefixMatcher.feed
+
+    def counting(self, text):
+        fed.append(len(text))
+        return original(self, text)
+
+    PrefixMatcher.feed = counting
+    try:
+        state, ids = StopState(), tiny.tokenizer.encode("e" * 3000 + " fin!", add_special_tokens=False)
+        for n in range(1, len(ids) + 1):
+            update_text(tiny.tokenizer.decode, ids[:n], [stop], state, check_stops=True, include_stop=False,
+                        final=False)
+    finally:
+        PrefixMatcher.feed = original
+    assert sum(fed) == len(state.text.rstrip(REPLACEMENT))  # each character read once
+    assert state.emitted == len(state.text) and state.text.endswith(" fin!")  # nothing held back at the end
+
+
 def test_engine_stop_string_and_stream_deltas(tiny):
     engine = make_engine(tiny)
     base = engine.generate([{"prompt_token_ids": [10, 20, 30], "sampling_params": GREEDY}])[0]

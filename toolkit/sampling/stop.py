@@ -32,6 +32,8 @@ class StopState:
     pieces: list[str] = field(default_factory=list)  # the confirmed text, decode(ids[:read_offset]), in pieces
     confirmed: int = 0  # its length in characters
     pending: str = ""  # the text of ids[read_offset:] so far (it may end in an incomplete character)
+    prefixes: "PrefixMatcher | None" = None  # how much of each stop string the text ends with (held_back)
+    fed: int = 0  # characters of the text the prefix matcher has read
 
     @property
     def length(self) -> int:
@@ -67,6 +69,18 @@ class StopState:
         else:
             self.pending = new
 
+    def held_back(self, stops: Sequence[str], upto: int) -> int:
+        """held_back(text[:upto], stops), reading only the text after the last call: each stop string's
+        matched-prefix length is carried from one call to the next (Knuth-Morris-Pratt), so a token costs the
+        characters it adds times the stop strings, never the longest stop string's length. `upto` (the text
+        that is final: no trailing incomplete character) never decreases between calls."""
+        if self.prefixes is None:
+            self.prefixes = PrefixMatcher(stops)
+        if upto > self.fed:
+            self.prefixes.feed(self.tail(self.fed)[:upto - self.fed])
+            self.fed = upto
+        return self.prefixes.held()
+
     def truncate(self, length: int) -> None:
         """Keep text[:length] (a stop string matched); the state then holds final text only."""
         self.pieces, self.pending = [self.tail(0)[:length]], ""
@@ -77,6 +91,48 @@ class StopState:
 class TextUpdate:
     delta: str  # new text that is safe to show
     stop_string: str | None  # the stop string that completed, if any
+
+
+class PrefixMatcher:
+    """For each stop string, the longest prefix of it that the text read so far ends with: Knuth-Morris-Pratt's
+    automaton, one per stop string (amortised O(1) a character each). The stop strings' matches themselves are
+    found with str.find over the tail that can still hold one (update_text); what this adds is the state a
+    library matcher does not expose (pyahocorasick's iterator keeps its automaton state to itself), so that the
+    held-back length no longer costs the longest stop string's length squared each token."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.fail = [_prefix_function(s) for s in self.stops]
+        self.matched = [0] * len(self.stops)
+
+    def feed(self, text: str) -> None:
+        for j, s in enumerate(self.stops):
+            fail, k, n = self.fail[j], self.matched[j], len(s)
+            for c in text:
+                if k == n:
+                    k = fail[k - 1]
+                while k and s[k] != c:
+                    k = fail[k - 1]
+                if s[k] == c:
+                    k += 1
+            self.matched[j] = k
+
+    def held(self) -> int:
+        """held_back's answer: the longest suffix of the text read that is a proper prefix of a stop string."""
+        return max((k if k < len(s) else self.fail[j][k - 1] for j, (s, k) in enumerate(zip(self.stops, self.matched))),
+                   default=0)
+
+
+def _prefix_function(s: str) -> list[int]:
+    """fail[i]: the length of the longest proper prefix of s[:i + 1] that is also its suffix."""
+    fail, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail
 
 
 def held_back(text: str, stops: Sequence[str]) -> int:
@@ -116,7 +172,7 @@ def update_text(decode: Callable[[Sequence[int]], str], ids: Sequence[int], stop
         while stable > origin and window[stable - origin - 1] == REPLACEMENT:  # an incomplete character
             stable -= 1
         if check_stops and stops and stable > origin:
-            stable -= held_back(window[:stable - origin], stops)
+            stable -= state.held_back(stops, stable)
     if final:
         state.scanned = length
     else:
