@@ -9,6 +9,7 @@ dropped, full blocks published to the prefix cache.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -160,6 +161,20 @@ class Committer:
         seq.finish_time = now
         self.last_finish_time = now
         self.scheduler.finish(seq)
+
+    def fail_requests(self, failed: Mapping[str, str], committed: Committed, requests: Mapping[str, Request],
+                      groups: Mapping[str, list[str]]) -> Committed:
+        """End every sequence of the `failed` requests (request id -> why; toolkit.engine.isolate found them)
+        after the step's commit: their deltas, finished ids and reasons join the step's."""
+        deltas, finished = [], []
+        for request_id, message in failed.items():
+            print(f"engine: request {request_id}: {message}", file=sys.stderr, flush=True)
+            for seq_id in groups[request_id]:
+                if not requests[seq_id].is_finished:
+                    deltas.append(self.fail(requests[seq_id], message))
+                    finished.append(seq_id)
+        return Committed(committed.traces, committed.deltas + tuple(deltas), committed.finished + tuple(finished),
+                         committed.failed + tuple(failed.items()))
 
     def fail(self, seq: Request, message: str) -> TextDelta:
         """End a sequence whose step raised an exception for it alone (finish_reason "error", `message` its

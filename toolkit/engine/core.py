@@ -27,7 +27,6 @@ One owner per piece of a sequence's state (toolkit.engine.request.Request); noth
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
@@ -45,6 +44,7 @@ from toolkit.engine.backends import (
 from toolkit.engine.commit import Committed, Committer
 from toolkit.engine.decide import Decider, Decision
 from toolkit.engine.intake import RequestIntake, derive_seed
+from toolkit.engine.isolate import find_culprits, without
 from toolkit.engine.outputs import (
     CompletionOutput,
     RequestMetrics,
@@ -56,9 +56,9 @@ from toolkit.engine.outputs import (
 )
 from toolkit.engine.request import Request, RequestStatus
 from toolkit.engine.runner import ModelOutput, ModelRunner
-from toolkit.engine.scheduler import ScheduledBatch, ScheduledChunk, Scheduler
+from toolkit.engine.scheduler import ScheduledBatch, Scheduler
 from toolkit.engine.speculative import DraftContext, Proposal, Speculator
-from toolkit.errors import ConfigError, RequestError, one_line
+from toolkit.errors import ConfigError, RequestError
 from toolkit.kv import BlockManager, PagedKVCache
 from toolkit.models import LoadedModel, load_model
 from toolkit.native.sha import ShaJob
@@ -199,16 +199,11 @@ class Engine:
         except _CommitFailed as exc:  # sequences changed: nothing to retry
             raise exc.__cause__ from None
         except Exception as exc:  # noqa: BLE001 - a request that fails alone fails alone; the step goes on
-            failed = self._isolate(batch, proposals, exc)
-            kept = tuple(c for c in batch.chunks if self.requests[c.seq_id].request_id not in failed)
-            batch = dataclasses.replace(batch, chunks=kept, num_decode_tokens=sum(
-                c.num_tokens for c in kept if self.requests[c.seq_id].status is RequestStatus.DECODING),
-                num_prefill_tokens=sum(c.num_tokens for c in kept
-                                       if self.requests[c.seq_id].status is not RequestStatus.DECODING))
-            proposals = {k: p for k, p in proposals.items() if k in {c.seq_id for c in kept}}
+            failed = find_culprits(batch, exc, self._probe(proposals), lambda c: self.requests[c.seq_id].request_id)
+            batch, proposals = without(batch, proposals, failed, self.requests)
             out = self.runner.run(batch, move_blocks=False)
             decision, committed, digests = self._decide_and_commit(batch, out, proposals, trace_digests)
-            committed = self._fail(failed, committed)
+            committed = self.committer.fail_requests(failed, committed, self.requests, self.groups)
         self.step_index = step + 1
         return self._step_output(batch, committed, decision.logits_RV, out.forward_s,
                                  self.runner.num_forwards - forwards, digests)
@@ -267,60 +262,15 @@ class Engine:
         return dataclasses.replace(batch, chunks=chunks, num_decode_tokens=batch.num_decode_tokens - sum(
             c.draft_slots for c in batch.chunks) + proposed), proposals
 
-    def _isolate(self, batch: ScheduledBatch, proposals: Mapping[str, Proposal], exc: Exception) -> dict[str, str]:
-        """The step's forward or decision raised `exc` (nothing was committed): find the requests that fail
-        alone, by bisection over the batch's requests, each part run through the forward and the decider again
-        (nothing committed, no copy job repeated): request id -> why it fails. The step then goes on without
-        them, the others' chunks in one forward as if those requests had never been in it (their bits, in
-        batch-invariant mode, are those of a run without them). Raises `exc` where no request fails alone (a
-        fault of the step, not of a request), where every request does (the engine, not a request), or past
-        4 probes per doubling of the batch (several culprits: the step is not worth saving)."""
-        units: dict[str, list[ScheduledChunk]] = {}
-        for chunk in batch.chunks:
-            units.setdefault(self.requests[chunk.seq_id].request_id, []).append(chunk)
-        ids, why = list(units), {}
-        budget = [4 * len(ids).bit_length() + 4]
+    def _probe(self, proposals: Mapping[str, Proposal]) -> Callable[[ScheduledBatch], None]:
+        """A part of a failed step's batch through the forward and the decider again (nothing committed, no block
+        copied again): what find_culprits runs."""
+        def probe(part: ScheduledBatch) -> None:
+            out = self.runner.run(part, move_blocks=False)
+            ids = {c.seq_id for c in part.chunks}
+            self.decider.decide(out, {k: p for k, p in proposals.items() if k in ids}, self.requests)
 
-        def fails(part: list[str]) -> bool:
-            budget[0] -= 1
-            if budget[0] < 0:
-                raise exc
-            chunks = tuple(c for r in part for c in units[r])
-            seq_ids = {c.seq_id for c in chunks}
-            try:
-                out = self.runner.run(dataclasses.replace(batch, chunks=chunks), move_blocks=False)
-                self.decider.decide(out, {k: p for k, p in proposals.items() if k in seq_ids}, self.requests)
-            except Exception as alone:  # noqa: BLE001 - what this part raises, for its culprit's answer
-                if len(part) == 1:
-                    why[part[0]] = f"the engine failed while stepping this request: {one_line(alone)}"
-                return True
-            return False
-
-        def search(part: list[str], failing: bool = False) -> list[str]:
-            if not (failing or fails(part)):
-                return []
-            if len(part) == 1:
-                return part
-            half = len(part) // 2
-            return search(part[:half]) + search(part[half:])
-
-        culprits = search(ids, failing=True) if len(ids) > 1 else []
-        if not culprits or len(culprits) == len(ids):
-            raise exc
-        return {r: why[r] for r in culprits}
-
-    def _fail(self, failed: Mapping[str, str], committed: Committed) -> Committed:
-        """End every sequence of the requests `_isolate` found (finish_reason "error"), after the step's commit."""
-        deltas, finished = [], []
-        for request_id, message in failed.items():
-            print(f"engine: request {request_id}: {message}", file=sys.stderr, flush=True)
-            for seq_id in self.groups[request_id]:
-                seq = self.requests[seq_id]
-                if not seq.is_finished:
-                    deltas.append(self.committer.fail(seq, message))
-                    finished.append(seq_id)
-        return Committed(committed.traces, committed.deltas + tuple(deltas), committed.finished + tuple(finished),
-                         committed.failed + tuple(failed.items()))
+        return probe
 
     def _decide_and_commit(self, batch: ScheduledBatch, out: ModelOutput, proposals: Mapping[str, Proposal],
                            digests: bool) -> tuple[Decision, Committed, RowDigests | None]:
