@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-older-cpus test-fallback bench soak serve docs setup clean-venv llama-server one-stream
+.PHONY: run lint test test-older-cpus test-fallback bench soak serve docs setup clean-venv llama-server one-stream
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,18 +64,23 @@ run: $(STAMP)
 # the suite, then its numerics-sensitive tests (marker `numerics`) again as an older CPU runs them: the kernels
 # built for an older target, and the torch fallback held to an older instruction set (.ci/older_cpus.py)
 test: $(STAMP) $(LLAMA)
+	$(VENV)/bin/ruff check .
 	bash .ci/toolchains
 	$(PY) -m pytest -q --durations=15 $(ARGS)
 	$(PY) .ci/older_cpus.py $(ARGS)
 
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
 test-older-cpus: $(STAMP)
 	$(PY) .ci/older_cpus.py $(ARGS)
 
-# the whole suite again on torch's code (TOOLKIT_NATIVE=0, the native kernels switched off): tests of the
-# kernels themselves, or of modes only they give, skip with the reason printed; the numerics tests ran on the
-# fallback already, in make test's older-CPU rerun (.ci/older_cpus.py: torch held to an older instruction set)
+# the tests whose code path TOOLKIT_NATIVE=0 changes (marked `native`: tests/conftest.py fails an unmarked one
+# that asks toolkit.native) again on torch's code, the native kernels switched off: tests of the kernels
+# themselves, or of modes only they give, skip with the reason printed; the numerics tests ran on the fallback
+# already, in make test's older-CPU rerun (.ci/older_cpus.py: torch held to an older instruction set)
 test-fallback: $(STAMP)
-	TOOLKIT_NATIVE=0 $(PY) -m pytest -q -m "not numerics" $(ARGS)
+	TOOLKIT_NATIVE=0 $(PY) -m pytest -q -m "native and not numerics" $(ARGS)
 
 bench: $(STAMP)
 	$(PY) run.py mode=bench $(ARGS)

@@ -58,6 +58,45 @@ BATCH_INVARIANT_OVERRIDE = f"engine.batch_invariant={str(not NATIVE_OFF).lower()
 ATTENTION_BACKENDS = ("sdpa",) if NATIVE_OFF else ("kernel", "sdpa")
 
 
+_ASKING_FIXTURES: set[int] = set()  # the FixtureDefs whose setup asked toolkit.native (a module's engine, ...)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    before = library.consulted()
+    try:
+        return (yield)
+    finally:
+        if library.consulted() > before:
+            _ASKING_FIXTURES.add(id(fixturedef))
+
+
+@pytest.fixture(autouse=True)
+def _native_marker_is_honest(request, tmp_path_factory):
+    """`make test-fallback` reruns only the tests marked `native`: those whose code path TOOLKIT_NATIVE=0 changes.
+    A test is one of them when it, a fixture it uses (the engine a module shares, set up once) or a child
+    process it starts asks toolkit.native whether the kernels are switched off, which every choice between a
+    kernel and torch's fallback does. Unmarked, such a test fails
+    here (with the switch on), so no test that the fallback changes can be left out of the fallback run.
+    TOOLKIT_NATIVE_REPORT=<file>: write each test's answer there instead (to mark a new test file)."""
+    probe = tmp_path_factory.getbasetemp() / f"native-probe-{os.getpid()}"
+    probe.unlink(missing_ok=True)
+    os.environ["TOOLKIT_NATIVE_PROBE"] = str(probe)
+    before = library.consulted()
+    yield
+    os.environ.pop("TOOLKIT_NATIVE_PROBE", None)
+    fixtures = [d for defs in request.node._fixtureinfo.name2fixturedefs.values() for d in defs]
+    took = library.consulted() > before or probe.exists() or any(id(d) in _ASKING_FIXTURES for d in fixtures)
+    report = os.environ.get("TOOLKIT_NATIVE_REPORT")
+    if report:
+        with open(report, "a") as f:
+            f.write(f"{int(took)} {request.node.nodeid}\n")
+    elif took and not NATIVE_OFF and request.node.get_closest_marker("native") is None:
+        pytest.fail(f"{request.node.nodeid} takes a path that TOOLKIT_NATIVE=0 changes (it asked toolkit.native) "
+                    f"but is not marked `native`, so make test-fallback would leave it out: add "
+                    f"@pytest.mark.native (or the module's pytestmark)", pytrace=False)
+
+
 def make_engine(loaded, **engine_kwargs) -> Engine:
     sampling = engine_kwargs.pop("sampling", SamplingParams(temperature=0.0))
     return Engine(loaded, EngineConfig(**engine_kwargs), sampling)

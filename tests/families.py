@@ -24,7 +24,7 @@ CONFIGS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def checkpoint_dir(family: str) -> Path:
     """HF's own random init, rescaled so logits span a few units (no greedy near-ties), saved once."""
     import transformers

@@ -13,7 +13,7 @@ from toolkit.models.decoder import rope_tables, rotate_half
 from toolkit.native.ops import add_rms_norm_cpu, paged_attention_cpu, rope_cpu, silu_mul_cpu
 from toolkit.sampling.params import SamplingParams
 
-pytestmark = native_only  # the default build's kernels; every build's: tests/test_kernels_portable.py
+pytestmark = [pytest.mark.native, native_only]
 
 
 def dense_reference(q_NHD, k_cache, v_cache, tables, query_table, query_ctx, scale):

@@ -287,6 +287,7 @@ def test_converted_trace_verifies_with_mode_verify(hf_tiny, tmp_path):
 
 # ---------------------------------------------------------------------------------------- real engines, SmolLM2
 
+@pytest.mark.native
 @pytest.mark.slow
 def test_our_server_verifies_within_fp32_tolerance(smollm2, tmp_path):
     from toolkit.config import EngineConfig
@@ -339,6 +340,7 @@ def test_llama_cpp_error_is_bounded_and_its_departures_are_near_ties(smollm2, tm
             assert r["first_departure_margin"] <= 2 * r["max_abs_error"], r
 
 
+@pytest.mark.native
 def test_streamed_responses_audit_like_whole_ones(tiny, tmp_path):
     """Our server streamed through the openai client: the chunks, kept as a list, read as one response."""
     import openai

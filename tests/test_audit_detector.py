@@ -141,6 +141,7 @@ def _claims_from(path: Path, tiny, reference: str, out: Path) -> Path:
     return out
 
 
+@pytest.mark.native
 def test_the_transcript_s_format_is_named_on_the_tiny_model(hf_tiny, tiny, tmp_path):
     detector = detector_config({"detector": {"alternatives": ["bfloat16", "float16"]}})
     scales = detector_scales(tiny, detector)  # this model's widths: HF's forward in each format against ours
@@ -160,6 +161,7 @@ def test_the_transcript_s_format_is_named_on_the_tiny_model(hf_tiny, tiny, tmp_p
         assert "better explained by " + name in answers[name]["verdict"]
 
 
+@pytest.mark.native
 def test_cli_writes_the_detector_and_refuses_a_bad_one(hf_tiny, tmp_path):
     def run(out, *args):
         return subprocess.run([sys.executable, str(ROOT / "run.py"), "mode=audit", "model=tiny",
@@ -181,6 +183,7 @@ def test_cli_writes_the_detector_and_refuses_a_bad_one(hf_tiny, tmp_path):
     assert detector_config({"detector": {"alternatives": []}}) is None
 
 
+@pytest.mark.native
 @once
 def test_engine_mismatch_tabulates_detection_per_source_and_window(tmp_path):
     out = tmp_path / "run"

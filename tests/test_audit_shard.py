@@ -83,6 +83,7 @@ def many(tiny, tmp_path_factory):
     return path
 
 
+@pytest.mark.native
 @once
 def test_a_ray_sharded_audit_equals_the_local_one(many, tmp_path):
     if RAY_MISSING:
@@ -105,6 +106,7 @@ def test_a_ray_sharded_audit_equals_the_local_one(many, tmp_path):
         assert a == b and len(a) >= 200, name
 
 
+@pytest.mark.native
 @once
 def test_a_ray_sharded_verify_equals_the_local_one(tmp_path):
     if RAY_MISSING:
@@ -124,6 +126,7 @@ def test_a_ray_sharded_verify_equals_the_local_one(tmp_path):
     assert _table(tmp_path / "local" / "verify.parquet") == _table(tmp_path / "ray" / "verify.parquet")
 
 
+@pytest.mark.native
 def test_packed_recomputation_gives_each_request_the_bits_it_gets_alone(tiny, many):
     from toolkit.audit.checks import audit_transcripts
     from toolkit.audit.references import EngineForward
@@ -192,6 +195,7 @@ def test_a_pack_reads_a_shared_block_only_where_it_holds_the_same_tokens_at_the_
             - (prompts - 1) * system * bs
 
 
+@pytest.mark.native
 @native_only  # sharing is the kernel path's: without the kernels each sequence runs alone on sdpa
 def test_prompt_blocks_shared_in_a_pack_give_each_sequence_the_bits_it_gets_alone(tiny):
     from toolkit.engine.runner import recompute_logits, recompute_many

@@ -12,14 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import make_engine, native_only
-
-pytestmark = native_only
 from toolkit import replay, verify
 from toolkit.config import EngineConfig, SpeculativeConfig
 from toolkit.engine.core import Engine
 from toolkit.engine.runner import recompute_logits
 from toolkit.native.ops import matmul_invariant
 from toolkit.sampling.params import SamplingParams
+
+pytestmark = [pytest.mark.native, native_only]
 
 TARGET = dict(prompt_token_ids=[(37 * i) % 4000 + 11 for i in range(45)], request_id="target",
               sampling_params=SamplingParams(temperature=1.0, seed=5, max_tokens=10, ignore_eos=True))

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import NATIVE_OFF
 from tests.test_cli import run_cli
+
+pytestmark = pytest.mark.native
 
 
 def test_bench_harness_reports_systems_roofline_kernels_and_kv_capacity(tmp_path):

@@ -3,6 +3,7 @@ no-cache recompute of its prefix, whatever the prompt set, token budget, arrival
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,6 +11,8 @@ from hypothesis import strategies as st
 from tests.conftest import ATTENTION_BACKENDS, make_engine
 from toolkit.models.reference import reference_logits
 from toolkit.sampling.params import SamplingParams
+
+pytestmark = pytest.mark.native
 
 
 @st.composite

@@ -24,6 +24,7 @@ def write_jsonl(path: Path, lines: list) -> Path:
     return path
 
 
+@pytest.mark.native
 def test_requests_file_with_bad_lines_runs_the_others(tmp_path):
     requests = write_jsonl(tmp_path / "reqs.jsonl", [
         {"id": "a", "prompt": "Hello there", "max_tokens": 5},
@@ -76,6 +77,7 @@ def test_incomplete_model_dir_is_refused(tmp_path):
     assert result.returncode == 2 and "no *.safetensors" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.native
 @pytest.mark.slow
 def test_default_run_serves_the_builtin_chat_workload(tmp_path):
     """What `make run` runs, with fewer requests: SmolLM2, chat template, staggered arrivals."""
@@ -93,6 +95,7 @@ def test_bad_builtin_workload_options(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.native
 def test_ctrl_c_flushes_the_trace_writes_the_summary_and_exits_130(tmp_path):
     import json
     import signal
@@ -134,6 +137,7 @@ def sigint_default():
     signal.signal(signal.SIGINT, previous)
 
 
+@pytest.mark.native
 def test_ctrl_c_is_taken_between_steps_never_inside_one(tiny, tmp_path, sigint_default):
     """SIGINT while a step's work is under way lets that step finish (its callback runs to the end, its rows reach
     the trace) and stops before the next: a KeyboardInterrupt raised mid-step could land inside the trace
@@ -176,6 +180,7 @@ def test_ctrl_c_is_taken_between_steps_never_inside_one(tiny, tmp_path, sigint_d
     assert "not reached" not in seen
 
 
+@pytest.mark.native
 def test_kill_9_leaves_a_readable_partial_trace_that_replays_and_verifies(tmp_path):
     import signal
     import time

@@ -85,6 +85,7 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
+@pytest.mark.native
 def test_joblib_multirun_writes_a_trace_per_job_and_compare_reads_them(tmp_path):
     sweep = tmp_path / "sweep"
     proc = _run(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "model=tiny", BATCH_INVARIANT_OVERRIDE,
@@ -104,6 +105,7 @@ def test_joblib_multirun_writes_a_trace_per_job_and_compare_reads_them(tmp_path)
     assert (tmp_path / "cmp" / "compare.png").exists() and (tmp_path / "cmp" / "compare.parquet").exists()
 
 
+@pytest.mark.native
 def test_compare_names_the_first_divergence(tmp_path):
     from toolkit.audit.compare import compare
 
@@ -121,6 +123,7 @@ def test_compare_names_the_first_divergence(tmp_path):
         compare([str(tmp_path / "nothing*")])
 
 
+@pytest.mark.native
 def test_wandb_offline_run_logs_config_steps_requests_summary_and_trace_artifact(tmp_path):
     from toolkit.runs.loggers import read_offline_run
 
@@ -140,6 +143,7 @@ def test_wandb_offline_run_logs_config_steps_requests_summary_and_trace_artifact
     assert any(f.startswith("samples.parquet/part-") for f in kinds["trace"])
 
 
+@pytest.mark.native
 def test_the_models_generation_config_fills_the_sampling_defaults(tmp_path):
     """vLLM's generation_config="auto": a checkpoint's generation_config.json sets the sampling fields the run
     leaves at the library's default; a field the run sets keeps its value; model.generation_config=none

@@ -51,6 +51,7 @@ def test_the_pages_hold_what_the_checks_below_read():
     assert len(python_blocks()) >= 4 and len(run_commands()) >= 40  # a regex that finds nothing fails here
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("where,code", python_blocks(), ids=[w for w, _ in python_blocks()])
 def test_every_python_block_runs(where, code, smollm2, tmp_path):
     server = None

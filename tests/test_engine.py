@@ -28,6 +28,7 @@ class CountingModel(torch.nn.Module):
         return self.inner(*args, **kwargs)
 
 
+@pytest.mark.native
 def test_a_mixed_step_makes_exactly_one_forward(tiny):
     engine = make_engine(tiny, max_num_batched_tokens=16, max_num_seqs=4)
     counter = CountingModel(tiny.model)
@@ -45,6 +46,7 @@ def test_a_mixed_step_makes_exactly_one_forward(tiny):
     assert engine.runner.num_forwards == counter.calls
 
 
+@pytest.mark.native
 def test_last_prompt_chunk_samples_in_the_same_step(tiny):
     engine = make_engine(tiny, max_num_batched_tokens=4, max_num_seqs=1)
     rid = engine.add_request(prompt_token_ids=list(range(1, 11)), sampling_params=GREEDY)  # 10 tokens: 4 + 4 + 2
@@ -55,9 +57,10 @@ def test_last_prompt_chunk_samples_in_the_same_step(tiny):
     assert engine.requests[rid].status is RequestStatus.DECODING
 
 
+@pytest.mark.native
 def test_decode_first_and_budget(tiny):
     engine = make_engine(tiny, max_num_batched_tokens=8, max_num_seqs=4)
-    for i in range(3):
+    for _ in range(3):
         engine.add_request(prompt_token_ids=list(range(1, 6)), sampling_params=GREEDY, arrival_step=0)
     engine.add_request(prompt_token_ids=list(range(1, 30)), sampling_params=GREEDY, arrival_step=3)
     decoding_before: set[str] = set()
@@ -70,6 +73,7 @@ def test_decode_first_and_budget(tiny):
         decoding_before = {r.request_id for r in engine.requests.values() if r.status is RequestStatus.DECODING}
 
 
+@pytest.mark.native
 def test_lifecycle_and_block_release(tiny):
     engine = make_engine(tiny, max_num_batched_tokens=4, max_num_seqs=2, num_kv_blocks=16)
     rid = engine.add_request(prompt_token_ids=list(range(1, 7)), sampling_params=GREEDY, arrival_step=1)
@@ -86,6 +90,7 @@ def test_lifecycle_and_block_release(tiny):
     assert m.admitted_step >= 1 and 0 <= m.queue_s <= m.ttft_s <= m.e2e_s and m.tpot_s > 0
 
 
+@pytest.mark.native
 def test_eos_and_stop_token_ids(tiny):
     engine = make_engine(tiny)
     first = engine.generate([{"prompt_token_ids": [5, 6, 7], "sampling_params": GREEDY}])[0].output_token_ids
@@ -95,6 +100,7 @@ def test_eos_and_stop_token_ids(tiny):
     assert out.output_token_ids == first[: first.index(stop_at) + 1] and out.finish_reason == "stop"
 
 
+@pytest.mark.native
 def test_seeded_sampling_is_independent_of_batch(tiny):
     params = SamplingParams(temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
     alone = make_engine(tiny).generate([{"prompt_token_ids": [1, 2, 3], "sampling_params": params}])[0]
@@ -105,6 +111,7 @@ def test_seeded_sampling_is_independent_of_batch(tiny):
     assert len({o.output_token_ids for o in outs}) > 1  # different seeds give different samples
 
 
+@pytest.mark.native
 def test_small_pool_preempts_and_still_finishes(tiny):
     ample = make_engine(tiny, num_kv_blocks=256, block_size=4, max_num_seqs=6)
     tight = make_engine(tiny, num_kv_blocks=12, block_size=4, max_num_seqs=6)
@@ -117,6 +124,7 @@ def test_small_pool_preempts_and_still_finishes(tiny):
     assert tight.block_manager.num_free_blocks == 12
 
 
+@pytest.mark.native
 def test_abort_frees_blocks(tiny):
     engine = make_engine(tiny, num_kv_blocks=32)
     rid = engine.add_request(prompt_token_ids=list(range(1, 20)), sampling_params=GREEDY)
@@ -129,6 +137,7 @@ def test_abort_frees_blocks(tiny):
     assert engine.block_manager.num_free_blocks == 32
 
 
+@pytest.mark.native
 def test_small_vocab_model_takes_token_ids_only(tiny_small_vocab):
     engine = make_engine(tiny_small_vocab)
     out = engine.generate([{"prompt_token_ids": [1, 2, 3], "sampling_params": GREEDY}])[0]
@@ -139,6 +148,7 @@ def test_small_vocab_model_takes_token_ids_only(tiny_small_vocab):
         engine.add_request(prompt_token_ids=[1, 64])
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("kwargs, match", [
     (dict(prompt=""), "empty"),
     (dict(prompt_token_ids=[]), "empty"),
@@ -159,6 +169,7 @@ def test_bad_requests_are_refused_with_one_line(tiny, kwargs, match):
     assert not engine.requests and not engine.has_unfinished()
 
 
+@pytest.mark.native
 def test_request_that_can_never_fit_the_pool_is_refused(tiny):
     engine = make_engine(tiny, num_kv_blocks=4, block_size=4)
     with pytest.raises(RequestError, match="KV pool"):
@@ -219,6 +230,7 @@ def test_step_inputs_are_the_per_token_definition(tiny, data, backend, block_siz
         assert inputs.attn.query_ctx_N.tolist() == [p + 1 for p in positions]
 
 
+@pytest.mark.native
 def test_an_engine_is_freed_as_soon_as_it_is_dropped(tiny):
     """No reference cycle through the engine: its KV cache goes with its last reference, not at the next
     run of the cycle collector (a benchmark building engine after engine grew by 2 GB a run when the
@@ -240,6 +252,7 @@ def test_an_engine_is_freed_as_soon_as_it_is_dropped(tiny):
         gc.enable()
 
 
+@pytest.mark.native
 def test_a_penalty_the_sampler_makes_that_empties_a_row_is_that_rows_error_only(tiny):
     """The repetition penalty, last before the sampler's own processors, is made inside the sampler's pass; one
     that leaves a row no finite logit (every allowed token seen, pushed down and multiplied by inf) is that

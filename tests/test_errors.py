@@ -77,6 +77,7 @@ def test_cli_typo_and_mistyped_value_are_refused_by_composition(tmp_path):
         assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.native
 def test_request_rows(tiny):
     engine = make_engine(tiny, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=16)
     _expect(15, RequestError, "the prompt is empty", lambda: engine.add_request(prompt=""))
@@ -161,6 +162,7 @@ def test_truncated_gguf_is_a_model_load_error(tmp_path, monkeypatch):
     assert not any((tmp_path / "cache").glob("smollm2*"))  # no half-written cache left behind
 
 
+@pytest.mark.native
 def test_requests_file_rows(tmp_path, tiny):
     from toolkit.runs.workload import add_specs
 
@@ -187,6 +189,7 @@ def small_run(tmp_path_factory, tiny):
     return run
 
 
+@pytest.mark.native
 def test_trace_rows(small_run, tmp_path):
     _expect(31, TraceError, "does not exist", lambda: replay(tmp_path / "nope"))
     _expect(31, TraceError, "does not exist", lambda: verify(tmp_path / "nope"))

@@ -17,6 +17,8 @@ from toolkit.errors import ConfigError
 from toolkit.paths import cache_root
 from toolkit.sampling.params import SamplingParams
 
+pytestmark = pytest.mark.native
+
 ROOT = Path(__file__).resolve().parents[1]
 WARNING = "toolkit: warning: native CPU kernels unavailable"
 
@@ -57,7 +59,7 @@ def test_a_failing_compiler_is_tried_once_warned_once_and_recorded(tmp_path):
     result = _run({"CC": str(fake), "TOOLKIT_CACHE": str(cache), "TOOLKIT_KERNEL_TARGET": "",
                    "TOOLKIT_NATIVE": "1"})  # the switch on, even in a suite run with TOOLKIT_NATIVE=0
     assert result.returncode == 0, result.stderr[-3000:]
-    warnings = [l for l in result.stderr.splitlines() if l.startswith(WARNING)]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith(WARNING)]
     assert len(warnings) == 1, result.stderr
     assert "fakecc" in warnings[0] and "Fix: install gcc or clang" in warnings[0]
     runs = json.loads(result.stdout.strip().splitlines()[-1])

@@ -24,12 +24,12 @@ from toolkit.sampling.params import SamplingParams
 FAMILIES = sorted(CONFIGS)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def loaded(family: str):
     return load_model(ModelConfig(name="hf", path=str(checkpoint_dir(family))))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf(family: str):
     return hf_reference_model(load_checkpoint(ModelConfig(name="hf", path=str(checkpoint_dir(family)))))
 
@@ -63,6 +63,7 @@ def test_family_is_read_as_its_own(family):
     assert (arch.attn_softcap, arch.sliding_layers) == ((4.0, (0, 2)) if family == "gemma2" else (None, ()))
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("length", [1, 9, 40])
 def test_forward_matches_hf(family, length):
@@ -86,6 +87,7 @@ def workloads(draw):
     return requests, draw(st.integers(1, 24)), draw(st.sampled_from([1, 4, 16]))
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("family", FAMILIES)
 @settings(max_examples=8)
 @given(workload=workloads())
@@ -104,6 +106,7 @@ def test_cached_logits_equal_recompute(family, workload):
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_hf_generate(family):
     prompts = [random.Random(family + str(i)).choices(range(2, VOCAB), k=5 + 7 * i) for i in range(3)]
@@ -125,6 +128,7 @@ def test_unknown_family_is_one_line_error(tmp_path):
         load_model(ModelConfig(name="hf", path=str(tmp_path)))
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])
 def test_flex_backend_matches_default(family):
     """engine.attention_backend=flex (FlexAttention with a BlockMask from the block tables, uncompiled

@@ -54,6 +54,7 @@ def chat(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
+@pytest.mark.native
 @pytest.mark.slow
 def test_smollm2_json_outputs_parse_and_validate(smollm2):
     engine = make_engine(smollm2, max_num_batched_tokens=256, max_num_seqs=16)
@@ -78,6 +79,7 @@ def test_smollm2_json_outputs_parse_and_validate(smollm2):
     assert engine.grammar.compilations == len(SCHEMAS)  # compiled once per distinct schema
 
 
+@pytest.mark.native
 def test_empty_schema_means_any_json_object(tiny):
     engine = make_engine(tiny)
     spec = SamplingParams(structured_outputs={"json": {}}).structured_outputs
@@ -86,6 +88,7 @@ def test_empty_schema_means_any_json_object(tiny):
     assert not accepts("[1, 2]") and not accepts('"text"')
 
 
+@pytest.mark.native
 @pytest.mark.slow
 def test_smollm2_regex_and_choice_outputs(smollm2):
     engine = make_engine(smollm2, max_num_batched_tokens=256, max_num_seqs=16)
@@ -130,6 +133,7 @@ def grammar_mixes(draw):
     return requests, draw(st.integers(2, 24))
 
 
+@pytest.mark.native
 @settings(max_examples=15, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(mix=grammar_mixes())
 def test_no_sampled_token_ever_leaves_the_grammar(tiny, mix):
@@ -151,6 +155,7 @@ def test_no_sampled_token_ever_leaves_the_grammar(tiny, mix):
                 assert re.fullmatch(spec.regex, out.text)
 
 
+@pytest.mark.native
 def test_grammar_rows_survive_preemption(tiny):
     """Recompute preemption rebuilds the matcher from the committed tokens; outputs do not change."""
     rnd = random.Random(3)
@@ -167,6 +172,7 @@ def test_grammar_rows_survive_preemption(tiny):
     assert a == t
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("spec, message", [
     ({"json": {"type": "objectx"}}, 'invalid structured_outputs.json: Unsupported type "objectx"'),
     ({"regex": "([a-z"}, "invalid structured_outputs.regex: Regex parsing error"),
@@ -193,6 +199,7 @@ def test_malformed_structured_outputs_spec(spec, match):
         SamplingParams(structured_outputs=spec)
 
 
+@pytest.mark.native
 def test_grammar_trace_and_replay(tiny, tmp_path):
     from toolkit import replay
     from toolkit.runs.session import record

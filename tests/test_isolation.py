@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from tests.conftest import make_engine, native_only
-
-pytestmark = native_only
 from toolkit.sampling import processors
 from toolkit.sampling.params import SamplingParams
+
+pytestmark = [pytest.mark.native, native_only]
 
 KW = dict(batch_invariant=True, max_num_batched_tokens=24, max_num_seqs=4)
 
@@ -34,7 +34,7 @@ def _run(engine, requests):
     while engine.has_unfinished():
         out = engine.step()
         traces.extend(out.samples)
-        for i, s in enumerate(out.samples):
+        for s in out.samples:
             if s.token_id >= 0:
                 rows[(s.request_id, s.position)] = out.logits_RV[s.logits_row].clone()
     return rows, traces

@@ -44,7 +44,7 @@ def _builds() -> list[tuple[str, int | None, str]]:
 
 
 BUILDS = _builds()
-IDS = [f"{t}{'/' + str(l) if l else ''}-{cc}" for t, l, cc in BUILDS]
+IDS = [f"{t}{'/' + str(lanes) if lanes else ''}-{cc}" for t, lanes, cc in BUILDS]
 
 
 def _no_compiler_reason() -> str:

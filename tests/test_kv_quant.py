@@ -200,6 +200,7 @@ def test_copy_on_write_and_swap_move_blocks_with_their_scales(kv_dtype, granular
     assert all(torch.equal(a, b) for a, b in zip(before, read([2, 3])))
 
 
+@pytest.mark.native
 def test_kv_memory_per_token_halves_and_quarters(tiny):
     per_token = {}
     for kv_dtype in ("auto", "bf16", "int8", "fp8_e4m3"):
@@ -212,12 +213,14 @@ def test_kv_memory_per_token_halves_and_quarters(tiny):
     assert per_token["int8"] == per_token["fp8_e4m3"] == per_token["auto"] / 4
 
 
+@pytest.mark.native
 def test_quantised_budget_holds_more_blocks(tiny):
     blocks = {d: make_engine(tiny, kv_cache_dtype=d, kv_cache_memory_gb=0.001, max_num_seqs=64).num_kv_blocks
               for d in ("auto", "int8")}
     assert blocks["int8"] >= 3.5 * blocks["auto"]
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("kv_dtype,granularity", [("int8", "block"), ("fp8_e4m3", "tensor"), ("bf16", "block"),
                                                   ("int8", "channel"), ("fp8_e4m3", "channel")])
 def test_quantised_run_replays_bit_for_bit_through_swap_and_prefix_caching(tiny, tmp_path, kv_dtype, granularity):
@@ -244,6 +247,7 @@ def test_quantised_run_replays_bit_for_bit_through_swap_and_prefix_caching(tiny,
         replay(tmp_path / "run", ["engine.kv_cache_dtype=auto"], out_dir=tmp_path / "other")
 
 
+@pytest.mark.native
 @native_only
 def test_bad_kv_options_are_one_line_errors(tiny):
     with pytest.raises(ConfigError, match="engine.kv_cache_dtype must be one of"):
@@ -304,6 +308,7 @@ def smollm2_reference(smollm2):
     return smollm2_greedy(smollm2, "auto")
 
 
+@pytest.mark.native
 @pytest.mark.slow
 @pytest.mark.numerics
 def test_int8_kv_keeps_smollm2_greedy_output_close(smollm2, smollm2_reference, tmp_path):
@@ -319,6 +324,7 @@ def test_int8_kv_keeps_smollm2_greedy_output_close(smollm2, smollm2_reference, t
     assert agreement.checked, agreement.report()  # a near-tie is an exception, not the rule
 
 
+@pytest.mark.native
 @pytest.mark.slow
 @pytest.mark.numerics
 def test_int8_channel_scales_halve_the_block_scales_error_on_smollm2(smollm2, smollm2_reference, tmp_path):
@@ -342,6 +348,7 @@ def test_int8_channel_scales_halve_the_block_scales_error_on_smollm2(smollm2, sm
     assert kept["channel"] == len(checked) >= kept["block"], kept
 
 
+@pytest.mark.native
 @native_only
 @pytest.mark.parametrize("kv_dtype,granularity", [("int8", "block"), ("fp8_e4m3", "block"), ("int8", "tensor")])
 def test_native_kernel_reads_quantised_blocks_like_sdpa(kv_dtype, granularity):

@@ -12,6 +12,8 @@ from toolkit.config import EngineConfig
 from toolkit.engine.core import Engine
 from toolkit.errors import ConfigError, RequestError
 
+pytestmark = pytest.mark.native
+
 PROMPTS = [[5, 9, 2, 7], [11, 3], [8, 8, 8, 1, 4, 6]]
 
 

@@ -14,6 +14,8 @@ from toolkit.sampling import rng
 from toolkit.sampling.params import SamplingParams
 from toolkit.sampling.stop import StopState
 
+pytestmark = pytest.mark.native
+
 
 def workload(temperature: float, n: int = 12, seed: int = 0):
     rnd = random.Random(seed)

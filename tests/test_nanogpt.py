@@ -36,6 +36,7 @@ def test_training_reduces_loss(trained):
     assert history[-1]["val_loss"] < history[0]["val_loss"] - 0.5
 
 
+@pytest.mark.native
 @pytest.mark.numerics
 def test_checkpoint_serves_like_hf_and_round_trips_text(trained):
     """Greedy tokens equal HF generate's on the trained checkpoint, but at a near-tie of HF's (the weights
@@ -76,6 +77,7 @@ def test_bad_training_text_is_one_line_error(tmp_path):
               SMALL, tmp_path / "o")
 
 
+@pytest.mark.native
 def test_train_then_serve_from_the_command_line(tmp_path):
     text = tmp_path / "input.txt"
     text.write_text("\n".join(passages()))

@@ -20,6 +20,7 @@ def test_the_three_workflows_are_there():
     assert [n.name for n in NOTEBOOKS] == ["audit_transcript.ipynb", "replay_scheduler.ipynb", "traces_duckdb.ipynb"]
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[n.stem for n in NOTEBOOKS])
 def test_a_notebook_runs_top_to_bottom_with_its_plot_inline(path):
     from nbmake.nb_run import NotebookRun

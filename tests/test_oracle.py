@@ -49,6 +49,7 @@ def engine_prefill_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
         bm.free("oracle")
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("length", [1, 7, 64, 300])
 def test_tiny_forward_matches_hf(tiny, length):
     ids = random.Random(length).choices(range(tiny.arch.vocab_size), k=length)
@@ -86,6 +87,7 @@ def test_smollm2_reference_bits_do_not_depend_on_threads_or_length(smollm2):
     assert torch.equal(with_threads(3, lambda: reference_logits(smollm2.model, ids[:50])), full[:50])
 
 
+@pytest.mark.native
 @pytest.mark.slow
 @pytest.mark.numerics
 def test_smollm2_forward_matches_hf(smollm2):
@@ -97,6 +99,7 @@ def test_smollm2_forward_matches_hf(smollm2):
     assert (reference_logits(smollm2.model, ids).float() - expected).abs().max().item() < 1e-4
 
 
+@pytest.mark.native
 @pytest.mark.slow
 @pytest.mark.numerics
 def test_smollm2_greedy_matches_hf_generate(smollm2):

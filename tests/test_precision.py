@@ -43,12 +43,14 @@ EDGES = [65504.0, 65519.99, 65520.0, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 1 + 2.0**
          3.4028235e38, 1.1754944e-38, 1e-45, 0.0, -0.0, float("inf"), float("-inf"), float("nan"), -65520.0]
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("dtype", H16, ids=H16_IDS)
 def test_round_h16_on_the_edges_is_torchs_rounding(dtype):
     x = torch.tensor(EDGES, dtype=torch.float32)
     assert _same_bits(round_h16(x.clone(), dtype), x.to(dtype).float())
 
 
+@pytest.mark.native
 @settings(max_examples=60, deadline=None)
 @given(bits=st.lists(st.integers(0, (1 << 32) - 1), min_size=1, max_size=400), dtype=st.sampled_from(H16))
 def test_round_h16_is_torchs_round_to_nearest_even(bits, dtype):
@@ -59,6 +61,7 @@ def test_round_h16_is_torchs_round_to_nearest_even(bits, dtype):
     assert _same_bits(round_h16(x.clone(), dtype), x.to(dtype).float())
 
 
+@pytest.mark.native
 @settings(max_examples=30, deadline=None)
 @given(m=st.integers(1, 14), k=st.integers(1, 300), n=st.integers(1, 200), dtype=st.sampled_from(H16),
        seed=st.integers(0, 2**16))
@@ -78,6 +81,7 @@ def test_h16_matmul_is_the_fp32_matmul_on_the_widened_weights(m, k, n, dtype, se
     assert out.dtype == dtype and torch.equal(out, matmul_invariant(xh.float(), packed).to(dtype))
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("dtype", H16, ids=H16_IDS)
 @pytest.mark.parametrize("heads,block_size", [((9, 3, 64), 16), ((8, 2, 128), 4), ((4, 4, 64), 1)])
 def test_h16_attention_is_the_fp32_attention_on_the_widened_cache(dtype, heads, block_size):
@@ -102,6 +106,7 @@ def tiny16(request):
     return load_model(ModelConfig(**TINY16, dtype=str(request.param).removeprefix("torch.")))
 
 
+@pytest.mark.native
 def test_a_16_bit_model_takes_the_native_kernels_and_its_manifest_says_so(tiny16):
     engine = make_engine(tiny16)
     assert (engine.attention_backend, engine.matmul_backend) == ("kernel", "native")
@@ -114,6 +119,7 @@ def test_a_16_bit_model_takes_the_native_kernels_and_its_manifest_says_so(tiny16
     assert build_manifest(torch_engine, "run")["precision"]["matmul"].startswith(f"torch.matmul in {fmt}")
 
 
+@pytest.mark.native
 @settings(max_examples=8, deadline=None)
 @given(prompts=st.lists(st.lists(st.integers(0, 49151), min_size=1, max_size=40), min_size=1, max_size=4),
        budget=st.integers(8, 48), block_size=st.sampled_from([4, 16]))
@@ -125,6 +131,7 @@ def test_fused_layers_are_the_layer_by_layer_forward_in_16_bits(tiny16, prompts,
     assert steps > 0 and same == steps
 
 
+@pytest.mark.native
 def test_batch_invariant_rows_are_bit_identical_in_16_bits(tiny16):
     """A request's logits are the same bits alone, in a mixed batch under a small budget, and in the no-cache
     recompute, in bf16 and fp16 as in fp32."""
@@ -141,6 +148,7 @@ def test_batch_invariant_rows_are_bit_identical_in_16_bits(tiny16):
         assert torch.equal(recomputed[p - 1], logits), p
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_smollm2_16_bit_logprobs_are_as_close_to_fp32_as_torchs(smollm2, dtype):
     """Teacher-forced on a real text, SmolLM2's native bf16 / fp16 logprobs differ from the fp32 model's no
@@ -164,6 +172,7 @@ def test_smollm2_16_bit_logprobs_are_as_close_to_fp32_as_torchs(smollm2, dtype):
     assert native.max() > 0  # 16 bits change something: the comparison is not of fp32 with itself
 
 
+@pytest.mark.native
 def test_a_16_bit_run_replays_bit_for_bit_and_verifies_against_float64_and_fp32(tiny16, tmp_path):
     """A recorded bf16 / fp16 run replays to the same bits; verify recomputes it with float64 and with fp32
     arithmetic on its weights, passes at the format's tolerance (atol auto) and reports both errors; a raw
@@ -193,6 +202,7 @@ def test_a_16_bit_run_replays_bit_for_bit_and_verifies_against_float64_and_fp32(
     assert not bad.passed and (bad.failures[0].request_id, bad.failures[0].position) == ("greedy", 6)
 
 
+@pytest.mark.native
 def test_the_precision_experiment_runs_end_to_end_on_the_tiny_model(tmp_path):
     """experiment=precision: one recorded run per variant, each replayable, and precision.json whose fp32 row
     is the references' (errors at fp32 rounding) while the 16-bit rows show their rounding, HF's spread
@@ -220,6 +230,7 @@ def test_the_precision_experiment_runs_end_to_end_on_the_tiny_model(tmp_path):
     assert "Traceback" not in bad.stderr
 
 
+@pytest.mark.native
 def test_a_bf16_servers_claims_audit_clean_against_bf16_and_not_against_fp32(tmp_path):
     """audit.reference in a stated format: a transcript from our own bf16 server (real HTTP, the openai client)
     checks out against our bf16 recomputation (ours@bfloat16) at fp32's tolerance, while the fp32 one

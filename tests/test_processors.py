@@ -45,6 +45,7 @@ def test_no_repeat_3gram_on_the_cat_sat_on_the_cat_bans_sat():
     assert out[0, sat] == -INF and torch.isfinite(out[0, [0, 1, 2, 4, 5, 6, 7]]).all()
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("p, support", [(0.6, {0, 1}), (0.4999, {0}), (0.5001, {0, 1}), (0.7999, {0, 1}),
                                         (0.8001, {0, 1, 2}), (1e-6, {0}), (1.0, {0, 1, 2})])
@@ -61,6 +62,7 @@ def test_top_p_keeps_the_token_that_crosses_p(path, p, support):
     assert set(torch.isfinite(out[0]).nonzero().flatten().tolist()) == support
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 6), vocab=st.sampled_from([3, 17, 1000, 49152]), scale=st.sampled_from([0.3, 3.0, 30.0]),
@@ -91,6 +93,7 @@ def test_top_p_is_the_smallest_set_reaching_p(path, rows, vocab, scale, p, ties,
         assert float(probs[r][kept].sum()) >= p - 1e-5
 
 
+@pytest.mark.native
 @native_only
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 6), vocab=st.sampled_from([3, 17, 1000, 49152]), k=st.integers(1, 300), ties=st.booleans(),
@@ -113,6 +116,7 @@ def test_native_top_k_is_torchs_topk(rows, vocab, k, ties, masked, seed):
     assert torch.equal(native, reference)
 
 
+@pytest.mark.native
 def test_top_k_min_p_temperature_per_row():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0], [4.0, 3.0, 2.0, 1.0]])
     v = view((SamplingParams(top_k=1), [0], 1), (SamplingParams(top_k=3), [0], 1), vocab=4)
@@ -143,6 +147,7 @@ def test_masks_allowed_bad_words_bias_min_tokens():
     assert (~torch.isfinite(early[0])).nonzero().flatten().tolist() == [5, 7] and torch.isfinite(late).all()
 
 
+@pytest.mark.native
 def test_two_orders_give_different_supports():
     """temperature before top-p vs top-p before temperature: top-p sees different probabilities."""
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
@@ -154,6 +159,7 @@ def test_two_orders_give_different_supports():
     assert supports[0] > supports[1]  # a hot temperature first flattens the distribution: top-p keeps more
 
 
+@pytest.mark.native
 def test_empty_support_is_a_row_error_naming_the_processor():
     logits = torch.arange(8.0).repeat(2, 1)
     bad = SamplingParams(allowed_token_ids=[3], bad_words=[[3]])
@@ -163,6 +169,7 @@ def test_empty_support_is_a_row_error_naming_the_processor():
     assert torch.isfinite(result.processed_RV[1]).sum() == 2
 
 
+@pytest.mark.native
 @native_only  # the changes are made by the sampler's kernel
 def test_repetition_penalty_before_a_sampler_tail_is_handed_over_as_changes():
     """With the sampler applying the tail, the repetition penalty (the last processor before it) becomes its
@@ -200,6 +207,7 @@ def test_repetition_penalty_before_a_sampler_tail_is_handed_over_as_changes():
     assert got.processed_logprobs == want.processed_logprobs and got.top_processed == want.top_processed
 
 
+@pytest.mark.native
 def test_nan_logits_and_failing_processor_are_isolated_to_their_row():
     logits = torch.arange(8.0).repeat(3, 1)
     logits[1, 2] = float("nan")
@@ -236,6 +244,7 @@ rows_strategy = st.lists(st.tuples(params_strategy, st.lists(st.integers(0, 11),
                          min_size=1, max_size=5)
 
 
+@pytest.mark.native
 @settings(max_examples=60)
 @given(rows=rows_strategy, seed=st.integers(0, 2**16))
 def test_processors_never_mutate_their_input_and_rows_are_independent(rows, seed):

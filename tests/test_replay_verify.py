@@ -21,6 +21,8 @@ from toolkit.sampling.params import SamplingParams
 from toolkit.trace.reader import TraceError, read_requests, read_samples
 from toolkit.trace.writer import REQUESTS_FILE
 
+pytestmark = pytest.mark.native
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CFG = {"name": "tiny", "seed": 0}
 ENGINE_CFG = {"max_num_batched_tokens": 16, "max_num_seqs": 4, "num_kv_blocks": 256}

@@ -29,6 +29,8 @@ from toolkit.runs.session import record
 from toolkit.sampling.params import SamplingParams
 from toolkit.trace.reader import read_requests, read_samples
 
+pytestmark = pytest.mark.native
+
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("TOOLKIT_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 ENGINE_CFG = {"max_num_batched_tokens": 64, "max_num_seqs": 8, "num_kv_blocks": 256}

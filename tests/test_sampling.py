@@ -27,6 +27,7 @@ def draw(n: int, seed: int = 7, scale: float = 1.0) -> list[int]:
             for p in range(n)]
 
 
+@pytest.mark.native
 def test_empirical_distribution_matches_the_processed_distribution():
     probs = torch.softmax(LOGITS, -1).tolist()
     stat, p_value = chi_square(draw(20000), probs)
@@ -52,6 +53,7 @@ def test_noise_is_a_function_of_the_key_and_token_only():
     assert not torch.equal(full, rng.gumbel(rng.row_key(124, 45, 2), hashes))  # other seed
 
 
+@pytest.mark.native
 @settings(max_examples=40)
 @given(seed=st.integers(0, 2**63 - 1), position=st.integers(0, 10**6), stream=st.integers(0, 8),
        others=st.lists(st.tuples(st.integers(0, 2**40), st.integers(0, 5000), st.booleans()), max_size=6),
@@ -84,6 +86,7 @@ def test_our_logarithm_is_within_one_ulp_and_its_twins_agree(x):
     assert abs(got - math.log(x)) <= math.ulp(math.log(x)) if x != 1.0 else got == 0.0
 
 
+@pytest.mark.native
 def test_truncated_support_samples_only_inside_it():
     logits = torch.randn(200, 30, generator=torch.Generator().manual_seed(0))
     processed = logits.masked_fill(logits < logits.topk(3, dim=-1).values[:, -1:], float("-inf"))
@@ -97,6 +100,7 @@ def test_truncated_support_samples_only_inside_it():
 SPECIAL = st.sampled_from([float("nan"), float("inf"), float("-inf"), 0.0, 80.0, -80.0])
 
 
+@pytest.mark.native
 @native_only
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 12), vocab=st.sampled_from([1, 15, 16, 17, 100, 49152]), scale=st.sampled_from([0.1, 10.0]),
@@ -123,6 +127,7 @@ def test_native_logsumexp_and_argmax_are_torchs(rows, vocab, scale, specials, ti
     assert ((got - want).abs()[finite] <= 4e-7 * want.abs()[finite].clamp_min(1.0)).all()
 
 
+@pytest.mark.native
 @settings(max_examples=25, deadline=None)
 @given(params=st.lists(st.fixed_dictionaries({
     "temperature": st.sampled_from([0.0, 0.5, 1.0, 1.3]), "top_k": st.sampled_from([0, 1, 7, 100, 10**6]),
@@ -181,6 +186,7 @@ def test_batched_row_keys_are_row_key(rows):
     assert rng.row_keys(rows) == [rng.row_key(*row) for row in rows]
 
 
+@pytest.mark.native
 @native_only
 @pytest.mark.parametrize("ops", [(("temperature", 0.5), ("top_p", 0.9)), (("temperature", 1.3), ("top_k", 7)),
                                  (("temperature", 0.5),), (("top_k", 7), ("temperature", 0.7)),

@@ -52,6 +52,7 @@ def runs(tiny):
     return {p: _run(tiny, p) for p in POLICIES}
 
 
+@pytest.mark.native
 @native_only  # the bits: batch-invariant mode
 def test_greedy_tokens_and_logprob_bits_do_not_depend_on_the_policy(runs):
     base = {i: o.outputs[0].token_ids for i, o in runs["fused"][1].items()}
@@ -67,6 +68,7 @@ def _is_prefill(chunk) -> bool:
     return chunk.num_tokens > 1 and chunk.num_logits == 1
 
 
+@pytest.mark.native
 def test_two_forwards_makes_two_forwards_on_a_mixed_step_and_fused_one(runs):
     for policy in ("fused", "two_forwards"):
         steps = [s for s in runs[policy][3] if s.batch_size]
@@ -83,6 +85,7 @@ def test_two_forwards_makes_two_forwards_on_a_mixed_step_and_fused_one(runs):
     assert shape("two_forwards") == shape("fused")
 
 
+@pytest.mark.native
 def test_no_chunking_never_splits_a_prompt_and_may_exceed_the_budget(runs):
     for policy in ("no_chunking", "prefill_first"):
         batches = [b for b, _, _ in runs[policy][2]]
@@ -95,6 +98,7 @@ def test_no_chunking_never_splits_a_prompt_and_may_exceed_the_budget(runs):
     assert len(fused) > 6 and all(b.num_tokens <= 32 for b, _, _ in runs["fused"][2])  # fused chunks them
 
 
+@pytest.mark.native
 def test_prefill_first_never_runs_a_decode_while_a_prompt_waits(runs):
     batches = runs["prefill_first"][2]
     for batch, waiting, _ in batches:
@@ -106,6 +110,7 @@ def test_prefill_first_never_runs_a_decode_while_a_prompt_waits(runs):
     assert any(not any(_is_prefill(c) for c in b.chunks) for b, _, _ in batches)
 
 
+@pytest.mark.native
 def test_max_chunk_tokens_caps_one_sequences_chunk(tiny):
     _, outputs, batches, _ = _run(tiny, "fused", max_chunk_tokens=8)
     prefills = [c for b, _, _ in batches for c in b.chunks if _is_prefill(c)]
@@ -113,6 +118,7 @@ def test_max_chunk_tokens_caps_one_sequences_chunk(tiny):
     assert any(sum(_is_prefill(c) for c in b.chunks) > 1 for b, _, _ in batches)  # the budget fits several
 
 
+@pytest.mark.native
 def test_policy_is_in_the_manifest_and_the_itl_percentiles_are_the_traces(tiny, tmp_path):
     engine = make_engine(tiny, scheduler_policy="no_chunking", max_num_batched_tokens=32, max_num_seqs=8)
     ids = [engine.add_request(**r) for r in _requests()]
@@ -160,6 +166,7 @@ BUNDLES = {  # each experiment bundle, shrunk for the suite
 }
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("bundle", list(BUNDLES))
 def test_each_experiment_bundle_composes_and_runs_on_tiny(bundle, tmp_path):
     import subprocess
@@ -183,6 +190,7 @@ def test_each_experiment_bundle_composes_and_runs_on_tiny(bundle, tmp_path):
         assert len(report["variants"]) >= 2 and "tok/s" in proc.stdout
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("policy", ["two_forwards", "prefill_first"])
 def test_a_policy_run_replays_bit_for_bit(tiny, tmp_path, policy):
     """The policy is part of the recorded config: replay rebuilds the same schedule and the same bits."""
@@ -199,6 +207,7 @@ def test_a_policy_run_replays_bit_for_bit(tiny, tmp_path, policy):
     assert json.loads((tmp_path / "run" / "manifest.json").read_text())["engine"]["scheduler_policy"] == policy
 
 
+@pytest.mark.native
 def test_mode_scheduling_records_each_variant_and_tabulates_its_figures(tiny, tmp_path):
     """compare_variants: each variant is a recorded (untraced) run in variants/<name>, its row the run's summary
     plus per-step figures taken from the same steps steps.parquet holds."""

@@ -26,7 +26,7 @@ from toolkit.sampling.params import SamplingParams
 from toolkit.serve.main import start_server
 from toolkit.trace.reader import read_requests, read_samples
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.native, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = [{"role": "user", "content": "Name three colours."}]
 

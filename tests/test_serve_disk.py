@@ -18,6 +18,8 @@ from toolkit.sampling.params import SamplingParams
 from toolkit.serve.main import start_server
 from toolkit.trace.reader import read_requests, read_samples
 
+pytestmark = pytest.mark.native
+
 
 @pytest.fixture
 def small_disk(tmp_path):

@@ -13,6 +13,8 @@ from tests.conftest import make_engine
 from toolkit.sampling.params import SamplingParams
 from toolkit.serve.main import start_server
 
+pytestmark = pytest.mark.native
+
 
 @pytest.fixture(scope="module")
 def live(tiny):

@@ -37,6 +37,7 @@ def _post(url: str, body: dict, **kwargs) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json=body, timeout=60, **kwargs)
 
 
+@pytest.mark.native
 def test_overload_is_answered_200_or_503_and_the_server_then_serves_normally(tiny, tmp_path):
     run_dir = tmp_path / "run"
     srv = start_server(_engine(tiny, max_num_seqs=4), run_dir, max_waiting=32)
@@ -71,6 +72,7 @@ def test_overload_is_answered_200_or_503_and_the_server_then_serves_normally(tin
     assert [r["arrival_index"] for r in requests.to_pylist()] == list(range(accepted))
 
 
+@pytest.mark.native
 def test_api_keys_body_size_and_list_limits(tiny, monkeypatch):
     monkeypatch.setenv("TOOLKIT_API_KEY", "from-env")
     srv = start_server(_engine(tiny), None, api_key=["k1", "k2"], metrics_public=False, max_body_mb=0.01,
@@ -106,6 +108,7 @@ def test_api_keys_body_size_and_list_limits(tiny, monkeypatch):
         srv.stop()
 
 
+@pytest.mark.native
 def test_an_exception_on_the_engine_thread_is_one_requests_500(tiny, tmp_path):
     engine = _engine(tiny)
     srv = start_server(engine, tmp_path / "run")
@@ -142,6 +145,7 @@ def test_an_exception_on_the_engine_thread_is_one_requests_500(tiny, tmp_path):
     assert "injected while adding" in failed[0]["reason"] and "injected while stepping" in failed[1]["reason"]
 
 
+@pytest.mark.native
 def test_a_poison_request_among_32_is_the_only_500(tiny, tmp_path):
     """32 concurrent completions, one of them poison (the model's forward raises whenever it is in the batch
     from its 3rd token on): it alone gets a 500 in OpenAI's shape, recorded in rejected.parquet; the 31 others
@@ -188,6 +192,7 @@ def test_a_poison_request_among_32_is_the_only_500(tiny, tmp_path):
         == [(500, True)]
 
 
+@pytest.mark.native
 def test_requests_queued_when_the_loop_dies_are_answered(tiny):
     engine = _engine(tiny)
     srv = start_server(engine, None)
@@ -218,6 +223,7 @@ def test_requests_queued_when_the_loop_dies_are_answered(tiny):
         srv.stop()
 
 
+@pytest.mark.native
 def test_a_loop_that_cannot_go_on_tells_its_owner_after_answering_everyone(tiny):
     """mode=serve passes on_fatal to stop uvicorn and exit 70 (a supervisor restarts it): the callback comes once,
     with the error, after the request in flight was answered."""
@@ -238,6 +244,7 @@ def test_a_loop_that_cannot_go_on_tells_its_owner_after_answering_everyone(tiny)
     assert [(str(e), was) for e, was in fatal] == [("the engine is broken", True)] and not loop.alive
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("kept", ["hash", "off"])
 def test_record_body_hash_or_off_and_replay_says_what_it_cannot_rebuild(tiny, tmp_path, kept):
     run_dir = tmp_path / "run"
@@ -256,6 +263,7 @@ def test_record_body_hash_or_off_and_replay_says_what_it_cannot_rebuild(tiny, tm
     assert len(report.cannot_rebuild) == 1 and f"serve.record_body={kept}" in report.cannot_rebuild[0]
 
 
+@pytest.mark.native
 def test_a_served_run_is_written_append_only_and_read_back_in_arrival_order(tiny, tmp_path):
     run_dir = tmp_path / "run"
     engine = _engine(tiny, max_num_seqs=4)
@@ -354,6 +362,7 @@ def test_a_mailbox_past_its_bytes_gives_up_once_and_says_so(texts, limit, max_by
     asyncio.run(run())
 
 
+@pytest.mark.native
 def test_soak_over_http_loses_nothing_and_keeps_nothing(tiny, tmp_path):
     from toolkit.modes.serve_soak import soak_http
 
@@ -403,6 +412,7 @@ print(base, with_team, int(released), after_release, after_start)
 """
 
 
+@pytest.mark.native
 def test_the_thread_that_loaded_the_engine_gives_its_openmp_workers_back_before_the_loop_steps():
     """libgomp counts every thread's team, idle ones too; past the CPU count its barriers sleep instead of
     spinning, which made a 2-core server's steps ~20% slower than the same engine stepped on one thread. The

@@ -3,8 +3,11 @@ the server anything, with a 4xx in OpenAI's error shape naming the field, and th
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -12,6 +15,8 @@ import pytest
 from tests.conftest import make_engine
 from toolkit.sampling.params import SamplingParams
 from toolkit.serve.main import serve_config, start_server
+
+pytestmark = pytest.mark.native
 
 
 def nested_schema(depth: int) -> dict:
@@ -164,12 +169,9 @@ def test_connection_and_limit_knobs_are_checked_and_reach_uvicorn(tiny):
         srv.stop()
 
 
-def _stalled_stream(url: str, body: dict) -> "socket.socket":
+def _stalled_stream(url: str, body: dict) -> socket.socket:
     """A streaming request from a client that never reads (a 4 KB receive buffer): the server's writes block
     once the socket's buffers are full."""
-    import json
-    import socket
-    from urllib.parse import urlsplit
 
     parts = urlsplit(url)
     sock = socket.socket()

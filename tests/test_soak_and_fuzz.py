@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +18,7 @@ from toolkit.sampling.params import SamplingParams
 from toolkit.trace.reader import read_samples
 
 
+@pytest.mark.native
 def test_thirty_second_soak(tiny, tmp_path):
     cfg = EngineConfig(num_kv_blocks=96, block_size=16, max_num_seqs=16, max_num_batched_tokens=128,
                        preemption_mode="swap", swap_space_gb=0.05)
@@ -66,6 +68,7 @@ LINE = st.one_of(
                     max_size=4).map(json.dumps))
 
 
+@pytest.mark.native
 @settings(max_examples=60)
 @given(st.lists(LINE, min_size=1, max_size=6))
 def test_fuzzed_request_files_never_crash_the_engine_or_the_trace(tiny, tmp_path_factory, lines):

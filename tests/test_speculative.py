@@ -44,6 +44,7 @@ def greedy_requests(loaded, max_tokens=32):
             for i, p in enumerate(COPY_PROMPTS)]
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("method", ["ngram", "self_draft", "draft_model"])
 def test_tiny_greedy_speculation_equals_plain_greedy(tiny, method):
     requests = greedy_requests(tiny)
@@ -53,6 +54,7 @@ def test_tiny_greedy_speculation_equals_plain_greedy(tiny, method):
     assert engine.speculator.stats.proposed > 0
 
 
+@pytest.mark.native
 @pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("method", ["ngram", "self_draft"])
@@ -71,6 +73,7 @@ def test_smollm2_greedy_speculation_equals_plain_greedy(smollm2, method):
         assert engine.speculator.stats.accepted > 10  # the copy prompts do get long accepted runs
 
 
+@pytest.mark.native
 def test_one_target_forward_per_step_with_speculation(tiny):
     engine = spec_engine(tiny, "draft_model", max_num_batched_tokens=64, max_num_seqs=4)
     calls = 0
@@ -146,11 +149,13 @@ def assert_matches(samples, marginals):
         assert p_value > 1e-3, (pos, stat, p_value)
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("acceptance", ["rejection", "coupled"])
 def test_speculative_samples_follow_the_target_distribution(acceptance):
     assert_matches(speculative_samples(acceptance), exact_marginals(small_models()))
 
 
+@pytest.mark.native
 def test_resampling_from_p_instead_of_the_residual_fails(monkeypatch):
     monkeypatch.setattr(decide_module, "verify", functools.partial(speculative.verify, residual_from_p=True))
     samples = speculative_samples("rejection", n=3000)  # p ~ 1e-42 at the second position
@@ -158,6 +163,7 @@ def test_resampling_from_p_instead_of_the_residual_fails(monkeypatch):
         assert_matches(samples, exact_marginals(small_models()))
 
 
+@pytest.mark.native
 def test_coupled_equals_plain_sampling_with_the_same_seeds(tiny):
     requests = [{"prompt_token_ids": list(range(7 * i + 1, 7 * i + 12)), "request_id": f"c{i}", "arrival_step": i,
                  "sampling_params": SamplingParams(temperature=1.0, seed=40 + i, max_tokens=24, ignore_eos=True)}
@@ -173,6 +179,7 @@ def test_coupled_equals_plain_sampling_with_the_same_seeds(tiny):
 # --------------------------------------------------------------------------- trace, replay, grammar
 
 
+@pytest.mark.native
 def test_speculative_trace_and_replay(tiny, tmp_path):
     from toolkit.runs.session import record
     from toolkit.trace.reader import read_samples
@@ -194,6 +201,7 @@ def test_speculative_trace_and_replay(tiny, tmp_path):
     assert report.identical, report.summary_line()
 
 
+@pytest.mark.native
 def test_grammar_and_speculation_keep_outputs_valid(tiny):
     engine = spec_engine(tiny, "draft_model", "rejection", max_num_batched_tokens=64, max_num_seqs=8)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
@@ -215,6 +223,7 @@ def test_grammar_and_speculation_keep_outputs_valid(tiny):
     assert engine.speculator.stats.proposed > 0
 
 
+@pytest.mark.native
 def test_drafting_and_verifying_never_move_a_committed_grammar_matcher(tiny, monkeypatch):
     """Draft tokens and verification depths look ahead on forks of a sequence's matcher: the committed
     matcher is advanced only by committed tokens and never rolled back (the engine used to advance it

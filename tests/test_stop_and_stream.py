@@ -99,6 +99,7 @@ def test_holding_back_a_long_stop_string_costs_no_more_per_token_as_the_text_gro
     assert state.emitted == len(state.text) and state.text.endswith(" fin!")  # nothing held back at the end
 
 
+@pytest.mark.native
 def test_engine_stop_string_and_stream_deltas(tiny):
     engine = make_engine(tiny)
     base = engine.generate([{"prompt_token_ids": [10, 20, 30], "sampling_params": GREEDY}])[0]
@@ -116,6 +117,7 @@ def test_engine_stop_string_and_stream_deltas(tiny):
     assert list(out.output_token_ids) == list(base.output_token_ids[: len(out.output_token_ids)])
 
 
+@pytest.mark.native
 def test_parallel_samples_use_their_own_streams(tiny):
     engine = make_engine(tiny)
     params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)
@@ -129,6 +131,7 @@ def test_parallel_samples_use_their_own_streams(tiny):
     assert single.output_token_ids == out.outputs[0].token_ids  # stream 0 is the n=1 sample
 
 
+@pytest.mark.native
 def test_min_tokens_delays_eos_and_stop_strings(tiny):
     eos = 2
     engine = make_engine(tiny)

@@ -5,9 +5,14 @@ import nothing of the orchestration above them, and no class a reader cannot hol
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "toolkit"
 # The packages from the bottom up (docs/architecture.md draws them): a module imports from its own layer or the
@@ -288,3 +293,45 @@ def test_the_marker_check_finds_an_unmarked_greedy_test(tmp_path):
         "def test_sampled(smollm2):\n    assert SamplingParams(temperature=1.0)\n")
     assert smollm2_greedy_tests(tmp_path) == {"test_planted.py::test_planted": False,
                                                "test_planted.py::test_marked": True}
+
+
+# --------------------------------------------------------------------------- the native marker
+PLANTED_NATIVE = '''
+import pytest
+from tests.conftest import make_engine
+from toolkit.config import ModelConfig
+from toolkit.models import load_model
+
+
+def test_steps_an_engine_unmarked():
+    engine = make_engine(load_model(ModelConfig(name="tiny", seed=0, vocab_size=64)))
+    engine.generate([{"prompt_token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}])
+
+
+@pytest.mark.native
+def test_steps_an_engine_marked():
+    test_steps_an_engine_unmarked()
+
+
+def test_reads_a_config():
+    assert ModelConfig(name="tiny").num_layers == 2
+'''
+
+
+@pytest.mark.native  # it runs the planted tests in a child pytest, which asks toolkit.native
+def test_a_test_that_takes_the_native_path_unmarked_fails(tmp_path):
+    """make test-fallback reruns only tests marked `native`; the suite's conftest fails a test that takes a path
+    TOOLKIT_NATIVE=0 changes (an engine's forward) without the marker, and passes one that does not."""
+    planted = TESTS / "test_zz_planted_native.py"
+    planted.write_text(PLANTED_NATIVE)
+    try:
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                 str(planted), "--basetemp", str(tmp_path / "base")],
+                                cwd=TESTS.parent, capture_output=True, text=True, timeout=600,
+                                env={**os.environ, "TOOLKIT_NATIVE": "1", "TOOLKIT_NATIVE_REPORT": ""})
+    finally:
+        planted.unlink()
+    out = result.stdout
+    assert "3 passed, 1 error" in out, out[-3000:]
+    assert "ERROR tests/test_zz_planted_native.py::test_steps_an_engine_unmarked" in out
+    assert "is not marked `native`" in out

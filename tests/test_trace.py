@@ -74,6 +74,7 @@ def run_traced(engine, requests, run_dir, flush_every_steps=64, beside=False):
     return ids, steps
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("beside", [False, True])
 def test_one_row_per_sampled_token_with_digests(tiny, tmp_path, monkeypatch, beside):
     """Digests hashed by the writer, or by the engine beside its commit (the writer then hashes nothing)."""
@@ -106,6 +107,7 @@ def test_one_row_per_sampled_token_with_digests(tiny, tmp_path, monkeypatch, bes
     assert [(r["request_id"], r["stream"]) for r in requests] == [("greedy", 0), ("topp", 0), ("pair", 0), ("pair", 1)]
 
 
+@pytest.mark.native
 def test_step_digests_are_finished_on_first_look_and_written_when_the_next_output_comes(tiny, tmp_path):
     """The engine hashes a step's rows on beside the next step's Python: read before any next step, the digests
     are finished on the spot and are the rows' sha256; TraceWriter.write_output takes a step's rows when the
@@ -132,6 +134,7 @@ def test_step_digests_are_finished_on_first_look_and_written_when_the_next_outpu
                                                    for t in s.samples]
 
 
+@pytest.mark.native
 def test_empty_support_finishes_only_that_request_with_error(tiny, tmp_path):
     bad = {"prompt_token_ids": [1, 2, 3], "request_id": "bad", "sampling_params": SamplingParams(
         allowed_token_ids=[100], bad_words=[[100]], max_tokens=5)}
@@ -149,6 +152,7 @@ def test_empty_support_finishes_only_that_request_with_error(tiny, tmp_path):
     assert "bad_words" in rows[0]["error"] and engine.block_manager.num_free_blocks == engine.num_kv_blocks
 
 
+@pytest.mark.native
 def test_rows_are_on_disk_after_each_flush(tiny, tmp_path):
     engine = make_engine(tiny, max_num_batched_tokens=4, max_num_seqs=2)
     writer = TraceWriter(tmp_path, "crashy", flush_every_steps=2)
@@ -163,6 +167,7 @@ def test_rows_are_on_disk_after_each_flush(tiny, tmp_path):
     assert read_samples(tmp_path).num_rows == 7
 
 
+@pytest.mark.native
 def test_corrupt_part_is_a_clear_error(tiny, tmp_path):
     engine = make_engine(tiny)
     run_traced(engine, MIXED[:1], tmp_path)
@@ -172,6 +177,7 @@ def test_corrupt_part_is_a_clear_error(tiny, tmp_path):
         read_samples(tmp_path)
 
 
+@pytest.mark.native
 def test_side_by_side_sha256_is_hashlibs():
     """The writer hashes a step's rows 16 at a time in C: each digest is hashlib's sha256 of that row,
     for every length of the last block (the 55/56/64-byte padding boundaries), a vocabulary row, row
@@ -197,6 +203,7 @@ def test_side_by_side_sha256_is_hashlibs():
         sha256_rows(wide, [0, 40, 1])
 
 
+@pytest.mark.native
 def test_full_logits_and_kept_digest_let_a_trainer_rebuild_the_sampling_mask(tiny, tmp_path):
     """trace.full_logits writes the raw fp32 rows of the asked-for requests (their sha256 is the trace's
     logits digest), and re-applying a row's processors to them gives a kept set whose digest is the trace's
@@ -239,6 +246,7 @@ def test_full_logits_and_kept_digest_let_a_trainer_rebuild_the_sampling_mask(tin
     assert all(r["kept_sha256"] == full for k, r in rows.items() if k[0] == "greedy")
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("version", [4, 5])
 def test_older_schema_versions_read_with_their_missing_columns_null(tiny, tmp_path, version):
     from toolkit.trace.schema import COMPATIBLE, REQUESTS_SCHEMA, SAMPLES_SCHEMA

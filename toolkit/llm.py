@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig, from_mapping
 from toolkit.engine.core import Engine, load_for
@@ -52,7 +53,7 @@ class LLM:
 
     @classmethod
     def over(cls, loaded, engine_cfg: EngineConfig, *, default_sampling: SamplingParams | None = None,
-             trace: bool = True, trace_root: str | Path | None = None) -> "LLM":
+             trace: bool = True, trace_root: str | Path | None = None) -> LLM:
         """An LLM over weights already loaded (the benchmark's, a test's): nothing is loaded again."""
         llm = cls.__new__(cls)
         llm.engine_cfg, llm.spec_cfg, llm.loaded = engine_cfg, SpeculativeConfig(), loaded

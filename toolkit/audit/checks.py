@@ -6,8 +6,9 @@ recomputes each request on its own (packed where the reference can: toolkit.audi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

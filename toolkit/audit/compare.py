@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import glob
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.dataset as ds

@@ -24,8 +24,9 @@ negative, which is what `experiment=engine_mismatch` turns into a detection AUC 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 

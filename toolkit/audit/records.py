@@ -3,8 +3,9 @@ LineError for a line that cannot be audited), and the checks each line's fields 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 FORMATS = ("openai", "token_ids", "hf")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's names: before / after the processors

@@ -14,9 +14,10 @@ import json
 import math
 import struct
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -274,7 +275,7 @@ def compare(recorded: pa.Table, replayed: pa.Table, report: ReplayReport,
     report.rows_only_in_replay = sum(1 for k in mine if k not in seen)
     # rows beyond a finished recorded sequence are divergences (the replay kept going); beyond an
     # unfinished (partial) one they are simply not in the trace
-    for k, r in mine.items():
+    for k in mine:
         if k not in seen and (k[0], k[1]) in sequences | aborted and (k[0], k[1]) not in unfinished:
             report.divergences.append(Divergence(k[0], k[1], k[2], "row", "absent", "present"))
 

@@ -14,8 +14,9 @@ Ray is its own extra (`pip install 'toolkit[ray]'`), imported only here, when a 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

@@ -16,8 +16,9 @@ tokens are accepted only where the text was cut (`stop_trimmed`: a stop string r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 END = -1  # the state past the text's end (a stop string trimmed from the text)
 

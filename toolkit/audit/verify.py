@@ -22,9 +22,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pyarrow as pa
 import torch

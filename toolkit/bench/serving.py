@@ -17,8 +17,9 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from toolkit.engine.core import Engine
 from toolkit.runs.metrics import percentile

@@ -21,7 +21,7 @@ from toolkit.models import LoadedModel
 from toolkit.native.library import KernelUnavailable, native
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def keep_freed_memory() -> bool:
     """Ask glibc's malloc to keep freed blocks of up to 256 MB in the heap instead of unmapping them.
     Every step allocates and frees (rows x vocabulary) logits blocks and activations of several MB;

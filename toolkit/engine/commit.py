@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 from toolkit.engine.decide import Decision, Emit
 from toolkit.engine.outputs import TextDelta

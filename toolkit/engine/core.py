@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -138,7 +139,7 @@ class Engine:
         return self.committer.last_finish_time
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> "Engine":
+    def from_config(cls, cfg: Mapping[str, Any]) -> Engine:
         """Build from a composed config with `model`, `engine` and optional `sampling` sections."""
         engine_cfg = from_mapping(EngineConfig, _plain(cfg.get("engine")), section="engine")
         model_cfg = from_mapping(ModelConfig, _plain(cfg.get("model")), section="model")

@@ -11,8 +11,9 @@ statistics it counts while verifying. What it decides is committed by toolkit.en
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
+from typing import Any
 
 from toolkit.config import EngineConfig
 from toolkit.engine.request import Request

@@ -12,7 +12,7 @@ the step) or every one does (the engine's), the step's own exception is raised: 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from toolkit.engine.request import Request, RequestStatus
 from toolkit.engine.scheduler import ScheduledBatch, ScheduledChunk

@@ -140,7 +140,7 @@ class Scheduler:
             # cannot grow): free a victim so the others progress.
             self._preempt(self._victim(set()), step, plan)
 
-    def _schedule_once(self, step: int, plan: "_Plan", decodes: bool = True) -> ScheduledBatch:
+    def _schedule_once(self, step: int, plan: _Plan, decodes: bool = True) -> ScheduledBatch:
         budget = self.cfg.max_num_batched_tokens
         # prefill_first and no_chunking take prompts whole: the step's first prompt may exceed the budget
         whole = self.cfg.scheduler_policy in ("prefill_first", "no_chunking")
@@ -249,7 +249,7 @@ class Scheduler:
             size -= bs  # a copy-on-write block also needs room
         return max(size, 0)
 
-    def _take(self, seq: Request, size: int, plan: "_Plan", drafts: int = 0) -> ScheduledChunk:
+    def _take(self, seq: Request, size: int, plan: _Plan, drafts: int = 0) -> ScheduledChunk:
         start = seq.num_computed_tokens
         total = start + size
         plan.copies.extend(self.blocks.write(seq.seq_id, start, total + drafts))
@@ -271,7 +271,7 @@ class Scheduler:
             return max(candidates, key=lambda s: (s.priority, order[id(s)]))
         return candidates[-1]  # the newest
 
-    def _preempt(self, seq: Request, step: int, plan: "_Plan") -> None:
+    def _preempt(self, seq: Request, step: int, plan: _Plan) -> None:
         """Free (recompute) or swap out the victim's KV; keep its tokens and state; re-queue it at the head."""
         self.running.remove(seq)
         mode = self.cfg.preemption_mode

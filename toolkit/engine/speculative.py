@@ -30,8 +30,9 @@ All randomness is keyed by (seed, position, stream, purpose) and replays bit for
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -171,10 +172,10 @@ class NgramProposer:
                         return follow
         return ()
 
-    def max_drafts(self, seq: "Request", k: int) -> int:
+    def max_drafts(self, seq: Request, k: int) -> int:
         return len(self.lookup(seq.token_ids, k))
 
-    def propose(self, context: "DraftContext", items: list[tuple["Request", int]]) -> dict[str, Proposal]:
+    def propose(self, context: DraftContext, items: list[tuple[Request, int]]) -> dict[str, Proposal]:
         return {seq.seq_id: Proposal(self.lookup(seq.token_ids, slots)) for seq, slots in items}
 
     def release(self, seq_id: str) -> None:
@@ -202,7 +203,7 @@ class ModelProposer:
         self.shares_target_cache = shares_target_cache
         self._state: dict[str, _DraftSeq] = {}
 
-    def max_drafts(self, seq: "Request", k: int) -> int:
+    def max_drafts(self, seq: Request, k: int) -> int:
         return k
 
     def release(self, seq_id: str) -> None:
@@ -216,7 +217,7 @@ class ModelProposer:
         if state is not None:
             state.computed = min(state.computed, num_valid)
 
-    def propose(self, context: "DraftContext", items: list[tuple["Request", int]]) -> dict[str, Proposal]:
+    def propose(self, context: DraftContext, items: list[tuple[Request, int]]) -> dict[str, Proposal]:
         drafts: dict[str, list[int]] = {seq.seq_id: [] for seq, _ in items}
         q_rows: dict[str, list[torch.Tensor]] = {seq.seq_id: [] for seq, _ in items}
         active = [(seq, slots) for seq, slots in items if slots > 0]
@@ -298,7 +299,7 @@ class Speculator:
         self.stats = SpecStats()
 
     @classmethod
-    def build(cls, cfg, engine: DraftHost) -> "Speculator":
+    def build(cls, cfg, engine: DraftHost) -> Speculator:
         if cfg.method == "ngram":
             return cls(cfg, NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
         if cfg.method == "self_draft":
@@ -334,7 +335,7 @@ class Speculator:
     def max_drafts(self, seq, room: int) -> int:
         return self.proposer.max_drafts(seq, room)
 
-    def propose(self, context: "DraftContext", items):
+    def propose(self, context: DraftContext, items):
         return self.proposer.propose(context, items)
 
     def rewind(self, seq_id: str, num_valid: int) -> None:

@@ -54,7 +54,7 @@ class AttentionMetadata:
     decode_ctx_D: torch.Tensor | None  # sdpa: (num_decodes,) keys each decode row sees
     prefills: tuple[PrefillChunk, ...]  # sdpa chunks (rows >= kernel_rows)
     flex: object | None = None  # toolkit.kv.flex.FlexMetadata: every row through FlexAttention
-    kv_quant: "KVQuant | None" = None  # int8/fp8 caches: the format and every layer's scales
+    kv_quant: KVQuant | None = None  # int8/fp8 caches: the format and every layer's scales
 
 
 @dataclass(frozen=True)

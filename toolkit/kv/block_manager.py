@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 class NoFreeBlocks(RuntimeError):

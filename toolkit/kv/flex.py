@@ -18,9 +18,9 @@ axis is padded to a power of two so that a handful of compiled shapes serve ever
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

@@ -22,8 +22,8 @@ Only the rows that will be sampled go through the final norm and the LM head.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 import torch.nn as nn
@@ -163,8 +163,8 @@ class PagedDecoder(nn.Module):
         # whether every layer is plain Llama (no biases, q/k norms or extra norms, no soft-capping or
         # sliding window): then a CPU fp32 step on the native kernels runs all layers in one C call
         self._plain = arch.norm == "rms" and arch.attn_softcap is None and all(
-            arch.window_of(i) is None and all(getattr(l, n) is None for n in VECTORS if n not in ("ln_attn", "ln_mlp"))
-            for i, l in enumerate(self.layers))
+            arch.window_of(i) is None and all(getattr(layer, n) is None for n in VECTORS if n not in ("ln_attn", "ln_mlp"))
+            for i, layer in enumerate(self.layers))
         self.fused_layers = True  # may be switched off per model (tests compare both paths bit for bit)
         self._layer_weights = None  # the packed weights' addresses per layer, for the fused call
         self._norms_f32 = None  # the norm weights in fp32 (a 16-bit model's widened) the fused call reads
@@ -174,7 +174,7 @@ class PagedDecoder(nn.Module):
         """The projections packed for the native matmul, made on first use (a second copy of
         the weights, held only by models that run with engine.matmul_backend=native)."""
         if self._packed is None:
-            layers = [{n: pack_weight(getattr(l, n)) for n in l.projections} for l in self.layers]
+            layers = [{n: pack_weight(getattr(layer, n)) for n in layer.projections} for layer in self.layers]
             self._packed = (layers, pack_weight(self.lm_head_t))
         return self._packed
 
@@ -212,7 +212,7 @@ class PagedDecoder(nn.Module):
         """Per layer: the addresses of its norm weights (fp32: a 16-bit model's widened, kept here), packed
         projections and K / V caches."""
         if self._layer_weights is None:
-            self._norms_f32 = [(l.ln_attn.float(), l.ln_mlp.float()) for l in self.layers]
+            self._norms_f32 = [(layer.ln_attn.float(), layer.ln_mlp.float()) for layer in self.layers]
             self._layer_weights = [[a.data_ptr(), b.data_ptr()]
                                    + [p[name].data.data_ptr() for name in ("w_qkv", "w_o", "w_gate_up", "w_down")]
                                    for (a, b), p in zip(self._norms_f32, packed)]

@@ -6,8 +6,9 @@ A family module has `MODEL_TYPES`, `from_hf_config(cfg) -> DecoderArch` and
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 

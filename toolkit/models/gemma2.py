@@ -5,7 +5,8 @@ attention and final logits, and sliding-window attention on every other layer.""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

@@ -4,7 +4,8 @@ head tied to the token embedding. HF stores its projections as Conv1D, (in, out)
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

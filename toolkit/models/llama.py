@@ -7,7 +7,8 @@ projections are fused at load (q|k|v and gate|up) so a layer runs four GEMMs.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

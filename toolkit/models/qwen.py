@@ -4,7 +4,8 @@ RMSNorm of queries and keys before RoPE (Qwen3, Yang et al. 2025)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import jinja2.sandbox
 import tokenizers

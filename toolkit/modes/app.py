@@ -5,8 +5,9 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 

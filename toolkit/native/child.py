@@ -13,7 +13,8 @@ import multiprocessing
 import signal
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from toolkit.errors import ForeignEngineError, one_line
 

@@ -10,10 +10,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
-from typing import Callable
 
 from toolkit.native.cpu import TARGETS, host_target, runnable_targets
 from toolkit.paths import cache_root
@@ -114,8 +114,8 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
 
 
 def _first_error(stderr: str) -> str:
-    lines = [l.strip() for l in stderr.splitlines() if l.strip()]
-    errors = [l for l in lines if "error" in l.lower()] or lines or ["(no output)"]
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()] or lines or ["(no output)"]
     return errors[0][:200]
 
 
@@ -148,7 +148,7 @@ def _compiler_name(version: str, cc: str) -> str:
     return f"{'gcc' if gcc else Path(cc).name} {words[-1] if words else ''}".strip()
 
 
-@lru_cache(maxsize=None)
+@cache
 def _build(target: str, lanes: int | None, cc: str | None, load: bool = True) -> NativeLib | Path | KernelUnavailable:
     """Compile (or find in the cache) and load one build (with load=False only compile it: a target this
     CPU cannot run); a failure is returned, and so remembered for the process."""
@@ -207,14 +207,30 @@ def _default_spec() -> tuple[str, int | None]:
     return target, int(lanes) if lanes.isdigit() else None
 
 
-@lru_cache(maxsize=None)
+@cache
 def _warn_once(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+_consulted = 0  # how often this process asked switched_off(): the suite's `native` marker is checked by it
+_PROBE = os.environ.get("TOOLKIT_NATIVE_PROBE")  # a file a child process creates once it asks (the suite's check)
+
+
 def switched_off() -> bool:
-    """Whether TOOLKIT_NATIVE (0, false, off or no) switches the native path off in this process."""
+    """Whether TOOLKIT_NATIVE (0, false, off or no) switches the native path off in this process. Every choice
+    between a kernel and torch's fallback asks this (through native()), so the suite can tell which tests take
+    a path that TOOLKIT_NATIVE=0 changes (consulted(), TOOLKIT_NATIVE_PROBE for child processes)."""
+    global _consulted, _PROBE
+    _consulted += 1
+    if _PROBE is not None:
+        Path(_PROBE).touch()
+        _PROBE = None
     return os.environ.get("TOOLKIT_NATIVE", "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def consulted() -> int:
+    """How often this process asked switched_off() so far."""
+    return _consulted
 
 
 def native() -> NativeLib:

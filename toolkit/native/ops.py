@@ -234,7 +234,7 @@ class TailCall:
     @classmethod
     def of(cls, x_RV: torch.Tensor, ops: list[tuple[tuple[str, float], ...]], keys: list[tuple[int, int] | None],
            keep_rows: bool = True, lib: NativeLib | None = None, patches: Patches | None = None,
-           raw_logsumexp: bool = False) -> "TailCall | None":
+           raw_logsumexp: bool = False) -> TailCall | None:
         """sample_tail_cpu's call for these arguments (see there), not yet run; None where the kernel does not
         apply."""
         lib = _tail_lib(x_RV, lib)

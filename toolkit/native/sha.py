@@ -6,7 +6,8 @@ import ctypes
 import hashlib
 import threading
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ T = TypeVar("T")
 SHA_METHODS = ("auto", "lanes", "sha_ni")
 
 
-def sha256_rows(rows_RB, index: "list[int] | None" = None, threads: int | None = None,
+def sha256_rows(rows_RB, index: list[int] | None = None, threads: int | None = None,
                 lib: NativeLib | None = None, method: str = "auto") -> list[str]:
     """The sha256 hex digest of the bytes of each row of a 2-D CPU tensor or numpy array (rows
     `index`, all by default), read in place, in C on `threads` threads (default torch's): a build's
@@ -45,7 +46,7 @@ class ShaJob:
     fn() and digests() hashes every row. An exception from fn is raised after the other threads stop. Calls
     from different threads take turns (a lock): a group of rows is never hashed by two calls at once."""
 
-    def __init__(self, rows_RB, index: "list[int] | None" = None, threads: int | None = None,
+    def __init__(self, rows_RB, index: list[int] | None = None, threads: int | None = None,
                  lib: NativeLib | None = None, method: str = "auto"):
         job = _sha_job(rows_RB, index, threads, lib, method)
         self._done = job if isinstance(job, list) else None

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -253,7 +254,7 @@ class RunData:
     steps: dict[str, list] | None
 
     @classmethod
-    def read(cls, run_dir: str | Path) -> "RunData":
+    def read(cls, run_dir: str | Path) -> RunData:
         run_dir = Path(run_dir)
         config = run_dir / "config.yaml"
         samples = read_samples(run_dir)

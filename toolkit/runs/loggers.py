@@ -11,8 +11,9 @@ as an artifact.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from toolkit.errors import ConfigError
 

@@ -7,8 +7,9 @@ import platform
 import subprocess
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import math
 from collections import deque
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import jsonschema
 

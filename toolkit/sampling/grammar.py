@@ -14,7 +14,8 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

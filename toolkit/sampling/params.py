@@ -4,8 +4,9 @@ the default order of the logits-processor pipeline."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 from toolkit.config import check, from_mapping, is_int, is_number
 from toolkit.errors import ConfigError
@@ -186,7 +187,7 @@ class SamplingParams:
         """The active processors with their parameters, then the selection rule."""
         return list(self._description)
 
-    def replace(self, **changes) -> "SamplingParams":
+    def replace(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -203,12 +204,12 @@ class SamplingParams:
         return out
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any] | None) -> "SamplingParams":
+    def from_mapping(cls, data: Mapping[str, Any] | None) -> SamplingParams:
         return from_mapping(cls, data, section="sampling")
 
     @classmethod
     def with_model_defaults(cls, data: Mapping[str, Any] | None, generation: Mapping[str, Any]
-                            ) -> tuple["SamplingParams", dict[str, Any]]:
+                            ) -> tuple[SamplingParams, dict[str, Any]]:
         """The run's sampling section with the model's own defaults (its generation_config) in the fields
         the section leaves at the library's default; and which fields those were."""
         data = dict(data or {})

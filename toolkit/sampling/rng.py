@@ -17,7 +17,7 @@ noise that way; see toolkit/trace/schema.py.)
 from __future__ import annotations
 
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

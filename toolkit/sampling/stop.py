@@ -17,8 +17,8 @@ The state lives here so that a resumed request continues exactly where it was.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 REPLACEMENT = "\ufffd"
 
@@ -32,7 +32,7 @@ class StopState:
     pieces: list[str] = field(default_factory=list)  # the confirmed text, decode(ids[:read_offset]), in pieces
     confirmed: int = 0  # its length in characters
     pending: str = ""  # the text of ids[read_offset:] so far (it may end in an incomplete character)
-    prefixes: "PrefixMatcher | None" = None  # how much of each stop string the text ends with (held_back)
+    prefixes: PrefixMatcher | None = None  # how much of each stop string the text ends with (held_back)
     fed: int = 0  # characters of the text the prefix matcher has read
 
     @property

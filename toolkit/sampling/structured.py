@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from toolkit.errors import ConfigError
 
@@ -33,7 +34,8 @@ class StructuredOutputs:
                 try:
                     schema = json.loads(schema)
                 except json.JSONDecodeError as exc:
-                    raise ConfigError(f"structured_outputs.json is not valid JSON: {exc.msg} at column {exc.colno}")
+                    raise ConfigError(f"structured_outputs.json is not valid JSON: {exc.msg} at column {exc.colno}") \
+                        from None
             if not isinstance(schema, Mapping):
                 raise ConfigError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
             object.__setattr__(self, "json", _plain(schema))
@@ -71,7 +73,7 @@ class StructuredOutputs:
         return {self.kind: list(value) if isinstance(value, tuple) else value}
 
     @classmethod
-    def coerce(cls, value: Any) -> "StructuredOutputs | None":
+    def coerce(cls, value: Any) -> StructuredOutputs | None:
         if value is None or isinstance(value, StructuredOutputs):
             return value
         if not isinstance(value, Mapping):

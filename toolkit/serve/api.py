@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -43,12 +44,12 @@ from toolkit.serve.protocol import (
 
 class Api:
     def __init__(self, loop: EngineLoop, served: ServedModel, metrics: ServerMetrics,
-                 on_shutdown: Callable[[], None] | None = None, *, limits: Limits = Limits(),
+                 on_shutdown: Callable[[], None] | None = None, *, limits: Limits | None = None,
                  api_keys: Sequence[str] = (), metrics_public: bool = True, max_compiling: int = 8):
         """`api_keys`: when any, every /v1 route (and /metrics unless `metrics_public`) needs
         `Authorization: Bearer <one of them>`. `max_compiling`: grammars compiling or queued at once, past which
         a request with a new one gets 503 (GrammarCompiler)."""
-        self.loop, self.served, self.metrics, self.limits = loop, served, metrics, limits
+        self.loop, self.served, self.metrics, self.limits = loop, served, metrics, limits or Limits()
         self.compiler = GrammarCompiler(loop.engine.intake.precompile, max_compiling)
         self.api_keys = tuple(k.encode() for k in api_keys)
         self.metrics_public = metrics_public

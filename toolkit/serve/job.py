@@ -9,9 +9,10 @@ import sys
 import time
 import uuid
 from collections import deque
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -180,7 +181,7 @@ class Job:
         self.prompt_logprobs: list[list | None] = []
 
     @classmethod
-    def build(cls, api: JobHost, route: str, req: SamplingFields, body: dict) -> "Job":
+    def build(cls, api: JobHost, route: str, req: SamplingFields, body: dict) -> Job:
         try:
             if isinstance(req, ChatCompletionRequest):
                 prompts = [{"messages": [m.plain() for m in req.messages]}]

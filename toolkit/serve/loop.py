@@ -22,10 +22,11 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -134,7 +135,7 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ callers (any thread)
 
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         """Step the engine on its own thread from now on; this thread (the one that loaded the model) gives
         back its OpenMP workers first, or libgomp, counting both teams on a small machine, would sleep at
         every barrier of the engine's steps (toolkit.native.library.release_openmp_threads)."""

@@ -9,9 +9,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import uvicorn
 from omegaconf import DictConfig, OmegaConf

@@ -183,7 +183,7 @@ class Limits:
     max_unread_mb: float = 4.0  # a request's output its client has not read yet, past which it is aborted
     stream_write_timeout_s: float = 30.0  # a stream's client that takes no bytes for this long: aborted, closed
 
-    def check(self, req: "SamplingFields", prompts: int) -> None:
+    def check(self, req: SamplingFields, prompts: int) -> None:
         """A FieldError naming the first field past its limit."""
         stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
         for name, count, knob in (("prompt", prompts, "max_prompts"), ("stop", len(stop), "max_stop"),

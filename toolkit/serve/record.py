@@ -18,8 +18,9 @@ import hashlib
 import json
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import pyarrow as pa
 from omegaconf import OmegaConf

@@ -19,9 +19,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -255,7 +256,7 @@ class TraceWriter:
             raise OSError(f"trace writer: {len(self._pending)} sample rows could not be written to "
                           f"{self.run_dir}: {self.fault}")
 
-    def __enter__(self) -> "TraceWriter":
+    def __enter__(self) -> TraceWriter:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -17,9 +17,9 @@ copying the block.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -55,7 +55,7 @@ class BatchView:
     eos_token_ids: tuple[int, ...] = ()
     grammar_mask_RV: torch.Tensor | None = None  # (R, V) bool: tokens each row's grammar allows (True without one)
 
-    def subset(self, index: Sequence[int]) -> "BatchView":
+    def subset(self, index: Sequence[int]) -> BatchView:
         mask = None
         if self.grammar_mask_RV is not None:
             mask = self.grammar_mask_RV.index_select(0, torch.tensor(list(index), device=self.grammar_mask_RV.device))
@@ -122,7 +122,7 @@ class Patches:
         out[self.rows_S, self.cols_S] = self.values(x_RV).to(out.dtype)
         return out
 
-    def select(self, index: list[int], num_rows: int) -> "Patches":
+    def select(self, index: list[int], num_rows: int) -> Patches:
         """The changes of rows `index` (increasing) of a block of num_rows, renumbered 0.. as
         index_select(0, index) renumbers them."""
         where = torch.full((num_rows,), -1, dtype=torch.int64)
