@@ -85,7 +85,7 @@ def _native_marker_is_honest(request, tmp_path_factory):
     before = library.consulted()
     yield
     os.environ.pop("TOOLKIT_NATIVE_PROBE", None)
-    fixtures = [d for defs in request.node._fixtureinfo.name2fixturedefs.values() for d in defs]
+    fixtures = [defs[-1] for defs in request.node._fixtureinfo.name2fixturedefs.values() if defs]  # the ones used
     took = library.consulted() > before or probe.exists() or any(id(d) in _ASKING_FIXTURES for d in fixtures)
     report = os.environ.get("TOOLKIT_NATIVE_REPORT")
     if report:

@@ -70,10 +70,10 @@ class Committer:
         traces, deltas, finished, failed = [], [], [], []
         for seq, emitted in decision.emits:
             verified = seq.seq_id in proposals
-            position = seq.num_tokens
+            position, marks = seq.num_tokens, (len(deltas), len(traces), len(finished))
             try:
                 for e in emitted:
-                    position = seq.num_tokens
+                    position, marks = seq.num_tokens, (len(deltas), len(traces), len(finished))
                     delta = self.commit_row(seq, e.token, e.error)
                     if seq.seq_id in forked and not delta.finished:
                         self.scheduler.adopt(seq)
@@ -86,10 +86,9 @@ class Committer:
             except Exception as exc:  # noqa: BLE001 - this sequence's commit raised (its tokenizer's decode, its
                 # grammar's accept): it alone ends, without the token it could not commit; its batch-mates go on
                 message = f"committing its token failed: {one_line(exc)}"
-                del seq.token_ids[max(position, seq.num_prompt_tokens):]
+                del seq.token_ids[max(position, seq.num_prompt_tokens):]  # the token, its delta and row dropped
+                del deltas[marks[0]:], traces[marks[1]:], finished[marks[2]:]
                 seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
-                if seq.seq_id in finished:
-                    finished.remove(seq.seq_id)
                 deltas.append(self.fail(seq, message))
                 finished.append(seq.seq_id)
                 failed.append((seq.request_id, message))
@@ -180,7 +179,9 @@ class Committer:
         """End a sequence whose step raised an exception for it alone (finish_reason "error", `message` its
         detail), with no token and no trace row: nothing was sampled for it."""
         seq.followers = []
-        if not seq.is_finished:
+        if seq.is_finished:  # finished by the token whose commit then raised: the error is what it ended with
+            seq.finish_reason, seq.finish_detail, seq.stop_reason = FinishReason.ERROR, f"error: {message}", None
+        else:
             self.finish(seq, FinishReason.ERROR, f"error: {message}", None, time.perf_counter())
         return TextDelta(seq.request_id, seq.stream, "", (), True, FinishReason.ERROR.value)
 

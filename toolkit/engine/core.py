@@ -45,7 +45,7 @@ from toolkit.engine.backends import (
 from toolkit.engine.commit import Committed, Committer
 from toolkit.engine.decide import Decider, Decision
 from toolkit.engine.intake import RequestIntake, derive_seed
-from toolkit.engine.isolate import find_culprits, without
+from toolkit.engine.isolate import find_culprits, prober, without
 from toolkit.engine.outputs import (
     CompletionOutput,
     RequestMetrics,
@@ -200,10 +200,14 @@ class Engine:
         except _CommitFailed as exc:  # sequences changed: nothing to retry
             raise exc.__cause__ from None
         except Exception as exc:  # noqa: BLE001 - a request that fails alone fails alone; the step goes on
-            failed = find_culprits(batch, exc, self._probe(proposals), lambda c: self.requests[c.seq_id].request_id)
+            probe = prober(self.runner, self.decider, self.requests, proposals)
+            failed = find_culprits(batch, exc, probe, lambda c: self.requests[c.seq_id].request_id)
             batch, proposals = without(batch, proposals, failed, self.requests)
             out = self.runner.run(batch, move_blocks=False)
-            decision, committed, digests = self._decide_and_commit(batch, out, proposals, trace_digests)
+            try:
+                decision, committed, digests = self._decide_and_commit(batch, out, proposals, trace_digests)
+            except _CommitFailed as again:
+                raise again.__cause__ from None
             committed = self.committer.fail_requests(failed, committed, self.requests, self.groups)
         self.step_index = step + 1
         return self._step_output(batch, committed, decision.logits_RV, out.forward_s,
@@ -262,16 +266,6 @@ class Engine:
         proposed = sum(len(p.tokens) for p in proposals.values())
         return dataclasses.replace(batch, chunks=chunks, num_decode_tokens=batch.num_decode_tokens - sum(
             c.draft_slots for c in batch.chunks) + proposed), proposals
-
-    def _probe(self, proposals: Mapping[str, Proposal]) -> Callable[[ScheduledBatch], None]:
-        """A part of a failed step's batch through the forward and the decider again (nothing committed, no block
-        copied again): what find_culprits runs."""
-        def probe(part: ScheduledBatch) -> None:
-            out = self.runner.run(part, move_blocks=False)
-            ids = {c.seq_id for c in part.chunks}
-            self.decider.decide(out, {k: p for k, p in proposals.items() if k in ids}, self.requests)
-
-        return probe
 
     def _decide_and_commit(self, batch: ScheduledBatch, out: ModelOutput, proposals: Mapping[str, Proposal],
                            digests: bool) -> tuple[Decision, Committed, RowDigests | None]:

@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
+from toolkit.engine.decide import Decider
 from toolkit.engine.request import Request, RequestStatus
+from toolkit.engine.runner import ModelRunner
 from toolkit.engine.scheduler import ScheduledBatch, ScheduledChunk
 from toolkit.engine.speculative import Proposal
 from toolkit.errors import one_line
@@ -54,6 +56,18 @@ def find_culprits(batch: ScheduledBatch, exc: Exception, probe: Callable[[Schedu
     if not culprits or len(culprits) == len(ids):
         raise exc
     return {r: why[r] for r in culprits}
+
+
+def prober(runner: ModelRunner, decider: Decider, requests: Mapping[str, Request],
+           proposals: Mapping[str, Proposal]) -> Callable[[ScheduledBatch], None]:
+    """What find_culprits runs on a part of a failed step's batch: the forward (no block copied again) and the
+    decider (which only reads), nothing committed."""
+    def probe(part: ScheduledBatch) -> None:
+        out = runner.run(part, move_blocks=False)
+        ids = {c.seq_id for c in part.chunks}
+        decider.decide(out, {k: p for k, p in proposals.items() if k in ids}, requests)
+
+    return probe
 
 
 def without(batch: ScheduledBatch, proposals: Mapping[str, Proposal], failed: Mapping[str, str],

@@ -96,7 +96,8 @@ class StepOutput:
     # step(trace_digests=True): logits row -> sha256 of its bytes (hashed on beside the next step; a first look
     # finishes it)
     logits_sha256: Mapping[int, str] | None = None
-    # requests this step ended because it raised for them alone (Engine._isolate, the commit): (request id, why)
+    # requests this step ended because it raised for them alone (toolkit.engine.isolate, the commit): (request id,
+    # why)
     failed: tuple[tuple[str, str], ...] = ()
 
 

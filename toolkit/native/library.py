@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, lru_cache
@@ -212,7 +213,8 @@ def _warn_once(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-_consulted = 0  # how often this process asked switched_off(): the suite's `native` marker is checked by it
+_consulted = 0  # how often this process's main thread asked switched_off(): the suite's `native` marker check
+_MAIN = threading.main_thread().ident
 _PROBE = os.environ.get("TOOLKIT_NATIVE_PROBE")  # a file a child process creates once it asks (the suite's check)
 
 
@@ -221,7 +223,8 @@ def switched_off() -> bool:
     between a kernel and torch's fallback asks this (through native()), so the suite can tell which tests take
     a path that TOOLKIT_NATIVE=0 changes (consulted(), TOOLKIT_NATIVE_PROBE for child processes)."""
     global _consulted, _PROBE
-    _consulted += 1
+    if threading.get_ident() == _MAIN:  # a test's own thread (an engine thread a test left behind is not it)
+        _consulted += 1
     if _PROBE is not None:
         Path(_PROBE).touch()
         _PROBE = None
@@ -229,7 +232,7 @@ def switched_off() -> bool:
 
 
 def consulted() -> int:
-    """How often this process asked switched_off() so far."""
+    """How often this process's main thread asked switched_off() so far."""
     return _consulted
 
 

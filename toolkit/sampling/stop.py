@@ -74,8 +74,8 @@ class StopState:
         matched-prefix length is carried from one call to the next (Knuth-Morris-Pratt), so a token costs the
         characters it adds times the stop strings, never the longest stop string's length. `upto` (the text
         that is final: no trailing incomplete character) never decreases between calls."""
-        if self.prefixes is None:
-            self.prefixes = PrefixMatcher(stops)
+        if self.prefixes is None or upto < self.fed:  # (the final text never shrinks; if it did, read it again)
+            self.prefixes, self.fed = PrefixMatcher(stops), 0
         if upto > self.fed:
             self.prefixes.feed(self.tail(self.fed)[:upto - self.fed])
             self.fed = upto

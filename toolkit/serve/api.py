@@ -28,7 +28,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
-from toolkit.serve.job import GrammarCompiler, Job, TimedEventStream
+from toolkit.serve.grammars import GrammarCompiler
+from toolkit.serve.job import Job, TimedEventStream
 from toolkit.serve.loop import EngineLoop
 from toolkit.serve.metrics import ServerMetrics
 from toolkit.serve.protocol import (
@@ -142,7 +143,7 @@ class Api:
             return exc.response()
         self.metrics.http.labels(route, "200").inc()
         if req.stream:
-            return TimedEventStream(job.stream(), self.limits.stream_write_timeout_s)
+            return TimedEventStream(job.stream(), self.limits.stream_write_timeout_s, job.abort)
         return await job.complete(request)
 
     def _check_model(self, req: SamplingFields) -> None:

@@ -10,7 +10,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -21,6 +20,7 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from toolkit.engine.outputs import TextDelta
 from toolkit.errors import RequestError, ToolkitError, one_line
 from toolkit.native.library import release_openmp_threads
+from toolkit.serve.grammars import GrammarCompiler
 from toolkit.serve.loop import EngineLoop, InternalError, Submission, Unavailable, Update, prompt_ids, prompt_scores
 from toolkit.serve.protocol import (
     ApiError,
@@ -40,39 +40,6 @@ def unavailable(exc: Unavailable) -> ApiError:
     return ApiError(exc.status, str(exc), None, exc.code, exc.code, {"Retry-After": str(exc.retry_after_s)})
 
 
-class GrammarCompiler:
-    """Compiles requests' grammars (Intake.precompile) on `workers` threads of its own, never the event loop's
-    default pool: a compile past serve.grammar_timeout_s cannot be interrupted (xgrammar's) and goes on, so
-    compiles hold at most these threads and every other handler's work (echo scoring) keeps its own. Past
-    `max_compiling` compiles running or queued at once (timed-out ones still running among them), a request with
-    a grammar gets 503 + Retry-After; a request without one never waits here."""
-
-    def __init__(self, precompile: Callable[[Any], None], max_compiling: int, workers: int = 2):
-        self.precompile, self.max_compiling = precompile, max_compiling
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="grammar")
-        self.compiling = 0  # on the event loop's thread only
-
-    async def compile(self, sampling: dict[str, Any], timeout_s: float) -> None:
-        if sampling.get("structured_outputs") is None:
-            self.precompile(sampling)  # a check of the sampling fields: nothing to compile
-            return
-        if self.compiling >= self.max_compiling:
-            raise Unavailable(f"the server is compiling {self.compiling} grammars (serve.max_compiling="
-                              f"{self.max_compiling}); retry later")
-        self.compiling += 1
-        future = asyncio.get_running_loop().run_in_executor(self._pool, self.precompile, sampling)
-        future.add_done_callback(self._done)  # when the compile ends, not when its request stops waiting
-        await asyncio.wait_for(asyncio.shield(future), timeout_s)
-
-    def _done(self, future: asyncio.Future) -> None:
-        self.compiling -= 1
-        if not future.cancelled():
-            future.exception()  # read: a timed-out compile's error is its request's no longer
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
 class JobHost(Protocol):
     """What a Job reads of the API that made it (toolkit.serve.api.Api is one)."""
 
@@ -87,10 +54,11 @@ ROW_BYTES = 512  # what one unread trace row counts for against serve.max_unread
 
 
 class Mailbox:
-    """A request's updates from the engine thread, bounded twice. At `limit` unread updates the next ones wait in
-    a tail that becomes one update when it is read (each sample's text joined once): a slow reader costs what it
-    has not read, never a queue of every step nor a copy of its text per step. Past `max_bytes` unread (text, and
-    ROW_BYTES a trace row) the request is given up: `on_overflow` is called once (the job aborts its engine
+    """A job's updates from the engine thread (one engine request per prompt), bounded twice. At `limit` unread
+    updates the next ones wait in a tail that becomes one update per engine request when it is read (each sample's
+    text joined once, a request's last update, with its output, last): a slow reader costs what it has not read,
+    never a queue of every step nor a copy of its text per step. Past `max_bytes` unread (UTF-8 text, and
+    ROW_BYTES a trace row) the job is given up: `on_overflow` is called once (the job aborts its engine
     requests), what was unread is dropped, and every read from then on is that error."""
 
     def __init__(self, limit: int = 64, max_bytes: int = 4 * 2**20, on_overflow: Callable[[], None] | None = None):
@@ -108,6 +76,7 @@ class Mailbox:
         if self._bytes > self.max_bytes:
             self._items.clear()
             self._tail.clear()
+            self._bytes = 0
             self._overflow = Update(update.request_id, error=f"the client read too slowly: more than "
                                     f"{self.max_bytes} bytes of this request's output were unread "
                                     f"(serve.max_unread_mb); the request was aborted")
@@ -123,10 +92,11 @@ class Mailbox:
         while True:
             if self._overflow is not None:
                 return self._overflow
+            if not self._items and self._tail:  # each request's waiting updates joined into one, in order
+                self._items.extend(_merge_by_request(self._tail))
+                self._tail = []
             if self._items:
                 update = self._items.popleft()
-            elif self._tail:
-                update, self._tail = _merge(self._tail), []
             else:
                 self._ready.clear()
                 await self._ready.wait()
@@ -144,11 +114,20 @@ class Mailbox:
 
 
 def _size(update: Update) -> int:
-    return sum(len(d.text) for d in update.deltas) + ROW_BYTES * len(update.samples)
+    return sum(len(d.text.encode()) for d in update.deltas) + ROW_BYTES * len(update.samples)
+
+
+def _merge_by_request(updates: list[Update]) -> list[Update]:
+    """The updates of each engine request joined into one (_merge), in the order the requests first appear."""
+    by_request: dict[str, list[Update]] = {}
+    for update in updates:
+        by_request.setdefault(update.request_id, []).append(update)
+    return [_merge(group) for group in by_request.values()]
 
 
 def _merge(updates: list[Update]) -> Update:
-    """One update that says what `updates` said in turn: each sample's deltas joined into one."""
+    """One update that says what one engine request's `updates` said in turn: each sample's deltas joined into
+    one; the output or error, which only a request's last update carries, from the last."""
     texts: dict[int, list[str]] = {}
     tokens: dict[int, list[int]] = {}
     last: dict[int, TextDelta] = {}
@@ -452,12 +431,14 @@ class Job:
 
 class TimedEventStream(EventSourceResponse):
     """An SSE response whose every write must finish within `write_timeout_s`: a client that takes no bytes for
-    that long (its socket's buffers full) has its stream closed (the generator's `finally` aborts its requests and
-    frees their blocks) and its connection dropped, instead of holding both for as long as it stays connected."""
+    that long (its socket's buffers full) has its requests aborted (`on_timeout`: their blocks freed) and its
+    stream ended, instead of holding the engine for as long as it stays connected. The connection itself is left
+    to uvicorn, which closes it once its buffered bytes drain: ASGI gives an app no way to drop a socket, so a
+    client that never reads again keeps one `serve.limit_concurrency` slot (not engine state) until it goes."""
 
-    def __init__(self, content: AsyncIterator[bytes], write_timeout_s: float):
+    def __init__(self, content: AsyncIterator[bytes], write_timeout_s: float, on_timeout: Callable[[], None]):
         super().__init__(content)
-        self.write_timeout_s = write_timeout_s
+        self.write_timeout_s, self.on_timeout = write_timeout_s, on_timeout
 
     async def stream_response(self, send) -> None:
         async def timed(message) -> None:
@@ -468,7 +449,8 @@ class TimedEventStream(EventSourceResponse):
             await super().stream_response(timed)
         except TimeoutError:
             print(f"serve: a stream's client took no bytes for {self.write_timeout_s:g} s "
-                  f"(serve.stream_write_timeout_s): aborted, connection closed", file=sys.stderr, flush=True)
+                  f"(serve.stream_write_timeout_s): its requests are aborted", file=sys.stderr, flush=True)
+            self.on_timeout()  # the generator may never have started (its `finally` would not run)
             await self.body_iterator.aclose()
 
 

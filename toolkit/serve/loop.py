@@ -129,6 +129,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopping = False
         self._sinks: dict[str, Sink] = {}
+        self._errors: dict[str, str] = {}  # request id -> why a step failed it (answered once it ends)
         self._failed_steps = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.error: BaseException | None = None
@@ -325,10 +326,11 @@ class EngineLoop:
                 sink = self._sinks.get(request_id)
                 if sink is not None and request_id not in done:
                     _send(sink, Update(request_id, tuple(deltas), tuple(samples)))
-            failed = dict(out.failed)  # the step raised for these alone: a 500 each, their batch-mates go on
+            # a step raised for these alone (one sample of n, perhaps): a 500 once the request ends
+            self._errors.update((r, why) for r, why in out.failed if r in self._sinks)
             for request_id in done & self._sinks.keys():
                 deltas, samples = by_request.get(request_id, ((), ()))
-                self._finish(request_id, deltas, samples, error=failed.get(request_id))
+                self._finish(request_id, deltas, samples, error=self._errors.get(request_id))
         self._refresh_stats()
         self.record.write(out)
 
@@ -342,6 +344,7 @@ class EngineLoop:
         digest = self.record.ended(request_id)
         output = self.engine.release(request_id)
         sink = self._sinks.pop(request_id)
+        self._errors.pop(request_id, None)
         self.record.finished(output)
         self.stats.prompt_tokens += len(output.prompt_token_ids)
         for c in output.outputs:
