@@ -27,12 +27,16 @@ def _requests():
     return good, bad
 
 
-def _run(engine, requests):
+def _run(engine, requests, steps: list | None = None):
+    """Every request run to its end: each sampled row's logits by (request, position), and the trace rows;
+    `steps` collects the StepOutputs."""
     for r in requests:
         engine.add_request(**r)
     rows, traces = {}, []
     while engine.has_unfinished():
         out = engine.step()
+        if steps is not None:
+            steps.append(out)
         traces.extend(out.samples)
         for s in out.samples:
             if s.token_id >= 0:
@@ -125,16 +129,9 @@ def test_a_step_raising_for_one_request_fails_it_alone(tiny, monkeypatch, stage)
         return original(*args, **kwargs)
 
     monkeypatch.setattr(target, name, poisoned)
-    for r in others + [poison]:
-        engine.add_request(**r)
-    rows, failed, forwards = {}, [], []
-    while engine.has_unfinished():
-        out = engine.step()
-        failed.extend(out.failed)
-        forwards.append(out.forwards)
-        for s in out.samples:
-            rows[(s.request_id, s.position)] = out.logits_RV[s.logits_row].clone()
-            assert s.request_id != "r13" or s.error is None
+    rows, traces = _run(engine, others + [poison], steps := [])
+    failed, forwards = [f for out in steps for f in out.failed], [out.forwards for out in steps]
+    assert all(s.request_id != "r13" or s.error is None for s in traces)
     bad = engine.output("r13")
     assert bad.finish_reason == "error" and len(bad.outputs[0].token_ids) == 3
     assert [r for r, _ in failed] == ["r13"] and "poisoned by r13" in failed[0][1]
@@ -193,15 +190,8 @@ def test_a_commit_raising_for_one_sequence_ends_only_it(tiny, monkeypatch):
         return original(seq, token, error)
 
     monkeypatch.setattr(engine.committer, "commit_row", commit_row)
-    for r in others + [poison]:
-        engine.add_request(**r)
-    rows, failed, traced = {}, [], []
-    while engine.has_unfinished():
-        out = engine.step()
-        failed.extend(out.failed)
-        for s in out.samples:
-            rows[(s.request_id, s.position)] = out.logits_RV[s.logits_row].clone()
-            traced += [s.position] if s.request_id == "r5" else []
+    rows, traces = _run(engine, others + [poison], steps := [])
+    failed, traced = [f for out in steps for f in out.failed], [s.position for s in traces if s.request_id == "r5"]
     bad = engine.output("r5")
     assert bad.finish_reason == "error" and len(bad.outputs[0].token_ids) == 2
     assert len(traced) == 2  # every token it kept has its row, and no other

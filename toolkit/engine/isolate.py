@@ -63,9 +63,7 @@ def prober(runner: ModelRunner, decider: Decider, requests: Mapping[str, Request
     """What find_culprits runs on a part of a failed step's batch: the forward (no block copied again) and the
     decider (which only reads), nothing committed."""
     def probe(part: ScheduledBatch) -> None:
-        out = runner.run(part, move_blocks=False)
-        ids = {c.seq_id for c in part.chunks}
-        decider.decide(out, {k: p for k, p in proposals.items() if k in ids}, requests)
+        decider.decide(runner.run(part, move_blocks=False), proposals_of(part, proposals), requests)
 
     return probe
 
@@ -78,5 +76,10 @@ def without(batch: ScheduledBatch, proposals: Mapping[str, Proposal], failed: Ma
     batch = dataclasses.replace(batch, chunks=kept,
                                 num_decode_tokens=sum(c.num_tokens for c, d in zip(kept, decoding) if d),
                                 num_prefill_tokens=sum(c.num_tokens for c, d in zip(kept, decoding) if not d))
-    ids = {c.seq_id for c in kept}
-    return batch, {k: p for k, p in proposals.items() if k in ids}
+    return batch, proposals_of(batch, proposals)
+
+
+def proposals_of(batch: ScheduledBatch, proposals: Mapping[str, Proposal]) -> dict[str, Proposal]:
+    """The draft proposals of the batch's sequences."""
+    ids = {c.seq_id for c in batch.chunks}
+    return {k: p for k, p in proposals.items() if k in ids}
