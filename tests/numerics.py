@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from toolkit.trace.diverge import first_difference
+
 
 def with_threads(n: int, fn):
     """fn() with torch at n intra-op threads (the setting restored after)."""
@@ -31,11 +33,7 @@ def with_threads(n: int, fn):
 
 def first_divergence(a: list[int], b: list[int], window: int) -> int | None:
     """The first index < window where the two token lists differ (a shorter list differs where it ends)."""
-    a, b = list(a[:window]), list(b[:window])
-    for j, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return j
-    return None if len(a) == len(b) else min(len(a), len(b))
+    return first_difference(list(a[:window]), list(b[:window]))
 
 
 def top2_margin(logits_V: torch.Tensor) -> float:

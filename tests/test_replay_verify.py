@@ -81,18 +81,21 @@ def test_replay_of_a_mixed_run_is_bit_identical(recorded_run, tmp_path):
     assert stop_rows[-1]["finish_reason"] in ("stop", "length")
 
 
-@pytest.mark.parametrize("column, change, field", [
-    ("token_id", lambda t: (t + 1) % 49152, "token_id"),
-    ("raw_logprob", lambda x: x - 0.001, "raw_logprob"),
-    ("noise", lambda x: x + 1e-12, "noise"),
-    ("kept_sha256", lambda d: d[::-1], "kept_sha256"),  # the sampling mask a row claims
+@pytest.mark.parametrize("column, change, field, kind", [
+    ("token_id", lambda t: (t + 1) % 49152, "token_id", "token"),
+    ("raw_logprob", lambda x: x - 0.001, "raw_logprob", "logprob"),
+    ("noise", lambda x: x + 1e-12, "noise", "noise"),
+    ("kept_sha256", lambda d: d[::-1], "kept_sha256", "support"),  # the sampling mask a row claims
 ])
-def test_tampering_one_value_is_reported_at_exactly_that_row(recorded_run, tmp_path, column, change, field):
+def test_tampering_one_value_is_reported_at_exactly_that_row(recorded_run, tmp_path, column, change, field, kind):
     run = copy_run(recorded_run, tmp_path / "run")
     edit_sample(run, "nucleus", 33, column, change)
     report = replay(run, out_dir=tmp_path / "replay")
     assert not report.identical
-    assert [(d.request_id, d.position, d.field) for d in report.divergences] == [("nucleus", 33, field)]
+    assert [(d.request_id, d.position, d.field) for d in report.differences] == [("nucleus", 33, field)]
+    # the first divergence (toolkit.trace.diverge, as the report names it) and its cause
+    assert [(d.request_id, d.position, d.kind, d.fields) for d in report.first_divergences] == \
+        [("nucleus", 33, kind, (field,))]
     written = pq.read_table(tmp_path / "replay" / "divergence.parquet").to_pylist()
     assert [(r["request_id"], r["position"], r["field"]) for r in written] == [("nucleus", 33, field)]
 
@@ -205,7 +208,7 @@ def test_greedy_replay_under_random_scheduling_overrides_keeps_tokens(tiny, tmp_
     base = tmp_path_factory.mktemp("hyp")
     make_run(tiny, base / "run", requests)
     report = replay(base / "run", overrides, out_dir=base / "replay")
-    assert report.token_mismatches == 0 and not [d for d in report.divergences if d.field in ("token_id", "row")]
+    assert report.token_mismatches == 0 and not [d for d in report.differences if d.field in ("token_id", "row")]
     assert verify(base / "run").passed
 
 
@@ -220,6 +223,7 @@ def test_cli_replay_and_verify_exit_codes(recorded_run, tmp_path):
     edit_sample(run, "greedy", 6, "token_id", lambda t: (t + 1) % 49152)
     bad = cli("mode=replay", f"replay.trace={run}", f"hydra.run.dir={tmp_path / 'b'}")
     assert bad.returncode == 1 and "first divergence: greedy position 6: token_id" in bad.stdout
+    assert "(cause: sampling: the same logits, kept set and noise, but another token)" in bad.stdout
     assert (tmp_path / "b" / "divergence.parquet").exists()
     failed = cli("mode=verify", f"verify.trace={run}", f"hydra.run.dir={tmp_path / 'c'}")
     assert failed.returncode == 1 and "first failure: greedy#0 position 6" in failed.stdout

@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 
 from tests.conftest import make_engine, native_only
 from toolkit.report import write_report
-from toolkit.report.data import first_divergences, sequences
 from toolkit.runs.session import record
 from toolkit.sampling.params import SamplingParams
+from toolkit.trace.diverge import first_divergences, sequences
 from toolkit.trace.reader import read_requests, read_samples
 
 pytestmark = pytest.mark.native
@@ -101,7 +101,7 @@ def f32(x) -> np.float32:
 def test_first_divergence_names_the_changed_field_and_its_cause(real_run):
     """Property over the real trace: change one row's field family; the first divergence is that sequence, that
     position, and the cause the family points to (the forward's digest first, then the kept set, the noise...)."""
-    seqs = sequences(read_samples(real_run))
+    seqs = sequences(read_samples(real_run).to_pylist())
     keys = sorted(seqs)
     assert first_divergences(seqs, seqs) == []
 
@@ -138,7 +138,7 @@ def test_first_divergence_names_the_changed_field_and_its_cause(real_run):
 @needs_browser
 def test_every_request_renders_its_tokens_and_a_hovered_token_shows_its_trace_values(real_run, browser, tmp_path):
     report = write_report(real_run)
-    samples = sequences(read_samples(real_run))
+    samples = sequences(read_samples(real_run).to_pylist())
     page = open_report(browser, report)
     rows = page.locator("#req-table tr.req")
     assert rows.count() == len(read_requests(real_run)) == len(REQUESTS)
@@ -191,7 +191,7 @@ def test_every_request_renders_its_tokens_and_a_hovered_token_shows_its_trace_va
 def test_the_colour_toggle_colours_by_processed_probability(real_run, browser):
     page = open_report(browser, write_report(real_run))
     page.locator("#req-table tr.req[data-index='1']").click()  # nucleus: top_p changes the probabilities
-    trace = sequences(read_samples(real_run))[("nucleus", 0)]
+    trace = sequences(read_samples(real_run).to_pylist())[("nucleus", 0)]
     hue = lambda style: int(re.search(r"hsl\((\d+)", style).group(1))  # noqa: E731
     styles = lambda: page.locator("#strip .tok").evaluate_all("s => s.map(t => t.getAttribute('style'))")  # noqa: E731
     assert [hue(s) for s in styles()] == [round(120 * math.exp(r["raw_logprob"])) for r in trace]
@@ -237,7 +237,7 @@ def test_the_two_run_view_names_the_first_divergence_of_a_changed_replay(real_ru
              for i in range(table.count())}
     assert {k: p for k, (p, _) in shown.items()} == expected
     assert {kind for _, kind in shown.values()} == {"logits"}
-    trace = sequences(read_samples(real_run))
+    trace = sequences(read_samples(real_run).to_pylist())
     for i in range(table.count()):
         table.nth(i).click()
         key = (table.nth(i).get_attribute("data-request"), int(table.nth(i).get_attribute("data-stream")))
@@ -246,7 +246,7 @@ def test_the_two_run_view_names_the_first_divergence_of_a_changed_replay(real_ru
         index = [r["position"] for r in trace[key]].index(expected[key])
         assert page.locator("#strip-a .tok.first-div").get_attribute("data-i") == str(index)
         a_tokens = [r["token_id"] for r in trace[key]]
-        b_tokens = [r["token_id"] for r in sequences(read_samples(out))[key]]
+        b_tokens = [r["token_id"] for r in sequences(read_samples(out).to_pylist())[key]]
         differ = next((i for i, (x, y) in enumerate(zip(a_tokens, b_tokens)) if x != y), "")
         assert page.locator("#token-divergence").get_attribute("data-index") == str(differ)
         assert page.locator("#strip-b .tok.first-div").get_attribute("data-i") == str(index)
@@ -362,7 +362,7 @@ def test_speculation_grammar_and_parallel_samples_show_their_fields(tiny, browse
            engine.add_request(prompt="Two:", request_id="pair", sampling_params=SamplingParams(
                n=2, temperature=1.0, max_tokens=6, seed=2, ignore_eos=True))]
     record(engine, ids, tmp_path / "run", {"engine": ENGINE_CFG, "sampling": {}})
-    seqs = sequences(read_samples(tmp_path / "run"))
+    seqs = sequences(read_samples(tmp_path / "run").to_pylist())
     page = open_report(browser, write_report(tmp_path / "run"))
     names = page.locator("#req-table tr.req td:first-child").all_inner_texts()
     assert sorted(names) == sorted(f"{r}#{s}" if s else r for r, s in seqs)

@@ -227,6 +227,27 @@ def test_no_module_is_too_long_to_read():
     assert not over, f"over {MAX_MODULE_LINES} lines: {over}"
 
 
+# where two runs part is computed in one place (toolkit/trace/diverge.py); replay, the report, compare and the
+# studies call it. A function or class whose name says it finds a divergence or a differing field, elsewhere, is
+# a second implementation.
+DIVERGENCE_NAME = re.compile(r"(?i)^_?(first_diverg|first_differ|differing|divergence$|row_differences|cause_of)")
+
+
+def divergence_definitions(root: Path = ROOT) -> list[str]:
+    return sorted(f"{path.relative_to(root)}:{node.name}" for path in root.rglob("*.py")
+                  if path.relative_to(root) != Path("trace/diverge.py")
+                  for node in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(node, ast.FunctionDef | ast.ClassDef) and DIVERGENCE_NAME.search(node.name))
+
+
+def test_the_first_divergence_has_one_implementation(tmp_path):
+    assert divergence_definitions() == []
+    planted = tmp_path / "audit"
+    planted.mkdir()
+    (planted / "compare.py").write_text("def _first_divergence(a, b):\n    return 0\n\nclass Divergence:\n    pass\n")
+    assert divergence_definitions(tmp_path) == ["audit/compare.py:Divergence", "audit/compare.py:_first_divergence"]
+
+
 # --------------------------------------------------------------------------- the numerics marker
 TESTS = Path(__file__).resolve().parent
 # a SmolLM2 test that decodes greedily (or compares greedy tokens)...

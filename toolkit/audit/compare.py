@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from toolkit.errors import ConfigError
 from toolkit.runs.metrics import percentile
 from toolkit.runs.plots import plot_compare
+from toolkit.trace.diverge import token_agreement
 from toolkit.trace.reader import TraceError
 from toolkit.trace.writer import REQUESTS_FILE, SAMPLES_DIR, atomic_write_table
 
@@ -69,17 +70,6 @@ def resolve_runs(patterns: Sequence[str] | str) -> list[Path]:
     return runs
 
 
-def _first_divergence(reference: dict[tuple, int], tokens: dict[tuple, int]) -> str:
-    common = sorted(set(reference) & set(tokens), key=lambda k: (k[2], k[0], k[1]))
-    diff = [k for k in common if reference[k] != tokens[k]]
-    if not common:
-        return "no common rows"
-    if not diff:
-        return f"identical ({len(common)} rows)"
-    first = min(diff, key=lambda k: k[2])
-    return f"{len(diff)}/{len(common)} rows differ; first {first[0]}#{first[1]} position {first[2]}"
-
-
 def compare(patterns: Sequence[str] | str, out_dir: Path | None = None) -> Comparison:
     runs = resolve_runs(patterns)
     parts = [str(p) for run in runs for p in sorted((run / SAMPLES_DIR).glob("part-*.parquet"))]
@@ -102,7 +92,7 @@ def compare(patterns: Sequence[str] | str, out_dir: Path | None = None) -> Compa
         row = {"run": name, "run_id": run_id, **{c: summary.get(c) for c in COLUMNS}}
         row["ttft_p50_s"] = row["ttft_p50_s"] if row["ttft_p50_s"] is not None else percentile(ttft, 50)
         row["tpot_p50_s"] = row["tpot_p50_s"] if row["tpot_p50_s"] is not None else percentile(tpot, 50)
-        row["divergence"] = "(reference)" if reference is None else _first_divergence(reference, tokens)
+        row["divergence"] = "(reference)" if reference is None else token_agreement(reference, tokens).describe()
         reference = tokens if reference is None else reference
         result.rows.append(row)
         result.latencies[name] = {"ttft_s": ttft, "tpot_s": tpot}

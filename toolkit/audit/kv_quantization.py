@@ -30,6 +30,7 @@ from toolkit.kv.quant import is_quantized
 from toolkit.runs.plots import _pyplot
 from toolkit.runs.session import record
 from toolkit.runs.workload import add_specs, workload_specs
+from toolkit.trace.diverge import first_difference
 
 KV_VARIANTS = ("auto", "bf16", "int8", "fp8_e4m3")
 
@@ -43,12 +44,6 @@ def parse_variant(text: str) -> tuple[str, str]:
         raise ConfigError(f"kv_quantization.variants: bad variant {text!r}; use one of {', '.join(KV_VARIANTS)}, "
                           f"optionally int8/tensor, int8/channel, fp8_e4m3/tensor or fp8_e4m3/channel")
     return dtype, granularity
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    n = min(len(a), len(b))
-    diff = next((i for i in range(n) if a[i] != b[i]), None)
-    return diff if diff is not None or len(a) == len(b) else n
 
 
 def run_kv_quantization(cfg: DictConfig, run_dir: Path) -> int:
@@ -76,7 +71,7 @@ def run_kv_quantization(cfg: DictConfig, run_dir: Path) -> int:
         report = verify(run_dir / name, reference=study["reference"], atol=float(study["atol"]),
                         out_dir=run_dir / name / "verify")
         diffs = [c.abs_diff for c in report.checks]
-        divergence = {rid: first_divergence(reference_tokens[rid], t) for rid, t in tokens.items()}
+        divergence = {rid: first_difference(reference_tokens[rid], t) for rid, t in tokens.items()}
         cache = engine.kv_cache
         results.append({
             "variant": name, "kv_cache_dtype": dtype, "kv_scale_granularity": cache.granularity,

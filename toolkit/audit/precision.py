@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from toolkit.audit.kv_quantization import first_divergence, parse_variant
+from toolkit.audit.kv_quantization import parse_variant
 from toolkit.config import EngineConfig, ModelConfig, from_mapping
 from toolkit.engine.core import Engine
 from toolkit.engine.runner import recompute_logits
@@ -40,6 +40,7 @@ from toolkit.models.reference import reference_logits
 from toolkit.runs.plots import _pyplot
 from toolkit.runs.session import record
 from toolkit.runs.workload import add_specs, workload_specs
+from toolkit.trace.diverge import first_difference
 from toolkit.trace.reader import read_samples
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
@@ -121,7 +122,7 @@ def run_precision(cfg: DictConfig, run_dir: Path) -> int:
                 hf = {impl: _hf_logprobs(hf_low, impl, full, prompt_len) for impl in ("eager", "sdpa")}
                 errors["hf_spread"].append((hf["sdpa"] - hf["eager"]).abs())
                 errors["ours_vs_hf"].append((recorded_lp - hf["eager"]).abs())
-        divergence = {rid: first_divergence(reference_tokens[rid], t) for rid, t in tokens.items()}
+        divergence = {rid: first_difference(reference_tokens[rid], t) for rid, t in tokens.items()}
         result = {
             "variant": name, "model_dtype": dtype, "kv_cache_dtype": kv_dtype, "kv_scale_granularity": granularity,
             "identical_fraction": sum(d is None for d in divergence.values()) / len(divergence),

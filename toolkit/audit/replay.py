@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -29,27 +28,9 @@ from toolkit.errors import ConfigError
 from toolkit.runs.manifest import native_kernels
 from toolkit.runs.session import record
 from toolkit.sampling.params import SamplingParams
+from toolkit.trace.diverge import Difference, Divergence, first_divergences, row_differences, sequences, show
 from toolkit.trace.reader import TraceError, read_manifest, read_requests, read_samples
-from toolkit.trace.schema import FLOAT_BITS, same_value
 from toolkit.trace.writer import atomic_write_table
-
-COMPARED_FIELDS = ("token_id", "raw_logprob", "processed_logprob", "logits_sha256", "noise", "kept_sha256",
-                   "finish_reason", "error")
-
-
-@dataclass(frozen=True)
-class Divergence:
-    request_id: str
-    stream: int
-    position: int
-    field: str
-    recorded: Any
-    replayed: Any
-
-    def describe(self) -> str:
-        name = self.request_id if self.stream == 0 else f"{self.request_id}#{self.stream}"
-        return (f"{name} position {self.position}: {self.field} recorded {_show(self.field, self.recorded)} "
-                f"vs replayed {_show(self.field, self.replayed)}")
 
 
 @dataclass
@@ -64,23 +45,15 @@ class ReplayReport:
     token_mismatches: int = 0  # rows whose token differs
     logprob_bit_mismatches: int = 0  # rows with the same token but different logprob bits
     max_abs_logprob_diff: float = 0.0  # over rows with the same token
-    divergences: list[Divergence] = field(default_factory=list)
+    differences: list[Difference] = field(default_factory=list)  # every differing field of every row
+    first_divergences: list[Divergence] = field(default_factory=list)  # each diverged sequence's first, and why
     mismatches: list[str] = field(default_factory=list)  # manifest differences let through by allow_mismatch
     cannot_rebuild: list[str] = field(default_factory=list)  # what the trace did not keep (replayed without it)
     overrides: list[str] = field(default_factory=list)
 
     @property
     def identical(self) -> bool:
-        return not self.divergences and not self.rows_missing_in_replay
-
-    @property
-    def first_divergences(self) -> list[Divergence]:
-        first: dict[tuple[str, int], Divergence] = {}
-        for d in self.divergences:
-            key = (d.request_id, d.stream)
-            if key not in first or d.position < first[key].position:
-                first[key] = d
-        return sorted(first.values(), key=lambda d: (d.request_id, d.stream))
+        return not self.differences and not self.rows_missing_in_replay
 
     def summary_line(self) -> str:
         partial = (f" (partial trace: {self.sequences_unfinished_in_trace} sequences unfinished, their "
@@ -89,9 +62,8 @@ class ReplayReport:
             return (f"bit-identical: {self.rows_compared} sample rows of {self.sequences_compared} sequences match "
                     f"(token_id, raw/processed logprob bits, logits_sha256, noise, kept_sha256){partial}")
         diverged = len(self.first_divergences)
-        extra = {(d.request_id, d.stream, d.position) for d in self.divergences
-                 if d.field == "row" and d.recorded == "absent"}
-        rows = len({(d.request_id, d.stream, d.position) for d in self.divergences} - extra)
+        extra = {(d.request_id, d.stream, d.position) for d in self.differences if d.field == "row" and d.a == "missing"}
+        rows = len({(d.request_id, d.stream, d.position) for d in self.differences} - extra)
         other = rows - self.token_mismatches - self.logprob_bit_mismatches - self.rows_missing_in_replay
         return (f"diverged: {diverged} of {self.sequences_compared} sequences, {rows} of {self.rows_compared} "
                 f"rows differ: tokens in {self.token_mismatches} rows, logprob bits (same token) in "
@@ -109,19 +81,9 @@ class ReplayReport:
             "rows_only_in_replay": self.rows_only_in_replay, "rows_missing_in_replay": self.rows_missing_in_replay,
             "token_mismatches": self.token_mismatches, "logprob_bit_mismatches": self.logprob_bit_mismatches,
             "max_abs_logprob_diff": self.max_abs_logprob_diff, "mismatches": self.mismatches,
-            "overrides": self.overrides, "cannot_rebuild": self.cannot_rebuild, "first_divergences": [d.describe() for d in self.first_divergences],
+            "overrides": self.overrides, "cannot_rebuild": self.cannot_rebuild, "first_divergences": [{**d.to_dict(), "describe": d.describe("recorded", "replayed")}
+                                  for d in self.first_divergences],
         }
-
-
-def _show(name: str, value: Any) -> str:
-    if name in FLOAT_BITS and isinstance(value, float):
-        return f"{value!r} (0x{struct.pack('>' + FLOAT_BITS[name][1], value).hex()})"
-    return repr(value)
-
-
-def _same(name: str, a: Any, b: Any) -> bool:
-    """`a` recorded, `b` replayed; a trace older than schema 6 recorded no kept-set digest."""
-    return (name == "kept_sha256" and a is None) or same_value(name, a, b)
 
 
 def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
@@ -239,53 +201,50 @@ def recorded_aborts(requests: list[dict[str, Any]], samples: pa.Table | None = N
 
 def compare(recorded: pa.Table, replayed: pa.Table, report: ReplayReport,
             aborted: frozenset[tuple[str, int]] = frozenset()) -> None:
-    """Every recorded row against the replay's. `aborted`: sequences the recorded run aborted (no finish row, yet
-    finished: a replayed row past their last one is a divergence, as past any finished sequence's)."""
+    """Every recorded row against the replay's (toolkit.trace.diverge), and each sequence's first divergence.
+    `aborted`: sequences the recorded run aborted (no finish row, yet finished: a replayed row past their last one
+    is a divergence, as past any finished sequence's; past an unfinished (partial) one, it is simply not in the
+    trace)."""
     key = lambda r: (r["request_id"], r["stream"], r["position"])  # noqa: E731
-    mine = {key(r): r for r in replayed.to_pylist()}
     rows = recorded.to_pylist()
-    seen = set()
-    finished = set(aborted)
+    mine = {key(r): r for r in replayed.to_pylist()}
+    seen = {key(r) for r in rows}
+    sequences_recorded = {(r["request_id"], r["stream"]) for r in rows}
+    finished = set(aborted) | {(r["request_id"], r["stream"]) for r in rows if r["finish_reason"] is not None}
+    ended = (sequences_recorded | set(aborted)) & finished
+    compared = [r for k, r in mine.items() if k in seen or (k[0], k[1]) in ended]
+    report.rows_compared = len(rows)
+    report.sequences_compared = len(sequences_recorded)
+    report.sequences_unfinished_in_trace = len(sequences_recorded - finished)
+    report.rows_only_in_replay = sum(1 for k in mine if k not in seen)
     for r in rows:
-        seen.add(key(r))
-        if r["finish_reason"] is not None:
-            finished.add((r["request_id"], r["stream"]))
-        other = mine.get(key(r))
-        report.rows_compared += 1
-        if other is None:
+        differences = row_differences(key(r), r, mine.get(key(r)))
+        report.differences += differences
+        fields = {d.field for d in differences}
+        if "row" in fields:
             report.rows_missing_in_replay += 1
-            report.divergences.append(Divergence(r["request_id"], r["stream"], r["position"], "row", "present",
-                                                 "missing"))
-            continue
-        differing = [f for f in COMPARED_FIELDS if not _same(f, r[f], other[f])]
-        if "token_id" in differing:
+        elif "token_id" in fields:
             report.token_mismatches += 1
-        elif differing:
-            if {"raw_logprob", "processed_logprob"} & set(differing):
-                report.logprob_bit_mismatches += 1
+        elif fields & {"raw_logprob", "processed_logprob"}:
+            report.logprob_bit_mismatches += 1
+        if fields and not fields & {"row", "token_id"}:
+            other = mine[key(r)]
             for f in ("raw_logprob", "processed_logprob"):
                 if r[f] is not None and other[f] is not None and math.isfinite(r[f]) and math.isfinite(other[f]):
                     report.max_abs_logprob_diff = max(report.max_abs_logprob_diff, abs(r[f] - other[f]))
-        for f in differing:
-            report.divergences.append(Divergence(r["request_id"], r["stream"], r["position"], f, r[f], other[f]))
-    sequences = {(r["request_id"], r["stream"]) for r in rows}
-    report.sequences_compared = len(sequences)
-    report.sequences_unfinished_in_trace = len(sequences - finished)
-    unfinished = sequences - finished
-    report.rows_only_in_replay = sum(1 for k in mine if k not in seen)
-    # rows beyond a finished recorded sequence are divergences (the replay kept going); beyond an
-    # unfinished (partial) one they are simply not in the trace
-    for k in mine:
-        if k not in seen and (k[0], k[1]) in sequences | aborted and (k[0], k[1]) not in unfinished:
-            report.divergences.append(Divergence(k[0], k[1], k[2], "row", "absent", "present"))
+    for k in sorted(mine.keys() - seen):
+        if (k[0], k[1]) in ended:
+            report.differences += row_differences(k, None, mine[k])
+    report.first_divergences = first_divergences(sequences(rows), sequences(compared))
 
 
-def write_divergences(path: Path, divergences: Iterable[Divergence]) -> None:
-    rows = list(divergences)
+def write_divergences(path: Path, differences: Iterable[Difference]) -> None:
+    """divergence.parquet: one row per differing field of a row, both values as text (floats with their bits)."""
+    rows = list(differences)
     table = pa.table({
         "request_id": [d.request_id for d in rows], "stream": pa.array([d.stream for d in rows], pa.int32()),
         "position": pa.array([d.position for d in rows], pa.int64()), "field": [d.field for d in rows],
-        "recorded": [_show(d.field, d.recorded) for d in rows], "replayed": [_show(d.field, d.replayed) for d in rows],
+        "recorded": [show(d.field, d.a) for d in rows], "replayed": [show(d.field, d.b) for d in rows],
     })
     atomic_write_table(path, table)
 
@@ -332,7 +291,7 @@ def replay(run_dir: str | Path, overrides: Sequence[str] = (), *, allow_mismatch
                           cannot_rebuild=cannot_rebuild(manifest))
     aborted = frozenset((r["request_id"], r["stream"]) for r in request_rows if r.get("abort_step") is not None)
     compare(recorded_samples, read_samples(out_dir), report, aborted)
-    if report.divergences:
-        write_divergences(out_dir / "divergence.parquet", report.divergences)
+    if report.differences:
+        write_divergences(out_dir / "divergence.parquet", report.differences)
     (out_dir / "replay.json").write_text(json.dumps(report.to_dict(), indent=2))
     return report

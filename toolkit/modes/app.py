@@ -130,8 +130,8 @@ def run_replay(cfg: DictConfig, run_dir: Path) -> int:
         print(f"cannot rebuild: {missing}")
     print(report.summary_line())
     for d in report.first_divergences:
-        print(f"  first divergence: {d.describe()}")
-    if report.divergences:
+        print(f"  first divergence: {d.describe('recorded', 'replayed')}")
+    if report.differences:
         print(f"divergences: {run_dir / 'divergence.parquet'}")
     return 0 if report.identical else 1
 

@@ -30,8 +30,9 @@ from toolkit.config import ModelConfig, from_mapping
 from toolkit.errors import ConfigError, ToolkitError
 from toolkit.models.loading import tokenizer_dir
 from toolkit.models.tokenizer import Tokenizer
-from toolkit.report.data import Pieces, RunData, first_divergences
+from toolkit.report.data import Pieces, RunData
 from toolkit.runs.plots import token_budget
+from toolkit.trace.diverge import first_divergences
 from toolkit.trace.writer import atomic_write_bytes
 from toolkit.version import __version__
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,23 +19,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from toolkit.trace.diverge import SeqKey, sequences
 from toolkit.trace.reader import read_manifest, read_requests, read_samples
-from toolkit.trace.schema import same_value
-
-SeqKey = tuple[str, int]  # (request_id, stream)
-
-# the fields whose difference names the first divergence, and the cause each points to, checked in this order
-# at the first differing position: what comes first in the pipeline (the forward) explains what follows
-CAUSES = (
-    ("logits", "numerical: the raw logits differ (logits_sha256), so the forward computed other bits"),
-    ("support", "processors or grammar: the same logits, but another kept set (kept_sha256 / support_size)"),
-    ("noise", "sampling noise: the same logits and kept set, other Gumbel noise (seed, position or stream)"),
-    ("token", "sampling: the same logits, kept set and noise, but another token"),
-    ("logprob", "numerical: the same token, other logprob bits"),
-    ("finish", "stopping: the same token, another finish or error"),
-    ("length", "length: one run has no row at this position (it stopped earlier, or its trace was cut)"),
-)
-CAUSE_TEXT = dict(CAUSES)
 
 
 def f32(x: float | None) -> float | None:
@@ -48,87 +33,6 @@ def f32(x: float | None) -> float | None:
 
 def f64(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else x
-
-
-@dataclass(frozen=True)
-class Divergence:
-    """Where two runs' rows of one sequence first differ, and why."""
-
-    request_id: str
-    stream: int
-    position: int
-    index: int  # the row's index in the sequence's output (0 = the first sampled token)
-    kind: str  # a key of CAUSES
-    fields: tuple[str, ...]  # the trace columns that differ there
-    a_token: int | None
-    b_token: int | None
-    token_index: int | None = None  # the first output token whose id differs (None: every shared token agrees)
-
-    @property
-    def cause(self) -> str:
-        return CAUSE_TEXT[self.kind]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "stream": self.stream, "position": self.position,
-                "index": self.index, "kind": self.kind, "cause": self.cause, "fields": list(self.fields),
-                "a_token": self.a_token, "b_token": self.b_token, "token_index": self.token_index}
-
-
-def differing_fields(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, ...]:
-    """The compared trace columns in which two rows of the same (sequence, position) differ, floats by bits (as
-    replay compares them); a digest either run did not record (null) is not compared."""
-    return tuple(name for name in ("logits_sha256", "kept_sha256", "support_size", "noise", "token_id",
-                                   "raw_logprob", "processed_logprob", "finish_reason", "error")
-                 if not (name.endswith("sha256") and (a.get(name) is None or b.get(name) is None))
-                 and not same_value(name, a.get(name), b.get(name)))
-
-
-def cause_of(fields: Sequence[str]) -> str:
-    """The cause a set of differing fields points to (a key of CAUSES)."""
-    f = set(fields)
-    if "logits_sha256" in f:
-        return "logits"
-    if f & {"kept_sha256", "support_size"}:
-        return "support"
-    if "noise" in f:
-        return "noise"
-    if "token_id" in f:
-        return "token"
-    if f & {"raw_logprob", "processed_logprob"}:
-        return "logprob"
-    return "finish"
-
-
-def first_divergences(a: dict[SeqKey, list[dict]], b: dict[SeqKey, list[dict]]) -> list[Divergence]:
-    """For each sequence of either run, the first position where their rows differ (rows by position), and the
-    first output token whose id differs."""
-    out = []
-    for key in sorted(set(a) | set(b)):
-        rows_a = {r["position"]: r for r in a.get(key, [])}
-        rows_b = {r["position"]: r for r in b.get(key, [])}
-        positions = sorted(set(rows_a) | set(rows_b))
-        tokens = [(rows_a[p]["token_id"] if p in rows_a else None, rows_b[p]["token_id"] if p in rows_b else None)
-                  for p in positions]
-        token_index = next((i for i, (x, y) in enumerate(tokens) if x != y and x is not None and y is not None),
-                           None)
-        for index, position in enumerate(positions):
-            x, y = rows_a.get(position), rows_b.get(position)
-            kind, fields = ("length", ("row",)) if x is None or y is None else (None, differing_fields(x, y))
-            if kind or fields:
-                out.append(Divergence(key[0], key[1], position, index, kind or cause_of(fields), fields,
-                                      *tokens[index], token_index=token_index))
-                break
-    return out
-
-
-def sequences(samples: pa.Table) -> dict[SeqKey, list[dict]]:
-    """Each sequence's rows, by position."""
-    out: dict[SeqKey, list[dict]] = {}
-    for r in samples.to_pylist():
-        out.setdefault((r["request_id"], r["stream"]), []).append(r)
-    for rows in out.values():
-        rows.sort(key=lambda r: r["position"])
-    return out
 
 
 class Pieces:
@@ -260,7 +164,7 @@ class RunData:
         samples = read_samples(run_dir)
         return cls(run_dir=run_dir, manifest=read_manifest(run_dir), summary=read_json(run_dir / "summary.json"),
                    config_yaml=config.read_text() if config.exists() else "", requests=read_requests(run_dir),
-                   seqs=sequences(samples), steps=read_steps(run_dir))
+                   seqs=sequences(samples.to_pylist()), steps=read_steps(run_dir))
 
     @property
     def rows(self) -> int:

@@ -1,0 +1,209 @@
+"""Where two traces of the same requests part, and why: the one implementation of the first divergence.
+
+Two runs' rows are matched by (request_id, stream, position). Every caller asks here:
+
+- `replay` (recorded vs replayed): every differing field of every row (`Difference`, divergence.parquet) and each
+  sequence's first divergence with its cause, printed by mode=replay;
+- the report's two-run view (run a vs run b): each sequence's first divergence, its cause and its context;
+- mode=compare (each run's token ids vs the first run's): `TokenAgreement`;
+- the KV-quantisation and precision studies (greedy token streams): `first_difference`.
+
+A first divergence is named by the most upstream stage that differs at that row (`CAUSES`, in pipeline order):
+the forward's logits, then the processors' or grammar's kept set, then the noise, then the token, its logprob
+bits, its finish; a row present in one run only is a `length` divergence.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from toolkit.trace.schema import FLOAT_BITS, same_value
+
+SeqKey = tuple[str, int]  # (request_id, stream)
+RowKey = tuple[str, int, int]  # (request_id, stream, position)
+
+# the sample columns two runs' rows are compared on, floats by their bits, in pipeline order
+COMPARED_FIELDS = ("logits_sha256", "kept_sha256", "support_size", "noise", "token_id", "raw_logprob",
+                   "processed_logprob", "finish_reason", "error")
+
+# the cause each kind of first divergence points to, checked in this order at the first differing position: what
+# comes first in the pipeline (the forward) explains what follows
+CAUSES = (
+    ("logits", "numerical: the raw logits differ (logits_sha256), so the forward computed other bits"),
+    ("support", "processors or grammar: the same logits, but another kept set (kept_sha256 / support_size)"),
+    ("noise", "sampling noise: the same logits and kept set, other Gumbel noise (seed, position or stream)"),
+    ("token", "sampling: the same logits, kept set and noise, but another token"),
+    ("logprob", "numerical: the same token, other logprob bits"),
+    ("finish", "stopping: the same token, another finish or error"),
+    ("length", "length: one run has no row at this position (it stopped earlier, or its trace was cut)"),
+)
+CAUSE_TEXT = dict(CAUSES)
+# which differing field a divergence's one line shows with its values first
+HEADLINE = ("row", "token_id", "raw_logprob", "processed_logprob", "noise", "finish_reason", "error", "support_size")
+
+
+def show(name: str, value: Any) -> str:
+    """A compared value as text: a float column with its bits (they are what is compared)."""
+    if name in FLOAT_BITS and isinstance(value, float):
+        return f"{value!r} (0x{struct.pack('>' + FLOAT_BITS[name][1], value).hex()})"
+    return repr(value)
+
+
+def differing_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[str, ...]:
+    """The compared columns in which two rows of the same (sequence, position) differ, in pipeline order. A digest
+    either run did not record (null: a trace older than schema 6 has no kept-set digest) is not compared."""
+    return tuple(name for name in COMPARED_FIELDS
+                 if not (name.endswith("sha256") and (a.get(name) is None or b.get(name) is None))
+                 and not same_value(name, a.get(name), b.get(name)))
+
+
+def cause_of(fields: Iterable[str]) -> str:
+    """The kind of divergence (a key of CAUSES) a set of differing fields points to."""
+    f = set(fields)
+    if "row" in f:
+        return "length"
+    if "logits_sha256" in f:
+        return "logits"
+    if f & {"kept_sha256", "support_size"}:
+        return "support"
+    if "noise" in f:
+        return "noise"
+    if "token_id" in f:
+        return "token"
+    if f & {"raw_logprob", "processed_logprob"}:
+        return "logprob"
+    return "finish"
+
+
+def seq_name(request_id: str, stream: int) -> str:
+    return request_id if stream == 0 else f"{request_id}#{stream}"
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One compared field of one row that differs between run a and run b (`row`: the row is in one run only,
+    its values then say "present", "missing" or "absent")."""
+
+    request_id: str
+    stream: int
+    position: int
+    field: str
+    a: Any
+    b: Any
+
+    def describe(self, a: str = "a", b: str = "b") -> str:
+        return (f"{seq_name(self.request_id, self.stream)} position {self.position}: {self.field} "
+                f"{a} {show(self.field, self.a)} vs {b} {show(self.field, self.b)}")
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where two runs' rows of one sequence first differ, and why."""
+
+    request_id: str
+    stream: int
+    position: int
+    index: int  # the row's index in the sequence's output (0 = the first sampled token)
+    kind: str  # a key of CAUSES
+    fields: tuple[str, ...]  # the compared columns that differ there (("row",) for a length divergence)
+    a_token: int | None
+    b_token: int | None
+    token_index: int | None = None  # the first output token whose id differs (None: every shared token agrees)
+    differences: tuple[Difference, ...] = ()  # the differing fields with both runs' values
+
+    @property
+    def cause(self) -> str:
+        return CAUSE_TEXT[self.kind]
+
+    def describe(self, a: str = "a", b: str = "b") -> str:
+        """One line: the most telling field with both values (the token if it differs, then a logprob, the noise,
+        the finish; a digest last, as its values say little), the other fields by name, then the cause."""
+        shown = sorted(self.differences, key=lambda d: HEADLINE.index(d.field) if d.field in HEADLINE else len(HEADLINE))
+        head = shown[0].describe(a, b) if shown else \
+            f"{seq_name(self.request_id, self.stream)} position {self.position}"
+        more = [f for f in self.fields if shown and f != shown[0].field]  # in pipeline order
+        return head + (f"; also {', '.join(more)}" if more else "") + f" (cause: {self.cause})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "stream": self.stream, "position": self.position,
+                "index": self.index, "kind": self.kind, "cause": self.cause, "fields": list(self.fields),
+                "a_token": self.a_token, "b_token": self.b_token, "token_index": self.token_index}
+
+
+def sequences(rows: Iterable[Mapping[str, Any]]) -> dict[SeqKey, list[dict]]:
+    """Each sequence's rows (sample-trace rows as dicts), by position."""
+    out: dict[SeqKey, list[dict]] = {}
+    for r in rows:
+        out.setdefault((r["request_id"], r["stream"]), []).append(dict(r))
+    for seq in out.values():
+        seq.sort(key=lambda r: r["position"])
+    return out
+
+
+def row_differences(key: RowKey, a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> list[Difference]:
+    """The differences of one row key: each differing field, or one `row` difference when a run lacks it."""
+    if a is None or b is None:
+        return [Difference(*key, "row", "missing" if a is None else "present", "missing" if b is None else "present")]
+    return [Difference(*key, f, a.get(f), b.get(f)) for f in differing_fields(a, b)]
+
+
+def first_divergence(key: SeqKey, a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]]) -> Divergence | None:
+    """One sequence's rows in run a and run b: the first position at which they differ (None: they agree), with
+    the first output token whose id differs."""
+    rows_a = {r["position"]: r for r in a}
+    rows_b = {r["position"]: r for r in b}
+    positions = sorted(set(rows_a) | set(rows_b))
+    tokens = [(rows_a[p]["token_id"] if p in rows_a else None, rows_b[p]["token_id"] if p in rows_b else None)
+              for p in positions]
+    token_index = next((i for i, (x, y) in enumerate(tokens) if x != y and x is not None and y is not None), None)
+    for index, position in enumerate(positions):
+        differences = row_differences((*key, position), rows_a.get(position), rows_b.get(position))
+        if differences:
+            fields = tuple(d.field for d in differences)
+            return Divergence(key[0], key[1], position, index, cause_of(fields), fields, *tokens[index],
+                              token_index=token_index, differences=tuple(differences))
+    return None
+
+
+def first_divergences(a: Mapping[SeqKey, Sequence[Mapping]], b: Mapping[SeqKey, Sequence[Mapping]]) -> list[Divergence]:
+    """For each sequence of either run (rows by `sequences`), its first divergence, in sequence order."""
+    out = []
+    for key in sorted(set(a) | set(b)):
+        d = first_divergence(key, a.get(key, ()), b.get(key, ()))
+        if d is not None:
+            out.append(d)
+    return out
+
+
+def first_difference(a: Sequence, b: Sequence) -> int | None:
+    """The first index at which two token streams differ; a stream that is a strict prefix of the other differs
+    at its end; None when they are equal."""
+    n = min(len(a), len(b))
+    diff = next((i for i in range(n) if a[i] != b[i]), None)
+    return diff if diff is not None or len(a) == len(b) else n
+
+
+@dataclass(frozen=True)
+class TokenAgreement:
+    """Two runs' token ids on the rows both have (mode=compare's divergence column)."""
+
+    common: int
+    differing: int
+    first: RowKey | None  # the differing row at the lowest position (then sequence)
+
+    def describe(self) -> str:
+        if not self.common:
+            return "no common rows"
+        if self.first is None:
+            return f"identical ({self.common} rows)"
+        return (f"{self.differing}/{self.common} rows differ; first {self.first[0]}#{self.first[1]} "
+                f"position {self.first[2]}")
+
+
+def token_agreement(a: Mapping[RowKey, int], b: Mapping[RowKey, int]) -> TokenAgreement:
+    common = sorted(set(a) & set(b), key=lambda k: (k[2], k[0], k[1]))
+    diff = [k for k in common if a[k] != b[k]]
+    return TokenAgreement(len(common), len(diff), diff[0] if diff else None)
