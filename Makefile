@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run lint test test-older-cpus test-fallback bench soak serve docs setup clean-venv llama-server one-stream
+.PHONY: run lint test prepare toolchains test-older-cpus test-fallback bench soak serve docs setup clean-venv llama-server one-stream
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,15 +21,25 @@ $(STAMP): pyproject.toml constraints.txt
 # a wheel cached on another machine may use instructions this one lacks), never with AMX on x86 (see
 # .ci/llama_cmake_args); the stamp names the build's options, so another CPU rebuilds it. It runs in a
 # child process (toolkit/native/child.py): its crash is an error, never the suite's death. A failed build is one
-# warning. The log's first line names the variant built.
+# warning. The log's first line names the variant built. The wheel is compiled by the system's pip in an isolated
+# build environment, so `make test` builds it while .venv installs (prepare, below); the Python binding is built
+# without its multimodal library (LLAVA_BUILD=OFF: nothing here loads it).
 LLAMA_ARGS := $(shell bash .ci/llama_cmake_args)
-LLAMA := $(VENV)/.llama_cpp-$(shell echo '$(LLAMA_ARGS)' | md5sum | cut -c1-12)
-$(LLAMA): $(STAMP)
-	echo "llama.cpp build variant: $(LLAMA_ARGS) (CPU: $$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), amx: $$(grep -q amx_tile /proc/cpuinfo && echo yes || echo no))" >$(VENV)/llama_build.log
-	( $(PY) -m pip install --quiet -c constraints.txt diskcache jinja2 numpy typing-extensions \
-		&& CMAKE_ARGS="$(LLAMA_ARGS)" $(PY) -m pip install --quiet --no-cache-dir --force-reinstall --no-deps \
-			llama-cpp-python -c constraints.txt ) >>$(VENV)/llama_build.log 2>&1 \
+LLAMA_PY_ARGS := $(LLAMA_ARGS) -DLLAVA_BUILD=OFF
+LLAMA_KEY := $(shell echo '$(LLAMA_PY_ARGS)' | md5sum | cut -c1-12)
+LLAMA_WHEELS := $(VENV)/llama-wheel-$(LLAMA_KEY)
+LLAMA := $(VENV)/.llama_cpp-$(LLAMA_KEY)
+$(LLAMA_WHEELS)/.built:
+	mkdir -p $(LLAMA_WHEELS)
+	echo "llama.cpp build variant: $(LLAMA_PY_ARGS) (CPU: $$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), amx: $$(grep -q amx_tile /proc/cpuinfo && echo yes || echo no))" >$(VENV)/llama_build.log
+	CMAKE_ARGS="$(LLAMA_PY_ARGS)" $(PYTHON) -m pip wheel --quiet --no-cache-dir --no-deps -c constraints.txt \
+		-w $(LLAMA_WHEELS) llama-cpp-python >>$(VENV)/llama_build.log 2>&1 \
 		|| echo "warning: llama-cpp-python did not build (see $(VENV)/llama_build.log): the llama.cpp audit test skips"
+	touch $@
+$(LLAMA): $(STAMP) $(LLAMA_WHEELS)/.built
+	( $(PY) -m pip install --quiet -c constraints.txt diskcache jinja2 numpy typing-extensions \
+		&& $(PY) -m pip install --quiet --no-deps --force-reinstall $(LLAMA_WHEELS)/llama_cpp_python-*.whl ) \
+		>>$(VENV)/llama_build.log 2>&1 || echo "warning: llama-cpp-python is not installed (see $(VENV)/llama_build.log)"
 	touch $(LLAMA)
 
 # llama.cpp's own HTTP server (C++), the one-stream benchmark's peer: built from the llama.cpp sources in the
@@ -58,14 +68,27 @@ one-stream: $(STAMP)
 
 setup: $(STAMP)
 
+# what the suite needs, made side by side (`make test` runs it with -j3): .venv's install (network), the llama.cpp
+# wheel's compile (CPU) and the test toolchains (apt)
+prepare: $(STAMP) $(LLAMA) toolchains
+
+toolchains:
+	bash .ci/toolchains
+
 run: $(STAMP)
 	$(PY) run.py $(ARGS)
 
+# the suite in parallel (pytest-xdist): one worker per core, each test file on one worker (its module fixtures set
+# up once), each worker's torch held to cores / workers threads (tests/conftest.py); JOBS=0 runs it in one process
+JOBS ?= $(shell nproc)
+PYTEST_ADDOPTS ?= -n $(JOBS) --dist loadfile
+export PYTEST_ADDOPTS
+
 # the suite, then its numerics-sensitive tests (marker `numerics`) again as an older CPU runs them: the kernels
 # built for an older target, and the torch fallback held to an older instruction set (.ci/older_cpus.py)
-test: $(STAMP) $(LLAMA)
+test:
+	$(MAKE) --no-print-directory -j3 prepare
 	$(VENV)/bin/ruff check .
-	bash .ci/toolchains
 	$(PY) -m pytest -q --durations=15 $(ARGS)
 	$(PY) .ci/older_cpus.py $(ARGS)
 

@@ -14,7 +14,15 @@ from toolkit.models import load_model
 from toolkit.native import library
 from toolkit.sampling.params import SamplingParams
 
-torch.set_num_threads(int(os.environ.get("TOOLKIT_TEST_THREADS", "2")))
+# make test runs the suite on one pytest-xdist worker per core: each worker's torch (and the native kernels, which
+# take torch's thread count), and through OMP_NUM_THREADS the processes its tests start, get the cores / workers,
+# so that the workers do not oversubscribe the machine; run alone, a test gets 2 threads
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if WORKERS:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // WORKERS)))
+    os.environ.pop("PYTEST_ADDOPTS", None)  # a test's own pytest run (a planted test file) runs in one process
+THREADS = int(os.environ.get("TOOLKIT_TEST_THREADS") or (os.environ["OMP_NUM_THREADS"] if WORKERS else 2))
+torch.set_num_threads(THREADS)
 
 # no "explain" phase: it traces every line of a failing example and, with models in the
 # frames, can take gigabytes when a property fails
