@@ -18,9 +18,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import NATIVE_OFF, make_engine
+from tests.conftest import NATIVE_OFF, make_engine, once
 from toolkit import replay
 from toolkit.engine.outputs import TextDelta
+from toolkit.engine.request import EngineRequest
 from toolkit.sampling.params import SamplingParams
 from toolkit.serve.job import Mailbox
 from toolkit.serve.loop import Update
@@ -38,6 +39,7 @@ def _post(url: str, body: dict, **kwargs) -> httpx.Response:
 
 
 @pytest.mark.native
+@once
 def test_overload_is_answered_200_or_503_and_the_server_then_serves_normally(tiny, tmp_path):
     run_dir = tmp_path / "run"
     srv = start_server(_engine(tiny, max_num_seqs=4), run_dir, max_waiting=32)
@@ -112,13 +114,13 @@ def test_api_keys_body_size_and_list_limits(tiny, monkeypatch):
 def test_an_exception_on_the_engine_thread_is_one_requests_500(tiny, tmp_path):
     engine = _engine(tiny)
     srv = start_server(engine, tmp_path / "run")
-    add, run = engine.add_request, engine.runner.run
+    add, run = engine.add, engine.runner.run
     fail_next_step = threading.Event()
 
-    def add_request(*args, **kwargs):
-        if kwargs.get("prompt") == "boom":
+    def add_request(request):
+        if request.prompt == "boom":
             raise KeyError("injected while adding")
-        return add(*args, **kwargs)
+        return add(request)
 
     def forward(*args, **kwargs):  # the model runner, inside a step, after the batch was scheduled
         if fail_next_step.is_set():
@@ -126,7 +128,7 @@ def test_an_exception_on_the_engine_thread_is_one_requests_500(tiny, tmp_path):
             raise RuntimeError("injected while stepping")
         return run(*args, **kwargs)
 
-    engine.add_request, engine.runner.run = add_request, forward
+    engine.add, engine.runner.run = add_request, forward
     try:
         r = _post(srv.url, {"prompt": "boom", "max_tokens": 3})
         assert r.status_code == 500 and "injected while adding" in r.json()["error"]["message"]
@@ -237,7 +239,7 @@ def test_a_loop_that_cannot_go_on_tells_its_owner_after_answering_everyone(tiny)
     engine.step = broken
     loop = EngineLoop(engine, None, max_failed_steps=2, on_fatal=lambda exc: fatal.append((exc, answered.is_set())))
     loop.start()
-    sub = Submission({"prompt": "a", "request_id": "a", "sampling_params": {"max_tokens": 2}}, None,
+    sub = Submission(EngineRequest("a", request_id="a", sampling_params={"max_tokens": 2}), None,
                      lambda update: update.error and answered.set(), False)
     loop.submit([sub])
     loop._thread.join(30)
@@ -391,6 +393,7 @@ def test_a_mailbox_past_its_bytes_gives_up_once_and_says_so(texts, limit, max_by
 
 
 @pytest.mark.native
+@once
 def test_soak_over_http_loses_nothing_and_keeps_nothing(tiny, tmp_path):
     from toolkit.modes.serve_soak import soak_http
 

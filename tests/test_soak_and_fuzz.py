@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import make_engine
+from tests.conftest import make_engine, once
 from toolkit.config import EngineConfig, from_mapping
 from toolkit.errors import ConfigError, RequestError, WorkloadError
 from toolkit.modes.soak import soak
@@ -19,6 +19,7 @@ from toolkit.trace.reader import read_samples
 
 
 @pytest.mark.native
+@once
 def test_thirty_second_soak(tiny, tmp_path):
     cfg = EngineConfig(num_kv_blocks=96, block_size=16, max_num_seqs=16, max_num_batched_tokens=128,
                        preemption_mode="swap", swap_space_gb=0.05)
@@ -86,7 +87,7 @@ def test_fuzzed_request_files_never_crash_the_engine_or_the_trace(tiny, tmp_path
     engine = make_engine(tiny, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64)
     for spec in specs:  # a bad spec must be refused with a typed error, never anything else
         try:
-            engine.add_request(**spec.add_kwargs())
+            engine.add(spec.engine_request())
         except (RequestError, ConfigError) as exc:
             assert "\n" not in str(exc)
     engine = make_engine(tiny, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64)

@@ -227,6 +227,34 @@ def test_no_module_is_too_long_to_read():
     assert not over, f"over {MAX_MODULE_LINES} lines: {over}"
 
 
+# the engine's narrow API (toolkit/engine/core.py and queries.py): add, abort, step, output, release and the
+# queries. Outside toolkit/engine nothing reaches into its parts: an attribute of these names read off an engine
+# (a name or attribute that says `engine`) is a reach.
+ENGINE_INTERNALS = {"scheduler", "block_manager", "requests", "groups", "intake", "runner", "committer", "decider"}
+
+
+def engine_reaches(root: Path = ROOT) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[0] == "engine":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS:
+                owner = node.value.id if isinstance(node.value, ast.Name) else \
+                    node.value.attr if isinstance(node.value, ast.Attribute) else ""
+                if "engine" in owner.lower():
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {owner}.{node.attr}")
+    return found
+
+
+def test_nothing_outside_the_engine_reaches_into_it(tmp_path):
+    assert engine_reaches() == []
+    planted = tmp_path / "serve"
+    planted.mkdir()
+    (planted / "loop.py").write_text("def running(self):\n    return len(self.engine.scheduler.running)\n")
+    assert engine_reaches(tmp_path) == ["serve/loop.py:2 engine.scheduler"]
+
+
 # where two runs part is computed in one place (toolkit/trace/diverge.py); replay, the report, compare and the
 # studies call it. A function or class whose name says it finds a divergence or a differing field, elsewhere, is
 # a second implementation.

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig, from_mapping
-from toolkit.engine.core import Engine, load_for
+from toolkit.engine.core import Engine, EngineRequest, load_for
 from toolkit.engine.outputs import RequestOutput
 from toolkit.errors import ConfigError
 from toolkit.runs.session import record
@@ -89,7 +89,7 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[RequestOutput]:
         params = _per_request(sampling_params, len(requests), self.default_sampling)
         engine = Engine(self.loaded, self.engine_cfg, self.default_sampling, self.spec_cfg)
-        ids = [engine.add_request(**r, sampling_params=p, request_id=f"{i}") for i, (r, p) in
+        ids = [engine.add(EngineRequest(**r, sampling_params=p, request_id=f"{i}")) for i, (r, p) in
                enumerate(zip(requests, params))]  # a bad request raises before anything runs
         if not self.trace:
             engine.run_until_done()

@@ -111,7 +111,7 @@ def run_precision(cfg: DictConfig, run_dir: Path) -> int:
             if not seq_rows:
                 continue
             prompt_len = seq_rows[0]["position"]
-            full = list(engine.requests[rid].token_ids[:prompt_len]) + [r["token_id"] for r in seq_rows]
+            full = list(engine.sequences(rid)[0].token_ids[:prompt_len]) + [r["token_id"] for r in seq_rows]
             recorded_lp = torch.tensor([r["raw_logprob"] for r in seq_rows], dtype=torch.float64)
             picked = torch.tensor(full[prompt_len:])[:, None]
             for ref, logits in (("float64", reference_logits(fp32.model, full[:-1])),

@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from toolkit.engine.core import Engine
+from toolkit.engine.core import Engine, EngineRequest
 from toolkit.errors import ConfigError
 from toolkit.runs.manifest import native_kernels
 from toolkit.runs.session import record
@@ -162,13 +162,13 @@ def add_recorded_requests(engine: Engine, requests: list[dict[str, Any]]) -> lis
     arrival step, in the recorded order (the order of arrivals within a step)."""
     ids: list[str] = []
     for row in requests:
-        if row["request_id"] in engine.groups:
+        if engine.has_request(row["request_id"]):
             continue  # one row per sequence: the request was added with its first row
         params = json.loads(row["sampling_params"])
         params["seed"] = row["seed"]
-        engine.add_request(prompt_token_ids=row["prompt_token_ids"], request_id=row["request_id"],
-                           arrival_step=row["arrival_step"], sampling_params=SamplingParams.from_mapping(params),
-                           priority=row.get("priority") or 0)
+        engine.add(EngineRequest(prompt_token_ids=row["prompt_token_ids"], request_id=row["request_id"],
+                                 arrival_step=row["arrival_step"], sampling_params=SamplingParams.from_mapping(params),
+                                 priority=row.get("priority") or 0))
         ids.append(row["request_id"])
     return ids
 
@@ -192,9 +192,8 @@ def recorded_aborts(requests: list[dict[str, Any]], samples: pa.Table | None = N
             for request_id in due.pop(step):
                 engine.abort(request_id)
         if last_step is not None and engine.step_index > last_step:
-            for request_id, seqs in list(engine.groups.items()):
-                if not all(engine.requests[s].is_finished for s in seqs):
-                    engine.abort(request_id)
+            for request_id in engine.unfinished_request_ids():
+                engine.abort(request_id)
 
     return before_step
 

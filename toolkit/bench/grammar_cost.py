@@ -25,7 +25,7 @@ def _decode(loaded, engine_cfg: EngineConfig, batch: int, constrained: bool, ste
     for r in extraction_workload(batch):
         engine.add_request(messages=r.messages, request_id=r.id, sampling_params=SamplingParams(
             temperature=0.0, max_tokens=steps + 60, ignore_eos=True, structured_outputs=spec))
-    while any(s.status.value != "decoding" for s in engine.requests.values()):
+    while engine.stats().decoding < batch:
         engine.step()
     grammar_before = engine.grammar.seconds if constrained else 0.0
     start = time.perf_counter()

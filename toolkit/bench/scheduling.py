@@ -220,14 +220,14 @@ def _walk(loaded, cfg: EngineConfig, requests, static: bool) -> dict[str, Any]:
         if not out.batch_size:
             continue
         for f in out.finished:
-            completed[engine.requests[f].request_id] = out.step
-        cache = ", ".join(f"req {q.request_id}: {q.num_computed_tokens}" for q in engine.scheduler.running)
-        done = sorted(engine.requests[f].request_id for f in out.finished)
+            completed[engine.request_of(f)] = out.step
+        cache = ", ".join(f"req {q.request_id}: {q.num_computed_tokens}" for q in engine.running_sequences())
+        done = sorted(engine.request_of(f) for f in out.finished)
         log.append(f"[step {out.step}] {out.num_prefill_tokens} prefill + {out.num_decode_tokens} decode tokens; "
                    f"cache {{{cache}}}" + (f"; completed {', '.join('req ' + d for d in done)}" if done else ""))
     rows = []
     for i, (a, p, n) in enumerate(requests):
-        seq = engine.requests[str(i)]
+        (seq,) = engine.sequences(str(i))
         rows.append({"id": i, "arrival_step": a, "prompt_tokens": len(p), "max_new_tokens": n,
                      "admitted_step": seq.admitted_step, "completed_step": completed.get(str(i)),
                      "tokens": list(seq.output_token_ids)})

@@ -129,7 +129,7 @@ def run_engine(loaded, engine_cfg: EngineConfig, requests: list[BenchRequest], t
         result.ttft_s[r.id] = m.ttft_s
         if m.tpot_s is not None:
             result.tpot_s[r.id] = m.tpot_s
-    bm = engine.block_manager
+    pool = engine.stats()
     result.extra = {"steps": engine.step_index, "traced": writer is not None,
                     "itl_p50_s": percentile(itl.values, 50), "itl_p95_s": percentile(itl.values, 95),
                     "itl_p99_s": percentile(itl.values, 99), "queue_p50_s": percentile(queues, 50),
@@ -139,8 +139,8 @@ def run_engine(loaded, engine_cfg: EngineConfig, requests: list[BenchRequest], t
                     **({"trace_engine_thread_s": writer.engine_thread_s, "trace_worker_cpu_s": writer.worker_cpu_s}
                        if writer is not None else {}),
                     "attention_backend": engine.attention_backend,
-                    "preemptions": sum(s.num_preemptions for s in engine.requests.values()),
-                    "prefix_cache_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else None,
+                    "preemptions": pool.preemptions,
+                    "prefix_cache_hit_rate": pool.prefix_hits / pool.prefix_queries if pool.prefix_queries else None,
                     **(engine.speculator.stats.summary() if engine.speculator is not None else {})}
     result.extra.update(_host_work(step_log))
     return result

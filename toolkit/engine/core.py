@@ -11,6 +11,10 @@ Each stage is a unit with one job:
     toolkit.engine.decide       Decider: logits rows -> processors -> sampled / verified tokens (a Decision)
     toolkit.engine.commit       Committer: the Decision into the sequences, and one SampleTrace row per token
     toolkit.engine.outputs      StepOutput, TextDelta, RequestOutput: what the engine hands out
+    toolkit.engine.queries      EngineQueries, EngineStats: what a caller may ask (nothing reaches further in)
+
+A request enters as one typed EngineRequest (toolkit.engine.request), through `add`, and leaves through `step`'s
+StepOutput, `output` and `release`; `abort` ends it early.
 
 One owner per piece of a sequence's state (toolkit.engine.request.Request); nothing else writes it:
     intake       creates it: ids, prompt, sampling, seed, bad words, grammar matcher, followers
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -55,7 +59,8 @@ from toolkit.engine.outputs import (
     request_metrics,
     request_output,
 )
-from toolkit.engine.request import Request, RequestStatus
+from toolkit.engine.queries import EngineQueries, EngineStats
+from toolkit.engine.request import EngineRequest, Request, RequestStatus
 from toolkit.engine.runner import ModelOutput, ModelRunner
 from toolkit.engine.scheduler import ScheduledBatch, Scheduler
 from toolkit.engine.speculative import DraftContext, Proposal, Speculator
@@ -68,11 +73,11 @@ from toolkit.sampling.params import SamplingParams
 
 T = TypeVar("T")
 
-__all__ = ["CompletionOutput", "Engine", "RequestMetrics", "RequestOutput", "StepOutput", "TextDelta",
-           "derive_seed", "keep_freed_memory", "load_for", "request_metrics"]
+__all__ = ["CompletionOutput", "Engine", "EngineRequest", "EngineStats", "RequestMetrics", "RequestOutput",
+           "StepOutput", "TextDelta", "derive_seed", "keep_freed_memory", "load_for", "request_metrics"]
 
 
-class Engine:
+class Engine(EngineQueries):
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig | None = None,
                  default_sampling: SamplingParams | None = None, speculative: SpeculativeConfig | None = None):
         self.cfg = cfg or EngineConfig()
@@ -152,24 +157,26 @@ class Engine:
 
     # ------------------------------------------------------------------ requests in
 
-    def add_request(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-                    prompt_token_ids: Sequence[int] | None = None,
-                    sampling_params: SamplingParams | Mapping[str, Any] | None = None,
-                    request_id: str | None = None, arrival_step: int | None = None, priority: int = 0) -> str:
+    def add(self, request: EngineRequest) -> str:
         """Validate and queue a request (n sequences when n > 1); returns its id. Raises RequestError.
 
         With n > 1 only sample 0 is prefilled; the other samples fork its blocks (copy-on-write)
         when its prompt is done and sample their first token from the same logits, each with
         its own RNG stream."""
-        seqs = self.intake.sequences(prompt, messages=messages, prompt_token_ids=prompt_token_ids,
-                                     sampling_params=sampling_params, request_id=request_id,
-                                     arrival_step=arrival_step, priority=priority, step_index=self.step_index,
-                                     taken=self.groups)
+        seqs = self.intake.sequences(request, step_index=self.step_index, taken=self.groups)
         for seq in seqs:
             self.requests[seq.seq_id] = seq
         self.groups[seqs[0].request_id] = [s.seq_id for s in seqs]
         self.scheduler.add(seqs[0])
         return seqs[0].request_id
+
+    def add_request(self, prompt: str | None = None, **fields: Any) -> str:
+        """`add(EngineRequest(prompt, **fields))`: vLLM's spelling, for a caller with keyword arguments."""
+        try:
+            request = EngineRequest(prompt, **fields)
+        except TypeError as exc:
+            raise RequestError(f"bad request: {exc}") from None
+        return self.add(request)
 
     # ------------------------------------------------------------------ the step
 
@@ -350,16 +357,18 @@ class Engine:
             steps.append(self.step())
         return steps
 
-    def _add_all(self, requests: Iterable[Mapping[str, Any] | str]) -> list[str]:
-        return [self.add_request(spec) if isinstance(spec, str) else self.add_request(**spec) for spec in requests]
+    def _add_all(self, requests: Iterable[EngineRequest | Mapping[str, Any] | str]) -> list[str]:
+        return [self.add(r) if isinstance(r, EngineRequest) else self.add_request(r) if isinstance(r, str)
+                else self.add_request(**r) for r in requests]
 
-    def generate(self, requests: Iterable[Mapping[str, Any] | str]) -> list[RequestOutput]:
-        """Add every request (a prompt string or a dict of add_request's arguments), run, return outputs in order."""
+    def generate(self, requests: Iterable[EngineRequest | Mapping[str, Any] | str]) -> list[RequestOutput]:
+        """Add every request (an EngineRequest, a prompt string or a dict of its fields), run, return outputs in
+        order."""
         ids = self._add_all(requests)
         self.run_until_done()
         return [self.output(i) for i in ids]
 
-    def stream(self, requests: Iterable[Mapping[str, Any] | str] = ()) -> Iterator[TextDelta]:
+    def stream(self, requests: Iterable[EngineRequest | Mapping[str, Any] | str] = ()) -> Iterator[TextDelta]:
         """Add the requests, then yield text deltas step by step until every request has finished."""
         self._add_all(requests)
         while self.has_unfinished():

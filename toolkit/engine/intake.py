@@ -11,7 +11,7 @@ from collections.abc import Callable, Container, Mapping, Sequence
 from typing import Any
 
 from toolkit.config import EngineConfig
-from toolkit.engine.request import Request
+from toolkit.engine.request import EngineRequest, Request
 from toolkit.errors import ConfigError, RequestError
 from toolkit.models.tokenizer import Tokenizer
 from toolkit.sampling.grammar import GrammarBackend
@@ -44,14 +44,13 @@ class RequestIntake:
         if params.structured_outputs is not None:
             self.grammar().compile(params.structured_outputs)
 
-    def sequences(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-                  prompt_token_ids: Sequence[int] | None = None,
-                  sampling_params: SamplingParams | Mapping[str, Any] | None = None,
-                  request_id: str | None = None, arrival_step: int | None = None, priority: int = 0,
-                  step_index: int = 0, taken: Container[str] = ()) -> list[Request]:
+    def sequences(self, request: EngineRequest, *, step_index: int = 0, taken: Container[str] = ()) -> list[Request]:
         """The sequences of one request (n when n > 1; the first leads, the others follow it), or a
         RequestError naming what is wrong. `taken`: the request ids in use; `step_index`: the engine's
         current step (a request arrives no earlier)."""
+        if not isinstance(request, EngineRequest):
+            raise RequestError(f"a request must be an EngineRequest, got {type(request).__name__}")
+        request_id, arrival_step, priority = request.request_id, request.arrival_step, request.priority
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
@@ -60,8 +59,8 @@ class RequestIntake:
             raise RequestError(f"request id {request_id!r} is already in use")
         if "#" in request_id:
             raise RequestError(f"request id {request_id!r} must not contain '#' (reserved for parallel samples)")
-        params = self._sampling(sampling_params)
-        ids, text = self._prompt_ids(prompt, messages, prompt_token_ids)
+        params = self._sampling(request.sampling_params)
+        ids, text = self._prompt_ids(request.prompt, request.messages, request.prompt_token_ids)
         self._check_fits(request_id, len(ids), params.max_tokens)
         self._check_token_ids(params)
         bad_words_ids = self._bad_words_ids(params)
@@ -100,11 +99,11 @@ class RequestIntake:
         except ConfigError as exc:
             raise RequestError(str(exc)) from None
 
-    def prompt_ids(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-                   prompt_token_ids: Sequence[int] | None = None) -> list[int]:
+    def prompt_ids(self, request: EngineRequest) -> list[int]:
         """A request's prompt as token ids, checked as `sequences` checks it (every id inside the vocabulary,
         shorter than the context), or a RequestError naming the prompt: what scoring a prompt reads. Ids past the
         context are refused before they are read (a hostile prompt may hold a million)."""
+        prompt, messages, prompt_token_ids = request.prompt, request.messages, request.prompt_token_ids
         if isinstance(prompt_token_ids, Sequence) and not isinstance(prompt_token_ids, (str, bytes)):
             self._check_context(len(prompt_token_ids))
         ids, _ = self._prompt_ids(prompt, messages, prompt_token_ids)

@@ -1,4 +1,5 @@
-"""Sequence state: everything needed to schedule, resume and report one sampled sequence.
+"""What enters the engine (`EngineRequest`, one typed contract) and its state inside it (`Request`, one sampled
+sequence): everything needed to schedule, resume and report it.
 
 A request with n parallel samples is n of these (same `request_id`, `stream` 0..n-1,
 distinct `seq_id`). The KV cache is derived state: `token_ids` (prompt + output) and
@@ -11,11 +12,30 @@ stream). The stop-string matcher keeps its own progress (`stop_state`).
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from toolkit.sampling.params import SamplingParams
 from toolkit.sampling.stop import StopState
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request into the engine, the only shape one arrives in: toolkit.LLM, the server, a workload and replay
+    build it; `Engine.add` takes it, and the engine's intake validates it once (a RequestError naming the field).
+    Give one of `prompt`, `messages` (a chat, through the tokenizer's template) or `prompt_token_ids`.
+    `sampling_params`: a SamplingParams, or a mapping of its fields over the engine's defaults; with n > 1 the
+    request becomes n sequences. `arrival_step`: the engine step before which it is not scheduled (a workload's
+    timeline); `priority`: lower is more important (preemption_policy=priority)."""
+
+    prompt: str | None = None
+    messages: Sequence[Mapping[str, Any]] | None = None
+    prompt_token_ids: Sequence[int] | None = None
+    sampling_params: SamplingParams | Mapping[str, Any] | None = None
+    request_id: str | None = None
+    arrival_step: int | None = None
+    priority: int = 0
 
 
 class RequestStatus(str, enum.Enum):

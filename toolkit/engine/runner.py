@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -215,6 +215,20 @@ def recompute_logits(model: torch.nn.Module, token_ids: list[int], *, batch_inva
     runner = ModelRunner(model, cache, device, "kernel" if batch_invariant else "sdpa", batch_invariant=batch_invariant)
     chunk = ScheduledChunk("recompute", tuple(token_ids), 0, tuple(range(blocks)), samples=True, num_logits=n)
     return runner.run(ScheduledBatch(step=0, chunks=(chunk,), num_decode_tokens=0, num_prefill_tokens=n)).logits_RV
+
+
+def prompt_logprobs(model: torch.nn.Module, token_ids: Sequence[int], k: int) -> list:
+    """Raw logprobs of every prompt token given the ones before it (the first has none: None) and the top `k`
+    alternatives at each position, from one no-cache forward (recompute_logits, float64 log-softmax): an eval
+    harness's loglikelihood request (echo + logprobs). Per position: (token id, logprob, [(id, logprob)...])."""
+    ids = list(token_ids)
+    logprobs = torch.log_softmax(recompute_logits(model, ids, batch_invariant=False)[:-1].double(), -1)
+    rows: list = [None]
+    for pos in range(1, len(ids)):
+        row = logprobs[pos - 1]
+        top = torch.topk(row, k).indices.tolist() if k else []
+        rows.append((ids[pos], float(row[ids[pos]]), [(t, float(row[t])) for t in top]))
+    return rows
 
 
 def recompute_many(model: torch.nn.Module, sequences: list[list[int]], last: list[int], *, block_size: int = 16,

@@ -88,7 +88,7 @@ def run_workload(cfg: DictConfig, run_dir: Path) -> int:
                       progress=cfg.get("progress", True), plots=cfg.get("plots", True),
                       summary_extra={"rejected": len(rejected), "rejected_requests": [r.reason for r in rejected]})
     outputs, summary = recorded.outputs, recorded.summary
-    validity = structured_output_validity(outputs, {i: engine.requests[engine.groups[i][0]].sampling for i in ids})
+    validity = structured_output_validity(outputs, {i: engine.sequences(i)[0].sampling for i in ids})
     if validity is not None:
         summary.update(validity)
         atomic_write_bytes(run_dir / "summary.json", json.dumps(summary, indent=2).encode())

@@ -25,7 +25,7 @@ import psutil
 from omegaconf import DictConfig, OmegaConf
 
 from toolkit.config import EngineConfig, ModelConfig, from_mapping
-from toolkit.engine.core import Engine
+from toolkit.engine.core import Engine, EngineRequest
 from toolkit.errors import ConfigError
 from toolkit.models import load_model
 from toolkit.modes.serve_soak import soak_http
@@ -55,8 +55,8 @@ def soak(loaded, engine_cfg: EngineConfig, run_dir: Path, *, duration_s: float, 
                                     top_k=rnd.choice([-1, 50]), max_tokens=rnd.randint(1, max_new),
                                     seed=rnd.randrange(2**31), n=rnd.choice([1, 1, 1, 2]),
                                     repetition_penalty=rnd.choice([1.0, 1.1]))
-            rid = engine.add_request(prompt_token_ids=[rnd.randrange(vocab) for _ in range(n)],
-                                     request_id=f"soak-{next_id}", sampling_params=params)
+            rid = engine.add(EngineRequest(prompt_token_ids=[rnd.randrange(vocab) for _ in range(n)],
+                                           request_id=f"soak-{next_id}", sampling_params=params))
             next_id += 1
             live.add(rid)
             counts["added"] += 1
@@ -79,7 +79,7 @@ def soak(loaded, engine_cfg: EngineConfig, run_dir: Path, *, duration_s: float, 
                 counts["aborted" if "abort" in reasons else "errored" if "error" in reasons else "finished"] += 1
                 counts["tokens"] += sum(len(c.token_ids) for c in result.outputs)
         if counts["steps"] % check_every == 0:
-            engine.block_manager.check_invariants()
+            engine.check_invariants()
             counts["invariant_checks"] += 1
         if rss_warm is None and time.perf_counter() - start >= warmup_s:
             rss_warm = proc.memory_info().rss / 2**20
@@ -89,14 +89,14 @@ def soak(loaded, engine_cfg: EngineConfig, run_dir: Path, *, duration_s: float, 
         counts["aborted"] += 1
         counts["tokens"] += sum(len(c.token_ids) for c in result.outputs)
     writer.close()
-    engine.block_manager.check_invariants()
+    engine.check_invariants()
     rss_end = proc.memory_info().rss / 2**20
     rss_warm = rss_warm if rss_warm is not None else rss_end
-    bm = engine.block_manager
+    pool = engine.stats()
     report = {**counts, "seconds": time.perf_counter() - start, "trace_rows": writer.rows_written,
-              "leaked_blocks": bm.num_blocks - bm.num_free_blocks, "engine_requests_left": len(engine.requests),
+              "leaked_blocks": pool.kv_blocks_total - pool.kv_blocks_free, "engine_requests_left": pool.requests,
               "rss_after_warmup_mb": rss_warm, "rss_end_mb": rss_end, "rss_growth_mb": rss_end - rss_warm,
-              "num_kv_blocks": bm.num_blocks}
+              "num_kv_blocks": pool.kv_blocks_total}
     problems = []
     if report["leaked_blocks"]:
         problems.append(f"{report['leaked_blocks']} KV blocks not returned")

@@ -115,8 +115,7 @@ def request_rows(engine, run_id: str, request_ids: Sequence[str]) -> list[dict[s
     """One row per sequence, with everything replay needs to rebuild it."""
     rows = []
     for rid in request_ids:
-        for seq_id in engine.groups[rid]:
-            s = engine.requests[seq_id]
+        for s in engine.sequences(rid):
             m = request_metrics(s)
             rows.append({
                 "run_id": run_id, "request_id": s.request_id, "stream": s.stream,

@@ -152,7 +152,7 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
     write_requests(run_dir, request_rows(engine, run_id, request_ids))  # replayable even if the run dies
     run_logger = make_logger(logger, OmegaConf.to_container(resolved, resolve=True), run_dir, run_id)
     writer = TraceWriter(run_dir, run_id, flush_every_steps, full_logits) if trace else None
-    bar = Progress(sum(len(engine.groups.get(i, [i])) for i in request_ids)) if progress else None
+    bar = Progress(sum(len(engine.sequences(i)) for i in request_ids)) if progress else None
     steps: list[dict[str, Any]] = []
     itl = InterTokenLatency()
     interrupted = False
@@ -189,14 +189,14 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
         write_steps(run_dir, steps)
     outputs = [engine.output(i) for i in request_ids]
     wall = (engine.last_finish_time or 0.0) - (engine.first_admission_time or 0.0)
-    bm = engine.block_manager
+    pool = engine.stats()
     summary = summarize(outputs, wall, itl.values, steps=engine.step_index, run_id=run_id,
                         forwards=sum(s["forwards"] for s in steps), scheduler_policy=engine.cfg.scheduler_policy,
                         trace_rows=writer.rows_written if writer else 0, model=engine.loaded.model_id,
                         model_revision=engine.loaded.revision,
                         kv_utilization_max=max((s["kv_utilization"] for s in steps), default=0.0),
                         kv_utilization_mean=sum(s["kv_utilization"] for s in steps) / max(len(steps), 1),
-                        prefix_cache_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else None,
+                        prefix_cache_hit_rate=pool.prefix_hits / pool.prefix_queries if pool.prefix_queries else None,
                         decode_steps=decode_steps_by_batch(steps),
                         **(engine.speculator.stats.summary() if engine.speculator is not None else {}),
                         **(summary_extra or {}), **({"interrupted": True} if interrupted else {}))

@@ -19,13 +19,14 @@ from typing import Any, Protocol
 from omegaconf import OmegaConf
 
 from toolkit.data import passages
+from toolkit.engine.request import EngineRequest
 from toolkit.errors import RequestError, WorkloadError
 
 
 class AcceptsRequests(Protocol):
     """What add_specs needs of an engine (toolkit.engine.core.Engine is one): a request in, its id out."""
 
-    def add_request(self, **kwargs: Any) -> str: ...
+    def add(self, request: EngineRequest) -> str: ...
 
 
 REQUEST_KEYS = {"id", "prompt", "messages", "prompt_token_ids", "max_tokens", "arrival_step", "sampling", "priority"}
@@ -33,7 +34,7 @@ REQUEST_KEYS = {"id", "prompt", "messages", "prompt_token_ids", "max_tokens", "a
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One request as the user wrote it (validated later by `Engine.add_request`)."""
+    """One request as the user wrote it (validated later, as an EngineRequest, by `Engine.add`)."""
 
     id: str
     prompt: str | None = None
@@ -44,10 +45,10 @@ class RequestSpec:
     priority: int = 0
     source: str = ""  # where it came from, for error messages ("requests.jsonl line 3")
 
-    def add_kwargs(self) -> dict[str, Any]:
-        return dict(prompt=self.prompt, messages=self.messages, prompt_token_ids=self.prompt_token_ids,
-                    sampling_params=self.sampling, request_id=self.id, arrival_step=self.arrival_step,
-                    priority=self.priority)
+    def engine_request(self) -> EngineRequest:
+        return EngineRequest(prompt=self.prompt, messages=self.messages, prompt_token_ids=self.prompt_token_ids,
+                             sampling_params=self.sampling, request_id=self.id, arrival_step=self.arrival_step,
+                             priority=self.priority)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id}
@@ -277,7 +278,7 @@ def add_specs(engine: AcceptsRequests, specs: list[RequestSpec]) -> tuple[list[s
     ids, rejected = [], []
     for spec in specs:
         try:
-            ids.append(engine.add_request(**spec.add_kwargs()))
+            ids.append(engine.add(spec.engine_request()))
         except RequestError as exc:
             rejected.append(Rejected(spec.source, f"{spec.source}: {exc}"))
     return ids, rejected

@@ -51,7 +51,7 @@ class Api:
         `Authorization: Bearer <one of them>`. `max_compiling`: grammars compiling or queued at once, past which
         a request with a new one gets 503 (GrammarCompiler)."""
         self.loop, self.served, self.metrics, self.limits = loop, served, metrics, limits or Limits()
-        self.compiler = GrammarCompiler(loop.engine.intake.precompile, max_compiling)
+        self.compiler = GrammarCompiler(loop.precompile, max_compiling)
         self.api_keys = tuple(k.encode() for k in api_keys)
         self.metrics_public = metrics_public
         self.tokenizer = loop.engine.tokenizer

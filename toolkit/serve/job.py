@@ -18,10 +18,10 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 
 from toolkit.engine.outputs import TextDelta
+from toolkit.engine.request import EngineRequest
 from toolkit.errors import RequestError, ToolkitError, one_line
-from toolkit.native.library import release_openmp_threads
 from toolkit.serve.grammars import GrammarCompiler
-from toolkit.serve.loop import EngineLoop, InternalError, Submission, Unavailable, Update, prompt_ids, prompt_scores
+from toolkit.serve.loop import EngineLoop, InternalError, Submission, Unavailable, Update
 from toolkit.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -208,7 +208,7 @@ class Job:
         except Exception as exc:  # noqa: BLE001 - an unexpected failure is this request's 500, one line
             raise ApiError(500, f"preparing the request failed: {one_line(exc)}", None, "internal_error") from None
         sink = self._sink()
-        submissions = [Submission({**prompt, "sampling_params": self.sampling, "request_id": f"{self.id}-{i}"},
+        submissions = [Submission(EngineRequest(**prompt, sampling_params=self.sampling, request_id=f"{self.id}-{i}"),
                                   self.body, sink, self.fill_max_tokens, route=self.route)
                        for i, prompt in enumerate(self.prompts)]
         try:
@@ -232,14 +232,11 @@ class Job:
 
     def _prepare(self) -> list:
         """What can be done before the engine thread sees the request, once its grammar is compiled: for echo
-        with logprobs, its prompts checked and scored. Per prompt: None or prompt_scores' rows."""
-        engine = self.api.loop.engine
+        with logprobs, its prompts checked and scored. Per prompt: None or toolkit.engine.runner.prompt_logprobs'
+        rows."""
         if self.chat or not self.req.echo or self.req.logprobs is None:
             return [None] * len(self.prompts)
-        try:
-            return [prompt_scores(engine, prompt_ids(engine, prompt), self.req.logprobs) for prompt in self.prompts]
-        finally:  # the forward's OpenMP workers on this handler thread would slow the engine thread's (kernels)
-            release_openmp_threads()
+        return [self.api.loop.prompt_logprobs(EngineRequest(**prompt), self.req.logprobs) for prompt in self.prompts]
 
     def abort(self) -> None:
         for request_id in self.request_ids:

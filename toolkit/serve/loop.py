@@ -17,6 +17,7 @@ raises for no request alone fails the requests it ran, and `max_failed_steps` of
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import sys
 import threading
@@ -28,10 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from toolkit.engine.core import Engine, RequestOutput, StepOutput, TextDelta
-from toolkit.engine.runner import recompute_logits
+from toolkit.engine.core import Engine, EngineRequest, RequestOutput, StepOutput, TextDelta
 from toolkit.errors import ConfigError, RequestError, ToolkitError, one_line
 from toolkit.native.library import release_openmp_threads
 from toolkit.serve.record import ServedRun, body_sha256
@@ -55,9 +53,9 @@ Sink = Callable[[Update], None]
 
 @dataclass
 class Submission:
-    """One request for the engine: add_request's arguments, the HTTP body as received, where its updates go."""
+    """One request for the engine: the EngineRequest, the HTTP body as received, where its updates go."""
 
-    kwargs: dict[str, Any]
+    request: EngineRequest
     body: Any
     sink: Sink
     fill_max_tokens: bool = False  # max_tokens: the rest of the context (a chat request that gave none)
@@ -178,6 +176,19 @@ class EngineLoop:
         self.record.reject(request_id, route, status, reason, body_sha256)
         self._wake.set()
 
+    def precompile(self, sampling_params: Any) -> None:
+        """Compile a request's grammar into the engine's cache, on the caller's thread (a grammar-compiler
+        thread), so the engine thread never waits for a compiler; a RequestError if it is invalid."""
+        self.engine.precompile(sampling_params)
+
+    def prompt_logprobs(self, request: EngineRequest, k: int) -> list:
+        """echo with logprobs: the prompt checked as intake checks it and scored by one no-cache forward, on the
+        caller's thread (it reads the weights only, never the engine's state)."""
+        try:
+            return self.engine.prompt_logprobs(self.engine.prompt_ids(request), k)
+        finally:  # the forward's OpenMP workers on this handler thread would slow the engine thread's (kernels)
+            release_openmp_threads()
+
     def abort(self, request_id: str) -> None:
         """Abort a request (its client left): it finishes before the next step and its blocks are freed."""
         self._commands.put(("abort", request_id))
@@ -252,7 +263,7 @@ class EngineLoop:
         """A step raised: the requests it scheduled (those running) end with that error, and are released."""
         message = f"the engine failed while stepping this request: {one_line(exc)}"
         print(f"serve: {message}", file=sys.stderr, flush=True)
-        running = {seq.request_id for seq in self.engine.scheduler.running}
+        running = self.engine.running_request_ids()
         for request_id in sorted(running & self._sinks.keys()):
             self.engine.abort(request_id)
             self._finish(request_id, (), error=message)
@@ -277,21 +288,20 @@ class EngineLoop:
 
     def _add(self, sub: Submission) -> None:
         engine = self.engine
-        kwargs = dict(sub.kwargs)
-        request_id = kwargs.get("request_id")
+        request = sub.request
+        request_id = request.request_id
         try:
             if sub.fill_max_tokens:
-                ids = prompt_ids(engine, kwargs)
-                kwargs = {k: v for k, v in kwargs.items() if k not in ("prompt", "messages")}
-                kwargs["prompt_token_ids"] = ids
-                kwargs["sampling_params"] = {**kwargs.get("sampling_params", {}),
-                                             "max_tokens": max(engine.max_model_len - len(ids), 1)}
-            request_id = engine.add_request(**kwargs)
+                ids = engine.prompt_ids(request)
+                request = dataclasses.replace(request, prompt=None, messages=None, prompt_token_ids=ids,
+                                              sampling_params={**(request.sampling_params or {}),
+                                                               "max_tokens": max(engine.max_model_len - len(ids), 1)})
+            request_id = engine.add(request)
         except ToolkitError as exc:
             sub.accepted.set_exception(RequestError(str(exc)))
             return
         except Exception as exc:  # noqa: BLE001 - this request's error (a 500), not the loop's
-            if request_id in engine.groups:
+            if request_id is not None and engine.has_request(request_id):
                 engine.abort(request_id)
                 engine.release(request_id)
             self._record_failure(request_id, sub, exc)
@@ -320,8 +330,7 @@ class EngineLoop:
                 by_request.setdefault(s.request_id, ([], []))[1].append(s)
                 self.stats.output_tokens += s.token_id >= 0
             self.stats.recent.append((time.perf_counter(), self.stats.output_tokens))
-            ended = {engine.requests[s].request_id for s in out.finished}
-            done = {r for r in ended if all(engine.requests[s].is_finished for s in engine.groups[r])}
+            done = {r for r in {engine.request_of(s) for s in out.finished} if engine.is_finished(r)}
             for request_id, (deltas, samples) in by_request.items():
                 sink = self._sinks.get(request_id)
                 if sink is not None and request_id not in done:
@@ -335,10 +344,10 @@ class EngineLoop:
         self.record.write(out)
 
     def _refresh_stats(self) -> None:
-        sched = self.engine.scheduler
-        self.stats.running, self.stats.waiting = len(sched.running), len(sched.waiting)
-        self.stats.waiting_requests = len({seq.request_id for seq in sched.waiting})
-        self.stats.kv_blocks_used = self.engine.block_manager.num_used_blocks
+        now = self.engine.stats()
+        self.stats.running, self.stats.waiting = now.running, now.waiting
+        self.stats.waiting_requests = now.waiting_requests
+        self.stats.kv_blocks_used = now.kv_blocks_used
 
     def _finish(self, request_id: str, deltas, samples=(), error: str | None = None) -> None:
         digest = self.record.ended(request_id)
@@ -369,6 +378,7 @@ class EngineLoop:
             if kind == "add" and not item.accepted.done():
                 item.accepted.set_exception(Unavailable("the server is shutting down"))
 
+
 def _send(sink: Sink, update: Update) -> None:
     """Hand an update to its caller; a caller that is gone (its event loop closed) changes nothing here."""
     try:
@@ -377,21 +387,3 @@ def _send(sink: Sink, update: Update) -> None:
         pass
 
 
-def prompt_scores(engine: Engine, ids: list[int], k: int) -> list:
-    """Raw logprobs of every prompt token given the ones before it (the first has none) and the top `k`
-    alternatives at each position, from one no-cache forward through the engine's model (an eval harness's
-    loglikelihood request: echo + logprobs)."""
-
-    logprobs = torch.log_softmax(recompute_logits(engine.loaded.model, ids, batch_invariant=False)[:-1].double(), -1)
-    rows: list = [None]
-    for pos in range(1, len(ids)):
-        row = logprobs[pos - 1]
-        top = torch.topk(row, k).indices.tolist() if k else []
-        rows.append((ids[pos], float(row[ids[pos]]), [(t, float(row[t])) for t in top]))
-    return rows
-
-
-def prompt_ids(engine: Engine, kwargs: Mapping[str, Any]) -> list[int]:
-    """The prompt's token ids as intake computes and checks them (a chat request's through the chat template)."""
-    return engine.intake.prompt_ids(kwargs.get("prompt"), messages=kwargs.get("messages"),
-                                    prompt_token_ids=kwargs.get("prompt_token_ids"))
