@@ -21,6 +21,9 @@ WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if WORKERS:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // WORKERS)))
     os.environ.pop("PYTEST_ADDOPTS", None)  # a test's own pytest run (a planted test file) runs in one process
+# Ray's own OOM killer (a node policy: kill a worker past 95% of the machine's memory) would count the other
+# pytest worker's memory against the Ray tests' actors on this 24 GiB machine; the kernel's limit is the real one
+os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
 THREADS = int(os.environ.get("TOOLKIT_TEST_THREADS") or (os.environ["OMP_NUM_THREADS"] if WORKERS else 2))
 torch.set_num_threads(THREADS)
 

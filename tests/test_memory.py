@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from tests.conftest import make_engine
+from tests.conftest import make_engine, once
 from toolkit.engine.scheduler import Scheduler
 from toolkit.errors import RequestError
 from toolkit.sampling import rng
@@ -192,6 +192,7 @@ def test_n_larger_than_max_num_seqs_is_refused(tiny):
         engine.add_request(prompt_token_ids=[1, 2], sampling_params=SamplingParams(n=3))
 
 
+@once
 def test_load_with_random_aborts_leaks_nothing(tiny):
     """2,000 short requests through a 64-block pool, with random aborts: no error, every block free."""
     rnd = random.Random(7)

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import make_engine, native_only
+from tests.conftest import make_engine, native_only, once
 from toolkit.report import write_report
 from toolkit.runs.session import record
 from toolkit.sampling.params import SamplingParams
@@ -309,6 +309,7 @@ def _large_run(src: Path, dst: Path, requests: int = 1000, rows_each: int = 100)
 
 
 @needs_browser
+@once
 def test_a_100k_row_run_gives_a_small_report_that_opens_and_pages(real_run, browser, tmp_path):
     rows = _large_run(real_run, tmp_path / "large")
     assert rows == 100_000

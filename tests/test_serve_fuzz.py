@@ -9,7 +9,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
-from tests.conftest import make_engine
+from tests.conftest import make_engine, once
 from toolkit.sampling.params import SamplingParams
 from toolkit.serve.main import start_server
 
@@ -29,6 +29,7 @@ def operations(url: str) -> list:
     return [result.ok() for result in schemathesis.openapi.from_url(url + "/openapi.json").get_all_operations()]
 
 
+@once
 def test_no_request_gets_a_500_or_a_non_json_error(live):
     ops = operations(live.url)
     assert {f"{op.method.upper()} {op.path}" for op in ops} >= {"POST /v1/completions", "POST /v1/chat/completions"}

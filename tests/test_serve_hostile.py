@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.conftest import make_engine
+from tests.conftest import make_engine, once
 from toolkit.sampling.params import SamplingParams
 from toolkit.serve.main import serve_config, start_server
 
@@ -187,6 +187,7 @@ LONG_STREAM = {"prompt": "Never read", "stream": True, "n": 16, "max_tokens": 15
                "temperature": 1.0, "logprobs": 5}
 
 
+@once
 @pytest.mark.parametrize("knobs", [dict(stream_write_timeout_s=1.0, max_unread_mb=1024.0), dict(max_unread_mb=0.05)],
                          ids=["write timeout", "unread bytes"])
 def test_a_stream_whose_client_stops_reading_is_aborted(tiny, knobs):
