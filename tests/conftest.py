@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
 import os
 
 import pytest
@@ -83,21 +80,6 @@ def pytest_fixture_setup(fixturedef, request):
     finally:
         if library.consulted() > before:
             _ASKING_FIXTURES.add(id(fixturedef))
-
-
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-_MALLOC_TRIM = getattr(_LIBC, "malloc_trim", None)  # glibc's; absent elsewhere (musl, macOS)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _give_memory_back():
-    """After each test file, what it freed goes back to the system (a full collection, then glibc's malloc_trim,
-    which returns the free pages of every arena): with two pytest workers on a 24 GiB machine, heap a worker no
-    longer uses must not crowd out the other worker's tests."""
-    yield
-    gc.collect()
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 @pytest.fixture(autouse=True)
