@@ -80,3 +80,28 @@ def test_fp32_on_the_gpu_is_the_cpu_within_rounding():
         for p in set(by_pos) & set(gpu[rid]):
             if gpu_engine.requests[rid].token_ids[:p] == cpu_engine.requests[rid].token_ids[:p]:
                 assert (by_pos[p] - gpu[rid][p]).abs().max() < 1e-3, (rid, p)
+
+
+def test_the_noise_and_the_batched_choice_on_the_gpu_are_the_cpus_bit_for_bit():
+    """The counter-based noise is integer mixing plus correctly rounded double operations, one torch kernel each:
+    the GPU's noise is the CPU's, and the GPU's batched Gumbel-max (every row in one pass) picks the tokens, with
+    the noise bits, that the CPU's row-by-row code picks, over full, truncated and empty supports."""
+    from toolkit.sampling import rng
+    from toolkit.sampling.sampler import gumbel_choices
+
+    vocab, cpu, gpu = 49152, torch.device("cpu"), torch.device("cuda")
+    keys = [rng.row_key(seed, position, stream) for seed, position, stream in
+            ((0, 0, 0), (2**63 - 1, 10**9, 3), (12345, 77, 1), (7, 5, 2), (99, 1, 0), (3, 3, 3))]
+    on_cpu = rng.gumbel_rows(rng.key_words(keys, cpu), rng.token_hashes(vocab, cpu))
+    on_gpu = rng.gumbel_rows(rng.key_words(keys, gpu), rng.token_hashes(vocab, gpu)).cpu()
+    assert torch.equal(on_cpu.view(torch.int64), on_gpu.view(torch.int64))
+    x = torch.randn(len(keys), vocab, generator=torch.Generator().manual_seed(5)) * 4
+    x[1, 100:] = float("-inf")
+    x[2, ::2] = float("-inf")
+    x[3] = float("-inf")
+    x[4] = x[4].round()
+    x[5, 7] = float("nan")
+    want_tokens, want_noise = gumbel_choices(x, keys, batched=False)
+    got_tokens, got_noise = gumbel_choices(x.to(gpu), keys)
+    assert got_tokens == want_tokens
+    assert [float(g).hex() for g in got_noise] == [float(g).hex() for g in want_noise]

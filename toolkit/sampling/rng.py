@@ -141,6 +141,23 @@ def gumbel(key: tuple[int, int], token_hash: torch.Tensor) -> torch.Tensor:
     return -log_positive(-log_positive(u))
 
 
+def key_words(keys: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """(R, 2) int64: the rows' keys, ready to broadcast against token hashes (one copy to the device)."""
+    return torch.tensor(list(keys), dtype=torch.int64).reshape(-1, 2).to(device)
+
+
+def gumbel_rows(keys_R2: torch.Tensor, token_hash_RV: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise of many rows at once, float64: row r under key keys_R2[r], `token_hash_RV` the hashes of
+    its tokens (an (R, V) block, or one (1, V) or (V,) row of hashes shared by every row). Each element takes
+    the same integer mixing and correctly rounded double operations as `gumbel`, so row r holds exactly
+    gumbel(keys_R2[r], ...) on any device, in a fixed number of tensor operations whatever R is."""
+    k0, k1 = keys_R2[:, :1], keys_R2[:, 1:]
+    a = mix32(token_hash_RV ^ k0)
+    b = mix32(a ^ k1)
+    u = ((a << 21) | (b >> 11)).to(torch.float64).add_(0.5).mul_(TWO_POW_MINUS_53)
+    return -log_positive(-log_positive(u))
+
+
 def uniform_scalar(key: tuple[int, int], token_id: int = 0) -> float:
     """One uniform in (0, 1) under a key (the acceptance test of rejection sampling)."""
     a = mix32(mix32(token_id * 2 + 1) ^ key[0])

@@ -1,0 +1,116 @@
+"""The sampler's batched path (what a GPU step runs: every row in a fixed number of tensor operations) gives the
+bits of the row-by-row code the CPU runs: the same noise, the same tokens, the same penalty counts."""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from toolkit.sampling import rng, sampler
+from toolkit.sampling.params import SamplingParams
+from toolkit.sampling.processors.base import BatchView, RowState
+from toolkit.sampling.sampler import gumbel_choices
+
+SPECIAL = st.sampled_from([float("nan"), float("inf"), float("-inf"), 0.0, 80.0, -80.0])
+KEY = st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**40), st.integers(0, 2**31))
+
+
+def bits(values: list[float]) -> list[str]:
+    """Each float's 8 bytes: NaN equals NaN, 0.0 differs from -0.0."""
+    return [struct.pack("<d", v).hex() for v in values]
+
+
+@settings(max_examples=30, deadline=None)
+@given(keys=st.lists(KEY, min_size=1, max_size=9), vocab=st.sampled_from([1, 7, 100, 4099]))
+def test_noise_of_many_rows_is_each_rows_noise(keys, vocab):
+    """rng.gumbel_rows (all rows under their keys at once) is rng.gumbel row by row, bit for bit, on a shared
+    row of hashes and on a block of them."""
+    hashes = rng.token_hashes(vocab, torch.device("cpu"))
+    words = [rng.row_key(*k) for k in keys]
+    block = rng.gumbel_rows(rng.key_words(words, hashes.device), hashes)
+    want = torch.stack([rng.gumbel(w, hashes) for w in words])
+    assert torch.equal(block.view(torch.int64), want.view(torch.int64))
+    ids = torch.randint(0, vocab, (len(words), 5), generator=torch.Generator().manual_seed(vocab))
+    picked = rng.gumbel_rows(rng.key_words(words, hashes.device), hashes[ids])
+    assert torch.equal(picked.view(torch.int64), torch.stack([rng.gumbel(w, hashes[i]) for w, i in zip(words, ids)])
+                       .view(torch.int64))
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 10), vocab=st.sampled_from([1, 2, 17, 1000, 49152]), scale=st.sampled_from([0.1, 4.0]),
+       specials=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 49151), SPECIAL), max_size=8),
+       masked=st.lists(st.tuples(st.integers(0, 9), st.integers(1, 99)), max_size=4), ties=st.booleans(),
+       greedy=st.sets(st.integers(0, 9), max_size=4), keys=st.lists(KEY, min_size=10, max_size=10),
+       pass_rows=st.sampled_from([None, 1, 3]), known_finite=st.booleans(), seed=st.integers(0, 1000))
+def test_batched_choice_is_the_row_by_row_choice_bit_for_bit(rows, vocab, scale, specials, masked, ties, greedy,
+                                                              keys, pass_rows, known_finite, seed):
+    """Every row's token and noise from the batched pass equal gumbel_choice's on that row: full and truncated
+    supports, NaN / +inf / -inf logits (never chosen), rows without a finite logit (-1, NaN), greedy rows (not
+    sampled), ties (the lowest id), and the rows split over several passes (`pass_rows` rows each)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=gen) * scale
+    if ties:
+        x = x.round()
+    for r, every in masked:  # a truncated row: all but every k-th token at -inf
+        if r < rows:
+            x[r, torch.arange(vocab) % every != 0] = float("-inf")
+    for r, c, value in specials:
+        if r < rows:
+            x[r, c % vocab] = value
+    if rows > 2:
+        x[-1] = float("-inf")  # nothing finite
+    row_keys = [None if i in greedy else rng.row_key(*keys[i]) for i in range(rows)]
+    finite = torch.isfinite(x) if known_finite else None
+    with pytest.MonkeyPatch.context() as patch:
+        if pass_rows is not None:
+            patch.setattr(sampler, "NOISE_ELEMENTS_PER_PASS", pass_rows * vocab)
+        got = gumbel_choices(x, row_keys, finite, batched=True)
+    want = gumbel_choices(x, row_keys, finite, batched=False)
+    assert got[0] == want[0]
+    assert bits(got[1]) == bits(want[1])
+    for i, key in enumerate(row_keys):  # and what the row-by-row code means
+        finite_row = torch.isfinite(x[i])
+        if key is None or not finite_row.any():
+            assert got[0][i] == -1 and math.isnan(got[1][i])
+        else:
+            assert finite_row[got[0][i]] and got[1][i] == rng.gumbel_scalar(key, got[0][i])
+
+
+def test_a_batched_choice_that_forgets_its_mask_or_swaps_its_key_words_is_caught():
+    """What the comparison above catches: a batched pass without the mask (a NaN or +inf logit wins) or with
+    the key's two words swapped (other noise) differs from the row-by-row choice."""
+    x = torch.tensor([[0.0, float("inf"), 1.0, 2.0], [3.0, float("nan"), 1.0, 0.5]])
+    keys = [rng.row_key(1, 2, 3), rng.row_key(4, 5, 6)]
+    tokens, noise = gumbel_choices(x, keys, batched=False)
+    hashes = rng.token_hashes(4, x.device)
+    unmasked = x.double() + rng.gumbel_rows(rng.key_words(keys, x.device), hashes)
+    assert torch.argmax(unmasked, dim=-1).tolist() != tokens
+    swapped = rng.gumbel_rows(rng.key_words([(b, a) for a, b in keys], x.device), hashes)
+    assert bits(swapped[[0, 1], tokens].tolist()) != bits(noise)
+
+
+@settings(max_examples=30, deadline=None)
+@given(histories=st.lists(st.lists(st.integers(0, 63), max_size=40), min_size=1, max_size=6),
+       prompts=st.lists(st.integers(0, 10), min_size=6, max_size=6))
+def test_output_counts_of_all_rows_at_once_are_each_rows_counts(histories, prompts):
+    """BatchView.output_counts (one indexed add over the step) counts each row's output tokens only."""
+    rows = tuple(RowState(SamplingParams(max_tokens=4), h, min(p, len(h))) for h, p in zip(histories, prompts))
+    counts = BatchView(rows=rows, vocab_size=64, device=torch.device("cpu")).output_counts
+    for i, r in enumerate(rows):
+        want = torch.zeros(64)
+        for token, n in Counter(r.token_ids[r.num_prompt_tokens:]).items():
+            want[token] = n
+        assert torch.equal(counts[i], want), i
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("rows", [0, 1, 3])
+def test_rows_not_sampled_get_no_token(rows, batched):
+    tokens, noise = gumbel_choices(torch.randn(rows, 5), [None] * rows, batched=batched)
+    assert tokens == [-1] * rows and len(noise) == rows and all(math.isnan(g) for g in noise)
