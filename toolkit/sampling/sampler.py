@@ -238,20 +238,21 @@ def _batched_choice(x_SV: torch.Tensor, keys_S2: torch.Tensor, finite_SV: torch.
                     ) -> tuple[list[int], list[float]]:
     """Gumbel-max over each row's finite logits, all rows in a few passes (NOISE_ELEMENTS_PER_PASS each):
     argmax of logits + noise with the other tokens at -inf (ties to the lowest id, as gumbel_choice's argmax
-    over the ascending finite ids), then the chosen tokens' noise recomputed from their hashes."""
+    over the ascending finite ids), and the chosen tokens' noise gathered from the pass."""
     s, vocab = x_SV.shape
     hashes_V = rng.token_hashes(vocab, x_SV.device)
     step = max(1, NOISE_ELEMENTS_PER_PASS // max(vocab, 1))
-    picked = []
+    tokens, noise = [], []
     for start in range(0, s, step):
         part = slice(start, start + step)
-        score_SV = x_SV[part].double() + rng.gumbel_rows(keys_S2[part], hashes_V)
-        picked.append(torch.argmax(score_SV.masked_fill_(~finite_SV[part], float("-inf")), dim=-1))
-    token_S = torch.cat(picked)
+        g_SV = rng.gumbel_rows(keys_S2[part], hashes_V)
+        score_SV = (x_SV[part].double() + g_SV).masked_fill_(~finite_SV[part], float("-inf"))
+        token_S = torch.argmax(score_SV, dim=-1, keepdim=True)
+        tokens.append(token_S)
+        noise.append(g_SV.gather(1, token_S))
     any_S = finite_SV.any(dim=-1)
-    noise_S = rng.gumbel_rows(keys_S2, hashes_V[token_S].unsqueeze(1)).squeeze(1)
-    token_S = torch.where(any_S, token_S, -1)
-    noise_S = torch.where(any_S, noise_S, float("nan"))
+    token_S = torch.where(any_S, torch.cat(tokens).squeeze(1), -1)
+    noise_S = torch.where(any_S, torch.cat(noise).squeeze(1), float("nan"))
     return token_S.tolist(), noise_S.tolist()
 
 
