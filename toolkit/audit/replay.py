@@ -234,7 +234,8 @@ def compare(recorded: pa.Table, replayed: pa.Table, report: ReplayReport,
     for k in sorted(mine.keys() - seen):
         if (k[0], k[1]) in ended:
             report.differences += row_differences(k, None, mine[k])
-    report.first_divergences = first_divergences(sequences(rows), sequences(compared))
+    if report.differences:  # an identical replay's rows were just compared: not again
+        report.first_divergences = first_divergences(sequences(rows), sequences(compared))
 
 
 def write_divergences(path: Path, differences: Iterable[Difference]) -> None:

@@ -42,11 +42,11 @@ class EngineStats:
     running: int  # sequences in the running set
     waiting: int  # sequences waiting for admission (preempted ones included)
     waiting_requests: int  # requests with a sequence waiting (what serve.max_waiting bounds)
-    decoding: int  # sequences whose prompt is in the cache
+    decoding: int  # running sequences whose prompt is in the cache
     kv_blocks_total: int
     kv_blocks_used: int
     kv_blocks_free: int
-    preemptions: int  # preemptions of the sequences known
+    preemptions: int  # preemptions so far
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of which served from it
 
@@ -97,9 +97,9 @@ class EngineQueries:
         return EngineStats(
             step=self.step_index, requests=len(self.groups), running=len(sched.running), waiting=len(sched.waiting),
             waiting_requests=len({seq.request_id for seq in sched.waiting}),
-            decoding=sum(s.status is RequestStatus.DECODING for s in self.requests.values()),
+            decoding=sum(s.status is RequestStatus.DECODING for s in sched.running),
             kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
-            preemptions=sum(s.num_preemptions for s in self.requests.values()),
+            preemptions=sched.num_preemptions,
             prefix_queries=bm.prefix_queries, prefix_hits=bm.prefix_hits)
 
     def prompt_ids(self, request: EngineRequest) -> list[int]:

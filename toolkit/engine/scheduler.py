@@ -82,6 +82,7 @@ class Scheduler:
         self._order = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order (oldest first)
+        self.num_preemptions = 0  # every preemption so far (EngineStats.preemptions)
 
     # ------------------------------------------------------------------ queue management
 
@@ -283,6 +284,7 @@ class Scheduler:
             seq.num_computed_tokens = 0
         seq.status = RequestStatus.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.preempted_steps.append(step)
         seq.preemption_modes.append(mode)
         plan.preempted.append((seq.seq_id, mode))

@@ -41,6 +41,9 @@ CAUSES = (
     ("length", "length: one run has no row at this position (it stopped earlier, or its trace was cut)"),
 )
 CAUSE_TEXT = dict(CAUSES)
+# the fields that name each kind, in the order CAUSES checks them (a field of none of them: "finish")
+CAUSE_FIELDS = (("length", {"row"}), ("logits", {"logits_sha256"}), ("support", {"kept_sha256", "support_size"}),
+                ("noise", {"noise"}), ("token", {"token_id"}), ("logprob", {"raw_logprob", "processed_logprob"}))
 # which differing field a divergence's one line shows with its values first
 HEADLINE = ("row", "token_id", "raw_logprob", "processed_logprob", "noise", "finish_reason", "error", "support_size")
 
@@ -63,19 +66,7 @@ def differing_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[str, .
 def cause_of(fields: Iterable[str]) -> str:
     """The kind of divergence (a key of CAUSES) a set of differing fields points to."""
     f = set(fields)
-    if "row" in f:
-        return "length"
-    if "logits_sha256" in f:
-        return "logits"
-    if f & {"kept_sha256", "support_size"}:
-        return "support"
-    if "noise" in f:
-        return "noise"
-    if "token_id" in f:
-        return "token"
-    if f & {"raw_logprob", "processed_logprob"}:
-        return "logprob"
-    return "finish"
+    return next((kind for kind, names in CAUSE_FIELDS if f & names), "finish")
 
 
 def seq_name(request_id: str, stream: int) -> str:
