@@ -59,3 +59,32 @@ def test_bench_harness_reports_systems_roofline_kernels_and_kv_capacity(tmp_path
         assert row["max_abs_diff"] < 1e-5 and row["kernel_ms"] > 0  # the two paths compute the same attention
     assert kernels["rope"] and all(r["bit_identical"] for r in kernels["rope"])
     assert (tmp_path / "bench.png").is_file()
+
+
+def test_the_gpu_benchmark_runs_on_the_cpu_and_prints_each_figure(tmp_path, capsys):
+    """python -m toolkit.bench.gpu, as CI can run it (the CPU, the small shape): every bucket timed, its
+    kernels counted, its floor the step's weight bytes at the measured bandwidth, HF's decode step and the
+    batch-invariant mode beside it, the goals it measures named; the figures written as JSON too."""
+    from toolkit.bench import gpu
+
+    out = tmp_path / "gpu.json"
+    result = gpu.main(["--device", "cpu", "--shape", "tiny", "--batches", "1", "3", "--steps", "2",
+                       "--hf-tokens", "3", "--batch-invariant", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(result["rows"]))
+    shape = gpu.SHAPES["tiny"]
+    hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_layers"]
+    head = hidden // shape["num_heads"]
+    qkv = hidden * (hidden + 2 * shape["num_kv_heads"] * head)
+    per_layer = qkv + hidden * hidden + 2 * hidden * inter + inter * hidden + 2 * hidden
+    params = layers * per_layer + hidden + hidden * shape["vocab_size"]  # the final norm and the LM head
+    assert [(r["dtype"], r["batch"]) for r in result["rows"]] == [(d, b) for d in ("float32", "bfloat16") for b in (1, 3)]
+    for row in result["rows"]:
+        size = 4 if row["dtype"] == "float32" else 2
+        assert row["floor_ms"] == pytest.approx(1000 * params * size / (result["copy_bandwidth_gbs"] * 1e9))
+        assert row["ms"] > 0 and row["tok_s"] == pytest.approx(1000 * row["batch"] / row["ms"])
+        assert row["kernels"] >= 1 and row["busy"] is None  # the CPU: torch ops counted, no GPU busy share
+        assert row["hf_ms"] > 0 and row["invariant"]["ms"] > 0
+    assert printed.count(" ms a step,") == 4
+    assert f"on {gpu.machine('cpu')}; copy bandwidth" in printed.splitlines()[0]  # the device named
+    assert any(line.startswith("goal ") and "fp32's" in line for line in result["goals"])

@@ -170,7 +170,7 @@ def load_hf_model(path: str | Path, attn: str = "sdpa"):
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn).eval()
 
 
-class _StepClock:
+class StepClock:
     """A logits processor that only records when each generation step happens."""
 
     def __init__(self):
@@ -193,7 +193,7 @@ def run_hf_static(model, requests: list[BenchRequest], batch_size: int, pad_id: 
             ids = torch.tensor([[pad_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
             mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
                                  for r in batch])
-            clock = _StepClock()
+            clock = StepClock()
             with torch.inference_mode():
                 out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, eos_token_id=None,
                                      pad_token_id=pad_id, max_new_tokens=max(r.max_tokens for r in batch),

@@ -1,0 +1,223 @@
+"""Decode speed on a GPU (issue 56), side by side in one process, the device named beside every figure: per
+batch bucket, ms a step, tok/s, kernels a step, the GPU's busy share of a step, and ratios against HF
+transformers' `generate` on the same weights and against the bandwidth floor (the step's weight bytes at the
+device's measured copy bandwidth).
+
+    python -m toolkit.bench.gpu                                  # SmolLM2-135M's shape, fp32 and bf16, on cuda
+    python -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32
+    python -m toolkit.bench.gpu --batch-invariant                # the invariant mode's cost beside the default
+    python -m toolkit.bench.gpu --device cpu --shape tiny        # the same figures on the CPU (CI runs this)
+
+Random weights of the named shape (a GPU machine reaches no model hub); each bucket puts an engine straight into
+a pure decode state at `--context` tokens (toolkit.engine.synthetic) and times `--steps` steps after a warm-up,
+then profiles as many again. On the CPU "kernels" are the step's top-level torch ops (a native kernel call counts
+as none) and there is no busy share. HF's ms a step is the median interval between its decode steps."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from toolkit.bench.precision import SMOLLM2_SHAPE, machine
+from toolkit.bench.systems import StepClock
+from toolkit.config import EngineConfig, ModelConfig
+from toolkit.engine.synthetic import decode_engine
+from toolkit.errors import ToolkitError
+from toolkit.models import DTYPES, LoadedModel, load_model
+from toolkit.models.loading import hf_reference_model, load_checkpoint
+
+SHAPES = {
+    "smollm2": SMOLLM2_SHAPE,
+    # Llama-3.2-1B's dimensions (tied embeddings; its long-context RoPE scaling changes no cost at these lengths)
+    "llama1b": dict(name="tiny", seed=0, vocab_size=128256, num_layers=16, hidden_size=2048, num_heads=32,
+                    num_kv_heads=8, intermediate_size=8192, rope_theta=500000.0),
+    "tiny": dict(name="tiny", seed=0, vocab_size=512, num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                 intermediate_size=512),
+}
+# issue 56's goals: (shape, dtype or None for every dtype, batch) -> the most ms a step
+STEP_GOALS_MS = {("smollm2", None, 1): 2.5, ("llama1b", "bfloat16", 1): 3.0}
+TOK_S_GOALS = {("llama1b", "bfloat16", 32): 8000.0}
+HF_RATIO_GOAL, BUSY_GOAL = 5.0, 0.70
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def step_weight_bytes(loaded: LoadedModel) -> int:
+    """The bytes of weights a decode step reads: every parameter but the input embedding (a row per token)."""
+    return sum(p.numel() * p.element_size() for name, p in loaded.model.named_parameters() if name != "embed")
+
+
+def copy_bandwidth_gbs(device: torch.device, size_mb: int = 512, repeats: int = 5) -> float:
+    """GB/s of a device-to-device copy (bytes read plus bytes written), the best of `repeats`."""
+    src = torch.ones(size_mb * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() / best / 1e9
+
+
+def timed_steps(step: Callable[[], Any], device: torch.device, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        sync(device)
+        t = time.perf_counter()
+        step()
+        sync(device)
+        out.append(1000 * (time.perf_counter() - t))
+    return out
+
+
+def profile_steps(step: Callable[[], Any], device: torch.device, n: int) -> tuple[float, float | None]:
+    """(kernels a step, ms of kernel time a step): GPU kernels on cuda; on the CPU the top-level torch ops and no
+    kernel time."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(n):
+            step()
+        sync(device)
+    events = prof.events()
+    if device.type == "cuda":
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        return len(kernels) / n, sum(e.time_range.elapsed_us() for e in kernels) / 1000 / n
+    return sum(1 for e in events if e.cpu_parent is None and e.name.startswith("aten::")) / n, None
+
+
+def engine_bucket(loaded: LoadedModel, device: torch.device, batch: int, context: int, steps: int,
+                  batch_invariant: bool) -> dict[str, Any]:
+    """One bucket's figures for one engine configuration (or why the engine refused it)."""
+    cfg = EngineConfig(device=str(device), batch_invariant=batch_invariant)
+    try:
+        engine = decode_engine(loaded, cfg, batch, context, steps=2 * steps + 3)
+    except ToolkitError as exc:
+        return {"refused": str(exc).splitlines()[0]}
+    timed_steps(engine.step, device, 3)
+    ms = statistics.median(timed_steps(engine.step, device, steps))
+    kernels, kernel_ms = profile_steps(engine.step, device, steps)
+    return {"ms": ms, "tok_s": 1000 * batch / ms, "kernels": kernels,
+            "busy": None if kernel_ms is None else min(1.0, kernel_ms / ms)}
+
+
+@torch.inference_mode()
+def hf_step_ms(model, device: torch.device, batch: int, context: int, tokens: int, vocab: int) -> float:
+    """HF generate's ms a decode step (greedy, a batch of `context`-token prompts): the median interval between
+    its successive logits-processor calls (its loop reads each step's result on the host), the prompt's
+    forward left out."""
+    from transformers import LogitsProcessorList  # deferred: transformers, seconds to import
+
+    ids = torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(batch)).to(device)
+    clock = StepClock()
+    for n in (2, tokens):  # a warm-up, then the timed run
+        clock.times.clear()
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, eos_token_id=None, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
+    return 1000 * statistics.median(b - a for a, b in zip(clock.times, clock.times[1:]))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPES))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=16, help="steps timed (and as many profiled) a bucket")
+    parser.add_argument("--hf-tokens", type=int, default=16, help="tokens HF generates a timing (0: no HF)")
+    parser.add_argument("--batch-invariant", action="store_true", help="also time engine.batch_invariant=true")
+    parser.add_argument("--json", type=Path, help="write the figures here too")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device here (torch.cuda.is_available() is False): try --device cpu")
+    where = machine(args.device)
+    bandwidth = copy_bandwidth_gbs(device, 512 if device.type == "cuda" else 128)
+    print(f"decode steps, random weights of {args.shape}'s shape, context {args.context}, on {where}; "
+          f"copy bandwidth {bandwidth:.0f} GB/s", flush=True)
+    results: dict[str, Any] = {"device": where, "shape": args.shape, "copy_bandwidth_gbs": bandwidth, "rows": []}
+    for dtype in args.dtypes:
+        loaded = load_model(ModelConfig(**SHAPES[args.shape], dtype=dtype), device=device)
+        floor_ms = 1000 * step_weight_bytes(loaded) / (bandwidth * 1e9)
+        hf = None
+        if args.hf_tokens > 1:
+            hf = hf_reference_model(load_checkpoint(loaded.config)).to(device=device, dtype=DTYPES[dtype])
+        for batch in args.batches:
+            row = {"dtype": dtype, "batch": batch, "floor_ms": floor_ms,
+                   **engine_bucket(loaded, device, batch, args.context, args.steps, False)}
+            if args.batch_invariant:
+                row["invariant"] = engine_bucket(loaded, device, batch, args.context, args.steps, True)
+            if hf is not None:
+                row["hf_ms"] = hf_step_ms(hf, device, batch, args.context, args.hf_tokens, loaded.arch.vocab_size)
+            results["rows"].append(row)
+            print(describe(row), flush=True)
+        del hf, loaded
+    results["goals"] = goals(args.shape, results["rows"])
+    for line in results["goals"]:
+        print(line)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return results
+
+
+def describe(row: dict[str, Any]) -> str:
+    if "refused" in row:
+        return f"{row['dtype']:9s} batch {row['batch']:3d}: refused: {row['refused']}"
+    line = (f"{row['dtype']:9s} batch {row['batch']:3d}: {row['ms']:7.2f} ms a step, {row['tok_s']:8.0f} tok/s, "
+            f"{row['kernels']:6.0f} kernels a step")
+    if row["busy"] is not None:
+        line += f", GPU busy {100 * row['busy']:3.0f}%"
+    line += f"; floor {row['floor_ms']:.2f} ms ({row['floor_ms'] / row['ms']:.2f} of it)"
+    if "hf_ms" in row:
+        line += f"; HF generate {row['hf_ms']:7.2f} ms a step ({row['hf_ms'] / row['ms']:.2f}x)"
+    if "invariant" in row:
+        inv = row["invariant"]
+        line += (f"; batch-invariant refused: {inv['refused']}" if "refused" in inv else
+                 f"; batch-invariant {inv['ms']:.2f} ms ({inv['ms'] / row['ms']:.2f}x the default)")
+    return line
+
+
+def goals(shape: str, rows: list[dict[str, Any]]) -> list[str]:
+    """Each of issue 56's goals that these rows measure: the goal, the figure, met or not."""
+    done = [r for r in rows if "ms" in r]
+    out = []
+
+    def say(text: str, ok: bool) -> None:
+        out.append(f"goal {'met    ' if ok else 'NOT met'}: {text}")
+
+    for r in done:
+        for (s, dtype, batch), limit in STEP_GOALS_MS.items():
+            if s == shape and dtype in (None, r["dtype"]) and batch == r["batch"]:
+                say(f"{shape} {r['dtype']} batch {batch}: {r['ms']:.2f} ms a step <= {limit}", r["ms"] <= limit)
+        for (s, dtype, batch), least in TOK_S_GOALS.items():
+            if (s, dtype, batch) == (shape, r["dtype"], r["batch"]):
+                say(f"{shape} {dtype} batch {batch}: {r['tok_s']:.0f} tok/s >= {least:.0f}", r["tok_s"] >= least)
+        if r["batch"] in (1, 32) and "hf_ms" in r:
+            ratio = r["hf_ms"] / r["ms"]
+            say(f"{r['dtype']} batch {r['batch']}: {ratio:.2f}x HF generate >= {HF_RATIO_GOAL}", ratio >= HF_RATIO_GOAL)
+        if r["batch"] == 32 and r["busy"] is not None:
+            say(f"{r['dtype']} batch 32: GPU busy {100 * r['busy']:.0f}% >= {100 * BUSY_GOAL:.0f}%",
+                r["busy"] >= BUSY_GOAL)
+    by = {(r["dtype"], r["batch"]): r["ms"] for r in done}
+    for (dtype, batch), ms in sorted(by.items()):
+        if dtype != "float32" and ("float32", batch) in by:
+            say(f"{dtype} batch {batch}: {ms:.2f} ms <= fp32's {by['float32', batch]:.2f}", ms <= by["float32", batch])
+    return out
+
+
+if __name__ == "__main__":
+    main()
