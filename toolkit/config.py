@@ -109,6 +109,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads (None: torch's default)
     attention_backend: str = "auto"  # auto | kernel (native CPU paged attention) | sdpa (pure torch) | flex
     flex_compile: bool = True  # attention_backend=flex: torch.compile the FlexAttention call (else dense, eager)
+    # auto: decode-only steps as CUDA graphs over static, padded batch buckets on CUDA; eager: the same buckets
+    # without capture, any device (toolkit/engine/graphs.py); off: the runner packs every step
+    cuda_graphs: str = "auto"
     enable_prefix_caching: bool = False
     preemption_mode: str = "recompute"  # recompute | swap
     preemption_policy: str = "newest"  # newest | priority
@@ -154,6 +157,8 @@ class EngineConfig:
               f"engine.batch_invariant=true needs the native attention kernel, not "
               f"engine.attention_backend={self.attention_backend}")
         check(isinstance(self.flex_compile, bool), f"engine.flex_compile must be true or false, got {self.flex_compile!r}")
+        check(self.cuda_graphs in ("auto", "eager", "off"),
+              f"engine.cuda_graphs must be auto, eager or off, got {self.cuda_graphs!r}")
         check(self.attention_backend in ATTENTION_BACKENDS,
               f"engine.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         check(self.kv_cache_dtype in KV_CACHE_DTYPES,

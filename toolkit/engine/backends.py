@@ -75,6 +75,20 @@ def attention_backend(cfg: EngineConfig, loaded: LoadedModel) -> str:
     return _native_or_fallback(cfg, "attention_backend", wanted, ("kernel", "sdpa"), problem)
 
 
+def graph_mode(cfg: EngineConfig, attention: str) -> str:
+    """How decode steps run (toolkit/engine/graphs.py): "capture" (engine.cuda_graphs=auto on CUDA), "eager"
+    (cuda_graphs=eager: the buckets without capture) or "off" (cuda_graphs=off, auto elsewhere, and FlexAttention,
+    whose block masks the runner builds per step)."""
+    if attention == "flex" and cfg.cuda_graphs == "eager":
+        raise ConfigError("engine.cuda_graphs=eager runs the sdpa or kernel attention; attention_backend=flex "
+                          "builds its block masks per step: use cuda_graphs=off or auto")
+    if attention == "flex" or cfg.cuda_graphs == "off":
+        return "off"
+    if cfg.cuda_graphs == "eager":
+        return "eager"
+    return "capture" if torch.device(cfg.device).type == "cuda" else "off"
+
+
 def matmul_backend(cfg: EngineConfig, loaded: LoadedModel) -> str:
     """auto: the native packed matmul on the CPU (fp32, or bf16 / fp16 weights widened as they are read, fp32
     sums) when the kernels build (faster than torch's GEMM at every step size measured here, see README

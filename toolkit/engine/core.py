@@ -43,6 +43,7 @@ from toolkit.engine.backends import (
     attention_backend,
     auto_num_blocks,
     calibrate_kv_scales,
+    graph_mode,
     keep_freed_memory,
     matmul_backend,
 )
@@ -101,7 +102,10 @@ class Engine(EngineQueries):
                                                self.cfg.kv_cache_dtype, self.cfg.kv_scale_granularity)
         self.num_kv_blocks = self.cfg.num_kv_blocks or auto_num_blocks(self.cfg, self.max_model_len, block_bytes)
         num_host_blocks = int(self.cfg.swap_space_gb * 2**30 // block_bytes) if self.cfg.preemption_mode == "swap" else 0
-        self.kv_cache = PagedKVCache(layers, self.num_kv_blocks, self.cfg.block_size, kv_heads, head_dim,
+        self.attention_backend = attention_backend(self.cfg, loaded)
+        self.graph_mode = graph_mode(self.cfg, self.attention_backend)  # "off": no scratch block for padded rows
+        self.kv_cache = PagedKVCache(layers, self.num_kv_blocks + (self.graph_mode != "off"), self.cfg.block_size,
+                                     kv_heads, head_dim,
                                      dtype=loaded.model.embed.dtype, device=self.device, num_host_blocks=num_host_blocks,
                                      kv_dtype=self.cfg.kv_cache_dtype, granularity=self.cfg.kv_scale_granularity)
         if self.kv_cache.granularity == "tensor":
@@ -110,12 +114,12 @@ class Engine(EngineQueries):
                                           enable_prefix_caching=self.cfg.enable_prefix_caching,
                                           num_host_blocks=num_host_blocks)
         self.scheduler = Scheduler(self.cfg, self.block_manager)
-        self.attention_backend = attention_backend(self.cfg, loaded)
         self.matmul_backend = matmul_backend(self.cfg, loaded)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, self.attention_backend,
                                   batch_invariant=self.cfg.batch_invariant,
                                   native_matmul=self.matmul_backend == "native", flex_compile=self.cfg.flex_compile,
-                                  two_forwards=self.cfg.scheduler_policy == "two_forwards")
+                                  two_forwards=self.cfg.scheduler_policy == "two_forwards",
+                                  graphs=(self.graph_mode, self.cfg.max_num_seqs))
         # created on the first structured-output request; the stages share it without a reference back to the
         # engine (an engine in a reference cycle would keep its KV cache until the cycle collector runs)
         self._grammar_backend = LazyGrammar(self.tokenizer, self.vocab_size, self.eos_token_ids or (0,))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from toolkit.engine.graphs import DecodeGraphs
 from toolkit.engine.scheduler import ScheduledBatch, ScheduledChunk
 from toolkit.kv import flex
 from toolkit.kv.attention import AttentionMetadata, PrefillChunk, additive_bias
@@ -41,7 +42,7 @@ class ModelOutput:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
                  attention_backend: str = "sdpa", batch_invariant: bool = False, native_matmul: bool = False,
-                 flex_compile: bool = True, two_forwards: bool = False):
+                 flex_compile: bool = True, two_forwards: bool = False, graphs: tuple[str, int] = ("off", 0)):
         self.model = model
         self.backend = attention_backend  # "kernel", "sdpa" or "flex" (resolved by the engine)
         self.flex_compile = flex_compile
@@ -62,6 +63,11 @@ class ModelRunner:
         # engine.scheduler_policy=two_forwards: a step's decodes and its prefill chunks in separate forwards
         # (the interleaving post's starting point); the logits rows come out in the fused order
         self.two_forwards = two_forwards
+        # decode-only steps in padded batch buckets over static buffers, captured as CUDA graphs or run eagerly
+        # ((mode, max_num_seqs): toolkit/engine/graphs.py); the cache holds one scratch block for the padding rows
+        mode, max_num_seqs = graphs
+        self.graphs = None if mode == "off" else DecodeGraphs(model, kv_cache, attention_backend, self.native_matmul,
+                                                                max_num_seqs, capture=mode == "capture")
 
     def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
         bs = self.block_size
@@ -180,6 +186,10 @@ class ModelRunner:
 
     def _forward(self, batch: ScheduledBatch, num_layers: int | None,
                  beside: Callable[[Callable[[], ForwardInputs]], ForwardInputs] | None = None) -> ModelOutput:
+        if self.graphs is not None and self.graphs.applies(batch, num_layers):
+            self.num_forwards += 1
+            logits, seconds = self.graphs.run(batch)
+            return ModelOutput(logits_RV=logits, sample_chunks=batch.chunks, forward_s=seconds)
         inputs = self.prepare(batch) if beside is None else beside(lambda: self.prepare(batch))
         self.num_forwards += 1
         t = time.perf_counter()
