@@ -1,7 +1,8 @@
 """The decide stage: a step's logits rows become tokens, and nothing else changes.
 
-    rows (plain, forked parallel samples, verification positions) -> grammar masks -> processors ->
-    sample (plain rows, batched) / verify (each speculating sequence's rows) -> Decision
+    rows (plain, forked parallel samples, verification positions) -> grammar masks -> the sampler
+    (toolkit/sampling/pipeline.py: processors, then the plain rows sampled, batched) / verify (each
+    speculating sequence's rows, against the processed rows) -> Decision
 
 It reads sequences and writes none of them: the grammar masks of verification depths and of draft
 tokens are filled on forks of a sequence's matcher (xgrammar's `fork`), so a committed matcher is
@@ -20,17 +21,11 @@ import torch
 from toolkit.engine.request import Request
 from toolkit.engine.runner import ModelOutput
 from toolkit.engine.speculative import PLAIN, Proposal, Speculator, verify
-from toolkit.sampling import rng
+from toolkit.sampling import pipeline, rng
 from toolkit.sampling.grammar import GrammarBackend
-from toolkit.sampling.processors import (
-    BatchView,
-    PipelineResult,
-    RowState,
-    apply_pipeline,
-    emptied_by_changes,
-    invalid_rows,
-)
-from toolkit.sampling.sampler import FusedSample, SampleRow, kept_digests, logsumexp_rows, sample
+from toolkit.sampling.pipeline import Sampler, SamplerOutput
+from toolkit.sampling.processors import BatchView, RowState
+from toolkit.sampling.sampler import FusedSample, SampleRow, kept_digests, logsumexp_rows
 
 
 @dataclass
@@ -83,12 +78,13 @@ class Staged:
     forks: list[tuple[Request, Request]]
     logits_RV: torch.Tensor  # the raw logits rows decided from
     allowed: dict[int, int]
-    pipe: PipelineResult
-    lse_R: torch.Tensor | None  # the raw rows' logsumexp where the sampler does not read it
     proposals: Mapping[str, Proposal]
-    plain: list[int]  # rows sampled (not verified, not failed)
-    sample_args: tuple | None = None  # sample()'s arguments for the plain rows
-    sampler: FusedSample | None = None  # its fused path, where it takes one: the native pass still to run
+    sampling: pipeline.Staged  # the sampler's steps 1-3 (toolkit/sampling/pipeline.py)
+
+    @property
+    def sampler(self) -> FusedSample | None:
+        """The sampler's fused native pass, still to run, where it takes one."""
+        return self.sampling.fused
 
 
 class Decider:
@@ -100,39 +96,33 @@ class Decider:
         self.speculator = speculator
         self.acceptance = acceptance  # speculative.acceptance: how drafts are verified
         self.batch_invariant = batch_invariant
+        self.sampler = Sampler(batch_invariant)  # logits rows -> tokens and trace fields
 
     def decide(self, out: ModelOutput, proposals: Mapping[str, Proposal], requests: Mapping[str, Request]
                ) -> Decision:
         return self.finish(self.stage(out, proposals, requests))
 
     def stage(self, out: ModelOutput, proposals: Mapping[str, Proposal], requests: Mapping[str, Request]) -> Staged:
-        """The part of decide before the sampler's native pass: rows, grammar masks, processors, the sampler's
-        keys. Python and torch only where the sampler's kernel takes the rest (Staged.sampler): a caller may run
-        it beside other work, then Staged.sampler.run() on every thread, then finish()."""
+        """The part of decide before the sampler's native pass: rows, grammar masks, then the sampler's steps 1-3
+        (processors, the rows it samples, its keys). Python and torch only where the sampler's kernel takes the
+        rest (Staged.sampler): a caller may run it beside other work, then Staged.sampler.run() on every thread,
+        then finish()."""
         rows, forks = self.rows(out, proposals, requests)
         logits_RV = out.logits_RV
         if len(rows) != logits_RV.shape[0] or any(r.logits_row != i for i, r in enumerate(rows)):
             logits_RV = logits_RV.index_select(0, torch.tensor([r.logits_row for r in rows], device=logits_RV.device))
         grammar_mask, allowed = self.grammar_masks(rows, logits_RV.shape, logits_RV.device)
         view = self._view(rows, logits_RV.device, grammar_mask)
-        # with no speculation the sampler applies each row's temperature / top-k / top-p itself and takes the raw
-        # rows' logsumexp (its kernel reads it in the same pass): rows with NaN or infinite logits are found after
-        lse_R = logsumexp_rows(logits_RV, per_row=self.batch_invariant) if proposals else None
-        pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse_R) if lse_R is not None else {},
-                              defer_tail=not proposals)
-        plain = [i for i, r in enumerate(rows) if r.seq.seq_id not in proposals and i not in pipe.errors]
-        staged = Staged(rows, forks, logits_RV, allowed, pipe, lse_R, proposals, plain)
-        if plain:
-            staged.sample_args = self._sample_args(staged, [SampleRow(
-                greedy=rows[i].seq.sampling.greedy, seed=rows[i].seq.seed, position=rows[i].position,
-                stream=rows[i].seq.stream, num_top=rows[i].seq.sampling.logprobs or 0) for i in plain])
-            staged.sampler = FusedSample.of(*staged.sample_args)
-        return staged
+        sample_rows = [None if r.seq.seq_id in proposals else SampleRow(
+            greedy=r.seq.sampling.greedy, seed=r.seq.seed, position=r.position, stream=r.seq.stream,
+            num_top=r.seq.sampling.logprobs or 0) for r in rows]
+        return Staged(rows, forks, logits_RV, allowed, proposals,
+                      self.sampler.stage(logits_RV, view, sample_rows, verifying=bool(proposals)))
 
     def finish(self, staged: Staged) -> Decision:
-        """The rest of decide: the plain rows sampled (from the sampler's pass where it ran), speculating
-        sequences verified, a token or an error for every row."""
-        emits = self._sample_and_verify(staged)
+        """The rest of decide: the sampler's steps 4-6 (from its native pass where it ran), speculating sequences
+        verified, a token or an error for every row."""
+        emits = self._emits(staged, self.sampler.finish(staged.sampling))
         return Decision(emits, staged.forks, staged.logits_RV, staged.allowed)
 
     def rows(self, out: ModelOutput, proposals: Mapping[str, Proposal], requests: Mapping[str, Request]
@@ -195,38 +185,13 @@ class Decider:
                          vocab_size=self.vocab_size, device=device, eos_token_ids=self.eos_token_ids,
                          grammar_mask_RV=grammar_mask)
 
-    def _sample_args(self, staged: Staged, sample_rows: list[SampleRow]) -> tuple:
-        """sample()'s arguments for the plain rows (all the rows, or a copy of theirs)."""
-        rows, logits_RV, pipe, lse_R, plain = staged.rows, staged.logits_RV, staged.pipe, staged.lse_R, staged.plain
-        tail = [pipe.tail[i] for i in plain] if pipe.tail is not None else None
-        if len(plain) == len(rows):
-            return (logits_RV, pipe.processed_RV, sample_rows, lse_R, self.batch_invariant, tail, pipe.patches)
-        index = torch.tensor(plain, device=logits_RV.device)
-        patches = pipe.patches.select(plain, len(rows)) if pipe.patches is not None else None
-        raw = logits_RV.index_select(0, index)
-        processed = raw if pipe.processed_RV is logits_RV else pipe.processed_RV.index_select(0, index)
-        return (raw, processed, sample_rows, lse_R.index_select(0, index) if lse_R is not None else None,
-                self.batch_invariant, tail, patches)
-
-    def _sample_and_verify(self, staged: Staged) -> list[tuple[Request, list[Emit]]]:
-        """Sample the plain rows (batched) and verify each speculating sequence's rows. Without `lse_R` (the
-        raw rows' logsumexp) the sampler reads it, and rows whose raw logits hold NaN or +inf become errors
-        here, whatever the processors made of them."""
-        rows, logits_RV, pipe, lse_R, proposals, plain = (staged.rows, staged.logits_RV, staged.pipe, staged.lse_R,
-                                                          staged.proposals, staged.plain)
-        errors = pipe.errors
-        result = None
-        if plain:
-            result = staged.sampler.result() if staged.sampler is not None else sample(*staged.sample_args)
-        if pipe.changed_by and result is not None:  # changes the sampler made that left a row nothing
-            empty = [i for i, support in zip(plain, result.support_sizes) if support == 0]
-            errors = {**errors, **emptied_by_changes(pipe, empty)}
-        if lse_R is None:
-            lse_R = self._raw_logsumexp(logits_RV, plain, result)
-            errors = {**errors, **invalid_rows(lse_R)}
+    def _emits(self, staged: Staged, out: SamplerOutput) -> list[tuple[Request, list[Emit]]]:
+        """Each sequence's emits in row order: a sampled token with its trace fields, an error, or (speculating
+        sequences) the tokens its verification accepts."""
+        rows, logits_RV, proposals, result = staged.rows, staged.logits_RV, staged.proposals, out.result
         if self.speculator is not None:
-            self.speculator.stats.plain_samples += len(plain)
-        slot = {row: j for j, row in enumerate(plain)}
+            self.speculator.stats.plain_samples += len(out.plain)
+        slot = {row: j for j, row in enumerate(out.plain)}
         decisions: list[tuple[Request, list[Emit]]] = []
         seen: set[str] = set()
         for i, r in enumerate(rows):
@@ -235,9 +200,9 @@ class Decider:
                 if sid in seen:
                     continue
                 seen.add(sid)
-                decisions.append((r.seq, self._verify_rows(i, rows, logits_RV, pipe, lse_R, proposals[sid])))
-            elif i in errors:
-                decisions.append((r.seq, [Emit(token=-1, row=i, error=errors[i])]))
+                decisions.append((r.seq, self._verify_rows(i, rows, logits_RV, out, proposals[sid])))
+            elif i in out.errors:
+                decisions.append((r.seq, [Emit(token=-1, row=i, error=out.errors[i])]))
             else:
                 j = slot[i]
                 decisions.append((r.seq, [Emit(
@@ -247,32 +212,18 @@ class Decider:
                     top_processed=tuple(result.top_processed[j]), kept_sha256=result.kept_sha256[j])]))
         return decisions
 
-    def _raw_logsumexp(self, logits_RV: torch.Tensor, plain: list[int], result) -> torch.Tensor:
-        """Every row's raw logsumexp: the sampler's for the rows it sampled (`plain`), computed for the rest
-        (rows the processors failed: is the model's output to blame?)."""
-        if len(plain) == logits_RV.shape[0] and plain:
-            return result.raw_logsumexp_R
-        lse_R = torch.empty(logits_RV.shape[0], dtype=logits_RV.dtype, device=logits_RV.device)
-        if plain:
-            lse_R[plain] = result.raw_logsumexp_R
-        sampled = set(plain)
-        rest = [i for i in range(logits_RV.shape[0]) if i not in sampled]
-        if rest:
-            lse_R[rest] = logsumexp_rows(logits_RV[rest], per_row=self.batch_invariant)
-        return lse_R
-
-    def _verify_rows(self, first: int, rows: list[Row], logits_RV: torch.Tensor, pipe: PipelineResult,
-                     lse_R: torch.Tensor, proposal: Proposal) -> list[Emit]:
-        seq = rows[first].seq
+    def _verify_rows(self, first: int, rows: list[Row], logits_RV: torch.Tensor, out: SamplerOutput,
+                     proposal: Proposal) -> list[Emit]:
+        seq, lse_R = rows[first].seq, out.lse_R
         m = len(proposal.tokens)
         span = list(range(first, first + m + 1))
-        bad = next((i for i in span if i in pipe.errors), None)
+        bad = next((i for i in span if i in out.errors), None)
         if bad is not None and bad == first:
-            return [Emit(token=-1, row=first, error=pipe.errors[first])]
+            return [Emit(token=-1, row=first, error=out.errors[first])]
         usable = span if bad is None else span[: span.index(bad)]
         depth = len(usable) - 1  # verify only as many drafts as there are usable positions
         sub = Proposal(proposal.tokens[:depth], proposal.q_logits[:depth] if proposal.q_logits is not None else None)
-        verdict = verify(pipe.processed_RV[usable], sub, greedy=seq.sampling.greedy, mode=self.acceptance,
+        verdict = verify(out.processed_RV[usable], sub, greedy=seq.sampling.greedy, mode=self.acceptance,
                          seed=seq.seed, stream=seq.stream, first_position=rows[first].position)
         self.speculator.stats.steps += 1
         self.speculator.stats.proposed += m
@@ -283,7 +234,7 @@ class Decider:
                                                         verdict.draft_logprobs)):
             i = usable[k]
             raw_lp = float(logits_RV[i, token] - lse_R[i])
-            proc = pipe.processed_RV[i]
+            proc = out.processed_RV[i]
             proc_lse = logsumexp_rows(proc[None])[0]
             proc_lp = float(proc[token] - proc_lse)
             finite = torch.isfinite(proc)
@@ -313,15 +264,10 @@ class Decider:
                                     for s, t in zip(seqs, tokens_hist)),
                          vocab_size=self.vocab_size, device=logits_RV.device, eos_token_ids=self.eos_token_ids,
                          grammar_mask_RV=mask)
-        lse = logsumexp_rows(logits_RV, per_row=self.batch_invariant)
-        pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse))
         purpose = rng.SAMPLE if self.acceptance == "coupled" else rng.DRAFT
         srows = [SampleRow(greedy=s.sampling.greedy, seed=s.seed, position=len(t), stream=s.stream, purpose=purpose)
                  for s, t in zip(seqs, tokens_hist)]
-        safe = pipe.processed_RV.clone()  # never the raw logits themselves: error rows are replaced below
-        for i in pipe.errors:  # a row the pipeline could not process proposes greedily from raw logits
-            safe[i] = logits_RV[i]
-        tokens = sample(logits_RV, safe, srows, per_row=self.batch_invariant).token_ids
+        safe, tokens = self.sampler.draft(logits_RV, view, srows)
         for i in grammar_rows:
             s = seqs[i]
             ahead = draft_grammars[s.seq_id] if s.seq_id in draft_grammars else s.grammar.fork()

@@ -1,0 +1,140 @@
+"""The sampler's one entry point: a step's logits rows become tokens and their trace fields.
+
+    staged = Sampler.stage(logits_RV, view, rows, verifying)   steps 1-3: Python and torch
+    staged.fused.run()                                        step 4's native pass, on every thread (optional)
+    out = Sampler.finish(staged)                              steps 4-6: a SamplerOutput
+
+1. Raw log-normalisers (logsumexp) of every row, where speculation verifies some rows: the verifier reads them,
+   and the rows whose raw logits hold NaN or +inf are known before the processors.
+2. The processors, each row in its order (toolkit.sampling.processors.apply_pipeline). With no verification
+   each row's trailing temperature / top-k / top-p and its repetition-penalty changes are left to step 4, which
+   makes them in the same native pass that samples the row.
+3. The plain rows: those not verified and not failed (a processor raised, or left the row no token).
+4. Sampling of the plain rows (toolkit.sampling.sampler.sample): Gumbel-max with counter-based noise, all rows in
+   one native pass where the kernels run (batched torch elsewhere), with each token's raw and processed
+   log-probabilities, support size, noise, top alternatives and kept-set digest.
+5. Rows that step 4 found empty after changes left to it become errors, named as step 2 would name them.
+6. Without step 1, the raw log-normalisers come from step 4's pass (computed for rows it did not sample), and the
+   rows whose raw logits hold NaN or +inf become errors, whatever the processors made of them.
+
+It reads the rows' state and writes none of it; toolkit.engine.decide builds the rows (plain samples, forked
+parallel samples, verification positions) and verifies drafts against `processed_RV`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from toolkit.sampling.processors import (
+    BatchView,
+    PipelineResult,
+    apply_pipeline,
+    emptied_by_changes,
+    invalid_rows,
+)
+from toolkit.sampling.sampler import FusedSample, SampleResult, SampleRow, logsumexp_rows, sample
+
+
+@dataclass
+class Staged:
+    """What Sampler.stage prepared for Sampler.finish."""
+
+    logits_RV: torch.Tensor
+    pipe: PipelineResult  # step 2's result: processed rows (before any tail left to step 4) and errors
+    lse_R: torch.Tensor | None  # step 1's raw log-normalisers (None: step 4 reads them)
+    plain: list[int]  # step 3: the rows sampled
+    sample_args: tuple | None = None  # sample()'s arguments for the plain rows
+    fused: FusedSample | None = None  # step 4's fused path, where it takes one: its native pass still to run
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    result: SampleResult | None  # the plain rows' tokens and trace fields, in `plain` order
+    plain: list[int]
+    errors: dict[int, str]  # row -> why it has no token
+    processed_RV: torch.Tensor  # the processed rows (what verification compares drafts against)
+    lse_R: torch.Tensor  # every row's raw logsumexp
+
+
+class Sampler:
+    """Steps 1-6 of the module doc for the engine's rows; `batch_invariant` keeps each row's reductions
+    independent of the other rows."""
+
+    def __init__(self, batch_invariant: bool):
+        self.batch_invariant = batch_invariant
+
+    def __call__(self, logits_RV: torch.Tensor, view: BatchView, rows: list[SampleRow | None],
+                 verifying: bool = False) -> SamplerOutput:
+        return self.finish(self.stage(logits_RV, view, rows, verifying))
+
+    def stage(self, logits_RV: torch.Tensor, view: BatchView, rows: list[SampleRow | None],
+              verifying: bool = False) -> Staged:
+        """Steps 1-3 and step 4's arguments. `rows[i]` is row i's noise key and alternatives (None: a row that
+        speculation verifies, not sampled here); `verifying`: some sequence verifies drafts this step."""
+        lse_R = logsumexp_rows(logits_RV, per_row=self.batch_invariant) if verifying else None  # 1
+        pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse_R) if lse_R is not None else {},
+                              defer_tail=not verifying)  # 2
+        plain = [i for i, row in enumerate(rows) if row is not None and i not in pipe.errors]  # 3
+        staged = Staged(logits_RV, pipe, lse_R, plain)
+        if plain:
+            staged.sample_args = self._sample_args(staged, [rows[i] for i in plain])
+            staged.fused = FusedSample.of(*staged.sample_args)
+        return staged
+
+    def finish(self, staged: Staged) -> SamplerOutput:
+        """Steps 4-6 (step 4's native pass run first if nobody ran it)."""
+        logits_RV, pipe, lse_R, plain = staged.logits_RV, staged.pipe, staged.lse_R, staged.plain
+        errors, result = pipe.errors, None
+        if plain:  # 4
+            result = staged.fused.result() if staged.fused is not None else sample(*staged.sample_args)
+        if pipe.changed_by and result is not None:  # 5
+            empty = [i for i, support in zip(plain, result.support_sizes) if support == 0]
+            errors = {**errors, **emptied_by_changes(pipe, empty)}
+        if lse_R is None:  # 6
+            lse_R = self._raw_logsumexp(logits_RV, plain, result)
+            errors = {**errors, **invalid_rows(lse_R)}
+        return SamplerOutput(result, plain, errors, pipe.processed_RV, lse_R)
+
+    def draft(self, logits_RV: torch.Tensor, view: BatchView, rows: list[SampleRow]
+              ) -> tuple[torch.Tensor, list[int]]:
+        """A draft model's rows: (the processed rows, a row the processors failed holding its raw logits, so it
+        proposes greedily; each row's token). Steps 1, 2 and 4, every row sampled."""
+        lse = logsumexp_rows(logits_RV, per_row=self.batch_invariant)
+        pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse))
+        safe = pipe.processed_RV.clone()  # never the raw logits themselves: error rows are replaced below
+        for i in pipe.errors:
+            safe[i] = logits_RV[i]
+        return safe, sample(logits_RV, safe, rows, per_row=self.batch_invariant).token_ids
+
+    def _sample_args(self, staged: Staged, sample_rows: list[SampleRow]) -> tuple:
+        """sample()'s arguments for the plain rows (all the rows, or a copy of theirs)."""
+        logits_RV, pipe, lse_R, plain = staged.logits_RV, staged.pipe, staged.lse_R, staged.plain
+        tail = [pipe.tail[i] for i in plain] if pipe.tail is not None else None
+        if len(plain) == logits_RV.shape[0]:
+            return (logits_RV, pipe.processed_RV, sample_rows, lse_R, self.batch_invariant, tail, pipe.patches)
+        index = torch.tensor(plain, device=logits_RV.device)
+        patches = pipe.patches.select(plain, logits_RV.shape[0]) if pipe.patches is not None else None
+        raw = logits_RV.index_select(0, index)
+        processed = raw if pipe.processed_RV is logits_RV else pipe.processed_RV.index_select(0, index)
+        return (raw, processed, sample_rows, lse_R.index_select(0, index) if lse_R is not None else None,
+                self.batch_invariant, tail, patches)
+
+    def _raw_logsumexp(self, logits_RV: torch.Tensor, plain: list[int], result: SampleResult | None
+                       ) -> torch.Tensor:
+        """Every row's raw logsumexp: the sampler's for the rows it sampled (`plain`), computed for the rest
+        (rows the processors failed: is the model's output to blame?)."""
+        if len(plain) == logits_RV.shape[0] and plain:
+            return result.raw_logsumexp_R
+        lse_R = torch.empty(logits_RV.shape[0], dtype=logits_RV.dtype, device=logits_RV.device)
+        if plain:
+            lse_R[plain] = result.raw_logsumexp_R
+        sampled = set(plain)
+        rest = [i for i in range(logits_RV.shape[0]) if i not in sampled]
+        if rest:
+            lse_R[rest] = logsumexp_rows(logits_RV[rest], per_row=self.batch_invariant)
+        return lse_R
+
+
+__all__ = ["Sampler", "SamplerOutput", "SampleRow", "Staged"]
