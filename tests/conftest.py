@@ -24,6 +24,10 @@ if WORKERS:
 # Ray's own OOM killer (a node policy: kill a worker past 95% of the machine's memory) would count the other
 # pytest worker's memory against the Ray tests' actors on this 24 GiB machine; the kernel's limit is the real one
 os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+# the Triton kernels (toolkit/native/invariant_gpu.py) run in Triton's interpreter where torch sees no GPU: set
+# before Triton decorates them, at their module's import
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 THREADS = int(os.environ.get("TOOLKIT_TEST_THREADS") or (os.environ["OMP_NUM_THREADS"] if WORKERS else 2))
 torch.set_num_threads(THREADS)
 
