@@ -126,7 +126,8 @@ def hf_step_ms(model, device: torch.device, batch: int, context: int, tokens: in
     for n in (2, tokens):  # a warm-up, then the timed run
         clock.times.clear()
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, eos_token_id=None, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
+                       do_sample=False, eos_token_id=None, pad_token_id=0,
+                       logits_processor=LogitsProcessorList([clock]))
     return 1000 * statistics.median(b - a for a, b in zip(clock.times, clock.times[1:]))
 
 

@@ -95,8 +95,8 @@ class Decider:
         self.grammar = grammar  # the engine's grammar backend, created on first use
         self.speculator = speculator
         self.acceptance = acceptance  # speculative.acceptance: how drafts are verified
-        self.batch_invariant = batch_invariant
-        self.sampler = Sampler(batch_invariant)  # logits rows -> tokens and trace fields
+        self.sampler = Sampler(batch_invariant)  # logits rows -> tokens and trace fields (batch_invariant: each
+        # row's reductions independent of the other rows)
 
     def decide(self, out: ModelOutput, proposals: Mapping[str, Proposal], requests: Mapping[str, Request]
                ) -> Decision:

@@ -32,7 +32,6 @@ from toolkit.kv.paged_cache import PagedKVCache
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 WIDTH_BUCKETS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # key blocks a row may attend to
-MODES = ("auto", "eager", "off")
 
 
 def bucket_of(n: int, buckets: tuple[int, ...], cap: int) -> int:
@@ -92,10 +91,9 @@ class DecodeGraphs:
                 buffer[d:stale].copy_(values)
         self.filled[b, width] = d
         # the real rows' data, built on the host
-        tables = torch.full((d, width), self.scratch, dtype=torch.int64)
-        for i, c in enumerate(chunks):
-            used = -(-c.context_len // bs)
-            tables[i, :used] = torch.tensor(c.block_table[:used], dtype=torch.int64)
+        used = [-(-c.context_len // bs) for c in chunks]
+        tables = torch.tensor([list(c.block_table[:n]) + [self.scratch] * (width - n) for c, n in zip(chunks, used)],
+                              dtype=torch.int64)
         positions = torch.tensor([c.start_pos for c in chunks], dtype=torch.int64)
         slots = tables[torch.arange(d), positions // bs] * bs + positions % bs
         rows = ([c.token_ids[0] for c in chunks], positions, slots, [c.context_len for c in chunks], tables)
@@ -124,9 +122,10 @@ class DecodeGraphs:
         def full(shape, value):
             return torch.full(shape, value, dtype=torch.int64, device=self.device)
 
-        return Bucket(input_ids_B=full((b,), 0), positions_B=full((b,), 0), slots_B=full((b,), self.scratch * self.block_size),
-                      ctx_B=full((b,), 1), tables_BW=full((b, width), self.scratch),
-                      rows_B=torch.arange(b, dtype=torch.int64, device=self.device))
+        return Bucket(input_ids_B=full((b,), 0), positions_B=full((b,), 0),
+                      slots_B=full((b,), self.scratch * self.block_size), ctx_B=full((b,), 1),
+                      tables_BW=full((b, width), self.scratch), rows_B=torch.arange(b, dtype=torch.int64,
+                                                                                    device=self.device))
 
     @staticmethod
     def _inputs(s: Bucket) -> tuple[torch.Tensor, ...]:
