@@ -282,3 +282,19 @@ def test_the_one_stream_benchmarks_f32_gguf_holds_our_fp32_weights():
     original = GGUFReader(smollm2_gguf())
     assert {f for f in original.fields if not f.startswith("GGUF.")} == {f for f in reader.fields
                                                                         if not f.startswith("GGUF.")}
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 9), width=st.sampled_from([8, 17, 64, 576, 960]), scale=st.sampled_from([1e-3, 1.0, 300.0]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]), seed=st.integers(0, 1000))
+def test_a_16_bit_rms_norm_is_hfs_expression_bit_for_bit(rows, width, scale, dtype, seed):
+    """The model's 16-bit RMSNorm (one fused fp32 op, what a GPU step runs) is HF's LlamaRMSNorm spelled out, bit
+    for bit on the CPU: widen, x * rsqrt(mean(x^2) + eps), round to the format, times the weight."""
+    from toolkit.models.decoder import rms_norm
+
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, width, generator=gen) * scale).to(dtype)
+    weight = torch.randn(width, generator=gen).to(dtype)
+    x32 = x.float()
+    want = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    assert torch.equal(rms_norm(x, weight, 1e-5).view(torch.int16), want.view(torch.int16))

@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 from toolkit.bench.precision import SMOLLM2_SHAPE, machine
 from toolkit.bench.systems import StepClock
 from toolkit.config import EngineConfig, ModelConfig
-from toolkit.engine.synthetic import decode_engine
+from toolkit.engine.synthetic import decode_engine, timed
 from toolkit.errors import ToolkitError
 from toolkit.models import DTYPES, LoadedModel, load_model
 from toolkit.models.loading import hf_reference_model, load_checkpoint
@@ -74,13 +74,11 @@ def copy_bandwidth_gbs(device: torch.device, size_mb: int = 512, repeats: int = 
 
 
 def timed_steps(step: Callable[[], Any], device: torch.device, n: int) -> list[float]:
+    """ms of each of n calls, the device's queue drained before and after each (synthetic.timed)."""
     out = []
     for _ in range(n):
         sync(device)
-        t = time.perf_counter()
-        step()
-        sync(device)
-        out.append(1000 * (time.perf_counter() - t))
+        out.append(1000 * timed(lambda: (step(), sync(device))))
     return out
 
 
