@@ -71,6 +71,7 @@ def test_a_padded_bucket_gives_every_row_its_unpadded_bits(loaded, workload, max
     assert engine.runner.graphs.replays > 0 or decodes == 0
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("backend", ["kernel", "sdpa"] if not NATIVE_OFF else ["sdpa"])
 def test_buckets_change_no_token_and_repeat_their_bits(loaded, backend):
     """Any backend: logits within fp32 rounding of the unpadded path's (the sdpa path reads a padded key axis, whose
