@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script a session runs when the device tool lends it a GPU (issues 56 and 57), under 8 minutes on an H100:
 # tests/test_cuda.py, then python -m toolkit.bench.gpu on SmolLM2's and Llama-3.2-1B's shapes, every output under
-# $OUT. The GPU machine reaches no package index: prepare .gpu/ here first, then pass it as `carry`:
+# $OUT (at most 8 files). The GPU machine reaches no package index: prepare .gpu/ here first, then pass it as `carry`:
 #
 #   bash .ci/gpu_check.sh prepare                  # on this machine: the wheels and SmolLM2's tokenizer into .gpu/
 #   bash .ci/gpu_check.sh                          # on the GPU machine (device tool: run, carry [".gpu"])
@@ -26,13 +26,13 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD TOOLKIT_CACHE=$PWD/.gpu/tkc PYTHONUNBUFFERED=1
 { nvidia-smi -L; python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } \
   2>&1 | tee "$OUT/device.txt"
-timeout 270 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
+timeout 200 python3 -m pytest -q -p no:cacheprovider -rs --durations=8 tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
 status=${PIPESTATUS[0]}
-timeout 120 python3 -m toolkit.bench.gpu --shape smollm2 --batches 1 8 32 --json "$OUT/bench_smollm2.json" \
-  2>&1 | tee "$OUT/bench_smollm2.txt"
-timeout 60 python3 -m toolkit.bench.gpu --shape smollm2 --dtypes bfloat16 --batches 1 32 --hf-tokens 0 \
-  --batch-invariant 2>&1 | tee "$OUT/bench_invariant.txt"
-timeout 120 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 \
-  --json "$OUT/bench_llama1b.json" 2>&1 | tee "$OUT/bench_llama1b.txt"
+timeout 100 python3 -m toolkit.bench.gpu --shape smollm2 --batches 1 8 32 --json "$OUT/bench_smollm2.json" \
+  --host-profile "$OUT/host_profile.txt" 2>&1 | tee "$OUT/bench.txt"
+timeout 40 python3 -m toolkit.bench.gpu --shape llama1b --dtypes float32 bfloat16 --batches 1 32 \
+  --hf-tokens 0 --kernels 2>&1 | tee "$OUT/kernels.txt"
+timeout 90 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 \
+  --json "$OUT/bench_llama1b.json" 2>&1 | tee -a "$OUT/bench.txt"
 echo "tests/test_cuda.py exited $status"
 exit "$status"

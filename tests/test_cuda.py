@@ -146,3 +146,28 @@ def test_a_gpu_run_replays_bit_for_bit_and_verifies(tmp_path, dtype):
         replayed.stdout[-2000:] + replayed.stderr[-2000:]
     verified = cli("mode=verify", f"verify.trace={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'verify'}")
     assert verified.returncode == 0, verified.stdout[-2000:] + verified.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_kernels_give_a_row_the_same_bits_at_every_batch_size(dtype):
+    """Issue 57 on a GPU: the invariant matmuls (tl.sum and tensor-core tile products, one tiling, no split-K), the
+    RMSNorm and the logsumexp give each row the bits it gets alone, at batch 1, 7, 32 and 64, and the matmuls are
+    float64's product within fp32 sums' rounding."""
+    from toolkit.native import invariant_gpu as ig
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(64, 576, generator=gen).to(dtype).cuda()
+    w = (torch.randn(576, 1536, generator=gen) / 24).to(dtype).cuda()
+    exact = x.double() @ w.double()
+    bound = 580 * 2.0 ** -24 * (x.double().abs() @ w.double().abs()) + 1e-30
+    for fn in (ig.matmul, ig.matmul_dot):
+        full = fn(x, w)
+        assert ((full.double() - exact).abs() <= bound).all(), fn.__name__
+        for m in (1, 7, 32):
+            assert torch.equal(fn(x[:m], w), full[:m]), (fn.__name__, m)
+        assert torch.equal(fn(x[5:6], w), full[5:6]), fn.__name__
+    norm = ig.rms_norm(x, w[:, 0].abs() + 0.5, 1e-5)
+    lse = ig.logsumexp(x @ w)
+    for m in (1, 7, 32):
+        assert torch.equal(ig.rms_norm(x[:m], w[:, 0].abs() + 0.5, 1e-5), norm[:m])
+        assert torch.equal(ig.logsumexp((x @ w)[:m].contiguous()), lse[:m])

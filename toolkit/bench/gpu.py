@@ -97,17 +97,41 @@ def profile_steps(step: Callable[[], Any], device: torch.device, n: int) -> tupl
     return sum(1 for e in events if e.cpu_parent is None and e.name.startswith("aten::")) / n, None
 
 
+def host_profile(step: Callable[[], Any], device: torch.device, n: int, title: str, path: Path) -> None:
+    """Append to `path` the host functions that n steps spend their time in (cProfile, the top 30 by own time, then by cumulative time)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        step()
+    sync(device)
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(30)
+    with path.open("a") as f:
+        f.write(f"==== {title}, {n} steps\n{text.getvalue()}\n")
+
+
 def engine_bucket(loaded: LoadedModel, device: torch.device, batch: int, context: int, steps: int,
-                  batch_invariant: bool) -> dict[str, Any]:
-    """One bucket's figures for one engine configuration (or why the engine refused it)."""
+                  batch_invariant: bool, profile_to: Path | None = None) -> dict[str, Any]:
+    """One bucket's figures for one engine configuration (or why the engine refused it); with `profile_to`,
+    the host functions its steps spend their time in are appended there."""
     cfg = EngineConfig(device=str(device), batch_invariant=batch_invariant)
     try:
-        engine = decode_engine(loaded, cfg, batch, context, steps=2 * steps + 3)
+        engine = decode_engine(loaded, cfg, batch, context, steps=(3 if profile_to else 2) * steps + 3)
     except ToolkitError as exc:
         return {"refused": str(exc).splitlines()[0]}
     timed_steps(engine.step, device, 3)
     ms = statistics.median(timed_steps(engine.step, device, steps))
     kernels, kernel_ms = profile_steps(engine.step, device, steps)
+    if profile_to is not None:
+        host_profile(engine.step, device, steps, f"{loaded.model.embed.dtype} batch {batch}"
+                     f"{' batch-invariant' if batch_invariant else ''}", profile_to)
     return {"ms": ms, "tok_s": 1000 * batch / ms, "kernels": kernels,
             "busy": None if kernel_ms is None else min(1.0, kernel_ms / ms)}
 
@@ -129,6 +153,32 @@ def hf_step_ms(model, device: torch.device, batch: int, context: int, tokens: in
     return 1000 * statistics.median(b - a for a, b in zip(clock.times, clock.times[1:]))
 
 
+def kernel_times(shape: str, dtypes: list[str], batches: list[int], device: torch.device) -> list[str]:
+    """Issue 57's matmul cost: ms of torch's matmul and of the invariant Triton matmuls (tl.sum, tensor-core
+    tiles) on the shape's two widest decode products, each the median of 20 after warm-ups, side by side."""
+    from toolkit.native import invariant_gpu as ig
+
+    dims = SHAPES[shape]
+    lines = []
+    for dtype in dtypes:
+        for k, n in ((dims["hidden_size"], 2 * dims["intermediate_size"]), (dims["hidden_size"], dims["vocab_size"])):
+            w = (torch.randn(k, n, device=device) / k ** 0.5).to(DTYPES[dtype])
+            for m in batches:
+                x = torch.randn(m, k, device=device).to(DTYPES[dtype])
+                ms = {}
+                for name, fn in (("torch", lambda: x @ w), ("tl.sum", lambda: ig.matmul(x, w)),
+                                 ("tl.dot", lambda: ig.matmul_dot(x, w))):
+                    try:
+                        timed_steps(fn, device, 3)
+                        ms[name] = statistics.median(timed_steps(fn, device, 20))
+                    except Exception as exc:  # noqa: BLE001 - a kernel that does not compile here is a figure too
+                        ms[name] = float("nan")
+                        lines.append(f"{name} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                lines.append(f"matmul {dtype} {m}x{k} @ {k}x{n}: " + ", ".join(
+                    f"{name} {v:.3f} ms ({v / ms['torch']:.2f}x)" for name, v in ms.items()))
+    return lines
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -140,6 +190,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--hf-tokens", type=int, default=16, help="tokens HF generates a timing (0: no HF)")
     parser.add_argument("--batch-invariant", action="store_true", help="also time engine.batch_invariant=true")
     parser.add_argument("--json", type=Path, help="write the figures here too")
+    parser.add_argument("--kernels", action="store_true", help="time the invariant Triton matmuls beside torch's, and nothing else")
+    parser.add_argument("--host-profile", type=Path, help="append each bucket's host profile (cProfile) here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -149,6 +201,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"decode steps, random weights of {args.shape}'s shape, context {args.context}, on {where}; "
           f"copy bandwidth {bandwidth:.0f} GB/s", flush=True)
     results: dict[str, Any] = {"device": where, "shape": args.shape, "copy_bandwidth_gbs": bandwidth, "rows": []}
+    if args.kernels:
+        results["kernels"] = kernel_times(args.shape, args.dtypes, args.batches, device)
+        print("\n".join(results["kernels"]), flush=True)
+        return results
     for dtype in args.dtypes:
         loaded = load_model(ModelConfig(**SHAPES[args.shape], dtype=dtype), device=device)
         floor_ms = 1000 * step_weight_bytes(loaded) / (bandwidth * 1e9)
@@ -157,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             hf = hf_reference_model(load_checkpoint(loaded.config)).to(device=device, dtype=DTYPES[dtype])
         for batch in args.batches:
             row = {"dtype": dtype, "batch": batch, "floor_ms": floor_ms,
-                   **engine_bucket(loaded, device, batch, args.context, args.steps, False)}
+                   **engine_bucket(loaded, device, batch, args.context, args.steps, False, args.host_profile)}
             if args.batch_invariant:
                 row["invariant"] = engine_bucket(loaded, device, batch, args.context, args.steps, True)
             if hf is not None:

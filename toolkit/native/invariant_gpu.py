@@ -58,6 +58,25 @@ if triton is not None:
         tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit
+    def _matmul_dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sxm, sxk, swk, swn, som, son,
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+        """The same fixed tiling, each slice's tile product by `tl.dot` (the tensor cores on a GPU): a row's
+        products go through the MMA instruction's own fixed order, the same whatever the tile's other rows hold;
+        fp32 at PRECISION "ieee" (never TF32)."""
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + rk
+            x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K),
+                        other=0.0)
+            w = tl.load(w_ptr + kk[:, None] * swk + rn[None, :] * swn, mask=(kk[:, None] < K) & (rn[None, :] < N),
+                        other=0.0)
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
     def _rounded(y, dtype: tl.constexpr):
         """fp32 -> dtype, round to nearest even, as an fp32 value. bf16 by integer rounding of the fp32 bits (then
         exact): Triton's interpreter truncates a bf16 conversion, a GPU rounds it; this is both's nearest-even."""
@@ -113,6 +132,23 @@ def matmul(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _matmul_kernel[grid](x_MK, w_KN, out, m, n, k, x_MK.stride(0), x_MK.stride(1), w_KN.stride(0), w_KN.stride(1),
                          out.stride(0), out.stride(1), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+    return out
+
+
+DOT_BLOCKS = (64, 64, 64)  # matmul_dot's one tiling (BLOCK_M x BLOCK_N tiles, BLOCK_K slices)
+
+
+def matmul_dot(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
+    """x @ w by tensor-core tile products in one fixed tiling, no split-K (GPU only: the interpreter's dot is numpy's
+    BLAS, whose grouping of a row's products may follow its tile's other rows)."""
+    m, k = x_MK.shape
+    n = w_KN.shape[1]
+    bm, bn, bk = DOT_BLOCKS
+    out = torch.empty((m, n), dtype=torch.float32, device=x_MK.device)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _matmul_dot_kernel[grid](x_MK, w_KN, out, m, n, k, x_MK.stride(0), x_MK.stride(1), w_KN.stride(0),
+                             w_KN.stride(1), out.stride(0), out.stride(1), BM=bm, BN=bn, BK=bk,
+                             PRECISION="ieee" if x_MK.dtype == torch.float32 else "tf32")
     return out
 
 
