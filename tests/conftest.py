@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
-from hypothesis import Phase, settings
 
-from toolkit.config import EngineConfig, ModelConfig
-from toolkit.engine.core import Engine
-from toolkit.models import load_model
-from toolkit.native import library
-from toolkit.sampling.params import SamplingParams
+# the Triton kernels (toolkit/native/invariant_gpu.py) run in Triton's interpreter where torch sees no GPU: set
+# before Triton decorates them, at their module's import (which the toolkit imports below reach)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import Phase, settings  # noqa: E402
+
+from toolkit.config import EngineConfig, ModelConfig  # noqa: E402
+from toolkit.engine.core import Engine  # noqa: E402
+from toolkit.models import load_model  # noqa: E402
+from toolkit.native import library  # noqa: E402
+from toolkit.sampling.params import SamplingParams  # noqa: E402
 
 # make test runs the suite on one pytest-xdist worker per core: each worker's torch (and the native kernels, which
 # take torch's thread count), and through OMP_NUM_THREADS the processes its tests start, get the cores / workers,
@@ -24,10 +30,6 @@ if WORKERS:
 # Ray's own OOM killer (a node policy: kill a worker past 95% of the machine's memory) would count the other
 # pytest worker's memory against the Ray tests' actors on this 24 GiB machine; the kernel's limit is the real one
 os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
-# the Triton kernels (toolkit/native/invariant_gpu.py) run in Triton's interpreter where torch sees no GPU: set
-# before Triton decorates them, at their module's import
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 THREADS = int(os.environ.get("TOOLKIT_TEST_THREADS") or (os.environ["OMP_NUM_THREADS"] if WORKERS else 2))
 torch.set_num_threads(THREADS)
 

@@ -44,6 +44,19 @@ def test_matmul_rows_are_the_same_bits_in_any_batch(impl, data, m, k, n, dtype):
         assert torch.equal(impl(x[index], w), full[index]), rows
 
 
+@TRITON
+@settings(max_examples=8, deadline=None)
+@given(m=st.integers(1, 70), k=st.integers(1, 130), n=st.integers(1, 70), dtype=DTYPES)
+def test_the_tensor_core_matmul_is_within_fp32_sums_rounding(m, k, n, dtype):
+    """matmul_dot, what the batch-invariant mode runs on a GPU: float64's product within fp32 sums' rounding.
+    Its rows' invariance is a GPU property (tests/test_cuda.py): the interpreter's tile product is numpy's, whose
+    summation in a tile may follow the tile's other rows."""
+    gen = torch.Generator().manual_seed(m * 1000 + k * 10 + n)
+    x, w = torch.randn(m, k, generator=gen).to(dtype), torch.randn(k, n, generator=gen).to(dtype)
+    got = ig.matmul_dot(x, w)
+    assert got.dtype == torch.float32 and ((got.double() - x.double() @ w.double()).abs() <= _matmul_bound(x, w)).all()
+
+
 @pytest.mark.parametrize("impl", [pytest.param(ig.rms_norm, marks=TRITON, id="triton"),
                                   pytest.param(ig.rms_norm_rows, id="torch-rows")])
 @settings(max_examples=12, deadline=None)
@@ -104,3 +117,131 @@ def test_a_tiling_chosen_by_the_row_count_is_caught():
         ig.BLOCK_K = 32
     assert not torch.equal(batched[:1], alone)
     assert torch.equal(ig.matmul(x, w)[:1], alone)
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many of the format's units in the last place a and b are apart (same-sign finite values)."""
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[a.dtype]
+    return (a.view(bits).long() - b.view(bits).long()).abs()
+
+
+@TRITON
+@settings(max_examples=10, deadline=None)
+@given(data=st.data(), n=st.integers(1, 9), d=st.sampled_from([1, 8, 96, 576]), dtype=DTYPES,
+       residual=st.booleans())
+def test_the_add_rms_norm_kernel_is_the_torch_path_bit_for_bit(data, n, d, dtype, residual):
+    """The GPU's fused residual add + RMSNorm: the sum is torch's `x + r` and the norm toolkit.models.decoder's
+    rms_norm of it, bit for bit (rms_norm is HF's order), and a row's bits alone are its bits in the batch."""
+    from toolkit.models.decoder import rms_norm
+
+    gen = torch.Generator().manual_seed(n * 100 + d)
+    x, r = (torch.randn(2, n, d, generator=gen) * 3).to(dtype)
+    w = (torch.rand(d, generator=gen) + 0.5).to(dtype)
+    total, normed = ig.add_rms_norm(x, r if residual else None, w, 1e-5)
+    want = x + r if residual else x
+    assert torch.equal(total, want)
+    reference = rms_norm(want, w, 1e-5)
+    if dtype == torch.float32:  # the sum of squares in another order: within a few fp32 ulps
+        assert (_ulps(normed, reference)[reference != 0] <= 4).all()
+    else:
+        assert (_ulps(normed, reference) <= 1).all() and (normed != reference).float().mean() < 0.05
+    for rows in _subsets(data.draw, n):
+        index = torch.tensor(rows)
+        assert torch.equal(ig.add_rms_norm(x[index], r[index] if residual else None, w, 1e-5)[1], normed[index])
+
+
+@TRITON
+@settings(max_examples=8, deadline=None)
+@given(n=st.integers(1, 6), heads=st.integers(1, 7), dim=st.sampled_from([2, 16, 64]), dtype=DTYPES)
+def test_the_rope_kernel_is_torchs_expression_bit_for_bit(n, heads, dim, dtype):
+    """RoPE of a strided q | k view in one kernel: x * cos + rotate_half(x) * sin in x's format, each op rounded as
+    torch's, the same bits."""
+    from toolkit.models.decoder import rotate_half
+
+    gen = torch.Generator().manual_seed(n * 10 + heads)
+    fused = torch.randn(n, (heads + 1) * dim, generator=gen).to(dtype) * 4
+    x = fused[:, : heads * dim].view(n, heads, dim)  # a view with the row stride of the wider projection
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    angles = torch.arange(300).float()[:, None] * inv[None, :]
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    positions = torch.randint(0, 300, (n,), generator=gen)
+    c, s = cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
+    assert torch.equal(ig.rope(x, cos, sin, positions), x * c + rotate_half(x) * s)
+
+
+@TRITON
+@settings(max_examples=8, deadline=None)
+@given(n=st.integers(1, 5), width=st.sampled_from([1, 40, 1030]), dtype=DTYPES)
+def test_the_silu_mul_kernel_is_torchs_within_a_few_ulps(n, width, dtype):
+    """silu(gate) * up in one kernel: torch's two ops within a few fp32 units in the last place (its exp is the
+    device's own), and in a 16-bit format within one unit and nearly always the same bits."""
+    gen = torch.Generator().manual_seed(n + width)
+    gate_up = (torch.randn(n, 2 * width, generator=gen) * 3).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = ig.silu_mul(gate_up)
+    same_sign = (got.sign() == want.sign()) | (want == 0)
+    assert same_sign.all() and (_ulps(got, want)[want != 0] <= (4 if dtype == torch.float32 else 1)).all()
+    assert dtype == torch.float32 or (got != want).float().mean() < 0.05
+
+
+def _attention_reference(q, k_cache, v_cache, tables, query_table, query_ctx, scale):
+    """float64 softmax(q k^T) v of each token over its own sequence's first ctx keys."""
+    n, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    groups = heads // kv_heads
+    out = torch.empty(n, heads, dim, dtype=torch.float64)
+    for i in range(n):
+        ctx, blocks = int(query_ctx[i]), tables[query_table[i]]
+        keys = k_cache[blocks].reshape(-1, kv_heads, dim)[:ctx].double()
+        values = v_cache[blocks].reshape(-1, kv_heads, dim)[:ctx].double()
+        for h in range(heads):
+            weights = torch.softmax(keys[:, h // groups] @ q[i, h].double() * scale, 0)
+            out[i, h] = weights @ values[:, h // groups]
+    return out
+
+
+@TRITON
+@settings(max_examples=8, deadline=None)
+@given(data=st.data(), kv_heads=st.integers(1, 3), groups=st.sampled_from([1, 3, 4]), block=st.sampled_from([1, 4, 8]),
+       dim=st.sampled_from([8, 16]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_the_paged_attention_kernel_gives_a_token_its_bits_in_any_mix(data, kv_heads, groups, block, dim, dtype):
+    """The GPU's paged attention (one program per token and KV head, keys in the table's order): within the
+    format's rounding of float64, and each token's output the same bits alone as in any batch, a prompt chunk's
+    tokens (one sequence, growing contexts) mixed with other sequences' decode tokens."""
+    gen = torch.Generator().manual_seed(kv_heads * 100 + groups * 10 + block)
+    seqs, width = 3, 5
+    num_blocks = seqs * width + 1
+    k_cache, v_cache = (torch.randn(2, num_blocks, block, kv_heads, dim, generator=gen) * 2).to(dtype)
+    tables = torch.randperm(num_blocks - 1, generator=gen)[: seqs * width].view(seqs, width)
+    n = data.draw(st.integers(1, 8))
+    query_table = torch.tensor(data.draw(st.lists(st.integers(0, seqs - 1), min_size=n, max_size=n)))
+    query_ctx = torch.tensor(data.draw(st.lists(st.integers(1, width * block), min_size=n, max_size=n)))
+    q = torch.randn(n, kv_heads * groups, dim, generator=gen).to(dtype)
+    out = torch.empty_like(q)
+    ig.paged_attention(q, k_cache, v_cache, tables, query_table, query_ctx, dim ** -0.5, out)
+    want = _attention_reference(q, k_cache, v_cache, tables, query_table, query_ctx, dim ** -0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7 * want.abs().max().item() + 1e-3
+    assert (out.double() - want).abs().max() <= tolerance
+    for rows in _subsets(data.draw, n):
+        index = torch.tensor(rows)
+        alone = torch.empty_like(q[index])
+        ig.paged_attention(q[index], k_cache, v_cache, tables, query_table[index], query_ctx[index], dim ** -0.5,
+                           alone)
+        assert torch.equal(alone, out[index]), rows
+
+
+@TRITON
+def test_an_attention_split_chosen_by_the_batch_is_caught():
+    """What the attention test guards against: keys taken in other slices for a bigger batch (a KV split chosen by
+    the batch) change a token's bits, so its comparison of a token alone and batched would fail."""
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache = torch.randn(2, 9, 8, 1, 16, generator=gen)
+    tables, q = torch.arange(8).view(1, 8), torch.randn(1, 2, 16, generator=gen)
+    one, ctx = torch.tensor([0]), torch.tensor([61])
+    alone, split = torch.empty_like(q), torch.empty_like(q)
+    ig.paged_attention(q, k_cache, v_cache, tables, one, ctx, 0.25, alone)
+    halves = k_cache.view(18, 4, 1, 16), v_cache.view(18, 4, 1, 16)  # the same keys in blocks of 4
+    ig.paged_attention(q, *halves, torch.arange(16).view(1, 16), one, ctx, 0.25, split)
+    assert not torch.equal(alone, split)
+    assert (alone - split).abs().max() < 1e-5

@@ -39,6 +39,7 @@ from toolkit.errors import ConfigError
 from toolkit.models import load_model
 from toolkit.models.loading import hf_reference_model, load_checkpoint
 from toolkit.models.reference import reference_logits
+from toolkit.native import invariant_gpu
 from toolkit.native.library import available as kernels_available
 from toolkit.sampling.params import SamplingParams
 from toolkit.sampling.processors import BatchView, RowState, apply_pipeline
@@ -159,9 +160,10 @@ def verify(run_dir: str | Path, *, reference: str = "ours", atol: float | str = 
     if reference == "exact" and not manifest.get("batch_invariant", False):
         raise ConfigError("verify.reference=exact needs a trace recorded with engine.batch_invariant=true "
                           "(other runs' bits depend on their batches; use reference=ours)")
-    if reference == "exact" and not kernels_available():
-        raise ConfigError("verify.reference=exact needs the native kernels (the batch-invariant bits), which do not "
-                          "run here; use reference=ours")
+    on_gpu = torch.device(engine_cfg.device).type == "cuda"
+    if reference == "exact" and not (invariant_gpu.triton is not None if on_gpu else kernels_available()):
+        raise ConfigError(f"verify.reference=exact needs the {'Triton' if on_gpu else 'native'} kernels (the "
+                          f"batch-invariant bits), which do not run here; use reference=ours")
     requests = {(r["request_id"], r["stream"]): r for r in read_requests(run_dir).to_pylist()}
     samples = read_samples(run_dir).to_pylist()
     report = VerifyReport(trace_dir=run_dir, reference=reference, atol=float(atol), run_dtype=run_dtype,

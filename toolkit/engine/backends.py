@@ -18,6 +18,7 @@ from toolkit.errors import ConfigError
 from toolkit.kv import PagedKVCache
 from toolkit.kv.quant import FORMATS
 from toolkit.models import LoadedModel
+from toolkit.native import invariant_gpu
 from toolkit.native.library import KernelUnavailable, native
 
 
@@ -52,8 +53,10 @@ def attention_backend(cfg: EngineConfig, loaded: LoadedModel) -> str:
         problem = f"the native kernel has no {unsupported} ({arch.family})"
     elif cfg.kv_cache_dtype not in ("auto", "bf16") and cfg.kv_scale_granularity == "channel":
         problem = "the native kernel reads block or tensor scales, not engine.kv_scale_granularity=channel"
+    elif torch.device(cfg.device).type == "cuda":  # the Triton kernel (toolkit/native/invariant_gpu.py)
+        problem = gpu_kernel_problem(cfg, arch)
     elif torch.device(cfg.device).type != "cpu":
-        problem = "the native kernel runs on the CPU"
+        problem = "the native kernel runs on the CPU, and in Triton on a CUDA GPU"
     else:
         try:
             lib = native()
@@ -75,6 +78,18 @@ def attention_backend(cfg: EngineConfig, loaded: LoadedModel) -> str:
     return _native_or_fallback(cfg, "attention_backend", wanted, ("kernel", "sdpa"), problem)
 
 
+def gpu_kernel_problem(cfg: EngineConfig, arch) -> str | None:
+    """Why the Triton paged attention cannot run this engine on a CUDA GPU (None: it can)."""
+    if invariant_gpu.triton is None:
+        return "Triton does not import here"
+    if cfg.kv_cache_dtype not in ("auto", "bf16"):
+        return f"the GPU kernel reads a 16- or 32-bit cache, not engine.kv_cache_dtype={cfg.kv_cache_dtype}"
+    if not invariant_gpu.supports_attention(arch.head_dim, cfg.block_size):
+        return (f"the GPU kernel takes a power-of-two head_dim and engine.block_size, not head_dim {arch.head_dim}, "
+                f"block_size {cfg.block_size}")
+    return None
+
+
 def graph_mode(cfg: EngineConfig, attention: str) -> str:
     """How decode steps run (toolkit/engine/graphs.py): "capture" (engine.cuda_graphs=auto on CUDA), "eager"
     (cuda_graphs=eager: the buckets without capture) or "off" (cuda_graphs=off, auto elsewhere, and FlexAttention,
@@ -92,13 +107,19 @@ def graph_mode(cfg: EngineConfig, attention: str) -> str:
 def matmul_backend(cfg: EngineConfig, loaded: LoadedModel) -> str:
     """auto: the native packed matmul on the CPU (fp32, or bf16 / fp16 weights widened as they are read, fp32
     sums) when the kernels build (faster than torch's GEMM at every step size measured here, see README
-    "Benchmark"), else torch's."""
+    "Benchmark"), else torch's. On a CUDA GPU "native" is the fixed-tiling Triton matmul, taken when asked for or
+    when engine.batch_invariant needs it; auto there is cuBLAS."""
     wanted = "native" if cfg.batch_invariant else cfg.matmul_backend
     if wanted == "torch":
         return "torch"
     problem = None
-    if torch.device(cfg.device).type != "cpu":
-        problem = "the native matmul runs on the CPU"
+    if torch.device(cfg.device).type == "cuda":  # the fixed-tiling Triton matmul, asked for or needed only
+        if wanted == "auto":
+            return "torch"  # cuBLAS: faster than one fixed tiling (docs/gpu.md)
+        if invariant_gpu.triton is None:
+            problem = "Triton does not import here"
+    elif torch.device(cfg.device).type != "cpu":
+        problem = "the native matmul runs on the CPU, and in Triton on a CUDA GPU"
     else:
         try:
             native()

@@ -20,7 +20,7 @@ from toolkit.engine.scheduler import ScheduledBatch, ScheduledChunk
 from toolkit.kv import flex
 from toolkit.kv.attention import AttentionMetadata, PrefillChunk, additive_bias
 from toolkit.kv.paged_cache import PagedKVCache
-from toolkit.native import library
+from toolkit.native import invariant_gpu, library
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class ModelRunner:
         # every query through the fixed-order kernel): a token's bits do not depend on its neighbours
         self.batch_invariant = batch_invariant
         self.native_matmul = native_matmul or batch_invariant
-        if self.native_matmul:  # packed now, with the load, not inside the first request's step (~1 s here)
+        if self.native_matmul and device.type == "cpu":  # packed now, with the load, not inside the first request's step (~1 s here)
             model.packed_weights()
         self.groups = model.arch.num_heads // model.arch.num_kv_heads
         self.dtype = model.embed.dtype  # the compute dtype (the cache may store bf16, int8 or fp8)
@@ -201,8 +201,12 @@ class ModelRunner:
 
 
 def _kernel_runs(model: torch.nn.Module, block_size: int) -> bool:
-    """Whether the native attention kernel runs this model here: on the CPU, built (not switched off), and taking
-    its shapes on its cache (a 16-bit cache: head_dim 64 or 128 only)."""
+    """Whether the fixed-order attention kernel runs this model here: on the CPU, built (not switched off), and
+    taking its shapes on its cache (a 16-bit cache: head_dim 64 or 128 only); on a CUDA GPU, Triton's, taking
+    its shapes (power-of-two head_dim and block size, no soft-capping or sliding window)."""
+    if model.embed.device.type == "cuda":
+        return (invariant_gpu.supports_attention(model.arch.head_dim, block_size)
+                and model.arch.needs_torch_attention is None)
     if model.embed.device.type != "cpu" or not library.available():
         return False
     a = model.arch

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from toolkit.kv import flex
 from toolkit.kv.quant import read_blocks, write_quantized
+from toolkit.native import invariant_gpu
 from toolkit.native.ops import paged_attention_cpu, paged_attention_cpu_q8
 
 
@@ -154,6 +155,10 @@ def paged_attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         paged_attention_cpu_q8(q_NHD[:rows], k_cache, v_cache, k_block if k_block is not None else k_static,
                                v_block if v_block is not None else v_static, meta.block_tables_SB,
                                meta.query_table_N[:rows], meta.query_ctx_N[:rows], scale, out_NHD[:rows])
+    elif meta.kernel_rows and q_NHD.is_cuda:  # the Triton kernel, the same contract
+        rows = meta.kernel_rows
+        invariant_gpu.paged_attention(q_NHD[:rows], k_cache, v_cache, meta.block_tables_SB, meta.query_table_N[:rows],
+                                      meta.query_ctx_N[:rows], scale, out_NHD[:rows])
     elif meta.kernel_rows:
         rows = meta.kernel_rows
         paged_attention_cpu(q_NHD[:rows], k_cache, v_cache, meta.block_tables_SB, meta.query_table_N[:rows],

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from toolkit.errors import ModelLoadError
 from toolkit.kv.attention import AttentionMetadata, paged_attention, write_kv
-from toolkit.native import library
+from toolkit.native import invariant_gpu, library
 from toolkit.native.ops import (
     add_rms_norm_cpu,
     decoder_layers_cpu,
@@ -189,11 +189,21 @@ class PagedDecoder(nn.Module):
             return False
         return library.available()
 
+    @staticmethod
+    def _gpu(x: torch.Tensor) -> bool:
+        """Whether activations go through the Triton kernels (toolkit/native/invariant_gpu.py): RMSNorm with the
+        residual add, RoPE and SiLU * up each one kernel, where torch spends 2-5 (a CUDA graph's length and
+        launch time follow its kernel count); on a CUDA device where Triton imports."""
+        return x.is_cuda and invariant_gpu.triton is not None
+
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                   bias: torch.Tensor | None, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + residual, norm of it); natively in one pass that updates x (an activation this forward owns)."""
+        """(x + residual, norm of it); natively in one pass that updates x (an activation this forward owns), or
+        on a CUDA GPU in one Triton kernel (the same order: the sum rounded to the format, then HF's RMSNorm)."""
         if native:
             return add_rms_norm_cpu(x, residual, weight, self.arch.rms_norm_eps)
+        if self.arch.norm == "rms" and self._gpu(x):
+            return invariant_gpu.add_rms_norm(x, residual, weight, self.arch.rms_norm_eps)
         if residual is not None:
             x = x + residual
         return x, self._norm(x, weight, bias)
@@ -250,7 +260,10 @@ class PagedDecoder(nn.Module):
         which the batch-invariant mode needs); the rest of the forward is per-token already."""
         a = self.arch
         mm, packed, head = torch.matmul, None, self.lm_head_t
-        if native_matmul:
+        if native_matmul and self.embed.is_cuda:  # one fixed tiling, no split-K: a row's bits whatever M is
+            def mm(h, w):
+                return invariant_gpu.matmul_dot(h, w).to(h.dtype)
+        elif native_matmul:
             mm = matmul_invariant
             packed, head = self.packed_weights()
         n = input_ids_N.shape[0]
@@ -262,9 +275,12 @@ class PagedDecoder(nn.Module):
         native_rope = self.pos_embed is None and native
         native_norm = a.norm == "rms" and native
         native_silu = native_norm and a.gated_mlp and a.activation == "silu"
+        gpu = self._gpu(x)
+        gpu_rope = gpu and self.pos_embed is None and invariant_gpu._pow2(a.head_dim)
+        gpu_silu = gpu and a.gated_mlp and a.activation == "silu"
         if self.pos_embed is not None:
             x = x + self.pos_embed[positions_N]
-        elif not native_rope:
+        elif not (native_rope or gpu_rope):
             cos = self.rope_cos[positions_N].unsqueeze(1).to(self.embed.dtype)  # (N, 1, Dh)
             sin = self.rope_sin[positions_N].unsqueeze(1).to(self.embed.dtype)
         pending = None  # the previous layer's MLP output: the next norm adds it to x
@@ -292,6 +308,8 @@ class PagedDecoder(nn.Module):
                                 rms_norm(qk[:, a.num_heads:], layer.k_norm, a.rms_norm_eps)], dim=1)
             if native_rope:  # the same bits in one pass
                 qk = rope_cpu(qk, self.rope_cos, self.rope_sin, positions_N)
+            elif gpu_rope:  # the same bits in one kernel
+                qk = invariant_gpu.rope(qk, self.rope_cos, self.rope_sin, positions_N)
             elif self.pos_embed is None:
                 qk = qk * cos + rotate_half(qk) * sin  # RoPE on q and k heads at once
             q = qk[:, : a.num_heads]  # (N, H, Dh)
@@ -306,6 +324,8 @@ class PagedDecoder(nn.Module):
             x, h = self._add_norm(x, o, layer.ln_mlp, layer.ln_mlp_b, native_norm)
             if native_silu:
                 h = silu_mul_cpu(proj(h, "w_gate_up"))
+            elif gpu_silu:
+                h = invariant_gpu.silu_mul(proj(h, "w_gate_up"))
             elif a.gated_mlp:
                 gate, up = proj(h, "w_gate_up").chunk(2, dim=-1)
                 h = self.act(gate) * up

@@ -41,7 +41,7 @@ def available(t: torch.Tensor) -> bool:
 
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # one compiled kernel whatever the row count (M = 1 included)
     def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sxm, sxk, swk, swn, som, son,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -57,12 +57,14 @@ if triton is not None:
             acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
         tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # one compiled kernel whatever the row count (M = 1 included)
     def _matmul_dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sxm, sxk, swk, swn, som, son,
-                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+                           WIDEN: tl.constexpr):
         """The same fixed tiling, each slice's tile product by `tl.dot` (the tensor cores on a GPU): a row's
         products go through the MMA instruction's own fixed order, the same whatever the tile's other rows hold;
-        fp32 at PRECISION "ieee" (never TF32)."""
+        fp32 at PRECISION "ieee" (never TF32). WIDEN: 16-bit tiles widened to fp32 first (the interpreter's dot
+        of bf16 tiles is wrong; a 16-bit product is exact in fp32, so only the sums' order can differ)."""
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
@@ -73,6 +75,9 @@ if triton is not None:
                         other=0.0)
             w = tl.load(w_ptr + kk[:, None] * swk + rn[None, :] * swn, mask=(kk[:, None] < K) & (rn[None, :] < N),
                         other=0.0)
+            if WIDEN:
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
             acc = tl.dot(x, w, acc, input_precision=PRECISION)
         tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -119,7 +124,156 @@ if triton is not None:
         for v0 in range(0, V, BV):
             x = tl.load(x_ptr + row * sx + v0 + cols, mask=v0 + cols < V, other=float("-inf")).to(tl.float32)
             total += tl.exp(x - m)
-        tl.store(out_ptr + row, m + tl.log(tl.sum(total, axis=0)))
+        lse = m + tl.log(tl.sum(total, axis=0))
+        tl.store(out_ptr + row, tl.where(m == float("inf"), m, lse))  # a +inf logit: +inf, as torch
+
+
+if triton is not None:
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, D, sx, sr, ss, so, eps,
+                             HAS_RES: tl.constexpr, BD: tl.constexpr):
+        """One program a row, the whole row at once: s = x + r rounded to the format (stored), then HF's RMSNorm of
+        s (fp32 squares summed by one fixed tree, rounded to the format, times the weight, rounded)."""
+        row = tl.program_id(0)
+        cols = tl.arange(0, BD)
+        mask = cols < D
+        x = tl.load(x_ptr + row * sx + cols, mask=mask, other=0.0)
+        s = x.to(tl.float32)
+        if HAS_RES:
+            s = _rounded(s + tl.load(r_ptr + row * sr + cols, mask=mask, other=0.0).to(tl.float32), x.dtype)
+            tl.store(sum_ptr + row * ss + cols, s.to(x.dtype), mask=mask)
+        inv = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / D + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _rounded(s * inv, x.dtype)
+        tl.store(out_ptr + row * so + cols, _rounded(w * y, x.dtype).to(x.dtype), mask=mask)
+
+    @triton.jit
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, H, sxn, sxh, son, soh, sc,
+                     BH: tl.constexpr, D: tl.constexpr):
+        """One program a token, every head: x * cos + rotate_half(x) * sin with cos and sin rounded to the format
+        and each product and the sum rounded to it, as torch's elementwise ops in that format do."""
+        n = tl.program_id(0)
+        h = tl.arange(0, BH)[:, None]
+        d = tl.arange(0, D)[None, :]
+        half = D // 2
+        partner = (d + half) % D
+        mask = (h < H) & (d < D)
+        x = tl.load(x_ptr + n * sxn + h * sxh + d, mask=mask, other=0.0)
+        xr = tl.load(x_ptr + n * sxn + h * sxh + partner, mask=mask, other=0.0).to(tl.float32)
+        xr = tl.where(d < half, -xr, xr)
+        pos = tl.load(pos_ptr + n)
+        c = _rounded(tl.load(cos_ptr + pos * sc + d), x.dtype)
+        sn = _rounded(tl.load(sin_ptr + pos * sc + d), x.dtype)
+        y = _rounded(_rounded(x.to(tl.float32) * c, x.dtype) + _rounded(xr * sn, x.dtype), x.dtype)
+        tl.store(out_ptr + n * son + h * soh + d, y.to(x.dtype), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, out_ptr, width, sx, so, BW: tl.constexpr):
+        """silu(gate) rounded to the format, times up, rounded (torch's two ops): gate | up halves of each row."""
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BW + tl.arange(0, BW)
+        mask = cols < width
+        g = tl.load(x_ptr + row * sx + cols, mask=mask, other=0.0)
+        u = tl.load(x_ptr + row * sx + width + cols, mask=mask, other=0.0).to(tl.float32)
+        g32 = g.to(tl.float32)
+        a = _rounded(g32 / (1.0 + tl.exp(-g32)), g.dtype)
+        tl.store(out_ptr + row * so + cols, _rounded(a * u, g.dtype).to(g.dtype), mask=mask)
+
+    @triton.jit
+    def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, qtable_ptr, qctx_ptr, out_ptr, scale,
+                                sqn, sqh, skb, skt, skh, stb, son, soh, G,
+                                BG: tl.constexpr, BS: tl.constexpr, D: tl.constexpr):
+        """One program per (query token, KV head): the token's G query heads over its own sequence's first ctx
+        cached keys, block by block in the table's order, an online softmax in fp32. The order of every sum is
+        fixed by the token's own context: the same bits whatever the batch or its mix of prefill and decode."""
+        n = tl.program_id(0)
+        kvh = tl.program_id(1)
+        g = tl.arange(0, BG)[:, None]
+        d = tl.arange(0, D)[None, :]
+        t = tl.arange(0, BS)
+        gmask = g < G
+        q = tl.load(q_ptr + n * sqn + (kvh * G + g) * sqh + d, mask=gmask, other=0.0).to(tl.float32)
+        seq = tl.load(qtable_ptr + n)
+        ctx = tl.load(qctx_ptr + n)
+        m = tl.full((BG,), float("-inf"), dtype=tl.float32)
+        total = tl.zeros((BG,), dtype=tl.float32)
+        acc = tl.zeros((BG, D), dtype=tl.float32)
+        for j in range(0, tl.cdiv(ctx, BS)):
+            block = tl.load(tables_ptr + seq * stb + j)
+            base = block * skb + kvh * skh + t[:, None] * skt + d
+            k = tl.load(k_ptr + base).to(tl.float32)  # (BS, D)
+            v = tl.load(v_ptr + base).to(tl.float32)
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (BG, BS)
+            scores = tl.where((j * BS + t)[None, :] < ctx, scores, float("-inf"))
+            peak = tl.maximum(m, tl.max(scores, axis=1))
+            p = tl.exp(scores - peak[:, None])
+            fade = tl.exp(m - peak)
+            total = total * fade + tl.sum(p, axis=1)
+            acc = acc * fade[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m = peak
+        out = acc / total[:, None]
+        tl.store(out_ptr + n * son + (kvh * G + g) * soh + d, out.to(out_ptr.dtype.element_ty), mask=gmask)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def add_rms_norm(x_ND: torch.Tensor, residual_ND: torch.Tensor | None, weight_D: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, RMSNorm of it), one kernel a step (HF's order: normalised in fp32, rounded to the format,
+    times the weight). residual None: (x, RMSNorm of x)."""
+    n, dim = x_ND.shape
+    x_ND = x_ND.contiguous()
+    total = torch.empty_like(x_ND) if residual_ND is not None else x_ND
+    out = torch.empty_like(x_ND)
+    res = residual_ND.contiguous() if residual_ND is not None else x_ND
+    if n:
+        _add_rms_norm_kernel[(n,)](x_ND, res, weight_D, total, out, dim, x_ND.stride(0), res.stride(0),
+                                   total.stride(0), out.stride(0), eps, HAS_RES=residual_ND is not None,
+                                   BD=triton.next_power_of_2(dim))
+    return total, out
+
+
+def rope(x_NHD: torch.Tensor, cos_PD: torch.Tensor, sin_PD: torch.Tensor, positions_N: torch.Tensor) -> torch.Tensor:
+    """HF's RoPE (x * cos + rotate_half(x) * sin, in x's format) of every head of every token, one kernel; x may
+    be a strided view (the q | k part of the fused projection)."""
+    n, heads, dim = x_NHD.shape
+    out = torch.empty((n, heads, dim), dtype=x_NHD.dtype, device=x_NHD.device)
+    if n:
+        _rope_kernel[(n,)](x_NHD, cos_PD, sin_PD, positions_N, out, heads, x_NHD.stride(0), x_NHD.stride(1),
+                           out.stride(0), out.stride(1), cos_PD.stride(0), BH=triton.next_power_of_2(heads), D=dim)
+    return out
+
+
+def silu_mul(x_N2I: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused gate | up projection, one kernel."""
+    n, width = x_N2I.shape[0], x_N2I.shape[1] // 2
+    out = torch.empty((n, width), dtype=x_N2I.dtype, device=x_N2I.device)
+    if n:
+        block = 1024
+        _silu_mul_kernel[(n, triton.cdiv(width, block))](x_N2I, out, width, x_N2I.stride(0), out.stride(0), BW=block)
+    return out
+
+
+def paged_attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables_SB: torch.Tensor,
+                    query_table_N: torch.Tensor, query_ctx_N: torch.Tensor, scale: float,
+                    out_NHD: torch.Tensor) -> None:
+    """Each query token over its own sequence's cached keys (query_table_N: its row of tables_SB; query_ctx_N:
+    how many keys it sees), into out_NHD: the CPU kernel's contract (toolkit.native.ops.paged_attention_cpu)."""
+    n, heads, dim = q_NHD.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    if n:
+        _paged_attention_kernel[(n, kv_heads)](
+            q_NHD, k_cache, v_cache, tables_SB, query_table_N, query_ctx_N, out_NHD, scale, q_NHD.stride(0),
+            q_NHD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables_SB.stride(0),
+            out_NHD.stride(0), out_NHD.stride(1), heads // kv_heads, BG=triton.next_power_of_2(heads // kv_heads),
+            BS=block_size, D=dim)
+
+
+def supports_attention(head_dim: int, block_size: int) -> bool:
+    """Whether the Triton paged attention takes these shapes (power-of-two head_dim and block_size)."""
+    return triton is not None and _pow2(head_dim) and _pow2(block_size)
 
 
 def matmul(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
@@ -129,6 +283,8 @@ def matmul(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
     if not available(x_MK):
         return matmul_rows(x_MK, w_KN)
     out = torch.empty((m, n), dtype=torch.float32, device=x_MK.device)
+    if m == 0:
+        return out
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _matmul_kernel[grid](x_MK, w_KN, out, m, n, k, x_MK.stride(0), x_MK.stride(1), w_KN.stride(0), w_KN.stride(1),
                          out.stride(0), out.stride(1), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
@@ -139,16 +295,21 @@ DOT_BLOCKS = (64, 64, 64)  # matmul_dot's one tiling (BLOCK_M x BLOCK_N tiles, B
 
 
 def matmul_dot(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
-    """x @ w by tensor-core tile products in one fixed tiling, no split-K (GPU only: the interpreter's dot is numpy's
-    BLAS, whose grouping of a row's products may follow its tile's other rows)."""
+    """x @ w by tensor-core tile products in one fixed tiling, no split-K, fp32 sums: the matmul the engine's
+    batch-invariant mode runs on a CUDA GPU. Tiles are always whole (masked loads pad them), so the tile product
+    has one shape whatever M is, and a row's products are summed the same way whatever the other rows hold."""
     m, k = x_MK.shape
     n = w_KN.shape[1]
     bm, bn, bk = DOT_BLOCKS
+    widen = x_MK.device.type == "cpu"  # the interpreter
     out = torch.empty((m, n), dtype=torch.float32, device=x_MK.device)
+    if m == 0:
+        return out
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _matmul_dot_kernel[grid](x_MK, w_KN, out, m, n, k, x_MK.stride(0), x_MK.stride(1), w_KN.stride(0),
                              w_KN.stride(1), out.stride(0), out.stride(1), BM=bm, BN=bn, BK=bk,
-                             PRECISION="ieee" if x_MK.dtype == torch.float32 else "tf32")
+                             PRECISION="ieee" if widen or x_MK.dtype == torch.float32 else "tf32",
+                             WIDEN=widen)
     return out
 
 
@@ -169,6 +330,8 @@ def logsumexp(x_RV: torch.Tensor) -> torch.Tensor:
         return logsumexp_rows(x_RV)
     x_RV = x_RV.contiguous()
     out = torch.empty(x_RV.shape[0], dtype=torch.float32, device=x_RV.device)
+    if not x_RV.shape[0]:
+        return out
     _logsumexp_kernel[(x_RV.shape[0],)](x_RV, out, x_RV.shape[1], x_RV.stride(0), BV=BLOCK_V)
     return out
 

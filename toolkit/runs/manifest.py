@@ -106,6 +106,11 @@ def native_kernels(engine) -> dict[str, Any]:
     none when it ran torch's code only."""
     if engine.attention_backend != "kernel" and engine.matmul_backend != "native":
         return {"native_kernels": f"not used ({library.describe_native()})", "kernel_numerics": None}
+    if torch.device(engine.device).type == "cuda":
+        import triton  # the kernel backends on a GPU are Triton's (toolkit/native/invariant_gpu.py)
+
+        return {"native_kernels": f"Triton {triton.__version__} kernels on {torch.cuda.get_device_name(engine.device)}",
+                "kernel_numerics": None}
     lib = library.native()
     return {"native_kernels": lib.profile.describe(), "kernel_numerics": lib.profile.numerics,
             "kernel_target": lib.profile.target}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from toolkit.native import invariant_gpu
 from toolkit.native.ops import Patches, TailCall, argmax_cpu, gumbel_sample_cpu, logsumexp_cpu
 from toolkit.native.sha import sha256_rows
 from toolkit.sampling import rng
@@ -88,6 +89,8 @@ def logsumexp_rows(x_RV: torch.Tensor, per_row: bool = True) -> torch.Tensor:
     native = logsumexp_cpu(x_RV)
     if native is not None:
         return native
+    if x_RV.is_cuda and invariant_gpu.triton is not None:  # one kernel, one program and order a row
+        return invariant_gpu.logsumexp(x_RV)
     if x_RV.shape[0] <= 1 or not per_row:
         return torch.logsumexp(x_RV, dim=-1)
     return torch.cat([torch.logsumexp(x_RV[i:i + 1], dim=-1) for i in range(x_RV.shape[0])])
