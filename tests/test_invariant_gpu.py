@@ -245,3 +245,64 @@ def test_an_attention_split_chosen_by_the_batch_is_caught():
     ig.paged_attention(q, *halves, torch.arange(16).view(1, 16), one, ctx, 0.25, split)
     assert not torch.equal(alone, split)
     assert (alone - split).abs().max() < 1e-5
+
+
+TINY = dict(name="tiny", seed=1, vocab_size=96, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+            intermediate_size=96)
+
+
+def _runs(model, batches, backend: str, invariant: bool) -> dict[tuple[str, int], torch.Tensor]:
+    """Run the batches in order over one fresh cache (block size 4); each sampled row's fp32 logits by (sequence,
+    the position it predicts)."""
+    from toolkit.engine.runner import ModelRunner
+    from toolkit.engine.scheduler import ScheduledBatch
+    from toolkit.kv.paged_cache import PagedKVCache
+
+    layers, kv_heads, head_dim = model.kv_shape
+    cache = PagedKVCache(layers, 12, 4, kv_heads, head_dim, model.embed.dtype, "cpu")
+    runner = ModelRunner(model, cache, torch.device("cpu"), backend, batch_invariant=invariant)
+    rows = {}
+    for step, chunks in enumerate(batches):
+        out = runner.run(ScheduledBatch(step=step, chunks=tuple(chunks), num_decode_tokens=0,
+                                        num_prefill_tokens=sum(c.num_tokens for c in chunks)))
+        row = 0
+        for chunk in out.sample_chunks:
+            for i in range(chunk.num_logits):
+                rows[chunk.seq_id, chunk.start_pos + chunk.num_tokens - chunk.num_logits + i + 1] = \
+                    out.logits_RV[row + i]
+            row += chunk.num_logits
+    return rows
+
+
+@TRITON
+@pytest.mark.native  # it switches the native CPU kernels off, so that the GPU path's kernels run instead
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_engines_gpu_path_runs_in_the_interpreter_and_keeps_a_rows_bits_in_any_mix(monkeypatch, dtype):
+    """The engine's forward as it runs on a CUDA GPU (invariant_gpu.routes widened to the interpreter): Triton's
+    attention, residual add + RMSNorm, RoPE and SiLU * up give torch's CPU path's logits within the format's
+    rounding; and in the batch-invariant mode (the fixed-tiling matmul too) a sequence's rows are the same bits
+    computed alone in one prefill as chunked beside other sequences' prompt chunks and decode tokens."""
+    from toolkit.engine.scheduler import ScheduledChunk as Chunk
+    from toolkit.models import load_model
+    from toolkit.config import ModelConfig
+
+    monkeypatch.setenv("TOOLKIT_NATIVE", "0")
+    model = load_model(ModelConfig(**TINY, dtype=dtype)).model
+    target = tuple((11 * j + 4) % 96 for j in range(14))
+    other, third = tuple((5 * j + 1) % 96 for j in range(10)), tuple((3 * j + 2) % 96 for j in range(5))
+    alone = [[Chunk("t", target, 0, (0, 1, 2, 3), samples=True, num_logits=14)]]
+    mixed = [[Chunk("o", other[:9], 0, (4, 5, 6), samples=True), Chunk("t", target[:10], 0, (0, 1, 2), True)],
+             [Chunk("o", other[9:], 9, (4, 5, 6), True), Chunk("t", target[10:], 10, (0, 1, 2, 3), True, num_logits=4),
+              Chunk("u", third, 0, (7, 8), True)]]
+    torch_rows = _runs(model, alone, "sdpa", False)
+    monkeypatch.setattr(ig, "routes", ig.available)
+    gpu_rows = _runs(model, alone, "kernel", False)
+    tolerance = 1e-4 if dtype == "float32" else 0.1
+    for key, logits in torch_rows.items():
+        assert (gpu_rows[key].log_softmax(-1) - logits.log_softmax(-1)).abs().max() < tolerance, key
+    invariant_alone = _runs(model, alone, "kernel", True)
+    invariant_mixed = _runs(model, mixed, "kernel", True)
+    assert [p for s, p in invariant_mixed if s == "t"] == [10, 11, 12, 13, 14]
+    for (seq, position), logits in invariant_mixed.items():
+        if seq == "t":
+            assert torch.equal(logits, invariant_alone["t", position]), position

@@ -155,7 +155,7 @@ def paged_attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         paged_attention_cpu_q8(q_NHD[:rows], k_cache, v_cache, k_block if k_block is not None else k_static,
                                v_block if v_block is not None else v_static, meta.block_tables_SB,
                                meta.query_table_N[:rows], meta.query_ctx_N[:rows], scale, out_NHD[:rows])
-    elif meta.kernel_rows and q_NHD.is_cuda:  # the Triton kernel, the same contract
+    elif meta.kernel_rows and invariant_gpu.routes(q_NHD):  # the Triton kernel, the same contract
         rows = meta.kernel_rows
         invariant_gpu.paged_attention(q_NHD[:rows], k_cache, v_cache, meta.block_tables_SB, meta.query_table_N[:rows],
                                       meta.query_ctx_N[:rows], scale, out_NHD[:rows])

@@ -194,7 +194,7 @@ class PagedDecoder(nn.Module):
         """Whether activations go through the Triton kernels (toolkit/native/invariant_gpu.py): RMSNorm with the
         residual add, RoPE and SiLU * up each one kernel, where torch spends 2-5 (a CUDA graph's length and
         launch time follow its kernel count); on a CUDA device where Triton imports."""
-        return x.is_cuda and invariant_gpu.triton is not None
+        return invariant_gpu.routes(x)
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                   bias: torch.Tensor | None, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,9 +260,9 @@ class PagedDecoder(nn.Module):
         which the batch-invariant mode needs); the rest of the forward is per-token already."""
         a = self.arch
         mm, packed, head = torch.matmul, None, self.lm_head_t
-        if native_matmul and self.embed.is_cuda:  # one fixed tiling, no split-K: a row's bits whatever M is
+        if native_matmul and invariant_gpu.routes(self.embed):  # one fixed tiling, no split-K: M changes no row
             def mm(h, w):
-                return invariant_gpu.matmul_dot(h, w).to(h.dtype)
+                return invariant_gpu.invariant_matmul(h, w).to(h.dtype)
         elif native_matmul:
             mm = matmul_invariant
             packed, head = self.packed_weights()

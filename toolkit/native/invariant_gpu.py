@@ -40,6 +40,18 @@ def available(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def routes(t: torch.Tensor) -> bool:
+    """Whether the engine runs the ops on `t` through these kernels: `t` on a CUDA GPU, Triton imported. (A CPU
+    test widens it to `available`, to run the engine's GPU path in Triton's interpreter.)"""
+    return triton is not None and t.is_cuda
+
+
+def invariant_matmul(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
+    """The batch-invariant mode's matmul, fp32 (M, N): tensor-core tiles on a GPU, the tl.sum tiles in the
+    interpreter (whose tile product is numpy's, not row-invariant)."""
+    return matmul_dot(x_MK, w_KN) if x_MK.is_cuda else matmul(x_MK, w_KN)
+
+
 if triton is not None:
     @triton.jit(do_not_specialize=["M"])  # one compiled kernel whatever the row count (M = 1 included)
     def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sxm, sxk, swk, swn, som, son,

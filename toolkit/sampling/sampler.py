@@ -89,7 +89,7 @@ def logsumexp_rows(x_RV: torch.Tensor, per_row: bool = True) -> torch.Tensor:
     native = logsumexp_cpu(x_RV)
     if native is not None:
         return native
-    if x_RV.is_cuda and invariant_gpu.triton is not None:  # one kernel, one program and order a row
+    if invariant_gpu.routes(x_RV):  # one kernel, one program and order a row
         return invariant_gpu.logsumexp(x_RV)
     if x_RV.shape[0] <= 1 or not per_row:
         return torch.logsumexp(x_RV, dim=-1)
