@@ -282,9 +282,9 @@ def test_the_engines_gpu_path_runs_in_the_interpreter_and_keeps_a_rows_bits_in_a
     attention, residual add + RMSNorm, RoPE and SiLU * up give torch's CPU path's logits within the format's
     rounding; and in the batch-invariant mode (the fixed-tiling matmul too) a sequence's rows are the same bits
     computed alone in one prefill as chunked beside other sequences' prompt chunks and decode tokens."""
+    from toolkit.config import ModelConfig
     from toolkit.engine.scheduler import ScheduledChunk as Chunk
     from toolkit.models import load_model
-    from toolkit.config import ModelConfig
 
     monkeypatch.setenv("TOOLKIT_NATIVE", "0")
     model = load_model(ModelConfig(**TINY, dtype=dtype)).model
