@@ -129,8 +129,8 @@ def test_captured_graphs_give_the_eager_buckets_bits(on_gpu):
 @pytest.mark.parametrize("dtype,invariant", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
 def test_a_gpu_run_replays_bit_for_bit_and_verifies(tmp_path, dtype, invariant):
     """python run.py engine.device=cuda (CUDA graphs on): mode=replay reproduces every traced row, mode=verify
-    finds the cached logits the recomputed ones. Batch-invariant (issue 57): the replay under another
-    max_num_batched_tokens (other steps, other chunk mixes) is bit-identical, and verify.reference=exact passes."""
+    finds the cached logits the recomputed ones. Batch-invariant (issue 57): the replay under another token budget
+    and batch size (other steps, other chunk mixes) is bit-identical, and verify.reference=exact passes."""
     import subprocess
     import sys
     from pathlib import Path
@@ -144,7 +144,7 @@ def test_a_gpu_run_replays_bit_for_bit_and_verifies(tmp_path, dtype, invariant):
                "workload.num_requests=12", "workload.min_tokens=4", "workload.max_tokens=16", "print_outputs=false",
                "report.auto=false", *(["engine.batch_invariant=true"] if invariant else []))
     assert done.returncode == 0, done.stderr[-2000:]
-    other = ["replay.overrides=[engine.max_num_batched_tokens=24]"] if invariant else []
+    other = ['replay.overrides=["engine.max_num_batched_tokens=16","engine.max_num_seqs=4"]'] if invariant else []
     replayed = cli("mode=replay", f"replay.trace={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'replay'}", *other)
     assert replayed.returncode == 0 and replayed.stdout.strip().splitlines()[-1].startswith("bit-identical"), \
         replayed.stdout[-2000:] + replayed.stderr[-2000:]
@@ -188,7 +188,7 @@ def test_batch_invariant_rows_are_the_same_bits_in_every_batch_mix_and_graph_mod
 
     def rows_of(batch: int, graphs: str, mixed: bool) -> tuple[list[int], dict[int, torch.Tensor]]:
         eng = Engine(loaded, EngineConfig(device="cuda", batch_invariant=True, cuda_graphs=graphs, block_size=4,
-                                          max_num_seqs=64, max_num_batched_tokens=48 if mixed else 4096),
+                                          max_num_seqs=64, max_num_batched_tokens=64 if mixed else 4096),
                      SamplingParams())
         assert eng.matmul_backend == "native" and eng.attention_backend == "kernel"
         eng.add_request(prompt_token_ids=target, request_id="t", arrival_step=0,

@@ -82,15 +82,19 @@ def timed_steps(step: Callable[[], Any], device: torch.device, n: int) -> list[f
     return out
 
 
-def profile_steps(step: Callable[[], Any], device: torch.device, n: int) -> tuple[float, float | None]:
+def profile_steps(step: Callable[[], Any], device: torch.device, n: int,
+                  table: int = 0) -> tuple[float, float | None]:
     """(kernels a step, ms of kernel time a step): GPU kernels on cuda; on the CPU the top-level torch ops and no
-    kernel time."""
+    kernel time. `table`: also print the ops that take the most device time (or CPU time), that many."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(n):
             step()
         sync(device)
     events = prof.events()
+    if table:
+        key = "device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=table), flush=True)
     if device.type == "cuda":
         kernels = [e for e in events if e.device_type == DeviceType.CUDA]
         return len(kernels) / n, sum(e.time_range.elapsed_us() for e in kernels) / 1000 / n
@@ -118,7 +122,7 @@ def host_profile(step: Callable[[], Any], device: torch.device, n: int, title: s
 
 
 def engine_bucket(loaded: LoadedModel, device: torch.device, batch: int, context: int, steps: int,
-                  batch_invariant: bool, profile_to: Path | None = None) -> dict[str, Any]:
+                  batch_invariant: bool, profile_to: Path | None = None, table: int = 0) -> dict[str, Any]:
     """One bucket's figures for one engine configuration (or why the engine refused it); with `profile_to`,
     the host functions its steps spend their time in are appended there."""
     cfg = EngineConfig(device=str(device), batch_invariant=batch_invariant)
@@ -128,7 +132,7 @@ def engine_bucket(loaded: LoadedModel, device: torch.device, batch: int, context
         return {"refused": str(exc).splitlines()[0]}
     timed_steps(engine.step, device, 3)
     ms = statistics.median(timed_steps(engine.step, device, steps))
-    kernels, kernel_ms = profile_steps(engine.step, device, steps)
+    kernels, kernel_ms = profile_steps(engine.step, device, steps, table)
     if profile_to is not None:
         host_profile(engine.step, device, steps, f"{loaded.model.embed.dtype} batch {batch}"
                      f"{' batch-invariant' if batch_invariant else ''}", profile_to)
@@ -191,6 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch-invariant", action="store_true", help="also time engine.batch_invariant=true")
     parser.add_argument("--json", type=Path, help="write the figures here too")
     parser.add_argument("--kernels", action="store_true", help="time the invariant Triton matmuls beside torch's, and nothing else")
+    parser.add_argument("--kernel-table", type=int, default=0, help="print each bucket's costliest ops, this many")
     parser.add_argument("--host-profile", type=Path, help="append each bucket's host profile (cProfile) here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -213,7 +218,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             hf = hf_reference_model(load_checkpoint(loaded.config)).to(device=device, dtype=DTYPES[dtype])
         for batch in args.batches:
             row = {"dtype": dtype, "batch": batch, "floor_ms": floor_ms,
-                   **engine_bucket(loaded, device, batch, args.context, args.steps, False, args.host_profile)}
+                   **engine_bucket(loaded, device, batch, args.context, args.steps, False, args.host_profile,
+                                     args.kernel_table)}
             if args.batch_invariant:
                 row["invariant"] = engine_bucket(loaded, device, batch, args.context, args.steps, True)
             if hf is not None:
