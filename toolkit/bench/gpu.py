@@ -16,7 +16,10 @@ as none) and there is no busy share. HF's ms a step is the median interval betwe
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import time
 from collections.abc import Callable
@@ -34,6 +37,7 @@ from toolkit.engine.synthetic import decode_engine, timed
 from toolkit.errors import ToolkitError
 from toolkit.models import DTYPES, LoadedModel, load_model
 from toolkit.models.loading import hf_reference_model, load_checkpoint
+from toolkit.native import invariant_gpu as ig
 
 SHAPES = {
     "smollm2": SMOLLM2_SHAPE,
@@ -103,9 +107,6 @@ def profile_steps(step: Callable[[], Any], device: torch.device, n: int,
 
 def host_profile(step: Callable[[], Any], device: torch.device, n: int, title: str, path: Path) -> None:
     """Append to `path` the host functions that n steps spend their time in (cProfile, the top 30 by own time, then by cumulative time)."""
-    import cProfile
-    import io
-    import pstats
 
     prof = cProfile.Profile()
     prof.enable()
@@ -160,7 +161,6 @@ def hf_step_ms(model, device: torch.device, batch: int, context: int, tokens: in
 def kernel_times(shape: str, dtypes: list[str], batches: list[int], device: torch.device) -> list[str]:
     """Issue 57's matmul cost: ms of torch's matmul and of the invariant Triton matmuls (tl.sum, tensor-core
     tiles) on the shape's two widest decode products, each the median of 20 after warm-ups, side by side."""
-    from toolkit.native import invariant_gpu as ig
 
     dims = SHAPES[shape]
     lines = []

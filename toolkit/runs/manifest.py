@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from toolkit.engine.outputs import request_metrics
-from toolkit.native import library
+from toolkit.native import invariant_gpu, library
 from toolkit.trace.schema import SCHEMA_VERSION, SampleTrace
 from toolkit.version import __version__
 
@@ -107,9 +107,8 @@ def native_kernels(engine) -> dict[str, Any]:
     if engine.attention_backend != "kernel" and engine.matmul_backend != "native":
         return {"native_kernels": f"not used ({library.describe_native()})", "kernel_numerics": None}
     if torch.device(engine.device).type == "cuda":
-        import triton  # the kernel backends on a GPU are Triton's (toolkit/native/invariant_gpu.py)
-
-        return {"native_kernels": f"Triton {triton.__version__} kernels on {torch.cuda.get_device_name(engine.device)}",
+        # the kernel backends on a GPU are Triton's (toolkit/native/invariant_gpu.py)
+        return {"native_kernels": f"Triton {invariant_gpu.triton.__version__} kernels on {torch.cuda.get_device_name(engine.device)}",
                 "kernel_numerics": None}
     lib = library.native()
     return {"native_kernels": lib.profile.describe(), "kernel_numerics": lib.profile.numerics,
