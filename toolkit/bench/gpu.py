@@ -106,7 +106,8 @@ def profile_steps(step: Callable[[], Any], device: torch.device, n: int,
 
 
 def host_profile(step: Callable[[], Any], device: torch.device, n: int, title: str, path: Path) -> None:
-    """Append to `path` the host functions that n steps spend their time in (cProfile, the top 30 by own time, then by cumulative time)."""
+    """Append to `path` the host functions that n steps spend their time in (cProfile: the top 30 by own time,
+    then by cumulative time)."""
 
     prof = cProfile.Profile()
     prof.enable()
@@ -194,7 +195,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--hf-tokens", type=int, default=16, help="tokens HF generates a timing (0: no HF)")
     parser.add_argument("--batch-invariant", action="store_true", help="also time engine.batch_invariant=true")
     parser.add_argument("--json", type=Path, help="write the figures here too")
-    parser.add_argument("--kernels", action="store_true", help="time the invariant Triton matmuls beside torch's, and nothing else")
+    parser.add_argument("--kernels", action="store_true",
+                        help="time the invariant Triton matmuls beside torch's, and nothing else")
     parser.add_argument("--kernel-table", type=int, default=0, help="print each bucket's costliest ops, this many")
     parser.add_argument("--host-profile", type=Path, help="append each bucket's host profile (cProfile) here")
     args = parser.parse_args(argv)

@@ -52,8 +52,8 @@ class ModelRunner:
         # every query through the fixed-order kernel): a token's bits do not depend on its neighbours
         self.batch_invariant = batch_invariant
         self.native_matmul = native_matmul or batch_invariant
-        if self.native_matmul and not invariant_gpu.routes(model.embed):  # packed now, with the load, not inside the first request's step (~1 s here)
-            model.packed_weights()
+        if self.native_matmul and not invariant_gpu.routes(model.embed):
+            model.packed_weights()  # packed now, with the load, not inside the first request's step (~1 s here)
         self.groups = model.arch.num_heads // model.arch.num_kv_heads
         self.dtype = model.embed.dtype  # the compute dtype (the cache may store bf16, int8 or fp8)
         self.kv_cache = kv_cache

@@ -276,7 +276,7 @@ class PagedDecoder(nn.Module):
         native_norm = a.norm == "rms" and native
         native_silu = native_norm and a.gated_mlp and a.activation == "silu"
         gpu = self._gpu(x)
-        gpu_rope = gpu and self.pos_embed is None and invariant_gpu._pow2(a.head_dim)
+        gpu_rope = gpu and self.pos_embed is None and invariant_gpu.is_pow2(a.head_dim)
         gpu_silu = gpu and a.gated_mlp and a.activation == "silu"
         if self.pos_embed is not None:
             x = x + self.pos_embed[positions_N]

@@ -1,18 +1,29 @@
-"""Batch-invariant kernels for a GPU, in Triton (issue 57): every output row is reduced in one fixed order whatever
-the number of rows, so a request's logits do not depend on what it is batched with.
+"""The engine's kernels on a CUDA GPU, in Triton (issues 56 and 57). Every output row is reduced in one fixed order
+whatever the number of rows, so a request's logits do not depend on what it is batched with; and each replaces
+two to ten of torch's launches, which is what a decode step on a GPU is bound by.
 
-- `matmul(x_MK, w_KN)`: one fixed tiling (BLOCK_M x BLOCK_N tiles, BLOCK_K slices of K taken in ascending order), no
-  split-K, fp32 sums (16-bit inputs widened as they are read). A tile's row is the sum over K of its own products:
-  each slice's products are reduced by `tl.sum` (a fixed tree over BLOCK_K) and added to the running sum in order,
-  never through `tl.dot`, whose tile multiply (tensor cores on a GPU, numpy's BLAS in the interpreter) may group a
-  row's products differently with its tile's other rows.
-- `rms_norm(x_MD, w_D, eps)`: one program a row, its squares summed in BLOCK_D slices in order; 16-bit inputs in
-  fp32, the result rounded to the input's format, then scaled by the weight (HF's order).
-- `logsumexp(x_RV)`: one program a row, an online max-and-sum over BLOCK_V slices in order.
+The batch-invariant mode's matmul:
+- `matmul_dot(x_MK, w_KN)` (`invariant_matmul` on a GPU): one fixed tiling (DOT_BLOCKS: 64 x 64 tiles, K in slices
+  of 64 in ascending order), no split-K, each slice's tile product by `tl.dot` on the tensor cores with fp32 sums
+  (fp32 at input_precision "ieee", never TF32), compiled once whatever M is. A tile is always whole (masked loads
+  pad it), so a row's products meet the same instruction sequence whatever the other rows hold.
+- `matmul(x_MK, w_KN)`: the same idea with each slice's products reduced by `tl.sum`: what the interpreter runs
+  (its `tl.dot` is numpy's, not row-invariant). On an H100 Triton compiled its fp32 multiply-and-sum to a TF32
+  tile product, so the GPU runs `matmul_dot`.
 
-Where Triton does not import, or the tensors are on the CPU without TRITON_INTERPRET=1, each function computes the
-same reduction with torch, one row at a time (`*_rows`): slow, and batch-invariant by construction. CI runs the
-Triton kernels under TRITON_INTERPRET=1 at small shapes (tests/test_invariant_gpu.py).
+One program a row or token, every mode (`routes`: the decoder, attention and sampler send a CUDA tensor here):
+- `add_rms_norm`: the residual add rounded to the format, then HF's RMSNorm (fp32 statistics, rounded, scaled);
+  `rms_norm`: the norm alone, in BLOCK_D slices;
+- `rope`: HF's RoPE of every head of a token, each op rounded as torch's (the same bits);
+- `silu_mul`: silu(gate) * up of a fused projection;
+- `paged_attention`: each token over its own sequence's cached keys, block by block in its table's order (the CPU
+  kernel's contract: prompt chunks and decode tokens in one launch, and a CUDA graph holds it);
+- `logsumexp`: an online max-and-sum over BLOCK_V slices in order.
+
+Where Triton does not import, or the tensors are on the CPU without TRITON_INTERPRET=1, matmul, rms_norm and
+logsumexp compute the same reduction with torch, one row at a time (`*_rows`): slow, and batch-invariant by
+construction. CI runs the Triton kernels under TRITON_INTERPRET=1 at small shapes (tests/test_invariant_gpu.py),
+the engine's GPU forward included.
 """
 
 from __future__ import annotations
@@ -140,6 +151,7 @@ if triton is not None:
         tl.store(out_ptr + row, tl.where(m == float("inf"), m, lse))  # a +inf logit: +inf, as torch
 
 
+# the step's kernels (the decoder's ops on a GPU)
 if triton is not None:
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, D, sx, sr, ss, so, eps,
@@ -227,7 +239,7 @@ if triton is not None:
         tl.store(out_ptr + n * son + (kvh * G + g) * soh + d, out.to(out_ptr.dtype.element_ty), mask=gmask)
 
 
-def _pow2(n: int) -> bool:
+def is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
@@ -285,7 +297,7 @@ def paged_attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def supports_attention(head_dim: int, block_size: int) -> bool:
     """Whether the Triton paged attention takes these shapes (power-of-two head_dim and block_size)."""
-    return triton is not None and _pow2(head_dim) and _pow2(block_size)
+    return triton is not None and is_pow2(head_dim) and is_pow2(block_size)
 
 
 def matmul(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:

@@ -108,7 +108,8 @@ def native_kernels(engine) -> dict[str, Any]:
         return {"native_kernels": f"not used ({library.describe_native()})", "kernel_numerics": None}
     if torch.device(engine.device).type == "cuda":
         # the kernel backends on a GPU are Triton's (toolkit/native/invariant_gpu.py)
-        return {"native_kernels": f"Triton {invariant_gpu.triton.__version__} kernels on {torch.cuda.get_device_name(engine.device)}",
+        gpu = torch.cuda.get_device_name(engine.device)
+        return {"native_kernels": f"Triton {invariant_gpu.triton.__version__} kernels on {gpu}",
                 "kernel_numerics": None}
     lib = library.native()
     return {"native_kernels": lib.profile.describe(), "kernel_numerics": lib.profile.numerics,

@@ -85,7 +85,8 @@ def logsumexp_rows(x_RV: torch.Tensor, per_row: bool = True) -> torch.Tensor:
     token's log-probability must not depend on its batch. The default mode promises no such thing
     (with torch's GEMM, SDPA or a GPU its logits depend on the batch), so it takes the batched call
     (3-4x faster at 64 rows). fp32 rows on the CPU take one C pass per row instead, batch-invariant
-    and several times faster than either torch call (toolkit/native/csrc/rowwise.c)."""
+    and several times faster than either torch call (toolkit/native/csrc/rowwise.c); rows on a GPU one Triton
+    kernel, one program a row (toolkit/native/invariant_gpu.py), batch-invariant and one launch."""
     native = logsumexp_cpu(x_RV)
     if native is not None:
         return native
