@@ -162,16 +162,17 @@ def test_the_triton_kernels_give_a_row_the_same_bits_at_every_batch_size(dtype):
     from toolkit.native import invariant_gpu as ig
 
     gen = torch.Generator().manual_seed(11)
-    x = torch.randn(64, 576, generator=gen).to(dtype).cuda()
+    x = torch.randn(200, 576, generator=gen).to(dtype).cuda()  # rows in four of matmul_dot's 64-row tiles
     w = (torch.randn(576, 1536, generator=gen) / 24).to(dtype).cuda()
     exact = x.double() @ w.double()
     bound = 580 * 2.0 ** -24 * (x.double().abs() @ w.double().abs()) + 1e-30
     for fn in (ig.matmul, ig.matmul_dot):
         full = fn(x, w)
         assert fn is ig.matmul or ((full.double() - exact).abs() <= bound).all(), fn.__name__
-        for m in (1, 7, 32):
+        for m in (1, 7, 32, 64, 130):
             assert torch.equal(fn(x[:m], w), full[:m]), (fn.__name__, m)
-        assert torch.equal(fn(x[5:6], w), full[5:6]), fn.__name__
+        for rows in ((5, 6), (130, 141), (190, 200)):
+            assert torch.equal(fn(x[slice(*rows)], w), full[slice(*rows)]), (fn.__name__, rows)
     norm = ig.rms_norm(x, w[:, 0].abs() + 0.5, 1e-5)
     lse = ig.logsumexp(x @ w)
     for m in (1, 7, 32):

@@ -203,7 +203,7 @@ def _attention_reference(q, k_cache, v_cache, tables, query_table, query_ctx, sc
 
 @TRITON
 @settings(max_examples=8, deadline=None)
-@given(data=st.data(), kv_heads=st.integers(1, 3), groups=st.sampled_from([1, 3, 4]), block=st.sampled_from([1, 4, 8]),
+@given(data=st.data(), kv_heads=st.integers(1, 3), groups=st.sampled_from([1, 3, 4]), block=st.sampled_from([1, 3, 8]),
        dim=st.sampled_from([8, 16]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_the_paged_attention_kernel_gives_a_token_its_bits_in_any_mix(data, kv_heads, groups, block, dim, dtype):
     """The GPU's paged attention (one program per token and KV head, keys in the table's order): within the
@@ -232,19 +232,25 @@ def test_the_paged_attention_kernel_gives_a_token_its_bits_in_any_mix(data, kv_h
 
 
 @TRITON
-def test_an_attention_split_chosen_by_the_batch_is_caught():
-    """What the attention test guards against: keys taken in other slices for a bigger batch (a KV split chosen by
-    the batch) change a token's bits, so its comparison of a token alone and batched would fail."""
+def test_the_attention_keeps_its_bits_whatever_the_block_size_and_a_split_chosen_otherwise_is_caught(monkeypatch):
+    """The same keys cached in blocks of 8, 4 or 1 give a token the same bits (the kernel takes key positions in
+    tiles of its own; the recompute that verify runs need not share the engine's block size). What the batch tests
+    guard against: keys taken in other tiles (a KV split chosen by the batch) change the bits."""
     gen = torch.Generator().manual_seed(1)
     k_cache, v_cache = torch.randn(2, 9, 8, 1, 16, generator=gen)
-    tables, q = torch.arange(8).view(1, 8), torch.randn(1, 2, 16, generator=gen)
-    one, ctx = torch.tensor([0]), torch.tensor([61])
-    alone, split = torch.empty_like(q), torch.empty_like(q)
-    ig.paged_attention(q, k_cache, v_cache, tables, one, ctx, 0.25, alone)
-    halves = k_cache.view(18, 4, 1, 16), v_cache.view(18, 4, 1, 16)  # the same keys in blocks of 4
-    ig.paged_attention(q, *halves, torch.arange(16).view(1, 16), one, ctx, 0.25, split)
-    assert not torch.equal(alone, split)
-    assert (alone - split).abs().max() < 1e-5
+    q, one, ctx = torch.randn(1, 2, 16, generator=gen), torch.tensor([0]), torch.tensor([61])
+    outs = []
+    for block in (8, 4, 1):
+        out = torch.empty_like(q)
+        ig.paged_attention(q, k_cache.view(-1, block, 1, 16), v_cache.view(-1, block, 1, 16),
+                           torch.arange(72 // block).view(1, -1), one, ctx, 0.25, out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    monkeypatch.setattr(ig, "ATTENTION_TILE", 8)
+    split = torch.empty_like(q)
+    ig.paged_attention(q, k_cache, v_cache, torch.arange(8).view(1, 8), one, ctx, 0.25, split)
+    assert not torch.equal(split, outs[0])
+    assert (split - outs[0]).abs().max() < 1e-5
 
 
 TINY = dict(name="tiny", seed=1, vocab_size=96, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,

@@ -84,9 +84,9 @@ def gpu_kernel_problem(cfg: EngineConfig, arch) -> str | None:
         return "Triton does not import here"
     if cfg.kv_cache_dtype not in ("auto", "bf16"):
         return f"the GPU kernel reads a 16- or 32-bit cache, not engine.kv_cache_dtype={cfg.kv_cache_dtype}"
-    if not invariant_gpu.supports_attention(arch.head_dim, cfg.block_size):
-        return (f"the GPU kernel takes a power-of-two head_dim and engine.block_size, not head_dim {arch.head_dim}, "
-                f"block_size {cfg.block_size}")
+    if not invariant_gpu.supports_attention(arch.head_dim, arch.num_heads // arch.num_kv_heads):
+        return (f"the GPU kernel takes a power-of-two head_dim up to 256 and up to 16 query heads a KV head, not "
+                f"head_dim {arch.head_dim} with {arch.num_heads // arch.num_kv_heads}")
     return None
 
 

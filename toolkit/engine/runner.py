@@ -200,13 +200,14 @@ class ModelRunner:
         return ModelOutput(logits_RV=logits, sample_chunks=inputs.sample_chunks, forward_s=time.perf_counter() - t)
 
 
-def _kernel_runs(model: torch.nn.Module, block_size: int) -> bool:
+def kernel_runs(model: torch.nn.Module, block_size: int) -> bool:
     """Whether the fixed-order attention kernel runs this model here: on the CPU, built (not switched off), and
     taking its shapes on its cache (a 16-bit cache: head_dim 64 or 128 only); on a CUDA GPU, Triton's, taking
-    its shapes (power-of-two head_dim and block size, no soft-capping or sliding window)."""
+    its shapes (a power-of-two head_dim up to 256, no soft-capping or sliding window)."""
     if model.embed.device.type == "cuda":
-        return (invariant_gpu.supports_attention(model.arch.head_dim, block_size)
-                and model.arch.needs_torch_attention is None)
+        a = model.arch
+        return invariant_gpu.supports_attention(a.head_dim, a.num_heads // a.num_kv_heads) and \
+            a.needs_torch_attention is None
     if model.embed.device.type != "cpu" or not library.available():
         return False
     a = model.arch
@@ -223,7 +224,7 @@ def recompute_logits(model: torch.nn.Module, token_ids: list[int], *, batch_inva
     n = len(token_ids)
     blocks = -(-n // block_size)
     device = model.embed.device
-    if batch_invariant and not _kernel_runs(model, block_size):
+    if batch_invariant and not kernel_runs(model, block_size):
         batch_invariant = False  # the engine runs such a model on sdpa too (toolkit.engine.backends.attention_backend)
     cache = PagedKVCache(layers, blocks, block_size, kv_heads, head_dim, model.embed.dtype, device)
     runner = ModelRunner(model, cache, device, "kernel" if batch_invariant else "sdpa", batch_invariant=batch_invariant)
@@ -256,7 +257,7 @@ def recompute_many(model: torch.nn.Module, sequences: list[list[int]], last: lis
     (`tokens`) and run through the model (`computed`)."""
     counts = {} if counts is None else counts
     counts["tokens"] = counts.get("tokens", 0) + sum(map(len, sequences))
-    if not _kernel_runs(model, block_size):
+    if not kernel_runs(model, block_size):
         counts["computed"] = counts.get("computed", 0) + sum(map(len, sequences))
         return [recompute_logits(model, ids, batch_invariant=False)[len(ids) - k:] for ids, k in zip(sequences, last)]
     out: list[torch.Tensor | None] = [None] * len(sequences)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from toolkit.config import ModelConfig, from_mapping
-from toolkit.engine.runner import ModelRunner
+from toolkit.engine.runner import ModelRunner, kernel_runs
 from toolkit.engine.scheduler import ScheduledBatch, ScheduledChunk
 from toolkit.errors import ConfigError
 from toolkit.kv import BlockManager, PagedKVCache
@@ -326,7 +326,8 @@ class Speculator:
         blocks = engine.num_kv_blocks
         cache = PagedKVCache(layers, blocks, engine.cfg.block_size, kv_heads, head_dim, draft.model.embed.dtype,
                              engine.device)
-        on_kernel = engine.attention_backend == "kernel" and draft.model.embed.dtype == torch.float32
+        on_kernel = engine.attention_backend == "kernel" and draft.model.embed.dtype == torch.float32 and \
+            kernel_runs(draft.model, engine.cfg.block_size)  # the draft's own shapes too
         runner = ModelRunner(draft.model, cache, engine.device, "kernel" if on_kernel else "sdpa",
                              batch_invariant=engine.cfg.batch_invariant and on_kernel,
                              native_matmul=engine.matmul_backend == "native" and on_kernel)

@@ -196,6 +196,15 @@ class PagedDecoder(nn.Module):
         launch time follow its kernel count); on a CUDA device where Triton imports."""
         return invariant_gpu.routes(x)
 
+    def _head_norm(self, x_NHD: torch.Tensor, weight: torch.Tensor, gpu: bool) -> torch.Tensor:
+        """RMSNorm of each head (Qwen3's q and k norms); on a GPU one Triton program a head, as batch-invariant as
+        the rest of the step."""
+        if gpu:
+            n, heads, dim = x_NHD.shape
+            return invariant_gpu.rms_norm(x_NHD.reshape(n * heads, dim), weight, self.arch.rms_norm_eps).view(
+                n, heads, dim)
+        return rms_norm(x_NHD, weight, self.arch.rms_norm_eps)
+
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                   bias: torch.Tensor | None, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, norm of it); natively in one pass that updates x (an activation this forward owns), or
@@ -304,8 +313,8 @@ class PagedDecoder(nn.Module):
             qkv = proj(h, "w_qkv", layer.b_qkv)  # (N, (H + 2K) * Dh)
             qk = qkv[:, : q_width + kv_width].view(n, a.num_heads + a.num_kv_heads, a.head_dim)
             if layer.q_norm is not None:  # Qwen3: RMSNorm of each q and k head before RoPE
-                qk = torch.cat([rms_norm(qk[:, : a.num_heads], layer.q_norm, a.rms_norm_eps),
-                                rms_norm(qk[:, a.num_heads:], layer.k_norm, a.rms_norm_eps)], dim=1)
+                qk = torch.cat([self._head_norm(qk[:, : a.num_heads], layer.q_norm, gpu),
+                                self._head_norm(qk[:, a.num_heads:], layer.k_norm, gpu)], dim=1)
             if native_rope:  # the same bits in one pass
                 qk = rope_cpu(qk, self.rope_cos, self.rope_sin, positions_N)
             elif gpu_rope:  # the same bits in one kernel

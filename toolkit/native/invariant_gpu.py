@@ -40,6 +40,10 @@ except ImportError:  # the torch fallback below
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32  # the matmul's one tiling
 BLOCK_D = 256  # rms_norm's slice of a row
+ATTENTION_TILE = 16  # key positions the attention takes at a time, whatever the block size
+# every launch: no contraction of a multiply and an add into an FMA (Triton's default differs between versions, and
+# the bits would with it)
+FIXED = {"enable_fp_fusion": False}
 BLOCK_V = 1024  # logsumexp's slice of a row
 
 
@@ -67,7 +71,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M"])  # one compiled kernel whatever the row count (M = 1 included)
     def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sxm, sxk, swk, swn, som, son,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -88,7 +92,7 @@ if triton is not None:
         products go through the MMA instruction's own fixed order, the same whatever the tile's other rows hold;
         fp32 at PRECISION "ieee" (never TF32). WIDEN: 16-bit tiles widened to fp32 first (the interpreter's dot
         of bf16 tiles is wrong; a 16-bit product is exact in fp32, so only the sums' order can differ)."""
-        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -116,13 +120,13 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, sx, so, eps, BD: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BD)
         total = tl.zeros((BD,), dtype=tl.float32)
         for d0 in range(0, D, BD):
             x = tl.load(x_ptr + row * sx + d0 + cols, mask=d0 + cols < D, other=0.0).to(tl.float32)
             total += x * x
-        inv = 1.0 / tl.sqrt(tl.sum(total, axis=0) / D + eps)
+        inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(total, axis=0), D * 1.0) + eps))  # IEEE-rounded
         for d0 in range(0, D, BD):
             mask = d0 + cols < D
             x = tl.load(x_ptr + row * sx + d0 + cols, mask=mask, other=0.0)
@@ -135,7 +139,7 @@ if triton is not None:
 
     @triton.jit
     def _logsumexp_kernel(x_ptr, out_ptr, V, sx, BV: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BV)
         peak = tl.full((BV,), float("-inf"), dtype=tl.float32)
         for v0 in range(0, V, BV):
@@ -158,7 +162,7 @@ if triton is not None:
                              HAS_RES: tl.constexpr, BD: tl.constexpr):
         """One program a row, the whole row at once: s = x + r rounded to the format (stored), then HF's RMSNorm of
         s (fp32 squares summed by one fixed tree, rounded to the format, times the weight, rounded)."""
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BD)
         mask = cols < D
         x = tl.load(x_ptr + row * sx + cols, mask=mask, other=0.0)
@@ -166,7 +170,7 @@ if triton is not None:
         if HAS_RES:
             s = _rounded(s + tl.load(r_ptr + row * sr + cols, mask=mask, other=0.0).to(tl.float32), x.dtype)
             tl.store(sum_ptr + row * ss + cols, s.to(x.dtype), mask=mask)
-        inv = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / D + eps)
+        inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(s * s, axis=0), D * 1.0) + eps))  # IEEE-rounded
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         y = _rounded(s * inv, x.dtype)
         tl.store(out_ptr + row * so + cols, _rounded(w * y, x.dtype).to(x.dtype), mask=mask)
@@ -176,7 +180,7 @@ if triton is not None:
                      BH: tl.constexpr, D: tl.constexpr):
         """One program a token, every head: x * cos + rotate_half(x) * sin with cos and sin rounded to the format
         and each product and the sum rounded to it, as torch's elementwise ops in that format do."""
-        n = tl.program_id(0)
+        n = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, BH)[:, None]
         d = tl.arange(0, D)[None, :]
         half = D // 2
@@ -194,27 +198,28 @@ if triton is not None:
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, width, sx, so, BW: tl.constexpr):
         """silu(gate) rounded to the format, times up, rounded (torch's two ops): gate | up halves of each row."""
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BW + tl.arange(0, BW)
         mask = cols < width
         g = tl.load(x_ptr + row * sx + cols, mask=mask, other=0.0)
         u = tl.load(x_ptr + row * sx + width + cols, mask=mask, other=0.0).to(tl.float32)
         g32 = g.to(tl.float32)
-        a = _rounded(g32 / (1.0 + tl.exp(-g32)), g.dtype)
+        a = _rounded(tl.div_rn(g32, 1.0 + tl.exp(-g32)), g.dtype)
         tl.store(out_ptr + row * so + cols, _rounded(a * u, g.dtype).to(g.dtype), mask=mask)
 
     @triton.jit
     def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, qtable_ptr, qctx_ptr, out_ptr, scale,
-                                sqn, sqh, skb, skt, skh, stb, son, soh, G,
-                                BG: tl.constexpr, BS: tl.constexpr, D: tl.constexpr):
+                                sqn, sqh, skb, skt, skh, stb, son, soh, G, BS,
+                                BG: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr):
         """One program per (query token, KV head): the token's G query heads over its own sequence's first ctx
-        cached keys, block by block in the table's order, an online softmax in fp32. The order of every sum is
-        fixed by the token's own context: the same bits whatever the batch or its mix of prefill and decode."""
-        n = tl.program_id(0)
+        cached keys, TILE key positions at a time in ascending order (each key's slot read from the block table:
+        table[pos // BS] * BS + pos % BS), an online softmax in fp32. The order of every sum is fixed by the
+        token's own context: the same bits whatever the batch, its mix of prefill and decode, or the block size."""
+        n = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         g = tl.arange(0, BG)[:, None]
         d = tl.arange(0, D)[None, :]
-        t = tl.arange(0, BS)
+        t = tl.arange(0, TILE)
         gmask = g < G
         q = tl.load(q_ptr + n * sqn + (kvh * G + g) * sqh + d, mask=gmask, other=0.0).to(tl.float32)
         seq = tl.load(qtable_ptr + n)
@@ -222,13 +227,15 @@ if triton is not None:
         m = tl.full((BG,), float("-inf"), dtype=tl.float32)
         total = tl.zeros((BG,), dtype=tl.float32)
         acc = tl.zeros((BG, D), dtype=tl.float32)
-        for j in range(0, tl.cdiv(ctx, BS)):
-            block = tl.load(tables_ptr + seq * stb + j)
-            base = block * skb + kvh * skh + t[:, None] * skt + d
-            k = tl.load(k_ptr + base).to(tl.float32)  # (BS, D)
-            v = tl.load(v_ptr + base).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (BG, BS)
-            scores = tl.where((j * BS + t)[None, :] < ctx, scores, float("-inf"))
+        for j in range(0, tl.cdiv(ctx, TILE)):
+            pos = j * TILE + t
+            seen = pos < ctx
+            block = tl.load(tables_ptr + seq * stb + pos // BS, mask=seen, other=0).to(tl.int64)
+            base = block[:, None] * skb + (pos % BS)[:, None] * skt + kvh * skh + d
+            k = tl.load(k_ptr + base, mask=seen[:, None], other=0.0).to(tl.float32)  # (TILE, D)
+            v = tl.load(v_ptr + base, mask=seen[:, None], other=0.0).to(tl.float32)
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (BG, TILE)
+            scores = tl.where(seen[None, :], scores, float("-inf"))
             peak = tl.maximum(m, tl.max(scores, axis=1))
             p = tl.exp(scores - peak[:, None])
             fade = tl.exp(m - peak)
@@ -255,7 +262,7 @@ def add_rms_norm(x_ND: torch.Tensor, residual_ND: torch.Tensor | None, weight_D:
     if n:
         _add_rms_norm_kernel[(n,)](x_ND, res, weight_D, total, out, dim, x_ND.stride(0), res.stride(0),
                                    total.stride(0), out.stride(0), eps, HAS_RES=residual_ND is not None,
-                                   BD=triton.next_power_of_2(dim))
+                                   BD=triton.next_power_of_2(dim), **FIXED)
     return total, out
 
 
@@ -266,7 +273,8 @@ def rope(x_NHD: torch.Tensor, cos_PD: torch.Tensor, sin_PD: torch.Tensor, positi
     out = torch.empty((n, heads, dim), dtype=x_NHD.dtype, device=x_NHD.device)
     if n:
         _rope_kernel[(n,)](x_NHD, cos_PD, sin_PD, positions_N, out, heads, x_NHD.stride(0), x_NHD.stride(1),
-                           out.stride(0), out.stride(1), cos_PD.stride(0), BH=triton.next_power_of_2(heads), D=dim)
+                           out.stride(0), out.stride(1), cos_PD.stride(0), BH=triton.next_power_of_2(heads), D=dim,
+                           **FIXED)
     return out
 
 
@@ -276,7 +284,8 @@ def silu_mul(x_N2I: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n, width), dtype=x_N2I.dtype, device=x_N2I.device)
     if n:
         block = 1024
-        _silu_mul_kernel[(n, triton.cdiv(width, block))](x_N2I, out, width, x_N2I.stride(0), out.stride(0), BW=block)
+        _silu_mul_kernel[(n, triton.cdiv(width, block))](x_N2I, out, width, x_N2I.stride(0), out.stride(0), BW=block,
+                                                         **FIXED)
     return out
 
 
@@ -291,13 +300,14 @@ def paged_attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         _paged_attention_kernel[(n, kv_heads)](
             q_NHD, k_cache, v_cache, tables_SB, query_table_N, query_ctx_N, out_NHD, scale, q_NHD.stride(0),
             q_NHD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables_SB.stride(0),
-            out_NHD.stride(0), out_NHD.stride(1), heads // kv_heads, BG=triton.next_power_of_2(heads // kv_heads),
-            BS=block_size, D=dim)
+            out_NHD.stride(0), out_NHD.stride(1), heads // kv_heads, block_size,
+            BG=triton.next_power_of_2(heads // kv_heads), TILE=ATTENTION_TILE, D=dim, **FIXED)
 
 
-def supports_attention(head_dim: int, block_size: int) -> bool:
-    """Whether the Triton paged attention takes these shapes (power-of-two head_dim and block_size)."""
-    return triton is not None and is_pow2(head_dim) and is_pow2(block_size)
+def supports_attention(head_dim: int, groups: int) -> bool:
+    """Whether the Triton paged attention takes these shapes: a power-of-two head_dim up to 256, up to 16 query
+    heads a KV head (any block size)."""
+    return triton is not None and is_pow2(head_dim) and head_dim <= 256 and groups <= 16
 
 
 def matmul(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
@@ -311,7 +321,7 @@ def matmul(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
         return out
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _matmul_kernel[grid](x_MK, w_KN, out, m, n, k, x_MK.stride(0), x_MK.stride(1), w_KN.stride(0), w_KN.stride(1),
-                         out.stride(0), out.stride(1), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+                         out.stride(0), out.stride(1), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, **FIXED)
     return out
 
 
@@ -333,7 +343,7 @@ def matmul_dot(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
     _matmul_dot_kernel[grid](x_MK, w_KN, out, m, n, k, x_MK.stride(0), x_MK.stride(1), w_KN.stride(0),
                              w_KN.stride(1), out.stride(0), out.stride(1), BM=bm, BN=bn, BK=bk,
                              PRECISION="ieee" if widen or x_MK.dtype == torch.float32 else "tf32",
-                             WIDEN=widen)
+                             WIDEN=widen, **FIXED)
     return out
 
 
@@ -344,7 +354,7 @@ def rms_norm(x_MD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Te
     x_MD = x_MD.contiguous()
     out = torch.empty_like(x_MD)
     _rms_norm_kernel[(x_MD.shape[0],)](x_MD, weight_D, out, x_MD.shape[1], x_MD.stride(0), out.stride(0), eps,
-                                       BD=BLOCK_D)
+                                       BD=BLOCK_D, **FIXED)
     return out
 
 
@@ -356,7 +366,7 @@ def logsumexp(x_RV: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x_RV.shape[0], dtype=torch.float32, device=x_RV.device)
     if not x_RV.shape[0]:
         return out
-    _logsumexp_kernel[(x_RV.shape[0],)](x_RV, out, x_RV.shape[1], x_RV.stride(0), BV=BLOCK_V)
+    _logsumexp_kernel[(x_RV.shape[0],)](x_RV, out, x_RV.shape[1], x_RV.stride(0), BV=BLOCK_V, **FIXED)
     return out
 
 

@@ -63,7 +63,8 @@ def build_manifest(engine, run_id: str, extra: dict[str, Any] | None = None) -> 
         "attention_backend": engine.attention_backend,
         "matmul_backend": engine.matmul_backend,
         "precision": precision(loaded.model.embed.dtype, engine.cfg.kv_cache_dtype, engine.attention_backend,
-                               engine.matmul_backend, native_rowwise(engine)),  # which operation, which precision
+                               engine.matmul_backend, native_rowwise(engine),
+                               gpu=torch.device(engine.device).type == "cuda"),  # which operation, which precision
         **native_kernels(engine),
         "kv_cache_dtype": engine.cfg.kv_cache_dtype,  # the KV storage every logit was computed from
         "kv_scale_granularity": engine.kv_cache.granularity,
@@ -74,9 +75,10 @@ def build_manifest(engine, run_id: str, extra: dict[str, Any] | None = None) -> 
 
 
 def precision(dtype: torch.dtype, kv_cache_dtype: str, attention: str, matmul: str,
-              native_rowwise: bool) -> dict[str, str]:
+              native_rowwise: bool, gpu: bool = False) -> dict[str, str]:
     """Which precision each part of a step runs in, for the manifest (docs/precision.md says the same);
-    `native_rowwise`: RMSNorm, RoPE and SiLU ran on the native kernels (the CPU, where they build)."""
+    `native_rowwise`: RMSNorm, RoPE and SiLU ran on the native kernels (the CPU, where they build), or on a GPU
+    (`gpu`) on the Triton kernels."""
     fmt = str(dtype).removeprefix("torch.")
     half = dtype != torch.float32
     cache = {"auto": fmt, "bf16": "bfloat16"}.get(kv_cache_dtype, f"{kv_cache_dtype} with fp32 scales")
@@ -84,12 +86,15 @@ def precision(dtype: torch.dtype, kv_cache_dtype: str, attention: str, matmul: s
     return {
         "weights": fmt,
         "activations": fmt + (" (every operation's outputs rounded to nearest, ties to even)" if half else ""),
-        "matmul": (f"native: fp32 multiply-adds over {fmt} weights widened exactly, one FMA chain per element{rounded}"
+        "matmul": (f"Triton: one fixed tiling, no split-K, tensor-core tile products summed in fp32{rounded}"
+                   if matmul == "native" and gpu else
+                   f"native: fp32 multiply-adds over {fmt} weights widened exactly, one FMA chain per element{rounded}"
                    if matmul == "native" else f"torch.matmul in {fmt} (BLAS; 16-bit inputs accumulate in fp32)"),
-        "attention": (f"native kernel: fp32 scores, online softmax and sums over the {cache} cache{rounded}"
+        "attention": (f"{'Triton' if gpu else 'native'} kernel: fp32 scores, online softmax and sums over the {cache} "
+                      f"cache{rounded}"
                       if attention == "kernel" else
                       f"torch {attention} in {fmt} over the {cache} cache (read in {fmt})"),
-        "norm_rope_silu": (f"native kernels in fp32{rounded}" if native_rowwise else
+        "norm_rope_silu": (f"{'Triton' if gpu else 'native'} kernels in fp32{rounded}" if native_rowwise else
                            f"torch: RMSNorm statistics in fp32, the rest in {fmt}"),
         "logits": f"{fmt}, widened to fp32" if half else "fp32",
         "sampling": "fp32 logits; log-softmax and processors in fp32",
@@ -97,7 +102,10 @@ def precision(dtype: torch.dtype, kv_cache_dtype: str, attention: str, matmul: s
 
 
 def native_rowwise(engine) -> bool:
-    """Whether the step's RMSNorm, RoPE and SiLU ran on the native kernels (on the CPU, where they build)."""
+    """Whether the step's RMSNorm, RoPE and SiLU ran on the native kernels (on the CPU, where they build), or on a
+    CUDA GPU on the Triton kernels (where Triton imports)."""
+    if torch.device(engine.device).type == "cuda":
+        return invariant_gpu.triton is not None
     return torch.device(engine.device).type == "cpu" and library.available()
 
 
@@ -109,8 +117,10 @@ def native_kernels(engine) -> dict[str, Any]:
     if torch.device(engine.device).type == "cuda":
         # the kernel backends on a GPU are Triton's (toolkit/native/invariant_gpu.py)
         gpu = torch.cuda.get_device_name(engine.device)
+        major, minor = torch.cuda.get_device_capability(engine.device)
+        # what the kernels' bits depend on: the compiler and the architecture it compiles for (replay compares it)
         return {"native_kernels": f"Triton {invariant_gpu.triton.__version__} kernels on {gpu}",
-                "kernel_numerics": None}
+                "kernel_numerics": f"triton {invariant_gpu.triton.__version__}, sm_{major}{minor}"}
     lib = library.native()
     return {"native_kernels": lib.profile.describe(), "kernel_numerics": lib.profile.numerics,
             "kernel_target": lib.profile.target}
