@@ -8,8 +8,8 @@ The batch-invariant mode's matmul:
   (fp32 at input_precision "ieee", never TF32), compiled once whatever M is. A tile is always whole (masked loads
   pad it), so a row's products meet the same instruction sequence whatever the other rows hold.
 - `matmul(x_MK, w_KN)`: the same idea with each slice's products reduced by `tl.sum`: what the interpreter runs
-  (its `tl.dot` is numpy's, not row-invariant). On an H100 Triton compiled its fp32 multiply-and-sum to a TF32
-  tile product, so the GPU runs `matmul_dot`.
+  (its `tl.dot` is numpy's, not row-invariant). On an H100 its fp32 results missed fp32 sums' error bound by TF32's
+  margin (as if compiled to a TF32 tile product), so the GPU runs `matmul_dot`.
 
 One program a row or token, every mode (`routes`: the decoder, attention and sampler send a CUDA tensor here):
 - `add_rms_norm`: the residual add rounded to the format, then HF's RMSNorm (fp32 statistics, rounded, scaled);
