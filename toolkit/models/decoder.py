@@ -189,13 +189,6 @@ class PagedDecoder(nn.Module):
             return False
         return library.available()
 
-    @staticmethod
-    def _gpu(x: torch.Tensor) -> bool:
-        """Whether activations go through the Triton kernels (toolkit/native/invariant_gpu.py): RMSNorm with the
-        residual add, RoPE and SiLU * up each one kernel, where torch spends 2-5 (a CUDA graph's length and
-        launch time follow its kernel count); on a CUDA device where Triton imports."""
-        return invariant_gpu.routes(x)
-
     def _head_norm(self, x_NHD: torch.Tensor, weight: torch.Tensor, gpu: bool) -> torch.Tensor:
         """RMSNorm of each head (Qwen3's q and k norms); on a GPU one Triton program a head, as batch-invariant as
         the rest of the step."""
@@ -211,7 +204,7 @@ class PagedDecoder(nn.Module):
         on a CUDA GPU in one Triton kernel (the same order: the sum rounded to the format, then HF's RMSNorm)."""
         if native:
             return add_rms_norm_cpu(x, residual, weight, self.arch.rms_norm_eps)
-        if self.arch.norm == "rms" and self._gpu(x):
+        if self.arch.norm == "rms" and invariant_gpu.routes(x):
             return invariant_gpu.add_rms_norm(x, residual, weight, self.arch.rms_norm_eps)
         if residual is not None:
             x = x + residual
@@ -284,7 +277,9 @@ class PagedDecoder(nn.Module):
         native_rope = self.pos_embed is None and native
         native_norm = a.norm == "rms" and native
         native_silu = native_norm and a.gated_mlp and a.activation == "silu"
-        gpu = self._gpu(x)
+        # on a GPU, RMSNorm with the residual add, RoPE and SiLU * up are one Triton kernel each where torch spends 2-5
+        # (a CUDA graph's length and launch time follow its kernel count)
+        gpu = invariant_gpu.routes(x)
         gpu_rope = gpu and self.pos_embed is None and invariant_gpu.is_pow2(a.head_dim)
         gpu_silu = gpu and a.gated_mlp and a.activation == "silu"
         if self.pos_embed is not None:

@@ -13,7 +13,7 @@ The batch-invariant mode's matmul:
 
 One program a row or token, every mode (`routes`: the decoder, attention and sampler send a CUDA tensor here):
 - `add_rms_norm`: the residual add rounded to the format, then HF's RMSNorm (fp32 statistics, rounded, scaled);
-  `rms_norm`: the norm alone, in BLOCK_D slices;
+  `rms_norm`: the norm alone (the same kernel without its residual);
 - `rope`: HF's RoPE of every head of a token, each op rounded as torch's (the same bits);
 - `silu_mul`: silu(gate) * up of a fused projection;
 - `paged_attention`: each token over its own sequence's cached keys, block by block in its table's order (the CPU
@@ -39,7 +39,6 @@ except ImportError:  # the torch fallback below
     triton = tl = None
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32  # the matmul's one tiling
-BLOCK_D = 256  # rms_norm's slice of a row
 ATTENTION_TILE = 16  # key positions the attention takes at a time, whatever the block size
 # every launch: no contraction of a multiply and an add into an FMA (Triton's default differs between versions, and
 # the bits would with it)
@@ -117,25 +116,6 @@ if triton is not None:
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
             return bits.to(tl.float32, bitcast=True)
         return y.to(dtype).to(tl.float32)
-
-    @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, sx, so, eps, BD: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BD)
-        total = tl.zeros((BD,), dtype=tl.float32)
-        for d0 in range(0, D, BD):
-            x = tl.load(x_ptr + row * sx + d0 + cols, mask=d0 + cols < D, other=0.0).to(tl.float32)
-            total += x * x
-        inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(total, axis=0), D * 1.0) + eps))  # IEEE-rounded
-        for d0 in range(0, D, BD):
-            mask = d0 + cols < D
-            x = tl.load(x_ptr + row * sx + d0 + cols, mask=mask, other=0.0)
-            w = tl.load(w_ptr + d0 + cols, mask=mask, other=0.0)
-            # rounded to the format, then scaled: a 16-bit product of two 16-bit values is exact in fp32, so
-            # widening both and rounding once is the 16-bit multiply (and never 16-bit arithmetic, which
-            # Triton's interpreter does not have)
-            y = _rounded(x.to(tl.float32) * inv, x.dtype)
-            tl.store(out_ptr + row * so + d0 + cols, _rounded(w.to(tl.float32) * y, x.dtype).to(x.dtype), mask=mask)
 
     @triton.jit
     def _logsumexp_kernel(x_ptr, out_ptr, V, sx, BV: tl.constexpr):
@@ -351,11 +331,7 @@ def rms_norm(x_MD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Te
     """RMSNorm of each row in fp32, rounded to x's format, times the weight (HF's order), one order a row."""
     if not available(x_MD):
         return rms_norm_rows(x_MD, weight_D, eps)
-    x_MD = x_MD.contiguous()
-    out = torch.empty_like(x_MD)
-    _rms_norm_kernel[(x_MD.shape[0],)](x_MD, weight_D, out, x_MD.shape[1], x_MD.stride(0), out.stride(0), eps,
-                                       BD=BLOCK_D, **FIXED)
-    return out
+    return add_rms_norm(x_MD, None, weight_D, eps)[1]  # the fused kernel without its residual
 
 
 def logsumexp(x_RV: torch.Tensor) -> torch.Tensor:
