@@ -10,6 +10,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from toolkit.trace.reader import read_requests
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny", "print_outputs=false"]
 
@@ -49,7 +51,7 @@ def test_requests_file_with_bad_lines_runs_the_others(tmp_path):
                 "tpot_p50_s", "tpot_p95_s"):
         assert key in summary
     assert summary["requests"] == 2 and summary["output_tokens"] == 9
-    requests = pq.read_table(tmp_path / "run" / "requests.parquet").to_pylist()
+    requests = read_requests(tmp_path / "run").to_pylist()
     assert [r["request_id"] for r in requests] == ["a", "c"]
     assert [len(r["output_token_ids"]) for r in requests] == [5, 4]
     samples = pq.read_table(tmp_path / "run" / "samples.parquet")

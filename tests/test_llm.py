@@ -11,6 +11,7 @@ from toolkit import LLM, SamplingParams, replay
 from toolkit.config import EngineConfig
 from toolkit.engine.core import Engine
 from toolkit.errors import ConfigError, RequestError
+from toolkit.trace.reader import read_requests
 
 pytestmark = pytest.mark.native
 
@@ -68,5 +69,5 @@ def test_smollm2_chat_and_text_prompts_use_the_models_sampling_defaults(tmp_path
                                                                                            max_tokens=8))
     text = llm.generate("The capital of France is")  # the model's defaults: temperature 0.2, top_p 0.9
     assert chat[0].outputs[0].text and text[0].outputs[0].text
-    recorded = json.loads(pq.read_table(llm.trace_dir / "requests.parquet").to_pylist()[0]["sampling_params"])
+    recorded = json.loads(read_requests(llm.trace_dir).to_pylist()[0]["sampling_params"])
     assert (recorded["temperature"], recorded["top_p"]) == (0.2, 0.9)  # resolved defaults are in the trace

@@ -19,7 +19,7 @@ from toolkit import replay, verify
 from toolkit.runs.session import record
 from toolkit.sampling.params import SamplingParams
 from toolkit.trace.reader import TraceError, read_requests, read_samples
-from toolkit.trace.writer import REQUESTS_FILE
+from toolkit.trace.writer import OPEN_REQUESTS_FILE, REQUESTS_FILE
 
 pytestmark = pytest.mark.native
 
@@ -127,15 +127,19 @@ def test_partial_trace_replays_and_verifies_the_rows_it_has(tiny, tmp_path):
     def capture(out):
         nonlocal initial_requests
         if initial_requests is None:
-            initial_requests = (run_dir / REQUESTS_FILE).read_bytes()
+            initial_requests = tmp_path / "requests-at-start"
+            shutil.copytree(run_dir / REQUESTS_FILE, initial_requests / REQUESTS_FILE)
+            shutil.copy(run_dir / OPEN_REQUESTS_FILE, initial_requests / OPEN_REQUESTS_FILE)
 
     record(engine, ids, run_dir, {"model": TINY_CFG, "engine": ENGINE_CFG, "sampling": {}},
            flush_every_steps=3, on_step=capture)
-    # what a kill -9 leaves: the last part not yet written, requests.parquet from the start of the run
+    # what a kill -9 leaves: the last part not yet written, the request rows as they were at the start of the run
     parts = sorted((run_dir / "samples.parquet").glob("part-*.parquet"))
     assert len(parts) >= 3
     parts[-1].unlink()
-    (run_dir / REQUESTS_FILE).write_bytes(initial_requests)
+    shutil.rmtree(run_dir / REQUESTS_FILE)
+    shutil.copytree(initial_requests / REQUESTS_FILE, run_dir / REQUESTS_FILE)
+    shutil.copy(initial_requests / OPEN_REQUESTS_FILE, run_dir / OPEN_REQUESTS_FILE)
     kept = read_samples(run_dir)
     report = replay(run_dir, out_dir=tmp_path / "replay")
     # the replay ends where the trace does: no row past it, each request still running then aborted there

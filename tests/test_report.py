@@ -28,6 +28,7 @@ from toolkit.runs.session import record
 from toolkit.sampling.params import SamplingParams
 from toolkit.trace.diverge import first_divergences, sequences
 from toolkit.trace.reader import read_requests, read_samples
+from toolkit.trace.writer import write_requests
 
 pytestmark = pytest.mark.native
 
@@ -298,13 +299,14 @@ def _large_run(src: Path, dst: Path, requests: int = 1000, rows_each: int = 100)
                      top_raw=top, top_processed=[{**e, "logprob": e["logprob"] * 0.9} for e in top], t_emit_s=float(rng.uniform(0, 600)),
                      finish_reason="length" if k == rows_each - 1 else None)
             out.append(r)
-        reqs.append({**request_rows[i % len(request_rows)], "request_id": rid, "stream": 0})
+        reqs.append({**request_rows[i % len(request_rows)], "request_id": rid, "stream": 0, "arrival_index": i})
     shutil.rmtree(dst / "samples.parquet")
     (dst / "samples.parquet").mkdir()
     schema = pq.read_table(next((src / "samples.parquet").glob("part-*.parquet"))).schema
     pq.write_table(pa.Table.from_pylist(out, schema=schema), dst / "samples.parquet" / "part-000000.parquet")
-    pq.write_table(pa.Table.from_pylist(reqs, schema=pq.read_table(src / "requests.parquet").schema),
-                   dst / "requests.parquet")
+    shutil.rmtree(dst / "requests.parquet")
+    (dst / "requests.open.parquet").unlink(missing_ok=True)
+    write_requests(dst, reqs)
     return len(out)
 
 
@@ -333,7 +335,7 @@ def test_an_audited_transcript_without_engine_fields_renders(real_run, browser, 
     """A mode=audit directory holds what only the claims give: no step, batch, noise, digests or steps.parquet."""
     run = tmp_path / "audit"
     shutil.copytree(real_run, run)
-    (run / "steps.parquet").unlink(missing_ok=True)
+    shutil.rmtree(run / "steps.parquet", ignore_errors=True)
     for part in (run / "samples.parquet").glob("part-*.parquet"):
         table = pq.read_table(part)
         rows = [{**r, "step": None, "batch_size": None, "step_tokens": None, "noise": None, "logits_sha256": None,

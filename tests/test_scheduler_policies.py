@@ -15,7 +15,7 @@ from tests.conftest import BATCH_INVARIANT_OVERRIDE, NATIVE_OFF, make_engine, na
 from toolkit.runs.metrics import percentile
 from toolkit.runs.session import record
 from toolkit.sampling.params import SamplingParams
-from toolkit.trace.reader import read_samples
+from toolkit.trace.reader import read_samples, read_steps
 
 POLICIES = ("fused", "two_forwards", "prefill_first", "no_chunking")
 
@@ -135,9 +135,7 @@ def test_policy_is_in_the_manifest_and_the_itl_percentiles_are_the_traces(tiny, 
     assert s["requests_per_s"] == pytest.approx(6 / s["wall_s"])
     assert s["prompt_tok_per_s"] == pytest.approx(sum(len(r["prompt_token_ids"]) for r in _requests()) / s["wall_s"])
     assert s["queue_p95_s"] >= s["queue_p50_s"] >= 0 and 0 < s["kv_utilization_max"] <= 1
-    import pyarrow.parquet as pq
-
-    steps = pq.read_table(tmp_path / "steps.parquet").to_pylist()
+    steps = read_steps(tmp_path).to_pylist()
     assert s["forwards"] == len(steps)  # one forward per step here
     decode_only = {}  # the summary's decode steps by batch are steps.parquet's rows without prompt tokens
     for row in steps:
@@ -211,7 +209,6 @@ def test_a_policy_run_replays_bit_for_bit(tiny, tmp_path, policy):
 def test_mode_scheduling_records_each_variant_and_tabulates_its_figures(tiny, tmp_path):
     """compare_variants: each variant is a recorded (untraced) run in variants/<name>, its row the run's summary
     plus per-step figures taken from the same steps steps.parquet holds."""
-    import pyarrow.parquet as pq
 
     from toolkit.bench.scheduling import compare_variants
     from toolkit.config import EngineConfig
@@ -221,7 +218,7 @@ def test_mode_scheduling_records_each_variant_and_tabulates_its_figures(tiny, tm
     report = compare_variants(tiny, EngineConfig(num_kv_blocks=256), s, tmp_path)
     for name in ("wide", "narrow"):
         row = report["variants"][name]
-        steps = pq.read_table(tmp_path / "variants" / name / "steps.parquet").to_pydict()
+        steps = read_steps(tmp_path / "variants" / name).to_pydict()
         assert row["steps"] == len(steps["step"]) and row["requests"] == 4
         assert row["max_step_tokens"] == max(d + p for d, p in zip(steps["decode_tokens"], steps["prefill_tokens"]))
         assert json.loads((tmp_path / "variants" / name / "summary.json").read_text())["output_tokens"] == 24

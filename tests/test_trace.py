@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -255,7 +256,7 @@ def test_older_schema_versions_read_with_their_missing_columns_null(tiny, tmp_pa
     run_traced(engine, MIXED, tmp_path)
     before = read_samples(tmp_path).drop_columns(["kept_sha256", "noise"])  # (NaN noise never compares equal)
     meta = {b"toolkit_schema_version": str(version).encode()}
-    for path, kind in [(tmp_path / "requests.parquet", "requests"),
+    for path, kind in [*[(p, "requests") for p in (tmp_path / "requests.parquet").glob("part-*.parquet")],
                        *[(p, "samples") for p in (tmp_path / "samples.parquet").glob("part-*.parquet")]]:
         table = pq.read_table(path)
         old = table.drop_columns(list(COMPATIBLE[version][kind])).replace_schema_metadata(meta)
@@ -265,7 +266,58 @@ def test_older_schema_versions_read_with_their_missing_columns_null(tiny, tmp_pa
     assert samples.column("kept_sha256").null_count == samples.num_rows > 0
     assert requests.column("origin_engine").null_count == requests.num_rows
     assert samples.drop_columns(["kept_sha256", "noise"]).to_pylist() == before.to_pylist()  # the rest as written
-    table = pq.read_table(tmp_path / "requests.parquet").replace_schema_metadata({b"toolkit_schema_version": b"3"})
-    pq.write_table(table, tmp_path / "requests.parquet")
+    part = next((tmp_path / "requests.parquet").glob("part-*.parquet"))
+    pq.write_table(pq.read_table(part).replace_schema_metadata({b"toolkit_schema_version": b"3"}), part)
     with pytest.raises(TraceError, match="schema version"):
         read_requests(tmp_path)
+
+
+FIXTURES = Path(__file__).parent / "data" / "traces"
+OLD_LAYOUTS = {  # checked-in runs, each written by the toolkit commit that still wrote that schema (manifest's git_commit)
+    "v4": 4, "v5": 5, "v6": 6,
+    "v7-file": 7,  # the last commit whose mode=run wrote requests.parquet and steps.parquet as single files
+}
+
+
+@pytest.mark.parametrize("name", sorted(OLD_LAYOUTS))
+def test_every_older_schema_and_layout_still_reads(name):
+    """Each older run directory reads through the one reader path: its schema version, the columns it lacked as
+    nulls in today's order, the single-file requests and steps, and the report's loader over all of it."""
+    from toolkit.report.data import RunData
+    from toolkit.trace.reader import read_manifest, read_steps
+    from toolkit.trace.schema import COMPATIBLE, REQUESTS_SCHEMA, SAMPLES_SCHEMA
+
+    run_dir, version = FIXTURES / name, OLD_LAYOUTS[name]
+    assert read_manifest(run_dir)["schema_version"] == version
+    assert (run_dir / "requests.parquet").is_file() and (run_dir / "steps.parquet").is_file()  # the old layout
+    samples, requests, steps = read_samples(run_dir), read_requests(run_dir), read_steps(run_dir)
+    assert samples.schema.names == SAMPLES_SCHEMA.names and requests.schema.names == REQUESTS_SCHEMA.names
+    assert samples.num_rows == 10 and requests.num_rows == 2 and steps is not None and steps.num_rows > 0
+    for kind, table in (("samples", samples), ("requests", requests)):
+        for column in COMPATIBLE.get(version, {}).get(kind, ()):
+            assert table.column(column).null_count == table.num_rows, (kind, column)
+    lengths = {r["request_id"]: len(r["output_token_ids"]) for r in requests.to_pylist()}
+    assert sorted(lengths.values()) == [5, 5] and sum(lengths.values()) == samples.num_rows
+    assert sum(steps.column("sampled").to_pylist()) == samples.num_rows
+    run = RunData.read(run_dir)
+    assert run.rows == 10 and run.steps is not None and len(run.steps["step"]) == steps.num_rows
+
+
+@pytest.mark.native
+@pytest.mark.parametrize("name", sorted(OLD_LAYOUTS))
+def test_every_older_run_replays_with_todays_engine(name, tmp_path):
+    """Replay rebuilds each older run from its own config.yaml and requests and compares every row: bit for bit
+    where this machine computes as the recording did (native kernels of the same lanes and FMA, here AVX2's 8);
+    elsewhere (an AVX-512 build, the kernels off) the replay refuses by default, naming the difference, and with
+    allow_mismatch still reads every row and says where they part."""
+    from toolkit import replay
+
+    try:
+        report = replay(FIXTURES / name, out_dir=tmp_path / "replay")
+    except TraceError as exc:
+        assert "refusing to replay" in str(exc) and "differ" in str(exc)
+        print(f"{name}: {exc}")
+        report = replay(FIXTURES / name, out_dir=tmp_path / "anyway", allow_mismatch=True)
+        assert report.rows_compared >= 1, report.summary_line()
+        return
+    assert report.identical and report.rows_compared == 10, report.summary_line()

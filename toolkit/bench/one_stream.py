@@ -34,14 +34,13 @@ from typing import Any
 
 import httpx
 import numpy as np
-import pyarrow.parquet as pq
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.quants import dequantize
 
 from toolkit.bench.precision import machine
 from toolkit.models.loading import smollm2_dir, smollm2_gguf
 from toolkit.models.tokenizer import Tokenizer
-from toolkit.runs.session import STEPS_FILE
+from toolkit.trace.reader import read_steps
 
 REQUESTS = [  # chat requests of the kind the issue measured with (short questions, a few sentences out)
     "Describe a lighthouse at night.", "What is a prime number? Give an example.",
@@ -146,7 +145,7 @@ def decode_step_ms(name: str, run_dir: Path, log: Path) -> list[float]:
     eval-time lines its log prints per request (its decode time over its decoded tokens)."""
     if name.startswith("llama"):
         return [float(ms) / int(n) for ms, n in LLAMA_EVAL.findall(log.read_text(errors="replace")) if int(n)]
-    steps = pq.read_table(run_dir / STEPS_FILE, columns=["prefill_tokens", "decode_tokens", "step_s"]).to_pylist()
+    steps = read_steps(run_dir).select(["prefill_tokens", "decode_tokens", "step_s"]).to_pylist()
     return [1e3 * r["step_s"] for r in steps if r["prefill_tokens"] == 0 and r["decode_tokens"] > 0]
 
 

@@ -17,10 +17,9 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from toolkit.trace.diverge import SeqKey, sequences
-from toolkit.trace.reader import read_manifest, read_requests, read_samples
+from toolkit.trace.reader import read_manifest, read_requests, read_samples, read_steps
 
 
 def f32(x: float | None) -> float | None:
@@ -133,9 +132,9 @@ def request_entries(requests: pa.Table, seqs: dict[SeqKey, list[dict]]) -> list[
     return out
 
 
-def read_steps(run_dir: Path) -> dict[str, list] | None:
-    path = Path(run_dir) / "steps.parquet"
-    return pq.read_table(path).to_pydict() if path.exists() else None
+def read_steps_columns(run_dir: Path) -> dict[str, list] | None:
+    steps = read_steps(run_dir)
+    return steps.to_pydict() if steps is not None else None
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -164,7 +163,7 @@ class RunData:
         samples = read_samples(run_dir)
         return cls(run_dir=run_dir, manifest=read_manifest(run_dir), summary=read_json(run_dir / "summary.json"),
                    config_yaml=config.read_text() if config.exists() else "", requests=read_requests(run_dir),
-                   seqs=sequences(samples.to_pylist()), steps=read_steps(run_dir))
+                   seqs=sequences(samples.to_pylist()), steps=read_steps_columns(run_dir))
 
     @property
     def rows(self) -> int:

@@ -18,8 +18,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 from omegaconf import OmegaConf
+
+from toolkit.trace.reader import read_requests, read_steps
+from toolkit.trace.writer import REQUESTS_FILE
 
 MISSING_MATPLOTLIB = "plots need matplotlib: pip install 'toolkit[bench]'"
 
@@ -55,9 +57,9 @@ def plot_run(run_dir: Path) -> list[Path]:
               flush=True)
         return []
     written = []
-    steps_path = run_dir / "steps.parquet"
-    if steps_path.exists():
-        steps = pq.read_table(steps_path).to_pydict()
+    steps_table = read_steps(run_dir)
+    if steps_table is not None:
+        steps = steps_table.to_pydict()
         x = steps["step"]
         fig, ax = plt.subplots(figsize=(11, 4))
         ax.bar(x, steps["decode_tokens"], width=1.0, color="#3a7dc9", label="decode tokens")
@@ -79,9 +81,8 @@ def plot_run(run_dir: Path) -> list[Path]:
         fig.savefig(run_dir / "timeline.png", dpi=110)
         plt.close(fig)
         written.append(run_dir / "timeline.png")
-    requests_path = run_dir / "requests.parquet"
-    if requests_path.exists():
-        req = pq.read_table(requests_path, columns=["ttft_s", "tpot_s"]).to_pydict()
+    if (run_dir / REQUESTS_FILE).exists():
+        req = read_requests(run_dir).select(["ttft_s", "tpot_s"]).to_pydict()
         ttft = [v for v in req["ttft_s"] if v is not None]
         tpot = [1000 * v for v in req["tpot_s"] if v is not None]
         if ttft:

@@ -1,14 +1,12 @@
-"""Serve a set of added requests to completion and record the run directory.
+"""Serve a set of added requests to completion, recorded by the run recorder (toolkit.runs.recorder).
 
-Shared by `mode=run`, `mode=replay` and the benchmark, so a replay records exactly what
-a run records.
+Shared by `mode=run`, `mode=replay`, `toolkit.LLM`, the experiments and the benchmarks, so a replay records
+exactly what a run records (and a server records the same layout).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import signal
 import sys
 import threading
@@ -18,23 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 from omegaconf import DictConfig, OmegaConf
 
 from toolkit.engine.core import Engine, RequestOutput, StepOutput
 from toolkit.errors import Interrupted
 from toolkit.runs.loggers import make_logger
-from toolkit.runs.manifest import build_manifest, new_run_id, request_rows
-from toolkit.runs.metrics import InterTokenLatency, decode_steps_by_batch, summarize
+from toolkit.runs.manifest import request_rows
+from toolkit.runs.metrics import decode_steps_by_batch
 from toolkit.runs.plots import plot_run
-from toolkit.trace.writer import (
-    TraceWriter,
-    atomic_write_bytes,
-    atomic_write_table,
-    full_logits_selection,
-    write_manifest,
-    write_requests,
-)
+from toolkit.runs.recorder import RunRecorder
 
 
 @dataclass(frozen=True)
@@ -44,18 +34,6 @@ class Recorded:
     outputs: list[RequestOutput]
     summary: dict[str, Any]
     steps: list[dict[str, Any]]  # step_record of every step that ran a forward (steps.parquet)
-
-
-STEPS_FILE = "steps.parquet"
-
-
-def step_record(out: StepOutput, seconds: float) -> dict[str, Any]:
-    """What one engine step did, for the run's per-step metrics (steps.parquet)."""
-    return {"step": out.step, "batch_size": out.batch_size, "decode_tokens": out.num_decode_tokens,
-            "prefill_tokens": out.num_prefill_tokens, "sampled": len(out.samples), "finished": len(out.finished),
-            "preempted": len(out.preempted), "kv_blocks_used": out.kv_blocks_used,
-            "kv_utilization": out.kv_utilization, "prefix_hit_tokens": out.prefix_hit_tokens, "step_s": seconds,
-            "forwards": out.forwards}
 
 
 class Progress:
@@ -85,22 +63,6 @@ class Progress:
         if self.enabled:
             self.stream.write("\n")
             self.stream.flush()
-
-
-def write_steps(run_dir: Path, steps: list[dict[str, Any]]) -> None:
-
-    if steps:
-        atomic_write_table(run_dir / STEPS_FILE, pa.Table.from_pylist(steps))
-
-
-def effective_config(engine: Engine, config: DictConfig | Mapping | None) -> DictConfig:
-    """The given config with the model, engine and default sampling the engine actually runs: complete, so
-    that a replay can rebuild the engine from it and override any key."""
-    base = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else dict(config or {})
-    base["model"] = dataclasses.asdict(engine.loaded.config)
-    base["engine"] = dataclasses.asdict(engine.cfg)
-    base["sampling"] = engine.default_sampling.to_dict()
-    return OmegaConf.create(base)
 
 
 class _CtrlC:
@@ -142,20 +104,22 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
     line on a terminal; `plots` writes the step timeline and latency plots; `before_step` is called with the
     engine before each step (a replay aborts there what the recorded run aborted); `full_logits` (off, all or
     request ids) also writes those requests' raw logits rows to logits.parquet."""
-    full_logits_selection(full_logits)  # a bad value is a one-line error before anything runs
-    run_id = new_run_id()
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    resolved = effective_config(engine, config)
-    atomic_write_bytes(run_dir / "config.yaml", OmegaConf.to_yaml(resolved).encode())
-    write_manifest(run_dir, build_manifest(engine, run_id, manifest_extra))
-    write_requests(run_dir, request_rows(engine, run_id, request_ids))  # replayable even if the run dies
-    run_logger = make_logger(logger, OmegaConf.to_container(resolved, resolve=True), run_dir, run_id)
-    writer = TraceWriter(run_dir, run_id, flush_every_steps, full_logits) if trace else None
+    recorder = RunRecorder(engine, run_dir, config, trace=trace, flush_every_steps=flush_every_steps,
+                           full_logits=full_logits, manifest_extra=manifest_extra)
+    run_id, run_dir = recorder.run_id, recorder.run_dir
+    for request_id in request_ids:
+        recorder.admitted(request_id)
+    recorder.flush()  # the requests on disk before the first step: replayable even if the run dies
+    run_logger = make_logger(logger, OmegaConf.to_container(recorder.config, resolve=True), run_dir, run_id)
     bar = Progress(sum(len(engine.sequences(i)) for i in request_ids)) if progress else None
     steps: list[dict[str, Any]] = []
-    itl = InterTokenLatency()
     interrupted = False
+
+    def end_finished(candidates) -> None:
+        for request_id in candidates:
+            if recorder.is_open(request_id) and engine.is_finished(request_id):
+                recorder.ended(request_id)
+
     try:
         with _ctrl_c_between_steps() as ctrl_c:
             while engine.has_unfinished():
@@ -163,16 +127,17 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
                     raise KeyboardInterrupt
                 if before_step is not None:
                     before_step(engine)
+                    end_finished(recorder.open_request_ids())  # what it aborted
                     if not engine.has_unfinished():
                         break
                 t0 = time.perf_counter()
-                out = engine.step(trace_digests=writer is not None)
-                if writer is not None:
-                    writer.write_output(out)
-                itl.update(out.samples)
-                if out.batch_size:
-                    steps.append(step_record(out, time.perf_counter() - t0))
-                    run_logger.log_step(steps[-1])
+                out = engine.step(trace_digests=trace)
+                step = recorder.stepped(out, time.perf_counter() - t0)
+                end_finished({engine.request_of(s) for s in out.finished})
+                recorder.write(out)
+                if step is not None:
+                    steps.append(step)
+                    run_logger.log_step(step)
                 if bar is not None:
                     bar.update(out)
                 if on_step is not None:
@@ -182,31 +147,27 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
     finally:
         if bar is not None:
             bar.close()
-        if writer is not None:
-            writer.close()
-        final_rows = request_rows(engine, run_id, request_ids)
-        write_requests(run_dir, final_rows)
-        write_steps(run_dir, steps)
-    outputs = [engine.output(i) for i in request_ids]
-    wall = (engine.last_finish_time or 0.0) - (engine.first_admission_time or 0.0)
-    pool = engine.stats()
-    summary = summarize(outputs, wall, itl.values, steps=engine.step_index, run_id=run_id,
-                        forwards=sum(s["forwards"] for s in steps), scheduler_policy=engine.cfg.scheduler_policy,
-                        trace_rows=writer.rows_written if writer else 0, model=engine.loaded.model_id,
-                        model_revision=engine.loaded.revision,
-                        kv_utilization_max=max((s["kv_utilization"] for s in steps), default=0.0),
-                        kv_utilization_mean=sum(s["kv_utilization"] for s in steps) / max(len(steps), 1),
-                        prefix_cache_hit_rate=pool.prefix_hits / pool.prefix_queries if pool.prefix_queries else None,
-                        decode_steps=decode_steps_by_batch(steps),
-                        **(engine.speculator.stats.summary() if engine.speculator is not None else {}),
-                        **(summary_extra or {}), **({"interrupted": True} if interrupted else {}))
-    atomic_write_bytes(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
+        for request_id in recorder.open_request_ids():  # unfinished only when interrupted: their rows as they stand
+            recorder.ended(request_id)
+        outputs = [engine.output(i) for i in request_ids]
+        for output in outputs:
+            recorder.finished(output)
+        pool = engine.stats()
+        summary = recorder.close(
+            forwards=sum(s["forwards"] for s in steps), scheduler_policy=engine.cfg.scheduler_policy,
+            kv_utilization_max=max((s["kv_utilization"] for s in steps), default=0.0),
+            kv_utilization_mean=sum(s["kv_utilization"] for s in steps) / max(len(steps), 1),
+            prefix_cache_hit_rate=pool.prefix_hits / pool.prefix_queries if pool.prefix_queries else None,
+            decode_steps=decode_steps_by_batch(steps),
+            **(engine.speculator.stats.summary() if engine.speculator is not None else {}),
+            **(summary_extra or {}), **({"interrupted": True} if interrupted else {}))
+    final_rows = request_rows(engine, run_id, request_ids)
     if plots:
         plot_run(run_dir)
     run_logger.finish(summary, final_rows, run_dir)
     if interrupted:
         done = sum(1 for r in final_rows if r.get("finish_reason"))
         raise Interrupted(f"interrupted at step {engine.step_index}: {done}/{len(final_rows)} sequences finished; "
-                          f"trace flushed ({writer.rows_written if writer else 0} rows) and summary.json written in "
+                          f"trace flushed ({recorder.rows_written} rows) and summary.json written in "
                           f"{run_dir} (replay and verify accept the partial run)")
     return Recorded(run_id=run_id, run_dir=run_dir, outputs=outputs, summary=summary, steps=steps)

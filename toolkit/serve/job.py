@@ -20,6 +20,7 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from toolkit.engine.outputs import TextDelta
 from toolkit.engine.request import EngineRequest
 from toolkit.errors import RequestError, ToolkitError, one_line
+from toolkit.runs.recorder import body_sha256
 from toolkit.serve.grammars import GrammarCompiler
 from toolkit.serve.loop import EngineLoop, InternalError, Submission, Unavailable, Update
 from toolkit.serve.protocol import (
@@ -32,7 +33,6 @@ from toolkit.serve.protocol import (
     request_error,
     token_text,
 )
-from toolkit.serve.record import body_sha256
 
 
 def unavailable(exc: Unavailable) -> ApiError:

@@ -4,7 +4,7 @@
     HTTP handler <--Update per step-- sink (called on the engine thread; the server hands it to its event loop)
 
 Concurrent requests share continuous-batching steps exactly as a CLI run's do (one forward per step). The run
-directory is written as the server runs, append-only (toolkit.serve.record), so that after a `kill -9` the run is
+directory is written as the server runs, append-only (toolkit.runs.recorder), so that after a `kill -9` the run is
 still readable, replayable and verifiable. Scheduling depends on steps only, so `mode=replay` re-creates the same
 batches.
 
@@ -32,7 +32,7 @@ from typing import Any
 from toolkit.engine.core import Engine, EngineRequest, RequestOutput, StepOutput, TextDelta
 from toolkit.errors import ConfigError, RequestError, ToolkitError, one_line
 from toolkit.native.library import release_openmp_threads
-from toolkit.serve.record import ServedRun, body_sha256
+from toolkit.runs.recorder import RunRecorder, body_sha256
 from toolkit.trace.schema import SampleTrace
 
 
@@ -104,7 +104,7 @@ class EngineLoop:
                  flush_every_steps: int = 8, on_finish: Callable[[RequestOutput], None] | None = None,
                  max_waiting: int = 256, record_body: str = "full", max_failed_steps: int = 3,
                  max_trace_bytes: int | None = None, on_fatal: Callable[[BaseException], None] | None = None):
-        """`run_dir`: where the run is recorded (None: not recorded; toolkit.serve.record). `on_finish`: called
+        """`run_dir`: where the run is recorded (None: not recorded; toolkit.runs.recorder). `on_finish`: called
         on the engine thread with each finished request's output (the server's latency histograms).
         `max_waiting`: requests queued or admitted but not running before submit refuses more. `record_body`:
         full | hash | off, what the trace keeps of each HTTP body. `max_failed_steps`: steps failing in a row
@@ -115,8 +115,9 @@ class EngineLoop:
         if not (isinstance(max_waiting, int) and max_waiting >= 1):
             raise ConfigError(f"serve.max_waiting must be a positive integer, got {max_waiting!r}")
         self.engine = engine
-        self.record = ServedRun(engine, run_dir, config, flush_every_steps=flush_every_steps,
-                                record_body=record_body, max_trace_bytes=max_trace_bytes)
+        self.record = RunRecorder(engine, run_dir, config, flush_every_steps=flush_every_steps,
+                                  record_body=record_body, summary_window=100_000,
+                                  max_trace_bytes=max_trace_bytes, served=True)
         self.run_id, self.writer = self.record.run_id, self.record.writer
         self.on_finish, self.on_fatal = on_finish, on_fatal
         self.max_waiting, self.max_failed_steps = max_waiting, max_failed_steps

@@ -18,7 +18,14 @@ from toolkit.trace.schema import (
     SCHEMA_VERSION,
     SUPERSEDED,
 )
-from toolkit.trace.writer import MANIFEST_FILE, OPEN_REQUESTS_FILE, REJECTED_DIR, REQUESTS_FILE, SAMPLES_DIR
+from toolkit.trace.writer import (
+    MANIFEST_FILE,
+    OPEN_REQUESTS_FILE,
+    REJECTED_DIR,
+    REQUESTS_FILE,
+    SAMPLES_DIR,
+    STEPS_DIR,
+)
 
 
 class TraceError(ToolkitError):
@@ -87,9 +94,10 @@ def read_samples(run_dir: Path, check_version: bool = True) -> pa.Table:
 
 
 def read_requests(run_dir: Path, check_version: bool = True) -> pa.Table:
-    """One row per sequence. A served run's requests.parquet is a directory of append-only parts (final rows, in
-    the order requests ended) beside requests.open.parquet (those not ended when it was written, e.g. before a
-    kill -9): both are read, a request's final row wins, and rows come back in arrival order."""
+    """One row per sequence. requests.parquet is a directory of append-only parts (final rows, in the order
+    requests ended) beside requests.open.parquet (those not ended when it was written, e.g. before a kill -9):
+    both are read, a request's final row wins, and rows come back in arrival order. A run recorded before
+    2026-11-28 outside a server has one requests.parquet file instead, read as it is."""
     path = Path(run_dir) / REQUESTS_FILE
     if not path.is_dir():
         return _read_requests_table(path, check_version)
@@ -128,3 +136,15 @@ def read_rejected(run_dir: Path) -> pa.Table:
     except (pa.ArrowException, OSError) as exc:
         raise TraceError(f"{Path(run_dir) / REJECTED_DIR} has a truncated or corrupt part: {exc}") from None
     return pa.concat_tables(tables) if tables else REJECTED_SCHEMA.empty_table()
+
+
+def read_steps(run_dir: Path) -> pa.Table | None:
+    """The run's step records (steps.parquet: parts in name order, or one file in a run recorded before
+    2026-11-28); None when it recorded none (an audit of a transcript, a run that never stepped)."""
+    path = Path(run_dir) / STEPS_DIR
+    parts = sorted(path.glob("part-*.parquet")) if path.is_dir() else [path] if path.exists() else []
+    try:
+        tables = [pq.read_table(part) for part in parts]
+    except (pa.ArrowException, OSError) as exc:
+        raise TraceError(f"{path} has a truncated or corrupt part: {exc}") from None
+    return pa.concat_tables(tables) if tables else None

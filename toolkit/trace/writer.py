@@ -36,9 +36,10 @@ from toolkit.trace.schema import REJECTED_SCHEMA, REQUESTS_SCHEMA, SAMPLES_SCHEM
 
 SAMPLES_DIR = "samples.parquet"
 LOGITS_DIR = "logits.parquet"  # trace.full_logits: raw fp32 logits rows, keyed by (request_id, stream, position)
-REQUESTS_FILE = "requests.parquet"  # a file (mode=run) or, for a served run, a directory of append-only parts
-OPEN_REQUESTS_FILE = "requests.open.parquet"  # a served run's requests not yet ended (replaced as they change)
+REQUESTS_FILE = "requests.parquet"  # a directory of append-only parts (a file in runs before 2026-11-28)
+OPEN_REQUESTS_FILE = "requests.open.parquet"  # the requests not yet ended (replaced as they change)
 REJECTED_DIR = "rejected.parquet"  # a served run's requests refused (503) or failed on the engine thread (500)
+STEPS_DIR = "steps.parquet"  # step records as parts (a file in runs before 2026-11-28)
 MANIFEST_FILE = "manifest.json"
 MAX_BUFFERED_REJECTED = 10_000  # refusal rows (rejected.parquet) held while writes fail; past it they are counted
 
@@ -84,7 +85,8 @@ def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
 
 
 def write_requests(run_dir: Path, rows: Sequence[dict[str, Any]]) -> None:
-    atomic_write_table(run_dir / REQUESTS_FILE, requests_table(rows))
+    """Request rows that are final at once (a converted transcript) as requests.parquet/'s one part."""
+    atomic_write_table(run_dir / REQUESTS_FILE / "part-000000.parquet", requests_table(rows))
 
 
 def requests_table(rows: Sequence[dict[str, Any]]) -> pa.Table:
@@ -93,7 +95,7 @@ def requests_table(rows: Sequence[dict[str, Any]]) -> pa.Table:
 
 @dataclass(frozen=True)
 class RequestsUpdate:
-    """A served run's request rows since its last update: `ended` (final rows, appended to requests.parquet/ as
+    """A run's request rows since its last update: `ended` (final rows, appended to requests.parquet/ as
     a part) and `open` (the admission rows of every request not yet ended, replacing requests.open.parquet:
     bounded by the requests a server holds at once, so a flush costs the same after a day as after a minute),
     and `rejected` (refusals, appended to rejected.parquet/)."""
@@ -180,7 +182,7 @@ class TraceWriter:
     def write_step(self, traces: Sequence[SampleTrace], logits_RV: torch.Tensor | None,
                    requests: RequestsUpdate | None = None,
                    digests: Mapping[int, str] | None = None) -> None:
-        """Queue a step's rows. `requests`: a served run's request rows that changed up to this step; they are
+        """Queue a step's rows. `requests`: the request rows that changed up to this step; they are
         written before any sample part holding later rows, so a part on disk never holds a row whose request is
         not in requests.parquet/ or requests.open.parquet. `digests`: the sha256 of the logits
         rows already hashed (StepOutput.logits_sha256, by row); where one is missing, every row is hashed here."""

@@ -1,0 +1,267 @@
+"""The one run recorder: what every run writes of itself, `mode=run`, `mode=replay`, `toolkit.LLM`, the
+experiments and `mode=serve` alike, in one layout, append-only and in bounded memory.
+
+    config.yaml, manifest.json    at start
+    samples.parquet/              the SampleTrace rows, a part every `flush_every_steps` steps (TraceWriter)
+    logits.parquet/               trace.full_logits: the chosen requests' raw logits rows, as parts
+    requests.parquet/             each request's final row once it ended, appended as parts
+    requests.open.parquet         the rows of the requests not yet ended, replaced as they change (a run killed
+                                  mid-way still says what it was asked)
+    rejected.parquet/             requests refused (503) or failed on the engine thread (500): a server's
+    steps.parquet/                step records, a part every STEPS_PART_ROWS steps
+    summary.json                  at close: totals, and percentiles over the latest `summary_window` requests
+
+Held in memory: the rows of the requests not yet ended and what has not reached a part yet, never the run.
+toolkit.trace.reader reads this layout and the older one (requests.parquet and steps.parquet as single files).
+The engine's owner drives it: `admitted` as a request enters, `stepped` and `write` after each step, `ended`
+before the engine releases a request (its final rows), `finished` with its output, `close` at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from omegaconf import DictConfig, OmegaConf
+
+from toolkit.engine.core import Engine, RequestOutput, StepOutput
+from toolkit.errors import ConfigError
+from toolkit.runs.manifest import build_manifest, new_run_id, request_rows
+from toolkit.runs.metrics import InterTokenLatency, RunningSummary
+from toolkit.trace.writer import (
+    REQUESTS_FILE,
+    STEPS_DIR,
+    RequestsUpdate,
+    TraceWriter,
+    atomic_write_bytes,
+    atomic_write_table,
+    full_logits_selection,
+    write_manifest,
+)
+
+STEPS_PART_ROWS = 4096  # steps.parquet rows per part file
+RECORD_BODY = ("full", "hash", "off")
+
+
+def body_sha256(body: Any) -> str | None:
+    """sha256 of an HTTP body as JSON with sorted keys (what request_body holds)."""
+    return None if body is None else hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def step_record(out: StepOutput, seconds: float) -> dict[str, Any]:
+    """What one engine step did, for the run's per-step metrics (steps.parquet)."""
+    return {"step": out.step, "batch_size": out.batch_size, "decode_tokens": out.num_decode_tokens,
+            "prefill_tokens": out.num_prefill_tokens, "sampled": len(out.samples), "finished": len(out.finished),
+            "preempted": len(out.preempted), "kv_blocks_used": out.kv_blocks_used,
+            "kv_utilization": out.kv_utilization, "prefix_hit_tokens": out.prefix_hit_tokens, "step_s": seconds,
+            "forwards": out.forwards}
+
+
+def effective_config(engine: Engine, config: DictConfig | Mapping | None) -> DictConfig:
+    """The given config with the model, engine and default sampling the engine actually runs: complete, so
+    that a replay can rebuild the engine from it and override any key."""
+    base = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else dict(config or {})
+    base["model"] = dataclasses.asdict(engine.loaded.config)
+    base["engine"] = dataclasses.asdict(engine.cfg)
+    base["sampling"] = engine.default_sampling.to_dict()
+    return OmegaConf.create(base)
+
+
+class RunRecorder:
+    def __init__(self, engine: Engine, run_dir: Path | None, config: DictConfig | Mapping | None = None, *,
+                 trace: bool = True, flush_every_steps: int = 64, full_logits: Any = None,
+                 manifest_extra: Mapping[str, Any] | None = None, record_body: str = "full",
+                 summary_window: int | None = None, max_trace_bytes: int | None = None, served: bool = False):
+        """`run_dir`: None records nothing (rows are not even built). `trace`: False writes no sample rows (the
+        rest still). `full_logits`: off, all or request ids (None: the config's trace.full_logits).
+        `record_body`: full | hash | off, what the trace keeps of each HTTP body (hash: its sha256 only).
+        `summary_window`: the percentiles over the latest requests only (a server; None: all of them).
+        `max_trace_bytes`: past it (serve.max_trace_gb), `unavailable` says so, as it does while the disk refuses
+        writes. `served`: a server's run, which outlives a full disk (rows held and retried) where any other run
+        fails on the first refused write."""
+        if record_body not in RECORD_BODY:
+            raise ConfigError(f"serve.record_body must be full, hash or off, got {record_body!r}")
+        full_logits_selection(full_logits)  # a bad value is a one-line error before anything runs
+        self.engine, self.record_body, self.trace, self.served = engine, record_body, trace, served
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.run_id = new_run_id()
+        self._lock = threading.Lock()
+        self._open: dict[str, list[dict[str, Any]]] = {}  # rows of the requests not yet ended, in arrival order
+        self._bodies: dict[str, tuple[str | None, str | None]] = {}  # open requests: (body as kept, its sha256)
+        self._arrivals = 0
+        self._ended: list[dict[str, Any]] = []  # final rows not yet handed to the writer
+        self._rejected: list[dict[str, Any]] = []  # refusals not yet handed to the writer
+        self._open_changed = False
+        self._steps: list[dict[str, Any]] = []  # step records not yet in a part
+        self._step_parts = 0
+        self.steps_dropped = 0  # step records dropped while the disk refused them (diagnostics, not trace rows)
+        self._steps_refused_at = -1e9  # when the disk last refused a part of them (retried a second later)
+        self.max_trace_bytes = max_trace_bytes
+        self.summary = RunningSummary(window=summary_window)
+        self.itl = InterTokenLatency(max_values=summary_window)
+        self._started = time.perf_counter()
+        self.writer: TraceWriter | None = None
+        self.config = effective_config(engine, config)
+        if self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(self.run_dir / "config.yaml", OmegaConf.to_yaml(self.config).encode())
+            extra = {"served": True, "record_body": record_body} if served else {}
+            write_manifest(self.run_dir, build_manifest(engine, self.run_id, {**extra, **(manifest_extra or {})}))
+            (self.run_dir / REQUESTS_FILE).mkdir(exist_ok=True)
+            chosen = full_logits if full_logits is not None else OmegaConf.select(self.config, "trace.full_logits")
+            self.writer = TraceWriter(self.run_dir, self.run_id, flush_every_steps, chosen, retry_faults=served)
+
+    @property
+    def recording(self) -> bool:
+        return self.writer is not None
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why the trace cannot take a new request now (the disk refuses writes, or the trace is past its size), or
+        None: a server then answers new requests 507 and /health says why, until this clears."""
+        if self.writer is None:
+            return None
+        if self.writer.fault is not None:
+            return f"the trace cannot be written ({self.writer.fault}); its rows are held and retried"
+        if self.max_trace_bytes is not None and self.writer.bytes_written > self.max_trace_bytes:
+            return (f"the trace holds {self.writer.bytes_written:,} bytes, past serve.max_trace_gb "
+                    f"({self.max_trace_bytes:,} bytes)")
+        return None
+
+    def admitted(self, request_id: str, body: Any = None) -> None:
+        if self.writer is None:
+            return
+        text = json.dumps(body, sort_keys=True) if body is not None else None
+        self._bodies[request_id] = (text if self.record_body == "full" else None,
+                                    body_sha256(body) if self.record_body != "off" else None)
+        self._open[request_id] = self._rows(request_id, self._arrivals)
+        self._arrivals += 1
+        self._open_changed = True
+
+    def is_open(self, request_id: str) -> bool:
+        return request_id in self._open
+
+    def open_request_ids(self) -> list[str]:
+        """The requests admitted and not yet ended, in arrival order."""
+        return list(self._open)
+
+    def ended(self, request_id: str) -> str | None:
+        """Before the engine releases it: its final rows; returns its body's sha256 (as recorded)."""
+        if self.writer is None or request_id not in self._open:
+            return None
+        final = self._rows(request_id, self._open.pop(request_id)[0]["arrival_index"])
+        _, digest = self._bodies.pop(request_id)
+        self._ended.extend(final)
+        self._open_changed = True
+        return digest
+
+    def finished(self, output: RequestOutput) -> None:
+        self.summary.add(output)
+        for c in output.outputs:
+            self.itl.forget(output.request_id, c.index)
+
+    def reject(self, request_id: str, route: str, status: int, reason: str, body_sha: str | None) -> None:
+        """A request refused before it reached the engine (503) or failed on it (500); any thread."""
+        if self.writer is None:
+            return
+        row = {"run_id": self.run_id, "request_id": request_id, "route": route, "status": status, "reason": reason,
+               "step": self.engine.step_index, "time": time.time(),
+               "request_body_sha256": body_sha if self.record_body != "off" else None}
+        with self._lock:
+            self._rejected.append(row)
+
+    def stepped(self, out: StepOutput, seconds: float) -> dict[str, Any] | None:
+        """A step's timing and inter-token latencies; returns its step record (None: it ran no forward)."""
+        self.itl.update(out.samples)
+        record = step_record(out, seconds) if out.batch_size else None
+        if record is not None and self.writer is not None:
+            self._steps.append(record)
+            if len(self._steps) >= STEPS_PART_ROWS and time.monotonic() - self._steps_refused_at >= 1.0:
+                self._write_steps()
+        return record
+
+    def write(self, out: StepOutput | None) -> None:
+        """Hand the writer a step's rows (None: only what changed in the requests, e.g. an abort while idle)."""
+        if self.writer is None or (out is None and not self._changed()):
+            return
+        update = self._requests_update() if self._changed() else None
+        if out is not None and self.trace:
+            self.writer.write_output(out, update)
+        else:
+            self.writer.write_step((), None, update)
+
+    def flush(self) -> None:
+        """Everything received so far on disk, the request rows included (a run is replayable from here on)."""
+        if self.writer is not None:
+            self.writer.write_step((), None, self._requests_update())
+            self.writer.flush()
+
+    @property
+    def rows_written(self) -> int:
+        return self.writer.rows_written if self.writer is not None else 0
+
+    def close(self, wall_s: float | None = None, **extra) -> dict[str, Any] | None:
+        """Write the rest and summary.json (the figures, `extra` added); returns the summary (None: not recording).
+        `wall_s`: first admission to last finish when not given."""
+        if self.writer is None:
+            return None
+        try:
+            self.writer.write_step((), None, self._requests_update())
+            self.writer.close()
+        finally:
+            self._write_steps(final=True)
+            engine = self.engine
+            if wall_s is None:
+                wall_s = (engine.last_finish_time or 0.0) - (engine.first_admission_time or 0.0)
+            served = {"served": True, "served_s": time.perf_counter() - self._started,
+                      "steps_dropped": self.steps_dropped, "rejected_dropped": self.writer.rejected_dropped} \
+                if self.served else {}
+            summary = self.summary.result(wall_s, self.itl.values, steps=engine.step_index, run_id=self.run_id,
+                                          trace_rows=self.writer.rows_written, model=engine.loaded.model_id,
+                                          model_revision=engine.loaded.revision, **served, **extra)
+            atomic_write_bytes(self.run_dir / "summary.json", json.dumps(summary, indent=2).encode())
+        return summary
+
+    def _rows(self, request_id: str, arrival_index: int) -> list[dict[str, Any]]:
+        body, digest = self._bodies[request_id]
+        return [{**row, "request_body": body, "request_body_sha256": digest, "arrival_index": arrival_index}
+                for row in request_rows(self.engine, self.run_id, [request_id])]
+
+    def _changed(self) -> bool:
+        return self._open_changed or bool(self._ended) or bool(self._rejected)
+
+    def _requests_update(self) -> RequestsUpdate:
+        self._open_changed = False
+        ended, self._ended = self._ended, []
+        with self._lock:
+            rejected, self._rejected = self._rejected, []
+        return RequestsUpdate(ended, [row for rows in self._open.values() for row in rows], rejected)
+
+    def _write_steps(self, final: bool = False) -> None:
+        """A part of step records. A server's stay while the disk refuses them (up to 4 parts' worth, then the
+        oldest are dropped and counted: they are diagnostics, the trace's rows are the writer's); any other run
+        raises the refusal."""
+        if self.run_dir is None or not self._steps:
+            self._steps = []
+            return
+        try:
+            atomic_write_table(self.run_dir / STEPS_DIR / f"part-{self._step_parts:06d}.parquet",
+                               pa.Table.from_pylist(self._steps))
+        except OSError:
+            if not self.served:
+                raise
+            self._steps_refused_at = time.monotonic()
+            extra = len(self._steps) - (0 if final else 4 * STEPS_PART_ROWS)
+            if extra > 0:
+                del self._steps[:extra]
+                self.steps_dropped += extra
+            return
+        self._step_parts += 1
+        self._steps = []
