@@ -21,8 +21,8 @@ from toolkit.audit.checks import audit_transcripts
 from toolkit.audit.records import TokenMap
 from toolkit.audit.sources import hf_transcript, llama_cpp_missing, llama_cpp_transcript, server_transcript
 from toolkit.audit.transcripts import read_transcripts
-from toolkit.audit.verify import reference_forward
 from toolkit.errors import ConfigError, ForeignEngineError
+from toolkit.reproduce.verify import reference_forward
 
 ROOT = Path(__file__).resolve().parents[1]
 CHATS = ("What is the capital of France?", "Write a haiku about rain.", "Name three colours.")

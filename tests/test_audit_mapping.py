@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from toolkit.audit.checks import audit_transcripts
 from toolkit.audit.records import TokenMap
 from toolkit.audit.transcripts import read_transcripts
-from toolkit.audit.verify import reference_forward
+from toolkit.reproduce.verify import reference_forward
 
 MESSAGES = [{"role": "user", "content": "Tell me something."}]
 ANSWERS = (

@@ -1,4 +1,4 @@
-"""The audit's and verify's recomputation sharded over Ray (toolkit.audit.shard): a local Ray cluster here,
+"""The audit's and verify's recomputation sharded over Ray (toolkit.reproduce.shard): a local Ray cluster here,
 the same answers as the local run, value for value and in the same order.
 
 Shards are contiguous runs of requests balanced by tokens (property-tested); answers arrive in any order and are
@@ -23,8 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import native_only, once
-from toolkit.audit.shard import in_order, ray_options, split
 from toolkit.errors import ConfigError
+from toolkit.reproduce.shard import in_order, ray_options, split
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY_MISSING = None if importlib.util.find_spec("ray") else "Ray is not installed (pip install 'toolkit[ray]')"
@@ -112,8 +112,8 @@ def test_a_ray_sharded_verify_equals_the_local_one(tmp_path):
     if RAY_MISSING:
         print(f"SKIP reason: {RAY_MISSING}")
         pytest.skip(RAY_MISSING)
-    from toolkit.audit.shard import RayOptions
-    from toolkit.audit.verify import verify
+    from toolkit.reproduce.shard import RayOptions
+    from toolkit.reproduce.verify import verify
 
     trace = tmp_path / "trace"
     proc = _cli("model=tiny", f"hydra.run.dir={trace}", "workload.num_requests=24", "workload.min_tokens=4",

@@ -107,7 +107,7 @@ def test_joblib_multirun_writes_a_trace_per_job_and_compare_reads_them(tmp_path)
 
 @pytest.mark.native
 def test_compare_names_the_first_divergence(tmp_path):
-    from toolkit.audit.compare import compare
+    from toolkit.reproduce.compare import compare
 
     runs = []
     for i, temperature in enumerate([1.0, 1.5]):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tests.conftest import make_engine
 from toolkit.config import EngineConfig
 from toolkit.engine.core import Engine
-from toolkit.engine.request import RequestStatus
+from toolkit.engine.request import SequenceStatus
 from toolkit.errors import ConfigError, RequestError
 from toolkit.sampling.params import SamplingParams
 
@@ -54,7 +54,7 @@ def test_last_prompt_chunk_samples_in_the_same_step(tiny):
     assert [o.num_prefill_tokens for o in outs] == [4, 4, 2]
     assert [len(o.samples) for o in outs] == [0, 0, 1]
     assert outs[2].samples[0].request_id == rid and outs[2].samples[0].position == 10
-    assert engine.requests[rid].status is RequestStatus.DECODING
+    assert engine.requests[rid].status is SequenceStatus.DECODING
 
 
 @pytest.mark.native
@@ -70,7 +70,7 @@ def test_decode_first_and_budget(tiny):
         sampled = {s.request_id for s in out.samples}
         # every request that was decoding before this step got its token in this step
         assert decoding_before - set(out.finished) <= sampled | set(out.finished)
-        decoding_before = {r.request_id for r in engine.requests.values() if r.status is RequestStatus.DECODING}
+        decoding_before = {r.request_id for r in engine.requests.values() if r.status is SequenceStatus.DECODING}
 
 
 @pytest.mark.native
@@ -82,7 +82,7 @@ def test_lifecycle_and_block_release(tiny):
         engine.step()
         seen.append(engine.requests[rid].status)
     order = [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]]
-    assert order == [RequestStatus.PENDING, RequestStatus.PREFILLING, RequestStatus.DECODING, RequestStatus.FINISHED]
+    assert order == [SequenceStatus.PENDING, SequenceStatus.PREFILLING, SequenceStatus.DECODING, SequenceStatus.FINISHED]
     out = engine.output(rid)
     assert out.finish_reason == "length" and len(out.output_token_ids) == 8
     assert engine.block_manager.num_free_blocks == 16

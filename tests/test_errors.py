@@ -117,7 +117,7 @@ def test_model_rows(tmp_path):
 
 def test_family_and_training_rows(tmp_path, tiny):
     from tests.families import checkpoint_dir
-    from toolkit.audit.kv_quantization import parse_variant
+    from toolkit.bench.kv_quantization import parse_variant
     from toolkit.modes.train import train
 
     foreign = tmp_path / "mamba"
@@ -211,7 +211,7 @@ def test_trace_rows(small_run, tmp_path):
             lambda: replay(small_run, ["+engine.batch_invariant=true"], out_dir=tmp_path / "r35"))
     _expect(36, ConfigError, "needs a trace recorded with engine.batch_invariant=true",
             lambda: verify(small_run, reference="exact"))
-    from toolkit.audit.compare import compare
+    from toolkit.reproduce.compare import compare
 
     _expect(37, ConfigError, "matches no run directory", lambda: compare([str(tmp_path / "none*")]))
     assert 38 in DOC_ROWS  # Ctrl-C: tests/test_cli.py::test_ctrl_c_flushes_the_trace_writes_the_summary_and_exits_130

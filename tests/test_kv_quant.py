@@ -224,7 +224,7 @@ def test_quantised_budget_holds_more_blocks(tiny):
 @pytest.mark.parametrize("kv_dtype,granularity", [("int8", "block"), ("fp8_e4m3", "tensor"), ("bf16", "block"),
                                                   ("int8", "channel"), ("fp8_e4m3", "channel")])
 def test_quantised_run_replays_bit_for_bit_through_swap_and_prefix_caching(tiny, tmp_path, kv_dtype, granularity):
-    from toolkit.audit.replay import replay
+    from toolkit.reproduce.replay import replay
     from toolkit.runs.session import record
     from toolkit.trace.reader import TraceError, read_manifest
 
@@ -291,7 +291,7 @@ def smollm2_greedy(smollm2, kv_dtype: str, granularity: str = "block", run_dir=N
 def teacher_forced_errors(run_dir) -> list[float]:
     """|recorded - recomputed| raw logprob of every sampled token of a quantised run, against our fp32 forward
     on the fp32 cache of the same weights (verify: the quantisation error the run's own tokens saw)."""
-    from toolkit.audit.verify import verify
+    from toolkit.reproduce.verify import verify
 
     return [c.abs_diff for c in verify(run_dir, reference="ours", atol=INT8_MAX_LOGPROB_ERROR).checks]
 

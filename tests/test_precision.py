@@ -179,7 +179,7 @@ def test_a_16_bit_run_replays_bit_for_bit_and_verifies_against_float64_and_fp32(
     logprob shifted by more than that tolerance fails at its row."""
     from tests.test_replay_verify import MIXED, edit_sample
     from toolkit import replay, verify
-    from toolkit.audit.verify import AUTO_ATOL
+    from toolkit.reproduce.verify import AUTO_ATOL
     from toolkit.runs.session import record
 
     fmt = str(tiny16.model.embed.dtype).removeprefix("torch.")

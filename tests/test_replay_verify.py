@@ -239,7 +239,7 @@ def test_cli_replay_and_verify_exit_codes(recorded_run, tmp_path):
 def test_replay_names_the_matmul_backend_of_older_traces(tiny):
     """A manifest without matmul_backend comes from before the native matmul served the default
     mode: it ran torch's GEMM, so replaying it with the native one is refused with the fix."""
-    from toolkit.audit.replay import check_manifest
+    from toolkit.reproduce.replay import check_manifest
     from toolkit.trace.reader import TraceError
 
     engine = make_engine(tiny)
@@ -254,7 +254,7 @@ def test_replay_names_the_matmul_backend_of_older_traces(tiny):
 def test_replay_refuses_a_trace_recorded_under_other_kernel_numerics(tiny):
     """The kernels' bits depend on the build's lanes and FMA: a trace from an AVX-512 build replayed on
     another profile is refused, naming the target to replay with."""
-    from toolkit.audit.replay import check_manifest
+    from toolkit.reproduce.replay import check_manifest
     from toolkit.runs.manifest import native_kernels
     from toolkit.trace.reader import TraceError
 

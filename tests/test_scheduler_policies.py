@@ -192,7 +192,7 @@ def test_each_experiment_bundle_composes_and_runs_on_tiny(bundle, tmp_path):
 @pytest.mark.parametrize("policy", ["two_forwards", "prefill_first"])
 def test_a_policy_run_replays_bit_for_bit(tiny, tmp_path, policy):
     """The policy is part of the recorded config: replay rebuilds the same schedule and the same bits."""
-    from toolkit.audit.replay import replay
+    from toolkit.reproduce.replay import replay
 
     engine = make_engine(tiny, scheduler_policy=policy, max_num_batched_tokens=32, max_num_seqs=8,
                          sampling=SamplingParams())

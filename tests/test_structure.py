@@ -28,7 +28,8 @@ LAYERS = (
     ("toolkit.runs", "toolkit.llm"),  # a recorded run: session, manifest, workloads, metrics, plots, loggers
     ("toolkit.report",),
     ("toolkit.serve",),
-    ("toolkit.audit",),
+    ("toolkit.reproduce",),  # our own runs: replay, verify, compare (and the Ray sharding verify and the audit share)
+    ("toolkit.audit",),  # other engines' transcripts
     ("toolkit.bench",),
     ("toolkit.modes", "toolkit.__main__", "toolkit"),  # what run.py dispatches to; the package's entry points
 )
@@ -270,10 +271,10 @@ def divergence_definitions(root: Path = ROOT) -> list[str]:
 
 def test_the_first_divergence_has_one_implementation(tmp_path):
     assert divergence_definitions() == []
-    planted = tmp_path / "audit"
+    planted = tmp_path / "reproduce"
     planted.mkdir()
     (planted / "compare.py").write_text("def _first_divergence(a, b):\n    return 0\n\nclass Divergence:\n    pass\n")
-    assert divergence_definitions(tmp_path) == ["audit/compare.py:Divergence", "audit/compare.py:_first_divergence"]
+    assert divergence_definitions(tmp_path) == ["reproduce/compare.py:Divergence", "reproduce/compare.py:_first_divergence"]
 
 
 # --------------------------------------------------------------------------- the numerics marker

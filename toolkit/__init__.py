@@ -25,14 +25,14 @@ def __getattr__(name):
 
 
 def replay(run_dir, overrides=(), **kwargs):
-    """Re-run a recorded run directory and compare every sample row bit for bit (see toolkit.audit.replay)."""
-    from toolkit.audit.replay import replay as _replay  # deferred: torch; `import toolkit` stays light
+    """Re-run a recorded run directory and compare every sample row bit for bit (see toolkit.reproduce.replay)."""
+    from toolkit.reproduce.replay import replay as _replay  # deferred: torch; `import toolkit` stays light
 
     return _replay(run_dir, overrides, **kwargs)
 
 
 def verify(run_dir, **kwargs):
-    """Teacher-forced recomputation of a recorded run (see toolkit.audit.verify)."""
-    from toolkit.audit.verify import verify as _verify  # deferred: torch; `import toolkit` stays light
+    """Teacher-forced recomputation of a recorded run (see toolkit.reproduce.verify)."""
+    from toolkit.reproduce.verify import verify as _verify  # deferred: torch; `import toolkit` stays light
 
     return _verify(run_dir, **kwargs)

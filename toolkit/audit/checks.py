@@ -156,7 +156,7 @@ Forward = Callable[[list[int]], torch.Tensor]  # token ids -> float64 logits (T,
 def audit_transcripts(records: list[Transcript], forward: Forward, loaded, *, atol: float, reference: str,
                       source: str = "", fmt: str = "", line_errors: list[LineError] | None = None,
                       progress: Callable[[int], Any] | None = None) -> AuditReport:
-    """Each record recomputed on its own (so its values never depend on the others: toolkit.audit.shard);
+    """Each record recomputed on its own (so its values never depend on the others: toolkit.reproduce.shard);
     `progress` is told each record's tokens as it is done."""
     report = AuditReport(source=source, fmt=fmt, reference=reference, atol=atol, line_errors=list(line_errors or []))
     eos = tuple(sorted(set(loaded.arch.eos_token_ids)))

@@ -61,13 +61,13 @@ from toolkit.audit.detection import (
 from toolkit.audit.detector import WINDOWS, Detection
 from toolkit.audit.records import FORMATS, Transcript, TranscriptError
 from toolkit.audit.references import _atol, _forward, _references, stated_reference
-from toolkit.audit.shard import in_order, launcher, progress_bar, ray_options, run_on_ray
 from toolkit.audit.transcripts import read_transcripts
 from toolkit.config import EngineConfig, ModelConfig, from_mapping
 from toolkit.engine.core import Engine, load_for
 from toolkit.errors import ConfigError, ForeignEngineError
 from toolkit.models import load_model
 from toolkit.models.loading import smollm2_gguf
+from toolkit.reproduce.shard import in_order, launcher, progress_bar, ray_options, run_on_ray
 from toolkit.runs.plots import _pyplot
 from toolkit.trace.schema import SAMPLES_SCHEMA, SCHEMA_VERSION
 from toolkit.trace.writer import SAMPLES_DIR, atomic_write_bytes, atomic_write_table, write_manifest, write_requests
@@ -78,7 +78,7 @@ from toolkit.version import __version__
 
 def _audit_shard(loaded, memo: dict[str, Forward], records: list[Transcript], references: list[str],
                  atol: float) -> list[list[RequestReport]]:
-    """A Ray worker's part of an audit (toolkit.audit.shard.run_on_ray): per reference, its records' reports."""
+    """A Ray worker's part of an audit (toolkit.reproduce.shard.run_on_ray): per reference, its records' reports."""
     return [audit_transcripts(records, _forward(loaded, r, memo), loaded, atol=atol, reference=r).requests
             for r in references]
 

@@ -9,11 +9,11 @@ import dataclasses
 import torch
 
 from toolkit.audit.checks import Forward
-from toolkit.audit.verify import reference_forward
 from toolkit.engine.runner import recompute_logits, recompute_many
 from toolkit.errors import ConfigError
 from toolkit.models import load_model
 from toolkit.models.loading import hf_reference_model, load_checkpoint
+from toolkit.reproduce.verify import reference_forward
 
 REFERENCES = ("ours", "hf")
 
@@ -40,7 +40,7 @@ def _references(a: dict) -> list[str]:
 
 
 def stated_reference(loaded, reference: str):
-    """ids -> logits for an audit reference: `ours` / `hf` (toolkit.audit.verify.reference_forward), or one in a
+    """ids -> logits for an audit reference: `ours` / `hf` (toolkit.reproduce.verify.reference_forward), or one in a
     stated format: ours@float64 is the float64 textbook forward; ours@<float32 | bfloat16 | float16> is our
     engine's own forward (one no-cache prefill, the native kernels where they run) of the model loaded in that
     format, the recomputation a claim from an engine running that format is checked against; hf@<dtype> is HF

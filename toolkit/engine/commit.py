@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from toolkit.engine.decide import Decision, Emit
 from toolkit.engine.outputs import TextDelta
-from toolkit.engine.request import FinishReason, Request, RequestStatus
+from toolkit.engine.request import FinishReason, Sequence, SequenceStatus
 from toolkit.engine.scheduler import ScheduledBatch, Scheduler
 from toolkit.engine.speculative import Proposal, Speculator
 from toolkit.errors import one_line
@@ -48,7 +48,7 @@ class Committer:
         self.speculator = speculator
         self.last_finish_time: float | None = None
 
-    def preempted(self, preempted: tuple[tuple[str, str], ...], requests: Mapping[str, Request]) -> None:
+    def preempted(self, preempted: tuple[tuple[str, str], ...], requests: Mapping[str, Sequence]) -> None:
         """A sequence preempted by recompute rebuilds its grammar matcher from its committed tokens."""
         for seq_id, mode in preempted:
             seq = requests[seq_id]
@@ -56,7 +56,7 @@ class Committer:
                 seq.grammar = self.grammar().matcher(seq.sampling.structured_outputs, seq.output_token_ids)
 
     def commit(self, batch: ScheduledBatch, decision: Decision, proposals: Mapping[str, Proposal],
-               requests: Mapping[str, Request], start_time: float) -> Committed:
+               requests: Mapping[str, Sequence], start_time: float) -> Committed:
         step = batch.step
         for chunk in batch.chunks:
             requests[chunk.seq_id].num_computed_tokens = chunk.context_len
@@ -105,7 +105,7 @@ class Committer:
         return Committed(tuple(traces), tuple(d for d in deltas if d.text or d.token_ids or d.finished),
                          tuple(finished), tuple(failed))
 
-    def commit_row(self, seq: Request, token: int, error: str | None) -> TextDelta:
+    def commit_row(self, seq: Sequence, token: int, error: str | None) -> TextDelta:
         """One sampling result into its sequence: token, grammar, text, stop conditions."""
         now = time.perf_counter()
         if error is not None:
@@ -113,7 +113,7 @@ class Committer:
             self.finish(seq, FinishReason.ERROR, f"error: {error}", None, now)
             return TextDelta(seq.request_id, seq.stream, update.delta, (), True, seq.finish_reason.value)
         seq.token_ids.append(token)
-        seq.status = RequestStatus.DECODING
+        seq.status = SequenceStatus.DECODING
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.last_token_time = now
@@ -142,7 +142,7 @@ class Committer:
         return TextDelta(seq.request_id, seq.stream, update.delta, (token,), stop is not None,
                          seq.finish_reason.value if stop is not None else None)
 
-    def text(self, seq: Request, *, final: bool) -> TextUpdate:
+    def text(self, seq: Sequence, *, final: bool) -> TextUpdate:
         """Advance the sequence's text and stop-string matcher (no text without a tokenizer)."""
         if self.tokenizer is None:
             return TextUpdate(delta="", stop_string=None)
@@ -152,16 +152,16 @@ class Committer:
                            check_stops=seq.num_output_tokens >= p.min_tokens,
                            include_stop=p.include_stop_str_in_output, final=final, first=seq.num_prompt_tokens)
 
-    def finish(self, seq: Request, reason: FinishReason, detail: str, stop_reason, now: float) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason, detail: str, stop_reason, now: float) -> None:
         if self.speculator is not None:
             self.speculator.release(seq.seq_id)
-        seq.status = RequestStatus.FINISHED
+        seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.finish_detail, seq.stop_reason = reason, detail, stop_reason
         seq.finish_time = now
         self.last_finish_time = now
         self.scheduler.finish(seq)
 
-    def fail_requests(self, failed: Mapping[str, str], committed: Committed, requests: Mapping[str, Request],
+    def fail_requests(self, failed: Mapping[str, str], committed: Committed, requests: Mapping[str, Sequence],
                       groups: Mapping[str, list[str]]) -> Committed:
         """End every sequence of the `failed` requests (request id -> why; toolkit.engine.isolate found them)
         after the step's commit: their deltas, finished ids and reasons join the step's."""
@@ -175,7 +175,7 @@ class Committer:
         return Committed(committed.traces, committed.deltas + tuple(deltas), committed.finished + tuple(finished),
                          committed.failed + tuple(failed.items()))
 
-    def fail(self, seq: Request, message: str) -> TextDelta:
+    def fail(self, seq: Sequence, message: str) -> TextDelta:
         """End a sequence whose step raised an exception for it alone (finish_reason "error", `message` its
         detail), with no token and no trace row: nothing was sampled for it."""
         seq.followers = []
@@ -185,7 +185,7 @@ class Committer:
             self.finish(seq, FinishReason.ERROR, f"error: {message}", None, time.perf_counter())
         return TextDelta(seq.request_id, seq.stream, "", (), True, FinishReason.ERROR.value)
 
-    def abort(self, seqs: list[Request], step: int) -> None:
+    def abort(self, seqs: list[Sequence], step: int) -> None:
         """Finish every sequence of a request now, before `step` (finish_reason "abort"): no token, no trace row."""
         now = time.perf_counter()
         for seq in seqs:
@@ -194,7 +194,7 @@ class Committer:
                 seq.abort_step = step
                 self.finish(seq, FinishReason.ABORT, "abort", None, now)
 
-    def trace_row(self, seq: Request, e: Emit, position: int, batch: ScheduledBatch, finished: bool,
+    def trace_row(self, seq: Sequence, e: Emit, position: int, batch: ScheduledBatch, finished: bool,
                   allowed: dict[int, int], start_time: float) -> SampleTrace:
         p = seq.sampling
         return SampleTrace(

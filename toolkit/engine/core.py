@@ -61,7 +61,7 @@ from toolkit.engine.outputs import (
     request_output,
 )
 from toolkit.engine.queries import EngineQueries, EngineStats
-from toolkit.engine.request import EngineRequest, Request, RequestStatus
+from toolkit.engine.request import EngineRequest, Sequence, SequenceStatus
 from toolkit.engine.runner import ModelOutput, ModelRunner
 from toolkit.engine.scheduler import ScheduledBatch, Scheduler
 from toolkit.engine.speculative import DraftContext, Proposal, Speculator
@@ -131,7 +131,7 @@ class Engine(EngineQueries):
                                self.spec_cfg.acceptance, self.cfg.batch_invariant)
         self.committer = Committer(self.tokenizer, self.eos_token_ids, self.max_model_len, self._grammar_backend,
                                    self.scheduler, self.block_manager, self.speculator)
-        self.requests: dict[str, Request] = {}  # by sequence id
+        self.requests: dict[str, Sequence] = {}  # by sequence id
         self.groups: dict[str, list[str]] = {}  # request id -> its sequence ids
         self.step_index = 0
         self.start_time: float | None = None
@@ -253,7 +253,7 @@ class Engine(EngineQueries):
         k = self.spec_cfg.num_speculative_tokens
         slots = {}
         for seq in self.scheduler.running:
-            if seq.status is not RequestStatus.DECODING:
+            if seq.status is not SequenceStatus.DECODING:
                 continue
             room = min(k, seq.sampling.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
             if room > 0:

@@ -12,13 +12,14 @@ statistics it counts while verifying. What it decides is committed by toolkit.en
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import collections.abc
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from toolkit.engine.request import Request
+from toolkit.engine.request import Sequence
 from toolkit.engine.runner import ModelOutput
 from toolkit.engine.speculative import PLAIN, Proposal, Speculator, verify
 from toolkit.sampling import pipeline, rng
@@ -32,9 +33,9 @@ from toolkit.sampling.sampler import FusedSample, SampleRow, kept_digests, logsu
 class Row:
     """One logits row to decide: the sequence, its history for the processors, the position it samples."""
 
-    seq: Request
+    seq: Sequence
     logits_row: int
-    tokens: Sequence[int]
+    tokens: collections.abc.Sequence[int]
     position: int
     depth: int = 0  # verification rows: number of drafts before this position
 
@@ -64,8 +65,8 @@ class Emit:
 class Decision:
     """What one step decided, for the commit stage."""
 
-    emits: list[tuple[Request, list[Emit]]]  # per sequence, in row order: the tokens (or error) to commit
-    forks: list[tuple[Request, Request]]  # (leader, follower): parallel samples that leave their leader now
+    emits: list[tuple[Sequence, list[Emit]]]  # per sequence, in row order: the tokens (or error) to commit
+    forks: list[tuple[Sequence, Sequence]]  # (leader, follower): parallel samples that leave their leader now
     logits_RV: torch.Tensor  # the raw logits rows decided from (Emit.row indexes them)
     grammar_allowed: dict[int, int]  # row -> tokens its grammar allowed
 
@@ -75,7 +76,7 @@ class Staged:
     """What Decider.stage prepared for Decider.finish."""
 
     rows: list[Row]
-    forks: list[tuple[Request, Request]]
+    forks: list[tuple[Sequence, Sequence]]
     logits_RV: torch.Tensor  # the raw logits rows decided from
     allowed: dict[int, int]
     proposals: Mapping[str, Proposal]
@@ -98,11 +99,11 @@ class Decider:
         self.sampler = Sampler(batch_invariant)  # logits rows -> tokens and trace fields (batch_invariant: each
         # row's reductions independent of the other rows)
 
-    def decide(self, out: ModelOutput, proposals: Mapping[str, Proposal], requests: Mapping[str, Request]
+    def decide(self, out: ModelOutput, proposals: Mapping[str, Proposal], requests: Mapping[str, Sequence]
                ) -> Decision:
         return self.finish(self.stage(out, proposals, requests))
 
-    def stage(self, out: ModelOutput, proposals: Mapping[str, Proposal], requests: Mapping[str, Request]) -> Staged:
+    def stage(self, out: ModelOutput, proposals: Mapping[str, Proposal], requests: Mapping[str, Sequence]) -> Staged:
         """The part of decide before the sampler's native pass: rows, grammar masks, then the sampler's steps 1-3
         (processors, the rows it samples, its keys). Python and torch only where the sampler's kernel takes the
         rest (Staged.sampler): a caller may run it beside other work, then Staged.sampler.run() on every thread,
@@ -125,8 +126,8 @@ class Decider:
         emits = self._emits(staged, self.sampler.finish(staged.sampling))
         return Decision(emits, staged.forks, staged.logits_RV, staged.allowed)
 
-    def rows(self, out: ModelOutput, proposals: Mapping[str, Proposal], requests: Mapping[str, Request]
-             ) -> tuple[list[Row], list[tuple[Request, Request]]]:
+    def rows(self, out: ModelOutput, proposals: Mapping[str, Proposal], requests: Mapping[str, Sequence]
+             ) -> tuple[list[Row], list[tuple[Sequence, Sequence]]]:
         """One row per logits row to decide: plain samples, forked parallel samples, verification positions."""
         rows, forks = [], []
         offset = 0
@@ -185,14 +186,14 @@ class Decider:
                          vocab_size=self.vocab_size, device=device, eos_token_ids=self.eos_token_ids,
                          grammar_mask_RV=grammar_mask)
 
-    def _emits(self, staged: Staged, out: SamplerOutput) -> list[tuple[Request, list[Emit]]]:
+    def _emits(self, staged: Staged, out: SamplerOutput) -> list[tuple[Sequence, list[Emit]]]:
         """Each sequence's emits in row order: a sampled token with its trace fields, an error, or (speculating
         sequences) the tokens its verification accepts."""
         rows, logits_RV, proposals, result = staged.rows, staged.logits_RV, staged.proposals, out.result
         if self.speculator is not None:
             self.speculator.stats.plain_samples += len(out.plain)
         slot = {row: j for j, row in enumerate(out.plain)}
-        decisions: list[tuple[Request, list[Emit]]] = []
+        decisions: list[tuple[Sequence, list[Emit]]] = []
         seen: set[str] = set()
         for i, r in enumerate(rows):
             sid = r.seq.seq_id
@@ -247,7 +248,7 @@ class Decider:
                               top_processed=_top(proc, proc_lse, seq.sampling.logprobs)))
         return emits
 
-    def draft_sample(self, seqs: list[Request], drafts: Mapping[str, list[int]], logits_RV: torch.Tensor,
+    def draft_sample(self, seqs: list[Sequence], drafts: Mapping[str, list[int]], logits_RV: torch.Tensor,
                      draft_grammars: dict[str, Any]) -> tuple[torch.Tensor, list[int]]:
         """A draft model's next token for each sequence, processed with the sequence's own pipeline.
         `draft_grammars` (the proposer's, for one proposal round) holds each grammar sequence's matcher

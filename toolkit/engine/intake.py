@@ -5,13 +5,14 @@ defaults, the context and KV-pool limits, token ids inside the vocabulary, bad w
 
 from __future__ import annotations
 
+import collections.abc
 import hashlib
 import time
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping
 from typing import Any
 
 from toolkit.config import EngineConfig
-from toolkit.engine.request import EngineRequest, Request
+from toolkit.engine.request import EngineRequest, Sequence
 from toolkit.errors import ConfigError, RequestError
 from toolkit.models.tokenizer import Tokenizer
 from toolkit.sampling.grammar import GrammarBackend
@@ -44,7 +45,7 @@ class RequestIntake:
         if params.structured_outputs is not None:
             self.grammar().compile(params.structured_outputs)
 
-    def sequences(self, request: EngineRequest, *, step_index: int = 0, taken: Container[str] = ()) -> list[Request]:
+    def sequences(self, request: EngineRequest, *, step_index: int = 0, taken: Container[str] = ()) -> list[Sequence]:
         """The sequences of one request (n when n > 1; the first leads, the others follow it), or a
         RequestError naming what is wrong. `taken`: the request ids in use; `step_index`: the engine's
         current step (a request arrives no earlier)."""
@@ -77,7 +78,7 @@ class RequestIntake:
         seqs = []
         for stream in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{stream}"
-            seq = Request(seq_id=seq_id, request_id=request_id, prompt_token_ids=tuple(ids), sampling=params,
+            seq = Sequence(seq_id=seq_id, request_id=request_id, prompt_token_ids=tuple(ids), sampling=params,
                           seed=seed, arrival_step=max(arrival_step or 0, step_index), prompt_text=text,
                           stream=stream, bad_words_ids=bad_words_ids, add_time=now, priority=priority)
             if params.structured_outputs is not None:
@@ -104,7 +105,7 @@ class RequestIntake:
         shorter than the context), or a RequestError naming the prompt: what scoring a prompt reads. Ids past the
         context are refused before they are read (a hostile prompt may hold a million)."""
         prompt, messages, prompt_token_ids = request.prompt, request.messages, request.prompt_token_ids
-        if isinstance(prompt_token_ids, Sequence) and not isinstance(prompt_token_ids, (str, bytes)):
+        if isinstance(prompt_token_ids, collections.abc.Sequence) and not isinstance(prompt_token_ids, (str, bytes)):
             self._check_context(len(prompt_token_ids))
         ids, _ = self._prompt_ids(prompt, messages, prompt_token_ids)
         self._check_context(len(ids))
@@ -120,7 +121,7 @@ class RequestIntake:
         if sum(given) != 1:
             raise RequestError("give exactly one of prompt, messages or prompt_token_ids")
         if prompt_token_ids is not None:
-            if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
+            if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, collections.abc.Sequence):
                 raise RequestError("prompt_token_ids must be a list of integers")
             ids = list(prompt_token_ids)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from toolkit.engine.decide import Decider
-from toolkit.engine.request import Request, RequestStatus
+from toolkit.engine.request import Sequence, SequenceStatus
 from toolkit.engine.runner import ModelRunner
 from toolkit.engine.scheduler import ScheduledBatch, ScheduledChunk
 from toolkit.engine.speculative import Proposal
@@ -58,7 +58,7 @@ def find_culprits(batch: ScheduledBatch, exc: Exception, probe: Callable[[Schedu
     return {r: why[r] for r in culprits}
 
 
-def prober(runner: ModelRunner, decider: Decider, requests: Mapping[str, Request],
+def prober(runner: ModelRunner, decider: Decider, requests: Mapping[str, Sequence],
            proposals: Mapping[str, Proposal]) -> Callable[[ScheduledBatch], None]:
     """What find_culprits runs on a part of a failed step's batch: the forward (no block copied again) and the
     decider (which only reads), nothing committed."""
@@ -69,10 +69,10 @@ def prober(runner: ModelRunner, decider: Decider, requests: Mapping[str, Request
 
 
 def without(batch: ScheduledBatch, proposals: Mapping[str, Proposal], failed: Mapping[str, str],
-            requests: Mapping[str, Request]) -> tuple[ScheduledBatch, dict[str, Proposal]]:
+            requests: Mapping[str, Sequence]) -> tuple[ScheduledBatch, dict[str, Proposal]]:
     """The batch and its draft proposals less the chunks of the `failed` requests (token counts recounted)."""
     kept = tuple(c for c in batch.chunks if requests[c.seq_id].request_id not in failed)
-    decoding = [requests[c.seq_id].status is RequestStatus.DECODING for c in kept]
+    decoding = [requests[c.seq_id].status is SequenceStatus.DECODING for c in kept]
     batch = dataclasses.replace(batch, chunks=kept,
                                 num_decode_tokens=sum(c.num_tokens for c, d in zip(kept, decoding) if d),
                                 num_prefill_tokens=sum(c.num_tokens for c, d in zip(kept, decoding) if not d))

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import collections.abc
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from toolkit.engine.request import Request
+from toolkit.engine.request import Sequence
 from toolkit.trace.schema import SampleTrace
 
 
@@ -101,7 +102,7 @@ class StepOutput:
     failed: tuple[tuple[str, str], ...] = ()
 
 
-def request_metrics(r: Request) -> RequestMetrics:
+def request_metrics(r: Sequence) -> RequestMetrics:
     start = r.arrival_time
     since = lambda t: None if (t is None or start is None) else t - start  # noqa: E731
     tpot = None
@@ -112,7 +113,7 @@ def request_metrics(r: Request) -> RequestMetrics:
                           e2e_s=since(r.finish_time), num_preemptions=r.num_preemptions)
 
 
-def request_output(request_id: str, seqs: Sequence[Request]) -> RequestOutput:
+def request_output(request_id: str, seqs: collections.abc.Sequence[Sequence]) -> RequestOutput:
     """A request's output from its sequences (one per parallel sample, in stream order)."""
     first = seqs[0]
     return RequestOutput(

@@ -17,11 +17,12 @@ such reaches: none).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import collections.abc
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from toolkit.engine.request import EngineRequest, Request, RequestStatus
+from toolkit.engine.request import EngineRequest, Sequence, SequenceStatus
 from toolkit.engine.runner import prompt_logprobs
 from toolkit.errors import RequestError
 from toolkit.sampling.params import SamplingParams
@@ -55,7 +56,7 @@ class EngineQueries:
     """Mixed into Engine, which owns `requests` (by sequence id), `groups` (request id -> sequence ids),
     `scheduler`, `block_manager`, `intake` and the `loaded` model."""
 
-    requests: dict[str, Request]
+    requests: dict[str, Sequence]
     groups: dict[str, list[str]]
     scheduler: Scheduler
     block_manager: BlockManager
@@ -82,13 +83,13 @@ class EngineQueries:
     def request_of(self, seq_id: str) -> str:
         return self.requests[seq_id].request_id
 
-    def sequences(self, request_id: str) -> tuple[Request, ...]:
+    def sequences(self, request_id: str) -> tuple[Sequence, ...]:
         """A request's sequences, stream 0 first. Their state is the engine's: read it, never change it."""
         if request_id not in self.groups:
             raise RequestError(f"unknown request id {request_id!r}")
         return tuple(self.requests[s] for s in self.groups[request_id])
 
-    def running_sequences(self) -> tuple[Request, ...]:
+    def running_sequences(self) -> tuple[Sequence, ...]:
         """The running set in the scheduler's order. Read only."""
         return tuple(self.scheduler.running)
 
@@ -97,7 +98,7 @@ class EngineQueries:
         return EngineStats(
             step=self.step_index, requests=len(self.groups), running=len(sched.running), waiting=len(sched.waiting),
             waiting_requests=len({seq.request_id for seq in sched.waiting}),
-            decoding=sum(s.status is RequestStatus.DECODING for s in sched.running),
+            decoding=sum(s.status is SequenceStatus.DECODING for s in sched.running),
             kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
             preemptions=sched.num_preemptions,
             prefix_queries=bm.prefix_queries, prefix_hits=bm.prefix_hits)
@@ -110,7 +111,7 @@ class EngineQueries:
         """Compile a request's grammar ahead of `add`, on the caller's thread (RequestError if invalid)."""
         self.intake.precompile(sampling_params)
 
-    def prompt_logprobs(self, prompt_token_ids: Sequence[int], k: int) -> list:
+    def prompt_logprobs(self, prompt_token_ids: collections.abc.Sequence[int], k: int) -> list:
         """Each prompt token's logprob and the top k at its position (echo), recomputed without the cache."""
         return prompt_logprobs(self.loaded.model, prompt_token_ids, k)
 

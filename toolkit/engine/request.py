@@ -1,4 +1,4 @@
-"""What enters the engine (`EngineRequest`, one typed contract) and its state inside it (`Request`, one sampled
+"""What enters the engine (`EngineRequest`, one typed contract) and its state inside it (`Sequence`, one sampled
 sequence): everything needed to schedule, resume and report it.
 
 A request with n parallel samples is n of these (same `request_id`, `stream` 0..n-1,
@@ -11,8 +11,9 @@ stream). The stop-string matcher keeps its own progress (`stop_state`).
 
 from __future__ import annotations
 
+import collections.abc
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,15 +31,15 @@ class EngineRequest:
     timeline); `priority`: lower is more important (preemption_policy=priority)."""
 
     prompt: str | None = None
-    messages: Sequence[Mapping[str, Any]] | None = None
-    prompt_token_ids: Sequence[int] | None = None
+    messages: collections.abc.Sequence[Mapping[str, Any]] | None = None
+    prompt_token_ids: collections.abc.Sequence[int] | None = None
     sampling_params: SamplingParams | Mapping[str, Any] | None = None
     request_id: str | None = None
     arrival_step: int | None = None
     priority: int = 0
 
 
-class RequestStatus(str, enum.Enum):
+class SequenceStatus(str, enum.Enum):
     PENDING = "pending"  # added, but its arrival step has not come yet
     WAITING = "waiting"  # eligible, queued for admission (or preempted and queued again)
     PREFILLING = "prefilling"  # admitted; prompt (or recomputed tokens) partly in the cache
@@ -54,7 +55,7 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(eq=False)
-class Request:
+class Sequence:
     seq_id: str  # unique per sequence: the request id, or "<request id>#<stream>" when n > 1
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -70,7 +71,7 @@ class Request:
 
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    status: RequestStatus = RequestStatus.PENDING
+    status: SequenceStatus = SequenceStatus.PENDING
     finish_reason: FinishReason | None = None
     finish_detail: str | None = None  # why it stopped ("eos", "stop_token_id", "stop_str", "max_tokens", an error)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's stop_reason)
@@ -124,8 +125,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        return self.status is SequenceStatus.FINISHED
 
     @property
     def is_running(self) -> bool:
-        return self.status in (RequestStatus.PREFILLING, RequestStatus.DECODING)
+        return self.status in (SequenceStatus.PREFILLING, SequenceStatus.DECODING)

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from toolkit.config import EngineConfig
-from toolkit.engine.request import Request, RequestStatus
+from toolkit.engine.request import Sequence, SequenceStatus
 from toolkit.kv.block_manager import BlockCopy, BlockManager, SwapCopy
 
 
@@ -78,25 +78,25 @@ class Scheduler:
     def __init__(self, cfg: EngineConfig, block_manager: BlockManager):
         self.cfg = cfg
         self.blocks = block_manager
-        self._pending: list[tuple[int, int, Request]] = []  # (arrival_step, order, request), sorted
+        self._pending: list[tuple[int, int, Sequence]] = []  # (arrival_step, order, request), sorted
         self._order = 0
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order (oldest first)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order (oldest first)
         self.num_preemptions = 0  # every preemption so far (EngineStats.preemptions)
 
     # ------------------------------------------------------------------ queue management
 
-    def add(self, request: Request) -> None:
-        request.status = RequestStatus.PENDING
+    def add(self, request: Sequence) -> None:
+        request.status = SequenceStatus.PENDING
         bisect.insort(self._pending, (request.arrival_step, self._order, request), key=lambda e: e[:2])
         self._order += 1
 
-    def arrivals(self, step: int) -> list[Request]:
+    def arrivals(self, step: int) -> list[Sequence]:
         """Move requests whose arrival step has come into the waiting queue; return them."""
         arrived = []
         while self._pending and self._pending[0][0] <= step:
             _, _, request = self._pending.pop(0)
-            request.status = RequestStatus.WAITING
+            request.status = SequenceStatus.WAITING
             self.waiting.append(request)
             arrived.append(request)
         return arrived
@@ -108,12 +108,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self._pending or self.waiting or self.running)
 
-    def adopt(self, seq: Request) -> None:
+    def adopt(self, seq: Sequence) -> None:
         """A sequence forked from a running one (a parallel sample) starts running, already decoding."""
-        seq.status = RequestStatus.DECODING
+        seq.status = SequenceStatus.DECODING
         self.running.append(seq)
 
-    def finish(self, request: Request) -> None:
+    def finish(self, request: Sequence) -> None:
         """Release a finished (or aborted) sequence's blocks and drop it from every queue."""
         if request in self.running:
             self.running.remove(request)
@@ -129,7 +129,7 @@ class Scheduler:
         plan = _Plan()
         plan.draft_slots = draft_slots or {}
         if self.cfg.scheduler_policy == "prefill_first" and (self.waiting or any(
-                s.status is RequestStatus.PREFILLING for s in self.running)):
+                s.status is SequenceStatus.PREFILLING for s in self.running)):
             batch = self._schedule_once(step, plan, decodes=False)  # prompts first, in a step of their own
             if batch.chunks:
                 return batch
@@ -150,7 +150,7 @@ class Scheduler:
         scheduled: set[str] = set()
         num_decode = num_prefill = 0
 
-        def chunk_size(seq: Request) -> int:
+        def chunk_size(seq: Sequence) -> int:
             """This step's chunk of seq's prompt: what is left (whole, or 0 where it does not fit), else what the
             budget, max_chunk_tokens and the free KV blocks allow."""
             left = seq.num_uncomputed_tokens
@@ -164,7 +164,7 @@ class Scheduler:
         for seq in list(self.running) if decodes else ():
             if budget == 0:
                 break
-            if seq.status is not RequestStatus.DECODING or seq not in self.running:
+            if seq.status is not SequenceStatus.DECODING or seq not in self.running:
                 continue
             while not self.blocks.can_write(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + 1):
                 victim = self._victim(scheduled)
@@ -185,7 +185,7 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0 and not (whole and num_prefill == 0):
                 break
-            if seq.status is not RequestStatus.PREFILLING:
+            if seq.status is not SequenceStatus.PREFILLING:
                 continue
             size = chunk_size(seq)
             if size > 0:
@@ -217,8 +217,8 @@ class Scheduler:
                 self.waiting.popleft()
                 seq.num_computed_tokens = self.blocks.allocate_prefix(seq.seq_id, seq.token_ids, seq.num_tokens - 1)
                 plan.prefix_hit_tokens += seq.num_computed_tokens
-            seq.status = RequestStatus.DECODING if seq.num_uncomputed_tokens == 1 and seq.num_output_tokens \
-                else RequestStatus.PREFILLING
+            seq.status = SequenceStatus.DECODING if seq.num_uncomputed_tokens == 1 and seq.num_output_tokens \
+                else SequenceStatus.PREFILLING
             if seq.admitted_step is None:
                 seq.admitted_step = step
             self.running.append(seq)
@@ -227,7 +227,7 @@ class Scheduler:
                 chunks.append(self._take(seq, size, plan))
                 scheduled.add(seq.seq_id)
                 budget = max(budget - size, 0)
-                if seq.status is RequestStatus.DECODING:
+                if seq.status is SequenceStatus.DECODING:
                     num_decode += size
                 else:
                     num_prefill += size
@@ -239,7 +239,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ helpers
 
-    def _fit(self, seq: Request, wanted: int) -> int:
+    def _fit(self, seq: Sequence, wanted: int) -> int:
         """Largest chunk <= wanted whose KV (growth and copy-on-write) fits in the free blocks."""
         start, bs = seq.num_computed_tokens, self.blocks.block_size
         if self.blocks.can_write(seq.seq_id, start, start + wanted):
@@ -250,7 +250,7 @@ class Scheduler:
             size -= bs  # a copy-on-write block also needs room
         return max(size, 0)
 
-    def _take(self, seq: Request, size: int, plan: _Plan, drafts: int = 0) -> ScheduledChunk:
+    def _take(self, seq: Sequence, size: int, plan: _Plan, drafts: int = 0) -> ScheduledChunk:
         start = seq.num_computed_tokens
         total = start + size
         plan.copies.extend(self.blocks.write(seq.seq_id, start, total + drafts))
@@ -263,7 +263,7 @@ class Scheduler:
             draft_slots=drafts,
         )
 
-    def _victim(self, scheduled: set[str]) -> Request:
+    def _victim(self, scheduled: set[str]) -> Sequence:
         candidates = [s for s in self.running if s.seq_id not in scheduled]
         if not candidates:
             raise AssertionError("no preemption victim: every running sequence is already scheduled")
@@ -272,7 +272,7 @@ class Scheduler:
             return max(candidates, key=lambda s: (s.priority, order[id(s)]))
         return candidates[-1]  # the newest
 
-    def _preempt(self, seq: Request, step: int, plan: _Plan) -> None:
+    def _preempt(self, seq: Sequence, step: int, plan: _Plan) -> None:
         """Free (recompute) or swap out the victim's KV; keep its tokens and state; re-queue it at the head."""
         self.running.remove(seq)
         mode = self.cfg.preemption_mode
@@ -282,7 +282,7 @@ class Scheduler:
             mode = "recompute"
             self.blocks.free(seq.seq_id)
             seq.num_computed_tokens = 0
-        seq.status = RequestStatus.WAITING
+        seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.preempted_steps.append(step)

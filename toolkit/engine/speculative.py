@@ -29,8 +29,9 @@ All randomness is keyed by (seed, position, stream, purpose) and replays bit for
 
 from __future__ import annotations
 
+import collections.abc
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -46,7 +47,7 @@ from toolkit.sampling import rng
 from toolkit.sampling.sampler import gumbel_choice
 
 if TYPE_CHECKING:  # pragma: no cover
-    from toolkit.engine.request import Request
+    from toolkit.engine.request import Sequence
 
 
 class DraftHost(Protocol):
@@ -161,7 +162,7 @@ class NgramProposer:
     def __init__(self, lookup_min: int, lookup_max: int):
         self.lookup_min, self.lookup_max = lookup_min, lookup_max
 
-    def lookup(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
+    def lookup(self, tokens: collections.abc.Sequence[int], k: int) -> tuple[int, ...]:
         n_tokens = len(tokens)
         for n in range(min(self.lookup_max, n_tokens - 1), self.lookup_min - 1, -1):
             suffix = list(tokens[n_tokens - n:])
@@ -172,10 +173,10 @@ class NgramProposer:
                         return follow
         return ()
 
-    def max_drafts(self, seq: Request, k: int) -> int:
+    def max_drafts(self, seq: Sequence, k: int) -> int:
         return len(self.lookup(seq.token_ids, k))
 
-    def propose(self, context: DraftContext, items: list[tuple[Request, int]]) -> dict[str, Proposal]:
+    def propose(self, context: DraftContext, items: list[tuple[Sequence, int]]) -> dict[str, Proposal]:
         return {seq.seq_id: Proposal(self.lookup(seq.token_ids, slots)) for seq, slots in items}
 
     def release(self, seq_id: str) -> None:
@@ -203,7 +204,7 @@ class ModelProposer:
         self.shares_target_cache = shares_target_cache
         self._state: dict[str, _DraftSeq] = {}
 
-    def max_drafts(self, seq: Request, k: int) -> int:
+    def max_drafts(self, seq: Sequence, k: int) -> int:
         return k
 
     def release(self, seq_id: str) -> None:
@@ -217,7 +218,7 @@ class ModelProposer:
         if state is not None:
             state.computed = min(state.computed, num_valid)
 
-    def propose(self, context: DraftContext, items: list[tuple[Request, int]]) -> dict[str, Proposal]:
+    def propose(self, context: DraftContext, items: list[tuple[Sequence, int]]) -> dict[str, Proposal]:
         drafts: dict[str, list[int]] = {seq.seq_id: [] for seq, _ in items}
         q_rows: dict[str, list[torch.Tensor]] = {seq.seq_id: [] for seq, _ in items}
         active = [(seq, slots) for seq, slots in items if slots > 0]

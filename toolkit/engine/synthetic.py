@@ -11,7 +11,7 @@ import torch
 
 from toolkit.config import EngineConfig
 from toolkit.engine.core import Engine
-from toolkit.engine.request import RequestStatus
+from toolkit.engine.request import SequenceStatus
 from toolkit.sampling.params import SamplingParams
 
 
@@ -50,7 +50,7 @@ def decode_engine(loaded, engine_cfg: EngineConfig, batch: int, context: int, st
         engine.block_manager.allocate(seq.seq_id, context + 1)
         seq.num_computed_tokens = context
         seq.token_ids.append(rnd.randrange(vocab))
-        seq.status = RequestStatus.DECODING
+        seq.status = SequenceStatus.DECODING
         seq.admitted_step = 0
         engine.scheduler.running.append(seq)
     return engine

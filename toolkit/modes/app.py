@@ -11,15 +11,15 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from toolkit.audit.compare import compare, resolve_runs
-from toolkit.audit.replay import replay
-from toolkit.audit.shard import launcher, ray_options
-from toolkit.audit.verify import verify
 from toolkit.engine.core import Engine, RequestOutput
 from toolkit.errors import ConfigError, ToolkitError
 from toolkit.modes import MODES
 from toolkit.modes.train import train
 from toolkit.report import report_after, run_report, wanted
+from toolkit.reproduce.compare import compare, resolve_runs
+from toolkit.reproduce.replay import replay
+from toolkit.reproduce.shard import launcher, ray_options
+from toolkit.reproduce.verify import verify
 from toolkit.runs.metrics import batch_vs_single, structured_output_validity
 from toolkit.runs.session import record
 from toolkit.runs.workload import add_specs, workload_specs
@@ -214,7 +214,7 @@ RUNNERS: dict[str, Callable[[DictConfig, Path], int] | str] = {
     "audit": "toolkit.audit.foreign:run_audit",
     "soak": "toolkit.modes.soak:run_soak",
     "train": run_train,
-    "kv_quantization": "toolkit.audit.kv_quantization:run_kv_quantization",
-    "precision": "toolkit.audit.precision:run_precision",
+    "kv_quantization": "toolkit.bench.kv_quantization:run_kv_quantization",
+    "precision": "toolkit.bench.formats:run_precision",
     "report": run_report,
 }

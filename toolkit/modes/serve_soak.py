@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 import psutil
 
-from toolkit.audit.replay import replay as replay_run
 from toolkit.engine.core import Engine
+from toolkit.reproduce.replay import replay as replay_run
 from toolkit.serve.main import start_server
 from toolkit.trace.reader import read_requests, read_samples
 

@@ -23,10 +23,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from toolkit.audit.verify import verify
 from toolkit.engine.core import Engine
 from toolkit.errors import ConfigError
 from toolkit.kv.quant import is_quantized
+from toolkit.reproduce.verify import verify
 from toolkit.runs.plots import _pyplot
 from toolkit.runs.session import record
 from toolkit.runs.workload import add_specs, workload_specs

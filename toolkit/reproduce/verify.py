@@ -31,8 +31,6 @@ import pyarrow as pa
 import torch
 from omegaconf import OmegaConf
 
-from toolkit.audit.replay import load_recorded_config
-from toolkit.audit.shard import RayOptions, progress_bar, run_on_ray
 from toolkit.config import EngineConfig, ModelConfig, from_mapping
 from toolkit.engine.runner import recompute_logits
 from toolkit.errors import ConfigError
@@ -41,6 +39,8 @@ from toolkit.models.loading import hf_reference_model, load_checkpoint
 from toolkit.models.reference import reference_logits
 from toolkit.native import invariant_gpu
 from toolkit.native.library import available as kernels_available
+from toolkit.reproduce.replay import load_recorded_config
+from toolkit.reproduce.shard import RayOptions, progress_bar, run_on_ray
 from toolkit.sampling.params import SamplingParams
 from toolkit.sampling.processors import BatchView, RowState, apply_pipeline
 from toolkit.sampling.processors.masks import resolve_bad_words
@@ -139,7 +139,7 @@ def verify(run_dir: str | Path, *, reference: str = "ours", atol: float | str = 
            reference_dtype: str = "float64", out_dir: str | Path | None = None, ray: RayOptions | None = None
            ) -> VerifyReport:
     """The trace's every sampled row recomputed teacher-forced and compared (on Ray workers when `ray` is given:
-    toolkit.audit.shard, the same report)."""
+    toolkit.reproduce.shard, the same report)."""
     run_dir = Path(run_dir)
     if reference not in ("ours", "hf", "exact"):
         raise ConfigError(f"verify.reference must be 'ours', 'hf' or 'exact', got {reference!r}")
@@ -215,7 +215,7 @@ def verify_sequences(jobs: list[tuple[tuple[str, int], list[dict], dict]], loade
 
 
 def _verify_shard(loaded, memo: dict, jobs: list, empty: VerifyReport) -> VerifyReport:
-    """A Ray worker's part of a verify (toolkit.audit.shard.run_on_ray): its sequences into an empty report."""
+    """A Ray worker's part of a verify (toolkit.reproduce.shard.run_on_ray): its sequences into an empty report."""
     return verify_sequences(jobs, loaded, empty)
 
 

@@ -1,4 +1,4 @@
-"""The audit's recomputation sharded over Ray: `mode=audit audit.launcher=ray`.
+"""A recomputation sharded over Ray: `mode=audit audit.launcher=ray` and `mode=verify verify.launcher=ray`.
 
 Every request is recomputed on its own (one no-cache forward of its prompt and tokens), so its values do not
 depend on which other requests share a worker: a shard is a contiguous run of requests, balanced by tokens,

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from toolkit.audit.kv_quantization import parse_variant
+from toolkit.bench.kv_quantization import parse_variant
 from toolkit.config import EngineConfig, ModelConfig, from_mapping
 from toolkit.engine.core import Engine
 from toolkit.engine.runner import recompute_logits
