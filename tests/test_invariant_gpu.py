@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from toolkit.native import gpu_matmul as gm
 from toolkit.native import invariant_gpu as ig
 
 TRITON = pytest.mark.skipif(not ig.available(torch.empty(0)),
@@ -28,8 +29,8 @@ def _matmul_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.shape[1] + 2) * 2.0 ** -24 * (x.double().abs() @ w.double().abs()) + 1e-30
 
 
-@pytest.mark.parametrize("impl", [pytest.param(ig.matmul, marks=TRITON, id="triton"),
-                                  pytest.param(ig.matmul_rows, id="torch-rows")])
+@pytest.mark.parametrize("impl", [pytest.param(gm.matmul, marks=TRITON, id="triton"),
+                                  pytest.param(gm.matmul_rows, id="torch-rows")])
 @settings(max_examples=12, deadline=None)
 @given(data=st.data(), m=st.integers(1, 40), k=st.integers(1, 80), n=st.integers(1, 70), dtype=DTYPES)
 def test_matmul_rows_are_the_same_bits_in_any_batch(impl, data, m, k, n, dtype):
@@ -53,7 +54,7 @@ def test_the_tensor_core_matmul_is_within_fp32_sums_rounding(m, k, n, dtype):
     summation in a tile may follow the tile's other rows."""
     gen = torch.Generator().manual_seed(m * 1000 + k * 10 + n)
     x, w = torch.randn(m, k, generator=gen).to(dtype), torch.randn(k, n, generator=gen).to(dtype)
-    got = ig.matmul_dot(x, w)
+    got = gm.matmul_dot(x, w)
     assert got.dtype == torch.float32 and ((got.double() - x.double() @ w.double()).abs() <= _matmul_bound(x, w)).all()
 
 
@@ -109,14 +110,14 @@ def test_a_tiling_chosen_by_the_row_count_is_caught():
     count) changes a row's bits, so its comparison of a row alone and batched would fail."""
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(24, 200, generator=gen), torch.randn(200, 40, generator=gen)
-    alone = ig.matmul(x[:1], w)
+    alone = gm.matmul(x[:1], w)
     try:
-        ig.BLOCK_K = 16  # what a row-count-dependent choice would give the batch
-        batched = ig.matmul(x, w)
+        gm.BLOCK_K = 16  # what a row-count-dependent choice would give the batch
+        batched = gm.matmul(x, w)
     finally:
-        ig.BLOCK_K = 32
+        gm.BLOCK_K = 32
     assert not torch.equal(batched[:1], alone)
-    assert torch.equal(ig.matmul(x, w)[:1], alone)
+    assert torch.equal(gm.matmul(x, w)[:1], alone)
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

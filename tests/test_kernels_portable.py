@@ -29,7 +29,7 @@ import torch
 from tests.numerics import with_threads
 from tests.test_attention import attention_case, dense_reference
 from toolkit.models.decoder import rotate_half
-from toolkit.native import cpu, library, ops, sha
+from toolkit.native import cpu, library, ops, sampling_ops, sha
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "csrc" / "kernel_driver.c"
@@ -136,8 +136,8 @@ def test_logsumexp_and_argmax_against_torch(lib):
     x[2, 40] = float("nan")
     x[3] = float("-inf")
     x[4, 5] = float("inf")
-    assert ops.argmax_cpu(x, lib=lib) == torch.argmax(x, dim=-1).tolist()
-    got, want = ops.logsumexp_cpu(x, lib=lib), torch.logsumexp(x.double(), dim=-1)
+    assert sampling_ops.argmax_cpu(x, lib=lib) == torch.argmax(x, dim=-1).tolist()
+    got, want = sampling_ops.logsumexp_cpu(x, lib=lib), torch.logsumexp(x.double(), dim=-1)
     assert got[2].isnan() and got[3] == float("-inf") and got[4] == float("inf")
     ok = [0, 1, 5]
     assert (got[ok].double() - want[ok]).abs().max().item() < 1e-5
@@ -155,7 +155,7 @@ def test_gumbel_noise_and_sampling_are_the_twins_bit_for_bit(lib):
     ids = torch.randint(0, vocab, (4099,), generator=torch.Generator().manual_seed(1))
     for seed, position in ((0, 0), (2**63 - 1, 10**9), (12345, 77)):
         key = rng.row_key(seed, position, 3)
-        native = ops.gumbel_noise_cpu(ids, key, lib=lib)
+        native = sampling_ops.gumbel_noise_cpu(ids, key, lib=lib)
         assert torch.equal(native, rng.gumbel(key, hashes[ids]))
         assert all(rng.gumbel_scalar(key, int(t)) == float(g) for t, g in zip(ids[:200], native[:200]))
     gen = torch.Generator().manual_seed(2)
@@ -170,7 +170,7 @@ def test_gumbel_noise_and_sampling_are_the_twins_bit_for_bit(lib):
     rows = [8, 0, 1, 2, 3, 4, 5, 6, 7]  # the rows as a strided view (every other row of a wider block)
     block = torch.full((18, 1003), float("nan"))
     block[0::2] = x[rows]
-    tokens, noise, support = ops.gumbel_sample_cpu(block[0::2], [keys[r] for r in rows], lib=lib)
+    tokens, noise, support = sampling_ops.gumbel_sample_cpu(block[0::2], [keys[r] for r in rows], lib=lib)
     for i, r in enumerate(rows):
         assert support[i] == int(torch.isfinite(x[r]).sum())
         if keys[r] is None:
@@ -190,7 +190,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
                                     (("temperature", 0.4), ("top_k", 300.0), ("top_p", 0.9)), (("top_k", 2000.0),),
                                     (("temperature", -0.5), ("top_k", 7.0)), (("temperature", float("inf")), ("top_k", 3.0))])
 def test_fused_sampler_tail_is_the_stages_bit_for_bit(lib, stages):
-    """ops.sample_tail_cpu (temperature / top-k / top-p, then support, logsumexp, Gumbel-max token and
+    """sampling_ops.sample_tail_cpu (temperature / top-k / top-p, then support, logsumexp, Gumbel-max token and
     noise, each row in one pass) equals the stages it replaces called one after another, bit for bit:
     torch's division (the temperature processor), truncate_cpu, logsumexp_cpu and gumbel_sample_cpu.
     Rows: real-looking logits, a sparse support, a few finite ids, ties, a greedy row, a NaN, a +inf, an odd
@@ -211,24 +211,24 @@ def test_fused_sampler_tail_is_the_stages_bit_for_bit(lib, stages):
         rows = block[:, :vocab]
         keys = [rng.row_key(3, 50 + i, i % 2) for i in range(8)]
         keys[4] = None
-        got = ops.sample_tail_cpu(rows, [stages] * 8, keys, lib=lib)
-        lean = ops.sample_tail_cpu(rows, [stages] * 8, keys, keep_rows=False, lib=lib, raw_logsumexp=True)
+        got = sampling_ops.sample_tail_cpu(rows, [stages] * 8, keys, lib=lib)
+        lean = sampling_ops.sample_tail_cpu(rows, [stages] * 8, keys, keep_rows=False, lib=lib, raw_logsumexp=True)
         # the raw rows' logsumexp, read by the kernel on the way: logsumexp_cpu's bits (NaN row included)
-        assert torch.equal(_bits(lean.raw_logsumexp_R), _bits(ops.logsumexp_cpu(rows, lib=lib)))
+        assert torch.equal(_bits(lean.raw_logsumexp_R), _bits(sampling_ops.logsumexp_cpu(rows, lib=lib)))
         want = rows.clone()
         for name, value in stages:
             if name == "temperature":
                 want = want / torch.full((8, 1), value).expand_as(want)
             else:
-                want = ops.truncate_cpu(want, name, torch.full((8,), value), lib=lib)[0]
-        tokens, noise, support = ops.gumbel_sample_cpu(want, keys, lib=lib)
-        argmax = ops.argmax_cpu(want, lib=lib)
+                want = sampling_ops.truncate_cpu(want, name, torch.full((8,), value), lib=lib)[0]
+        tokens, noise, support = sampling_ops.gumbel_sample_cpu(want, keys, lib=lib)
+        argmax = sampling_ops.argmax_cpu(want, lib=lib)
         tokens = [t if t >= 0 else a for t, a in zip(tokens, argmax)]  # not sampled, or nothing finite
         assert torch.equal(_bits(got.processed_RV), _bits(want)) and lean.processed_RV is None
         for result in (got, lean):
             assert result.tokens == tokens and result.support == support
             assert [float(n).hex() for n in result.noise] == [float(n).hex() for n in noise]
-            assert torch.equal(_bits(result.logsumexp_R), _bits(ops.logsumexp_cpu(want, lib=lib)))
+            assert torch.equal(_bits(result.logsumexp_R), _bits(sampling_ops.logsumexp_cpu(want, lib=lib)))
             assert torch.equal(_bits(result.picked_R), _bits(want[torch.arange(8), torch.tensor(tokens)]))
 
 
@@ -320,7 +320,7 @@ def _fingerprint(lib) -> dict[str, torch.Tensor]:
             "matmul": ops.matmul_invariant(x, ops.pack_weight(w, lib), lib=lib),
             "rms_norm": ops.add_rms_norm_cpu(rows.clone(), None, norm_w, 1e-5, lib=lib)[1],
             "silu_mul": ops.silu_mul_cpu(gu, lib=lib),
-            "logsumexp": ops.logsumexp_cpu(logits, lib=lib)}
+            "logsumexp": sampling_ops.logsumexp_cpu(logits, lib=lib)}
 
 
 def _all_builds():

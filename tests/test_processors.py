@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import native_only
 from toolkit.sampling.params import SamplingParams
-from toolkit.sampling.processors import REGISTRY, BatchView, RowState, apply_pipeline
+from toolkit.sampling.processors import REGISTRY, BatchView, RowState, apply_pipeline, truncation
 from toolkit.sampling.processors.masks import banned_ngram_next_tokens
 
 INF = float("inf")
@@ -52,12 +52,11 @@ def test_no_repeat_3gram_on_the_cat_sat_on_the_cat_bans_sat():
 def test_top_p_keeps_the_token_that_crosses_p(path, p, support):
     """Masses 0.5, 0.3, 0.2: p just under a cumulative mass keeps the token that reaches it, p just over keeps the
     next. (At p = 0.5 or 0.8 exactly, the side is decided by how log(0.3) and the sum round in fp32: not asked.)"""
-    from toolkit.native import ops
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
     with pytest.MonkeyPatch.context() as patch:
         if path == "torch":
-            patch.setattr(ops, "truncate_cpu", lambda *a, **k: None)
+            patch.setattr(truncation, "truncate_cpu", lambda *a, **k: None)
         out = REGISTRY["top_p"](logits, view((SamplingParams(top_p=p), [0], 1), vocab=3))
     assert set(torch.isfinite(out[0]).nonzero().flatten().tolist()) == support
 
@@ -70,8 +69,7 @@ def test_top_p_keeps_the_token_that_crosses_p(path, p, support):
 def test_top_p_is_the_smallest_set_reaching_p(path, rows, vocab, scale, p, ties, masked, seed):
     """Both paths (the native bisection and the torch top-k ranking) keep exactly {x >= t} where the
     tokens above t hold less than p of the mass and those at or above t at least p (to 1e-5)."""
-    from toolkit.native import ops
-    from toolkit.native.ops import truncate_cpu
+    from toolkit.native.sampling_ops import truncate_cpu
 
     if path == "native":
         assert truncate_cpu(torch.zeros(1, 4), "top_p", torch.tensor([0.5])) is not None
@@ -82,7 +80,7 @@ def test_top_p_is_the_smallest_set_reaching_p(path, rows, vocab, scale, p, ties,
         x[0, vocab // 3:] = -INF  # an earlier processor's truncation
     with pytest.MonkeyPatch.context() as patch:
         if path == "torch":
-            patch.setattr(ops, "truncate_cpu", lambda *a, **k: None)
+            patch.setattr(truncation, "truncate_cpu", lambda *a, **k: None)
         out = REGISTRY["top_p"](x, view(*[(SamplingParams(top_p=p), [0], 1)] * rows, vocab=vocab))
     probs = torch.softmax(x.double(), dim=-1)
     for r in range(rows):
@@ -101,7 +99,7 @@ def test_top_p_is_the_smallest_set_reaching_p(path, rows, vocab, scale, p, ties,
 def test_native_top_k_is_torchs_topk(rows, vocab, k, ties, masked, seed):
     """The native top-k (bisection with exact counts) keeps exactly what torch.topk's k-th value keeps,
     ties with the k-th included, and a row with fewer than k finite logits whole."""
-    from toolkit.native import ops
+    from toolkit.native import sampling_ops
 
     x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
     if ties:
@@ -109,9 +107,9 @@ def test_native_top_k_is_torchs_topk(rows, vocab, k, ties, masked, seed):
     if masked and vocab > 3:
         x[0, vocab // 3:] = -INF
     v = view(*[(SamplingParams(top_k=k), [0], 1)] * rows, vocab=vocab)
-    native, _ = ops.truncate_cpu(x, "top_k", torch.full((rows,), float(min(k, vocab))))
+    native, _ = sampling_ops.truncate_cpu(x, "top_k", torch.full((rows,), float(min(k, vocab))))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ops, "truncate_cpu", lambda *a, **kw: None)
+        patch.setattr(truncation, "truncate_cpu", lambda *a, **kw: None)
         reference = REGISTRY["top_k"](x, v)
     assert torch.equal(native, reference)
 
@@ -176,7 +174,7 @@ def test_repetition_penalty_before_a_sampler_tail_is_handed_over_as_changes():
     changes, made by the sampler's kernel: the block is not copied, and sampling gives what the dense
     processors give. A penalty that drives every token to -inf is the same row error both ways: the dense
     pipeline's at once, the deferred one's once the sampler has found the row empty."""
-    from toolkit.native.ops import tail_fusable
+    from toolkit.native.sampling_ops import tail_fusable
     from toolkit.sampling.processors import emptied_by_changes
     from toolkit.sampling.sampler import SampleRow, sample
 

@@ -109,7 +109,7 @@ SPECIAL = st.sampled_from([float("nan"), float("inf"), float("-inf"), 0.0, 80.0,
 def test_native_logsumexp_and_argmax_are_torchs(rows, vocab, scale, specials, ties, seed):
     """The sampler's C row kernels: argmax is torch's exactly (first maximal index, NaN wins, every
     entry -inf gives 0), logsumexp within 4e-7 relative of torch's and the same non-finite values."""
-    from toolkit.native.ops import argmax_cpu, logsumexp_cpu
+    from toolkit.native.sampling_ops import argmax_cpu, logsumexp_cpu
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, vocab, generator=gen) * scale
@@ -195,7 +195,7 @@ def test_a_penalty_made_in_the_sampler_pass_moves_the_row_maximum_bit_for_bit(op
     """The sampler's kernel carries each row's maxima from its temperature pass instead of reading the row again;
     a repetition penalty made in that pass may move them (the largest logit penalised down, or up by a factor
     under 1; 0 or inf times inf). Everything it returns must be what the penalised rows give without it."""
-    from toolkit.native.ops import logsumexp_cpu, sample_tail_cpu
+    from toolkit.native.sampling_ops import logsumexp_cpu, sample_tail_cpu
     from toolkit.sampling.processors.base import Patches
 
     gen = torch.Generator().manual_seed(11)

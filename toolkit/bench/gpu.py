@@ -37,7 +37,7 @@ from toolkit.engine.synthetic import decode_engine, timed
 from toolkit.errors import ToolkitError
 from toolkit.models import DTYPES, LoadedModel, load_model
 from toolkit.models.loading import hf_reference_model, load_checkpoint
-from toolkit.native import invariant_gpu as ig
+from toolkit.native import gpu_matmul as gm
 
 SHAPES = {
     "smollm2": SMOLLM2_SHAPE,
@@ -171,8 +171,8 @@ def kernel_times(shape: str, dtypes: list[str], batches: list[int], device: torc
             for m in batches:
                 x = torch.randn(m, k, device=device).to(DTYPES[dtype])
                 ms = {}
-                for name, fn in (("torch", lambda: x @ w), ("tl.sum", lambda: ig.matmul(x, w)),
-                                 ("tl.dot", lambda: ig.matmul_dot(x, w))):
+                for name, fn in (("torch", lambda: x @ w), ("tl.sum", lambda: gm.matmul(x, w)),
+                                 ("tl.dot", lambda: gm.matmul_dot(x, w))):
                     try:
                         timed_steps(fn, device, 3)
                         ms[name] = statistics.median(timed_steps(fn, device, 20))

@@ -159,8 +159,8 @@ def format_table(report: dict[str, Any], columns: list[str]) -> str:
             cells += [_cell(m.get(k), "ms") for k in ("ttft_p50_s", "ttft_p95_s", "tpot_p95_s")]
         body.append(cells)
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
-    line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w)  # noqa: E731
-                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    def line(cells) -> str:
+        return "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     w = report["workload"]
     out = [f"workload {w['name']}: {w['requests']} requests, {w['prompt_tokens']} prompt tokens (times in ms)",
            line(head)] + [line(b) for b in body]

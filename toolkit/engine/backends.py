@@ -142,6 +142,25 @@ def _native_or_fallback(cfg: EngineConfig, option: str, wanted: str, names: tupl
     return fallback
 
 
+def kv_pool(cfg: EngineConfig, loaded: LoadedModel, max_model_len: int, scratch: bool
+            ) -> tuple[PagedKVCache, int, int]:
+    """The engine's KV cache, its number of usable blocks (engine.num_kv_blocks, or what
+    engine.kv_cache_memory_gb holds) and of host blocks (swap preemption); with `scratch`, one block more that
+    padded rows of a CUDA graph write to. A per-tensor quantised cache is calibrated here."""
+    layers, kv_heads, head_dim = loaded.model.kv_shape
+    dtype = loaded.model.embed.dtype
+    block_bytes = PagedKVCache.block_bytes(layers, cfg.block_size, kv_heads, head_dim, dtype, cfg.kv_cache_dtype,
+                                           cfg.kv_scale_granularity)
+    num_blocks = cfg.num_kv_blocks or auto_num_blocks(cfg, max_model_len, block_bytes)
+    num_host_blocks = int(cfg.swap_space_gb * 2**30 // block_bytes) if cfg.preemption_mode == "swap" else 0
+    kv_cache = PagedKVCache(layers, num_blocks + scratch, cfg.block_size, kv_heads, head_dim, dtype=dtype,
+                            device=torch.device(cfg.device), num_host_blocks=num_host_blocks,
+                            kv_dtype=cfg.kv_cache_dtype, granularity=cfg.kv_scale_granularity)
+    if kv_cache.granularity == "tensor":
+        calibrate_kv_scales(kv_cache, loaded, cfg, max_model_len)
+    return kv_cache, num_blocks, num_host_blocks
+
+
 def auto_num_blocks(cfg: EngineConfig, max_model_len: int, block_bytes: int) -> int:
     """As many blocks as engine.kv_cache_memory_gb holds, but no more than max_num_seqs full-length
     sequences could ever use."""

@@ -10,13 +10,14 @@ Each stage is a unit with one job:
     toolkit.engine.runner       ModelRunner: ScheduledBatch -> packed tensors -> the ONE forward -> logits rows
     toolkit.engine.decide       Decider: logits rows -> processors -> sampled / verified tokens (a Decision)
     toolkit.engine.commit       Committer: the Decision into the sequences, and one SampleTrace row per token
+    toolkit.engine.digests      decide and commit with the decided rows' sha256 hashed beside the Python
     toolkit.engine.outputs      StepOutput, TextDelta, RequestOutput: what the engine hands out
     toolkit.engine.queries      EngineQueries, EngineStats: what a caller may ask (nothing reaches further in)
 
 A request enters as one typed EngineRequest (toolkit.engine.request), through `add`, and leaves through `step`'s
 StepOutput, `output` and `release`; `abort` ends it early.
 
-One owner per piece of a sequence's state (toolkit.engine.request.Request); nothing else writes it:
+One owner per piece of a sequence's state (toolkit.engine.request.Sequence); nothing else writes it:
     intake       creates it: ids, prompt, sampling, seed, bad words, grammar matcher, followers
     engine.step  arrival_time (when it arrives), first_scheduled_time (its first step)
     scheduler    status PENDING / WAITING / PREFILLING (and DECODING on admission or adoption),
@@ -30,10 +31,9 @@ One owner per piece of a sequence's state (toolkit.engine.request.Request); noth
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, TypeVar
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -41,14 +41,14 @@ from omegaconf import DictConfig, OmegaConf
 from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig, from_mapping
 from toolkit.engine.backends import (
     attention_backend,
-    auto_num_blocks,
-    calibrate_kv_scales,
     graph_mode,
     keep_freed_memory,
+    kv_pool,
     matmul_backend,
 )
 from toolkit.engine.commit import Committed, Committer
 from toolkit.engine.decide import Decider, Decision
+from toolkit.engine.digests import CommitFailed, RowDigests, decide_and_commit, now_
 from toolkit.engine.intake import RequestIntake, derive_seed
 from toolkit.engine.isolate import find_culprits, prober, without
 from toolkit.engine.outputs import (
@@ -61,18 +61,16 @@ from toolkit.engine.outputs import (
     request_output,
 )
 from toolkit.engine.queries import EngineQueries, EngineStats
-from toolkit.engine.request import EngineRequest, Sequence, SequenceStatus
+from toolkit.engine.request import EngineRequest, Sequence
 from toolkit.engine.runner import ModelOutput, ModelRunner
 from toolkit.engine.scheduler import ScheduledBatch, Scheduler
 from toolkit.engine.speculative import DraftContext, Proposal, Speculator
 from toolkit.errors import ConfigError, RequestError
-from toolkit.kv import BlockManager, PagedKVCache
+from toolkit.kv import BlockManager
 from toolkit.models import LoadedModel, load_model
 from toolkit.native.sha import ShaJob
 from toolkit.sampling.grammar import GrammarBackend, LazyGrammar
 from toolkit.sampling.params import SamplingParams
-
-T = TypeVar("T")
 
 __all__ = ["CompletionOutput", "Engine", "EngineRequest", "EngineStats", "RequestMetrics", "RequestOutput",
            "StepOutput", "TextDelta", "derive_seed", "keep_freed_memory", "load_for", "request_metrics"]
@@ -97,19 +95,10 @@ class Engine(EngineQueries):
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(t for t in eos if t < self.vocab_size))
-        layers, kv_heads, head_dim = loaded.model.kv_shape
-        block_bytes = PagedKVCache.block_bytes(layers, self.cfg.block_size, kv_heads, head_dim, loaded.model.embed.dtype,
-                                               self.cfg.kv_cache_dtype, self.cfg.kv_scale_granularity)
-        self.num_kv_blocks = self.cfg.num_kv_blocks or auto_num_blocks(self.cfg, self.max_model_len, block_bytes)
-        num_host_blocks = int(self.cfg.swap_space_gb * 2**30 // block_bytes) if self.cfg.preemption_mode == "swap" else 0
         self.attention_backend = attention_backend(self.cfg, loaded)
         self.graph_mode = graph_mode(self.cfg, self.attention_backend)  # "off": no scratch block for padded rows
-        self.kv_cache = PagedKVCache(layers, self.num_kv_blocks + (self.graph_mode != "off"), self.cfg.block_size,
-                                     kv_heads, head_dim,
-                                     dtype=loaded.model.embed.dtype, device=self.device, num_host_blocks=num_host_blocks,
-                                     kv_dtype=self.cfg.kv_cache_dtype, granularity=self.cfg.kv_scale_granularity)
-        if self.kv_cache.granularity == "tensor":
-            calibrate_kv_scales(self.kv_cache, loaded, self.cfg, self.max_model_len)
+        self.kv_cache, self.num_kv_blocks, num_host_blocks = kv_pool(self.cfg, loaded, self.max_model_len,
+                                                                     scratch=self.graph_mode != "off")
         self.block_manager = BlockManager(self.num_kv_blocks, self.cfg.block_size,
                                           enable_prefix_caching=self.cfg.enable_prefix_caching,
                                           num_host_blocks=num_host_blocks)
@@ -194,21 +183,27 @@ class Engine(EngineQueries):
         step, now = self.step_index, time.perf_counter()
         # the last step's rows still to hash go on beside this step's scheduling and packing
         hashing, self._hashing = self._hashing, None
-        beside = hashing.beside if hashing is not None else _now
+        beside = hashing.beside if hashing is not None else now_
         self._arrive(step, now)
-        batch = beside(lambda: self.scheduler.schedule(step, self._draft_slots()))
+        spec = self.speculator
+        batch = beside(lambda: self.scheduler.schedule(
+            step, spec.draft_slots(self.scheduler.running, self.max_model_len) if spec is not None else {}))
         self.committer.preempted(batch.preempted, self.requests)
         if batch.is_empty:
             return self._idle(batch)
         self._scheduled(batch, now)
-        batch, proposals = self._propose(batch)
+        if self.speculator is not None:
+            batch, proposals = self.speculator.fill(batch, self.requests, DraftContext(
+                self.block_manager.block_table, self.decider.draft_sample))
+        else:
+            proposals = {}
         forwards = self.runner.num_forwards
         self.runner.move_blocks(batch)  # once: a forward retried below must not copy a swapped-out block again
         try:
             # the ONE forward of this step (two with scheduler_policy=two_forwards)
             out = self.runner.run(batch, beside=beside, move_blocks=False)
             decision, committed, digests = self._decide_and_commit(batch, out, proposals, trace_digests)
-        except _CommitFailed as exc:  # sequences changed: nothing to retry
+        except CommitFailed as exc:  # sequences changed: nothing to retry
             raise exc.__cause__ from None
         except Exception as exc:  # noqa: BLE001 - a request that fails alone fails alone; the step goes on
             probe = prober(self.runner, self.decider, self.requests, proposals)
@@ -217,7 +212,7 @@ class Engine(EngineQueries):
             out = self.runner.run(batch, move_blocks=False)
             try:
                 decision, committed, digests = self._decide_and_commit(batch, out, proposals, trace_digests)
-            except _CommitFailed as again:
+            except CommitFailed as again:
                 raise again.__cause__ from None
             committed = self.committer.fail_requests(failed, committed, self.requests, self.groups)
         self.step_index = step + 1
@@ -246,77 +241,12 @@ class Engine(EngineQueries):
         self.step_index = nxt if (nxt is not None and nxt > batch.step) else batch.step + 1
         return self._step_output(batch)
 
-    def _draft_slots(self) -> dict[str, int]:
-        """Decoding sequences that will speculate this step, and how many drafts each may take."""
-        if self.speculator is None:
-            return {}
-        k = self.spec_cfg.num_speculative_tokens
-        slots = {}
-        for seq in self.scheduler.running:
-            if seq.status is not SequenceStatus.DECODING:
-                continue
-            room = min(k, seq.sampling.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
-            if room > 0:
-                wanted = self.speculator.max_drafts(seq, room)
-                if wanted > 0:
-                    slots[seq.seq_id] = wanted
-        return slots
-
-    def _propose(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, dict[str, Proposal]]:
-        """Fill the reserved draft slots with proposals; the chunks then carry newest token + drafts."""
-        items = [(self.requests[c.seq_id], c.draft_slots) for c in batch.chunks if c.draft_slots]
-        if not items:
-            return batch, {}
-        context = DraftContext(self.block_manager.block_table, self.decider.draft_sample)
-        proposals = {sid: p for sid, p in self.speculator.propose(context, items).items() if p.tokens}
-        chunks = tuple(
-            dataclasses.replace(c, token_ids=c.token_ids + proposals[c.seq_id].tokens, draft_slots=0,
-                                num_logits=1 + len(proposals[c.seq_id].tokens))
-            if c.seq_id in proposals else dataclasses.replace(c, draft_slots=0)
-            for c in batch.chunks)
-        proposed = sum(len(p.tokens) for p in proposals.values())
-        return dataclasses.replace(batch, chunks=chunks, num_decode_tokens=batch.num_decode_tokens - sum(
-            c.draft_slots for c in batch.chunks) + proposed), proposals
-
     def _decide_and_commit(self, batch: ScheduledBatch, out: ModelOutput, proposals: Mapping[str, Proposal],
                            digests: bool) -> tuple[Decision, Committed, RowDigests | None]:
-        """The decide and commit stages; with `digests`, the sha256 of every decided logits row too (by decided
-        row), where the rows are CPU fp32: hashed on the other threads beside the Python, which leaves them idle
-        (a kernels.ShaJob): beside the decider's work before the sampler's native pass, then beside the rest of
-        decide and the commit where the sampler took that pass (else the commit alone), then beside the next
-        step's scheduling and packing; what is left then is hashed on every thread when the digests are read."""
-        def commit(decision: Decision) -> Committed:
-            try:
-                return self.committer.commit(batch, decision, proposals, self.requests, self.start_time)
-            except Exception as exc:  # noqa: BLE001 - raised by step as it was: a commit is not retried
-                raise _CommitFailed() from exc
-
-        def finish_and_commit() -> tuple[Decision, Committed]:
-            decision = self.decider.finish(staged)
-            return decision, commit(decision)
-
-        logits = out.logits_RV
-        if not (digests and logits.shape[0] and logits.device.type == "cpu" and logits.dtype == torch.float32):
-            decision = self.decider.decide(out, proposals, self.requests)
-            return decision, commit(decision), None
-        if proposals:  # verification's torch work stays on every thread; its rejected rows are not hashed
-            decision = self.decider.decide(out, proposals, self.requests)
-            rows = sorted({e.row for _, emits in decision.emits for e in emits})
-            job = ShaJob(decision.logits_RV, rows)
-            committed = job.beside(lambda: commit(decision))
-            self._hashing = job
-            return decision, committed, RowDigests(job, {row: i for i, row in enumerate(rows)})
-        job = ShaJob(logits)  # every row of the forward's is decided (a follower's row is its leader's)
-        staged = job.beside(lambda: self.decider.stage(out, proposals, self.requests))
-        if staged.sampler is not None:
-            staged.sampler.run()
-            decision, committed = job.beside(finish_and_commit)
-        else:
-            decision = self.decider.finish(staged)
-            committed = job.beside(lambda: commit(decision))
-        self._hashing = job
-        return decision, committed, RowDigests(job, {e.row: staged.rows[e.row].logits_row
-                                                     for _, emits in decision.emits for e in emits})
+        """The decide and commit stages, with the decided rows' digests (toolkit.engine.digests)."""
+        decision, committed, rows, self._hashing = decide_and_commit(
+            self.decider, self.committer, batch, out, proposals, self.requests, self.start_time, digests)
+        return decision, committed, rows
 
     def _step_output(self, batch: ScheduledBatch, committed: Committed | None = None,
                      logits_RV: torch.Tensor | None = None, forward_s: float = 0.0, forwards: int = 0,
@@ -377,43 +307,6 @@ class Engine(EngineQueries):
         self._add_all(requests)
         while self.has_unfinished():
             yield from self.step().deltas
-
-
-def _now(fn: Callable[[], T]) -> T:
-    return fn()
-
-
-class _CommitFailed(Exception):
-    """The commit stage raised (its __cause__): sequences may have changed, so the step is not retried."""
-
-
-class RowDigests(Mapping[int, str]):
-    """A step's logits row digests (decided row -> sha256 hex) whose hashing may go on beside the engine's next
-    step: the first look at a digest hashes what is left (ShaJob.digests, on every thread)."""
-
-    def __init__(self, job: ShaJob, rows: dict[int, int]):  # decided row -> the job's row
-        self._job: ShaJob | None = job
-        self._rows = rows
-        self._hexes: dict[int, str] | None = None
-
-    def _all(self) -> dict[int, str]:
-        if self._hexes is None:
-            hexes = self._job.digests()
-            self._hexes = {row: hexes[i] for row, i in self._rows.items()}
-            self._job = None
-        return self._hexes
-
-    def __getitem__(self, row: int) -> str:
-        return self._all()[row]
-
-    def __contains__(self, row: object) -> bool:
-        return row in self._rows
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._rows)
-
-    def __len__(self) -> int:
-        return len(self._rows)
 
 
 def load_for(model_cfg: ModelConfig, engine_cfg: EngineConfig, sampling: Mapping[str, Any] | None

@@ -30,14 +30,16 @@ All randomness is keyed by (seed, position, stream, purpose) and replays bit for
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from toolkit.config import ModelConfig, from_mapping
+from toolkit.engine.request import Sequence, SequenceStatus
 from toolkit.engine.runner import ModelRunner, kernel_runs
 from toolkit.engine.scheduler import ScheduledBatch, ScheduledChunk
 from toolkit.errors import ConfigError
@@ -45,9 +47,6 @@ from toolkit.kv import BlockManager, PagedKVCache
 from toolkit.models import load_model
 from toolkit.sampling import rng
 from toolkit.sampling.sampler import gumbel_choice
-
-if TYPE_CHECKING:  # pragma: no cover
-    from toolkit.engine.request import Sequence
 
 
 class DraftHost(Protocol):
@@ -336,6 +335,37 @@ class Speculator:
 
     def max_drafts(self, seq, room: int) -> int:
         return self.proposer.max_drafts(seq, room)
+
+    def draft_slots(self, running: collections.abc.Iterable[Sequence], max_model_len: int) -> dict[str, int]:
+        """The decoding sequences that will speculate this step, and how many drafts each may take (the scheduler
+        reserves their slots)."""
+        slots = {}
+        for seq in running:
+            if seq.status is not SequenceStatus.DECODING:
+                continue
+            room = min(self.cfg.num_speculative_tokens, seq.sampling.max_tokens - seq.num_output_tokens - 1,
+                       max_model_len - seq.num_tokens - 1)
+            if room > 0:
+                wanted = self.max_drafts(seq, room)
+                if wanted > 0:
+                    slots[seq.seq_id] = wanted
+        return slots
+
+    def fill(self, batch: ScheduledBatch, requests: Mapping[str, Sequence], context: DraftContext
+             ) -> tuple[ScheduledBatch, dict[str, Proposal]]:
+        """The reserved draft slots filled with proposals; the chunks then carry the newest token + drafts."""
+        items = [(requests[c.seq_id], c.draft_slots) for c in batch.chunks if c.draft_slots]
+        if not items:
+            return batch, {}
+        proposals = {sid: p for sid, p in self.propose(context, items).items() if p.tokens}
+        chunks = tuple(
+            dataclasses.replace(c, token_ids=c.token_ids + proposals[c.seq_id].tokens, draft_slots=0,
+                                num_logits=1 + len(proposals[c.seq_id].tokens))
+            if c.seq_id in proposals else dataclasses.replace(c, draft_slots=0)
+            for c in batch.chunks)
+        proposed = sum(len(p.tokens) for p in proposals.values())
+        return dataclasses.replace(batch, chunks=chunks, num_decode_tokens=batch.num_decode_tokens - sum(
+            c.draft_slots for c in batch.chunks) + proposed), proposals
 
     def propose(self, context: DraftContext, items):
         return self.proposer.propose(context, items)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from toolkit.errors import ModelLoadError
 from toolkit.kv.attention import AttentionMetadata, paged_attention, write_kv
+from toolkit.native import gpu_matmul as gm
 from toolkit.native import invariant_gpu, library
 from toolkit.native.ops import (
     add_rms_norm_cpu,
@@ -264,7 +265,7 @@ class PagedDecoder(nn.Module):
         mm, packed, head = torch.matmul, None, self.lm_head_t
         if native_matmul and invariant_gpu.routes(self.embed):  # one fixed tiling, no split-K: M changes no row
             def mm(h, w):
-                return invariant_gpu.invariant_matmul(h, w).to(h.dtype)
+                return gm.invariant_matmul(h, w).to(h.dtype)
         elif native_matmul:
             mm = matmul_invariant
             packed, head = self.packed_weights()

@@ -132,11 +132,6 @@ def request_entries(requests: pa.Table, seqs: dict[SeqKey, list[dict]]) -> list[
     return out
 
 
-def read_steps_columns(run_dir: Path) -> dict[str, list] | None:
-    steps = read_steps(run_dir)
-    return steps.to_pydict() if steps is not None else None
-
-
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(Path(path).read_text())
@@ -160,10 +155,10 @@ class RunData:
     def read(cls, run_dir: str | Path) -> RunData:
         run_dir = Path(run_dir)
         config = run_dir / "config.yaml"
-        samples = read_samples(run_dir)
+        samples, steps = read_samples(run_dir), read_steps(run_dir)
         return cls(run_dir=run_dir, manifest=read_manifest(run_dir), summary=read_json(run_dir / "summary.json"),
                    config_yaml=config.read_text() if config.exists() else "", requests=read_requests(run_dir),
-                   seqs=sequences(samples.to_pylist()), steps=read_steps_columns(run_dir))
+                   seqs=sequences(samples.to_pylist()), steps=steps.to_pydict() if steps is not None else None)
 
     @property
     def rows(self) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.native import invariant_gpu
-from toolkit.native.ops import Patches, TailCall, argmax_cpu, gumbel_sample_cpu, logsumexp_cpu
+from toolkit.native.sampling_ops import Patches, TailCall, argmax_cpu, gumbel_sample_cpu, logsumexp_cpu
 from toolkit.native.sha import sha256_rows
 from toolkit.sampling import rng
 

@@ -22,6 +22,7 @@ from toolkit.engine.request import EngineRequest
 from toolkit.errors import RequestError, ToolkitError, one_line
 from toolkit.runs.recorder import body_sha256
 from toolkit.serve.grammars import GrammarCompiler
+from toolkit.serve.logprobs import LogprobFormat
 from toolkit.serve.loop import EngineLoop, InternalError, Submission, Unavailable, Update
 from toolkit.serve.protocol import (
     ApiError,
@@ -31,7 +32,6 @@ from toolkit.serve.protocol import (
     SamplingFields,
     ServedModel,
     request_error,
-    token_text,
 )
 
 
@@ -158,6 +158,7 @@ class Job:
         self.outputs: dict[str, Any] = {}
         self.samples: dict[tuple[str, int], list] = {}  # (request id, sample index) -> trace rows, in order
         self.prompt_logprobs: list[list | None] = []
+        self.logprobs = LogprobFormat(api.tokenizer, api.loop.engine.loaded.arch.vocab_size, sampling.get("logprobs"))
 
     @classmethod
     def build(cls, api: JobHost, route: str, req: SamplingFields, body: dict) -> Job:
@@ -277,9 +278,11 @@ class Job:
     def _choice_index(self, request_id: str, sample: int) -> int:
         return self.request_ids.index(request_id) * self.req.n + sample
 
-    def usage(self) -> dict[str, int]:
+    def usage(self, completion: int | None = None) -> dict[str, int]:
+        """Tokens so far: the prompts' and `completion` (None: every output's)."""
         prompt = sum(len(o.prompt_token_ids) for o in self.outputs.values())
-        completion = sum(len(c.token_ids) for o in self.outputs.values() for c in o.outputs)
+        if completion is None:
+            completion = sum(len(c.token_ids) for o in self.outputs.values() for c in o.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def response(self) -> dict[str, Any]:
@@ -291,76 +294,21 @@ class Job:
                 index = self._choice_index(request_id, c.index)
                 if self.chat:
                     choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
-                                    "logprobs": self._chat_logprobs(rows), "finish_reason": c.finish_reason,
+                                    "logprobs": self.logprobs.chat(rows), "finish_reason": c.finish_reason,
                                     "stop_reason": c.stop_reason})
                 else:
-                    text, logprobs = c.text, self._completion_logprobs(rows, 0)
+                    text, logprobs = c.text, self.logprobs.completion(rows)
                     if self.req.echo:
                         text = (out.prompt or "") + text
                         if logprobs is not None and self.prompt_logprobs:
-                            logprobs = self._echo_logprobs(self.request_ids.index(request_id), rows)
+                            i = self.request_ids.index(request_id)
+                            logprobs = self.logprobs.echo(out.prompt_token_ids, self.prompt_logprobs[i], rows)
                     choices.append({"index": index, "text": text, "logprobs": logprobs,
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         choices.sort(key=lambda c: c["index"])
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.api.served.name, "choices": choices, "usage": self.usage(),
                 "system_fingerprint": self.api.loop.run_id}
-
-    # ------------------------------------------------------------------ logprobs
-
-    def _top(self, row) -> list[tuple[int, float]]:
-        return list(row.top_raw) if self.sampling.get("logprobs") else []
-
-    def _chat_logprobs(self, rows) -> dict | None:
-        if self.sampling.get("logprobs") is None:
-            return None
-        tok = self.api.tokenizer
-
-        spelled = tok.token_bytes(self.api.loop.engine.loaded.arch.vocab_size) if tok is not None else None
-
-        def entry(token_id: int, logprob: float) -> dict:  # bytes: what the token spells, whole or not
-            text = token_text(tok, token_id)
-            return {"token": text, "logprob": logprob,
-                    "bytes": list(spelled[token_id]) if spelled is not None else list(text.encode())}
-
-        return {"content": [{**entry(r.token_id, r.raw_logprob),
-                             "top_logprobs": [entry(t, lp) for t, lp in self._top(r)]}
-                            for r in rows if r.token_id >= 0], "refusal": None}
-
-    def _completion_logprobs(self, rows, offset: int) -> dict | None:
-        if self.sampling.get("logprobs") is None:
-            return None
-        tok = self.api.tokenizer
-        tokens, logprobs, tops, offsets = [], [], [], []
-        for r in rows:
-            if r.token_id < 0:
-                continue
-            text = token_text(tok, r.token_id)
-            offsets.append(offset)
-            offset += len(text)
-            tokens.append(text)
-            logprobs.append(r.raw_logprob)
-            tops.append({token_text(tok, t): lp for t, lp in self._top(r)})
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
-
-    def _echo_logprobs(self, prompt_index: int, rows) -> dict:
-        tok = self.api.tokenizer
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = 0
-        prompt = self.prompt_logprobs[prompt_index] or []
-        ids = self.outputs[self.request_ids[prompt_index]].prompt_token_ids
-        for pos, token_id in enumerate(ids):
-            text = token_text(tok, token_id)
-            entry = prompt[pos] if pos < len(prompt) else None
-            out["tokens"].append(text)
-            out["text_offset"].append(offset)
-            offset += len(text)
-            out["token_logprobs"].append(None if entry is None else entry[1])
-            out["top_logprobs"].append(None if entry is None else {token_text(tok, t): lp for t, lp in entry[2]})
-        generated = self._completion_logprobs(rows, offset)
-        for key in out:
-            out[key] += generated[key]
-        return out
 
     # ------------------------------------------------------------------ streaming
 
@@ -398,12 +346,12 @@ class Job:
                     finish = d.finish_reason if d.finished else None
                     if self.chat:
                         choices.append({"index": index, "delta": {"content": d.text} if d.text else {},
-                                        "logprobs": self._chat_logprobs(rows), "finish_reason": finish})
+                                        "logprobs": self.logprobs.chat(rows), "finish_reason": finish})
                     else:
-                        choices.append({"index": index, "text": d.text, "logprobs": self._completion_logprobs(rows, 0),
+                        choices.append({"index": index, "text": d.text, "logprobs": self.logprobs.completion(rows),
                                         "finish_reason": finish})
                 if choices:
-                    usage = self._running_usage(sent_tokens) if continuous else None
+                    usage = self.usage(sent_tokens) if continuous else None
                     yield self._event(choices, usage)
             if include_usage:
                 yield self._event([], self.usage())
@@ -413,10 +361,6 @@ class Job:
                                                                   "param": exc.param, "code": None}}))
         finally:
             self.abort()  # no-op for finished requests; frees the blocks of a client that left
-
-    def _running_usage(self, completion: int) -> dict[str, int]:
-        prompt = sum(len(o.prompt_token_ids) for o in self.outputs.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _event(self, choices: list[dict], usage: dict | None = None) -> bytes:
         chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",

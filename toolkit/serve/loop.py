@@ -78,6 +78,11 @@ class LoopStats:
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
     recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # (time, output_tokens) after each step
 
+    def refresh(self, now: Any) -> None:
+        """The queues and the KV pool as the engine's EngineStats `now` says."""
+        self.running, self.waiting, self.waiting_requests = now.running, now.waiting, now.waiting_requests
+        self.kv_blocks_used = now.kv_blocks_used
+
     def tokens_per_s(self, window_s: float = 10.0) -> float:
         now = time.perf_counter()
         points = [p for p in list(self.recent) if now - p[0] <= window_s]
@@ -225,7 +230,7 @@ class EngineLoop:
                     break
                 backlogged = self.writer is not None and self.writer.backlogged
                 if not engine.has_unfinished() or backlogged:  # idle, or the disk holds too many rows back
-                    self._refresh_stats()
+                    self.stats.refresh(self.engine.stats())
                     self.record.write(None)  # an abort or a refusal while idle
                     self._wake.wait(0.5)
                     self._wake.clear()
@@ -283,7 +288,7 @@ class EngineLoop:
             elif item in self._sinks:
                 self._abort(item)
         if added:
-            self._refresh_stats()
+            self.stats.refresh(self.engine.stats())
             with self._lock:
                 self._queued -= added
 
@@ -305,16 +310,13 @@ class EngineLoop:
             if request_id is not None and engine.has_request(request_id):
                 engine.abort(request_id)
                 engine.release(request_id)
-            self._record_failure(request_id, sub, exc)
+            print(f"serve: request {request_id}: {one_line(exc)}", file=sys.stderr, flush=True)
+            self.record.reject(str(request_id), sub.route, 500, one_line(exc), body_sha256(sub.body))
             sub.accepted.set_exception(InternalError(f"the engine failed to add this request: {one_line(exc)}"))
             return
         self._sinks[request_id] = sub.sink
         self.record.admitted(request_id, sub.body)
         sub.accepted.set_result(request_id)
-
-    def _record_failure(self, request_id: str | None, sub: Submission, exc: BaseException) -> None:
-        print(f"serve: request {request_id}: {one_line(exc)}", file=sys.stderr, flush=True)
-        self.record.reject(str(request_id), sub.route, 500, one_line(exc), body_sha256(sub.body))
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -341,14 +343,8 @@ class EngineLoop:
             for request_id in done & self._sinks.keys():
                 deltas, samples = by_request.get(request_id, ((), ()))
                 self._finish(request_id, deltas, samples, error=self._errors.get(request_id))
-        self._refresh_stats()
+        self.stats.refresh(self.engine.stats())
         self.record.write(out)
-
-    def _refresh_stats(self) -> None:
-        now = self.engine.stats()
-        self.stats.running, self.stats.waiting = now.running, now.waiting
-        self.stats.waiting_requests = now.waiting_requests
-        self.stats.kv_blocks_used = now.kv_blocks_used
 
     def _finish(self, request_id: str, deltas, samples=(), error: str | None = None) -> None:
         digest = self.record.ended(request_id)

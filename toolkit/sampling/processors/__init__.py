@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from toolkit.native.ops import tail_fusable
+from toolkit.native.sampling_ops import tail_fusable
 from toolkit.sampling.params import DEFAULT_PROCESSORS
 from toolkit.sampling.processors import masks, penalties, truncation
 from toolkit.sampling.processors.base import NEG_INF, BatchView, Patches, Processor, RowState
@@ -40,7 +40,7 @@ REGISTRY: dict[str, Processor] = {
 assert tuple(REGISTRY) == DEFAULT_PROCESSORS
 
 
-# processors the sampler can apply itself, fused with its own passes over a row (toolkit.native.ops.sample_tail_cpu)
+# processors the sampler can apply itself, fused with its own passes over a row (toolkit.native.sampling_ops.sample_tail_cpu)
 SAMPLER_TAIL = frozenset({"temperature", "top_k", "top_p"})
 
 
@@ -61,7 +61,7 @@ class PipelineResult:
 def sampler_tail(params, vocab_size: int) -> Tail:
     """The longest run at the end of a row's active processors that the sampler applies itself: these
     come last in the row's order, so leaving them to the sampler changes no value (it computes them as
-    the processors do, see toolkit.native.ops.sample_tail_cpu)."""
+    the processors do, see toolkit.native.sampling_ops.sample_tail_cpu)."""
     active = params.active_processors()
     n = len(active)
     while n and active[n - 1] in SAMPLER_TAIL:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.native.ops import truncate_cpu
+from toolkit.native.sampling_ops import truncate_cpu
 from toolkit.sampling.processors.base import NEG_INF, BatchView
 from toolkit.sampling.sampler import logsumexp_rows
 

@@ -1,0 +1,113 @@
+"""The batch-invariant mode's matmul on a CUDA GPU, in Triton (issues 56 and 57): every output row's sums in one
+fixed order whatever the number of rows, so a request's logits do not depend on what it is batched with.
+
+- `matmul_dot(x_MK, w_KN)` (`invariant_matmul` on a GPU): one fixed tiling (DOT_BLOCKS: 64 x 64 tiles, K in slices
+  of 64 in ascending order), no split-K, each slice's tile product by `tl.dot` on the tensor cores with fp32 sums
+  (fp32 at input_precision "ieee", never TF32), compiled once whatever M is. A tile is always whole (masked loads
+  pad it), so a row's products meet the same instruction sequence whatever the other rows hold.
+- `matmul(x_MK, w_KN)`: the same idea with each slice's products reduced by `tl.sum`: what the interpreter runs
+  (its `tl.dot` is numpy's, not row-invariant). On an H100 its fp32 results missed fp32 sums' error bound by TF32's
+  margin (as if compiled to a TF32 tile product), so the GPU runs `matmul_dot`.
+
+Where Triton does not import, or the tensors are on the CPU without TRITON_INTERPRET=1, `matmul` computes the same
+reduction with torch, one row at a time (`matmul_rows`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit.native.invariant_gpu import FIXED, available, tl, triton
+
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32  # the tl.sum matmul's one tiling
+
+
+def invariant_matmul(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
+    """The batch-invariant mode's matmul, fp32 (M, N): tensor-core tiles on a GPU, the tl.sum tiles in the
+    interpreter (whose tile product is numpy's, not row-invariant)."""
+    return matmul_dot(x_MK, w_KN) if x_MK.is_cuda else matmul(x_MK, w_KN)
+
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["M"])  # one compiled kernel whatever the row count (M = 1 included)
+    def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sxm, sxk, swk, swn, som, son,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):  # ascending slices of K: the one order of every row's sum
+            kk = k0 + rk
+            x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K),
+                        other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + kk[:, None] * swk + rn[None, :] * swn, mask=(kk[:, None] < K) & (rn[None, :] < N),
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
+        tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit(do_not_specialize=["M"])  # one compiled kernel whatever the row count (M = 1 included)
+    def _matmul_dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sxm, sxk, swk, swn, som, son,
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+                           WIDEN: tl.constexpr):
+        """The same fixed tiling, each slice's tile product by `tl.dot` (the tensor cores on a GPU): a row's
+        products go through the MMA instruction's own fixed order, the same whatever the tile's other rows hold;
+        fp32 at PRECISION "ieee" (never TF32). WIDEN: 16-bit tiles widened to fp32 first (the interpreter's dot
+        of bf16 tiles is wrong; a 16-bit product is exact in fp32, so only the sums' order can differ)."""
+        rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + rk
+            x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K),
+                        other=0.0)
+            w = tl.load(w_ptr + kk[:, None] * swk + rn[None, :] * swn, mask=(kk[:, None] < K) & (rn[None, :] < N),
+                        other=0.0)
+            if WIDEN:
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def matmul(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
+    """x @ w, (M, N) fp32, each row's sums in one order whatever M is."""
+    m, k = x_MK.shape
+    n = w_KN.shape[1]
+    if not available(x_MK):
+        return matmul_rows(x_MK, w_KN)
+    out = torch.empty((m, n), dtype=torch.float32, device=x_MK.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    _matmul_kernel[grid](x_MK, w_KN, out, m, n, k, x_MK.stride(0), x_MK.stride(1), w_KN.stride(0), w_KN.stride(1),
+                         out.stride(0), out.stride(1), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, **FIXED)
+    return out
+
+
+DOT_BLOCKS = (64, 64, 64)  # matmul_dot's one tiling (BLOCK_M x BLOCK_N tiles, BLOCK_K slices)
+
+
+def matmul_dot(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
+    """x @ w by tensor-core tile products in one fixed tiling, no split-K, fp32 sums: the matmul the engine's
+    batch-invariant mode runs on a CUDA GPU. Tiles are always whole (masked loads pad them), so the tile product
+    has one shape whatever M is, and a row's products are summed the same way whatever the other rows hold."""
+    m, k = x_MK.shape
+    n = w_KN.shape[1]
+    bm, bn, bk = DOT_BLOCKS
+    widen = x_MK.device.type == "cpu"  # the interpreter
+    out = torch.empty((m, n), dtype=torch.float32, device=x_MK.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _matmul_dot_kernel[grid](x_MK, w_KN, out, m, n, k, x_MK.stride(0), x_MK.stride(1), w_KN.stride(0),
+                             w_KN.stride(1), out.stride(0), out.stride(1), BM=bm, BN=bn, BK=bk,
+                             PRECISION="ieee" if widen or x_MK.dtype == torch.float32 else "tf32",
+                             WIDEN=widen, **FIXED)
+    return out
+
+
+def matmul_rows(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
+    w = w_KN.float()
+    return torch.cat([x_MK[i:i + 1].float() @ w for i in range(x_MK.shape[0])]) if x_MK.shape[0] else \
+        torch.empty((0, w_KN.shape[1]), device=x_MK.device)
