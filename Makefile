@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run lint test prepare toolchains test-older-cpus test-fallback bench soak serve docs setup clean-venv llama-server one-stream
+.PHONY: run lint format test prepare toolchains test-older-cpus test-fallback bench soak serve docs setup clean-venv llama-server one-stream
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -98,11 +98,16 @@ export PYTEST_ADDOPTS
 test:
 	$(MAKE) --no-print-directory -j3 prepare
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q --durations=15 $(ARGS)
 	$(PY) .ci/older_cpus.py $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
 
 test-older-cpus: $(STAMP)
 	$(PY) .ci/older_cpus.py $(ARGS)

@@ -27,9 +27,10 @@ from toolkit.native.cpu import host_target, runnable_targets  # noqa: E402  (the
 
 OLDER_TARGET = {"x86-64-v4": "x86-64-v3", "x86-64-v3": "x86-64-v2"}
 # torch's capability -> what to hold torch (ATEN_CPU_CAPABILITY), oneDNN and MKL to
-OLDER_TORCH = {"AVX512": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-               "AVX2": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
-                        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}}
+OLDER_TORCH = {
+    "AVX512": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "AVX2": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+}
 
 
 def older_environments() -> list[tuple[str, dict[str, str]]]:
@@ -39,16 +40,21 @@ def older_environments() -> list[tuple[str, dict[str, str]]]:
     assert target in runnable_targets(), (host, target)
     capability = torch.backends.cpu.get_cpu_capability()
     held = OLDER_TORCH.get(capability, {"ATEN_CPU_CAPABILITY": "default"})
-    return [(f"native kernels built for {target} (this CPU: {host})", {"TOOLKIT_KERNEL_TARGET": target}),
-            (f"torch fallback held to {held['ATEN_CPU_CAPABILITY']} (this CPU: {capability})",
-             {"TOOLKIT_NATIVE": "0", **held})]
+    return [
+        (f"native kernels built for {target} (this CPU: {host})", {"TOOLKIT_KERNEL_TARGET": target}),
+        (
+            f"torch fallback held to {held['ATEN_CPU_CAPABILITY']} (this CPU: {capability})",
+            {"TOOLKIT_NATIVE": "0", **held},
+        ),
+    ]
 
 
 def main(args: list[str]) -> int:
     for label, env in older_environments():
         print(f"\n== numerics rerun: {label}: {' '.join(f'{k}={v}' for k, v in env.items())}", flush=True)
-        status = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "numerics", *args], cwd=ROOT,
-                                env={**os.environ, **env}).returncode
+        status = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-m", "numerics", *args], cwd=ROOT, env={**os.environ, **env}
+        ).returncode
         if status == 5 and args:
             print(f"no numerics test among {' '.join(args)}", flush=True)
             continue

@@ -35,8 +35,13 @@ torch.set_num_threads(THREADS)
 
 # no "explain" phase: it traces every line of a failing example and, with models in the
 # frames, can take gigabytes when a property fails
-settings.register_profile("ci", deadline=None, print_blob=True, derandomize=True,
-                          phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink])
+settings.register_profile(
+    "ci",
+    deadline=None,
+    print_blob=True,
+    derandomize=True,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
@@ -61,13 +66,15 @@ def smollm2():
 # themselves, or of a mode only they give (engine.batch_invariant=true, attention_backend=kernel), skips then
 # with this reason. With the switch on, a kernel that does not build fails those tests: it never skips them.
 NATIVE_OFF = library.switched_off()
-NATIVE_OFF_REASON = ("TOOLKIT_NATIVE=0 switches the native kernels off, and this test checks them or a mode only "
-                     "they give")
+NATIVE_OFF_REASON = (
+    "TOOLKIT_NATIVE=0 switches the native kernels off, and this test checks them or a mode only they give"
+)
 native_only = pytest.mark.skipif(NATIVE_OFF, reason=NATIVE_OFF_REASON)
 # a slow test of what does not change with the kernels (Ray's sharding, an experiment's table): run once, in
 # `make test`; the fallback run (TOOLKIT_NATIVE=0) skips it with this reason
-ONCE_REASON = ("TOOLKIT_NATIVE=0: this test's subject does not depend on the native kernels and it is slow; it "
-               "runs in make test")
+ONCE_REASON = (
+    "TOOLKIT_NATIVE=0: this test's subject does not depend on the native kernels and it is slow; it runs in make test"
+)
 once = pytest.mark.skipif(NATIVE_OFF, reason=ONCE_REASON)
 # engine.batch_invariant=true where the kernels run (its bits), the default mode with the switch off
 BATCH_INVARIANT_OVERRIDE = f"engine.batch_invariant={str(not NATIVE_OFF).lower()}"
@@ -109,9 +116,12 @@ def _native_marker_is_honest(request, tmp_path_factory):
         with open(report, "a") as f:
             f.write(f"{int(took)} {request.node.nodeid}\n")
     elif took and not NATIVE_OFF and request.node.get_closest_marker("native") is None:
-        pytest.fail(f"{request.node.nodeid} takes a path that TOOLKIT_NATIVE=0 changes (it asked toolkit.native) "
-                    f"but is not marked `native`, so make test-fallback would leave it out: add "
-                    f"@pytest.mark.native (or the module's pytestmark)", pytrace=False)
+        pytest.fail(
+            f"{request.node.nodeid} takes a path that TOOLKIT_NATIVE=0 changes (it asked toolkit.native) "
+            f"but is not marked `native`, so make test-fallback would leave it out: add "
+            f"@pytest.mark.native (or the module's pytestmark)",
+            pytrace=False,
+        )
 
 
 def make_engine(loaded, **engine_kwargs) -> Engine:

@@ -52,8 +52,14 @@ class Agreement:
         return f"{len(self.checked)} agree token for token; diverged at a near-tie: {ties or 'none'}"
 
 
-def assert_greedy_agreement(reference: dict[str, list[int]], margins: dict[str, list[float]],
-                            other: dict[str, list[int]], *, window: int, near_tie: float) -> Agreement:
+def assert_greedy_agreement(
+    reference: dict[str, list[int]],
+    margins: dict[str, list[float]],
+    other: dict[str, list[int]],
+    *,
+    window: int,
+    near_tie: float,
+) -> Agreement:
     """Every sequence of `other` equals `reference` in its first `window` tokens, except one that first diverges
     at a step where the reference's top-2 margin (`margins[i][j]`, the reference's own step j) is below
     `near_tie`: that one is reported, not asserted. Returns the split (tests may require enough checked)."""
@@ -64,9 +70,11 @@ def assert_greedy_agreement(reference: dict[str, list[int]], margins: dict[str, 
             checked.append(i)
             continue
         margin = margins[i][j]
-        assert margin < near_tie, (f"{i}: diverges at token {j} where the reference's top-2 margin is {margin:.4g}, "
-                                   f"not a near-tie (< {near_tie:.4g}): {list(ref[:window])} vs "
-                                   f"{list(other[i][:window])}")
+        assert margin < near_tie, (
+            f"{i}: diverges at token {j} where the reference's top-2 margin is {margin:.4g}, "
+            f"not a near-tie (< {near_tie:.4g}): {list(ref[:window])} vs "
+            f"{list(other[i][:window])}"
+        )
         near_ties[i] = (j, margin)
     result = Agreement(checked, near_ties)
     print(result.report())

@@ -53,28 +53,38 @@ def attention_case(gen, h, kh, d, block_size, contexts):
 
 
 @settings(max_examples=60)
-@given(heads=st.sampled_from([(4, 2, 16), (9, 3, 64), (4, 4, 64), (8, 2, 128), (6, 3, 8),
-                              (8, 1, 64), (10, 2, 64), (12, 2, 128)]),  # query heads per KV head: 1-8
-       block_size=st.sampled_from([1, 4, 16, 32]), contexts=st.lists(st.integers(1, 90), min_size=1, max_size=6),
-       seed=st.integers(0, 1000))
+@given(
+    heads=st.sampled_from(
+        [(4, 2, 16), (9, 3, 64), (4, 4, 64), (8, 2, 128), (6, 3, 8), (8, 1, 64), (10, 2, 64), (12, 2, 128)]
+    ),  # query heads per KV head: 1-8
+    block_size=st.sampled_from([1, 4, 16, 32]),
+    contexts=st.lists(st.integers(1, 90), min_size=1, max_size=6),
+    seed=st.integers(0, 1000),
+)
 def test_kernel_matches_dense_reference(heads, block_size, contexts, seed):
     h, kh, d = heads
     gen = torch.Generator().manual_seed(seed)
     q, k_cache, v_cache, tables_t, qt, qc = attention_case(gen, h, kh, d, block_size, contexts)
-    got = paged_attention_cpu(q, k_cache, v_cache, tables_t, qt, qc, d ** -0.5)
-    want = dense_reference(q, k_cache, v_cache, tables_t, qt, qc, d ** -0.5)
+    got = paged_attention_cpu(q, k_cache, v_cache, tables_t, qt, qc, d**-0.5)
+    want = dense_reference(q, k_cache, v_cache, tables_t, qt, qc, d**-0.5)
     assert (got.double() - want).abs().max().item() < 2e-5
     # each query's result does not depend on the others: alone, it gets the same bits
     for i in range(0, q.shape[0], 3):
-        alone = paged_attention_cpu(q[i:i + 1], k_cache, v_cache, tables_t, qt[i:i + 1], qc[i:i + 1], d ** -0.5)
+        alone = paged_attention_cpu(q[i : i + 1], k_cache, v_cache, tables_t, qt[i : i + 1], qc[i : i + 1], d**-0.5)
         assert torch.equal(alone[0], got[i])
 
 
 def test_kernel_and_sdpa_engines_agree(tiny):
     from tests.conftest import make_engine
 
-    requests = [{"prompt_token_ids": list(range(3 + 7 * i, 40 + 11 * i)), "arrival_step": i,
-                 "sampling_params": SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)} for i in range(4)]
+    requests = [
+        {
+            "prompt_token_ids": list(range(3 + 7 * i, 40 + 11 * i)),
+            "arrival_step": i,
+            "sampling_params": SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        }
+        for i in range(4)
+    ]
     outs = {}
     for backend in ("kernel", "sdpa"):
         engine = make_engine(tiny, max_num_batched_tokens=32, max_num_seqs=4, attention_backend=backend)
@@ -83,8 +93,13 @@ def test_kernel_and_sdpa_engines_agree(tiny):
 
 
 @settings(max_examples=30, deadline=None)
-@given(rows=st.integers(1, 40), heads=st.integers(1, 6), half=st.sampled_from([1, 3, 8, 32, 64]),
-       extra=st.integers(0, 5), seed=st.integers(0, 1000))
+@given(
+    rows=st.integers(1, 40),
+    heads=st.integers(1, 6),
+    half=st.sampled_from([1, 3, 8, 32, 64]),
+    extra=st.integers(0, 5),
+    seed=st.integers(0, 1000),
+)
 def test_native_rope_is_the_torch_expression_bit_for_bit(rows, heads, half, extra, seed):
     """rope_cpu(x) == x * cos + rotate_half(x) * sin exactly, for strided rows (a view into q|k|v)."""
     gen = torch.Generator().manual_seed(seed)
@@ -101,9 +116,19 @@ def test_native_rope_on_the_model_tables_and_out_of_range_positions():
     """On the cos/sin tables the model builds (equal halves), and a clear error past the table."""
     from toolkit.models.decoder import DecoderArch
 
-    arch = DecoderArch(vocab_size=8, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
-                       intermediate_size=8, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64,
-                       tie_word_embeddings=True)
+    arch = DecoderArch(
+        vocab_size=8,
+        hidden_size=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=8,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     cos, sin = rope_tables(arch, torch.device("cpu"))
     x = torch.randn(64, 6, 16)
     pos = torch.arange(64)
@@ -113,8 +138,13 @@ def test_native_rope_on_the_model_tables_and_out_of_range_positions():
 
 
 @settings(max_examples=30, deadline=None)
-@given(rows=st.integers(1, 130), width=st.sampled_from([16, 64, 576, 2048]), scale=st.sampled_from([1e-3, 1.0, 50.0]),
-       residual=st.booleans(), seed=st.integers(0, 1000))
+@given(
+    rows=st.integers(1, 130),
+    width=st.sampled_from([16, 64, 576, 2048]),
+    scale=st.sampled_from([1e-3, 1.0, 50.0]),
+    residual=st.booleans(),
+    seed=st.integers(0, 1000),
+)
 def test_native_add_rms_norm_against_float64(rows, width, scale, residual, seed):
     """x + r is torch's sum exactly (and written into x); the norm is within 4 fp32 ulps of a float64
     RMSNorm; a row's bits do not depend on the other rows or the thread count."""
@@ -137,8 +167,12 @@ def test_native_add_rms_norm_against_float64(rows, width, scale, residual, seed)
 
 
 @settings(max_examples=30, deadline=None)
-@given(rows=st.integers(1, 70), width=st.sampled_from([16, 48, 1536]), scale=st.sampled_from([0.1, 4.0, 30.0]),
-       seed=st.integers(0, 1000))
+@given(
+    rows=st.integers(1, 70),
+    width=st.sampled_from([16, 48, 1536]),
+    scale=st.sampled_from([0.1, 4.0, 30.0]),
+    seed=st.integers(0, 1000),
+)
 def test_native_silu_mul_against_float64(rows, width, scale, seed):
     """silu(gate) * up from [gate | up] rows within 4 fp32 ulps (relative) of float64, as torch's own
     silu is; large negative gates go to ~0, NaN stays NaN."""
@@ -172,8 +206,9 @@ def _both_paths(model):
         model.fused_layers = True
         got = forward(ids, positions, attn, kv_caches, rows, num_layers, native_matmul)
         seen[0] += 1
-        seen[1] += torch.equal(got, want) and all(torch.equal(k, k1) and torch.equal(v, v1)
-                                                   for (k, v), (k1, v1) in zip(kv_caches, want_kv))
+        seen[1] += torch.equal(got, want) and all(
+            torch.equal(k, k1) and torch.equal(v, v1) for (k, v), (k1, v1) in zip(kv_caches, want_kv)
+        )
         return got
 
     model.forward = both
@@ -187,8 +222,10 @@ def _run_both(loaded, prompts, max_tokens, **engine_kwargs):
     try:
         engine = make_engine(loaded, **engine_kwargs)
         for p in prompts:
-            engine.add_request(prompt_token_ids=p, sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                                                  ignore_eos=True))
+            engine.add_request(
+                prompt_token_ids=p,
+                sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+            )
         while engine.has_unfinished():
             engine.step()
     finally:
@@ -198,13 +235,17 @@ def _run_both(loaded, prompts, max_tokens, **engine_kwargs):
 
 
 @settings(max_examples=15)
-@given(prompts=st.lists(st.lists(st.integers(0, 49151), min_size=1, max_size=40), min_size=1, max_size=5),
-       budget=st.integers(8, 48), block_size=st.sampled_from([4, 16]))
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 49151), min_size=1, max_size=40), min_size=1, max_size=5),
+    budget=st.integers(8, 48),
+    block_size=st.sampled_from([4, 16]),
+)
 def test_fused_layers_are_the_layer_by_layer_forward_bit_for_bit(tiny, prompts, budget, block_size):
     """All layers in one native call (csrc/decoder_layers.c) give the logits and KV cache bits of the
     layer-by-layer forward, in mixed prefill-chunk + decode steps (tiny: head_dim 16, the scalar attention)."""
-    steps, same = _run_both(tiny, prompts, 6, max_num_batched_tokens=budget, max_num_seqs=8, block_size=block_size,
-                            num_kv_blocks=128)
+    steps, same = _run_both(
+        tiny, prompts, 6, max_num_batched_tokens=budget, max_num_seqs=8, block_size=block_size, num_kv_blocks=128
+    )
     assert steps > 0 and same == steps
 
 
@@ -231,17 +272,27 @@ def test_fused_layers_refuse_a_slot_outside_the_cache_before_writing(tiny):
             slots = attn.slot_mapping_N.clone()
             slots[-1] = kv_caches[0][0].shape[0] * kv_caches[0][0].shape[1]  # one past the last slot
             with pytest.raises(IndexError, match="KV slot"):
-                forward(ids, positions, dataclasses.replace(attn, slot_mapping_N=slots), kv_caches, rows, num_layers,
-                        native_matmul)
-            checked.append(all(torch.equal(k, k0) and torch.equal(v, v0)
-                               for (k, v), (k0, v0) in zip(kv_caches, before)))
+                forward(
+                    ids,
+                    positions,
+                    dataclasses.replace(attn, slot_mapping_N=slots),
+                    kv_caches,
+                    rows,
+                    num_layers,
+                    native_matmul,
+                )
+            checked.append(
+                all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(kv_caches, before))
+            )
         return forward(ids, positions, attn, kv_caches, rows, num_layers, native_matmul)
 
     model.forward = tampered
     try:
         engine = make_engine(tiny, max_num_batched_tokens=16, max_num_seqs=2, num_kv_blocks=8)
-        engine.add_request(prompt_token_ids=list(range(5, 25)),
-                           sampling_params=SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        engine.add_request(
+            prompt_token_ids=list(range(5, 25)),
+            sampling_params=SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+        )
         while engine.has_unfinished():
             engine.step()
     finally:

@@ -34,8 +34,9 @@ def _prompts(loaded, chats=CHATS):
 
 def _audit(path, fmt, loaded, atol=1e-4, reference="ours", mode=None):
     records, errors = read_transcripts(path, fmt, loaded.tokenizer, loaded.arch.vocab_size, mode)
-    return audit_transcripts(records, reference_forward(loaded, reference), loaded, atol=atol, reference=reference,
-                             line_errors=errors)
+    return audit_transcripts(
+        records, reference_forward(loaded, reference), loaded, atol=atol, reference=reference, line_errors=errors
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,7 @@ def _write(path, objs):
 
 
 # ---------------------------------------------------------------------------------------- tampering
+
 
 def test_untouched_hf_transcript_passes_at_fp32_tolerance(hf_tiny, tiny):
     report = _audit(hf_tiny, "hf", tiny)
@@ -128,16 +130,22 @@ def test_policy_fields_a_request_leaves_out_are_labelled_and_taken_from_the_stat
     prompt = tiny.tokenizer.apply_chat_template([{"role": "user", "content": "Pick a word."}])
     logits = reference_logits(tiny.model, prompt)[-1]
     rare = int(torch.argsort(logits, descending=True)[200])  # outside a top-20, inside "all tokens"
-    line = {"request_id": "r0", "prompt_token_ids": prompt, "output_token_ids": [rare],
-            "logprobs": [float(torch.log_softmax(logits.double(), -1)[rare])], "sampling": {"temperature": 1.0}}
+    line = {
+        "request_id": "r0",
+        "prompt_token_ids": prompt,
+        "output_token_ids": [rare],
+        "logprobs": [float(torch.log_softmax(logits.double(), -1)[rare])],
+        "sampling": {"temperature": 1.0},
+    }
     path = _write(tmp_path / "t.jsonl", [line])
     reports = {}
     for stated in ("library", {"top_k": 20}):
         label, defaults = sampling_defaults({"sampling_defaults": stated}, tiny)
         records, errors = read_transcripts(path, "token_ids", tiny.tokenizer, tiny.arch.vocab_size)
         assume_sampling(records, defaults)
-        reports[label] = audit_transcripts(records, reference_forward(tiny, "ours"), tiny, atol=1e-4,
-                                           reference="ours").to_dict()["requests"][0]
+        reports[label] = audit_transcripts(
+            records, reference_forward(tiny, "ours"), tiny, atol=1e-4, reference="ours"
+        ).to_dict()["requests"][0]
     library, server = reports["library defaults"], reports["audit.sampling_defaults"]
     assert library["sampling_assumed"] == {"top_p": 1.0, "top_k": -1, "min_p": 0.0} and library["flagged"] == []
     assert server["sampling_assumed"] == {"top_p": 1.0, "top_k": 20, "min_p": 0.0}
@@ -166,6 +174,7 @@ def test_greedy_departure_is_the_first_non_argmax_position(hf_tiny, tiny, tmp_pa
 
 # ---------------------------------------------------------------------------------------- formats
 
+
 def test_vllm_and_sglang_shapes_read_the_same_claims(hf_tiny, tiny, tmp_path):
     objs = _lines(hf_tiny)
     vllm, sglang = [], []
@@ -175,12 +184,27 @@ def test_vllm_and_sglang_shapes_read_the_same_claims(hf_tiny, tiny, tmp_path):
             d = {str(a["token_id"]): {"logprob": a["logprob"], "rank": r + 1} for r, a in enumerate(top)}
             d[str(t)] = {"logprob": lp, "rank": None}
             entries.append(d)
-        vllm.append({"request_id": o["request_id"], "prompt_token_ids": o["prompt_token_ids"],
-                     "output_token_ids": o["output_token_ids"], "logprobs": entries, "origin_engine": "vllm"})
-        sglang.append({"prompt_token_ids": o["prompt_token_ids"], "meta_info": {
-            "id": o["request_id"], "output_token_logprobs": [[lp, t, None] for t, lp in
-                                                             zip(o["output_token_ids"], o["logprobs"])],
-            "output_top_logprobs": [[[a["logprob"], a["token_id"], None] for a in top] for top in o["top_logprobs"]]}})
+        vllm.append(
+            {
+                "request_id": o["request_id"],
+                "prompt_token_ids": o["prompt_token_ids"],
+                "output_token_ids": o["output_token_ids"],
+                "logprobs": entries,
+                "origin_engine": "vllm",
+            }
+        )
+        sglang.append(
+            {
+                "prompt_token_ids": o["prompt_token_ids"],
+                "meta_info": {
+                    "id": o["request_id"],
+                    "output_token_logprobs": [[lp, t, None] for t, lp in zip(o["output_token_ids"], o["logprobs"])],
+                    "output_top_logprobs": [
+                        [[a["logprob"], a["token_id"], None] for a in top] for top in o["top_logprobs"]
+                    ],
+                },
+            }
+        )
     base = _audit(hf_tiny, "hf", tiny).to_dict()
     for objs2 in (vllm, sglang):
         d = _audit(_write(tmp_path / "x.jsonl", objs2), "token_ids", tiny).to_dict()
@@ -218,10 +242,16 @@ def token_map(tiny):
 
 # ---------------------------------------------------------------------------------------- bad input, the CLI
 
+
 def _run(tmp_path, *args):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "mode=audit", "model=tiny",
-                           f"hydra.run.dir={out}", *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), "mode=audit", "model=tiny", f"hydra.run.dir={out}", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     return proc, out
 
 
@@ -236,7 +266,7 @@ def test_cli_exit_codes_and_bad_lines_named(hf_tiny, tiny, tmp_path):
 
     objs = _lines(hf_tiny)
     objs[0]["logprobs"][1] = None  # a missing logprob
-    objs[2]["output_token_ids"][0] = 10 ** 6  # another tokenizer's id
+    objs[2]["output_token_ids"][0] = 10**6  # another tokenizer's id
     lines = [json.dumps(o) for o in objs]
     lines.insert(1, "{not json")
     bad = tmp_path / "bad.jsonl"
@@ -263,9 +293,18 @@ def test_cli_exit_codes_and_bad_lines_named(hf_tiny, tiny, tmp_path):
 
 def test_chat_template_mismatch_is_named(tiny, tmp_path):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
-    response = {"id": "c1", "choices": [{"index": 0, "message": {"content": "Hello"}, "finish_reason": "stop",
-                                         "logprobs": {"content": [{"token": "Hello", "logprob": -0.5}]}}],
-                "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+    response = {
+        "id": "c1",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"content": "Hello"},
+                "finish_reason": "stop",
+                "logprobs": {"content": [{"token": "Hello", "logprob": -0.5}]},
+            }
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+    }
     path = _write(tmp_path / "chat.jsonl", [{"request": body, "response": response}])
     records, errors = read_transcripts(path, "openai", tiny.tokenizer, tiny.arch.vocab_size)
     assert not records and len(errors) == 1 and "chat template" in errors[0].why and errors[0].line == 1
@@ -280,12 +319,18 @@ def test_converted_trace_verifies_with_mode_verify(hf_tiny, tmp_path):
     assert {r["origin_engine"] for r in requests} == {"hf generate"}
     assert all(json.loads(r["source_record"])["request_id"] == r["request_id"] for r in requests)
     assert read_samples(out).num_rows == sum(len(r["output_token_ids"]) for r in requests)
-    verify = subprocess.run([sys.executable, str(ROOT / "run.py"), "mode=verify", f"verify.trace={out}",
-                             f"hydra.run.dir={tmp_path / 'v'}"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    verify = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), "mode=verify", f"verify.trace={out}", f"hydra.run.dir={tmp_path / 'v'}"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert verify.returncode == 0 and "verified" in verify.stdout, verify.stdout + verify.stderr
 
 
 # ---------------------------------------------------------------------------------------- real engines, SmolLM2
+
 
 @pytest.mark.native
 @pytest.mark.slow
@@ -296,8 +341,9 @@ def test_our_server_verifies_within_fp32_tolerance(smollm2, tmp_path):
 
     engine = Engine(smollm2, EngineConfig(), SamplingParams())
     path = tmp_path / "server.jsonl"
-    server_transcript(path, engine, CHATS + ("Count to five.",), max_tokens=16,
-                      sampling={"temperature": 0.8, "top_p": 0.9, "seed": 3})
+    server_transcript(
+        path, engine, CHATS + ("Count to five.",), max_tokens=16, sampling={"temperature": 0.8, "top_p": 0.9, "seed": 3}
+    )
     report = _audit(path, "openai", smollm2)
     d = report.to_dict()
     assert report.passed and d["lines_rejected"] == 0, d
@@ -353,10 +399,25 @@ def test_streamed_responses_audit_like_whole_ones(tiny, tmp_path):
     lines = []
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
-        for body in ({"model": "tiny", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 6,
-                      "logprobs": True, "top_logprobs": 3, "temperature": 0.0},
-                     {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 6, "logprobs": 3, "n": 2,
-                      "temperature": 0.9, "seed": 4}):
+        for body in (
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "Say hi."}],
+                "max_tokens": 6,
+                "logprobs": True,
+                "top_logprobs": 3,
+                "temperature": 0.0,
+            },
+            {
+                "model": "tiny",
+                "prompt": "Once upon a time",
+                "max_tokens": 6,
+                "logprobs": 3,
+                "n": 2,
+                "temperature": 0.9,
+                "seed": 4,
+            },
+        ):
             create = client.chat.completions.create if "messages" in body else client.completions.create
             whole = create(**body).model_dump()
             streamed = {**body, "stream_options": {"include_usage": True}}  # the count that confirms the prompt
@@ -369,8 +430,10 @@ def test_streamed_responses_audit_like_whole_ones(tiny, tmp_path):
     assert d["passed"] and d["lines_rejected"] == 0, [r["flagged"] for r in d["requests"]]
     assert [r["prompt"] for r in d["requests"]] == ["rebuilt"] * 2 + ["encoded"] * 4
     # without the usage chunk nothing confirms the rebuilt prompts: reported, not audited as if exact
-    bare = [{"request": line["request"], "response": [c for c in line["response"] if not c.get("usage")]}
-            for line in lines[1::2]]
+    bare = [
+        {"request": line["request"], "response": [c for c in line["response"] if not c.get("usage")]}
+        for line in lines[1::2]
+    ]
     d = _audit(_write(tmp_path / "bare.jsonl", bare), "openai", tiny).to_dict()
     assert d["tokens"] == 0 and not d["passed"]
     assert {f["kind"] for r in d["requests"] for f in r["flagged"]} == {"unconfirmed_prompt"}

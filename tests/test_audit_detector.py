@@ -65,8 +65,9 @@ def test_one_wild_token_cannot_decide_alone():
     wild = residual.clone()
     wild[17] = 20.0  # one token far off: an engine's glitch, or a tampered claim
     shift = _laplace(g, 64, DEFAULT_SCALES["bfloat16"])
-    clean, found = (detect({"float32": [r], "bfloat16": [r + shift]}, DEFAULT_SCALES, "float32")[0]
-                    for r in (residual, wild))
+    clean, found = (
+        detect({"float32": [r], "bfloat16": [r + shift]}, DEFAULT_SCALES, "float32")[0] for r in (residual, wild)
+    )
     assert found.best == "float32" and found.llr > 5, found.to_dict()
     assert (clean.llr - found.llr) * 64 < 25  # the test's total moved by one token's bounded share, no more
     # bounded: the wild token costs no more than the outlier floor below a typical token
@@ -86,17 +87,26 @@ def test_tokens_without_a_usable_claim_are_left_out_of_every_hypothesis():
 def test_windows_are_consecutive_tokens_in_order(values, n):
     stated = torch.tensor(values, dtype=torch.float64)
     other = -stated.flip(0)
-    d = Detection(len(values), {"float32": float(stated.sum()), "bfloat16": float(other.sum())}, "float32",
-                  {"float32": stated.tolist(), "bfloat16": other.tolist()})
+    d = Detection(
+        len(values),
+        {"float32": float(stated.sum()), "bfloat16": float(other.sum())},
+        "float32",
+        {"float32": stated.tolist(), "bfloat16": other.tolist()},
+    )
     scores = window_scores(d, n)
     assert len(scores) == len(values) // n
     for k, s in enumerate(scores):
         part = slice(k * n, (k + 1) * n)
         assert s == pytest.approx(float(stated[part].sum() - other[part].sum()) / n, abs=1e-9)
     residuals = torch.tensor(values, dtype=torch.float64) / 100
-    halves = detect({"float32": [residuals[:len(values) // 2], residuals[len(values) // 2:]],
-                     "bfloat16": [-residuals[:len(values) // 2], -residuals[len(values) // 2:]]}, DEFAULT_SCALES,
-                    "float32")
+    halves = detect(
+        {
+            "float32": [residuals[: len(values) // 2], residuals[len(values) // 2 :]],
+            "bfloat16": [-residuals[: len(values) // 2], -residuals[len(values) // 2 :]],
+        },
+        DEFAULT_SCALES,
+        "float32",
+    )
     whole = combined(halves, "float32")  # the requests joined in their order
     assert whole.per_token["float32"] == halves[0].per_token["float32"] + halves[1].per_token["float32"]
     assert whole.tokens == len(values) and whole.loglik["float32"] == pytest.approx(sum(whole.per_token["float32"]))
@@ -120,11 +130,14 @@ def test_auc_is_the_share_of_pairs_ordered_right(p, q):
 
 # ---------------------------------------------------------------------------------------- the tiny model
 
+
 @pytest.fixture(scope="module")
 def hf_tiny(tiny, tmp_path_factory):
     path = tmp_path_factory.mktemp("detector") / "hf.jsonl"
-    prompts = [tiny.tokenizer.apply_chat_template([{"role": "user", "content": c}])
-               for c in ("Name a river.", "Count to four.", "Say hello twice.")]
+    prompts = [
+        tiny.tokenizer.apply_chat_template([{"role": "user", "content": c}])
+        for c in ("Name a river.", "Count to four.", "Say hello twice.")
+    ]
     hf_transcript(path, tiny, prompts, max_tokens=24)
     return path
 
@@ -135,7 +148,7 @@ def _claims_from(path: Path, tiny, reference: str, out: Path) -> Path:
     objs = [json.loads(line) for line in path.read_text().splitlines()]
     for o in objs:
         ids = o["prompt_token_ids"] + o["output_token_ids"]
-        logprobs = torch.log_softmax(forward(ids[:-1]).double(), -1)[len(o["prompt_token_ids"]) - 1:]
+        logprobs = torch.log_softmax(forward(ids[:-1]).double(), -1)[len(o["prompt_token_ids"]) - 1 :]
         o["logprobs"] = [float(logprobs[j, t]) for j, t in enumerate(o["output_token_ids"])]
     out.write_text("".join(json.dumps(o) + "\n" for o in objs))
     return out
@@ -147,8 +160,11 @@ def test_the_transcript_s_format_is_named_on_the_tiny_model(hf_tiny, tiny, tmp_p
     scales = detector_scales(tiny, detector)  # this model's widths: HF's forward in each format against ours
     assert all(0 < scales[f] < 1 for f in FORMATS) and scales["float32"] < scales["float16"] < scales["bfloat16"]
     answers = {}
-    for name, path in [("float32", hf_tiny), ("bfloat16", _claims_from(hf_tiny, tiny, "ours@bfloat16", tmp_path / "b")),
-                       ("float16", _claims_from(hf_tiny, tiny, "ours@float16", tmp_path / "h"))]:
+    for name, path in [
+        ("float32", hf_tiny),
+        ("bfloat16", _claims_from(hf_tiny, tiny, "ours@bfloat16", tmp_path / "b")),
+        ("float16", _claims_from(hf_tiny, tiny, "ours@float16", tmp_path / "h")),
+    ]:
         records, errors = read_transcripts(path, "hf", tiny.tokenizer, tiny.arch.vocab_size)
         assert not errors
         found = run_detector(records, tiny, detector, scales, atol=1e-4)
@@ -164,9 +180,22 @@ def test_the_transcript_s_format_is_named_on_the_tiny_model(hf_tiny, tiny, tmp_p
 @pytest.mark.native
 def test_cli_writes_the_detector_and_refuses_a_bad_one(hf_tiny, tmp_path):
     def run(out, *args):
-        return subprocess.run([sys.executable, str(ROOT / "run.py"), "mode=audit", "model=tiny",
-                               f"hydra.run.dir={out}", f"audit.input={hf_tiny}", "audit.format=hf", *args],
-                              capture_output=True, text=True, cwd=ROOT, timeout=300)
+        return subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "run.py"),
+                "mode=audit",
+                "model=tiny",
+                f"hydra.run.dir={out}",
+                f"audit.input={hf_tiny}",
+                "audit.format=hf",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=300,
+        )
 
     proc = run(tmp_path / "a", "audit.detector.alternatives=[bfloat16]", "audit.detector.calibrate=false")
     assert proc.returncode == 0, proc.stderr
@@ -187,12 +216,24 @@ def test_cli_writes_the_detector_and_refuses_a_bad_one(hf_tiny, tmp_path):
 @once
 def test_engine_mismatch_tabulates_detection_per_source_and_window(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "experiment=engine_mismatch", "model=tiny",
-                           f"hydra.run.dir={out}", "audit.sources=[hf,server,server_bf16]", "audit.max_tokens=40",
-                           "audit.prompts=[Name a river.,Count to four.,Say hello twice.,Write one word.]",
-                           # the tiny model's widths, as calibrate_scales measured them (the test above)
-                           "audit.detector.scales={float32: 6.2e-7, bfloat16: 0.013, float16: 0.0019}"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            "experiment=engine_mismatch",
+            "model=tiny",
+            f"hydra.run.dir={out}",
+            "audit.sources=[hf,server,server_bf16]",
+            "audit.max_tokens=40",
+            "audit.prompts=[Name a river.,Count to four.,Say hello twice.,Write one word.]",
+            # the tiny model's widths, as calibrate_scales measured them (the test above)
+            "audit.detector.scales={float32: 6.2e-7, bfloat16: 0.013, float16: 0.0019}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     d = json.loads((out / "engine_mismatch.json").read_text())
     assert {r["source"] for r in d["audits"]} == {"hf", "server", "server_bf16"}

@@ -33,14 +33,25 @@ def token_map(tiny):
     return TokenMap(tiny.tokenizer, tiny.arch.vocab_size)
 
 
-def _line(tiny, text: str, *, strip: bool = False, with_bytes: bool = False, claimed=None, usage: bool = True,
-          finish_reason: str = "length", empty_pieces: bool = False, top=None) -> dict:
+def _line(
+    tiny,
+    text: str,
+    *,
+    strip: bool = False,
+    with_bytes: bool = False,
+    claimed=None,
+    usage: bool = True,
+    finish_reason: str = "length",
+    empty_pieces: bool = False,
+    top=None,
+) -> dict:
     """A chat completion whose answer is `text` (tokenized by SmolLM2's tokenizer), its entries printed as a server
     prints them: each token's bytes decoded with U+FFFD for a partial character (or, `empty_pieces`, as ""),
     optionally with the leading space stripped (and no `bytes`), or with `bytes`."""
     tok = tiny.tokenizer
     ids = tok.encode(text, add_special_tokens=False)
     raw = tok.token_bytes(tiny.arch.vocab_size)
+
     def printed(i: int) -> str:
         token = raw[i].decode("utf-8", errors="replace")
         token = "" if empty_pieces and "\ufffd" in token else token
@@ -54,12 +65,23 @@ def _line(tiny, text: str, *, strip: bool = False, with_bytes: bool = False, cla
         if top:
             entry["top_logprobs"] = [{"token": printed(a), "logprob": lp} for a, lp in top[j]]
         entries.append(entry)
-    response = {"id": "chat-1", "choices": [{"index": 0, "message": {"role": "assistant", "content": tok.decode(ids)},
-                                             "finish_reason": finish_reason, "logprobs": {"content": entries}}]}
+    response = {
+        "id": "chat-1",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": tok.decode(ids)},
+                "finish_reason": finish_reason,
+                "logprobs": {"content": entries},
+            }
+        ],
+    }
     if usage:
         response["usage"] = {"prompt_tokens": len(tok.apply_chat_template(MESSAGES)), "completion_tokens": len(ids)}
-    return {"request": {"model": "m", "messages": MESSAGES, "logprobs": True},  # no policy: not a greedy claim
-            "response": response}
+    return {
+        "request": {"model": "m", "messages": MESSAGES, "logprobs": True},  # no policy: not a greedy claim
+        "response": response,
+    }
 
 
 def _read(tmp_path, tiny, lines):
@@ -73,27 +95,35 @@ def _claims(tiny, text: str, k: int = 3) -> tuple[list[float], list[list[tuple[i
     the model could have written)."""
     prompt = tiny.tokenizer.apply_chat_template(MESSAGES)
     ids = tiny.tokenizer.encode(text, add_special_tokens=False)
-    logits = reference_forward(tiny, "ours")(prompt + ids[:-1])[len(prompt) - 1:]
+    logits = reference_forward(tiny, "ours")(prompt + ids[:-1])[len(prompt) - 1 :]
     logprobs = torch.log_softmax(logits.double(), dim=-1)
     top = torch.topk(logprobs, k, dim=-1)
-    return ([float(logprobs[j, t]) for j, t in enumerate(ids)],
-            [list(zip(i.tolist(), v.tolist())) for i, v in zip(top.indices, top.values)])
+    return (
+        [float(logprobs[j, t]) for j, t in enumerate(ids)],
+        [list(zip(i.tolist(), v.tolist())) for i, v in zip(top.indices, top.values)],
+    )
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.text(alphabet=st.sampled_from(list("ab xyz.,!\n\t") + ["é", "ï", "日", "本", "語", "🙂", "—", "€"]),
-               min_size=1, max_size=40))
+@given(
+    st.text(
+        alphabet=st.sampled_from(list("ab xyz.,!\n\t") + ["é", "ï", "日", "本", "語", "🙂", "—", "€"]),
+        min_size=1,
+        max_size=40,
+    )
+)
 def test_mapped_tokens_are_the_true_ones_or_reported(tiny, token_map, tmp_path_factory, text):
     """Whatever the text: every mapped token is the one the server sampled, and a token the strings cannot name
     for sure is reported as unmapped (with U+FFFD pieces, the text decides them where one choice spells it)."""
     ids = tiny.tokenizer.encode(text, add_special_tokens=False)
     for strip, empty in ((False, False), (True, False), (False, True)):
-        records, errors = _read(tmp_path_factory.mktemp("m"), tiny, [_line(tiny, text, strip=strip,
-                                                                           empty_pieces=empty)])
+        records, errors = _read(
+            tmp_path_factory.mktemp("m"), tiny, [_line(tiny, text, strip=strip, empty_pieces=empty)]
+        )
         assert not errors, errors
         record = records[0]
         got = record.output_token_ids
-        assert got == ids[:len(got)]  # never another token
+        assert got == ids[: len(got)]  # never another token
         assert all(p.kind == "unmapped_token" and p.why for p in record.problems)
         if not record.problems:
             assert got == ids
@@ -123,8 +153,9 @@ def test_a_server_that_strips_spaces_gets_no_false_logprob_flag(tiny, tmp_path):
     forward = reference_forward(tiny, "ours")
     records, errors = _read(tmp_path, tiny, lines)
     clean = audit_transcripts(records, forward, tiny, atol=1e-4, reference="ours", line_errors=errors).to_dict()
-    assert clean["passed"] and clean["tokens"] == sum(len(tiny.tokenizer.encode(t, add_special_tokens=False))
-                                                      for t in ANSWERS), clean["requests"]
+    assert clean["passed"] and clean["tokens"] == sum(
+        len(tiny.tokenizer.encode(t, add_special_tokens=False)) for t in ANSWERS
+    ), clean["requests"]
     assert clean["kl_tokens"] == clean["tokens"]  # the alternatives were checked too
     records, errors = _read(tmp_path, tiny, stripped)
     report = audit_transcripts(records, forward, tiny, atol=1e-4, reference="ours", line_errors=errors).to_dict()
@@ -176,8 +207,11 @@ def test_prompts_rebuilt_are_confirmed_or_refused(tiny, tmp_path):
     given = _line(tiny, text, usage=False)
     given["response"]["prompt_token_ids"] = tiny.tokenizer.apply_chat_template(MESSAGES)
     records, errors = _read(tmp_path, tiny, [unconfirmed, miscounted, named, tools, defaults, given])
-    assert [(e.line, e.why.split(" ")[0]) for e in errors] == [(2, "usage.prompt_tokens"),
-                                                              (3, "request.messages[0].name"), (4, "request.tools")]
+    assert [(e.line, e.why.split(" ")[0]) for e in errors] == [
+        (2, "usage.prompt_tokens"),
+        (3, "request.messages[0].name"),
+        (4, "request.tools"),
+    ]
     first, middle, last = records
     assert middle.prompt_source == "rebuilt" and not middle.problems and len(middle.output_token_ids) > 0
     assert first.prompt_source == "rebuilt" and first.output_token_ids == []
@@ -187,9 +221,10 @@ def test_prompts_rebuilt_are_confirmed_or_refused(tiny, tmp_path):
 
 def test_id_names_a_token_ids_request(tiny, tmp_path):
     path = tmp_path / "ids.jsonl"
-    rows = [{"id": "rollout-7", "prompt_token_ids": [1, 2, 3], "output_token_ids": [4], "logprobs": [-1.0]},
-            {"request_id": "r-8", "id": "ignored", "prompt_token_ids": [1, 2], "output_token_ids": [5],
-             "logprobs": [-1.0]}]
+    rows = [
+        {"id": "rollout-7", "prompt_token_ids": [1, 2, 3], "output_token_ids": [4], "logprobs": [-1.0]},
+        {"request_id": "r-8", "id": "ignored", "prompt_token_ids": [1, 2], "output_token_ids": [5], "logprobs": [-1.0]},
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     records, errors = read_transcripts(path, "token_ids", tiny.tokenizer, tiny.arch.vocab_size)
     assert not errors and [r.request_id for r in records] == ["rollout-7", "r-8"]

@@ -56,15 +56,18 @@ def test_bad_ray_options_are_named():
 
 
 def _cli(*args, timeout=600):
-    return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout
+    )
 
 
 def _table(path, drop=("run_id",)):
     """The rows as JSON text (NaN written as NaN, so equal NaNs compare equal), without the random run_id."""
     table = pq.read_table(path)
-    return [json.dumps(row, sort_keys=True, default=str)
-            for row in table.drop_columns([c for c in drop if c in table.column_names]).to_pylist()]
+    return [
+        json.dumps(row, sort_keys=True, default=str)
+        for row in table.drop_columns([c for c in drop if c in table.column_names]).to_pylist()
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +80,15 @@ def many(tiny, tmp_path_factory):
     for i in range(200):
         output = [g.randrange(100, 40000) for _ in range(8)]
         prompt = [g.randrange(100, 40000) for _ in range(g.randrange(4, 24))]
-        lines.append({"request_id": f"r{i}", "prompt_token_ids": prompt, "output_token_ids": output,
-                      "logprobs": [-g.uniform(5, 15) for _ in output], "sampling": {"temperature": 1.0}})
+        lines.append(
+            {
+                "request_id": f"r{i}",
+                "prompt_token_ids": prompt,
+                "output_token_ids": output,
+                "logprobs": [-g.uniform(5, 15) for _ in output],
+                "sampling": {"temperature": 1.0},
+            }
+        )
     path.write_text("".join(json.dumps(o) + "\n" for o in lines))
     return path
 
@@ -92,8 +102,15 @@ def test_a_ray_sharded_audit_equals_the_local_one(many, tmp_path):
     runs = {}
     for name, extra in [("local", []), ("ray", ["audit.launcher=ray", "audit.ray.shards_per_worker=8"])]:
         out = tmp_path / name
-        proc = _cli("mode=audit", "model=tiny", f"hydra.run.dir={out}", f"audit.input={many}",
-                    "audit.format=token_ids", "audit.reference=[ours@float32,ours]", *extra)
+        proc = _cli(
+            "mode=audit",
+            "model=tiny",
+            f"hydra.run.dir={out}",
+            f"audit.input={many}",
+            "audit.format=token_ids",
+            "audit.reference=[ours@float32,ours]",
+            *extra,
+        )
         assert proc.returncode == 1, proc.stderr[-2000:]  # the random claims are flagged: exit code 1
         runs[name] = out
     local, ray = (json.loads((runs[n] / "audit.json").read_text()) for n in ("local", "ray"))
@@ -116,8 +133,15 @@ def test_a_ray_sharded_verify_equals_the_local_one(tmp_path):
     from toolkit.reproduce.verify import verify
 
     trace = tmp_path / "trace"
-    proc = _cli("model=tiny", f"hydra.run.dir={trace}", "workload.num_requests=24", "workload.min_tokens=4",
-                "workload.max_tokens=12", "print_outputs=false", "report.auto=false")
+    proc = _cli(
+        "model=tiny",
+        f"hydra.run.dir={trace}",
+        "workload.num_requests=24",
+        "workload.min_tokens=4",
+        "workload.max_tokens=12",
+        "print_outputs=false",
+        "report.auto=false",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     local = verify(trace, out_dir=tmp_path / "local")
     ray = verify(trace, out_dir=tmp_path / "ray", ray=RayOptions(workers=2, shards_per_worker=4))
@@ -141,8 +165,9 @@ def test_packed_recomputation_gives_each_request_the_bits_it_gets_alone(tiny, ma
     assert [r["request_id"] for r in a["requests"]] == [r.request_id for r in records]
 
 
-def _group_sequences(seed: int, prompts: int, samples: int, vocab: int,
-                     repeat: bool = False) -> tuple[list[list[int]], list[int]]:
+def _group_sequences(
+    seed: int, prompts: int, samples: int, vocab: int, repeat: bool = False
+) -> tuple[list[list[int]], list[int]]:
     """RL-shaped sequences: `samples` continuations of each of `prompts` prompts (one shared system prefix; with
     `repeat`, one token 37 times, so its first two blocks hold the same tokens at different positions)."""
     rng = random.Random(seed)
@@ -158,10 +183,17 @@ def _group_sequences(seed: int, prompts: int, samples: int, vocab: int,
 
 
 @settings(max_examples=150, deadline=None)
-@given(seed=st.integers(0, 10_000), prompts=st.integers(1, 5), samples=st.integers(1, 5),
-       vocab=st.sampled_from([2, 50]), repeat=st.booleans(), max_tokens=st.sampled_from([1, 64, 300, 4096]))
-def test_a_pack_reads_a_shared_block_only_where_it_holds_the_same_tokens_at_the_same_positions(seed, prompts, samples,
-                                                                                             vocab, repeat, max_tokens):
+@given(
+    seed=st.integers(0, 10_000),
+    prompts=st.integers(1, 5),
+    samples=st.integers(1, 5),
+    vocab=st.sampled_from([2, 50]),
+    repeat=st.booleans(),
+    max_tokens=st.sampled_from([1, 64, 300, 4096]),
+)
+def test_a_pack_reads_a_shared_block_only_where_it_holds_the_same_tokens_at_the_same_positions(
+    seed, prompts, samples, vocab, repeat, max_tokens
+):
     from toolkit.engine.runner import plan_packs
 
     bs = 16
@@ -179,20 +211,23 @@ def test_a_pack_reads_a_shared_block_only_where_it_holds_the_same_tokens_at_the_
             assert len(c.block_table) == -(-len(ids) // bs)
             for b in range(c.start_pos // bs, len(c.block_table)):
                 assert c.block_table[b] not in written  # a block has one writer
-                written[c.block_table[b]] = (b * bs, tuple(ids[b * bs:(b + 1) * bs]))
+                written[c.block_table[b]] = (b * bs, tuple(ids[b * bs : (b + 1) * bs]))
         assert sorted(written) == list(range(pack.num_blocks))
         for c in pack.chunks:  # every block a chunk reads holds its own tokens at its own positions
             ids = sequences[int(c.seq_id)]
-            for b, block in enumerate(c.block_table[:c.start_pos // bs]):
-                assert written[block] == (b * bs, tuple(ids[b * bs:(b + 1) * bs]))
+            for b, block in enumerate(c.block_table[: c.start_pos // bs]):
+                assert written[block] == (b * bs, tuple(ids[b * bs : (b + 1) * bs]))
         assert pack.computed == sum(c.num_tokens for c in pack.chunks)
         assert pack.computed <= max_tokens or len(pack.chunks) == 1
     if max_tokens == 4096 and vocab == 50:  # one pack: each sample after its prompt's first reads the prompt's full
         system = 2 if repeat else 1  # blocks; each prompt after the first, the system prompt's (prompts of 50
         # random tokens: no two share a block by chance)
-        assert packs[0].computed == sum(map(len, sequences)) - sum(
-            (len(s) - k) // bs * bs for j, (s, k) in enumerate(zip(sequences, last)) if j % samples) \
+        assert (
+            packs[0].computed
+            == sum(map(len, sequences))
+            - sum((len(s) - k) // bs * bs for j, (s, k) in enumerate(zip(sequences, last)) if j % samples)
             - (prompts - 1) * system * bs
+        )
 
 
 @pytest.mark.native
@@ -203,6 +238,6 @@ def test_prompt_blocks_shared_in_a_pack_give_each_sequence_the_bits_it_gets_alon
     sequences, last = _group_sequences(3, prompts=3, samples=4, vocab=tiny.arch.vocab_size)
     counts: dict[str, int] = {}
     packed = recompute_many(tiny.model, sequences, last, max_tokens=300, counts=counts)  # several packs
-    alone = [recompute_logits(tiny.model, s)[len(s) - k:] for s, k in zip(sequences, last)]
+    alone = [recompute_logits(tiny.model, s)[len(s) - k :] for s, k in zip(sequences, last)]
     assert all(torch.equal(p, a) for p, a in zip(packed, alone))
     assert counts["tokens"] == sum(map(len, sequences)) and counts["computed"] < 0.7 * counts["tokens"]

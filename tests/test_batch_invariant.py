@@ -21,8 +21,11 @@ from toolkit.sampling.params import SamplingParams
 
 pytestmark = [pytest.mark.native, native_only]
 
-TARGET = dict(prompt_token_ids=[(37 * i) % 4000 + 11 for i in range(45)], request_id="target",
-              sampling_params=SamplingParams(temperature=1.0, seed=5, max_tokens=10, ignore_eos=True))
+TARGET = dict(
+    prompt_token_ids=[(37 * i) % 4000 + 11 for i in range(45)],
+    request_id="target",
+    sampling_params=SamplingParams(temperature=1.0, seed=5, max_tokens=10, ignore_eos=True),
+)
 
 
 def collect(engine: Engine, requests) -> dict[str, dict[int, torch.Tensor]]:
@@ -38,8 +41,9 @@ def collect(engine: Engine, requests) -> dict[str, dict[int, torch.Tensor]]:
 
 
 def alone(tiny, batch_invariant=True, **engine) -> dict[int, torch.Tensor]:
-    return collect(make_engine(tiny, batch_invariant=batch_invariant, max_num_batched_tokens=512, **engine),
-                   [TARGET])["target"]
+    return collect(make_engine(tiny, batch_invariant=batch_invariant, max_num_batched_tokens=512, **engine), [TARGET])[
+        "target"
+    ]
 
 
 def assert_rows_equal(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> None:
@@ -66,9 +70,15 @@ def test_other_kernels_are_not_batch_invariant(tiny, smollm2, engine):
         reason = "torch's BLAS gives this row the same bits at batch 1 and 16 on this CPU: nothing to document"
         print(f"SKIP reason: {reason}")
         pytest.skip(reason)
-    others = [dict(prompt_token_ids=list(range(300 + i, 330 + 3 * i)), request_id=f"o{i}", arrival_step=i,
-                   sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=12, ignore_eos=True))
-              for i in range(5)]
+    others = [
+        dict(
+            prompt_token_ids=list(range(300 + i, 330 + 3 * i)),
+            request_id=f"o{i}",
+            arrival_step=i,
+            sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=12, ignore_eos=True),
+        )
+        for i in range(5)
+    ]
     mixed = collect(make_engine(tiny, max_num_batched_tokens=7, max_num_seqs=6, **engine), others + [TARGET])["target"]
     ref = alone(tiny, batch_invariant=False, **engine)
     if all(torch.equal(ref[p], mixed[p]) for p in ref):
@@ -82,9 +92,9 @@ def test_invariant_matmul_is_exact_order_fp32_and_thread_independent():
     for k, n in [(576, 960), (64, 100), (1536, 576), (37, 53), (5, 16)]:
         w, x = torch.randn(k, n, generator=g), torch.randn(70, k, generator=g)
         full = matmul_invariant(x, w)
-        assert (full - (x.double() @ w.double()).float()).abs().max() < 1e-5 * k ** 0.5 * 8
+        assert (full - (x.double() @ w.double()).float()).abs().max() < 1e-5 * k**0.5 * 8
         for m, start in itertools.product([1, 2, 3, 5, 16, 33], [0, 1, 30]):
-            assert torch.equal(matmul_invariant(x[start:start + m], w), full[start:start + m])
+            assert torch.equal(matmul_invariant(x[start : start + m], w), full[start : start + m])
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -101,15 +111,27 @@ def mixes(draw):
     others = []
     for i in range(draw(st.integers(0, 5))):
         length = draw(st.integers(1, 40))
-        others.append(dict(
-            prompt_token_ids=draw(st.lists(st.integers(0, 49151), min_size=length, max_size=length)),
-            request_id=f"o{i}", arrival_step=draw(st.integers(0, 8)),
-            sampling_params=SamplingParams(temperature=draw(st.sampled_from([0.0, 1.0])), seed=i,
-                                           max_tokens=draw(st.integers(1, 12)), ignore_eos=True)))
+        others.append(
+            dict(
+                prompt_token_ids=draw(st.lists(st.integers(0, 49151), min_size=length, max_size=length)),
+                request_id=f"o{i}",
+                arrival_step=draw(st.integers(0, 8)),
+                sampling_params=SamplingParams(
+                    temperature=draw(st.sampled_from([0.0, 1.0])),
+                    seed=i,
+                    max_tokens=draw(st.integers(1, 12)),
+                    ignore_eos=True,
+                ),
+            )
+        )
     position = draw(st.integers(0, len(others)))
     target = dict(TARGET, arrival_step=draw(st.integers(0, 6)))
-    engine = dict(max_num_batched_tokens=draw(st.integers(6, 64)), block_size=draw(st.sampled_from([1, 4, 16])),
-                  enable_prefix_caching=draw(st.booleans()), preemption_mode=draw(st.sampled_from(["recompute", "swap"])))
+    engine = dict(
+        max_num_batched_tokens=draw(st.integers(6, 64)),
+        block_size=draw(st.sampled_from([1, 4, 16])),
+        enable_prefix_caching=draw(st.booleans()),
+        preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
+    )
     engine["max_num_seqs"] = min(6, engine["max_num_batched_tokens"])
     if draw(st.booleans()):  # a pool small enough to preempt
         engine["num_kv_blocks"] = 96 // engine["block_size"]
@@ -135,14 +157,29 @@ def test_logits_are_bit_identical_in_any_batch_and_equal_the_recompute(tiny, mix
 def test_preemption_and_prefix_hits_keep_bits(tiny):
     """Forced preemption (both modes) and prefix-cache hits, explicitly: same bits as alone."""
     shared = TARGET["prompt_token_ids"][:32]
-    requests = [dict(prompt_token_ids=shared + [1000 + i, 7, 9], request_id=f"s{i}", arrival_step=i,
-                     sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True))
-                for i in range(6)]
-    singles = {r["request_id"]: collect(make_engine(tiny, batch_invariant=True), [r])[r["request_id"]]
-               for r in requests}
+    requests = [
+        dict(
+            prompt_token_ids=shared + [1000 + i, 7, 9],
+            request_id=f"s{i}",
+            arrival_step=i,
+            sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True),
+        )
+        for i in range(6)
+    ]
+    singles = {
+        r["request_id"]: collect(make_engine(tiny, batch_invariant=True), [r])[r["request_id"]] for r in requests
+    }
     for mode in ("recompute", "swap"):
-        engine = make_engine(tiny, batch_invariant=True, num_kv_blocks=14, block_size=8, max_num_batched_tokens=32,
-                             max_num_seqs=6, preemption_mode=mode, enable_prefix_caching=True)
+        engine = make_engine(
+            tiny,
+            batch_invariant=True,
+            num_kv_blocks=14,
+            block_size=8,
+            max_num_batched_tokens=32,
+            max_num_seqs=6,
+            preemption_mode=mode,
+            enable_prefix_caching=True,
+        )
         rows = collect(engine, requests)
         assert sum(r.num_preemptions for r in engine.requests.values()) >= 2, mode
         assert engine.block_manager.prefix_hits > 0
@@ -154,20 +191,34 @@ def test_preemption_and_prefix_hits_keep_bits(tiny):
 
 
 def test_coupled_speculation_is_token_identical_to_plain(tiny):
-    requests = [{"prompt_token_ids": list(range(7 * i + 1, 7 * i + 12)), "request_id": f"c{i}", "arrival_step": i,
-                 "sampling_params": SamplingParams(temperature=1.0, seed=40 + i, max_tokens=24, ignore_eos=True)}
-                for i in range(6)]
+    requests = [
+        {
+            "prompt_token_ids": list(range(7 * i + 1, 7 * i + 12)),
+            "request_id": f"c{i}",
+            "arrival_step": i,
+            "sampling_params": SamplingParams(temperature=1.0, seed=40 + i, max_tokens=24, ignore_eos=True),
+        }
+        for i in range(6)
+    ]
     kw = dict(batch_invariant=True, max_num_batched_tokens=64, max_num_seqs=6)
     plain = Engine(tiny, EngineConfig(**kw)).generate(requests)
-    spec = Engine(tiny, EngineConfig(**kw), speculative=SpeculativeConfig(
-        method="draft_model", acceptance="coupled", draft_model={"name": "tiny", "seed": 77}))
+    spec = Engine(
+        tiny,
+        EngineConfig(**kw),
+        speculative=SpeculativeConfig(
+            method="draft_model", acceptance="coupled", draft_model={"name": "tiny", "seed": 77}
+        ),
+    )
     coupled = spec.generate(requests)
     assert [o.output_token_ids for o in coupled] == [o.output_token_ids for o in plain]
     assert spec.speculator.stats.accepted > 0
     # and the verified positions' logits are the plain decode's bits
     ngram = Engine(tiny, EngineConfig(**kw), SamplingParams(), SpeculativeConfig(method="ngram"))
-    rep = dict(prompt_token_ids=[5, 6, 7, 8] * 6, request_id="r",
-               sampling_params=SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    rep = dict(
+        prompt_token_ids=[5, 6, 7, 8] * 6,
+        request_id="r",
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+    )
     assert_rows_equal(collect(ngram, [rep])["r"], collect(make_engine(tiny, **kw), [rep])["r"])
 
 
@@ -179,23 +230,34 @@ def _record(engine, requests, run_dir, config):
 
 
 def test_replay_under_other_scheduling_is_bit_identical_and_modes_are_not_mixed(tiny, tmp_path):
-    requests = [dict(prompt_token_ids=list(range(50 * i + 3, 50 * i + 3 + 20 + 9 * i)), request_id=f"r{i}",
-                     arrival_step=i, sampling_params=SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=20,
-                                                                    ignore_eos=True)) for i in range(6)]
+    requests = [
+        dict(
+            prompt_token_ids=list(range(50 * i + 3, 50 * i + 3 + 20 + 9 * i)),
+            request_id=f"r{i}",
+            arrival_step=i,
+            sampling_params=SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=20, ignore_eos=True),
+        )
+        for i in range(6)
+    ]
     engine_cfg = dict(batch_invariant=True, max_num_batched_tokens=64, max_num_seqs=6)
     config = {"model": {"name": "tiny", "seed": 0}, "engine": engine_cfg}
     _record(make_engine(tiny, **engine_cfg), requests, tmp_path / "run", config)
-    for i, overrides in enumerate([["engine.max_num_batched_tokens=7", "engine.max_num_seqs=2"],
-                                   ["engine.num_kv_blocks=14", "engine.block_size=8", "engine.preemption_mode=swap"],
-                                   ["engine.enable_prefix_caching=true", "engine.max_num_batched_tokens=13"]]):
+    for i, overrides in enumerate(
+        [
+            ["engine.max_num_batched_tokens=7", "engine.max_num_seqs=2"],
+            ["engine.num_kv_blocks=14", "engine.block_size=8", "engine.preemption_mode=swap"],
+            ["engine.enable_prefix_caching=true", "engine.max_num_batched_tokens=13"],
+        ]
+    ):
         report = replay(tmp_path / "run", overrides, out_dir=tmp_path / f"replay{i}")
         assert report.identical, (overrides, report.summary_line())
     from toolkit.trace.reader import TraceError
 
     with pytest.raises(TraceError, match="batch_invariant differs"):
         replay(tmp_path / "run", ["engine.batch_invariant=false"], out_dir=tmp_path / "default_mode")
-    report = replay(tmp_path / "run", ["engine.batch_invariant=false"], allow_mismatch=True,
-                    out_dir=tmp_path / "default_mode")
+    report = replay(
+        tmp_path / "run", ["engine.batch_invariant=false"], allow_mismatch=True, out_dir=tmp_path / "default_mode"
+    )
     assert any("batch_invariant" in m for m in report.mismatches)
 
 
@@ -203,12 +265,22 @@ def test_exact_verify_matches_every_logits_digest(tiny, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    requests = [dict(prompt_token_ids=list(range(10 * i + 1, 10 * i + 30)), request_id=f"v{i}", arrival_step=i,
-                     sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=12, ignore_eos=True))
-                for i in range(4)]
+    requests = [
+        dict(
+            prompt_token_ids=list(range(10 * i + 1, 10 * i + 30)),
+            request_id=f"v{i}",
+            arrival_step=i,
+            sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=12, ignore_eos=True),
+        )
+        for i in range(4)
+    ]
     engine_cfg = dict(batch_invariant=True, max_num_batched_tokens=16, max_num_seqs=4)
-    _record(make_engine(tiny, **engine_cfg), requests, tmp_path / "run",
-            {"model": {"name": "tiny", "seed": 0}, "engine": engine_cfg})
+    _record(
+        make_engine(tiny, **engine_cfg),
+        requests,
+        tmp_path / "run",
+        {"model": {"name": "tiny", "seed": 0}, "engine": engine_cfg},
+    )
     report = verify(tmp_path / "run", reference="exact")
     assert report.passed and report.rows_checked == 48 and report.max_abs_diff == 0.0, report.summary_line()
     # one digest altered: exact verification names that row
@@ -216,7 +288,8 @@ def test_exact_verify_matches_every_logits_digest(tiny, tmp_path):
     table = pq.read_table(part)
     digests = table.column("logits_sha256").to_pylist()
     digests[3] = "0" * 64
-    pq.write_table(table.set_column(table.schema.get_field_index("logits_sha256"), "logits_sha256",
-                                    pa.array(digests)), part)
+    pq.write_table(
+        table.set_column(table.schema.get_field_index("logits_sha256"), "logits_sha256", pa.array(digests)), part
+    )
     bad = verify(tmp_path / "run", reference="exact")
     assert not bad.passed and len(bad.failures) == 1 and "sha256" in bad.failures[0].reason

@@ -38,18 +38,28 @@ def test_noise_of_many_rows_is_each_rows_noise(keys, vocab):
     assert torch.equal(block.view(torch.int64), want.view(torch.int64))
     ids = torch.randint(0, vocab, (len(words), 5), generator=torch.Generator().manual_seed(vocab))
     picked = rng.gumbel_rows(rng.key_words(words, hashes.device), hashes[ids])
-    assert torch.equal(picked.view(torch.int64), torch.stack([rng.gumbel(w, hashes[i]) for w, i in zip(words, ids)])
-                       .view(torch.int64))
+    assert torch.equal(
+        picked.view(torch.int64), torch.stack([rng.gumbel(w, hashes[i]) for w, i in zip(words, ids)]).view(torch.int64)
+    )
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 10), vocab=st.sampled_from([1, 2, 17, 1000, 49152]), scale=st.sampled_from([0.1, 4.0]),
-       specials=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 49151), SPECIAL), max_size=8),
-       masked=st.lists(st.tuples(st.integers(0, 9), st.integers(1, 99)), max_size=4), ties=st.booleans(),
-       greedy=st.sets(st.integers(0, 9), max_size=4), keys=st.lists(KEY, min_size=10, max_size=10),
-       pass_rows=st.sampled_from([None, 1, 3]), known_finite=st.booleans(), seed=st.integers(0, 1000))
-def test_batched_choice_is_the_row_by_row_choice_bit_for_bit(rows, vocab, scale, specials, masked, ties, greedy,
-                                                              keys, pass_rows, known_finite, seed):
+@given(
+    rows=st.integers(1, 10),
+    vocab=st.sampled_from([1, 2, 17, 1000, 49152]),
+    scale=st.sampled_from([0.1, 4.0]),
+    specials=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 49151), SPECIAL), max_size=8),
+    masked=st.lists(st.tuples(st.integers(0, 9), st.integers(1, 99)), max_size=4),
+    ties=st.booleans(),
+    greedy=st.sets(st.integers(0, 9), max_size=4),
+    keys=st.lists(KEY, min_size=10, max_size=10),
+    pass_rows=st.sampled_from([None, 1, 3]),
+    known_finite=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_batched_choice_is_the_row_by_row_choice_bit_for_bit(
+    rows, vocab, scale, specials, masked, ties, greedy, keys, pass_rows, known_finite, seed
+):
     """Every row's token and noise from the batched pass equal gumbel_choice's on that row: full and truncated
     supports, NaN / +inf / -inf logits (never chosen), rows without a finite logit (-1, NaN), greedy rows (not
     sampled), ties (the lowest id), and the rows split over several passes (`pass_rows` rows each)."""
@@ -96,15 +106,17 @@ def test_a_batched_choice_that_forgets_its_mask_or_swaps_its_key_words_is_caught
 
 
 @settings(max_examples=30, deadline=None)
-@given(histories=st.lists(st.lists(st.integers(0, 63), max_size=40), min_size=1, max_size=6),
-       prompts=st.lists(st.integers(0, 10), min_size=6, max_size=6))
+@given(
+    histories=st.lists(st.lists(st.integers(0, 63), max_size=40), min_size=1, max_size=6),
+    prompts=st.lists(st.integers(0, 10), min_size=6, max_size=6),
+)
 def test_output_counts_of_all_rows_at_once_are_each_rows_counts(histories, prompts):
     """BatchView.output_counts (one indexed add over the step) counts each row's output tokens only."""
     rows = tuple(RowState(SamplingParams(max_tokens=4), h, min(p, len(h))) for h, p in zip(histories, prompts))
     counts = BatchView(rows=rows, vocab_size=64, device=torch.device("cpu")).output_counts
     for i, r in enumerate(rows):
         want = torch.zeros(64)
-        for token, n in Counter(r.token_ids[r.num_prompt_tokens:]).items():
+        for token, n in Counter(r.token_ids[r.num_prompt_tokens :]).items():
             want[token] = n
         assert torch.equal(counts[i], want), i
 
@@ -114,4 +126,3 @@ def test_output_counts_of_all_rows_at_once_are_each_rows_counts(histories, promp
 def test_rows_not_sampled_get_no_token(rows, batched):
     tokens, noise = gumbel_choices(torch.randn(rows, 5), [None] * rows, batched=batched)
     assert tokens == [-1] * rows and len(noise) == rows and all(math.isnan(g) for g in noise)
-

@@ -14,12 +14,27 @@ pytestmark = pytest.mark.native
 
 
 def test_bench_harness_reports_systems_roofline_kernels_and_kv_capacity(tmp_path):
-    proc = run_cli("mode=bench", "model=tiny", "bench.systems=[engine,engine_notrace]", "bench.num_requests=4",
-                   "bench.max_tokens=8", "bench.roofline_batches=[1,4]", "bench.roofline_contexts=[32]",
-                   "bench.roofline_batch_context=32", "bench.roofline_context_batch=[1,2]", "bench.kv_cost=true",
-                   "bench.kv_dtypes=[auto,int8]", "bench.kv_context=64", "bench.kv_budget_gb=0.0002",
-                   "bench.engine_variants={torch_matmul: {matmul_backend: torch}}", "bench.kernel_cost=true",
-                   "bench.host_work_batch=4", "bench.text_cost=true", "bench.text_tokens=400", run_dir=tmp_path)
+    proc = run_cli(
+        "mode=bench",
+        "model=tiny",
+        "bench.systems=[engine,engine_notrace]",
+        "bench.num_requests=4",
+        "bench.max_tokens=8",
+        "bench.roofline_batches=[1,4]",
+        "bench.roofline_contexts=[32]",
+        "bench.roofline_batch_context=32",
+        "bench.roofline_context_batch=[1,2]",
+        "bench.kv_cost=true",
+        "bench.kv_dtypes=[auto,int8]",
+        "bench.kv_context=64",
+        "bench.kv_budget_gb=0.0002",
+        "bench.engine_variants={torch_matmul: {matmul_backend: torch}}",
+        "bench.kernel_cost=true",
+        "bench.host_work_batch=4",
+        "bench.text_cost=true",
+        "bench.text_tokens=400",
+        run_dir=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "bench.json").read_text())
     sampled = {"engine[t0.8_top_p0.95]", "engine[t0.8_top_k50_rep1.1]"}  # conf/bench/default.yaml
@@ -68,8 +83,24 @@ def test_the_gpu_benchmark_runs_on_the_cpu_and_prints_each_figure(tmp_path, caps
     from toolkit.bench import gpu
 
     out = tmp_path / "gpu.json"
-    result = gpu.main(["--device", "cpu", "--shape", "tiny", "--batches", "1", "3", "--steps", "2",
-                       "--hf-tokens", "3", "--batch-invariant", "--json", str(out)])
+    result = gpu.main(
+        [
+            "--device",
+            "cpu",
+            "--shape",
+            "tiny",
+            "--batches",
+            "1",
+            "3",
+            "--steps",
+            "2",
+            "--hf-tokens",
+            "3",
+            "--batch-invariant",
+            "--json",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(result["rows"]))
     shape = gpu.SHAPES["tiny"]
@@ -78,7 +109,9 @@ def test_the_gpu_benchmark_runs_on_the_cpu_and_prints_each_figure(tmp_path, caps
     qkv = hidden * (hidden + 2 * shape["num_kv_heads"] * head)
     per_layer = qkv + hidden * hidden + 2 * hidden * inter + inter * hidden + 2 * hidden
     params = layers * per_layer + hidden + hidden * shape["vocab_size"]  # the final norm and the LM head
-    assert [(r["dtype"], r["batch"]) for r in result["rows"]] == [(d, b) for d in ("float32", "bfloat16") for b in (1, 3)]
+    assert [(r["dtype"], r["batch"]) for r in result["rows"]] == [
+        (d, b) for d in ("float32", "bfloat16") for b in (1, 3)
+    ]
     for row in result["rows"]:
         size = 4 if row["dtype"] == "float32" else 2
         assert row["floor_ms"] == pytest.approx(1000 * params * size / (result["copy_bandwidth_gbs"] * 1e9))

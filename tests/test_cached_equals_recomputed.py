@@ -22,12 +22,18 @@ def workloads(draw):
     requests = []
     for i in range(n):
         length = draw(st.integers(1, 40))
-        requests.append(dict(
-            prompt_token_ids=draw(st.lists(st.integers(0, vocab - 1), min_size=length, max_size=length)),
-            arrival_step=draw(st.integers(0, 6)),
-            sampling_params=SamplingParams(temperature=draw(st.sampled_from([0.0, 1.0])),
-                                           max_tokens=draw(st.integers(1, 6)), ignore_eos=True, seed=i),
-        ))
+        requests.append(
+            dict(
+                prompt_token_ids=draw(st.lists(st.integers(0, vocab - 1), min_size=length, max_size=length)),
+                arrival_step=draw(st.integers(0, 6)),
+                sampling_params=SamplingParams(
+                    temperature=draw(st.sampled_from([0.0, 1.0])),
+                    max_tokens=draw(st.integers(1, 6)),
+                    ignore_eos=True,
+                    seed=i,
+                ),
+            )
+        )
     budget = draw(st.integers(1, 48))  # often smaller than a prompt: prompts are split into chunks
     block_size = draw(st.sampled_from([1, 4, 16]))
     backend = draw(st.sampled_from(ATTENTION_BACKENDS))
@@ -49,8 +55,14 @@ def run_and_collect(engine, requests):
 @given(workloads())
 def test_cached_logits_equal_no_cache_recompute(tiny, workload):
     requests, budget, block_size, backend = workload
-    engine = make_engine(tiny, num_kv_blocks=512 // block_size, block_size=block_size,
-                         max_num_batched_tokens=budget, max_num_seqs=min(4, budget), attention_backend=backend)
+    engine = make_engine(
+        tiny,
+        num_kv_blocks=512 // block_size,
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        max_num_seqs=min(4, budget),
+        attention_backend=backend,
+    )
     assert engine.attention_backend == backend
     ids, rows = run_and_collect(engine, requests)
     for rid in ids:

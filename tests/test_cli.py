@@ -17,8 +17,13 @@ TINY = ["model=tiny", "print_outputs=false"]
 
 
 def run_cli(*args: str, run_dir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "run.py", *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "run.py", *args, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def write_jsonl(path: Path, lines: list) -> Path:
@@ -28,15 +33,23 @@ def write_jsonl(path: Path, lines: list) -> Path:
 
 @pytest.mark.native
 def test_requests_file_with_bad_lines_runs_the_others(tmp_path):
-    requests = write_jsonl(tmp_path / "reqs.jsonl", [
-        {"id": "a", "prompt": "Hello there", "max_tokens": 5},
-        '{"id": "b", "prompt": ',  # malformed JSON
-        {"id": "c", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "arrival_step": 2,
-         "sampling": {"temperature": 0.0}},
-        {"id": "d", "prompt": "", "max_tokens": 4},  # empty prompt
-        {"id": "e", "prompt_token_ids": [1, 2, 3], "max_tokens": 0},  # bad max_tokens
-        {"id": "f", "prompt": "x " * 3000},  # longer than the context
-    ])
+    requests = write_jsonl(
+        tmp_path / "reqs.jsonl",
+        [
+            {"id": "a", "prompt": "Hello there", "max_tokens": 5},
+            '{"id": "b", "prompt": ',  # malformed JSON
+            {
+                "id": "c",
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 4,
+                "arrival_step": 2,
+                "sampling": {"temperature": 0.0},
+            },
+            {"id": "d", "prompt": "", "max_tokens": 4},  # empty prompt
+            {"id": "e", "prompt_token_ids": [1, 2, 3], "max_tokens": 0},  # bad max_tokens
+            {"id": "f", "prompt": "x " * 3000},  # longer than the context
+        ],
+    )
     result = run_cli(*TINY, f"workload.requests={requests}", run_dir=tmp_path / "run")
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
@@ -47,8 +60,16 @@ def test_requests_file_with_bad_lines_runs_the_others(tmp_path):
     assert any("line 5" in e and "max_tokens" in e for e in errors)
     assert any("line 6" in e and "context" in e for e in errors)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    for key in ("requests", "output_tokens", "wall_s", "output_tok_per_s", "ttft_p50_s", "ttft_p95_s",
-                "tpot_p50_s", "tpot_p95_s"):
+    for key in (
+        "requests",
+        "output_tokens",
+        "wall_s",
+        "output_tok_per_s",
+        "ttft_p50_s",
+        "ttft_p95_s",
+        "tpot_p50_s",
+        "tpot_p95_s",
+    ):
         assert key in summary
     assert summary["requests"] == 2 and summary["output_tokens"] == 9
     requests = read_requests(tmp_path / "run").to_pylist()
@@ -58,12 +79,15 @@ def test_requests_file_with_bad_lines_runs_the_others(tmp_path):
     assert samples.num_rows == 9 and summary["trace_rows"] == 9
 
 
-@pytest.mark.parametrize("args, message", [
-    (["model=hf", "model.path=/nonexistent/model"], "model path '/nonexistent/model' does not exist"),
-    (["workload.requests=/nonexistent/reqs.jsonl"], "requests file '/nonexistent/reqs.jsonl' does not exist"),
-    (["engine.block_size=0"], "engine.block_size must be a positive integer, got 0"),
-    (["sampling.temperature=-2"], "temperature must be a number >= 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["model=hf", "model.path=/nonexistent/model"], "model path '/nonexistent/model' does not exist"),
+        (["workload.requests=/nonexistent/reqs.jsonl"], "requests file '/nonexistent/reqs.jsonl' does not exist"),
+        (["engine.block_size=0"], "engine.block_size must be a positive integer, got 0"),
+        (["sampling.temperature=-2"], "temperature must be a number >= 0"),
+    ],
+)
 def test_user_mistakes_are_one_line_errors(tmp_path, args, message):
     result = run_cli(*TINY, *args, run_dir=tmp_path / "run")
     assert result.returncode == 2
@@ -83,8 +107,9 @@ def test_incomplete_model_dir_is_refused(tmp_path):
 @pytest.mark.slow
 def test_default_run_serves_the_builtin_chat_workload(tmp_path):
     """What `make run` runs, with fewer requests: SmolLM2, chat template, staggered arrivals."""
-    result = run_cli("workload.num_requests=4", "workload.min_tokens=4", "workload.max_tokens=12",
-                     run_dir=tmp_path / "run")
+    result = run_cli(
+        "workload.num_requests=4", "workload.min_tokens=4", "workload.max_tokens=12", run_dir=tmp_path / "run"
+    )
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["requests"] == 4 and summary["output_tok_per_s"] > 0
@@ -106,12 +131,25 @@ def test_ctrl_c_flushes_the_trace_writes_the_summary_and_exits_130(tmp_path):
     from toolkit.trace.reader import read_samples
 
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "model=tiny", "workload.num_requests=40",
-                             "workload.min_tokens=200", "workload.max_tokens=400", "print_outputs=false",
-                             "trace.flush_every_steps=4", f"hydra.run.dir={run_dir}"],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            # a suite started in the background (nohup, &) passes SIGINT down as ignored
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            "model=tiny",
+            "workload.num_requests=40",
+            "workload.min_tokens=200",
+            "workload.max_tokens=400",
+            "print_outputs=false",
+            "trace.flush_every_steps=4",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # a suite started in the background (nohup, &) passes SIGINT down as ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.time() + 120
     while not list((run_dir / "samples.parquet").glob("part-*.parquet")) and time.time() < deadline:
         time.sleep(0.2)
@@ -154,8 +192,13 @@ def test_ctrl_c_is_taken_between_steps_never_inside_one(tiny, tmp_path, sigint_d
     from toolkit.trace.reader import read_samples
 
     engine = make_engine(tiny, max_num_batched_tokens=32, max_num_seqs=4, num_kv_blocks=128)
-    ids = [engine.add_request(prompt_token_ids=[5 + i, 6, 7], sampling_params=SamplingParams(
-        temperature=0.0, max_tokens=50, ignore_eos=True)) for i in range(3)]
+    ids = [
+        engine.add_request(
+            prompt_token_ids=[5 + i, 6, 7],
+            sampling_params=SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True),
+        )
+        for i in range(3)
+    ]
     seen = []
 
     def on_step(out):
@@ -175,8 +218,9 @@ def test_ctrl_c_is_taken_between_steps_never_inside_one(tiny, tmp_path, sigint_d
         seen.append("not reached")
 
     engine = make_engine(tiny, max_num_batched_tokens=32, max_num_seqs=4, num_kv_blocks=128)
-    ids = [engine.add_request(prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(temperature=0.0,
-                                                                                          max_tokens=20))]
+    ids = [
+        engine.add_request(prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(temperature=0.0, max_tokens=20))
+    ]
     with pytest.raises(Interrupted):
         record(engine, ids, tmp_path / "run2", {}, on_step=twice)
     assert "not reached" not in seen
@@ -191,10 +235,22 @@ def test_kill_9_leaves_a_readable_partial_trace_that_replays_and_verifies(tmp_pa
     from toolkit.trace.reader import read_samples
 
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "model=tiny", "workload.num_requests=40",
-                             "workload.min_tokens=200", "workload.max_tokens=400", "print_outputs=false",
-                             "trace.flush_every_steps=4", f"hydra.run.dir={run_dir}"],
-                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            "model=tiny",
+            "workload.num_requests=40",
+            "workload.min_tokens=200",
+            "workload.max_tokens=400",
+            "print_outputs=false",
+            "trace.flush_every_steps=4",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while len(list((run_dir / "samples.parquet").glob("part-*.parquet"))) < 3 and time.time() < deadline:
         time.sleep(0.1)
@@ -214,8 +270,11 @@ def test_help_lists_every_mode_with_one_line_and_each_is_dispatched(tmp_path):
 
     assert list(RUNNERS) == list(MODES)  # a listed mode that run.py does not run (or the reverse) fails here
     assert all(callable(runner(m)) for m in MODES)  # every "module:function" names one that exists
-    readme = [line.split("|")[1].strip().strip("`") for line in (ROOT / "README.md").read_text().splitlines()
-              if line.startswith("| `")]
+    readme = [
+        line.split("|")[1].strip().strip("`")
+        for line in (ROOT / "README.md").read_text().splitlines()
+        if line.startswith("| `")
+    ]
     assert readme == list(MODES)  # the README's table lists the same modes, in the same order
     for argv in (["run.py", "--help"], ["-m", "toolkit", "--help"]):
         proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -230,10 +289,12 @@ def test_help_lists_every_mode_with_one_line_and_each_is_dispatched(tmp_path):
 def test_a_mode_missing_its_extra_is_one_line_naming_the_extra():
     """mode=serve without FastAPI installed (here: hidden from the import system) is a ConfigError naming the extra
     to install, not an ImportError traceback; a mode whose module imports fine is returned as is."""
-    code = ("import sys; sys.modules['fastapi'] = None\n"
-            "from toolkit.errors import ConfigError\nfrom toolkit.modes.app import runner\n"
-            "assert callable(runner('run'))\n"
-            "try:\n    runner('serve')\nexcept ConfigError as exc:\n    print(exc)\nelse:\n    print('no error')\n")
+    code = (
+        "import sys; sys.modules['fastapi'] = None\n"
+        "from toolkit.errors import ConfigError\nfrom toolkit.modes.app import runner\n"
+        "assert callable(runner('run'))\n"
+        "try:\n    runner('serve')\nexcept ConfigError as exc:\n    print(exc)\nelse:\n    print('no error')\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().startswith("mode=serve needs fastapi, in the serve extra: pip install -e '.[serve]'")

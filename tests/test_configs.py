@@ -19,8 +19,18 @@ from toolkit.sampling.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-GROUPS = ["model", "engine", "sampling", "processors", "structured_outputs", "speculative", "workload", "trace",
-          "logger", "bench"]
+GROUPS = [
+    "model",
+    "engine",
+    "sampling",
+    "processors",
+    "structured_outputs",
+    "speculative",
+    "workload",
+    "trace",
+    "logger",
+    "bench",
+]
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "experiments").glob("*.yaml"))
 
 register_configs()
@@ -55,8 +65,13 @@ def test_every_group_option_composes_and_instantiates(group, option):
 
 def test_groups_are_all_present():
     assert all(_options(g) for g in GROUPS), [g for g in GROUPS if not _options(g)]
-    assert set(EXPERIMENTS) >= {"json_extraction", "preemption_invariance", "chunk_size_sweep",
-                                "sampling_policy_ablation", "speculative_acceptance"}
+    assert set(EXPERIMENTS) >= {
+        "json_extraction",
+        "preemption_invariance",
+        "chunk_size_sweep",
+        "sampling_policy_ablation",
+        "speculative_acceptance",
+    }
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
@@ -81,16 +96,30 @@ def test_a_typo_or_a_mistyped_value_is_refused_at_composition():
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.mark.native
 def test_joblib_multirun_writes_a_trace_per_job_and_compare_reads_them(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = _run(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "model=tiny", BATCH_INVARIANT_OVERRIDE,
-                 "engine.max_num_seqs=4", "engine.max_num_batched_tokens=8,64", "workload.num_requests=3",
-                 "workload.max_tokens=20", "print_outputs=false", f"hydra.sweep.dir={sweep}"], tmp_path)
+    proc = _run(
+        [
+            "-m",
+            "hydra/launcher=joblib",
+            "hydra.launcher.n_jobs=2",
+            "model=tiny",
+            BATCH_INVARIANT_OVERRIDE,
+            "engine.max_num_seqs=4",
+            "engine.max_num_batched_tokens=8,64",
+            "workload.num_requests=3",
+            "workload.max_tokens=20",
+            "print_outputs=false",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Joblib.Parallel" in proc.stdout + proc.stderr
     runs = sorted(p for p in sweep.iterdir() if (p / "samples.parquet").exists())
@@ -111,8 +140,17 @@ def test_compare_names_the_first_divergence(tmp_path):
 
     runs = []
     for i, temperature in enumerate([1.0, 1.5]):
-        proc = _run(["model=tiny", "workload.num_requests=2", "workload.max_tokens=16", "print_outputs=false",
-                     f"sampling.temperature={temperature}", f"hydra.run.dir={tmp_path / str(i)}"], tmp_path)
+        proc = _run(
+            [
+                "model=tiny",
+                "workload.num_requests=2",
+                "workload.max_tokens=16",
+                "print_outputs=false",
+                f"sampling.temperature={temperature}",
+                f"hydra.run.dir={tmp_path / str(i)}",
+            ],
+            tmp_path,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         runs.append(str(tmp_path / str(i)))
     result = compare(runs, out_dir=tmp_path / "cmp")
@@ -127,8 +165,17 @@ def test_compare_names_the_first_divergence(tmp_path):
 def test_wandb_offline_run_logs_config_steps_requests_summary_and_trace_artifact(tmp_path):
     from toolkit.runs.loggers import read_offline_run
 
-    proc = _run(["model=tiny", "logger=wandb", "workload.num_requests=2", "workload.max_tokens=20",
-                 "print_outputs=false", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    proc = _run(
+        [
+            "model=tiny",
+            "logger=wandb",
+            "workload.num_requests=2",
+            "workload.max_tokens=20",
+            "print_outputs=false",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     files = glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(files) == 1
@@ -158,8 +205,9 @@ def test_the_models_generation_config_fills_the_sampling_defaults(tmp_path):
 
     model = tmp_path / "model"
     shutil.copytree(checkpoint_dir("llama"), model)
-    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20, "do_sample": True,
-                                                              "bos_token_id": 1}))
+    (model / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.6, "top_k": 20, "do_sample": True, "bos_token_id": 1})
+    )
     assert generation_defaults(model) == {"temperature": 0.6, "top_k": 20}
     cfg = {"model": {"name": "hf", "path": str(model)}, "sampling": {"top_p": 0.5, "top_k": 7}}
     engine = Engine.from_config(cfg)

@@ -16,25 +16,44 @@ from toolkit.engine.runner import recompute_logits
 from toolkit.models import load_model
 from toolkit.sampling.params import SamplingParams
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(),
-                                 reason="no CUDA device here (torch.cuda.is_available() is False)"),
-              pytest.mark.native]  # the CPU runs of the GPU comparisons ask toolkit.native
-MODEL = dict(name="tiny", seed=3, vocab_size=512, num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
-             intermediate_size=512)
+pytestmark = [
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA device here (torch.cuda.is_available() is False)"
+    ),
+    pytest.mark.native,
+]  # the CPU runs of the GPU comparisons ask toolkit.native
+MODEL = dict(
+    name="tiny",
+    seed=3,
+    vocab_size=512,
+    num_layers=2,
+    hidden_size=256,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=512,
+)
 # the largest |logprob| difference between the cached run and the no-cache recompute, per format
 TOLERANCE = {"float32": 1e-3, "bfloat16": 0.15, "float16": 0.02}
 
 
 def requests():
-    return [dict(prompt_token_ids=[(31 * i + 7 * j) % 512 for j in range(5 + 9 * i)], request_id=f"r{i}",
-                 arrival_step=i, sampling_params=SamplingParams(temperature=[0.0, 1.0][i % 2], seed=i,
-                                                                 max_tokens=12, ignore_eos=True))
-            for i in range(5)]
+    return [
+        dict(
+            prompt_token_ids=[(31 * i + 7 * j) % 512 for j in range(5 + 9 * i)],
+            request_id=f"r{i}",
+            arrival_step=i,
+            sampling_params=SamplingParams(temperature=[0.0, 1.0][i % 2], seed=i, max_tokens=12, ignore_eos=True),
+        )
+        for i in range(5)
+    ]
 
 
 def run(loaded, device: str, **engine) -> tuple[Engine, dict[str, dict[int, torch.Tensor]]]:
-    eng = Engine(loaded, EngineConfig(device=device, max_num_batched_tokens=16, max_num_seqs=4, block_size=4,
-                                      **engine), SamplingParams())
+    eng = Engine(
+        loaded,
+        EngineConfig(device=device, max_num_batched_tokens=16, max_num_seqs=4, block_size=4, **engine),
+        SamplingParams(),
+    )
     for r in requests():
         eng.add_request(**r)
     rows: dict[str, dict[int, torch.Tensor]] = {}
@@ -92,8 +111,17 @@ def test_the_noise_and_the_batched_choice_on_the_gpu_are_the_cpus_bit_for_bit():
     from toolkit.sampling.sampler import gumbel_choices
 
     vocab, cpu, gpu = 49152, torch.device("cpu"), torch.device("cuda")
-    keys = [rng.row_key(seed, position, stream) for seed, position, stream in
-            ((0, 0, 0), (2**63 - 1, 10**9, 3), (12345, 77, 1), (7, 5, 2), (99, 1, 0), (3, 3, 3))]
+    keys = [
+        rng.row_key(seed, position, stream)
+        for seed, position, stream in (
+            (0, 0, 0),
+            (2**63 - 1, 10**9, 3),
+            (12345, 77, 1),
+            (7, 5, 2),
+            (99, 1, 0),
+            (3, 3, 3),
+        )
+    ]
     on_cpu = rng.gumbel_rows(rng.key_words(keys, cpu), rng.token_hashes(vocab, cpu))
     on_gpu = rng.gumbel_rows(rng.key_words(keys, gpu), rng.token_hashes(vocab, gpu)).cpu()
     assert torch.equal(on_cpu.view(torch.int64), on_gpu.view(torch.int64))
@@ -123,7 +151,8 @@ def test_captured_graphs_give_the_eager_buckets_bits(on_gpu):
         for p in eager[rid]:
             assert torch.equal(graphed[rid][p], eager[rid][p]), (rid, p)
             assert (graphed[rid][p].log_softmax(-1) - off[rid][p].log_softmax(-1)).abs().max() < TOLERANCE[
-                str(on_gpu.model.embed.dtype).removeprefix("torch.")], (rid, p)
+                str(on_gpu.model.embed.dtype).removeprefix("torch.")
+            ], (rid, p)
 
 
 @pytest.mark.parametrize("dtype,invariant", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
@@ -140,16 +169,30 @@ def test_a_gpu_run_replays_bit_for_bit_and_verifies(tmp_path, dtype, invariant):
     def cli(*args):
         return subprocess.run([sys.executable, "run.py", *args], cwd=root, capture_output=True, text=True, timeout=600)
 
-    done = cli("model=tiny", f"model.dtype={dtype}", "engine.device=cuda", f"hydra.run.dir={tmp_path / 'run'}",
-               "workload.num_requests=12", "workload.min_tokens=4", "workload.max_tokens=16", "print_outputs=false",
-               "report.auto=false", *(["engine.batch_invariant=true"] if invariant else []))
+    done = cli(
+        "model=tiny",
+        f"model.dtype={dtype}",
+        "engine.device=cuda",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        "workload.num_requests=12",
+        "workload.min_tokens=4",
+        "workload.max_tokens=16",
+        "print_outputs=false",
+        "report.auto=false",
+        *(["engine.batch_invariant=true"] if invariant else []),
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     other = ['replay.overrides=["engine.max_num_batched_tokens=16","engine.max_num_seqs=4"]'] if invariant else []
     replayed = cli("mode=replay", f"replay.trace={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'replay'}", *other)
-    assert replayed.returncode == 0 and replayed.stdout.strip().splitlines()[-1].startswith("bit-identical"), \
+    assert replayed.returncode == 0 and replayed.stdout.strip().splitlines()[-1].startswith("bit-identical"), (
         replayed.stdout[-2000:] + replayed.stderr[-2000:]
-    verified = cli("mode=verify", f"verify.trace={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'verify'}",
-                   *(["verify.reference=exact"] if invariant else []))
+    )
+    verified = cli(
+        "mode=verify",
+        f"verify.trace={tmp_path / 'run'}",
+        f"hydra.run.dir={tmp_path / 'verify'}",
+        *(["verify.reference=exact"] if invariant else []),
+    )
     assert verified.returncode == 0, verified.stdout[-2000:] + verified.stderr[-2000:]
 
 
@@ -166,7 +209,7 @@ def test_the_triton_kernels_give_a_row_the_same_bits_at_every_batch_size(dtype):
     x = torch.randn(200, 576, generator=gen).to(dtype).cuda()  # rows in four of matmul_dot's 64-row tiles
     w = (torch.randn(576, 1536, generator=gen) / 24).to(dtype).cuda()
     exact = x.double() @ w.double()
-    bound = 580 * 2.0 ** -24 * (x.double().abs() @ w.double().abs()) + 1e-30
+    bound = 580 * 2.0**-24 * (x.double().abs() @ w.double().abs()) + 1e-30
     for fn in (gm.matmul, gm.matmul_dot):
         full = fn(x, w)
         assert fn is gm.matmul or ((full.double() - exact).abs() <= bound).all(), fn.__name__
@@ -189,16 +232,32 @@ def test_batch_invariant_rows_are_the_same_bits_in_every_batch_mix_and_graph_mod
     target = [(13 * j + 5) % 512 for j in range(21)]
 
     def rows_of(batch: int, graphs: str, mixed: bool) -> tuple[list[int], dict[int, torch.Tensor]]:
-        eng = Engine(loaded, EngineConfig(device="cuda", batch_invariant=True, cuda_graphs=graphs, block_size=4,
-                                          max_num_seqs=64, max_num_batched_tokens=64 if mixed else 4096),
-                     SamplingParams())
+        eng = Engine(
+            loaded,
+            EngineConfig(
+                device="cuda",
+                batch_invariant=True,
+                cuda_graphs=graphs,
+                block_size=4,
+                max_num_seqs=64,
+                max_num_batched_tokens=64 if mixed else 4096,
+            ),
+            SamplingParams(),
+        )
         assert eng.matmul_backend == "native" and eng.attention_backend == "kernel"
-        eng.add_request(prompt_token_ids=target, request_id="t", arrival_step=0,
-                        sampling_params=SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+        eng.add_request(
+            prompt_token_ids=target,
+            request_id="t",
+            arrival_step=0,
+            sampling_params=SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+        )
         for i in range(batch - 1):
-            eng.add_request(prompt_token_ids=[(7 * i + 3 * j) % 512 for j in range(3 + (i * 5) % 40)],
-                            request_id=f"o{i}", arrival_step=(2 + i % 5) if mixed else 0,
-                            sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=12, ignore_eos=True))
+            eng.add_request(
+                prompt_token_ids=[(7 * i + 3 * j) % 512 for j in range(3 + (i * 5) % 40)],
+                request_id=f"o{i}",
+                arrival_step=(2 + i % 5) if mixed else 0,
+                sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=12, ignore_eos=True),
+            )
         got: dict[int, torch.Tensor] = {}
         while eng.has_unfinished():
             out = eng.step()
@@ -210,7 +269,7 @@ def test_batch_invariant_rows_are_the_same_bits_in_every_batch_mix_and_graph_mod
     tokens, alone = rows_of(1, "off", False)
     for batch in (1, 7, 32, 64):
         for graphs in ("off", "auto"):
-            for mixed in ((False, True) if batch > 1 else (False,)):
+            for mixed in (False, True) if batch > 1 else (False,):
                 other_tokens, rows = rows_of(batch, graphs, mixed)
                 assert other_tokens == tokens, (batch, graphs, mixed)
                 assert rows.keys() == alone.keys()

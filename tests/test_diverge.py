@@ -22,9 +22,21 @@ def test_first_difference_is_the_end_of_the_common_prefix(a, b):
 
 
 def row(rid, pos, token, **more):
-    return {"request_id": rid, "stream": 0, "position": pos, "token_id": token, "raw_logprob": -1.0,
-            "processed_logprob": -1.0, "noise": 0.5, "logits_sha256": f"l{pos}", "kept_sha256": f"k{pos}",
-            "support_size": 5, "finish_reason": None, "error": None, **more}
+    return {
+        "request_id": rid,
+        "stream": 0,
+        "position": pos,
+        "token_id": token,
+        "raw_logprob": -1.0,
+        "processed_logprob": -1.0,
+        "noise": 0.5,
+        "logits_sha256": f"l{pos}",
+        "kept_sha256": f"k{pos}",
+        "support_size": 5,
+        "finish_reason": None,
+        "error": None,
+        **more,
+    }
 
 
 @given(st.dictionaries(st.sampled_from("xyz"), tokens, min_size=1), st.data())
@@ -44,8 +56,10 @@ def test_first_divergences_agree_with_the_token_streams(streams, data):
         assert (d.position, d.index) == (10 + i, i)
         assert d.kind == ("length" if i >= min(len(streams[rid]), len(other[rid])) else "token")
         assert ("cause: " + d.cause) in d.describe()
-    agreement = token_agreement({(r["request_id"], 0, r["position"]): r["token_id"] for s in a.values() for r in s},
-                                {(r["request_id"], 0, r["position"]): r["token_id"] for s in b.values() for r in s})
+    agreement = token_agreement(
+        {(r["request_id"], 0, r["position"]): r["token_id"] for s in a.values() for r in s},
+        {(r["request_id"], 0, r["position"]): r["token_id"] for s in b.values() for r in s},
+    )
     shared = sum(min(len(streams[r]), len(other[r])) for r in streams)
     assert agreement.common == shared
     assert agreement.differing == sum(x != y for r in streams for x, y in zip(streams[r], other[r]))
@@ -56,7 +70,8 @@ def test_the_most_upstream_field_names_the_cause_and_the_token_leads_the_line():
     b = sequences([row("r", 0, 1), row("r", 1, 3, logits_sha256="other", raw_logprob=-2.0)])
     (d,) = first_divergences(a, b)
     assert (d.position, d.kind, d.fields) == (1, "logits", ("logits_sha256", "token_id", "raw_logprob"))
-    assert d.describe("recorded", "replayed").startswith("r position 1: token_id recorded 2 vs replayed 3; also "
-                                                         "logits_sha256, raw_logprob (cause: numerical")
+    assert d.describe("recorded", "replayed").startswith(
+        "r position 1: token_id recorded 2 vs replayed 3; also logits_sha256, raw_logprob (cause: numerical"
+    )
     # a digest one run did not record is not compared (a trace older than schema 6 has no kept-set digest)
     assert first_divergences(a, sequences([row("r", 0, 1, kept_sha256=None), row("r", 1, 2)])) == []

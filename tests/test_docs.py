@@ -29,8 +29,12 @@ SERVER_URL = "http://127.0.0.1:8000"
 
 
 def python_blocks() -> list[tuple[str, str]]:
-    return [(f"{page.relative_to(ROOT)}#{i}", code) for page in PAGES
-            for i, (lang, code) in enumerate(m.groups() for m in BLOCK.finditer(page.read_text())) if lang == "python"]
+    return [
+        (f"{page.relative_to(ROOT)}#{i}", code)
+        for page in PAGES
+        for i, (lang, code) in enumerate(m.groups() for m in BLOCK.finditer(page.read_text()))
+        if lang == "python"
+    ]
 
 
 def run_commands() -> list[tuple[str, str]]:
@@ -38,11 +42,15 @@ def run_commands() -> list[tuple[str, str]]:
     found = []
     for page in PAGES:
         text = page.read_text()
-        lines = [line for _, code in (m.groups() for m in BLOCK.finditer(text))
-                 for line in code.replace("\\\n", " ").splitlines()]  # a shell line continued with \
+        lines = [
+            line
+            for _, code in (m.groups() for m in BLOCK.finditer(text))
+            for line in code.replace("\\\n", " ").splitlines()
+        ]  # a shell line continued with \
         spans = re.findall(r"`(python run\.py[^`]*)`", BLOCK.sub("", text))
-        for command in [line.split("python run.py", 1)[1] for line in lines if "python run.py" in line] + \
-                [s.split("python run.py", 1)[1] for s in spans]:
+        for command in [line.split("python run.py", 1)[1] for line in lines if "python run.py" in line] + [
+            s.split("python run.py", 1)[1] for s in spans
+        ]:
             found.append((page.name, command.split(" #", 1)[0].strip()))
     return found
 
@@ -63,8 +71,9 @@ def test_every_python_block_runs(where, code, smollm2, tmp_path):
         code = code.replace(SERVER_URL, server.url)
     try:
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
     finally:
         if server is not None:
             server.stop()
@@ -112,8 +121,9 @@ def test_every_run_py_command_in_the_docs_composes_into_a_known_mode():
                     if cfg.mode not in MODES:
                         failures.append(f"{where}: {command}: mode {cfg.mode!r} is not one of run.py's")
                 except Exception as exc:  # noqa: BLE001  (every failure is listed, not only the first)
-                    failures.append(f"{where}: python run.py {command}: {type(exc).__name__}: "
-                                    f"{str(exc).splitlines()[0]}")
+                    failures.append(
+                        f"{where}: python run.py {command}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+                    )
     assert not failures, "\n".join(failures)
     assert composed >= 40
 
@@ -123,9 +133,14 @@ def test_the_site_builds_strictly(tmp_path):
         reason = "MkDocs is not installed (pip install -e '.[docs]'; make test installs it)"
         print(f"SKIP reason: {reason}")
         pytest.skip(reason)
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     assert "SamplingParams" in api and "temperature" in api  # the API page is made from the docstrings

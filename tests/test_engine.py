@@ -82,7 +82,12 @@ def test_lifecycle_and_block_release(tiny):
         engine.step()
         seen.append(engine.requests[rid].status)
     order = [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]]
-    assert order == [SequenceStatus.PENDING, SequenceStatus.PREFILLING, SequenceStatus.DECODING, SequenceStatus.FINISHED]
+    assert order == [
+        SequenceStatus.PENDING,
+        SequenceStatus.PREFILLING,
+        SequenceStatus.DECODING,
+        SequenceStatus.FINISHED,
+    ]
     out = engine.output(rid)
     assert out.finish_reason == "length" and len(out.output_token_ids) == 8
     assert engine.block_manager.num_free_blocks == 16
@@ -95,8 +100,9 @@ def test_eos_and_stop_token_ids(tiny):
     engine = make_engine(tiny)
     first = engine.generate([{"prompt_token_ids": [5, 6, 7], "sampling_params": GREEDY}])[0].output_token_ids
     stop_at = first[3]
-    out = engine.generate([{"prompt_token_ids": [5, 6, 7],
-                            "sampling_params": GREEDY.replace(stop_token_ids=(stop_at,))}])[0]
+    out = engine.generate(
+        [{"prompt_token_ids": [5, 6, 7], "sampling_params": GREEDY.replace(stop_token_ids=(stop_at,))}]
+    )[0]
     assert out.output_token_ids == first[: first.index(stop_at) + 1] and out.finish_reason == "stop"
 
 
@@ -115,8 +121,10 @@ def test_seeded_sampling_is_independent_of_batch(tiny):
 def test_small_pool_preempts_and_still_finishes(tiny):
     ample = make_engine(tiny, num_kv_blocks=256, block_size=4, max_num_seqs=6)
     tight = make_engine(tiny, num_kv_blocks=12, block_size=4, max_num_seqs=6)
-    reqs = [{"prompt_token_ids": list(range(10 * i + 1, 10 * i + 9)),
-             "sampling_params": GREEDY.replace(max_tokens=20)} for i in range(6)]
+    reqs = [
+        {"prompt_token_ids": list(range(10 * i + 1, 10 * i + 9)), "sampling_params": GREEDY.replace(max_tokens=20)}
+        for i in range(6)
+    ]
     a = ample.generate(reqs)
     b = tight.generate(reqs)
     assert sum(o.metrics.num_preemptions for o in b) > 0
@@ -149,18 +157,24 @@ def test_small_vocab_model_takes_token_ids_only(tiny_small_vocab):
 
 
 @pytest.mark.native
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(prompt=""), "empty"),
-    (dict(prompt_token_ids=[]), "empty"),
-    (dict(prompt_token_ids=[1] * 2048), "context"),
-    (dict(prompt_token_ids=[1, 2], sampling_params={"max_tokens": 0}), "max_tokens must be a positive integer, got 0"),
-    (dict(prompt_token_ids=[1, 2], sampling_params={"max_tokens": 5000}), "max_model_len"),
-    (dict(prompt_token_ids=[1, 2], sampling_params={"temperature": -1}), "temperature"),
-    (dict(prompt_token_ids=[1, 2], sampling_params={"bogus": 1}), "unknown sampling option"),
-    (dict(prompt_token_ids=[1, -3]), "outside the vocabulary"),
-    (dict(prompt="a", prompt_token_ids=[1]), "exactly one"),
-    (dict(messages=[{"role": "user"}]), "messages"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(prompt=""), "empty"),
+        (dict(prompt_token_ids=[]), "empty"),
+        (dict(prompt_token_ids=[1] * 2048), "context"),
+        (
+            dict(prompt_token_ids=[1, 2], sampling_params={"max_tokens": 0}),
+            "max_tokens must be a positive integer, got 0",
+        ),
+        (dict(prompt_token_ids=[1, 2], sampling_params={"max_tokens": 5000}), "max_model_len"),
+        (dict(prompt_token_ids=[1, 2], sampling_params={"temperature": -1}), "temperature"),
+        (dict(prompt_token_ids=[1, 2], sampling_params={"bogus": 1}), "unknown sampling option"),
+        (dict(prompt_token_ids=[1, -3]), "outside the vocabulary"),
+        (dict(prompt="a", prompt_token_ids=[1]), "exactly one"),
+        (dict(messages=[{"role": "user"}]), "messages"),
+    ],
+)
 def test_bad_requests_are_refused_with_one_line(tiny, kwargs, match):
     engine = make_engine(tiny)
     with pytest.raises(RequestError, match=match) as info:
@@ -176,11 +190,14 @@ def test_request_that_can_never_fit_the_pool_is_refused(tiny):
         engine.add_request(prompt_token_ids=list(range(1, 12)), sampling_params=GREEDY)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(block_size=0), "engine.block_size must be a positive integer, got 0"),
-    (dict(max_num_batched_tokens=4, max_num_seqs=8), "max_num_batched_tokens"),
-    (dict(device="tpu"), "engine.device"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(block_size=0), "engine.block_size must be a positive integer, got 0"),
+        (dict(max_num_batched_tokens=4, max_num_seqs=8), "max_num_batched_tokens"),
+        (dict(device="tpu"), "engine.device"),
+    ],
+)
 def test_bad_engine_config(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         EngineConfig(**kwargs)
@@ -206,11 +223,22 @@ def test_step_inputs_are_the_per_token_definition(tiny, data, backend, block_siz
         blocks = -(-(start + n) // block_size)
         table = tuple(data.draw(st.lists(st.integers(0, 63), min_size=blocks, max_size=blocks)))
         logits = data.draw(st.integers(1, n)) if n > 1 and data.draw(st.booleans()) else 1
-        chunks.append(ScheduledChunk(f"s{s}", tuple(range(100 * s, 100 * s + n)), start, table,
-                                     samples=data.draw(st.booleans()), num_logits=logits))
+        chunks.append(
+            ScheduledChunk(
+                f"s{s}",
+                tuple(range(100 * s, 100 * s + n)),
+                start,
+                table,
+                samples=data.draw(st.booleans()),
+                num_logits=logits,
+            )
+        )
     inputs = runner.prepare(ScheduledBatch(step=0, chunks=tuple(chunks), num_decode_tokens=0, num_prefill_tokens=0))
-    ordered = ([c for c in chunks if c.num_tokens == 1] + [c for c in chunks if c.num_tokens > 1 and c.num_logits > 1]
-               + [c for c in chunks if c.num_tokens > 1 and c.num_logits == 1])
+    ordered = (
+        [c for c in chunks if c.num_tokens == 1]
+        + [c for c in chunks if c.num_tokens > 1 and c.num_logits > 1]
+        + [c for c in chunks if c.num_tokens > 1 and c.num_logits == 1]
+    )
     ids, positions, slots, chunk_of, rows = [], [], [], [], []
     for k, c in enumerate(ordered):
         if c.samples:
@@ -243,8 +271,14 @@ def test_an_engine_is_freed_as_soon_as_it_is_dropped(tiny):
     gc.disable()
     try:
         engine = Engine(tiny, EngineConfig(max_num_seqs=4), SamplingParams(), SpeculativeConfig(method="ngram"))
-        engine.generate([{"prompt_token_ids": [1, 2, 3, 1, 2], "sampling_params": SamplingParams(
-            max_tokens=4, structured_outputs={"choice": ["yes", "no"]})}])
+        engine.generate(
+            [
+                {
+                    "prompt_token_ids": [1, 2, 3, 1, 2],
+                    "sampling_params": SamplingParams(max_tokens=4, structured_outputs={"choice": ["yes", "no"]}),
+                }
+            ]
+        )
         cache = weakref.ref(engine.kv_cache)
         del engine
         assert cache() is None
@@ -258,8 +292,16 @@ def test_a_penalty_the_sampler_makes_that_empties_a_row_is_that_rows_error_only(
     that leaves a row no finite logit (every allowed token seen, pushed down and multiplied by inf) is that
     request's error naming the processor, found after the pass, and its batch mates sample as they do alone."""
     order = ["logit_bias", "allowed_token_ids", "repetition_penalty", "temperature"]
-    doomed = SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True, processors=order,
-                            logit_bias={5: -100.0, 6: -100.0}, allowed_token_ids=[5, 6], repetition_penalty=1e300)
+    doomed = SamplingParams(
+        temperature=0.8,
+        seed=3,
+        max_tokens=4,
+        ignore_eos=True,
+        processors=order,
+        logit_bias={5: -100.0, 6: -100.0},
+        allowed_token_ids=[5, 6],
+        repetition_penalty=1e300,
+    )
     fine = SamplingParams(temperature=0.8, seed=4, max_tokens=4, ignore_eos=True, repetition_penalty=1.3)
     alone = make_engine(tiny).generate([{"prompt_token_ids": [7, 8, 9, 7], "sampling_params": fine}])[0]
     engine = make_engine(tiny)
@@ -270,6 +312,7 @@ def test_a_penalty_the_sampler_makes_that_empties_a_row_is_that_rows_error_only(
         rows += engine.step().samples
     doomed_rows = [r for r in rows if r.request_id == "doomed"]
     assert [(r.token_id, r.finish_reason, r.error) for r in doomed_rows] == [
-        (-1, "error", "empty support: processor 'repetition_penalty' removed every token")]
+        (-1, "error", "empty support: processor 'repetition_penalty' removed every token")
+    ]
     assert [r.token_id for r in rows if r.request_id == "fine"] == list(alone.output_token_ids)
     assert len(alone.output_token_ids) == 4

@@ -30,8 +30,11 @@ def test_add_and_add_request_are_one_call(tiny):
         b.add({"prompt": "x"})
 
 
-workloads = st.lists(st.tuples(st.integers(1, 24), st.integers(1, 6), st.sampled_from([1, 1, 2]),
-                               st.integers(0, 4)), min_size=1, max_size=6)
+workloads = st.lists(
+    st.tuples(st.integers(1, 24), st.integers(1, 6), st.sampled_from([1, 1, 2]), st.integers(0, 4)),
+    min_size=1,
+    max_size=6,
+)
 
 
 @settings(max_examples=15, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -41,11 +44,17 @@ def test_the_queries_agree_with_the_steps(tiny, workload, data):
     preempts): the running set, the request of each sequence, which requests are finished, and the stats'
     counts agree with each other and with the step's output; at the end every block is free again."""
     engine = make_engine(tiny, num_kv_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
-    ids = [engine.add(EngineRequest(prompt_token_ids=[(7 * i + j) % 60 + 1 for j in range(length)],
-                                    sampling_params=SamplingParams(temperature=0.0, max_tokens=tokens, n=n,
-                                                                   ignore_eos=True),
-                                    request_id=f"r{i}", arrival_step=arrive))
-           for i, (length, tokens, n, arrive) in enumerate(workload)]
+    ids = [
+        engine.add(
+            EngineRequest(
+                prompt_token_ids=[(7 * i + j) % 60 + 1 for j in range(length)],
+                sampling_params=SamplingParams(temperature=0.0, max_tokens=tokens, n=n, ignore_eos=True),
+                request_id=f"r{i}",
+                arrival_step=arrive,
+            )
+        )
+        for i, (length, tokens, n, arrive) in enumerate(workload)
+    ]
     assert engine.request_ids() == ids and engine.stats().requests == len(ids)
     while engine.has_unfinished():
         if data.draw(st.integers(0, 9), label="abort?") == 0:

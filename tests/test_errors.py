@@ -47,8 +47,11 @@ SAMPLING_CASES = [
     (11, dict(max_tokens=0), "max_tokens must be a positive integer"),
     (12, dict(stop=["ok", ""]), "stop strings must not be empty"),
     (14, dict(logprobs=50), "logprobs must be null or an integer in [0, 20]"),
-    (21, dict(structured_outputs={"json": {}, "regex": "a"}),
-     "structured_outputs needs exactly one of json, regex, grammar, choice"),
+    (
+        21,
+        dict(structured_outputs={"json": {}, "regex": "a"}),
+        "structured_outputs needs exactly one of json, regex, grammar, choice",
+    ),
 ]
 
 
@@ -58,22 +61,40 @@ def test_sampling_params_out_of_range(row, kwargs, message):
 
 
 def test_config_rows():
-    _expect(1, ConfigError, "unknown engine option(s) max_num_seq; known:",
-            lambda: from_mapping(EngineConfig, {"max_num_seq": 3}, section="engine"))
-    _expect(3, ConfigError, "engine.max_num_batched_tokens must be a positive integer, got 0",
-            lambda: EngineConfig(max_num_batched_tokens=0))
+    _expect(
+        1,
+        ConfigError,
+        "unknown engine option(s) max_num_seq; known:",
+        lambda: from_mapping(EngineConfig, {"max_num_seq": 3}, section="engine"),
+    )
+    _expect(
+        3,
+        ConfigError,
+        "engine.max_num_batched_tokens must be a positive integer, got 0",
+        lambda: EngineConfig(max_num_batched_tokens=0),
+    )
     _expect(4, ConfigError, "must be >= engine.max_num_seqs", lambda: EngineConfig(max_num_batched_tokens=8))
-    _expect(13, ConfigError, "unknown sampling option(s) temprature",
-            lambda: SamplingParams.from_mapping({"temprature": 1.0}))
+    _expect(
+        13,
+        ConfigError,
+        "unknown sampling option(s) temprature",
+        lambda: SamplingParams.from_mapping({"temprature": 1.0}),
+    )
     _expect(23, ConfigError, "speculative.method must be one of", lambda: SpeculativeConfig(method="medusa"))
 
 
 def test_cli_typo_and_mistyped_value_are_refused_by_composition(tmp_path):
     assert 2 in DOC_ROWS
-    for override, message in [("engine.max_num_seq=3", "Could not override 'engine.max_num_seq'"),
-                              ("engine.max_num_seqs=many", "could not be converted to Integer")]:
-        proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "model=tiny", override,
-                               f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    for override, message in [
+        ("engine.max_num_seq=3", "Could not override 'engine.max_num_seq'"),
+        ("engine.max_num_seqs=many", "could not be converted to Integer"),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "run.py"), "model=tiny", override, f"hydra.run.dir={tmp_path}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -82,30 +103,55 @@ def test_request_rows(tiny):
     engine = make_engine(tiny, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=16)
     _expect(15, RequestError, "the prompt is empty", lambda: engine.add_request(prompt=""))
     _expect(16, RequestError, "is outside the vocabulary", lambda: engine.add_request(prompt_token_ids=[1, 10**7]))
-    _expect(17, RequestError, "engine.max_model_len); shorten the prompt",
-            lambda: engine.add_request(prompt_token_ids=[1] * 5000))
-    _expect(18, RequestError, "can never fit the KV pool",
-            lambda: engine.add_request(prompt_token_ids=[1] * 200, sampling_params=SamplingParams(max_tokens=100)))
-    _expect(19, RequestError, "give exactly one of prompt, messages or prompt_token_ids",
-            lambda: engine.add_request(prompt="a", prompt_token_ids=[1]))
+    _expect(
+        17,
+        RequestError,
+        "engine.max_model_len); shorten the prompt",
+        lambda: engine.add_request(prompt_token_ids=[1] * 5000),
+    )
+    _expect(
+        18,
+        RequestError,
+        "can never fit the KV pool",
+        lambda: engine.add_request(prompt_token_ids=[1] * 200, sampling_params=SamplingParams(max_tokens=100)),
+    )
+    _expect(
+        19,
+        RequestError,
+        "give exactly one of prompt, messages or prompt_token_ids",
+        lambda: engine.add_request(prompt="a", prompt_token_ids=[1]),
+    )
     engine.add_request(prompt="a", request_id="dup")
     _expect(20, RequestError, "is already in use", lambda: engine.add_request(prompt="b", request_id="dup"))
-    for spec, kind in [({"regex": "(("}, "regex"), ({"json": {"type": "nonsense"}}, "json"),
-                       ({"grammar": "root ::= ("}, "grammar")]:
-        _expect(22, RequestError, f"invalid structured_outputs.{kind}:", lambda: engine.add_request(
-            prompt="a", sampling_params=SamplingParams(structured_outputs=spec)))
+    for spec, kind in [
+        ({"regex": "(("}, "regex"),
+        ({"json": {"type": "nonsense"}}, "json"),
+        ({"grammar": "root ::= ("}, "grammar"),
+    ]:
+        _expect(
+            22,
+            RequestError,
+            f"invalid structured_outputs.{kind}:",
+            lambda: engine.add_request(prompt="a", sampling_params=SamplingParams(structured_outputs=spec)),
+        )
     # a refused request leaves the engine serving the others
     outs = engine.generate([{"prompt": "hello", "sampling_params": SamplingParams(max_tokens=3, ignore_eos=True)}])
     assert len(outs[0].output_token_ids) == 3
 
 
 def test_model_rows(tmp_path):
-    _expect(24, ModelLoadError, "does not exist or is not a directory",
-            lambda: load_model(ModelConfig(name="hf", path=str(tmp_path / "nope"))))
+    _expect(
+        24,
+        ModelLoadError,
+        "does not exist or is not a directory",
+        lambda: load_model(ModelConfig(name="hf", path=str(tmp_path / "nope"))),
+    )
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    _expect(25, ModelLoadError, "has no *.safetensors weights", lambda: load_model(ModelConfig(name="hf", path=str(empty))))
+    _expect(
+        25, ModelLoadError, "has no *.safetensors weights", lambda: load_model(ModelConfig(name="hf", path=str(empty)))
+    )
     from toolkit.models.loading import smollm2_dir
 
     model = tmp_path / "truncated"
@@ -124,8 +170,12 @@ def test_family_and_training_rows(tmp_path, tiny):
     foreign.mkdir()
     (foreign / "config.json").write_text(json.dumps({"model_type": "mamba", "vocab_size": 8}))
     (foreign / "model.safetensors").write_bytes(b"")
-    _expect(39, ModelLoadError, "unsupported model_type 'mamba'; supported: llama, mistral, qwen2, qwen3, gpt2, gemma2",
-            lambda: load_model(ModelConfig(name="hf", path=str(foreign))))
+    _expect(
+        39,
+        ModelLoadError,
+        "unsupported model_type 'mamba'; supported: llama, mistral, qwen2, qwen3, gpt2, gemma2",
+        lambda: load_model(ModelConfig(name="hf", path=str(foreign))),
+    )
     from safetensors.torch import load_file, save_file
 
     qwen = tmp_path / "qwen2"
@@ -133,18 +183,40 @@ def test_family_and_training_rows(tmp_path, tiny):
     weights = load_file(str(qwen / "model.safetensors"))
     del weights["model.layers.0.self_attn.q_proj.bias"]
     save_file(weights, str(qwen / "model.safetensors"))
-    _expect(40, ModelLoadError, "checkpoint is missing tensor model.layers.0.self_attn.q_proj.bias",
-            lambda: load_model(ModelConfig(name="hf", path=str(qwen))))
-    _expect(41, ModelLoadError, "model=nanogpt needs model.path=<checkpoint dir written by mode=train>",
-            lambda: load_model(ModelConfig(name="nanogpt")))
-    _expect(42, ConfigError, "train.text must name a local text file",
-            lambda: train({"text": str(tmp_path / "none.txt")}, {}, tmp_path / "out"))
+    _expect(
+        40,
+        ModelLoadError,
+        "checkpoint is missing tensor model.layers.0.self_attn.q_proj.bias",
+        lambda: load_model(ModelConfig(name="hf", path=str(qwen))),
+    )
+    _expect(
+        41,
+        ModelLoadError,
+        "model=nanogpt needs model.path=<checkpoint dir written by mode=train>",
+        lambda: load_model(ModelConfig(name="nanogpt")),
+    )
+    _expect(
+        42,
+        ConfigError,
+        "train.text must name a local text file",
+        lambda: train({"text": str(tmp_path / "none.txt")}, {}, tmp_path / "out"),
+    )
     _expect(43, ConfigError, "engine.kv_cache_dtype must be one of", lambda: EngineConfig(kv_cache_dtype="int4"))
-    _expect(44, ConfigError, "engine.batch_invariant=true needs the fp32 cache of the native kernel",
-            lambda: EngineConfig(kv_cache_dtype="int8", batch_invariant=True))
-    _expect(45, ConfigError, "engine.attention_backend=flex reads the cache as stored",
-            lambda: make_engine(tiny, kv_cache_dtype="int8", attention_backend="flex"))
-    assert 46 in DOC_ROWS  # tests/test_kv_quant.py::test_quantised_run_replays_bit_for_bit_through_swap_and_prefix_caching
+    _expect(
+        44,
+        ConfigError,
+        "engine.batch_invariant=true needs the fp32 cache of the native kernel",
+        lambda: EngineConfig(kv_cache_dtype="int8", batch_invariant=True),
+    )
+    _expect(
+        45,
+        ConfigError,
+        "engine.attention_backend=flex reads the cache as stored",
+        lambda: make_engine(tiny, kv_cache_dtype="int8", attention_backend="flex"),
+    )
+    assert (
+        46 in DOC_ROWS
+    )  # tests/test_kv_quant.py::test_quantised_run_replays_bit_for_bit_through_swap_and_prefix_caching
     _expect(47, ConfigError, "kv_quantization.variants: bad variant 'int4'", lambda: parse_variant("int4"))
 
 
@@ -157,8 +229,9 @@ def test_truncated_gguf_is_a_model_load_error(tmp_path, monkeypatch):
     gguf.write_bytes(data[: len(data) // 4])
     monkeypatch.setattr(loading, "smollm2_gguf", lambda: gguf)
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path / "cache"))
-    _expect(27, ModelLoadError, "(truncated or corrupt? reinstall with pip install --force-reinstall",
-            loading.smollm2_dir)
+    _expect(
+        27, ModelLoadError, "(truncated or corrupt? reinstall with pip install --force-reinstall", loading.smollm2_dir
+    )
     assert not any((tmp_path / "cache").glob("smollm2*"))  # no half-written cache left behind
 
 
@@ -184,8 +257,12 @@ def small_run(tmp_path_factory, tiny):
     run = tmp_path_factory.mktemp("errors") / "run"
     engine = make_engine(tiny, max_num_seqs=2, max_num_batched_tokens=32)
     ids = [engine.add_request(prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(max_tokens=4, seed=1))]
-    record(engine, ids, run, {"model": {"name": "tiny", "seed": 0}, "engine": {"max_num_seqs": 2,
-                                                                                 "max_num_batched_tokens": 32}})
+    record(
+        engine,
+        ids,
+        run,
+        {"model": {"name": "tiny", "seed": 0}, "engine": {"max_num_seqs": 2, "max_num_batched_tokens": 32}},
+    )
     return run
 
 
@@ -204,13 +281,28 @@ def test_trace_rows(small_run, tmp_path):
     part = next((corrupt / "samples.parquet").glob("part-*.parquet"))
     part.write_bytes(part.read_bytes()[:100])
     _expect(33, TraceError, "is truncated or corrupt", lambda: read_samples(corrupt))
-    _expect(34, TraceError, "refusing to replay: model weights differ",
-            lambda: replay(small_run, ["model.seed=1"], out_dir=tmp_path / "r34"))
-    _expect(35, *((ConfigError, "engine.batch_invariant=true is unavailable here") if NATIVE_OFF else  # no kernels
-                  (TraceError, "engine.batch_invariant differs")),
-            lambda: replay(small_run, ["+engine.batch_invariant=true"], out_dir=tmp_path / "r35"))
-    _expect(36, ConfigError, "needs a trace recorded with engine.batch_invariant=true",
-            lambda: verify(small_run, reference="exact"))
+    _expect(
+        34,
+        TraceError,
+        "refusing to replay: model weights differ",
+        lambda: replay(small_run, ["model.seed=1"], out_dir=tmp_path / "r34"),
+    )
+    _expect(
+        35,
+        *(
+            (ConfigError, "engine.batch_invariant=true is unavailable here")
+            if NATIVE_OFF
+            # no kernels
+            else (TraceError, "engine.batch_invariant differs")
+        ),
+        lambda: replay(small_run, ["+engine.batch_invariant=true"], out_dir=tmp_path / "r35"),
+    )
+    _expect(
+        36,
+        ConfigError,
+        "needs a trace recorded with engine.batch_invariant=true",
+        lambda: verify(small_run, reference="exact"),
+    )
     from toolkit.reproduce.compare import compare
 
     _expect(37, ConfigError, "matches no run directory", lambda: compare([str(tmp_path / "none*")]))

@@ -56,8 +56,9 @@ def test_a_failing_compiler_is_tried_once_warned_once_and_recorded(tmp_path):
     for entry in cache_root().glob("*"):
         if entry.name != "kernels":
             (cache / entry.name).symlink_to(entry)
-    result = _run({"CC": str(fake), "TOOLKIT_CACHE": str(cache), "TOOLKIT_KERNEL_TARGET": "",
-                   "TOOLKIT_NATIVE": "1"})  # the switch on, even in a suite run with TOOLKIT_NATIVE=0
+    result = _run(
+        {"CC": str(fake), "TOOLKIT_CACHE": str(cache), "TOOLKIT_KERNEL_TARGET": "", "TOOLKIT_NATIVE": "1"}
+    )  # the switch on, even in a suite run with TOOLKIT_NATIVE=0
     assert result.returncode == 0, result.stderr[-3000:]
     warnings = [line for line in result.stderr.splitlines() if line.startswith(WARNING)]
     assert len(warnings) == 1, result.stderr
@@ -96,24 +97,46 @@ def test_kernel_limits_are_checked_when_the_backend_is_chosen(tiny, monkeypatch)
     monkeypatch.setenv("TOOLKIT_NATIVE", "1")
     engine = make_engine(tiny, block_size=128, num_kv_blocks=16)
     assert engine.attention_backend == "sdpa"
-    out = engine.generate([{"prompt_token_ids": list(range(3, 30)),
-                            "sampling_params": SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)}])
+    out = engine.generate(
+        [
+            {
+                "prompt_token_ids": list(range(3, 30)),
+                "sampling_params": SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+            }
+        ]
+    )
     assert len(out[0].output_token_ids) == 3
     with pytest.raises(ConfigError, match="attention_backend=kernel is unavailable: .*block_size 128"):
         make_engine(tiny, block_size=128, num_kv_blocks=16, attention_backend="kernel")
 
 
-@pytest.mark.skipif(NATIVE_OFF, reason="this whole run has the native kernels off (make test-fallback): these suites "
-                                       "run in it directly")
+@pytest.mark.skipif(
+    NATIVE_OFF, reason="this whole run has the native kernels off (make test-fallback): these suites run in it directly"
+)
 def test_engine_oracle_and_replay_suites_pass_with_native_off():
     """The engine, oracle and replay tests, run again in a process with TOOLKIT_NATIVE=0 (HF generate's
     long greedy comparison is left to the native run: the fallback's forward is compared with HF there too; the
     run.py exit codes of replay / verify, which do not depend on the kernels, to `make test-fallback`)."""
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_engine.py",
-                             "tests/test_oracle.py", "tests/test_replay_verify.py", "-k",
-                             "not greedy_matches_hf_generate and not cli_replay_and_verify_exit_codes"],
-                            cwd=ROOT, env={**os.environ, "TOOLKIT_NATIVE": "0"}, capture_output=True, text=True,
-                            timeout=1200)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_engine.py",
+            "tests/test_oracle.py",
+            "tests/test_replay_verify.py",
+            "-k",
+            "not greedy_matches_hf_generate and not cli_replay_and_verify_exit_codes",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "TOOLKIT_NATIVE": "0"},
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     tail = result.stdout[-3000:]
     assert result.returncode == 0, tail
     assert " passed" in tail and " failed" not in tail

@@ -70,8 +70,9 @@ def test_forward_matches_hf(family, length):
     ids = random.Random(length).choices(range(VOCAB), k=length)
     expected = hf_logits(family, ids)
     for backend in backends(family):
-        engine = make_engine(loaded(family), num_kv_blocks=64, attention_backend=backend,
-                             max_num_batched_tokens=64, max_num_seqs=4)
+        engine = make_engine(
+            loaded(family), num_kv_blocks=64, attention_backend=backend, max_num_batched_tokens=64, max_num_seqs=4
+        )
         ours = engine_prefill_logits(engine, ids)  # the whole prompt through one prefill: every position
         assert (ours - expected).abs().max().item() < 1e-4, (backend, (ours - expected).abs().max().item())
 
@@ -79,11 +80,19 @@ def test_forward_matches_hf(family, length):
 @st.composite
 def workloads(draw):
     n = draw(st.integers(1, 3))
-    requests = [dict(prompt_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30)),
-                     arrival_step=draw(st.integers(0, 4)),
-                     sampling_params=SamplingParams(temperature=draw(st.sampled_from([0.0, 1.0])), seed=i,
-                                                    max_tokens=draw(st.integers(1, 8)), ignore_eos=True))
-                 for i in range(n)]
+    requests = [
+        dict(
+            prompt_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30)),
+            arrival_step=draw(st.integers(0, 4)),
+            sampling_params=SamplingParams(
+                temperature=draw(st.sampled_from([0.0, 1.0])),
+                seed=i,
+                max_tokens=draw(st.integers(1, 8)),
+                ignore_eos=True,
+            ),
+        )
+        for i in range(n)
+    ]
     return requests, draw(st.integers(1, 24)), draw(st.sampled_from([1, 4, 16]))
 
 
@@ -96,8 +105,14 @@ def test_cached_logits_equal_recompute(family, workload):
     a full no-cache forward (HF's) over the request's prefix."""
     requests, budget, block_size = workload
     for backend in backends(family):
-        engine = make_engine(loaded(family), num_kv_blocks=256 // block_size, block_size=block_size,
-                             max_num_batched_tokens=budget, max_num_seqs=min(3, budget), attention_backend=backend)
+        engine = make_engine(
+            loaded(family),
+            num_kv_blocks=256 // block_size,
+            block_size=block_size,
+            max_num_batched_tokens=budget,
+            max_num_seqs=min(3, budget),
+            attention_backend=backend,
+        )
         tokens, rows = run(engine, requests)
         for rid, seq in tokens.items():
             expected = hf_logits(family, seq[:-1])
@@ -111,12 +126,23 @@ def test_cached_logits_equal_recompute(family, workload):
 def test_greedy_matches_hf_generate(family):
     prompts = [random.Random(family + str(i)).choices(range(2, VOCAB), k=5 + 7 * i) for i in range(3)]
     engine = make_engine(loaded(family), num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=3)
-    tokens, _ = run(engine, [dict(prompt_token_ids=p, sampling_params=SamplingParams(
-        temperature=0.0, max_tokens=16, ignore_eos=True)) for p in prompts])
+    tokens, _ = run(
+        engine,
+        [
+            dict(prompt_token_ids=p, sampling_params=SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+            for p in prompts
+        ],
+    )
     for p, seq in zip(prompts, tokens.values()):
-        out = hf(family).generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                  max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert seq[len(p):] == out[0, len(p):].tolist()
+        out = hf(family).generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=16,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert seq[len(p) :] == out[0, len(p) :].tolist()
 
 
 def test_unknown_family_is_one_line_error(tmp_path):
@@ -137,14 +163,27 @@ def test_flex_backend_matches_default(family):
     ulps: on llama's logits of ~22, kernel, sdpa and flex each sit up to 1.1e-5 from a float64
     reference, so two of them can differ by that)."""
     shared = list(range(3, 19))
-    requests = [dict(prompt_token_ids=shared + list(range(20 + i, 25 + 6 * i)), arrival_step=2 * i,
-                     sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=7, ignore_eos=True))
-                for i in range(3)]
+    requests = [
+        dict(
+            prompt_token_ids=shared + list(range(20 + i, 25 + 6 * i)),
+            arrival_step=2 * i,
+            sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=7, ignore_eos=True),
+        )
+        for i in range(3)
+    ]
     default = backends(family)[0]
     results = {}
     for backend in (default, "flex"):
-        engine = make_engine(loaded(family), num_kv_blocks=40, block_size=4, max_num_batched_tokens=10,
-                             max_num_seqs=3, attention_backend=backend, flex_compile=False, enable_prefix_caching=True)
+        engine = make_engine(
+            loaded(family),
+            num_kv_blocks=40,
+            block_size=4,
+            max_num_batched_tokens=10,
+            max_num_seqs=3,
+            attention_backend=backend,
+            flex_compile=False,
+            enable_prefix_caching=True,
+        )
         results[backend] = run(engine, requests)
     (tokens_a, rows_a), (tokens_b, rows_b) = results[default], results["flex"]
     assert list(tokens_a.values()) == list(tokens_b.values())
@@ -156,8 +195,13 @@ def test_flex_backend_matches_default(family):
 
 @pytest.mark.numerics
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, 9), width=st.sampled_from([8, 17, 64, 576, 960]), scale=st.sampled_from([1e-3, 1.0, 300.0]),
-       dtype=st.sampled_from([torch.bfloat16, torch.float16]), seed=st.integers(0, 1000))
+@given(
+    rows=st.integers(1, 9),
+    width=st.sampled_from([8, 17, 64, 576, 960]),
+    scale=st.sampled_from([1e-3, 1.0, 300.0]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 1000),
+)
 def test_a_16_bit_rms_norm_is_hfs_expression_bit_for_bit(rows, width, scale, dtype, seed):
     """The model's 16-bit RMSNorm (one fused fp32 op, what a GPU step runs) is HF's LlamaRMSNorm spelled out: widen,
     x * rsqrt(mean(x^2) + eps), round to the format, times the weight. Bit for bit wherever the two fp32 norms

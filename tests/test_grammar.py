@@ -16,37 +16,89 @@ from toolkit.errors import RequestError
 from toolkit.sampling.params import SamplingParams
 
 SCHEMAS = {
-    "person": ({"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 30},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "email": {"type": "string", "maxLength": 40}},
-        "required": ["name", "age", "email"]},
-        "Write a JSON record for Ada Lovelace, aged 36, email ada@example.com."),
-    "nested": ({"type": "object", "properties": {
-        "user": {"type": "object", "properties": {
-            "id": {"type": "integer"},
-            "profile": {"type": "object", "properties": {
-                "city": {"type": "string", "maxLength": 20},
-                "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["city", "zip"]}},
-            "required": ["id", "profile"]},
-        "active": {"type": "boolean"}}, "required": ["user", "active"]},
-        "Describe user 7 who lives in Paris (zip 75001) and is active, as JSON."),
-    "array": ({"type": "object", "properties": {
-        "items": {"type": "array", "maxItems": 4, "items": {"type": "object", "properties": {
-            "sku": {"type": "string", "maxLength": 10},
-            "qty": {"type": "integer", "minimum": 1, "maximum": 99}}, "required": ["sku", "qty"]}},
-        "total": {"type": "number"}}, "required": ["items", "total"]},
-        "An order of 2 apples (sku A1) and 3 pears (sku P2) costing 4.5 in total, as JSON."),
-    "enum": ({"type": "object", "properties": {
-        "status": {"enum": ["pending", "shipped", "delivered"]},
-        "priority": {"enum": [1, 2, 3]},
-        "note": {"type": "string", "maxLength": 30}}, "required": ["status", "priority", "note"]},
-        "The parcel was shipped with high priority. Give its status as JSON."),
-    "numbers": ({"type": "object", "properties": {
-        "temperature": {"type": "number", "minimum": -50, "maximum": 60},
-        "readings": {"type": "array", "maxItems": 5, "items": {"type": "number"}},
-        "unit": {"const": "C"}}, "required": ["temperature", "readings", "unit"]},
-        "Today it is 21.5 degrees Celsius; earlier readings were 19, 20 and 21. Answer in JSON."),
+    "person": (
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 30},
+                "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                "email": {"type": "string", "maxLength": 40},
+            },
+            "required": ["name", "age", "email"],
+        },
+        "Write a JSON record for Ada Lovelace, aged 36, email ada@example.com.",
+    ),
+    "nested": (
+        {
+            "type": "object",
+            "properties": {
+                "user": {
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "integer"},
+                        "profile": {
+                            "type": "object",
+                            "properties": {
+                                "city": {"type": "string", "maxLength": 20},
+                                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                            },
+                            "required": ["city", "zip"],
+                        },
+                    },
+                    "required": ["id", "profile"],
+                },
+                "active": {"type": "boolean"},
+            },
+            "required": ["user", "active"],
+        },
+        "Describe user 7 who lives in Paris (zip 75001) and is active, as JSON.",
+    ),
+    "array": (
+        {
+            "type": "object",
+            "properties": {
+                "items": {
+                    "type": "array",
+                    "maxItems": 4,
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "sku": {"type": "string", "maxLength": 10},
+                            "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+                        },
+                        "required": ["sku", "qty"],
+                    },
+                },
+                "total": {"type": "number"},
+            },
+            "required": ["items", "total"],
+        },
+        "An order of 2 apples (sku A1) and 3 pears (sku P2) costing 4.5 in total, as JSON.",
+    ),
+    "enum": (
+        {
+            "type": "object",
+            "properties": {
+                "status": {"enum": ["pending", "shipped", "delivered"]},
+                "priority": {"enum": [1, 2, 3]},
+                "note": {"type": "string", "maxLength": 30},
+            },
+            "required": ["status", "priority", "note"],
+        },
+        "The parcel was shipped with high priority. Give its status as JSON.",
+    ),
+    "numbers": (
+        {
+            "type": "object",
+            "properties": {
+                "temperature": {"type": "number", "minimum": -50, "maximum": 60},
+                "readings": {"type": "array", "maxItems": 5, "items": {"type": "number"}},
+                "unit": {"const": "C"},
+            },
+            "required": ["temperature", "readings", "unit"],
+        },
+        "Today it is 21.5 degrees Celsius; earlier readings were 19, 20 and 21. Answer in JSON.",
+    ),
 }
 
 
@@ -61,9 +113,15 @@ def test_smollm2_json_outputs_parse_and_validate(smollm2):
     requests = []
     for name, (schema, prompt) in SCHEMAS.items():
         for temperature, seed in ((0.0, None), (1.0, 1), (1.0, 2)):
-            requests.append({"messages": chat(prompt), "request_id": f"{name}-{temperature}-{seed}",
-                             "sampling_params": SamplingParams(temperature=temperature, seed=seed, max_tokens=256,
-                                                               structured_outputs={"json": schema})})
+            requests.append(
+                {
+                    "messages": chat(prompt),
+                    "request_id": f"{name}-{temperature}-{seed}",
+                    "sampling_params": SamplingParams(
+                        temperature=temperature, seed=seed, max_tokens=256, structured_outputs={"json": schema}
+                    ),
+                }
+            )
     outputs = engine.generate(requests)
     finished = 0
     for r, out in zip(requests, outputs):
@@ -98,12 +156,18 @@ def test_smollm2_regex_and_choice_outputs(smollm2):
     for seed in range(3):
         params = dict(temperature=1.0, seed=seed, max_tokens=40)
         requests += [
-            {"messages": chat("When did the first moon landing happen?"),
-             "sampling_params": SamplingParams(**params, structured_outputs={"regex": date})},
-            {"messages": chat("Make up an email address for a baker."),
-             "sampling_params": SamplingParams(**params, structured_outputs={"regex": email})},
-            {"messages": chat("Sentiment of: I love this bread!"),
-             "sampling_params": SamplingParams(**params, structured_outputs={"choice": choices})},
+            {
+                "messages": chat("When did the first moon landing happen?"),
+                "sampling_params": SamplingParams(**params, structured_outputs={"regex": date}),
+            },
+            {
+                "messages": chat("Make up an email address for a baker."),
+                "sampling_params": SamplingParams(**params, structured_outputs={"regex": email}),
+            },
+            {
+                "messages": chat("Sentiment of: I love this bread!"),
+                "sampling_params": SamplingParams(**params, structured_outputs={"choice": choices}),
+            },
         ]
     outs = engine.generate(requests)
     for i, out in enumerate(outs):
@@ -119,17 +183,30 @@ def test_smollm2_regex_and_choice_outputs(smollm2):
 
 @st.composite
 def grammar_mixes(draw):
-    specs = [None, {"regex": r"[a-c]{2,6}"}, {"choice": ["alpha", "beta", "gamma delta"]},
-             {"json": {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"]}},
-             {"grammar": 'root ::= "(" [0-9]+ ")" | "none"'}]
+    specs = [
+        None,
+        {"regex": r"[a-c]{2,6}"},
+        {"choice": ["alpha", "beta", "gamma delta"]},
+        {"json": {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"]}},
+        {"grammar": 'root ::= "(" [0-9]+ ")" | "none"'},
+    ]
     requests = []
     for i in range(draw(st.integers(1, 6))):
         spec = draw(st.sampled_from(specs))
-        requests.append({"prompt_token_ids": draw(st.lists(st.integers(0, 49151), min_size=1, max_size=12)),
-                         "request_id": f"g{i}", "arrival_step": draw(st.integers(0, 4)),
-                         "sampling_params": SamplingParams(temperature=draw(st.sampled_from([0.0, 1.0])),
-                                                           seed=i, max_tokens=24, structured_outputs=spec,
-                                                           top_k=draw(st.sampled_from([-1, 5])))})
+        requests.append(
+            {
+                "prompt_token_ids": draw(st.lists(st.integers(0, 49151), min_size=1, max_size=12)),
+                "request_id": f"g{i}",
+                "arrival_step": draw(st.integers(0, 4)),
+                "sampling_params": SamplingParams(
+                    temperature=draw(st.sampled_from([0.0, 1.0])),
+                    seed=i,
+                    max_tokens=24,
+                    structured_outputs=spec,
+                    top_k=draw(st.sampled_from([-1, 5])),
+                ),
+            }
+        )
     return requests, draw(st.integers(2, 24))
 
 
@@ -160,10 +237,16 @@ def test_grammar_rows_survive_preemption(tiny):
     """Recompute preemption rebuilds the matcher from the committed tokens; outputs do not change."""
     rnd = random.Random(3)
     spec = {"regex": r"(ab|cd|ef){1,20}"}
-    requests = [{"prompt_token_ids": [rnd.randrange(49152) for _ in range(rnd.randint(10, 30))],
-                 "request_id": f"r{i}", "sampling_params": SamplingParams(
-                     temperature=1.0, seed=i, max_tokens=30, ignore_eos=True, structured_outputs=spec)}
-                for i in range(8)]
+    requests = [
+        {
+            "prompt_token_ids": [rnd.randrange(49152) for _ in range(rnd.randint(10, 30))],
+            "request_id": f"r{i}",
+            "sampling_params": SamplingParams(
+                temperature=1.0, seed=i, max_tokens=30, ignore_eos=True, structured_outputs=spec
+            ),
+        }
+        for i in range(8)
+    ]
     ample = make_engine(tiny, num_kv_blocks=256, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     tight = make_engine(tiny, num_kv_blocks=30, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     a = [o.output_token_ids for o in ample.generate(requests)]
@@ -173,11 +256,14 @@ def test_grammar_rows_survive_preemption(tiny):
 
 
 @pytest.mark.native
-@pytest.mark.parametrize("spec, message", [
-    ({"json": {"type": "objectx"}}, 'invalid structured_outputs.json: Unsupported type "objectx"'),
-    ({"regex": "([a-z"}, "invalid structured_outputs.regex: Regex parsing error"),
-    ({"grammar": 'root ::= "a" | b'}, 'invalid structured_outputs.grammar: EBNF parser error at line 1, column 16'),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"json": {"type": "objectx"}}, 'invalid structured_outputs.json: Unsupported type "objectx"'),
+        ({"regex": "([a-z"}, "invalid structured_outputs.regex: Regex parsing error"),
+        ({"grammar": 'root ::= "a" | b'}, "invalid structured_outputs.grammar: EBNF parser error at line 1, column 16"),
+    ],
+)
 def test_invalid_grammars_are_refused_with_the_compiler_message(tiny, spec, message):
     engine = make_engine(tiny)
     with pytest.raises(RequestError) as info:
@@ -186,12 +272,15 @@ def test_invalid_grammars_are_refused_with_the_compiler_message(tiny, spec, mess
     assert not engine.has_unfinished()
 
 
-@pytest.mark.parametrize("spec, match", [
-    ({"json": {}, "regex": "a"}, "exactly one of"),
-    ({"choice": []}, "non-empty list"),
-    ({"json": "{not json"}, "not valid JSON"),
-    ({"xml": "<a/>"}, "unknown structured_outputs field"),
-])
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ({"json": {}, "regex": "a"}, "exactly one of"),
+        ({"choice": []}, "non-empty list"),
+        ({"json": "{not json"}, "not valid JSON"),
+        ({"xml": "<a/>"}, "unknown structured_outputs field"),
+    ],
+)
 def test_malformed_structured_outputs_spec(spec, match):
     from toolkit.errors import ConfigError
 
@@ -207,10 +296,18 @@ def test_grammar_trace_and_replay(tiny, tmp_path):
 
     engine = make_engine(tiny, max_num_batched_tokens=16, max_num_seqs=4)
     spec = {"choice": ["red", "green", "blue"]}
-    ids = [engine.add_request(prompt_token_ids=[5, 6, 7], request_id="c", sampling_params=SamplingParams(
-               temperature=1.0, seed=2, max_tokens=8, structured_outputs=spec)),
-           engine.add_request(prompt_token_ids=[8, 9], request_id="plain", sampling_params=SamplingParams(
-               temperature=1.0, seed=3, max_tokens=4, ignore_eos=True))]
+    ids = [
+        engine.add_request(
+            prompt_token_ids=[5, 6, 7],
+            request_id="c",
+            sampling_params=SamplingParams(temperature=1.0, seed=2, max_tokens=8, structured_outputs=spec),
+        ),
+        engine.add_request(
+            prompt_token_ids=[8, 9],
+            request_id="plain",
+            sampling_params=SamplingParams(temperature=1.0, seed=3, max_tokens=4, ignore_eos=True),
+        ),
+    ]
     record(engine, ids, tmp_path / "run", {"model": {"name": "tiny"}})
     rows = read_samples(tmp_path / "run").to_pylist()
     mine = [r for r in rows if r["request_id"] == "c"]

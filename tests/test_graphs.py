@@ -21,8 +21,16 @@ from toolkit.sampling.params import SamplingParams
 from toolkit.trace.diverge import first_difference
 
 pytestmark = pytest.mark.native
-MODEL = dict(name="tiny", seed=3, vocab_size=512, num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
-             intermediate_size=512)
+MODEL = dict(
+    name="tiny",
+    seed=3,
+    vocab_size=512,
+    num_layers=2,
+    hidden_size=256,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=512,
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +41,18 @@ def loaded():
 def run(loaded, workload, **cfg) -> tuple[Engine, dict[tuple[str, int], torch.Tensor], dict[str, list[int]]]:
     """Every request of `workload` ((prompt length, max tokens, temperature) each, one arriving a step) to
     the end: each sampled row's logits by (request, position), and each request's tokens."""
-    engine = Engine(loaded, EngineConfig(**{"max_num_batched_tokens": 16, "max_num_seqs": 5, "block_size": 4,
-                                            **cfg}), SamplingParams())
+    engine = Engine(
+        loaded,
+        EngineConfig(**{"max_num_batched_tokens": 16, "max_num_seqs": 5, "block_size": 4, **cfg}),
+        SamplingParams(),
+    )
     for i, (length, max_tokens, temperature) in enumerate(workload):
-        engine.add_request(prompt_token_ids=[(31 * i + 7 * j) % 512 for j in range(length)], request_id=f"r{i}",
-                           arrival_step=i, sampling_params=SamplingParams(temperature=temperature, seed=i,
-                                                                          max_tokens=max_tokens, ignore_eos=True))
+        engine.add_request(
+            prompt_token_ids=[(31 * i + 7 * j) % 512 for j in range(length)],
+            request_id=f"r{i}",
+            arrival_step=i,
+            sampling_params=SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens, ignore_eos=True),
+        )
     rows = {}
     while engine.has_unfinished():
         out = engine.step()
@@ -48,8 +62,9 @@ def run(loaded, workload, **cfg) -> tuple[Engine, dict[tuple[str, int], torch.Te
     return engine, rows, {r: list(engine.sequences(r)[0].token_ids) for r in engine.request_ids()}
 
 
-WORKLOAD = st.lists(st.tuples(st.integers(1, 30), st.integers(1, 14), st.sampled_from([0.0, 1.0])),
-                    min_size=1, max_size=9)
+WORKLOAD = st.lists(
+    st.tuples(st.integers(1, 30), st.integers(1, 14), st.sampled_from([0.0, 1.0])), min_size=1, max_size=9
+)
 
 
 @native_only
@@ -107,16 +122,28 @@ def test_padding_rows_touch_only_the_scratch_block(loaded):
     (row-independent kernels). A row that held a sequence in a fuller step is padding again in a smaller one."""
     caches = []
     for mode in ("off", "eager"):
-        engine = Engine(loaded, EngineConfig(max_num_batched_tokens=64, max_num_seqs=4, block_size=4,
-                                             num_kv_blocks=40, cuda_graphs=mode, batch_invariant=True),
-                        SamplingParams())
+        engine = Engine(
+            loaded,
+            EngineConfig(
+                max_num_batched_tokens=64,
+                max_num_seqs=4,
+                block_size=4,
+                num_kv_blocks=40,
+                cuda_graphs=mode,
+                batch_invariant=True,
+            ),
+            SamplingParams(),
+        )
         assert engine.kv_cache.num_blocks == 40 + (mode == "eager")
         for layer in engine.kv_cache.layers:
             for t in layer:
                 t.fill_(7.0)  # every slot known, written or not
         for i, tokens in enumerate((9, 3, 9, 9)):  # four sequences decode in bucket 4, then three
-            engine.add_request(prompt_token_ids=list(range(1, 6)), request_id=f"r{i}",
-                               sampling_params=SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+            engine.add_request(
+                prompt_token_ids=list(range(1, 6)),
+                request_id=f"r{i}",
+                sampling_params=SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+            )
         while engine.has_unfinished():
             engine.step()
             bucket = engine.runner.graphs.buckets.get((4, 4)) if engine.runner.graphs else None

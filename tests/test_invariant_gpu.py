@@ -12,9 +12,11 @@ from hypothesis import strategies as st
 from toolkit.native import gpu_matmul as gm
 from toolkit.native import invariant_gpu as ig
 
-TRITON = pytest.mark.skipif(not ig.available(torch.empty(0)),
-                            reason="Triton does not import here, or runs neither a GPU nor its interpreter "
-                                   "(TRITON_INTERPRET=1): the torch fallback is tested instead")
+TRITON = pytest.mark.skipif(
+    not ig.available(torch.empty(0)),
+    reason="Triton does not import here, or runs neither a GPU nor its interpreter "
+    "(TRITON_INTERPRET=1): the torch fallback is tested instead",
+)
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
 
 
@@ -26,11 +28,12 @@ def _subsets(draw, m: int) -> list[list[int]]:
 
 def _matmul_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """|x @ w - exact| for fp32 sums of k products: k * 2^-24 * (|x| @ |w|), and a little."""
-    return (x.shape[1] + 2) * 2.0 ** -24 * (x.double().abs() @ w.double().abs()) + 1e-30
+    return (x.shape[1] + 2) * 2.0**-24 * (x.double().abs() @ w.double().abs()) + 1e-30
 
 
-@pytest.mark.parametrize("impl", [pytest.param(gm.matmul, marks=TRITON, id="triton"),
-                                  pytest.param(gm.matmul_rows, id="torch-rows")])
+@pytest.mark.parametrize(
+    "impl", [pytest.param(gm.matmul, marks=TRITON, id="triton"), pytest.param(gm.matmul_rows, id="torch-rows")]
+)
 @settings(max_examples=12, deadline=None)
 @given(data=st.data(), m=st.integers(1, 40), k=st.integers(1, 80), n=st.integers(1, 70), dtype=DTYPES)
 def test_matmul_rows_are_the_same_bits_in_any_batch(impl, data, m, k, n, dtype):
@@ -58,11 +61,17 @@ def test_the_tensor_core_matmul_is_within_fp32_sums_rounding(m, k, n, dtype):
     assert got.dtype == torch.float32 and ((got.double() - x.double() @ w.double()).abs() <= _matmul_bound(x, w)).all()
 
 
-@pytest.mark.parametrize("impl", [pytest.param(ig.rms_norm, marks=TRITON, id="triton"),
-                                  pytest.param(ig.rms_norm_rows, id="torch-rows")])
+@pytest.mark.parametrize(
+    "impl", [pytest.param(ig.rms_norm, marks=TRITON, id="triton"), pytest.param(ig.rms_norm_rows, id="torch-rows")]
+)
 @settings(max_examples=12, deadline=None)
-@given(data=st.data(), m=st.integers(1, 20), d=st.sampled_from([1, 7, 64, 255, 256, 576, 700]), dtype=DTYPES,
-       scale=st.sampled_from([1e-3, 1.0, 300.0]))
+@given(
+    data=st.data(),
+    m=st.integers(1, 20),
+    d=st.sampled_from([1, 7, 64, 255, 256, 576, 700]),
+    dtype=DTYPES,
+    scale=st.sampled_from([1e-3, 1.0, 300.0]),
+)
 def test_rms_norm_rows_are_hfs_expression_in_any_batch(impl, data, m, d, dtype, scale):
     """Each row the same bits alone or batched; fp32 rows within 2e-6 of float64 and 16-bit rows HF's expression
     bit for bit (a row's sum of squares in another order changes its fp32 norm in the last bit, which rounding
@@ -84,11 +93,11 @@ def test_rms_norm_rows_are_hfs_expression_in_any_batch(impl, data, m, d, dtype, 
 
 
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # the interpreter's log(0)
-@pytest.mark.parametrize("impl", [pytest.param(ig.logsumexp, marks=TRITON, id="triton"),
-                                  pytest.param(ig.logsumexp_rows, id="torch-rows")])
+@pytest.mark.parametrize(
+    "impl", [pytest.param(ig.logsumexp, marks=TRITON, id="triton"), pytest.param(ig.logsumexp_rows, id="torch-rows")]
+)
 @settings(max_examples=12, deadline=None)
-@given(data=st.data(), r=st.integers(1, 12), v=st.sampled_from([1, 3, 1000, 1024, 1025, 5000]),
-       masked=st.booleans())
+@given(data=st.data(), r=st.integers(1, 12), v=st.sampled_from([1, 3, 1000, 1024, 1025, 5000]), masked=st.booleans())
 def test_logsumexp_rows_in_any_batch(impl, data, r, v, masked):
     gen = torch.Generator().manual_seed(r * 10 + v)
     x = torch.randn(r, v, generator=gen) * 6
@@ -128,8 +137,7 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @TRITON
 @settings(max_examples=10, deadline=None)
-@given(data=st.data(), n=st.integers(1, 9), d=st.sampled_from([1, 8, 96, 576]), dtype=DTYPES,
-       residual=st.booleans())
+@given(data=st.data(), n=st.integers(1, 9), d=st.sampled_from([1, 8, 96, 576]), dtype=DTYPES, residual=st.booleans())
 def test_the_add_rms_norm_kernel_is_the_torch_path_bit_for_bit(data, n, d, dtype, residual):
     """The GPU's fused residual add + RMSNorm: the sum is torch's `x + r` and the norm toolkit.models.decoder's
     rms_norm of it, bit for bit (rms_norm is HF's order), and a row's bits alone are its bits in the batch."""
@@ -204,8 +212,14 @@ def _attention_reference(q, k_cache, v_cache, tables, query_table, query_ctx, sc
 
 @TRITON
 @settings(max_examples=8, deadline=None)
-@given(data=st.data(), kv_heads=st.integers(1, 3), groups=st.sampled_from([1, 3, 4]), block=st.sampled_from([1, 3, 8]),
-       dim=st.sampled_from([8, 16]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+@given(
+    data=st.data(),
+    kv_heads=st.integers(1, 3),
+    groups=st.sampled_from([1, 3, 4]),
+    block=st.sampled_from([1, 3, 8]),
+    dim=st.sampled_from([8, 16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
 def test_the_paged_attention_kernel_gives_a_token_its_bits_in_any_mix(data, kv_heads, groups, block, dim, dtype):
     """The GPU's paged attention (one program per token and KV head, keys in the table's order): within the
     format's rounding of float64, and each token's output the same bits alone as in any batch, a prompt chunk's
@@ -220,15 +234,14 @@ def test_the_paged_attention_kernel_gives_a_token_its_bits_in_any_mix(data, kv_h
     query_ctx = torch.tensor(data.draw(st.lists(st.integers(1, width * block), min_size=n, max_size=n)))
     q = torch.randn(n, kv_heads * groups, dim, generator=gen).to(dtype)
     out = torch.empty_like(q)
-    ig.paged_attention(q, k_cache, v_cache, tables, query_table, query_ctx, dim ** -0.5, out)
-    want = _attention_reference(q, k_cache, v_cache, tables, query_table, query_ctx, dim ** -0.5)
-    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7 * want.abs().max().item() + 1e-3
+    ig.paged_attention(q, k_cache, v_cache, tables, query_table, query_ctx, dim**-0.5, out)
+    want = _attention_reference(q, k_cache, v_cache, tables, query_table, query_ctx, dim**-0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7 * want.abs().max().item() + 1e-3
     assert (out.double() - want).abs().max() <= tolerance
     for rows in _subsets(data.draw, n):
         index = torch.tensor(rows)
         alone = torch.empty_like(q[index])
-        ig.paged_attention(q[index], k_cache, v_cache, tables, query_table[index], query_ctx[index], dim ** -0.5,
-                           alone)
+        ig.paged_attention(q[index], k_cache, v_cache, tables, query_table[index], query_ctx[index], dim**-0.5, alone)
         assert torch.equal(alone, out[index]), rows
 
 
@@ -243,8 +256,16 @@ def test_the_attention_keeps_its_bits_whatever_the_block_size_and_a_split_chosen
     outs = []
     for block in (8, 4, 1):
         out = torch.empty_like(q)
-        ig.paged_attention(q, k_cache.view(-1, block, 1, 16), v_cache.view(-1, block, 1, 16),
-                           torch.arange(72 // block).view(1, -1), one, ctx, 0.25, out)
+        ig.paged_attention(
+            q,
+            k_cache.view(-1, block, 1, 16),
+            v_cache.view(-1, block, 1, 16),
+            torch.arange(72 // block).view(1, -1),
+            one,
+            ctx,
+            0.25,
+            out,
+        )
         outs.append(out)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     monkeypatch.setattr(ig, "ATTENTION_TILE", 8)
@@ -254,8 +275,9 @@ def test_the_attention_keeps_its_bits_whatever_the_block_size_and_a_split_chosen
     assert (split - outs[0]).abs().max() < 1e-5
 
 
-TINY = dict(name="tiny", seed=1, vocab_size=96, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
-            intermediate_size=96)
+TINY = dict(
+    name="tiny", seed=1, vocab_size=96, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96
+)
 
 
 def _runs(model, batches, backend: str, invariant: bool) -> dict[tuple[str, int], torch.Tensor]:
@@ -270,13 +292,20 @@ def _runs(model, batches, backend: str, invariant: bool) -> dict[tuple[str, int]
     runner = ModelRunner(model, cache, torch.device("cpu"), backend, batch_invariant=invariant)
     rows = {}
     for step, chunks in enumerate(batches):
-        out = runner.run(ScheduledBatch(step=step, chunks=tuple(chunks), num_decode_tokens=0,
-                                        num_prefill_tokens=sum(c.num_tokens for c in chunks)))
+        out = runner.run(
+            ScheduledBatch(
+                step=step,
+                chunks=tuple(chunks),
+                num_decode_tokens=0,
+                num_prefill_tokens=sum(c.num_tokens for c in chunks),
+            )
+        )
         row = 0
         for chunk in out.sample_chunks:
             for i in range(chunk.num_logits):
-                rows[chunk.seq_id, chunk.start_pos + chunk.num_tokens - chunk.num_logits + i + 1] = \
-                    out.logits_RV[row + i]
+                rows[chunk.seq_id, chunk.start_pos + chunk.num_tokens - chunk.num_logits + i + 1] = out.logits_RV[
+                    row + i
+                ]
             row += chunk.num_logits
     return rows
 
@@ -298,9 +327,14 @@ def test_the_engines_gpu_path_runs_in_the_interpreter_and_keeps_a_rows_bits_in_a
     target = tuple((11 * j + 4) % 96 for j in range(14))
     other, third = tuple((5 * j + 1) % 96 for j in range(10)), tuple((3 * j + 2) % 96 for j in range(5))
     alone = [[Chunk("t", target, 0, (0, 1, 2, 3), samples=True, num_logits=14)]]
-    mixed = [[Chunk("o", other[:9], 0, (4, 5, 6), samples=True), Chunk("t", target[:10], 0, (0, 1, 2), True)],
-             [Chunk("o", other[9:], 9, (4, 5, 6), True), Chunk("t", target[10:], 10, (0, 1, 2, 3), True, num_logits=4),
-              Chunk("u", third, 0, (7, 8), True)]]
+    mixed = [
+        [Chunk("o", other[:9], 0, (4, 5, 6), samples=True), Chunk("t", target[:10], 0, (0, 1, 2), True)],
+        [
+            Chunk("o", other[9:], 9, (4, 5, 6), True),
+            Chunk("t", target[10:], 10, (0, 1, 2, 3), True, num_logits=4),
+            Chunk("u", third, 0, (7, 8), True),
+        ],
+    ]
     torch_rows = _runs(model, alone, "sdpa", False)
     monkeypatch.setattr(ig, "routes", ig.available)
     gpu_rows = _runs(model, alone, "kernel", False)

@@ -18,12 +18,21 @@ KW = dict(batch_invariant=True, max_num_batched_tokens=24, max_num_seqs=4)
 
 
 def _requests():
-    good = [dict(prompt_token_ids=list(range(10 * i + 3, 10 * i + 20)), request_id=f"good{i}", arrival_step=i,
-                 sampling_params=SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=12, ignore_eos=True))
-            for i in range(3)]
-    bad = dict(prompt_token_ids=[7, 8, 9, 10], request_id="bad", arrival_step=1,
-               sampling_params=SamplingParams(temperature=1.0, seed=9, max_tokens=12, ignore_eos=True,
-                                              logit_bias={5: 1.0}))
+    good = [
+        dict(
+            prompt_token_ids=list(range(10 * i + 3, 10 * i + 20)),
+            request_id=f"good{i}",
+            arrival_step=i,
+            sampling_params=SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=12, ignore_eos=True),
+        )
+        for i in range(3)
+    ]
+    bad = dict(
+        prompt_token_ids=[7, 8, 9, 10],
+        request_id="bad",
+        arrival_step=1,
+        sampling_params=SamplingParams(temperature=1.0, seed=9, max_tokens=12, ignore_eos=True, logit_bias={5: 1.0}),
+    )
     return good, bad
 
 
@@ -68,8 +77,10 @@ def test_a_processor_exception_finishes_only_its_request(tiny, monkeypatch):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9),
-                                      dict(temperature=0.7, top_k=5, repetition_penalty=1.3)])
+@pytest.mark.parametrize(
+    "sampling",
+    [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9), dict(temperature=0.7, top_k=5, repetition_penalty=1.3)],
+)
 def test_nan_logits_finish_only_their_request(tiny, monkeypatch, sampling):
     """The bad request's rows are NaN: found before its processors (plain sampling) or after the sampler's
     kernel read them (a tail, with or without the repetition penalty's changes), it ends with that error."""
@@ -87,7 +98,7 @@ def test_nan_logits_finish_only_their_request(tiny, monkeypatch, sampling):
         logits, row = out.logits_RV.clone(), 0
         for chunk in out.sample_chunks:
             if chunk.seq_id == "bad":
-                logits[row:row + chunk.num_logits] = float("nan")
+                logits[row : row + chunk.num_logits] = float("nan")
             row += chunk.num_logits
         return dataclasses.replace(out, logits_RV=logits)
 
@@ -99,9 +110,14 @@ def test_nan_logits_finish_only_their_request(tiny, monkeypatch, sampling):
 
 
 def _batch_of_32(poison: str):
-    reqs = [dict(prompt_token_ids=[(7 * i + j) % 200 + 3 for j in range(5 + i % 7)], request_id=f"r{i}",
-                 sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=8, ignore_eos=True))
-            for i in range(32)]
+    reqs = [
+        dict(
+            prompt_token_ids=[(7 * i + j) % 200 + 3 for j in range(5 + i % 7)],
+            request_id=f"r{i}",
+            sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=8, ignore_eos=True),
+        )
+        for i in range(32)
+    ]
     return [r for r in reqs if r["request_id"] != poison], next(r for r in reqs if r["request_id"] == poison)
 
 

@@ -63,19 +63,21 @@ def _ulps(got: torch.Tensor, want: torch.Tensor, n: float) -> bool:
     return bool(((got.double() - want).abs() <= n * 2.0**-23 * want.abs() + 1e-30).all())
 
 
-@pytest.mark.parametrize("heads,block_size", [((9, 3, 64), 16), ((8, 2, 128), 4), ((4, 4, 64), 1),
-                                              ((12, 2, 128), 32), ((4, 2, 16), 16), ((6, 3, 8), 4)])
+@pytest.mark.parametrize(
+    "heads,block_size",
+    [((9, 3, 64), 16), ((8, 2, 128), 4), ((4, 4, 64), 1), ((12, 2, 128), 32), ((4, 2, 16), 16), ((6, 3, 8), 4)],
+)
 def test_attention_against_float64_and_batch_independent(lib, heads, block_size):
     h, kh, d = heads
     gen = torch.Generator().manual_seed(h * 100 + d + block_size)
     q, kc, vc, tables, qt, qc = attention_case(gen, h, kh, d, block_size, [1, 17, 40, 90])
-    got = ops.paged_attention_cpu(q, kc, vc, tables, qt, qc, d ** -0.5, lib=lib)
-    want = dense_reference(q, kc, vc, tables, qt, qc, d ** -0.5)
+    got = ops.paged_attention_cpu(q, kc, vc, tables, qt, qc, d**-0.5, lib=lib)
+    want = dense_reference(q, kc, vc, tables, qt, qc, d**-0.5)
     assert (got.double() - want).abs().max().item() < 2e-5
-    serial = with_threads(1, lambda: ops.paged_attention_cpu(q, kc, vc, tables, qt, qc, d ** -0.5, lib=lib))
+    serial = with_threads(1, lambda: ops.paged_attention_cpu(q, kc, vc, tables, qt, qc, d**-0.5, lib=lib))
     assert torch.equal(serial, got)
     for i in range(0, q.shape[0], 2):  # each query alone gets the bits it got in the batch
-        alone = ops.paged_attention_cpu(q[i:i + 1], kc, vc, tables, qt[i:i + 1], qc[i:i + 1], d ** -0.5, lib=lib)
+        alone = ops.paged_attention_cpu(q[i : i + 1], kc, vc, tables, qt[i : i + 1], qc[i : i + 1], d**-0.5, lib=lib)
         assert torch.equal(alone[0], got[i])
 
 
@@ -86,8 +88,9 @@ def test_int8_attention_against_the_dequantised_reference(lib):
     v8 = (vc * 40).round().clamp(-127, 127).to(torch.int8)
     ks, vs = torch.rand(kc.shape[0], 3, generator=gen) / 20, torch.rand(vc.shape[0], 3, generator=gen) / 20
     out = torch.empty(q.shape)
-    got = ops.paged_attention_cpu_q8(q, k8.view(torch.uint8), v8.view(torch.uint8), ks, vs, tables, qt, qc, 0.125,
-                                         out, lib=lib)
+    got = ops.paged_attention_cpu_q8(
+        q, k8.view(torch.uint8), v8.view(torch.uint8), ks, vs, tables, qt, qc, 0.125, out, lib=lib
+    )
     kd = k8.float() * ks[:, None, :, None]
     vd = v8.float() * vs[:, None, :, None]
     want = dense_reference(q, kd, vd, tables, qt, qc, 0.125)
@@ -105,13 +108,17 @@ def test_matmul_against_float64_and_row_independent(lib, m, k, n):
     assert ((got.double() - want).abs() <= bound).all()
     assert torch.equal(with_threads(1, lambda: ops.matmul_invariant(x, packed, lib=lib)), got)
     for i in range(m):
-        assert torch.equal(ops.matmul_invariant(x[i:i + 1], packed, lib=lib)[0], got[i])
+        assert torch.equal(ops.matmul_invariant(x[i : i + 1], packed, lib=lib)[0], got[i])
 
 
 @pytest.mark.parametrize("width", [16, 576, 581, 2048])
 def test_add_rms_norm_against_float64(lib, width):
     gen = torch.Generator().manual_seed(width)
-    x, r, w = torch.randn(9, width, generator=gen) * 3, torch.randn(9, width, generator=gen), torch.randn(width, generator=gen)
+    x, r, w = (
+        torch.randn(9, width, generator=gen) * 3,
+        torch.randn(9, width, generator=gen),
+        torch.randn(width, generator=gen),
+    )
     want_x = x + r
     want = want_x.double() * torch.rsqrt(want_x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
     got_x, got = ops.add_rms_norm_cpu(x, r, w, 1e-5, lib=lib)
@@ -184,11 +191,22 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
-@pytest.mark.parametrize("stages", [(), (("temperature", 0.8),), (("temperature", 0.8), ("top_p", 0.95)),
-                                    (("temperature", 0.7), ("top_k", 50.0)), (("top_k", 1.0),), (("top_p", 0.999),),
-                                    (("top_p", 0.3), ("temperature", 1.7)),
-                                    (("temperature", 0.4), ("top_k", 300.0), ("top_p", 0.9)), (("top_k", 2000.0),),
-                                    (("temperature", -0.5), ("top_k", 7.0)), (("temperature", float("inf")), ("top_k", 3.0))])
+@pytest.mark.parametrize(
+    "stages",
+    [
+        (),
+        (("temperature", 0.8),),
+        (("temperature", 0.8), ("top_p", 0.95)),
+        (("temperature", 0.7), ("top_k", 50.0)),
+        (("top_k", 1.0),),
+        (("top_p", 0.999),),
+        (("top_p", 0.3), ("temperature", 1.7)),
+        (("temperature", 0.4), ("top_k", 300.0), ("top_p", 0.9)),
+        (("top_k", 2000.0),),
+        (("temperature", -0.5), ("top_k", 7.0)),
+        (("temperature", float("inf")), ("top_k", 3.0)),
+    ],
+)
 def test_fused_sampler_tail_is_the_stages_bit_for_bit(lib, stages):
     """sampling_ops.sample_tail_cpu (temperature / top-k / top-p, then support, logsumexp, Gumbel-max token and
     noise, each row in one pass) equals the stages it replaces called one after another, bit for bit:
@@ -309,6 +327,7 @@ def test_sha_job_calls_from_two_threads_take_turns(lib):
 
 # ----------------------------------------------------------------------------- across builds
 
+
 def _fingerprint(lib) -> dict[str, torch.Tensor]:
     """Every kernel's output on fixed inputs."""
     gen = torch.Generator().manual_seed(11)
@@ -316,11 +335,13 @@ def _fingerprint(lib) -> dict[str, torch.Tensor]:
     x, w = torch.randn(5, 576, generator=gen), torch.randn(576, 200, generator=gen)
     rows, norm_w = torch.randn(4, 581, generator=gen), torch.randn(581, generator=gen)
     gu, logits = torch.randn(4, 406, generator=gen) * 5, torch.randn(3, 1003, generator=gen) * 10
-    return {"attention": ops.paged_attention_cpu(q, kc, vc, tables, qt, qc, 0.125, lib=lib),
-            "matmul": ops.matmul_invariant(x, ops.pack_weight(w, lib), lib=lib),
-            "rms_norm": ops.add_rms_norm_cpu(rows.clone(), None, norm_w, 1e-5, lib=lib)[1],
-            "silu_mul": ops.silu_mul_cpu(gu, lib=lib),
-            "logsumexp": sampling_ops.logsumexp_cpu(logits, lib=lib)}
+    return {
+        "attention": ops.paged_attention_cpu(q, kc, vc, tables, qt, qc, 0.125, lib=lib),
+        "matmul": ops.matmul_invariant(x, ops.pack_weight(w, lib), lib=lib),
+        "rms_norm": ops.add_rms_norm_cpu(rows.clone(), None, norm_w, 1e-5, lib=lib)[1],
+        "silu_mul": ops.silu_mul_cpu(gu, lib=lib),
+        "logsumexp": sampling_ops.logsumexp_cpu(logits, lib=lib),
+    }
 
 
 def _all_builds():
@@ -368,16 +389,25 @@ def test_targets_this_cpu_cannot_run_still_compile():
 
 # ----------------------------------------------------------------------------- aarch64 under qemu
 
+
 def _driver_flags(target: str, lanes: int | None) -> list[str]:
-    return [*library.BASE_FLAGS, *cpu.TARGETS[target][1], *([f"-DTOOLKIT_VL={lanes}"] if lanes else []),
-            "-fopenmp", f"-I{library.CSRC}"]
+    return [
+        *library.BASE_FLAGS,
+        *cpu.TARGETS[target][1],
+        *([f"-DTOOLKIT_VL={lanes}"] if lanes else []),
+        "-fopenmp",
+        f"-I{library.CSRC}",
+    ]
 
 
 def _run_driver(cc: str, flags: list[str], tmp: Path, name: str, runner: list[str]) -> dict[str, bytes]:
     exe, out = tmp / name, tmp / f"{name}-out"
     out.mkdir()
-    build = subprocess.run([cc, *flags, *map(str, sorted(library.CSRC.glob("*.c"))), str(DRIVER), "-o", str(exe), "-lm"],
-                           capture_output=True, text=True)
+    build = subprocess.run(
+        [cc, *flags, *map(str, sorted(library.CSRC.glob("*.c"))), str(DRIVER), "-o", str(exe), "-lm"],
+        capture_output=True,
+        text=True,
+    )
     assert build.returncode == 0, build.stderr[-2000:]
     run = subprocess.run([*runner, str(exe), str(out)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr
@@ -387,8 +417,10 @@ def _run_driver(cc: str, flags: list[str], tmp: Path, name: str, runner: list[st
 def _cross_tools() -> tuple[str, str]:
     cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64-static")
     if not (cc and qemu):
-        pytest.skip("aarch64 cross-check needs Debian's gcc-aarch64-linux-gnu and qemu-user-static "
-                    "(make test installs them where apt-get runs as root: .ci/toolchains)")
+        pytest.skip(
+            "aarch64 cross-check needs Debian's gcc-aarch64-linux-gnu and qemu-user-static "
+            "(make test installs them where apt-get runs as root: .ci/toolchains)"
+        )
     return cc, qemu
 
 
@@ -397,10 +429,16 @@ def test_aarch64_kernels_under_qemu_match_the_host(tmp_path):
     host_target = cpu.host_target()
     with ThreadPoolExecutor(3) as pool:  # the three builds and runs are independent: side by side on the cores
         arm_job = pool.submit(_run_driver, cc, [*_driver_flags("armv8-a", None), "-static"], tmp_path, "arm", [qemu])
-        same_job = pool.submit(_run_driver, "gcc", _driver_flags(FMA_X86, 4), tmp_path, "x86_4", []) \
-            if FMA_X86 in cpu.runnable_targets() and shutil.which("gcc") else None
-        host_job = pool.submit(_run_driver, "gcc", _driver_flags(host_target, None), tmp_path, "host", []) \
-            if host_target in cpu.TARGETS and shutil.which("gcc") else None
+        same_job = (
+            pool.submit(_run_driver, "gcc", _driver_flags(FMA_X86, 4), tmp_path, "x86_4", [])
+            if FMA_X86 in cpu.runnable_targets() and shutil.which("gcc")
+            else None
+        )
+        host_job = (
+            pool.submit(_run_driver, "gcc", _driver_flags(host_target, None), tmp_path, "host", [])
+            if host_target in cpu.TARGETS and shutil.which("gcc")
+            else None
+        )
         arm = arm_job.result()
     assert len(arm) >= 10
     if same_job is not None:
@@ -409,12 +447,31 @@ def test_aarch64_kernels_under_qemu_match_the_host(tmp_path):
             assert data == same_profile[name], name
     if host_job is not None:
         host = host_job.result()
-        for name in ("sha256", "argmax", "rope", "rms_norm_x", "sha256_data", "gumbel_noise", "gumbel_tokens",
-                     "gumbel_chosen_noise", "gumbel_support", "tail_support",
-                     "round_bf16", "round_f16"):
+        for name in (
+            "sha256",
+            "argmax",
+            "rope",
+            "rms_norm_x",
+            "sha256_data",
+            "gumbel_noise",
+            "gumbel_tokens",
+            "gumbel_chosen_noise",
+            "gumbel_support",
+            "tail_support",
+            "round_bf16",
+            "round_f16",
+        ):
             assert arm[name] == host[name], name  # exact in every build
-        for name in ("matmul", "attention_h9_d64", "attention_h8_d128", "attention_h4_d16", "attention_q8_h6_d64",
-                     "rms_norm", "silu_mul", "logsumexp"):
+        for name in (
+            "matmul",
+            "attention_h9_d64",
+            "attention_h8_d128",
+            "attention_h4_d16",
+            "attention_q8_h6_d64",
+            "rms_norm",
+            "silu_mul",
+            "logsumexp",
+        ):
             a, b = np.frombuffer(arm[name], np.float32), np.frombuffer(host[name], np.float32)
             assert np.allclose(a, b, rtol=2e-5, atol=2e-5), (name, np.abs(a - b).max())
 
@@ -425,7 +482,8 @@ def test_aarch64_build_with_clang_compiles():
     flags = [*library.BASE_FLAGS, "--target=aarch64-linux-gnu", "-march=armv8-a", "-c", "-o", "/dev/null"]
     sources = sorted(library.CSRC.glob("*.c"))
     with ThreadPoolExecutor(2) as pool:
-        results = pool.map(lambda src: subprocess.run(["clang", *flags, str(src)], capture_output=True, text=True),
-                           sources)
+        results = pool.map(
+            lambda src: subprocess.run(["clang", *flags, str(src)], capture_output=True, text=True), sources
+        )
         for src, result in zip(sources, results):
             assert result.returncode == 0, (src.name, result.stderr[-1500:])

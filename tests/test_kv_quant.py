@@ -31,7 +31,7 @@ def round_trip(x_TKD: torch.Tensor, kv_dtype: str, one_write: bool = True) -> tu
         write_quantized(cache, scales, None, False, x_TKD, torch.arange(t), kv_dtype)
     else:
         for i in range(t):
-            write_quantized(cache, scales, None, False, x_TKD[i:i + 1], torch.tensor([i]), kv_dtype)
+            write_quantized(cache, scales, None, False, x_TKD[i : i + 1], torch.tensor([i]), kv_dtype)
     back = read_blocks(cache, scales, None, False, torch.arange(blocks), torch.float32).flatten(0, 1)[:t]
     return back, scales
 
@@ -49,11 +49,12 @@ def bound(x: torch.Tensor, kv_dtype: str) -> torch.Tensor:
     scale = block_absmax(x) / FORMATS[kv_dtype][1]
     if kv_dtype == "int8":
         return scale / 2 + 1e-6 * scale
-    return torch.maximum(x.abs() * 2 ** -4, scale * 2 ** -10) + 1e-6 * scale
+    return torch.maximum(x.abs() * 2**-4, scale * 2**-10) + 1e-6 * scale
 
 
-blocks_strategy = st.tuples(st.integers(1, 3 * BS), st.floats(1e-3, 1e3), st.integers(0, 2 ** 16),
-                            st.sampled_from(["normal", "zeros", "outlier"]))
+blocks_strategy = st.tuples(
+    st.integers(1, 3 * BS), st.floats(1e-3, 1e3), st.integers(0, 2**16), st.sampled_from(["normal", "zeros", "outlier"])
+)
 
 
 def make_blocks(spec) -> torch.Tensor:
@@ -110,7 +111,7 @@ def channel_round_trip(x_TKD: torch.Tensor, kv_dtype: str, values: bool, one_wri
     blocks = -(-t // BS)
     cache = torch.zeros((blocks, BS, K, D), dtype=FORMATS[kv_dtype][0])
     ranges = torch.zeros((blocks, BS, K, 2) if values else (blocks, K, D, 2))
-    writes = [(x_TKD, torch.arange(t))] if one_write else [(x_TKD[i:i + 1], torch.tensor([i])) for i in range(t)]
+    writes = [(x_TKD, torch.arange(t))] if one_write else [(x_TKD[i : i + 1], torch.tensor([i])) for i in range(t)]
     for x, slots in writes:
         write_quantized(cache, ranges, None, values, x, slots, kv_dtype)
     return read_blocks(cache, ranges, None, values, torch.arange(blocks), torch.float32).flatten(0, 1)[:t]
@@ -127,8 +128,10 @@ def test_channel_ranges_round_trip_within_their_own_bound(kv_dtype, spec, one_wr
     t = x.shape[0]
     q_max = FORMATS[kv_dtype][1]
     pad = torch.cat([x, x[-1:].expand(-t % BS, K, D)]).view(-1, BS, K, D)  # padding inside the last block's range
-    key_lo, key_hi = (r.expand(-1, BS, -1, -1).flatten(0, 1)[:t] for r in (pad.amin(dim=1, keepdim=True),
-                                                                         pad.amax(dim=1, keepdim=True)))
+    key_lo, key_hi = (
+        r.expand(-1, BS, -1, -1).flatten(0, 1)[:t]
+        for r in (pad.amin(dim=1, keepdim=True), pad.amax(dim=1, keepdim=True))
+    )
     ranges = ((key_lo, key_hi), (x.amin(dim=2, keepdim=True), x.amax(dim=2, keepdim=True)))
     for values, (lo, hi) in zip((False, True), ranges):
         back = channel_round_trip(x, kv_dtype, values, one_write)
@@ -138,7 +141,7 @@ def test_channel_ranges_round_trip_within_their_own_bound(kv_dtype, spec, one_wr
             limit = step / 2 * steps
         else:  # fp8 keeps 2^-4 of the offset from the centre: a re-rounded one, from a centre inside the range
             offset = offset.abs() if steps == 1 else (hi - lo) / 2
-            limit = torch.maximum(offset * 2 ** -4, step * 2 ** -10) * steps
+            limit = torch.maximum(offset * 2**-4, step * 2**-10) * steps
         slack = 1e-6 * torch.maximum(lo.abs(), hi.abs())
         assert ((back - x).abs() <= limit + slack).all(), values
         ends = (x == lo) | (x == hi)
@@ -175,8 +178,9 @@ def test_channel_ranges_spend_the_int8_range_on_values_away_from_zero(values):
 
 @pytest.mark.parametrize("kv_dtype,granularity", [("int8", "block"), ("fp8_e4m3", "block"), ("int8", "channel")])
 def test_copy_on_write_and_swap_move_blocks_with_their_scales(kv_dtype, granularity):
-    cache = PagedKVCache(2, 6, BS, K, D, torch.float32, "cpu", num_host_blocks=4, kv_dtype=kv_dtype,
-                         granularity=granularity)
+    cache = PagedKVCache(
+        2, 6, BS, K, D, torch.float32, "cpu", num_host_blocks=4, kv_dtype=kv_dtype, granularity=granularity
+    )
     quant = cache.quant
     x = torch.randn((2 * BS, K, D)) * torch.tensor([1.0, 30.0, 0.01])[None, :, None]
     for layer, (k, v) in enumerate(cache.layers):
@@ -184,8 +188,11 @@ def test_copy_on_write_and_swap_move_blocks_with_their_scales(kv_dtype, granular
             write_quantized(c, *quant.layer(layer, which), x * (which + 1), torch.arange(2 * BS), kv_dtype)
 
     def read(blocks: list[int]) -> list[torch.Tensor]:
-        return [read_blocks(c, *quant.layer(layer, which), torch.tensor(blocks), torch.float32)
-                for layer, kv in enumerate(cache.layers) for which, c in enumerate(kv)]
+        return [
+            read_blocks(c, *quant.layer(layer, which), torch.tensor(blocks), torch.float32)
+            for layer, kv in enumerate(cache.layers)
+            for which, c in enumerate(kv)
+        ]
 
     before = read([0, 1])
     cache.copy_blocks([0, 1], [4, 5])
@@ -215,32 +222,52 @@ def test_kv_memory_per_token_halves_and_quarters(tiny):
 
 @pytest.mark.native
 def test_quantised_budget_holds_more_blocks(tiny):
-    blocks = {d: make_engine(tiny, kv_cache_dtype=d, kv_cache_memory_gb=0.001, max_num_seqs=64).num_kv_blocks
-              for d in ("auto", "int8")}
+    blocks = {
+        d: make_engine(tiny, kv_cache_dtype=d, kv_cache_memory_gb=0.001, max_num_seqs=64).num_kv_blocks
+        for d in ("auto", "int8")
+    }
     assert blocks["int8"] >= 3.5 * blocks["auto"]
 
 
 @pytest.mark.native
-@pytest.mark.parametrize("kv_dtype,granularity", [("int8", "block"), ("fp8_e4m3", "tensor"), ("bf16", "block"),
-                                                  ("int8", "channel"), ("fp8_e4m3", "channel")])
+@pytest.mark.parametrize(
+    "kv_dtype,granularity",
+    [("int8", "block"), ("fp8_e4m3", "tensor"), ("bf16", "block"), ("int8", "channel"), ("fp8_e4m3", "channel")],
+)
 def test_quantised_run_replays_bit_for_bit_through_swap_and_prefix_caching(tiny, tmp_path, kv_dtype, granularity):
     from toolkit.reproduce.replay import replay
     from toolkit.runs.session import record
     from toolkit.trace.reader import TraceError, read_manifest
 
     shared = list(range(5, 5 + 24))
-    requests = [dict(prompt_token_ids=shared + list(range(100 + 9 * i, 110 + 9 * i)), request_id=f"q{i}",
-                     arrival_step=i, sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=24,
-                                                                    ignore_eos=True)) for i in range(5)]
-    engine_cfg = dict(kv_cache_dtype=kv_dtype, kv_scale_granularity=granularity, num_kv_blocks=18, block_size=8,
-                      max_num_batched_tokens=32, max_num_seqs=5, preemption_mode="swap", enable_prefix_caching=True)
+    requests = [
+        dict(
+            prompt_token_ids=shared + list(range(100 + 9 * i, 110 + 9 * i)),
+            request_id=f"q{i}",
+            arrival_step=i,
+            sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True),
+        )
+        for i in range(5)
+    ]
+    engine_cfg = dict(
+        kv_cache_dtype=kv_dtype,
+        kv_scale_granularity=granularity,
+        num_kv_blocks=18,
+        block_size=8,
+        max_num_batched_tokens=32,
+        max_num_seqs=5,
+        preemption_mode="swap",
+        enable_prefix_caching=True,
+    )
     engine = make_engine(tiny, **engine_cfg)
     ids = [engine.add_request(**r) for r in requests]
     record(engine, ids, tmp_path / "run", {"model": {"name": "tiny", "seed": 0}, "engine": engine_cfg})
     assert sum(s.num_preemptions for s in engine.requests.values()) > 0 and engine.block_manager.prefix_hits > 0
     manifest = read_manifest(tmp_path / "run")
     assert (manifest["kv_cache_dtype"], manifest["kv_scale_granularity"]) == (
-        kv_dtype, granularity if kv_dtype != "bf16" else None)
+        kv_dtype,
+        granularity if kv_dtype != "bf16" else None,
+    )
     report = replay(tmp_path / "run", out_dir=tmp_path / "replay")
     assert report.identical, report.summary_line()
     with pytest.raises(TraceError, match="KV cache storage differs"):
@@ -258,7 +285,9 @@ def test_bad_kv_options_are_one_line_errors(tiny):
         make_engine(tiny, kv_cache_dtype="int8", kv_scale_granularity="channel", attention_backend="kernel")
     with pytest.raises(ConfigError, match="batch_invariant=true needs the fp32 cache"):
         EngineConfig(kv_cache_dtype="int8", batch_invariant=True)
-    with pytest.raises(ConfigError, match="attention_backend=kernel is unavailable.*kv_cache_dtype=int8 at head_dim 16"):
+    with pytest.raises(
+        ConfigError, match="attention_backend=kernel is unavailable.*kv_cache_dtype=int8 at head_dim 16"
+    ):
         make_engine(tiny, kv_cache_dtype="int8", attention_backend="kernel")
     with pytest.raises(ConfigError, match="attention_backend=flex reads the cache as stored"):
         make_engine(tiny, kv_cache_dtype="fp8_e4m3", attention_backend="flex")
@@ -275,16 +304,34 @@ def smollm2_greedy(smollm2, kv_dtype: str, granularity: str = "block", run_dir=N
     given; without it also each step's top-2 raw logprob margin per request."""
     from toolkit.runs.session import record
 
-    engine = make_engine(smollm2, kv_cache_dtype=kv_dtype, kv_scale_granularity=granularity,
-                         attention_backend="sdpa", max_num_batched_tokens=128, max_num_seqs=8)
-    requests = [{"messages": [{"role": "user", "content": p}], "request_id": f"p{i}",
-                 "sampling_params": SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)}
-                for i, p in enumerate(PROMPTS)]
+    engine = make_engine(
+        smollm2,
+        kv_cache_dtype=kv_dtype,
+        kv_scale_granularity=granularity,
+        attention_backend="sdpa",
+        max_num_batched_tokens=128,
+        max_num_seqs=8,
+    )
+    requests = [
+        {
+            "messages": [{"role": "user", "content": p}],
+            "request_id": f"p{i}",
+            "sampling_params": SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+        }
+        for i, p in enumerate(PROMPTS)
+    ]
     if run_dir is None:
         return greedy_with_margins(engine, requests)
     ids = [engine.add_request(**r) for r in requests]
-    record(engine, ids, run_dir, {"model": {"name": "smollm2"}, "engine": {
-        "kv_cache_dtype": kv_dtype, "kv_scale_granularity": granularity, "attention_backend": "sdpa"}})
+    record(
+        engine,
+        ids,
+        run_dir,
+        {
+            "model": {"name": "smollm2"},
+            "engine": {"kv_cache_dtype": kv_dtype, "kv_scale_granularity": granularity, "attention_backend": "sdpa"},
+        },
+    )
     return {i: list(engine.output(i).outputs[0].token_ids) for i in ids}, None
 
 
@@ -319,8 +366,7 @@ def test_int8_kv_keeps_smollm2_greedy_output_close(smollm2, smollm2_reference, t
     quantised, _ = smollm2_greedy(smollm2, "int8", run_dir=tmp_path / "int8")
     errors = teacher_forced_errors(tmp_path / "int8")
     assert max(errors) < INT8_MAX_LOGPROB_ERROR and sum(errors) / len(errors) < INT8_MEAN_LOGPROB_ERROR
-    agreement = assert_greedy_agreement(reference, margins, quantised, window=WINDOW,
-                                        near_tie=near_tie_bound(errors))
+    agreement = assert_greedy_agreement(reference, margins, quantised, window=WINDOW, near_tie=near_tie_bound(errors))
     assert agreement.checked, agreement.report()  # a near-tie is an exception, not the rule
 
 
@@ -363,11 +409,21 @@ def test_native_kernel_reads_quantised_blocks_like_sdpa(kv_dtype, granularity):
     from toolkit.models import load_model
 
     model = load_model(ModelConfig(name="tiny", seed=3, vocab_size=128, hidden_size=256, num_heads=4, num_kv_heads=2))
-    engine = make_engine(model, kv_cache_dtype=kv_dtype, kv_scale_granularity=granularity, block_size=8,
-                         num_kv_blocks=64, attention_backend="kernel", max_num_batched_tokens=64)
+    engine = make_engine(
+        model,
+        kv_cache_dtype=kv_dtype,
+        kv_scale_granularity=granularity,
+        block_size=8,
+        num_kv_blocks=64,
+        attention_backend="kernel",
+        max_num_batched_tokens=64,
+    )
     for i in range(3):
-        engine.add_request(prompt_token_ids=list(range(3 + i, 40 + 5 * i)), arrival_step=0,
-                           sampling_params=SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        engine.add_request(
+            prompt_token_ids=list(range(3 + i, 40 + 5 * i)),
+            arrival_step=0,
+            sampling_params=SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+        )
     engine.step()
     batch = engine.scheduler.schedule(engine.step_index, {})  # a decode row and two prompt chunks
     assert sorted(c.num_tokens for c in batch.chunks)[0] == 1 and max(c.num_tokens for c in batch.chunks) > 1
@@ -385,9 +441,18 @@ def test_native_kernel_reads_quantised_blocks_like_sdpa(kv_dtype, granularity):
         assert (got - want).abs().max().item() < 1e-5, layer
 
 
-@pytest.mark.parametrize("kv_dtype,granularity", [("auto", "block"), ("bf16", "block"), ("int8", "block"),
-                                                  ("int8", "tensor"), ("fp8_e4m3", "block"), ("int8", "channel"),
-                                                  ("fp8_e4m3", "channel")])
+@pytest.mark.parametrize(
+    "kv_dtype,granularity",
+    [
+        ("auto", "block"),
+        ("bf16", "block"),
+        ("int8", "block"),
+        ("int8", "tensor"),
+        ("fp8_e4m3", "block"),
+        ("int8", "channel"),
+        ("fp8_e4m3", "channel"),
+    ],
+)
 def test_planned_block_bytes_are_the_allocated_ones(kv_dtype, granularity):
     """The engine sizes its pool with PagedKVCache.block_bytes before allocating: it must be what a block takes."""
     cache = PagedKVCache(3, 2, BS, K, D, torch.float32, "cpu", kv_dtype=kv_dtype, granularity=granularity)

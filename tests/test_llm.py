@@ -47,14 +47,21 @@ def test_without_tracing_nothing_is_written(tmp_path):
     assert len(out[0].outputs[0].token_ids) == 3 and llm.trace_dir is None and not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("make, error, match", [
-    (lambda: LLM(model="tiny", max_num_seqz=4), ConfigError, "max_num_seqz"),
-    (lambda: LLM(model="tiny", max_num_seqs=0), ConfigError, "max_num_seqs"),
-    (lambda: LLM(model="/nonexistent/model"), Exception, "does not exist"),
-    (lambda: LLM(model="tiny", trace=False).generate(PROMPTS, [SamplingParams()] * 2), ConfigError, "2 SamplingParams for 3"),
-    (lambda: LLM(model="tiny", trace=False).generate({"prompt_ids": [1]}), ConfigError, "prompt_ids"),
-    (lambda: LLM(model="tiny", trace=False).generate([[1, 10**9]]), RequestError, "outside the vocabulary"),
-])
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: LLM(model="tiny", max_num_seqz=4), ConfigError, "max_num_seqz"),
+        (lambda: LLM(model="tiny", max_num_seqs=0), ConfigError, "max_num_seqs"),
+        (lambda: LLM(model="/nonexistent/model"), Exception, "does not exist"),
+        (
+            lambda: LLM(model="tiny", trace=False).generate(PROMPTS, [SamplingParams()] * 2),
+            ConfigError,
+            "2 SamplingParams for 3",
+        ),
+        (lambda: LLM(model="tiny", trace=False).generate({"prompt_ids": [1]}), ConfigError, "prompt_ids"),
+        (lambda: LLM(model="tiny", trace=False).generate([[1, 10**9]]), RequestError, "outside the vocabulary"),
+    ],
+)
 def test_bad_input_is_one_clear_error(make, error, match):
     with pytest.raises(error, match=match) as info:
         make()
@@ -65,8 +72,9 @@ def test_bad_input_is_one_clear_error(make, error, match):
 def test_smollm2_chat_and_text_prompts_use_the_models_sampling_defaults(tmp_path):
     llm = LLM(model="smollm2", trace_root=tmp_path)
     assert llm.get_default_sampling_params().temperature == 0.2 and llm.model_sampling_defaults
-    chat = llm.chat([{"role": "user", "content": "Name a primary colour."}], SamplingParams(temperature=0,
-                                                                                           max_tokens=8))
+    chat = llm.chat(
+        [{"role": "user", "content": "Name a primary colour."}], SamplingParams(temperature=0, max_tokens=8)
+    )
     text = llm.generate("The capital of France is")  # the model's defaults: temperature 0.2, top_p 0.9
     assert chat[0].outputs[0].text and text[0].outputs[0].text
     recorded = json.loads(read_requests(llm.trace_dir).to_pylist()[0]["sampling_params"])

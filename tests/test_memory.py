@@ -19,11 +19,17 @@ pytestmark = pytest.mark.native
 
 def workload(temperature: float, n: int = 12, seed: int = 0):
     rnd = random.Random(seed)
-    return [{"prompt_token_ids": [rnd.randrange(49152) for _ in range(rnd.randint(12, 40))], "request_id": f"r{i}",
-             "arrival_step": rnd.randint(0, 6),
-             "sampling_params": SamplingParams(temperature=temperature, max_tokens=28, ignore_eos=True, seed=100 + i,
-                                               stop=["zzzz-never"])}
-            for i in range(n)]
+    return [
+        {
+            "prompt_token_ids": [rnd.randrange(49152) for _ in range(rnd.randint(12, 40))],
+            "request_id": f"r{i}",
+            "arrival_step": rnd.randint(0, 6),
+            "sampling_params": SamplingParams(
+                temperature=temperature, max_tokens=28, ignore_eos=True, seed=100 + i, stop=["zzzz-never"]
+            ),
+        }
+        for i in range(n)
+    ]
 
 
 def run(engine, requests):
@@ -77,8 +83,9 @@ def test_preemption_changes_no_output(tiny, mode, temperature):
     requests = workload(temperature)
     params = {r["request_id"]: r["sampling_params"] for r in requests}
     ample = make_engine(tiny, num_kv_blocks=512, block_size=4, max_num_seqs=12, max_num_batched_tokens=64)
-    tight = make_engine(tiny, num_kv_blocks=40, block_size=4, max_num_seqs=12, max_num_batched_tokens=64,
-                        preemption_mode=mode)
+    tight = make_engine(
+        tiny, num_kv_blocks=40, block_size=4, max_num_seqs=12, max_num_batched_tokens=64, preemption_mode=mode
+    )
     a = run(ample, requests)
     t = run(tight, requests)
     preemptions = sum(o.metrics.num_preemptions for o in t[0].values())
@@ -95,8 +102,9 @@ def test_the_invariance_check_catches_state_lost_on_resume(tiny, monkeypatch, br
     """If preemption forgot the RNG key or the stop-matcher state, the same comparison fails."""
     requests = workload(1.0)
     params = {r["request_id"]: r["sampling_params"] for r in requests}
-    ample = run(make_engine(tiny, num_kv_blocks=512, block_size=4, max_num_seqs=12, max_num_batched_tokens=64),
-                requests)
+    ample = run(
+        make_engine(tiny, num_kv_blocks=512, block_size=4, max_num_seqs=12, max_num_batched_tokens=64), requests
+    )
     original = Scheduler._preempt
 
     def forgetful(self, seq, step, plan):
@@ -107,16 +115,22 @@ def test_the_invariance_check_catches_state_lost_on_resume(tiny, monkeypatch, br
             seq.stop_state = StopState()
 
     monkeypatch.setattr(Scheduler, "_preempt", forgetful)
-    tight = run(make_engine(tiny, num_kv_blocks=40, block_size=4, max_num_seqs=12, max_num_batched_tokens=64),
-                requests)
+    tight = run(make_engine(tiny, num_kv_blocks=40, block_size=4, max_num_seqs=12, max_num_batched_tokens=64), requests)
     with pytest.raises(AssertionError):
         assert_same_outputs(ample, tight, params)
 
 
 def test_swap_falls_back_to_recompute_when_the_host_pool_is_full(tiny):
     requests = workload(0.0)
-    engine = make_engine(tiny, num_kv_blocks=40, block_size=4, max_num_seqs=12, max_num_batched_tokens=64,
-                         preemption_mode="swap", swap_space_gb=2e-6)  # room for a handful of tiny blocks
+    engine = make_engine(
+        tiny,
+        num_kv_blocks=40,
+        block_size=4,
+        max_num_seqs=12,
+        max_num_batched_tokens=64,
+        preemption_mode="swap",
+        swap_space_gb=2e-6,
+    )  # room for a handful of tiny blocks
     outs, _, _ = run(engine, requests)
     modes = [m for s in engine.requests.values() for m in s.preemption_modes]
     assert "swap" in modes and "recompute" in modes
@@ -124,12 +138,17 @@ def test_swap_falls_back_to_recompute_when_the_host_pool_is_full(tiny):
 
 
 def test_priority_policy_preempts_the_least_important(tiny):
-    engine = make_engine(tiny, num_kv_blocks=14, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
-                         preemption_policy="priority")
+    engine = make_engine(
+        tiny, num_kv_blocks=14, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, preemption_policy="priority"
+    )
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     for i, priority in enumerate([5, 0, 9, 1]):
-        engine.add_request(prompt_token_ids=list(range(10 * i + 1, 10 * i + 9)), request_id=f"p{priority}",
-                           sampling_params=params, priority=priority)
+        engine.add_request(
+            prompt_token_ids=list(range(10 * i + 1, 10 * i + 9)),
+            request_id=f"p{priority}",
+            sampling_params=params,
+            priority=priority,
+        )
     first = None
     while engine.has_unfinished():
         out = engine.step()
@@ -141,10 +160,15 @@ def test_priority_policy_preempts_the_least_important(tiny):
 def test_prefix_caching_gives_identical_tokens_and_hits(tiny):
     system = [random.Random(1).randrange(49152) for _ in range(64)]
     rnd = random.Random(2)
-    requests = [{"prompt_token_ids": system + [rnd.randrange(49152) for _ in range(rnd.randint(3, 12))],
-                 "request_id": f"q{i}", "arrival_step": 2 * i,
-                 "sampling_params": SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)}
-                for i in range(10)]
+    requests = [
+        {
+            "prompt_token_ids": system + [rnd.randrange(49152) for _ in range(rnd.randint(3, 12))],
+            "request_id": f"q{i}",
+            "arrival_step": 2 * i,
+            "sampling_params": SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+        }
+        for i in range(10)
+    ]
     plain = make_engine(tiny, block_size=16, max_num_batched_tokens=64, max_num_seqs=8)
     cached = make_engine(tiny, block_size=16, max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=True)
     p_out, _, p_logits = run(plain, requests)
@@ -160,8 +184,11 @@ def test_prefix_caching_gives_identical_tokens_and_hits(tiny):
 def test_parallel_samples_share_the_prompt_blocks(tiny):
     prompt = list(range(1, 65))  # 4 full blocks of 16
     engine = make_engine(tiny, block_size=16, max_num_batched_tokens=128, max_num_seqs=8)
-    engine.add_request(prompt_token_ids=prompt, request_id="n4", sampling_params=SamplingParams(
-        n=4, temperature=1.0, seed=9, max_tokens=6, ignore_eos=True))
+    engine.add_request(
+        prompt_token_ids=prompt,
+        request_id="n4",
+        sampling_params=SamplingParams(n=4, temperature=1.0, seed=9, max_tokens=6, ignore_eos=True),
+    )
     out = engine.step()
     assert len(out.samples) == 4 and {t.stream for t in out.samples} == {0, 1, 2, 3}
     assert engine.block_manager.num_used_blocks == 4  # one copy of the prompt for all four samples
@@ -175,8 +202,11 @@ def test_parallel_samples_share_the_prompt_blocks(tiny):
 
 def test_parallel_samples_copy_a_shared_partial_block(tiny):
     engine = make_engine(tiny, block_size=16, max_num_batched_tokens=128, max_num_seqs=8)
-    engine.add_request(prompt_token_ids=list(range(1, 41)), request_id="n3", sampling_params=SamplingParams(
-        n=3, temperature=1.0, seed=4, max_tokens=5, ignore_eos=True))
+    engine.add_request(
+        prompt_token_ids=list(range(1, 41)),
+        request_id="n3",
+        sampling_params=SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=5, ignore_eos=True),
+    )
     engine.step()
     assert engine.block_manager.num_used_blocks == 3
     engine.step()  # position 40 is in the shared third block: two samples copy it, the last one keeps it
@@ -199,10 +229,15 @@ def test_load_with_random_aborts_leaks_nothing(tiny):
     engine = make_engine(tiny, num_kv_blocks=64, block_size=4, max_num_seqs=16, max_num_batched_tokens=64)
     ids = []
     for i in range(2000):
-        ids.append(engine.add_request(prompt_token_ids=[rnd.randrange(49152) for _ in range(rnd.randint(1, 20))],
-                                      arrival_step=i // 8, sampling_params=SamplingParams(
-                                          temperature=rnd.choice([0.0, 1.0]), max_tokens=rnd.randint(1, 12),
-                                          n=rnd.choice([1, 1, 1, 2]))))
+        ids.append(
+            engine.add_request(
+                prompt_token_ids=[rnd.randrange(49152) for _ in range(rnd.randint(1, 20))],
+                arrival_step=i // 8,
+                sampling_params=SamplingParams(
+                    temperature=rnd.choice([0.0, 1.0]), max_tokens=rnd.randint(1, 12), n=rnd.choice([1, 1, 1, 2])
+                ),
+            )
+        )
     aborted = 0
     while engine.has_unfinished():
         engine.step()

@@ -25,8 +25,12 @@ def trained(tmp_path_factory):
     text = tmp_path_factory.mktemp("text") / "input.txt"
     text.write_text("\n".join(passages()) * 3)
     out = tmp_path_factory.mktemp("ckpt") / "nanogpt"
-    result = train(dict(text=str(text), steps=120, batch_size=16, learning_rate=3e-3, eval_interval=60, seed=0),
-                   SMALL, out, log=lambda *_: None)
+    result = train(
+        dict(text=str(text), steps=120, batch_size=16, learning_rate=3e-3, eval_interval=60, seed=0),
+        SMALL,
+        out,
+        log=lambda *_: None,
+    )
     return out, result["history"]
 
 
@@ -50,20 +54,29 @@ def test_checkpoint_serves_like_hf_and_round_trips_text(trained):
     assert loaded.tokenizer.decode(loaded.tokenizer.encode(text)) == text
     prompts = ["The ", "In the\n", "A small"]
     engine = make_engine(loaded, num_kv_blocks=32, block_size=8, max_num_batched_tokens=16, max_num_seqs=3)
-    ids = [engine.add_request(prompt=p, sampling_params=SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-           for p in prompts]
+    ids = [
+        engine.add_request(prompt=p, sampling_params=SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+        for p in prompts
+    ]
     while engine.has_unfinished():
         engine.step()
     hf = hf_reference_model(load_checkpoint(cfg))
     expected, margins, ours = {}, {}, {}
     for rid, p in zip(ids, prompts):
         prompt_ids = loaded.tokenizer.encode(p)
-        out = hf.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                          max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
-                          return_dict_in_generate=True)
-        expected[rid] = out.sequences[0, len(prompt_ids):].tolist()
+        out = hf.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        expected[rid] = out.sequences[0, len(prompt_ids) :].tolist()
         margins[rid] = [top2_margin(step[0]) for step in out.logits]
-        ours[rid] = engine.requests[rid].token_ids[len(prompt_ids):]
+        ours[rid] = engine.requests[rid].token_ids[len(prompt_ids) :]
     assert assert_greedy_agreement(expected, margins, ours, window=24, near_tie=1e-3).checked
 
 
@@ -73,21 +86,38 @@ def test_bad_training_text_is_one_line_error(tmp_path):
     with pytest.raises(ConfigError, match="needs at least"):
         train(dict(text=str(short), steps=1, batch_size=2, learning_rate=1e-3, eval_interval=1), SMALL, tmp_path / "o")
     with pytest.raises(ConfigError, match="train.text must name a local text file"):
-        train(dict(text=str(tmp_path / "missing.txt"), steps=1, batch_size=2, learning_rate=1e-3, eval_interval=1),
-              SMALL, tmp_path / "o")
+        train(
+            dict(text=str(tmp_path / "missing.txt"), steps=1, batch_size=2, learning_rate=1e-3, eval_interval=1),
+            SMALL,
+            tmp_path / "o",
+        )
 
 
 @pytest.mark.native
 def test_train_then_serve_from_the_command_line(tmp_path):
     text = tmp_path / "input.txt"
     text.write_text("\n".join(passages()))
-    proc = run_cli("mode=train", "model=nanogpt", f"train.text={text}", "train.steps=10", "train.eval_interval=5",
-                   "model.num_layers=1", "model.hidden_size=32", "model.max_position_embeddings=64",
-                   run_dir=tmp_path / "train")
+    proc = run_cli(
+        "mode=train",
+        "model=nanogpt",
+        f"train.text={text}",
+        "train.steps=10",
+        "train.eval_interval=5",
+        "model.num_layers=1",
+        "model.hidden_size=32",
+        "model.max_position_embeddings=64",
+        run_dir=tmp_path / "train",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "serve it: python run.py model=nanogpt" in proc.stdout
-    proc = run_cli("model=nanogpt", f"model.path={tmp_path / 'train' / 'nanogpt'}", "workload=text",
-                   "workload.num_requests=2", "workload.max_tokens=12", run_dir=tmp_path / "serve")
+    proc = run_cli(
+        "model=nanogpt",
+        f"model.path={tmp_path / 'train' / 'nanogpt'}",
+        "workload=text",
+        "workload.num_requests=2",
+        "workload.max_tokens=12",
+        run_dir=tmp_path / "serve",
+    )
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "serve" / "samples.parquet").is_file() or any((tmp_path / "serve").rglob("samples*.parquet"))
     proc = run_cli("model=nanogpt", run_dir=tmp_path / "nopath")

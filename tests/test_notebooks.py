@@ -27,8 +27,14 @@ def test_a_notebook_runs_top_to_bottom_with_its_plot_inline(path):
 
     result = NotebookRun(path, default_timeout=600).execute()
     if result.error is not None:
-        pytest.fail(f"{path.name}, cell {result.error.failing_cell_index}: {result.error.summary}\n"
-                    f"{result.error.trace[-3000:]}")
-    images = [o for cell in result.nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])
-              if "image/png" in o.get("data", {})]
+        pytest.fail(
+            f"{path.name}, cell {result.error.failing_cell_index}: {result.error.summary}\n{result.error.trace[-3000:]}"
+        )
+    images = [
+        o
+        for cell in result.nb.cells
+        if cell.cell_type == "code"
+        for o in cell.get("outputs", [])
+        if "image/png" in o.get("data", {})
+    ]
     assert images, f"{path.name} shows no plot"

@@ -62,8 +62,11 @@ def test_tiny_forward_matches_hf(tiny, length):
 
 @pytest.mark.numerics
 @settings(max_examples=12, deadline=None)
-@given(ids=st.lists(st.integers(0, 49151), min_size=1, max_size=150), cut=st.integers(1, 150),
-       threads=st.sampled_from([1, 2, 3]))
+@given(
+    ids=st.lists(st.integers(0, 49151), min_size=1, max_size=150),
+    cut=st.integers(1, 150),
+    threads=st.sampled_from([1, 2, 3]),
+)
 def test_reference_bits_depend_on_the_tokens_alone(tiny, ids, cut, threads):
     """The float64 reference's row t is a function of tokens[: t + 1]: the same bits at 1, 2 or 3 threads and
     when the sequence is cut after any position (what a shard, a Ray worker or a packed prefix computes), and
@@ -110,8 +113,9 @@ def test_smollm2_greedy_matches_hf_generate(smollm2):
     engine = make_engine(smollm2, num_kv_blocks=256, max_num_batched_tokens=64, max_num_seqs=8)
     prompts = [smollm2.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    outputs = engine.generate([{"prompt_token_ids": ids, "sampling_params": params, "arrival_step": i}
-                               for i, ids in enumerate(prompts)])
+    outputs = engine.generate(
+        [{"prompt_token_ids": ids, "sampling_params": params, "arrival_step": i} for i, ids in enumerate(prompts)]
+    )
     hf = {f"p{i}": hf_greedy_with_margins(SMOLLM2, ids, 32) for i, ids in enumerate(prompts)}
     apart = 0.0
     for i, ids in enumerate(prompts):
@@ -119,7 +123,11 @@ def test_smollm2_greedy_matches_hf_generate(smollm2):
         ours = engine_prefill_logits(make_engine(smollm2, num_kv_blocks=256), sequence).double().log_softmax(-1)
         apart = max(apart, (ours - hf_logits(SMOLLM2, sequence).double().log_softmax(-1)).abs().max().item())
     assert apart < 1e-3, apart  # the same weights in fp32: rounding apart, not a different model
-    agreement = assert_greedy_agreement({i: t for i, (t, _) in hf.items()}, {i: m for i, (_, m) in hf.items()},
-                                        {f"p{i}": list(o.output_token_ids) for i, o in enumerate(outputs)},
-                                        window=32, near_tie=4 * apart)
+    agreement = assert_greedy_agreement(
+        {i: t for i, (t, _) in hf.items()},
+        {i: m for i, (_, m) in hf.items()},
+        {f"p{i}": list(o.output_token_ids) for i, o in enumerate(outputs)},
+        window=32,
+        near_tie=4 * apart,
+    )
     assert agreement.checked, agreement.report()

@@ -77,8 +77,9 @@ def test_each_pin_lies_in_its_pyproject_range():
     for r in _requirements():
         req = requirements.Requirement(r)
         if _name(req.name) != "toolkit":
-            assert req.specifier.contains(pins[_name(req.name)], prereleases=True), \
+            assert req.specifier.contains(pins[_name(req.name)], prereleases=True), (
                 f"constraints.txt {req.name}=={pins[_name(req.name)]} is outside pyproject's {r!r}"
+            )
 
 
 def test_requires_python_has_no_upper_cap():

@@ -39,8 +39,26 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # fp16's largest finite and the tie past it, its smallest subnormal and the tie below it, bf16 ties to even
 # on both sides, fp32's extremes, zeros of both signs, infinities and a NaN
-EDGES = [65504.0, 65519.99, 65520.0, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 1 + 2.0**-8, 1 + 3 * 2.0**-8, 1 + 2.0**-7,
-         3.4028235e38, 1.1754944e-38, 1e-45, 0.0, -0.0, float("inf"), float("-inf"), float("nan"), -65520.0]
+EDGES = [
+    65504.0,
+    65519.99,
+    65520.0,
+    2.0**-24,
+    2.0**-25,
+    3 * 2.0**-26,
+    1 + 2.0**-8,
+    1 + 3 * 2.0**-8,
+    1 + 2.0**-7,
+    3.4028235e38,
+    1.1754944e-38,
+    1e-45,
+    0.0,
+    -0.0,
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+    -65520.0,
+]
 
 
 @pytest.mark.native
@@ -63,8 +81,13 @@ def test_round_h16_is_torchs_round_to_nearest_even(bits, dtype):
 
 @pytest.mark.native
 @settings(max_examples=30, deadline=None)
-@given(m=st.integers(1, 14), k=st.integers(1, 300), n=st.integers(1, 200), dtype=st.sampled_from(H16),
-       seed=st.integers(0, 2**16))
+@given(
+    m=st.integers(1, 14),
+    k=st.integers(1, 300),
+    n=st.integers(1, 200),
+    dtype=st.sampled_from(H16),
+    seed=st.integers(0, 2**16),
+)
 def test_h16_matmul_is_the_fp32_matmul_on_the_widened_weights(m, k, n, dtype, seed):
     """16-bit weights are widened exactly and summed in the fp32 kernel's one FMA chain: the same bits as the
     fp32 matmul of the widened weights (a kernel accumulating in 16 bits fails this at once), a row alone the
@@ -96,8 +119,9 @@ def test_h16_attention_is_the_fp32_attention_on_the_widened_cache(dtype, heads, 
 
 
 # a random-init Llama at head_dim 64 (the kernel's vector path), with a vocabulary no tokenizer has
-TINY16 = dict(name="tiny", seed=2, vocab_size=49153, hidden_size=256, num_heads=4, num_kv_heads=2,
-              intermediate_size=256)
+TINY16 = dict(
+    name="tiny", seed=2, vocab_size=49153, hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=256
+)
 
 
 @pytest.fixture(scope="module", params=H16, ids=H16_IDS)
@@ -121,13 +145,17 @@ def test_a_16_bit_model_takes_the_native_kernels_and_its_manifest_says_so(tiny16
 
 @pytest.mark.native
 @settings(max_examples=8, deadline=None)
-@given(prompts=st.lists(st.lists(st.integers(0, 49151), min_size=1, max_size=40), min_size=1, max_size=4),
-       budget=st.integers(8, 48), block_size=st.sampled_from([4, 16]))
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 49151), min_size=1, max_size=40), min_size=1, max_size=4),
+    budget=st.integers(8, 48),
+    block_size=st.sampled_from([4, 16]),
+)
 def test_fused_layers_are_the_layer_by_layer_forward_in_16_bits(tiny16, prompts, budget, block_size):
     """All layers in one native call round at the same places as the layer-by-layer forward (each op in
     fp32, its outputs rounded): the same logits and 16-bit KV cache bits in mixed prefill + decode steps."""
-    steps, same = _run_both(tiny16, prompts, 5, max_num_batched_tokens=budget, max_num_seqs=8, block_size=block_size,
-                            num_kv_blocks=128)
+    steps, same = _run_both(
+        tiny16, prompts, 5, max_num_batched_tokens=budget, max_num_seqs=8, block_size=block_size, num_kv_blocks=128
+    )
     assert steps > 0 and same == steps
 
 
@@ -136,9 +164,15 @@ def test_batch_invariant_rows_are_bit_identical_in_16_bits(tiny16):
     """A request's logits are the same bits alone, in a mixed batch under a small budget, and in the no-cache
     recompute, in bf16 and fp16 as in fp32."""
     ref = collect(make_engine(tiny16, batch_invariant=True, max_num_batched_tokens=512), [TARGET])["target"]
-    others = [dict(prompt_token_ids=list(range(300 + i, 330 + 3 * i)), request_id=f"o{i}", arrival_step=i,
-                   sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=8, ignore_eos=True))
-              for i in range(4)]
+    others = [
+        dict(
+            prompt_token_ids=list(range(300 + i, 330 + 3 * i)),
+            request_id=f"o{i}",
+            arrival_step=i,
+            sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=8, ignore_eos=True),
+        )
+        for i in range(4)
+    ]
     engine = make_engine(tiny16, batch_invariant=True, max_num_batched_tokens=9, max_num_seqs=5, block_size=4)
     rows = collect(engine, others + [TARGET])
     assert_rows_equal(ref, rows["target"])
@@ -154,9 +188,11 @@ def test_smollm2_16_bit_logprobs_are_as_close_to_fp32_as_torchs(smollm2, dtype):
     """Teacher-forced on a real text, SmolLM2's native bf16 / fp16 logprobs differ from the fp32 model's no
     more than twice as much as torch's own 16-bit path (its GEMM and sdpa) does, at the mean and the 99th
     percentile: the kernels accumulate in fp32 as the peers do (accumulating in 16 bits is far worse)."""
-    text = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
-            "movable metal type, oil-based ink and a wooden screw press. Within fifty years presses were running "
-            "in more than two hundred cities, and the price of a book fell by two thirds.")
+    text = (
+        "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+        "movable metal type, oil-based ink and a wooden screw press. Within fifty years presses were running "
+        "in more than two hundred cities, and the price of a book fell by two thirds."
+    )
     tokens = smollm2.tokenizer.encode(text)
     low = load_model(ModelConfig(name="smollm2", dtype=dtype))
 
@@ -168,7 +204,11 @@ def test_smollm2_16_bit_logprobs_are_as_close_to_fp32_as_torchs(smollm2, dtype):
     native = (logprobs(low.model, True) - fp32).abs()
     peer = (logprobs(low.model, False) - fp32).abs()
     assert native.mean() <= 2 * peer.mean() and native.quantile(0.99) <= 2 * peer.quantile(0.99), (
-        native.mean().item(), peer.mean().item(), native.quantile(0.99).item(), peer.quantile(0.99).item())
+        native.mean().item(),
+        peer.mean().item(),
+        native.quantile(0.99).item(),
+        peer.quantile(0.99).item(),
+    )
     assert native.max() > 0  # 16 bits change something: the comparison is not of fp32 with itself
 
 
@@ -211,9 +251,15 @@ def test_the_precision_experiment_runs_end_to_end_on_the_tiny_model(tmp_path):
 
     from tests.test_cli import TINY, run_cli
 
-    result = run_cli(*TINY, "experiment=precision", "workload.num_requests=2", "workload.max_tokens=6",
-                     "workload.min_tokens=6", "precision.variants=[float32,bfloat16,float16/int8]",
-                     run_dir=tmp_path / "run")
+    result = run_cli(
+        *TINY,
+        "experiment=precision",
+        "workload.num_requests=2",
+        "workload.max_tokens=6",
+        "workload.min_tokens=6",
+        "precision.variants=[float32,bfloat16,float16/int8]",
+        run_dir=tmp_path / "run",
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     study = json.loads((tmp_path / "run" / "precision.json").read_text())["variants"]
     by_name = {v["variant"]: v for v in study}
@@ -248,8 +294,10 @@ def test_a_bf16_servers_claims_audit_clean_against_bf16_and_not_against_fp32(tmp
     loaded = load_model(ModelConfig(**cfg))  # the audit's model as stated: fp32 weights
     records, errors = read_transcripts(path, fmt, loaded.tokenizer, loaded.arch.vocab_size)
     assert records and not errors
-    reports = {r: audit_transcripts(records, stated_reference(loaded, r), loaded, atol=1e-4, reference=r)
-               for r in _references({"reference": ["ours@bfloat16", "ours@float32"]})}
+    reports = {
+        r: audit_transcripts(records, stated_reference(loaded, r), loaded, atol=1e-4, reference=r)
+        for r in _references({"reference": ["ours@bfloat16", "ours@float32"]})
+    }
     same, other = reports["ours@bfloat16"].to_dict(), reports["ours@float32"].to_dict()
     assert reports["ours@bfloat16"].passed and same["max_abs_error"] <= 1e-5, same["max_abs_error"]
     assert not reports["ours@float32"].passed and other["max_abs_error"] > 1e-3
@@ -274,12 +322,15 @@ def test_the_one_stream_benchmarks_f32_gguf_holds_our_fp32_weights():
     ours = load_file(str(smollm2_dir() / WEIGHTS_FILE))
     tensors = {t.name: t for t in reader.tensors}
     assert {t.tensor_type.name for t in reader.tensors} == {"F32"}
-    pairs = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-             "blk.3.ffn_down.weight": "model.layers.3.mlp.down_proj.weight",
-             "blk.7.attn_v.weight": "model.layers.7.self_attn.v_proj.weight"}
+    pairs = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "blk.3.ffn_down.weight": "model.layers.3.mlp.down_proj.weight",
+        "blk.7.attn_v.weight": "model.layers.7.self_attn.v_proj.weight",
+    }
     for name, hf_name in pairs.items():
         np.testing.assert_array_equal(np.asarray(tensors[name].data), ours[hf_name], err_msg=name)
     original = GGUFReader(smollm2_gguf())
-    assert {f for f in original.fields if not f.startswith("GGUF.")} == {f for f in reader.fields
-                                                                        if not f.startswith("GGUF.")}
-
+    assert {f for f in original.fields if not f.startswith("GGUF.")} == {
+        f for f in reader.fields if not f.startswith("GGUF.")
+    }

@@ -20,8 +20,12 @@ PATHS = [pytest.param("native", marks=native_only), "torch"]  # the processors' 
 
 def view(*rows: tuple[SamplingParams, list[int], int], vocab: int = 8, eos=(7,), bad=None) -> BatchView:
     """rows: (params, token_ids, num_prompt_tokens)."""
-    return BatchView(tuple(RowState(p, t, n, (bad or {}).get(i, ())) for i, (p, t, n) in enumerate(rows)),
-                     vocab, torch.device("cpu"), tuple(eos))
+    return BatchView(
+        tuple(RowState(p, t, n, (bad or {}).get(i, ())) for i, (p, t, n) in enumerate(rows)),
+        vocab,
+        torch.device("cpu"),
+        tuple(eos),
+    )
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative():
@@ -47,8 +51,18 @@ def test_no_repeat_3gram_on_the_cat_sat_on_the_cat_bans_sat():
 
 @pytest.mark.native
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("p, support", [(0.6, {0, 1}), (0.4999, {0}), (0.5001, {0, 1}), (0.7999, {0, 1}),
-                                        (0.8001, {0, 1, 2}), (1e-6, {0}), (1.0, {0, 1, 2})])
+@pytest.mark.parametrize(
+    "p, support",
+    [
+        (0.6, {0, 1}),
+        (0.4999, {0}),
+        (0.5001, {0, 1}),
+        (0.7999, {0, 1}),
+        (0.8001, {0, 1, 2}),
+        (1e-6, {0}),
+        (1.0, {0, 1, 2}),
+    ],
+)
 def test_top_p_keeps_the_token_that_crosses_p(path, p, support):
     """Masses 0.5, 0.3, 0.2: p just under a cumulative mass keeps the token that reaches it, p just over keeps the
     next. (At p = 0.5 or 0.8 exactly, the side is decided by how log(0.3) and the sum round in fp32: not asked.)"""
@@ -64,8 +78,15 @@ def test_top_p_keeps_the_token_that_crosses_p(path, p, support):
 @pytest.mark.native
 @pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, 6), vocab=st.sampled_from([3, 17, 1000, 49152]), scale=st.sampled_from([0.3, 3.0, 30.0]),
-       p=st.floats(0.05, 0.99), ties=st.booleans(), masked=st.booleans(), seed=st.integers(0, 10**6))
+@given(
+    rows=st.integers(1, 6),
+    vocab=st.sampled_from([3, 17, 1000, 49152]),
+    scale=st.sampled_from([0.3, 3.0, 30.0]),
+    p=st.floats(0.05, 0.99),
+    ties=st.booleans(),
+    masked=st.booleans(),
+    seed=st.integers(0, 10**6),
+)
 def test_top_p_is_the_smallest_set_reaching_p(path, rows, vocab, scale, p, ties, masked, seed):
     """Both paths (the native bisection and the torch top-k ranking) keep exactly {x >= t} where the
     tokens above t hold less than p of the mass and those at or above t at least p (to 1e-5)."""
@@ -77,7 +98,7 @@ def test_top_p_is_the_smallest_set_reaching_p(path, rows, vocab, scale, p, ties,
     if ties:
         x = x.round()
     if masked and vocab > 3:
-        x[0, vocab // 3:] = -INF  # an earlier processor's truncation
+        x[0, vocab // 3 :] = -INF  # an earlier processor's truncation
     with pytest.MonkeyPatch.context() as patch:
         if path == "torch":
             patch.setattr(truncation, "truncate_cpu", lambda *a, **k: None)
@@ -94,8 +115,14 @@ def test_top_p_is_the_smallest_set_reaching_p(path, rows, vocab, scale, p, ties,
 @pytest.mark.native
 @native_only
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, 6), vocab=st.sampled_from([3, 17, 1000, 49152]), k=st.integers(1, 300), ties=st.booleans(),
-       masked=st.booleans(), seed=st.integers(0, 10**6))
+@given(
+    rows=st.integers(1, 6),
+    vocab=st.sampled_from([3, 17, 1000, 49152]),
+    k=st.integers(1, 300),
+    ties=st.booleans(),
+    masked=st.booleans(),
+    seed=st.integers(0, 10**6),
+)
 def test_native_top_k_is_torchs_topk(rows, vocab, k, ties, masked, seed):
     """The native top-k (bisection with exact counts) keeps exactly what torch.topk's k-th value keeps,
     ties with the k-th included, and a row with fewer than k finite logits whole."""
@@ -105,7 +132,7 @@ def test_native_top_k_is_torchs_topk(rows, vocab, k, ties, masked, seed):
     if ties:
         x = x.round()
     if masked and vocab > 3:
-        x[0, vocab // 3:] = -INF
+        x[0, vocab // 3 :] = -INF
     v = view(*[(SamplingParams(top_k=k), [0], 1)] * rows, vocab=vocab)
     native, _ = sampling_ops.truncate_cpu(x, "top_k", torch.full((rows,), float(min(k, vocab))))
     with pytest.MonkeyPatch.context() as patch:
@@ -180,16 +207,20 @@ def test_repetition_penalty_before_a_sampler_tail_is_handed_over_as_changes():
 
     logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
     logits[2] = -torch.rand(64) - 1.0  # all negative: a huge penalty sends every seen token to -inf
-    rows = ((SamplingParams(repetition_penalty=1.5, top_k=5, temperature=0.7, seed=1), [1, 2, 2, 9], 2),
-            (SamplingParams(temperature=0.9, seed=2), [4, 5], 1),
-            (SamplingParams(repetition_penalty=1e300, top_p=0.9, seed=3), list(range(64)), 10))
+    rows = (
+        (SamplingParams(repetition_penalty=1.5, top_k=5, temperature=0.7, seed=1), [1, 2, 2, 9], 2),
+        (SamplingParams(temperature=0.9, seed=2), [4, 5], 1),
+        (SamplingParams(repetition_penalty=1e300, top_p=0.9, seed=3), list(range(64)), 10),
+    )
     v = view(*rows, vocab=64)
     assert tail_fusable(logits)  # the native build runs here
     deferred = apply_pipeline(logits, v, defer_tail=True)
     dense = apply_pipeline(logits, v, defer_tail=False)
     assert deferred.processed_RV is logits and deferred.patches is not None  # no copy of the block
     assert deferred.patches.rows_S.tolist() == [0] * 4 + [2] * 64 and deferred.changed_by == {
-        0: "repetition_penalty", 2: "repetition_penalty"}
+        0: "repetition_penalty",
+        2: "repetition_penalty",
+    }
     assert dense.errors == {2: "empty support: processor 'repetition_penalty' removed every token"}
     assert deferred.errors == {}  # known once the sampler has run: row 2 comes out without a finite logit
     srows = [SampleRow(greedy=False, seed=p.seed, position=7, stream=0, num_top=2) for p, _, _ in rows]
@@ -198,8 +229,13 @@ def test_repetition_penalty_before_a_sampler_tail_is_handed_over_as_changes():
     assert emptied_by_changes(deferred, [0, 2]) == dense.errors  # row 0 has 5: not emptied
     srows = srows[:2]
     keep = torch.tensor([0, 1])
-    got = sample(logits[keep], deferred.processed_RV[keep], srows, tail=[deferred.tail[0], deferred.tail[1]],
-                 patches=deferred.patches.select([0, 1], 3))
+    got = sample(
+        logits[keep],
+        deferred.processed_RV[keep],
+        srows,
+        tail=[deferred.tail[0], deferred.tail[1]],
+        patches=deferred.patches.select([0, 1], 3),
+    )
     want = sample(logits[keep], dense.processed_RV[keep], srows)
     assert got.token_ids == want.token_ids and got.support_sizes == want.support_sizes
     assert got.processed_logprobs == want.processed_logprobs and got.top_processed == want.top_processed
@@ -238,8 +274,9 @@ params_strategy = st.builds(
     min_tokens=st.sampled_from([0, 2]),
     max_tokens=st.just(16),
 )
-rows_strategy = st.lists(st.tuples(params_strategy, st.lists(st.integers(0, 11), min_size=1, max_size=10)),
-                         min_size=1, max_size=5)
+rows_strategy = st.lists(
+    st.tuples(params_strategy, st.lists(st.integers(0, 11), min_size=1, max_size=10)), min_size=1, max_size=5
+)
 
 
 @pytest.mark.native
@@ -258,15 +295,16 @@ def test_processors_never_mutate_their_input_and_rows_are_independent(rows, seed
     batched = apply_pipeline(logits, v)
     assert torch.equal(logits, before)
     for i in range(len(rows)):  # the same row alone gets the same processed logits
-        alone = apply_pipeline(logits[i:i + 1], v.subset([i]))
+        alone = apply_pipeline(logits[i : i + 1], v.subset([i]))
         assert (i in batched.errors) == bool(alone.errors)
         if i not in batched.errors:
             assert torch.equal(alone.processed_RV[0], batched.processed_RV[i])
 
 
 def test_processor_description_in_trace_order():
-    p = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1, processors=[
-        "top_p", "repetition_penalty", "temperature"])
+    p = SamplingParams(
+        temperature=0.7, top_p=0.9, repetition_penalty=1.1, processors=["top_p", "repetition_penalty", "temperature"]
+    )
     assert p.pipeline_description() == ["top_p(0.9)", "repetition_penalty(1.1)", "temperature(0.7)", "gumbel_max"]
     assert SamplingParams(temperature=0).pipeline_description() == ["argmax"]
     assert math.isclose(SamplingParams(top_p=0.25).top_p, 0.25)

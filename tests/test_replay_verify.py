@@ -28,21 +28,43 @@ TINY_CFG = {"name": "tiny", "seed": 0}
 ENGINE_CFG = {"max_num_batched_tokens": 16, "max_num_seqs": 4, "num_kv_blocks": 256}
 
 MIXED = [
-    {"prompt_token_ids": [5, 6, 7, 8], "request_id": "greedy",
-     "sampling_params": SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)},
-    {"prompt_token_ids": list(range(40, 70)), "request_id": "nucleus", "arrival_step": 2,
-     "sampling_params": SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=7, ignore_eos=True)},
-    {"prompt": "Once upon a time", "request_id": "stop", "arrival_step": 4,
-     "sampling_params": SamplingParams(temperature=1.0, max_tokens=10, stop=["e"], seed=3)},
-    {"prompt_token_ids": [9, 9, 9], "request_id": "pair", "arrival_step": 1, "sampling_params": SamplingParams(
-        n=2, temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, max_tokens=6, ignore_eos=True)},
+    {
+        "prompt_token_ids": [5, 6, 7, 8],
+        "request_id": "greedy",
+        "sampling_params": SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+    },
+    {
+        "prompt_token_ids": list(range(40, 70)),
+        "request_id": "nucleus",
+        "arrival_step": 2,
+        "sampling_params": SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=7, ignore_eos=True),
+    },
+    {
+        "prompt": "Once upon a time",
+        "request_id": "stop",
+        "arrival_step": 4,
+        "sampling_params": SamplingParams(temperature=1.0, max_tokens=10, stop=["e"], seed=3),
+    },
+    {
+        "prompt_token_ids": [9, 9, 9],
+        "request_id": "pair",
+        "arrival_step": 1,
+        "sampling_params": SamplingParams(
+            n=2, temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, max_tokens=6, ignore_eos=True
+        ),
+    },
 ]
 
 
 def make_run(tiny, run_dir: Path, requests=MIXED, engine_cfg=ENGINE_CFG, flush_every_steps=64):
     engine = make_engine(tiny, **engine_cfg)
     ids = [engine.add_request(**r) for r in requests]
-    config = {"model": TINY_CFG, "engine": engine_cfg, "sampling": {}, "trace": {"flush_every_steps": flush_every_steps}}
+    config = {
+        "model": TINY_CFG,
+        "engine": engine_cfg,
+        "sampling": {},
+        "trace": {"flush_every_steps": flush_every_steps},
+    }
     return record(engine, ids, run_dir, config, flush_every_steps=flush_every_steps)
 
 
@@ -81,12 +103,15 @@ def test_replay_of_a_mixed_run_is_bit_identical(recorded_run, tmp_path):
     assert stop_rows[-1]["finish_reason"] in ("stop", "length")
 
 
-@pytest.mark.parametrize("column, change, field, kind", [
-    ("token_id", lambda t: (t + 1) % 49152, "token_id", "token"),
-    ("raw_logprob", lambda x: x - 0.001, "raw_logprob", "logprob"),
-    ("noise", lambda x: x + 1e-12, "noise", "noise"),
-    ("kept_sha256", lambda d: d[::-1], "kept_sha256", "support"),  # the sampling mask a row claims
-])
+@pytest.mark.parametrize(
+    "column, change, field, kind",
+    [
+        ("token_id", lambda t: (t + 1) % 49152, "token_id", "token"),
+        ("raw_logprob", lambda x: x - 0.001, "raw_logprob", "logprob"),
+        ("noise", lambda x: x + 1e-12, "noise", "noise"),
+        ("kept_sha256", lambda d: d[::-1], "kept_sha256", "support"),  # the sampling mask a row claims
+    ],
+)
 def test_tampering_one_value_is_reported_at_exactly_that_row(recorded_run, tmp_path, column, change, field, kind):
     run = copy_run(recorded_run, tmp_path / "run")
     edit_sample(run, "nucleus", 33, column, change)
@@ -94,8 +119,9 @@ def test_tampering_one_value_is_reported_at_exactly_that_row(recorded_run, tmp_p
     assert not report.identical
     assert [(d.request_id, d.position, d.field) for d in report.differences] == [("nucleus", 33, field)]
     # the first divergence (toolkit.trace.diverge, as the report names it) and its cause
-    assert [(d.request_id, d.position, d.kind, d.fields) for d in report.first_divergences] == \
-        [("nucleus", 33, kind, (field,))]
+    assert [(d.request_id, d.position, d.kind, d.fields) for d in report.first_divergences] == [
+        ("nucleus", 33, kind, (field,))
+    ]
     written = pq.read_table(tmp_path / "replay" / "divergence.parquet").to_pylist()
     assert [(r["request_id"], r["position"], r["field"]) for r in written] == [("nucleus", 33, field)]
 
@@ -131,8 +157,14 @@ def test_partial_trace_replays_and_verifies_the_rows_it_has(tiny, tmp_path):
             shutil.copytree(run_dir / REQUESTS_FILE, initial_requests / REQUESTS_FILE)
             shutil.copy(run_dir / OPEN_REQUESTS_FILE, initial_requests / OPEN_REQUESTS_FILE)
 
-    record(engine, ids, run_dir, {"model": TINY_CFG, "engine": ENGINE_CFG, "sampling": {}},
-           flush_every_steps=3, on_step=capture)
+    record(
+        engine,
+        ids,
+        run_dir,
+        {"model": TINY_CFG, "engine": ENGINE_CFG, "sampling": {}},
+        flush_every_steps=3,
+        on_step=capture,
+    )
     # what a kill -9 leaves: the last part not yet written, the request rows as they were at the start of the run
     parts = sorted((run_dir / "samples.parquet").glob("part-*.parquet"))
     assert len(parts) >= 3
@@ -195,13 +227,19 @@ def greedy_workloads(draw):
     requests = []
     for i in range(draw(st.integers(1, 4))):
         n = draw(st.integers(1, 30))
-        requests.append({"prompt_token_ids": draw(st.lists(st.integers(0, 49151), min_size=n, max_size=n)),
-                         "request_id": f"r{i}", "arrival_step": draw(st.integers(0, 5)),
-                         "sampling_params": SamplingParams(temperature=0.0, max_tokens=draw(st.integers(1, 6)),
-                                                           ignore_eos=True)})
-    overrides = [f"engine.max_num_batched_tokens={draw(st.integers(4, 40))}",
-                 f"engine.max_num_seqs={draw(st.integers(1, 4))}",
-                 f"engine.block_size={draw(st.sampled_from([1, 4, 16]))}"]
+        requests.append(
+            {
+                "prompt_token_ids": draw(st.lists(st.integers(0, 49151), min_size=n, max_size=n)),
+                "request_id": f"r{i}",
+                "arrival_step": draw(st.integers(0, 5)),
+                "sampling_params": SamplingParams(temperature=0.0, max_tokens=draw(st.integers(1, 6)), ignore_eos=True),
+            }
+        )
+    overrides = [
+        f"engine.max_num_batched_tokens={draw(st.integers(4, 40))}",
+        f"engine.max_num_seqs={draw(st.integers(1, 4))}",
+        f"engine.block_size={draw(st.sampled_from([1, 4, 16]))}",
+    ]
     return requests, overrides
 
 
@@ -218,8 +256,7 @@ def test_greedy_replay_under_random_scheduling_overrides_keeps_tokens(tiny, tmp_
 
 def test_cli_replay_and_verify_exit_codes(recorded_run, tmp_path):
     def cli(*args):
-        return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=600)
+        return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
     ok = cli("mode=replay", f"replay.trace={recorded_run}", f"hydra.run.dir={tmp_path / 'a'}")
     assert ok.returncode == 0 and ok.stdout.strip().splitlines()[-1].startswith("bit-identical"), ok.stderr
@@ -260,8 +297,13 @@ def test_replay_refuses_a_trace_recorded_under_other_kernel_numerics(tiny):
 
     engine = make_engine(tiny)
     here = native_kernels(engine)
-    manifest = {"weights_sha256": tiny.revision, "tokenizer_sha256": tiny.tokenizer.digest, "batch_invariant": False,
-                "matmul_backend": engine.matmul_backend, **here}
+    manifest = {
+        "weights_sha256": tiny.revision,
+        "tokenizer_sha256": tiny.tokenizer.digest,
+        "batch_invariant": False,
+        "matmul_backend": engine.matmul_backend,
+        **here,
+    }
     assert check_manifest(manifest, engine, allow_mismatch=False) == []
     other = "16 lanes, fma" if here["kernel_numerics"] != "16 lanes, fma" else "8 lanes, fma"
     manifest.update(kernel_numerics=other, native_kernels=f"x86-64-v4 ({other})", kernel_target="x86-64-v4")

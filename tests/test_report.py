@@ -36,15 +36,29 @@ ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("TOOLKIT_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 ENGINE_CFG = {"max_num_batched_tokens": 64, "max_num_seqs": 8, "num_kv_blocks": 256}
 REQUESTS = [
-    {"prompt": "The capital of France is", "request_id": "greedy",
-     "sampling_params": SamplingParams(temperature=0.0, max_tokens=10, logprobs=3, ignore_eos=True)},
-    {"prompt": "Write a haiku about the sea.", "request_id": "nucleus",
-     "sampling_params": SamplingParams(temperature=0.8, top_p=0.9, max_tokens=14, logprobs=5, seed=7)},
-    {"prompt": "List three colours:", "request_id": "topk_rep", "arrival_step": 2,
-     "sampling_params": SamplingParams(temperature=0.9, top_k=20, repetition_penalty=1.1, max_tokens=12, seed=3,
-                                       logprobs=4, ignore_eos=True)},
-    {"prompt": "Count: one, two,", "request_id": "stopped",
-     "sampling_params": SamplingParams(temperature=1.0, max_tokens=16, stop=[","], seed=11)},
+    {
+        "prompt": "The capital of France is",
+        "request_id": "greedy",
+        "sampling_params": SamplingParams(temperature=0.0, max_tokens=10, logprobs=3, ignore_eos=True),
+    },
+    {
+        "prompt": "Write a haiku about the sea.",
+        "request_id": "nucleus",
+        "sampling_params": SamplingParams(temperature=0.8, top_p=0.9, max_tokens=14, logprobs=5, seed=7),
+    },
+    {
+        "prompt": "List three colours:",
+        "request_id": "topk_rep",
+        "arrival_step": 2,
+        "sampling_params": SamplingParams(
+            temperature=0.9, top_k=20, repetition_penalty=1.1, max_tokens=12, seed=3, logprobs=4, ignore_eos=True
+        ),
+    },
+    {
+        "prompt": "Count: one, two,",
+        "request_id": "stopped",
+        "sampling_params": SamplingParams(temperature=1.0, max_tokens=16, stop=[","], seed=11),
+    },
 ]
 
 
@@ -54,8 +68,10 @@ def _browser_reason() -> str:
     if importlib.util.find_spec("playwright") is None:
         return "playwright is not installed (pip install -e '.[dev]')"
     if not CHROMIUM:
-        return ("no chromium on PATH: `make test` installs Debian's chromium as root (.ci/toolchains); "
-                "or set TOOLKIT_CHROMIUM=<browser binary>")
+        return (
+            "no chromium on PATH: `make test` installs Debian's chromium as root (.ci/toolchains); "
+            "or set TOOLKIT_CHROMIUM=<browser binary>"
+        )
     return ""
 
 
@@ -107,14 +123,22 @@ def test_first_divergence_names_the_changed_field_and_its_cause(real_run):
     assert first_divergences(seqs, seqs) == []
 
     def nudge(r):  # a later stage of the pipeline, changed as a change upstream would change it
-        return {"token_id": r["token_id"] + 1, "noise": (r["noise"] if r["noise"] == r["noise"] else 0.0) + 1e-12,
-                "raw_logprob": float(np.nextafter(f32(r["raw_logprob"]), f32(0))),
-                "processed_logprob": float(np.nextafter(f32(r["processed_logprob"]), f32(0)))}
+        return {
+            "token_id": r["token_id"] + 1,
+            "noise": (r["noise"] if r["noise"] == r["noise"] else 0.0) + 1e-12,
+            "raw_logprob": float(np.nextafter(f32(r["raw_logprob"]), f32(0))),
+            "processed_logprob": float(np.nextafter(f32(r["processed_logprob"]), f32(0))),
+        }
 
     # each change also moves everything downstream of it, as a real one does: the cause is the most upstream
     changes = {
-        "logits": lambda r: {**r, **nudge(r), "logits_sha256": "0" * 64, "kept_sha256": "f" * 64,
-                             "support_size": r["support_size"] - 1},
+        "logits": lambda r: {
+            **r,
+            **nudge(r),
+            "logits_sha256": "0" * 64,
+            "kept_sha256": "f" * 64,
+            "support_size": r["support_size"] - 1,
+        },
         "support": lambda r: {**r, **nudge(r), "kept_sha256": "f" * 64, "support_size": r["support_size"] - 1},
         "noise": lambda r: {**r, **nudge(r)},
         "token": lambda r: {**r, "token_id": r["token_id"] + 1, "raw_logprob": nudge(r)["raw_logprob"]},
@@ -128,7 +152,7 @@ def test_first_divergence_names_the_changed_field_and_its_cause(real_run):
         rows = seqs[key]
         k = data.draw(st.integers(0, len(rows) - 1))
         changed = dict(seqs)
-        changed[key] = rows[:k] if kind == "length" else rows[:k] + [changes[kind](rows[k])] + rows[k + 1:]
+        changed[key] = rows[:k] if kind == "length" else rows[:k] + [changes[kind](rows[k])] + rows[k + 1 :]
         (d,) = first_divergences(seqs, changed)
         assert (d.request_id, d.stream, d.position, d.index, d.kind) == (*key, rows[k]["position"], k, kind)
         assert d.token_index == (k if kind in ("logits", "support", "noise", "token") else None)
@@ -164,8 +188,12 @@ def test_every_request_renders_its_tokens_and_a_hovered_token_shows_its_trace_va
             else:
                 assert float(value("noise")) == r["noise"]  # float64, exactly
             assert value("processors") == " → ".join(r["processors"])
-            shown = {int(t) for t in detail.page.locator(".alternatives tr[data-token]").evaluate_all(
-                "rows => rows.map(r => r.dataset.token)")}
+            shown = {
+                int(t)
+                for t in detail.page.locator(".alternatives tr[data-token]").evaluate_all(
+                    "rows => rows.map(r => r.dataset.token)"
+                )
+            }
             assert shown == {e["token_id"] for e in (r["top_raw"] or []) + (r["top_processed"] or [])}
     rows.nth(0).click()  # greedy: 10 tokens
     tokens.nth(1).click()  # a click pins the details: hovering elsewhere leaves them
@@ -180,11 +208,14 @@ def test_every_request_renders_its_tokens_and_a_hovered_token_shows_its_trace_va
         page.wait_for_timeout(300)
         page.screenshot(path=str(tmp_path / f"{view}.png"))
     assert page.locator("#timeline .main-svg").count() > 0  # Plotly drew the engine timeline
-    assert page.locator("#manifest [data-key=weights_sha256]").inner_text() == \
-        __import__("json").loads((real_run / "manifest.json").read_text())["weights_sha256"]
+    assert (
+        page.locator("#manifest [data-key=weights_sha256]").inner_text()
+        == __import__("json").loads((real_run / "manifest.json").read_text())["weights_sha256"]
+    )
     assert page.errors == []
-    assert all(u.startswith("file:") or u.startswith("data:") or u.startswith("blob:") for u in page.requests_made), \
-        page.requests_made  # no network: everything is inlined
+    assert all(u.startswith("file:") or u.startswith("data:") or u.startswith("blob:") for u in page.requests_made), (
+        page.requests_made
+    )  # no network: everything is inlined
     assert (tmp_path / "requests.png").stat().st_size > 10_000
 
 
@@ -202,6 +233,7 @@ def test_the_colour_toggle_colours_by_processed_probability(real_run, browser):
 
 def _expected_first(a: Path, b: Path) -> dict[tuple[str, int], int]:
     """Independently of the report: each sequence's first position whose token or logits digest differ."""
+
     def rows(run):
         out = {}
         for r in read_samples(run).to_pylist():
@@ -223,19 +255,34 @@ def test_the_two_run_view_names_the_first_divergence_of_a_changed_replay(real_ru
     """mode=replay with int8 KV: the replay writes report.html (recorded vs replayed); its table lists exactly
     the sequences that part, at the right position, with the numerical cause, and the strips mark that token."""
     out = tmp_path / "replay"
-    done = subprocess.run([sys.executable, "run.py", "mode=replay", f"replay.trace={real_run}",
-                           "replay.overrides=['engine.kv_cache_dtype=int8']", "replay.allow_mismatch=true",
-                           f"hydra.run.dir={out}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "run.py",
+            "mode=replay",
+            f"replay.trace={real_run}",
+            "replay.overrides=['engine.kv_cache_dtype=int8']",
+            "replay.allow_mismatch=true",
+            f"hydra.run.dir={out}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 1, done.stdout + done.stderr  # int8 KV changes logits: the replay diverges
     assert "see it:" in done.stdout and (out / "report.html").exists()
     expected = _expected_first(real_run, out)
     assert expected, "the int8 replay should diverge"
     page = open_report(browser, out / "report.html")
     table = page.locator("#div-table tr.req")
-    shown = {(table.nth(i).get_attribute("data-request"), int(table.nth(i).get_attribute("data-stream"))):
-             (int(table.nth(i).get_attribute("data-position")), table.nth(i).get_attribute("data-kind"))
-             for i in range(table.count())}
+    shown = {
+        (table.nth(i).get_attribute("data-request"), int(table.nth(i).get_attribute("data-stream"))): (
+            int(table.nth(i).get_attribute("data-position")),
+            table.nth(i).get_attribute("data-kind"),
+        )
+        for i in range(table.count())
+    }
     assert {k: p for k, (p, _) in shown.items()} == expected
     assert {kind for _, kind in shown.values()} == {"logits"}
     trace = sequences(read_samples(real_run).to_pylist())
@@ -263,15 +310,18 @@ def test_a_sampling_change_is_named_noise_or_support(real_run, browser, tmp_path
     divergence, so the causes are the noise and the kept set."""
     changed = [dict(r) for r in REQUESTS]
     changed[1]["sampling_params"] = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=14, logprobs=5, seed=8)
-    changed[2]["sampling_params"] = SamplingParams(temperature=0.9, top_k=5, repetition_penalty=1.1, max_tokens=12,
-                                                   seed=3, logprobs=4, ignore_eos=True)
+    changed[2]["sampling_params"] = SamplingParams(
+        temperature=0.9, top_k=5, repetition_penalty=1.1, max_tokens=12, seed=3, logprobs=4, ignore_eos=True
+    )
     engine = make_engine(smollm2, **ENGINE_CFG)
     ids = [engine.add_request(**r) for r in changed]
     record(engine, ids, tmp_path / "b", {"engine": ENGINE_CFG, "sampling": {}})
     report = write_report(real_run, tmp_path / "b", tmp_path / "ab.html")
     page = open_report(browser, report)
-    kinds = {r: page.locator(f"#div-table tr.req[data-request='{r}']").get_attribute("data-kind")
-             for r in ("nucleus", "topk_rep")}
+    kinds = {
+        r: page.locator(f"#div-table tr.req[data-request='{r}']").get_attribute("data-kind")
+        for r in ("nucleus", "topk_rep")
+    }
     assert kinds == {"nucleus": "noise", "topk_rep": "support"}
     assert page.locator("#div-table tr.req[data-request='greedy']").count() == 0  # unchanged: no divergence
     assert page.errors == []
@@ -293,11 +343,22 @@ def _large_run(src: Path, dst: Path, requests: int = 1000, rows_each: int = 100)
             lps = np.sort(-rng.exponential(2.0, 6).astype(np.float32))[::-1]
             ids = rng.integers(0, 49152, 6)
             top = [{"token_id": int(t), "logprob": float(v)} for t, v in zip(ids[1:], lps[1:])]
-            r.update(request_id=rid, stream=0, position=100 + k, step=k + i // 8, token_id=int(ids[0]),
-                     raw_logprob=float(lps[0]), processed_logprob=float(lps[0] * 0.9), noise=float(rng.gumbel()),
-                     logits_sha256=rng.bytes(32).hex(), support_size=int(rng.integers(1, 49152)),
-                     top_raw=top, top_processed=[{**e, "logprob": e["logprob"] * 0.9} for e in top], t_emit_s=float(rng.uniform(0, 600)),
-                     finish_reason="length" if k == rows_each - 1 else None)
+            r.update(
+                request_id=rid,
+                stream=0,
+                position=100 + k,
+                step=k + i // 8,
+                token_id=int(ids[0]),
+                raw_logprob=float(lps[0]),
+                processed_logprob=float(lps[0] * 0.9),
+                noise=float(rng.gumbel()),
+                logits_sha256=rng.bytes(32).hex(),
+                support_size=int(rng.integers(1, 49152)),
+                top_raw=top,
+                top_processed=[{**e, "logprob": e["logprob"] * 0.9} for e in top],
+                t_emit_s=float(rng.uniform(0, 600)),
+                finish_reason="length" if k == rows_each - 1 else None,
+            )
             out.append(r)
         reqs.append({**request_rows[i % len(request_rows)], "request_id": rid, "stream": 0, "arrival_index": i})
     shutil.rmtree(dst / "samples.parquet")
@@ -317,8 +378,8 @@ def test_a_100k_row_run_gives_a_small_report_that_opens_and_pages(real_run, brow
     assert rows == 100_000
     report = write_report(tmp_path / "large")
     size = report.stat().st_size
-    print(f"100,000-row report: {size / 2 ** 20:.1f} MB")
-    assert size < 20 * 2 ** 20
+    print(f"100,000-row report: {size / 2**20:.1f} MB")
+    assert size < 20 * 2**20
     page = open_report(browser, report, timeout_ms=120_000)
     assert page.locator("#req-table tr.req").count() == 100  # a page of the list, not 1,000 rows
     assert "page 1 of 10" in page.locator("#page-label").inner_text()
@@ -338,8 +399,20 @@ def test_an_audited_transcript_without_engine_fields_renders(real_run, browser, 
     shutil.rmtree(run / "steps.parquet", ignore_errors=True)
     for part in (run / "samples.parquet").glob("part-*.parquet"):
         table = pq.read_table(part)
-        rows = [{**r, "step": None, "batch_size": None, "step_tokens": None, "noise": None, "logits_sha256": None,
-                 "kept_sha256": None, "t_emit_s": None, "support_size": None} for r in table.to_pylist()]
+        rows = [
+            {
+                **r,
+                "step": None,
+                "batch_size": None,
+                "step_tokens": None,
+                "noise": None,
+                "logits_sha256": None,
+                "kept_sha256": None,
+                "t_emit_s": None,
+                "support_size": None,
+            }
+            for r in table.to_pylist()
+        ]
         pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), part)
     page = open_report(browser, write_report(run))
     page.locator("#strip .tok").nth(0).hover()
@@ -356,14 +429,31 @@ def test_speculation_grammar_and_parallel_samples_show_their_fields(tiny, browse
     from toolkit.config import EngineConfig, SpeculativeConfig
     from toolkit.engine.core import Engine
 
-    engine = Engine(tiny, EngineConfig(**ENGINE_CFG), SamplingParams(temperature=0.0),
-                    SpeculativeConfig(method="ngram", num_speculative_tokens=3))
-    ids = [engine.add_request(prompt="a b c a b c a b", request_id="spec", sampling_params=SamplingParams(
-               temperature=0.0, max_tokens=12, ignore_eos=True)),
-           engine.add_request(prompt="JSON:", request_id="json", sampling_params=SamplingParams(
-               temperature=0.7, max_tokens=10, seed=1, structured_outputs={"json": {"type": "object"}})),
-           engine.add_request(prompt="Two:", request_id="pair", sampling_params=SamplingParams(
-               n=2, temperature=1.0, max_tokens=6, seed=2, ignore_eos=True))]
+    engine = Engine(
+        tiny,
+        EngineConfig(**ENGINE_CFG),
+        SamplingParams(temperature=0.0),
+        SpeculativeConfig(method="ngram", num_speculative_tokens=3),
+    )
+    ids = [
+        engine.add_request(
+            prompt="a b c a b c a b",
+            request_id="spec",
+            sampling_params=SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        ),
+        engine.add_request(
+            prompt="JSON:",
+            request_id="json",
+            sampling_params=SamplingParams(
+                temperature=0.7, max_tokens=10, seed=1, structured_outputs={"json": {"type": "object"}}
+            ),
+        ),
+        engine.add_request(
+            prompt="Two:",
+            request_id="pair",
+            sampling_params=SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=2, ignore_eos=True),
+        ),
+    ]
     record(engine, ids, tmp_path / "run", {"engine": ENGINE_CFG, "sampling": {}})
     seqs = sequences(read_samples(tmp_path / "run").to_pylist())
     page = open_report(browser, write_report(tmp_path / "run"))
@@ -390,15 +480,23 @@ def test_speculation_grammar_and_parallel_samples_show_their_fields(tiny, browse
 
 def test_mode_report_writes_the_page_and_refuses_bad_arguments_in_one_line(real_run, tmp_path):
     def cli(*args):
-        return subprocess.run([sys.executable, "run.py", "mode=report", *args, f"hydra.run.dir={tmp_path / 'h'}"],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, "run.py", "mode=report", *args, f"hydra.run.dir={tmp_path / 'h'}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     ok = cli(f"report.run={real_run}", f"report.out={tmp_path / 'r.html'}")
     assert ok.returncode == 0 and (tmp_path / "r.html").exists(), ok.stderr
     html = (tmp_path / "r.html").read_text()
     assert "<script src" not in html and "<link " not in html  # nothing to fetch: scripts and styles inlined
-    for args, words in ((), "needs report.run"), ((f"report.run={tmp_path}",), "not a run directory"), \
-            ((f"report.run={real_run}", f"report.against={tmp_path / 'nope'}"), "report.against"):
+    for args, words in (
+        ((), "needs report.run"),
+        ((f"report.run={tmp_path}",), "not a run directory"),
+        ((f"report.run={real_run}", f"report.against={tmp_path / 'nope'}"), "report.against"),
+    ):
         bad = cli(*args)
         assert bad.returncode == 2 and words in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1

@@ -23,8 +23,7 @@ def draw(n: int, seed: int = 7, scale: float = 1.0) -> list[int]:
         rows = [SampleRow(greedy=False, seed=seed, position=p, stream=0) for p in range(n)]
         return sample(LOGITS.repeat(n, 1), LOGITS.repeat(n, 1), rows).token_ids
     hashes = rng.token_hashes(len(LOGITS), torch.device("cpu"))
-    return [int(torch.argmax(LOGITS.double() + scale * rng.gumbel(rng.row_key(seed, p, 0), hashes)))
-            for p in range(n)]
+    return [int(torch.argmax(LOGITS.double() + scale * rng.gumbel(rng.row_key(seed, p, 0), hashes))) for p in range(n)]
 
 
 @pytest.mark.native
@@ -55,9 +54,14 @@ def test_noise_is_a_function_of_the_key_and_token_only():
 
 @pytest.mark.native
 @settings(max_examples=40)
-@given(seed=st.integers(0, 2**63 - 1), position=st.integers(0, 10**6), stream=st.integers(0, 8),
-       others=st.lists(st.tuples(st.integers(0, 2**40), st.integers(0, 5000), st.booleans()), max_size=6),
-       where=st.integers(0, 6), torch_seed=st.integers(0, 1000))
+@given(
+    seed=st.integers(0, 2**63 - 1),
+    position=st.integers(0, 10**6),
+    stream=st.integers(0, 8),
+    others=st.lists(st.tuples(st.integers(0, 2**40), st.integers(0, 5000), st.booleans()), max_size=6),
+    where=st.integers(0, 6),
+    torch_seed=st.integers(0, 1000),
+)
 def test_same_key_gives_the_same_token_whatever_the_batch(seed, position, stream, others, where, torch_seed):
     vocab = 64
     gen = torch.Generator().manual_seed(torch_seed)
@@ -103,9 +107,14 @@ SPECIAL = st.sampled_from([float("nan"), float("inf"), float("-inf"), 0.0, 80.0,
 @pytest.mark.native
 @native_only
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, 12), vocab=st.sampled_from([1, 15, 16, 17, 100, 49152]), scale=st.sampled_from([0.1, 10.0]),
-       specials=st.lists(st.tuples(st.integers(0, 11), st.integers(0, 49151), SPECIAL), max_size=6),
-       ties=st.booleans(), seed=st.integers(0, 1000))
+@given(
+    rows=st.integers(1, 12),
+    vocab=st.sampled_from([1, 15, 16, 17, 100, 49152]),
+    scale=st.sampled_from([0.1, 10.0]),
+    specials=st.lists(st.tuples(st.integers(0, 11), st.integers(0, 49151), SPECIAL), max_size=6),
+    ties=st.booleans(),
+    seed=st.integers(0, 1000),
+)
 def test_native_logsumexp_and_argmax_are_torchs(rows, vocab, scale, specials, ties, seed):
     """The sampler's C row kernels: argmax is torch's exactly (first maximal index, NaN wins, every
     entry -inf gives 0), logsumexp within 4e-7 relative of torch's and the same non-finite values."""
@@ -129,14 +138,32 @@ def test_native_logsumexp_and_argmax_are_torchs(rows, vocab, scale, specials, ti
 
 @pytest.mark.native
 @settings(max_examples=25, deadline=None)
-@given(params=st.lists(st.fixed_dictionaries({
-    "temperature": st.sampled_from([0.0, 0.5, 1.0, 1.3]), "top_k": st.sampled_from([0, 1, 7, 100, 10**6]),
-    "top_p": st.sampled_from([1.0, 0.9, 0.5, 0.01]), "min_p": st.sampled_from([0.0, 0.1]),
-    "repetition_penalty": st.sampled_from([1.0, 1.2, 0.8]), "seed": st.integers(0, 2**32),
-    "processors": st.sampled_from([None, ["temperature", "top_p", "min_p", "top_k", "repetition_penalty"],
-                                   ["repetition_penalty", "top_k", "temperature", "min_p", "top_p"]])}),
-    min_size=1, max_size=6),
-       vocab=st.sampled_from([50, 1000, 4099]), torch_seed=st.integers(0, 1000), seen_max=st.booleans())
+@given(
+    params=st.lists(
+        st.fixed_dictionaries(
+            {
+                "temperature": st.sampled_from([0.0, 0.5, 1.0, 1.3]),
+                "top_k": st.sampled_from([0, 1, 7, 100, 10**6]),
+                "top_p": st.sampled_from([1.0, 0.9, 0.5, 0.01]),
+                "min_p": st.sampled_from([0.0, 0.1]),
+                "repetition_penalty": st.sampled_from([1.0, 1.2, 0.8]),
+                "seed": st.integers(0, 2**32),
+                "processors": st.sampled_from(
+                    [
+                        None,
+                        ["temperature", "top_p", "min_p", "top_k", "repetition_penalty"],
+                        ["repetition_penalty", "top_k", "temperature", "min_p", "top_p"],
+                    ]
+                ),
+            }
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    vocab=st.sampled_from([50, 1000, 4099]),
+    torch_seed=st.integers(0, 1000),
+    seen_max=st.booleans(),
+)
 def test_the_sampler_applying_the_pipeline_tail_changes_nothing(params, vocab, torch_seed, seen_max):
     """apply_pipeline(defer_tail=True) leaves each row's trailing temperature / top-k / top-p to the sampler
     (one native pass a row); the engine's result must be what the whole pipeline then the sampler give:
@@ -150,10 +177,13 @@ def test_the_sampler_applying_the_pipeline_tail_changes_nothing(params, vocab, t
     gen = torch.Generator().manual_seed(torch_seed)
     rows = [SamplingParams(max_tokens=4, logprobs=3, **p) for p in params]
     logits = torch.randn(len(rows), vocab, generator=gen) * 4
-    history = [torch.randint(0, vocab, (5,), generator=gen).tolist() + ([int(row.argmax())] if seen_max else [])
-               for row in logits]
-    view = BatchView(rows=tuple(RowState(p, h, 3, ()) for p, h in zip(rows, history)), vocab_size=vocab,
-                     device=logits.device)
+    history = [
+        torch.randint(0, vocab, (5,), generator=gen).tolist() + ([int(row.argmax())] if seen_max else [])
+        for row in logits
+    ]
+    view = BatchView(
+        rows=tuple(RowState(p, h, 3, ()) for p, h in zip(rows, history)), vocab_size=vocab, device=logits.device
+    )
     srows = [SampleRow(greedy=p.greedy, seed=p.seed, position=9, stream=0, num_top=3) for p in rows]
     lse = logsumexp_rows(logits)
     results, processed = [], None
@@ -169,8 +199,10 @@ def test_the_sampler_applying_the_pipeline_tail_changes_nothing(params, vocab, t
 
     import numpy as np
 
-    want = [hashlib.sha256(np.packbits(torch.isfinite(row).numpy(), bitorder="little").tobytes()).hexdigest()
-            for row in processed]
+    want = [
+        hashlib.sha256(np.packbits(torch.isfinite(row).numpy(), bitorder="little").tobytes()).hexdigest()
+        for row in processed
+    ]
     assert whole.kept_sha256 == want and deferred.kept_sha256 == want
     assert deferred.token_ids == whole.token_ids and deferred.support_sizes == whole.support_sizes
     assert [float(n).hex() for n in deferred.noise] == [float(n).hex() for n in whole.noise]
@@ -179,8 +211,17 @@ def test_the_sampler_applying_the_pipeline_tail_changes_nothing(params, vocab, t
 
 
 @settings(max_examples=50, deadline=None)
-@given(rows=st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**40), st.integers(0, 2**31),
-                               st.sampled_from([rng.SAMPLE, rng.DRAFT, rng.ACCEPT, rng.RESIDUAL])), max_size=40))
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.integers(0, 2**64 - 1),
+            st.integers(0, 2**40),
+            st.integers(0, 2**31),
+            st.sampled_from([rng.SAMPLE, rng.DRAFT, rng.ACCEPT, rng.RESIDUAL]),
+        ),
+        max_size=40,
+    )
+)
 def test_batched_row_keys_are_row_key(rows):
     """rng.row_keys (numpy words, a step's rows at once) gives row_key's two words for every row."""
     assert rng.row_keys(rows) == [rng.row_key(*row) for row in rows]
@@ -188,9 +229,16 @@ def test_batched_row_keys_are_row_key(rows):
 
 @pytest.mark.native
 @native_only
-@pytest.mark.parametrize("ops", [(("temperature", 0.5), ("top_p", 0.9)), (("temperature", 1.3), ("top_k", 7)),
-                                 (("temperature", 0.5),), (("top_k", 7), ("temperature", 0.7)),
-                                 (("temperature", 0.9), ("top_k", 50), ("top_p", 0.8))])
+@pytest.mark.parametrize(
+    "ops",
+    [
+        (("temperature", 0.5), ("top_p", 0.9)),
+        (("temperature", 1.3), ("top_k", 7)),
+        (("temperature", 0.5),),
+        (("top_k", 7), ("temperature", 0.7)),
+        (("temperature", 0.9), ("top_k", 50), ("top_p", 0.8)),
+    ],
+)
 def test_a_penalty_made_in_the_sampler_pass_moves_the_row_maximum_bit_for_bit(ops):
     """The sampler's kernel carries each row's maxima from its temperature pass instead of reading the row again;
     a repetition penalty made in that pass may move them (the largest logit penalised down, or up by a factor
@@ -204,13 +252,43 @@ def test_a_penalty_made_in_the_sampler_pass_moves_the_row_maximum_bit_for_bit(op
     x[16, 100:102] = torch.tensor([float("nan"), float("inf")])  # a penalised row's own NaN: raw logsumexp NaN
     top2 = x.topk(2, dim=1).indices
     seen = [[int(top2[r, 0])] for r in range(12)] + [  # rows 0-11: the largest logit, by factors over and under 1
-        [int(top2[12, 0]), int(top2[12, 1])], [int(top2[13, 1])], [3, 3, int(top2[14, 0])], [], [5], [7], [9, 10],
-        [int(top2[19, 0])]]
-    factor = [1.1, 1.2, 1.3, 1.5, 2.0, 3.0, 1.05, 1.15, 1.25, 0.8, 0.5, 0.9, 1.2, 0.8, 1.5, 1.0, 1.3,
-              float("inf"), float("inf"), 0.5]
+        [int(top2[12, 0]), int(top2[12, 1])],
+        [int(top2[13, 1])],
+        [3, 3, int(top2[14, 0])],
+        [],
+        [5],
+        [7],
+        [9, 10],
+        [int(top2[19, 0])],
+    ]
+    factor = [
+        1.1,
+        1.2,
+        1.3,
+        1.5,
+        2.0,
+        3.0,
+        1.05,
+        1.15,
+        1.25,
+        0.8,
+        0.5,
+        0.9,
+        1.2,
+        0.8,
+        1.5,
+        1.0,
+        1.3,
+        float("inf"),
+        float("inf"),
+        0.5,
+    ]
     rows = [r for r, ids in enumerate(seen) for _ in ids]
-    patches = Patches(torch.tensor(rows), torch.tensor([c for ids in seen for c in ids]),
-                      torch.tensor([factor[r] for r in rows], dtype=torch.float32))
+    patches = Patches(
+        torch.tensor(rows),
+        torch.tensor([c for ids in seen for c in ids]),
+        torch.tensor([factor[r] for r in rows], dtype=torch.float32),
+    )
     keys = [(5, r) for r in range(20)]
     got = sample_tail_cpu(x, [ops] * 20, keys, patches=patches, raw_logsumexp=True)
     want = sample_tail_cpu(patches.apply(x), [ops] * 20, keys)
@@ -218,8 +296,11 @@ def test_a_penalty_made_in_the_sampler_pass_moves_the_row_maximum_bit_for_bit(op
     assert torch.equal(got.raw_logsumexp_R.view(torch.int32), logsumexp_cpu(x).view(torch.int32))
     assert got.tokens == want.tokens and got.support == want.support
     assert [float(n).hex() for n in got.noise] == [float(n).hex() for n in want.noise]
-    for a, b in ((got.logsumexp_R, want.logsumexp_R), (got.picked_R, want.picked_R),
-                 (got.processed_RV, want.processed_RV)):
+    for a, b in (
+        (got.logsumexp_R, want.logsumexp_R),
+        (got.picked_R, want.picked_R),
+        (got.processed_RV, want.processed_RV),
+    ):
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
     part = [r for r in range(20) if got.support[r] < 4099]  # kept masks are written for these rows only
     assert torch.equal(got.kept_bits_RB[part], want.kept_bits_RB[part])

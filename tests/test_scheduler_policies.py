@@ -23,15 +23,22 @@ POLICIES = ("fused", "two_forwards", "prefill_first", "no_chunking")
 def _requests():
     """Short and long prompts (longer than the 32-token budget) arriving while others decode."""
     lengths, arrivals = (12, 70, 9, 45, 20, 90), (0, 0, 2, 3, 5, 6)
-    return [{"prompt_token_ids": [(7 * i + 3 * j) % 500 + 10 for j in range(n)], "request_id": f"r{i}",
-             "arrival_step": a, "sampling_params": SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)}
-            for i, (n, a) in enumerate(zip(lengths, arrivals))]
+    return [
+        {
+            "prompt_token_ids": [(7 * i + 3 * j) % 500 + 10 for j in range(n)],
+            "request_id": f"r{i}",
+            "arrival_step": a,
+            "sampling_params": SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+        }
+        for i, (n, a) in enumerate(zip(lengths, arrivals))
+    ]
 
 
 def _run(tiny, policy, **cfg):
     """Every request through an engine with this policy; returns (engine, outputs, batches seen by the runner)."""
-    engine = make_engine(tiny, scheduler_policy=policy, max_num_batched_tokens=32, max_num_seqs=8,
-                         batch_invariant=not NATIVE_OFF, **cfg)
+    engine = make_engine(
+        tiny, scheduler_policy=policy, max_num_batched_tokens=32, max_num_seqs=8, batch_invariant=not NATIVE_OFF, **cfg
+    )
     batches = []
     run = engine.runner.run
 
@@ -78,6 +85,7 @@ def test_two_forwards_makes_two_forwards_on_a_mixed_step_and_fused_one(runs):
         assert sum(mixed) >= 3  # the workload has mixed steps
         want = [2 if m and policy == "two_forwards" else 1 for m in mixed]
         assert [s.forwards for s in steps] == want, policy
+
     # the same schedule: the same batches step by step
     def shape(policy):
         return [tuple((c.seq_id, c.start_pos, c.num_tokens) for c in b.chunks) for b, _, _ in runs[policy][2]]
@@ -126,8 +134,11 @@ def test_policy_is_in_the_manifest_and_the_itl_percentiles_are_the_traces(tiny, 
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["scheduler_policy"] == "no_chunking" and manifest["may_exceed_token_budget"] is True
     rows = sorted(read_samples(tmp_path).to_pylist(), key=lambda r: (r["request_id"], r["stream"], r["position"]))
-    gaps = [b["t_emit_s"] - a["t_emit_s"] for a, b in zip(rows, rows[1:])
-            if (a["request_id"], a["stream"]) == (b["request_id"], b["stream"])]
+    gaps = [
+        b["t_emit_s"] - a["t_emit_s"]
+        for a, b in zip(rows, rows[1:])
+        if (a["request_id"], a["stream"]) == (b["request_id"], b["stream"])
+    ]
     s = recorded.summary
     assert len(gaps) == 6 * 5
     for q in (50, 95, 99):
@@ -157,8 +168,11 @@ def test_a_bad_policy_is_a_one_line_error():
 
 BUNDLES = {  # each experiment bundle, shrunk for the suite
     "interleaving": ["scheduling.num_requests=6", "scheduling.max_tokens=6"],
-    "chunked_prefill": ["scheduling.num_requests=6", "scheduling.max_tokens=4",
-                        "scheduling.sweep.max_num_batched_tokens=[64,2048]"],
+    "chunked_prefill": [
+        "scheduling.num_requests=6",
+        "scheduling.max_tokens=4",
+        "scheduling.sweep.max_num_batched_tokens=[64,2048]",
+    ],
     "batch_latency": ["scheduling.num_requests=6", "scheduling.max_tokens=4", "scheduling.sweep.max_num_seqs=[1,4]"],
     "continuous_batching": [],
 }
@@ -172,9 +186,21 @@ def test_each_experiment_bundle_composes_and_runs_on_tiny(bundle, tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(root / "run.py"), f"experiment={bundle}", "model=tiny",
-                           BATCH_INVARIANT_OVERRIDE, f"hydra.run.dir={tmp_path}", *BUNDLES[bundle]],
-                          capture_output=True, text=True, cwd=root, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(root / "run.py"),
+            f"experiment={bundle}",
+            "model=tiny",
+            BATCH_INVARIANT_OVERRIDE,
+            f"hydra.run.dir={tmp_path}",
+            *BUNDLES[bundle],
+        ],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "scheduling.json").read_text())
     assert report["greedy_tokens_agree"] is True
@@ -194,11 +220,18 @@ def test_a_policy_run_replays_bit_for_bit(tiny, tmp_path, policy):
     """The policy is part of the recorded config: replay rebuilds the same schedule and the same bits."""
     from toolkit.reproduce.replay import replay
 
-    engine = make_engine(tiny, scheduler_policy=policy, max_num_batched_tokens=32, max_num_seqs=8,
-                         sampling=SamplingParams())
-    ids = [engine.add_request(**{**r, "sampling_params": SamplingParams(temperature=0.8, top_p=0.9, seed=5,
-                                                                         max_tokens=6, ignore_eos=True)})
-           for r in _requests()]
+    engine = make_engine(
+        tiny, scheduler_policy=policy, max_num_batched_tokens=32, max_num_seqs=8, sampling=SamplingParams()
+    )
+    ids = [
+        engine.add_request(
+            **{
+                **r,
+                "sampling_params": SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=6, ignore_eos=True),
+            }
+        )
+        for r in _requests()
+    ]
     record(engine, ids, tmp_path / "run", {"mode": "run"})
     report = replay(tmp_path / "run", [], out_dir=tmp_path / "replay")
     assert report.identical, report.summary_line()
@@ -213,8 +246,13 @@ def test_mode_scheduling_records_each_variant_and_tabulates_its_figures(tiny, tm
     from toolkit.bench.scheduling import compare_variants
     from toolkit.config import EngineConfig
 
-    s = {"workload": "standard", "num_requests": 4, "max_tokens": 6, "warmup": False,
-         "variants": {"wide": {}, "narrow": {"max_num_batched_tokens": 64}}}
+    s = {
+        "workload": "standard",
+        "num_requests": 4,
+        "max_tokens": 6,
+        "warmup": False,
+        "variants": {"wide": {}, "narrow": {"max_num_batched_tokens": 64}},
+    }
     report = compare_variants(tiny, EngineConfig(num_kv_blocks=256), s, tmp_path)
     for name in ("wide", "narrow"):
         row = report["variants"][name]
@@ -228,8 +266,12 @@ def test_mode_scheduling_records_each_variant_and_tabulates_its_figures(tiny, tm
 def test_batch_vs_single_takes_the_widest_batch_with_enough_steps():
     from toolkit.runs.metrics import batch_vs_single
 
-    by = {"1": {"steps": 4, "p50_s": 0.010}, "6": {"steps": 9, "p50_s": 0.012}, "10": {"steps": 3, "p50_s": 0.015},
-          "12": {"steps": 2, "p50_s": 0.020}}
+    by = {
+        "1": {"steps": 4, "p50_s": 0.010},
+        "6": {"steps": 9, "p50_s": 0.012},
+        "10": {"steps": 3, "p50_s": 0.015},
+        "12": {"steps": 2, "p50_s": 0.020},
+    }
     assert batch_vs_single(by) == (10, pytest.approx(1.5))  # batch 12 has too few steps to say
     assert batch_vs_single({**by, "1": {"steps": 2, "p50_s": 0.01}}) is None  # nor has batch 1 here
     assert batch_vs_single({"1": by["1"]}) is None

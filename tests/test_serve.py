@@ -54,11 +54,13 @@ def test_completion_is_what_the_engine_computes(server, smollm2):
     c = client(server)
     assert [m.id for m in c.models.list().data] == ["smollm2"]
     got = c.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=12, temperature=0)
-    want = make_engine(smollm2).generate([{"prompt": "The capital of France is",
-                                          "sampling_params": SamplingParams(temperature=0, max_tokens=12)}])[0]
+    want = make_engine(smollm2).generate(
+        [{"prompt": "The capital of France is", "sampling_params": SamplingParams(temperature=0, max_tokens=12)}]
+    )[0]
     assert got.choices[0].text == want.text
     assert got.usage.completion_tokens == len(want.output_token_ids) and got.usage.prompt_tokens == len(
-        want.prompt_token_ids)
+        want.prompt_token_ids
+    )
     assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
 
 
@@ -66,8 +68,9 @@ def test_token_id_prompts_batches_and_n(server):
     c = client(server)
     one = c.completions.create(model="smollm2", prompt=[504, 3575, 282], max_tokens=4, temperature=0)
     assert one.choices[0].finish_reason in ("length", "stop") and one.usage.prompt_tokens == 3
-    many = c.completions.create(model="smollm2", prompt=[[504, 3575, 282], [504, 3575, 282, 314]], n=2, max_tokens=5,
-                                temperature=1.0, seed=3)
+    many = c.completions.create(
+        model="smollm2", prompt=[[504, 3575, 282], [504, 3575, 282, 314]], n=2, max_tokens=5, temperature=1.0, seed=3
+    )
     assert sorted(ch.index for ch in many.choices) == [0, 1, 2, 3]
     assert many.usage.prompt_tokens == 7 and many.usage.completion_tokens <= 4 * 5
     texts = c.completions.create(model="smollm2", prompt=["Once upon a time", "The sea"], max_tokens=3, temperature=0)
@@ -78,8 +81,9 @@ def test_token_id_prompts_batches_and_n(server):
 
 
 def test_chat_logprobs_are_a_distribution_and_name_the_chosen_token(server):
-    r = client(server).chat.completions.create(model="smollm2", messages=CHAT, max_tokens=8, temperature=0,
-                                               logprobs=True, top_logprobs=3)
+    r = client(server).chat.completions.create(
+        model="smollm2", messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 8 or r.choices[0].finish_reason == "stop"
     for entry in content:
@@ -87,7 +91,7 @@ def test_chat_logprobs_are_a_distribution_and_name_the_chosen_token(server):
         assert len(tops) == 3 and tops == sorted(tops, reverse=True)
         assert entry.logprob == tops[0]  # greedy: the chosen token is the most likely (raw) one
         assert entry.top_logprobs[0].token == entry.token and bytes(entry.bytes).decode() == entry.token
-        assert sum(2.718281828 ** lp for lp in tops) <= 1.0 + 1e-6
+        assert sum(2.718281828**lp for lp in tops) <= 1.0 + 1e-6
     assert "".join(e.token for e in content) == r.choices[0].message.content
 
 
@@ -101,31 +105,47 @@ def test_streaming_gives_the_same_text_and_usage(server):
     assert text == whole.choices[0].message.content
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
-    streamed = c.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=10, temperature=0,
-                                    stream=True, logprobs=1)
+    streamed = c.completions.create(
+        model="smollm2", prompt="Once upon a time", max_tokens=10, temperature=0, stream=True, logprobs=1
+    )
     pieces = list(streamed)
     flat = c.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=10, temperature=0, logprobs=1)
     assert "".join(p.choices[0].text for p in pieces) == flat.choices[0].text
     assert [x for p in pieces for x in p.choices[0].logprobs.token_logprobs] == flat.choices[0].logprobs.token_logprobs
 
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 def test_response_format_json_schema_and_json_object_are_valid_json(server):
     c = client(server)
-    r = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Describe a person."}],
-                                  max_tokens=60, response_format={"type": "json_schema", "json_schema": {
-                                      "name": "person", "schema": SCHEMA}}, n=2, seed=1, temperature=0.7)
+    r = c.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Describe a person."}],
+        max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
+        n=2,
+        seed=1,
+        temperature=0.7,
+    )
     for choice in r.choices:  # a sampled path may run long (the name is an unbounded string): then a prefix
         if choice.finish_reason == "length":
             assert choice.message.content.lstrip().startswith("{"), choice  # the grammar's own tests hold the rest
             continue
         assert choice.finish_reason == "stop", choice
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
-    r = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": 'Give a JSON object with one key "city" for the capital of France.'}],
-                                  max_tokens=60, response_format={"type": "json_object"}, temperature=0)
+    r = c.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": 'Give a JSON object with one key "city" for the capital of France.'}],
+        max_tokens=60,
+        response_format={"type": "json_object"},
+        temperature=0,
+    )
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
 
 
@@ -142,11 +162,19 @@ BAD = [  # (route, body, status, param)
     ("chat/completions", {}, 400, "messages"),
     ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 99}, 400, "logprobs"),
-    ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, 400,
-     "response_format.json_schema.schema"),
+    (
+        "chat/completions",
+        {"messages": CHAT, "response_format": {"type": "json_schema"}},
+        400,
+        "response_format.json_schema.schema",
+    ),
     ("chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, 400, "response_format.type"),
-    ("chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True, "x": 1}}, 400,
-     "stream_options.x"),
+    (
+        "chat/completions",
+        {"messages": CHAT, "stream_options": {"include_usage": True, "x": 1}},
+        400,
+        "stream_options.x",
+    ),
     ("chat/completions", {"messages": CHAT, "logit_bias": {"notanid": 1}}, 400, "logit_bias"),
     ("chat/completions", {"messages": CHAT, "seed": -4}, 400, "seed"),
     ("chat/completions", {"messages": CHAT, "model": "gpt-9"}, 404, "model"),
@@ -180,20 +208,30 @@ def test_prompt_logprobs_with_echo_match_generation(server):
     c = client(server)
     prompt = [504, 3575, 282, 4649, 314]
     gen = c.completions.create(model="smollm2", prompt=prompt, max_tokens=1, temperature=0, logprobs=0)
-    scored = c.completions.create(model="smollm2", prompt=prompt + [0], max_tokens=1, temperature=0, logprobs=2,
-                                  echo=True)
+    scored = c.completions.create(
+        model="smollm2", prompt=prompt + [0], max_tokens=1, temperature=0, logprobs=2, echo=True
+    )
     lp = scored.choices[0].logprobs
     assert lp.token_logprobs[0] is None and len(lp.tokens) == len(prompt) + 2
     greedy_top = max(lp.top_logprobs[len(prompt)].values())
     gen_lp = gen.choices[0].logprobs.token_logprobs[0]
     assert abs(greedy_top - gen_lp) < 1e-4  # the prompt position's best alternative is what generation picked
-    assert scored.choices[0].text.startswith(c.completions.create(model="smollm2", prompt=prompt + [0], max_tokens=1,
-                                                                  temperature=0, echo=True).choices[0].text[:3])
+    assert scored.choices[0].text.startswith(
+        c.completions.create(model="smollm2", prompt=prompt + [0], max_tokens=1, temperature=0, echo=True)
+        .choices[0]
+        .text[:3]
+    )
 
 
 def test_a_client_that_leaves_frees_its_blocks(server):
-    body = {"model": "smollm2", "prompt": "Write a long story about the sea.", "max_tokens": 3000,
-            "temperature": 0.8, "ignore_eos": True, "stream": True}
+    body = {
+        "model": "smollm2",
+        "prompt": "Write a long story about the sea.",
+        "max_tokens": 3000,
+        "temperature": 0.8,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()  # held: a dropped generator closes the stream, and the client is gone early
         events = 0
@@ -201,8 +239,9 @@ def test_a_client_that_leaves_frees_its_blocks(server):
             events += next(lines).startswith("data:")
         assert metric(server, "toolkit_kv_blocks_used") > 0 and metric(server, "toolkit_num_requests_running") == 1
     deadline = time.time() + 10  # far less than the 3000 tokens would take: only an abort frees the blocks in time
-    while time.time() < deadline and (metric(server, "toolkit_kv_blocks_used") or
-                                      metric(server, "toolkit_num_requests_running")):
+    while time.time() < deadline and (
+        metric(server, "toolkit_kv_blocks_used") or metric(server, "toolkit_num_requests_running")
+    ):
         time.sleep(0.1)
     assert metric(server, "toolkit_kv_blocks_used") == 0 and metric(server, "toolkit_num_requests_running") == 0
     text = httpx.get(server.url + "/metrics").text
@@ -216,17 +255,26 @@ def test_a_seed_gives_the_same_tokens_alone_and_among_16_concurrent_requests(smo
     try:
         c = client(srv)
         ask = lambda seed, content: c.chat.completions.create(  # noqa: E731
-            model="smollm2", messages=[{"role": "user", "content": content}], max_tokens=24, temperature=1.0,
-            seed=seed, logprobs=True)
+            model="smollm2",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=24,
+            temperature=1.0,
+            seed=seed,
+            logprobs=True,
+        )
         alone = ask(7, "Tell me about tea.")
         with ThreadPoolExecutor(16) as pool:
-            futures = [pool.submit(ask, 7 if i == 5 else 100 + i,
-                                   "Tell me about tea." if i == 5 else f"Tell me about the number {i}.")
-                       for i in range(16)]
+            futures = [
+                pool.submit(
+                    ask, 7 if i == 5 else 100 + i, "Tell me about tea." if i == 5 else f"Tell me about the number {i}."
+                )
+                for i in range(16)
+            ]
             together = [f.result() for f in futures]
         assert together[5].choices[0].message.content == alone.choices[0].message.content
-        assert [e.logprob for e in together[5].choices[0].logprobs.content] == \
-            [e.logprob for e in alone.choices[0].logprobs.content]
+        assert [e.logprob for e in together[5].choices[0].logprobs.content] == [
+            e.logprob for e in alone.choices[0].logprobs.content
+        ]
         assert max(s["batch_size"] for s in pq.read_table(tmp_path / "run" / "samples.parquet").to_pylist()) > 1
     finally:
         srv.stop()
@@ -235,19 +283,35 @@ def test_a_seed_gives_the_same_tokens_alone_and_among_16_concurrent_requests(smo
 def test_a_served_run_is_traced_replayed_bit_identical_and_verified(smollm2, tmp_path):
     run_dir = tmp_path / "run"
     engine = make_engine(smollm2, max_num_seqs=8, max_num_batched_tokens=64, sampling=SamplingParams())
-    srv = start_server(engine, run_dir, {"model": {"name": "smollm2"},
-                                         "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 64}})
+    srv = start_server(
+        engine, run_dir, {"model": {"name": "smollm2"}, "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 64}}
+    )
     c = client(srv)
-    bodies = [dict(model="smollm2", prompt=f"Item {i}: the", max_tokens=10 + i, temperature=0.9,
-                   logprobs=1, **({"seed": i} if i % 2 else {})) for i in range(6)]
+    bodies = [
+        dict(
+            model="smollm2",
+            prompt=f"Item {i}: the",
+            max_tokens=10 + i,
+            temperature=0.9,
+            logprobs=1,
+            **({"seed": i} if i % 2 else {}),
+        )
+        for i in range(6)
+    ]
     try:
         with ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(c.completions.create, **b) for b in bodies]
-            futures.append(pool.submit(c.chat.completions.create, model="smollm2", messages=CHAT, n=2, max_tokens=12,
-                                       temperature=0.7))
+            futures.append(
+                pool.submit(
+                    c.chat.completions.create, model="smollm2", messages=CHAT, n=2, max_tokens=12, temperature=0.7
+                )
+            )
             # one client leaves mid-stream
-            with httpx.stream("POST", f"{srv.url}/v1/completions", json={
-                    "prompt": "A very long text:", "max_tokens": 300, "ignore_eos": True, "stream": True}) as r:
+            with httpx.stream(
+                "POST",
+                f"{srv.url}/v1/completions",
+                json={"prompt": "A very long text:", "max_tokens": 300, "ignore_eos": True, "stream": True},
+            ) as r:
                 for i, _ in enumerate(r.iter_lines()):
                     if i > 6:
                         break
@@ -261,8 +325,10 @@ def test_a_served_run_is_traced_replayed_bit_identical_and_verified(smollm2, tmp
         row = by_id[answer.id + "-0"]
         assert json.loads(row["request_body"]) == body  # the body as received
         assert row["seed"] == body.get("seed", row["seed"]) and row["seed"] is not None
-        traced = [s["raw_logprob"] for s in sorted((s for s in samples if s["request_id"] == answer.id + "-0"),
-                                                   key=lambda s: s["position"])]
+        traced = [
+            s["raw_logprob"]
+            for s in sorted((s for s in samples if s["request_id"] == answer.id + "-0"), key=lambda s: s["position"])
+        ]
         import struct
 
         f32 = lambda x: struct.unpack("<f", struct.pack("<f", x))[0]  # noqa: E731
@@ -279,9 +345,21 @@ def test_a_served_run_is_traced_replayed_bit_identical_and_verified(smollm2, tmp
 
 def _serve_process(run_dir: Path, port: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "run.py", "mode=serve", f"serve.port={port}", f"hydra.run.dir={run_dir}",
-                             "engine.num_threads=1"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "run.py",
+            "mode=serve",
+            f"serve.port={port}",
+            f"hydra.run.dir={run_dir}",
+            "engine.num_threads=1",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen) -> None:
@@ -307,8 +385,14 @@ def test_mode_serve_closes_cleanly_on_sigterm_and_stays_readable_after_kill_9(tm
         c.completions.create(model="smollm2", prompt="Finished before the signal:", max_tokens=20, temperature=0.5)
         pool = ThreadPoolExecutor(3)
         for i in range(3):  # still generating when the signal comes
-            pool.submit(c.completions.create, model="smollm2", prompt=f"Story {i}:", max_tokens=600,
-                        temperature=0.8, extra_body={"ignore_eos": True})
+            pool.submit(
+                c.completions.create,
+                model="smollm2",
+                prompt=f"Story {i}:",
+                max_tokens=600,
+                temperature=0.8,
+                extra_body={"ignore_eos": True},
+            )
         time.sleep(2)
         proc.send_signal(sig)
         proc.wait(60)

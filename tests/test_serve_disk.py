@@ -26,8 +26,9 @@ def small_disk(tmp_path):
     """A 16 MB tmpfs of its own, 4096 files at most (root only: elsewhere the test skips with the reason)."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,nr_inodes=4096", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m,nr_inodes=4096", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         reason = f"cannot mount a tmpfs to fill (needs root): {done.stderr.strip()}"
         print(f"SKIP reason: {reason}")
@@ -72,8 +73,11 @@ def test_a_full_disk_is_survived_and_no_served_row_is_lost(tiny, small_disk):
     url, served = srv.url + "/v1/completions", {}
 
     def complete(name: str, max_tokens: int) -> httpx.Response:
-        r = httpx.post(url, json={"prompt": f"Request {name}", "max_tokens": max_tokens, "ignore_eos": True,
-                                  "seed": len(served)}, timeout=120)
+        r = httpx.post(
+            url,
+            json={"prompt": f"Request {name}", "max_tokens": max_tokens, "ignore_eos": True, "seed": len(served)},
+            timeout=120,
+        )
         if r.status_code == 200:
             served[r.json()["id"]] = r.json()["usage"]["completion_tokens"]
         return r
@@ -113,8 +117,9 @@ def test_a_full_disk_is_survived_and_no_served_row_is_lost(tiny, small_disk):
 
 
 def test_past_max_trace_gb_new_requests_get_507(tiny, tmp_path):
-    srv = start_server(make_engine(tiny, sampling=SamplingParams()), tmp_path / "run", flush_every_steps=1,
-                       max_trace_gb=1e-6)  # about a kilobyte: the first request's part files pass it
+    srv = start_server(
+        make_engine(tiny, sampling=SamplingParams()), tmp_path / "run", flush_every_steps=1, max_trace_gb=1e-6
+    )  # about a kilobyte: the first request's part files pass it
     try:
         first = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 8}, timeout=60)
         assert first.status_code == 200

@@ -38,13 +38,21 @@ def test_no_request_gets_a_500_or_a_non_json_error(live):
     for op in ops:
 
         @given(case=op.as_strategy())
-        @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck),
-                  phases=[Phase.explicit, Phase.generate])
+        @settings(
+            max_examples=60,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+            phases=[Phase.explicit, Phase.generate],
+        )
         def check(case):
             response = case.call(timeout=60)
             seen[response.status_code] = seen.get(response.status_code, 0) + 1
-            assert response.status_code < 500 or response.status_code == 503, (case.path, response.status_code,
-                                                                              response.text[:300])
+            assert response.status_code < 500 or response.status_code == 503, (
+                case.path,
+                response.status_code,
+                response.text[:300],
+            )
             if response.status_code >= 400 and case.path.startswith("/v1/"):
                 error = response.json()["error"]
                 assert set(error) == {"message", "type", "param", "code"} and "\n" not in error["message"], error

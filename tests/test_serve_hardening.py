@@ -48,8 +48,7 @@ def test_overload_is_answered_200_or_503_and_the_server_then_serves_normally(tin
     async def flood() -> list[httpx.Response]:
         limits = httpx.Limits(max_connections=512)
         async with httpx.AsyncClient(base_url=srv.url, limits=limits, timeout=120) as client:
-            return await asyncio.gather(*(client.post("/v1/completions", json={**body, "seed": i})
-                                          for i in range(512)))
+            return await asyncio.gather(*(client.post("/v1/completions", json={**body, "seed": i}) for i in range(512)))
 
     try:
         answers = asyncio.run(flood())
@@ -77,8 +76,17 @@ def test_overload_is_answered_200_or_503_and_the_server_then_serves_normally(tin
 @pytest.mark.native
 def test_api_keys_body_size_and_list_limits(tiny, monkeypatch):
     monkeypatch.setenv("TOOLKIT_API_KEY", "from-env")
-    srv = start_server(_engine(tiny), None, api_key=["k1", "k2"], metrics_public=False, max_body_mb=0.01,
-                       max_prompts=4, max_stop=3, max_bad_words=2, max_logit_bias=5)
+    srv = start_server(
+        _engine(tiny),
+        None,
+        api_key=["k1", "k2"],
+        metrics_public=False,
+        max_body_mb=0.01,
+        max_prompts=4,
+        max_stop=3,
+        max_bad_words=2,
+        max_logit_bias=5,
+    )
     ok = {"prompt": "Hi", "max_tokens": 2}
     try:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "k1"}, {"Authorization": "Basic k1"}):
@@ -96,12 +104,17 @@ def test_api_keys_body_size_and_list_limits(tiny, monkeypatch):
         auth = {"Authorization": "Bearer k1"}
         big = _post(srv.url, {"prompt": "x" * 20000, "max_tokens": 2}, headers=auth)
         assert big.status_code == 413 and "serve.max_body_mb" in big.json()["error"]["message"]
-        chunked = httpx.post(srv.url + "/v1/completions", content=iter([b'{"prompt": "', b"y" * 20000, b'"}']),
-                             headers=auth)  # no content-length: counted as it arrives
+        chunked = httpx.post(
+            srv.url + "/v1/completions", content=iter([b'{"prompt": "', b"y" * 20000, b'"}']), headers=auth
+        )  # no content-length: counted as it arrives
         assert chunked.status_code == 413
-        for field, value in (("stop", ["a", "b", "c", "d"]), ("stop_token_ids", [1, 2, 3, 4]),
-                             ("bad_words", ["a", "b", "c"]), ("logit_bias", {str(i): 1.0 for i in range(6)}),
-                             ("prompt", ["a"] * 5)):
+        for field, value in (
+            ("stop", ["a", "b", "c", "d"]),
+            ("stop_token_ids", [1, 2, 3, 4]),
+            ("bad_words", ["a", "b", "c"]),
+            ("logit_bias", {str(i): 1.0 for i in range(6)}),
+            ("prompt", ["a"] * 5),
+        ):
             r = _post(srv.url, {**ok, field: value}, headers=auth)
             assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
         at_limit = {**ok, "stop": ["a", "b", "c"], "logit_bias": {str(i): 1.0 for i in range(5)}}
@@ -153,6 +166,7 @@ def test_a_poison_request_among_32_is_the_only_500(tiny, tmp_path):
     from its 3rd token on): it alone gets a 500 in OpenAI's shape, recorded in rejected.parquet; the 31 others
     get 200 with exactly the text and logprobs of a server that never saw it (batch-invariant kernels; on the
     torch fallback, which has no batch-invariant mode, the answers alone), and the server stays healthy."""
+
     def serve(with_poison: bool, run_dir):
         engine = _engine(tiny, batch_invariant=not NATIVE_OFF, max_num_seqs=32, max_num_batched_tokens=512)
         run = engine.runner.run
@@ -166,8 +180,17 @@ def test_a_poison_request_among_32_is_the_only_500(tiny, tmp_path):
 
         engine.runner.run = forward
         srv = start_server(engine, run_dir)
-        bodies = [{"prompt": f"Request {i} says", "max_tokens": 6, "ignore_eos": True, "temperature": 0.9,
-                   "seed": i, "logprobs": 1} for i in range(31)]
+        bodies = [
+            {
+                "prompt": f"Request {i} says",
+                "max_tokens": 6,
+                "ignore_eos": True,
+                "temperature": 0.9,
+                "seed": i,
+                "logprobs": 1,
+            }
+            for i in range(31)
+        ]
         if with_poison:
             bodies.insert(13, {"prompt": "poison", "max_tokens": 6, "ignore_eos": True})
 
@@ -190,8 +213,9 @@ def test_a_poison_request_among_32_is_the_only_500(tiny, tmp_path):
     assert [r.status_code for r in answers] == [200] * 31
     kept = lambda r: (r.json()["choices"][0]["text"], r.json()["choices"][0]["logprobs"]["token_logprobs"])  # noqa: E731
     assert NATIVE_OFF or [kept(r) for r in answers] == [kept(r) for r in plain]
-    assert [(r["status"], "poisoned forward" in r["reason"]) for r in read_rejected(tmp_path / "run").to_pylist()] \
-        == [(500, True)]
+    assert [(r["status"], "poisoned forward" in r["reason"]) for r in read_rejected(tmp_path / "run").to_pylist()] == [
+        (500, True)
+    ]
 
 
 @pytest.mark.native
@@ -212,8 +236,9 @@ def test_requests_queued_when_the_loop_dies_are_answered(tiny):
             with ThreadPoolExecutor(4) as pool:
                 first = pool.submit(client.post, "/v1/completions", json={"prompt": "a", "max_tokens": 2})
                 assert entered.wait(30)
-                queued = [pool.submit(client.post, "/v1/completions", json={"prompt": "b", "max_tokens": 2})
-                          for _ in range(3)]
+                queued = [
+                    pool.submit(client.post, "/v1/completions", json={"prompt": "b", "max_tokens": 2}) for _ in range(3)
+                ]
                 while srv.loop._queued < 3:  # all three wait in the command queue behind the stuck step
                     threading.Event().wait(0.01)
                 release.set()
@@ -239,8 +264,12 @@ def test_a_loop_that_cannot_go_on_tells_its_owner_after_answering_everyone(tiny)
     engine.step = broken
     loop = EngineLoop(engine, None, max_failed_steps=2, on_fatal=lambda exc: fatal.append((exc, answered.is_set())))
     loop.start()
-    sub = Submission(EngineRequest("a", request_id="a", sampling_params={"max_tokens": 2}), None,
-                     lambda update: update.error and answered.set(), False)
+    sub = Submission(
+        EngineRequest("a", request_id="a", sampling_params={"max_tokens": 2}),
+        None,
+        lambda update: update.error and answered.set(),
+        False,
+    )
     loop.submit([sub])
     loop._thread.join(30)
     assert [(str(e), was) for e, was in fatal] == [("the engine is broken", True)] and not loop.alive
@@ -270,13 +299,14 @@ def test_a_served_run_is_written_append_only_and_read_back_in_arrival_order(tiny
     run_dir = tmp_path / "run"
     engine = _engine(tiny, max_num_seqs=4)
     srv = start_server(engine, run_dir, flush_every_steps=1)
-    bodies = [{"prompt": f"Request {i}", "max_tokens": 1 + (7 * i) % 11, "temperature": 0.7, "seed": i}
-              for i in range(24)]
+    bodies = [
+        {"prompt": f"Request {i}", "max_tokens": 1 + (7 * i) % 11, "temperature": 0.7, "seed": i} for i in range(24)
+    ]
     seen: dict[str, int] = {}  # part -> mtime when first seen
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as client, ThreadPoolExecutor(6) as pool:
             for i in range(0, 24, 6):  # six at a time: they end out of arrival order
-                list(pool.map(lambda b: client.post("/v1/completions", json=b).raise_for_status(), bodies[i:i + 6]))
+                list(pool.map(lambda b: client.post("/v1/completions", json=b).raise_for_status(), bodies[i : i + 6]))
                 assert srv.loop.open_requests == 0  # nothing kept of ended requests
                 for p in (run_dir / REQUESTS_FILE).glob("part-*.parquet"):
                     seen.setdefault(p.name, p.stat().st_mtime_ns)
@@ -290,7 +320,7 @@ def test_a_served_run_is_written_append_only_and_read_back_in_arrival_order(tiny
     assert [r["arrival_index"] for r in rows] == list(range(24))  # in arrival order, though they ended otherwise
     got = [json.loads(r["request_body"]) for r in rows]
     for i in range(0, 24, 6):  # each batch of six arrived after the one before it
-        assert sorted(got[i:i + 6], key=lambda b: b["seed"]) == bodies[i:i + 6]
+        assert sorted(got[i : i + 6], key=lambda b: b["seed"]) == bodies[i : i + 6]
     assert [r["arrival_step"] for r in rows] == sorted(r["arrival_step"] for r in rows)
     assert replay(run_dir, out_dir=tmp_path / "replayed").identical
 
@@ -300,8 +330,12 @@ def _delta(index: int, text: str) -> TextDelta:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.dictionaries(st.integers(0, 2), st.text(max_size=3), max_size=3).map(lambda d: list(d.items())),
-                max_size=40), st.integers(1, 6))  # a step: at most one delta per sample
+@given(
+    st.lists(
+        st.dictionaries(st.integers(0, 2), st.text(max_size=3), max_size=3).map(lambda d: list(d.items())), max_size=40
+    ),
+    st.integers(1, 6),
+)  # a step: at most one delta per sample
 def test_a_slow_readers_mailbox_stays_bounded_and_loses_nothing(steps, limit):
     async def run() -> None:
         box = Mailbox(limit)
@@ -337,6 +371,7 @@ def test_a_slow_readers_mailbox_stays_bounded_and_loses_nothing(steps, limit):
 def test_a_slow_readers_mailbox_keeps_each_prompts_updates_apart(steps, limit):
     """One job's engine requests (two prompts) share a mailbox: however its tail is joined, each request's text,
     rows and final output come out whole, in order, and apart from the other's."""
+
     async def run() -> None:
         box = Mailbox(limit)
         for k, (r, text) in enumerate(steps):
@@ -462,8 +497,7 @@ def test_the_thread_that_loaded_the_engine_gives_its_openmp_workers_back_before_
     if not gnu:
         pytest.skip("torch's OpenMP runtime here is not GNU OpenMP (libgomp): its teams are not released")
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", OPENMP_SCRIPT], capture_output=True, text=True, cwd=root,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-c", OPENMP_SCRIPT], capture_output=True, text=True, cwd=root, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     base, with_team, released, after_release, after_start = map(int, done.stdout.split()[-5:])
     assert with_team == base + 1, (base, with_team)  # one worker beside this thread

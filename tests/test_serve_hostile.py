@@ -46,24 +46,65 @@ def refused(r: httpx.Response, status: int, param: str | None) -> dict:
 
 
 HOSTILE = {  # name -> (route, body, status, param, what the message says)
-    "echo scoring past the context": ("completions", {"prompt": [1] * 300_000, "echo": True, "logprobs": 1,
-                                                      "max_tokens": 1}, 400, "prompt", "engine.max_model_len"),
-    "echo scoring outside the vocabulary": ("completions", {"prompt": [1, 2, 10**9], "echo": True, "logprobs": 1,
-                                                            "max_tokens": 1}, 400, "prompt", "outside the vocabulary"),
-    "a schema nested 150 deep": ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                                      "response_format": {"type": "json_schema", "json_schema": {
-                                                          "name": "deep", "schema": nested_schema(150)}}},
-                                 400, "response_format.json_schema.schema", "serve.max_schema_depth=64"),
-    "32 stop strings of 1000 characters": ("completions", {"prompt": "Hi", "stop": ["x" * 1000] * 32}, 400, "stop",
-                                           "serve.max_stop_chars=4096"),
-    "bad words of 8000 characters": ("completions", {"prompt": "Hi", "bad_words": ["y" * 4000] * 2}, 400,
-                                     "bad_words", "serve.max_stop_chars=4096"),
-    "a user of 100 kB": ("completions", {"prompt": "Hi", "user": "u" * 100_000}, 400, "user",
-                         "serve.max_user_chars=256"),
-    "17 metadata pairs": ("completions", {"prompt": "Hi", "metadata": {str(i): "v" for i in range(17)}}, 400,
-                          "metadata", "serve.max_metadata=16"),
-    "a metadata value of 1000 characters": ("completions", {"prompt": "Hi", "metadata": {"k": "v" * 1000}}, 400,
-                                            "metadata", "values at most 512"),
+    "echo scoring past the context": (
+        "completions",
+        {"prompt": [1] * 300_000, "echo": True, "logprobs": 1, "max_tokens": 1},
+        400,
+        "prompt",
+        "engine.max_model_len",
+    ),
+    "echo scoring outside the vocabulary": (
+        "completions",
+        {"prompt": [1, 2, 10**9], "echo": True, "logprobs": 1, "max_tokens": 1},
+        400,
+        "prompt",
+        "outside the vocabulary",
+    ),
+    "a schema nested 150 deep": (
+        "chat/completions",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": nested_schema(150)}},
+        },
+        400,
+        "response_format.json_schema.schema",
+        "serve.max_schema_depth=64",
+    ),
+    "32 stop strings of 1000 characters": (
+        "completions",
+        {"prompt": "Hi", "stop": ["x" * 1000] * 32},
+        400,
+        "stop",
+        "serve.max_stop_chars=4096",
+    ),
+    "bad words of 8000 characters": (
+        "completions",
+        {"prompt": "Hi", "bad_words": ["y" * 4000] * 2},
+        400,
+        "bad_words",
+        "serve.max_stop_chars=4096",
+    ),
+    "a user of 100 kB": (
+        "completions",
+        {"prompt": "Hi", "user": "u" * 100_000},
+        400,
+        "user",
+        "serve.max_user_chars=256",
+    ),
+    "17 metadata pairs": (
+        "completions",
+        {"prompt": "Hi", "metadata": {str(i): "v" for i in range(17)}},
+        400,
+        "metadata",
+        "serve.max_metadata=16",
+    ),
+    "a metadata value of 1000 characters": (
+        "completions",
+        {"prompt": "Hi", "metadata": {"k": "v" * 1000}},
+        400,
+        "metadata",
+        "values at most 512",
+    ),
 }
 
 
@@ -81,8 +122,9 @@ def test_a_hostile_request_is_a_4xx_naming_its_field_and_costs_nothing(server, n
 
 def test_a_body_nested_5000_deep_is_a_400_in_openai_shape(server):
     body = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
-    r = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"},
-                   timeout=60)
+    r = httpx.post(
+        f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60
+    )
     assert "nested too deeply" in refused(r, 400, None)["message"]
     assert httpx.get(server.url + "/health").status_code == 200
 
@@ -90,8 +132,11 @@ def test_a_body_nested_5000_deep_is_a_400_in_openai_shape(server):
 def test_a_grammar_past_its_time_limit_is_a_400(tiny):
     srv = start_server(make_engine(tiny, sampling=SamplingParams()), None, grammar_timeout_s=0.001)
     try:
-        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "response_format": {
-            "type": "json_schema", "json_schema": {"name": "p", "schema": nested_schema(20)}}}
+        body = {
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": nested_schema(20)}},
+        }
         r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
         assert "serve.grammar_timeout_s=0.001" in refused(r, 400, "response_format")["message"]
     finally:
@@ -102,14 +147,19 @@ def test_compiles_that_outlive_their_time_limit_hold_their_own_threads_and_a_bou
     """A compile past serve.grammar_timeout_s goes on (xgrammar's cannot be interrupted) on the compiler's own
     threads: while it does, a new grammar past serve.max_compiling is a 503 + Retry-After naming the knob, and a
     request without a grammar is served at once; once it ends, grammars are taken again."""
-    srv = start_server(make_engine(tiny, sampling=SamplingParams()), None, grammar_timeout_s=0.001,
-                       max_compiling=1)
-    wide = {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(3000)},
-            "required": [f"k{i}" for i in range(3000)]}
+    srv = start_server(make_engine(tiny, sampling=SamplingParams()), None, grammar_timeout_s=0.001, max_compiling=1)
+    wide = {
+        "type": "object",
+        "properties": {f"k{i}": {"type": "integer"} for i in range(3000)},
+        "required": [f"k{i}" for i in range(3000)],
+    }
 
     def chat(schema: dict) -> httpx.Response:
-        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "response_format": {
-            "type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}
+        body = {
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        }
         return httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
 
     try:
@@ -117,8 +167,10 @@ def test_compiles_that_outlive_their_time_limit_hold_their_own_threads_and_a_bou
         assert srv.uvicorn.config.app.state.compiler.compiling == 1
         r = chat(nested_schema(2))
         assert "serve.max_compiling=1" in refused(r, 503, None)["message"] and int(r.headers["retry-after"]) >= 1
-        assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "plain", "max_tokens": 2},
-                          timeout=60).status_code == 200
+        assert (
+            httpx.post(f"{srv.url}/v1/completions", json={"prompt": "plain", "max_tokens": 2}, timeout=60).status_code
+            == 200
+        )
         deadline = time.monotonic() + 120
         while srv.uvicorn.config.app.state.compiler.compiling:
             assert time.monotonic() < deadline
@@ -134,8 +186,12 @@ def test_a_full_server_refuses_before_it_compiles_a_grammar(tiny):
     engine = make_engine(tiny, sampling=SamplingParams(), max_num_seqs=1)
     srv = start_server(engine, None, max_waiting=1)
     long = {"prompt": "Fill", "max_tokens": 400, "ignore_eos": True}
-    threads = [threading.Thread(target=httpx.post, args=(f"{srv.url}/v1/completions",),
-                                kwargs={"json": {**long, "seed": i}, "timeout": 120}) for i in range(2)]
+    threads = [
+        threading.Thread(
+            target=httpx.post, args=(f"{srv.url}/v1/completions",), kwargs={"json": {**long, "seed": i}, "timeout": 120}
+        )
+        for i in range(2)
+    ]
     try:
         for t, full in zip(threads, (lambda s: s.running == 1, lambda s: s.waiting_requests == 1)):
             t.start()  # the first one running, then the second one waiting
@@ -144,8 +200,10 @@ def test_a_full_server_refuses_before_it_compiles_a_grammar(tiny):
                 time.sleep(0.002)
         assert (srv.loop.stats.running, srv.loop.stats.waiting_requests) == (1, 1)
         before = engine.grammar.compilations
-        body = {"messages": [{"role": "user", "content": "x"}], "response_format": {
-            "type": "json_schema", "json_schema": {"name": "new", "schema": nested_schema(3)}}}
+        body = {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "new", "schema": nested_schema(3)}},
+        }
         r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
         error = refused(r, 503, None)
         assert error["code"] == "server_overloaded" and int(r.headers["retry-after"]) >= 1
@@ -178,18 +236,30 @@ def _stalled_stream(url: str, body: dict) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect((parts.hostname, parts.port))
     payload = json.dumps(body).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload)
+    )
     return sock
 
 
-LONG_STREAM = {"prompt": "Never read", "stream": True, "n": 16, "max_tokens": 1500, "ignore_eos": True,
-               "temperature": 1.0, "logprobs": 5}
+LONG_STREAM = {
+    "prompt": "Never read",
+    "stream": True,
+    "n": 16,
+    "max_tokens": 1500,
+    "ignore_eos": True,
+    "temperature": 1.0,
+    "logprobs": 5,
+}
 
 
 @once
-@pytest.mark.parametrize("knobs", [dict(stream_write_timeout_s=1.0, max_unread_mb=1024.0), dict(max_unread_mb=0.05)],
-                         ids=["write timeout", "unread bytes"])
+@pytest.mark.parametrize(
+    "knobs",
+    [dict(stream_write_timeout_s=1.0, max_unread_mb=1024.0), dict(max_unread_mb=0.05)],
+    ids=["write timeout", "unread bytes"],
+)
 def test_a_stream_whose_client_stops_reading_is_aborted(tiny, knobs):
     """A client that stops reading a long stream (several MB of SSE) holds no engine resources for long: past
     serve.stream_write_timeout_s without a byte taken, or past serve.max_unread_mb of its output unread, its

@@ -21,8 +21,14 @@ from toolkit.trace.reader import read_samples
 @pytest.mark.native
 @once
 def test_thirty_second_soak(tiny, tmp_path):
-    cfg = EngineConfig(num_kv_blocks=96, block_size=16, max_num_seqs=16, max_num_batched_tokens=128,
-                       preemption_mode="swap", swap_space_gb=0.05)
+    cfg = EngineConfig(
+        num_kv_blocks=96,
+        block_size=16,
+        max_num_seqs=16,
+        max_num_batched_tokens=128,
+        preemption_mode="swap",
+        swap_space_gb=0.05,
+    )
     report = soak(tiny, cfg, tmp_path, duration_s=30, warmup_s=10, seed=1)
     assert report["passed"], report["problems"]
     assert report["added"] > 50 and report["aborted"] > 0 and report["finished"] > 0
@@ -30,15 +36,39 @@ def test_thirty_second_soak(tiny, tmp_path):
     assert read_samples(tmp_path).num_rows == report["trace_rows"] == report["sample_rows"]
 
 
-NUMBERS = st.one_of(st.integers(-5, 100), st.floats(-2, 3), st.sampled_from([float("nan"), float("inf"), -1e30]), st.none(),
-                    st.text(max_size=3), st.booleans())
-SAMPLING_KEYS = ["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "n", "max_tokens", "min_tokens", "seed", "logprobs", "no_repeat_ngram_size"]
+NUMBERS = st.one_of(
+    st.integers(-5, 100),
+    st.floats(-2, 3),
+    st.sampled_from([float("nan"), float("inf"), -1e30]),
+    st.none(),
+    st.text(max_size=3),
+    st.booleans(),
+)
+SAMPLING_KEYS = [
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "n",
+    "max_tokens",
+    "min_tokens",
+    "seed",
+    "logprobs",
+    "no_repeat_ngram_size",
+]
 
 
 @settings(max_examples=300)
-@given(st.dictionaries(st.sampled_from(SAMPLING_KEYS + ["stop", "bad_words", "temprature"]),
-                       st.one_of(NUMBERS, st.lists(st.text(max_size=3), max_size=2)), max_size=4))
+@given(
+    st.dictionaries(
+        st.sampled_from(SAMPLING_KEYS + ["stop", "bad_words", "temprature"]),
+        st.one_of(NUMBERS, st.lists(st.text(max_size=3), max_size=2)),
+        max_size=4,
+    )
+)
 def test_fuzzed_sampling_params_are_valid_or_a_config_error(data):
     try:
         SamplingParams.from_mapping(data)
@@ -46,9 +76,22 @@ def test_fuzzed_sampling_params_are_valid_or_a_config_error(data):
         assert "\n" not in str(exc) and str(exc)
 
 
-ENGINE_KEYS = ["block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "seed",
-               "num_threads", "kv_cache_memory_gb", "swap_space_gb", "attention_backend", "preemption_mode",
-               "enable_prefix_caching", "batch_invariant", "device"]
+ENGINE_KEYS = [
+    "block_size",
+    "num_kv_blocks",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_model_len",
+    "seed",
+    "num_threads",
+    "kv_cache_memory_gb",
+    "swap_space_gb",
+    "attention_backend",
+    "preemption_mode",
+    "enable_prefix_caching",
+    "batch_invariant",
+    "device",
+]
 
 
 @settings(max_examples=300)
@@ -62,11 +105,19 @@ def test_fuzzed_engine_configs_are_valid_or_a_config_error(data):
 
 LINE = st.one_of(
     st.text(max_size=30),  # not JSON
-    st.dictionaries(st.sampled_from(["prompt", "messages", "prompt_token_ids", "max_tokens", "arrival_step", "id",
-                                     "sampling", "priority"]),
-                    st.one_of(NUMBERS, st.text(max_size=8), st.lists(st.integers(-3, 60000), max_size=5),
-                              st.dictionaries(st.sampled_from(SAMPLING_KEYS), NUMBERS, max_size=2)),
-                    max_size=4).map(json.dumps))
+    st.dictionaries(
+        st.sampled_from(
+            ["prompt", "messages", "prompt_token_ids", "max_tokens", "arrival_step", "id", "sampling", "priority"]
+        ),
+        st.one_of(
+            NUMBERS,
+            st.text(max_size=8),
+            st.lists(st.integers(-3, 60000), max_size=5),
+            st.dictionaries(st.sampled_from(SAMPLING_KEYS), NUMBERS, max_size=2),
+        ),
+        max_size=4,
+    ).map(json.dumps),
+)
 
 
 @pytest.mark.native

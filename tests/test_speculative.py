@@ -23,9 +23,12 @@ from toolkit.models import load_model
 from toolkit.models.reference import reference_logits
 from toolkit.sampling.params import SamplingParams
 
-COPY_PROMPTS = ["Repeat exactly: The quick brown fox jumps over the lazy dog. The quick brown fox jumps.",
-                "Copy this sentence twice: I like green apples and red cherries.",
-                "Write a haiku about rain.", "List the days of the week."]
+COPY_PROMPTS = [
+    "Repeat exactly: The quick brown fox jumps over the lazy dog. The quick brown fox jumps.",
+    "Copy this sentence twice: I like green apples and red cherries.",
+    "Write a haiku about rain.",
+    "List the days of the week.",
+]
 
 
 def spec_engine(loaded, method: str, acceptance: str = "rejection", k: int = 4, **engine_kwargs):
@@ -39,9 +42,15 @@ def spec_engine(loaded, method: str, acceptance: str = "rejection", k: int = 4, 
 
 
 def greedy_requests(loaded, max_tokens=32):
-    return [{"messages": [{"role": "user", "content": p}], "request_id": f"p{i}", "arrival_step": i,
-             "sampling_params": SamplingParams(temperature=0.0, max_tokens=max_tokens)}
-            for i, p in enumerate(COPY_PROMPTS)]
+    return [
+        {
+            "messages": [{"role": "user", "content": p}],
+            "request_id": f"p{i}",
+            "arrival_step": i,
+            "sampling_params": SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        }
+        for i, p in enumerate(COPY_PROMPTS)
+    ]
 
 
 @pytest.mark.native
@@ -84,8 +93,7 @@ def test_one_target_forward_per_step_with_speculation(tiny):
         calls += 1
         return original(*args, **kwargs)
 
-    engine.runner.model = type("M", (), {"__call__": lambda self, *a, **k: counting(*a, **k),
-                                         "arch": tiny.arch})()
+    engine.runner.model = type("M", (), {"__call__": lambda self, *a, **k: counting(*a, **k), "arch": tiny.arch})()
     for r in greedy_requests(tiny):
         engine.add_request(**r)
     busy = 0
@@ -132,12 +140,27 @@ def speculative_samples(acceptance: str, n: int = 6000) -> list[tuple[int, ...]]
     """`n` seeded 3-token samples (6000: resampling from p instead of the residual already gives p ~ 1e-84 at
     the second position, and the chi-square's false alarm rate does not depend on n)."""
     target = small_models()
-    cfg = SpeculativeConfig(method="draft_model", num_speculative_tokens=2, acceptance=acceptance,
-                            draft_model={"name": "tiny", "seed": 77, "vocab_size": VOCAB})
-    engine = Engine(target, EngineConfig(max_num_seqs=512, max_num_batched_tokens=2048, num_kv_blocks=4096,
-                                         block_size=4), SamplingParams(), cfg)
-    outs = engine.generate([{"prompt_token_ids": PROMPT, "sampling_params": SamplingParams(
-        seed=i, max_tokens=3, ignore_eos=True, **PARAMS)} for i in range(n)])
+    cfg = SpeculativeConfig(
+        method="draft_model",
+        num_speculative_tokens=2,
+        acceptance=acceptance,
+        draft_model={"name": "tiny", "seed": 77, "vocab_size": VOCAB},
+    )
+    engine = Engine(
+        target,
+        EngineConfig(max_num_seqs=512, max_num_batched_tokens=2048, num_kv_blocks=4096, block_size=4),
+        SamplingParams(),
+        cfg,
+    )
+    outs = engine.generate(
+        [
+            {
+                "prompt_token_ids": PROMPT,
+                "sampling_params": SamplingParams(seed=i, max_tokens=3, ignore_eos=True, **PARAMS),
+            }
+            for i in range(n)
+        ]
+    )
     stats = engine.speculator.stats
     assert stats.accepted > 0.2 * stats.proposed  # the draft is close enough for both branches to be exercised
     return [o.output_token_ids for o in outs]
@@ -165,10 +188,18 @@ def test_resampling_from_p_instead_of_the_residual_fails(monkeypatch):
 
 @pytest.mark.native
 def test_coupled_equals_plain_sampling_with_the_same_seeds(tiny):
-    requests = [{"prompt_token_ids": list(range(7 * i + 1, 7 * i + 12)), "request_id": f"c{i}", "arrival_step": i,
-                 "sampling_params": SamplingParams(temperature=1.0, seed=40 + i, max_tokens=24, ignore_eos=True)}
-                for i in range(6)]
-    plain = [o.output_token_ids for o in make_engine(tiny, max_num_batched_tokens=64, max_num_seqs=6).generate(requests)]
+    requests = [
+        {
+            "prompt_token_ids": list(range(7 * i + 1, 7 * i + 12)),
+            "request_id": f"c{i}",
+            "arrival_step": i,
+            "sampling_params": SamplingParams(temperature=1.0, seed=40 + i, max_tokens=24, ignore_eos=True),
+        }
+        for i in range(6)
+    ]
+    plain = [
+        o.output_token_ids for o in make_engine(tiny, max_num_batched_tokens=64, max_num_seqs=6).generate(requests)
+    ]
     engine = spec_engine(tiny, "draft_model", "coupled", max_num_batched_tokens=64, max_num_seqs=6)
     coupled = [o.output_token_ids for o in engine.generate(requests)]
     same = sum(a == b for a, b in zip(itertools.chain(*plain), itertools.chain(*coupled)))
@@ -185,9 +216,14 @@ def test_speculative_trace_and_replay(tiny, tmp_path):
     from toolkit.trace.reader import read_samples
 
     engine = spec_engine(tiny, "ngram", "rejection", max_num_batched_tokens=64, max_num_seqs=4)
-    ids = [engine.add_request(prompt_token_ids=[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], request_id=f"r{i}",
-                              sampling_params=SamplingParams(temperature=1.0 if i else 0.0, seed=i, max_tokens=16,
-                                                             ignore_eos=True)) for i in range(3)]
+    ids = [
+        engine.add_request(
+            prompt_token_ids=[1, 2, 3, 4, 1, 2, 3, 4, 1, 2],
+            request_id=f"r{i}",
+            sampling_params=SamplingParams(temperature=1.0 if i else 0.0, seed=i, max_tokens=16, ignore_eos=True),
+        )
+        for i in range(3)
+    ]
     config = {"model": {"name": "tiny", "seed": 0}, "speculative": {"method": "ngram", "acceptance": "rejection"}}
     record(engine, ids, tmp_path / "run", config)
     rows = read_samples(tmp_path / "run").to_pylist()
@@ -204,11 +240,19 @@ def test_speculative_trace_and_replay(tiny, tmp_path):
 @pytest.mark.native
 def test_grammar_and_speculation_keep_outputs_valid(tiny):
     engine = spec_engine(tiny, "draft_model", "rejection", max_num_batched_tokens=64, max_num_seqs=8)
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
-              "required": ["a", "b"]}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+        "required": ["a", "b"],
+    }
     specs = [{"json": schema}, {"regex": r"(ab|cd){2,8}"}, {"choice": ["left", "right"]}]
-    requests = [{"prompt_token_ids": [i + 1, i + 2], "sampling_params": SamplingParams(
-        temperature=1.0, seed=i, max_tokens=60, structured_outputs=specs[i % 3])} for i in range(9)]
+    requests = [
+        {
+            "prompt_token_ids": [i + 1, i + 2],
+            "sampling_params": SamplingParams(temperature=1.0, seed=i, max_tokens=60, structured_outputs=specs[i % 3]),
+        }
+        for i in range(9)
+    ]
     for r, out in zip(requests, engine.generate(requests)):
         spec = r["sampling_params"].structured_outputs
         matcher = engine.grammar.matcher(spec)
@@ -244,8 +288,15 @@ def test_drafting_and_verifying_never_move_a_committed_grammar_matcher(tiny, mon
     monkeypatch.setattr(xgrammar.GrammarMatcher, "rollback", no_rollback)
     engine = spec_engine(tiny, "draft_model", "rejection", max_num_batched_tokens=64, max_num_seqs=8)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    requests = [{"prompt_token_ids": [i + 1, i + 2], "sampling_params": SamplingParams(
-        temperature=1.0, seed=i, max_tokens=40, structured_outputs={"json": schema})} for i in range(4)]
+    requests = [
+        {
+            "prompt_token_ids": [i + 1, i + 2],
+            "sampling_params": SamplingParams(
+                temperature=1.0, seed=i, max_tokens=40, structured_outputs={"json": schema}
+            ),
+        }
+        for i in range(4)
+    ]
     outs = engine.generate(requests)
     assert engine.speculator.stats.proposed > 0 and forks
     for out in outs:

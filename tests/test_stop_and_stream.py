@@ -23,15 +23,18 @@ def feed(tokenizer, ids, stops, include=False):
     return shown, hit, len(ids), None
 
 
-@pytest.mark.parametrize("text, stop", [
-    ("The answer is 42.\n\nUser: next question", "\n\nUser:"),
-    ("alpha beta gamma delta epsilon", "gamma del"),
-    ("Il était une fois un château", "château"),
-])
+@pytest.mark.parametrize(
+    "text, stop",
+    [
+        ("The answer is 42.\n\nUser: next question", "\n\nUser:"),
+        ("alpha beta gamma delta epsilon", "gamma del"),
+        ("Il était une fois un château", "château"),
+    ],
+)
 def test_stop_string_split_across_tokens_is_caught(tiny, text, stop):
     tok = tiny.tokenizer
     ids = tok.encode(text, add_special_tokens=False)
-    pieces = [tok.decode(ids[:i + 1]) for i in range(len(ids))]
+    pieces = [tok.decode(ids[: i + 1]) for i in range(len(ids))]
     start = text.index(stop)
     first = next(i for i, p in enumerate(pieces) if len(p) > start)
     last = next(i for i, p in enumerate(pieces) if len(p) >= start + len(stop))
@@ -40,7 +43,7 @@ def test_stop_string_split_across_tokens_is_caught(tiny, text, stop):
     assert hit == stop and n == last + 1
     assert shown == final == text[:start]
     shown, hit, n, final = feed(tok, ids, [stop], include=True)
-    assert final == text[:start + len(stop)] and shown == final
+    assert final == text[: start + len(stop)] and shown == final
 
 
 def test_streamed_text_never_shows_a_stop_prefix_that_later_completes(tiny):
@@ -60,8 +63,10 @@ def test_streamed_text_never_shows_a_stop_prefix_that_later_completes(tiny):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.text("ab", min_size=1, max_size=7), min_size=1, max_size=4),
-       st.lists(st.text("abc", max_size=6), max_size=30))
+@given(
+    st.lists(st.text("ab", min_size=1, max_size=7), min_size=1, max_size=4),
+    st.lists(st.text("abc", max_size=6), max_size=30),
+)
 def test_the_incremental_prefix_matcher_holds_back_what_the_quadratic_scan_does(stops, chunks):
     """The held-back length carried from token to token (PrefixMatcher, KMP) equals held_back's scan of the whole
     text after every chunk, over a two-letter alphabet where prefixes overlap the most."""
@@ -91,8 +96,9 @@ def test_holding_back_a_long_stop_string_costs_no_more_per_token_as_the_text_gro
     try:
         state, ids = StopState(), tiny.tokenizer.encode("e" * 3000 + " fin!", add_special_tokens=False)
         for n in range(1, len(ids) + 1):
-            update_text(tiny.tokenizer.decode, ids[:n], [stop], state, check_stops=True, include_stop=False,
-                        final=False)
+            update_text(
+                tiny.tokenizer.decode, ids[:n], [stop], state, check_stops=True, include_stop=False, final=False
+            )
     finally:
         PrefixMatcher.feed = original
     assert sum(fed) == len(state.text.rstrip(REPLACEMENT))  # each character read once
@@ -104,11 +110,14 @@ def test_engine_stop_string_and_stream_deltas(tiny):
     engine = make_engine(tiny)
     base = engine.generate([{"prompt_token_ids": [10, 20, 30], "sampling_params": GREEDY}])[0]
     text = base.text
-    stop = text[len(text) // 2: len(text) // 2 + 4]
+    stop = text[len(text) // 2 : len(text) // 2 + 4]
     assert len(stop) == 4 and stop.strip()
     engine = make_engine(tiny)
-    deltas = list(engine.stream([{"prompt_token_ids": [10, 20, 30], "request_id": "s",
-                                  "sampling_params": GREEDY.replace(stop=[stop])}]))
+    deltas = list(
+        engine.stream(
+            [{"prompt_token_ids": [10, 20, 30], "request_id": "s", "sampling_params": GREEDY.replace(stop=[stop])}]
+        )
+    )
     out = engine.output("s")
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
     assert out.text == text[: text.index(stop)]
@@ -126,8 +135,7 @@ def test_parallel_samples_use_their_own_streams(tiny):
     assert len({c.token_ids for c in out.outputs}) == 3
     again = make_engine(tiny).generate([{"prompt_token_ids": [1, 2, 3, 4], "sampling_params": params}])[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
-    single = make_engine(tiny).generate([{"prompt_token_ids": [1, 2, 3, 4],
-                                          "sampling_params": params.replace(n=1)}])[0]
+    single = make_engine(tiny).generate([{"prompt_token_ids": [1, 2, 3, 4], "sampling_params": params.replace(n=1)}])[0]
     assert single.output_token_ids == out.outputs[0].token_ids  # stream 0 is the n=1 sample
 
 
@@ -143,6 +151,7 @@ def test_min_tokens_delays_eos_and_stop_strings(tiny):
 
 # ------------------------------------------------------------------ incremental == full re-decode
 
+
 def full_redecode(decode, output_ids, stops, state, *, check_stops, include_stop, final):
     """The matcher as it was before incremental detokenization: the whole output decoded every token
     (O(n^2) per sequence). The oracle the incremental one must agree with; `state` is a plain dict."""
@@ -153,7 +162,7 @@ def full_redecode(decode, output_ids, stops, state, *, check_stops, include_stop
         if hits:
             pos, s = min(hits)
             text = text[: pos + len(s)] if include_stop else text[:pos]
-            delta = text[state["emitted"]:]
+            delta = text[state["emitted"] :]
             state["emitted"] = state["scanned"] = len(text)
             return delta, s, text
     stable = len(text)
@@ -164,26 +173,33 @@ def full_redecode(decode, output_ids, stops, state, *, check_stops, include_stop
             stable -= held_back(text[:stable], stops)
     state["scanned"] = len(text.rstrip(REPLACEMENT)) if not final else len(text)
     stable = max(stable, state["emitted"])
-    delta = text[state["emitted"]:stable]
+    delta = text[state["emitted"] : stable]
     state["emitted"] = stable
     return delta, None, text
 
 
 # texts whose characters take 1 to 4 UTF-8 bytes, so byte-level tokens split characters
-MULTIBYTE = st.text(alphabet=st.sampled_from(list("ab c.\n") + ["é", "ß", "€", "中", "文", "😀", "🚀", "\u0301"]),
-                    min_size=1, max_size=40)
+MULTIBYTE = st.text(
+    alphabet=st.sampled_from(list("ab c.\n") + ["é", "ß", "€", "中", "文", "😀", "🚀", "\u0301"]),
+    min_size=1,
+    max_size=40,
+)
 
 
 def _byte_tokens(tokenizer) -> list[int]:
     """Ids of SmolLM2's single-byte tokens for bytes 0x80-0xFF (continuation and lead bytes)."""
-    byte_map = {0x80 + i: ch for i, ch in enumerate("ĢģĤĥĦħĨĩĪīĬĭĮįİıĲĳĴĵĶķĸĹĺĻļĽľĿŀŁł¡¢£¤¥¦§¨©ª«¬Ń®¯°±²³´µ¶·¸¹º»¼½¾¿ÀÁÂÃÄÅÆÇÈÉÊËÌÍÎÏÐÑÒÓÔÕÖ×ØÙÚÛÜÝÞßàáâãäåæçèéêëìíîïðñòóôõö÷øùúûüýþÿ")}
+    byte_map = {
+        0x80 + i: ch
+        for i, ch in enumerate(
+            "ĢģĤĥĦħĨĩĪīĬĭĮįİıĲĳĴĵĶķĸĹĺĻļĽľĿŀŁł¡¢£¤¥¦§¨©ª«¬Ń®¯°±²³´µ¶·¸¹º»¼½¾¿ÀÁÂÃÄÅÆÇÈÉÊËÌÍÎÏÐÑÒÓÔÕÖ×ØÙÚÛÜÝÞßàáâãäåæçèéêëìíîïðñòóôõö÷øùúûüýþÿ"
+        )
+    }
     ids = [tokenizer._tok.token_to_id(ch) for ch in byte_map.values()]
     return [i for i in ids if i is not None]
 
 
 @settings(max_examples=150, deadline=None)
-@given(data=st.data(), text=MULTIBYTE, include=st.booleans(), min_tokens=st.integers(0, 4),
-       skip_special=st.booleans())
+@given(data=st.data(), text=MULTIBYTE, include=st.booleans(), min_tokens=st.integers(0, 4), skip_special=st.booleans())
 def test_incremental_detokenization_equals_a_full_redecode(tiny, data, text, include, min_tokens, skip_special):
     """Token by token, the incremental matcher streams the same deltas, finds the same stop string at
     the same token and ends with the same text as decoding the whole output each time: on real
@@ -198,7 +214,7 @@ def test_incremental_detokenization_equals_a_full_redecode(tiny, data, text, inc
     stops = []
     for _ in range(data.draw(st.integers(0, 3))):
         a = data.draw(st.integers(0, max(0, len(full) - 1)))
-        piece = full[a:a + data.draw(st.integers(1, 6))]
+        piece = full[a : a + data.draw(st.integers(1, 6))]
         if piece:
             stops.append(piece)
     if data.draw(st.booleans()):

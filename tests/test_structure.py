@@ -135,9 +135,12 @@ def test_the_cycle_check_finds_a_cycle(tmp_path):
     (pkg / "models" / "__init__.py").write_text("")
     (pkg / "models" / "loading.py").write_text("from toolkit.models import decoder\n")
     (pkg / "models" / "decoder.py").write_text("from toolkit import kernels\n")
-    (pkg / "typed.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from toolkit import kernels\n")
-    assert cycles(import_graph(modules(pkg))) == [["toolkit.kernels", "toolkit.models.decoder",
-                                                   "toolkit.models.loading"]]
+    (pkg / "typed.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from toolkit import kernels\n"
+    )
+    assert cycles(import_graph(modules(pkg))) == [
+        ["toolkit.kernels", "toolkit.models.decoder", "toolkit.models.loading"]
+    ]
 
 
 def test_a_type_only_import_upward_is_a_cycle_too(tmp_path):
@@ -146,15 +149,18 @@ def test_a_type_only_import_upward_is_a_cycle_too(tmp_path):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "engine.py").write_text("from toolkit import speculative\n")
-    (pkg / "speculative.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                        "    from toolkit.engine import Engine\n")
+    (pkg / "speculative.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from toolkit.engine import Engine\n"
+    )
     assert cycles(import_graph(modules(pkg))) == [["toolkit.engine", "toolkit.speculative"]]
 
 
 def layer_of(module: str) -> int:
     """The index in LAYERS of the longest prefix naming `module` (`toolkit` alone is the top)."""
-    best = max(((len(p), i) for i, names in enumerate(LAYERS) for p in names
-                if module == p or module.startswith(p + ".")), default=None)
+    best = max(
+        ((len(p), i) for i, names in enumerate(LAYERS) for p in names if module == p or module.startswith(p + ".")),
+        default=None,
+    )
     assert best is not None, f"{module} is in no layer of LAYERS"
     return best[1]
 
@@ -180,8 +186,9 @@ def test_an_upward_import_is_found(tmp_path):
     for init in (pkg, pkg / "sampling", pkg / "engine"):
         (init / "__init__.py").write_text("")
     (pkg / "engine" / "core.py").write_text("from toolkit.sampling import sampler\n")
-    (pkg / "sampling" / "sampler.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                                 "    from toolkit.engine.core import Engine\n")
+    (pkg / "sampling" / "sampler.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from toolkit.engine.core import Engine\n"
+    )
     assert upward_imports(import_graph(modules(pkg))) == ["toolkit.sampling.sampler -> toolkit.engine.core"]
 
 
@@ -206,8 +213,11 @@ def test_imports_sit_at_module_top():
     """Inside a function only a heavy optional dependency, with a `# deferred: <what>` comment on its line; no
     toolkit module except in the package's light entry point."""
     inside = function_level_imports()
-    toolkit_inside = [f"{f}:{n} {m}" for f, n, m, line in inside
-                      if m.split(".")[0] == "toolkit" and f not in LAZY_TOOLKIT_IMPORTS and not EXTRA.search(line)]
+    toolkit_inside = [
+        f"{f}:{n} {m}"
+        for f, n, m, line in inside
+        if m.split(".")[0] == "toolkit" and f not in LAZY_TOOLKIT_IMPORTS and not EXTRA.search(line)
+    ]
     unsaid = [f"{f}:{n} {m}" for f, n, m, line in inside if not re.search(r"# deferred: \S", line)]
     assert toolkit_inside == [], toolkit_inside
     assert unsaid == [], unsaid
@@ -241,8 +251,13 @@ def engine_reaches(root: Path = ROOT) -> list[str]:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS:
-                owner = node.value.id if isinstance(node.value, ast.Name) else \
-                    node.value.attr if isinstance(node.value, ast.Attribute) else ""
+                owner = (
+                    node.value.id
+                    if isinstance(node.value, ast.Name)
+                    else node.value.attr
+                    if isinstance(node.value, ast.Attribute)
+                    else ""
+                )
                 if "engine" in owner.lower():
                     found.append(f"{path.relative_to(root)}:{node.lineno} {owner}.{node.attr}")
     return found
@@ -263,10 +278,13 @@ DIVERGENCE_NAME = re.compile(r"(?i)^_?(first_diverg|first_differ|differing|diver
 
 
 def divergence_definitions(root: Path = ROOT) -> list[str]:
-    return sorted(f"{path.relative_to(root)}:{node.name}" for path in root.rglob("*.py")
-                  if path.relative_to(root) != Path("trace/diverge.py")
-                  for node in ast.walk(ast.parse(path.read_text()))
-                  if isinstance(node, ast.FunctionDef | ast.ClassDef) and DIVERGENCE_NAME.search(node.name))
+    return sorted(
+        f"{path.relative_to(root)}:{node.name}"
+        for path in root.rglob("*.py")
+        if path.relative_to(root) != Path("trace/diverge.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.ClassDef) and DIVERGENCE_NAME.search(node.name)
+    )
 
 
 def test_the_first_divergence_has_one_implementation(tmp_path):
@@ -274,7 +292,10 @@ def test_the_first_divergence_has_one_implementation(tmp_path):
     planted = tmp_path / "reproduce"
     planted.mkdir()
     (planted / "compare.py").write_text("def _first_divergence(a, b):\n    return 0\n\nclass Divergence:\n    pass\n")
-    assert divergence_definitions(tmp_path) == ["reproduce/compare.py:Divergence", "reproduce/compare.py:_first_divergence"]
+    assert divergence_definitions(tmp_path) == [
+        "reproduce/compare.py:Divergence",
+        "reproduce/compare.py:_first_divergence",
+    ]
 
 
 # --------------------------------------------------------------------------- the numerics marker
@@ -340,13 +361,16 @@ def test_the_marker_check_finds_an_unmarked_greedy_test(tmp_path):
         "import pytest\n\ndef run(smollm2):\n    return SamplingParams(temperature=0.0)\n\n"
         "def test_planted(smollm2):\n    assert run(smollm2) == run(smollm2)\n\n"
         "@pytest.mark.numerics\ndef test_marked(smollm2):\n    assert run(smollm2)\n\n"
-        "def test_sampled(smollm2):\n    assert SamplingParams(temperature=1.0)\n")
-    assert smollm2_greedy_tests(tmp_path) == {"test_planted.py::test_planted": False,
-                                               "test_planted.py::test_marked": True}
+        "def test_sampled(smollm2):\n    assert SamplingParams(temperature=1.0)\n"
+    )
+    assert smollm2_greedy_tests(tmp_path) == {
+        "test_planted.py::test_planted": False,
+        "test_planted.py::test_marked": True,
+    }
 
 
 # --------------------------------------------------------------------------- the native marker
-PLANTED_NATIVE = '''
+PLANTED_NATIVE = """
 import pytest
 from tests.conftest import make_engine
 from toolkit.config import ModelConfig
@@ -365,7 +389,7 @@ def test_steps_an_engine_marked():
 
 def test_reads_a_config():
     assert ModelConfig(name="tiny").num_layers == 2
-'''
+"""
 
 
 @pytest.mark.native  # it runs the planted tests in a child pytest, which asks toolkit.native
@@ -375,10 +399,24 @@ def test_a_test_that_takes_the_native_path_unmarked_fails(tmp_path):
     planted = TESTS / "test_zz_planted_native.py"
     planted.write_text(PLANTED_NATIVE)
     try:
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                 str(planted), "--basetemp", str(tmp_path / "base")],
-                                cwd=TESTS.parent, capture_output=True, text=True, timeout=600,
-                                env={**os.environ, "TOOLKIT_NATIVE": "1", "TOOLKIT_NATIVE_REPORT": ""})
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                str(planted),
+                "--basetemp",
+                str(tmp_path / "base"),
+            ],
+            cwd=TESTS.parent,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "TOOLKIT_NATIVE": "1", "TOOLKIT_NATIVE_REPORT": ""},
+        )
     finally:
         planted.unlink()
     out = result.stdout

@@ -21,16 +21,30 @@ from toolkit.trace.writer import TraceWriter, logits_digest, sample_rows_table, 
 f32 = st.floats(width=32, allow_nan=False)
 traces = st.builds(
     SampleTrace,
-    request_id=st.text(min_size=1, max_size=12), stream=st.integers(0, 7), step=st.integers(0, 10**6),
-    position=st.integers(0, 10**5), token_id=st.integers(-1, 10**5), raw_logprob=f32, processed_logprob=f32,
+    request_id=st.text(min_size=1, max_size=12),
+    stream=st.integers(0, 7),
+    step=st.integers(0, 10**6),
+    position=st.integers(0, 10**5),
+    token_id=st.integers(-1, 10**5),
+    raw_logprob=f32,
+    processed_logprob=f32,
     support_size=st.integers(0, 10**5),
     top_raw=st.lists(st.tuples(st.integers(0, 10**5), f32), max_size=4).map(tuple),
     top_processed=st.lists(st.tuples(st.integers(0, 10**5), f32), max_size=4).map(tuple),
     processors=st.lists(st.sampled_from(["top_p(0.9)", "temperature(0.7)", "argmax"]), max_size=3).map(tuple),
-    temperature=f32, top_k=st.integers(-1, 100), top_p=f32, min_p=f32, seed=st.integers(0, 2**63 - 1),
-    noise=st.floats(allow_nan=False), batch_size=st.integers(1, 512), step_tokens=st.integers(1, 8192),
-    finish_reason=st.sampled_from([None, "stop", "length", "error"]), stop_reason=st.one_of(st.none(), st.text()),
-    error=st.one_of(st.none(), st.text()), t_emit_s=st.floats(0, 1e6), logits_row=st.just(0),
+    temperature=f32,
+    top_k=st.integers(-1, 100),
+    top_p=f32,
+    min_p=f32,
+    seed=st.integers(0, 2**63 - 1),
+    noise=st.floats(allow_nan=False),
+    batch_size=st.integers(1, 512),
+    step_tokens=st.integers(1, 8192),
+    finish_reason=st.sampled_from([None, "stop", "length", "error"]),
+    stop_reason=st.one_of(st.none(), st.text()),
+    error=st.one_of(st.none(), st.text()),
+    t_emit_s=st.floats(0, 1e6),
+    logits_row=st.just(0),
 )
 
 
@@ -53,12 +67,26 @@ def test_write_read_round_trip_is_identical(tmp_path_factory, rows):
 
 
 MIXED = [
-    {"prompt_token_ids": [5, 6, 7], "request_id": "greedy", "sampling_params": SamplingParams(
-        temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)},
-    {"prompt_token_ids": list(range(40, 60)), "request_id": "topp", "arrival_step": 2, "sampling_params":
-        SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=5, seed=3, ignore_eos=True, logprobs=2)},
-    {"prompt_token_ids": [9, 9, 9], "request_id": "pair", "sampling_params": SamplingParams(
-        n=2, temperature=1.0, repetition_penalty=1.2, max_tokens=4, seed=5, ignore_eos=True)},
+    {
+        "prompt_token_ids": [5, 6, 7],
+        "request_id": "greedy",
+        "sampling_params": SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3),
+    },
+    {
+        "prompt_token_ids": list(range(40, 60)),
+        "request_id": "topp",
+        "arrival_step": 2,
+        "sampling_params": SamplingParams(
+            temperature=0.8, top_p=0.9, top_k=50, max_tokens=5, seed=3, ignore_eos=True, logprobs=2
+        ),
+    },
+    {
+        "prompt_token_ids": [9, 9, 9],
+        "request_id": "pair",
+        "sampling_params": SamplingParams(
+            n=2, temperature=1.0, repetition_penalty=1.2, max_tokens=4, seed=5, ignore_eos=True
+        ),
+    },
 ]
 
 
@@ -81,8 +109,10 @@ def test_one_row_per_sampled_token_with_digests(tiny, tmp_path, monkeypatch, bes
     """Digests hashed by the writer, or by the engine beside its commit (the writer then hashes nothing)."""
     engine = make_engine(tiny, max_num_batched_tokens=8, max_num_seqs=4)
     if beside:
+
         def refuse(*args, **kwargs):
             raise AssertionError("the writer hashed rows it was given digests for")
+
         monkeypatch.setattr("toolkit.trace.writer.sha256_rows", refuse)
     ids, steps = run_traced(engine, MIXED, tmp_path, beside=beside)
     assert all((s.logits_sha256 is not None) == (beside and bool(s.samples)) for s in steps)
@@ -130,22 +160,28 @@ def test_step_digests_are_finished_on_first_look_and_written_when_the_next_outpu
     writer.close()
     table = read_samples(tmp_path).to_pylist()
     assert [(r["request_id"], r["position"]) for r in table] == [
-        (t.request_id, t.position) for s in steps for t in s.samples]
-    assert [r["logits_sha256"] for r in table] == [logits_digest(s.logits_RV[t.logits_row]) for s in steps
-                                                   for t in s.samples]
+        (t.request_id, t.position) for s in steps for t in s.samples
+    ]
+    assert [r["logits_sha256"] for r in table] == [
+        logits_digest(s.logits_RV[t.logits_row]) for s in steps for t in s.samples
+    ]
 
 
 @pytest.mark.native
 def test_empty_support_finishes_only_that_request_with_error(tiny, tmp_path):
-    bad = {"prompt_token_ids": [1, 2, 3], "request_id": "bad", "sampling_params": SamplingParams(
-        allowed_token_ids=[100], bad_words=[[100]], max_tokens=5)}
+    bad = {
+        "prompt_token_ids": [1, 2, 3],
+        "request_id": "bad",
+        "sampling_params": SamplingParams(allowed_token_ids=[100], bad_words=[[100]], max_tokens=5),
+    }
     engine = make_engine(tiny, max_num_batched_tokens=8, max_num_seqs=4)
     run_traced(engine, MIXED[:2] + [bad] + MIXED[2:], tmp_path)
     alone = make_engine(tiny, max_num_batched_tokens=8, max_num_seqs=4)
     for ref in alone.generate(MIXED):
         got = engine.output(ref.request_id)
-        assert [(c.token_ids, c.finish_reason) for c in got.outputs] == \
-            [(c.token_ids, c.finish_reason) for c in ref.outputs]
+        assert [(c.token_ids, c.finish_reason) for c in got.outputs] == [
+            (c.token_ids, c.finish_reason) for c in ref.outputs
+        ]
     out = engine.output("bad")
     assert out.finish_reason == "error" and out.output_token_ids == ()
     rows = [r for r in read_samples(tmp_path).to_pylist() if r["request_id"] == "bad"]
@@ -157,8 +193,9 @@ def test_empty_support_finishes_only_that_request_with_error(tiny, tmp_path):
 def test_rows_are_on_disk_after_each_flush(tiny, tmp_path):
     engine = make_engine(tiny, max_num_batched_tokens=4, max_num_seqs=2)
     writer = TraceWriter(tmp_path, "crashy", flush_every_steps=2)
-    engine.add_request(prompt_token_ids=[1, 2], sampling_params=SamplingParams(temperature=0, max_tokens=9,
-                                                                            ignore_eos=True))
+    engine.add_request(
+        prompt_token_ids=[1, 2], sampling_params=SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    )
     for _ in range(7):  # 7 steps, 7 tokens: flushed after steps 2, 4, 6 (the writer is never closed)
         out = engine.step()
         writer.write_step(out.samples, out.logits_RV)
@@ -256,8 +293,10 @@ def test_older_schema_versions_read_with_their_missing_columns_null(tiny, tmp_pa
     run_traced(engine, MIXED, tmp_path)
     before = read_samples(tmp_path).drop_columns(["kept_sha256", "noise"])  # (NaN noise never compares equal)
     meta = {b"toolkit_schema_version": str(version).encode()}
-    for path, kind in [*[(p, "requests") for p in (tmp_path / "requests.parquet").glob("part-*.parquet")],
-                       *[(p, "samples") for p in (tmp_path / "samples.parquet").glob("part-*.parquet")]]:
+    for path, kind in [
+        *[(p, "requests") for p in (tmp_path / "requests.parquet").glob("part-*.parquet")],
+        *[(p, "samples") for p in (tmp_path / "samples.parquet").glob("part-*.parquet")],
+    ]:
         table = pq.read_table(path)
         old = table.drop_columns(list(COMPATIBLE[version][kind])).replace_schema_metadata(meta)
         pq.write_table(old, path)
@@ -274,7 +313,9 @@ def test_older_schema_versions_read_with_their_missing_columns_null(tiny, tmp_pa
 
 FIXTURES = Path(__file__).parent / "data" / "traces"
 OLD_LAYOUTS = {  # checked-in runs, each written by the toolkit commit that still wrote that schema (manifest's git_commit)
-    "v4": 4, "v5": 5, "v6": 6,
+    "v4": 4,
+    "v5": 5,
+    "v6": 6,
     "v7-file": 7,  # the last commit whose mode=run wrote requests.parquet and steps.parquet as single files
 }
 

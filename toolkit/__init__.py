@@ -1,13 +1,13 @@
 """toolkit: a traced, replayable cached-decode engine for LLM decoding research.
 
-    from toolkit import LLM, SamplingParams
-    llm = LLM(model="smollm2")
-    outputs = llm.generate(["Once upon a time"], SamplingParams(max_tokens=32, seed=0))
-    print(outputs[0].outputs[0].text, llm.trace_dir)
+from toolkit import LLM, SamplingParams
+llm = LLM(model="smollm2")
+outputs = llm.generate(["Once upon a time"], SamplingParams(max_tokens=32, seed=0))
+print(outputs[0].outputs[0].text, llm.trace_dir)
 
-    from toolkit import replay, verify
-    report = replay("traces/2026-11-22/10-00-00-run", overrides=["engine.max_num_batched_tokens=8"])
-    print(report.summary_line())
+from toolkit import replay, verify
+report = replay("traces/2026-11-22/10-00-00-run", overrides=["engine.max_num_batched_tokens=8"])
+print(report.summary_line())
 """
 
 import importlib
@@ -15,7 +15,10 @@ import importlib
 from toolkit.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "__version__", "replay", "verify"]
-_LAZY = {"LLM": "toolkit.llm", "SamplingParams": "toolkit.sampling.params"}  # imported on first use: `import toolkit` stays light
+_LAZY = {
+    "LLM": "toolkit.llm",
+    "SamplingParams": "toolkit.sampling.params",
+}  # imported on first use: `import toolkit` stays light
 
 
 def __getattr__(name):

@@ -49,9 +49,7 @@ def from_mapping(cls, data: Mapping[str, Any] | None, *, section: str):
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ConfigError(
-            f"unknown {section} option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-        )
+        raise ConfigError(f"unknown {section} option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     return cls(**data)
 
 
@@ -78,19 +76,32 @@ class ModelConfig:
 
     def __post_init__(self):
         check(self.name in MODEL_NAMES, f"model.name must be one of {MODEL_NAMES}, got {self.name!r}")
-        check(self.generation_config in ("auto", "none"),
-              f"model.generation_config must be auto or none, got {self.generation_config!r}")
+        check(
+            self.generation_config in ("auto", "none"),
+            f"model.generation_config must be auto or none, got {self.generation_config!r}",
+        )
         check(self.dtype in DTYPES, f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.name == "hf":
             check(bool(self.path), "model=hf needs model.path=<dir with config.json + safetensors>")
-        for name in ("vocab_size", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
-                     "intermediate_size", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             check(is_int(value) and value > 0, f"model.{name} must be a positive integer, got {value!r}")
-        check(self.hidden_size % self.num_heads == 0,
-              f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})")
-        check(self.num_heads % self.num_kv_heads == 0,
-              f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads ({self.num_kv_heads})")
+        check(
+            self.hidden_size % self.num_heads == 0,
+            f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})",
+        )
+        check(
+            self.num_heads % self.num_kv_heads == 0,
+            f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads ({self.num_kv_heads})",
+        )
         check((self.hidden_size // self.num_heads) % 2 == 0, "model head_dim must be even for RoPE")
 
 
@@ -131,54 +142,98 @@ class EngineConfig:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             check(is_int(value) and value > 0, f"engine.{name} must be a positive integer, got {value!r}")
-        check(self.num_kv_blocks is None or (is_int(self.num_kv_blocks) and self.num_kv_blocks > 0),
-              f"engine.num_kv_blocks must be a positive integer or null (sized from kv_cache_memory_gb), "
-              f"got {self.num_kv_blocks!r}")
-        check(is_number(self.kv_cache_memory_gb) and self.kv_cache_memory_gb > 0,
-              f"engine.kv_cache_memory_gb must be a positive number, got {self.kv_cache_memory_gb!r}")
-        check(self.max_model_len is None or (is_int(self.max_model_len) and self.max_model_len > 0),
-              f"engine.max_model_len must be a positive integer or null, got {self.max_model_len!r}")
-        check(self.num_threads is None or (is_int(self.num_threads) and self.num_threads > 0),
-              f"engine.num_threads must be a positive integer or null, got {self.num_threads!r}")
+        check(
+            self.num_kv_blocks is None or (is_int(self.num_kv_blocks) and self.num_kv_blocks > 0),
+            f"engine.num_kv_blocks must be a positive integer or null (sized from kv_cache_memory_gb), "
+            f"got {self.num_kv_blocks!r}",
+        )
+        check(
+            is_number(self.kv_cache_memory_gb) and self.kv_cache_memory_gb > 0,
+            f"engine.kv_cache_memory_gb must be a positive number, got {self.kv_cache_memory_gb!r}",
+        )
+        check(
+            self.max_model_len is None or (is_int(self.max_model_len) and self.max_model_len > 0),
+            f"engine.max_model_len must be a positive integer or null, got {self.max_model_len!r}",
+        )
+        check(
+            self.num_threads is None or (is_int(self.num_threads) and self.num_threads > 0),
+            f"engine.num_threads must be a positive integer or null, got {self.num_threads!r}",
+        )
         check(is_int(self.seed) and self.seed >= 0, f"engine.seed must be a non-negative integer, got {self.seed!r}")
-        check(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda", "mps"),
-              f"engine.device must be cpu, cuda[:N] or mps, got {self.device!r}")
-        check(isinstance(self.enable_prefix_caching, bool),
-              f"engine.enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
-        check(self.preemption_mode in ("recompute", "swap"),
-              f"engine.preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
-        check(self.preemption_policy in ("newest", "priority"),
-              f"engine.preemption_policy must be newest or priority, got {self.preemption_policy!r}")
-        check(is_number(self.swap_space_gb) and self.swap_space_gb >= 0,
-              f"engine.swap_space_gb must be a number >= 0, got {self.swap_space_gb!r}")
-        check(isinstance(self.batch_invariant, bool),
-              f"engine.batch_invariant must be true or false, got {self.batch_invariant!r}")
-        check(not (self.batch_invariant and self.attention_backend in ("sdpa", "flex")),
-              f"engine.batch_invariant=true needs the native attention kernel, not "
-              f"engine.attention_backend={self.attention_backend}")
-        check(isinstance(self.flex_compile, bool), f"engine.flex_compile must be true or false, got {self.flex_compile!r}")
-        check(self.cuda_graphs in ("auto", "eager", "off"),
-              f"engine.cuda_graphs must be auto, eager or off, got {self.cuda_graphs!r}")
-        check(self.attention_backend in ATTENTION_BACKENDS,
-              f"engine.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        check(self.kv_cache_dtype in KV_CACHE_DTYPES,
-              f"engine.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        check(self.kv_scale_granularity in ("block", "tensor", "channel"),
-              f"engine.kv_scale_granularity must be block, tensor or channel, got {self.kv_scale_granularity!r}")
-        check(not (self.batch_invariant and self.kv_cache_dtype != "auto"),
-              f"engine.batch_invariant=true needs the fp32 cache of the native kernel, not "
-              f"engine.kv_cache_dtype={self.kv_cache_dtype}")
-        check(self.matmul_backend in MATMUL_BACKENDS,
-              f"engine.matmul_backend must be one of {MATMUL_BACKENDS}, got {self.matmul_backend!r}")
-        check(not (self.batch_invariant and self.matmul_backend == "torch"),
-              "engine.batch_invariant=true needs the native matmul, not engine.matmul_backend=torch")
-        check(self.scheduler_policy in SCHEDULER_POLICIES,
-              f"engine.scheduler_policy must be one of {SCHEDULER_POLICIES}, got {self.scheduler_policy!r}")
-        check(self.max_chunk_tokens is None or (is_int(self.max_chunk_tokens) and self.max_chunk_tokens > 0),
-              f"engine.max_chunk_tokens must be a positive integer or null, got {self.max_chunk_tokens!r}")
-        check(self.max_num_batched_tokens >= self.max_num_seqs,
-              f"engine.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-              f"engine.max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step")
+        check(
+            isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda", "mps"),
+            f"engine.device must be cpu, cuda[:N] or mps, got {self.device!r}",
+        )
+        check(
+            isinstance(self.enable_prefix_caching, bool),
+            f"engine.enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}",
+        )
+        check(
+            self.preemption_mode in ("recompute", "swap"),
+            f"engine.preemption_mode must be recompute or swap, got {self.preemption_mode!r}",
+        )
+        check(
+            self.preemption_policy in ("newest", "priority"),
+            f"engine.preemption_policy must be newest or priority, got {self.preemption_policy!r}",
+        )
+        check(
+            is_number(self.swap_space_gb) and self.swap_space_gb >= 0,
+            f"engine.swap_space_gb must be a number >= 0, got {self.swap_space_gb!r}",
+        )
+        check(
+            isinstance(self.batch_invariant, bool),
+            f"engine.batch_invariant must be true or false, got {self.batch_invariant!r}",
+        )
+        check(
+            not (self.batch_invariant and self.attention_backend in ("sdpa", "flex")),
+            f"engine.batch_invariant=true needs the native attention kernel, not "
+            f"engine.attention_backend={self.attention_backend}",
+        )
+        check(
+            isinstance(self.flex_compile, bool), f"engine.flex_compile must be true or false, got {self.flex_compile!r}"
+        )
+        check(
+            self.cuda_graphs in ("auto", "eager", "off"),
+            f"engine.cuda_graphs must be auto, eager or off, got {self.cuda_graphs!r}",
+        )
+        check(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"engine.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
+        check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"engine.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+        )
+        check(
+            self.kv_scale_granularity in ("block", "tensor", "channel"),
+            f"engine.kv_scale_granularity must be block, tensor or channel, got {self.kv_scale_granularity!r}",
+        )
+        check(
+            not (self.batch_invariant and self.kv_cache_dtype != "auto"),
+            f"engine.batch_invariant=true needs the fp32 cache of the native kernel, not "
+            f"engine.kv_cache_dtype={self.kv_cache_dtype}",
+        )
+        check(
+            self.matmul_backend in MATMUL_BACKENDS,
+            f"engine.matmul_backend must be one of {MATMUL_BACKENDS}, got {self.matmul_backend!r}",
+        )
+        check(
+            not (self.batch_invariant and self.matmul_backend == "torch"),
+            "engine.batch_invariant=true needs the native matmul, not engine.matmul_backend=torch",
+        )
+        check(
+            self.scheduler_policy in SCHEDULER_POLICIES,
+            f"engine.scheduler_policy must be one of {SCHEDULER_POLICIES}, got {self.scheduler_policy!r}",
+        )
+        check(
+            self.max_chunk_tokens is None or (is_int(self.max_chunk_tokens) and self.max_chunk_tokens > 0),
+            f"engine.max_chunk_tokens must be a positive integer or null, got {self.max_chunk_tokens!r}",
+        )
+        check(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            f"engine.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+            f"engine.max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step",
+        )
 
 
 SPEC_METHODS = ("none", "ngram", "draft_model", "self_draft")
@@ -198,19 +253,30 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         check(self.method in SPEC_METHODS, f"speculative.method must be one of {SPEC_METHODS}, got {self.method!r}")
-        check(is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 16,
-              f"speculative.num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
-        check(self.acceptance in ("rejection", "coupled"),
-              f"speculative.acceptance must be rejection or coupled, got {self.acceptance!r}")
-        check(is_int(self.prompt_lookup_min) and is_int(self.prompt_lookup_max)
-              and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
-              f"speculative.prompt_lookup_min/max must be integers with 1 <= min <= max, got "
-              f"{self.prompt_lookup_min!r}, {self.prompt_lookup_max!r}")
-        check(is_int(self.draft_layers) and self.draft_layers >= 1,
-              f"speculative.draft_layers must be a positive integer, got {self.draft_layers!r}")
+        check(
+            is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 16,
+            f"speculative.num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}",
+        )
+        check(
+            self.acceptance in ("rejection", "coupled"),
+            f"speculative.acceptance must be rejection or coupled, got {self.acceptance!r}",
+        )
+        check(
+            is_int(self.prompt_lookup_min)
+            and is_int(self.prompt_lookup_max)
+            and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+            f"speculative.prompt_lookup_min/max must be integers with 1 <= min <= max, got "
+            f"{self.prompt_lookup_min!r}, {self.prompt_lookup_max!r}",
+        )
+        check(
+            is_int(self.draft_layers) and self.draft_layers >= 1,
+            f"speculative.draft_layers must be a positive integer, got {self.draft_layers!r}",
+        )
         if self.method == "draft_model":
-            check(isinstance(self.draft_model, Mapping) and bool(self.draft_model),
-                  "speculative.method=draft_model needs speculative.draft_model (e.g. name: tiny, seed: 77)")
+            check(
+                isinstance(self.draft_model, Mapping) and bool(self.draft_model),
+                "speculative.method=draft_model needs speculative.draft_model (e.g. name: tiny, seed: 77)",
+            )
 
     @property
     def enabled(self) -> bool:
@@ -230,5 +296,6 @@ def register_configs() -> None:
 def _schema(cls):
     """A mutable copy of a frozen config dataclass (same fields, types and defaults) for OmegaConf."""
     hints = typing.get_type_hints(cls)
-    return dataclasses.make_dataclass(f"{cls.__name__}Schema", [
-        (f.name, hints[f.name], dataclasses.field(default=f.default)) for f in fields(cls)])
+    return dataclasses.make_dataclass(
+        f"{cls.__name__}Schema", [(f.name, hints[f.name], dataclasses.field(default=f.default)) for f in fields(cls)]
+    )

@@ -33,17 +33,28 @@ Conversation = Sequence[Mapping[str, Any]]  # chat messages: [{"role": ..., "con
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2", *, dtype: str = "float32", generation_config: str = "auto",
-                 speculative: Mapping[str, Any] | None = None, trace: bool = True,
-                 trace_root: str | Path | None = None, **engine_options: Any):
+    def __init__(
+        self,
+        model: str = "smollm2",
+        *,
+        dtype: str = "float32",
+        generation_config: str = "auto",
+        speculative: Mapping[str, Any] | None = None,
+        trace: bool = True,
+        trace_root: str | Path | None = None,
+        **engine_options: Any,
+    ):
         """`model`: "smollm2", "tiny" or a local HF checkpoint directory. `engine_options`: EngineConfig's
         fields (max_num_seqs, max_num_batched_tokens, max_model_len, seed, enable_prefix_caching, ...;
         an unknown one is a one-line ConfigError). `generation_config`: "auto" takes the model's own
         sampling defaults, "none" the library's. `trace_root`: where run directories go (default
         traces/<date>/<time>-llm-<n>)."""
         known = {"smollm2", "tiny"}
-        model_cfg = ModelConfig(name=model, dtype=dtype, generation_config=generation_config) if model in known \
+        model_cfg = (
+            ModelConfig(name=model, dtype=dtype, generation_config=generation_config)
+            if model in known
             else ModelConfig(name="hf", path=str(model), dtype=dtype, generation_config=generation_config)
+        )
         self.engine_cfg = from_mapping(EngineConfig, engine_options, section="engine")
         self.spec_cfg = from_mapping(SpeculativeConfig, dict(speculative or {}), section="speculative")
         self.loaded, self.default_sampling, self.model_sampling_defaults = load_for(model_cfg, self.engine_cfg, {})
@@ -52,8 +63,15 @@ class LLM:
         self.trace_dirs: list[Path] = []
 
     @classmethod
-    def over(cls, loaded, engine_cfg: EngineConfig, *, default_sampling: SamplingParams | None = None,
-             trace: bool = True, trace_root: str | Path | None = None) -> LLM:
+    def over(
+        cls,
+        loaded,
+        engine_cfg: EngineConfig,
+        *,
+        default_sampling: SamplingParams | None = None,
+        trace: bool = True,
+        trace_root: str | Path | None = None,
+    ) -> LLM:
         """An LLM over weights already loaded (the benchmark's, a test's): nothing is loaded again."""
         llm = cls.__new__(cls)
         llm.engine_cfg, llm.spec_cfg, llm.loaded = engine_cfg, SpeculativeConfig(), loaded
@@ -73,30 +91,44 @@ class LLM:
         them (generation_config="auto"), else the library's."""
         return self.default_sampling
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """One output per prompt, in order. `sampling_params`: one for every prompt, or one each."""
         prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
         return self._run([_prompt_request(p) for p in prompts], sampling_params)
 
-    def chat(self, messages: Conversation | Sequence[Conversation],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """One output per conversation (the tokenizer's chat template, generation prompt added)."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         return self._run([{"messages": [dict(m) for m in c]} for c in conversations], sampling_params)
 
-    def _run(self, requests: list[dict[str, Any]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[RequestOutput]:
+    def _run(
+        self, requests: list[dict[str, Any]], sampling_params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[RequestOutput]:
         params = _per_request(sampling_params, len(requests), self.default_sampling)
         engine = Engine(self.loaded, self.engine_cfg, self.default_sampling, self.spec_cfg)
-        ids = [engine.add(EngineRequest(**r, sampling_params=p, request_id=f"{i}")) for i, (r, p) in
-               enumerate(zip(requests, params))]  # a bad request raises before anything runs
+        ids = [
+            engine.add(EngineRequest(**r, sampling_params=p, request_id=f"{i}"))
+            for i, (r, p) in enumerate(zip(requests, params))
+        ]  # a bad request raises before anything runs
         if not self.trace:
             engine.run_until_done()
             return [engine.output(i) for i in ids]
         run_dir = self.trace_root / f"{time.strftime('%H-%M-%S')}-llm-{len(self.trace_dirs)}"
-        config = {"model": dataclasses.asdict(self.loaded.config), "engine": dataclasses.asdict(self.engine_cfg),
-                  "speculative": dataclasses.asdict(self.spec_cfg), "mode": "run", "entry": "toolkit.LLM"}
+        config = {
+            "model": dataclasses.asdict(self.loaded.config),
+            "engine": dataclasses.asdict(self.engine_cfg),
+            "speculative": dataclasses.asdict(self.spec_cfg),
+            "mode": "run",
+            "entry": "toolkit.LLM",
+        }
         recorded = record(engine, ids, run_dir, config)
         self.trace_dirs.append(recorded.run_dir)
         return recorded.outputs

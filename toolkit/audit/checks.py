@@ -60,8 +60,18 @@ class RequestReport:
     sampling_assumed: dict[str, Any] = field(default_factory=dict)  # policy fields not stated: the values taken
 
     def flagged(self) -> list[dict]:
-        out = [{"position": c.position, "token_id": c.token_id, "claimed": c.claimed, "recomputed": c.recomputed,
-                "kind": ",".join(c.kinds), "why": "; ".join(c.why)} for c in self.checks if c.kinds]
+        out = [
+            {
+                "position": c.position,
+                "token_id": c.token_id,
+                "claimed": c.claimed,
+                "recomputed": c.recomputed,
+                "kind": ",".join(c.kinds),
+                "why": "; ".join(c.why),
+            }
+            for c in self.checks
+            if c.kinds
+        ]
         out += [dict(p) for p in self.problems]
         return sorted(out, key=lambda f: f["position"])
 
@@ -71,18 +81,26 @@ class RequestReport:
         kls = [c.kl for c in self.checks if c.kl is not None]
         flagged = self.flagged()
         log_product = sum(math.log(r) for r in ratios if r > 0) if ratios and all(r > 0 for r in ratios) else None
-        return {"request_id": self.request_id, "stream": self.stream, "line": self.line,
-                "origin_engine": self.origin_engine, "prompt": self.prompt_source,
-                "sampling_assumed": self.sampling_assumed, "tokens": self.tokens,
-                "output_tokens": self.output_tokens,
-                **_error_stats(errors), **_ratio_stats(ratios),
-                "sequence_log_ratio": log_product,
-                "sequence_ratio": _safe_exp(log_product),
-                "kl_mean": sum(kls) / len(kls) if kls else None, "kl_max": max(kls) if kls else None,
-                "first_greedy_departure": self.first_greedy_departure,
-                "first_departure_margin": self.first_departure_margin,
-                "first_flagged_position": flagged[0]["position"] if flagged else None,
-                "flagged": flagged}
+        return {
+            "request_id": self.request_id,
+            "stream": self.stream,
+            "line": self.line,
+            "origin_engine": self.origin_engine,
+            "prompt": self.prompt_source,
+            "sampling_assumed": self.sampling_assumed,
+            "tokens": self.tokens,
+            "output_tokens": self.output_tokens,
+            **_error_stats(errors),
+            **_ratio_stats(ratios),
+            "sequence_log_ratio": log_product,
+            "sequence_ratio": _safe_exp(log_product),
+            "kl_mean": sum(kls) / len(kls) if kls else None,
+            "kl_max": max(kls) if kls else None,
+            "first_greedy_departure": self.first_greedy_departure,
+            "first_departure_margin": self.first_departure_margin,
+            "first_flagged_position": flagged[0]["position"] if flagged else None,
+            "flagged": flagged,
+        }
 
 
 @dataclass
@@ -115,18 +133,29 @@ class AuditReport:
         per_request = [r.to_dict() for r in self.requests]
         seq = [r["sequence_ratio"] for r in per_request if r["sequence_ratio"] is not None]
         engines = sorted({r.origin_engine for r in self.requests})
-        return {"source": self.source, "format": self.fmt, "origin_engines": engines, "reference": self.reference,
-                "atol": self.atol, "sampling_defaults": self.sampling_defaults, "passed": self.passed,
-                "tokens": len(errors), "flagged_tokens": self.flagged_tokens,
-                **_error_stats(errors), **_ratio_stats(ratios),
-                "kl_mean": sum(kls) / len(kls) if kls else None, "kl_max": max(kls) if kls else None,
-                "kl_tokens": len(kls),
-                "sequence_ratio_min": min(seq) if seq else None, "sequence_ratio_max": max(seq) if seq else None,
-                "greedy_departures": sum(r.first_greedy_departure is not None for r in self.requests),
-                "requests_flagged": sum(bool(r["flagged"]) for r in per_request),
-                "lines_rejected": len(self.line_errors),
-                "line_errors": [{"line": e.line, "request_id": e.request_id, "why": e.why} for e in self.line_errors],
-                "requests": per_request}
+        return {
+            "source": self.source,
+            "format": self.fmt,
+            "origin_engines": engines,
+            "reference": self.reference,
+            "atol": self.atol,
+            "sampling_defaults": self.sampling_defaults,
+            "passed": self.passed,
+            "tokens": len(errors),
+            "flagged_tokens": self.flagged_tokens,
+            **_error_stats(errors),
+            **_ratio_stats(ratios),
+            "kl_mean": sum(kls) / len(kls) if kls else None,
+            "kl_max": max(kls) if kls else None,
+            "kl_tokens": len(kls),
+            "sequence_ratio_min": min(seq) if seq else None,
+            "sequence_ratio_max": max(seq) if seq else None,
+            "greedy_departures": sum(r.first_greedy_departure is not None for r in self.requests),
+            "requests_flagged": sum(bool(r["flagged"]) for r in per_request),
+            "lines_rejected": len(self.line_errors),
+            "line_errors": [{"line": e.line, "request_id": e.request_id, "why": e.why} for e in self.line_errors],
+            "requests": per_request,
+        }
 
 
 def _safe_exp(x: float | None) -> float | None:
@@ -138,24 +167,41 @@ def _safe_exp(x: float | None) -> float | None:
 def _error_stats(errors: list[float]) -> dict[str, float | None]:
     if not errors:
         return {"max_abs_error": None, "p50_abs_error": None, "p99_abs_error": None, "mean_abs_error": None}
-    return {"max_abs_error": max(errors), "p50_abs_error": percentile(errors, 50),
-            "p99_abs_error": percentile(errors, 99), "mean_abs_error": sum(errors) / len(errors)}
+    return {
+        "max_abs_error": max(errors),
+        "p50_abs_error": percentile(errors, 50),
+        "p99_abs_error": percentile(errors, 99),
+        "mean_abs_error": sum(errors) / len(errors),
+    }
 
 
 def _ratio_stats(ratios: list[float]) -> dict[str, float | None]:
     if not ratios:
         return {"ratio_mean": None, "ratio_min": None, "ratio_max": None, "ratio_outside_share": None}
     lo, hi = RATIO_BAND
-    return {"ratio_mean": sum(ratios) / len(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-            "ratio_outside_share": sum(not lo <= r <= hi for r in ratios) / len(ratios)}
+    return {
+        "ratio_mean": sum(ratios) / len(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "ratio_outside_share": sum(not lo <= r <= hi for r in ratios) / len(ratios),
+    }
 
 
 Forward = Callable[[list[int]], torch.Tensor]  # token ids -> float64 logits (T, V), row t predicts token t + 1
 
 
-def audit_transcripts(records: list[Transcript], forward: Forward, loaded, *, atol: float, reference: str,
-                      source: str = "", fmt: str = "", line_errors: list[LineError] | None = None,
-                      progress: Callable[[int], Any] | None = None) -> AuditReport:
+def audit_transcripts(
+    records: list[Transcript],
+    forward: Forward,
+    loaded,
+    *,
+    atol: float,
+    reference: str,
+    source: str = "",
+    fmt: str = "",
+    line_errors: list[LineError] | None = None,
+    progress: Callable[[int], Any] | None = None,
+) -> AuditReport:
     """Each record recomputed on its own (so its values never depend on the others: toolkit.reproduce.shard);
     `progress` is told each record's tokens as it is done."""
     report = AuditReport(source=source, fmt=fmt, reference=reference, atol=atol, line_errors=list(line_errors or []))
@@ -163,8 +209,19 @@ def audit_transcripts(records: list[Transcript], forward: Forward, loaded, *, at
     many = getattr(forward, "many", None)  # a reference that packs several records in one forward
     for group in _groups(records, getattr(forward, "max_tokens", 0) if many else 0):
         todo = [r for r in group if r.prompt_token_ids and r.output_token_ids]
-        packed = dict(zip(map(id, todo), many([(r.prompt_token_ids + r.output_token_ids)[:-1] for r in todo],
-                                              [len(r.output_token_ids) for r in todo]))) if many and todo else {}
+        packed = (
+            dict(
+                zip(
+                    map(id, todo),
+                    many(
+                        [(r.prompt_token_ids + r.output_token_ids)[:-1] for r in todo],
+                        [len(r.output_token_ids) for r in todo],
+                    ),
+                )
+            )
+            if many and todo
+            else {}
+        )
         for record in group:
             report.requests.append(_audit_one(record, forward, loaded, atol, eos, packed.get(id(record))))
             if progress is not None:
@@ -203,16 +260,18 @@ def sampling_defaults(a: dict, loaded) -> tuple[str, dict[str, Any]]:
     if given == "library":
         return "library defaults", {}
     if given == "model":
-        return "the model's generation_config", {k: v for k, v in (loaded.generation or {}).items()
-                                                 if k in ASSUMED_FIELDS}
+        return "the model's generation_config", {
+            k: v for k, v in (loaded.generation or {}).items() if k in ASSUMED_FIELDS
+        }
     if isinstance(given, dict) and set(given) <= set(ASSUMED_FIELDS):
         try:
             SamplingParams.from_mapping(dict(given))
         except (ConfigError, TypeError, ValueError) as exc:
             raise ConfigError(f"audit.sampling_defaults: {exc}") from None
         return "audit.sampling_defaults", dict(given)
-    raise ConfigError(f"audit.sampling_defaults must be library, model or a mapping of {', '.join(ASSUMED_FIELDS)}, "
-                      f"got {given!r}")
+    raise ConfigError(
+        f"audit.sampling_defaults must be library, model or a mapping of {', '.join(ASSUMED_FIELDS)}, got {given!r}"
+    )
 
 
 def assume_sampling(records: list[Transcript], defaults: dict[str, Any]) -> None:
@@ -236,40 +295,69 @@ def _policy_params(record: Transcript) -> SamplingParams | None:
         return None
 
 
-def _audit_one(record: Transcript, forward: Forward, loaded, atol: float, eos: tuple[int, ...],
-               logits: torch.Tensor | None = None) -> RequestReport:
+def _audit_one(
+    record: Transcript, forward: Forward, loaded, atol: float, eos: tuple[int, ...], logits: torch.Tensor | None = None
+) -> RequestReport:
     """One record's checks; `logits` (one row per output token), when the reference computed them already."""
-    rep = RequestReport(record.request_id, record.stream, record.line, record.origin_engine,
-                        output_tokens=len(record.output_token_ids), prompt_source=record.prompt_source,
-                        sampling_assumed=dict(record.sampling_assumed))
-    rep.problems = [{"position": p.position, "token_id": None, "claimed": None, "recomputed": None, "kind": p.kind,
-                     "why": p.why} for p in record.problems]
+    rep = RequestReport(
+        record.request_id,
+        record.stream,
+        record.line,
+        record.origin_engine,
+        output_tokens=len(record.output_token_ids),
+        prompt_source=record.prompt_source,
+        sampling_assumed=dict(record.sampling_assumed),
+    )
+    rep.problems = [
+        {"position": p.position, "token_id": None, "claimed": None, "recomputed": None, "kind": p.kind, "why": p.why}
+        for p in record.problems
+    ]
     prompt, output = record.prompt_token_ids, record.output_token_ids
     if not output:
         return rep
     if not prompt:
-        rep.problems.append({"position": 0, "token_id": output[0], "claimed": None, "recomputed": None,
-                             "kind": "no_prompt", "why": "an empty prompt: the first token has no context"})
+        rep.problems.append(
+            {
+                "position": 0,
+                "token_id": output[0],
+                "claimed": None,
+                "recomputed": None,
+                "kind": "no_prompt",
+                "why": "an empty prompt: the first token has no context",
+            }
+        )
         return rep
     tokens = prompt + output
     if logits is None:
-        logits = forward(tokens[:-1])[len(prompt) - 1:]
+        logits = forward(tokens[:-1])[len(prompt) - 1 :]
     logits = logits.double()  # row j predicts output[j]
     raw = torch.log_softmax(logits, dim=-1)
     params = _policy_params(record)
     processed = None
     if params is not None:
         positions = range(len(prompt), len(tokens))
-        view = BatchView(tuple(RowState(params, tokens[:p], len(prompt)) for p in positions),
-                         loaded.arch.vocab_size, logits.device, eos)
+        view = BatchView(
+            tuple(RowState(params, tokens[:p], len(prompt)) for p in positions),
+            loaded.arch.vocab_size,
+            logits.device,
+            eos,
+        )
         # a row is unusable where its logits hold NaN or +inf: then its log-softmax's max is not finite
         out = apply_pipeline(logits, view, row_errors=invalid_rows(raw.amax(dim=-1))).processed_RV
         processed = raw if out is logits else torch.log_softmax(out.double(), dim=-1)  # no processor: the same
     mode = record.logprobs_mode
     if mode == "processed_logprobs" and processed is None:
-        rep.problems.append({"position": len(prompt), "token_id": output[0], "claimed": None, "recomputed": None,
-                             "kind": "no_policy", "why": "processed logprobs are claimed but the transcript does not "
-                                                         "state the sampling parameters to recompute them"})
+        rep.problems.append(
+            {
+                "position": len(prompt),
+                "token_id": output[0],
+                "claimed": None,
+                "recomputed": None,
+                "kind": "no_policy",
+                "why": "processed logprobs are claimed but the transcript does not "
+                "state the sampling parameters to recompute them",
+            }
+        )
         return rep
     claimed_space = processed if mode == "processed_logprobs" else raw
     greedy = params is not None and params.temperature == 0.0
@@ -280,8 +368,9 @@ def _audit_one(record: Transcript, forward: Forward, loaded, atol: float, eos: t
         recomputed = float(claimed_space[j, token])
         argmax = argmaxes[j]
         claimed = record.claimed[j]
-        check = TokenCheck(record.request_id, record.stream, position, token, claimed, recomputed, None, None, None,
-                           None, argmax)
+        check = TokenCheck(
+            record.request_id, record.stream, position, token, claimed, recomputed, None, None, None, None, argmax
+        )
         if claimed is None:
             check.kinds.append("missing_logprob")
             check.why.append("no logprob given for this token")
@@ -294,8 +383,9 @@ def _audit_one(record: Transcript, forward: Forward, loaded, atol: float, eos: t
             check.ratio = _safe_exp(recomputed - claimed)
             if check.abs_error > atol:
                 check.kinds.append("logprob")
-                check.why.append(f"claimed {claimed:.6g}, recomputed {recomputed:.6g} (|diff| {check.abs_error:.3g} "
-                                 f"> atol {atol:g})")
+                check.why.append(
+                    f"claimed {claimed:.6g}, recomputed {recomputed:.6g} (|diff| {check.abs_error:.3g} > atol {atol:g})"
+                )
         top = _unique(record.top[j]) if j < len(record.top) else []
         if top:
             _check_top(check, top, claimed_space[j], atol, mass_limit)
@@ -304,9 +394,11 @@ def _audit_one(record: Transcript, forward: Forward, loaded, atol: float, eos: t
             edge = float(raw[j][kept].min()) if bool(kept.any()) else math.inf
             if float(raw[j, token]) < edge - atol:
                 check.kinds.append("outside_support")
-                check.why.append(f"token {token} is outside the support the stated sampling parameters give "
-                                 f"({int(kept.sum())} tokens kept; its reference logprob {float(raw[j, token]):.4g} "
-                                 f"is below the least kept {edge:.4g})")
+                check.why.append(
+                    f"token {token} is outside the support the stated sampling parameters give "
+                    f"({int(kept.sum())} tokens kept; its reference logprob {float(raw[j, token]):.4g} "
+                    f"is below the least kept {edge:.4g})"
+                )
         if greedy and token != argmax:
             space = processed[j] if math.isfinite(float(processed[j, token])) else raw[j]  # truncated: raw margin
             margin = float(space[argmax] - space[token])
@@ -326,8 +418,9 @@ def _unique(top: list[tuple[int, float]]) -> list[tuple[int, float]]:
     return list(seen.items())
 
 
-def _check_top(check: TokenCheck, top: list[tuple[int, float]], reference_V: torch.Tensor, atol: float,
-               mass_limit: float) -> None:
+def _check_top(
+    check: TokenCheck, top: list[tuple[int, float]], reference_V: torch.Tensor, atol: float, mass_limit: float
+) -> None:
     ids = torch.tensor([t for t, _ in top])
     claimed = torch.tensor([lp for _, lp in top], dtype=torch.float64)
     ref = reference_V[ids]
@@ -338,8 +431,9 @@ def _check_top(check: TokenCheck, top: list[tuple[int, float]], reference_V: tor
         if check.top_max_abs_error > atol:
             worst = int(torch.argmax((claimed - ref).abs().where(finite, torch.zeros_like(claimed))))
             check.kinds.append("top_logprob")
-            check.why.append(f"top alternative {top[worst][0]}: claimed {top[worst][1]:.6g}, recomputed "
-                             f"{float(ref[worst]):.6g}")
+            check.why.append(
+                f"top alternative {top[worst][0]}: claimed {top[worst][1]:.6g}, recomputed {float(ref[worst]):.6g}"
+            )
     mass = float(torch.exp(claimed).sum())
     if mass > mass_limit:
         check.kinds.append("top_logprobs_mass")

@@ -94,18 +94,31 @@ class Detection:
     def verdict(self) -> str | None:
         if not self.tokens:
             return None
-        said = ("consistent with the stated format" if self.best == self.stated
-                else f"better explained by {self.best} than by the stated {self.stated}")
+        said = (
+            "consistent with the stated format"
+            if self.best == self.stated
+            else f"better explained by {self.best} than by the stated {self.stated}"
+        )
         misfit = self.misfit
         if misfit is not None and misfit > MISFIT_LIMIT:
-            said += (f", but it fits none of the formats: its mean |d| under {self.best} is {misfit:.3g} times that "
-                     f"format's width")
+            said += (
+                f", but it fits none of the formats: its mean |d| under {self.best} is {misfit:.3g} times that "
+                f"format's width"
+            )
         return said
 
     def to_dict(self) -> dict[str, Any]:
-        return {"stated": self.stated, "tokens": self.tokens, "best": self.best, "llr_per_token": self.llr,
-                "posterior": self.posterior, "loglik": self.loglik, "mean_abs_residual": self.mean_abs,
-                "misfit": self.misfit, "verdict": self.verdict()}
+        return {
+            "stated": self.stated,
+            "tokens": self.tokens,
+            "best": self.best,
+            "llr_per_token": self.llr,
+            "posterior": self.posterior,
+            "loglik": self.loglik,
+            "mean_abs_residual": self.mean_abs,
+            "misfit": self.misfit,
+            "verdict": self.verdict(),
+        }
 
 
 def detect(residuals: dict[str, list[torch.Tensor]], scales: dict[str, float], stated: str) -> list[Detection]:
@@ -121,10 +134,16 @@ def detect(residuals: dict[str, list[torch.Tensor]], scales: dict[str, float], s
         rows = {h: r[i].double() for h, r in residuals.items()}
         usable = torch.stack([torch.isfinite(r) for r in rows.values()]).all(0)
         per_token = {h: token_loglik(r[usable], scales[h]) for h, r in rows.items()}
-        out.append(Detection(int(usable.sum()), {h: float(v.sum()) for h, v in per_token.items()}, stated,
-                             {h: v.tolist() for h, v in per_token.items()},
-                             {h: float(r[usable].abs().mean()) if bool(usable.any()) else math.nan
-                              for h, r in rows.items()}, {h: scales[h] for h in rows}))
+        out.append(
+            Detection(
+                int(usable.sum()),
+                {h: float(v.sum()) for h, v in per_token.items()},
+                stated,
+                {h: v.tolist() for h, v in per_token.items()},
+                {h: float(r[usable].abs().mean()) if bool(usable.any()) else math.nan for h, r in rows.items()},
+                {h: scales[h] for h in rows},
+            )
+        )
     return out
 
 
@@ -134,10 +153,18 @@ def combined(detections: Iterable[Detection], stated: str) -> Detection:
     hypotheses = list(detections[0].loglik) if detections else []
     per_token = {h: [x for d in detections for x in d.per_token.get(h, [])] for h in hypotheses}
     tokens = sum(d.tokens for d in detections)
-    mean_abs = {h: sum(d.mean_abs[h] * d.tokens for d in detections if d.tokens) / tokens if tokens else math.nan
-                for h in hypotheses}
-    return Detection(tokens, {h: sum(d.loglik[h] for d in detections) for h in hypotheses}, stated, per_token,
-                     mean_abs, dict(detections[0].scales) if detections else {})
+    mean_abs = {
+        h: sum(d.mean_abs[h] * d.tokens for d in detections if d.tokens) / tokens if tokens else math.nan
+        for h in hypotheses
+    }
+    return Detection(
+        tokens,
+        {h: sum(d.loglik[h] for d in detections) for h in hypotheses},
+        stated,
+        per_token,
+        mean_abs,
+        dict(detections[0].scales) if detections else {},
+    )
 
 
 def window_scores(detection: Detection, n: int) -> list[float]:
@@ -146,8 +173,8 @@ def window_scores(detection: Detection, n: int) -> list[float]:
     alternatives = [v for h, v in detection.per_token.items() if h != detection.stated]
     scores = []
     for start in range(0, detection.tokens - n + 1, n):
-        own = sum(stated[start:start + n])
-        scores.append((own - max(sum(v[start:start + n]) for v in alternatives)) / n)
+        own = sum(stated[start : start + n])
+        scores.append((own - max(sum(v[start : start + n]) for v in alternatives)) / n)
     return scores
 
 
@@ -163,13 +190,21 @@ def residuals_of(reports) -> list[torch.Tensor]:
     """claimed - recomputed per request of one AuditReport (NaN where a token carries no usable claim)."""
     out = []
     for request in reports.requests:
-        out.append(torch.tensor([c.claimed - c.recomputed if c.abs_error is not None else math.nan
-                                 for c in request.checks], dtype=torch.float64))
+        out.append(
+            torch.tensor(
+                [c.claimed - c.recomputed if c.abs_error is not None else math.nan for c in request.checks],
+                dtype=torch.float64,
+            )
+        )
     return out
 
 
-def calibrate_scales(formats: Sequence[str], sequences: Sequence[list[int]], recompute: Callable[[str], Forward],
-                     implementations: Callable[[str], Sequence[Forward]]) -> dict[str, float]:
+def calibrate_scales(
+    formats: Sequence[str],
+    sequences: Sequence[list[int]],
+    recompute: Callable[[str], Forward],
+    implementations: Callable[[str], Sequence[Forward]],
+) -> dict[str, float]:
     """b_h per format: the mean |logprob an implementation of that format gives - the hypothesis' recomputation|
     of each next token of `sequences`, teacher-forced, the largest over the implementations given (for float32:
     HF's and our engine's fp32 forwards against the float64 reference; for a 16-bit format: HF's model in it
@@ -178,12 +213,17 @@ def calibrate_scales(formats: Sequence[str], sequences: Sequence[list[int]], rec
     for fmt in formats:
         reference = recompute(fmt)
         targets = [torch.tensor(ids[1:])[:, None] for ids in sequences]
-        expected = [torch.log_softmax(reference(ids[:-1]).double(), -1).gather(1, t)
-                    for ids, t in zip(sequences, targets)]
+        expected = [
+            torch.log_softmax(reference(ids[:-1]).double(), -1).gather(1, t) for ids, t in zip(sequences, targets)
+        ]
         widths = []
         for forward in implementations(fmt):
-            d = torch.cat([(torch.log_softmax(forward(ids[:-1]).double(), -1).gather(1, t) - e).abs().flatten()
-                           for ids, t, e in zip(sequences, targets, expected)])
+            d = torch.cat(
+                [
+                    (torch.log_softmax(forward(ids[:-1]).double(), -1).gather(1, t) - e).abs().flatten()
+                    for ids, t, e in zip(sequences, targets, expected)
+                ]
+            )
             widths.append(float(d.mean()))
         scales[fmt] = max(max(widths), SCALE_FLOOR) if widths else DEFAULT_SCALES[fmt]
     return scales

@@ -76,14 +76,18 @@ from toolkit.version import __version__
 # ------------------------------------------------------------------------------------------- Ray shards
 
 
-def _audit_shard(loaded, memo: dict[str, Forward], records: list[Transcript], references: list[str],
-                 atol: float) -> list[list[RequestReport]]:
+def _audit_shard(
+    loaded, memo: dict[str, Forward], records: list[Transcript], references: list[str], atol: float
+) -> list[list[RequestReport]]:
     """A Ray worker's part of an audit (toolkit.reproduce.shard.run_on_ray): per reference, its records' reports."""
-    return [audit_transcripts(records, _forward(loaded, r, memo), loaded, atol=atol, reference=r).requests
-            for r in references]
+    return [
+        audit_transcripts(records, _forward(loaded, r, memo), loaded, atol=atol, reference=r).requests
+        for r in references
+    ]
 
 
 # ------------------------------------------------------------------------------------------- the mode
+
 
 def run_audit(cfg: DictConfig, run_dir: Path) -> int:
     a = OmegaConf.to_container(cfg.audit, resolve=True) if cfg.get("audit") else {}
@@ -91,8 +95,9 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
     if not source and a.get("sources"):
         return run_engine_mismatch(cfg, run_dir, a)
     if not source:
-        raise AuditInputError("mode=audit needs audit.input=<transcript.jsonl> "
-                              "(or audit.sources=[hf,server,llama_cpp])")
+        raise AuditInputError(
+            "mode=audit needs audit.input=<transcript.jsonl> (or audit.sources=[hf,server,llama_cpp])"
+        )
     if fmt not in FORMATS:
         raise AuditInputError(f"audit.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     references, atol, detector = _references(a), _atol(a), detector_config(a)
@@ -105,8 +110,9 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
     if loaded.tokenizer is None:
         raise AuditInputError(f"model {model_cfg.name!r} has no tokenizer to read a transcript with")
     try:
-        records, line_errors = read_transcripts(source, fmt, loaded.tokenizer, loaded.arch.vocab_size,
-                                                a.get("logprobs_mode"))
+        records, line_errors = read_transcripts(
+            source, fmt, loaded.tokenizer, loaded.arch.vocab_size, a.get("logprobs_mode")
+        )
     except TranscriptError as exc:
         raise AuditInputError(str(exc)) from None
     for e in line_errors:
@@ -117,28 +123,55 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
     assume_sampling(records, defaults)
     assumed = sum(bool(r.sampling_assumed) for r in records)
     if assumed:
-        print(f"sampling: {assumed} of {len(records)} requests leave policy fields out; taken from {defaults_from} "
-              f"(audit.json: sampling_assumed per request)")
+        print(
+            f"sampling: {assumed} of {len(records)} requests leave policy fields out; taken from {defaults_from} "
+            f"(audit.json: sampling_assumed per request)"
+        )
     if launcher(a) == "ray":
         options = ray_options(a)
         weights = [_size(r) for r in records]
-        found = in_order(run_on_ray(OmegaConf.to_container(cfg.model, resolve=True), options, weights, "audit",
-                                    _audit_shard, lambda shard: ([records[i] for i in shard], references, atol)),
-                         len(references))
-        reports = [AuditReport(source=str(source), fmt=fmt, reference=r, atol=atol, requests=requests,
-                               line_errors=list(line_errors)) for r, requests in zip(references, found)]
+        found = in_order(
+            run_on_ray(
+                OmegaConf.to_container(cfg.model, resolve=True),
+                options,
+                weights,
+                "audit",
+                _audit_shard,
+                lambda shard: ([records[i] for i in shard], references, atol),
+            ),
+            len(references),
+        )
+        reports = [
+            AuditReport(
+                source=str(source), fmt=fmt, reference=r, atol=atol, requests=requests, line_errors=list(line_errors)
+            )
+            for r, requests in zip(references, found)
+        ]
     else:
         tokens = sum(map(_size, records))
         reports = []
         with progress_bar(tokens * len(references), "audit") as bar:
             for r in references:
                 forward, start = stated_reference(loaded, r), time.perf_counter()
-                reports.append(audit_transcripts(records, forward, loaded, atol=float(atol), reference=r,
-                                                 source=str(source), fmt=fmt, line_errors=line_errors,
-                                                 progress=bar.update))
+                reports.append(
+                    audit_transcripts(
+                        records,
+                        forward,
+                        loaded,
+                        atol=float(atol),
+                        reference=r,
+                        source=str(source),
+                        fmt=fmt,
+                        line_errors=line_errors,
+                        progress=bar.update,
+                    )
+                )
                 took = time.perf_counter() - start
-                how = (f"packed, {forward.counts['computed']} computed, the rest read from prompt blocks shared "
-                       f"in a pack" if hasattr(forward, "many") else "one request at a time")
+                how = (
+                    f"packed, {forward.counts['computed']} computed, the rest read from prompt blocks shared in a pack"
+                    if hasattr(forward, "many")
+                    else "one request at a time"
+                )
                 rate = tokens / max(took, 1e-9)
                 print(f"{r}: {tokens} tokens recomputed in {took:.1f} s ({rate:.0f} tok/s; {how})")
     for report in reports:
@@ -147,8 +180,9 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
     if detector is not None:
         memo: dict[str, Forward] = {}
         scales = detector_scales(loaded, detector, memo)
-        detection = run_detector(records, loaded, detector, scales, atol=atol,
-                                 done={r.reference: r for r in reports}, memo=memo)
+        detection = run_detector(
+            records, loaded, detector, scales, atol=atol, done={r.reference: r for r in reports}, memo=memo
+        )
     write_converted_trace(run_dir, records, loaded, cfg, source=str(source), fmt=fmt)
     write_audit(run_dir, reports, detection)
     print(format_table(reports))
@@ -182,8 +216,9 @@ def run_engine_mismatch(cfg: DictConfig, run_dir: Path, a: dict) -> int:
     for name in names:
         path = out_dir / f"{name}.jsonl"
         if name == "llama_cpp":
-            missing = src.llama_cpp_missing() or (None if model_cfg.name == "smollm2" else
-                                                  "llama.cpp runs the SmolLM2 GGUF only (model=smollm2)")
+            missing = src.llama_cpp_missing() or (
+                None if model_cfg.name == "smollm2" else "llama.cpp runs the SmolLM2 GGUF only (model=smollm2)"
+            )
             if missing:
                 print(f"{name}: skipped: {missing}", file=sys.stderr)
                 continue
@@ -204,13 +239,39 @@ def run_engine_mismatch(cfg: DictConfig, run_dir: Path, a: dict) -> int:
         records, line_errors = read_transcripts(path, fmt, loaded.tokenizer, loaded.arch.vocab_size)
         done: dict[str, AuditReport] = {}
         for reference in references:
-            report = audit_transcripts(records, stated_reference(loaded, reference), loaded, atol=atol,
-                                       reference=reference, source=str(path), fmt=fmt, line_errors=line_errors)
+            report = audit_transcripts(
+                records,
+                stated_reference(loaded, reference),
+                loaded,
+                atol=atol,
+                reference=reference,
+                source=str(path),
+                fmt=fmt,
+                line_errors=line_errors,
+            )
             d = report.to_dict()
-            rows.append({"source": name, "reference": reference, **{key: d[key] for key in (
-                "tokens", "flagged_tokens", "max_abs_error", "p50_abs_error", "p99_abs_error", "kl_mean",
-                "ratio_mean", "ratio_outside_share", "greedy_departures", "lines_rejected")},
-                         "requests": d["requests"]})
+            rows.append(
+                {
+                    "source": name,
+                    "reference": reference,
+                    **{
+                        key: d[key]
+                        for key in (
+                            "tokens",
+                            "flagged_tokens",
+                            "max_abs_error",
+                            "p50_abs_error",
+                            "p99_abs_error",
+                            "kl_mean",
+                            "ratio_mean",
+                            "ratio_outside_share",
+                            "greedy_departures",
+                            "lines_rejected",
+                        )
+                    },
+                    "requests": d["requests"],
+                }
+            )
             errors[f"{name} vs {reference}"] = [c.abs_error for c in report.checks]
             done[reference] = report
         if detector is not None:
@@ -219,20 +280,38 @@ def run_engine_mismatch(cfg: DictConfig, run_dir: Path, a: dict) -> int:
             detections[name] = (truth, found["transcript"])
 
     table = detection_table(detections, detector["stated"]) if detector is not None else []
-    atomic_write_bytes(run_dir / "engine_mismatch.json", json.dumps(
-        rows if detector is None else {"audits": rows, "detector": {
-            "stated": detector["stated"], "alternatives": detector["alternatives"], "scales": scales,
-            "windows": list(WINDOWS), "sources": table}}, indent=2).encode())
+    atomic_write_bytes(
+        run_dir / "engine_mismatch.json",
+        json.dumps(
+            rows
+            if detector is None
+            else {
+                "audits": rows,
+                "detector": {
+                    "stated": detector["stated"],
+                    "alternatives": detector["alternatives"],
+                    "scales": scales,
+                    "windows": list(WINDOWS),
+                    "sources": table,
+                },
+            },
+            indent=2,
+        ).encode(),
+    )
     try:
         plot_errors(run_dir / "engine_mismatch.png", errors)
     except ModuleNotFoundError as exc:
         print(f"engine_mismatch.png skipped: {exc}", file=sys.stderr)
-    print(f"{'source':<10} {'reference':<9} {'tokens':>6} {'max|d|':>9} {'p50|d|':>9} {'p99|d|':>9} {'KL':>9} "
-          f"{'ratio out':>9} {'greedy dep':>10}")
+    print(
+        f"{'source':<10} {'reference':<9} {'tokens':>6} {'max|d|':>9} {'p50|d|':>9} {'p99|d|':>9} {'KL':>9} "
+        f"{'ratio out':>9} {'greedy dep':>10}"
+    )
     for r in rows:
-        print(f"{r['source']:<10} {r['reference']:<9} {r['tokens']:>6} {_fmt(r['max_abs_error']):>9} "
-              f"{_fmt(r['p50_abs_error']):>9} {_fmt(r['p99_abs_error']):>9} {_fmt(r['kl_mean']):>9} "
-              f"{_fmt(r['ratio_outside_share'], '.2%'):>9} {r['greedy_departures']:>10}")
+        print(
+            f"{r['source']:<10} {r['reference']:<9} {r['tokens']:>6} {_fmt(r['max_abs_error']):>9} "
+            f"{_fmt(r['p50_abs_error']):>9} {_fmt(r['p99_abs_error']):>9} {_fmt(r['kl_mean']):>9} "
+            f"{_fmt(r['ratio_outside_share'], '.2%'):>9} {r['greedy_departures']:>10}"
+        )
     if detector is not None:
         print(format_detection_table(table, detector, scales))
     print(f"engine_mismatch.json, engine_mismatch.png, transcripts/: {run_dir}")
@@ -245,18 +324,39 @@ def write_audit(run_dir: Path, reports: list[AuditReport], detection: dict[str, 
         first["by_reference"] = {r.reference: r.to_dict() for r in reports}
         first["passed"] = all(r.passed for r in reports)
     if detection is not None:
-        first["detector"] = {"scales": detection["scales"], "recomputed_by": detection["recomputed_by"],
-                             **detection["transcript"].to_dict(),
-                             "requests": [{"request_id": rid, "stream": stream, **d.to_dict()}
-                                          for rid, stream, d in detection["requests"]]}
-    rows = [{"reference": r.reference, **{k: v for k, v in c.__dict__.items() if k not in ("kinds", "why")},
-             "kinds": ",".join(c.kinds), "why": "; ".join(c.why)} for r in reports for c in r.checks]
-    atomic_write_table(run_dir / "audit.parquet", pa.Table.from_pylist(rows) if rows else
-                       pa.table({"request_id": pa.array([], pa.string())}))
+        first["detector"] = {
+            "scales": detection["scales"],
+            "recomputed_by": detection["recomputed_by"],
+            **detection["transcript"].to_dict(),
+            "requests": [
+                {"request_id": rid, "stream": stream, **d.to_dict()} for rid, stream, d in detection["requests"]
+            ],
+        }
+    rows = [
+        {
+            "reference": r.reference,
+            **{k: v for k, v in c.__dict__.items() if k not in ("kinds", "why")},
+            "kinds": ",".join(c.kinds),
+            "why": "; ".join(c.why),
+        }
+        for r in reports
+        for c in r.checks
+    ]
+    atomic_write_table(
+        run_dir / "audit.parquet",
+        pa.Table.from_pylist(rows) if rows else pa.table({"request_id": pa.array([], pa.string())}),
+    )
     atomic_write_bytes(run_dir / "audit.json", json.dumps(first, indent=2, allow_nan=True).encode())
     try:
-        plot_errors(run_dir / "audit.png", {f"{', '.join(sorted({q.origin_engine for q in r.requests}))} vs "
-                                            f"{r.reference}": [c.abs_error for c in r.checks] for r in reports})
+        plot_errors(
+            run_dir / "audit.png",
+            {
+                f"{', '.join(sorted({q.origin_engine for q in r.requests}))} vs {r.reference}": [
+                    c.abs_error for c in r.checks
+                ]
+                for r in reports
+            },
+        )
     except ModuleNotFoundError as exc:
         print(f"audit.png skipped: {exc}", file=sys.stderr)
     return first
@@ -287,37 +387,47 @@ def format_table(reports: list[AuditReport], limit: int = 20) -> str:
     lines = []
     for report in reports:
         d = report.to_dict()
-        lines.append(f"audit of {d['source']} ({d['format']}, {', '.join(d['origin_engines'])}) against the "
-                     f"{report.reference} reference, atol {report.atol:g}")
-        head = (f"{'request':<28} {'tokens':>6} {'max|d|':>9} {'p99|d|':>9} {'KL':>9} {'ratio out':>9} "
-                f"{'seq ratio':>9} {'greedy dep':>10} {'flagged':>7}")
+        lines.append(
+            f"audit of {d['source']} ({d['format']}, {', '.join(d['origin_engines'])}) against the "
+            f"{report.reference} reference, atol {report.atol:g}"
+        )
+        head = (
+            f"{'request':<28} {'tokens':>6} {'max|d|':>9} {'p99|d|':>9} {'KL':>9} {'ratio out':>9} "
+            f"{'seq ratio':>9} {'greedy dep':>10} {'flagged':>7}"
+        )
         lines.append(head)
         shown = [r for r in d["requests"] if r["flagged"]][:limit] or d["requests"][:limit]
         for r in shown:
             name = r["request_id"] + (f"#{r['stream']}" if r["stream"] else "")
-            lines.append(f"{name[:28]:<28} {r['tokens']:>6} {_fmt(r['max_abs_error']):>9} "
-                         f"{_fmt(r['p99_abs_error']):>9} "
-                         f"{_fmt(r['kl_mean']):>9} {_fmt(r['ratio_outside_share'], '.1%'):>9} "
-                         f"{_fmt(r['sequence_ratio']):>9} {_fmt(r['first_greedy_departure'], 'd'):>10} "
-                         f"{len(r['flagged']):>7}")
+            lines.append(
+                f"{name[:28]:<28} {r['tokens']:>6} {_fmt(r['max_abs_error']):>9} "
+                f"{_fmt(r['p99_abs_error']):>9} "
+                f"{_fmt(r['kl_mean']):>9} {_fmt(r['ratio_outside_share'], '.1%'):>9} "
+                f"{_fmt(r['sequence_ratio']):>9} {_fmt(r['first_greedy_departure'], 'd'):>10} "
+                f"{len(r['flagged']):>7}"
+            )
             for f in r["flagged"][:3]:
                 lines.append(f"    position {f['position']}: {f['kind']}: {f['why']}")
         if len(d["requests"]) > len(shown):
             lines.append(f"  ... {len(d['requests']) - len(shown)} more requests in audit.json")
         verdict = "PASSED" if report.passed else "FLAGGED"
-        lines.append(f"{verdict}: {d['tokens']} tokens of {len(d['requests'])} requests; "
-                     f"{d['flagged_tokens']} flagged; "
-                     f"max |d| {_fmt(d['max_abs_error'])}, p50 {_fmt(d['p50_abs_error'])}, p99 "
-                     f"{_fmt(d['p99_abs_error'])}; KL mean {_fmt(d['kl_mean'])}; ratio mean {_fmt(d['ratio_mean'])}, "
-                     f"max {_fmt(d['ratio_max'])}, outside [0.5, 2] {_fmt(d['ratio_outside_share'], '.2%')}; "
-                     f"greedy departures {d['greedy_departures']}; lines rejected {d['lines_rejected']}")
+        lines.append(
+            f"{verdict}: {d['tokens']} tokens of {len(d['requests'])} requests; "
+            f"{d['flagged_tokens']} flagged; "
+            f"max |d| {_fmt(d['max_abs_error'])}, p50 {_fmt(d['p50_abs_error'])}, p99 "
+            f"{_fmt(d['p99_abs_error'])}; KL mean {_fmt(d['kl_mean'])}; ratio mean {_fmt(d['ratio_mean'])}, "
+            f"max {_fmt(d['ratio_max'])}, outside [0.5, 2] {_fmt(d['ratio_outside_share'], '.2%')}; "
+            f"greedy departures {d['greedy_departures']}; lines rejected {d['lines_rejected']}"
+        )
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------- the trace
 
-def write_converted_trace(run_dir: Path, records: list[Transcript], loaded, cfg: DictConfig, *, source: str,
-                          fmt: str) -> None:
+
+def write_converted_trace(
+    run_dir: Path, records: list[Transcript], loaded, cfg: DictConfig, *, source: str, fmt: str
+) -> None:
     """The transcript in our trace schema: what the other engine claimed, where our engine would record it
     (raw claims in raw_logprob / top_raw, processed ones in processed_logprob / top_processed). Fields only
     an engine run has (step, noise, logits digest, batch) are null."""
@@ -330,29 +440,60 @@ def write_converted_trace(run_dir: Path, records: list[Transcript], loaded, cfg:
         for j, token in enumerate(r.output_token_ids):
             top = [{"token_id": t, "logprob": lp} for t, lp in _unique(r.top[j])] if j < len(r.top) else []
             last = j == len(r.output_token_ids) - 1
-            samples.append({"run_id": run_id, "request_id": r.request_id, "stream": r.stream,
-                            "position": len(r.prompt_token_ids) + j, "token_id": token,
-                            "raw_logprob": None if processed else r.claimed[j],
-                            "processed_logprob": r.claimed[j] if processed else None,
-                            "top_raw": [] if processed else top, "top_processed": top if processed else [],
-                            "processors": [], "noise": float("nan"), **policy,
-                            "finish_reason": r.finish_reason if last else None, "origin": "plain",
-                            "spec_proposed": 0, "spec_accepted": 0})
+            samples.append(
+                {
+                    "run_id": run_id,
+                    "request_id": r.request_id,
+                    "stream": r.stream,
+                    "position": len(r.prompt_token_ids) + j,
+                    "token_id": token,
+                    "raw_logprob": None if processed else r.claimed[j],
+                    "processed_logprob": r.claimed[j] if processed else None,
+                    "top_raw": [] if processed else top,
+                    "top_processed": top if processed else [],
+                    "processors": [],
+                    "noise": float("nan"),
+                    **policy,
+                    "finish_reason": r.finish_reason if last else None,
+                    "origin": "plain",
+                    "spec_proposed": 0,
+                    "spec_accepted": 0,
+                }
+            )
         sampling = {k: v for k, v in (r.sampling or {}).items()}
-        requests.append({"run_id": run_id, "request_id": r.request_id, "stream": r.stream,
-                         "prompt_token_ids": r.prompt_token_ids, "prompt_text": r.prompt_text,
-                         "sampling_params": json.dumps(sampling), "output_token_ids": r.output_token_ids,
-                         "output_text": r.output_text, "finish_reason": r.finish_reason,
-                         "origin_engine": r.origin_engine, "source_record": r.source})
+        requests.append(
+            {
+                "run_id": run_id,
+                "request_id": r.request_id,
+                "stream": r.stream,
+                "prompt_token_ids": r.prompt_token_ids,
+                "prompt_text": r.prompt_text,
+                "sampling_params": json.dumps(sampling),
+                "output_token_ids": r.output_token_ids,
+                "output_text": r.output_text,
+                "finish_reason": r.finish_reason,
+                "origin_engine": r.origin_engine,
+                "source_record": r.source,
+            }
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     table = pa.Table.from_pylist(samples, schema=SAMPLES_SCHEMA)
     atomic_write_table(run_dir / SAMPLES_DIR / "part-000000.parquet", table)
     write_requests(run_dir, requests)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     atomic_write_bytes(run_dir / "config.yaml", OmegaConf.to_yaml(resolved).encode())
-    write_manifest(run_dir, {"schema_version": SCHEMA_VERSION, "run_id": run_id, "converted_from": source,
-                             "format": fmt, "origin_engines": sorted({r.origin_engine for r in records}),
-                             "model_name": loaded.name, "model_id": loaded.model_id,
-                             "weights_sha256": loaded.revision,
-                             "tokenizer_sha256": loaded.tokenizer.digest if loaded.tokenizer else None,
-                             "toolkit_version": __version__})
+    write_manifest(
+        run_dir,
+        {
+            "schema_version": SCHEMA_VERSION,
+            "run_id": run_id,
+            "converted_from": source,
+            "format": fmt,
+            "origin_engines": sorted({r.origin_engine for r in records}),
+            "model_name": loaded.name,
+            "model_id": loaded.model_id,
+            "weights_sha256": loaded.revision,
+            "tokenizer_sha256": loaded.tokenizer.digest if loaded.tokenizer else None,
+            "toolkit_version": __version__,
+        },
+    )

@@ -27,8 +27,9 @@ def _merge_stream(chunks: list) -> dict:
             merged["usage"] = chunk["usage"]
         for c in chunk.get("choices") or []:
             index = c.get("index", 0)
-            out = choices.setdefault(index, {"index": index, "text": "", "message": {"content": ""},
-                                             "logprobs": None, "finish_reason": None})
+            out = choices.setdefault(
+                index, {"index": index, "text": "", "message": {"content": ""}, "logprobs": None, "finish_reason": None}
+            )
             delta = c.get("delta")
             if isinstance(delta, dict):  # chat
                 out["message"]["content"] += delta.get("content") or ""
@@ -94,28 +95,43 @@ def openai_line(obj: dict, line: int, tokens: TokenMap) -> list[Transcript]:
             steps = _completion_entries(logprobs, where)
             text = choice.get("text")
             if request.get("echo"):  # the first entries are the prompt's tokens
-                steps = steps[len(prompt_ids):]
-        record = Transcript(request_id=base_id if len(prompts) == 1 else f"{base_id}-{prompt_index}",
-                            stream=index % n if isinstance(index, int) else 0, line=line, origin_engine=engine,
-                            prompt_token_ids=list(prompt_ids), output_token_ids=[], claimed=[], top=[],
-                            sampling=sampling, prompt_text=prompt_text, output_text=text,
-                            finish_reason=choice.get("finish_reason"), prompt_source=prompt_source)
+                steps = steps[len(prompt_ids) :]
+        record = Transcript(
+            request_id=base_id if len(prompts) == 1 else f"{base_id}-{prompt_index}",
+            stream=index % n if isinstance(index, int) else 0,
+            line=line,
+            origin_engine=engine,
+            prompt_token_ids=list(prompt_ids),
+            output_token_ids=[],
+            claimed=[],
+            top=[],
+            sampling=sampling,
+            prompt_text=prompt_text,
+            output_text=text,
+            finish_reason=choice.get("finish_reason"),
+            prompt_source=prompt_source,
+        )
         records.append(record)
         if prompt_source != "given" and unconfirmed:
             # not audited as if exact: nothing says the prompt was these tokens
-            record.problems.append(Problem(len(prompt_ids), "unconfirmed_prompt", f"{unconfirmed} ({len(steps)} "
-                                                                                  f"output tokens not audited)"))
+            record.problems.append(
+                Problem(
+                    len(prompt_ids), "unconfirmed_prompt", f"{unconfirmed} ({len(steps)} output tokens not audited)"
+                )
+            )
             continue
         given_ids = choice.get("token_ids")  # vLLM's return_token_ids
         if given_ids is not None:
             given_ids = as_int_list(given_ids, f"choices[{position_in_list}].token_ids")
             if len(given_ids) != len(steps):
-                raise TranscriptError(f"choices[{position_in_list}]: {len(given_ids)} token_ids but {len(steps)} "
-                                      f"logprob entries")
+                raise TranscriptError(
+                    f"choices[{position_in_list}]: {len(given_ids)} token_ids but {len(steps)} logprob entries"
+                )
             ids, problems = given_ids, []
         else:
-            ids, problems = _map_tokens(steps, text, prompt_text if request.get("echo") else None,
-                                        choice.get("finish_reason"), tokens)
+            ids, problems = _map_tokens(
+                steps, text, prompt_text if request.get("echo") else None, choice.get("finish_reason"), tokens
+            )
         for token_id, (_, _, logprob, top) in zip(ids, steps):
             record.output_token_ids.append(token_id)
             record.claimed.append(logprob)
@@ -130,32 +146,48 @@ def openai_line(obj: dict, line: int, tokens: TokenMap) -> list[Transcript]:
         for k, (j, why) in enumerate(problems):
             # the context after a token not known for sure is unknown: audit what came before, report each
             if k == 0 and j < len(steps):
-                why += f" ({len(steps) - j} output tokens from here on not audited; no top alternative of this " \
-                       f"choice is checked)"
+                why += (
+                    f" ({len(steps) - j} output tokens from here on not audited; no top alternative of this "
+                    f"choice is checked)"
+                )
             record.problems.append(Problem(len(prompt_ids) + j, "unmapped_token", why))
     return records
 
 
-def _map_tokens(steps: list, text: str | None, echoed: str | None, finish_reason: Any,
-                tokens: TokenMap) -> tuple[list[int], list[tuple[int, str]]]:
+def _map_tokens(
+    steps: list, text: str | None, echoed: str | None, finish_reason: Any, tokens: TokenMap
+) -> tuple[list[int], list[tuple[int, str]]]:
     """A choice's token strings as ids, each confirmed by the choice's text (toolkit.audit.spelling): the ids of
     the tokens confirmed, and (index, why) of the first that is not and of each later one that does not spell
     the text either."""
     if text is not None and echoed is not None:  # echo: the text starts with the prompt's
-        text = text[len(echoed):] if text.startswith(echoed) else None
+        text = text[len(echoed) :] if text.startswith(echoed) else None
     if text is None:
-        return [], [(0, "the response has no text to confirm its token strings by (the tokens they name cannot be "
-                        "known for sure): ask the server for `bytes`, token ids or return_token_ids")]
-    spelled = spell([(token, token_bytes) for token, token_bytes, _, _ in steps], text, tokens,
-                    stop_trimmed=finish_reason == "stop")
+        return [], [
+            (
+                0,
+                "the response has no text to confirm its token strings by (the tokens they name cannot be "
+                "known for sure): ask the server for `bytes`, token ids or return_token_ids",
+            )
+        ]
+    spelled = spell(
+        [(token, token_bytes) for token, token_bytes, _, _ in steps], text, tokens, stop_trimmed=finish_reason == "stop"
+    )
     return spelled.ids, spelled.problems
 
 
 # chat fields that change the rendered prompt and that our rendering (role and text content only) does not apply,
 # with the value that changes nothing where there is one
-_CHAT_REQUEST_FIELDS = {"tools": None, "functions": None, "documents": None, "chat_template": None,
-                        "chat_template_kwargs": None, "continue_final_message": False, "add_generation_prompt": True,
-                        "mm_processor_kwargs": None}
+_CHAT_REQUEST_FIELDS = {
+    "tools": None,
+    "functions": None,
+    "documents": None,
+    "chat_template": None,
+    "chat_template_kwargs": None,
+    "continue_final_message": False,
+    "add_generation_prompt": True,
+    "mm_processor_kwargs": None,
+}
 
 
 def _set(value: Any, default: Any = None) -> bool:
@@ -172,20 +204,26 @@ def _confirm_prompts(prompts: list[tuple[list[int], str | None, str]], response:
     counted, ours = usage.get("prompt_tokens"), sum(len(ids) for ids, _, _ in prompts)
     source = "the chat template" if chat else "the tokenizer"
     if not isinstance(counted, int) or isinstance(counted, bool):
-        return (f"the prompt was rebuilt with {source} of this model and the response gives neither "
-                f"prompt_token_ids nor usage.prompt_tokens to confirm it (stream with "
-                f"stream_options.include_usage, or ask for return_token_ids)")
+        return (
+            f"the prompt was rebuilt with {source} of this model and the response gives neither "
+            f"prompt_token_ids nor usage.prompt_tokens to confirm it (stream with "
+            f"stream_options.include_usage, or ask for return_token_ids)"
+        )
     if counted != ours:
-        raise TranscriptError(f"usage.prompt_tokens is {counted} but {source} of this model gives {ours} prompt "
-                              f"tokens: the transcript's {source} or model differs")
+        raise TranscriptError(
+            f"usage.prompt_tokens is {counted} but {source} of this model gives {ours} prompt "
+            f"tokens: the transcript's {source} or model differs"
+        )
     return None
 
 
-def _openai_prompts(request: dict, response: dict, tokens: TokenMap,
-                    chat: bool) -> list[tuple[list[int], str | None, str]]:
+def _openai_prompts(
+    request: dict, response: dict, tokens: TokenMap, chat: bool
+) -> list[tuple[list[int], str | None, str]]:
     tok = tokens.tokenizer
     if isinstance(response.get("prompt_token_ids"), list) and all(
-            isinstance(t, int) for t in response["prompt_token_ids"]):  # vLLM chat, return_token_ids
+        isinstance(t, int) for t in response["prompt_token_ids"]
+    ):  # vLLM chat, return_token_ids
         return [(list(response["prompt_token_ids"]), None, "given")]
     if chat:
         messages = request.get("messages")
@@ -193,22 +231,28 @@ def _openai_prompts(request: dict, response: dict, tokens: TokenMap,
             raise TranscriptError("request.messages must be a non-empty list")
         used = [f for f, default in _CHAT_REQUEST_FIELDS.items() if _set(request.get(f), default)]
         if used:
-            raise TranscriptError(f"request.{used[0]} changes the prompt in a way this audit does not rebuild: "
-                                  f"send the transcript with the prompt's token ids (vLLM: return_token_ids)")
+            raise TranscriptError(
+                f"request.{used[0]} changes the prompt in a way this audit does not rebuild: "
+                f"send the transcript with the prompt's token ids (vLLM: return_token_ids)"
+            )
         flat = []
         for i, m in enumerate(messages):
             content = m.get("content") if isinstance(m, dict) else None
             if isinstance(content, list):  # content parts: text only
                 if not all(isinstance(p, dict) and p.get("type", "text") == "text" for p in content):
-                    raise TranscriptError(f"request.messages[{i}] has non-text content parts: the prompt cannot be "
-                                          f"rebuilt here (send its token ids)")
+                    raise TranscriptError(
+                        f"request.messages[{i}] has non-text content parts: the prompt cannot be "
+                        f"rebuilt here (send its token ids)"
+                    )
                 content = "".join(p.get("text", "") for p in content)
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
                 raise TranscriptError("request.messages must be {role, content} objects")
             extra = sorted(k for k in m if k not in ("role", "content") and _set(m[k]))
             if extra:
-                raise TranscriptError(f"request.messages[{i}].{extra[0]} is not rendered by this audit's chat "
-                                      f"template call: the prompt cannot be rebuilt here (send its token ids)")
+                raise TranscriptError(
+                    f"request.messages[{i}].{extra[0]} is not rendered by this audit's chat "
+                    f"template call: the prompt cannot be rebuilt here (send its token ids)"
+                )
             flat.append({"role": m["role"], "content": content})
         try:
             return [(tok.apply_chat_template(flat, add_generation_prompt=True), None, "rebuilt")]

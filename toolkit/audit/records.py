@@ -10,8 +10,16 @@ from typing import Any
 FORMATS = ("openai", "token_ids", "hf")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's names: before / after the processors
 # the request fields that decide which tokens a policy can produce (OpenAI's and vLLM's names = ours)
-POLICY_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "processors")
+POLICY_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "processors",
+)
 
 
 class TranscriptError(Exception):
@@ -75,8 +83,11 @@ class TokenMap:
     def to_id(self, token: Any, token_bytes: Sequence[int] | None = None) -> tuple[int | None, str]:
         """(id, "") or (None, why)."""
         if isinstance(token, int) and not isinstance(token, bool):
-            return (token, "") if 0 <= token < self.vocab_size else (None, f"token id {token} is outside the "
-                                                                         f"model's vocabulary of {self.vocab_size}")
+            return (
+                (token, "")
+                if 0 <= token < self.vocab_size
+                else (None, f"token id {token} is outside the model's vocabulary of {self.vocab_size}")
+            )
         if not isinstance(token, str):
             return None, f"token {token!r} is neither a string nor an id"
         if token.startswith("token_id:") and token[9:].isdigit():  # vLLM's return_tokens_as_token_ids
@@ -89,8 +100,9 @@ class TokenMap:
         elif "\ufffd" in token or not token:
             # servers print U+FFFD (or nothing) for a token that is part of a multi-byte character: which
             # token it was cannot be known from the string
-            return None, (f"token string {token!r} stands for a partial UTF-8 sequence: ask the server for "
-                          f"`bytes` or token ids")
+            return None, (
+                f"token string {token!r} stands for a partial UTF-8 sequence: ask the server for `bytes` or token ids"
+            )
         else:
             raw = token.encode("utf-8")
         ids = self._ids.get(raw)
@@ -113,8 +125,10 @@ def check_ids(record: Transcript, vocab_size: int) -> None:
     for what, ids in (("prompt_token_ids", record.prompt_token_ids), ("output token", record.output_token_ids)):
         bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
         if bad is not None:
-            raise TranscriptError(f"{what} {bad!r} is outside the model's vocabulary of "
-                                  f"{vocab_size}: the transcript comes from another tokenizer")
+            raise TranscriptError(
+                f"{what} {bad!r} is outside the model's vocabulary of "
+                f"{vocab_size}: the transcript comes from another tokenizer"
+            )
 
 
 def as_number(value: Any, what: str) -> float | None:

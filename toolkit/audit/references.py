@@ -34,8 +34,10 @@ def _references(a: dict) -> list[str]:
         return name in REFERENCES and (not dtype or dtype in STATED_DTYPES)
 
     if not references or not all(ok(r) for r in references):
-        raise ConfigError(f"audit.reference must be ours, hf, both or a list of them, each optionally @<dtype> "
-                          f"({', '.join(STATED_DTYPES)}), got {a.get('reference')!r}")
+        raise ConfigError(
+            f"audit.reference must be ours, hf, both or a list of them, each optionally @<dtype> "
+            f"({', '.join(STATED_DTYPES)}), got {a.get('reference')!r}"
+        )
     return [str(r) for r in references]
 
 

@@ -44,8 +44,14 @@ def llama_cpp_missing() -> str | None:
     return None
 
 
-def hf_transcript(path: Path, loaded, prompts: Sequence[list[int]], max_tokens: int, top_logprobs: int = 5,
-                  sampling: dict[str, Any] | None = None) -> str:
+def hf_transcript(
+    path: Path,
+    loaded,
+    prompts: Sequence[list[int]],
+    max_tokens: int,
+    top_logprobs: int = 5,
+    sampling: dict[str, Any] | None = None,
+) -> str:
 
     model = hf_reference_model(load_checkpoint(loaded.config))
     eos = list(loaded.arch.eos_token_ids)
@@ -55,16 +61,37 @@ def hf_transcript(path: Path, loaded, prompts: Sequence[list[int]], max_tokens: 
     torch.manual_seed(0)
     path.write_text("")
     for i, prompt in enumerate(prompts):
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             return_dict_in_generate=True, output_logits=True, output_scores=True,
-                             eos_token_id=eos, pad_token_id=eos[0], **kwargs)
-        save_hf_generate(path, out, [prompt], generation_kwargs=kwargs, eos_token_id=eos, top_logprobs=top_logprobs,
-                         request_ids=[f"hf-{i}"], append=True)
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            return_dict_in_generate=True,
+            output_logits=True,
+            output_scores=True,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+            **kwargs,
+        )
+        save_hf_generate(
+            path,
+            out,
+            [prompt],
+            generation_kwargs=kwargs,
+            eos_token_id=eos,
+            top_logprobs=top_logprobs,
+            request_ids=[f"hf-{i}"],
+            append=True,
+        )
     return "hf"
 
 
-def server_transcript(path: Path, engine, messages: Sequence[str], max_tokens: int, top_logprobs: int = 5,
-                      sampling: dict[str, Any] | None = None) -> str:
+def server_transcript(
+    path: Path,
+    engine,
+    messages: Sequence[str],
+    max_tokens: int,
+    top_logprobs: int = 5,
+    sampling: dict[str, Any] | None = None,
+) -> str:
     """Chat and text completions from our server through the openai client, as {request, response} lines."""
     import openai  # deferred: the openai client, only for this source
 
@@ -80,42 +107,85 @@ def server_transcript(path: Path, engine, messages: Sequence[str], max_tokens: i
         extra = dict(sampling or {"temperature": 0.0})
         for i, content in enumerate(messages):
             if i % 2 == 0:
-                body = {"model": engine.loaded.name, "messages": [{"role": "user", "content": content}],
-                        "max_tokens": max_tokens, "logprobs": True, "top_logprobs": top_logprobs, **extra}
+                body = {
+                    "model": engine.loaded.name,
+                    "messages": [{"role": "user", "content": content}],
+                    "max_tokens": max_tokens,
+                    "logprobs": True,
+                    "top_logprobs": top_logprobs,
+                    **extra,
+                }
                 response = client.chat.completions.create(**body)
             else:
-                body = {"model": engine.loaded.name, "prompt": content, "max_tokens": max_tokens,
-                        "logprobs": top_logprobs, **extra}
+                body = {
+                    "model": engine.loaded.name,
+                    "prompt": content,
+                    "max_tokens": max_tokens,
+                    "logprobs": top_logprobs,
+                    **extra,
+                }
                 response = client.completions.create(**body)
-            lines.append(json.dumps({"request": body, "response": response.model_dump(),
-                                     "origin_engine": "toolkit server"}))
+            lines.append(
+                json.dumps({"request": body, "response": response.model_dump(), "origin_engine": "toolkit server"})
+            )
     finally:
         server.stop()
     path.write_text("".join(line + "\n" for line in lines))
     return "openai"
 
 
-def llama_cpp_transcript(path: Path, gguf: Path, prompts: Sequence[list[int]], max_tokens: int,
-                         top_logprobs: int = 5, threads: int = 2, sampling: dict[str, Any] | None = None,
-                         timeout: float = 1800) -> str:
+def llama_cpp_transcript(
+    path: Path,
+    gguf: Path,
+    prompts: Sequence[list[int]],
+    max_tokens: int,
+    top_logprobs: int = 5,
+    threads: int = 2,
+    sampling: dict[str, Any] | None = None,
+    timeout: float = 1800,
+) -> str:
     """llama.cpp's own completions of the prompts' token ids (no BOS is added to a token list), made in a child
     process: a crash there is a ForeignEngineError naming the signal."""
-    run_in_child(_llama_cpp_transcript, path, gguf, [list(p) for p in prompts], max_tokens, top_logprobs, threads,
-                 sampling, what="llama.cpp", timeout=timeout)
+    run_in_child(
+        _llama_cpp_transcript,
+        path,
+        gguf,
+        [list(p) for p in prompts],
+        max_tokens,
+        top_logprobs,
+        threads,
+        sampling,
+        what="llama.cpp",
+        timeout=timeout,
+    )
     return "openai"
 
 
-def _llama_cpp_transcript(path: Path, gguf: Path, prompts: list[list[int]], max_tokens: int, top_logprobs: int,
-                          threads: int, sampling: dict[str, Any] | None) -> None:
+def _llama_cpp_transcript(
+    path: Path,
+    gguf: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    top_logprobs: int,
+    threads: int,
+    sampling: dict[str, Any] | None,
+) -> None:
     from llama_cpp import Llama  # deferred: llama_cpp, the [llama] extra
 
     llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads, logits_all=True, verbose=False, seed=0)
     lines = []
     for prompt in prompts:
-        body = {"prompt": list(prompt), "max_tokens": max_tokens, "logprobs": top_logprobs,
-                **(sampling or {"temperature": 0.0, "top_k": 1})}
+        body = {
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            "logprobs": top_logprobs,
+            **(sampling or {"temperature": 0.0, "top_k": 1}),
+        }
         response = llm.create_completion(**body)
-        lines.append(json.dumps({"request": body, "response": response,
-                                 "origin_engine": f"llama.cpp (llama-cpp-python, {gguf.name})"},
-                                default=float))  # its logprobs are numpy float32
+        lines.append(
+            json.dumps(
+                {"request": body, "response": response, "origin_engine": f"llama.cpp (llama-cpp-python, {gguf.name})"},
+                default=float,
+            )
+        )  # its logprobs are numpy float32
     path.write_text("".join(line + "\n" for line in lines))

@@ -46,8 +46,13 @@ def spell(steps: Sequence[tuple[Any, Any]], text: str, tokens, stop_trimmed: boo
         exact, why = tokens.to_id(token, token_bytes)
         reached: dict[int, tuple[int | None, int | None, int]] = {}
         for off, (_, _, ways) in layers[-1].items():
-            for i in ([exact] if exact is not None else
-                      _pieces_here(token, data, off, tokens) if _piece(token, token_bytes) and off != END else []):
+            for i in (
+                [exact]
+                if exact is not None
+                else _pieces_here(token, data, off, tokens)
+                if _piece(token, token_bytes) and off != END
+                else []
+            ):
                 b = tokens.bytes_of[i]
                 if off == END:
                     nxt = END
@@ -69,17 +74,27 @@ def spell(steps: Sequence[tuple[Any, Any]], text: str, tokens, stop_trimmed: boo
     final = {off: v for off, v in layers[-1].items() if off in (len(data), END)}
     if not final:
         got = max(layers[-1])
-        why = (f"the tokens spell the first {got} bytes of the text, which goes on with {data[got:got + 24]!r}: "
-               f"tokens are missing from the logprobs")
+        why = (
+            f"the tokens spell the first {got} bytes of the text, which goes on with {data[got : got + 24]!r}: "
+            f"tokens are missing from the logprobs"
+        )
         return Spelled(_path(layers), [(len(steps), why)])
     off = len(data) if len(data) in final else END
     ids = _path(layers, off)
     ways = sum(v[2] for v in final.values())  # distinct states are distinct choices of tokens
     if ways > 1:
         first = next(j for j, (t, b) in enumerate(steps) if _piece(t, b))
-        return Spelled(ids[:first], [(first, f"token string {steps[first][0]!r} (part of a multi-byte character): "
-                                             f"more than one choice of tokens spells the text here; ask the server "
-                                             f"for `bytes` or token ids")])
+        return Spelled(
+            ids[:first],
+            [
+                (
+                    first,
+                    f"token string {steps[first][0]!r} (part of a multi-byte character): "
+                    f"more than one choice of tokens spells the text here; ask the server "
+                    f"for `bytes` or token ids",
+                )
+            ],
+        )
     return Spelled(ids, [], sum(_piece(t, b) for t, b in steps))
 
 
@@ -88,7 +103,7 @@ def _pieces_here(token: str, data: bytes, off: int, tokens) -> list[int]:
     is not whole UTF-8 on its own)."""
     found = []
     for length in range(1, min(tokens.max_bytes, len(data) - off) + 1):
-        for i in tokens.ids_of(data[off:off + length]):
+        for i in tokens.ids_of(data[off : off + length]):
             b = tokens.bytes_of[i]
             if b.decode("utf-8", errors="replace") == token if token else not _whole(b):
                 found.append(i)
@@ -134,16 +149,26 @@ def _later(steps, j: int, data: bytes, off: int, tokens) -> list[tuple[int, str]
                 continue
             if exact in tokens.special_ids:
                 continue
-        if token == "" and token_bytes is None and data[off:off + 1].isspace():
+        if token == "" and token_bytes is None and data[off : off + 1].isspace():
             if k > j:  # a whitespace token stripped to nothing (taken as one whitespace byte: " ", the usual one)
-                found.append((k, "token string '' where the text has whitespace: the server's token strings differ "
-                                 "from its text (whitespace stripped?)"))
+                found.append(
+                    (
+                        k,
+                        "token string '' where the text has whitespace: the server's token strings differ "
+                        "from its text (whitespace stripped?)",
+                    )
+                )
             off += 1
             continue
         if _piece(token, token_bytes):
             if k > j:
-                found.append((k, f"token string {token!r} stands for part of a multi-byte character, after a token "
-                                 f"not confirmed: not recovered, and the tokens after it not checked"))
+                found.append(
+                    (
+                        k,
+                        f"token string {token!r} stands for part of a multi-byte character, after a token "
+                        f"not confirmed: not recovered, and the tokens after it not checked",
+                    )
+                )
             break
         core = tokens.bytes_of[exact] if exact is not None else _spelled(token, token_bytes)
         skip = _skip(data, off, core.strip()) if core is not None else 0
@@ -177,9 +202,13 @@ def _why_not(token, token_bytes, exact, why, data: bytes, off: int, tokens) -> s
     if exact is None and not _piece(token, token_bytes):
         return why
     if exact is None:
-        return (f"token string {token!r} stands for part of a multi-byte character and no token the text has here "
-                f"prints as it")
+        return (
+            f"token string {token!r} stands for part of a multi-byte character and no token the text has here "
+            f"prints as it"
+        )
     b = tokens.bytes_of[exact]
-    return (f"token string {token!r} maps to token {exact} ({b!r}) but the text has {data[off:off + len(b) + 4]!r} "
-            f"there: the server's token strings differ from its text (a leading space stripped, spacing cleaned "
-            f"up?); ask for `bytes` or token ids")
+    return (
+        f"token string {token!r} maps to token {exact} ({b!r}) but the text has {data[off : off + len(b) + 4]!r} "
+        f"there: the server's token strings differ from its text (a leading space stripped, spacing cleaned "
+        f"up?); ask for `bytes` or token ids"
+    )

@@ -53,8 +53,9 @@ from toolkit.audit.records import (
 )
 
 
-def read_transcripts(path: str | Path, fmt: str, tokenizer, vocab_size: int,
-                     logprobs_mode: str | None = None) -> tuple[list[Transcript], list[LineError]]:
+def read_transcripts(
+    path: str | Path, fmt: str, tokenizer, vocab_size: int, logprobs_mode: str | None = None
+) -> tuple[list[Transcript], list[LineError]]:
     """Every usable request of the file, and a LineError for each line that is not."""
     if fmt not in FORMATS:
         raise TranscriptError(f"audit.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -106,8 +107,10 @@ def read_transcripts(path: str | Path, fmt: str, tokenizer, vocab_size: int,
 
 # ---------------------------------------------------------------------------------------------- token ids
 
-def _token_ids_line(obj: dict, line: int, tokens: TokenMap, default_engine: str,
-                    mode_override: str | None) -> Transcript:
+
+def _token_ids_line(
+    obj: dict, line: int, tokens: TokenMap, default_engine: str, mode_override: str | None
+) -> Transcript:
     meta = obj.get("meta_info") if isinstance(obj.get("meta_info"), dict) else None
     if meta is not None and "output_token_logprobs" in meta:  # SGLang's return_logprob
         return _sglang_line(obj, meta, line, tokens)
@@ -117,8 +120,11 @@ def _token_ids_line(obj: dict, line: int, tokens: TokenMap, default_engine: str,
     if mode not in LOGPROBS_MODES:
         raise TranscriptError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {mode!r}")
     # save_hf_generate writes both: the processed ones are the claims in processed_logprobs mode
-    logprobs = obj.get("processed_logprobs") if mode == "processed_logprobs" and "processed_logprobs" in obj \
+    logprobs = (
+        obj.get("processed_logprobs")
+        if mode == "processed_logprobs" and "processed_logprobs" in obj
         else obj.get("logprobs")
+    )
     if not isinstance(logprobs, list):
         raise TranscriptError("logprobs must be a list with one entry per output token")
     if len(logprobs) != len(output):
@@ -140,13 +146,21 @@ def _token_ids_line(obj: dict, line: int, tokens: TokenMap, default_engine: str,
             top[-1] = _top_entries(tops_given[i], f"top_logprobs[{i}]")
     if mode == "processed_logprobs" and "processed_logprobs" in obj:
         top = [[] for _ in output]  # the top alternatives are raw ones
-    return Transcript(request_id=str(request_id_of(obj) or f"line{line}"), stream=int(obj.get("stream", 0) or 0),
-                      line=line, origin_engine=str(obj.get("origin_engine") or default_engine),
-                      prompt_token_ids=prompt, output_token_ids=output, claimed=claimed, top=top,
-                      logprobs_mode=mode, sampling=policy_of(obj.get("sampling")),
-                      prompt_text=obj.get("prompt") if isinstance(obj.get("prompt"), str) else None,
-                      output_text=obj.get("text") if isinstance(obj.get("text"), str) else None,
-                      finish_reason=obj.get("finish_reason"))
+    return Transcript(
+        request_id=str(request_id_of(obj) or f"line{line}"),
+        stream=int(obj.get("stream", 0) or 0),
+        line=line,
+        origin_engine=str(obj.get("origin_engine") or default_engine),
+        prompt_token_ids=prompt,
+        output_token_ids=output,
+        claimed=claimed,
+        top=top,
+        logprobs_mode=mode,
+        sampling=policy_of(obj.get("sampling")),
+        prompt_text=obj.get("prompt") if isinstance(obj.get("prompt"), str) else None,
+        output_text=obj.get("text") if isinstance(obj.get("text"), str) else None,
+        finish_reason=obj.get("finish_reason"),
+    )
 
 
 def _key_id(key: Any, where: str) -> int:
@@ -169,8 +183,9 @@ def _top_entries(entry: Any, where: str) -> list[tuple[int, float]]:
         out = []
         for i, alt in enumerate(entry):
             if isinstance(alt, dict):
-                out.append((_key_id(alt.get("token_id"), f"{where}[{i}]"),
-                            as_number(alt.get("logprob"), f"{where}[{i}]")))
+                out.append(
+                    (_key_id(alt.get("token_id"), f"{where}[{i}]"), as_number(alt.get("logprob"), f"{where}[{i}]"))
+                )
             elif isinstance(alt, (list, tuple)) and len(alt) >= 2:  # SGLang's [logprob, token_id, text]
                 out.append((_key_id(alt[1], f"{where}[{i}]"), as_number(alt[0], f"{where}[{i}]")))
             else:
@@ -192,20 +207,38 @@ def _sglang_line(obj: dict, meta: dict, line: int, tokens: TokenMap) -> Transcri
     tops = meta.get("output_top_logprobs") or [None] * len(output)
     top = [_top_entries(t, f"meta_info.output_top_logprobs[{i}]") if t is not None else [] for i, t in enumerate(tops)]
     prompt = as_int_list(obj.get("prompt_token_ids", obj.get("input_ids")), "prompt_token_ids")
-    return Transcript(request_id=str(meta.get("id", obj.get("request_id", f"line{line}"))), stream=0, line=line,
-                      origin_engine=str(obj.get("origin_engine") or "sglang"), prompt_token_ids=prompt,
-                      output_token_ids=output, claimed=claimed, top=top, sampling=policy_of(obj.get("sampling")),
-                      output_text=obj.get("text") if isinstance(obj.get("text"), str) else None,
-                      finish_reason=(meta.get("finish_reason") or {}).get("type")
-                      if isinstance(meta.get("finish_reason"), dict) else meta.get("finish_reason"))
+    return Transcript(
+        request_id=str(meta.get("id", obj.get("request_id", f"line{line}"))),
+        stream=0,
+        line=line,
+        origin_engine=str(obj.get("origin_engine") or "sglang"),
+        prompt_token_ids=prompt,
+        output_token_ids=output,
+        claimed=claimed,
+        top=top,
+        sampling=policy_of(obj.get("sampling")),
+        output_text=obj.get("text") if isinstance(obj.get("text"), str) else None,
+        finish_reason=(meta.get("finish_reason") or {}).get("type")
+        if isinstance(meta.get("finish_reason"), dict)
+        else meta.get("finish_reason"),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- hf generate
 
-def save_hf_generate(path: str | Path, out: Any, prompt_token_ids: Sequence[Sequence[int]], *,
-                     generation_kwargs: dict[str, Any] | None = None, top_logprobs: int = 5,
-                     pad_token_id: int | None = None, eos_token_id: int | Iterable[int] | None = None,
-                     request_ids: Sequence[str] | None = None, append: bool = False) -> int:
+
+def save_hf_generate(
+    path: str | Path,
+    out: Any,
+    prompt_token_ids: Sequence[Sequence[int]],
+    *,
+    generation_kwargs: dict[str, Any] | None = None,
+    top_logprobs: int = 5,
+    pad_token_id: int | None = None,
+    eos_token_id: int | Iterable[int] | None = None,
+    request_ids: Sequence[str] | None = None,
+    append: bool = False,
+) -> int:
     """Write HF `generate(..., return_dict_in_generate=True, output_logits=True, output_scores=True)`
     output as `audit.format=hf` JSONL; returns the lines written.
 
@@ -227,7 +260,7 @@ def save_hf_generate(path: str | Path, out: Any, prompt_token_ids: Sequence[Sequ
         policy = {"temperature": 0.0}
     lines = []
     for b in range(sequences.shape[0]):
-        generated = sequences[b, sequences.shape[1] - steps:].tolist()
+        generated = sequences[b, sequences.shape[1] - steps :].tolist()
         output = []
         for t in generated:  # after EOS (or, with no EOS given, from the first pad) HF only pads
             if not eos and pad_token_id is not None and t == pad_token_id:
@@ -237,12 +270,19 @@ def save_hf_generate(path: str | Path, out: Any, prompt_token_ids: Sequence[Sequ
                 break
         rows = range(len(output))
         values, ids = raw[b, : len(output)].topk(top_logprobs, dim=-1) if top_logprobs else (None, None)
-        entry = {"request_id": request_ids[b] if request_ids else f"hf-{b}", "origin_engine": "hf generate",
-                 "prompt_token_ids": list(prompt_token_ids[b]), "output_token_ids": output,
-                 "logprobs": [float(raw[b, j, output[j]]) for j in rows],
-                 "top_logprobs": [[{"token_id": int(i), "logprob": float(v)} for i, v in zip(ids[j], values[j])]
-                                  for j in rows] if top_logprobs else None,
-                 "sampling": policy}
+        entry = {
+            "request_id": request_ids[b] if request_ids else f"hf-{b}",
+            "origin_engine": "hf generate",
+            "prompt_token_ids": list(prompt_token_ids[b]),
+            "output_token_ids": output,
+            "logprobs": [float(raw[b, j, output[j]]) for j in rows],
+            "top_logprobs": [
+                [{"token_id": int(i), "logprob": float(v)} for i, v in zip(ids[j], values[j])] for j in rows
+            ]
+            if top_logprobs
+            else None,
+            "sampling": policy,
+        }
         if processed is not None:
             entry["processed_logprobs"] = [float(processed[b, j, output[j]]) for j in rows]
         lines.append(json.dumps(entry, allow_nan=True))
@@ -250,4 +290,3 @@ def save_hf_generate(path: str | Path, out: Any, prompt_token_ids: Sequence[Sequ
     with path.open("a" if append else "w") as fh:
         fh.write("".join(line + "\n" for line in lines))
     return len(lines)
-

@@ -50,8 +50,10 @@ def parse(text: str) -> tuple[str, str, str]:
     """'bfloat16' -> (bfloat16, auto, block); 'float32/int8/channel' -> (float32, int8, channel)."""
     dtype, _, kv = str(text).partition("/")
     if dtype not in MODEL_DTYPES:
-        raise ConfigError(f"precision.variants: bad variant {text!r}: start with a model dtype "
-                          f"({', '.join(MODEL_DTYPES)}), then optionally /<kv storage> as in kv_quantization")
+        raise ConfigError(
+            f"precision.variants: bad variant {text!r}: start with a model dtype "
+            f"({', '.join(MODEL_DTYPES)}), then optionally /<kv storage> as in kv_quantization"
+        )
     kv_dtype, granularity = parse_variant(kv or "auto")
     return dtype, kv_dtype, granularity
 
@@ -65,7 +67,7 @@ def _hf_logprobs(model, impl: str, tokens: list[int], prompt_len: int) -> torch.
     model.set_attn_implementation(impl)
     with torch.inference_mode():
         logits = model(torch.tensor([tokens[:-1]])).logits[0].double()
-    return logits.log_softmax(-1)[prompt_len - 1:].gather(1, torch.tensor(tokens[prompt_len:])[:, None])[:, 0]
+    return logits.log_softmax(-1)[prompt_len - 1 :].gather(1, torch.tensor(tokens[prompt_len:])[:, None])[:, 0]
 
 
 def run_precision(cfg: DictConfig, run_dir: Path) -> int:
@@ -76,18 +78,24 @@ def run_precision(cfg: DictConfig, run_dir: Path) -> int:
     specs, rejected = workload_specs(cfg)
     if rejected:
         raise ConfigError(f"precision needs a clean workload: {rejected[0].reason}")
-    model_cfg = from_mapping(ModelConfig, {**OmegaConf.to_container(cfg.model, resolve=True), "dtype": "float32"},
-                             section="model")
+    model_cfg = from_mapping(
+        ModelConfig, {**OmegaConf.to_container(cfg.model, resolve=True), "dtype": "float32"}, section="model"
+    )
     fp32 = load_model(model_cfg)
     hf_fp32 = hf_reference_model(load_checkpoint(model_cfg)) if study["hf_spread"] else None
     hf_by_dtype: dict[str, Any] = {}
     results: list[dict[str, Any]] = []
     reference_tokens: dict[str, list[int]] = {}
     for dtype, kv_dtype, granularity in variants:
-        name = dtype + ("" if kv_dtype == "auto" else f"/{kv_dtype}" + (
-            f"-{granularity}" if is_quantized(kv_dtype) and granularity != "block" else ""))
-        variant_cfg = OmegaConf.merge(cfg, {"model": {"dtype": dtype}, "engine": {
-            "kv_cache_dtype": kv_dtype, "kv_scale_granularity": granularity}})
+        name = dtype + (
+            ""
+            if kv_dtype == "auto"
+            else f"/{kv_dtype}" + (f"-{granularity}" if is_quantized(kv_dtype) and granularity != "block" else "")
+        )
+        variant_cfg = OmegaConf.merge(
+            cfg,
+            {"model": {"dtype": dtype}, "engine": {"kv_cache_dtype": kv_dtype, "kv_scale_granularity": granularity}},
+        )
         engine = Engine.from_config(variant_cfg)
         ids, bad = add_specs(engine, specs)
         if bad:
@@ -114,9 +122,11 @@ def run_precision(cfg: DictConfig, run_dir: Path) -> int:
             full = list(engine.sequences(rid)[0].token_ids[:prompt_len]) + [r["token_id"] for r in seq_rows]
             recorded_lp = torch.tensor([r["raw_logprob"] for r in seq_rows], dtype=torch.float64)
             picked = torch.tensor(full[prompt_len:])[:, None]
-            for ref, logits in (("float64", reference_logits(fp32.model, full[:-1])),
-                                ("float32", recompute_logits(fp32.model, full[:-1]).double())):
-                lp = logits.log_softmax(-1)[prompt_len - 1:].gather(1, picked)[:, 0]
+            for ref, logits in (
+                ("float64", reference_logits(fp32.model, full[:-1])),
+                ("float32", recompute_logits(fp32.model, full[:-1]).double()),
+            ):
+                lp = logits.log_softmax(-1)[prompt_len - 1 :].gather(1, picked)[:, 0]
                 errors[ref].append((recorded_lp - lp).abs())
             if hf_low is not None:
                 hf = {impl: _hf_logprobs(hf_low, impl, full, prompt_len) for impl in ("eager", "sdpa")}
@@ -124,15 +134,20 @@ def run_precision(cfg: DictConfig, run_dir: Path) -> int:
                 errors["ours_vs_hf"].append((recorded_lp - hf["eager"]).abs())
         divergence = {rid: first_difference(reference_tokens[rid], t) for rid, t in tokens.items()}
         result = {
-            "variant": name, "model_dtype": dtype, "kv_cache_dtype": kv_dtype, "kv_scale_granularity": granularity,
+            "variant": name,
+            "model_dtype": dtype,
+            "kv_cache_dtype": kv_dtype,
+            "kv_scale_granularity": granularity,
             "identical_fraction": sum(d is None for d in divergence.values()) / len(divergence),
             "first_8_kept_fraction": sum(d is None or d >= 8 for d in divergence.values()) / len(divergence),
             "first_divergence": divergence,
-            "vs_float64": _stats(torch.cat(errors["float64"])), "vs_float32": _stats(torch.cat(errors["float32"])),
+            "vs_float64": _stats(torch.cat(errors["float64"])),
+            "vs_float32": _stats(torch.cat(errors["float32"])),
             "rows": int(sum(len(e) for e in errors["float64"])),
             "output_tok_per_s": recorded.summary.get("output_tok_per_s"),
             "run_dir": str(out),
-            "attention_backend": engine.attention_backend, "matmul_backend": engine.matmul_backend,
+            "attention_backend": engine.attention_backend,
+            "matmul_backend": engine.matmul_backend,
         }
         if errors["hf_spread"]:
             result["hf_spread_p99"] = float(torch.cat(errors["hf_spread"]).quantile(0.99))
@@ -150,14 +165,18 @@ def run_precision(cfg: DictConfig, run_dir: Path) -> int:
         r["decode_step_batch1_ms"] = sorted(times[r["model_dtype"]])[1]
     (run_dir / "precision.json").write_text(json.dumps({"variants": results}, indent=2))
     _plot(results, run_dir / "precision.png")
-    print(f"\n{'variant':<24} {'identical':>9} {'first 8':>7} {'|dlogp| vs float64 mean/p99/max':>32} "
-          f"{'vs fp32 p99':>11} {'HF spread p99':>13} {'ours-HF p99':>11} {'step b=1':>9} {'tok/s':>7}")
+    print(
+        f"\n{'variant':<24} {'identical':>9} {'first 8':>7} {'|dlogp| vs float64 mean/p99/max':>32} "
+        f"{'vs fp32 p99':>11} {'HF spread p99':>13} {'ours-HF p99':>11} {'step b=1':>9} {'tok/s':>7}"
+    )
     for r in results:
         f64 = r["vs_float64"]
-        print(f"{r['variant']:<24} {100 * r['identical_fraction']:>8.0f}% {100 * r['first_8_kept_fraction']:>6.0f}% "
-              f"{f64['mean']:>10.4f} {f64['p99']:>10.4f} {f64['max']:>10.4f} {r['vs_float32']['p99']:>11.4f} "
-              f"{r.get('hf_spread_p99', float('nan')):>13.4f} {r.get('ours_vs_hf_eager_p99', float('nan')):>11.4f} "
-              f"{r['decode_step_batch1_ms']:>7.1f}ms {r['output_tok_per_s'] or 0:>7.1f}")
+        print(
+            f"{r['variant']:<24} {100 * r['identical_fraction']:>8.0f}% {100 * r['first_8_kept_fraction']:>6.0f}% "
+            f"{f64['mean']:>10.4f} {f64['p99']:>10.4f} {f64['max']:>10.4f} {r['vs_float32']['p99']:>11.4f} "
+            f"{r.get('hf_spread_p99', float('nan')):>13.4f} {r.get('ours_vs_hf_eager_p99', float('nan')):>11.4f} "
+            f"{r['decode_step_batch1_ms']:>7.1f}ms {r['output_tok_per_s'] or 0:>7.1f}"
+        )
     print(f"precision.json, precision.png and one run directory per variant: {run_dir}")
     return 0
 

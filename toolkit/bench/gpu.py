@@ -42,10 +42,27 @@ from toolkit.native import gpu_matmul as gm
 SHAPES = {
     "smollm2": SMOLLM2_SHAPE,
     # Llama-3.2-1B's dimensions (tied embeddings; its long-context RoPE scaling changes no cost at these lengths)
-    "llama1b": dict(name="tiny", seed=0, vocab_size=128256, num_layers=16, hidden_size=2048, num_heads=32,
-                    num_kv_heads=8, intermediate_size=8192, rope_theta=500000.0),
-    "tiny": dict(name="tiny", seed=0, vocab_size=512, num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
-                 intermediate_size=512),
+    "llama1b": dict(
+        name="tiny",
+        seed=0,
+        vocab_size=128256,
+        num_layers=16,
+        hidden_size=2048,
+        num_heads=32,
+        num_kv_heads=8,
+        intermediate_size=8192,
+        rope_theta=500000.0,
+    ),
+    "tiny": dict(
+        name="tiny",
+        seed=0,
+        vocab_size=512,
+        num_layers=2,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=512,
+    ),
 }
 # issue 56's goals: (shape, dtype or None for every dtype, batch) -> the most ms a step
 STEP_GOALS_MS = {("smollm2", None, 1): 2.5, ("llama1b", "bfloat16", 1): 3.0}
@@ -86,8 +103,7 @@ def timed_steps(step: Callable[[], Any], device: torch.device, n: int) -> list[f
     return out
 
 
-def profile_steps(step: Callable[[], Any], device: torch.device, n: int,
-                  table: int = 0) -> tuple[float, float | None]:
+def profile_steps(step: Callable[[], Any], device: torch.device, n: int, table: int = 0) -> tuple[float, float | None]:
     """(kernels a step, ms of kernel time a step): GPU kernels on cuda; on the CPU the top-level torch ops and no
     kernel time. `table`: also print the ops that take the most device time (or CPU time), that many."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -123,8 +139,16 @@ def host_profile(step: Callable[[], Any], device: torch.device, n: int, title: s
         f.write(f"==== {title}, {n} steps\n{text.getvalue()}\n")
 
 
-def engine_bucket(loaded: LoadedModel, device: torch.device, batch: int, context: int, steps: int,
-                  batch_invariant: bool, profile_to: Path | None = None, table: int = 0) -> dict[str, Any]:
+def engine_bucket(
+    loaded: LoadedModel,
+    device: torch.device,
+    batch: int,
+    context: int,
+    steps: int,
+    batch_invariant: bool,
+    profile_to: Path | None = None,
+    table: int = 0,
+) -> dict[str, Any]:
     """One bucket's figures for one engine configuration (or why the engine refused it); with `profile_to`,
     the host functions its steps spend their time in are appended there."""
     cfg = EngineConfig(device=str(device), batch_invariant=batch_invariant)
@@ -136,10 +160,19 @@ def engine_bucket(loaded: LoadedModel, device: torch.device, batch: int, context
     ms = statistics.median(timed_steps(engine.step, device, steps))
     kernels, kernel_ms = profile_steps(engine.step, device, steps, table)
     if profile_to is not None:
-        host_profile(engine.step, device, steps, f"{loaded.model.embed.dtype} batch {batch}"
-                     f"{' batch-invariant' if batch_invariant else ''}", profile_to)
-    return {"ms": ms, "tok_s": 1000 * batch / ms, "kernels": kernels,
-            "busy": None if kernel_ms is None else min(1.0, kernel_ms / ms)}
+        host_profile(
+            engine.step,
+            device,
+            steps,
+            f"{loaded.model.embed.dtype} batch {batch}{' batch-invariant' if batch_invariant else ''}",
+            profile_to,
+        )
+    return {
+        "ms": ms,
+        "tok_s": 1000 * batch / ms,
+        "kernels": kernels,
+        "busy": None if kernel_ms is None else min(1.0, kernel_ms / ms),
+    }
 
 
 @torch.inference_mode()
@@ -153,9 +186,16 @@ def hf_step_ms(model, device: torch.device, batch: int, context: int, tokens: in
     clock = StepClock()
     for n in (2, tokens):  # a warm-up, then the timed run
         clock.times.clear()
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, eos_token_id=None, pad_token_id=0,
-                       logits_processor=LogitsProcessorList([clock]))
+        model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList([clock]),
+        )
     return 1000 * statistics.median(b - a for a, b in zip(clock.times, clock.times[1:]))
 
 
@@ -167,20 +207,25 @@ def kernel_times(shape: str, dtypes: list[str], batches: list[int], device: torc
     lines = []
     for dtype in dtypes:
         for k, n in ((dims["hidden_size"], 2 * dims["intermediate_size"]), (dims["hidden_size"], dims["vocab_size"])):
-            w = (torch.randn(k, n, device=device) / k ** 0.5).to(DTYPES[dtype])
+            w = (torch.randn(k, n, device=device) / k**0.5).to(DTYPES[dtype])
             for m in batches:
                 x = torch.randn(m, k, device=device).to(DTYPES[dtype])
                 ms = {}
-                for name, fn in (("torch", lambda: x @ w), ("tl.sum", lambda: gm.matmul(x, w)),
-                                 ("tl.dot", lambda: gm.matmul_dot(x, w))):
+                for name, fn in (
+                    ("torch", lambda: x @ w),
+                    ("tl.sum", lambda: gm.matmul(x, w)),
+                    ("tl.dot", lambda: gm.matmul_dot(x, w)),
+                ):
                     try:
                         timed_steps(fn, device, 3)
                         ms[name] = statistics.median(timed_steps(fn, device, 20))
                     except Exception as exc:  # noqa: BLE001 - a kernel that does not compile here is a figure too
                         ms[name] = float("nan")
                         lines.append(f"{name} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-                lines.append(f"matmul {dtype} {m}x{k} @ {k}x{n}: " + ", ".join(
-                    f"{name} {v:.3f} ms ({v / ms['torch']:.2f}x)" for name, v in ms.items()))
+                lines.append(
+                    f"matmul {dtype} {m}x{k} @ {k}x{n}: "
+                    + ", ".join(f"{name} {v:.3f} ms ({v / ms['torch']:.2f}x)" for name, v in ms.items())
+                )
     return lines
 
 
@@ -195,8 +240,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--hf-tokens", type=int, default=16, help="tokens HF generates a timing (0: no HF)")
     parser.add_argument("--batch-invariant", action="store_true", help="also time engine.batch_invariant=true")
     parser.add_argument("--json", type=Path, help="write the figures here too")
-    parser.add_argument("--kernels", action="store_true",
-                        help="time the invariant Triton matmuls beside torch's, and nothing else")
+    parser.add_argument(
+        "--kernels", action="store_true", help="time the invariant Triton matmuls beside torch's, and nothing else"
+    )
     parser.add_argument("--kernel-table", type=int, default=0, help="print each bucket's costliest ops, this many")
     parser.add_argument("--host-profile", type=Path, help="append each bucket's host profile (cProfile) here")
     args = parser.parse_args(argv)
@@ -205,8 +251,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error("no CUDA device here (torch.cuda.is_available() is False): try --device cpu")
     where = machine(args.device)
     bandwidth = copy_bandwidth_gbs(device, 512 if device.type == "cuda" else 128)
-    print(f"decode steps, random weights of {args.shape}'s shape, context {args.context}, on {where}; "
-          f"copy bandwidth {bandwidth:.0f} GB/s", flush=True)
+    print(
+        f"decode steps, random weights of {args.shape}'s shape, context {args.context}, on {where}; "
+        f"copy bandwidth {bandwidth:.0f} GB/s",
+        flush=True,
+    )
     results: dict[str, Any] = {"device": where, "shape": args.shape, "copy_bandwidth_gbs": bandwidth, "rows": []}
     if args.kernels:
         results["kernels"] = kernel_times(args.shape, args.dtypes, args.batches, device)
@@ -219,9 +268,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.hf_tokens > 1:
             hf = hf_reference_model(load_checkpoint(loaded.config)).to(device=device, dtype=DTYPES[dtype])
         for batch in args.batches:
-            row = {"dtype": dtype, "batch": batch, "floor_ms": floor_ms,
-                   **engine_bucket(loaded, device, batch, args.context, args.steps, False, args.host_profile,
-                                     args.kernel_table)}
+            row = {
+                "dtype": dtype,
+                "batch": batch,
+                "floor_ms": floor_ms,
+                **engine_bucket(
+                    loaded, device, batch, args.context, args.steps, False, args.host_profile, args.kernel_table
+                ),
+            }
             if args.batch_invariant:
                 row["invariant"] = engine_bucket(loaded, device, batch, args.context, args.steps, True)
             if hf is not None:
@@ -240,8 +294,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def describe(row: dict[str, Any]) -> str:
     if "refused" in row:
         return f"{row['dtype']:9s} batch {row['batch']:3d}: refused: {row['refused']}"
-    line = (f"{row['dtype']:9s} batch {row['batch']:3d}: {row['ms']:7.2f} ms a step, {row['tok_s']:8.0f} tok/s, "
-            f"{row['kernels']:6.0f} kernels a step")
+    line = (
+        f"{row['dtype']:9s} batch {row['batch']:3d}: {row['ms']:7.2f} ms a step, {row['tok_s']:8.0f} tok/s, "
+        f"{row['kernels']:6.0f} kernels a step"
+    )
     if row["busy"] is not None:
         line += f", GPU busy {100 * row['busy']:3.0f}%"
     line += f"; floor {row['floor_ms']:.2f} ms ({row['floor_ms'] / row['ms']:.2f} of it)"
@@ -249,8 +305,11 @@ def describe(row: dict[str, Any]) -> str:
         line += f"; HF generate {row['hf_ms']:7.2f} ms a step ({row['hf_ms'] / row['ms']:.2f}x)"
     if "invariant" in row:
         inv = row["invariant"]
-        line += (f"; batch-invariant refused: {inv['refused']}" if "refused" in inv else
-                 f"; batch-invariant {inv['ms']:.2f} ms ({inv['ms'] / row['ms']:.2f}x the default)")
+        line += (
+            f"; batch-invariant refused: {inv['refused']}"
+            if "refused" in inv
+            else f"; batch-invariant {inv['ms']:.2f} ms ({inv['ms'] / row['ms']:.2f}x the default)"
+        )
     return line
 
 
@@ -273,8 +332,10 @@ def goals(shape: str, rows: list[dict[str, Any]]) -> list[str]:
             ratio = r["hf_ms"] / r["ms"]
             say(f"{r['dtype']} batch {r['batch']}: {ratio:.2f}x HF generate >= {HF_RATIO_GOAL}", ratio >= HF_RATIO_GOAL)
         if r["batch"] == 32 and r["busy"] is not None:
-            say(f"{r['dtype']} batch 32: GPU busy {100 * r['busy']:.0f}% >= {100 * BUSY_GOAL:.0f}%",
-                r["busy"] >= BUSY_GOAL)
+            say(
+                f"{r['dtype']} batch 32: GPU busy {100 * r['busy']:.0f}% >= {100 * BUSY_GOAL:.0f}%",
+                r["busy"] >= BUSY_GOAL,
+            )
     by = {(r["dtype"], r["batch"]): r["ms"] for r in done}
     for (dtype, batch), ms in sorted(by.items()):
         if dtype != "float32" and ("float32", batch) in by:

@@ -36,14 +36,15 @@ def _pair(ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int) -> t
     return statistics.median(times[0]), statistics.median(times[1])
 
 
-def _attention_case(arch, contexts: list[int], prompt: bool, block_size: int, repeats: int,
-                    gen: torch.Generator) -> dict[str, Any]:
+def _attention_case(
+    arch, contexts: list[int], prompt: bool, block_size: int, repeats: int, gen: torch.Generator
+) -> dict[str, Any]:
     h, k, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
     per_seq = [-(-c // block_size) for c in contexts]
     k_cache = torch.randn(sum(per_seq) + 1, block_size, k, d, generator=gen)
     v_cache = torch.randn(sum(per_seq) + 1, block_size, k, d, generator=gen)
     order = torch.randperm(sum(per_seq), generator=gen)  # blocks scattered over the pool, as in a real run
-    tables = torch.stack([order[sum(per_seq[:s]):sum(per_seq[:s + 1])] for s in range(len(contexts))])
+    tables = torch.stack([order[sum(per_seq[:s]) : sum(per_seq[: s + 1])] for s in range(len(contexts))])
     if prompt:  # one sequence, every query over its causal prefix
         (length,) = contexts
         query_table, query_ctx = torch.zeros(length, dtype=torch.int64), torch.arange(1, length + 1)
@@ -68,13 +69,22 @@ def _attention_case(arch, contexts: list[int], prompt: bool, block_size: int, re
     got, want = ours(), theirs().reshape(q.shape)
     ms, torch_ms = _pair(ours, theirs, repeats)
     pairs = int(query_ctx.sum())
-    kv_bytes = (sum(contexts) if prompt else pairs) * 2 * k * d * 4  # a prompt's keys are read from cache after the first query
-    return {"kernel_ms": ms, "sdpa_ms": torch_ms, "speedup": torch_ms / ms, "pairs_per_s": pairs / ms * 1000,
-            "kv_read_gb_s": kv_bytes / ms / 1e6, "max_abs_diff": (got - want).abs().max().item()}
+    kv_bytes = (
+        (sum(contexts) if prompt else pairs) * 2 * k * d * 4
+    )  # a prompt's keys are read from cache after the first query
+    return {
+        "kernel_ms": ms,
+        "sdpa_ms": torch_ms,
+        "speedup": torch_ms / ms,
+        "pairs_per_s": pairs / ms * 1000,
+        "kv_read_gb_s": kv_bytes / ms / 1e6,
+        "max_abs_diff": (got - want).abs().max().item(),
+    }
 
 
-def measure(loaded, batch_sizes=(1, 8, 32, 64), context: int = 256, prompt: int = 512, block_size: int = 16,
-            repeats: int = 5) -> dict[str, Any]:
+def measure(
+    loaded, batch_sizes=(1, 8, 32, 64), context: int = 256, prompt: int = 512, block_size: int = 16, repeats: int = 5
+) -> dict[str, Any]:
     """The report; {"unavailable": why} (said in one line) where the native kernels do not run here."""
     try:
         native()
@@ -86,28 +96,45 @@ def measure(loaded, batch_sizes=(1, 8, 32, 64), context: int = 256, prompt: int 
     gen = torch.Generator().manual_seed(0)
     report: dict[str, Any] = {"attention_decode": [], "attention_prefill": [], "rope": []}
     for batch in batch_sizes:
-        row = {"batch": batch, "context": context,
-               **_attention_case(arch, [context] * batch, False, block_size, repeats, gen)}
+        row = {
+            "batch": batch,
+            "context": context,
+            **_attention_case(arch, [context] * batch, False, block_size, repeats, gen),
+        }
         report["attention_decode"].append(row)
-        print(f"  attention, decode batch {batch} x {context} keys: kernel {row['kernel_ms']:.2f} ms "
-              f"({row['kv_read_gb_s']:.1f} GB/s) vs sdpa {row['sdpa_ms']:.2f} ms: {row['speedup']:.2f}x", flush=True)
+        print(
+            f"  attention, decode batch {batch} x {context} keys: kernel {row['kernel_ms']:.2f} ms "
+            f"({row['kv_read_gb_s']:.1f} GB/s) vs sdpa {row['sdpa_ms']:.2f} ms: {row['speedup']:.2f}x",
+            flush=True,
+        )
     row = {"prompt": prompt, **_attention_case(arch, [prompt], True, block_size, repeats, gen)}
     report["attention_prefill"].append(row)
-    print(f"  attention, one {prompt}-token prompt: kernel {row['kernel_ms']:.2f} ms "
-          f"({row['pairs_per_s'] / 1e6:.1f} M query-key pairs/s) vs sdpa {row['sdpa_ms']:.2f} ms: "
-          f"{row['speedup']:.2f}x", flush=True)
+    print(
+        f"  attention, one {prompt}-token prompt: kernel {row['kernel_ms']:.2f} ms "
+        f"({row['pairs_per_s'] / 1e6:.1f} M query-key pairs/s) vs sdpa {row['sdpa_ms']:.2f} ms: "
+        f"{row['speedup']:.2f}x",
+        flush=True,
+    )
     if getattr(model, "rope_cos", None) is not None:
         cos, sin = model.rope_cos, model.rope_sin
         heads = arch.num_heads + arch.num_kv_heads
         for rows in list(batch_sizes) + [prompt]:
             x = torch.randn(rows, heads + arch.num_kv_heads, arch.head_dim, generator=gen)[:, :heads]
             pos = torch.randint(0, min(cos.shape[0], 4096), (rows,), generator=gen)
-            same = torch.equal(rope_cpu(x, cos, sin, pos),
-                               x * cos[pos].unsqueeze(1) + rotate_half(x) * sin[pos].unsqueeze(1))
-            ms, torch_ms = _pair(lambda: rope_cpu(x, cos, sin, pos),
-                                 lambda: x * cos[pos].unsqueeze(1) + rotate_half(x) * sin[pos].unsqueeze(1), repeats)
-            report["rope"].append({"rows": rows, "kernel_ms": ms, "torch_ms": torch_ms, "speedup": torch_ms / ms,
-                                   "bit_identical": same})
-            print(f"  RoPE over {rows} rows x {heads} heads: kernel {ms:.3f} ms vs torch {torch_ms:.3f} ms: "
-                  f"{torch_ms / ms:.2f}x (bit-identical: {same})", flush=True)
+            same = torch.equal(
+                rope_cpu(x, cos, sin, pos), x * cos[pos].unsqueeze(1) + rotate_half(x) * sin[pos].unsqueeze(1)
+            )
+            ms, torch_ms = _pair(
+                lambda: rope_cpu(x, cos, sin, pos),
+                lambda: x * cos[pos].unsqueeze(1) + rotate_half(x) * sin[pos].unsqueeze(1),
+                repeats,
+            )
+            report["rope"].append(
+                {"rows": rows, "kernel_ms": ms, "torch_ms": torch_ms, "speedup": torch_ms / ms, "bit_identical": same}
+            )
+            print(
+                f"  RoPE over {rows} rows x {heads} heads: kernel {ms:.3f} ms vs torch {torch_ms:.3f} ms: "
+                f"{torch_ms / ms:.2f}x (bit-identical: {same})",
+                flush=True,
+            )
     return report

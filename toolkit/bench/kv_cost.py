@@ -20,15 +20,24 @@ from toolkit.sampling.params import SamplingParams
 
 
 def bytes_per_sequence(loaded, engine_cfg: EngineConfig, context: int) -> float:
-    probe = Engine(loaded, dataclasses.replace(engine_cfg, num_kv_blocks=1, max_num_seqs=1, max_num_batched_tokens=1),
-                   SamplingParams())
+    probe = Engine(
+        loaded,
+        dataclasses.replace(engine_cfg, num_kv_blocks=1, max_num_seqs=1, max_num_batched_tokens=1),
+        SamplingParams(),
+    )
     cache = probe.kv_cache
     blocks = -(-context // engine_cfg.block_size)
     return blocks * cache.bytes_per_block
 
 
-def measure(loaded, engine_cfg: EngineConfig, dtypes=("auto", "bf16", "int8", "fp8_e4m3"), context: int = 2048,
-            budget_gb: float = 0.5, max_batch: int = 64) -> list[dict[str, Any]]:
+def measure(
+    loaded,
+    engine_cfg: EngineConfig,
+    dtypes=("auto", "bf16", "int8", "fp8_e4m3"),
+    context: int = 2048,
+    budget_gb: float = 0.5,
+    max_batch: int = 64,
+) -> list[dict[str, Any]]:
     rows = []
     variants = [(d, "auto") for d in dtypes] + [(d, "sdpa") for d in dtypes if d != "bf16"]
     for dtype, backend in variants:
@@ -36,9 +45,21 @@ def measure(loaded, engine_cfg: EngineConfig, dtypes=("auto", "bf16", "int8", "f
         per_seq = bytes_per_sequence(loaded, cfg, context)
         batch = max(1, min(max_batch, int(budget_gb * 2**30 // per_seq)))
         step = decode_step_ms(loaded, cfg, batch, context, steps=4)
-        rows.append({"kv_cache_dtype": dtype, "attention_backend": backend, "context": context,
-                     "budget_gb": budget_gb, "kv_bytes_per_sequence": per_seq, "max_batch": batch,
-                     "step_ms": step, "tok_per_s": 1000 * batch / step})
-        print(f"  KV {dtype:<9} ({backend:<6}): {per_seq / 2**20:6.1f} MiB per {context}-token sequence -> batch "
-              f"{batch:>3} in {budget_gb:g} GB; decode step {step:7.1f} ms, {rows[-1]['tok_per_s']:6.1f} tok/s", flush=True)
+        rows.append(
+            {
+                "kv_cache_dtype": dtype,
+                "attention_backend": backend,
+                "context": context,
+                "budget_gb": budget_gb,
+                "kv_bytes_per_sequence": per_seq,
+                "max_batch": batch,
+                "step_ms": step,
+                "tok_per_s": 1000 * batch / step,
+            }
+        )
+        print(
+            f"  KV {dtype:<9} ({backend:<6}): {per_seq / 2**20:6.1f} MiB per {context}-token sequence -> batch "
+            f"{batch:>3} in {budget_gb:g} GB; decode step {step:7.1f} ms, {rows[-1]['tok_per_s']:6.1f} tok/s",
+            flush=True,
+        )
     return rows

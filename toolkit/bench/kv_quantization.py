@@ -39,10 +39,15 @@ def parse_variant(text: str) -> tuple[str, str]:
     """'int8' -> (int8, block); 'fp8_e4m3/tensor' -> (fp8_e4m3, tensor); 'int8/channel' -> (int8, channel)."""
     dtype, _, granularity = str(text).partition("/")
     granularity = granularity or "block"
-    if dtype not in KV_VARIANTS or granularity not in ("block", "tensor", "channel") or (
-            granularity != "block" and not is_quantized(dtype)):
-        raise ConfigError(f"kv_quantization.variants: bad variant {text!r}; use one of {', '.join(KV_VARIANTS)}, "
-                          f"optionally int8/tensor, int8/channel, fp8_e4m3/tensor or fp8_e4m3/channel")
+    if (
+        dtype not in KV_VARIANTS
+        or granularity not in ("block", "tensor", "channel")
+        or (granularity != "block" and not is_quantized(dtype))
+    ):
+        raise ConfigError(
+            f"kv_quantization.variants: bad variant {text!r}; use one of {', '.join(KV_VARIANTS)}, "
+            f"optionally int8/tensor, int8/channel, fp8_e4m3/tensor or fp8_e4m3/channel"
+        )
     return dtype, granularity
 
 
@@ -68,37 +73,48 @@ def run_kv_quantization(cfg: DictConfig, run_dir: Path) -> int:
         tokens = {o.request_id: list(o.outputs[0].token_ids) for o in recorded.outputs}
         if not reference_tokens:
             reference_tokens = tokens
-        report = verify(run_dir / name, reference=study["reference"], atol=float(study["atol"]),
-                        out_dir=run_dir / name / "verify")
+        report = verify(
+            run_dir / name, reference=study["reference"], atol=float(study["atol"]), out_dir=run_dir / name / "verify"
+        )
         diffs = [c.abs_diff for c in report.checks]
         divergence = {rid: first_difference(reference_tokens[rid], t) for rid, t in tokens.items()}
         cache = engine.kv_cache
-        results.append({
-            "variant": name, "kv_cache_dtype": dtype, "kv_scale_granularity": cache.granularity,
-            "kv_bytes_per_token": cache.bytes_per_token + cache.scale_bytes_per_block / cache.block_size,
-            "identical_fraction": sum(d is None for d in divergence.values()) / len(divergence),
-            "first_8_kept_fraction": sum(d is None or d >= 8 for d in divergence.values()) / len(divergence),
-            "first_divergence": divergence,
-            "teacher_forced_max_abs_logprob_diff": max(diffs, default=0.0),
-            "teacher_forced_mean_abs_logprob_diff": sum(diffs) / len(diffs) if diffs else 0.0,
-            "teacher_forced_rows": len(diffs), "greedy_rows_still_argmax":
-                report.greedy_rows - report.greedy_argmax_mismatches, "greedy_rows": report.greedy_rows,
-            "output_tok_per_s": recorded.summary.get("output_tok_per_s"), "run_dir": str(run_dir / name),
-        })
+        results.append(
+            {
+                "variant": name,
+                "kv_cache_dtype": dtype,
+                "kv_scale_granularity": cache.granularity,
+                "kv_bytes_per_token": cache.bytes_per_token + cache.scale_bytes_per_block / cache.block_size,
+                "identical_fraction": sum(d is None for d in divergence.values()) / len(divergence),
+                "first_8_kept_fraction": sum(d is None or d >= 8 for d in divergence.values()) / len(divergence),
+                "first_divergence": divergence,
+                "teacher_forced_max_abs_logprob_diff": max(diffs, default=0.0),
+                "teacher_forced_mean_abs_logprob_diff": sum(diffs) / len(diffs) if diffs else 0.0,
+                "teacher_forced_rows": len(diffs),
+                "greedy_rows_still_argmax": report.greedy_rows - report.greedy_argmax_mismatches,
+                "greedy_rows": report.greedy_rows,
+                "output_tok_per_s": recorded.summary.get("output_tok_per_s"),
+                "run_dir": str(run_dir / name),
+            }
+        )
     base = results[0]["kv_bytes_per_token"]
     for r in results:
         r["kv_bytes_vs_auto"] = r["kv_bytes_per_token"] / base
     report_path = run_dir / "kv_quantization.json"
     report_path.write_text(json.dumps({"reference": study["reference"], "variants": results}, indent=2))
     _plot(results, run_dir / "kv_quantization.png")
-    print(f"\n{'variant':<18} {'identical':>9} {'first 8 kept':>12} {'first divergences':<28} {'max |dlogp|':>11} "
-          f"{'mean |dlogp|':>12} {'KV B/token':>10}")
+    print(
+        f"\n{'variant':<18} {'identical':>9} {'first 8 kept':>12} {'first divergences':<28} {'max |dlogp|':>11} "
+        f"{'mean |dlogp|':>12} {'KV B/token':>10}"
+    )
     for r in results:
         divs = sorted(d for d in r["first_divergence"].values() if d is not None)
-        print(f"{r['variant']:<18} {100 * r['identical_fraction']:>8.0f}% {100 * r['first_8_kept_fraction']:>11.0f}% "
-              f"{str(divs)[:28]:<28} "
-              f"{r['teacher_forced_max_abs_logprob_diff']:>11.4f} {r['teacher_forced_mean_abs_logprob_diff']:>12.5f} "
-              f"{r['kv_bytes_per_token']:>10.0f}")
+        print(
+            f"{r['variant']:<18} {100 * r['identical_fraction']:>8.0f}% {100 * r['first_8_kept_fraction']:>11.0f}% "
+            f"{str(divs)[:28]:<28} "
+            f"{r['teacher_forced_max_abs_logprob_diff']:>11.4f} {r['teacher_forced_mean_abs_logprob_diff']:>12.5f} "
+            f"{r['kv_bytes_per_token']:>10.0f}"
+        )
     print(f"kv_quantization.json, kv_quantization.png and one run directory per variant: {run_dir}")
     return 0
 
@@ -110,9 +126,11 @@ def _plot(results: list[dict[str, Any]], path: Path) -> None:
     longest = max((d for r in quantised for d in r["first_divergence"].values() if d is not None), default=1)
     never = longest + 8
     step = max(1, never // 24)
-    ax.hist([[never if d is None else d for d in r["first_divergence"].values()] for r in quantised],
-            bins=range(0, never + step + 1, step), label=[f"{r['variant']} ({100 * r['identical_fraction']:.0f}% "
-                                                       f"identical)" for r in quantised])  # bars side by side
+    ax.hist(
+        [[never if d is None else d for d in r["first_divergence"].values()] for r in quantised],
+        bins=range(0, never + step + 1, step),
+        label=[f"{r['variant']} ({100 * r['identical_fraction']:.0f}% identical)" for r in quantised],
+    )  # bars side by side
     ax.axvline(never, color="grey", linestyle=":")
     ax.text(never, ax.get_ylim()[1] * 0.9, " identical", color="grey")
     ax.set_xlabel("first generated position that differs from the auto (fp32) KV run")

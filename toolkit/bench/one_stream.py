@@ -43,10 +43,14 @@ from toolkit.models.tokenizer import Tokenizer
 from toolkit.trace.reader import read_steps
 
 REQUESTS = [  # chat requests of the kind the issue measured with (short questions, a few sentences out)
-    "Describe a lighthouse at night.", "What is a prime number? Give an example.",
-    "Write two lines about rain on a tin roof.", "Explain photosynthesis briefly.",
-    "Name three rivers in Europe and where they flow.", "Why is the sky blue?",
-    "Give me three tips for learning to cook.", "What does a compiler do?",
+    "Describe a lighthouse at night.",
+    "What is a prime number? Give an example.",
+    "Write two lines about rain on a tin roof.",
+    "Explain photosynthesis briefly.",
+    "Name three rivers in Europe and where they flow.",
+    "Why is the sky blue?",
+    "Give me three tips for learning to cook.",
+    "What does a compiler do?",
 ]
 
 
@@ -65,8 +69,9 @@ def f32_gguf(source: Path, target: Path) -> Path:
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
     writer.add_file_type(LlamaFileType.ALL_F32)
     for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type),
-                                                            dtype=np.float32))
+        writer.add_tensor(
+            tensor.name, np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -122,10 +127,21 @@ def serve_round(server: Server, prompts: list[list[int]], max_tokens: int) -> di
     server.up()
 
     def clients(batch: list[list[int]], tokens: int) -> dict[str, Any]:
-        spec = {"url": f"http://127.0.0.1:{server.port}", "prompts": batch, "max_tokens": tokens, "clients": 1,
-                "stagger_s": 0.0, "model": "smollm2"}
-        done = subprocess.run([sys.executable, "-m", "toolkit.bench.serving"], input=json.dumps(spec), text=True,
-                              capture_output=True, timeout=3600)
+        spec = {
+            "url": f"http://127.0.0.1:{server.port}",
+            "prompts": batch,
+            "max_tokens": tokens,
+            "clients": 1,
+            "stagger_s": 0.0,
+            "model": "smollm2",
+        }
+        done = subprocess.run(
+            [sys.executable, "-m", "toolkit.bench.serving"],
+            input=json.dumps(spec),
+            text=True,
+            capture_output=True,
+            timeout=3600,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"{server.name}: the client failed: {done.stderr.strip().splitlines()[-1:]}")
         return json.loads(done.stdout)
@@ -151,10 +167,14 @@ def decode_step_ms(name: str, run_dir: Path, log: Path) -> list[float]:
 
 def summarise(seen: list[dict[str, Any]], step_ms: list[float]) -> dict[str, float]:
     tokens, wall = sum(sum(r["tokens"]) for r in seen), sum(r["wall_s"] for r in seen)
-    out = {"requests": sum(len(r["tokens"]) for r in seen), "output_tokens": tokens, "tok_per_s": tokens / wall,
-           "ttft_ms_p50": 1e3 * statistics.median(t for r in seen for t in r["ttft_s"]),
-           "tpot_ms_p50": 1e3 * statistics.median(t for r in seen for t in r["tpot_s"]),
-           "step_ms_p50": statistics.median(step_ms) if step_ms else None}
+    out = {
+        "requests": sum(len(r["tokens"]) for r in seen),
+        "output_tokens": tokens,
+        "tok_per_s": tokens / wall,
+        "ttft_ms_p50": 1e3 * statistics.median(t for r in seen for t in r["ttft_s"]),
+        "tpot_ms_p50": 1e3 * statistics.median(t for r in seen for t in r["tpot_s"]),
+        "step_ms_p50": statistics.median(step_ms) if step_ms else None,
+    }
     # what a token costs beyond its step: the server's host work (event loop, detokenising, SSE, trace, mailbox)
     out["overhead_ms"] = out["tpot_ms_p50"] - out["step_ms_p50"] if step_ms else None
     return out
@@ -170,30 +190,51 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default=None, help="also write the figures here as JSON")
     args = parser.parse_args(argv)
 
-
     tokenizer = Tokenizer(smollm2_dir())
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r}]) for r in REQUESTS]
     root = Path(__file__).resolve().parents[2]
     work = Path(tempfile.mkdtemp(prefix="one-stream-"))
     systems: dict[str, list[str]] = {}
-    llama = args.llama_server or next((str(p) for p in (root / ".venv/bin/llama-server",) if p.is_file()),
-                                      shutil.which("llama-server"))
+    llama = args.llama_server or next(
+        (str(p) for p in (root / ".venv/bin/llama-server",) if p.is_file()), shutil.which("llama-server")
+    )
     if llama:
-        systems["llama-server f32"] = [llama, "-m", str(smollm2_f32_gguf()), "--host", "127.0.0.1",
-                                       "-t", str(args.threads), "-c", "2048", "-np", "1", "--jinja"]
+        systems["llama-server f32"] = [
+            llama,
+            "-m",
+            str(smollm2_f32_gguf()),
+            "--host",
+            "127.0.0.1",
+            "-t",
+            str(args.threads),
+            "-c",
+            "2048",
+            "-np",
+            "1",
+            "--jinja",
+        ]
     else:
         print("llama-server: not built (make llama-server): this project's server only")
     for dtype in args.dtypes:
-        systems[f"toolkit {dtype}"] = [sys.executable, str(root / "run.py"), "mode=serve", f"model.dtype={dtype}",
-                                       "engine.max_num_seqs=1", "progress=false"]
+        systems[f"toolkit {dtype}"] = [
+            sys.executable,
+            str(root / "run.py"),
+            "mode=serve",
+            f"model.dtype={dtype}",
+            "engine.max_num_seqs=1",
+            "progress=false",
+        ]
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
     steps: dict[str, list[float]] = {name: [] for name in systems}
     for round_ in range(args.rounds):
         for name, command in systems.items():
             port = free_port()
             tag = f"{name.replace(' ', '-')}-{round_}"
-            flag = ["--port", str(port)] if name.startswith("llama") else [f"serve.port={port}",
-                                                                           f"hydra.run.dir={work / tag}"]
+            flag = (
+                ["--port", str(port)]
+                if name.startswith("llama")
+                else [f"serve.port={port}", f"hydra.run.dir={work / tag}"]
+            )
             server = Server(name, command + flag, port, work / f"{tag}.log", cwd=root)
             try:
                 rows[name].append(serve_round(server, prompts, args.max_tokens))
@@ -201,21 +242,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 server.stop()
             steps[name] += decode_step_ms(name, work / tag, work / f"{tag}.log")
             print(f"round {round_ + 1}/{args.rounds}: {name} done", flush=True)
-    result = {"machine": machine("cpu"), "threads": args.threads, "max_tokens": args.max_tokens,
-              "systems": {name: summarise(r, steps[name]) for name, r in rows.items() if r}}
+    result = {
+        "machine": machine("cpu"),
+        "threads": args.threads,
+        "max_tokens": args.max_tokens,
+        "systems": {name: summarise(r, steps[name]) for name, r in rows.items() if r},
+    }
     base = result["systems"].get("llama-server f32", {}).get("tok_per_s")
-    print(f"\none stream, {len(REQUESTS)} chat requests x {args.max_tokens} tokens x {args.rounds} rounds, "
-          f"{args.threads} threads, on {result['machine']}")
-    print(f"{'system':<20} {'tok/s':>7} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'step p50 ms':>12} "
-          f"{'overhead ms':>12} {'vs llama-server':>16}")
+    print(
+        f"\none stream, {len(REQUESTS)} chat requests x {args.max_tokens} tokens x {args.rounds} rounds, "
+        f"{args.threads} threads, on {result['machine']}"
+    )
+    print(
+        f"{'system':<20} {'tok/s':>7} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'step p50 ms':>12} "
+        f"{'overhead ms':>12} {'vs llama-server':>16}"
+    )
     for name, s in result["systems"].items():
         ratio = f"{s['tok_per_s'] / base:.2f}x" if base else "-"
         step = "-" if s["step_ms_p50"] is None else f"{s['step_ms_p50']:.1f}"
         overhead = "-" if s["overhead_ms"] is None else f"{s['overhead_ms']:.1f}"
-        print(f"{name:<20} {s['tok_per_s']:>7.1f} {s['ttft_ms_p50']:>12.1f} {s['tpot_ms_p50']:>12.1f} {step:>12} "
-              f"{overhead:>12} {ratio:>16}")
-    print("step: the engine's own time per decode step (ours: steps.parquet step_s; llama-server: its log's eval "
-          "time per token); overhead: TPOT p50 - step p50, the server's host work per token")
+        print(
+            f"{name:<20} {s['tok_per_s']:>7.1f} {s['ttft_ms_p50']:>12.1f} {s['tpot_ms_p50']:>12.1f} {step:>12} "
+            f"{overhead:>12} {ratio:>16}"
+        )
+    print(
+        "step: the engine's own time per decode step (ours: steps.parquet step_s; llama-server: its log's eval "
+        "time per token); overhead: TPOT p50 - step p50, the server's host work per token"
+    )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     shutil.rmtree(work, ignore_errors=True)

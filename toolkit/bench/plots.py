@@ -19,16 +19,32 @@ def plot_bench(report: dict[str, Any], path: Path) -> Path | None:
         by_batch = roof["by_batch"]
         context_batches = sorted({r["batch"] for r in roof["by_context"]})
         panels_rows = [(axes[0], "batch", f"decode step vs batch (context {by_batch[0]['context']})", [("", by_batch)])]
-        panels_rows.append((axes[1], "context", "decode step vs context",
-                            [(f"batch {b}, ", [r for r in roof["by_context"] if r["batch"] == b]) for b in context_batches]))
+        panels_rows.append(
+            (
+                axes[1],
+                "context",
+                "decode step vs context",
+                [(f"batch {b}, ", [r for r in roof["by_context"] if r["batch"] == b]) for b in context_batches],
+            )
+        )
         for ax, xkey, title, series in panels_rows:
             for label, rows in series:
                 xs = [r[xkey] for r in rows]
-                line, = ax.plot(xs, [r["step_ms"] for r in rows], "o-", label=f"{label}achieved")
-                ax.plot(xs, [r["bound_ms"] for r in rows], "s--", color=line.get_color(),
-                        label=f"{label}bound: GEMM + KV read")
-                ax.plot(xs, [r["gemm_bound_ms"] for r in rows], "^:", color=line.get_color(),
-                        label=f"{label}GEMM roofline only")
+                (line,) = ax.plot(xs, [r["step_ms"] for r in rows], "o-", label=f"{label}achieved")
+                ax.plot(
+                    xs,
+                    [r["bound_ms"] for r in rows],
+                    "s--",
+                    color=line.get_color(),
+                    label=f"{label}bound: GEMM + KV read",
+                )
+                ax.plot(
+                    xs,
+                    [r["gemm_bound_ms"] for r in rows],
+                    "^:",
+                    color=line.get_color(),
+                    label=f"{label}GEMM roofline only",
+                )
             ax.set_xscale("log", base=2)
             ax.set_xlabel(xkey)
             ax.set_ylabel("ms per step")

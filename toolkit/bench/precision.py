@@ -24,8 +24,16 @@ from toolkit.native import cpu, library
 FORMATS = ("float32", "bfloat16", "float16")
 # SmolLM2-135M's dimensions with random weights (a vocabulary one past its tokenizer's, so none is loaded):
 # where the real weights cannot travel (a GPU machine), the same bytes per step
-SMOLLM2_SHAPE = dict(name="tiny", seed=0, vocab_size=49153, num_layers=30, hidden_size=576, num_heads=9,
-                     num_kv_heads=3, intermediate_size=1536)
+SMOLLM2_SHAPE = dict(
+    name="tiny",
+    seed=0,
+    vocab_size=49153,
+    num_layers=30,
+    hidden_size=576,
+    num_heads=9,
+    num_kv_heads=3,
+    intermediate_size=1536,
+)
 
 
 def machine(device: str) -> str:
@@ -54,8 +62,11 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     args = parser.parse_args(argv)
     base = SMOLLM2_SHAPE if args.shape else dict(name="smollm2")
     models = {f: load_model(ModelConfig(**base, dtype=f), device=args.device) for f in args.formats}
-    print(f"decode step, {'SmolLM2-shaped random weights' if args.shape else 'SmolLM2'}, context {args.context}, "
-          f"on {machine(args.device)}", flush=True)
+    print(
+        f"decode step, {'SmolLM2-shaped random weights' if args.shape else 'SmolLM2'}, context {args.context}, "
+        f"on {machine(args.device)}",
+        flush=True,
+    )
     table = {}
     for batch in args.batches:
         times: dict[str, list[float]] = {f: [] for f in args.formats}
@@ -64,8 +75,11 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
                 times[f].append(decode_step_ms(models[f], EngineConfig(device=args.device), batch, args.context))
         table[batch] = {f: statistics.median(t) for f, t in times.items()}
         first = table[batch][args.formats[0]]
-        print(f"batch {batch:3d}: " + ", ".join(f"{f} {ms:7.2f} ms ({first / ms:4.2f}x)"
-                                                for f, ms in table[batch].items()), flush=True)
+        print(
+            f"batch {batch:3d}: "
+            + ", ".join(f"{f} {ms:7.2f} ms ({first / ms:4.2f}x)" for f, ms in table[batch].items()),
+            flush=True,
+        )
     return table
 
 

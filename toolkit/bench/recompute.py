@@ -33,29 +33,43 @@ from toolkit.llm import LLM
 from toolkit.sampling.params import SamplingParams
 from toolkit.trace.reader import read_samples
 
-SYSTEM = ("You are a careful math tutor. Solve the problem step by step in short numbered steps, check the "
-          "arithmetic, and give the final answer on its own line as 'Answer: <number>'.")
-SHOTS = (("What is 12 times 13?", "1. 12 x 13 = 12 x 10 + 12 x 3 = 120 + 36 = 156.\nAnswer: 156"),
-         ("A box holds 8 eggs. How many boxes for 60 eggs?", "1. 60 / 8 = 7.5.\n2. Round up: 8 boxes.\nAnswer: 8"),
-         ("What is 25% of 80?", "1. 25% is one quarter.\n2. 80 / 4 = 20.\nAnswer: 20"),
-         ("If 3x = 27, what is x?", "1. Divide both sides by 3.\n2. x = 9.\nAnswer: 9"),
-         ("How many seconds are in 3 hours?", "1. 3 x 60 = 180 minutes.\n2. 180 x 60 = 10800.\nAnswer: 10800"),
-         ("What is 7 squared minus 5?", "1. 7 x 7 = 49.\n2. 49 - 5 = 44.\nAnswer: 44"))
-PROBLEMS = ("A shop sells pencils at 3 for 2 dollars. How much do 27 pencils cost?",
-            "Tom has twice as many apples as Ann. Together they have 36. How many does Tom have?",
-            "What is the sum of the first 20 odd numbers?", "A train goes 180 km in 2.5 hours. What is its speed?",
-            "How many minutes are there in a week?", "If 5x + 3 = 38, what is x?",
-            "A rectangle is 12 by 7. What is its perimeter plus its area?", "What is 15% of 240?",
-            "Sam reads 14 pages a day. How many days to finish 350 pages?", "What is the remainder of 2^10 by 7?",
-            "A car uses 6 litres per 100 km. How much for 450 km?", "What is the average of 4, 8, 15 and 21?")
+SYSTEM = (
+    "You are a careful math tutor. Solve the problem step by step in short numbered steps, check the "
+    "arithmetic, and give the final answer on its own line as 'Answer: <number>'."
+)
+SHOTS = (
+    ("What is 12 times 13?", "1. 12 x 13 = 12 x 10 + 12 x 3 = 120 + 36 = 156.\nAnswer: 156"),
+    ("A box holds 8 eggs. How many boxes for 60 eggs?", "1. 60 / 8 = 7.5.\n2. Round up: 8 boxes.\nAnswer: 8"),
+    ("What is 25% of 80?", "1. 25% is one quarter.\n2. 80 / 4 = 20.\nAnswer: 20"),
+    ("If 3x = 27, what is x?", "1. Divide both sides by 3.\n2. x = 9.\nAnswer: 9"),
+    ("How many seconds are in 3 hours?", "1. 3 x 60 = 180 minutes.\n2. 180 x 60 = 10800.\nAnswer: 10800"),
+    ("What is 7 squared minus 5?", "1. 7 x 7 = 49.\n2. 49 - 5 = 44.\nAnswer: 44"),
+)
+PROBLEMS = (
+    "A shop sells pencils at 3 for 2 dollars. How much do 27 pencils cost?",
+    "Tom has twice as many apples as Ann. Together they have 36. How many does Tom have?",
+    "What is the sum of the first 20 odd numbers?",
+    "A train goes 180 km in 2.5 hours. What is its speed?",
+    "How many minutes are there in a week?",
+    "If 5x + 3 = 38, what is x?",
+    "A rectangle is 12 by 7. What is its perimeter plus its area?",
+    "What is 15% of 240?",
+    "Sam reads 14 pages a day. How many days to finish 350 pages?",
+    "What is the remainder of 2^10 by 7?",
+    "A car uses 6 litres per 100 km. How much for 450 km?",
+    "What is the average of 4, 8, 15 and 21?",
+)
 
 
 def rollouts(llm: LLM, path: Path, prompts: int, samples: int, shots: int, max_tokens: int, seed: int) -> None:
     """`prompts` x `samples` sampled chats written as a token_ids transcript (claims: the trace's raw logprobs)."""
-    examples = [m for q, a in SHOTS[:shots] for m in ({"role": "user", "content": q},
-                                                         {"role": "assistant", "content": a})]
-    chats = [[{"role": "system", "content": SYSTEM}, *examples,
-              {"role": "user", "content": PROBLEMS[i % len(PROBLEMS)]}] for i in range(prompts)]
+    examples = [
+        m for q, a in SHOTS[:shots] for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})
+    ]
+    chats = [
+        [{"role": "system", "content": SYSTEM}, *examples, {"role": "user", "content": PROBLEMS[i % len(PROBLEMS)]}]
+        for i in range(prompts)
+    ]
     outs = llm.chat(chats, SamplingParams(n=samples, temperature=1.0, max_tokens=max_tokens, seed=seed))
     rows = read_samples(llm.trace_dir).select(["request_id", "stream", "position", "raw_logprob"]).to_pylist()
     claims: dict[tuple[str, int], list[tuple[int, float]]] = {}
@@ -65,10 +79,18 @@ def rollouts(llm: LLM, path: Path, prompts: int, samples: int, shots: int, max_t
         for o in outs:
             for c in o.outputs:
                 lps = [lp for _, lp in sorted(claims[(o.request_id, c.index)])]
-                f.write(json.dumps({"id": f"{o.request_id}-{c.index}", "prompt_token_ids": list(o.prompt_token_ids),
-                                    "output_token_ids": list(c.token_ids), "logprobs": lps,
-                                    "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}})
-                        + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "id": f"{o.request_id}-{c.index}",
+                            "prompt_token_ids": list(o.prompt_token_ids),
+                            "output_token_ids": list(c.token_ids),
+                            "logprobs": lps,
+                            "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0},
+                        }
+                    )
+                    + "\n"
+                )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,14 +109,24 @@ def main(argv: list[str] | None = None) -> int:
     loaded, _, _ = load_for(ModelConfig(name=args.model), engine_cfg, {})
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "rollouts.jsonl"
-        rollouts(LLM.over(loaded, engine_cfg, trace_root=tmp), path, args.prompts, args.samples, args.shots,
-                 args.max_tokens, args.seed)
+        rollouts(
+            LLM.over(loaded, engine_cfg, trace_root=tmp),
+            path,
+            args.prompts,
+            args.samples,
+            args.shots,
+            args.max_tokens,
+            args.seed,
+        )
         records, errors = read_transcripts(path, "token_ids", loaded.tokenizer, loaded.arch.vocab_size)
     assert not errors, errors
     prompt = sum(len(r.prompt_token_ids) for r in records)
     tokens = prompt + sum(len(r.output_token_ids) for r in records)
-    print(f"[{machine('cpu')}] {args.model}: {len(records)} transcripts ({args.prompts} prompts x {args.samples} "
-          f"samples), {tokens} tokens ({prompt} of them prompt tokens)", flush=True)
+    print(
+        f"[{machine('cpu')}] {args.model}: {len(records)} transcripts ({args.prompts} prompts x {args.samples} "
+        f"samples), {tokens} tokens ({prompt} of them prompt tokens)",
+        flush=True,
+    )
     times: dict[str, list[float]] = {"one at a time": [], "packed": []}
     reports, computed = {}, 0
     for _ in range(args.rounds):
@@ -107,9 +139,11 @@ def main(argv: list[str] | None = None) -> int:
             computed = packed.counts["computed"] or computed
             print(f"  {how:<14} {times[how][-1]:7.2f} s  {tokens / times[how][-1]:7.0f} tok/s", flush=True)
     one, many = (statistics.median(times[h]) for h in times)
-    print(f"median of {args.rounds}: one at a time {tokens / one:.0f} tok/s, packed {tokens / many:.0f} tok/s = "
-          f"{one / many:.2f}x; packed computed {computed} of {tokens} tokens; same values: "
-          f"{'yes' if reports['packed'] == reports['one at a time'] else 'NO'}")
+    print(
+        f"median of {args.rounds}: one at a time {tokens / one:.0f} tok/s, packed {tokens / many:.0f} tok/s = "
+        f"{one / many:.2f}x; packed computed {computed} of {tokens} tokens; same values: "
+        f"{'yes' if reports['packed'] == reports['one at a time'] else 'NO'}"
+    )
     return 0 if reports["packed"] == reports["one at a time"] else 1
 
 

@@ -74,8 +74,14 @@ def kv_bytes(engine: Engine, num_rows: int, context: int) -> float:
     return num_rows * context * engine.kv_cache.bytes_per_token
 
 
-def measure(loaded, engine_cfg: EngineConfig, batch_sizes: list[int], contexts: list[int], batch_context: int,
-            context_batches: list[int]) -> dict[str, Any]:
+def measure(
+    loaded,
+    engine_cfg: EngineConfig,
+    batch_sizes: list[int],
+    contexts: list[int],
+    batch_context: int,
+    context_batches: list[int],
+) -> dict[str, Any]:
     model = loaded.model
     bw = memory_bandwidth_gbs()
     sizes = sorted(set(batch_sizes) | set(context_batches))
@@ -87,8 +93,7 @@ def measure(loaded, engine_cfg: EngineConfig, batch_sizes: list[int], contexts: 
         except KernelUnavailable:
             pass
     rates = {m: max(torch_rates[m], native_rates.get(m, 0.0)) for m in sizes}
-    probe = Engine(loaded, EngineConfig(num_kv_blocks=1, max_num_seqs=1, max_num_batched_tokens=1),
-                   SamplingParams())
+    probe = Engine(loaded, EngineConfig(num_kv_blocks=1, max_num_seqs=1, max_num_batched_tokens=1), SamplingParams())
 
     passes = {}  # per batch: the faster kernel's GEMM pass
 
@@ -98,12 +103,20 @@ def measure(loaded, engine_cfg: EngineConfig, batch_sizes: list[int], contexts: 
         achieved, gemm_ms = decode_step_ms(loaded, engine_cfg, batch, context, gemm_pass=passes[batch])
         kv_ms = 1000 * kv_bytes(probe, batch, context) / (bw * 1e9)
         torch_gemm_ms = 1000 * step_gemm_flops(model, batch) / (torch_rates[batch] * 1e9)
-        return {"batch": batch, "context": context, "step_ms": achieved, "gemm_bound_ms": gemm_ms,
-                "gemm_gflops_alongside": step_gemm_flops(model, batch) / gemm_ms / 1e6,
-                "torch_gemm_bound_ms": torch_gemm_ms, "fraction_of_torch_gemm_roofline": torch_gemm_ms / achieved,
-                "kv_read_ms": kv_ms, "bound_ms": gemm_ms + kv_ms,
-                "fraction_of_gemm_roofline": gemm_ms / achieved, "fraction_of_bound": (gemm_ms + kv_ms) / achieved,
-                "tok_per_s": 1000 * batch / achieved}
+        return {
+            "batch": batch,
+            "context": context,
+            "step_ms": achieved,
+            "gemm_bound_ms": gemm_ms,
+            "gemm_gflops_alongside": step_gemm_flops(model, batch) / gemm_ms / 1e6,
+            "torch_gemm_bound_ms": torch_gemm_ms,
+            "fraction_of_torch_gemm_roofline": torch_gemm_ms / achieved,
+            "kv_read_ms": kv_ms,
+            "bound_ms": gemm_ms + kv_ms,
+            "fraction_of_gemm_roofline": gemm_ms / achieved,
+            "fraction_of_bound": (gemm_ms + kv_ms) / achieved,
+            "tok_per_s": 1000 * batch / achieved,
+        }
 
     return {
         "memory_read_gb_s": bw,

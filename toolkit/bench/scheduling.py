@@ -33,12 +33,22 @@ from toolkit.runs.session import record
 from toolkit.sampling.params import SamplingParams
 
 COLUMNS = {  # column -> (header, format)
-    "forwards_per_step": ("fwd/step", ".2f"), "step_s_mean": ("step ms", "ms"), "output_tok_per_s": ("tok/s", ".1f"),
-    "requests_per_s": ("req/s", ".2f"), "prompt_tok_per_s": ("prompt tok/s", ".0f"),
-    "ttft_p50_s": ("TTFT p50", "ms"), "ttft_p95_s": ("TTFT p95", "ms"), "tpot_p50_s": ("TPOT p50", "ms"),
-    "tpot_p95_s": ("TPOT p95", "ms"), "itl_p50_s": ("ITL p50", "ms"), "itl_p95_s": ("ITL p95", "ms"),
-    "itl_p99_s": ("ITL p99", "ms"), "queue_p95_s": ("queue p95", "ms"), "kv_utilization_max": ("KV max", ".0%"),
-    "max_step_tokens": ("max step tok", "d"), "steps": ("steps", "d"),
+    "forwards_per_step": ("fwd/step", ".2f"),
+    "step_s_mean": ("step ms", "ms"),
+    "output_tok_per_s": ("tok/s", ".1f"),
+    "requests_per_s": ("req/s", ".2f"),
+    "prompt_tok_per_s": ("prompt tok/s", ".0f"),
+    "ttft_p50_s": ("TTFT p50", "ms"),
+    "ttft_p95_s": ("TTFT p95", "ms"),
+    "tpot_p50_s": ("TPOT p50", "ms"),
+    "tpot_p95_s": ("TPOT p95", "ms"),
+    "itl_p50_s": ("ITL p50", "ms"),
+    "itl_p95_s": ("ITL p95", "ms"),
+    "itl_p99_s": ("ITL p99", "ms"),
+    "queue_p95_s": ("queue p95", "ms"),
+    "kv_utilization_max": ("KV max", ".0%"),
+    "max_step_tokens": ("max step tok", "d"),
+    "steps": ("steps", "d"),
 }
 
 
@@ -53,8 +63,14 @@ def run_scheduling(cfg: DictConfig, run_dir: Path) -> int:
         report = walkthrough(loaded, engine_cfg, s)
     else:
         report = compare_variants(loaded, engine_cfg, s, run_dir)
-    report.update({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": bench_machine(), "model": loaded.model_id,
-                   "experiment": s.get("title", "")})
+    report.update(
+        {
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "machine": bench_machine(),
+            "model": loaded.model_id,
+            "experiment": s.get("title", ""),
+        }
+    )
     (run_dir / "scheduling.json").write_text(json.dumps(report, indent=2))
     try:
         plot(report, s, run_dir / "scheduling.png")
@@ -65,6 +81,7 @@ def run_scheduling(cfg: DictConfig, run_dir: Path) -> int:
 
 
 # ------------------------------------------------------------------------------------------- variants
+
 
 def variants(s: dict[str, Any]) -> dict[str, dict[str, Any]]:
     base = dict(s.get("base") or {})
@@ -78,15 +95,21 @@ def variants(s: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def compare_variants(loaded, engine_cfg: EngineConfig, s: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    workload = make_workload(s.get("workload", "standard"), loaded.tokenizer, s.get("num_requests"),
-                             s.get("max_tokens"))
+    workload = make_workload(
+        s.get("workload", "standard"), loaded.tokenizer, s.get("num_requests"), s.get("max_tokens")
+    )
     rows, tokens = {}, {}
     every = variants(s)
     if s.get("warmup", True):  # the first variant measured otherwise pays the process's first forwards (~10%)
-        first = from_mapping(EngineConfig, {**dataclasses.asdict(engine_cfg), **next(iter(every.values()))},
-                             section="engine")
-        run_variant(loaded, first, [dataclasses.replace(r, max_tokens=min(r.max_tokens, 8), arrival_step=0)
-                                    for r in workload.requests[:8]], run_dir / "variants" / "_warmup")
+        first = from_mapping(
+            EngineConfig, {**dataclasses.asdict(engine_cfg), **next(iter(every.values()))}, section="engine"
+        )
+        run_variant(
+            loaded,
+            first,
+            [dataclasses.replace(r, max_tokens=min(r.max_tokens, 8), arrival_step=0) for r in workload.requests[:8]],
+            run_dir / "variants" / "_warmup",
+        )
     for name, overrides in every.items():
         cfg = from_mapping(EngineConfig, {**dataclasses.asdict(engine_cfg), **overrides}, section="engine")
         print(f"  {name} ...", end="", flush=True)
@@ -95,10 +118,17 @@ def compare_variants(loaded, engine_cfg: EngineConfig, s: dict[str, Any], run_di
         print(f" {rows[name]['wall_s']:.2f} s", flush=True)
     first = next(iter(tokens.values()))
     agree = all(t == first for t in tokens.values())
-    report = {"workload": {"name": workload.name, "description": workload.description,
-                           "requests": len(workload.requests),
-                           "prompt_tokens": sum(len(r.prompt_token_ids) for r in workload.requests)},
-              "engine_config": dataclasses.asdict(engine_cfg), "variants": rows, "greedy_tokens_agree": agree}
+    report = {
+        "workload": {
+            "name": workload.name,
+            "description": workload.description,
+            "requests": len(workload.requests),
+            "prompt_tokens": sum(len(r.prompt_token_ids) for r in workload.requests),
+        },
+        "engine_config": dataclasses.asdict(engine_cfg),
+        "variants": rows,
+        "greedy_tokens_agree": agree,
+    }
     print(format_table(report, s.get("columns") or list(COLUMNS)))
     if not agree:
         print("greedy tokens differ between variants (near ties in fp32: run with engine.batch_invariant=true)")
@@ -110,23 +140,40 @@ def run_variant(loaded, cfg: EngineConfig, requests, run_dir: Path) -> tuple[dic
     requests, steps.parquet, summary.json): the summary's figures and per-step ones, and each request's tokens."""
     engine = Engine(loaded, cfg, SamplingParams(temperature=0.0))
     for r in requests:
-        engine.add_request(prompt_token_ids=r.prompt_token_ids, request_id=r.id, arrival_step=r.arrival_step,
-                           sampling_params=SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True))
+        engine.add_request(
+            prompt_token_ids=r.prompt_token_ids,
+            request_id=r.id,
+            arrival_step=r.arrival_step,
+            sampling_params=SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True),
+        )
     recorded = record(engine, [r.id for r in requests], run_dir, {"engine": dataclasses.asdict(cfg)}, trace=False)
     outputs, steps = recorded.outputs, recorded.steps
-    row = {k: v for k, v in recorded.summary.items()
-           if k not in ("finish_reasons", "run_id", "model", "model_revision", "trace_rows")}
-    row.update({"forwards_per_step": sum(st["forwards"] for st in steps) / max(len(steps), 1),
-                "step_s_mean": sum(st["step_s"] for st in steps) / max(len(steps), 1),
-                "steps": len(steps), "max_step_tokens": max((st["decode_tokens"] + st["prefill_tokens"]
-                                                             for st in steps), default=0)})
+    row = {
+        k: v
+        for k, v in recorded.summary.items()
+        if k not in ("finish_reasons", "run_id", "model", "model_revision", "trace_rows")
+    }
+    row.update(
+        {
+            "forwards_per_step": sum(st["forwards"] for st in steps) / max(len(steps), 1),
+            "step_s_mean": sum(st["step_s"] for st in steps) / max(len(steps), 1),
+            "steps": len(steps),
+            "max_step_tokens": max((st["decode_tokens"] + st["prefill_tokens"] for st in steps), default=0),
+        }
+    )
     groups: dict[str, list] = {}
     for r, o in zip(requests, outputs):
         groups.setdefault(r.group, []).append(o.outputs[0].metrics)
     if len(groups) > 1:
-        row["groups"] = {g: {"requests": len(ms), "ttft_p50_s": percentile([m.ttft_s for m in ms], 50),
-                             "ttft_p95_s": percentile([m.ttft_s for m in ms], 95),
-                             "tpot_p95_s": percentile([m.tpot_s for m in ms], 95)} for g, ms in groups.items()}
+        row["groups"] = {
+            g: {
+                "requests": len(ms),
+                "ttft_p50_s": percentile([m.ttft_s for m in ms], 50),
+                "ttft_p95_s": percentile([m.ttft_s for m in ms], 95),
+                "tpot_p95_s": percentile([m.tpot_s for m in ms], 95),
+            }
+            for g, ms in groups.items()
+        }
     return row, {o.request_id: list(o.outputs[0].token_ids) for o in outputs}
 
 
@@ -149,8 +196,11 @@ def _cell(value: Any, fmt: str) -> str:
 def format_table(report: dict[str, Any], columns: list[str]) -> str:
     rows = report["variants"]
     groups = sorted({g for r in rows.values() for g in r.get("groups", {})})
-    head = ["variant"] + [COLUMNS[c][0] for c in columns] + [
-        f"{g} {k}" for g in groups for k in ("TTFT p50", "TTFT p95", "TPOT p95")]
+    head = (
+        ["variant"]
+        + [COLUMNS[c][0] for c in columns]
+        + [f"{g} {k}" for g in groups for k in ("TTFT p50", "TTFT p95", "TPOT p95")]
+    )
     body = []
     for name, r in rows.items():
         cells = [name] + [_cell(r.get(c), COLUMNS[c][1]) for c in columns]
@@ -159,23 +209,29 @@ def format_table(report: dict[str, Any], columns: list[str]) -> str:
             cells += [_cell(m.get(k), "ms") for k in ("ttft_p50_s", "ttft_p95_s", "tpot_p95_s")]
         body.append(cells)
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+
     def line(cells) -> str:
         return "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
     w = report["workload"]
-    out = [f"workload {w['name']}: {w['requests']} requests, {w['prompt_tokens']} prompt tokens (times in ms)",
-           line(head)] + [line(b) for b in body]
+    out = [
+        f"workload {w['name']}: {w['requests']} requests, {w['prompt_tokens']} prompt tokens (times in ms)",
+        line(head),
+    ] + [line(b) for b in body]
     return "\n".join(out)
 
 
 # ------------------------------------------------------------------------------------------- the walkthrough
+
 
 def walkthrough(loaded, engine_cfg: EngineConfig, s: dict[str, Any]) -> dict[str, Any]:
     """The continuous-batching post's example: requests (arrival step, prompt, max new tokens), max batch 4."""
     arrivals = s.get("arrivals") or [[0, "O Romeo, ", 17], [0, "To be or ", 22], [3, "KING HENRY:\n", 15]]
     max_batch = int(s.get("max_batch_size", 4))
     requests = [(int(a), loaded.tokenizer.encode(text, add_special_tokens=False), int(n)) for a, text, n in arrivals]
-    cfg = dataclasses.replace(engine_cfg, max_num_seqs=max_batch,
-                              max_num_batched_tokens=max(engine_cfg.max_num_batched_tokens, max_batch))
+    cfg = dataclasses.replace(
+        engine_cfg, max_num_seqs=max_batch, max_num_batched_tokens=max(engine_cfg.max_num_batched_tokens, max_batch)
+    )
     continuous = _walk(loaded, cfg, requests, static=False)
     static = _walk(loaded, cfg, requests, static=True)
     print("Continuous batching: which sequences ran each step, and their cache lengths after it")
@@ -184,13 +240,22 @@ def walkthrough(loaded, engine_cfg: EngineConfig, s: dict[str, Any]) -> dict[str
     print(f"\n{'':<12}{'request':>8}{'arrives':>8}{'admitted':>9}{'completed':>10}{'queue steps':>12}")
     for kind, run in (("continuous", continuous), ("static", static)):
         for r in run["requests"]:
-            print(f"{kind:<12}{r['id']:>8}{r['arrival_step']:>8}{r['admitted_step']:>9}{r['completed_step']:>10}"
-                  f"{r['admitted_step'] - r['arrival_step']:>12}")
-    print(f"steps: continuous {continuous['steps']}, static {static['steps']}; the post: completed at steps 15, 20, "
-          f"16 (it counts a prefill step apart from the decodes)")
+            print(
+                f"{kind:<12}{r['id']:>8}{r['arrival_step']:>8}{r['admitted_step']:>9}{r['completed_step']:>10}"
+                f"{r['admitted_step'] - r['arrival_step']:>12}"
+            )
+    print(
+        f"steps: continuous {continuous['steps']}, static {static['steps']}; the post: completed at steps 15, 20, "
+        f"16 (it counts a prefill step apart from the decodes)"
+    )
     agree = [r["tokens"] for r in continuous["requests"]] == [r["tokens"] for r in static["requests"]]
-    return {"continuous": continuous, "static": static, "greedy_tokens_agree": agree,
-            "arrivals": [[a, len(p), n] for a, p, n in requests], "max_batch_size": max_batch}
+    return {
+        "continuous": continuous,
+        "static": static,
+        "greedy_tokens_agree": agree,
+        "arrivals": [[a, len(p), n] for a, p, n in requests],
+        "max_batch_size": max_batch,
+    }
 
 
 def _walk(loaded, cfg: EngineConfig, requests, static: bool) -> dict[str, Any]:
@@ -200,8 +265,12 @@ def _walk(loaded, cfg: EngineConfig, requests, static: bool) -> dict[str, Any]:
 
     def add(i: int, step: int) -> None:
         _, prompt, n = requests[i]
-        engine.add_request(prompt_token_ids=prompt, request_id=str(i), arrival_step=step,
-                           sampling_params=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        engine.add_request(
+            prompt_token_ids=prompt,
+            request_id=str(i),
+            arrival_step=step,
+            sampling_params=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+        )
 
     pending = list(range(len(requests)))
     if not static:
@@ -223,18 +292,29 @@ def _walk(loaded, cfg: EngineConfig, requests, static: bool) -> dict[str, Any]:
             completed[engine.request_of(f)] = out.step
         cache = ", ".join(f"req {q.request_id}: {q.num_computed_tokens}" for q in engine.running_sequences())
         done = sorted(engine.request_of(f) for f in out.finished)
-        log.append(f"[step {out.step}] {out.num_prefill_tokens} prefill + {out.num_decode_tokens} decode tokens; "
-                   f"cache {{{cache}}}" + (f"; completed {', '.join('req ' + d for d in done)}" if done else ""))
+        log.append(
+            f"[step {out.step}] {out.num_prefill_tokens} prefill + {out.num_decode_tokens} decode tokens; "
+            f"cache {{{cache}}}" + (f"; completed {', '.join('req ' + d for d in done)}" if done else "")
+        )
     rows = []
     for i, (a, p, n) in enumerate(requests):
         (seq,) = engine.sequences(str(i))
-        rows.append({"id": i, "arrival_step": a, "prompt_tokens": len(p), "max_new_tokens": n,
-                     "admitted_step": seq.admitted_step, "completed_step": completed.get(str(i)),
-                     "tokens": list(seq.output_token_ids)})
+        rows.append(
+            {
+                "id": i,
+                "arrival_step": a,
+                "prompt_tokens": len(p),
+                "max_new_tokens": n,
+                "admitted_step": seq.admitted_step,
+                "completed_step": completed.get(str(i)),
+                "tokens": list(seq.output_token_ids),
+            }
+        )
     return {"requests": rows, "steps": engine.step_index, "log": log}
 
 
 # ------------------------------------------------------------------------------------------- the plot
+
 
 def plot(report: dict[str, Any], s: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
@@ -244,8 +324,14 @@ def plot(report: dict[str, Any], s: dict[str, Any], path: Path) -> None:
             for r in report[kind]["requests"]:
                 y = r["id"] + 0.2 * k
                 ax.plot([r["arrival_step"], r["admitted_step"]], [y, y], ":", color=color)
-                ax.plot([r["admitted_step"], r["completed_step"]], [y, y], "-", color=color, linewidth=4,
-                        label=kind if r["id"] == 0 else None)
+                ax.plot(
+                    [r["admitted_step"], r["completed_step"]],
+                    [y, y],
+                    "-",
+                    color=color,
+                    linewidth=4,
+                    label=kind if r["id"] == 0 else None,
+                )
         ax.set_xlabel("engine step (dotted: waiting; bar: admitted to completed)")
         ax.set_ylabel("request")
         ax.legend(fontsize=8)
@@ -270,8 +356,11 @@ def plot(report: dict[str, Any], s: dict[str, Any], path: Path) -> None:
             else:
                 ax.bar(list(others), [scale * (field(r, y) or 0) for r in others.values()])
                 ax.tick_params(axis="x", labelrotation=20)
-            ax.set_ylabel(COLUMNS.get(y.split(".")[-1], (y,))[0] + (f" ({y.split('.')[0]})" if "." in y else "")
-                          + (" (ms)" if scale == 1000 else ""))
+            ax.set_ylabel(
+                COLUMNS.get(y.split(".")[-1], (y,))[0]
+                + (f" ({y.split('.')[0]})" if "." in y else "")
+                + (" (ms)" if scale == 1000 else "")
+            )
         fig.suptitle(s.get("title") or report["workload"]["name"], fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

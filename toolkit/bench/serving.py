@@ -31,8 +31,9 @@ def _quantiles(values: Sequence[float]) -> dict[str, float | None]:
     return {f"p{q}": percentile(values, q) for q in (50, 95, 99)}
 
 
-def measure(llm, prompts: list[list[int]], max_tokens: int, clients: int, stagger_s: float, run_dir: Path
-            ) -> dict[str, Any]:
+def measure(
+    llm, prompts: list[list[int]], max_tokens: int, clients: int, stagger_s: float, run_dir: Path
+) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -42,10 +43,21 @@ def measure(llm, prompts: list[list[int]], max_tokens: int, clients: int, stagge
     engine = Engine(llm.loaded, llm.engine_cfg, llm.default_sampling)
     server = start_server(engine, run_dir / "serving_trace", {"model": {"name": llm.loaded.name}})
     try:
-        spec = {"url": server.url, "prompts": prompts, "max_tokens": max_tokens, "clients": clients,
-                "stagger_s": stagger_s, "model": llm.loaded.name}
-        done = subprocess.run([sys.executable, "-m", "toolkit.bench.serving"], input=json.dumps(spec), text=True,
-                              capture_output=True, timeout=3600)
+        spec = {
+            "url": server.url,
+            "prompts": prompts,
+            "max_tokens": max_tokens,
+            "clients": clients,
+            "stagger_s": stagger_s,
+            "model": llm.loaded.name,
+        }
+        done = subprocess.run(
+            [sys.executable, "-m", "toolkit.bench.serving"],
+            input=json.dumps(spec),
+            text=True,
+            capture_output=True,
+            timeout=3600,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"serving clients failed: {done.stderr.strip().splitlines()[-1:]}")
         seen = json.loads(done.stdout)
@@ -53,15 +65,28 @@ def measure(llm, prompts: list[list[int]], max_tokens: int, clients: int, stagge
         server.stop()
     http_tokens = sum(seen["tokens"])
     direct_tok_s, http_tok_s = tokens / direct_s, http_tokens / seen["wall_s"]
-    same = [o.outputs[0].text for o in outs] == seen["texts"] and [len(o.outputs[0].token_ids) for o in outs] == \
-        seen["tokens"]
+    same = [o.outputs[0].text for o in outs] == seen["texts"] and [len(o.outputs[0].token_ids) for o in outs] == seen[
+        "tokens"
+    ]
     return {
-        "clients": clients, "requests": len(prompts), "max_tokens": max_tokens, "stagger_s": stagger_s,
-        "llm_generate": {"wall_s": direct_s, "output_tokens": tokens, "output_tok_per_s": direct_tok_s,
-                         "requests_per_s": len(prompts) / direct_s},
-        "http": {"wall_s": seen["wall_s"], "output_tokens": http_tokens, "output_tok_per_s": http_tok_s,
-                 "requests_per_s": len(prompts) / seen["wall_s"], "ttft_s": _quantiles(seen["ttft_s"]),
-                 "tpot_s": _quantiles(seen["tpot_s"])},
+        "clients": clients,
+        "requests": len(prompts),
+        "max_tokens": max_tokens,
+        "stagger_s": stagger_s,
+        "llm_generate": {
+            "wall_s": direct_s,
+            "output_tokens": tokens,
+            "output_tok_per_s": direct_tok_s,
+            "requests_per_s": len(prompts) / direct_s,
+        },
+        "http": {
+            "wall_s": seen["wall_s"],
+            "output_tokens": http_tokens,
+            "output_tok_per_s": http_tok_s,
+            "requests_per_s": len(prompts) / seen["wall_s"],
+            "ttft_s": _quantiles(seen["ttft_s"]),
+            "tpot_s": _quantiles(seen["tpot_s"]),
+        },
         "http_overhead": 1 - http_tok_s / direct_tok_s,
         "same_outputs": same,  # the same text and token counts both ways
     }
@@ -84,8 +109,14 @@ async def _clients(spec: dict[str, Any]) -> dict[str, Any]:
         start = time.perf_counter()
         first = last = None
         stream = await client.completions.create(
-            model=spec["model"], prompt=prompts[i], max_tokens=spec["max_tokens"], temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model=spec["model"],
+            prompt=prompts[i],
+            max_tokens=spec["max_tokens"],
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.choices and chunk.choices[0].text:
@@ -105,8 +136,13 @@ async def _clients(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(k) for k in range(spec["clients"])))
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "tokens": tokens, "ttft_s": ttft, "tpot_s": [t for t in tpot if t is not None],
-            "texts": texts}
+    return {
+        "wall_s": wall,
+        "tokens": tokens,
+        "ttft_s": ttft,
+        "tpot_s": [t for t in tpot if t is not None],
+        "texts": texts,
+    }
 
 
 if __name__ == "__main__":  # the client process: a spec on stdin, what the clients saw on stdout

@@ -56,12 +56,17 @@ class SystemResult:
     def summary(self) -> dict[str, Any]:
         ttft, tpot = list(self.ttft_s.values()), list(self.tpot_s.values())
         return {
-            "requests": len(self.tokens), "output_tokens": self.output_tokens, "wall_s": self.wall_s,
+            "requests": len(self.tokens),
+            "output_tokens": self.output_tokens,
+            "wall_s": self.wall_s,
             "output_tok_per_s": self.output_tokens / self.wall_s,
             "total_tok_per_s": (self.output_tokens + self.prompt_tokens) / self.wall_s,
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
-            "tpot_p50_s": percentile(tpot, 50), "tpot_p95_s": percentile(tpot, 95),
-            "peak_rss_mb": self.peak_rss_mb, **self.extra,
+            "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p95_s": percentile(ttft, 95),
+            "tpot_p50_s": percentile(tpot, 50),
+            "tpot_p95_s": percentile(tpot, 95),
+            "peak_rss_mb": self.peak_rss_mb,
+            **self.extra,
         }
 
 
@@ -89,18 +94,26 @@ def rss_monitor(interval_s: float = 0.05):
 # --------------------------------------------------------------------------- ours
 
 
-def run_engine(loaded, engine_cfg: EngineConfig, requests: list[BenchRequest], trace_dir: Path | None = None,
-               name: str = "engine", speculative: SpeculativeConfig | None = None,
-               sampling: dict[str, Any] | None = None) -> SystemResult:
+def run_engine(
+    loaded,
+    engine_cfg: EngineConfig,
+    requests: list[BenchRequest],
+    trace_dir: Path | None = None,
+    name: str = "engine",
+    speculative: SpeculativeConfig | None = None,
+    sampling: dict[str, Any] | None = None,
+) -> SystemResult:
     """The requests through our engine: greedy, or with the `sampling` fields given (every request
     still makes its max_tokens, ignore_eos, so sampled and greedy runs do the same work)."""
     fields = {"temperature": 0.0, **(sampling or {})}
     engine = Engine(loaded, engine_cfg, SamplingParams(temperature=0.0), speculative)
     for r in requests:
-        params = from_mapping(SamplingParams, {**fields, "max_tokens": r.max_tokens, "ignore_eos": True},
-                              section="bench.sampled_variants")
-        engine.add_request(prompt_token_ids=r.prompt_token_ids, request_id=r.id, arrival_step=r.arrival_step,
-                           sampling_params=params)
+        params = from_mapping(
+            SamplingParams, {**fields, "max_tokens": r.max_tokens, "ignore_eos": True}, section="bench.sampled_variants"
+        )
+        engine.add_request(
+            prompt_token_ids=r.prompt_token_ids, request_id=r.id, arrival_step=r.arrival_step, sampling_params=params
+        )
     writer = TraceWriter(trace_dir, new_run_id()) if trace_dir is not None else None
     step_log = []
     itl = InterTokenLatency()
@@ -112,8 +125,15 @@ def run_engine(loaded, engine_cfg: EngineConfig, requests: list[BenchRequest], t
             if writer is not None:
                 writer.write_output(out)
             if out.batch_size:
-                step_log.append((out.batch_size, out.num_decode_tokens, out.num_prefill_tokens,
-                                 time.perf_counter() - t, out.forward_s))
+                step_log.append(
+                    (
+                        out.batch_size,
+                        out.num_decode_tokens,
+                        out.num_prefill_tokens,
+                        time.perf_counter() - t,
+                        out.forward_s,
+                    )
+                )
         end = engine.last_finish_time
         if writer is not None:
             writer.close()  # the trace is part of the job: generation ends when it is on disk
@@ -130,18 +150,27 @@ def run_engine(loaded, engine_cfg: EngineConfig, requests: list[BenchRequest], t
         if m.tpot_s is not None:
             result.tpot_s[r.id] = m.tpot_s
     pool = engine.stats()
-    result.extra = {"steps": engine.step_index, "traced": writer is not None,
-                    "itl_p50_s": percentile(itl.values, 50), "itl_p95_s": percentile(itl.values, 95),
-                    "itl_p99_s": percentile(itl.values, 99), "queue_p50_s": percentile(queues, 50),
-                    "queue_p95_s": percentile(queues, 95), "requests_per_s": len(requests) / wall if wall > 0 else None,
-                    "prompt_tok_per_s": sum(len(r.prompt_token_ids) for r in requests) / wall if wall > 0 else None,
-                    "scheduler_policy": engine_cfg.scheduler_policy,
-                    **({"trace_engine_thread_s": writer.engine_thread_s, "trace_worker_cpu_s": writer.worker_cpu_s}
-                       if writer is not None else {}),
-                    "attention_backend": engine.attention_backend,
-                    "preemptions": pool.preemptions,
-                    "prefix_cache_hit_rate": pool.prefix_hits / pool.prefix_queries if pool.prefix_queries else None,
-                    **(engine.speculator.stats.summary() if engine.speculator is not None else {})}
+    result.extra = {
+        "steps": engine.step_index,
+        "traced": writer is not None,
+        "itl_p50_s": percentile(itl.values, 50),
+        "itl_p95_s": percentile(itl.values, 95),
+        "itl_p99_s": percentile(itl.values, 99),
+        "queue_p50_s": percentile(queues, 50),
+        "queue_p95_s": percentile(queues, 95),
+        "requests_per_s": len(requests) / wall if wall > 0 else None,
+        "prompt_tok_per_s": sum(len(r.prompt_token_ids) for r in requests) / wall if wall > 0 else None,
+        "scheduler_policy": engine_cfg.scheduler_policy,
+        **(
+            {"trace_engine_thread_s": writer.engine_thread_s, "trace_worker_cpu_s": writer.worker_cpu_s}
+            if writer is not None
+            else {}
+        ),
+        "attention_backend": engine.attention_backend,
+        "preemptions": pool.preemptions,
+        "prefix_cache_hit_rate": pool.prefix_hits / pool.prefix_queries if pool.prefix_queries else None,
+        **(engine.speculator.stats.summary() if engine.speculator is not None else {}),
+    }
     result.extra.update(_host_work(step_log))
     return result
 
@@ -152,9 +181,12 @@ def _host_work(step_log: list[tuple[int, int, int, float, float]]) -> dict[str, 
     decode = [(batch, step_s, forward_s) for batch, _, prefill, step_s, forward_s in step_log if prefill == 0]
     if not decode:
         return {}
-    return {"decode_steps": len(decode), "decode_batch_p50": percentile([b for b, _, _ in decode], 50),
-            "decode_step_p50_s": percentile([s for _, s, _ in decode], 50),
-            "decode_host_fraction_p50": percentile([1 - f / s for _, s, f in decode], 50)}
+    return {
+        "decode_steps": len(decode),
+        "decode_batch_p50": percentile([b for b, _, _ in decode], 50),
+        "decode_step_p50_s": percentile([s for _, s, _ in decode], 50),
+        "decode_host_fraction_p50": percentile([1 - f / s for _, s, f in decode], 50),
+    }
 
 
 # --------------------------------------------------------------------------- HF transformers
@@ -188,18 +220,25 @@ def run_hf_static(model, requests: list[BenchRequest], batch_size: int, pad_id: 
     with rss_monitor() as rss:
         start = time.perf_counter()
         for s in range(0, len(requests), batch_size):
-            batch = requests[s:s + batch_size]
+            batch = requests[s : s + batch_size]
             width = max(len(r.prompt_token_ids) for r in batch)
             ids = torch.tensor([[pad_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
-            mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
-                                 for r in batch])
+            mask = torch.tensor(
+                [[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch]
+            )
             clock = StepClock()
             with torch.inference_mode():
-                out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, eos_token_id=None,
-                                     pad_token_id=pad_id, max_new_tokens=max(r.max_tokens for r in batch),
-                                     logits_processor=LogitsProcessorList([clock]))
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=pad_id,
+                    max_new_tokens=max(r.max_tokens for r in batch),
+                    logits_processor=LogitsProcessorList([clock]),
+                )
             for row, r in enumerate(batch):
-                result.tokens[r.id] = out[row, width:width + r.max_tokens].tolist()
+                result.tokens[r.id] = out[row, width : width + r.max_tokens].tolist()
                 times = clock.times[: r.max_tokens]
                 result.add_times(r.id, start, times)  # every request arrived at the start
         result.wall_s = time.perf_counter() - start
@@ -215,12 +254,14 @@ def run_hf_cb(model, requests: list[BenchRequest]) -> SystemResult:
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=256)
     result = SystemResult("hf_cb", {}, 0.0, sum(len(r.prompt_token_ids) for r in requests))
     with rss_monitor() as rss:
-        with model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=5,
-                                                       warmup=False) as manager:
+        with model.continuous_batching_context_manager(
+            generation_config=gen, block=True, timeout=5, warmup=False
+        ) as manager:
             start = time.perf_counter()
             for r in requests:
-                manager.add_request(r.prompt_token_ids, request_id=r.id, max_new_tokens=r.max_tokens,
-                                    record_timestamps=True)
+                manager.add_request(
+                    r.prompt_token_ids, request_id=r.id, max_new_tokens=r.max_tokens, record_timestamps=True
+                )
             done = 0
             while done < len(requests):
                 out = manager.get_result(timeout=1)
@@ -250,7 +291,7 @@ def run_naive(model, requests: list[BenchRequest]) -> SystemResult:
                     logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
                 ids.append(int(torch.argmax(logits)))
                 times.append(time.perf_counter())
-            result.tokens[r.id] = ids[len(r.prompt_token_ids):]
+            result.tokens[r.id] = ids[len(r.prompt_token_ids) :]
             result.add_times(r.id, start, times)
         result.wall_s = time.perf_counter() - start
     result.peak_rss_mb = rss["peak_mb"]

@@ -18,8 +18,10 @@ from typing import Any
 
 from toolkit.sampling.stop import StopState, update_text
 
-_WORDS = ("the of and to in model token cache data return def class ( ) { } [ ] : , . \n 日本語 の テキスト "
-          "καλημέρα κόσμε émigré naïve café Übergröße 🤖 🚀 ✓ → ½").split(" ")
+_WORDS = (
+    "the of and to in model token cache data return def class ( ) { } [ ] : , . \n 日本語 の テキスト "
+    "καλημέρα κόσμε émigré naïve café Übergröße 🤖 🚀 ✓ → ½"
+).split(" ")
 STOPS = ("</answer>", "\n\nUser:", "STOP HERE")
 
 
@@ -57,5 +59,10 @@ def measure(loaded, tokens: int = 4096, window: int = 256, repeats: int = 3) -> 
         start, end = statistics.median(t[:window]), statistics.median(t[-window:])
         runs.append({"start_us": start, "end_us": end, "end_over_start": end / start, "same_text": text == whole})
     ratios = [r["end_over_start"] for r in runs]
-    return {"tokens": len(ids), "window": window, "runs": runs, "same_text": all(r["same_text"] for r in runs),
-            "end_over_start_range": [min(ratios), max(ratios)]}
+    return {
+        "tokens": len(ids),
+        "window": window,
+        "runs": runs,
+        "same_text": all(r["same_text"] for r in runs),
+        "end_over_start_range": [min(ratios), max(ratios)],
+    }

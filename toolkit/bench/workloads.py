@@ -63,15 +63,27 @@ def long_prompt(tokenizer, num_requests: int = 24, max_tokens: int = 128, seed: 
     rnd = random.Random(seed)
     corpus = _corpus_ids(tokenizer)
     num_long = max(1, num_requests // 3)
-    reqs = [BenchRequest(f"dec-{i}", tokenizer.apply_chat_template([{"role": "user", "content": rnd.choice(
-        CHAT_QUESTIONS)}]), max_tokens, arrival_step=0, group="decode") for i in range(num_requests - num_long)]
+    reqs = [
+        BenchRequest(
+            f"dec-{i}",
+            tokenizer.apply_chat_template([{"role": "user", "content": rnd.choice(CHAT_QUESTIONS)}]),
+            max_tokens,
+            arrival_step=0,
+            group="decode",
+        )
+        for i in range(num_requests - num_long)
+    ]
     for j in range(num_long):
         ids = _prompt_of_length(tokenizer, corpus, 2000, "Summarize the following text.", 97 * j)
         reqs.append(BenchRequest(f"long-{j}", ids, 16, arrival_step=4 + 2 * j, group="long"))
     # budget 32 = 16 decodes + 16 prompt tokens per step: measured 1.46x TPOT p95 (budget 64: 2.90x)
-    return Workload("long_prompt", reqs, engine_overrides={"max_num_batched_tokens": 32, "max_num_seqs": 24},
-                    baseline_groups=("decode",),
-                    description="16 decodes + 8 prompts of 2,000 tokens arriving while they run (budget 32)")
+    return Workload(
+        "long_prompt",
+        reqs,
+        engine_overrides={"max_num_batched_tokens": 32, "max_num_seqs": 24},
+        baseline_groups=("decode",),
+        description="16 decodes + 8 prompts of 2,000 tokens arriving while they run (budget 32)",
+    )
 
 
 def shared_prefix(tokenizer, num_requests: int = 64, max_tokens: int = 64, seed: int = 0) -> Workload:
@@ -81,8 +93,12 @@ def shared_prefix(tokenizer, num_requests: int = 64, max_tokens: int = 64, seed:
     document = tokenizer.decode(corpus[:400])
     reqs = []
     for i in range(num_requests):
-        ids = tokenizer.apply_chat_template([{"role": "system", "content": "Answer using this document.\n\n" + document},
-                                             {"role": "user", "content": rnd.choice(CHAT_QUESTIONS)}])
+        ids = tokenizer.apply_chat_template(
+            [
+                {"role": "system", "content": "Answer using this document.\n\n" + document},
+                {"role": "user", "content": rnd.choice(CHAT_QUESTIONS)},
+            ]
+        )
         reqs.append(BenchRequest(f"sp-{i}", ids, rnd.randint(min(16, max_tokens), max_tokens), arrival_step=i // 2))
     return Workload("shared_prefix", reqs, description="64 requests sharing a ~420-token system prompt")
 
@@ -93,8 +109,9 @@ def copy_heavy(tokenizer, num_requests: int = 16, max_tokens: int = 128, seed: i
     reqs = []
     for i in range(num_requests):
         text = texts[i % len(texts)]
-        ids = tokenizer.apply_chat_template([{"role": "user", "content":
-                                              "Repeat the following passage exactly, word for word:\n\n" + text}])
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Repeat the following passage exactly, word for word:\n\n" + text}]
+        )
         reqs.append(BenchRequest(f"copy-{i}", ids, max_tokens, arrival_step=i))
     return Workload("copy_heavy", reqs, description="quote a passage back (for speculative decoding)")
 
@@ -105,22 +122,39 @@ def long_among_short(tokenizer, num_requests: int = 18, max_tokens: int = 64, se
     rnd = random.Random(seed)
     corpus = _corpus_ids(tokenizer)
     num_short = max(1, num_requests - 2)
-    reqs = [BenchRequest(f"short-{i}", tokenizer.apply_chat_template([{"role": "user", "content": rnd.choice(
-        CHAT_QUESTIONS)}]), max_tokens, arrival_step=i, group="short") for i in range(num_short)]
+    reqs = [
+        BenchRequest(
+            f"short-{i}",
+            tokenizer.apply_chat_template([{"role": "user", "content": rnd.choice(CHAT_QUESTIONS)}]),
+            max_tokens,
+            arrival_step=i,
+            group="short",
+        )
+        for i in range(num_short)
+    ]
     for j in range(min(2, num_requests - num_short)):
         ids = _prompt_of_length(tokenizer, corpus, 2000, "Summarize the following text.", 131 * j)
         reqs.append(BenchRequest(f"long-{j}", ids, 16, arrival_step=2 + 6 * j, group="long"))
-    return Workload("long_among_short", sorted(reqs, key=lambda r: r.arrival_step),
-                    description=f"{num_short} short chat requests (one a step) + 2 prompts of ~2,000 tokens "
-                                f"arriving at steps 2 and 8")
+    return Workload(
+        "long_among_short",
+        sorted(reqs, key=lambda r: r.arrival_step),
+        description=f"{num_short} short chat requests (one a step) + 2 prompts of ~2,000 tokens "
+        f"arriving at steps 2 and 8",
+    )
 
 
-WORKLOADS = {"standard": standard, "long_prompt": long_prompt, "shared_prefix": shared_prefix,
-             "copy_heavy": copy_heavy, "long_among_short": long_among_short}
+WORKLOADS = {
+    "standard": standard,
+    "long_prompt": long_prompt,
+    "shared_prefix": shared_prefix,
+    "copy_heavy": copy_heavy,
+    "long_among_short": long_among_short,
+}
 
 
-def make_workload(name: str, tokenizer, num_requests: int | None = None, max_tokens: int | None = None,
-                  seed: int = 0) -> Workload:
+def make_workload(
+    name: str, tokenizer, num_requests: int | None = None, max_tokens: int | None = None, seed: int = 0
+) -> Workload:
     if name not in WORKLOADS:
         raise ConfigError(f"unknown bench.workload {name!r}; known: {', '.join(WORKLOADS)}")
     kwargs = {"seed": seed}

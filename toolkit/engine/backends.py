@@ -42,8 +42,10 @@ def attention_backend(cfg: EngineConfig, loaded: LoadedModel) -> str:
     sdpa path (one warning line on stderr when the kernels do not build: toolkit.native.library.native)."""
     wanted = cfg.attention_backend
     if wanted == "flex" and cfg.kv_cache_dtype != "auto":
-        raise ConfigError(f"engine.attention_backend=flex reads the cache as stored; use engine.kv_cache_dtype=auto "
-                          f"or attention_backend=sdpa with kv_cache_dtype={cfg.kv_cache_dtype}")
+        raise ConfigError(
+            f"engine.attention_backend=flex reads the cache as stored; use engine.kv_cache_dtype=auto "
+            f"or attention_backend=sdpa with kv_cache_dtype={cfg.kv_cache_dtype}"
+        )
     if wanted in ("sdpa", "flex"):
         return wanted
     problem = None
@@ -66,15 +68,18 @@ def attention_backend(cfg: EngineConfig, loaded: LoadedModel) -> str:
             # a cache other than fp32 (8-bit, or 16-bit: kv_cache_dtype=bf16 or a bf16 / fp16 model's) takes
             # the kernel's vector path only
             vector_only = cfg.kv_cache_dtype != "auto" or loaded.model.embed.dtype != torch.float32
-            if not lib.attention_supports(arch.num_heads, arch.num_kv_heads, arch.head_dim, cfg.block_size,
-                                          vector_only):
-                problem = (f"the native kernel reads an 8- or 16-bit cache at head_dim 64 or 128 with <= 32 heads, "
-                           f"not engine.kv_cache_dtype={cfg.kv_cache_dtype} at head_dim {arch.head_dim} with "
-                           f"{arch.num_heads} heads (a {str(loaded.model.embed.dtype).removeprefix('torch.')} model)"
-                           if vector_only else
-                           f"the native kernel takes head_dim <= 256, <= 32 query heads per KV head and "
-                           f"engine.block_size <= 64, not head_dim {arch.head_dim}, {arch.num_heads} heads over "
-                           f"{arch.num_kv_heads} KV heads, block_size {cfg.block_size}")
+            if not lib.attention_supports(
+                arch.num_heads, arch.num_kv_heads, arch.head_dim, cfg.block_size, vector_only
+            ):
+                problem = (
+                    f"the native kernel reads an 8- or 16-bit cache at head_dim 64 or 128 with <= 32 heads, "
+                    f"not engine.kv_cache_dtype={cfg.kv_cache_dtype} at head_dim {arch.head_dim} with "
+                    f"{arch.num_heads} heads (a {str(loaded.model.embed.dtype).removeprefix('torch.')} model)"
+                    if vector_only
+                    else f"the native kernel takes head_dim <= 256, <= 32 query heads per KV head and "
+                    f"engine.block_size <= 64, not head_dim {arch.head_dim}, {arch.num_heads} heads over "
+                    f"{arch.num_kv_heads} KV heads, block_size {cfg.block_size}"
+                )
     return _native_or_fallback(cfg, "attention_backend", wanted, ("kernel", "sdpa"), problem)
 
 
@@ -85,8 +90,10 @@ def gpu_kernel_problem(cfg: EngineConfig, arch) -> str | None:
     if cfg.kv_cache_dtype not in ("auto", "bf16"):
         return f"the GPU kernel reads a 16- or 32-bit cache, not engine.kv_cache_dtype={cfg.kv_cache_dtype}"
     if not invariant_gpu.supports_attention(arch.head_dim, arch.num_heads // arch.num_kv_heads):
-        return (f"the GPU kernel takes a power-of-two head_dim up to 256 and up to 16 query heads a KV head, not "
-                f"head_dim {arch.head_dim} with {arch.num_heads // arch.num_kv_heads}")
+        return (
+            f"the GPU kernel takes a power-of-two head_dim up to 256 and up to 16 query heads a KV head, not "
+            f"head_dim {arch.head_dim} with {arch.num_heads // arch.num_kv_heads}"
+        )
     return None
 
 
@@ -95,8 +102,10 @@ def graph_mode(cfg: EngineConfig, attention: str) -> str:
     (cuda_graphs=eager: the buckets without capture) or "off" (cuda_graphs=off, auto elsewhere, and FlexAttention,
     whose block masks the runner builds per step)."""
     if attention == "flex" and cfg.cuda_graphs == "eager":
-        raise ConfigError("engine.cuda_graphs=eager runs the sdpa or kernel attention; attention_backend=flex "
-                          "builds its block masks per step: use cuda_graphs=off or auto")
+        raise ConfigError(
+            "engine.cuda_graphs=eager runs the sdpa or kernel attention; attention_backend=flex "
+            "builds its block masks per step: use cuda_graphs=off or auto"
+        )
     if attention == "flex" or cfg.cuda_graphs == "off":
         return "off"
     if cfg.cuda_graphs == "eager":
@@ -128,8 +137,9 @@ def matmul_backend(cfg: EngineConfig, loaded: LoadedModel) -> str:
     return _native_or_fallback(cfg, "matmul_backend", wanted, ("native", "torch"), problem)
 
 
-def _native_or_fallback(cfg: EngineConfig, option: str, wanted: str, names: tuple[str, str],
-                        problem: str | None) -> str:
+def _native_or_fallback(
+    cfg: EngineConfig, option: str, wanted: str, names: tuple[str, str], problem: str | None
+) -> str:
     """The native choice where nothing stands in its way; else the torch one, unless the native one was
     asked for (engine.<option>, or batch_invariant, which needs it): then a one-line error with the cause."""
     native_name, fallback = names
@@ -142,20 +152,29 @@ def _native_or_fallback(cfg: EngineConfig, option: str, wanted: str, names: tupl
     return fallback
 
 
-def kv_pool(cfg: EngineConfig, loaded: LoadedModel, max_model_len: int, scratch: bool
-            ) -> tuple[PagedKVCache, int, int]:
+def kv_pool(cfg: EngineConfig, loaded: LoadedModel, max_model_len: int, scratch: bool) -> tuple[PagedKVCache, int, int]:
     """The engine's KV cache, its number of usable blocks (engine.num_kv_blocks, or what
     engine.kv_cache_memory_gb holds) and of host blocks (swap preemption); with `scratch`, one block more that
     padded rows of a CUDA graph write to. A per-tensor quantised cache is calibrated here."""
     layers, kv_heads, head_dim = loaded.model.kv_shape
     dtype = loaded.model.embed.dtype
-    block_bytes = PagedKVCache.block_bytes(layers, cfg.block_size, kv_heads, head_dim, dtype, cfg.kv_cache_dtype,
-                                           cfg.kv_scale_granularity)
+    block_bytes = PagedKVCache.block_bytes(
+        layers, cfg.block_size, kv_heads, head_dim, dtype, cfg.kv_cache_dtype, cfg.kv_scale_granularity
+    )
     num_blocks = cfg.num_kv_blocks or auto_num_blocks(cfg, max_model_len, block_bytes)
     num_host_blocks = int(cfg.swap_space_gb * 2**30 // block_bytes) if cfg.preemption_mode == "swap" else 0
-    kv_cache = PagedKVCache(layers, num_blocks + scratch, cfg.block_size, kv_heads, head_dim, dtype=dtype,
-                            device=torch.device(cfg.device), num_host_blocks=num_host_blocks,
-                            kv_dtype=cfg.kv_cache_dtype, granularity=cfg.kv_scale_granularity)
+    kv_cache = PagedKVCache(
+        layers,
+        num_blocks + scratch,
+        cfg.block_size,
+        kv_heads,
+        head_dim,
+        dtype=dtype,
+        device=torch.device(cfg.device),
+        num_host_blocks=num_host_blocks,
+        kv_dtype=cfg.kv_cache_dtype,
+        granularity=cfg.kv_scale_granularity,
+    )
     if kv_cache.granularity == "tensor":
         calibrate_kv_scales(kv_cache, loaded, cfg, max_model_len)
     return kv_cache, num_blocks, num_host_blocks
@@ -173,14 +192,19 @@ def calibrate_kv_scales(kv_cache: PagedKVCache, loaded: LoadedModel, cfg: Engine
     """Static per-tensor KV scales from one prefill of a fixed calibration text in full precision
     (the built-in passages, or fixed ids without a tokenizer): the same scales on every run."""
     length = min(512, max_model_len)
-    ids = loaded.tokenizer.encode(" ".join(passages()), add_special_tokens=False)[:length] if loaded.tokenizer \
+    ids = (
+        loaded.tokenizer.encode(" ".join(passages()), add_special_tokens=False)[:length]
+        if loaded.tokenizer
         else [(7 * i + 3) % loaded.arch.vocab_size for i in range(length)]
+    )
     layers, kv_heads, head_dim = loaded.model.kv_shape
     blocks = -(-len(ids) // cfg.block_size)
-    probe = PagedKVCache(layers, blocks, cfg.block_size, kv_heads, head_dim, loaded.model.embed.dtype,
-                         torch.device(cfg.device))
+    probe = PagedKVCache(
+        layers, blocks, cfg.block_size, kv_heads, head_dim, loaded.model.embed.dtype, torch.device(cfg.device)
+    )
     chunk = ScheduledChunk("calibration", tuple(ids), 0, tuple(range(blocks)), samples=True, num_logits=1)
     ModelRunner(loaded.model, probe, torch.device(cfg.device), "sdpa").run(
-        ScheduledBatch(step=0, chunks=(chunk,), num_decode_tokens=0, num_prefill_tokens=len(ids)))
+        ScheduledBatch(step=0, chunks=(chunk,), num_decode_tokens=0, num_prefill_tokens=len(ids))
+    )
     used = [(k.flatten(0, 1)[: len(ids)], v.flatten(0, 1)[: len(ids)]) for k, v in probe.layers]
     kv_cache.calibrate(used, FORMATS[cfg.kv_cache_dtype][1])

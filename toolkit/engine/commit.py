@@ -36,9 +36,16 @@ class Committed:
 
 
 class Committer:
-    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...], max_model_len: int,
-                 grammar: Callable[[], GrammarBackend], scheduler: Scheduler, block_manager: BlockManager,
-                 speculator: Speculator | None):
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        grammar: Callable[[], GrammarBackend],
+        scheduler: Scheduler,
+        block_manager: BlockManager,
+        speculator: Speculator | None,
+    ):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -55,8 +62,14 @@ class Committer:
             if mode == "recompute" and seq.grammar is not None:
                 seq.grammar = self.grammar().matcher(seq.sampling.structured_outputs, seq.output_token_ids)
 
-    def commit(self, batch: ScheduledBatch, decision: Decision, proposals: Mapping[str, Proposal],
-               requests: Mapping[str, Sequence], start_time: float) -> Committed:
+    def commit(
+        self,
+        batch: ScheduledBatch,
+        decision: Decision,
+        proposals: Mapping[str, Proposal],
+        requests: Mapping[str, Sequence],
+        start_time: float,
+    ) -> Committed:
         step = batch.step
         for chunk in batch.chunks:
             requests[chunk.seq_id].num_computed_tokens = chunk.context_len
@@ -78,16 +91,17 @@ class Committer:
                     if seq.seq_id in forked and not delta.finished:
                         self.scheduler.adopt(seq)
                     deltas.append(delta)
-                    traces.append(self.trace_row(seq, e, position, batch, delta.finished, decision.grammar_allowed,
-                                                 start_time))
+                    traces.append(
+                        self.trace_row(seq, e, position, batch, delta.finished, decision.grammar_allowed, start_time)
+                    )
                     if delta.finished:
                         finished.append(seq.seq_id)
                         break
             except Exception as exc:  # noqa: BLE001 - this sequence's commit raised (its tokenizer's decode, its
                 # grammar's accept): it alone ends, without the token it could not commit; its batch-mates go on
                 message = f"committing its token failed: {one_line(exc)}"
-                del seq.token_ids[max(position, seq.num_prompt_tokens):]  # the token, its delta and row dropped
-                del deltas[marks[0]:], traces[marks[1]:], finished[marks[2]:]
+                del seq.token_ids[max(position, seq.num_prompt_tokens) :]  # the token, its delta and row dropped
+                del deltas[marks[0] :], traces[marks[1] :], finished[marks[2] :]
                 seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
                 deltas.append(self.fail(seq, message))
                 finished.append(seq.seq_id)
@@ -102,8 +116,12 @@ class Committer:
         for chunk in batch.chunks:
             seq = requests[chunk.seq_id]
             self.block_manager.commit_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-        return Committed(tuple(traces), tuple(d for d in deltas if d.text or d.token_ids or d.finished),
-                         tuple(finished), tuple(failed))
+        return Committed(
+            tuple(traces),
+            tuple(d for d in deltas if d.text or d.token_ids or d.finished),
+            tuple(finished),
+            tuple(failed),
+        )
 
     def commit_row(self, seq: Sequence, token: int, error: str | None) -> TextDelta:
         """One sampling result into its sequence: token, grammar, text, stop conditions."""
@@ -139,18 +157,30 @@ class Committer:
             stop = (FinishReason.LENGTH, "max_model_len", None)
         if stop is not None:
             self.finish(seq, stop[0], stop[1], stop[2], now)
-        return TextDelta(seq.request_id, seq.stream, update.delta, (token,), stop is not None,
-                         seq.finish_reason.value if stop is not None else None)
+        return TextDelta(
+            seq.request_id,
+            seq.stream,
+            update.delta,
+            (token,),
+            stop is not None,
+            seq.finish_reason.value if stop is not None else None,
+        )
 
     def text(self, seq: Sequence, *, final: bool) -> TextUpdate:
         """Advance the sequence's text and stop-string matcher (no text without a tokenizer)."""
         if self.tokenizer is None:
             return TextUpdate(delta="", stop_string=None)
         p = seq.sampling
-        return update_text(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens),
-                           seq.token_ids, p.stop, seq.stop_state,
-                           check_stops=seq.num_output_tokens >= p.min_tokens,
-                           include_stop=p.include_stop_str_in_output, final=final, first=seq.num_prompt_tokens)
+        return update_text(
+            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens),
+            seq.token_ids,
+            p.stop,
+            seq.stop_state,
+            check_stops=seq.num_output_tokens >= p.min_tokens,
+            include_stop=p.include_stop_str_in_output,
+            final=final,
+            first=seq.num_prompt_tokens,
+        )
 
     def finish(self, seq: Sequence, reason: FinishReason, detail: str, stop_reason, now: float) -> None:
         if self.speculator is not None:
@@ -161,8 +191,13 @@ class Committer:
         self.last_finish_time = now
         self.scheduler.finish(seq)
 
-    def fail_requests(self, failed: Mapping[str, str], committed: Committed, requests: Mapping[str, Sequence],
-                      groups: Mapping[str, list[str]]) -> Committed:
+    def fail_requests(
+        self,
+        failed: Mapping[str, str],
+        committed: Committed,
+        requests: Mapping[str, Sequence],
+        groups: Mapping[str, list[str]],
+    ) -> Committed:
         """End every sequence of the `failed` requests (request id -> why; toolkit.engine.isolate found them)
         after the step's commit: their deltas, finished ids and reasons join the step's."""
         deltas, finished = [], []
@@ -172,8 +207,12 @@ class Committer:
                 if not requests[seq_id].is_finished:
                     deltas.append(self.fail(requests[seq_id], message))
                     finished.append(seq_id)
-        return Committed(committed.traces, committed.deltas + tuple(deltas), committed.finished + tuple(finished),
-                         committed.failed + tuple(failed.items()))
+        return Committed(
+            committed.traces,
+            committed.deltas + tuple(deltas),
+            committed.finished + tuple(finished),
+            committed.failed + tuple(failed.items()),
+        )
 
     def fail(self, seq: Sequence, message: str) -> TextDelta:
         """End a sequence whose step raised an exception for it alone (finish_reason "error", `message` its
@@ -194,18 +233,46 @@ class Committer:
                 seq.abort_step = step
                 self.finish(seq, FinishReason.ABORT, "abort", None, now)
 
-    def trace_row(self, seq: Sequence, e: Emit, position: int, batch: ScheduledBatch, finished: bool,
-                  allowed: dict[int, int], start_time: float) -> SampleTrace:
+    def trace_row(
+        self,
+        seq: Sequence,
+        e: Emit,
+        position: int,
+        batch: ScheduledBatch,
+        finished: bool,
+        allowed: dict[int, int],
+        start_time: float,
+    ) -> SampleTrace:
         p = seq.sampling
         return SampleTrace(
-            request_id=seq.request_id, stream=seq.stream, step=batch.step, position=position, token_id=e.token,
-            raw_logprob=e.raw_logprob, processed_logprob=e.processed_logprob, support_size=e.support,
-            top_raw=e.top_raw, top_processed=e.top_processed, processors=tuple(p.pipeline_description()),
-            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seq.seed, noise=e.noise,
-            batch_size=len(batch.chunks), step_tokens=batch.num_tokens,
+            request_id=seq.request_id,
+            stream=seq.stream,
+            step=batch.step,
+            position=position,
+            token_id=e.token,
+            raw_logprob=e.raw_logprob,
+            processed_logprob=e.processed_logprob,
+            support_size=e.support,
+            top_raw=e.top_raw,
+            top_processed=e.top_processed,
+            processors=tuple(p.pipeline_description()),
+            temperature=p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            min_p=p.min_p,
+            seed=seq.seed,
+            noise=e.noise,
+            batch_size=len(batch.chunks),
+            step_tokens=batch.num_tokens,
             finish_reason=seq.finish_reason.value if finished else None,
-            stop_reason=seq.finish_detail if finished else None, error=e.error,
-            t_emit_s=time.perf_counter() - start_time, logits_row=e.row,
+            stop_reason=seq.finish_detail if finished else None,
+            error=e.error,
+            t_emit_s=time.perf_counter() - start_time,
+            logits_row=e.row,
             grammar_allowed=allowed.get(e.row),
-            origin=e.origin, draft_logprob=e.draft_logprob, spec_proposed=e.spec_proposed,
-            spec_accepted=e.spec_accepted, kept_sha256=e.kept_sha256)
+            origin=e.origin,
+            draft_logprob=e.draft_logprob,
+            spec_proposed=e.spec_proposed,
+            spec_accepted=e.spec_accepted,
+            kept_sha256=e.kept_sha256,
+        )

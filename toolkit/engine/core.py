@@ -72,13 +72,30 @@ from toolkit.native.sha import ShaJob
 from toolkit.sampling.grammar import GrammarBackend, LazyGrammar
 from toolkit.sampling.params import SamplingParams
 
-__all__ = ["CompletionOutput", "Engine", "EngineRequest", "EngineStats", "RequestMetrics", "RequestOutput",
-           "StepOutput", "TextDelta", "derive_seed", "keep_freed_memory", "load_for", "request_metrics"]
+__all__ = [
+    "CompletionOutput",
+    "Engine",
+    "EngineRequest",
+    "EngineStats",
+    "RequestMetrics",
+    "RequestOutput",
+    "StepOutput",
+    "TextDelta",
+    "derive_seed",
+    "keep_freed_memory",
+    "load_for",
+    "request_metrics",
+]
 
 
 class Engine(EngineQueries):
-    def __init__(self, loaded: LoadedModel, cfg: EngineConfig | None = None,
-                 default_sampling: SamplingParams | None = None, speculative: SpeculativeConfig | None = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        cfg: EngineConfig | None = None,
+        default_sampling: SamplingParams | None = None,
+        speculative: SpeculativeConfig | None = None,
+    ):
         self.cfg = cfg or EngineConfig()
         keep_freed_memory()
         self.loaded = loaded
@@ -89,37 +106,69 @@ class Engine(EngineQueries):
         self.vocab_size = arch.vocab_size
         self.max_model_len = self.cfg.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
-            raise ConfigError(f"engine.max_model_len ({self.max_model_len}) exceeds the model's "
-                              f"max_position_embeddings ({arch.max_position_embeddings})")
+            raise ConfigError(
+                f"engine.max_model_len ({self.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({arch.max_position_embeddings})"
+            )
         eos = set(arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(t for t in eos if t < self.vocab_size))
         self.attention_backend = attention_backend(self.cfg, loaded)
         self.graph_mode = graph_mode(self.cfg, self.attention_backend)  # "off": no scratch block for padded rows
-        self.kv_cache, self.num_kv_blocks, num_host_blocks = kv_pool(self.cfg, loaded, self.max_model_len,
-                                                                     scratch=self.graph_mode != "off")
-        self.block_manager = BlockManager(self.num_kv_blocks, self.cfg.block_size,
-                                          enable_prefix_caching=self.cfg.enable_prefix_caching,
-                                          num_host_blocks=num_host_blocks)
+        self.kv_cache, self.num_kv_blocks, num_host_blocks = kv_pool(
+            self.cfg, loaded, self.max_model_len, scratch=self.graph_mode != "off"
+        )
+        self.block_manager = BlockManager(
+            self.num_kv_blocks,
+            self.cfg.block_size,
+            enable_prefix_caching=self.cfg.enable_prefix_caching,
+            num_host_blocks=num_host_blocks,
+        )
         self.scheduler = Scheduler(self.cfg, self.block_manager)
         self.matmul_backend = matmul_backend(self.cfg, loaded)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, self.device, self.attention_backend,
-                                  batch_invariant=self.cfg.batch_invariant,
-                                  native_matmul=self.matmul_backend == "native", flex_compile=self.cfg.flex_compile,
-                                  two_forwards=self.cfg.scheduler_policy == "two_forwards",
-                                  graphs=(self.graph_mode, self.cfg.max_num_seqs))
+        self.runner = ModelRunner(
+            loaded.model,
+            self.kv_cache,
+            self.device,
+            self.attention_backend,
+            batch_invariant=self.cfg.batch_invariant,
+            native_matmul=self.matmul_backend == "native",
+            flex_compile=self.cfg.flex_compile,
+            two_forwards=self.cfg.scheduler_policy == "two_forwards",
+            graphs=(self.graph_mode, self.cfg.max_num_seqs),
+        )
         # created on the first structured-output request; the stages share it without a reference back to the
         # engine (an engine in a reference cycle would keep its KV cache until the cycle collector runs)
         self._grammar_backend = LazyGrammar(self.tokenizer, self.vocab_size, self.eos_token_ids or (0,))
         self.spec_cfg = speculative or SpeculativeConfig()
         self.speculator = Speculator.build(self.spec_cfg, self) if self.spec_cfg.enabled else None
-        self.intake = RequestIntake(self.cfg, self.tokenizer, self.vocab_size, self.max_model_len, self.num_kv_blocks,
-                                    self.default_sampling, self._grammar_backend)
-        self.decider = Decider(self.vocab_size, self.eos_token_ids, self._grammar_backend, self.speculator,
-                               self.spec_cfg.acceptance, self.cfg.batch_invariant)
-        self.committer = Committer(self.tokenizer, self.eos_token_ids, self.max_model_len, self._grammar_backend,
-                                   self.scheduler, self.block_manager, self.speculator)
+        self.intake = RequestIntake(
+            self.cfg,
+            self.tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            self.num_kv_blocks,
+            self.default_sampling,
+            self._grammar_backend,
+        )
+        self.decider = Decider(
+            self.vocab_size,
+            self.eos_token_ids,
+            self._grammar_backend,
+            self.speculator,
+            self.spec_cfg.acceptance,
+            self.cfg.batch_invariant,
+        )
+        self.committer = Committer(
+            self.tokenizer,
+            self.eos_token_ids,
+            self.max_model_len,
+            self._grammar_backend,
+            self.scheduler,
+            self.block_manager,
+            self.speculator,
+        )
         self.requests: dict[str, Sequence] = {}  # by sequence id
         self.groups: dict[str, list[str]] = {}  # request id -> its sequence ids
         self.step_index = 0
@@ -186,15 +235,19 @@ class Engine(EngineQueries):
         beside = hashing.beside if hashing is not None else now_
         self._arrive(step, now)
         spec = self.speculator
-        batch = beside(lambda: self.scheduler.schedule(
-            step, spec.draft_slots(self.scheduler.running, self.max_model_len) if spec is not None else {}))
+        batch = beside(
+            lambda: self.scheduler.schedule(
+                step, spec.draft_slots(self.scheduler.running, self.max_model_len) if spec is not None else {}
+            )
+        )
         self.committer.preempted(batch.preempted, self.requests)
         if batch.is_empty:
             return self._idle(batch)
         self._scheduled(batch, now)
         if self.speculator is not None:
-            batch, proposals = self.speculator.fill(batch, self.requests, DraftContext(
-                self.block_manager.block_table, self.decider.draft_sample))
+            batch, proposals = self.speculator.fill(
+                batch, self.requests, DraftContext(self.block_manager.block_table, self.decider.draft_sample)
+            )
         else:
             proposals = {}
         forwards = self.runner.num_forwards
@@ -216,8 +269,9 @@ class Engine(EngineQueries):
                 raise again.__cause__ from None
             committed = self.committer.fail_requests(failed, committed, self.requests, self.groups)
         self.step_index = step + 1
-        return self._step_output(batch, committed, decision.logits_RV, out.forward_s,
-                                 self.runner.num_forwards - forwards, digests)
+        return self._step_output(
+            batch, committed, decision.logits_RV, out.forward_s, self.runner.num_forwards - forwards, digests
+        )
 
     # ---- step stages ---------------------------------------------------------------------
 
@@ -241,25 +295,43 @@ class Engine(EngineQueries):
         self.step_index = nxt if (nxt is not None and nxt > batch.step) else batch.step + 1
         return self._step_output(batch)
 
-    def _decide_and_commit(self, batch: ScheduledBatch, out: ModelOutput, proposals: Mapping[str, Proposal],
-                           digests: bool) -> tuple[Decision, Committed, RowDigests | None]:
+    def _decide_and_commit(
+        self, batch: ScheduledBatch, out: ModelOutput, proposals: Mapping[str, Proposal], digests: bool
+    ) -> tuple[Decision, Committed, RowDigests | None]:
         """The decide and commit stages, with the decided rows' digests (toolkit.engine.digests)."""
         decision, committed, rows, self._hashing = decide_and_commit(
-            self.decider, self.committer, batch, out, proposals, self.requests, self.start_time, digests)
+            self.decider, self.committer, batch, out, proposals, self.requests, self.start_time, digests
+        )
         return decision, committed, rows
 
-    def _step_output(self, batch: ScheduledBatch, committed: Committed | None = None,
-                     logits_RV: torch.Tensor | None = None, forward_s: float = 0.0, forwards: int = 0,
-                     digests: RowDigests | None = None) -> StepOutput:
+    def _step_output(
+        self,
+        batch: ScheduledBatch,
+        committed: Committed | None = None,
+        logits_RV: torch.Tensor | None = None,
+        forward_s: float = 0.0,
+        forwards: int = 0,
+        digests: RowDigests | None = None,
+    ) -> StepOutput:
         used = self.block_manager.num_used_blocks
-        return StepOutput(step=batch.step, batch_size=len(batch.chunks), num_decode_tokens=batch.num_decode_tokens,
-                          num_prefill_tokens=batch.num_prefill_tokens,
-                          samples=committed.traces if committed else (), logits_RV=logits_RV,
-                          deltas=committed.deltas if committed else (),
-                          finished=committed.finished if committed else (), preempted=batch.preempted,
-                          kv_blocks_used=used, kv_utilization=used / self.num_kv_blocks,
-                          prefix_hit_tokens=batch.prefix_hit_tokens, forward_s=forward_s, forwards=forwards,
-                          logits_sha256=digests, failed=committed.failed if committed else ())
+        return StepOutput(
+            step=batch.step,
+            batch_size=len(batch.chunks),
+            num_decode_tokens=batch.num_decode_tokens,
+            num_prefill_tokens=batch.num_prefill_tokens,
+            samples=committed.traces if committed else (),
+            logits_RV=logits_RV,
+            deltas=committed.deltas if committed else (),
+            finished=committed.finished if committed else (),
+            preempted=batch.preempted,
+            kv_blocks_used=used,
+            kv_utilization=used / self.num_kv_blocks,
+            prefix_hit_tokens=batch.prefix_hit_tokens,
+            forward_s=forward_s,
+            forwards=forwards,
+            logits_sha256=digests,
+            failed=committed.failed if committed else (),
+        )
 
     def abort(self, request_id: str) -> None:
         """Finish every sequence of a request now, before the next step (finish_reason "abort"), and free its
@@ -292,8 +364,14 @@ class Engine(EngineQueries):
         return steps
 
     def _add_all(self, requests: Iterable[EngineRequest | Mapping[str, Any] | str]) -> list[str]:
-        return [self.add(r) if isinstance(r, EngineRequest) else self.add_request(r) if isinstance(r, str)
-                else self.add_request(**r) for r in requests]
+        return [
+            self.add(r)
+            if isinstance(r, EngineRequest)
+            else self.add_request(r)
+            if isinstance(r, str)
+            else self.add_request(**r)
+            for r in requests
+        ]
 
     def generate(self, requests: Iterable[EngineRequest | Mapping[str, Any] | str]) -> list[RequestOutput]:
         """Add every request (an EngineRequest, a prompt string or a dict of its fields), run, return outputs in
@@ -309,8 +387,9 @@ class Engine(EngineQueries):
             yield from self.step().deltas
 
 
-def load_for(model_cfg: ModelConfig, engine_cfg: EngineConfig, sampling: Mapping[str, Any] | None
-             ) -> tuple[LoadedModel, SamplingParams, dict[str, Any]]:
+def load_for(
+    model_cfg: ModelConfig, engine_cfg: EngineConfig, sampling: Mapping[str, Any] | None
+) -> tuple[LoadedModel, SamplingParams, dict[str, Any]]:
     """The weights an engine runs (on its device, with its threads), the run's default sampling with the
     model's own defaults where the run leaves the library's (model.generation_config=auto), and which
     fields came from the model."""

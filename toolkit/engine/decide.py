@@ -89,8 +89,15 @@ class Staged:
 
 
 class Decider:
-    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], grammar: Callable[[], GrammarBackend],
-                 speculator: Speculator | None, acceptance: str, batch_invariant: bool):
+    def __init__(
+        self,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        grammar: Callable[[], GrammarBackend],
+        speculator: Speculator | None,
+        acceptance: str,
+        batch_invariant: bool,
+    ):
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.grammar = grammar  # the engine's grammar backend, created on first use
@@ -99,8 +106,7 @@ class Decider:
         self.sampler = Sampler(batch_invariant)  # logits rows -> tokens and trace fields (batch_invariant: each
         # row's reductions independent of the other rows)
 
-    def decide(self, out: ModelOutput, proposals: Mapping[str, Proposal], requests: Mapping[str, Sequence]
-               ) -> Decision:
+    def decide(self, out: ModelOutput, proposals: Mapping[str, Proposal], requests: Mapping[str, Sequence]) -> Decision:
         return self.finish(self.stage(out, proposals, requests))
 
     def stage(self, out: ModelOutput, proposals: Mapping[str, Proposal], requests: Mapping[str, Sequence]) -> Staged:
@@ -114,11 +120,26 @@ class Decider:
             logits_RV = logits_RV.index_select(0, torch.tensor([r.logits_row for r in rows], device=logits_RV.device))
         grammar_mask, allowed = self.grammar_masks(rows, logits_RV.shape, logits_RV.device)
         view = self._view(rows, logits_RV.device, grammar_mask)
-        sample_rows = [None if r.seq.seq_id in proposals else SampleRow(
-            greedy=r.seq.sampling.greedy, seed=r.seq.seed, position=r.position, stream=r.seq.stream,
-            num_top=r.seq.sampling.logprobs or 0) for r in rows]
-        return Staged(rows, forks, logits_RV, allowed, proposals,
-                      self.sampler.stage(logits_RV, view, sample_rows, verifying=bool(proposals)))
+        sample_rows = [
+            None
+            if r.seq.seq_id in proposals
+            else SampleRow(
+                greedy=r.seq.sampling.greedy,
+                seed=r.seq.seed,
+                position=r.position,
+                stream=r.seq.stream,
+                num_top=r.seq.sampling.logprobs or 0,
+            )
+            for r in rows
+        ]
+        return Staged(
+            rows,
+            forks,
+            logits_RV,
+            allowed,
+            proposals,
+            self.sampler.stage(logits_RV, view, sample_rows, verifying=bool(proposals)),
+        )
 
     def finish(self, staged: Staged) -> Decision:
         """The rest of decide: the sampler's steps 4-6 (from its native pass where it ran), speculating sequences
@@ -126,8 +147,9 @@ class Decider:
         emits = self._emits(staged, self.sampler.finish(staged.sampling))
         return Decision(emits, staged.forks, staged.logits_RV, staged.allowed)
 
-    def rows(self, out: ModelOutput, proposals: Mapping[str, Proposal], requests: Mapping[str, Sequence]
-             ) -> tuple[list[Row], list[tuple[Sequence, Sequence]]]:
+    def rows(
+        self, out: ModelOutput, proposals: Mapping[str, Proposal], requests: Mapping[str, Sequence]
+    ) -> tuple[list[Row], list[tuple[Sequence, Sequence]]]:
         """One row per logits row to decide: plain samples, forked parallel samples, verification positions."""
         rows, forks = [], []
         offset = 0
@@ -181,10 +203,13 @@ class Decider:
         return mask.to(device), allowed
 
     def _view(self, rows: list[Row], device, grammar_mask) -> BatchView:
-        return BatchView(rows=tuple(RowState(r.seq.sampling, r.tokens, r.seq.num_prompt_tokens, r.seq.bad_words_ids)
-                                    for r in rows),
-                         vocab_size=self.vocab_size, device=device, eos_token_ids=self.eos_token_ids,
-                         grammar_mask_RV=grammar_mask)
+        return BatchView(
+            rows=tuple(RowState(r.seq.sampling, r.tokens, r.seq.num_prompt_tokens, r.seq.bad_words_ids) for r in rows),
+            vocab_size=self.vocab_size,
+            device=device,
+            eos_token_ids=self.eos_token_ids,
+            grammar_mask_RV=grammar_mask,
+        )
 
     def _emits(self, staged: Staged, out: SamplerOutput) -> list[tuple[Sequence, list[Emit]]]:
         """Each sequence's emits in row order: a sampled token with its trace fields, an error, or (speculating
@@ -206,15 +231,29 @@ class Decider:
                 decisions.append((r.seq, [Emit(token=-1, row=i, error=out.errors[i])]))
             else:
                 j = slot[i]
-                decisions.append((r.seq, [Emit(
-                    token=result.token_ids[j], row=i, raw_logprob=result.raw_logprobs[j],
-                    processed_logprob=result.processed_logprobs[j], support=result.support_sizes[j],
-                    noise=result.noise[j], top_raw=tuple(result.top_raw[j]),
-                    top_processed=tuple(result.top_processed[j]), kept_sha256=result.kept_sha256[j])]))
+                decisions.append(
+                    (
+                        r.seq,
+                        [
+                            Emit(
+                                token=result.token_ids[j],
+                                row=i,
+                                raw_logprob=result.raw_logprobs[j],
+                                processed_logprob=result.processed_logprobs[j],
+                                support=result.support_sizes[j],
+                                noise=result.noise[j],
+                                top_raw=tuple(result.top_raw[j]),
+                                top_processed=tuple(result.top_processed[j]),
+                                kept_sha256=result.kept_sha256[j],
+                            )
+                        ],
+                    )
+                )
         return decisions
 
-    def _verify_rows(self, first: int, rows: list[Row], logits_RV: torch.Tensor, out: SamplerOutput,
-                     proposal: Proposal) -> list[Emit]:
+    def _verify_rows(
+        self, first: int, rows: list[Row], logits_RV: torch.Tensor, out: SamplerOutput, proposal: Proposal
+    ) -> list[Emit]:
         seq, lse_R = rows[first].seq, out.lse_R
         m = len(proposal.tokens)
         span = list(range(first, first + m + 1))
@@ -224,15 +263,23 @@ class Decider:
         usable = span if bad is None else span[: span.index(bad)]
         depth = len(usable) - 1  # verify only as many drafts as there are usable positions
         sub = Proposal(proposal.tokens[:depth], proposal.q_logits[:depth] if proposal.q_logits is not None else None)
-        verdict = verify(out.processed_RV[usable], sub, greedy=seq.sampling.greedy, mode=self.acceptance,
-                         seed=seq.seed, stream=seq.stream, first_position=rows[first].position)
+        verdict = verify(
+            out.processed_RV[usable],
+            sub,
+            greedy=seq.sampling.greedy,
+            mode=self.acceptance,
+            seed=seq.seed,
+            stream=seq.stream,
+            first_position=rows[first].position,
+        )
         self.speculator.stats.steps += 1
         self.speculator.stats.proposed += m
         self.speculator.stats.accepted += verdict.accepted
         self.speculator.stats.emitted += len(verdict.tokens)
         emits = []
-        for k, (token, origin, g, dlp) in enumerate(zip(verdict.tokens, verdict.origins, verdict.noise,
-                                                        verdict.draft_logprobs)):
+        for k, (token, origin, g, dlp) in enumerate(
+            zip(verdict.tokens, verdict.origins, verdict.noise, verdict.draft_logprobs)
+        ):
             i = usable[k]
             raw_lp = float(logits_RV[i, token] - lse_R[i])
             proc = out.processed_RV[i]
@@ -240,16 +287,32 @@ class Decider:
             proc_lp = float(proc[token] - proc_lse)
             finite = torch.isfinite(proc)
             support = int(finite.sum())
-            emits.append(Emit(token=token, row=i, raw_logprob=raw_lp, processed_logprob=proc_lp,
-                              support=support, noise=g, origin=origin, draft_logprob=dlp,
-                              kept_sha256=kept_digests([support], proc.shape[0], finite_RV=finite[None])[0],
-                              spec_proposed=m, spec_accepted=verdict.accepted,
-                              top_raw=_top(logits_RV[i], lse_R[i], seq.sampling.logprobs),
-                              top_processed=_top(proc, proc_lse, seq.sampling.logprobs)))
+            emits.append(
+                Emit(
+                    token=token,
+                    row=i,
+                    raw_logprob=raw_lp,
+                    processed_logprob=proc_lp,
+                    support=support,
+                    noise=g,
+                    origin=origin,
+                    draft_logprob=dlp,
+                    kept_sha256=kept_digests([support], proc.shape[0], finite_RV=finite[None])[0],
+                    spec_proposed=m,
+                    spec_accepted=verdict.accepted,
+                    top_raw=_top(logits_RV[i], lse_R[i], seq.sampling.logprobs),
+                    top_processed=_top(proc, proc_lse, seq.sampling.logprobs),
+                )
+            )
         return emits
 
-    def draft_sample(self, seqs: list[Sequence], drafts: Mapping[str, list[int]], logits_RV: torch.Tensor,
-                     draft_grammars: dict[str, Any]) -> tuple[torch.Tensor, list[int]]:
+    def draft_sample(
+        self,
+        seqs: list[Sequence],
+        drafts: Mapping[str, list[int]],
+        logits_RV: torch.Tensor,
+        draft_grammars: dict[str, Any],
+    ) -> tuple[torch.Tensor, list[int]]:
         """A draft model's next token for each sequence, processed with the sequence's own pipeline.
         `draft_grammars` (the proposer's, for one proposal round) holds each grammar sequence's matcher
         forked and advanced through its drafts so far; a sequence's own matcher is never touched."""
@@ -261,13 +324,20 @@ class Decider:
             mask = torch.ones(logits_RV.shape, dtype=torch.bool)
             mask[torch.tensor(grammar_rows)] = self.grammar().fill_masks([matchers[i] for i in grammar_rows])
             mask = mask.to(logits_RV.device)
-        view = BatchView(rows=tuple(RowState(s.sampling, t, s.num_prompt_tokens, s.bad_words_ids)
-                                    for s, t in zip(seqs, tokens_hist)),
-                         vocab_size=self.vocab_size, device=logits_RV.device, eos_token_ids=self.eos_token_ids,
-                         grammar_mask_RV=mask)
+        view = BatchView(
+            rows=tuple(
+                RowState(s.sampling, t, s.num_prompt_tokens, s.bad_words_ids) for s, t in zip(seqs, tokens_hist)
+            ),
+            vocab_size=self.vocab_size,
+            device=logits_RV.device,
+            eos_token_ids=self.eos_token_ids,
+            grammar_mask_RV=mask,
+        )
         purpose = rng.SAMPLE if self.acceptance == "coupled" else rng.DRAFT
-        srows = [SampleRow(greedy=s.sampling.greedy, seed=s.seed, position=len(t), stream=s.stream, purpose=purpose)
-                 for s, t in zip(seqs, tokens_hist)]
+        srows = [
+            SampleRow(greedy=s.sampling.greedy, seed=s.seed, position=len(t), stream=s.stream, purpose=purpose)
+            for s, t in zip(seqs, tokens_hist)
+        ]
         safe, tokens = self.sampler.draft(logits_RV, view, srows)
         for i in grammar_rows:
             s = seqs[i]

@@ -60,11 +60,19 @@ class RowDigests(Mapping[int, str]):
         return len(self._rows)
 
 
-def decide_and_commit(decider: Decider, committer: Committer, batch: ScheduledBatch, out: ModelOutput,
-                      proposals: Mapping[str, Proposal], requests: Mapping[str, Sequence], start_time: float | None,
-                      digests: bool) -> tuple[Decision, Committed, RowDigests | None, ShaJob | None]:
+def decide_and_commit(
+    decider: Decider,
+    committer: Committer,
+    batch: ScheduledBatch,
+    out: ModelOutput,
+    proposals: Mapping[str, Proposal],
+    requests: Mapping[str, Sequence],
+    start_time: float | None,
+    digests: bool,
+) -> tuple[Decision, Committed, RowDigests | None, ShaJob | None]:
     """The decision and what it committed; with `digests`, the decided rows' sha256 (by decided row) where the rows
     are CPU fp32, and the hashing job still going on (the engine runs its next step's scheduling beside it)."""
+
     def commit(decision: Decision) -> Committed:
         try:
             return committer.commit(batch, decision, proposals, requests, start_time)
@@ -93,5 +101,9 @@ def decide_and_commit(decider: Decider, committer: Committer, batch: ScheduledBa
     else:
         decision = decider.finish(staged)
         committed = job.beside(lambda: commit(decision))
-    return decision, committed, RowDigests(job, {e.row: staged.rows[e.row].logits_row
-                                                 for _, emits in decision.emits for e in emits}), job
+    return (
+        decision,
+        committed,
+        RowDigests(job, {e.row: staged.rows[e.row].logits_row for _, emits in decision.emits for e in emits}),
+        job,
+    )

@@ -57,8 +57,15 @@ class Bucket:
 class DecodeGraphs:
     """The runner's decode steps in buckets: `applies` says which steps, `run` runs one (see the module doc)."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, backend: str, native_matmul: bool,
-                 max_num_seqs: int, capture: bool):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: PagedKVCache,
+        backend: str,
+        native_matmul: bool,
+        max_num_seqs: int,
+        capture: bool,
+    ):
         self.model, self.kv_cache, self.backend, self.native_matmul = model, kv_cache, backend, native_matmul
         self.device = kv_cache.layers[0][0].device
         self.block_size = kv_cache.block_size
@@ -72,8 +79,11 @@ class DecodeGraphs:
         self.filled: dict[tuple[int, int], int] = {}  # bucket -> rows holding a real sequence's data now
 
     def applies(self, batch: ScheduledBatch, num_layers: int | None) -> bool:
-        return (num_layers is None and 0 < len(batch.chunks) <= self.max_batch
-                and all(c.num_tokens == 1 and c.num_logits == 1 and c.samples for c in batch.chunks))
+        return (
+            num_layers is None
+            and 0 < len(batch.chunks) <= self.max_batch
+            and all(c.num_tokens == 1 and c.num_logits == 1 and c.samples for c in batch.chunks)
+        )
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, float]:
         """The step's logits (D, V), rows in the batch's chunk order, and the host's seconds in the forward."""
@@ -92,8 +102,9 @@ class DecodeGraphs:
         self.filled[b, width] = d
         # the real rows' data, built on the host
         used = [-(-c.context_len // bs) for c in chunks]
-        tables = torch.tensor([list(c.block_table[:n]) + [self.scratch] * (width - n) for c, n in zip(chunks, used)],
-                              dtype=torch.int64)
+        tables = torch.tensor(
+            [list(c.block_table[:n]) + [self.scratch] * (width - n) for c, n in zip(chunks, used)], dtype=torch.int64
+        )
         positions = torch.tensor([c.start_pos for c in chunks], dtype=torch.int64)
         slots = tables[torch.arange(d), positions // bs] * bs + positions % bs
         rows = ([c.token_ids[0] for c in chunks], positions, slots, [c.context_len for c in chunks], tables)
@@ -106,8 +117,10 @@ class DecodeGraphs:
                 self._capture(s)
             except RuntimeError as exc:  # a forward a graph cannot hold: the same buckets, eagerly, from now on
                 self.capture = False
-                print(f"warning: CUDA graph capture failed, decode buckets run eagerly: {str(exc).splitlines()[0]}",
-                      file=sys.stderr)
+                print(
+                    f"warning: CUDA graph capture failed, decode buckets run eagerly: {str(exc).splitlines()[0]}",
+                    file=sys.stderr,
+                )
         if s.graph is not None:
             s.graph.replay()
             logits = s.logits_BV[:d].clone()
@@ -119,13 +132,18 @@ class DecodeGraphs:
 
     def _allocate(self, b: int, width: int) -> Bucket:
         """A bucket's buffers, every row padding: token 0 at position 0, writing and reading the scratch block."""
+
         def full(shape, value):
             return torch.full(shape, value, dtype=torch.int64, device=self.device)
 
-        return Bucket(input_ids_B=full((b,), 0), positions_B=full((b,), 0),
-                      slots_B=full((b,), self.scratch * self.block_size), ctx_B=full((b,), 1),
-                      tables_BW=full((b, width), self.scratch), rows_B=torch.arange(b, dtype=torch.int64,
-                                                                                    device=self.device))
+        return Bucket(
+            input_ids_B=full((b,), 0),
+            positions_B=full((b,), 0),
+            slots_B=full((b,), self.scratch * self.block_size),
+            ctx_B=full((b,), 1),
+            tables_BW=full((b, width), self.scratch),
+            rows_B=torch.arange(b, dtype=torch.int64, device=self.device),
+        )
 
     @staticmethod
     def _inputs(s: Bucket) -> tuple[torch.Tensor, ...]:
@@ -140,13 +158,22 @@ class DecodeGraphs:
         if not kernel:
             keys = torch.arange(width * self.block_size, device=self.device)
             bias = additive_bias(keys[None, :] < s.ctx_B[:, None], self.model.embed.dtype)
-        attn = AttentionMetadata(slot_mapping_N=s.slots_B, num_decodes=b, kernel_rows=b if kernel else 0,
-                                 block_tables_SB=s.tables_BW if kernel else None,
-                                 query_table_N=s.rows_B if kernel else None, query_ctx_N=s.ctx_B if kernel else None,
-                                 decode_block_tables_DB=None if kernel else s.tables_BW, decode_bias_DT=bias,
-                                 decode_ctx_D=None if kernel else s.ctx_B, prefills=(), kv_quant=self.kv_cache.quant)
-        return self.model(s.input_ids_B, s.positions_B, attn, self.kv_cache.layers, s.rows_B, None,
-                          native_matmul=self.native_matmul)
+        attn = AttentionMetadata(
+            slot_mapping_N=s.slots_B,
+            num_decodes=b,
+            kernel_rows=b if kernel else 0,
+            block_tables_SB=s.tables_BW if kernel else None,
+            query_table_N=s.rows_B if kernel else None,
+            query_ctx_N=s.ctx_B if kernel else None,
+            decode_block_tables_DB=None if kernel else s.tables_BW,
+            decode_bias_DT=bias,
+            decode_ctx_D=None if kernel else s.ctx_B,
+            prefills=(),
+            kv_quant=self.kv_cache.quant,
+        )
+        return self.model(
+            s.input_ids_B, s.positions_B, attn, self.kv_cache.layers, s.rows_B, None, native_matmul=self.native_matmul
+        )
 
     def _capture(self, s: Bucket) -> None:
         """Capture the bucket's forward (after two warm-up runs on a side stream, as torch's docs ask). Its

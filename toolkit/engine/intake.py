@@ -27,8 +27,16 @@ def derive_seed(run_seed: int, request_id: str) -> int:
 
 
 class RequestIntake:
-    def __init__(self, cfg: EngineConfig, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
-                 num_kv_blocks: int, default_sampling: SamplingParams, grammar: Callable[[], GrammarBackend]):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        max_model_len: int,
+        num_kv_blocks: int,
+        default_sampling: SamplingParams,
+        grammar: Callable[[], GrammarBackend],
+    ):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -78,9 +86,19 @@ class RequestIntake:
         seqs = []
         for stream in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{stream}"
-            seq = Sequence(seq_id=seq_id, request_id=request_id, prompt_token_ids=tuple(ids), sampling=params,
-                          seed=seed, arrival_step=max(arrival_step or 0, step_index), prompt_text=text,
-                          stream=stream, bad_words_ids=bad_words_ids, add_time=now, priority=priority)
+            seq = Sequence(
+                seq_id=seq_id,
+                request_id=request_id,
+                prompt_token_ids=tuple(ids),
+                sampling=params,
+                seed=seed,
+                arrival_step=max(arrival_step or 0, step_index),
+                prompt_text=text,
+                stream=stream,
+                bad_words_ids=bad_words_ids,
+                add_time=now,
+                priority=priority,
+            )
             if params.structured_outputs is not None:
                 seq.grammar = self.grammar().matcher(params.structured_outputs)
             seqs.append(seq)
@@ -113,8 +131,10 @@ class RequestIntake:
 
     def _check_context(self, prompt_len: int) -> None:
         if prompt_len >= self.max_model_len:
-            raise RequestError(f"prompt has {prompt_len} tokens but the context is {self.max_model_len} "
-                               f"(engine.max_model_len); shorten the prompt")
+            raise RequestError(
+                f"prompt has {prompt_len} tokens but the context is {self.max_model_len} "
+                f"(engine.max_model_len); shorten the prompt"
+            )
 
     def _prompt_ids(self, prompt, messages, prompt_token_ids) -> tuple[list[int], str | None]:
         given = [x is not None for x in (prompt, messages, prompt_token_ids)]
@@ -146,22 +166,31 @@ class RequestIntake:
 
     def _check_fits(self, request_id: str, prompt_len: int, max_tokens: int) -> None:
         if prompt_len >= self.max_model_len:
-            raise RequestError(f"request {request_id}: prompt has {prompt_len} tokens but the context is "
-                               f"{self.max_model_len} (engine.max_model_len); shorten the prompt")
+            raise RequestError(
+                f"request {request_id}: prompt has {prompt_len} tokens but the context is "
+                f"{self.max_model_len} (engine.max_model_len); shorten the prompt"
+            )
         total = prompt_len + max_tokens
         if total > self.max_model_len:
-            raise RequestError(f"request {request_id}: prompt ({prompt_len}) + max_tokens ({max_tokens}) = {total} "
-                               f"exceeds engine.max_model_len ({self.max_model_len}); lower max_tokens")
+            raise RequestError(
+                f"request {request_id}: prompt ({prompt_len}) + max_tokens ({max_tokens}) = {total} "
+                f"exceeds engine.max_model_len ({self.max_model_len}); lower max_tokens"
+            )
         pool = self.num_kv_blocks * self.cfg.block_size
         if total > pool:
-            raise RequestError(f"request {request_id}: prompt + max_tokens = {total} tokens can never fit the KV pool "
-                               f"of {pool} tokens; raise engine.num_kv_blocks or lower max_tokens")
+            raise RequestError(
+                f"request {request_id}: prompt + max_tokens = {total} tokens can never fit the KV pool "
+                f"of {pool} tokens; raise engine.num_kv_blocks or lower max_tokens"
+            )
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         v = self.vocab_size
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
-                          ("logit_bias", tuple(params.logit_bias or ())),
-                          ("bad_words", tuple(t for w in params.bad_words if isinstance(w, tuple) for t in w))):
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("allowed_token_ids", params.allowed_token_ids),
+            ("logit_bias", tuple(params.logit_bias or ())),
+            ("bad_words", tuple(t for w in params.bad_words if isinstance(w, tuple) for t in w)),
+        ):
             bad = [t for t in ids or () if t >= v]
             if bad:
                 raise RequestError(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {v})")

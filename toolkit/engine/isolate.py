@@ -22,8 +22,12 @@ from toolkit.engine.speculative import Proposal
 from toolkit.errors import one_line
 
 
-def find_culprits(batch: ScheduledBatch, exc: Exception, probe: Callable[[ScheduledBatch], None],
-                  request_of: Callable[[ScheduledChunk], str]) -> dict[str, str]:
+def find_culprits(
+    batch: ScheduledBatch,
+    exc: Exception,
+    probe: Callable[[ScheduledBatch], None],
+    request_of: Callable[[ScheduledChunk], str],
+) -> dict[str, str]:
     """The requests of `batch` whose chunks make `probe` raise on their own: request id -> why (for its 500).
     `exc`: what the whole batch raised (it is raised again where there is no one to blame)."""
     units: dict[str, list[ScheduledChunk]] = {}
@@ -58,24 +62,33 @@ def find_culprits(batch: ScheduledBatch, exc: Exception, probe: Callable[[Schedu
     return {r: why[r] for r in culprits}
 
 
-def prober(runner: ModelRunner, decider: Decider, requests: Mapping[str, Sequence],
-           proposals: Mapping[str, Proposal]) -> Callable[[ScheduledBatch], None]:
+def prober(
+    runner: ModelRunner, decider: Decider, requests: Mapping[str, Sequence], proposals: Mapping[str, Proposal]
+) -> Callable[[ScheduledBatch], None]:
     """What find_culprits runs on a part of a failed step's batch: the forward (no block copied again) and the
     decider (which only reads), nothing committed."""
+
     def probe(part: ScheduledBatch) -> None:
         decider.decide(runner.run(part, move_blocks=False), proposals_of(part, proposals), requests)
 
     return probe
 
 
-def without(batch: ScheduledBatch, proposals: Mapping[str, Proposal], failed: Mapping[str, str],
-            requests: Mapping[str, Sequence]) -> tuple[ScheduledBatch, dict[str, Proposal]]:
+def without(
+    batch: ScheduledBatch,
+    proposals: Mapping[str, Proposal],
+    failed: Mapping[str, str],
+    requests: Mapping[str, Sequence],
+) -> tuple[ScheduledBatch, dict[str, Proposal]]:
     """The batch and its draft proposals less the chunks of the `failed` requests (token counts recounted)."""
     kept = tuple(c for c in batch.chunks if requests[c.seq_id].request_id not in failed)
     decoding = [requests[c.seq_id].status is SequenceStatus.DECODING for c in kept]
-    batch = dataclasses.replace(batch, chunks=kept,
-                                num_decode_tokens=sum(c.num_tokens for c, d in zip(kept, decoding) if d),
-                                num_prefill_tokens=sum(c.num_tokens for c, d in zip(kept, decoding) if not d))
+    batch = dataclasses.replace(
+        batch,
+        chunks=kept,
+        num_decode_tokens=sum(c.num_tokens for c, d in zip(kept, decoding) if d),
+        num_prefill_tokens=sum(c.num_tokens for c, d in zip(kept, decoding) if not d),
+    )
     return batch, proposals_of(batch, proposals)
 
 

@@ -108,19 +108,35 @@ def request_metrics(r: Sequence) -> RequestMetrics:
     tpot = None
     if r.first_token_time is not None and r.last_token_time is not None and r.num_output_tokens > 1:
         tpot = (r.last_token_time - r.first_token_time) / (r.num_output_tokens - 1)
-    return RequestMetrics(arrival_step=r.arrival_step, admitted_step=r.admitted_step,
-                          queue_s=since(r.first_scheduled_time), ttft_s=since(r.first_token_time), tpot_s=tpot,
-                          e2e_s=since(r.finish_time), num_preemptions=r.num_preemptions)
+    return RequestMetrics(
+        arrival_step=r.arrival_step,
+        admitted_step=r.admitted_step,
+        queue_s=since(r.first_scheduled_time),
+        ttft_s=since(r.first_token_time),
+        tpot_s=tpot,
+        e2e_s=since(r.finish_time),
+        num_preemptions=r.num_preemptions,
+    )
 
 
 def request_output(request_id: str, seqs: collections.abc.Sequence[Sequence]) -> RequestOutput:
     """A request's output from its sequences (one per parallel sample, in stream order)."""
     first = seqs[0]
     return RequestOutput(
-        request_id=request_id, prompt=first.prompt_text, prompt_token_ids=first.prompt_token_ids,
-        outputs=tuple(CompletionOutput(index=s.stream, text=s.text, token_ids=tuple(s.output_token_ids),
-                                       finish_reason=s.finish_reason.value if s.finish_reason else None,
-                                       stop_reason=s.stop_reason, seed=s.seed, metrics=request_metrics(s))
-                      for s in seqs),
+        request_id=request_id,
+        prompt=first.prompt_text,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=tuple(
+            CompletionOutput(
+                index=s.stream,
+                text=s.text,
+                token_ids=tuple(s.output_token_ids),
+                finish_reason=s.finish_reason.value if s.finish_reason else None,
+                stop_reason=s.stop_reason,
+                seed=s.seed,
+                metrics=request_metrics(s),
+            )
+            for s in seqs
+        ),
         finished=all(s.is_finished for s in seqs),
     )

@@ -96,12 +96,19 @@ class EngineQueries:
     def stats(self) -> EngineStats:
         bm, sched = self.block_manager, self.scheduler
         return EngineStats(
-            step=self.step_index, requests=len(self.groups), running=len(sched.running), waiting=len(sched.waiting),
+            step=self.step_index,
+            requests=len(self.groups),
+            running=len(sched.running),
+            waiting=len(sched.waiting),
             waiting_requests=len({seq.request_id for seq in sched.waiting}),
             decoding=sum(s.status is SequenceStatus.DECODING for s in sched.running),
-            kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_free=bm.num_free_blocks,
             preemptions=sched.num_preemptions,
-            prefix_queries=bm.prefix_queries, prefix_hits=bm.prefix_hits)
+            prefix_queries=bm.prefix_queries,
+            prefix_hits=bm.prefix_hits,
+        )
 
     def prompt_ids(self, request: EngineRequest) -> list[int]:
         """The request's prompt as intake computes and checks it (a chat's through the template)."""

@@ -40,9 +40,18 @@ class ModelOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
-                 attention_backend: str = "sdpa", batch_invariant: bool = False, native_matmul: bool = False,
-                 flex_compile: bool = True, two_forwards: bool = False, graphs: tuple[str, int] = ("off", 0)):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: PagedKVCache,
+        device: torch.device,
+        attention_backend: str = "sdpa",
+        batch_invariant: bool = False,
+        native_matmul: bool = False,
+        flex_compile: bool = True,
+        two_forwards: bool = False,
+        graphs: tuple[str, int] = ("off", 0),
+    ):
         self.model = model
         self.backend = attention_backend  # "kernel", "sdpa" or "flex" (resolved by the engine)
         self.flex_compile = flex_compile
@@ -66,8 +75,13 @@ class ModelRunner:
         # decode-only steps in padded batch buckets over static buffers, captured as CUDA graphs or run eagerly
         # ((mode, max_num_seqs): toolkit/engine/graphs.py); the cache holds one scratch block for the padding rows
         mode, max_num_seqs = graphs
-        self.graphs = None if mode == "off" else DecodeGraphs(model, kv_cache, attention_backend, self.native_matmul,
-                                                                max_num_seqs, capture=mode == "capture")
+        self.graphs = (
+            None
+            if mode == "off"
+            else DecodeGraphs(
+                model, kv_cache, attention_backend, self.native_matmul, max_num_seqs, capture=mode == "capture"
+            )
+        )
 
     def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
         bs = self.block_size
@@ -86,8 +100,9 @@ class ModelRunner:
                 sample_chunks.append(chunk)
         # per token, with tensor ops: its chunk, position and cache slot (block_table[pos // bs] * bs + pos % bs)
         width = max(len(c.block_table) for c in ordered)
-        tables_cpu = torch.tensor([list(c.block_table) + [0] * (width - len(c.block_table)) for c in ordered],
-                                  dtype=torch.int64)  # (S, B)
+        tables_cpu = torch.tensor(
+            [list(c.block_table) + [0] * (width - len(c.block_table)) for c in ordered], dtype=torch.int64
+        )  # (S, B)
         counts = torch.tensor([c.num_tokens for c in ordered], dtype=torch.int64)
         chunk_of = torch.repeat_interleave(torch.arange(len(ordered)), counts)  # (N,)
         first = torch.cumsum(counts, 0) - counts
@@ -111,7 +126,7 @@ class ModelRunner:
         decode_tables = decode_bias = decode_ctx = None
         if singles and self.backend == "sdpa":
             width = max(len(c.block_table) for c in singles)
-            decode_tables = tables_cpu[:len(singles), :width].to(dev)  # (D, B): the decodes come first
+            decode_tables = tables_cpu[: len(singles), :width].to(dev)  # (D, B): the decodes come first
             ctx = torch.tensor([c.context_len for c in singles], device=dev)
             decode_bias = additive_bias(torch.arange(width * bs, device=dev)[None, :] < ctx[:, None], self.dtype)
             decode_ctx = ctx
@@ -125,15 +140,24 @@ class ModelRunner:
             query_pos = torch.arange(chunk.start_pos, ctx, device=dev)
             causal = torch.arange(ctx, device=dev)[None, :] <= query_pos[:, None]  # (Q, T)
             bias = additive_bias(causal, self.dtype).repeat(self.groups, 1)  # (G*Q, T)
-            prefills.append(PrefillChunk(start=offset, end=offset + chunk.num_tokens, block_table_B=table,
-                                         context_len=ctx, bias_GQT=bias))
+            prefills.append(
+                PrefillChunk(
+                    start=offset, end=offset + chunk.num_tokens, block_table_B=table, context_len=ctx, bias_GQT=bias
+                )
+            )
             offset += chunk.num_tokens
 
         flex_meta = None
         if self.backend == "flex":
-            flex_meta = flex.build([list(c.block_table[: -(-c.context_len // bs)]) for c in ordered],
-                                   [c.num_tokens for c in ordered], positions_t, self.kv_cache.num_blocks, bs,
-                                   self.model.arch.sliding_window, self.flex_compile)
+            flex_meta = flex.build(
+                [list(c.block_table[: -(-c.context_len // bs)]) for c in ordered],
+                [c.num_tokens for c in ordered],
+                positions_t,
+                self.kv_cache.num_blocks,
+                bs,
+                self.model.arch.sliding_window,
+                self.flex_compile,
+            )
         attn = AttentionMetadata(
             slot_mapping_N=slots_cpu.to(dev),
             num_decodes=len(singles),
@@ -163,9 +187,13 @@ class ModelRunner:
         cache.swap_in([c.device for c in batch.swap_in], [c.host for c in batch.swap_in])
         cache.copy_blocks([c.src for c in batch.block_copies], [c.dst for c in batch.block_copies])
 
-    def run(self, batch: ScheduledBatch, num_layers: int | None = None,
-            beside: Callable[[Callable[[], ForwardInputs]], ForwardInputs] | None = None,
-            move_blocks: bool = True) -> ModelOutput:
+    def run(
+        self,
+        batch: ScheduledBatch,
+        num_layers: int | None = None,
+        beside: Callable[[Callable[[], ForwardInputs]], ForwardInputs] | None = None,
+        move_blocks: bool = True,
+    ) -> ModelOutput:
         """The forward of a batch. `beside` runs the packing of its inputs (Python) where the caller has work
         for the other threads meanwhile (Engine.step: the last step's trace digests, sha.ShaJob.beside).
         `move_blocks=False`: the batch's copy jobs already ran (Engine.step runs them once, so that a forward it
@@ -175,17 +203,24 @@ class ModelRunner:
         decodes = tuple(c for c in batch.chunks if c.num_tokens == 1 or c.num_logits > 1) if self.two_forwards else ()
         if decodes and len(decodes) < len(batch.chunks):
             prefills = tuple(c for c in batch.chunks if c not in decodes)
-            parts = [self._forward(dataclasses.replace(batch, chunks=decodes, num_prefill_tokens=0), num_layers, beside),
-                     self._forward(dataclasses.replace(batch, chunks=prefills, num_decode_tokens=0), num_layers,
-                                   beside)]
+            parts = [
+                self._forward(dataclasses.replace(batch, chunks=decodes, num_prefill_tokens=0), num_layers, beside),
+                self._forward(dataclasses.replace(batch, chunks=prefills, num_decode_tokens=0), num_layers, beside),
+            ]
             # prepare() orders decodes before prefill chunks, so these rows are in the fused forward's order
-            return ModelOutput(logits_RV=torch.cat([p.logits_RV for p in parts]),
-                               sample_chunks=parts[0].sample_chunks + parts[1].sample_chunks,
-                               forward_s=parts[0].forward_s + parts[1].forward_s)
+            return ModelOutput(
+                logits_RV=torch.cat([p.logits_RV for p in parts]),
+                sample_chunks=parts[0].sample_chunks + parts[1].sample_chunks,
+                forward_s=parts[0].forward_s + parts[1].forward_s,
+            )
         return self._forward(batch, num_layers, beside)
 
-    def _forward(self, batch: ScheduledBatch, num_layers: int | None,
-                 beside: Callable[[Callable[[], ForwardInputs]], ForwardInputs] | None = None) -> ModelOutput:
+    def _forward(
+        self,
+        batch: ScheduledBatch,
+        num_layers: int | None,
+        beside: Callable[[Callable[[], ForwardInputs]], ForwardInputs] | None = None,
+    ) -> ModelOutput:
         if self.graphs is not None and self.graphs.applies(batch, num_layers):
             self.num_forwards += 1
             logits, seconds = self.graphs.run(batch)
@@ -193,8 +228,15 @@ class ModelRunner:
         inputs = self.prepare(batch) if beside is None else beside(lambda: self.prepare(batch))
         self.num_forwards += 1
         t = time.perf_counter()
-        logits = self.model(inputs.input_ids_N, inputs.positions_N, inputs.attn, self.kv_cache.layers,
-                            inputs.logits_rows_R, num_layers, native_matmul=self.native_matmul)
+        logits = self.model(
+            inputs.input_ids_N,
+            inputs.positions_N,
+            inputs.attn,
+            self.kv_cache.layers,
+            inputs.logits_rows_R,
+            num_layers,
+            native_matmul=self.native_matmul,
+        )
         if logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)
         return ModelOutput(logits_RV=logits, sample_chunks=inputs.sample_chunks, forward_s=time.perf_counter() - t)
@@ -206,17 +248,21 @@ def kernel_runs(model: torch.nn.Module, block_size: int) -> bool:
     its shapes (a power-of-two head_dim up to 256, no soft-capping or sliding window)."""
     if model.embed.device.type == "cuda":
         a = model.arch
-        return invariant_gpu.supports_attention(a.head_dim, a.num_heads // a.num_kv_heads) and \
-            a.needs_torch_attention is None
+        return (
+            invariant_gpu.supports_attention(a.head_dim, a.num_heads // a.num_kv_heads)
+            and a.needs_torch_attention is None
+        )
     if model.embed.device.type != "cpu" or not library.available():
         return False
     a = model.arch
-    return library.native().attention_supports(a.num_heads, a.num_kv_heads, a.head_dim, block_size,
-                                               model.embed.dtype != torch.float32)
+    return library.native().attention_supports(
+        a.num_heads, a.num_kv_heads, a.head_dim, block_size, model.embed.dtype != torch.float32
+    )
 
 
-def recompute_logits(model: torch.nn.Module, token_ids: list[int], *, batch_invariant: bool = True,
-                     block_size: int = 16) -> torch.Tensor:
+def recompute_logits(
+    model: torch.nn.Module, token_ids: list[int], *, batch_invariant: bool = True, block_size: int = 16
+) -> torch.Tensor:
     """fp32 logits (T, V) of every position of `token_ids` (row t predicts token t + 1), from a
     fresh cache in ONE prefill through the engine's own forward. In batch-invariant mode these
     are the very bits the engine produced for each position, however it was batched or cached."""
@@ -246,8 +292,15 @@ def prompt_logprobs(model: torch.nn.Module, token_ids: Sequence[int], k: int) ->
     return rows
 
 
-def recompute_many(model: torch.nn.Module, sequences: list[list[int]], last: list[int], *, block_size: int = 16,
-                   max_tokens: int = 2048, counts: dict[str, int] | None = None) -> list[torch.Tensor]:
+def recompute_many(
+    model: torch.nn.Module,
+    sequences: list[list[int]],
+    last: list[int],
+    *,
+    block_size: int = 16,
+    max_tokens: int = 2048,
+    counts: dict[str, int] | None = None,
+) -> list[torch.Tensor]:
     """fp32 logits of the last `last[i]` positions of each `sequences[i]` (row t predicts token t + 1), the
     sequences packed into prefills of up to `max_tokens` computed tokens through the engine's batch-invariant
     kernels, a prompt's full blocks that several of a pack share (an RL group's samples, a common system
@@ -259,19 +312,21 @@ def recompute_many(model: torch.nn.Module, sequences: list[list[int]], last: lis
     counts["tokens"] = counts.get("tokens", 0) + sum(map(len, sequences))
     if not kernel_runs(model, block_size):
         counts["computed"] = counts.get("computed", 0) + sum(map(len, sequences))
-        return [recompute_logits(model, ids, batch_invariant=False)[len(ids) - k:] for ids, k in zip(sequences, last)]
+        return [recompute_logits(model, ids, batch_invariant=False)[len(ids) - k :] for ids, k in zip(sequences, last)]
     out: list[torch.Tensor | None] = [None] * len(sequences)
     layers, kv_heads, head_dim = model.kv_shape
     for pack in plan_packs(sequences, last, block_size, max_tokens):
         counts["computed"] = counts.get("computed", 0) + pack.computed
-        cache = PagedKVCache(layers, pack.num_blocks, block_size, kv_heads, head_dim, model.embed.dtype,
-                             model.embed.device)
+        cache = PagedKVCache(
+            layers, pack.num_blocks, block_size, kv_heads, head_dim, model.embed.dtype, model.embed.device
+        )
         runner = ModelRunner(model, cache, model.embed.device, "kernel", batch_invariant=True)
-        result = runner.run(ScheduledBatch(step=0, chunks=tuple(pack.chunks), num_decode_tokens=0,
-                                           num_prefill_tokens=pack.computed))
+        result = runner.run(
+            ScheduledBatch(step=0, chunks=tuple(pack.chunks), num_decode_tokens=0, num_prefill_tokens=pack.computed)
+        )
         row = 0
         for chunk in result.sample_chunks:  # the rows come in the runner's chunk order
-            out[int(chunk.seq_id)] = result.logits_RV[row:row + chunk.num_logits]
+            out[int(chunk.seq_id)] = result.logits_RV[row : row + chunk.num_logits]
             row += chunk.num_logits
     return out  # type: ignore[return-value]
 
@@ -291,7 +346,7 @@ class Pack:
         the first position whose logits are wanted: those rows are computed by their own chunk)."""
         table: list[int] = []
         for b in range((len(ids) - last) // block_size):
-            block = self.shared.get((table[-1] if table else -1, tuple(ids[b * block_size:(b + 1) * block_size])))
+            block = self.shared.get((table[-1] if table else -1, tuple(ids[b * block_size : (b + 1) * block_size])))
             if block is None:
                 break
             table.append(block)
@@ -304,13 +359,14 @@ class Pack:
         shareable = (len(ids) - last) // block_size
         for b in range(len(prefix), -(-len(ids) // block_size)):
             if b < shareable:  # a later sequence with this prefix reads it
-                key = (table[-1] if table else -1, tuple(ids[b * block_size:(b + 1) * block_size]))
+                key = (table[-1] if table else -1, tuple(ids[b * block_size : (b + 1) * block_size]))
                 self.shared[key] = self.num_blocks
             table.append(self.num_blocks)
             self.num_blocks += 1
         start = len(prefix) * block_size
-        self.chunks.append(ScheduledChunk(str(index), tuple(ids[start:]), start, tuple(table), samples=True,
-                                          num_logits=last))
+        self.chunks.append(
+            ScheduledChunk(str(index), tuple(ids[start:]), start, tuple(table), samples=True, num_logits=last)
+        )
         self.computed += len(ids) - start
 
 

@@ -128,8 +128,9 @@ class Scheduler:
         """`draft_slots`: for decoding sequences that speculate, how many draft tokens to make room for."""
         plan = _Plan()
         plan.draft_slots = draft_slots or {}
-        if self.cfg.scheduler_policy == "prefill_first" and (self.waiting or any(
-                s.status is SequenceStatus.PREFILLING for s in self.running)):
+        if self.cfg.scheduler_policy == "prefill_first" and (
+            self.waiting or any(s.status is SequenceStatus.PREFILLING for s in self.running)
+        ):
             batch = self._schedule_once(step, plan, decodes=False)  # prompts first, in a step of their own
             if batch.chunks:
                 return batch
@@ -207,8 +208,9 @@ class Scheduler:
             else:
                 hits = self.blocks.cached_prefix(seq.token_ids, (seq.num_tokens - 1) // self.blocks.block_size)
                 cached = len(hits) * self.blocks.block_size
-                room = (self.blocks.num_free_blocks - sum(self.blocks.ref_counts[b] == 0 for b in hits)) \
-                    * self.blocks.block_size
+                room = (
+                    self.blocks.num_free_blocks - sum(self.blocks.ref_counts[b] == 0 for b in hits)
+                ) * self.blocks.block_size
                 need = seq.num_tokens - cached
                 if min(budget, need, room) <= 0 and not whole:
                     break
@@ -217,8 +219,11 @@ class Scheduler:
                 self.waiting.popleft()
                 seq.num_computed_tokens = self.blocks.allocate_prefix(seq.seq_id, seq.token_ids, seq.num_tokens - 1)
                 plan.prefix_hit_tokens += seq.num_computed_tokens
-            seq.status = SequenceStatus.DECODING if seq.num_uncomputed_tokens == 1 and seq.num_output_tokens \
+            seq.status = (
+                SequenceStatus.DECODING
+                if seq.num_uncomputed_tokens == 1 and seq.num_output_tokens
                 else SequenceStatus.PREFILLING
+            )
             if seq.admitted_step is None:
                 seq.admitted_step = step
             self.running.append(seq)
@@ -232,10 +237,17 @@ class Scheduler:
                 else:
                     num_prefill += size
 
-        return ScheduledBatch(step=step, chunks=tuple(chunks), num_decode_tokens=num_decode,
-                              num_prefill_tokens=num_prefill, preempted=tuple(plan.preempted),
-                              swap_out=tuple(plan.swap_out), swap_in=tuple(plan.swap_in),
-                              block_copies=tuple(plan.copies), prefix_hit_tokens=plan.prefix_hit_tokens)
+        return ScheduledBatch(
+            step=step,
+            chunks=tuple(chunks),
+            num_decode_tokens=num_decode,
+            num_prefill_tokens=num_prefill,
+            preempted=tuple(plan.preempted),
+            swap_out=tuple(plan.swap_out),
+            swap_in=tuple(plan.swap_in),
+            block_copies=tuple(plan.copies),
+            prefix_hit_tokens=plan.prefix_hit_tokens,
+        )
 
     # ------------------------------------------------------------------ helpers
 

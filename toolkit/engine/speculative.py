@@ -62,6 +62,7 @@ class DraftHost(Protocol):
     tokenizer: Any
     num_kv_blocks: int
 
+
 PLAIN, ACCEPTED, RESAMPLED, BONUS = "plain", "draft_accepted", "resampled", "bonus"
 
 
@@ -100,8 +101,17 @@ def sample_plain(logits_V: torch.Tensor, greedy: bool, seed: int, position: int,
     return gumbel_choice(logits_V, rng.row_key(seed, position, stream, rng.SAMPLE))
 
 
-def verify(p_logits: torch.Tensor, proposal: Proposal, *, greedy: bool, mode: str, seed: int, stream: int,
-           first_position: int, residual_from_p: bool = False) -> Verdict:
+def verify(
+    p_logits: torch.Tensor,
+    proposal: Proposal,
+    *,
+    greedy: bool,
+    mode: str,
+    seed: int,
+    stream: int,
+    first_position: int,
+    residual_from_p: bool = False,
+) -> Verdict:
     """Decide which drafts to keep. `p_logits` (m + 1, V): processed target logits at positions
     first_position .. first_position + m (row j predicts the token after d_1..d_j).
 
@@ -126,8 +136,11 @@ def verify(p_logits: torch.Tensor, proposal: Proposal, *, greedy: bool, mode: st
             keep = u * math.exp(q_logprob_d) < float(p[d])  # u < p(d) / q(d)
             choice, g = d, float("nan")
             if not keep:
-                q = q_lp[j].exp() if q_lp is not None else torch.nn.functional.one_hot(
-                    torch.tensor(d), p.shape[0]).double()
+                q = (
+                    q_lp[j].exp()
+                    if q_lp is not None
+                    else torch.nn.functional.one_hot(torch.tensor(d), p.shape[0]).double()
+                )
                 residual = p if residual_from_p else (p - q).clamp_min(0.0)
                 if float(residual.sum()) <= 0.0:  # p == q: any draft is kept with probability 1
                     residual = p
@@ -164,10 +177,10 @@ class NgramProposer:
     def lookup(self, tokens: collections.abc.Sequence[int], k: int) -> tuple[int, ...]:
         n_tokens = len(tokens)
         for n in range(min(self.lookup_max, n_tokens - 1), self.lookup_min - 1, -1):
-            suffix = list(tokens[n_tokens - n:])
+            suffix = list(tokens[n_tokens - n :])
             for start in range(n_tokens - n - 1, -1, -1):  # latest earlier occurrence first
-                if list(tokens[start:start + n]) == suffix:
-                    follow = tuple(tokens[start + n:start + n + k])
+                if list(tokens[start : start + n]) == suffix:
+                    follow = tuple(tokens[start + n : start + n + k])
                     if follow:
                         return follow
         return ()
@@ -239,8 +252,9 @@ class ModelProposer:
                 chunks.append(ScheduledChunk(seq.seq_id, tuple(tokens[start:]), start, tuple(table), True))
             if not chunks:
                 break
-            batch = ScheduledBatch(step=-1, chunks=tuple(chunks), num_decode_tokens=0,
-                                   num_prefill_tokens=sum(c.num_tokens for c in chunks))
+            batch = ScheduledBatch(
+                step=-1, chunks=tuple(chunks), num_decode_tokens=0, num_prefill_tokens=sum(c.num_tokens for c in chunks)
+            )
             out = self.runner.run(batch, self.num_layers)
             by_id = {seq.seq_id: seq for seq, _ in active}
             rows = [by_id[c.seq_id] for c in out.sample_chunks]
@@ -251,10 +265,12 @@ class ModelProposer:
                 drafts[seq.seq_id].append(tokens_out[i])
                 q_rows[seq.seq_id].append(processed[i])
             step += 1
-            active = [(seq, slots) for seq, slots in active
-                      if seq.seq_id in {c.seq_id for c in chunks} and len(drafts[seq.seq_id]) < slots]
-        return {sid: Proposal(tuple(d), torch.stack(q_rows[sid]) if q_rows[sid] else None)
-                for sid, d in drafts.items()}
+            active = [
+                (seq, slots)
+                for seq, slots in active
+                if seq.seq_id in {c.seq_id for c in chunks} and len(drafts[seq.seq_id]) < slots
+            ]
+        return {sid: Proposal(tuple(d), torch.stack(q_rows[sid]) if q_rows[sid] else None) for sid, d in drafts.items()}
 
     def _reserve(self, seq_id: str, num_tokens: int) -> bool:
         if not self.blocks.has(seq_id):
@@ -281,12 +297,16 @@ class SpecStats:
 
     def summary(self) -> dict[str, Any]:
         forwards, tokens = self.steps + self.plain_samples, self.emitted + self.plain_samples
-        return {"spec_verifications": self.steps, "spec_proposed": self.proposed, "spec_accepted": self.accepted,
-                "acceptance_rate": self.accepted / self.proposed if self.proposed else None,
-                "mean_accepted_length": self.accepted / self.steps if self.steps else None,
-                "tokens_per_verification": self.emitted / self.steps if self.steps else None,
-                # per sequence: target forwards it took part in / tokens it got (1.0 without speculation)
-                "target_forwards_per_output_token": forwards / tokens if tokens else None}
+        return {
+            "spec_verifications": self.steps,
+            "spec_proposed": self.proposed,
+            "spec_accepted": self.accepted,
+            "acceptance_rate": self.accepted / self.proposed if self.proposed else None,
+            "mean_accepted_length": self.accepted / self.steps if self.steps else None,
+            "tokens_per_verification": self.emitted / self.steps if self.steps else None,
+            # per sequence: target forwards it took part in / tokens it got (1.0 without speculation)
+            "target_forwards_per_output_token": forwards / tokens if tokens else None,
+        }
 
 
 class Speculator:
@@ -305,32 +325,51 @@ class Speculator:
         if cfg.method == "self_draft":
             layers = engine.loaded.arch.num_layers
             if not 1 <= cfg.draft_layers < layers:
-                raise ConfigError(f"speculative.draft_layers must be in [1, {layers - 1}] for this model, "
-                                  f"got {cfg.draft_layers}")
-            runner = ModelRunner(engine.loaded.model, engine.kv_cache, engine.device, engine.attention_backend,
-                                 batch_invariant=engine.cfg.batch_invariant,
-                                 native_matmul=engine.matmul_backend == "native",
-                                 flex_compile=engine.cfg.flex_compile)
-            return cls(cfg, ModelProposer(engine.loaded, runner, num_layers=cfg.draft_layers,
-                                          shares_target_cache=True))
+                raise ConfigError(
+                    f"speculative.draft_layers must be in [1, {layers - 1}] for this model, got {cfg.draft_layers}"
+                )
+            runner = ModelRunner(
+                engine.loaded.model,
+                engine.kv_cache,
+                engine.device,
+                engine.attention_backend,
+                batch_invariant=engine.cfg.batch_invariant,
+                native_matmul=engine.matmul_backend == "native",
+                flex_compile=engine.cfg.flex_compile,
+            )
+            return cls(cfg, ModelProposer(engine.loaded, runner, num_layers=cfg.draft_layers, shares_target_cache=True))
 
         draft_cfg = from_mapping(ModelConfig, dict(cfg.draft_model or {}), section="speculative.draft_model")
         draft = load_model(draft_cfg, engine.device)
         if draft.arch.vocab_size != engine.vocab_size:
-            raise ConfigError(f"speculative.draft_model has a vocabulary of {draft.arch.vocab_size} tokens, the target "
-                              f"{engine.vocab_size}: they must share a tokenizer")
-        if engine.tokenizer is not None and draft.tokenizer is not None and \
-                draft.tokenizer.digest != engine.tokenizer.digest:
+            raise ConfigError(
+                f"speculative.draft_model has a vocabulary of {draft.arch.vocab_size} tokens, the target "
+                f"{engine.vocab_size}: they must share a tokenizer"
+            )
+        if (
+            engine.tokenizer is not None
+            and draft.tokenizer is not None
+            and draft.tokenizer.digest != engine.tokenizer.digest
+        ):
             raise ConfigError("speculative.draft_model uses another tokenizer than the target")
         layers, kv_heads, head_dim = draft.model.kv_shape
         blocks = engine.num_kv_blocks
-        cache = PagedKVCache(layers, blocks, engine.cfg.block_size, kv_heads, head_dim, draft.model.embed.dtype,
-                             engine.device)
-        on_kernel = engine.attention_backend == "kernel" and draft.model.embed.dtype == torch.float32 and \
-            kernel_runs(draft.model, engine.cfg.block_size)  # the draft's own shapes too
-        runner = ModelRunner(draft.model, cache, engine.device, "kernel" if on_kernel else "sdpa",
-                             batch_invariant=engine.cfg.batch_invariant and on_kernel,
-                             native_matmul=engine.matmul_backend == "native" and on_kernel)
+        cache = PagedKVCache(
+            layers, blocks, engine.cfg.block_size, kv_heads, head_dim, draft.model.embed.dtype, engine.device
+        )
+        on_kernel = (
+            engine.attention_backend == "kernel"
+            and draft.model.embed.dtype == torch.float32
+            and kernel_runs(draft.model, engine.cfg.block_size)
+        )  # the draft's own shapes too
+        runner = ModelRunner(
+            draft.model,
+            cache,
+            engine.device,
+            "kernel" if on_kernel else "sdpa",
+            batch_invariant=engine.cfg.batch_invariant and on_kernel,
+            native_matmul=engine.matmul_backend == "native" and on_kernel,
+        )
         return cls(cfg, ModelProposer(draft, runner, block_manager=BlockManager(blocks, engine.cfg.block_size)))
 
     def max_drafts(self, seq, room: int) -> int:
@@ -343,29 +382,42 @@ class Speculator:
         for seq in running:
             if seq.status is not SequenceStatus.DECODING:
                 continue
-            room = min(self.cfg.num_speculative_tokens, seq.sampling.max_tokens - seq.num_output_tokens - 1,
-                       max_model_len - seq.num_tokens - 1)
+            room = min(
+                self.cfg.num_speculative_tokens,
+                seq.sampling.max_tokens - seq.num_output_tokens - 1,
+                max_model_len - seq.num_tokens - 1,
+            )
             if room > 0:
                 wanted = self.max_drafts(seq, room)
                 if wanted > 0:
                     slots[seq.seq_id] = wanted
         return slots
 
-    def fill(self, batch: ScheduledBatch, requests: Mapping[str, Sequence], context: DraftContext
-             ) -> tuple[ScheduledBatch, dict[str, Proposal]]:
+    def fill(
+        self, batch: ScheduledBatch, requests: Mapping[str, Sequence], context: DraftContext
+    ) -> tuple[ScheduledBatch, dict[str, Proposal]]:
         """The reserved draft slots filled with proposals; the chunks then carry the newest token + drafts."""
         items = [(requests[c.seq_id], c.draft_slots) for c in batch.chunks if c.draft_slots]
         if not items:
             return batch, {}
         proposals = {sid: p for sid, p in self.propose(context, items).items() if p.tokens}
         chunks = tuple(
-            dataclasses.replace(c, token_ids=c.token_ids + proposals[c.seq_id].tokens, draft_slots=0,
-                                num_logits=1 + len(proposals[c.seq_id].tokens))
-            if c.seq_id in proposals else dataclasses.replace(c, draft_slots=0)
-            for c in batch.chunks)
+            dataclasses.replace(
+                c,
+                token_ids=c.token_ids + proposals[c.seq_id].tokens,
+                draft_slots=0,
+                num_logits=1 + len(proposals[c.seq_id].tokens),
+            )
+            if c.seq_id in proposals
+            else dataclasses.replace(c, draft_slots=0)
+            for c in batch.chunks
+        )
         proposed = sum(len(p.tokens) for p in proposals.values())
-        return dataclasses.replace(batch, chunks=chunks, num_decode_tokens=batch.num_decode_tokens - sum(
-            c.draft_slots for c in batch.chunks) + proposed), proposals
+        return dataclasses.replace(
+            batch,
+            chunks=chunks,
+            num_decode_tokens=batch.num_decode_tokens - sum(c.draft_slots for c in batch.chunks) + proposed,
+        ), proposals
 
     def propose(self, context: DraftContext, items):
         return self.proposer.propose(context, items)

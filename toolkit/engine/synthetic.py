@@ -31,9 +31,14 @@ def decode_engine(loaded, engine_cfg: EngineConfig, batch: int, context: int, st
     first (the step's cost does not depend on the cached values).
     """
     blocks_needed = batch * (-(-(context + steps + 2) // engine_cfg.block_size))
-    cfg = EngineConfig(**{**engine_cfg.__dict__, "max_num_seqs": max(batch, 1),
-                          "max_num_batched_tokens": max(engine_cfg.max_num_batched_tokens, batch),
-                          "num_kv_blocks": blocks_needed + batch + 8})
+    cfg = EngineConfig(
+        **{
+            **engine_cfg.__dict__,
+            "max_num_seqs": max(batch, 1),
+            "max_num_batched_tokens": max(engine_cfg.max_num_batched_tokens, batch),
+            "num_kv_blocks": blocks_needed + batch + 8,
+        }
+    )
     engine = Engine(loaded, cfg, SamplingParams(temperature=0.0))
     gen = torch.Generator().manual_seed(batch * 7919 + context)
     for k, v in engine.kv_cache.layers:
@@ -42,8 +47,10 @@ def decode_engine(loaded, engine_cfg: EngineConfig, batch: int, context: int, st
     rnd = random.Random(batch * 7919 + context)
     vocab = loaded.arch.vocab_size
     for _ in range(batch):
-        engine.add_request(prompt_token_ids=[rnd.randrange(vocab) for _ in range(context)],
-                           sampling_params=SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True))
+        engine.add_request(
+            prompt_token_ids=[rnd.randrange(vocab) for _ in range(context)],
+            sampling_params=SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True),
+        )
     engine.scheduler.arrivals(0)
     for seq in list(engine.scheduler.waiting):  # as if prefilled: context tokens cached, one sampled token
         engine.scheduler.waiting.remove(seq)
@@ -56,8 +63,9 @@ def decode_engine(loaded, engine_cfg: EngineConfig, batch: int, context: int, st
     return engine
 
 
-def decode_step_ms(loaded, engine_cfg: EngineConfig, batch: int, context: int, steps: int = 8,
-                   gemm_pass=None) -> float | tuple[float, float]:
+def decode_step_ms(
+    loaded, engine_cfg: EngineConfig, batch: int, context: int, steps: int = 8, gemm_pass=None
+) -> float | tuple[float, float]:
     """Median ms of a pure decode step with `batch` sequences at `context` tokens of context; with
     `gemm_pass`, also the best ms of that function, timed after each step (alternately)."""
     engine = decode_engine(loaded, engine_cfg, batch, context, steps)

@@ -77,8 +77,15 @@ class KVQuant:
         return None, self.tensor_scales[i][which], per_token
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor,
-             slot_mapping_N: torch.Tensor, kv_quant: KVQuant | None = None, layer: int = 0) -> None:
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_NHD: torch.Tensor,
+    v_NHD: torch.Tensor,
+    slot_mapping_N: torch.Tensor,
+    kv_quant: KVQuant | None = None,
+    layer: int = 0,
+) -> None:
     """Scatter this step's keys and values into their slots (the cache is the only mutable state);
     a quantised cache quantises them on the way in (toolkit/kv/quant.py)."""
     if kv_quant is not None:
@@ -95,8 +102,12 @@ def additive_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
-def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype,
-                   scales: tuple[torch.Tensor | None, torch.Tensor | None, bool] | None = None) -> torch.Tensor:
+def _gather_blocks(
+    cache: torch.Tensor,
+    tables: torch.Tensor,
+    dtype: torch.dtype,
+    scales: tuple[torch.Tensor | None, torch.Tensor | None, bool] | None = None,
+) -> torch.Tensor:
     """Copy the blocks a table lists into one key axis: (..., B) -> (..., B * block_size, K, D),
     in the compute dtype (de-quantised with the blocks' scales for an int8/fp8 cache)."""
     _, block_size, h_kv, d = cache.shape
@@ -107,8 +118,14 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype
     return rows.view(*tables.shape[:-1], tables.shape[-1] * block_size, h_kv, d)
 
 
-def _grouped_sdpa(q_BQHD: torch.Tensor, k_BTKD: torch.Tensor, v_BTKD: torch.Tensor,
-                  bias: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
+def _grouped_sdpa(
+    q_BQHD: torch.Tensor,
+    k_BTKD: torch.Tensor,
+    v_BTKD: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """softmax(q k^T * scale + bias) v with H = K * G query heads sharing K kv heads.
 
     `bias` is (B, 1, T) for single-token queries (it broadcasts over the G rows) or
@@ -138,9 +155,16 @@ def _window_bias(query_pos: torch.Tensor, num_keys: int, window: int, dtype: tor
     return additive_bias(keys[None, :] > query_pos[:, None] - window, dtype)  # (Q, T)
 
 
-def paged_attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, softcap: float | None = None,
-                    window: int | None = None, layer: int = 0) -> torch.Tensor:
+def paged_attention(
+    q_NHD: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    layer: int = 0,
+) -> torch.Tensor:
     """Attention of every packed query over its own sequence's cached keys. Returns (N, H, D).
 
     `softcap` and `window` (Gemma2) run on the sdpa path only; the engine picks it for such models."""
@@ -152,17 +176,42 @@ def paged_attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if meta.kernel_rows and meta.kv_quant is not None:
         rows = meta.kernel_rows
         (k_block, k_static, _), (v_block, v_static, _) = (meta.kv_quant.layer(layer, w) for w in (0, 1))
-        paged_attention_cpu_q8(q_NHD[:rows], k_cache, v_cache, k_block if k_block is not None else k_static,
-                               v_block if v_block is not None else v_static, meta.block_tables_SB,
-                               meta.query_table_N[:rows], meta.query_ctx_N[:rows], scale, out_NHD[:rows])
+        paged_attention_cpu_q8(
+            q_NHD[:rows],
+            k_cache,
+            v_cache,
+            k_block if k_block is not None else k_static,
+            v_block if v_block is not None else v_static,
+            meta.block_tables_SB,
+            meta.query_table_N[:rows],
+            meta.query_ctx_N[:rows],
+            scale,
+            out_NHD[:rows],
+        )
     elif meta.kernel_rows and invariant_gpu.routes(q_NHD):  # the Triton kernel, the same contract
         rows = meta.kernel_rows
-        invariant_gpu.paged_attention(q_NHD[:rows], k_cache, v_cache, meta.block_tables_SB, meta.query_table_N[:rows],
-                                      meta.query_ctx_N[:rows], scale, out_NHD[:rows])
+        invariant_gpu.paged_attention(
+            q_NHD[:rows],
+            k_cache,
+            v_cache,
+            meta.block_tables_SB,
+            meta.query_table_N[:rows],
+            meta.query_ctx_N[:rows],
+            scale,
+            out_NHD[:rows],
+        )
     elif meta.kernel_rows:
         rows = meta.kernel_rows
-        paged_attention_cpu(q_NHD[:rows], k_cache, v_cache, meta.block_tables_SB, meta.query_table_N[:rows],
-                            meta.query_ctx_N[:rows], scale, out_NHD[:rows])
+        paged_attention_cpu(
+            q_NHD[:rows],
+            k_cache,
+            v_cache,
+            meta.block_tables_SB,
+            meta.query_table_N[:rows],
+            meta.query_ctx_N[:rows],
+            scale,
+            out_NHD[:rows],
+        )
     dtype = q_NHD.dtype
     ks, vs = (meta.kv_quant.layer(layer, 0), meta.kv_quant.layer(layer, 1)) if meta.kv_quant else (None, None)
     if meta.num_decodes and not meta.kernel_rows:
@@ -176,13 +225,14 @@ def paged_attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     for chunk in meta.prefills:
         k = _gather_blocks(k_cache, chunk.block_table_B, dtype, ks)[: chunk.context_len]  # (T, K, Dh)
         v = _gather_blocks(v_cache, chunk.block_table_B, dtype, vs)[: chunk.context_len]
-        q = q_NHD[chunk.start:chunk.end].unsqueeze(0)  # (1, Q, H, Dh)
+        q = q_NHD[chunk.start : chunk.end].unsqueeze(0)  # (1, Q, H, Dh)
         bias = chunk.bias_GQT
         if window is not None:
             q_len = chunk.end - chunk.start
             query_pos = torch.arange(chunk.context_len - q_len, chunk.context_len, device=bias.device)
             groups = bias.shape[0] // q_len
             bias = bias + _window_bias(query_pos, chunk.context_len, window, bias.dtype).repeat(groups, 1)
-        out_NHD[chunk.start:chunk.end] = _grouped_sdpa(q, k.unsqueeze(0), v.unsqueeze(0),
-                                                       bias.unsqueeze(0), scale, softcap).squeeze(0)
+        out_NHD[chunk.start : chunk.end] = _grouped_sdpa(
+            q, k.unsqueeze(0), v.unsqueeze(0), bias.unsqueeze(0), scale, softcap
+        ).squeeze(0)
     return out_NHD

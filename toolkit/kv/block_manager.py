@@ -57,8 +57,7 @@ def block_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_host_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, num_host_blocks: int = 0):
         if num_blocks <= 0 or block_size <= 0 or num_host_blocks < 0:
             raise ValueError(f"bad block manager sizes: {num_blocks}, {block_size}, {num_host_blocks}")
         self.num_blocks = num_blocks
@@ -140,8 +139,9 @@ class BlockManager:
         """Make positions [start, end) writable by this sequence alone; returns the copy-on-write jobs."""
         grow, shared = self._write_plan(seq_id, start, end)
         if grow + len(shared) > len(self._free):
-            raise NoFreeBlocks(f"write({seq_id!r}, {start}, {end}) needs {grow + len(shared)} blocks, "
-                               f"{len(self._free)} free")
+            raise NoFreeBlocks(
+                f"write({seq_id!r}, {start}, {end}) needs {grow + len(shared)} blocks, {len(self._free)} free"
+            )
         table = self._tables[seq_id]
         copies = []
         for i in shared:
@@ -162,7 +162,7 @@ class BlockManager:
             self._release(table.pop())
         self._num_tokens[seq_id] = min(self._num_tokens[seq_id], num_tokens)
         chain = self._chains[seq_id]
-        del chain[num_tokens // self.block_size:]
+        del chain[num_tokens // self.block_size :]
 
     # compatibility pairs used by simple callers and tests
     def can_allocate(self, num_tokens: int) -> bool:
@@ -196,7 +196,7 @@ class BlockManager:
         hits, parent = [], ROOT_DIGEST
         bs = self.block_size
         for i in range(min(max_blocks, len(token_ids) // bs)):
-            parent = block_digest(parent, token_ids[i * bs:(i + 1) * bs])
+            parent = block_digest(parent, token_ids[i * bs : (i + 1) * bs])
             block = self._cached.get(parent)
             if block is None:
                 break
@@ -227,7 +227,7 @@ class BlockManager:
             return
         chain, table, bs = self._chains[seq_id], self._tables[seq_id], self.block_size
         for i in range(len(chain), min(num_computed // bs, len(table))):
-            digest = block_digest(chain[-1] if chain else ROOT_DIGEST, token_ids[i * bs:(i + 1) * bs])
+            digest = block_digest(chain[-1] if chain else ROOT_DIGEST, token_ids[i * bs : (i + 1) * bs])
             chain.append(digest)
             block = table[i]
             if digest not in self._cached and block not in self._block_digest:
@@ -315,8 +315,9 @@ class BlockManager:
                 counts[block] += 1
         for block in range(self.num_blocks):
             assert self.ref_counts[block] >= 0, f"block {block} has a negative ref count"
-            assert self.ref_counts[block] == counts[block], \
+            assert self.ref_counts[block] == counts[block], (
                 f"block {block}: ref count {self.ref_counts[block]} != {counts[block]} tables"
+            )
             assert (block in self._free) == (counts[block] == 0), f"block {block}: free xor referenced violated"
         assert len(self._free) + sum(c > 0 for c in counts) == self.num_blocks, "leaked blocks"
         host_owned = [h for table in self._host_tables.values() for h in table]

@@ -37,8 +37,15 @@ class FlexMetadata:
     padded_rows: int  # a power of two >= Q_TILE, so a compiled kernel serves many steps
 
 
-def build(seq_tables: list[list[int]], rows_per_seq: list[int], positions_N: torch.Tensor, num_blocks: int,
-          block_size: int, window: int | None, compiled: bool) -> FlexMetadata:
+def build(
+    seq_tables: list[list[int]],
+    rows_per_seq: list[int],
+    positions_N: torch.Tensor,
+    num_blocks: int,
+    block_size: int,
+    window: int | None,
+    compiled: bool,
+) -> FlexMetadata:
     """`seq_tables[s]` is sequence s's block table (covering its context), `rows_per_seq[s]` its
     query rows in the packed order, `positions_N` every row's position."""
     from torch.nn.attention.flex_attention import BlockMask  # deferred: only for flex attention
@@ -56,7 +63,7 @@ def build(seq_tables: list[list[int]], rows_per_seq: list[int], positions_N: tor
     q_tiles = -(-n // Q_TILE)
     per_tile = []
     for t in range(q_tiles):
-        seqs = q_seq[t * Q_TILE: (t + 1) * Q_TILE].unique().tolist()
+        seqs = q_seq[t * Q_TILE : (t + 1) * Q_TILE].unique().tolist()
         per_tile.append(sorted({b for s in seqs if s < num_seqs for b in seq_tables[s]}))
     kv_indices = torch.zeros((1, 1, q_tiles, num_blocks), dtype=torch.int32)  # flex wants a row per cache block
     for t, blocks in enumerate(per_tile):
@@ -79,11 +86,21 @@ def build(seq_tables: list[list[int]], rows_per_seq: list[int], positions_N: tor
         return ok & (pos > q_pos[q_idx] - window)
 
     def mask_for(mod: Callable) -> object:
-        return BlockMask.from_kv_blocks(kv_num.to(device), kv_indices.to(device), BLOCK_SIZE=(Q_TILE, block_size),
-                                        mask_mod=mod, seq_lengths=(n, num_blocks * block_size))
+        return BlockMask.from_kv_blocks(
+            kv_num.to(device),
+            kv_indices.to(device),
+            BLOCK_SIZE=(Q_TILE, block_size),
+            mask_mod=mod,
+            seq_lengths=(n, num_blocks * block_size),
+        )
 
-    return FlexMetadata(mask=mask_for(causal), window_mask=mask_for(sliding) if window else None, compiled=compiled,
-                        num_rows=rows, padded_rows=n)
+    return FlexMetadata(
+        mask=mask_for(causal),
+        window_mask=mask_for(sliding) if window else None,
+        compiled=compiled,
+        num_rows=rows,
+        padded_rows=n,
+    )
 
 
 @lru_cache(maxsize=1)
@@ -100,8 +117,15 @@ def _softcap_mod(cap: float):
     return score_mod
 
 
-def attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: FlexMetadata, scale: float,
-              softcap: float | None, window: int | None) -> torch.Tensor:
+def attention(
+    q_NHD: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: FlexMetadata,
+    scale: float,
+    softcap: float | None,
+    window: int | None,
+) -> torch.Tensor:
     """(N, H, D) attention of the packed queries over the whole paged cache, masked per sequence."""
     from torch.nn.attention.flex_attention import flex_attention  # deferred: only for flex attention
 
@@ -113,7 +137,13 @@ def attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     fn = _compiled_flex() if meta.compiled else flex_attention
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        out = fn(q, k, v, score_mod=_softcap_mod(softcap) if softcap is not None else None,
-                 block_mask=meta.window_mask if window is not None else meta.mask, scale=scale,
-                 enable_gqa=kv_heads != q_NHD.shape[1])
+        out = fn(
+            q,
+            k,
+            v,
+            score_mod=_softcap_mod(softcap) if softcap is not None else None,
+            block_mask=meta.window_mask if window is not None else meta.mask,
+            scale=scale,
+            enable_gqa=kv_heads != q_NHD.shape[1],
+        )
     return out[0, :, : meta.num_rows].transpose(0, 1)  # (N, H, D)

@@ -18,8 +18,10 @@ from toolkit.kv.attention import KVQuant
 from toolkit.kv.quant import is_quantized, raw, storage_dtype
 
 # a block's key and value scale shapes (after the block axis), by granularity
-SCALE_SHAPES = {"block": lambda block_size, kv_heads, head_dim: ((kv_heads,), (kv_heads,)),
-                "channel": lambda block_size, kv_heads, head_dim: ((kv_heads, head_dim, 2), (block_size, kv_heads, 2))}
+SCALE_SHAPES = {
+    "block": lambda block_size, kv_heads, head_dim: ((kv_heads,), (kv_heads,)),
+    "channel": lambda block_size, kv_heads, head_dim: ((kv_heads, head_dim, 2), (block_size, kv_heads, 2)),
+}
 
 
 class PagedKVCache:
@@ -29,9 +31,19 @@ class PagedKVCache:
     it is simply a second buffer.
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, num_host_blocks: int = 0,
-                 kv_dtype: str = "auto", granularity: str = "block"):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        num_host_blocks: int = 0,
+        kv_dtype: str = "auto",
+        granularity: str = "block",
+    ):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -46,23 +58,34 @@ class PagedKVCache:
         ]
         pin = torch.device(device).type == "cuda"
         host_shape = (num_host_blocks, block_size, num_kv_heads, head_dim)
-        self.host_layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(host_shape, dtype=store, pin_memory=pin), torch.zeros(host_shape, dtype=store, pin_memory=pin))
-            for _ in range(num_layers)
-        ] if num_host_blocks else []
+        self.host_layers: list[tuple[torch.Tensor, torch.Tensor]] = (
+            [
+                (
+                    torch.zeros(host_shape, dtype=store, pin_memory=pin),
+                    torch.zeros(host_shape, dtype=store, pin_memory=pin),
+                )
+                for _ in range(num_layers)
+            ]
+            if num_host_blocks
+            else []
+        )
         self.block_scales = self.host_block_scales = self.tensor_scales = None
         if self.granularity in ("block", "channel"):
             k_shape, v_shape = SCALE_SHAPES[self.granularity](block_size, num_kv_heads, head_dim)
 
             def scales(n: int, dev) -> list[tuple[torch.Tensor, torch.Tensor]]:
-                return [(torch.zeros((n, *k_shape), device=dev), torch.zeros((n, *v_shape), device=dev))
-                        for _ in range(num_layers)]
+                return [
+                    (torch.zeros((n, *k_shape), device=dev), torch.zeros((n, *v_shape), device=dev))
+                    for _ in range(num_layers)
+                ]
 
             self.block_scales = scales(num_blocks, device)
             self.host_block_scales = scales(num_host_blocks, "cpu") if num_host_blocks else []
         elif self.granularity == "tensor":
-            self.tensor_scales = [(torch.ones(num_kv_heads, device=device), torch.ones(num_kv_heads, device=device))
-                                  for _ in range(num_layers)]
+            self.tensor_scales = [
+                (torch.ones(num_kv_heads, device=device), torch.ones(num_kv_heads, device=device))
+                for _ in range(num_layers)
+            ]
 
     @property
     def quant(self) -> KVQuant | None:
@@ -112,8 +135,15 @@ class PagedKVCache:
             vs.copy_((v.float().abs().amax(dim=(0, 2)) / q_max).clamp_min(1e-8))
 
     @staticmethod
-    def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                    kv_dtype: str = "auto", granularity: str = "block") -> int:
+    def block_bytes(
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        kv_dtype: str = "auto",
+        granularity: str = "block",
+    ) -> int:
         """Bytes one block takes over all layers (K, V and per-block fp32 scales), before any is allocated."""
         element = torch.empty((), dtype=storage_dtype(kv_dtype, dtype)).element_size()
         scales = 0

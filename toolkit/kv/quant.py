@@ -61,8 +61,15 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (q.float() * scale).to(dtype)
 
 
-def write_quantized(cache: torch.Tensor, scales: torch.Tensor | None, static_scale: torch.Tensor | None,
-                    per_token: bool, x_NKD: torch.Tensor, slots_N: torch.Tensor, kv_dtype: str) -> None:
+def write_quantized(
+    cache: torch.Tensor,
+    scales: torch.Tensor | None,
+    static_scale: torch.Tensor | None,
+    per_token: bool,
+    x_NKD: torch.Tensor,
+    slots_N: torch.Tensor,
+    kv_dtype: str,
+) -> None:
     """Store this step's keys (or values) x into their slots of a quantised paged cache.
 
     cache: [blocks, block_size, K, D] in the storage dtype; scales: fp32 running per-block scales
@@ -95,8 +102,10 @@ def write_quantized(cache: torch.Tensor, scales: torch.Tensor | None, static_sca
     held = torch.ones(touched.shape[0], dtype=torch.bool, device=x.device)  # the block's old range still holds
     held[inverse[slots_N % block_size == 0]] = False
     keep = held.view(-1, 1, 1)
-    new = torch.stack((torch.where(keep, torch.minimum(old[..., 0], lo), lo),
-                       torch.where(keep, torch.maximum(old[..., 1], hi), hi)), dim=-1)
+    new = torch.stack(
+        (torch.where(keep, torch.minimum(old[..., 0], lo), lo), torch.where(keep, torch.maximum(old[..., 1], hi), hi)),
+        dim=-1,
+    )
     grown = held & (new != old).flatten(1).any(dim=1)
     if grown.any():  # re-round what these blocks already hold to their wider range
         rows = touched[grown]
@@ -107,8 +116,16 @@ def write_quantized(cache: torch.Tensor, scales: torch.Tensor | None, static_sca
     raw(flat).index_copy_(0, slots_N, raw(quantize_ranged(x, new[inverse], kv_dtype)))
 
 
-def _write_block_scaled(cache: torch.Tensor, scales: torch.Tensor, x_NKD: torch.Tensor, slots_N: torch.Tensor,
-                        blocks_N: torch.Tensor, touched: torch.Tensor, inverse: torch.Tensor, kv_dtype: str) -> None:
+def _write_block_scaled(
+    cache: torch.Tensor,
+    scales: torch.Tensor,
+    x_NKD: torch.Tensor,
+    slots_N: torch.Tensor,
+    blocks_N: torch.Tensor,
+    touched: torch.Tensor,
+    inverse: torch.Tensor,
+    kv_dtype: str,
+) -> None:
     """granularity=block: one running symmetric scale per block and KV head, the max over the head's channels."""
     num_blocks, block_size, kv_heads, d = cache.shape
     scales.index_fill_(0, blocks_N[slots_N % block_size == 0], 0.0)  # a block written from its first slot: new owner
@@ -125,7 +142,8 @@ def _write_block_scaled(cache: torch.Tensor, scales: torch.Tensor, x_NKD: torch.
         raw(cache).index_copy_(0, rows, raw(quantize(values, new[grown][:, None, :, None], kv_dtype)))
     scales.index_copy_(0, touched, new)
     raw(cache.view(num_blocks * block_size, kv_heads, d)).index_copy_(
-        0, slots_N, raw(quantize(x_NKD, new[inverse][..., None], kv_dtype)))
+        0, slots_N, raw(quantize(x_NKD, new[inverse][..., None], kv_dtype))
+    )
 
 
 def _centre_step(ranges: torch.Tensor, q_max: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,8 +163,14 @@ def dequantize_ranged(q: torch.Tensor, ranges: torch.Tensor, dtype: torch.dtype)
     return (q.float() * step + centre).to(dtype)
 
 
-def read_blocks(cache: torch.Tensor, scales: torch.Tensor | None, static_scale: torch.Tensor | None,
-                per_token: bool, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def read_blocks(
+    cache: torch.Tensor,
+    scales: torch.Tensor | None,
+    static_scale: torch.Tensor | None,
+    per_token: bool,
+    tables: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """The listed blocks de-quantised: (..., B) -> (..., B, block_size, K, D) in `dtype`."""
     blocks = raw(cache).index_select(0, tables.reshape(-1)).view(cache.dtype)  # (B*, bs, K, D)
     if scales is None:

@@ -33,8 +33,16 @@ def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> LoadedMo
     state_dict = {k: v.to(dtype) for k, v in canonical_weights(ckpt.arch, ckpt.state_dict).items()}
     model = PagedDecoder(ckpt.arch, state_dict).to(device)
     model.eval()
-    return LoadedModel(model=model, tokenizer=ckpt.tokenizer, arch=ckpt.arch, name=ckpt.name,
-                       model_id=ckpt.model_id, revision=ckpt.revision, config=cfg, generation=dict(ckpt.generation))
+    return LoadedModel(
+        model=model,
+        tokenizer=ckpt.tokenizer,
+        arch=ckpt.arch,
+        name=ckpt.name,
+        model_id=ckpt.model_id,
+        revision=ckpt.revision,
+        config=cfg,
+        generation=dict(ckpt.generation),
+    )
 
 
 __all__ = ["Checkpoint", "DecoderArch", "PagedDecoder", "LoadedModel", "Tokenizer", "load_checkpoint", "load_model"]

@@ -75,7 +75,7 @@ class DecoderArch:
 
     @property
     def scale(self) -> float:
-        return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
+        return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
 
     def window_of(self, layer: int) -> int | None:
         return self.sliding_window if layer in self.sliding_layers else None
@@ -125,8 +125,20 @@ def _frozen_t(t: torch.Tensor) -> nn.Parameter:
 
 
 PROJECTIONS = ("w_qkv", "w_o", "w_gate_up", "w_up", "w_down")
-VECTORS = ("ln_attn", "ln_attn_b", "b_qkv", "q_norm", "k_norm", "b_o", "post_attn_norm", "ln_mlp", "ln_mlp_b",
-           "b_up", "b_down", "post_mlp_norm")
+VECTORS = (
+    "ln_attn",
+    "ln_attn_b",
+    "b_qkv",
+    "q_norm",
+    "k_norm",
+    "b_o",
+    "post_attn_norm",
+    "ln_mlp",
+    "ln_mlp_b",
+    "b_up",
+    "b_down",
+    "post_mlp_norm",
+)
 
 
 class DecoderLayer(nn.Module):
@@ -164,9 +176,15 @@ class PagedDecoder(nn.Module):
         self.act = ACTIVATIONS[arch.activation]
         # whether every layer is plain Llama (no biases, q/k norms or extra norms, no soft-capping or
         # sliding window): then a CPU fp32 step on the native kernels runs all layers in one C call
-        self._plain = arch.norm == "rms" and arch.attn_softcap is None and all(
-            arch.window_of(i) is None and all(getattr(layer, n) is None for n in VECTORS if n not in ("ln_attn", "ln_mlp"))
-            for i, layer in enumerate(self.layers))
+        self._plain = (
+            arch.norm == "rms"
+            and arch.attn_softcap is None
+            and all(
+                arch.window_of(i) is None
+                and all(getattr(layer, n) is None for n in VECTORS if n not in ("ln_attn", "ln_mlp"))
+                for i, layer in enumerate(self.layers)
+            )
+        )
         self.fused_layers = True  # may be switched off per model (tests compare both paths bit for bit)
         self._layer_weights = None  # the packed weights' addresses per layer, for the fused call
         self._norms_f32 = None  # the norm weights in fp32 (a 16-bit model's widened) the fused call reads
@@ -196,11 +214,18 @@ class PagedDecoder(nn.Module):
         if gpu:
             n, heads, dim = x_NHD.shape
             return invariant_gpu.rms_norm(x_NHD.reshape(n * heads, dim), weight, self.arch.rms_norm_eps).view(
-                n, heads, dim)
+                n, heads, dim
+            )
         return rms_norm(x_NHD, weight, self.arch.rms_norm_eps)
 
-    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                  bias: torch.Tensor | None, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _add_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        native: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, norm of it); natively in one pass that updates x (an activation this forward owns), or
         on a CUDA GPU in one Triton kernel (the same order: the sum rounded to the format, then HF's RMSNorm)."""
         if native:
@@ -216,27 +241,40 @@ class PagedDecoder(nn.Module):
         (the caller checks the native matmul, RoPE, norm and SiLU kernels apply), every row through the
         attention kernel, a cache in the model's format (fp32, bf16 or fp16)."""
         n = positions_N.shape[0]
-        return (self.fused_layers and self._plain and n > 0 and attn.flex is None and attn.kv_quant is None
-                and attn.kernel_rows == n and kv_caches[0][0].dtype == x.dtype
-                and all(t.dtype == torch.int64 and t.is_contiguous() for t in
-                        (positions_N, attn.slot_mapping_N, attn.query_table_N, attn.query_ctx_N, attn.block_tables_SB))
-                and self._native(x))
+        return (
+            self.fused_layers
+            and self._plain
+            and n > 0
+            and attn.flex is None
+            and attn.kv_quant is None
+            and attn.kernel_rows == n
+            and kv_caches[0][0].dtype == x.dtype
+            and all(
+                t.dtype == torch.int64 and t.is_contiguous()
+                for t in (positions_N, attn.slot_mapping_N, attn.query_table_N, attn.query_ctx_N, attn.block_tables_SB)
+            )
+            and self._native(x)
+        )
 
     def _layer_table(self, packed, kv_caches, num_layers: int) -> torch.Tensor:
         """Per layer: the addresses of its norm weights (fp32: a 16-bit model's widened, kept here), packed
         projections and K / V caches."""
         if self._layer_weights is None:
             self._norms_f32 = [(layer.ln_attn.float(), layer.ln_mlp.float()) for layer in self.layers]
-            self._layer_weights = [[a.data_ptr(), b.data_ptr()]
-                                   + [p[name].data.data_ptr() for name in ("w_qkv", "w_o", "w_gate_up", "w_down")]
-                                   for (a, b), p in zip(self._norms_f32, packed)]
+            self._layer_weights = [
+                [a.data_ptr(), b.data_ptr()]
+                + [p[name].data.data_ptr() for name in ("w_qkv", "w_o", "w_gate_up", "w_down")]
+                for (a, b), p in zip(self._norms_f32, packed)
+            ]
         caches = tuple(p for k, v in kv_caches[:num_layers] for p in (k.data_ptr(), v.data_ptr()))
         table = self._layer_tables.get(caches)
         if table is None:  # built once per cache (and per depth, for the self-draft)
             if len(self._layer_tables) >= 8:
                 self._layer_tables.clear()
-            table = torch.tensor([w + [k, v] for w, k, v in zip(self._layer_weights[:num_layers], caches[0::2],
-                                                                caches[1::2])], dtype=torch.int64)
+            table = torch.tensor(
+                [w + [k, v] for w, k, v in zip(self._layer_weights[:num_layers], caches[0::2], caches[1::2])],
+                dtype=torch.int64,
+            )
             self._layer_tables[caches] = table
         return table
 
@@ -251,9 +289,16 @@ class PagedDecoder(nn.Module):
         return rms_norm(x, weight, self.arch.rms_norm_eps)
 
     @torch.inference_mode()
-    def forward(self, input_ids_N: torch.Tensor, positions_N: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_rows_R: torch.Tensor,
-                num_layers: int | None = None, native_matmul: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids_N: torch.Tensor,
+        positions_N: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        logits_rows_R: torch.Tensor,
+        num_layers: int | None = None,
+        native_matmul: bool = False,
+    ) -> torch.Tensor:
         """Run one packed step; return fp32 logits (R, V) for the rows in `logits_rows_R`.
 
         `num_layers` stops after the first layers (then the final norm and LM head): the
@@ -264,6 +309,7 @@ class PagedDecoder(nn.Module):
         a = self.arch
         mm, packed, head = torch.matmul, None, self.lm_head_t
         if native_matmul and invariant_gpu.routes(self.embed):  # one fixed tiling, no split-K: M changes no row
+
             def mm(h, w):
                 return gm.invariant_matmul(h, w).to(h.dtype)
         elif native_matmul:
@@ -291,12 +337,30 @@ class PagedDecoder(nn.Module):
         pending = None  # the previous layer's MLP output: the next norm adds it to x
         layers = list(zip(itertools.islice(self.layers, num_layers), kv_caches))  # no ModuleList slice per step
         if native_matmul and native_silu and native_rope and self._fused(x, attn, kv_caches, positions_N):
-            dims = (n, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, self.layers[0].w_down.shape[0],
-                    kv_caches[0][0].shape[1])
-            decoder_layers_cpu(x, self._layer_table(packed, kv_caches, len(layers)), dims, positions_N,
-                               attn.slot_mapping_N, self.rope_cos, self.rope_sin, attn.block_tables_SB,
-                               attn.query_table_N, attn.query_ctx_N, a.rms_norm_eps, self.scale,
-                               kv_caches[0][0].shape[0] * kv_caches[0][0].shape[1])
+            dims = (
+                n,
+                a.hidden_size,
+                a.num_heads,
+                a.num_kv_heads,
+                a.head_dim,
+                self.layers[0].w_down.shape[0],
+                kv_caches[0][0].shape[1],
+            )
+            decoder_layers_cpu(
+                x,
+                self._layer_table(packed, kv_caches, len(layers)),
+                dims,
+                positions_N,
+                attn.slot_mapping_N,
+                self.rope_cos,
+                self.rope_sin,
+                attn.block_tables_SB,
+                attn.query_table_N,
+                attn.query_ctx_N,
+                a.rms_norm_eps,
+                self.scale,
+                kv_caches[0][0].shape[0] * kv_caches[0][0].shape[1],
+            )
             layers = []  # x holds the last layer's residual stream, its MLP output added
         for i, (layer, (k_cache, v_cache)) in enumerate(layers):
             weights = packed[i] if packed else None
@@ -309,8 +373,13 @@ class PagedDecoder(nn.Module):
             qkv = proj(h, "w_qkv", layer.b_qkv)  # (N, (H + 2K) * Dh)
             qk = qkv[:, : q_width + kv_width].view(n, a.num_heads + a.num_kv_heads, a.head_dim)
             if layer.q_norm is not None:  # Qwen3: RMSNorm of each q and k head before RoPE
-                qk = torch.cat([self._head_norm(qk[:, : a.num_heads], layer.q_norm, gpu),
-                                self._head_norm(qk[:, a.num_heads:], layer.k_norm, gpu)], dim=1)
+                qk = torch.cat(
+                    [
+                        self._head_norm(qk[:, : a.num_heads], layer.q_norm, gpu),
+                        self._head_norm(qk[:, a.num_heads :], layer.k_norm, gpu),
+                    ],
+                    dim=1,
+                )
             if native_rope:  # the same bits in one pass
                 qk = rope_cpu(qk, self.rope_cos, self.rope_sin, positions_N)
             elif gpu_rope:  # the same bits in one kernel
@@ -318,11 +387,12 @@ class PagedDecoder(nn.Module):
             elif self.pos_embed is None:
                 qk = qk * cos + rotate_half(qk) * sin  # RoPE on q and k heads at once
             q = qk[:, : a.num_heads]  # (N, H, Dh)
-            k = qk[:, a.num_heads:]  # (N, K, Dh)
-            v = qkv[:, q_width + kv_width:].view(n, a.num_kv_heads, a.head_dim)
+            k = qk[:, a.num_heads :]  # (N, K, Dh)
+            v = qkv[:, q_width + kv_width :].view(n, a.num_kv_heads, a.head_dim)
             write_kv(k_cache, v_cache, k, v, attn.slot_mapping_N, attn.kv_quant, i)
-            o = paged_attention(q, k_cache, v_cache, attn, self.scale, softcap=a.attn_softcap,
-                                window=a.window_of(i), layer=i)  # (N, H, Dh)
+            o = paged_attention(
+                q, k_cache, v_cache, attn, self.scale, softcap=a.attn_softcap, window=a.window_of(i), layer=i
+            )  # (N, H, Dh)
             o = proj(o.reshape(n, q_width), "w_o", layer.b_o)
             if layer.post_attn_norm is not None:
                 o = self._norm(o, layer.post_attn_norm)

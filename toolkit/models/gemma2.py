@@ -27,12 +27,18 @@ def from_hf_config(cfg: Mapping[str, Any]) -> DecoderArch:
     sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention") if window else ()
     base = llama.from_hf_config({k: v for k, v in cfg.items() if k not in ("sliding_window", "attention_bias")})
     return dataclasses.replace(
-        base, family="gemma2", activation="gelu_tanh", sandwich_norm=True,
+        base,
+        family="gemma2",
+        activation="gelu_tanh",
+        sandwich_norm=True,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         embed_scale=cfg["hidden_size"] ** 0.5,
         query_scale=float(cfg.get("query_pre_attn_scalar") or base.head_dim) ** -0.5,
-        attn_softcap=cfg.get("attn_logit_softcapping"), final_softcap=cfg.get("final_logit_softcapping"),
-        sliding_window=window if sliding else None, sliding_layers=sliding)
+        attn_softcap=cfg.get("attn_logit_softcapping"),
+        final_softcap=cfg.get("final_logit_softcapping"),
+        sliding_window=window if sliding else None,
+        sliding_layers=sliding,
+    )
 
 
 def canonical_weights(arch: DecoderArch, sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

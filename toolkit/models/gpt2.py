@@ -22,8 +22,9 @@ def from_hf_config(cfg: Mapping[str, Any]) -> DecoderArch:
     if act not in GELU:
         raise ModelLoadError(f"unsupported GPT-2 activation_function {act!r}; supported: {', '.join(GELU)}")
     if cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("reorder_and_upcast_attn"):
-        raise ModelLoadError("GPT-2 checkpoints with scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn "
-                             "are not supported")
+        raise ModelLoadError(
+            "GPT-2 checkpoints with scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn are not supported"
+        )
     hidden, heads = cfg["n_embd"], cfg["n_head"]
     return DecoderArch(
         vocab_size=cfg["vocab_size"],
@@ -68,8 +69,12 @@ def to_hf_config(arch: DecoderArch) -> dict[str, Any]:
 
 def canonical_weights(arch: DecoderArch, sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     sd = {k.removeprefix("transformer."): v for k, v in sd.items()}  # the hub's gpt2 has no prefix
-    out = {"embed": need(sd, "wte.weight"), "pos_embed": need(sd, "wpe.weight"), "norm": need(sd, "ln_f.weight"),
-           "norm_b": need(sd, "ln_f.bias")}
+    out = {
+        "embed": need(sd, "wte.weight"),
+        "pos_embed": need(sd, "wpe.weight"),
+        "norm": need(sd, "ln_f.weight"),
+        "norm_b": need(sd, "ln_f.bias"),
+    }
     if not arch.tie_word_embeddings:
         out["lm_head"] = need(sd, "lm_head.weight")
     for i in range(arch.num_layers):

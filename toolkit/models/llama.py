@@ -80,11 +80,15 @@ def to_hf_config(arch: DecoderArch) -> dict[str, Any]:
     }
 
 
-def canonical_weights(arch: DecoderArch, sd: Mapping[str, torch.Tensor], *, qkv_bias: bool = False,
-                      qk_norm: bool = False) -> dict[str, torch.Tensor]:
+def canonical_weights(
+    arch: DecoderArch, sd: Mapping[str, torch.Tensor], *, qkv_bias: bool = False, qk_norm: bool = False
+) -> dict[str, torch.Tensor]:
     """HF Llama-layout names (shared by Qwen2/Qwen3) -> the decoder's canonical names."""
-    out = {"embed": need(sd, "model.embed_tokens.weight"), "norm": need(sd, "model.norm.weight"),
-           "lm_head": None if arch.tie_word_embeddings else need(sd, "lm_head.weight")}
+    out = {
+        "embed": need(sd, "model.embed_tokens.weight"),
+        "norm": need(sd, "model.norm.weight"),
+        "lm_head": None if arch.tie_word_embeddings else need(sd, "lm_head.weight"),
+    }
     for i in range(arch.num_layers):
         p, a, c = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"layers.{i}."
         out[c + "w_qkv"] = _cat(sd, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])

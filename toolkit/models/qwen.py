@@ -22,8 +22,9 @@ def from_hf_config(cfg: Mapping[str, Any]) -> DecoderArch:
     qwen3 = cfg.get("model_type") == "qwen3"
     if qwen3 and cfg.get("attention_bias"):
         raise ModelLoadError("Qwen3 checkpoints with attention_bias=true are not supported")
-    base = llama.from_hf_config({k: v for k, v in cfg.items()
-                                 if k not in ("attention_bias", "sliding_window", "use_sliding_window")})
+    base = llama.from_hf_config(
+        {k: v for k, v in cfg.items() if k not in ("attention_bias", "sliding_window", "use_sliding_window")}
+    )
     return dataclasses.replace(base, family=cfg["model_type"], qk_norm=qwen3)
 
 

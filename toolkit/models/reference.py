@@ -46,8 +46,10 @@ def reference_logits(model: PagedDecoder, token_ids: list[int], dtype: torch.dty
     """
     a = model.arch
     if a.family != "llama":
-        raise ConfigError(f"the textbook reference covers the Llama family only, not {a.family}: "
-                          f"use verify.reference=hf (HF transformers' {a.family})")
+        raise ConfigError(
+            f"the textbook reference covers the Llama family only, not {a.family}: "
+            f"use verify.reference=hf (HF transformers' {a.family})"
+        )
     with one_thread():
         return _forward(model, token_ids, dtype)
 
@@ -72,8 +74,8 @@ def _forward(model: PagedDecoder, token_ids: list[int], dtype: torch.dtype) -> t
         h = _rms_norm(x, w(layer.ln_attn), a.rms_norm_eps)
         qkv = _matmul(h, w(layer.w_qkv))  # (T, (h_q + 2 h_kv) * d)
         q = qkv[:, : h_q * d].view(t, h_q, d)
-        k = qkv[:, h_q * d: (h_q + h_kv) * d].view(t, h_kv, d)
-        v = qkv[:, (h_q + h_kv) * d:].view(t, h_kv, d)
+        k = qkv[:, h_q * d : (h_q + h_kv) * d].view(t, h_kv, d)
+        v = qkv[:, (h_q + h_kv) * d :].view(t, h_kv, d)
         # rotate queries and keys by their position
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -81,7 +83,7 @@ def _forward(model: PagedDecoder, token_ids: list[int], dtype: torch.dtype) -> t
         k = k.repeat_interleave(groups, dim=1)  # (T, h_q, d)
         v = v.repeat_interleave(groups, dim=1)
         # causal attention: each position reads the values of positions 0..itself
-        attended = _causal_attention(q, k, v, d ** -0.5).reshape(t, h_q * d)
+        attended = _causal_attention(q, k, v, d**-0.5).reshape(t, h_q * d)
         x = x + _matmul(attended, w(layer.w_o))
 
         # 2. SwiGLU feed-forward block, pre-norm
@@ -119,7 +121,7 @@ def _matmul(x_TK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
     row's dot products are summed the same way whatever T is. (T, N)"""
     t = x_TK.shape[0]
     x = _pad_rows(x_TK.contiguous(), ROWS)
-    return torch.cat([x[i: i + ROWS] @ w_KN for i in range(0, x.shape[0], ROWS)])[:t]
+    return torch.cat([x[i : i + ROWS] @ w_KN for i in range(0, x.shape[0], ROWS)])[:t]
 
 
 def _tree_sum(x: torch.Tensor) -> torch.Tensor:
@@ -143,18 +145,18 @@ def _causal_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Ten
     v = _pad_rows(v_THD, KEYS).transpose(0, 1).contiguous()
     out, device = [], q_THD.device
     for q0 in range(0, q.shape[1], ROWS):
-        q_blk = q[:, q0: q0 + ROWS].contiguous()  # (H, ROWS, D)
+        q_blk = q[:, q0 : q0 + ROWS].contiguous()  # (H, ROWS, D)
         rows = torch.arange(q0, q0 + ROWS, device=device).unsqueeze(1)  # (ROWS, 1): the block's query positions
         starts = range(0, q0 + ROWS, KEYS)  # the key blocks this query block can see (not T: a prefix's rows
         scores = []  # are computed by the same calls in a longer sequence); each (H, ROWS, KEYS)
         for k0 in starts:
-            s = torch.bmm(q_blk, k[:, k0: k0 + KEYS].transpose(1, 2).contiguous()) * scale
+            s = torch.bmm(q_blk, k[:, k0 : k0 + KEYS].transpose(1, 2).contiguous()) * scale
             scores.append(s.masked_fill(torch.arange(k0, k0 + KEYS, device=device) > rows, float("-inf")))
         top = torch.stack([s.amax(-1, keepdim=True) for s in scores]).amax(0)  # (H, ROWS, 1)
         total = acc = None
         for k0, s in zip(starts, scores):
             p = torch.exp(s - top)  # exactly 0 where masked
-            part, weighted = _tree_sum(p), torch.bmm(p, v[:, k0: k0 + KEYS])
+            part, weighted = _tree_sum(p), torch.bmm(p, v[:, k0 : k0 + KEYS])
             total = part if total is None else total + part
             acc = weighted if acc is None else acc + weighted
         out.append(acc / total)

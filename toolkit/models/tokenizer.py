@@ -75,13 +75,22 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         if not self.chat_template:
             raise RequestError("this tokenizer has no chat template; give `prompt` instead of `messages`")
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
-        ) or not messages:
+        if (
+            not isinstance(messages, list)
+            or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            )
+            or not messages
+        ):
             raise RequestError("messages must be a non-empty list of {role: str, content: str}")
-        text = _render(self.chat_template, messages=messages, add_generation_prompt=add_generation_prompt,
-                       bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        text = _render(
+            self.chat_template,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
         return self.encode(text, add_special_tokens=False)
 
 

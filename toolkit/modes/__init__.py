@@ -22,9 +22,15 @@ MODES = {
 
 def usage() -> str:
     width = max(map(len, MODES))
-    lines = ["usage: python run.py [mode=<mode>] [key=value ...]   (Hydra overrides; conf/ holds the defaults)", "",
-             "modes:"]
+    lines = [
+        "usage: python run.py [mode=<mode>] [key=value ...]   (Hydra overrides; conf/ holds the defaults)",
+        "",
+        "modes:",
+    ]
     lines += [f"  {name:<{width}}  {line}" for name, line in MODES.items()]
-    lines += ["", "experiments: python run.py experiment=<name> (experiments/*.yaml); docs: README.md and docs/",
-              "Hydra's own options: python run.py --hydra-help; the composed config: python run.py --cfg job"]
+    lines += [
+        "",
+        "experiments: python run.py experiment=<name> (experiments/*.yaml); docs: README.md and docs/",
+        "Hydra's own options: python run.py --hydra-help; the composed config: python run.py --cfg job",
+    ]
     return "\n".join(lines)

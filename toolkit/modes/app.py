@@ -39,8 +39,9 @@ def runner(mode: str) -> Callable[[DictConfig, Path], int]:
         extra = EXTRAS.get((exc.name or "").split(".")[0])
         if extra is None:
             raise
-        raise ConfigError(f"mode={mode} needs {exc.name}, in the {extra} extra: "
-                          f"pip install -e '.[{extra}]' -c constraints.txt") from None
+        raise ConfigError(
+            f"mode={mode} needs {exc.name}, in the {extra} extra: pip install -e '.[{extra}]' -c constraints.txt"
+        ) from None
 
 
 def main(cfg: DictConfig, run_dir: Path) -> int:
@@ -65,8 +66,10 @@ def run_train(cfg: DictConfig, run_dir: Path) -> int:
     out_dir = Path(train_cfg.get("out_dir") or run_dir / "nanogpt")
     result = train(train_cfg, OmegaConf.to_container(cfg.model, resolve=True), out_dir)
     first, last = result["history"][0], result["history"][-1]
-    print(f"val loss {first['val_loss']:.3f} -> {last['val_loss']:.3f}; checkpoint {out_dir}\n"
-          f"serve it: python run.py model=nanogpt model.path={out_dir} workload=text")
+    print(
+        f"val loss {first['val_loss']:.3f} -> {last['val_loss']:.3f}; checkpoint {out_dir}\n"
+        f"serve it: python run.py model=nanogpt model.path={out_dir} workload=text"
+    )
     return 0
 
 
@@ -81,12 +84,19 @@ def run_workload(cfg: DictConfig, run_dir: Path) -> int:
     rejected += more_rejected
 
     trace_cfg = cfg.get("trace") or {}
-    recorded = record(engine, ids, run_dir, cfg, trace=trace_cfg.get("enabled", True),
-                      flush_every_steps=trace_cfg.get("flush_every_steps", 64),
-                      full_logits=trace_cfg.get("full_logits"),
-                      logger=OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else None,
-                      progress=cfg.get("progress", True), plots=cfg.get("plots", True),
-                      summary_extra={"rejected": len(rejected), "rejected_requests": [r.reason for r in rejected]})
+    recorded = record(
+        engine,
+        ids,
+        run_dir,
+        cfg,
+        trace=trace_cfg.get("enabled", True),
+        flush_every_steps=trace_cfg.get("flush_every_steps", 64),
+        full_logits=trace_cfg.get("full_logits"),
+        logger=OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else None,
+        progress=cfg.get("progress", True),
+        plots=cfg.get("plots", True),
+        summary_extra={"rejected": len(rejected), "rejected_requests": [r.reason for r in rejected]},
+    )
     outputs, summary = recorded.outputs, recorded.summary
     validity = structured_output_validity(outputs, {i: engine.sequences(i)[0].sampling for i in ids})
     if validity is not None:
@@ -97,10 +107,14 @@ def run_workload(cfg: DictConfig, run_dir: Path) -> int:
     print_summary(summary, run_dir)
     if engine.model_sampling_defaults:
         fields = ", ".join(f"{k}={v}" for k, v in engine.model_sampling_defaults.items())
-        print(f"sampling defaults from the model's generation config: {fields} (model.generation_config=none: "
-              f"the library's)")
-    print(f"replay it bit for bit:   python run.py mode=replay replay.trace={run_dir}\n"
-          f"verify its logits:       python run.py mode=verify verify.trace={run_dir}")
+        print(
+            f"sampling defaults from the model's generation config: {fields} (model.generation_config=none: "
+            f"the library's)"
+        )
+    print(
+        f"replay it bit for bit:   python run.py mode=replay replay.trace={run_dir}\n"
+        f"verify its logits:       python run.py mode=verify verify.trace={run_dir}"
+    )
     if trace_cfg.get("enabled", True) and wanted(cfg):
         _report_line(report_after(run_dir))
     return 1 if rejected else 0
@@ -120,8 +134,12 @@ def _trace_arg(cfg: DictConfig, mode: str) -> Path:
 
 def run_replay(cfg: DictConfig, run_dir: Path) -> int:
     r = cfg.replay
-    report = replay(_trace_arg(cfg, "replay"), list(r.get("overrides") or []),
-                    allow_mismatch=bool(r.get("allow_mismatch")), out_dir=run_dir)
+    report = replay(
+        _trace_arg(cfg, "replay"),
+        list(r.get("overrides") or []),
+        allow_mismatch=bool(r.get("allow_mismatch")),
+        out_dir=run_dir,
+    )
     if wanted(cfg):  # the recorded run against its replay: where they part, and why
         _report_line(report_after(report.trace_dir, run_dir, run_dir / "report.html"))
     for problem in report.mismatches:
@@ -143,8 +161,14 @@ def run_verify(cfg: DictConfig, run_dir: Path) -> int:
         raise ConfigError(f"verify.atol must be a positive number or auto, got {atol!r}")
     plain = OmegaConf.to_container(v, resolve=True)
     ray = ray_options(plain, "verify") if launcher(plain, "verify") == "ray" else None
-    report = verify(_trace_arg(cfg, "verify"), reference=v.get("reference", "ours"), atol=atol,
-                    reference_dtype=str(v.get("reference_dtype", "float64")), out_dir=run_dir, ray=ray)
+    report = verify(
+        _trace_arg(cfg, "verify"),
+        reference=v.get("reference", "ours"),
+        atol=atol,
+        reference_dtype=str(v.get("reference_dtype", "float64")),
+        out_dir=run_dir,
+        ray=ray,
+    )
     print(report.summary_line())
     for c in report.failures:
         print(f"  first failure: {c.request_id}#{c.stream} position {c.position} token {c.token_id}: {c.reason}")
@@ -159,11 +183,13 @@ def run_compare(cfg: DictConfig, run_dir: Path) -> int:
     print(result.table())
     print(f"compare.json, compare.parquet, compare.png: {run_dir}")
     if wanted(cfg):  # the first run against each other one
-
         resolved = resolve_runs(runs or [])
         for k, other in enumerate(resolved[1:], start=1):
-            _report_line(report_after(resolved[0], other,
-                                      run_dir / ("report.html" if len(resolved) == 2 else f"report-{k}.html")))
+            _report_line(
+                report_after(
+                    resolved[0], other, run_dir / ("report.html" if len(resolved) == 2 else f"report-{k}.html")
+                )
+            )
     return 0
 
 
@@ -182,9 +208,27 @@ def _fmt(value: Any) -> str:
 
 
 def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
-    keys = ["requests", "rejected", "output_tokens", "wall_s", "output_tok_per_s", "requests_per_s", "ttft_p50_s",
-            "ttft_p95_s", "tpot_p50_s", "tpot_p95_s", "itl_p95_s", "queue_p95_s", "num_preemptions", "prefix_cache_hit_rate", "json_validity_rate", "acceptance_rate", "mean_accepted_length",
-            "target_forwards_per_output_token", "steps"]
+    keys = [
+        "requests",
+        "rejected",
+        "output_tokens",
+        "wall_s",
+        "output_tok_per_s",
+        "requests_per_s",
+        "ttft_p50_s",
+        "ttft_p95_s",
+        "tpot_p50_s",
+        "tpot_p95_s",
+        "itl_p95_s",
+        "queue_p95_s",
+        "num_preemptions",
+        "prefix_cache_hit_rate",
+        "json_validity_rate",
+        "acceptance_rate",
+        "mean_accepted_length",
+        "target_forwards_per_output_token",
+        "steps",
+    ]
     width = max(len(k) for k in keys)
     print("=" * (width + 14))
     for k in keys:
@@ -194,14 +238,25 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
     wide = batch_vs_single(by_batch)
     if wide is not None:  # what batching costs a decode step (steps with no prompt tokens, medians)
         b, ratio = wide
-        print(f"{'decode step, batch 1 / ' + str(b):<{width}}  {1e3 * by_batch['1']['p50_s']:.1f} / "
-              f"{1e3 * by_batch[str(b)]['p50_s']:.1f} ms ({ratio:.2f}x)")
+        print(
+            f"{'decode step, batch 1 / ' + str(b):<{width}}  {1e3 * by_batch['1']['p50_s']:.1f} / "
+            f"{1e3 * by_batch[str(b)]['p50_s']:.1f} ms ({ratio:.2f}x)"
+        )
     print(f"{'run_dir':<{width}}  {run_dir}")
 
 
 # the optional dependencies a mode may import, and the extra (pyproject.toml) that installs each
-EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "pydantic": "serve", "prometheus_client": "serve", "ray": "ray",
-          "llama_cpp": "llama", "matplotlib": "bench", "plotly": "report", "wandb": "wandb"}
+EXTRAS = {
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "pydantic": "serve",
+    "prometheus_client": "serve",
+    "ray": "ray",
+    "llama_cpp": "llama",
+    "matplotlib": "bench",
+    "plotly": "report",
+    "wandb": "wandb",
+}
 # mode -> what runs it (toolkit.modes.MODES says what each does; a test holds the two to the same modes)
 RUNNERS: dict[str, Callable[[DictConfig, Path], int] | str] = {
     "run": run_workload,

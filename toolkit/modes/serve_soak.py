@@ -29,13 +29,44 @@ from toolkit.reproduce.replay import replay as replay_run
 from toolkit.serve.main import start_server
 from toolkit.trace.reader import read_requests, read_samples
 
-WORDS = ("the", "cat", "river", "sang", "over", "a", "quiet", "moon", "and", "seven", "red", "boats", "under",
-         "green", "light", "to", "market", "was", "cold", "we")
+WORDS = (
+    "the",
+    "cat",
+    "river",
+    "sang",
+    "over",
+    "a",
+    "quiet",
+    "moon",
+    "and",
+    "seven",
+    "red",
+    "boats",
+    "under",
+    "green",
+    "light",
+    "to",
+    "market",
+    "was",
+    "cold",
+    "we",
+)
 
 
-def soak_http(engine: Engine, run_dir: Path, config: dict[str, Any] | None = None, *, requests: int = 20000,
-              concurrency: int = 32, max_tokens: int = 4, report_every: int = 1000, seed: int = 0,
-              max_waiting: int = 256, burst: int = 0, replay: bool = True) -> dict[str, Any]:
+def soak_http(
+    engine: Engine,
+    run_dir: Path,
+    config: dict[str, Any] | None = None,
+    *,
+    requests: int = 20000,
+    concurrency: int = 32,
+    max_tokens: int = 4,
+    report_every: int = 1000,
+    seed: int = 0,
+    max_waiting: int = 256,
+    burst: int = 0,
+    replay: bool = True,
+) -> dict[str, Any]:
     """`burst`: first send that many requests at once (each 16 tokens long), the overload check: every answer
     must be 200 or 503, /health 200 afterwards."""
     for name in ("httpx", "httpcore"):  # a line per HTTP request under Hydra's INFO logging
@@ -51,17 +82,30 @@ def soak_http(engine: Engine, run_dir: Path, config: dict[str, Any] | None = Non
 
     def checkpoint() -> None:
         writer = server.loop.writer
-        rows.append({"served": counts["served"], "seconds": time.perf_counter() - start,
-                     "rss_mb": proc.memory_info().rss / 2**20, "flush_s": writer.flush_s - flushed[0],
-                     "open_requests": server.loop.open_requests})
+        rows.append(
+            {
+                "served": counts["served"],
+                "seconds": time.perf_counter() - start,
+                "rss_mb": proc.memory_info().rss / 2**20,
+                "flush_s": writer.flush_s - flushed[0],
+                "open_requests": server.loop.open_requests,
+            }
+        )
         flushed[0] = writer.flush_s
         r = rows[-1]
-        print(f"served {r['served']:>6}: RSS {r['rss_mb']:.0f} MB, flush {r['flush_s'] * 1e3:.0f} ms this "
-              f"{report_every}, {r['open_requests']} open, {r['seconds']:.0f} s", flush=True)
+        print(
+            f"served {r['served']:>6}: RSS {r['rss_mb']:.0f} MB, flush {r['flush_s'] * 1e3:.0f} ms this "
+            f"{report_every}, {r['open_requests']} open, {r['seconds']:.0f} s",
+            flush=True,
+        )
 
     async def one(client: httpx.AsyncClient, rnd: random.Random) -> None:
-        body = {"prompt": " ".join(rnd.choice(WORDS) for _ in range(rnd.randint(1, 12))), "max_tokens": max_tokens,
-                "temperature": rnd.choice([0.0, 0.7, 1.0]), "seed": rnd.randrange(2**31)}
+        body = {
+            "prompt": " ".join(rnd.choice(WORDS) for _ in range(rnd.randint(1, 12))),
+            "max_tokens": max_tokens,
+            "temperature": rnd.choice([0.0, 0.7, 1.0]),
+            "seed": rnd.randrange(2**31),
+        }
         while True:
             r = await client.post("/v1/completions", json=body)
             if r.status_code != 503:
@@ -78,19 +122,25 @@ def soak_http(engine: Engine, run_dir: Path, config: dict[str, Any] | None = Non
 
     async def overload() -> None:
         body = {"prompt": "Overload", "max_tokens": 16, "ignore_eos": True, "temperature": 1.0}
-        async with httpx.AsyncClient(base_url=server.url, limits=httpx.Limits(max_connections=burst),
-                                     timeout=300) as client:
+        async with httpx.AsyncClient(
+            base_url=server.url, limits=httpx.Limits(max_connections=burst), timeout=300
+        ) as client:
             t0 = time.perf_counter()
-            answers = await asyncio.gather(*(client.post("/v1/completions", json={**body, "seed": i})
-                                             for i in range(burst)), return_exceptions=True)
+            answers = await asyncio.gather(
+                *(client.post("/v1/completions", json={**body, "seed": i}) for i in range(burst)),
+                return_exceptions=True,
+            )
             statuses = [a.status_code if isinstance(a, httpx.Response) else type(a).__name__ for a in answers]
             health = (await client.get("/health")).status_code
         by = {str(k): statuses.count(k) for k in sorted(set(statuses), key=str)}
         counts["burst_served"] = statuses.count(200)
         counts["tokens"] += 16 * statuses.count(200)
         report_burst.update(statuses=by, health_after=health, seconds=time.perf_counter() - t0)
-        print(f"overload: {burst} requests at once against serve.max_waiting={max_waiting}: {by} in "
-              f"{report_burst['seconds']:.1f} s; /health {health} afterwards", flush=True)
+        print(
+            f"overload: {burst} requests at once against serve.max_waiting={max_waiting}: {by} in "
+            f"{report_burst['seconds']:.1f} s; /health {health} afterwards",
+            flush=True,
+        )
 
     async def drive() -> None:
         if burst:
@@ -112,9 +162,15 @@ def soak_http(engine: Engine, run_dir: Path, config: dict[str, Any] | None = Non
         server.stop()
     recorded = read_requests(served_dir).num_rows
     sample_rows = read_samples(served_dir).num_rows
-    report: dict[str, Any] = {**counts, "requests": requests, "seconds": time.perf_counter() - start,
-                              "checkpoints": rows, "trace_requests": recorded, "trace_sample_rows": sample_rows,
-                              "burst": report_burst}
+    report: dict[str, Any] = {
+        **counts,
+        "requests": requests,
+        "seconds": time.perf_counter() - start,
+        "checkpoints": rows,
+        "trace_requests": recorded,
+        "trace_sample_rows": sample_rows,
+        "burst": report_burst,
+    }
     problems = []
     if counts["errors"]:
         problems.append(f"{counts['errors']} requests answered neither 200 nor 503")

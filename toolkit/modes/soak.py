@@ -34,29 +34,61 @@ from toolkit.sampling.params import SamplingParams
 from toolkit.trace.writer import TraceWriter
 
 
-def soak(loaded, engine_cfg: EngineConfig, run_dir: Path, *, duration_s: float, seed: int = 0,
-         queue_depth: int = 48, abort_prob: float = 0.02, max_prompt: int = 160, max_new: int = 48,
-         check_every: int = 50, warmup_s: float = 5.0, max_rss_growth_mb: float = 200.0) -> dict[str, Any]:
+def soak(
+    loaded,
+    engine_cfg: EngineConfig,
+    run_dir: Path,
+    *,
+    duration_s: float,
+    seed: int = 0,
+    queue_depth: int = 48,
+    abort_prob: float = 0.02,
+    max_prompt: int = 160,
+    max_new: int = 48,
+    check_every: int = 50,
+    warmup_s: float = 5.0,
+    max_rss_growth_mb: float = 200.0,
+) -> dict[str, Any]:
     rnd = random.Random(seed)
     engine = Engine(loaded, engine_cfg)
     writer = TraceWriter(run_dir, new_run_id(), flush_every_steps=64)
     proc = psutil.Process()
     vocab = loaded.arch.vocab_size
     live: set[str] = set()
-    counts = {"added": 0, "finished": 0, "aborted": 0, "errored": 0, "preemptions": 0, "tokens": 0,
-              "sample_rows": 0, "error_rows": 0, "steps": 0, "invariant_checks": 0}
+    counts = {
+        "added": 0,
+        "finished": 0,
+        "aborted": 0,
+        "errored": 0,
+        "preemptions": 0,
+        "tokens": 0,
+        "sample_rows": 0,
+        "error_rows": 0,
+        "steps": 0,
+        "invariant_checks": 0,
+    }
     start = time.perf_counter()
     rss_warm = None
     next_id = 0
     while time.perf_counter() - start < duration_s:
         while len(live) < queue_depth:
             n = rnd.randint(1, max_prompt)
-            params = SamplingParams(temperature=rnd.choice([0.0, 0.7, 1.0]), top_p=rnd.choice([1.0, 0.9]),
-                                    top_k=rnd.choice([-1, 50]), max_tokens=rnd.randint(1, max_new),
-                                    seed=rnd.randrange(2**31), n=rnd.choice([1, 1, 1, 2]),
-                                    repetition_penalty=rnd.choice([1.0, 1.1]))
-            rid = engine.add(EngineRequest(prompt_token_ids=[rnd.randrange(vocab) for _ in range(n)],
-                                           request_id=f"soak-{next_id}", sampling_params=params))
+            params = SamplingParams(
+                temperature=rnd.choice([0.0, 0.7, 1.0]),
+                top_p=rnd.choice([1.0, 0.9]),
+                top_k=rnd.choice([-1, 50]),
+                max_tokens=rnd.randint(1, max_new),
+                seed=rnd.randrange(2**31),
+                n=rnd.choice([1, 1, 1, 2]),
+                repetition_penalty=rnd.choice([1.0, 1.1]),
+            )
+            rid = engine.add(
+                EngineRequest(
+                    prompt_token_ids=[rnd.randrange(vocab) for _ in range(n)],
+                    request_id=f"soak-{next_id}",
+                    sampling_params=params,
+                )
+            )
             next_id += 1
             live.add(rid)
             counts["added"] += 1
@@ -93,10 +125,17 @@ def soak(loaded, engine_cfg: EngineConfig, run_dir: Path, *, duration_s: float, 
     rss_end = proc.memory_info().rss / 2**20
     rss_warm = rss_warm if rss_warm is not None else rss_end
     pool = engine.stats()
-    report = {**counts, "seconds": time.perf_counter() - start, "trace_rows": writer.rows_written,
-              "leaked_blocks": pool.kv_blocks_total - pool.kv_blocks_free, "engine_requests_left": pool.requests,
-              "rss_after_warmup_mb": rss_warm, "rss_end_mb": rss_end, "rss_growth_mb": rss_end - rss_warm,
-              "num_kv_blocks": pool.kv_blocks_total}
+    report = {
+        **counts,
+        "seconds": time.perf_counter() - start,
+        "trace_rows": writer.rows_written,
+        "leaked_blocks": pool.kv_blocks_total - pool.kv_blocks_free,
+        "engine_requests_left": pool.requests,
+        "rss_after_warmup_mb": rss_warm,
+        "rss_end_mb": rss_end,
+        "rss_growth_mb": rss_end - rss_warm,
+        "num_kv_blocks": pool.kv_blocks_total,
+    }
     problems = []
     if report["leaked_blocks"]:
         problems.append(f"{report['leaked_blocks']} KV blocks not returned")
@@ -105,8 +144,10 @@ def soak(loaded, engine_cfg: EngineConfig, run_dir: Path, *, duration_s: float, 
     if report["trace_rows"] != report["sample_rows"]:
         problems.append(f"trace rows {report['trace_rows']} != rows emitted {report['sample_rows']}")
     if report["tokens"] + report["error_rows"] != report["sample_rows"]:
-        problems.append(f"tokens committed {report['tokens']} + error rows {report['error_rows']} != rows emitted "
-                        f"{report['sample_rows']}")
+        problems.append(
+            f"tokens committed {report['tokens']} + error rows {report['error_rows']} != rows emitted "
+            f"{report['sample_rows']}"
+        )
     if report["rss_growth_mb"] > max_rss_growth_mb:
         problems.append(f"RSS grew {report['rss_growth_mb']:.0f} MB after warm-up (limit {max_rss_growth_mb:.0f})")
     report["problems"] = problems
@@ -120,33 +161,58 @@ def run_soak(cfg: DictConfig, run_dir: Path) -> int:
     engine_cfg = from_mapping(EngineConfig, OmegaConf.to_container(cfg.engine, resolve=True), section="engine")
     model_cfg = from_mapping(ModelConfig, OmegaConf.to_container(cfg.model, resolve=True), section="model")
     over = s.pop("over", "engine")
-    known = HTTP_OPTIONS if over == "http" else {
-        "duration_s", "seed", "queue_depth", "abort_prob", "max_prompt", "max_new", "check_every", "warmup_s",
-        "max_rss_growth_mb"}
+    known = (
+        HTTP_OPTIONS
+        if over == "http"
+        else {
+            "duration_s",
+            "seed",
+            "queue_depth",
+            "abort_prob",
+            "max_prompt",
+            "max_new",
+            "check_every",
+            "warmup_s",
+            "max_rss_growth_mb",
+        }
+    )
     if over not in ("engine", "http"):
         raise ConfigError(f"soak.over must be engine or http, got {over!r}")
     unknown = sorted(set(s) - known)
     if unknown:
-        raise ConfigError(f"unknown soak option(s) for soak.over={over}: {', '.join(unknown)}; known: "
-                          f"{', '.join(sorted(known))}")
+        raise ConfigError(
+            f"unknown soak option(s) for soak.over={over}: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     loaded = load_model(model_cfg, engine_cfg.device)
     if over == "http":
         return _run_http(cfg, loaded, engine_cfg, run_dir, s)
     report = soak(loaded, engine_cfg, run_dir, **s)
-    print(f"soak: {report['seconds']:.0f} s, {report['steps']} steps, {report['added']} requests "
-          f"({report['finished']} finished, {report['aborted']} aborted, {report['errored']} errored), "
-          f"{report['preemptions']} preemptions, {report['tokens']} tokens, {report['trace_rows']} trace rows; "
-          f"leaked blocks {report['leaked_blocks']}; RSS {report['rss_after_warmup_mb']:.0f} -> "
-          f"{report['rss_end_mb']:.0f} MB ({report['rss_growth_mb']:+.0f} MB)")
+    print(
+        f"soak: {report['seconds']:.0f} s, {report['steps']} steps, {report['added']} requests "
+        f"({report['finished']} finished, {report['aborted']} aborted, {report['errored']} errored), "
+        f"{report['preemptions']} preemptions, {report['tokens']} tokens, {report['trace_rows']} trace rows; "
+        f"leaked blocks {report['leaked_blocks']}; RSS {report['rss_after_warmup_mb']:.0f} -> "
+        f"{report['rss_end_mb']:.0f} MB ({report['rss_growth_mb']:+.0f} MB)"
+    )
     for p in report["problems"]:
         print(f"FAILED: {p}")
     print(f"soak.json: {run_dir}")
     return 0 if report["passed"] else 1
 
 
-HTTP_OPTIONS = {"requests", "concurrency", "max_tokens", "report_every", "seed", "max_waiting", "burst", "replay",
-                "max_rss_growth_mb", "max_flush_ratio"}
+HTTP_OPTIONS = {
+    "requests",
+    "concurrency",
+    "max_tokens",
+    "report_every",
+    "seed",
+    "max_waiting",
+    "burst",
+    "replay",
+    "max_rss_growth_mb",
+    "max_flush_ratio",
+}
 
 
 def _run_http(cfg: DictConfig, loaded, engine_cfg: EngineConfig, run_dir: Path, s: dict[str, Any]) -> int:
@@ -156,15 +222,18 @@ def _run_http(cfg: DictConfig, loaded, engine_cfg: EngineConfig, run_dir: Path, 
     report = soak_http(Engine(loaded, engine_cfg), run_dir, config, **s)
     growth, ratio = report.get("rss_growth_mb"), report.get("flush_last_over_second")
     if growth is not None and growth > max_growth:
-        report["problems"].append(f"RSS grew {growth:.0f} MB from the first checkpoint to the last "
-                                  f"(limit {max_growth:.0f})")
+        report["problems"].append(
+            f"RSS grew {growth:.0f} MB from the first checkpoint to the last (limit {max_growth:.0f})"
+        )
     if ratio is not None and ratio > max_ratio:
         report["problems"].append(f"flush time of the last thousand is {ratio:.2f}x the second's (limit {max_ratio})")
-    print(f"soak over HTTP: {report['served']} requests served in {report['seconds']:.0f} s "
-          f"({report['retried_503']} 503s retried), {report['tokens']} tokens; trace: {report['trace_requests']} "
-          f"requests, {report['trace_sample_rows']} sample rows; RSS growth "
-          f"{growth if growth is None else f'{growth:+.0f} MB'}, flush last / second "
-          f"{ratio if ratio is None else f'{ratio:.2f}x'}; replay: {report.get('replay', 'not run')}")
+    print(
+        f"soak over HTTP: {report['served']} requests served in {report['seconds']:.0f} s "
+        f"({report['retried_503']} 503s retried), {report['tokens']} tokens; trace: {report['trace_requests']} "
+        f"requests, {report['trace_sample_rows']} sample rows; RSS growth "
+        f"{growth if growth is None else f'{growth:+.0f} MB'}, flush last / second "
+        f"{ratio if ratio is None else f'{ratio:.2f}x'}; replay: {report.get('replay', 'not run')}"
+    )
     for p in report["problems"]:
         print(f"FAILED: {p}")
     print(f"soak_http.json: {run_dir}")

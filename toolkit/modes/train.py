@@ -67,14 +67,22 @@ class CharGPT(nn.Module):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """HF GPT2LMHeadModel names; its Conv1D projections store (in, out)."""
-        out = {"transformer.wte.weight": self.wte.weight, "transformer.wpe.weight": self.wpe.weight,
-               "transformer.ln_f.weight": self.ln_f.weight, "transformer.ln_f.bias": self.ln_f.bias}
+        out = {
+            "transformer.wte.weight": self.wte.weight,
+            "transformer.wpe.weight": self.wpe.weight,
+            "transformer.ln_f.weight": self.ln_f.weight,
+            "transformer.ln_f.bias": self.ln_f.bias,
+        }
         for i, blk in enumerate(self.h):
             p = f"transformer.h.{i}."
             for hf_name, mod in (("ln_1", blk.ln_1), ("ln_2", blk.ln_2)):
                 out[p + hf_name + ".weight"], out[p + hf_name + ".bias"] = mod.weight, mod.bias
-            for hf_name, lin in (("attn.c_attn", blk.c_attn), ("attn.c_proj", blk.attn_proj),
-                                 ("mlp.c_fc", blk.c_fc), ("mlp.c_proj", blk.mlp_proj)):
+            for hf_name, lin in (
+                ("attn.c_attn", blk.c_attn),
+                ("attn.c_proj", blk.attn_proj),
+                ("mlp.c_fc", blk.c_fc),
+                ("mlp.c_proj", blk.mlp_proj),
+            ):
                 out[p + hf_name + ".weight"], out[p + hf_name + ".bias"] = lin.weight.t(), lin.bias
         return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
@@ -97,8 +105,10 @@ def train(cfg: dict[str, Any], model_cfg: dict[str, Any], out_dir: Path, log=pri
     text = path.read_text(encoding="utf-8", errors="replace")
     context = int(model_cfg["max_position_embeddings"])
     if len(text) < 4 * (context + 1):
-        raise ConfigError(f"train.text has {len(text)} characters; it needs at least {4 * (context + 1)} "
-                          f"(4 x model.max_position_embeddings + 4)")
+        raise ConfigError(
+            f"train.text has {len(text)} characters; it needs at least {4 * (context + 1)} "
+            f"(4 x model.max_position_embeddings + 4)"
+        )
     chars = sorted(set(text))
     tok = char_tokenizer(chars)
     data = torch.tensor(tok.encode(text).ids, dtype=torch.long)
@@ -113,14 +123,16 @@ def train(cfg: dict[str, Any], model_cfg: dict[str, Any], out_dir: Path, log=pri
 
     def sample_batch(src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         start = torch.randint(0, len(src) - context - 1, (batch,), generator=gen)
-        x = torch.stack([src[s: s + context] for s in start.tolist()])
-        return x, torch.stack([src[s + 1: s + context + 1] for s in start.tolist()])
+        x = torch.stack([src[s : s + context] for s in start.tolist()])
+        return x, torch.stack([src[s + 1 : s + context + 1] for s in start.tolist()])
 
     @torch.no_grad()
     def evaluate(src: torch.Tensor, batches: int = 8) -> float:
         model.eval()
-        losses = [F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item() for x, y in
-                  (sample_batch(src if len(src) > context + 1 else train_data) for _ in range(batches))]
+        losses = [
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+            for x, y in (sample_batch(src if len(src) > context + 1 else train_data) for _ in range(batches))
+        ]
         model.train()
         return sum(losses) / len(losses)
 
@@ -140,19 +152,38 @@ def train(cfg: dict[str, Any], model_cfg: dict[str, Any], out_dir: Path, log=pri
         opt.step()
         if step % int(cfg["eval_interval"]) == 0 or step == steps:
             history.append({"step": step, "train_loss": evaluate(train_data), "val_loss": evaluate(val_data)})
-            log(f"step {step}: train loss {history[-1]['train_loss']:.3f}, val loss {history[-1]['val_loss']:.3f} "
-                f"({time.perf_counter() - t0:.0f} s)")
+            log(
+                f"step {step}: train loss {history[-1]['train_loss']:.3f}, val loss {history[-1]['val_loss']:.3f} "
+                f"({time.perf_counter() - t0:.0f} s)"
+            )
 
-    arch = DecoderArch(vocab_size=len(chars) + 2, hidden_size=d, num_layers=layers, num_heads=heads,
-                       num_kv_heads=heads, head_dim=d // heads, intermediate_size=4 * d, rms_norm_eps=1e-5,
-                       rope_theta=0.0, max_position_embeddings=context, tie_word_embeddings=True, eos_token_ids=(0,),
-                       family="gpt2", norm="layer", positions="learned", gated_mlp=False, activation="gelu_tanh")
+    arch = DecoderArch(
+        vocab_size=len(chars) + 2,
+        hidden_size=d,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=d // heads,
+        intermediate_size=4 * d,
+        rms_norm_eps=1e-5,
+        rope_theta=0.0,
+        max_position_embeddings=context,
+        tie_word_embeddings=True,
+        eos_token_ids=(0,),
+        family="gpt2",
+        norm="layer",
+        positions="learned",
+        gated_mlp=False,
+        activation="gelu_tanh",
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(model.hf_state_dict(), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(gpt2.to_hf_config(arch), indent=2))
     tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "unk_token": UNK,
-                                                               "tokenizer_class": "PreTrainedTokenizerFast"}))
-    (out_dir / "train_log.json").write_text(json.dumps({"text": str(path), "characters": len(text),
-                                                        "vocab": len(chars) + 2, "history": history}, indent=2))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": EOS, "unk_token": UNK, "tokenizer_class": "PreTrainedTokenizerFast"})
+    )
+    (out_dir / "train_log.json").write_text(
+        json.dumps({"text": str(path), "characters": len(text), "vocab": len(chars) + 2, "history": history}, indent=2)
+    )
     return {"history": history, "checkpoint": str(out_dir)}

@@ -17,11 +17,12 @@ TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
     "scalar": ("any", ("-DTOOLKIT_VL=1",)),  # plain C: one lane, no FMA
 }
 # the CPU flags (/proc/cpuinfo) each x86-64 level needs, as the psABI defines the levels
-X86_LEVELS = (("x86-64-v4", {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
-              ("x86-64-v3", {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"}),
-              ("x86-64-v2", {"sse4_2", "ssse3", "popcnt", "cx16"}),
-              ("x86-64", set()))
-
+X86_LEVELS = (
+    ("x86-64-v4", {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+    ("x86-64-v3", {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"}),
+    ("x86-64-v2", {"sse4_2", "ssse3", "popcnt", "cx16"}),
+    ("x86-64", set()),
+)
 
 
 def machine() -> str:
@@ -59,5 +60,3 @@ def runnable_targets() -> list[str]:
     host = host_target()
     levels = [name for name, (arch, _) in TARGETS.items() if arch == machine()]
     return levels[: levels.index(host) + 1] + ["generic", "scalar"] if host in levels else ["generic", "scalar"]
-
-

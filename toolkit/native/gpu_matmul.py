@@ -29,26 +29,60 @@ def invariant_matmul(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
+
     @triton.jit(do_not_specialize=["M"])  # one compiled kernel whatever the row count (M = 1 included)
-    def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sxm, sxk, swk, swn, som, son,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    def _matmul_kernel(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        M,
+        N,
+        K,
+        sxm,
+        sxk,
+        swk,
+        swn,
+        som,
+        son,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
         rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):  # ascending slices of K: the one order of every row's sum
             kk = k0 + rk
-            x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K),
-                        other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + kk[:, None] * swk + rn[None, :] * swn, mask=(kk[:, None] < K) & (rn[None, :] < N),
-                        other=0.0).to(tl.float32)
+            x = tl.load(
+                x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0
+            ).to(tl.float32)
+            w = tl.load(
+                w_ptr + kk[:, None] * swk + rn[None, :] * swn, mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0
+            ).to(tl.float32)
             acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
         tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit(do_not_specialize=["M"])  # one compiled kernel whatever the row count (M = 1 included)
-    def _matmul_dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sxm, sxk, swk, swn, som, son,
-                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-                           WIDEN: tl.constexpr):
+    def _matmul_dot_kernel(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        M,
+        N,
+        K,
+        sxm,
+        sxk,
+        swk,
+        swn,
+        som,
+        son,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        PRECISION: tl.constexpr,
+        WIDEN: tl.constexpr,
+    ):
         """The same fixed tiling, each slice's tile product by `tl.dot` (the tensor cores on a GPU): a row's
         products go through the MMA instruction's own fixed order, the same whatever the tile's other rows hold;
         fp32 at PRECISION "ieee" (never TF32). WIDEN: 16-bit tiles widened to fp32 first (the interpreter's dot
@@ -59,10 +93,12 @@ if triton is not None:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + rk
-            x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K),
-                        other=0.0)
-            w = tl.load(w_ptr + kk[:, None] * swk + rn[None, :] * swn, mask=(kk[:, None] < K) & (rn[None, :] < N),
-                        other=0.0)
+            x = tl.load(
+                x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0
+            )
+            w = tl.load(
+                w_ptr + kk[:, None] * swk + rn[None, :] * swn, mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0
+            )
             if WIDEN:
                 x = x.to(tl.float32)
                 w = w.to(tl.float32)
@@ -80,8 +116,24 @@ def matmul(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
     if m == 0:
         return out
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    _matmul_kernel[grid](x_MK, w_KN, out, m, n, k, x_MK.stride(0), x_MK.stride(1), w_KN.stride(0), w_KN.stride(1),
-                         out.stride(0), out.stride(1), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, **FIXED)
+    _matmul_kernel[grid](
+        x_MK,
+        w_KN,
+        out,
+        m,
+        n,
+        k,
+        x_MK.stride(0),
+        x_MK.stride(1),
+        w_KN.stride(0),
+        w_KN.stride(1),
+        out.stride(0),
+        out.stride(1),
+        BM=BLOCK_M,
+        BN=BLOCK_N,
+        BK=BLOCK_K,
+        **FIXED,
+    )
     return out
 
 
@@ -100,14 +152,33 @@ def matmul_dot(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
     if m == 0:
         return out
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _matmul_dot_kernel[grid](x_MK, w_KN, out, m, n, k, x_MK.stride(0), x_MK.stride(1), w_KN.stride(0),
-                             w_KN.stride(1), out.stride(0), out.stride(1), BM=bm, BN=bn, BK=bk,
-                             PRECISION="ieee" if widen or x_MK.dtype == torch.float32 else "tf32",
-                             WIDEN=widen, **FIXED)
+    _matmul_dot_kernel[grid](
+        x_MK,
+        w_KN,
+        out,
+        m,
+        n,
+        k,
+        x_MK.stride(0),
+        x_MK.stride(1),
+        w_KN.stride(0),
+        w_KN.stride(1),
+        out.stride(0),
+        out.stride(1),
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        PRECISION="ieee" if widen or x_MK.dtype == torch.float32 else "tf32",
+        WIDEN=widen,
+        **FIXED,
+    )
     return out
 
 
 def matmul_rows(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
     w = w_KN.float()
-    return torch.cat([x_MK[i:i + 1].float() @ w for i in range(x_MK.shape[0])]) if x_MK.shape[0] else \
-        torch.empty((0, w_KN.shape[1]), device=x_MK.device)
+    return (
+        torch.cat([x_MK[i : i + 1].float() @ w for i in range(x_MK.shape[0])])
+        if x_MK.shape[0]
+        else torch.empty((0, w_KN.shape[1]), device=x_MK.device)
+    )

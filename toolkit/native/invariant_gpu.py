@@ -53,6 +53,7 @@ def routes(t: torch.Tensor) -> bool:
 
 
 if triton is not None:
+
     @triton.jit
     def _rounded(y, dtype: tl.constexpr):
         """fp32 -> dtype, round to nearest even, as an fp32 value. bf16 by integer rounding of the fp32 bits (then
@@ -83,9 +84,11 @@ if triton is not None:
 
 # the step's kernels (the decoder's ops on a GPU)
 if triton is not None:
+
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, D, sx, sr, ss, so, eps,
-                             HAS_RES: tl.constexpr, BD: tl.constexpr):
+    def _add_rms_norm_kernel(
+        x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, D, sx, sr, ss, so, eps, HAS_RES: tl.constexpr, BD: tl.constexpr
+    ):
         """One program a row, the whole row at once: s = x + r rounded to the format (stored), then HF's RMSNorm of
         s (fp32 squares summed by one fixed tree, rounded to the format, times the weight, rounded)."""
         row = tl.program_id(0).to(tl.int64)
@@ -102,8 +105,9 @@ if triton is not None:
         tl.store(out_ptr + row * so + cols, _rounded(w * y, x.dtype).to(x.dtype), mask=mask)
 
     @triton.jit
-    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, H, sxn, sxh, son, soh, sc,
-                     BH: tl.constexpr, D: tl.constexpr):
+    def _rope_kernel(
+        x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, H, sxn, sxh, son, soh, sc, BH: tl.constexpr, D: tl.constexpr
+    ):
         """One program a token, every head: x * cos + rotate_half(x) * sin with cos and sin rounded to the format
         and each product and the sum rounded to it, as torch's elementwise ops in that format do."""
         n = tl.program_id(0).to(tl.int64)
@@ -134,9 +138,29 @@ if triton is not None:
         tl.store(out_ptr + row * so + cols, _rounded(a * u, g.dtype).to(g.dtype), mask=mask)
 
     @triton.jit
-    def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, qtable_ptr, qctx_ptr, out_ptr, scale,
-                                sqn, sqh, skb, skt, skh, stb, son, soh, G, BS,
-                                BG: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr):
+    def _paged_attention_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        tables_ptr,
+        qtable_ptr,
+        qctx_ptr,
+        out_ptr,
+        scale,
+        sqn,
+        sqh,
+        skb,
+        skt,
+        skh,
+        stb,
+        son,
+        soh,
+        G,
+        BS,
+        BG: tl.constexpr,
+        TILE: tl.constexpr,
+        D: tl.constexpr,
+    ):
         """One program per (query token, KV head): the token's G query heads over its own sequence's first ctx
         cached keys, TILE key positions at a time in ascending order (each key's slot read from the block table:
         table[pos // BS] * BS + pos % BS), an online softmax in fp32. The order of every sum is fixed by the
@@ -176,8 +200,9 @@ def is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def add_rms_norm(x_ND: torch.Tensor, residual_ND: torch.Tensor | None, weight_D: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x_ND: torch.Tensor, residual_ND: torch.Tensor | None, weight_D: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + residual, RMSNorm of it), one kernel a step (HF's order: normalised in fp32, rounded to the format,
     times the weight). residual None: (x, RMSNorm of x)."""
     n, dim = x_ND.shape
@@ -186,9 +211,22 @@ def add_rms_norm(x_ND: torch.Tensor, residual_ND: torch.Tensor | None, weight_D:
     out = torch.empty_like(x_ND)
     res = residual_ND.contiguous() if residual_ND is not None else x_ND
     if n:
-        _add_rms_norm_kernel[(n,)](x_ND, res, weight_D, total, out, dim, x_ND.stride(0), res.stride(0),
-                                   total.stride(0), out.stride(0), eps, HAS_RES=residual_ND is not None,
-                                   BD=triton.next_power_of_2(dim), **FIXED)
+        _add_rms_norm_kernel[(n,)](
+            x_ND,
+            res,
+            weight_D,
+            total,
+            out,
+            dim,
+            x_ND.stride(0),
+            res.stride(0),
+            total.stride(0),
+            out.stride(0),
+            eps,
+            HAS_RES=residual_ND is not None,
+            BD=triton.next_power_of_2(dim),
+            **FIXED,
+        )
     return total, out
 
 
@@ -198,9 +236,22 @@ def rope(x_NHD: torch.Tensor, cos_PD: torch.Tensor, sin_PD: torch.Tensor, positi
     n, heads, dim = x_NHD.shape
     out = torch.empty((n, heads, dim), dtype=x_NHD.dtype, device=x_NHD.device)
     if n:
-        _rope_kernel[(n,)](x_NHD, cos_PD, sin_PD, positions_N, out, heads, x_NHD.stride(0), x_NHD.stride(1),
-                           out.stride(0), out.stride(1), cos_PD.stride(0), BH=triton.next_power_of_2(heads), D=dim,
-                           **FIXED)
+        _rope_kernel[(n,)](
+            x_NHD,
+            cos_PD,
+            sin_PD,
+            positions_N,
+            out,
+            heads,
+            x_NHD.stride(0),
+            x_NHD.stride(1),
+            out.stride(0),
+            out.stride(1),
+            cos_PD.stride(0),
+            BH=triton.next_power_of_2(heads),
+            D=dim,
+            **FIXED,
+        )
     return out
 
 
@@ -210,24 +261,51 @@ def silu_mul(x_N2I: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n, width), dtype=x_N2I.dtype, device=x_N2I.device)
     if n:
         block = 1024
-        _silu_mul_kernel[(n, triton.cdiv(width, block))](x_N2I, out, width, x_N2I.stride(0), out.stride(0), BW=block,
-                                                         **FIXED)
+        _silu_mul_kernel[(n, triton.cdiv(width, block))](
+            x_N2I, out, width, x_N2I.stride(0), out.stride(0), BW=block, **FIXED
+        )
     return out
 
 
-def paged_attention(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables_SB: torch.Tensor,
-                    query_table_N: torch.Tensor, query_ctx_N: torch.Tensor, scale: float,
-                    out_NHD: torch.Tensor) -> None:
+def paged_attention(
+    q_NHD: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables_SB: torch.Tensor,
+    query_table_N: torch.Tensor,
+    query_ctx_N: torch.Tensor,
+    scale: float,
+    out_NHD: torch.Tensor,
+) -> None:
     """Each query token over its own sequence's cached keys (query_table_N: its row of tables_SB; query_ctx_N:
     how many keys it sees), into out_NHD: the CPU kernel's contract (toolkit.native.ops.paged_attention_cpu)."""
     n, heads, dim = q_NHD.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if n:
         _paged_attention_kernel[(n, kv_heads)](
-            q_NHD, k_cache, v_cache, tables_SB, query_table_N, query_ctx_N, out_NHD, scale, q_NHD.stride(0),
-            q_NHD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables_SB.stride(0),
-            out_NHD.stride(0), out_NHD.stride(1), heads // kv_heads, block_size,
-            BG=triton.next_power_of_2(heads // kv_heads), TILE=ATTENTION_TILE, D=dim, **FIXED)
+            q_NHD,
+            k_cache,
+            v_cache,
+            tables_SB,
+            query_table_N,
+            query_ctx_N,
+            out_NHD,
+            scale,
+            q_NHD.stride(0),
+            q_NHD.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            tables_SB.stride(0),
+            out_NHD.stride(0),
+            out_NHD.stride(1),
+            heads // kv_heads,
+            block_size,
+            BG=triton.next_power_of_2(heads // kv_heads),
+            TILE=ATTENTION_TILE,
+            D=dim,
+            **FIXED,
+        )
 
 
 def supports_attention(head_dim: int, groups: int) -> bool:
@@ -261,11 +339,14 @@ def logsumexp(x_RV: torch.Tensor) -> torch.Tensor:
 def rms_norm_rows(x_MD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
     rows = []
     for i in range(x_MD.shape[0]):
-        x32 = x_MD[i:i + 1].float()
+        x32 = x_MD[i : i + 1].float()
         rows.append(weight_D * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x_MD.dtype))
     return torch.cat(rows) if rows else torch.empty_like(x_MD)
 
 
 def logsumexp_rows(x_RV: torch.Tensor) -> torch.Tensor:
-    return torch.cat([torch.logsumexp(x_RV[i:i + 1].float(), dim=-1) for i in range(x_RV.shape[0])]) \
-        if x_RV.shape[0] else torch.empty(0, device=x_RV.device)
+    return (
+        torch.cat([torch.logsumexp(x_RV[i : i + 1].float(), dim=-1) for i in range(x_RV.shape[0])])
+        if x_RV.shape[0]
+        else torch.empty(0, device=x_RV.device)
+    )

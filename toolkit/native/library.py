@@ -20,8 +20,9 @@ from toolkit.native.cpu import TARGETS, host_target, runnable_targets
 from toolkit.paths import cache_root
 
 CSRC = Path(__file__).with_name("csrc")
-BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-std=gnu11",
-              "-Wno-psabi")
+BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-std=gnu11", "-Wno-psabi")
+
+
 class KernelUnavailable(RuntimeError):
     pass
 
@@ -42,8 +43,10 @@ class Profile:
     compiler: str
 
     def describe(self) -> str:
-        return (f"{self.target} ({self.lanes} lanes, {'FMA' if self.fma else 'no FMA'}, "
-                f"{'OpenMP' if self.openmp else 'one thread'}, {self.compiler})")
+        return (
+            f"{self.target} ({self.lanes} lanes, {'FMA' if self.fma else 'no FMA'}, "
+            f"{'OpenMP' if self.openmp else 'one thread'}, {self.compiler})"
+        )
 
     @property
     def numerics(self) -> str:
@@ -53,10 +56,46 @@ class Profile:
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {  # symbol -> argument types (every one returns int)
-    "toolkit_paged_attention_f32": [P, I64, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, ctypes.c_float,
-                                    ctypes.c_int],
-    "toolkit_paged_attention_q8": [P, I64, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, ctypes.c_float,
-                                   ctypes.c_int, P, P, I64, P],
+    "toolkit_paged_attention_f32": [
+        P,
+        I64,
+        P,
+        P,
+        P,
+        I64,
+        P,
+        P,
+        P,
+        I64,
+        I64,
+        I64,
+        I64,
+        I64,
+        ctypes.c_float,
+        ctypes.c_int,
+    ],
+    "toolkit_paged_attention_q8": [
+        P,
+        I64,
+        P,
+        P,
+        P,
+        I64,
+        P,
+        P,
+        P,
+        I64,
+        I64,
+        I64,
+        I64,
+        I64,
+        ctypes.c_float,
+        ctypes.c_int,
+        P,
+        P,
+        I64,
+        P,
+    ],
     "toolkit_paged_attention_supports": [I64, I64, I64, I64, ctypes.c_int],
     "toolkit_rope_f32": [P, I64, P, P, P, I64, P, I64, I64, I64, ctypes.c_int],
     "toolkit_add_rms_norm_f32": [P, I64, P, I64, P, ctypes.c_float, P, I64, I64, I64, ctypes.c_int],
@@ -70,15 +109,48 @@ SIGNATURES = {  # symbol -> argument types (every one returns int)
     "toolkit_sha256_job_group_bytes": [],
     "toolkit_matmul_invariant_f32": [P, I64, P, P, I64, I64, I64, I64, ctypes.c_int],
     "toolkit_matmul_invariant_h16": [P, I64, P, P, I64, I64, I64, I64, ctypes.c_int, ctypes.c_int],
-    "toolkit_paged_attention_h16": [P, I64, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, ctypes.c_float,
-                                    ctypes.c_int, ctypes.c_int],
+    "toolkit_paged_attention_h16": [
+        P,
+        I64,
+        P,
+        P,
+        P,
+        I64,
+        P,
+        P,
+        P,
+        I64,
+        I64,
+        I64,
+        I64,
+        I64,
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.c_int,
+    ],
     "toolkit_round_h16": [P, I64, ctypes.c_int, ctypes.c_int],
     "toolkit_gumbel_sample_rows": [P, I64, I64, I64, P, P, P, P, P, ctypes.c_int],
     "toolkit_gumbel_noise": [P, I64, ctypes.c_uint32, ctypes.c_uint32, P],
     "toolkit_truncate_f32": [P, I64, I64, I64, ctypes.c_int, P, P, I64, P, ctypes.c_int],
     "toolkit_sample_tail_rows": [P, I64, I64, I64, P, P, P, P, P, P, P, P, I64, P, P, P, P, P, P, P, I64, ctypes.c_int],
-    "toolkit_decoder_layers": [P, I64, P, P, P, P, P, P, P, P, P, P, ctypes.c_float, ctypes.c_float, ctypes.c_int,
-                               ctypes.c_int],
+    "toolkit_decoder_layers": [
+        P,
+        I64,
+        P,
+        P,
+        P,
+        P,
+        P,
+        P,
+        P,
+        P,
+        P,
+        P,
+        ctypes.c_float,
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.c_int,
+    ],
 }
 
 
@@ -125,8 +197,15 @@ def _compile_library(cc: str, flags: list[str], sources: list[Path], target: Pat
     first error line."""
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects = [Path(tmp) / f"{src.stem}.o" for src in sources]
-        procs = [subprocess.Popen([cc, *flags, "-c", str(src), "-o", str(obj)], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True) for src, obj in zip(sources, objects)]
+        procs = [
+            subprocess.Popen(
+                [cc, *flags, "-c", str(src), "-o", str(obj)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for src, obj in zip(sources, objects)
+        ]
         errors = [(p.communicate()[1], p.returncode) for p in procs]
         failed = [err for err, rc in errors if rc != 0]
         if failed:
@@ -244,9 +323,11 @@ def native() -> NativeLib:
     target, lanes = _default_spec()
     result = _build(target, lanes, os.environ.get("CC") or None)
     if isinstance(result, KernelUnavailable):
-        _warn_once(f"toolkit: warning: native CPU kernels unavailable ({result}); running the torch fallback "
-                   f"(slower; its logits differ in the last bits). Fix: install gcc or clang (apt-get install "
-                   f"gcc) or point CC at one; TOOLKIT_NATIVE=0 picks the fallback without this warning")
+        _warn_once(
+            f"toolkit: warning: native CPU kernels unavailable ({result}); running the torch fallback "
+            f"(slower; its logits differ in the last bits). Fix: install gcc or clang (apt-get install "
+            f"gcc) or point CC at one; TOOLKIT_NATIVE=0 picks the fallback without this warning"
+        )
         raise KernelUnavailable(f"{result} (fix: install gcc or clang, or point CC at one)")
     return result
 
@@ -309,5 +390,3 @@ def resolve_or_none(lib: NativeLib | None) -> NativeLib | None:
         return resolve(lib)
     except KernelUnavailable:
         return None
-
-

@@ -38,8 +38,13 @@ def round_h16(x: torch.Tensor, dtype: torch.dtype, lib: NativeLib | None = None)
     return x
 
 
-def rope_cpu(x_NHD: torch.Tensor, cos_PD: torch.Tensor, sin_PD: torch.Tensor, positions_N: torch.Tensor,
-             lib: NativeLib | None = None) -> torch.Tensor:
+def rope_cpu(
+    x_NHD: torch.Tensor,
+    cos_PD: torch.Tensor,
+    sin_PD: torch.Tensor,
+    positions_N: torch.Tensor,
+    lib: NativeLib | None = None,
+) -> torch.Tensor:
     """x * cos[pos] + rotate_half(x) * sin[pos] for fp32 heads (N, heads, D) whose rows may be strided
     (a view into the fused q|k|v output); returns a new contiguous tensor. No fused multiply-add: its
     bits are those of torch's `x * cos + rotate_half(x) * sin` in every build."""
@@ -50,9 +55,19 @@ def rope_cpu(x_NHD: torch.Tensor, cos_PD: torch.Tensor, sin_PD: torch.Tensor, po
         x_NHD = x_NHD.contiguous()
     out = torch.empty((n, h, d), dtype=torch.float32)
     positions_N = positions_N.contiguous()
-    rc = resolve(lib).fn["rope"](x_NHD.data_ptr(), x_NHD.stride(0), out.data_ptr(), cos_PD.data_ptr(),
-                                 sin_PD.data_ptr(), cos_PD.shape[0], positions_N.data_ptr(), n, h, d,
-                                 torch.get_num_threads())
+    rc = resolve(lib).fn["rope"](
+        x_NHD.data_ptr(),
+        x_NHD.stride(0),
+        out.data_ptr(),
+        cos_PD.data_ptr(),
+        sin_PD.data_ptr(),
+        cos_PD.shape[0],
+        positions_N.data_ptr(),
+        n,
+        h,
+        d,
+        torch.get_num_threads(),
+    )
     if rc == -2:
         raise IndexError(f"a position is outside the rotary table of {cos_PD.shape[0]} positions")
     if rc != 0:
@@ -60,15 +75,21 @@ def rope_cpu(x_NHD: torch.Tensor, cos_PD: torch.Tensor, sin_PD: torch.Tensor, po
     return out
 
 
-def add_rms_norm_cpu(x_ND: torch.Tensor, residual_ND: torch.Tensor | None, weight_D: torch.Tensor,
-                     eps: float, lib: NativeLib | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_cpu(
+    x_ND: torch.Tensor,
+    residual_ND: torch.Tensor | None,
+    weight_D: torch.Tensor,
+    eps: float,
+    lib: NativeLib | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + residual, RMSNorm(x + residual) * weight) for fp32 rows in one pass; `x` is updated in place
     (it must be a tensor the caller owns) and returned; without a residual, just the norm. bf16 / fp16 rows
     are computed in fp32 and both outputs rounded back (x then is a new tensor)."""
     if x_ND.dtype != torch.float32:
         dtype = x_ND.dtype
-        x32, h32 = add_rms_norm_cpu(x_ND.float(), None if residual_ND is None else _fp32(residual_ND),
-                                    _fp32(weight_D), eps, lib)
+        x32, h32 = add_rms_norm_cpu(
+            x_ND.float(), None if residual_ND is None else _fp32(residual_ND), _fp32(weight_D), eps, lib
+        )
         return x32.to(dtype), h32.to(dtype)
     n, d = x_ND.shape
     if x_ND.stride(1) != 1:
@@ -77,8 +98,19 @@ def add_rms_norm_cpu(x_ND: torch.Tensor, residual_ND: torch.Tensor | None, weigh
         residual_ND = residual_ND.contiguous()
     h = torch.empty((n, d), dtype=torch.float32)
     r_ptr, r_stride = (residual_ND.data_ptr(), residual_ND.stride(0)) if residual_ND is not None else (None, 0)
-    resolve(lib).fn["add_rms_norm"](x_ND.data_ptr(), x_ND.stride(0), r_ptr, r_stride, weight_D.data_ptr(), eps,
-                                    h.data_ptr(), d, n, d, torch.get_num_threads())
+    resolve(lib).fn["add_rms_norm"](
+        x_ND.data_ptr(),
+        x_ND.stride(0),
+        r_ptr,
+        r_stride,
+        weight_D.data_ptr(),
+        eps,
+        h.data_ptr(),
+        d,
+        n,
+        d,
+        torch.get_num_threads(),
+    )
     return x_ND, h
 
 
@@ -92,8 +124,9 @@ def silu_mul_cpu(gate_up_N2F: torch.Tensor, lib: NativeLib | None = None) -> tor
         gate_up_N2F = gate_up_N2F.contiguous()
     f = f2 // 2
     h = torch.empty((n, f), dtype=torch.float32)
-    resolve(lib).fn["silu_mul"](gate_up_N2F.data_ptr(), gate_up_N2F.stride(0), h.data_ptr(), f, n, f,
-                                torch.get_num_threads())
+    resolve(lib).fn["silu_mul"](
+        gate_up_N2F.data_ptr(), gate_up_N2F.stride(0), h.data_ptr(), f, n, f, torch.get_num_threads()
+    )
     return h
 
 
@@ -125,9 +158,10 @@ def pack_weight(w_KN: torch.Tensor, lib: NativeLib | None = None) -> PackedWeigh
     if w_KN.dtype == torch.bfloat16:  # each k's column blocks in interleaved pairs (csrc/matmul_invariant.c)
         panels = panels.reshape(wide, k, nr // (2 * vl), 2, vl).transpose(3, 4)
     data[: k * wide * nr].view(panels.shape).copy_(panels)
-    data[k * wide * nr: k * vec_end].view(narrow, k, vl).copy_(
-        w_KN[:, wide * nr: vec_end].reshape(k, narrow, vl).permute(1, 0, 2))
-    data[k * vec_end:].view(k, n - vec_end).copy_(w_KN[:, vec_end:])
+    data[k * wide * nr : k * vec_end].view(narrow, k, vl).copy_(
+        w_KN[:, wide * nr : vec_end].reshape(k, narrow, vl).permute(1, 0, 2)
+    )
+    data[k * vec_end :].view(k, n - vec_end).copy_(w_KN[:, vec_end:])
     return PackedWeight(data, k, n, nr, vl)
 
 
@@ -138,8 +172,10 @@ def matmul_invariant(x_MK: torch.Tensor, w: torch.Tensor | PackedWeight, lib: Na
     lib = resolve(lib)
     packed = w if isinstance(w, PackedWeight) else pack_weight(w, lib)
     if (packed.panel, packed.lanes) != (lib.panel, lib.lanes):
-        raise ValueError(f"weight packed for panels of {packed.panel}/{packed.lanes} columns, this build reads "
-                         f"{lib.panel}/{lib.lanes}: pack it with this build")
+        raise ValueError(
+            f"weight packed for panels of {packed.panel}/{packed.lanes} columns, this build reads "
+            f"{lib.panel}/{lib.lanes}: pack it with this build"
+        )
     if x_MK.dtype not in FLOATS or x_MK.device.type != "cpu":
         raise KernelUnavailable("the batch-invariant matmul runs fp32, bf16 or fp16 on the CPU")
     dtype = x_MK.dtype
@@ -148,8 +184,17 @@ def matmul_invariant(x_MK: torch.Tensor, w: torch.Tensor | PackedWeight, lib: Na
         x_MK = x_MK.contiguous()
     m = x_MK.shape[0]
     out = torch.empty((m, packed.n), dtype=torch.float32)
-    args = (x_MK.data_ptr(), x_MK.stride(0), packed.data.data_ptr(), out.data_ptr(), packed.n, m, packed.k, packed.n,
-            torch.get_num_threads())
+    args = (
+        x_MK.data_ptr(),
+        x_MK.stride(0),
+        packed.data.data_ptr(),
+        out.data_ptr(),
+        packed.n,
+        m,
+        packed.k,
+        packed.n,
+        torch.get_num_threads(),
+    )
     if packed.data.dtype == torch.float32:
         lib.fn["matmul_invariant"](*args)
     else:
@@ -157,9 +202,17 @@ def matmul_invariant(x_MK: torch.Tensor, w: torch.Tensor | PackedWeight, lib: Na
     return out if dtype == torch.float32 else out.to(dtype)
 
 
-def paged_attention_cpu(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        block_tables_SB: torch.Tensor, query_table_N: torch.Tensor, query_ctx_N: torch.Tensor,
-                        scale: float, out_NHD: torch.Tensor | None = None, lib: NativeLib | None = None) -> torch.Tensor:
+def paged_attention_cpu(
+    q_NHD: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables_SB: torch.Tensor,
+    query_table_N: torch.Tensor,
+    query_ctx_N: torch.Tensor,
+    scale: float,
+    out_NHD: torch.Tensor | None = None,
+    lib: NativeLib | None = None,
+) -> torch.Tensor:
     """Attention of N query tokens, each over its own sequence's first query_ctx[n] cached keys. The cache is
     fp32, bf16 or fp16 (read widened); bf16 / fp16 queries are computed in fp32 and the output rounded to
     their format (`out_NHD`, if given, has the queries' format)."""
@@ -171,16 +224,32 @@ def paged_attention_cpu(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q_NHD = q_NHD.contiguous()
     direct = out_NHD is not None and dtype == torch.float32
     out = out_NHD if direct else torch.empty((n, h, d), dtype=torch.float32)
-    args = (q_NHD.data_ptr(), q_NHD.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables_SB.data_ptr(),
-            block_tables_SB.stride(0), query_table_N.data_ptr(), query_ctx_N.data_ptr(), out.data_ptr(),
-            n, h, k, d, bs, float(scale), torch.get_num_threads())
+    args = (
+        q_NHD.data_ptr(),
+        q_NHD.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables_SB.data_ptr(),
+        block_tables_SB.stride(0),
+        query_table_N.data_ptr(),
+        query_ctx_N.data_ptr(),
+        out.data_ptr(),
+        n,
+        h,
+        k,
+        d,
+        bs,
+        float(scale),
+        torch.get_num_threads(),
+    )
     if k_cache.dtype == torch.float32:
         rc = resolve(lib).fn["paged_attention"](*args)
     else:
         rc = resolve(lib).fn["paged_attention_h16"](*args, H16_KINDS[k_cache.dtype])
     if rc != 0:
-        raise KernelUnavailable(f"paged attention kernel refused shapes H={h} K={k} D={d} block_size={bs} "
-                                f"over a {k_cache.dtype} cache")
+        raise KernelUnavailable(
+            f"paged attention kernel refused shapes H={h} K={k} D={d} block_size={bs} over a {k_cache.dtype} cache"
+        )
     if direct or dtype == torch.float32:
         return out
     if out_NHD is None:
@@ -188,16 +257,35 @@ def paged_attention_cpu(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out_NHD.copy_(out)
 
 
-def paged_attention_cpu_q8(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           k_scales: torch.Tensor, v_scales: torch.Tensor, block_tables_SB: torch.Tensor,
-                           query_table_N: torch.Tensor, query_ctx_N: torch.Tensor, scale: float,
-                           out_NHD: torch.Tensor, lib: NativeLib | None = None) -> torch.Tensor:
+def paged_attention_cpu_q8(
+    q_NHD: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scales: torch.Tensor,
+    v_scales: torch.Tensor,
+    block_tables_SB: torch.Tensor,
+    query_table_N: torch.Tensor,
+    query_ctx_N: torch.Tensor,
+    scale: float,
+    out_NHD: torch.Tensor,
+    lib: NativeLib | None = None,
+) -> torch.Tensor:
     """paged_attention_cpu over an int8 / fp8 cache with per-(block, KV head) scales ([blocks, K]) or
     static per-tensor ones ([K]); bf16 / fp16 queries in fp32, the output rounded into `out_NHD`."""
     if q_NHD.dtype != torch.float32:
-        out32 = paged_attention_cpu_q8(q_NHD.float(), k_cache, v_cache, _fp32(k_scales), _fp32(v_scales),
-                                       block_tables_SB, query_table_N, query_ctx_N, scale,
-                                       torch.empty(q_NHD.shape, dtype=torch.float32), lib)
+        out32 = paged_attention_cpu_q8(
+            q_NHD.float(),
+            k_cache,
+            v_cache,
+            _fp32(k_scales),
+            _fp32(v_scales),
+            block_tables_SB,
+            query_table_N,
+            query_ctx_N,
+            scale,
+            torch.empty(q_NHD.shape, dtype=torch.float32),
+            lib,
+        )
         return out_NHD.copy_(out32)
     n, h, d = q_NHD.shape
     _, bs, k, _ = k_cache.shape
@@ -206,18 +294,49 @@ def paged_attention_cpu_q8(q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     lut = fp8_decode_table().data_ptr() if k_cache.dtype == torch.float8_e4m3fn else None
     stride = k_scales.stride(0) if k_scales.dim() == 2 else 0
     rc = resolve(lib).fn["paged_attention_q8"](
-        q_NHD.data_ptr(), q_NHD.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables_SB.data_ptr(),
-        block_tables_SB.stride(0), query_table_N.data_ptr(), query_ctx_N.data_ptr(), out_NHD.data_ptr(), n, h, k, d,
-        bs, float(scale), torch.get_num_threads(), k_scales.data_ptr(), v_scales.data_ptr(), stride, lut)
+        q_NHD.data_ptr(),
+        q_NHD.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables_SB.data_ptr(),
+        block_tables_SB.stride(0),
+        query_table_N.data_ptr(),
+        query_ctx_N.data_ptr(),
+        out_NHD.data_ptr(),
+        n,
+        h,
+        k,
+        d,
+        bs,
+        float(scale),
+        torch.get_num_threads(),
+        k_scales.data_ptr(),
+        v_scales.data_ptr(),
+        stride,
+        lut,
+    )
     if rc != 0:
         raise KernelUnavailable(f"quantised paged attention kernel refused shapes H={h} K={k} D={d}")
     return out_NHD
 
 
-def decoder_layers_cpu(x_NE: torch.Tensor, layers_L8: torch.Tensor, dims: tuple[int, ...], positions_N: torch.Tensor,
-                       slots_N: torch.Tensor, cos_PD: torch.Tensor, sin_PD: torch.Tensor, block_tables_SB: torch.Tensor,
-                       query_table_N: torch.Tensor, query_ctx_N: torch.Tensor, eps: float, scale: float,
-                       num_slots: int, lib: NativeLib | None = None, kind: int = 0) -> None:
+def decoder_layers_cpu(
+    x_NE: torch.Tensor,
+    layers_L8: torch.Tensor,
+    dims: tuple[int, ...],
+    positions_N: torch.Tensor,
+    slots_N: torch.Tensor,
+    cos_PD: torch.Tensor,
+    sin_PD: torch.Tensor,
+    block_tables_SB: torch.Tensor,
+    query_table_N: torch.Tensor,
+    query_ctx_N: torch.Tensor,
+    eps: float,
+    scale: float,
+    num_slots: int,
+    lib: NativeLib | None = None,
+    kind: int = 0,
+) -> None:
     """Run a Llama-style decoder's layers over the step's N tokens in one call (csrc/decoder_layers.c):
     `x` (N, hidden), contiguous, is updated in place to the last layer's residual stream. `layers_L8` holds
     each layer's addresses (ln_attn, ln_mlp, packed w_qkv, w_o, w_gate_up, w_down, K cache, V cache);
@@ -226,20 +345,50 @@ def decoder_layers_cpu(x_NE: torch.Tensor, layers_L8: torch.Tensor, dims: tuple[
     projections and caches and fp32 norm weights: every operation's outputs are rounded to that format."""
     if x_NE.dtype != torch.float32:
         x32 = x_NE.float()
-        decoder_layers_cpu(x32, layers_L8, dims, positions_N, slots_N, cos_PD, sin_PD, block_tables_SB, query_table_N,
-                           query_ctx_N, eps, scale, num_slots, lib, kind=H16_KINDS[x_NE.dtype])
+        decoder_layers_cpu(
+            x32,
+            layers_L8,
+            dims,
+            positions_N,
+            slots_N,
+            cos_PD,
+            sin_PD,
+            block_tables_SB,
+            query_table_N,
+            query_ctx_N,
+            eps,
+            scale,
+            num_slots,
+            lib,
+            kind=H16_KINDS[x_NE.dtype],
+        )
         x_NE.copy_(x32)  # exact: rounded already
         return
     n, e, h, k, d, f, bs = dims
     widths = [e, (h + 2 * k) * d, (h + k) * d, h * d, e, 2 * f, f, e]  # h, qkv, qk, attn, o, gate_up, act, m
     work = torch.empty(n * sum(widths), dtype=torch.float32)
     offsets = torch.tensor([0, *widths[:-1]], dtype=torch.int64).cumsum(0) * (n * 4) + work.data_ptr()
-    all_dims = torch.tensor([n, e, h, k, d, f, bs, cos_PD.shape[0], block_tables_SB.stride(0), num_slots],
-                            dtype=torch.int64)
+    all_dims = torch.tensor(
+        [n, e, h, k, d, f, bs, cos_PD.shape[0], block_tables_SB.stride(0), num_slots], dtype=torch.int64
+    )
     rc = resolve(lib).fn["decoder_layers"](
-        layers_L8.data_ptr(), layers_L8.shape[0], all_dims.data_ptr(), x_NE.data_ptr(), offsets.data_ptr(),
-        positions_N.data_ptr(), slots_N.data_ptr(), cos_PD.data_ptr(), sin_PD.data_ptr(), block_tables_SB.data_ptr(),
-        query_table_N.data_ptr(), query_ctx_N.data_ptr(), eps, scale, torch.get_num_threads(), kind)
+        layers_L8.data_ptr(),
+        layers_L8.shape[0],
+        all_dims.data_ptr(),
+        x_NE.data_ptr(),
+        offsets.data_ptr(),
+        positions_N.data_ptr(),
+        slots_N.data_ptr(),
+        cos_PD.data_ptr(),
+        sin_PD.data_ptr(),
+        block_tables_SB.data_ptr(),
+        query_table_N.data_ptr(),
+        query_ctx_N.data_ptr(),
+        eps,
+        scale,
+        torch.get_num_threads(),
+        kind,
+    )
     if rc == -3:
         raise IndexError(f"a KV slot is outside the cache's {num_slots} slots")
     if rc == -2:

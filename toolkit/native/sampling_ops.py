@@ -22,6 +22,7 @@ class Patches(Protocol):
 
     def apply(self, x_RV: torch.Tensor) -> torch.Tensor: ...
 
+
 def _rows_ok(x: torch.Tensor) -> bool:
     """A 2-D fp32 CPU tensor whose rows are contiguous: what the row-wise kernels read in place."""
     return x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1
@@ -33,8 +34,9 @@ def logsumexp_cpu(x_RV: torch.Tensor, lib: NativeLib | None = None) -> torch.Ten
     if lib is None:
         return None
     out = torch.empty(x_RV.shape[0], dtype=torch.float32)
-    lib.fn["logsumexp"](x_RV.data_ptr(), x_RV.stride(0), x_RV.shape[0], x_RV.shape[1], out.data_ptr(),
-                              torch.get_num_threads())
+    lib.fn["logsumexp"](
+        x_RV.data_ptr(), x_RV.stride(0), x_RV.shape[0], x_RV.shape[1], out.data_ptr(), torch.get_num_threads()
+    )
     return out
 
 
@@ -45,17 +47,19 @@ def argmax_cpu(x_RV: torch.Tensor, lib: NativeLib | None = None) -> list[int] | 
     if lib is None:
         return None
     out = torch.empty(x_RV.shape[0], dtype=torch.int64)
-    lib.fn["argmax"](x_RV.data_ptr(), x_RV.stride(0), x_RV.shape[0], x_RV.shape[1], out.data_ptr(),
-                           torch.get_num_threads())
+    lib.fn["argmax"](
+        x_RV.data_ptr(), x_RV.stride(0), x_RV.shape[0], x_RV.shape[1], out.data_ptr(), torch.get_num_threads()
+    )
     return out.tolist()
 
 
-def gumbel_sample_cpu(x_RV: torch.Tensor, keys: list[tuple[int, int] | None],
-                      lib: NativeLib | None = None) -> tuple[list[int], list[float], list[int]] | None:
+def gumbel_sample_cpu(
+    x_RV: torch.Tensor, keys: list[tuple[int, int] | None], lib: NativeLib | None = None
+) -> tuple[list[int], list[float], list[int]] | None:
     """For each row: the Gumbel-max token over its finite logits under its key (None: not sampled,
     token -1), that token's noise (NaN where none) and the row's count of finite logits, all rows in
     one C call (toolkit/csrc/gumbel.c); None where the kernel does not apply."""
-    lib = resolve_or_none(lib) if _rows_ok(x_RV) and x_RV.shape[1] < 2 ** 31 else None
+    lib = resolve_or_none(lib) if _rows_ok(x_RV) and x_RV.shape[1] < 2**31 else None
     if lib is None:
         return None
     n = x_RV.shape[0]
@@ -64,9 +68,21 @@ def gumbel_sample_cpu(x_RV: torch.Tensor, keys: list[tuple[int, int] | None],
     tokens = torch.full((n,), -1, dtype=torch.int64)
     noise = torch.full((n,), float("nan"), dtype=torch.float64)
     support = torch.empty(n, dtype=torch.int64)
-    if lib.fn["gumbel_sample_rows"](x_RV.data_ptr(), x_RV.stride(0), x_RV.shape[1], n, keys_t.data_ptr(),
-                                    sampled.data_ptr(), tokens.data_ptr(), noise.data_ptr(), support.data_ptr(),
-                                    torch.get_num_threads()) != 0:
+    if (
+        lib.fn["gumbel_sample_rows"](
+            x_RV.data_ptr(),
+            x_RV.stride(0),
+            x_RV.shape[1],
+            n,
+            keys_t.data_ptr(),
+            sampled.data_ptr(),
+            tokens.data_ptr(),
+            noise.data_ptr(),
+            support.data_ptr(),
+            torch.get_num_threads(),
+        )
+        != 0
+    ):
         raise MemoryError("gumbel_sample_rows: out of memory")
     return tokens.tolist(), noise.tolist(), support.tolist()
 
@@ -74,8 +90,9 @@ def gumbel_sample_cpu(x_RV: torch.Tensor, keys: list[tuple[int, int] | None],
 TRUNCATION_MODES = {"top_p": 0, "top_k": 1}
 
 
-def truncate_cpu(x_RV: torch.Tensor, mode: str, param_R: torch.Tensor, lib: NativeLib | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def truncate_cpu(
+    x_RV: torch.Tensor, mode: str, param_R: torch.Tensor, lib: NativeLib | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """top-p (param p) or top-k (param k) of every row in one C call: (the rows with the logits below
     each row's threshold set to -inf, the thresholds), found by bisection over the logits' order
     (toolkit/csrc/gumbel.c); None where the kernel does not apply."""
@@ -85,9 +102,21 @@ def truncate_cpu(x_RV: torch.Tensor, mode: str, param_R: torch.Tensor, lib: Nati
     param_R = param_R.to(torch.float32).contiguous()
     out = torch.empty(x_RV.shape, dtype=torch.float32)
     thresholds = torch.empty(x_RV.shape[0], dtype=torch.float32)
-    if lib.fn["truncate"](x_RV.data_ptr(), x_RV.stride(0), x_RV.shape[0], x_RV.shape[1], TRUNCATION_MODES[mode],
-                          param_R.data_ptr(), out.data_ptr(), out.stride(0), thresholds.data_ptr(),
-                          torch.get_num_threads()) != 0:
+    if (
+        lib.fn["truncate"](
+            x_RV.data_ptr(),
+            x_RV.stride(0),
+            x_RV.shape[0],
+            x_RV.shape[1],
+            TRUNCATION_MODES[mode],
+            param_R.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+            thresholds.data_ptr(),
+            torch.get_num_threads(),
+        )
+        != 0
+    ):
         raise MemoryError("truncate: out of memory")
     return out, thresholds
 
@@ -97,7 +126,7 @@ TAIL_WIDTH = 3  # ops per row
 
 
 def _tail_lib(x_RV: torch.Tensor, lib: NativeLib | None) -> NativeLib | None:
-    return resolve_or_none(lib) if _rows_ok(x_RV) and 0 < x_RV.shape[1] < 2 ** 31 else None
+    return resolve_or_none(lib) if _rows_ok(x_RV) and 0 < x_RV.shape[1] < 2**31 else None
 
 
 def tail_fusable(x_RV: torch.Tensor, lib: NativeLib | None = None) -> bool:
@@ -121,9 +150,15 @@ class TailSample:
     raw_logsumexp_R: torch.Tensor | None = None  # the input rows' logsumexp, where asked for
 
 
-def sample_tail_cpu(x_RV: torch.Tensor, ops: list[tuple[tuple[str, float], ...]], keys: list[tuple[int, int] | None],
-                    keep_rows: bool = True, lib: NativeLib | None = None,
-                    patches: Patches | None = None, raw_logsumexp: bool = False) -> TailSample | None:
+def sample_tail_cpu(
+    x_RV: torch.Tensor,
+    ops: list[tuple[tuple[str, float], ...]],
+    keys: list[tuple[int, int] | None],
+    keep_rows: bool = True,
+    lib: NativeLib | None = None,
+    patches: Patches | None = None,
+    raw_logsumexp: bool = False,
+) -> TailSample | None:
     """Each row through its ops ((name, value) in order: temperature, top_k, top_p, as the processors of
     those names compute them), then its support, logsumexp, and Gumbel-max token and noise under its key
     (None: not sampled, the argmax instead), in one C call that keeps each row in cache
@@ -141,8 +176,16 @@ class TailCall:
     arguments checked and laid out (`of`), the kernel's pass on every thread (`run`), and its TailSample
     (`result`). The input rows and patches must not change until the pass has run."""
 
-    def __init__(self, lib: NativeLib, x_RV: torch.Tensor, ops: list[tuple[tuple[str, float], ...]],
-                 keys: list[tuple[int, int] | None], keep_rows: bool, patches: Patches | None, raw_logsumexp: bool):
+    def __init__(
+        self,
+        lib: NativeLib,
+        x_RV: torch.Tensor,
+        ops: list[tuple[tuple[str, float], ...]],
+        keys: list[tuple[int, int] | None],
+        keep_rows: bool,
+        patches: Patches | None,
+        raw_logsumexp: bool,
+    ):
         n, vocab = x_RV.shape
         # the rows' ops, encoded once per distinct tuple (a step's rows mostly share their parameters); the
         # small arrays in numpy (a torch.tensor of nested lists took ~10 us each, several times that cold)
@@ -151,7 +194,7 @@ class TailCall:
         if any(len(row) > TAIL_WIDTH for row in distinct):
             raise ValueError(f"at most {TAIL_WIDTH} tail ops a row")
         pad = ((-1, 0.0),) * TAIL_WIDTH
-        table = [[(TAIL_OPS[name], value) for name, value in row] + list(pad[len(row):]) for row in distinct]
+        table = [[(TAIL_OPS[name], value) for name, value in row] + list(pad[len(row) :]) for row in distinct]
         codes = np.array([[code for code, _ in row] for row in table], np.int32)[which]
         values = np.array([[value for _, value in row] for row in table], np.float32)[which]
         keys_w = np.array([k if k is not None else (0, 0) for k in keys], np.uint32).reshape(n, 2)
@@ -165,26 +208,54 @@ class TailCall:
         if patches is not None and patches.rows_S.numel():
             # checked, host-side in numpy (a few hundred entries): the kernel writes where they say
             rows_S, cols_S = patches.rows_S.numpy(), patches.cols_S.numpy()
-            if (rows_S[0] < 0 or rows_S[-1] >= n or (rows_S[1:] < rows_S[:-1]).any()
-                    or cols_S.min() < 0 or cols_S.max() >= vocab):
+            if (
+                rows_S[0] < 0
+                or rows_S[-1] >= n
+                or (rows_S[1:] < rows_S[:-1]).any()
+                or cols_S.min() < 0
+                or cols_S.max() >= vocab
+            ):
                 raise ValueError(f"patches must list rows in order within [0, {n}) and columns within [0, {vocab})")
             off = np.zeros(n + 1, np.int64)
             np.cumsum(np.bincount(rows_S, minlength=n), out=off[1:])
             patch = (off, cols_S.astype(np.int32), np.ascontiguousarray(patches.factor_S.to(torch.float32).numpy()))
         self._keep = (x_RV, codes, values, keys_w, sampled, patch)  # alive until the call returns
-        self._args = (x_RV.data_ptr(), x_RV.stride(0), n, vocab, codes.ctypes.data, values.ctypes.data,
-                      *(a.ctypes.data if a is not None else None for a in patch), keys_w.ctypes.data,
-                      sampled.ctypes.data, self.out.data_ptr() if keep_rows else None, vocab,
-                      self.raw_lse.ctypes.data if raw_logsumexp else None, self.lse.ctypes.data,
-                      self.tokens.ctypes.data, self.noise.ctypes.data, self.support.ctypes.data,
-                      self.picked.ctypes.data, self.kept.ctypes.data, self.kept.shape[1], torch.get_num_threads())
+        self._args = (
+            x_RV.data_ptr(),
+            x_RV.stride(0),
+            n,
+            vocab,
+            codes.ctypes.data,
+            values.ctypes.data,
+            *(a.ctypes.data if a is not None else None for a in patch),
+            keys_w.ctypes.data,
+            sampled.ctypes.data,
+            self.out.data_ptr() if keep_rows else None,
+            vocab,
+            self.raw_lse.ctypes.data if raw_logsumexp else None,
+            self.lse.ctypes.data,
+            self.tokens.ctypes.data,
+            self.noise.ctypes.data,
+            self.support.ctypes.data,
+            self.picked.ctypes.data,
+            self.kept.ctypes.data,
+            self.kept.shape[1],
+            torch.get_num_threads(),
+        )
         self._fn = lib.fn["sample_tail_rows"]
         self.done = False
 
     @classmethod
-    def of(cls, x_RV: torch.Tensor, ops: list[tuple[tuple[str, float], ...]], keys: list[tuple[int, int] | None],
-           keep_rows: bool = True, lib: NativeLib | None = None, patches: Patches | None = None,
-           raw_logsumexp: bool = False) -> TailCall | None:
+    def of(
+        cls,
+        x_RV: torch.Tensor,
+        ops: list[tuple[tuple[str, float], ...]],
+        keys: list[tuple[int, int] | None],
+        keep_rows: bool = True,
+        lib: NativeLib | None = None,
+        patches: Patches | None = None,
+        raw_logsumexp: bool = False,
+    ) -> TailCall | None:
         """sample_tail_cpu's call for these arguments (see there), not yet run; None where the kernel does not
         apply."""
         lib = _tail_lib(x_RV, lib)
@@ -199,9 +270,16 @@ class TailCall:
 
     def result(self) -> TailSample:
         self.run()
-        return TailSample(self.tokens.tolist(), self.noise.tolist(), self.support.tolist(), torch.from_numpy(self.lse),
-                          torch.from_numpy(self.picked), self.out, torch.from_numpy(self.kept),
-                          torch.from_numpy(self.raw_lse) if self.raw_lse is not None else None)
+        return TailSample(
+            self.tokens.tolist(),
+            self.noise.tolist(),
+            self.support.tolist(),
+            torch.from_numpy(self.lse),
+            torch.from_numpy(self.picked),
+            self.out,
+            torch.from_numpy(self.kept),
+            torch.from_numpy(self.raw_lse) if self.raw_lse is not None else None,
+        )
 
 
 def gumbel_noise_cpu(ids: torch.Tensor, key: tuple[int, int], lib: NativeLib | None = None) -> torch.Tensor:

@@ -20,8 +20,13 @@ T = TypeVar("T")
 SHA_METHODS = ("auto", "lanes", "sha_ni")
 
 
-def sha256_rows(rows_RB, index: list[int] | None = None, threads: int | None = None,
-                lib: NativeLib | None = None, method: str = "auto") -> list[str]:
+def sha256_rows(
+    rows_RB,
+    index: list[int] | None = None,
+    threads: int | None = None,
+    lib: NativeLib | None = None,
+    method: str = "auto",
+) -> list[str]:
     """The sha256 hex digest of the bytes of each row of a 2-D CPU tensor or numpy array (rows
     `index`, all by default), read in place, in C on `threads` threads (default torch's): a build's
     lanes of rows per pass, or, on a CPU with the x86 SHA extensions, up to 4 rows interleaved per
@@ -33,7 +38,8 @@ def sha256_rows(rows_RB, index: list[int] | None = None, threads: int | None = N
         return job
     lib, x, index, threads, method, offsets, out = job
     lib.fn["sha256_rows_ni" if method == "sha_ni" else "sha256_rows"](
-        x.data_ptr(), offsets.ctypes.data, len(index), x.shape[1] * x.element_size(), out.ctypes.data, threads)
+        x.data_ptr(), offsets.ctypes.data, len(index), x.shape[1] * x.element_size(), out.ctypes.data, threads
+    )
     return _hexes(out)
 
 
@@ -46,8 +52,14 @@ class ShaJob:
     fn() and digests() hashes every row. An exception from fn is raised after the other threads stop. Calls
     from different threads take turns (a lock): a group of rows is never hashed by two calls at once."""
 
-    def __init__(self, rows_RB, index: list[int] | None = None, threads: int | None = None,
-                 lib: NativeLib | None = None, method: str = "auto"):
+    def __init__(
+        self,
+        rows_RB,
+        index: list[int] | None = None,
+        threads: int | None = None,
+        lib: NativeLib | None = None,
+        method: str = "auto",
+    ):
         job = _sha_job(rows_RB, index, threads, lib, method)
         self._done = job if isinstance(job, list) else None
         self._lock = threading.Lock()
@@ -61,10 +73,18 @@ class ShaJob:
             self._state = np.zeros(groups * self._lib.sha_group_bytes, np.uint8)
 
     def _call(self, callback) -> int:
-        return self._lib.fn["sha256_job"](self._x.data_ptr(), self._offsets.ctypes.data, self._rows,
-                                          self._x.shape[1] * self._x.element_size(), self._out.ctypes.data,
-                                          self._threads, self._method, self._group_rows, self._state.ctypes.data,
-                                          callback)
+        return self._lib.fn["sha256_job"](
+            self._x.data_ptr(),
+            self._offsets.ctypes.data,
+            self._rows,
+            self._x.shape[1] * self._x.element_size(),
+            self._out.ctypes.data,
+            self._threads,
+            self._method,
+            self._group_rows,
+            self._state.ctypes.data,
+            callback,
+        )
 
     def beside(self, fn: Callable[[], T]) -> T:
         if self._done is not None:
@@ -133,14 +153,15 @@ def _sha_job(rows_RB, index, threads, lib, method):
         raise KernelUnavailable("this CPU has no SHA extensions (sha256_rows method='sha_ni')")
     if method == "auto":
         method = "sha_ni" if lib.sha_ni and _sha_ni_faster(lib, len(index), threads) else "lanes"
-    offsets = (np.arange(len(index), dtype=np.int64) if whole else np.array(index, dtype=np.int64)
-               ) * (x.stride(0) * x.element_size())
+    offsets = (np.arange(len(index), dtype=np.int64) if whole else np.array(index, dtype=np.int64)) * (
+        x.stride(0) * x.element_size()
+    )
     return lib, x, index, threads, method, offsets, np.empty((len(index), 32), np.uint8)
 
 
 def _hexes(out: np.ndarray) -> list[str]:
     hexes = out.tobytes().hex()
-    return [hexes[64 * i:64 * i + 64] for i in range(out.shape[0])]
+    return [hexes[64 * i : 64 * i + 64] for i in range(out.shape[0])]
 
 
 def _sha_costs(lib: NativeLib) -> tuple[float, float]:
@@ -173,5 +194,3 @@ def _sha_ni_faster(lib: NativeLib, rows: int, threads: int) -> bool:
     per = min(4, -(-rows // threads))
     ni_groups = -(-rows // per)
     return -(-ni_groups // min(threads, ni_groups)) * per * per_row < lanes_s
-
-

@@ -69,28 +69,54 @@ def timeline_figure(steps: dict[str, list] | None, budget: int | None):
     if not steps or not steps.get("step"):
         return None
     x = steps["step"]
-    fig = make_subplots(rows=4, cols=1, shared_xaxes=True, vertical_spacing=0.04,
-                        subplot_titles=("tokens in the forward", "batch size (sequences)", "KV cache used (%)",
-                                        "step time (ms)"))
+    fig = make_subplots(
+        rows=4,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.04,
+        subplot_titles=("tokens in the forward", "batch size (sequences)", "KV cache used (%)", "step time (ms)"),
+    )
     fig.add_trace(go.Bar(x=x, y=steps["decode_tokens"], name="decode tokens", marker_color="#3a7dc9"), 1, 1)
     fig.add_trace(go.Bar(x=x, y=steps["prefill_tokens"], name="prefill tokens", marker_color="#f0a030"), 1, 1)
     preempted = [(s, n) for s, n in zip(x, steps.get("preempted") or [0] * len(x)) if n]
     if preempted:
         top = max((d + p for d, p in zip(steps["decode_tokens"], steps["prefill_tokens"])), default=1)
-        fig.add_trace(go.Scatter(x=[s for s, _ in preempted], y=[top * 1.05] * len(preempted), mode="markers",
-                                 marker=dict(symbol="x", color="#c0392b", size=9), name="preemption",
-                                 text=[f"{n} preempted" for _, n in preempted]), 1, 1)
+        fig.add_trace(
+            go.Scatter(
+                x=[s for s, _ in preempted],
+                y=[top * 1.05] * len(preempted),
+                mode="markers",
+                marker=dict(symbol="x", color="#c0392b", size=9),
+                name="preemption",
+                text=[f"{n} preempted" for _, n in preempted],
+            ),
+            1,
+            1,
+        )
     if budget:
-        fig.add_hline(y=budget, line_dash="dash", line_color="black", annotation_text=f"budget {budget}",
-                      row=1, col=1)
-    fig.add_trace(go.Scatter(x=x, y=steps["batch_size"], mode="lines", name="batch size",
-                             line=dict(color="#2f6fdd", shape="hv")), 2, 1)
-    fig.add_trace(go.Scatter(x=x, y=[100 * u for u in steps["kv_utilization"]], mode="lines", name="KV used",
-                             line=dict(color="#c0392b")), 3, 1)
-    fig.add_trace(go.Scatter(x=x, y=[1e3 * s for s in steps["step_s"]], mode="lines", name="step time",
-                             line=dict(color="#475467")), 4, 1)
-    fig.update_layout(barmode="stack", bargap=0, margin=dict(l=50, r=20, t=40, b=40), height=720,
-                      legend=dict(orientation="h", y=1.06))
+        fig.add_hline(y=budget, line_dash="dash", line_color="black", annotation_text=f"budget {budget}", row=1, col=1)
+    fig.add_trace(
+        go.Scatter(x=x, y=steps["batch_size"], mode="lines", name="batch size", line=dict(color="#2f6fdd", shape="hv")),
+        2,
+        1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=x, y=[100 * u for u in steps["kv_utilization"]], mode="lines", name="KV used", line=dict(color="#c0392b")
+        ),
+        3,
+        1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=x, y=[1e3 * s for s in steps["step_s"]], mode="lines", name="step time", line=dict(color="#475467")
+        ),
+        4,
+        1,
+    )
+    fig.update_layout(
+        barmode="stack", bargap=0, margin=dict(l=50, r=20, t=40, b=40), height=720, legend=dict(orientation="h", y=1.06)
+    )
     fig.update_xaxes(title_text="engine step", row=4, col=1)
     return fig
 
@@ -100,21 +126,43 @@ def probability_figure(run: RunData):
     edges = np.linspace(0.0, 1.0, 21)
     fig = go.Figure()
     for name, column, colour in (("raw", "raw_logprob", "#98a2b3"), ("processed", "processed_logprob", "#2f6fdd")):
-        values = np.array([r[column] for rows in run.seqs.values() for r in rows
-                           if r[column] is not None and math.isfinite(r[column])], dtype=np.float64)
+        values = np.array(
+            [
+                r[column]
+                for rows in run.seqs.values()
+                for r in rows
+                if r[column] is not None and math.isfinite(r[column])
+            ],
+            dtype=np.float64,
+        )
         counts, _ = np.histogram(np.exp(values), bins=edges)
-        fig.add_trace(go.Bar(x=((edges[:-1] + edges[1:]) / 2).tolist(), y=counts.tolist(), width=0.045, name=name,
-                             marker_color=colour))
-    fig.update_layout(title="probability of each sampled token", barmode="group", height=320,
-                      xaxis_title="probability", yaxis_title="tokens", margin=dict(l=50, r=10, t=40, b=40))
+        fig.add_trace(
+            go.Bar(
+                x=((edges[:-1] + edges[1:]) / 2).tolist(),
+                y=counts.tolist(),
+                width=0.045,
+                name=name,
+                marker_color=colour,
+            )
+        )
+    fig.update_layout(
+        title="probability of each sampled token",
+        barmode="group",
+        height=320,
+        xaxis_title="probability",
+        yaxis_title="tokens",
+        margin=dict(l=50, r=10, t=40, b=40),
+    )
     return fig
 
 
 def latency_figure(run: RunData):
     _, go, make_subplots = _plotly()
     cols = run.requests.to_pydict()
-    series = [(name, [v * scale for v in cols[column] if v is not None and math.isfinite(v)])
-              for name, column, scale in (("TTFT (s)", "ttft_s", 1.0), ("TPOT (ms)", "tpot_s", 1e3))]
+    series = [
+        (name, [v * scale for v in cols[column] if v is not None and math.isfinite(v)])
+        for name, column, scale in (("TTFT (s)", "ttft_s", 1.0), ("TPOT (ms)", "tpot_s", 1e3))
+    ]
     if not any(values for _, values in series):
         return None
     fig = make_subplots(rows=1, cols=2, subplot_titles=[name for name, _ in series])
@@ -134,8 +182,10 @@ def _steps_note(steps: dict[str, list] | None) -> str:
         return "This run recorded no steps (no steps.parquet: e.g. a mode=audit transcript)."
     n = len(steps["step"])
     times = sorted(steps["step_s"])
-    return (f"{n} steps; step time p50 {1e3 * times[n // 2]:.1f} ms; {sum(steps.get('preempted') or [])} "
-            f"preemptions; peak KV use {100 * max(steps['kv_utilization']):.1f}%.")
+    return (
+        f"{n} steps; step time p50 {1e3 * times[n // 2]:.1f} ms; {sum(steps.get('preempted') or [])} "
+        f"preemptions; peak KV use {100 * max(steps['kv_utilization']):.1f}%."
+    )
 
 
 def build_payload(run: RunData, against: RunData | None = None, tokenizer=None) -> dict[str, Any]:
@@ -145,8 +195,11 @@ def build_payload(run: RunData, against: RunData | None = None, tokenizer=None) 
         payload["against"] = against.payload(pieces, processors)
         payload["divergences"] = [d.to_dict() for d in first_divergences(run.seqs, against.seqs)]
         payload["compared_sequences"] = len(set(run.seqs) | set(against.seqs))
-    payload["figures"] = {"timeline": _json(timeline_figure(run.steps, token_budget(run.run_dir))),
-                          "probabilities": _json(probability_figure(run)), "latency": _json(latency_figure(run))}
+    payload["figures"] = {
+        "timeline": _json(timeline_figure(run.steps, token_budget(run.run_dir))),
+        "probabilities": _json(probability_figure(run)),
+        "latency": _json(latency_figure(run)),
+    }
     payload["steps_note"] = _steps_note(run.steps)
     payload["pieces"] = {str(k): v for k, v in pieces.table.items()}
     payload["processors"] = [list(p) for p, _ in sorted(processors.items(), key=lambda kv: kv[1])]
@@ -164,13 +217,19 @@ def render(payload: dict[str, Any], title: str) -> str:
         if "</script" in text.lower():
             raise RuntimeError(f"{name} contains '</script': it cannot be inlined")
     template = jinja2.Environment(autoescape=True).from_string((ASSETS / "report.html").read_text())
-    return template.render(title=title, version=__version__, css=Markup((ASSETS / "report.css").read_text()),
-                           plotly_js=Markup(plotly_js), app_js=Markup(app_js),
-                           payload=base64.b64encode(data).decode())
+    return template.render(
+        title=title,
+        version=__version__,
+        css=Markup((ASSETS / "report.css").read_text()),
+        plotly_js=Markup(plotly_js),
+        app_js=Markup(app_js),
+        payload=base64.b64encode(data).decode(),
+    )
 
 
-def write_report(run_dir: str | Path, against: str | Path | None = None, out: str | Path | None = None,
-                 tokenizer: Any = "auto") -> Path:
+def write_report(
+    run_dir: str | Path, against: str | Path | None = None, out: str | Path | None = None, tokenizer: Any = "auto"
+) -> Path:
     """Write the report of `run_dir` (with `against`: the two-run view) to `out` (default run_dir/report.html)."""
     run_dir = Path(run_dir)
     run = RunData.read(run_dir)
@@ -195,7 +254,7 @@ def run_report(cfg, run_dir: Path) -> int:
         if value and not (Path(value) / "samples.parquet").is_dir():
             raise ConfigError(f"report.{name}: {value} is not a run directory (no samples.parquet/)")
     out = write_report(target, section.get("against"), section.get("out"))
-    size = out.stat().st_size / 2 ** 20
+    size = out.stat().st_size / 2**20
     print(f"report: {out} ({size:.1f} MB)")
     return 0
 

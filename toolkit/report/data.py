@@ -58,9 +58,13 @@ def _top(entries) -> list | None:
     (what the page shows of them: a 100,000-row run with 5 + 5 alternatives a token stays under 20 MB)."""
     if not entries:
         return None
-    return [[e["token_id"] for e in entries],
-            [None if e["logprob"] is None or not math.isfinite(e["logprob"]) else float(f"{e['logprob']:.6g}")
-             for e in entries]]
+    return [
+        [e["token_id"] for e in entries],
+        [
+            None if e["logprob"] is None or not math.isfinite(e["logprob"]) else float(f"{e['logprob']:.6g}")
+            for e in entries
+        ],
+    ]
 
 
 def sequence_columns(rows: list[dict], processors: dict[tuple, int], pieces: Pieces) -> dict[str, Any]:
@@ -79,7 +83,9 @@ def sequence_columns(rows: list[dict], processors: dict[tuple, int], pieces: Pie
         "step": [r["step"] for r in rows],
         "batch": [r["batch_size"] for r in rows],
         "stok": [r["step_tokens"] for r in rows],
-        "t": [None if r["t_emit_s"] is None or not math.isfinite(r["t_emit_s"]) else round(r["t_emit_s"], 6) for r in rows],
+        "t": [
+            None if r["t_emit_s"] is None or not math.isfinite(r["t_emit_s"]) else round(r["t_emit_s"], 6) for r in rows
+        ],
         "dig": [(r["logits_sha256"] or "")[:12] for r in rows],
         "pr": [processors.setdefault(tuple(r["processors"] or ()), len(processors)) for r in rows],
     }
@@ -112,23 +118,50 @@ def request_entries(requests: pa.Table, seqs: dict[SeqKey, list[dict]]) -> list[
             params = json.loads(r["sampling_params"] or "{}")
         except json.JSONDecodeError:
             params = {}
-        out.append({
-            "id": r["request_id"], "stream": r["stream"], "tokens": len(rows),
-            "prompt": (r["prompt_text"] or "")[-4000:], "prompt_tokens": len(r["prompt_token_ids"] or ()),
-            "finish": r["finish_reason"], "stop": r["stop_reason"],
-            "mean_raw_lp": f32(sum(lps) / len(lps)) if lps else None,
-            "min_raw_lp": f32(min(lps)) if lps else None,
-            "ttft": f64(r["ttft_s"]), "tpot": f64(r["tpot_s"]), "preemptions": r["num_preemptions"],
-            "temperature": params.get("temperature"), "top_p": params.get("top_p"), "top_k": params.get("top_k"),
-            "seed": None if r["seed"] is None else str(r["seed"]),  # 64-bit: a JS number would round it
-            "origin_engine": r.get("origin_engine"),
-        })
+        out.append(
+            {
+                "id": r["request_id"],
+                "stream": r["stream"],
+                "tokens": len(rows),
+                "prompt": (r["prompt_text"] or "")[-4000:],
+                "prompt_tokens": len(r["prompt_token_ids"] or ()),
+                "finish": r["finish_reason"],
+                "stop": r["stop_reason"],
+                "mean_raw_lp": f32(sum(lps) / len(lps)) if lps else None,
+                "min_raw_lp": f32(min(lps)) if lps else None,
+                "ttft": f64(r["ttft_s"]),
+                "tpot": f64(r["tpot_s"]),
+                "preemptions": r["num_preemptions"],
+                "temperature": params.get("temperature"),
+                "top_p": params.get("top_p"),
+                "top_k": params.get("top_k"),
+                "seed": None if r["seed"] is None else str(r["seed"]),  # 64-bit: a JS number would round it
+                "origin_engine": r.get("origin_engine"),
+            }
+        )
     known = {(e["id"], e["stream"]) for e in out}
     for key in sorted(set(seqs) - known):  # rows of a sequence without a request row (a cut trace)
-        out.append({"id": key[0], "stream": key[1], "tokens": len(seqs[key]), "prompt": "", "prompt_tokens": 0,
-                    "finish": None, "stop": None, "mean_raw_lp": None, "min_raw_lp": None, "ttft": None,
-                    "tpot": None, "preemptions": None, "temperature": None, "top_p": None, "top_k": None,
-                    "seed": None, "origin_engine": None})
+        out.append(
+            {
+                "id": key[0],
+                "stream": key[1],
+                "tokens": len(seqs[key]),
+                "prompt": "",
+                "prompt_tokens": 0,
+                "finish": None,
+                "stop": None,
+                "mean_raw_lp": None,
+                "min_raw_lp": None,
+                "ttft": None,
+                "tpot": None,
+                "preemptions": None,
+                "temperature": None,
+                "top_p": None,
+                "top_k": None,
+                "seed": None,
+                "origin_engine": None,
+            }
+        )
     return out
 
 
@@ -156,9 +189,15 @@ class RunData:
         run_dir = Path(run_dir)
         config = run_dir / "config.yaml"
         samples, steps = read_samples(run_dir), read_steps(run_dir)
-        return cls(run_dir=run_dir, manifest=read_manifest(run_dir), summary=read_json(run_dir / "summary.json"),
-                   config_yaml=config.read_text() if config.exists() else "", requests=read_requests(run_dir),
-                   seqs=sequences(samples.to_pylist()), steps=steps.to_pydict() if steps is not None else None)
+        return cls(
+            run_dir=run_dir,
+            manifest=read_manifest(run_dir),
+            summary=read_json(run_dir / "summary.json"),
+            config_yaml=config.read_text() if config.exists() else "",
+            requests=read_requests(run_dir),
+            seqs=sequences(samples.to_pylist()),
+            steps=steps.to_pydict() if steps is not None else None,
+        )
 
     @property
     def rows(self) -> int:
@@ -166,7 +205,12 @@ class RunData:
 
     def payload(self, pieces: Pieces, processors: dict[tuple, int]) -> dict[str, Any]:
         entries = request_entries(self.requests, self.seqs)
-        return {"dir": str(self.run_dir), "manifest": self.manifest, "summary": self.summary,
-                "config": self.config_yaml, "rows": self.rows, "requests": entries,
-                "seqs": [sequence_columns(self.seqs.get((e["id"], e["stream"]), []), processors, pieces)
-                         for e in entries]}
+        return {
+            "dir": str(self.run_dir),
+            "manifest": self.manifest,
+            "summary": self.summary,
+            "config": self.config_yaml,
+            "rows": self.rows,
+            "requests": entries,
+            "seqs": [sequence_columns(self.seqs.get((e["id"], e["stream"]), []), processors, pieces) for e in entries],
+        }

@@ -27,8 +27,17 @@ from toolkit.trace.diverge import token_agreement
 from toolkit.trace.reader import TraceError
 from toolkit.trace.writer import REQUESTS_FILE, SAMPLES_DIR, atomic_write_table
 
-COLUMNS = ("requests", "output_tokens", "output_tok_per_s", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s",
-           "acceptance_rate", "json_validity_rate")
+COLUMNS = (
+    "requests",
+    "output_tokens",
+    "output_tok_per_s",
+    "ttft_p50_s",
+    "ttft_p95_s",
+    "tpot_p50_s",
+    "tpot_p95_s",
+    "acceptance_rate",
+    "json_validity_rate",
+)
 
 
 @dataclass
@@ -76,8 +85,9 @@ def compare(patterns: Sequence[str] | str, out_dir: Path | None = None) -> Compa
     dataset = ds.dataset(parts, format="parquet")  # every run's samples as one dataset
     samples = dataset.to_table(columns=["run_id", "request_id", "stream", "position", "token_id"]).to_pydict()
     by_run: dict[str, dict[tuple, int]] = {}
-    for rid, req, stream, pos, tok in zip(samples["run_id"], samples["request_id"], samples["stream"],
-                                          samples["position"], samples["token_id"]):
+    for rid, req, stream, pos, tok in zip(
+        samples["run_id"], samples["request_id"], samples["stream"], samples["position"], samples["token_id"]
+    ):
         by_run.setdefault(rid, {})[(req, stream, pos)] = tok
     result = Comparison()
     reference = None

@@ -56,33 +56,55 @@ class ReplayReport:
         return not self.differences and not self.rows_missing_in_replay
 
     def summary_line(self) -> str:
-        partial = (f" (partial trace: {self.sequences_unfinished_in_trace} sequences unfinished, their "
-                   f"recorded rows compared)" if self.sequences_unfinished_in_trace else "")
+        partial = (
+            f" (partial trace: {self.sequences_unfinished_in_trace} sequences unfinished, their recorded rows compared)"
+            if self.sequences_unfinished_in_trace
+            else ""
+        )
         if self.identical:
-            return (f"bit-identical: {self.rows_compared} sample rows of {self.sequences_compared} sequences match "
-                    f"(token_id, raw/processed logprob bits, logits_sha256, noise, kept_sha256){partial}")
+            return (
+                f"bit-identical: {self.rows_compared} sample rows of {self.sequences_compared} sequences match "
+                f"(token_id, raw/processed logprob bits, logits_sha256, noise, kept_sha256){partial}"
+            )
         diverged = len(self.first_divergences)
-        extra = {(d.request_id, d.stream, d.position) for d in self.differences if d.field == "row" and d.a == "missing"}
+        extra = {
+            (d.request_id, d.stream, d.position) for d in self.differences if d.field == "row" and d.a == "missing"
+        }
         rows = len({(d.request_id, d.stream, d.position) for d in self.differences} - extra)
         other = rows - self.token_mismatches - self.logprob_bit_mismatches - self.rows_missing_in_replay
-        return (f"diverged: {diverged} of {self.sequences_compared} sequences, {rows} of {self.rows_compared} "
-                f"rows differ: tokens in {self.token_mismatches} rows, logprob bits (same token) in "
-                f"{self.logprob_bit_mismatches} rows, other fields only in {other} rows; "
-                f"max |logprob diff| {self.max_abs_logprob_diff:.3g}"
-                + (f", {self.rows_missing_in_replay} recorded rows missing from the replay"
-                   if self.rows_missing_in_replay else "")
-                + (f", {len(extra)} replayed rows past a recorded sequence's end" if extra else "") + partial)
+        return (
+            f"diverged: {diverged} of {self.sequences_compared} sequences, {rows} of {self.rows_compared} "
+            f"rows differ: tokens in {self.token_mismatches} rows, logprob bits (same token) in "
+            f"{self.logprob_bit_mismatches} rows, other fields only in {other} rows; "
+            f"max |logprob diff| {self.max_abs_logprob_diff:.3g}"
+            + (
+                f", {self.rows_missing_in_replay} recorded rows missing from the replay"
+                if self.rows_missing_in_replay
+                else ""
+            )
+            + (f", {len(extra)} replayed rows past a recorded sequence's end" if extra else "")
+            + partial
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "trace_dir": str(self.trace_dir), "replay_dir": str(self.replay_dir), "identical": self.identical,
-            "rows_compared": self.rows_compared, "sequences_compared": self.sequences_compared,
+            "trace_dir": str(self.trace_dir),
+            "replay_dir": str(self.replay_dir),
+            "identical": self.identical,
+            "rows_compared": self.rows_compared,
+            "sequences_compared": self.sequences_compared,
             "sequences_unfinished_in_trace": self.sequences_unfinished_in_trace,
-            "rows_only_in_replay": self.rows_only_in_replay, "rows_missing_in_replay": self.rows_missing_in_replay,
-            "token_mismatches": self.token_mismatches, "logprob_bit_mismatches": self.logprob_bit_mismatches,
-            "max_abs_logprob_diff": self.max_abs_logprob_diff, "mismatches": self.mismatches,
-            "overrides": self.overrides, "cannot_rebuild": self.cannot_rebuild, "first_divergences": [{**d.to_dict(), "describe": d.describe("recorded", "replayed")}
-                                  for d in self.first_divergences],
+            "rows_only_in_replay": self.rows_only_in_replay,
+            "rows_missing_in_replay": self.rows_missing_in_replay,
+            "token_mismatches": self.token_mismatches,
+            "logprob_bit_mismatches": self.logprob_bit_mismatches,
+            "max_abs_logprob_diff": self.max_abs_logprob_diff,
+            "mismatches": self.mismatches,
+            "overrides": self.overrides,
+            "cannot_rebuild": self.cannot_rebuild,
+            "first_divergences": [
+                {**d.to_dict(), "describe": d.describe("recorded", "replayed")} for d in self.first_divergences
+            ],
         }
 
 
@@ -126,32 +148,42 @@ def check_manifest(manifest: dict[str, Any], engine: Engine, allow_mismatch: boo
     loaded = engine.loaded
     problems = []
     if manifest.get("weights_sha256") != loaded.revision:
-        problems.append(f"model weights differ: recorded sha256 {str(manifest.get('weights_sha256'))[:12]}..., "
-                        f"now {loaded.revision[:12]}...")
+        problems.append(
+            f"model weights differ: recorded sha256 {str(manifest.get('weights_sha256'))[:12]}..., "
+            f"now {loaded.revision[:12]}..."
+        )
     token_digest = loaded.tokenizer.digest if loaded.tokenizer else None
     if manifest.get("tokenizer_sha256") != token_digest:
         problems.append("tokenizer differs from the recorded one")
     recorded_mode = bool(manifest.get("batch_invariant", False))
     if recorded_mode != engine.cfg.batch_invariant:
-        problems.append(f"engine.batch_invariant differs: recorded {str(recorded_mode).lower()}, replay "
-                        f"{str(engine.cfg.batch_invariant).lower()} (the two modes' logits differ in the last bits)")
+        problems.append(
+            f"engine.batch_invariant differs: recorded {str(recorded_mode).lower()}, replay "
+            f"{str(engine.cfg.batch_invariant).lower()} (the two modes' logits differ in the last bits)"
+        )
     recorded_kv = manifest.get("kv_cache_dtype", "auto")
     recorded_granularity = manifest.get("kv_scale_granularity")
     if (recorded_kv, recorded_granularity) != (engine.cfg.kv_cache_dtype, engine.kv_cache.granularity):
-        problems.append(f"KV cache storage differs: recorded {recorded_kv}"
-                        f"{'/' + recorded_granularity if recorded_granularity else ''}, replay "
-                        f"{engine.cfg.kv_cache_dtype}{'/' + engine.kv_cache.granularity if engine.kv_cache.granularity else ''}")
+        problems.append(
+            f"KV cache storage differs: recorded {recorded_kv}"
+            f"{'/' + recorded_granularity if recorded_granularity else ''}, replay "
+            f"{engine.cfg.kv_cache_dtype}{'/' + engine.kv_cache.granularity if engine.kv_cache.granularity else ''}"
+        )
     # traces from before engine.matmul_backend used torch's GEMM except in batch-invariant mode
     recorded_matmul = manifest.get("matmul_backend") or ("native" if recorded_mode else "torch")
     if recorded_matmul != engine.matmul_backend:
-        problems.append(f"matmul backend differs: recorded {recorded_matmul}, replay {engine.matmul_backend} "
-                        f"(set engine.matmul_backend={recorded_matmul})")
+        problems.append(
+            f"matmul backend differs: recorded {recorded_matmul}, replay {engine.matmul_backend} "
+            f"(set engine.matmul_backend={recorded_matmul})"
+        )
 
     recorded_numerics, now = manifest.get("kernel_numerics"), native_kernels(engine)
     if recorded_numerics and now["kernel_numerics"] and recorded_numerics != now["kernel_numerics"]:
-        problems.append(f"native kernel numerics differ: recorded {manifest.get('native_kernels')}, replay "
-                        f"{now['native_kernels']} (the kernels' bits depend on lanes and FMA: replay on a CPU that "
-                        f"runs {manifest.get('kernel_target')}, with TOOLKIT_KERNEL_TARGET={manifest.get('kernel_target')})")
+        problems.append(
+            f"native kernel numerics differ: recorded {manifest.get('native_kernels')}, replay "
+            f"{now['native_kernels']} (the kernels' bits depend on lanes and FMA: replay on a CPU that "
+            f"runs {manifest.get('kernel_target')}, with TOOLKIT_KERNEL_TARGET={manifest.get('kernel_target')})"
+        )
     if problems and not allow_mismatch:
         raise TraceError(f"refusing to replay: {problems[0]} (replay.allow_mismatch=true compares anyway)")
     return problems
@@ -166,9 +198,15 @@ def add_recorded_requests(engine: Engine, requests: list[dict[str, Any]]) -> lis
             continue  # one row per sequence: the request was added with its first row
         params = json.loads(row["sampling_params"])
         params["seed"] = row["seed"]
-        engine.add(EngineRequest(prompt_token_ids=row["prompt_token_ids"], request_id=row["request_id"],
-                                 arrival_step=row["arrival_step"], sampling_params=SamplingParams.from_mapping(params),
-                                 priority=row.get("priority") or 0))
+        engine.add(
+            EngineRequest(
+                prompt_token_ids=row["prompt_token_ids"],
+                request_id=row["request_id"],
+                arrival_step=row["arrival_step"],
+                sampling_params=SamplingParams.from_mapping(params),
+                priority=row.get("priority") or 0,
+            )
+        )
         ids.append(row["request_id"])
     return ids
 
@@ -198,8 +236,9 @@ def recorded_aborts(requests: list[dict[str, Any]], samples: pa.Table | None = N
     return before_step
 
 
-def compare(recorded: pa.Table, replayed: pa.Table, report: ReplayReport,
-            aborted: frozenset[tuple[str, int]] = frozenset()) -> None:
+def compare(
+    recorded: pa.Table, replayed: pa.Table, report: ReplayReport, aborted: frozenset[tuple[str, int]] = frozenset()
+) -> None:
     """Every recorded row against the replay's (toolkit.trace.diverge), and each sequence's first divergence.
     `aborted`: sequences the recorded run aborted (no finish row, yet finished: a replayed row past their last one
     is a divergence, as past any finished sequence's; past an unfinished (partial) one, it is simply not in the
@@ -241,11 +280,16 @@ def compare(recorded: pa.Table, replayed: pa.Table, report: ReplayReport,
 def write_divergences(path: Path, differences: Iterable[Difference]) -> None:
     """divergence.parquet: one row per differing field of a row, both values as text (floats with their bits)."""
     rows = list(differences)
-    table = pa.table({
-        "request_id": [d.request_id for d in rows], "stream": pa.array([d.stream for d in rows], pa.int32()),
-        "position": pa.array([d.position for d in rows], pa.int64()), "field": [d.field for d in rows],
-        "recorded": [show(d.field, d.a) for d in rows], "replayed": [show(d.field, d.b) for d in rows],
-    })
+    table = pa.table(
+        {
+            "request_id": [d.request_id for d in rows],
+            "stream": pa.array([d.stream for d in rows], pa.int32()),
+            "position": pa.array([d.position for d in rows], pa.int64()),
+            "field": [d.field for d in rows],
+            "recorded": [show(d.field, d.a) for d in rows],
+            "replayed": [show(d.field, d.b) for d in rows],
+        }
+    )
     atomic_write_table(path, table)
 
 
@@ -255,13 +299,20 @@ def cannot_rebuild(manifest: dict[str, Any]) -> list[str]:
     if kept == "full":
         return []
     what = "their sha256 only" if kept == "hash" else "nothing of them"
-    return [f"the HTTP request bodies (serve.record_body={kept}: the trace keeps {what}): the requests cannot be "
-            f"re-sent to a server as received; the engine requests are replayed from their recorded token ids and "
-            f"resolved sampling"]
+    return [
+        f"the HTTP request bodies (serve.record_body={kept}: the trace keeps {what}): the requests cannot be "
+        f"re-sent to a server as received; the engine requests are replayed from their recorded token ids and "
+        f"resolved sampling"
+    ]
 
 
-def replay(run_dir: str | Path, overrides: Sequence[str] = (), *, allow_mismatch: bool = False,
-           out_dir: str | Path | None = None) -> ReplayReport:
+def replay(
+    run_dir: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    allow_mismatch: bool = False,
+    out_dir: str | Path | None = None,
+) -> ReplayReport:
     """Re-run a recorded run (optionally with config overrides) and compare every sample row."""
     run_dir = Path(run_dir)
     mismatches: list[str] = []
@@ -279,16 +330,28 @@ def replay(run_dir: str | Path, overrides: Sequence[str] = (), *, allow_mismatch
         torch.set_num_threads(int(manifest.get("num_threads") or torch.get_num_threads()))
     engine = Engine.from_config(cfg)
     mismatches += check_manifest(manifest, engine, allow_mismatch)
-    out_dir = Path(out_dir) if out_dir is not None else \
-        run_dir.parent / f"{run_dir.name}-replay-{time.strftime('%H%M%S')}"
+    out_dir = (
+        Path(out_dir) if out_dir is not None else run_dir.parent / f"{run_dir.name}-replay-{time.strftime('%H%M%S')}"
+    )
     request_rows = requests.to_pylist()
     ids = add_recorded_requests(engine, request_rows)
     trace_cfg = cfg.get("trace") or {}
-    record(engine, ids, out_dir, cfg, flush_every_steps=trace_cfg.get("flush_every_steps", 64),
-           before_step=recorded_aborts(request_rows, recorded_samples),
-           manifest_extra={"replay_of": manifest.get("run_id"), "replay_overrides": list(overrides)})
-    report = ReplayReport(trace_dir=run_dir, replay_dir=out_dir, mismatches=mismatches, overrides=list(overrides),
-                          cannot_rebuild=cannot_rebuild(manifest))
+    record(
+        engine,
+        ids,
+        out_dir,
+        cfg,
+        flush_every_steps=trace_cfg.get("flush_every_steps", 64),
+        before_step=recorded_aborts(request_rows, recorded_samples),
+        manifest_extra={"replay_of": manifest.get("run_id"), "replay_overrides": list(overrides)},
+    )
+    report = ReplayReport(
+        trace_dir=run_dir,
+        replay_dir=out_dir,
+        mismatches=mismatches,
+        overrides=list(overrides),
+        cannot_rebuild=cannot_rebuild(manifest),
+    )
     aborted = frozenset((r["request_id"], r["stream"]) for r in request_rows if r.get("abort_step") is not None)
     compare(recorded_samples, read_samples(out_dir), report, aborted)
     if report.differences:

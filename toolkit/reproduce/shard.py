@@ -40,8 +40,7 @@ def ray_options(a: dict, section: str = "audit") -> RayOptions:
     r = dict(a.get("ray") or {})
     unknown = sorted(set(r) - {"address", "workers", "shards_per_worker", "threads"})
     if unknown:
-        raise ConfigError(f"{section}.ray: unknown keys {unknown}; known: address, workers, shards_per_worker, "
-                          f"threads")
+        raise ConfigError(f"{section}.ray: unknown keys {unknown}; known: address, workers, shards_per_worker, threads")
     options = RayOptions(**r)
     for name in ("workers", "shards_per_worker", "threads"):
         value = getattr(options, name)
@@ -85,8 +84,15 @@ def progress_bar(total: int, what: str):
     """tqdm on a terminal (tokens/s and ETA), nothing otherwise."""
     from tqdm import tqdm  # deferred: tqdm, a progress bar only
 
-    return tqdm(total=total, unit="tok", unit_scale=True, desc=what, disable=not sys.stderr.isatty(),
-                file=sys.stderr, leave=False)
+    return tqdm(
+        total=total,
+        unit="tok",
+        unit_scale=True,
+        desc=what,
+        disable=not sys.stderr.isatty(),
+        file=sys.stderr,
+        leave=False,
+    )
 
 
 class _Worker:
@@ -103,8 +109,14 @@ class _Worker:
         return index, work(self.loaded, self.memo, *args)
 
 
-def run_on_ray(model_cfg: dict[str, Any], options: RayOptions, weights: list[int], what: str, work: Callable,
-               args_of: Callable[[range], tuple]) -> dict[int, Any]:
+def run_on_ray(
+    model_cfg: dict[str, Any],
+    options: RayOptions,
+    weights: list[int],
+    what: str,
+    work: Callable,
+    args_of: Callable[[range], tuple],
+) -> dict[int, Any]:
     """The items cut into shards by weight, each done by a Ray worker as `work(loaded, memo, *args_of(shard))`
     (`work` a module-level function: Ray sends it by name); shard index -> answer, in the order they arrived."""
     try:

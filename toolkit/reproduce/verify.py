@@ -96,24 +96,35 @@ class VerifyReport:
     def summary_line(self) -> str:
         head = "verified" if self.passed else "FAILED"
         arithmetic = f" in {self.reference_dtype}" if self.reference == "ours" else ""
-        line = (f"{head}: {self.rows_checked} rows of {self.sequences_checked} sequences ({self.run_dtype} run) "
-                f"recomputed with the {self.reference} reference{arithmetic}; max |raw logprob diff| "
-                f"{self.max_abs_diff:.3g}"
-                f"{' at ' + self.max_at if self.max_at else ''} (atol {self.atol:g}); greedy rows still argmax: "
-                f"{self.greedy_rows - self.greedy_argmax_mismatches}/{self.greedy_rows}")
+        line = (
+            f"{head}: {self.rows_checked} rows of {self.sequences_checked} sequences ({self.run_dtype} run) "
+            f"recomputed with the {self.reference} reference{arithmetic}; max |raw logprob diff| "
+            f"{self.max_abs_diff:.3g}"
+            f"{' at ' + self.max_at if self.max_at else ''} (atol {self.atol:g}); greedy rows still argmax: "
+            f"{self.greedy_rows - self.greedy_argmax_mismatches}/{self.greedy_rows}"
+        )
         if self.near_tie_flips:
             line += f" ({self.near_tie_flips} near-tie flips within atol)"
         return line
 
     def to_dict(self) -> dict[str, Any]:
-        return {"trace_dir": str(self.trace_dir), "reference": self.reference, "atol": self.atol,
-                "run_dtype": self.run_dtype, "reference_dtype": self.reference_dtype,
-                "passed": self.passed, "rows_checked": self.rows_checked,
-                "sequences_checked": self.sequences_checked, "max_abs_diff": self.max_abs_diff,
-                "max_at": self.max_at, "greedy_rows": self.greedy_rows,
-                "greedy_argmax_mismatches": self.greedy_argmax_mismatches, "near_tie_flips": self.near_tie_flips,
-                "downstream_rows": self.downstream_rows,
-                "failures": [f"{c.request_id}#{c.stream} position {c.position}: {c.reason}" for c in self.failures]}
+        return {
+            "trace_dir": str(self.trace_dir),
+            "reference": self.reference,
+            "atol": self.atol,
+            "run_dtype": self.run_dtype,
+            "reference_dtype": self.reference_dtype,
+            "passed": self.passed,
+            "rows_checked": self.rows_checked,
+            "sequences_checked": self.sequences_checked,
+            "max_abs_diff": self.max_abs_diff,
+            "max_at": self.max_at,
+            "greedy_rows": self.greedy_rows,
+            "greedy_argmax_mismatches": self.greedy_argmax_mismatches,
+            "near_tie_flips": self.near_tie_flips,
+            "downstream_rows": self.downstream_rows,
+            "failures": [f"{c.request_id}#{c.stream} position {c.position}: {c.reason}" for c in self.failures],
+        }
 
 
 def _hf_forward(model_cfg: ModelConfig):
@@ -135,9 +146,15 @@ def reference_forward(loaded, reference: str, dtype: torch.dtype = torch.float64
     return lambda ids: reference_logits(loaded.model, ids, dtype)
 
 
-def verify(run_dir: str | Path, *, reference: str = "ours", atol: float | str = "auto",
-           reference_dtype: str = "float64", out_dir: str | Path | None = None, ray: RayOptions | None = None
-           ) -> VerifyReport:
+def verify(
+    run_dir: str | Path,
+    *,
+    reference: str = "ours",
+    atol: float | str = "auto",
+    reference_dtype: str = "float64",
+    out_dir: str | Path | None = None,
+    ray: RayOptions | None = None,
+) -> VerifyReport:
     """The trace's every sampled row recomputed teacher-forced and compared (on Ray workers when `ray` is given:
     toolkit.reproduce.shard, the same report)."""
     run_dir = Path(run_dir)
@@ -158,16 +175,21 @@ def verify(run_dir: str | Path, *, reference: str = "ours", atol: float | str = 
     if loaded.revision != manifest.get("weights_sha256"):
         raise TraceError("refusing to verify: the model weights differ from the recorded run's")
     if reference == "exact" and not manifest.get("batch_invariant", False):
-        raise ConfigError("verify.reference=exact needs a trace recorded with engine.batch_invariant=true "
-                          "(other runs' bits depend on their batches; use reference=ours)")
+        raise ConfigError(
+            "verify.reference=exact needs a trace recorded with engine.batch_invariant=true "
+            "(other runs' bits depend on their batches; use reference=ours)"
+        )
     on_gpu = torch.device(engine_cfg.device).type == "cuda"
     if reference == "exact" and not (invariant_gpu.triton is not None if on_gpu else kernels_available()):
-        raise ConfigError(f"verify.reference=exact needs the {'Triton' if on_gpu else 'native'} kernels (the "
-                          f"batch-invariant bits), which do not run here; use reference=ours")
+        raise ConfigError(
+            f"verify.reference=exact needs the {'Triton' if on_gpu else 'native'} kernels (the "
+            f"batch-invariant bits), which do not run here; use reference=ours"
+        )
     requests = {(r["request_id"], r["stream"]): r for r in read_requests(run_dir).to_pylist()}
     samples = read_samples(run_dir).to_pylist()
-    report = VerifyReport(trace_dir=run_dir, reference=reference, atol=float(atol), run_dtype=run_dtype,
-                          reference_dtype=reference_dtype)
+    report = VerifyReport(
+        trace_dir=run_dir, reference=reference, atol=float(atol), run_dtype=run_dtype, reference_dtype=reference_dtype
+    )
 
     by_seq: dict[tuple[str, int], list[dict]] = {}
     for row in samples:
@@ -181,8 +203,14 @@ def verify(run_dir: str | Path, *, reference: str = "ours", atol: float | str = 
     if ray is not None:  # each sequence on its own in a Ray worker; the parts joined in this order
         weights = [len(rows) + len(request["prompt_token_ids"]) for _, rows, request in jobs]
         empty = dataclasses.replace(report, failures=[], checks=[])
-        parts = run_on_ray(OmegaConf.to_container(cfg.model, resolve=True), ray, weights, "verify", _verify_shard,
-                           lambda shard: ([jobs[i] for i in shard], empty))
+        parts = run_on_ray(
+            OmegaConf.to_container(cfg.model, resolve=True),
+            ray,
+            weights,
+            "verify",
+            _verify_shard,
+            lambda shard: ([jobs[i] for i in shard], empty),
+        )
         for k in sorted(parts):
             absorb(report, parts[k])
     else:
@@ -193,20 +221,36 @@ def verify(run_dir: str | Path, *, reference: str = "ours", atol: float | str = 
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "verify.json").write_text(json.dumps(report.to_dict(), indent=2))
-        atomic_write_table(out_dir / "verify.parquet", pa.Table.from_pylist(
-            [c.__dict__ for c in report.checks]) if report.checks else pa.table({"request_id": pa.array([], pa.string())}))
+        atomic_write_table(
+            out_dir / "verify.parquet",
+            pa.Table.from_pylist([c.__dict__ for c in report.checks])
+            if report.checks
+            else pa.table({"request_id": pa.array([], pa.string())}),
+        )
     return report
 
 
-def verify_sequences(jobs: list[tuple[tuple[str, int], list[dict], dict]], loaded, report: VerifyReport,
-                     progress: Callable[[int], Any] | None = None) -> VerifyReport:
+def verify_sequences(
+    jobs: list[tuple[tuple[str, int], list[dict], dict]],
+    loaded,
+    report: VerifyReport,
+    progress: Callable[[int], Any] | None = None,
+) -> VerifyReport:
     """Each (key, sample rows, request row) recomputed on its own with the report's reference, into `report`."""
     if report.reference == "exact":
         forward = lambda ids: recompute_logits(loaded.model, ids)  # noqa: E731
     else:
         forward = reference_forward(loaded, report.reference, REFERENCE_DTYPES[report.reference_dtype])
-    eos = tuple(sorted(set(loaded.arch.eos_token_ids) | (
-        {loaded.tokenizer.eos_token_id} if loaded.tokenizer and loaded.tokenizer.eos_token_id is not None else set())))
+    eos = tuple(
+        sorted(
+            set(loaded.arch.eos_token_ids)
+            | (
+                {loaded.tokenizer.eos_token_id}
+                if loaded.tokenizer and loaded.tokenizer.eos_token_id is not None
+                else set()
+            )
+        )
+    )
     for key, rows, request in jobs:
         _verify_sequence(key, rows, request, forward, loaded, eos, report)
         if progress is not None:
@@ -253,9 +297,16 @@ def _verify_sequence(key, rows, request, forward, loaded, eos, report: VerifyRep
         logprobs = torch.log_softmax(logits.double(), dim=-1)
     greedy = params.temperature == 0.0
     if greedy:
-        view = BatchView(tuple(RowState(params, tokens[:p], len(prompt), resolve_bad_words(params.bad_words, loaded.tokenizer))
-                               for p in expected_positions), loaded.arch.vocab_size, logits.device, eos)
-        processed = apply_pipeline(logits[len(prompt) - 1:].float(), view).processed_RV
+        view = BatchView(
+            tuple(
+                RowState(params, tokens[:p], len(prompt), resolve_bad_words(params.bad_words, loaded.tokenizer))
+                for p in expected_positions
+            ),
+            loaded.arch.vocab_size,
+            logits.device,
+            eos,
+        )
+        processed = apply_pipeline(logits[len(prompt) - 1 :].float(), view).processed_RV
     failed_before = False
     for i, row in enumerate(rows):
         p = row["position"]
@@ -275,8 +326,10 @@ def _verify_sequence(key, rows, request, forward, loaded, eos, report: VerifyRep
                 else:
                     reason = f"greedy token {row['token_id']} is not the argmax ({top}, margin {margin:.3g})"
         if diff > report.atol or not math.isfinite(diff):
-            reason = (f"raw logprob recorded {row['raw_logprob']:.6g}, recomputed {recomputed:.6g} "
-                      f"(|diff| {diff:.3g} > atol {report.atol:g})")
+            reason = (
+                f"raw logprob recorded {row['raw_logprob']:.6g}, recomputed {recomputed:.6g} "
+                f"(|diff| {diff:.3g} > atol {report.atol:g})"
+            )
         if exact and not reason:
             if diff != 0.0:
                 reason = f"raw logprob bits differ: recorded {row['raw_logprob']!r}, recomputed {recomputed!r}"
@@ -284,8 +337,19 @@ def _verify_sequence(key, rows, request, forward, loaded, eos, report: VerifyRep
                 reason = "logits sha256 differs from the recorded digest: cached != recomputed bits"
         if diff > report.max_abs_diff:
             report.max_abs_diff, report.max_at = diff, f"{request_id}#{stream} position {p}"
-        check = RowCheck(request_id, stream, p, row["token_id"], row["raw_logprob"], recomputed, diff, greedy,
-                         argmax_ok, bool(reason), reason)
+        check = RowCheck(
+            request_id,
+            stream,
+            p,
+            row["token_id"],
+            row["raw_logprob"],
+            recomputed,
+            diff,
+            greedy,
+            argmax_ok,
+            bool(reason),
+            reason,
+        )
         report.checks.append(check)
         report.rows_checked += 1
         if reason:

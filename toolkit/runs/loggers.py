@@ -41,28 +41,54 @@ class WandbLogger(RunLogger):
             raise ConfigError("logger=wandb needs the wandb package: pip install 'toolkit[wandb]'") from None
         os.environ.setdefault("WANDB_SILENT", "true")
         self.wandb = wandb
-        self.run = wandb.init(project=cfg.get("project") or "toolkit", entity=cfg.get("entity"), mode=mode,
-                              dir=str(run_dir), name=cfg.get("run_name") or run_dir.name, id=run_id,
-                              tags=list(cfg.get("tags") or []), config=dict(config),
-                              settings=wandb.Settings(console="off", x_disable_stats=True))
+        self.run = wandb.init(
+            project=cfg.get("project") or "toolkit",
+            entity=cfg.get("entity"),
+            mode=mode,
+            dir=str(run_dir),
+            name=cfg.get("run_name") or run_dir.name,
+            id=run_id,
+            tags=list(cfg.get("tags") or []),
+            config=dict(config),
+            settings=wandb.Settings(console="off", x_disable_stats=True),
+        )
         self.every = int(cfg.get("log_every_steps") or 1)
 
     def log_step(self, record: Mapping[str, Any]) -> None:
         if record["step"] % self.every == 0:
-            self.run.log({f"step/{k}": v for k, v in record.items() if k != "step" and v is not None},
-                         step=int(record["step"]))
+            self.run.log(
+                {f"step/{k}": v for k, v in record.items() if k != "step" and v is not None}, step=int(record["step"])
+            )
 
     def finish(self, summary: Mapping[str, Any], requests: list[Mapping[str, Any]], run_dir: Path) -> None:
-        columns = ["request_id", "stream", "finish_reason", "num_output_tokens", "ttft_s", "tpot_s", "e2e_s",
-                   "num_preemptions"]
-        table = self.wandb.Table(columns=columns, data=[[r.get(c) if c != "num_output_tokens"
-                                                         else len(r.get("output_token_ids") or []) for c in columns]
-                                                        for r in requests])
+        columns = [
+            "request_id",
+            "stream",
+            "finish_reason",
+            "num_output_tokens",
+            "ttft_s",
+            "tpot_s",
+            "e2e_s",
+            "num_preemptions",
+        ]
+        table = self.wandb.Table(
+            columns=columns,
+            data=[
+                [r.get(c) if c != "num_output_tokens" else len(r.get("output_token_ids") or []) for c in columns]
+                for r in requests
+            ],
+        )
         self.run.log({"requests": table})
         self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str, bool))})
         artifact = self.wandb.Artifact(f"trace-{self.run.id}", type="trace")
-        for name in ("samples.parquet", "requests.parquet", "steps.parquet", "manifest.json", "summary.json",
-                     "config.yaml"):
+        for name in (
+            "samples.parquet",
+            "requests.parquet",
+            "steps.parquet",
+            "manifest.json",
+            "summary.json",
+            "config.yaml",
+        ):
             path = run_dir / name
             if path.is_dir():
                 artifact.add_dir(str(path), name=name)
@@ -99,8 +125,8 @@ def read_offline_run(run_file: Path) -> dict[str, Any]:
         if block - pos % block < 7:  # block trailer
             pos += block - pos % block
             continue
-        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
-        chunk = data[pos + 7:pos + 7 + length]
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == 0:
             continue
@@ -120,6 +146,11 @@ def read_offline_run(run_file: Path) -> dict[str, Any]:
         elif which == "summary":
             out["summary"].update(i.key or "/".join(i.nested_key) for i in rec.summary.update)
         elif which == "artifact":
-            out["artifacts"].append({"name": rec.artifact.name, "type": rec.artifact.type,
-                                     "files": sorted(c.path for c in rec.artifact.manifest.contents)})
+            out["artifacts"].append(
+                {
+                    "name": rec.artifact.name,
+                    "type": rec.artifact.type,
+                    "files": sorted(c.path for c in rec.artifact.manifest.contents),
+                }
+            )
     return out

@@ -28,8 +28,13 @@ def new_run_id() -> str:
 def git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     if out.returncode != 0:
@@ -62,9 +67,14 @@ def build_manifest(engine, run_id: str, extra: dict[str, Any] | None = None) -> 
         "may_exceed_token_budget": engine.cfg.scheduler_policy in ("no_chunking", "prefill_first"),
         "attention_backend": engine.attention_backend,
         "matmul_backend": engine.matmul_backend,
-        "precision": precision(loaded.model.embed.dtype, engine.cfg.kv_cache_dtype, engine.attention_backend,
-                               engine.matmul_backend, native_rowwise(engine),
-                               gpu=torch.device(engine.device).type == "cuda"),  # which operation, which precision
+        "precision": precision(
+            loaded.model.embed.dtype,
+            engine.cfg.kv_cache_dtype,
+            engine.attention_backend,
+            engine.matmul_backend,
+            native_rowwise(engine),
+            gpu=torch.device(engine.device).type == "cuda",
+        ),  # which operation, which precision
         **native_kernels(engine),
         "kv_cache_dtype": engine.cfg.kv_cache_dtype,  # the KV storage every logit was computed from
         "kv_scale_granularity": engine.kv_cache.granularity,
@@ -74,8 +84,9 @@ def build_manifest(engine, run_id: str, extra: dict[str, Any] | None = None) -> 
     }
 
 
-def precision(dtype: torch.dtype, kv_cache_dtype: str, attention: str, matmul: str,
-              native_rowwise: bool, gpu: bool = False) -> dict[str, str]:
+def precision(
+    dtype: torch.dtype, kv_cache_dtype: str, attention: str, matmul: str, native_rowwise: bool, gpu: bool = False
+) -> dict[str, str]:
     """Which precision each part of a step runs in, for the manifest (docs/precision.md says the same);
     `native_rowwise`: RMSNorm, RoPE and SiLU ran on the native kernels (the CPU, where they build), or on a GPU
     (`gpu`) on the Triton kernels."""
@@ -86,16 +97,24 @@ def precision(dtype: torch.dtype, kv_cache_dtype: str, attention: str, matmul: s
     return {
         "weights": fmt,
         "activations": fmt + (" (every operation's outputs rounded to nearest, ties to even)" if half else ""),
-        "matmul": (f"Triton: one fixed tiling, no split-K, tensor-core tile products summed in fp32{rounded}"
-                   if matmul == "native" and gpu else
-                   f"native: fp32 multiply-adds over {fmt} weights widened exactly, one FMA chain per element{rounded}"
-                   if matmul == "native" else f"torch.matmul in {fmt} (BLAS; 16-bit inputs accumulate in fp32)"),
-        "attention": (f"{'Triton' if gpu else 'native'} kernel: fp32 scores, online softmax and sums over the {cache} "
-                      f"cache{rounded}"
-                      if attention == "kernel" else
-                      f"torch {attention} in {fmt} over the {cache} cache (read in {fmt})"),
-        "norm_rope_silu": (f"{'Triton' if gpu else 'native'} kernels in fp32{rounded}" if native_rowwise else
-                           f"torch: RMSNorm statistics in fp32, the rest in {fmt}"),
+        "matmul": (
+            f"Triton: one fixed tiling, no split-K, tensor-core tile products summed in fp32{rounded}"
+            if matmul == "native" and gpu
+            else f"native: fp32 multiply-adds over {fmt} weights widened exactly, one FMA chain per element{rounded}"
+            if matmul == "native"
+            else f"torch.matmul in {fmt} (BLAS; 16-bit inputs accumulate in fp32)"
+        ),
+        "attention": (
+            f"{'Triton' if gpu else 'native'} kernel: fp32 scores, online softmax and sums over the {cache} "
+            f"cache{rounded}"
+            if attention == "kernel"
+            else f"torch {attention} in {fmt} over the {cache} cache (read in {fmt})"
+        ),
+        "norm_rope_silu": (
+            f"{'Triton' if gpu else 'native'} kernels in fp32{rounded}"
+            if native_rowwise
+            else f"torch: RMSNorm statistics in fp32, the rest in {fmt}"
+        ),
         "logits": f"{fmt}, widened to fp32" if half else "fp32",
         "sampling": "fp32 logits; log-softmax and processors in fp32",
     }
@@ -119,11 +138,16 @@ def native_kernels(engine) -> dict[str, Any]:
         gpu = torch.cuda.get_device_name(engine.device)
         major, minor = torch.cuda.get_device_capability(engine.device)
         # what the kernels' bits depend on: the compiler and the architecture it compiles for (replay compares it)
-        return {"native_kernels": f"Triton {invariant_gpu.triton.__version__} kernels on {gpu}",
-                "kernel_numerics": f"triton {invariant_gpu.triton.__version__}, sm_{major}{minor}"}
+        return {
+            "native_kernels": f"Triton {invariant_gpu.triton.__version__} kernels on {gpu}",
+            "kernel_numerics": f"triton {invariant_gpu.triton.__version__}, sm_{major}{minor}",
+        }
     lib = library.native()
-    return {"native_kernels": lib.profile.describe(), "kernel_numerics": lib.profile.numerics,
-            "kernel_target": lib.profile.target}
+    return {
+        "native_kernels": lib.profile.describe(),
+        "kernel_numerics": lib.profile.numerics,
+        "kernel_target": lib.profile.target,
+    }
 
 
 def request_rows(engine, run_id: str, request_ids: Sequence[str]) -> list[dict[str, Any]]:
@@ -132,20 +156,34 @@ def request_rows(engine, run_id: str, request_ids: Sequence[str]) -> list[dict[s
     for rid in request_ids:
         for s in engine.sequences(rid):
             m = request_metrics(s)
-            rows.append({
-                "run_id": run_id, "request_id": s.request_id, "stream": s.stream,
-                "prompt_token_ids": list(s.prompt_token_ids), "prompt_text": s.prompt_text,
-                "sampling_params": json.dumps(s.sampling.to_dict(), sort_keys=True), "seed": s.seed,
-                "arrival_step": s.arrival_step, "admitted_step": s.admitted_step,
-                "output_token_ids": list(s.output_token_ids), "output_text": s.text,
-                "finish_reason": s.finish_reason.value if s.finish_reason else None,
-                "stop_reason": s.finish_detail, "num_preemptions": s.num_preemptions,
-                "preempted_steps": list(s.preempted_steps), "preemption_modes": list(s.preemption_modes),
-                "priority": s.priority, "queue_s": m.queue_s, "ttft_s": m.ttft_s,
-                "grammar_kind": s.sampling.structured_outputs.kind if s.sampling.structured_outputs else None,
-                "grammar_sha256": s.sampling.structured_outputs.digest if s.sampling.structured_outputs else None,
-                "tpot_s": m.tpot_s, "e2e_s": m.e2e_s, "abort_step": s.abort_step,
-            })
+            rows.append(
+                {
+                    "run_id": run_id,
+                    "request_id": s.request_id,
+                    "stream": s.stream,
+                    "prompt_token_ids": list(s.prompt_token_ids),
+                    "prompt_text": s.prompt_text,
+                    "sampling_params": json.dumps(s.sampling.to_dict(), sort_keys=True),
+                    "seed": s.seed,
+                    "arrival_step": s.arrival_step,
+                    "admitted_step": s.admitted_step,
+                    "output_token_ids": list(s.output_token_ids),
+                    "output_text": s.text,
+                    "finish_reason": s.finish_reason.value if s.finish_reason else None,
+                    "stop_reason": s.finish_detail,
+                    "num_preemptions": s.num_preemptions,
+                    "preempted_steps": list(s.preempted_steps),
+                    "preemption_modes": list(s.preemption_modes),
+                    "priority": s.priority,
+                    "queue_s": m.queue_s,
+                    "ttft_s": m.ttft_s,
+                    "grammar_kind": s.sampling.structured_outputs.kind if s.sampling.structured_outputs else None,
+                    "grammar_sha256": s.sampling.structured_outputs.digest if s.sampling.structured_outputs else None,
+                    "tpot_s": m.tpot_s,
+                    "e2e_s": m.e2e_s,
+                    "abort_step": s.abort_step,
+                }
+            )
     return rows
 
 

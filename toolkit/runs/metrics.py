@@ -63,15 +63,18 @@ class RunningSummary:
             self.sequences += 1
             self.output_tokens += len(c.token_ids)
             self.num_preemptions += c.metrics.num_preemptions
-            for values, value in ((self.ttfts, c.metrics.ttft_s), (self.tpots, c.metrics.tpot_s),
-                                  (self.queues, c.metrics.queue_s)):
+            for values, value in (
+                (self.ttfts, c.metrics.ttft_s),
+                (self.tpots, c.metrics.tpot_s),
+                (self.queues, c.metrics.queue_s),
+            ):
                 if value is not None:
                     values.append(value)
             reason = c.finish_reason or "unfinished"
             self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
 
     def result(self, wall_s: float, itl_s: Sequence[float] = (), **extra) -> dict:
-        rate = (lambda n: n / wall_s if wall_s > 0 else None)  # noqa: E731
+        rate = lambda n: n / wall_s if wall_s > 0 else None  # noqa: E731
         return {
             "requests": self.requests,
             "sequences": self.sequences,

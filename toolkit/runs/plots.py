@@ -52,9 +52,7 @@ def plot_run(run_dir: Path) -> list[Path]:
     try:
         plt = _pyplot()
     except ModuleNotFoundError as exc:  # a core install without the bench extra: the run itself is complete
-
-        print(f"{exc}; timeline.png and latency.png skipped (plots=false turns them off)", file=sys.stderr,
-              flush=True)
+        print(f"{exc}; timeline.png and latency.png skipped (plots=false turns them off)", file=sys.stderr, flush=True)
         return []
     written = []
     steps_table = read_steps(run_dir)
@@ -63,8 +61,14 @@ def plot_run(run_dir: Path) -> list[Path]:
         x = steps["step"]
         fig, ax = plt.subplots(figsize=(11, 4))
         ax.bar(x, steps["decode_tokens"], width=1.0, color="#3a7dc9", label="decode tokens")
-        ax.bar(x, steps["prefill_tokens"], width=1.0, bottom=steps["decode_tokens"], color="#f0a030",
-               label="prefill tokens")
+        ax.bar(
+            x,
+            steps["prefill_tokens"],
+            width=1.0,
+            bottom=steps["decode_tokens"],
+            color="#f0a030",
+            label="prefill tokens",
+        )
         budget = token_budget(run_dir)
         if budget:
             ax.axhline(budget, color="black", lw=1, ls="--", label=f"token budget ({budget})")

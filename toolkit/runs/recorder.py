@@ -57,11 +57,20 @@ def body_sha256(body: Any) -> str | None:
 
 def step_record(out: StepOutput, seconds: float) -> dict[str, Any]:
     """What one engine step did, for the run's per-step metrics (steps.parquet)."""
-    return {"step": out.step, "batch_size": out.batch_size, "decode_tokens": out.num_decode_tokens,
-            "prefill_tokens": out.num_prefill_tokens, "sampled": len(out.samples), "finished": len(out.finished),
-            "preempted": len(out.preempted), "kv_blocks_used": out.kv_blocks_used,
-            "kv_utilization": out.kv_utilization, "prefix_hit_tokens": out.prefix_hit_tokens, "step_s": seconds,
-            "forwards": out.forwards}
+    return {
+        "step": out.step,
+        "batch_size": out.batch_size,
+        "decode_tokens": out.num_decode_tokens,
+        "prefill_tokens": out.num_prefill_tokens,
+        "sampled": len(out.samples),
+        "finished": len(out.finished),
+        "preempted": len(out.preempted),
+        "kv_blocks_used": out.kv_blocks_used,
+        "kv_utilization": out.kv_utilization,
+        "prefix_hit_tokens": out.prefix_hit_tokens,
+        "step_s": seconds,
+        "forwards": out.forwards,
+    }
 
 
 def effective_config(engine: Engine, config: DictConfig | Mapping | None) -> DictConfig:
@@ -75,10 +84,21 @@ def effective_config(engine: Engine, config: DictConfig | Mapping | None) -> Dic
 
 
 class RunRecorder:
-    def __init__(self, engine: Engine, run_dir: Path | None, config: DictConfig | Mapping | None = None, *,
-                 trace: bool = True, flush_every_steps: int = 64, full_logits: Any = None,
-                 manifest_extra: Mapping[str, Any] | None = None, record_body: str = "full",
-                 summary_window: int | None = None, max_trace_bytes: int | None = None, served: bool = False):
+    def __init__(
+        self,
+        engine: Engine,
+        run_dir: Path | None,
+        config: DictConfig | Mapping | None = None,
+        *,
+        trace: bool = True,
+        flush_every_steps: int = 64,
+        full_logits: Any = None,
+        manifest_extra: Mapping[str, Any] | None = None,
+        record_body: str = "full",
+        summary_window: int | None = None,
+        max_trace_bytes: int | None = None,
+        served: bool = False,
+    ):
         """`run_dir`: None records nothing (rows are not even built). `trace`: False writes no sample rows (the
         rest still). `full_logits`: off, all or request ids (None: the config's trace.full_logits).
         `record_body`: full | hash | off, what the trace keeps of each HTTP body (hash: its sha256 only).
@@ -131,16 +151,20 @@ class RunRecorder:
         if self.writer.fault is not None:
             return f"the trace cannot be written ({self.writer.fault}); its rows are held and retried"
         if self.max_trace_bytes is not None and self.writer.bytes_written > self.max_trace_bytes:
-            return (f"the trace holds {self.writer.bytes_written:,} bytes, past serve.max_trace_gb "
-                    f"({self.max_trace_bytes:,} bytes)")
+            return (
+                f"the trace holds {self.writer.bytes_written:,} bytes, past serve.max_trace_gb "
+                f"({self.max_trace_bytes:,} bytes)"
+            )
         return None
 
     def admitted(self, request_id: str, body: Any = None) -> None:
         if self.writer is None:
             return
         text = json.dumps(body, sort_keys=True) if body is not None else None
-        self._bodies[request_id] = (text if self.record_body == "full" else None,
-                                    body_sha256(body) if self.record_body != "off" else None)
+        self._bodies[request_id] = (
+            text if self.record_body == "full" else None,
+            body_sha256(body) if self.record_body != "off" else None,
+        )
         self._open[request_id] = self._rows(request_id, self._arrivals)
         self._arrivals += 1
         self._open_changed = True
@@ -171,9 +195,16 @@ class RunRecorder:
         """A request refused before it reached the engine (503) or failed on it (500); any thread."""
         if self.writer is None:
             return
-        row = {"run_id": self.run_id, "request_id": request_id, "route": route, "status": status, "reason": reason,
-               "step": self.engine.step_index, "time": time.time(),
-               "request_body_sha256": body_sha if self.record_body != "off" else None}
+        row = {
+            "run_id": self.run_id,
+            "request_id": request_id,
+            "route": route,
+            "status": status,
+            "reason": reason,
+            "step": self.engine.step_index,
+            "time": time.time(),
+            "request_body_sha256": body_sha if self.record_body != "off" else None,
+        }
         with self._lock:
             self._rejected.append(row)
 
@@ -220,19 +251,36 @@ class RunRecorder:
             engine = self.engine
             if wall_s is None:
                 wall_s = (engine.last_finish_time or 0.0) - (engine.first_admission_time or 0.0)
-            served = {"served": True, "served_s": time.perf_counter() - self._started,
-                      "steps_dropped": self.steps_dropped, "rejected_dropped": self.writer.rejected_dropped} \
-                if self.served else {}
-            summary = self.summary.result(wall_s, self.itl.values, steps=engine.step_index, run_id=self.run_id,
-                                          trace_rows=self.writer.rows_written, model=engine.loaded.model_id,
-                                          model_revision=engine.loaded.revision, **served, **extra)
+            served = (
+                {
+                    "served": True,
+                    "served_s": time.perf_counter() - self._started,
+                    "steps_dropped": self.steps_dropped,
+                    "rejected_dropped": self.writer.rejected_dropped,
+                }
+                if self.served
+                else {}
+            )
+            summary = self.summary.result(
+                wall_s,
+                self.itl.values,
+                steps=engine.step_index,
+                run_id=self.run_id,
+                trace_rows=self.writer.rows_written,
+                model=engine.loaded.model_id,
+                model_revision=engine.loaded.revision,
+                **served,
+                **extra,
+            )
             atomic_write_bytes(self.run_dir / "summary.json", json.dumps(summary, indent=2).encode())
         return summary
 
     def _rows(self, request_id: str, arrival_index: int) -> list[dict[str, Any]]:
         body, digest = self._bodies[request_id]
-        return [{**row, "request_body": body, "request_body_sha256": digest, "arrival_index": arrival_index}
-                for row in request_rows(self.engine, self.run_id, [request_id])]
+        return [
+            {**row, "request_body": body, "request_body_sha256": digest, "arrival_index": arrival_index}
+            for row in request_rows(self.engine, self.run_id, [request_id])
+        ]
 
     def _changed(self) -> bool:
         return self._open_changed or bool(self._ended) or bool(self._rejected)
@@ -252,8 +300,9 @@ class RunRecorder:
             self._steps = []
             return
         try:
-            atomic_write_table(self.run_dir / STEPS_DIR / f"part-{self._step_parts:06d}.parquet",
-                               pa.Table.from_pylist(self._steps))
+            atomic_write_table(
+                self.run_dir / STEPS_DIR / f"part-{self._step_parts:06d}.parquet", pa.Table.from_pylist(self._steps)
+            )
         except OSError:
             if not self.served:
                 raise

@@ -55,8 +55,10 @@ class Progress:
             rate = self.tokens / max(now - self.start, 1e-9)
             width = 30
             filled = int(width * self.done / max(self.total, 1))
-            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} sequences, "
-                              f"{self.tokens} tokens, {rate:.1f} tok/s")
+            self.stream.write(
+                f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} sequences, "
+                f"{self.tokens} tokens, {rate:.1f} tok/s"
+            )
             self.stream.flush()
 
     def close(self) -> None:
@@ -75,8 +77,10 @@ def _ctrl_c_between_steps():
     raised at an arbitrary bytecode can land inside the trace writer's queue (threading.Condition.notify between
     dropping a waiter and waking it) and leave close() waiting forever. A second Ctrl-C interrupts at once."""
     state = _CtrlC()
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         yield state  # not ours to change (a server's handler, an ignored SIGINT, a worker thread)
         return
 
@@ -92,20 +96,38 @@ def _ctrl_c_between_steps():
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictConfig | Mapping | None = None, *,
-           trace: bool = True, flush_every_steps: int = 64, manifest_extra: dict[str, Any] | None = None,
-           summary_extra: dict[str, Any] | None = None,
-           on_step: Callable[[StepOutput], None] | None = None,
-           before_step: Callable[[Engine], None] | None = None, logger: Mapping[str, Any] | None = None,
-           progress: bool = False, plots: bool = False, full_logits: Any = None) -> Recorded:
+def record(
+    engine: Engine,
+    request_ids: list[str],
+    run_dir: Path,
+    config: DictConfig | Mapping | None = None,
+    *,
+    trace: bool = True,
+    flush_every_steps: int = 64,
+    manifest_extra: dict[str, Any] | None = None,
+    summary_extra: dict[str, Any] | None = None,
+    on_step: Callable[[StepOutput], None] | None = None,
+    before_step: Callable[[Engine], None] | None = None,
+    logger: Mapping[str, Any] | None = None,
+    progress: bool = False,
+    plots: bool = False,
+    full_logits: Any = None,
+) -> Recorded:
     """Run the engine until every request finished; write config, manifest, requests, trace, summary.
 
     `logger` is a `logger` config section (see toolkit.runs.loggers); `progress` draws a progress
     line on a terminal; `plots` writes the step timeline and latency plots; `before_step` is called with the
     engine before each step (a replay aborts there what the recorded run aborted); `full_logits` (off, all or
     request ids) also writes those requests' raw logits rows to logits.parquet."""
-    recorder = RunRecorder(engine, run_dir, config, trace=trace, flush_every_steps=flush_every_steps,
-                           full_logits=full_logits, manifest_extra=manifest_extra)
+    recorder = RunRecorder(
+        engine,
+        run_dir,
+        config,
+        trace=trace,
+        flush_every_steps=flush_every_steps,
+        full_logits=full_logits,
+        manifest_extra=manifest_extra,
+    )
     run_id, run_dir = recorder.run_id, recorder.run_dir
     for request_id in request_ids:
         recorder.admitted(request_id)
@@ -154,20 +176,25 @@ def record(engine: Engine, request_ids: list[str], run_dir: Path, config: DictCo
             recorder.finished(output)
         pool = engine.stats()
         summary = recorder.close(
-            forwards=sum(s["forwards"] for s in steps), scheduler_policy=engine.cfg.scheduler_policy,
+            forwards=sum(s["forwards"] for s in steps),
+            scheduler_policy=engine.cfg.scheduler_policy,
             kv_utilization_max=max((s["kv_utilization"] for s in steps), default=0.0),
             kv_utilization_mean=sum(s["kv_utilization"] for s in steps) / max(len(steps), 1),
             prefix_cache_hit_rate=pool.prefix_hits / pool.prefix_queries if pool.prefix_queries else None,
             decode_steps=decode_steps_by_batch(steps),
             **(engine.speculator.stats.summary() if engine.speculator is not None else {}),
-            **(summary_extra or {}), **({"interrupted": True} if interrupted else {}))
+            **(summary_extra or {}),
+            **({"interrupted": True} if interrupted else {}),
+        )
     final_rows = request_rows(engine, run_id, request_ids)
     if plots:
         plot_run(run_dir)
     run_logger.finish(summary, final_rows, run_dir)
     if interrupted:
         done = sum(1 for r in final_rows if r.get("finish_reason"))
-        raise Interrupted(f"interrupted at step {engine.step_index}: {done}/{len(final_rows)} sequences finished; "
-                          f"trace flushed ({recorder.rows_written} rows) and summary.json written in "
-                          f"{run_dir} (replay and verify accept the partial run)")
+        raise Interrupted(
+            f"interrupted at step {engine.step_index}: {done}/{len(final_rows)} sequences finished; "
+            f"trace flushed ({recorder.rows_written} rows) and summary.json written in "
+            f"{run_dir} (replay and verify accept the partial run)"
+        )
     return Recorded(run_id=run_id, run_dir=run_dir, outputs=outputs, summary=summary, steps=steps)

@@ -46,9 +46,15 @@ class RequestSpec:
     source: str = ""  # where it came from, for error messages ("requests.jsonl line 3")
 
     def engine_request(self) -> EngineRequest:
-        return EngineRequest(prompt=self.prompt, messages=self.messages, prompt_token_ids=self.prompt_token_ids,
-                             sampling_params=self.sampling, request_id=self.id, arrival_step=self.arrival_step,
-                             priority=self.priority)
+        return EngineRequest(
+            prompt=self.prompt,
+            messages=self.messages,
+            prompt_token_ids=self.prompt_token_ids,
+            sampling_params=self.sampling,
+            request_id=self.id,
+            arrival_step=self.arrival_step,
+            priority=self.priority,
+        )
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id}
@@ -73,10 +79,14 @@ def parse_request(obj: Any, *, default_id: str, source: str) -> RequestSpec:
         raise WorkloadError(f"{source}: expected a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - REQUEST_KEYS)
     if unknown:
-        raise WorkloadError(f"{source}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(REQUEST_KEYS))}")
+        raise WorkloadError(
+            f"{source}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(REQUEST_KEYS))}"
+        )
     given = [k for k in ("prompt", "messages", "prompt_token_ids") if obj.get(k) is not None]
     if len(given) != 1:
-        raise WorkloadError(f"{source}: give exactly one of prompt, messages or prompt_token_ids (got {given or 'none'})")
+        raise WorkloadError(
+            f"{source}: give exactly one of prompt, messages or prompt_token_ids (got {given or 'none'})"
+        )
     sampling = obj.get("sampling") or {}
     if not isinstance(sampling, dict):
         raise WorkloadError(f"{source}: sampling must be an object of SamplingParams fields")
@@ -92,9 +102,16 @@ def parse_request(obj: Any, *, default_id: str, source: str) -> RequestSpec:
     rid = obj.get("id", default_id)
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise WorkloadError(f"{source}: id must be a string, got {rid!r}")
-    return RequestSpec(id=str(rid), prompt=obj.get("prompt"), messages=obj.get("messages"),
-                       prompt_token_ids=obj.get("prompt_token_ids"), arrival_step=arrival, sampling=sampling,
-                       priority=priority, source=source)
+    return RequestSpec(
+        id=str(rid),
+        prompt=obj.get("prompt"),
+        messages=obj.get("messages"),
+        prompt_token_ids=obj.get("prompt_token_ids"),
+        arrival_step=arrival,
+        sampling=sampling,
+        priority=priority,
+        source=source,
+    )
 
 
 def load_requests(path: str | Path) -> tuple[list[RequestSpec], list[Rejected]]:
@@ -156,16 +173,27 @@ PASSAGE_TASKS = [
 ]
 
 
-def chat_workload(num_requests: int = 10, seed: int = 0, min_tokens: int = 16, max_tokens: int = 64,
-                  arrival_every: int = 3, long_every: int = 3, passages_per_long: int = 1) -> list[RequestSpec]:
+def chat_workload(
+    num_requests: int = 10,
+    seed: int = 0,
+    min_tokens: int = 16,
+    max_tokens: int = 64,
+    arrival_every: int = 3,
+    long_every: int = 3,
+    passages_per_long: int = 1,
+) -> list[RequestSpec]:
     """Chat requests with mixed lengths and staggered arrivals.
 
     Every `long_every`-th request asks a task about 1..`passages_per_long` passages (prompts
     of about 200-550 tokens); the others are short questions (about 40 tokens). Request i arrives at step
     i * arrival_every // 2 so prefills overlap running decodes.
     """
-    for name, value in (("num_requests", num_requests), ("min_tokens", min_tokens), ("max_tokens", max_tokens),
-                        ("passages_per_long", passages_per_long)):
+    for name, value in (
+        ("num_requests", num_requests),
+        ("min_tokens", min_tokens),
+        ("max_tokens", max_tokens),
+        ("passages_per_long", passages_per_long),
+    ):
         if not isinstance(value, int) or value < 1:
             raise WorkloadError(f"workload.{name} must be a positive integer, got {value!r}")
     if min_tokens > max_tokens:
@@ -182,13 +210,15 @@ def chat_workload(num_requests: int = 10, seed: int = 0, min_tokens: int = 16, m
             content = rnd.choice(PASSAGE_TASKS) + "\n\n" + "\n\n".join(chosen)
         else:
             content = rnd.choice(CHAT_QUESTIONS)
-        specs.append(RequestSpec(
-            id=f"chat-{i}",
-            messages=[{"role": "user", "content": content}],
-            arrival_step=(i * arrival_every) // 2,
-            sampling={"max_tokens": rnd.randint(min_tokens, max_tokens)},
-            source=f"chat workload #{i}",
-        ))
+        specs.append(
+            RequestSpec(
+                id=f"chat-{i}",
+                messages=[{"role": "user", "content": content}],
+                arrival_step=(i * arrival_every) // 2,
+                sampling={"max_tokens": rnd.randint(min_tokens, max_tokens)},
+                source=f"chat workload #{i}",
+            )
+        )
     return specs
 
 
@@ -205,11 +235,30 @@ EXTRACTION_SCHEMA = {
 }
 
 _FIRST = ["Maria", "Kenji", "Amara", "Lukas", "Priya", "Tomás", "Ingrid", "Omar", "Chen", "Zoe", "Rafael", "Aiko"]
-_LAST = ["Silva", "Tanaka", "Okafor", "Becker", "Sharma", "García", "Larsen", "Haddad", "Wei", "Martin", "Costa", "Mori"]
-_JOBS = [("baker", ["bread", "pastry"]), ("nurse", ["triage", "wound care"]), ("carpenter", ["joinery", "roofing"]),
-         ("teacher", ["algebra", "history"]), ("pilot", ["navigation", "night flying"]),
-         ("chemist", ["titration", "spectroscopy"]), ("gardener", ["pruning", "composting"]),
-         ("programmer", ["Python", "databases"])]
+_LAST = [
+    "Silva",
+    "Tanaka",
+    "Okafor",
+    "Becker",
+    "Sharma",
+    "García",
+    "Larsen",
+    "Haddad",
+    "Wei",
+    "Martin",
+    "Costa",
+    "Mori",
+]
+_JOBS = [
+    ("baker", ["bread", "pastry"]),
+    ("nurse", ["triage", "wound care"]),
+    ("carpenter", ["joinery", "roofing"]),
+    ("teacher", ["algebra", "history"]),
+    ("pilot", ["navigation", "night flying"]),
+    ("chemist", ["titration", "spectroscopy"]),
+    ("gardener", ["pruning", "composting"]),
+    ("programmer", ["Python", "databases"]),
+]
 _CITIES = ["Lisbon", "Osaka", "Lagos", "Hamburg", "Pune", "Valencia", "Bergen", "Beirut", "Chengdu", "Lyon"]
 
 
@@ -223,29 +272,47 @@ def extraction_workload(num_requests: int = 12, seed: int = 0, max_tokens: int =
         name = f"{rnd.choice(_FIRST)} {rnd.choice(_LAST)}"
         job, skills = rnd.choice(_JOBS)
         age, city = rnd.randint(22, 70), rnd.choice(_CITIES)
-        text = (f"{name} is a {age}-year-old {job} who lives in {city}. Colleagues praise {name.split()[0]}'s "
-                f"skill at {skills[0]} and {skills[1]}.")
-        specs.append(RequestSpec(
-            id=f"extract-{i}",
-            messages=[{"role": "user", "content": "Extract a JSON record (name, occupation, age, city, skills) "
-                                                  f"from this text:\n\n{text}"}],
-            arrival_step=i,
-            sampling={"max_tokens": max_tokens, "structured_outputs": {"json": EXTRACTION_SCHEMA}},
-            source=f"extraction workload #{i}",
-        ))
+        text = (
+            f"{name} is a {age}-year-old {job} who lives in {city}. Colleagues praise {name.split()[0]}'s "
+            f"skill at {skills[0]} and {skills[1]}."
+        )
+        specs.append(
+            RequestSpec(
+                id=f"extract-{i}",
+                messages=[
+                    {
+                        "role": "user",
+                        "content": "Extract a JSON record (name, occupation, age, city, skills) "
+                        f"from this text:\n\n{text}",
+                    }
+                ],
+                arrival_step=i,
+                sampling={"max_tokens": max_tokens, "structured_outputs": {"json": EXTRACTION_SCHEMA}},
+                source=f"extraction workload #{i}",
+            )
+        )
     return specs
 
 
-def text_workload(num_requests: int = 8, seed: int = 0, max_tokens: int = 200, prompt_chars: int = 24) -> list[RequestSpec]:
+def text_workload(
+    num_requests: int = 8, seed: int = 0, max_tokens: int = 200, prompt_chars: int = 24
+) -> list[RequestSpec]:
     """Plain-text completions (no chat template): each prompt is the opening of a passage, for
     base models and the character-level nanoGPT of mode=train."""
     if not isinstance(num_requests, int) or num_requests < 1:
         raise WorkloadError(f"workload.num_requests must be a positive integer, got {num_requests!r}")
     rnd = random.Random(seed)
     texts = passages()
-    return [RequestSpec(id=f"text-{i}", prompt=rnd.choice(texts)[:prompt_chars], arrival_step=i,
-                        sampling={"max_tokens": max_tokens}, source=f"text workload #{i}")
-            for i in range(num_requests)]
+    return [
+        RequestSpec(
+            id=f"text-{i}",
+            prompt=rnd.choice(texts)[:prompt_chars],
+            arrival_step=i,
+            sampling={"max_tokens": max_tokens},
+            source=f"text workload #{i}",
+        )
+        for i in range(num_requests)
+    ]
 
 
 BUILTIN = {"chat": chat_workload, "extraction": extraction_workload, "text": text_workload}
@@ -258,7 +325,9 @@ def builtin_workload(name: str, **kwargs: Any) -> list[RequestSpec]:
     known = set(inspect.signature(make).parameters)
     unknown = sorted(set(kwargs) - known)
     if unknown:
-        raise WorkloadError(f"unknown workload option(s) {', '.join(unknown)} for {name!r}; known: {', '.join(sorted(known))}")
+        raise WorkloadError(
+            f"unknown workload option(s) {', '.join(unknown)} for {name!r}; known: {', '.join(sorted(known))}"
+        )
     return make(**kwargs)
 
 

@@ -124,8 +124,9 @@ class LazyGrammar:
             if self.backend is None:
                 if self.tokenizer is None:
                     raise RequestError("structured outputs need a tokenizer that matches the model's vocabulary")
-                self.backend = GrammarBackend(self.tokenizer, self.vocab_size, self.stop_token_ids,
-                                              threads=max(1, torch.get_num_threads()))
+                self.backend = GrammarBackend(
+                    self.tokenizer, self.vocab_size, self.stop_token_ids, threads=max(1, torch.get_num_threads())
+                )
             return self.backend
 
 

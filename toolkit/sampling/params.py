@@ -14,11 +14,21 @@ from toolkit.sampling.structured import StructuredOutputs
 
 DEFAULT_PROCESSORS = (
     # penalties: raw logits + history
-    "repetition_penalty", "presence_penalty", "frequency_penalty",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
     # hard masks: set forbidden tokens to -inf (and the logit bias)
-    "allowed_token_ids", "bad_words", "logit_bias", "no_repeat_ngram", "min_tokens", "grammar",
+    "allowed_token_ids",
+    "bad_words",
+    "logit_bias",
+    "no_repeat_ngram",
+    "min_tokens",
+    "grammar",
     # temperature, then truncation of the support
-    "temperature", "top_k", "top_p", "min_p",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
 )
 
 
@@ -62,24 +72,32 @@ class SamplingParams:
         set_("temperature", float(t))
         check(is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         set_("top_p", float(self.top_p))
-        check(is_int(self.top_k) and self.top_k >= -1,
-              f"top_k must be -1 (all tokens), 0 (all tokens) or a positive integer, got {self.top_k!r}")
+        check(
+            is_int(self.top_k) and self.top_k >= -1,
+            f"top_k must be -1 (all tokens), 0 (all tokens) or a positive integer, got {self.top_k!r}",
+        )
         check(is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
         set_("min_p", float(self.min_p))
-        check(is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-              f"repetition_penalty must be > 0 (1 means off), got {self.repetition_penalty!r}")
+        check(
+            is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            f"repetition_penalty must be > 0 (1 means off), got {self.repetition_penalty!r}",
+        )
         set_("repetition_penalty", float(self.repetition_penalty))
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             check(is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
             set_(name, float(value))
-        check(is_int(self.no_repeat_ngram_size) and self.no_repeat_ngram_size >= 0,
-              f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}")
+        check(
+            is_int(self.no_repeat_ngram_size) and self.no_repeat_ngram_size >= 0,
+            f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}",
+        )
         set_("bad_words", _bad_words(self.bad_words))
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
-            check(isinstance(ids, (list, tuple)) and len(ids) > 0 and all(is_int(i) and i >= 0 for i in ids),
-                  f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+            check(
+                isinstance(ids, (list, tuple)) and len(ids) > 0 and all(is_int(i) and i >= 0 for i in ids),
+                f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}",
+            )
             set_("allowed_token_ids", tuple(ids))
         if self.logit_bias is not None:
             bias = self.logit_bias
@@ -88,45 +106,67 @@ class SamplingParams:
                 clean = {int(k): float(v) for k, v in bias.items()}
             except (TypeError, ValueError):
                 raise ConfigError(f"logit_bias must map token ids to numbers, got {dict(bias)!r}") from None
-            check(all(k >= 0 for k in clean) and all(v == v for v in clean.values()),
-                  f"logit_bias keys must be token ids >= 0 and values numbers, got {dict(bias)!r}")
+            check(
+                all(k >= 0 for k in clean) and all(v == v for v in clean.values()),
+                f"logit_bias keys must be token ids >= 0 and values numbers, got {dict(bias)!r}",
+            )
             set_("logit_bias", dict(sorted(clean.items())) or None)
-        check(self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**63),
-              f"seed must be an integer in [0, 2^63) or null, got {self.seed!r}")
+        check(
+            self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**63),
+            f"seed must be an integer in [0, 2^63) or null, got {self.seed!r}",
+        )
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        check(isinstance(stop, (list, tuple)) and all(isinstance(x, str) for x in stop),
-              f"stop must be a list of strings, got {self.stop!r}")
+        check(
+            isinstance(stop, (list, tuple)) and all(isinstance(x, str) for x in stop),
+            f"stop must be a list of strings, got {self.stop!r}",
+        )
         check(all(len(x) > 0 for x in stop), "stop strings must not be empty")
         set_("stop", tuple(stop))
         ids = self.stop_token_ids
-        check(isinstance(ids, (list, tuple)) and all(is_int(i) and i >= 0 for i in ids),
-              f"stop_token_ids must be a list of non-negative token ids, got {ids!r}")
+        check(
+            isinstance(ids, (list, tuple)) and all(is_int(i) and i >= 0 for i in ids),
+            f"stop_token_ids must be a list of non-negative token ids, got {ids!r}",
+        )
         set_("stop_token_ids", tuple(ids))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
-        check(is_int(self.max_tokens) and self.max_tokens > 0,
-              f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-              f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-        check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-              f"logprobs must be null or an integer in [0, 20], got {self.logprobs!r}")
+        check(
+            is_int(self.max_tokens) and self.max_tokens > 0,
+            f"max_tokens must be a positive integer, got {self.max_tokens!r}",
+        )
+        check(
+            is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
+        )
+        check(
+            self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+            f"logprobs must be null or an integer in [0, 20], got {self.logprobs!r}",
+        )
         set_("structured_outputs", StructuredOutputs.coerce(self.structured_outputs))
         # which processors change anything: fixed for these (frozen) parameters, asked per row and step
         set_("_active", frozenset(name for name, on in self._activity().items() if on))
         set_("_active_order", tuple(p for p in self.order if p in self._active))
         self._check_processors()
-        set_("_description", tuple([self.describe(p) for p in self.active_processors()]
-                                   + ["argmax" if self.greedy else "gumbel_max"]))
+        set_(
+            "_description",
+            tuple([self.describe(p) for p in self.active_processors()] + ["argmax" if self.greedy else "gumbel_max"]),
+        )
 
     def _check_processors(self) -> None:
         if self.processors is None:
             return
         procs = self.processors
-        check(isinstance(procs, (list, tuple)) and all(isinstance(p, str) for p in procs),
-              f"processors must be a list of processor names, got {procs!r}")
+        check(
+            isinstance(procs, (list, tuple)) and all(isinstance(p, str) for p in procs),
+            f"processors must be a list of processor names, got {procs!r}",
+        )
         unknown = [p for p in procs if p not in DEFAULT_PROCESSORS]
-        check(not unknown, f"unknown processor {unknown[0]!r} in processors; known: {', '.join(DEFAULT_PROCESSORS)}"
-              if unknown else "")
+        check(
+            not unknown,
+            f"unknown processor {unknown[0]!r} in processors; known: {', '.join(DEFAULT_PROCESSORS)}"
+            if unknown
+            else "",
+        )
         dup = sorted({p for p in procs if procs.count(p) > 1})
         check(not dup, f"processor {dup[0]!r} is listed twice in processors" if dup else "")
         object.__setattr__(self, "processors", tuple(procs))
@@ -174,12 +214,19 @@ class SamplingParams:
     def describe(self, name: str) -> str:
         """A processor with its parameters, as recorded in every trace row."""
         value = {
-            "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty, "allowed_token_ids": len(self.allowed_token_ids or ()),
-            "bad_words": len(self.bad_words), "logit_bias": len(self.logit_bias or {}),
-            "no_repeat_ngram": self.no_repeat_ngram_size, "min_tokens": self.min_tokens,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "allowed_token_ids": len(self.allowed_token_ids or ()),
+            "bad_words": len(self.bad_words),
+            "logit_bias": len(self.logit_bias or {}),
+            "no_repeat_ngram": self.no_repeat_ngram_size,
+            "min_tokens": self.min_tokens,
             "grammar": self.structured_outputs.kind if self.structured_outputs is not None else "none",
-            "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
         }[name]
         return f"{name}({value:g})" if isinstance(value, float) else f"{name}({value})"
 
@@ -208,14 +255,18 @@ class SamplingParams:
         return from_mapping(cls, data, section="sampling")
 
     @classmethod
-    def with_model_defaults(cls, data: Mapping[str, Any] | None, generation: Mapping[str, Any]
-                            ) -> tuple[SamplingParams, dict[str, Any]]:
+    def with_model_defaults(
+        cls, data: Mapping[str, Any] | None, generation: Mapping[str, Any]
+    ) -> tuple[SamplingParams, dict[str, Any]]:
         """The run's sampling section with the model's own defaults (its generation_config) in the fields
         the section leaves at the library's default; and which fields those were."""
         data = dict(data or {})
         library = cls()
-        taken = {k: v for k, v in generation.items()
-                 if k in {f.name for f in fields(cls)} and data.get(k, getattr(library, k)) == getattr(library, k)}
+        taken = {
+            k: v
+            for k, v in generation.items()
+            if k in {f.name for f in fields(cls)} and data.get(k, getattr(library, k)) == getattr(library, k)
+        }
         return cls.from_mapping({**data, **taken}), taken
 
 

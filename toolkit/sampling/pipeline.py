@@ -65,17 +65,20 @@ class Sampler:
     def __init__(self, batch_invariant: bool):
         self.batch_invariant = batch_invariant
 
-    def __call__(self, logits_RV: torch.Tensor, view: BatchView, rows: list[SampleRow | None],
-                 verifying: bool = False) -> SamplerOutput:
+    def __call__(
+        self, logits_RV: torch.Tensor, view: BatchView, rows: list[SampleRow | None], verifying: bool = False
+    ) -> SamplerOutput:
         return self.finish(self.stage(logits_RV, view, rows, verifying))
 
-    def stage(self, logits_RV: torch.Tensor, view: BatchView, rows: list[SampleRow | None],
-              verifying: bool = False) -> Staged:
+    def stage(
+        self, logits_RV: torch.Tensor, view: BatchView, rows: list[SampleRow | None], verifying: bool = False
+    ) -> Staged:
         """Steps 1-3 and step 4's arguments. `rows[i]` is row i's noise key and alternatives (None: a row that
         speculation verifies, not sampled here); `verifying`: some sequence verifies drafts this step."""
         lse_R = logsumexp_rows(logits_RV, per_row=self.batch_invariant) if verifying else None  # 1
-        pipe = apply_pipeline(logits_RV, view, row_errors=invalid_rows(lse_R) if lse_R is not None else {},
-                              defer_tail=not verifying)  # 2
+        pipe = apply_pipeline(
+            logits_RV, view, row_errors=invalid_rows(lse_R) if lse_R is not None else {}, defer_tail=not verifying
+        )  # 2
         plain = [i for i, row in enumerate(rows) if row is not None and i not in pipe.errors]  # 3
         staged = Staged(logits_RV, pipe, lse_R, plain)
         if plain:
@@ -97,8 +100,7 @@ class Sampler:
             errors = {**errors, **invalid_rows(lse_R)}
         return SamplerOutput(result, plain, errors, pipe.processed_RV, lse_R)
 
-    def draft(self, logits_RV: torch.Tensor, view: BatchView, rows: list[SampleRow]
-              ) -> tuple[torch.Tensor, list[int]]:
+    def draft(self, logits_RV: torch.Tensor, view: BatchView, rows: list[SampleRow]) -> tuple[torch.Tensor, list[int]]:
         """A draft model's rows: (the processed rows, a row the processors failed holding its raw logits, so it
         proposes greedily; each row's token). Steps 1, 2 and 4, every row sampled."""
         lse = logsumexp_rows(logits_RV, per_row=self.batch_invariant)
@@ -118,11 +120,17 @@ class Sampler:
         patches = pipe.patches.select(plain, logits_RV.shape[0]) if pipe.patches is not None else None
         raw = logits_RV.index_select(0, index)
         processed = raw if pipe.processed_RV is logits_RV else pipe.processed_RV.index_select(0, index)
-        return (raw, processed, sample_rows, lse_R.index_select(0, index) if lse_R is not None else None,
-                self.batch_invariant, tail, patches)
+        return (
+            raw,
+            processed,
+            sample_rows,
+            lse_R.index_select(0, index) if lse_R is not None else None,
+            self.batch_invariant,
+            tail,
+            patches,
+        )
 
-    def _raw_logsumexp(self, logits_RV: torch.Tensor, plain: list[int], result: SampleResult | None
-                       ) -> torch.Tensor:
+    def _raw_logsumexp(self, logits_RV: torch.Tensor, plain: list[int], result: SampleResult | None) -> torch.Tensor:
         """Every row's raw logsumexp: the sampler's for the rows it sampled (`plain`), computed for the rest
         (rows the processors failed: is the model's output to blame?)."""
         if len(plain) == logits_RV.shape[0] and plain:

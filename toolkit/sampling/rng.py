@@ -28,7 +28,7 @@ _C2 = 0x5BD1E995
 _STREAM_SALT = 0x68E31DA4
 _SEED_SALT = 0x1B56C4E9
 _WORD_SALT = 0x2C1B3C6D
-TWO_POW_MINUS_53 = 2.0 ** -53
+TWO_POW_MINUS_53 = 2.0**-53
 
 
 def mix32(x):
@@ -51,8 +51,14 @@ def row_key(seed: int, position: int, stream: int, purpose: int = SAMPLE) -> tup
     draft in coupled mode); `DRAFT`, `ACCEPT` and `RESIDUAL` are the draft's own samples, the
     acceptance uniforms and the residual samples of rejection-sampling speculation.
     """
-    return _key_words(seed & MASK32, (seed >> 32) & MASK32, position & MASK32, (position >> 32) & MASK32,
-                      stream & MASK32, purpose & MASK32)
+    return _key_words(
+        seed & MASK32,
+        (seed >> 32) & MASK32,
+        position & MASK32,
+        (position >> 32) & MASK32,
+        stream & MASK32,
+        purpose & MASK32,
+    )
 
 
 def row_keys(rows: Sequence[tuple[int, int, int, int]]) -> list[tuple[int, int]]:
@@ -60,9 +66,20 @@ def row_keys(rows: Sequence[tuple[int, int, int, int]]) -> list[tuple[int, int]]
     arrays (the per-row Python calls took ~2 us a row)."""
     if len(rows) < 4:
         return [row_key(*row) for row in rows]
-    words = np.array([(seed & MASK32, (seed >> 32) & MASK32, position & MASK32, (position >> 32) & MASK32,
-                       stream & MASK32, purpose & MASK32) for seed, position, stream, purpose in rows],
-                     dtype=np.uint64)
+    words = np.array(
+        [
+            (
+                seed & MASK32,
+                (seed >> 32) & MASK32,
+                position & MASK32,
+                (position >> 32) & MASK32,
+                stream & MASK32,
+                purpose & MASK32,
+            )
+            for seed, position, stream, purpose in rows
+        ],
+        dtype=np.uint64,
+    )
     k0, k1 = _key_words(*words.T)
     return list(zip(k0.tolist(), k1.tolist()))
 
@@ -90,8 +107,15 @@ def token_hashes(vocab_size: int, device: torch.device) -> torch.Tensor:
 
 
 # fdlibm's log: x = 2^k m, m in [sqrt(1/2), sqrt(2)), log m = 2 atanh(f / (2 + f)), f = m - 1
-_LG = (6.666666666666735130e-01, 3.999999999940941908e-01, 2.857142874366239149e-01, 2.222219843214978396e-01,
-       1.818357216161805012e-01, 1.531383769920937332e-01, 1.479819860511658591e-01)
+_LG = (
+    6.666666666666735130e-01,
+    3.999999999940941908e-01,
+    2.857142874366239149e-01,
+    2.222219843214978396e-01,
+    1.818357216161805012e-01,
+    1.531383769920937332e-01,
+    1.479819860511658591e-01,
+)
 _LN2_HI, _LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10
 _MANTISSA, _SQRT2_MANTISSA, _ONE, _HALF_STEP = 0x000FFFFFFFFFFFFF, 0x6A09E667F3BCD, 0x3FF0000000000000, 1 << 52
 

@@ -60,8 +60,9 @@ def full_kept_digest(vocab: int) -> str:
     return sha256_rows(pack_kept(torch.ones((1, vocab), dtype=torch.bool)))[0]
 
 
-def kept_digests(support: Sequence[int], vocab: int, bits_RB: torch.Tensor | None = None,
-                 finite_RV: torch.Tensor | None = None) -> list[str]:
+def kept_digests(
+    support: Sequence[int], vocab: int, bits_RB: torch.Tensor | None = None, finite_RV: torch.Tensor | None = None
+) -> list[str]:
     """The kept-set digest of each row: sha256 of its mask of tokens with a finite processed logit, packed
     as ceil(V / 8) bytes (token i is bit i & 7 of byte i >> 3; a trainer rebuilds the sampling mask and
     checks it against this). Rows with the whole vocabulary share one digest; the others are read from the
@@ -94,12 +95,18 @@ def logsumexp_rows(x_RV: torch.Tensor, per_row: bool = True) -> torch.Tensor:
         return invariant_gpu.logsumexp(x_RV)
     if x_RV.shape[0] <= 1 or not per_row:
         return torch.logsumexp(x_RV, dim=-1)
-    return torch.cat([torch.logsumexp(x_RV[i:i + 1], dim=-1) for i in range(x_RV.shape[0])])
+    return torch.cat([torch.logsumexp(x_RV[i : i + 1], dim=-1) for i in range(x_RV.shape[0])])
 
 
-def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRow],
-           raw_logsumexp_R: torch.Tensor | None = None, per_row: bool = True,
-           tail: Sequence[Tail] | None = None, patches: Patches | None = None) -> SampleResult:
+def sample(
+    raw_RV: torch.Tensor,
+    processed_RV: torch.Tensor,
+    rows: list[SampleRow],
+    raw_logsumexp_R: torch.Tensor | None = None,
+    per_row: bool = True,
+    tail: Sequence[Tail] | None = None,
+    patches: Patches | None = None,
+) -> SampleResult:
     """Choose one token per row. `processed_RV is raw_RV` (no processor changed anything) takes a fast
     path: the processed distribution is the raw one and its support is the whole vocabulary. Every
     sampled row's noise, and every processed row's support, comes from one native pass over the step
@@ -144,9 +151,17 @@ def sample(raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRo
     top_proc = top_raw if unprocessed else _top(processed_RV, proc_lse, rows, num_top)
     if not unprocessed and finite_RV is None and min(support, default=vocab) < vocab:
         finite_RV = torch.isfinite(processed_RV)
-    return SampleResult(token_ids=tokens, raw_logprobs=raw_lp, processed_logprobs=proc_lp, support_sizes=support,
-                        noise=noise, top_raw=top_raw, top_processed=top_proc,
-                        kept_sha256=kept_digests(support, vocab, finite_RV=finite_RV), raw_logsumexp_R=raw_lse)
+    return SampleResult(
+        token_ids=tokens,
+        raw_logprobs=raw_lp,
+        processed_logprobs=proc_lp,
+        support_sizes=support,
+        noise=noise,
+        top_raw=top_raw,
+        top_processed=top_proc,
+        kept_sha256=kept_digests(support, vocab, finite_RV=finite_RV),
+        raw_logsumexp_R=raw_lse,
+    )
 
 
 class FusedSample:
@@ -154,21 +169,37 @@ class FusedSample:
     native pass over the rows on every thread (`run`), and the SampleResult (Python, `result`; it runs the
     pass first if nobody did). Apart, so that a caller can put other work beside the Python parts."""
 
-    def __init__(self, raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRow],
-                 raw_logsumexp_R: torch.Tensor | None, per_row: bool, tail: Sequence[Tail], patches: Patches | None):
+    def __init__(
+        self,
+        raw_RV: torch.Tensor,
+        processed_RV: torch.Tensor,
+        rows: list[SampleRow],
+        raw_logsumexp_R: torch.Tensor | None,
+        per_row: bool,
+        tail: Sequence[Tail],
+        patches: Patches | None,
+    ):
         self.raw_RV, self.processed_RV, self.rows, self.per_row = raw_RV, processed_RV, rows, per_row
         self.tail, self.given_lse = list(tail), raw_logsumexp_R
         self.keys = _keys(rows)
         self.num_top = max((row.num_top for row in rows), default=0)
         # not given, the raw rows' logsumexp is read by the kernel where its input is the raw rows
         self.own_lse = raw_logsumexp_R is None and processed_RV is raw_RV
-        self.call = TailCall.of(processed_RV, self.tail, self.keys, keep_rows=self.num_top > 0, patches=patches,
-                                raw_logsumexp=self.own_lse)
+        self.call = TailCall.of(
+            processed_RV, self.tail, self.keys, keep_rows=self.num_top > 0, patches=patches, raw_logsumexp=self.own_lse
+        )
 
     @classmethod
-    def of(cls, raw_RV: torch.Tensor, processed_RV: torch.Tensor, rows: list[SampleRow],
-           raw_logsumexp_R: torch.Tensor | None = None, per_row: bool = True, tail: Sequence[Tail] | None = None,
-           patches: Patches | None = None) -> FusedSample | None:
+    def of(
+        cls,
+        raw_RV: torch.Tensor,
+        processed_RV: torch.Tensor,
+        rows: list[SampleRow],
+        raw_logsumexp_R: torch.Tensor | None = None,
+        per_row: bool = True,
+        tail: Sequence[Tail] | None = None,
+        patches: Patches | None = None,
+    ) -> FusedSample | None:
         """sample()'s fused path for these arguments, not yet run; None where sample() takes another."""
         return cls(raw_RV, processed_RV, rows, raw_logsumexp_R, per_row, tail, patches) if tail and any(tail) else None
 
@@ -182,12 +213,17 @@ class FusedSample:
         fused, raw_RV, rows, num_top = self.call.result(), self.raw_RV, self.rows, self.num_top
         raw_lse = fused.raw_logsumexp_R if self.own_lse else _raw_lse(raw_RV, self.given_lse, self.per_row)
         tokens, proc_lse = fused.tokens, fused.logsumexp_R
-        return SampleResult(token_ids=tokens, raw_logprobs=_logprobs_at(raw_RV, raw_lse, tokens),
-                            processed_logprobs=(fused.picked_R - proc_lse).tolist(), support_sizes=fused.support,
-                            noise=fused.noise, top_raw=_top(raw_RV, raw_lse, rows, num_top),
-                            top_processed=_top(fused.processed_RV, proc_lse, rows, num_top),
-                            kept_sha256=kept_digests(fused.support, raw_RV.shape[1], fused.kept_bits_RB),
-                            raw_logsumexp_R=raw_lse)
+        return SampleResult(
+            token_ids=tokens,
+            raw_logprobs=_logprobs_at(raw_RV, raw_lse, tokens),
+            processed_logprobs=(fused.picked_R - proc_lse).tolist(),
+            support_sizes=fused.support,
+            noise=fused.noise,
+            top_raw=_top(raw_RV, raw_lse, rows, num_top),
+            top_processed=_top(fused.processed_RV, proc_lse, rows, num_top),
+            kept_sha256=kept_digests(fused.support, raw_RV.shape[1], fused.kept_bits_RB),
+            raw_logsumexp_R=raw_lse,
+        )
 
 
 def _keys(rows: list[SampleRow]) -> list[tuple[int, int] | None]:
@@ -210,8 +246,12 @@ def _logprobs_at(logits_RV: torch.Tensor, lse_R: torch.Tensor, tokens: list[int]
 NOISE_ELEMENTS_PER_PASS = 1 << 22
 
 
-def gumbel_choices(logits_RV: torch.Tensor, keys: Sequence[tuple[int, int] | None],
-                   finite_RV: torch.Tensor | None = None, batched: bool | None = None) -> tuple[list[int], list[float]]:
+def gumbel_choices(
+    logits_RV: torch.Tensor,
+    keys: Sequence[tuple[int, int] | None],
+    finite_RV: torch.Tensor | None = None,
+    batched: bool | None = None,
+) -> tuple[list[int], list[float]]:
     """gumbel_choice of every row under its key (None: not sampled, token -1 and NaN noise), the same tokens and
     noise bits. `batched` (the default off the CPU) evaluates all rows' noise in one fixed sequence of tensor
     operations, masked to each row's finite logits, and reads the results once: on a GPU, where a row's own
@@ -230,16 +270,20 @@ def gumbel_choices(logits_RV: torch.Tensor, keys: Sequence[tuple[int, int] | Non
         return chosen, noise
     index = None if len(sampled) == r else torch.tensor(sampled, device=logits_RV.device)
     x_SV = logits_RV if index is None else logits_RV.index_select(0, index)
-    finite_SV = torch.isfinite(x_SV) if finite_RV is None else (
-        finite_RV if index is None else finite_RV.index_select(0, index))
+    finite_SV = (
+        torch.isfinite(x_SV)
+        if finite_RV is None
+        else (finite_RV if index is None else finite_RV.index_select(0, index))
+    )
     tokens, noise_S = _batched_choice(x_SV, rng.key_words([keys[i] for i in sampled], x_SV.device), finite_SV)
     for i, token, g in zip(sampled, tokens, noise_S):
         chosen[i], noise[i] = token, g
     return chosen, noise
 
 
-def _batched_choice(x_SV: torch.Tensor, keys_S2: torch.Tensor, finite_SV: torch.Tensor
-                    ) -> tuple[list[int], list[float]]:
+def _batched_choice(
+    x_SV: torch.Tensor, keys_S2: torch.Tensor, finite_SV: torch.Tensor
+) -> tuple[list[int], list[float]]:
     """Gumbel-max over each row's finite logits, all rows in a few passes (NOISE_ELEMENTS_PER_PASS each):
     argmax of logits + noise with the other tokens at -inf (ties to the lowest id, as gumbel_choice's argmax
     over the ascending finite ids), and the chosen tokens' noise gathered from the pass."""
@@ -260,8 +304,9 @@ def _batched_choice(x_SV: torch.Tensor, keys_S2: torch.Tensor, finite_SV: torch.
     return token_S.tolist(), noise_S.tolist()
 
 
-def gumbel_choice(logits_V: torch.Tensor, key: tuple[int, int], finite_V: torch.Tensor | None = None
-                  ) -> tuple[int, float]:
+def gumbel_choice(
+    logits_V: torch.Tensor, key: tuple[int, int], finite_V: torch.Tensor | None = None
+) -> tuple[int, float]:
     """The Gumbel-max token of one row over its finite logits (`finite_V`, when known) and its noise, in
     torch: the same bits as the native kernel; -1 and NaN when no logit is finite."""
     finite_V = torch.isfinite(logits_V) if finite_V is None else finite_V
@@ -273,11 +318,12 @@ def gumbel_choice(logits_V: torch.Tensor, key: tuple[int, int], finite_V: torch.
     return int(ids[j]), float(g[j])
 
 
-def _top(logits_RV: torch.Tensor, lse_R: torch.Tensor, rows: list[SampleRow], k: int
-         ) -> list[list[tuple[int, float]]]:
+def _top(logits_RV: torch.Tensor, lse_R: torch.Tensor, rows: list[SampleRow], k: int) -> list[list[tuple[int, float]]]:
     if k == 0:
         return [[] for _ in rows]
     values, ids = torch.topk(logits_RV, k, dim=-1)
     values, ids = (values - lse_R.unsqueeze(1)).tolist(), ids.tolist()
-    return [[(t, v) for t, v in zip(ids[i][:row.num_top], values[i][:row.num_top]) if v != float("-inf")]
-            for i, row in enumerate(rows)]
+    return [
+        [(t, v) for t, v in zip(ids[i][: row.num_top], values[i][: row.num_top]) if v != float("-inf")]
+        for i, row in enumerate(rows)
+    ]

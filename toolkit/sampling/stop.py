@@ -51,7 +51,7 @@ class StopState:
         for piece in reversed(self.pieces):
             if need <= 0:
                 break
-            parts.append(piece if len(piece) <= need else piece[len(piece) - need:])
+            parts.append(piece if len(piece) <= need else piece[len(piece) - need :])
             need -= len(piece)
         return "".join(reversed(parts))
 
@@ -61,7 +61,7 @@ class StopState:
         prefix, read = first + self.prefix_offset, first + self.read_offset
         context = decode(ids[prefix:read]) if read > prefix else ""
         text = decode(ids[prefix:])
-        new = text[len(context):] if len(text) > len(context) else ""
+        new = text[len(context) :] if len(text) > len(context) else ""
         if new and not new.endswith(REPLACEMENT):
             self.pieces.append(new)
             self.confirmed += len(new)
@@ -77,7 +77,7 @@ class StopState:
         if self.prefixes is None or upto < self.fed:  # (the final text never shrinks; if it did, read it again)
             self.prefixes, self.fed = PrefixMatcher(stops), 0
         if upto > self.fed:
-            self.prefixes.feed(self.tail(self.fed)[:upto - self.fed])
+            self.prefixes.feed(self.tail(self.fed)[: upto - self.fed])
             self.fed = upto
         return self.prefixes.held()
 
@@ -119,8 +119,10 @@ class PrefixMatcher:
 
     def held(self) -> int:
         """held_back's answer: the longest suffix of the text read that is a proper prefix of a stop string."""
-        return max((k if k < len(s) else self.fail[j][k - 1] for j, (s, k) in enumerate(zip(self.stops, self.matched))),
-                   default=0)
+        return max(
+            (k if k < len(s) else self.fail[j][k - 1] for j, (s, k) in enumerate(zip(self.stops, self.matched))),
+            default=0,
+        )
 
 
 def _prefix_function(s: str) -> list[int]:
@@ -146,8 +148,17 @@ def held_back(text: str, stops: Sequence[str]) -> int:
     return best
 
 
-def update_text(decode: Callable[[Sequence[int]], str], ids: Sequence[int], stops: Sequence[str],
-                state: StopState, *, check_stops: bool, include_stop: bool, final: bool, first: int = 0) -> TextUpdate:
+def update_text(
+    decode: Callable[[Sequence[int]], str],
+    ids: Sequence[int],
+    stops: Sequence[str],
+    state: StopState,
+    *,
+    check_stops: bool,
+    include_stop: bool,
+    final: bool,
+    first: int = 0,
+) -> TextUpdate:
     """Decode the new output tokens (those of ids[first:]: a sequence's tokens after its prompt), look
     for stop strings in the new text, and say what may be streamed."""
     state.advance(decode, ids, first)
@@ -163,7 +174,7 @@ def update_text(decode: Callable[[Sequence[int]], str], ids: Sequence[int], stop
         if hits:
             pos, s = min(hits)
             cut = origin + pos + (len(s) if include_stop else 0)
-            delta = window[state.emitted - origin:cut - origin]
+            delta = window[state.emitted - origin : cut - origin]
             state.truncate(cut)
             state.emitted = state.scanned = cut
             return TextUpdate(delta=delta, stop_string=s)
@@ -179,6 +190,6 @@ def update_text(decode: Callable[[Sequence[int]], str], ids: Sequence[int], stop
         kept = window.rstrip(REPLACEMENT)
         state.scanned = origin + len(kept) if kept or origin == 0 else len(state.text.rstrip(REPLACEMENT))
     stable = max(stable, state.emitted)
-    delta = window[state.emitted - origin:stable - origin]
+    delta = window[state.emitted - origin : stable - origin]
     state.emitted = stable
     return TextUpdate(delta=delta, stop_string=None)

@@ -26,16 +26,18 @@ class StructuredOutputs:
     def __post_init__(self):
         given = [k for k in KINDS if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ConfigError(f"structured_outputs needs exactly one of json, regex, grammar, choice; got "
-                              f"{given or 'none'}")
+            raise ConfigError(
+                f"structured_outputs needs exactly one of json, regex, grammar, choice; got {given or 'none'}"
+            )
         if self.json is not None:
             schema = self.json
             if isinstance(schema, str):
                 try:
                     schema = json.loads(schema)
                 except json.JSONDecodeError as exc:
-                    raise ConfigError(f"structured_outputs.json is not valid JSON: {exc.msg} at column {exc.colno}") \
-                        from None
+                    raise ConfigError(
+                        f"structured_outputs.json is not valid JSON: {exc.msg} at column {exc.colno}"
+                    ) from None
             if not isinstance(schema, Mapping):
                 raise ConfigError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
             object.__setattr__(self, "json", _plain(schema))
@@ -45,10 +47,15 @@ class StructuredOutputs:
             raise ConfigError("structured_outputs.grammar must be a non-empty EBNF string")
         if self.choice is not None:
             choices = self.choice
-            if isinstance(choices, str) or not isinstance(choices, Sequence) or not choices or \
-                    not all(isinstance(c, str) and c for c in choices):
-                raise ConfigError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
-                                  f"got {choices!r}")
+            if (
+                isinstance(choices, str)
+                or not isinstance(choices, Sequence)
+                or not choices
+                or not all(isinstance(c, str) and c for c in choices)
+            ):
+                raise ConfigError(
+                    f"structured_outputs.choice must be a non-empty list of non-empty strings, got {choices!r}"
+                )
             object.__setattr__(self, "choice", tuple(choices))
 
     @property

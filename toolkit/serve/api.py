@@ -44,9 +44,18 @@ from toolkit.serve.protocol import (
 
 
 class Api:
-    def __init__(self, loop: EngineLoop, served: ServedModel, metrics: ServerMetrics,
-                 on_shutdown: Callable[[], None] | None = None, *, limits: Limits | None = None,
-                 api_keys: Sequence[str] = (), metrics_public: bool = True, max_compiling: int = 8):
+    def __init__(
+        self,
+        loop: EngineLoop,
+        served: ServedModel,
+        metrics: ServerMetrics,
+        on_shutdown: Callable[[], None] | None = None,
+        *,
+        limits: Limits | None = None,
+        api_keys: Sequence[str] = (),
+        metrics_public: bool = True,
+        max_compiling: int = 8,
+    ):
         """`api_keys`: when any, every /v1 route (and /metrics unless `metrics_public`) needs
         `Authorization: Bearer <one of them>`. `max_compiling`: grammars compiling or queued at once, past which
         a request with a new one gets 503 (GrammarCompiler)."""
@@ -61,10 +70,15 @@ class Api:
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.render_metrics, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
-        app.add_api_route("/v1/completions", self.completions, methods=["POST"],
-                          openapi_extra=_json_body_doc(CompletionRequest))
-        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"],
-                          openapi_extra=_json_body_doc(ChatCompletionRequest))
+        app.add_api_route(
+            "/v1/completions", self.completions, methods=["POST"], openapi_extra=_json_body_doc(CompletionRequest)
+        )
+        app.add_api_route(
+            "/v1/chat/completions",
+            self.chat_completions,
+            methods=["POST"],
+            openapi_extra=_json_body_doc(ChatCompletionRequest),
+        )
 
     def _lifespan(self, on_shutdown):
         @asynccontextmanager
@@ -83,15 +97,19 @@ class Api:
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         given = key.strip().encode()
         if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k) for k in self.api_keys):
-            raise ApiError(401, "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'",
-                           None, "invalid_request_error", "invalid_api_key")
+            raise ApiError(
+                401,
+                "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'",
+                None,
+                "invalid_request_error",
+                "invalid_api_key",
+            )
 
     # ------------------------------------------------------------------ small routes
 
     async def health(self) -> Response:
         if not self.loop.alive:
-            return JSONResponse({"status": "engine loop stopped", "error": str(self.loop.error or "")},
-                                status_code=503)
+            return JSONResponse({"status": "engine loop stopped", "error": str(self.loop.error or "")}, status_code=503)
         storage = self.loop.record.unavailable
         if storage is not None:  # serving what runs, refusing new requests until the trace can be written
             return JSONResponse({"status": "degraded", "error": storage}, status_code=503)
@@ -110,9 +128,21 @@ class Api:
             self._authorize(request)
         except ApiError as exc:
             return exc.response()
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.served.name, "object": "model", "created": self.served.created, "owned_by": "toolkit",
-             "root": self.served.name, "max_model_len": self.served.max_model_len}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.served.name,
+                        "object": "model",
+                        "created": self.served.created,
+                        "owned_by": "toolkit",
+                        "root": self.served.name,
+                        "max_model_len": self.served.max_model_len,
+                    }
+                ],
+            }
+        )
 
     # ------------------------------------------------------------------ the two generation routes
 
@@ -138,8 +168,9 @@ class Api:
         except ApiError as exc:
             self.metrics.http.labels(route, str(exc.status)).inc()
             if exc.status in (503, 507):
-                self.loop.reject(job.id if job else "", route, exc.status, exc.message,
-                                 job.body_sha256 if job else None)
+                self.loop.reject(
+                    job.id if job else "", route, exc.status, exc.message, job.body_sha256 if job else None
+                )
             return exc.response()
         self.metrics.http.labels(route, "200").inc()
         if req.stream:
@@ -148,15 +179,24 @@ class Api:
 
     def _check_model(self, req: SamplingFields) -> None:
         if req.model is not None and req.model not in (self.served.name, *self.served.aliases):
-            raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {self.served.name!r}",
-                           "model", "not_found_error")
+            raise ApiError(
+                404,
+                f"the model {req.model!r} does not exist; this server serves {self.served.name!r}",
+                "model",
+                "not_found_error",
+            )
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
     """The body, or a 413 once it is longer than `limit` bytes (read no further: a huge upload costs nothing)."""
     declared = request.headers.get("content-length")
-    too_large = ApiError(413, f"the request body is larger than this server takes ({limit} bytes; "
-                              f"serve.max_body_mb)", None, "invalid_request_error", "request_too_large")
+    too_large = ApiError(
+        413,
+        f"the request body is larger than this server takes ({limit} bytes; serve.max_body_mb)",
+        None,
+        "invalid_request_error",
+        "request_too_large",
+    )
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0

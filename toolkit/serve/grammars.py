@@ -28,8 +28,10 @@ class GrammarCompiler:
             self.precompile(sampling)  # a check of the sampling fields: nothing to compile
             return
         if self.compiling >= self.max_compiling:
-            raise Unavailable(f"the server is compiling {self.compiling} grammars (serve.max_compiling="
-                              f"{self.max_compiling}); retry later")
+            raise Unavailable(
+                f"the server is compiling {self.compiling} grammars (serve.max_compiling="
+                f"{self.max_compiling}); retry later"
+            )
         self.compiling += 1
         future = asyncio.get_running_loop().run_in_executor(self._pool, self.precompile, sampling)
         future.add_done_callback(self._done)  # when the compile ends, not when its request stops waiting

@@ -77,9 +77,12 @@ class Mailbox:
             self._items.clear()
             self._tail.clear()
             self._bytes = 0
-            self._overflow = Update(update.request_id, error=f"the client read too slowly: more than "
-                                    f"{self.max_bytes} bytes of this request's output were unread "
-                                    f"(serve.max_unread_mb); the request was aborted")
+            self._overflow = Update(
+                update.request_id,
+                error=f"the client read too slowly: more than "
+                f"{self.max_bytes} bytes of this request's output were unread "
+                f"(serve.max_unread_mb); the request was aborted",
+            )
             if self.on_overflow is not None:
                 self.on_overflow()
         elif self._tail or len(self._items) + 1 >= self.limit:
@@ -145,8 +148,16 @@ def _merge(updates: list[Update]) -> Update:
 class Job:
     """One HTTP request: its engine requests (one per prompt), the queue their updates arrive on, the answer."""
 
-    def __init__(self, api: JobHost, route: str, req: SamplingFields, body: dict, prompts: list[dict[str, Any]],
-                 sampling: dict[str, Any], fill_max_tokens: bool):
+    def __init__(
+        self,
+        api: JobHost,
+        route: str,
+        req: SamplingFields,
+        body: dict,
+        prompts: list[dict[str, Any]],
+        sampling: dict[str, Any],
+        fill_max_tokens: bool,
+    ):
         self.api, self.route, self.req, self.body = api, route, req, body
         self.chat = route.endswith("chat/completions")
         self.prompts, self.sampling, self.fill_max_tokens = prompts, sampling, fill_max_tokens
@@ -200,8 +211,12 @@ class Job:
             await self.api.compiler.compile(self.sampling, timeout)
             scores = await asyncio.to_thread(self._prepare)
         except TimeoutError:  # the compile goes on on its thread (bounded by the schema's limits) and is cached
-            raise ApiError(400, f"response_format: compiling its grammar took longer than this server allows "
-                                f"(serve.grammar_timeout_s={timeout:g})", "response_format") from None
+            raise ApiError(
+                400,
+                f"response_format: compiling its grammar took longer than this server allows "
+                f"(serve.grammar_timeout_s={timeout:g})",
+                "response_format",
+            ) from None
         except Unavailable as exc:
             raise unavailable(exc) from None
         except ToolkitError as exc:
@@ -209,9 +224,16 @@ class Job:
         except Exception as exc:  # noqa: BLE001 - an unexpected failure is this request's 500, one line
             raise ApiError(500, f"preparing the request failed: {one_line(exc)}", None, "internal_error") from None
         sink = self._sink()
-        submissions = [Submission(EngineRequest(**prompt, sampling_params=self.sampling, request_id=f"{self.id}-{i}"),
-                                  self.body, sink, self.fill_max_tokens, route=self.route)
-                       for i, prompt in enumerate(self.prompts)]
+        submissions = [
+            Submission(
+                EngineRequest(**prompt, sampling_params=self.sampling, request_id=f"{self.id}-{i}"),
+                self.body,
+                sink,
+                self.fill_max_tokens,
+                route=self.route,
+            )
+            for i, prompt in enumerate(self.prompts)
+        ]
         try:
             futures = self.api.loop.submit(submissions)
         except Unavailable as exc:
@@ -293,9 +315,15 @@ class Job:
                 rows = self.samples.get((request_id, c.index), [])
                 index = self._choice_index(request_id, c.index)
                 if self.chat:
-                    choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
-                                    "logprobs": self.logprobs.chat(rows), "finish_reason": c.finish_reason,
-                                    "stop_reason": c.stop_reason})
+                    choices.append(
+                        {
+                            "index": index,
+                            "message": {"role": "assistant", "content": c.text},
+                            "logprobs": self.logprobs.chat(rows),
+                            "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason,
+                        }
+                    )
                 else:
                     text, logprobs = c.text, self.logprobs.completion(rows)
                     if self.req.echo:
@@ -303,12 +331,25 @@ class Job:
                         if logprobs is not None and self.prompt_logprobs:
                             i = self.request_ids.index(request_id)
                             logprobs = self.logprobs.echo(out.prompt_token_ids, self.prompt_logprobs[i], rows)
-                    choices.append({"index": index, "text": text, "logprobs": logprobs,
-                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    choices.append(
+                        {
+                            "index": index,
+                            "text": text,
+                            "logprobs": logprobs,
+                            "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason,
+                        }
+                    )
         choices.sort(key=lambda c: c["index"])
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.api.served.name, "choices": choices, "usage": self.usage(),
-                "system_fingerprint": self.api.loop.run_id}
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.api.served.name,
+            "choices": choices,
+            "usage": self.usage(),
+            "system_fingerprint": self.api.loop.run_id,
+        }
 
     # ------------------------------------------------------------------ streaming
 
@@ -321,15 +362,30 @@ class Job:
             if self.chat:
                 for request_id in self.request_ids:
                     for i in range(self.req.n):
-                        yield self._event([{"index": self._choice_index(request_id, i),
-                                            "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                            "finish_reason": None}])
+                        yield self._event(
+                            [
+                                {
+                                    "index": self._choice_index(request_id, i),
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ]
+                        )
             elif self.req.echo:
                 for request_id, prompt in zip(self.request_ids, self.prompts):
                     text = _prompt_text(self.api.tokenizer, prompt)
                     for i in range(self.req.n):
-                        yield self._event([{"index": self._choice_index(request_id, i), "text": text,
-                                            "logprobs": None, "finish_reason": None}])
+                        yield self._event(
+                            [
+                                {
+                                    "index": self._choice_index(request_id, i),
+                                    "text": text,
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ]
+                        )
             while not self.done:
                 update = await self.queue.get()
                 self._take(update)
@@ -345,11 +401,23 @@ class Job:
                     index = self._choice_index(d.request_id, d.index)
                     finish = d.finish_reason if d.finished else None
                     if self.chat:
-                        choices.append({"index": index, "delta": {"content": d.text} if d.text else {},
-                                        "logprobs": self.logprobs.chat(rows), "finish_reason": finish})
+                        choices.append(
+                            {
+                                "index": index,
+                                "delta": {"content": d.text} if d.text else {},
+                                "logprobs": self.logprobs.chat(rows),
+                                "finish_reason": finish,
+                            }
+                        )
                     else:
-                        choices.append({"index": index, "text": d.text, "logprobs": self.logprobs.completion(rows),
-                                        "finish_reason": finish})
+                        choices.append(
+                            {
+                                "index": index,
+                                "text": d.text,
+                                "logprobs": self.logprobs.completion(rows),
+                                "finish_reason": finish,
+                            }
+                        )
                 if choices:
                     usage = self.usage(sent_tokens) if continuous else None
                     yield self._event(choices, usage)
@@ -357,14 +425,22 @@ class Job:
                 yield self._event([], self.usage())
             yield format_sse_event(data_str="[DONE]")
         except ApiError as exc:
-            yield format_sse_event(data_str=json.dumps({"error": {"message": exc.message, "type": exc.kind,
-                                                                  "param": exc.param, "code": None}}))
+            yield format_sse_event(
+                data_str=json.dumps(
+                    {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": None}}
+                )
+            )
         finally:
             self.abort()  # no-op for finished requests; frees the blocks of a client that left
 
     def _event(self, choices: list[dict], usage: dict | None = None) -> bytes:
-        chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                 "created": self.created, "model": self.api.served.name, "choices": choices}
+        chunk = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.api.served.name,
+            "choices": choices,
+        }
         if usage is not None:
             chunk["usage"] = usage
         return format_sse_event(data_str=json.dumps(chunk))
@@ -389,8 +465,12 @@ class TimedEventStream(EventSourceResponse):
         try:
             await super().stream_response(timed)
         except TimeoutError:
-            print(f"serve: a stream's client took no bytes for {self.write_timeout_s:g} s "
-                  f"(serve.stream_write_timeout_s): its requests are aborted", file=sys.stderr, flush=True)
+            print(
+                f"serve: a stream's client took no bytes for {self.write_timeout_s:g} s "
+                f"(serve.stream_write_timeout_s): its requests are aborted",
+                file=sys.stderr,
+                flush=True,
+            )
             self.on_timeout()  # the generator may never have started (its `finally` would not run)
             await self.body_iterator.aclose()
 

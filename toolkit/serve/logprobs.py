@@ -27,12 +27,20 @@ class LogprobFormat:
 
         def entry(token_id: int, logprob: float) -> dict:  # bytes: what the token spells, whole or not
             text = token_text(tok, token_id)
-            return {"token": text, "logprob": logprob,
-                    "bytes": list(spelled[token_id]) if spelled is not None else list(text.encode())}
+            return {
+                "token": text,
+                "logprob": logprob,
+                "bytes": list(spelled[token_id]) if spelled is not None else list(text.encode()),
+            }
 
-        return {"content": [{**entry(r.token_id, r.raw_logprob),
-                             "top_logprobs": [entry(t, lp) for t, lp in self._top(r)]}
-                            for r in rows if r.token_id >= 0], "refusal": None}
+        return {
+            "content": [
+                {**entry(r.token_id, r.raw_logprob), "top_logprobs": [entry(t, lp) for t, lp in self._top(r)]}
+                for r in rows
+                if r.token_id >= 0
+            ],
+            "refusal": None,
+        }
 
     def completion(self, rows, offset: int = 0) -> dict | None:
         if self.wanted is None:

@@ -105,10 +105,20 @@ class InternalError(ToolkitError):
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, run_dir: Path | None, config: Mapping[str, Any] | None = None, *,
-                 flush_every_steps: int = 8, on_finish: Callable[[RequestOutput], None] | None = None,
-                 max_waiting: int = 256, record_body: str = "full", max_failed_steps: int = 3,
-                 max_trace_bytes: int | None = None, on_fatal: Callable[[BaseException], None] | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        run_dir: Path | None,
+        config: Mapping[str, Any] | None = None,
+        *,
+        flush_every_steps: int = 8,
+        on_finish: Callable[[RequestOutput], None] | None = None,
+        max_waiting: int = 256,
+        record_body: str = "full",
+        max_failed_steps: int = 3,
+        max_trace_bytes: int | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ):
         """`run_dir`: where the run is recorded (None: not recorded; toolkit.runs.recorder). `on_finish`: called
         on the engine thread with each finished request's output (the server's latency histograms).
         `max_waiting`: requests queued or admitted but not running before submit refuses more. `record_body`:
@@ -120,9 +130,16 @@ class EngineLoop:
         if not (isinstance(max_waiting, int) and max_waiting >= 1):
             raise ConfigError(f"serve.max_waiting must be a positive integer, got {max_waiting!r}")
         self.engine = engine
-        self.record = RunRecorder(engine, run_dir, config, flush_every_steps=flush_every_steps,
-                                  record_body=record_body, summary_window=100_000,
-                                  max_trace_bytes=max_trace_bytes, served=True)
+        self.record = RunRecorder(
+            engine,
+            run_dir,
+            config,
+            flush_every_steps=flush_every_steps,
+            record_body=record_body,
+            summary_window=100_000,
+            max_trace_bytes=max_trace_bytes,
+            served=True,
+        )
         self.run_id, self.writer = self.record.run_id, self.record.writer
         self.on_finish, self.on_fatal = on_finish, on_fatal
         self.max_waiting, self.max_failed_steps = max_waiting, max_failed_steps
@@ -159,12 +176,15 @@ class EngineLoop:
             raise Unavailable("the server is shutting down")
         storage = self.record.unavailable
         if storage is not None:
-            raise Unavailable(f"this server cannot take requests while {storage}; retry later", 5, 507,
-                              "insufficient_storage")
+            raise Unavailable(
+                f"this server cannot take requests while {storage}; retry later", 5, 507, "insufficient_storage"
+            )
         waiting = self._queued + self.stats.waiting_requests
         if waiting + count > self.max_waiting:
-            raise Unavailable(f"the server is at capacity: {waiting} requests are waiting "
-                              f"(serve.max_waiting={self.max_waiting}); retry later")
+            raise Unavailable(
+                f"the server is at capacity: {waiting} requests are waiting "
+                f"(serve.max_waiting={self.max_waiting}); retry later"
+            )
 
     def submit(self, submissions: list[Submission]) -> list[Future]:
         """Queue one HTTP request's engine requests, all or none: Unavailable when the loop is stopping or
@@ -299,9 +319,16 @@ class EngineLoop:
         try:
             if sub.fill_max_tokens:
                 ids = engine.prompt_ids(request)
-                request = dataclasses.replace(request, prompt=None, messages=None, prompt_token_ids=ids,
-                                              sampling_params={**(request.sampling_params or {}),
-                                                               "max_tokens": max(engine.max_model_len - len(ids), 1)})
+                request = dataclasses.replace(
+                    request,
+                    prompt=None,
+                    messages=None,
+                    prompt_token_ids=ids,
+                    sampling_params={
+                        **(request.sampling_params or {}),
+                        "max_tokens": max(engine.max_model_len - len(ids), 1),
+                    },
+                )
             request_id = engine.add(request)
         except ToolkitError as exc:
             sub.accepted.set_exception(RequestError(str(exc)))
@@ -382,5 +409,3 @@ def _send(sink: Sink, update: Update) -> None:
         sink(update)
     except RuntimeError:
         pass
-
-

@@ -43,11 +43,23 @@ class Server:
         self.loop.stop()
 
 
-SERVE_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "served_model_name": None, "log_level": "warning",
-                  "flush_every_steps": 8, "timeout_graceful_shutdown": 2, "max_waiting": 256, "api_key": None,
-                  "metrics_public": True, "record_body": "full", "limit_concurrency": 1024, "timeout_keep_alive": 5,
-                  "max_trace_gb": None, "max_compiling": 8,
-                  **dataclasses.asdict(Limits())}
+SERVE_DEFAULTS = {
+    "host": "127.0.0.1",
+    "port": 8000,
+    "served_model_name": None,
+    "log_level": "warning",
+    "flush_every_steps": 8,
+    "timeout_graceful_shutdown": 2,
+    "max_waiting": 256,
+    "api_key": None,
+    "metrics_public": True,
+    "record_body": "full",
+    "limit_concurrency": 1024,
+    "timeout_keep_alive": 5,
+    "max_trace_gb": None,
+    "max_compiling": 8,
+    **dataclasses.asdict(Limits()),
+}
 
 
 def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -62,18 +74,36 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     port = section["port"]
     if not (isinstance(port, int) and 0 <= port < 65536):
         raise ConfigError(f"serve.port must be an integer in [0, 65535], got {port!r}")
-    for name in ("max_waiting", "max_prompts", "max_stop", "max_stop_chars", "max_bad_words", "max_logit_bias",
-                 "max_user_chars", "max_metadata", "max_schema_depth", "max_schema_nodes", "limit_concurrency",
-                 "timeout_keep_alive", "max_compiling"):
+    for name in (
+        "max_waiting",
+        "max_prompts",
+        "max_stop",
+        "max_stop_chars",
+        "max_bad_words",
+        "max_logit_bias",
+        "max_user_chars",
+        "max_metadata",
+        "max_schema_depth",
+        "max_schema_nodes",
+        "limit_concurrency",
+        "timeout_keep_alive",
+        "max_compiling",
+    ):
         if not (isinstance(section[name], int) and not isinstance(section[name], bool) and section[name] >= 1):
             raise ConfigError(f"serve.{name} must be a positive integer, got {section[name]!r}")
-    for name, nullable in (("max_body_mb", False), ("grammar_timeout_s", False), ("max_unread_mb", False),
-                           ("stream_write_timeout_s", False), ("max_trace_gb", True)):
+    for name, nullable in (
+        ("max_body_mb", False),
+        ("grammar_timeout_s", False),
+        ("max_unread_mb", False),
+        ("stream_write_timeout_s", False),
+        ("max_trace_gb", True),
+    ):
         value = section[name]
-        if not ((nullable and value is None)
-                or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)):
-            raise ConfigError(f"serve.{name} must be a positive number{' or null' if nullable else ''}, "
-                              f"got {value!r}")
+        if not (
+            (nullable and value is None)
+            or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)
+        ):
+            raise ConfigError(f"serve.{name} must be a positive number{' or null' if nullable else ''}, got {value!r}")
     keys = section["api_key"]
     keys = [keys] if isinstance(keys, str) else list(keys or [])
     keys += [k for k in os.environ.get("TOOLKIT_API_KEY", "").split(",") if k.strip()]
@@ -86,25 +116,52 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
 EXIT_LOOP_FAILED = 70  # mode=serve's exit code when its engine loop could not go on (EX_SOFTWARE)
 
 
-def build(engine: Engine, run_dir: Path | None, cfg: Mapping[str, Any] | None, section: Mapping[str, Any],
-          on_fatal: Callable[[BaseException], None] | None = None):
+def build(
+    engine: Engine,
+    run_dir: Path | None,
+    cfg: Mapping[str, Any] | None,
+    section: Mapping[str, Any],
+    on_fatal: Callable[[BaseException], None] | None = None,
+):
     """The engine loop (started) and the FastAPI app over it; `section`: serve_config's; `on_fatal`: the loop's
     (EngineLoop)."""
     name = section["served_model_name"] or engine.loaded.name
-    served = ServedModel(name=name, aliases=tuple({engine.loaded.name, engine.loaded.model_id} - {name}),
-                         max_model_len=engine.max_model_len)
+    served = ServedModel(
+        name=name,
+        aliases=tuple({engine.loaded.name, engine.loaded.model_id} - {name}),
+        max_model_len=engine.max_model_len,
+    )
     metrics_box: dict[str, Any] = {}
-    loop = EngineLoop(engine, run_dir, cfg, flush_every_steps=int(section["flush_every_steps"]),
-                      on_finish=lambda out: metrics_box["m"].finished(out), max_waiting=section["max_waiting"],
-                      record_body=section["record_body"], max_trace_bytes=None if section["max_trace_gb"] is None
-                      else int(section["max_trace_gb"] * 2**30), on_fatal=on_fatal)
+    loop = EngineLoop(
+        engine,
+        run_dir,
+        cfg,
+        flush_every_steps=int(section["flush_every_steps"]),
+        on_finish=lambda out: metrics_box["m"].finished(out),
+        max_waiting=section["max_waiting"],
+        record_body=section["record_body"],
+        max_trace_bytes=None if section["max_trace_gb"] is None else int(section["max_trace_gb"] * 2**30),
+        on_fatal=on_fatal,
+    )
     metrics_box["m"] = metrics = ServerMetrics(loop, name)
     limits = Limits(**{f.name: section[f.name] for f in dataclasses.fields(Limits)})
-    api = Api(loop, served, metrics, on_shutdown=loop.stop, limits=limits, api_keys=section["api_key"],
-              metrics_public=bool(section["metrics_public"]), max_compiling=section["max_compiling"])
+    api = Api(
+        loop,
+        served,
+        metrics,
+        on_shutdown=loop.stop,
+        limits=limits,
+        api_keys=section["api_key"],
+        metrics_public=bool(section["metrics_public"]),
+        max_compiling=section["max_compiling"],
+    )
     if not section["api_key"] and not _loopback(section["host"]):
-        print(f"warning: serving on {section['host']} without an API key: anyone who can reach this port can use "
-              f"it (set serve.api_key or TOOLKIT_API_KEY)", file=sys.stderr, flush=True)
+        print(
+            f"warning: serving on {section['host']} without an API key: anyone who can reach this port can use "
+            f"it (set serve.api_key or TOOLKIT_API_KEY)",
+            file=sys.stderr,
+            flush=True,
+        )
     loop.start()
     return loop, api.app
 
@@ -119,14 +176,27 @@ def _loopback(host: str) -> bool:
 def _uvicorn_config(app, host: str, port: int, section: Mapping[str, Any]):
     """uvicorn's settings: past `limit_concurrency` open connections a new one gets 503; an idle keep-alive
     connection is closed after `timeout_keep_alive` seconds."""
-    return uvicorn.Config(app, host=host, port=port, log_level=section["log_level"],
-                          timeout_graceful_shutdown=section["timeout_graceful_shutdown"], lifespan="on",
-                          limit_concurrency=section["limit_concurrency"],
-                          timeout_keep_alive=section["timeout_keep_alive"])
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=section["log_level"],
+        timeout_graceful_shutdown=section["timeout_graceful_shutdown"],
+        lifespan="on",
+        limit_concurrency=section["limit_concurrency"],
+        timeout_keep_alive=section["timeout_keep_alive"],
+    )
 
 
-def start_server(engine: Engine, run_dir: Path | None, cfg: Mapping[str, Any] | None = None, *,
-                 host: str = "127.0.0.1", port: int = 0, **section: Any) -> Server:
+def start_server(
+    engine: Engine,
+    run_dir: Path | None,
+    cfg: Mapping[str, Any] | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    **section: Any,
+) -> Server:
     """Serve `engine` on a background thread (port 0: a free port); returns once it accepts connections."""
     section = serve_config({"serve": {**section, "host": host, "port": port}})
     loop, app = build(engine, run_dir, cfg, section)
@@ -148,17 +218,22 @@ def run_serve(cfg: DictConfig, run_dir: Path) -> int:
     section = serve_config(cfg)
     engine = Engine.from_config(cfg)
     servers: list[uvicorn.Server] = []  # the loop's failure shuts the HTTP server down (on any thread)
-    loop, app = build(engine, run_dir, cfg, section, on_fatal=lambda exc: [setattr(s, "should_exit", True)
-                                                                          for s in servers])
+    loop, app = build(
+        engine, run_dir, cfg, section, on_fatal=lambda exc: [setattr(s, "should_exit", True) for s in servers]
+    )
     host, port = section["host"], section["port"]
-    print(f"serving {engine.loaded.name} at http://{host}:{port}/v1 (OpenAI API); trace: {run_dir}", file=sys.stderr,
-          flush=True)
+    print(
+        f"serving {engine.loaded.name} at http://{host}:{port}/v1 (OpenAI API); trace: {run_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
     config = _uvicorn_config(app, host, port, section)
     # uvicorn shuts down gracefully on SIGINT / SIGTERM, then re-raises the signal to the handlers it found:
     # ours only note it, so the run directory is closed and the process exits 0 instead of dying of it
     caught: list[int] = []
-    previous = {sig: signal.signal(sig, lambda number, frame: caught.append(number))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {
+        sig: signal.signal(sig, lambda number, frame: caught.append(number)) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     servers.append(uvicorn.Server(config))
     try:
         if loop.error is None:  # (a loop that failed before the server existed had no server to stop)
@@ -168,14 +243,21 @@ def run_serve(cfg: DictConfig, run_dir: Path) -> int:
             signal.signal(sig, handler)
     loop.stop()
     if loop.error is not None:  # every waiting client was answered; a supervisor restarts a fresh process
-        print(f"serve: the engine loop stopped ({type(loop.error).__name__}: {loop.error}); exiting "
-              f"{EXIT_LOOP_FAILED} so a supervisor restarts the server", file=sys.stderr, flush=True)
+        print(
+            f"serve: the engine loop stopped ({type(loop.error).__name__}: {loop.error}); exiting "
+            f"{EXIT_LOOP_FAILED} so a supervisor restarts the server",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_LOOP_FAILED
 
     if wanted(cfg):  # the served run as a page, once it is closed
         page = report_after(run_dir)
         if page is not None:
             print(f"see it: {page} (open it in a browser)", file=sys.stderr)
-    print(f"stopped; replay it bit for bit:  python run.py mode=replay replay.trace={run_dir}\n"
-          f"verify its logits:              python run.py mode=verify verify.trace={run_dir}", file=sys.stderr)
+    print(
+        f"stopped; replay it bit for bit:  python run.py mode=replay replay.trace={run_dir}\n"
+        f"verify its logits:              python run.py mode=verify verify.trace={run_dir}",
+        file=sys.stderr,
+    )
     return 0

@@ -84,10 +84,28 @@ class SamplingFields(Strict):
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         """SamplingParams fields the request set (the rest are the server's defaults)."""
-        fields = {name: getattr(self, name) for name in (
-            "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
-            "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output",
-            "skip_special_tokens", "bad_words", "allowed_token_ids")}
+        fields = {
+            name: getattr(self, name)
+            for name in (
+                "n",
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "seed",
+                "stop",
+                "stop_token_ids",
+                "presence_penalty",
+                "frequency_penalty",
+                "repetition_penalty",
+                "min_tokens",
+                "ignore_eos",
+                "include_stop_str_in_output",
+                "skip_special_tokens",
+                "bad_words",
+                "allowed_token_ids",
+            )
+        }
         out = {k: v for k, v in fields.items() if v is not None}
         if self.logit_bias:
             out["logit_bias"] = self.logit_bias
@@ -107,8 +125,10 @@ class SamplingFields(Strict):
         if fmt.type == "json_object":
             return {"json": {"type": "object"}}
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise FieldError("response_format.json_schema.schema", "response_format type json_schema needs "
-                                                                   "json_schema.schema (a JSON schema object)")
+            raise FieldError(
+                "response_format.json_schema.schema",
+                "response_format type json_schema needs json_schema.schema (a JSON schema object)",
+            )
         return {"json": fmt.json_schema.schema_}
 
 
@@ -186,32 +206,45 @@ class Limits:
     def check(self, req: SamplingFields, prompts: int) -> None:
         """A FieldError naming the first field past its limit."""
         stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
-        for name, count, knob in (("prompt", prompts, "max_prompts"), ("stop", len(stop), "max_stop"),
-                                  ("stop_token_ids", len(req.stop_token_ids or ()), "max_stop"),
-                                  ("bad_words", len(req.bad_words or ()), "max_bad_words"),
-                                  ("logit_bias", len(req.logit_bias or {}), "max_logit_bias"),
-                                  ("metadata", len(req.metadata or {}), "max_metadata")):
+        for name, count, knob in (
+            ("prompt", prompts, "max_prompts"),
+            ("stop", len(stop), "max_stop"),
+            ("stop_token_ids", len(req.stop_token_ids or ()), "max_stop"),
+            ("bad_words", len(req.bad_words or ()), "max_bad_words"),
+            ("logit_bias", len(req.logit_bias or {}), "max_logit_bias"),
+            ("metadata", len(req.metadata or {}), "max_metadata"),
+        ):
             if count > getattr(self, knob):
-                raise FieldError(name, f"{name}: {count} entries, more than this server takes "
-                                       f"(serve.{knob}={getattr(self, knob)})")
-        for name, chars, knob in (("stop", sum(map(len, stop)), "max_stop_chars"),
-                                  ("bad_words", sum(map(len, req.bad_words or ())), "max_stop_chars"),
-                                  ("user", len(req.user or ""), "max_user_chars")):
+                raise FieldError(
+                    name, f"{name}: {count} entries, more than this server takes (serve.{knob}={getattr(self, knob)})"
+                )
+        for name, chars, knob in (
+            ("stop", sum(map(len, stop)), "max_stop_chars"),
+            ("bad_words", sum(map(len, req.bad_words or ())), "max_stop_chars"),
+            ("user", len(req.user or ""), "max_user_chars"),
+        ):
             if chars > getattr(self, knob):
-                raise FieldError(name, f"{name}: {chars} characters, more than this server takes "
-                                       f"(serve.{knob}={getattr(self, knob)})")
+                raise FieldError(
+                    name,
+                    f"{name}: {chars} characters, more than this server takes (serve.{knob}={getattr(self, knob)})",
+                )
         for key, value in (req.metadata or {}).items():
             if len(key) > 64 or len(value) > 512:
-                raise FieldError("metadata", f"metadata: keys are at most 64 characters and values at most 512 "
-                                             f"(the key {key[:64]!r}... is past it)")
+                raise FieldError(
+                    "metadata",
+                    f"metadata: keys are at most 64 characters and values at most 512 "
+                    f"(the key {key[:64]!r}... is past it)",
+                )
         schema = req.structured_outputs()
         if schema is not None:
             depth, nodes = json_shape(schema["json"], self.max_schema_depth, self.max_schema_nodes)
             for what, value, knob in (("nested", depth, "max_schema_depth"), ("large", nodes, "max_schema_nodes")):
                 if value > getattr(self, knob):
-                    raise FieldError("response_format.json_schema.schema",
-                                     f"response_format.json_schema.schema is too {what} to compile: {value} "
-                                     f"(serve.{knob}={getattr(self, knob)})")
+                    raise FieldError(
+                        "response_format.json_schema.schema",
+                        f"response_format.json_schema.schema is too {what} to compile: {value} "
+                        f"(serve.{knob}={getattr(self, knob)})",
+                    )
 
 
 def json_shape(value: Any, max_depth: int, max_nodes: int) -> tuple[int, int]:
@@ -236,15 +269,25 @@ class FieldError(ValueError):
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, " ".join(message.split()), param, kind
         self.code, self.headers = code, headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status, headers=self.headers)
+        return JSONResponse(
+            {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}},
+            status_code=self.status,
+            headers=self.headers,
+        )
 
 
 def validation_error(exc: ValidationError) -> ApiError:
@@ -261,14 +304,19 @@ def validation_error(exc: ValidationError) -> ApiError:
 
 def _union_tag(part: Any) -> bool:
     """pydantic names the member of a union it tried (`str`, `list[int]`, ...) in an error's location."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none")
-                                      or part.startswith(("list[", "dict[", "tuple[", "function-")))
+    return isinstance(part, str) and (
+        part in ("str", "int", "float", "bool", "none") or part.startswith(("list[", "dict[", "tuple[", "function-"))
+    )
 
 
 def request_error(exc: Exception, fields: Any) -> ApiError:
     """A RequestError / ConfigError from the engine's intake as a 400; `param` is the field it names first."""
     message = str(exc)
-    names = sorted(getattr(type(fields), "model_fields", {}), key=len, reverse=True) + ["max_tokens", "prompt", "logprobs"]
+    names = sorted(getattr(type(fields), "model_fields", {}), key=len, reverse=True) + [
+        "max_tokens",
+        "prompt",
+        "logprobs",
+    ]
     param = next((n for n in names if message.startswith(n) or f" {n} " in f" {message} "), None)
     return ApiError(400, message, param)
 

@@ -26,8 +26,17 @@ SeqKey = tuple[str, int]  # (request_id, stream)
 RowKey = tuple[str, int, int]  # (request_id, stream, position)
 
 # the sample columns two runs' rows are compared on, floats by their bits, in pipeline order
-COMPARED_FIELDS = ("logits_sha256", "kept_sha256", "support_size", "noise", "token_id", "raw_logprob",
-                   "processed_logprob", "finish_reason", "error")
+COMPARED_FIELDS = (
+    "logits_sha256",
+    "kept_sha256",
+    "support_size",
+    "noise",
+    "token_id",
+    "raw_logprob",
+    "processed_logprob",
+    "finish_reason",
+    "error",
+)
 
 # the cause each kind of first divergence points to, checked in this order at the first differing position: what
 # comes first in the pipeline (the forward) explains what follows
@@ -42,8 +51,14 @@ CAUSES = (
 )
 CAUSE_TEXT = dict(CAUSES)
 # the fields that name each kind, in the order CAUSES checks them (a field of none of them: "finish")
-CAUSE_FIELDS = (("length", {"row"}), ("logits", {"logits_sha256"}), ("support", {"kept_sha256", "support_size"}),
-                ("noise", {"noise"}), ("token", {"token_id"}), ("logprob", {"raw_logprob", "processed_logprob"}))
+CAUSE_FIELDS = (
+    ("length", {"row"}),
+    ("logits", {"logits_sha256"}),
+    ("support", {"kept_sha256", "support_size"}),
+    ("noise", {"noise"}),
+    ("token", {"token_id"}),
+    ("logprob", {"raw_logprob", "processed_logprob"}),
+)
 # which differing field a divergence's one line shows with its values first
 HEADLINE = ("row", "token_id", "raw_logprob", "processed_logprob", "noise", "finish_reason", "error", "support_size")
 
@@ -58,9 +73,12 @@ def show(name: str, value: Any) -> str:
 def differing_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[str, ...]:
     """The compared columns in which two rows of the same (sequence, position) differ, in pipeline order. A digest
     either run did not record (null: a trace older than schema 6 has no kept-set digest) is not compared."""
-    return tuple(name for name in COMPARED_FIELDS
-                 if not (name.endswith("sha256") and (a.get(name) is None or b.get(name) is None))
-                 and not same_value(name, a.get(name), b.get(name)))
+    return tuple(
+        name
+        for name in COMPARED_FIELDS
+        if not (name.endswith("sha256") and (a.get(name) is None or b.get(name) is None))
+        and not same_value(name, a.get(name), b.get(name))
+    )
 
 
 def cause_of(fields: Iterable[str]) -> str:
@@ -86,8 +104,10 @@ class Difference:
     b: Any
 
     def describe(self, a: str = "a", b: str = "b") -> str:
-        return (f"{seq_name(self.request_id, self.stream)} position {self.position}: {self.field} "
-                f"{a} {show(self.field, self.a)} vs {b} {show(self.field, self.b)}")
+        return (
+            f"{seq_name(self.request_id, self.stream)} position {self.position}: {self.field} "
+            f"{a} {show(self.field, self.a)} vs {b} {show(self.field, self.b)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -112,16 +132,28 @@ class Divergence:
     def describe(self, a: str = "a", b: str = "b") -> str:
         """One line: the most telling field with both values (the token if it differs, then a logprob, the noise,
         the finish; a digest last, as its values say little), the other fields by name, then the cause."""
-        shown = sorted(self.differences, key=lambda d: HEADLINE.index(d.field) if d.field in HEADLINE else len(HEADLINE))
-        head = shown[0].describe(a, b) if shown else \
-            f"{seq_name(self.request_id, self.stream)} position {self.position}"
+        shown = sorted(
+            self.differences, key=lambda d: HEADLINE.index(d.field) if d.field in HEADLINE else len(HEADLINE)
+        )
+        head = (
+            shown[0].describe(a, b) if shown else f"{seq_name(self.request_id, self.stream)} position {self.position}"
+        )
         more = [f for f in self.fields if shown and f != shown[0].field]  # in pipeline order
         return head + (f"; also {', '.join(more)}" if more else "") + f" (cause: {self.cause})"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "stream": self.stream, "position": self.position,
-                "index": self.index, "kind": self.kind, "cause": self.cause, "fields": list(self.fields),
-                "a_token": self.a_token, "b_token": self.b_token, "token_index": self.token_index}
+        return {
+            "request_id": self.request_id,
+            "stream": self.stream,
+            "position": self.position,
+            "index": self.index,
+            "kind": self.kind,
+            "cause": self.cause,
+            "fields": list(self.fields),
+            "a_token": self.a_token,
+            "b_token": self.b_token,
+            "token_index": self.token_index,
+        }
 
 
 def sequences(rows: Iterable[Mapping[str, Any]]) -> dict[SeqKey, list[dict]]:
@@ -147,15 +179,26 @@ def first_divergence(key: SeqKey, a: Sequence[Mapping[str, Any]], b: Sequence[Ma
     rows_a = {r["position"]: r for r in a}
     rows_b = {r["position"]: r for r in b}
     positions = sorted(set(rows_a) | set(rows_b))
-    tokens = [(rows_a[p]["token_id"] if p in rows_a else None, rows_b[p]["token_id"] if p in rows_b else None)
-              for p in positions]
+    tokens = [
+        (rows_a[p]["token_id"] if p in rows_a else None, rows_b[p]["token_id"] if p in rows_b else None)
+        for p in positions
+    ]
     token_index = next((i for i, (x, y) in enumerate(tokens) if x != y and x is not None and y is not None), None)
     for index, position in enumerate(positions):
         differences = row_differences((*key, position), rows_a.get(position), rows_b.get(position))
         if differences:
             fields = tuple(d.field for d in differences)
-            return Divergence(key[0], key[1], position, index, cause_of(fields), fields, *tokens[index],
-                              token_index=token_index, differences=tuple(differences))
+            return Divergence(
+                key[0],
+                key[1],
+                position,
+                index,
+                cause_of(fields),
+                fields,
+                *tokens[index],
+                token_index=token_index,
+                differences=tuple(differences),
+            )
     return None
 
 
@@ -190,8 +233,10 @@ class TokenAgreement:
             return "no common rows"
         if self.first is None:
             return f"identical ({self.common} rows)"
-        return (f"{self.differing}/{self.common} rows differ; first {self.first[0]}#{self.first[1]} "
-                f"position {self.first[2]}")
+        return (
+            f"{self.differing}/{self.common} rows differ; first {self.first[0]}#{self.first[1]} "
+            f"position {self.first[2]}"
+        )
 
 
 def token_agreement(a: Mapping[RowKey, int], b: Mapping[RowKey, int]) -> TokenAgreement:

@@ -44,8 +44,10 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
         raise TraceError(f"{path} is unreadable or corrupt: {exc}") from None
     version = manifest.get("schema_version")
     if version in SUPERSEDED:
-        raise TraceError(f"{path}: trace schema version {version}, this toolkit reads version {SCHEMA_VERSION}: "
-                         f"{SUPERSEDED[version]}")
+        raise TraceError(
+            f"{path}: trace schema version {version}, this toolkit reads version {SCHEMA_VERSION}: "
+            f"{SUPERSEDED[version]}"
+        )
     if version != SCHEMA_VERSION and version not in COMPATIBLE:
         raise TraceError(f"{path}: trace schema version {version!r}, this toolkit reads version {SCHEMA_VERSION}")
     return manifest
@@ -66,8 +68,10 @@ def _add_missing(table: pa.Table, schema: pa.Schema, kind: str) -> pa.Table:
     missing = next((cols[kind] for v, cols in COMPATIBLE.items() if str(v) == _version(table)), ())
     if not missing or table.schema.names != [n for n in schema.names if n not in missing]:
         return table
-    columns = {name: table.column(name) if name in table.schema.names
-               else pa.nulls(table.num_rows, schema.field(name).type) for name in schema.names}
+    columns = {
+        name: table.column(name) if name in table.schema.names else pa.nulls(table.num_rows, schema.field(name).type)
+        for name in schema.names
+    }
     return pa.table(columns, schema=schema.remove_metadata().with_metadata(table.schema.metadata))
 
 
@@ -107,8 +111,10 @@ def read_requests(run_dir: Path, check_version: bool = True) -> pa.Table:
     if open_path.exists():
         still_open = _read_requests_table(open_path, check_version)
         done = set(zip(table.column("request_id").to_pylist(), table.column("stream").to_pylist()))
-        keep = [(r, s) not in done for r, s in zip(still_open.column("request_id").to_pylist(),
-                                                   still_open.column("stream").to_pylist())]
+        keep = [
+            (r, s) not in done
+            for r, s in zip(still_open.column("request_id").to_pylist(), still_open.column("stream").to_pylist())
+        ]
         table = pa.concat_tables([table, still_open.filter(pa.array(keep, pa.bool_()))])
     return table.sort_by([("arrival_index", "ascending"), ("stream", "ascending")])
 

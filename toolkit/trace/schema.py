@@ -15,18 +15,31 @@ import pyarrow as pa
 SCHEMA_VERSION = 7
 
 # older versions this toolkit still reads, and what their tables lack (read as null)
-COMPATIBLE = {4: {"requests": ("request_body", "abort_step", "origin_engine", "source_record", "arrival_index",
-                               "request_body_sha256"), "samples": ("kept_sha256",)},
-              5: {"requests": ("origin_engine", "source_record", "arrival_index", "request_body_sha256"),
-                  "samples": ("kept_sha256",)},
-              6: {"requests": ("arrival_index", "request_body_sha256"), "samples": ()}}
+COMPATIBLE = {
+    4: {
+        "requests": (
+            "request_body",
+            "abort_step",
+            "origin_engine",
+            "source_record",
+            "arrival_index",
+            "request_body_sha256",
+        ),
+        "samples": ("kept_sha256",),
+    },
+    5: {
+        "requests": ("origin_engine", "source_record", "arrival_index", "request_body_sha256"),
+        "samples": ("kept_sha256",),
+    },
+    6: {"requests": ("arrival_index", "request_body_sha256"), "samples": ()},
+}
 
 # versions this toolkit no longer reads, and why (the reader says so instead of "unknown version")
 SUPERSEDED = {
     3: "its Gumbel noise was computed with torch.log, whose last bit depends on the CPU and on a token's "
-       "place in the row; version 4 computes -log(-log(u)) with toolkit's own logarithm (identical bits "
-       "everywhere), so about 1 noise value in 7 differs by an ulp and a sampled token near a tie could "
-       "differ: it cannot be replayed bit for bit (replay it with the toolkit commit that wrote it)",
+    "place in the row; version 4 computes -log(-log(u)) with toolkit's own logarithm (identical bits "
+    "everywhere), so about 1 noise value in 7 differs by an ulp and a sampled token near a tie could "
+    "differ: it cannot be replayed bit for bit (replay it with the toolkit commit that wrote it)",
 }
 
 # the float columns compared by their bits (replay, the report): struct formats of their stored width
@@ -115,47 +128,56 @@ SAMPLE_COLUMNS = [
 ]
 SAMPLES_SCHEMA = pa.schema(SAMPLE_COLUMNS, metadata={"toolkit_schema_version": str(SCHEMA_VERSION)})
 
-REQUESTS_SCHEMA = pa.schema([
-    ("run_id", pa.string()),
-    ("request_id", pa.string()),
-    ("stream", pa.int32()),
-    ("prompt_token_ids", pa.list_(pa.int64())),
-    ("prompt_text", pa.string()),
-    ("sampling_params", pa.string()),  # JSON of the resolved SamplingParams
-    ("seed", pa.int64()),
-    ("arrival_step", pa.int64()),
-    ("admitted_step", pa.int64()),
-    ("output_token_ids", pa.list_(pa.int64())),
-    ("output_text", pa.string()),
-    ("finish_reason", pa.string()),
-    ("stop_reason", pa.string()),
-    ("num_preemptions", pa.int32()),
-    ("preempted_steps", pa.list_(pa.int64())),
-    ("preemption_modes", pa.list_(pa.string())),  # recompute | swap, one per preemption
-    ("priority", pa.int64()),
-    ("grammar_kind", pa.string()),  # json | regex | grammar | choice (null without structured outputs)
-    ("grammar_sha256", pa.string()),  # digest of the grammar's canonical text
-    ("queue_s", pa.float64()),
-    ("ttft_s", pa.float64()),
-    ("tpot_s", pa.float64()),
-    ("e2e_s", pa.float64()),
-    ("request_body", pa.string()),  # the HTTP request body as received (served runs; null otherwise)
-    ("abort_step", pa.int64()),  # the step before which the request was aborted (a client left); null otherwise
-    ("origin_engine", pa.string()),  # the engine that produced a converted transcript (mode=audit); null: this toolkit
-    ("source_record", pa.string()),  # the transcript line it was converted from, as read (mode=audit)
-    ("arrival_index", pa.int64()),  # the request's place in the run's arrival order (served runs; null otherwise)
-    ("request_body_sha256", pa.string()),  # sha256 of the HTTP body as received (served runs, whatever record_body)
-], metadata={"toolkit_schema_version": str(SCHEMA_VERSION)})
+REQUESTS_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("request_id", pa.string()),
+        ("stream", pa.int32()),
+        ("prompt_token_ids", pa.list_(pa.int64())),
+        ("prompt_text", pa.string()),
+        ("sampling_params", pa.string()),  # JSON of the resolved SamplingParams
+        ("seed", pa.int64()),
+        ("arrival_step", pa.int64()),
+        ("admitted_step", pa.int64()),
+        ("output_token_ids", pa.list_(pa.int64())),
+        ("output_text", pa.string()),
+        ("finish_reason", pa.string()),
+        ("stop_reason", pa.string()),
+        ("num_preemptions", pa.int32()),
+        ("preempted_steps", pa.list_(pa.int64())),
+        ("preemption_modes", pa.list_(pa.string())),  # recompute | swap, one per preemption
+        ("priority", pa.int64()),
+        ("grammar_kind", pa.string()),  # json | regex | grammar | choice (null without structured outputs)
+        ("grammar_sha256", pa.string()),  # digest of the grammar's canonical text
+        ("queue_s", pa.float64()),
+        ("ttft_s", pa.float64()),
+        ("tpot_s", pa.float64()),
+        ("e2e_s", pa.float64()),
+        ("request_body", pa.string()),  # the HTTP request body as received (served runs; null otherwise)
+        ("abort_step", pa.int64()),  # the step before which the request was aborted (a client left); null otherwise
+        (
+            "origin_engine",
+            pa.string(),
+        ),  # the engine that produced a converted transcript (mode=audit); null: this toolkit
+        ("source_record", pa.string()),  # the transcript line it was converted from, as read (mode=audit)
+        ("arrival_index", pa.int64()),  # the request's place in the run's arrival order (served runs; null otherwise)
+        ("request_body_sha256", pa.string()),  # sha256 of the HTTP body as received (served runs, whatever record_body)
+    ],
+    metadata={"toolkit_schema_version": str(SCHEMA_VERSION)},
+)
 
-REJECTED_SCHEMA = pa.schema([  # a served run's requests refused (503: serve.max_waiting) or failed (500)
-    ("run_id", pa.string()),
-    ("request_id", pa.string()),  # the HTTP response's id (cmpl-..., chatcmpl-...) or the engine request's
-    ("route", pa.string()),
-    ("status", pa.int32()),
-    ("reason", pa.string()),
-    ("step", pa.int64()),  # the engine's step when it was refused
-    ("time", pa.float64()),  # unix seconds
-    ("request_body_sha256", pa.string()),
-], metadata={"toolkit_schema_version": str(SCHEMA_VERSION)})
+REJECTED_SCHEMA = pa.schema(
+    [  # a served run's requests refused (503: serve.max_waiting) or failed (500)
+        ("run_id", pa.string()),
+        ("request_id", pa.string()),  # the HTTP response's id (cmpl-..., chatcmpl-...) or the engine request's
+        ("route", pa.string()),
+        ("status", pa.int32()),
+        ("reason", pa.string()),
+        ("step", pa.int64()),  # the engine's step when it was refused
+        ("time", pa.float64()),  # unix seconds
+        ("request_body_sha256", pa.string()),
+    ],
+    metadata={"toolkit_schema_version": str(SCHEMA_VERSION)},
+)
 
 TRACE_FIELDS = [f.name for f in fields(SampleTrace) if f.name != "logits_row"]

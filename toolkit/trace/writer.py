@@ -144,8 +144,17 @@ class TraceWriter:
     stops stepping until the disk takes them). Without it (a run, a soak, a benchmark) the error is raised on
     the producer's next call, as any writer error is."""
 
-    def __init__(self, run_dir: Path, run_id: str, flush_every_steps: int = 64, full_logits: Any = None, *,
-                 retry_faults: bool = False, max_buffered_rows: int = 200_000, retry_s: float = 0.5):
+    def __init__(
+        self,
+        run_dir: Path,
+        run_id: str,
+        flush_every_steps: int = 64,
+        full_logits: Any = None,
+        *,
+        retry_faults: bool = False,
+        max_buffered_rows: int = 200_000,
+        retry_s: float = 0.5,
+    ):
         if not 1 <= flush_every_steps <= 64:
             raise ValueError(f"flush_every_steps must be in [1, 64], got {flush_every_steps}")
         self.full_logits = full_logits_selection(full_logits)
@@ -179,9 +188,13 @@ class TraceWriter:
         self._thread = threading.Thread(target=self._work, name="trace-writer", daemon=True)
         self._thread.start()
 
-    def write_step(self, traces: Sequence[SampleTrace], logits_RV: torch.Tensor | None,
-                   requests: RequestsUpdate | None = None,
-                   digests: Mapping[int, str] | None = None) -> None:
+    def write_step(
+        self,
+        traces: Sequence[SampleTrace],
+        logits_RV: torch.Tensor | None,
+        requests: RequestsUpdate | None = None,
+        digests: Mapping[int, str] | None = None,
+    ) -> None:
         """Queue a step's rows. `requests`: the request rows that changed up to this step; they are
         written before any sample part holding later rows, so a part on disk never holds a row whose request is
         not in requests.parquet/ or requests.open.parquet. `digests`: the sha256 of the logits
@@ -189,8 +202,13 @@ class TraceWriter:
         self._release_held()
         self._write_step(traces, logits_RV, requests, digests)
 
-    def _write_step(self, traces: Sequence[SampleTrace], logits_RV: torch.Tensor | None,
-                    requests: RequestsUpdate | None, digests: Mapping[int, str] | None) -> None:
+    def _write_step(
+        self,
+        traces: Sequence[SampleTrace],
+        logits_RV: torch.Tensor | None,
+        requests: RequestsUpdate | None,
+        digests: Mapping[int, str] | None,
+    ) -> None:
         if self._error is not None:
             raise RuntimeError(f"trace writer failed: {self._error}") from self._error
         start = time.perf_counter()
@@ -207,8 +225,11 @@ class TraceWriter:
             else:
                 digests = sha256_rows(rows, index)
             if self.full_logits is not None:
-                wanted = [(t, i) for t, i in zip(traces, index) if t.token_id >= 0 and (
-                    self.full_logits == "all" or t.request_id in self.full_logits)]
+                wanted = [
+                    (t, i)
+                    for t, i in zip(traces, index)
+                    if t.token_id >= 0 and (self.full_logits == "all" or t.request_id in self.full_logits)
+                ]
                 if wanted:
                     block = rows[[i for _, i in wanted]].float().cpu().numpy()  # a copy: the step's block moves on
                     logits = [(t.request_id, t.stream, t.position, block[k]) for k, (t, _) in enumerate(wanted)]
@@ -255,8 +276,9 @@ class TraceWriter:
         self._queue.put(None)
         self._thread.join()
         if self.fault is not None:
-            raise OSError(f"trace writer: {len(self._pending)} sample rows could not be written to "
-                          f"{self.run_dir}: {self.fault}")
+            raise OSError(
+                f"trace writer: {len(self._pending)} sample rows could not be written to {self.run_dir}: {self.fault}"
+            )
 
     def __enter__(self) -> TraceWriter:
         return self
@@ -310,8 +332,11 @@ class TraceWriter:
                 raise
             self._tried = time.monotonic()
             if self.fault is None:
-                print(f"toolkit: trace writer: {exc}; buffering rows and retrying every {self.retry_s:g} s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"toolkit: trace writer: {exc}; buffering rows and retrying every {self.retry_s:g} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             # what a client may be told: the errno's meaning, not the paths the message may name
             self.fault = f"{os.strerror(exc.errno)} (errno {exc.errno})" if exc.errno else type(exc).__name__
             self.faults += 1
@@ -324,12 +349,14 @@ class TraceWriter:
         self._steps_since_flush = 0
         if self._ended:  # before the open rows: a kill between the two leaves a request in both, never in neither
             self.bytes_written += atomic_write_table(
-                self.run_dir / REQUESTS_FILE / f"part-{self._request_parts:06d}.parquet", requests_table(self._ended))
+                self.run_dir / REQUESTS_FILE / f"part-{self._request_parts:06d}.parquet", requests_table(self._ended)
+            )
             self._ended, self._request_parts = [], self._request_parts + 1
         if self._rejected:
             self.bytes_written += atomic_write_table(
                 self.run_dir / REJECTED_DIR / f"part-{self._rejected_parts:06d}.parquet",
-                pa.Table.from_pylist(self._rejected, schema=REJECTED_SCHEMA))
+                pa.Table.from_pylist(self._rejected, schema=REJECTED_SCHEMA),
+            )
             self._rejected, self._rejected_parts = [], self._rejected_parts + 1
         if self._open is not None:
             if self._open:
@@ -341,10 +368,16 @@ class TraceWriter:
             rows = self._logits
             flat = pa.array(np.concatenate([r[3] for r in rows]), pa.float32())
             self.bytes_written += atomic_write_table(
-                self.run_dir / LOGITS_DIR / f"part-{self._logits_parts:06d}.parquet", pa.table({
-                    "request_id": [r[0] for r in rows], "stream": pa.array([r[1] for r in rows], pa.int32()),
-                    "position": pa.array([r[2] for r in rows], pa.int64()),
-                    "logits": pa.FixedSizeListArray.from_arrays(flat, len(rows[0][3]))}))
+                self.run_dir / LOGITS_DIR / f"part-{self._logits_parts:06d}.parquet",
+                pa.table(
+                    {
+                        "request_id": [r[0] for r in rows],
+                        "stream": pa.array([r[1] for r in rows], pa.int32()),
+                        "position": pa.array([r[2] for r in rows], pa.int64()),
+                        "logits": pa.FixedSizeListArray.from_arrays(flat, len(rows[0][3])),
+                    }
+                ),
+            )
             self._logits, self._logits_parts = [], self._logits_parts + 1
         if not self._pending:
             return

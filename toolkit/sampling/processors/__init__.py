@@ -66,19 +66,28 @@ def sampler_tail(params, vocab_size: int) -> Tail:
     n = len(active)
     while n and active[n - 1] in SAMPLER_TAIL:
         n -= 1
-    return tuple((name, min(params.top_k, vocab_size) if name == "top_k" else getattr(params, name))
-                 for name in active[n:])
+    return tuple(
+        (name, min(params.top_k, vocab_size) if name == "top_k" else getattr(params, name)) for name in active[n:]
+    )
 
 
 def invalid_rows(logsumexp_R: torch.Tensor) -> dict[int, str]:
     """Rows whose raw logits hold NaN or +inf (their logsumexp is not finite) cannot be sampled."""
     # read as Python floats: R values, where a torch op here waited on its thread pool (~0.3 ms a step)
-    return {i: "the model produced NaN or infinite logits" for i, v in enumerate(logsumexp_R.tolist())
-            if not math.isfinite(v)}
+    return {
+        i: "the model produced NaN or infinite logits"
+        for i, v in enumerate(logsumexp_R.tolist())
+        if not math.isfinite(v)
+    }
 
 
-def apply_pipeline(logits_RV: torch.Tensor, view: BatchView, registry: dict[str, Processor] | None = None,
-                   row_errors: dict[int, str] | None = None, defer_tail: bool = False) -> PipelineResult:
+def apply_pipeline(
+    logits_RV: torch.Tensor,
+    view: BatchView,
+    registry: dict[str, Processor] | None = None,
+    row_errors: dict[int, str] | None = None,
+    defer_tail: bool = False,
+) -> PipelineResult:
     """Run every row through its processors in its order. Never mutates `logits_RV`.
 
     `row_errors` are rows already known to be unusable (see `invalid_rows`); without it the
@@ -102,7 +111,7 @@ def apply_pipeline(logits_RV: torch.Tensor, view: BatchView, registry: dict[str,
         last: dict[int, str] = {}  # row -> its last processor before a tail the sampler applies
         for i in rows:
             active = view.rows[i].params.active_processors()
-            before_tail = active[:len(active) - len(tail[i])] if tail else active  # the tail is the sampler's
+            before_tail = active[: len(active) - len(tail[i])] if tail else active  # the tail is the sampler's
             for name in before_tail:
                 runs[name].append(i)
             if tail and tail[i] and before_tail:
@@ -119,8 +128,9 @@ def apply_pipeline(logits_RV: torch.Tensor, view: BatchView, registry: dict[str,
                     active = [i for i in active if last.get(i) != name]
             if active:
                 out = _apply_one(out, view, name, fn, active, errors)
-    return PipelineResult(processed_RV=out, errors=errors, tail=tail, patches=_merge(patches) if tail else None,
-                          changed_by=changed_by)
+    return PipelineResult(
+        processed_RV=out, errors=errors, tail=tail, patches=_merge(patches) if tail else None, changed_by=changed_by
+    )
 
 
 def _changes(view: BatchView, fn: Processor, rows: list[int]) -> Patches | None:
@@ -146,8 +156,9 @@ def emptied_by_changes(pipe: PipelineResult, rows: list[int]) -> dict[int, str]:
     for i in rows:
         if i in pipe.changed_by:
             mine = pipe.patches.rows_S == i
-            row = Patches(torch.zeros_like(pipe.patches.rows_S[mine]), pipe.patches.cols_S[mine],
-                          pipe.patches.factor_S[mine]).apply(pipe.processed_RV[i:i + 1])
+            row = Patches(
+                torch.zeros_like(pipe.patches.rows_S[mine]), pipe.patches.cols_S[mine], pipe.patches.factor_S[mine]
+            ).apply(pipe.processed_RV[i : i + 1])
             if not bool(torch.amax(row) > NEG_INF):
                 errors[i] = f"empty support: processor {pipe.changed_by[i]!r} removed every token"
     return errors
@@ -161,12 +172,14 @@ def _merge(parts: list[Patches]) -> Patches | None:
         return parts[0]
     rows_S = torch.cat([p.rows_S for p in parts])
     order = torch.argsort(rows_S, stable=True)
-    return Patches(rows_S[order], torch.cat([p.cols_S for p in parts])[order],
-                   torch.cat([p.factor_S for p in parts])[order])
+    return Patches(
+        rows_S[order], torch.cat([p.cols_S for p in parts])[order], torch.cat([p.factor_S for p in parts])[order]
+    )
 
 
-def _apply_one(logits_RV: torch.Tensor, view: BatchView, name: str, fn: Processor, rows: list[int],
-               errors: dict[int, str]) -> torch.Tensor:
+def _apply_one(
+    logits_RV: torch.Tensor, view: BatchView, name: str, fn: Processor, rows: list[int], errors: dict[int, str]
+) -> torch.Tensor:
     whole = len(rows) == logits_RV.shape[0]
     index = torch.tensor(rows, device=logits_RV.device)
     before = logits_RV if whole else logits_RV.index_select(0, index)
@@ -190,7 +203,7 @@ def _apply_row_by_row(logits_RV, view, name, fn, rows, errors) -> torch.Tensor:
     out = logits_RV.clone()
     for i in rows:
         try:
-            row = fn(logits_RV[i:i + 1], view.subset([i]))
+            row = fn(logits_RV[i : i + 1], view.subset([i]))
         except Exception as exc:  # noqa: BLE001
             errors[i] = f"processor {name!r} failed: {type(exc).__name__}: {exc}"
             continue
@@ -200,5 +213,16 @@ def _apply_row_by_row(logits_RV, view, name, fn, rows, errors) -> torch.Tensor:
     return out
 
 
-__all__ = ["BatchView", "Patches", "PipelineResult", "REGISTRY", "RowState", "SAMPLER_TAIL", "Tail",
-           "apply_pipeline", "emptied_by_changes", "invalid_rows", "sampler_tail"]
+__all__ = [
+    "BatchView",
+    "Patches",
+    "PipelineResult",
+    "REGISTRY",
+    "RowState",
+    "SAMPLER_TAIL",
+    "Tail",
+    "apply_pipeline",
+    "emptied_by_changes",
+    "invalid_rows",
+    "sampler_tail",
+]

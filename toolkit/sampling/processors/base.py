@@ -40,7 +40,7 @@ class RowState:
 
     @property
     def output_token_ids(self) -> Sequence[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:

@@ -34,7 +34,7 @@ def banned_by_sequences(tokens: Sequence[int], sequences: Sequence[Sequence[int]
     banned = set()
     for seq in sequences:
         head = len(seq) - 1
-        if head == 0 or (len(tokens) >= head and list(tokens[len(tokens) - head:]) == list(seq[:head])):
+        if head == 0 or (len(tokens) >= head and list(tokens[len(tokens) - head :]) == list(seq[:head])):
             banned.add(seq[-1])
     return banned
 
@@ -55,8 +55,9 @@ def logit_bias(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:
                 values.append(bias)
     bias_RV = torch.zeros_like(logits_RV)
     if rows:
-        bias_RV[torch.tensor(rows), torch.tensor(cols)] = torch.tensor(values, dtype=logits_RV.dtype,
-                                                                      device=logits_RV.device)
+        bias_RV[torch.tensor(rows), torch.tensor(cols)] = torch.tensor(
+            values, dtype=logits_RV.dtype, device=logits_RV.device
+        )
     return logits_RV + bias_RV
 
 
@@ -68,8 +69,8 @@ def banned_ngram_next_tokens(tokens: Sequence[int], n: int) -> set[int]:
         return set(tokens)
     table: dict[tuple[int, ...], set[int]] = defaultdict(set)
     for i in range(len(tokens) - n + 1):
-        table[tuple(tokens[i:i + n - 1])].add(tokens[i + n - 1])
-    return table.get(tuple(tokens[len(tokens) - (n - 1):]), set())
+        table[tuple(tokens[i : i + n - 1])].add(tokens[i + n - 1])
+    return table.get(tuple(tokens[len(tokens) - (n - 1) :]), set())
 
 
 def no_repeat_ngram(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:
