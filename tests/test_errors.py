@@ -311,7 +311,7 @@ def test_trace_rows(small_run, tmp_path):
 
 def test_every_documented_row_is_tested():
     source = Path(__file__).read_text()
-    tested = {int(n) for n in re.findall(r"_expect\((\d+),", source)}
+    tested = {int(n) for n in re.findall(r"_expect\(\s*(\d+),", source)}
     tested |= {int(n) for n in re.findall(r"(\d+) in DOC_ROWS", source)}
     tested |= {row for row, _, _ in SAMPLING_CASES}
     assert DOC_ROWS <= tested, sorted(DOC_ROWS - tested)

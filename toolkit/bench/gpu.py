@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.kernels:
         results["kernels"] = kernel_times(args.shape, args.dtypes, args.batches, device)
         print("\n".join(results["kernels"]), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
         return results
     for dtype in args.dtypes:
         loaded = load_model(ModelConfig(**SHAPES[args.shape], dtype=dtype), device=device)

@@ -29,7 +29,7 @@ from toolkit.runs.manifest import native_kernels
 from toolkit.runs.session import record
 from toolkit.sampling.params import SamplingParams
 from toolkit.trace.diverge import Difference, Divergence, first_divergences, row_differences, sequences, show
-from toolkit.trace.reader import TraceError, read_manifest, read_requests, read_samples
+from toolkit.trace.reader import TraceError, read_config, read_manifest, read_requests, read_samples
 from toolkit.trace.writer import atomic_write_table
 
 
@@ -131,16 +131,6 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
             raise ConfigError(f"replay override {key}: no such key in the recorded config (use +{key}=... to add)")
         OmegaConf.update(cfg, key, o.value(), merge=True, force_add=o.is_add())
     return cfg
-
-
-def load_recorded_config(run_dir: Path) -> DictConfig:
-    path = Path(run_dir) / "config.yaml"
-    try:
-        return OmegaConf.load(path)
-    except FileNotFoundError:
-        raise TraceError(f"{path} is missing: cannot rebuild the engine of this run") from None
-    except Exception as exc:  # noqa: BLE001 - yaml errors come in many types
-        raise TraceError(f"{path} is unreadable: {exc}") from None
 
 
 def check_manifest(manifest: dict[str, Any], engine: Engine, allow_mismatch: bool) -> list[str]:
@@ -323,9 +313,10 @@ def replay(
             raise
         mismatches.append(str(exc))
         manifest = json.loads((run_dir / "manifest.json").read_text())
-    cfg = apply_overrides(load_recorded_config(run_dir), overrides)
+    recorded_cfg = read_config(run_dir)
     requests = read_requests(run_dir, check_version=not allow_mismatch)
     recorded_samples = read_samples(run_dir, check_version=not allow_mismatch)
+    cfg = apply_overrides(recorded_cfg, overrides)
     if not any(o.split("=")[0].lstrip("+") == "engine.num_threads" for o in overrides):
         torch.set_num_threads(int(manifest.get("num_threads") or torch.get_num_threads()))
     engine = Engine.from_config(cfg)

@@ -39,13 +39,12 @@ from toolkit.models.loading import hf_reference_model, load_checkpoint
 from toolkit.models.reference import reference_logits
 from toolkit.native import invariant_gpu
 from toolkit.native.library import available as kernels_available
-from toolkit.reproduce.replay import load_recorded_config
 from toolkit.reproduce.shard import RayOptions, progress_bar, run_on_ray
 from toolkit.sampling.params import SamplingParams
 from toolkit.sampling.processors import BatchView, RowState, apply_pipeline
 from toolkit.sampling.processors.masks import resolve_bad_words
 from toolkit.sampling.sampler import logsumexp_rows
-from toolkit.trace.reader import TraceError, read_manifest, read_requests, read_samples
+from toolkit.trace.reader import TraceError, read_config, read_manifest, read_requests, read_samples
 from toolkit.trace.writer import atomic_write_table, logits_digest
 
 
@@ -168,7 +167,7 @@ def verify(
     run_dtype = manifest.get("dtype", "float32")
     if atol == "auto":
         atol = AUTO_ATOL.get(run_dtype, AUTO_ATOL["float32"])
-    cfg = load_recorded_config(run_dir)
+    cfg = read_config(run_dir)
     model_cfg = from_mapping(ModelConfig, OmegaConf.to_container(cfg.model, resolve=True), section="model")
     engine_cfg = from_mapping(EngineConfig, OmegaConf.to_container(cfg.engine, resolve=True), section="engine")
     loaded = load_model(model_cfg, engine_cfg.device)

@@ -5,8 +5,9 @@ experiments and `mode=serve` alike, in one layout, append-only and in bounded me
     samples.parquet/              the SampleTrace rows, a part every `flush_every_steps` steps (TraceWriter)
     logits.parquet/               trace.full_logits: the chosen requests' raw logits rows, as parts
     requests.parquet/             each request's final row once it ended, appended as parts
-    requests.open.parquet         the rows of the requests not yet ended, replaced as they change (a run killed
-                                  mid-way still says what it was asked)
+    requests.open.parquet         the rows of the requests not yet ended, rewritten after admissions (a run
+                                  killed mid-way still says what it was asked; a row of a request that ended
+                                  since stays until then: the reader lets the final row win)
     rejected.parquet/             requests refused (503) or failed on the engine thread (500): a server's
     steps.parquet/                step records, a part every STEPS_PART_ROWS steps
     summary.json                  at close: totals, and percentiles over the latest `summary_window` requests
@@ -182,8 +183,7 @@ class RunRecorder:
             return None
         final = self._rows(request_id, self._open.pop(request_id)[0]["arrival_index"])
         _, digest = self._bodies.pop(request_id)
-        self._ended.extend(final)
-        self._open_changed = True
+        self._ended.extend(final)  # requests.open.parquet keeps its row until the next admission rewrites it
         return digest
 
     def finished(self, output: RequestOutput) -> None:
@@ -244,7 +244,7 @@ class RunRecorder:
         if self.writer is None:
             return None
         try:
-            self.writer.write_step((), None, self._requests_update())
+            self.writer.write_step((), None, self._requests_update(final=True))
             self.writer.close()
         finally:
             self._write_steps(final=True)
@@ -285,12 +285,16 @@ class RunRecorder:
     def _changed(self) -> bool:
         return self._open_changed or bool(self._ended) or bool(self._rejected)
 
-    def _requests_update(self) -> RequestsUpdate:
-        self._open_changed = False
+    def _requests_update(self, final: bool = False) -> RequestsUpdate:
+        """What changed in the request rows; the open ones only after an admission (`final`: always, so that the
+        file is removed once none is open)."""
+        opened, self._open_changed = self._open_changed or final, False
         ended, self._ended = self._ended, []
         with self._lock:
             rejected, self._rejected = self._rejected, []
-        return RequestsUpdate(ended, [row for rows in self._open.values() for row in rows], rejected)
+        return RequestsUpdate(
+            ended, [row for rows in self._open.values() for row in rows] if opened else None, rejected
+        )
 
     def _write_steps(self, final: bool = False) -> None:
         """A part of step records. A server's stay while the disk refuses them (up to 4 parts' worth, then the

@@ -8,6 +8,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from omegaconf import DictConfig, OmegaConf
 
 from toolkit.errors import ToolkitError
 from toolkit.trace.schema import (
@@ -51,6 +52,17 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
     if version != SCHEMA_VERSION and version not in COMPATIBLE:
         raise TraceError(f"{path}: trace schema version {version!r}, this toolkit reads version {SCHEMA_VERSION}")
     return manifest
+
+
+def read_config(run_dir: Path) -> DictConfig:
+    """The run's resolved config (config.yaml): what rebuilds its engine."""
+    path = Path(run_dir) / "config.yaml"
+    try:
+        return OmegaConf.load(path)
+    except FileNotFoundError:
+        raise TraceError(f"{path} is missing: cannot rebuild the engine of this run") from None
+    except Exception as exc:  # noqa: BLE001 - yaml errors come in many types
+        raise TraceError(f"{path} is unreadable: {exc}") from None
 
 
 def _version(table: pa.Table) -> str:

@@ -37,7 +37,7 @@ from toolkit.trace.schema import REJECTED_SCHEMA, REQUESTS_SCHEMA, SAMPLES_SCHEM
 SAMPLES_DIR = "samples.parquet"
 LOGITS_DIR = "logits.parquet"  # trace.full_logits: raw fp32 logits rows, keyed by (request_id, stream, position)
 REQUESTS_FILE = "requests.parquet"  # a directory of append-only parts (a file in runs before 2026-11-28)
-OPEN_REQUESTS_FILE = "requests.open.parquet"  # the requests not yet ended (replaced as they change)
+OPEN_REQUESTS_FILE = "requests.open.parquet"  # the requests not yet ended (rewritten after admissions)
 REJECTED_DIR = "rejected.parquet"  # a served run's requests refused (503) or failed on the engine thread (500)
 STEPS_DIR = "steps.parquet"  # step records as parts (a file in runs before 2026-11-28)
 MANIFEST_FILE = "manifest.json"
@@ -96,12 +96,13 @@ def requests_table(rows: Sequence[dict[str, Any]]) -> pa.Table:
 @dataclass(frozen=True)
 class RequestsUpdate:
     """A run's request rows since its last update: `ended` (final rows, appended to requests.parquet/ as
-    a part) and `open` (the admission rows of every request not yet ended, replacing requests.open.parquet:
-    bounded by the requests a server holds at once, so a flush costs the same after a day as after a minute),
-    and `rejected` (refusals, appended to rejected.parquet/)."""
+    a part), `open` (None: unchanged since the last update; else the admission rows of every request not yet
+    ended, replacing requests.open.parquet: bounded by the requests a server holds at once, so a flush costs the
+    same after a day as after a minute; the reader lets a final row win over an open one, so an end alone does not
+    rewrite it), and `rejected` (refusals, appended to rejected.parquet/)."""
 
     ended: Sequence[dict[str, Any]]
-    open: Sequence[dict[str, Any]]
+    open: Sequence[dict[str, Any]] | None
     rejected: Sequence[dict[str, Any]] = ()
 
 
@@ -303,7 +304,8 @@ class TraceWriter:
                 traces, digests, requests, logits = item
                 if requests is not None:
                     self._ended.extend(requests.ended)
-                    self._open = requests.open
+                    if requests.open is not None:
+                        self._open = requests.open
                     room = max(MAX_BUFFERED_REJECTED - len(self._rejected), 0)  # they pile up while a fault lasts
                     self._rejected.extend(requests.rejected[:room])
                     self.rejected_dropped += max(len(requests.rejected) - room, 0)
