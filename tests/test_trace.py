@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -362,3 +363,52 @@ def test_every_older_run_replays_with_todays_engine(name, tmp_path):
         assert report.rows_compared >= 1, report.summary_line()
         return
     assert report.identical and report.rows_compared == 10, report.summary_line()
+
+
+@pytest.mark.native
+def test_a_run_whose_step_fails_keeps_its_rows_and_says_so(tiny, tmp_path):
+    """The one recorder under a failing step: the step's error is the one raised; the rows traced before it are on
+    disk, every request has a row (the unfinished as they stood), summary.json says the run failed. A run that
+    asks for no sample rows leaves no samples.parquet/ (which compare and the report take for a trace)."""
+    from toolkit.runs.session import record
+    from toolkit.trace.reader import read_steps
+
+    engine = make_engine(tiny, max_num_batched_tokens=8, max_num_seqs=4)
+    ids = [engine.add_request(**r) for r in MIXED]
+    seen = []
+
+    def fail_third(out):
+        seen.append(out)
+        if len(seen) == 3:
+            raise RuntimeError("a step failed here")
+
+    with pytest.raises(RuntimeError, match="a step failed here"):
+        record(
+            engine, ids, tmp_path / "run", {"trace": {"full_logits": "all"}}, flush_every_steps=1, on_step=fail_third
+        )
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["failed"] == "RuntimeError: a step failed here"
+    rows = read_samples(run)
+    assert rows.num_rows == sum(len(o.samples) for o in seen) > 0
+    requests = read_requests(run)
+    assert sorted(set(requests.column("request_id").to_pylist())) == sorted(ids)
+    assert None in requests.column("finish_reason").to_pylist()  # unfinished when it failed
+    assert read_steps(run).num_rows == 3
+    assert not (run / "logits.parquet").exists()  # record's full_logits governs (off), not the config's
+    assert not (run / "requests.open.parquet").exists()  # every request has its final row
+
+    untraced = make_engine(tiny, max_num_batched_tokens=8, max_num_seqs=4)
+    record(untraced, [untraced.add_request(**r) for r in MIXED], tmp_path / "untraced", {}, trace=False)
+    assert not (tmp_path / "untraced" / "samples.parquet").exists() and read_requests(tmp_path / "untraced").num_rows
+
+
+def test_request_rows_without_an_arrival_keep_the_order_written(tmp_path):
+    """A converted transcript's rows (no arrival_index) come back as written: a request's streams together."""
+    from toolkit.trace.schema import REQUESTS_SCHEMA
+
+    rows = [{"request_id": r, "stream": s, "run_id": "x"} for r in ("b", "a") for s in (0, 1)]
+    write_requests(tmp_path, rows)
+    got = read_requests(tmp_path).select(["request_id", "stream"]).to_pylist()
+    assert got == [{"request_id": r["request_id"], "stream": r["stream"]} for r in rows]
+    assert read_requests(tmp_path).schema.names == REQUESTS_SCHEMA.names

@@ -18,13 +18,12 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.dataset as ds
-import pyarrow.parquet as pq
 
 from toolkit.errors import ConfigError
 from toolkit.runs.metrics import percentile
 from toolkit.runs.plots import plot_compare
 from toolkit.trace.diverge import token_agreement
-from toolkit.trace.reader import TraceError
+from toolkit.trace.reader import TraceError, read_requests
 from toolkit.trace.writer import REQUESTS_FILE, SAMPLES_DIR, atomic_write_table
 
 COLUMNS = (
@@ -93,7 +92,7 @@ def compare(patterns: Sequence[str] | str, out_dir: Path | None = None) -> Compa
     reference = None
     for run in runs:
         summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
-        req = pq.read_table(run / REQUESTS_FILE, columns=["run_id", "ttft_s", "tpot_s"]).to_pydict()
+        req = read_requests(run).select(["run_id", "ttft_s", "tpot_s"]).to_pydict()
         run_id = req["run_id"][0] if req["run_id"] else summary.get("run_id")
         tokens = by_run.get(run_id, {})
         name = str(run)

@@ -20,6 +20,7 @@ before the engine releases a request (its final rows), `finished` with its outpu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -38,6 +39,7 @@ from toolkit.runs.manifest import build_manifest, new_run_id, request_rows
 from toolkit.runs.metrics import InterTokenLatency, RunningSummary
 from toolkit.trace.writer import (
     REQUESTS_FILE,
+    SAMPLES_DIR,
     STEPS_DIR,
     RequestsUpdate,
     TraceWriter,
@@ -273,6 +275,11 @@ class RunRecorder:
                 **extra,
             )
             atomic_write_bytes(self.run_dir / "summary.json", json.dumps(summary, indent=2).encode())
+            if (
+                not self.trace
+            ):  # no sample rows: no samples.parquet/ (compare and the report take its presence as a trace)
+                with contextlib.suppress(OSError):
+                    (self.run_dir / SAMPLES_DIR).rmdir()
         return summary
 
     def _rows(self, request_id: str, arrival_index: int) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from toolkit.engine.core import Engine, RequestOutput, StepOutput
-from toolkit.errors import Interrupted
+from toolkit.errors import Interrupted, one_line
 from toolkit.runs.loggers import make_logger
 from toolkit.runs.manifest import request_rows
 from toolkit.runs.metrics import decode_steps_by_batch
@@ -125,7 +125,7 @@ def record(
         config,
         trace=trace,
         flush_every_steps=flush_every_steps,
-        full_logits=full_logits,
+        full_logits=full_logits if full_logits is not None else "off",  # the caller's word, not the config's
         manifest_extra=manifest_extra,
     )
     run_id, run_dir = recorder.run_id, recorder.run_dir
@@ -142,6 +142,7 @@ def record(
             if recorder.is_open(request_id) and engine.is_finished(request_id):
                 recorder.ended(request_id)
 
+    failure: BaseException | None = None
     try:
         with _ctrl_c_between_steps() as ctrl_c:
             while engine.has_unfinished():
@@ -155,7 +156,7 @@ def record(
                 t0 = time.perf_counter()
                 out = engine.step(trace_digests=trace)
                 step = recorder.stepped(out, time.perf_counter() - t0)
-                end_finished({engine.request_of(s) for s in out.finished})
+                end_finished(dict.fromkeys(engine.request_of(s) for s in out.finished))  # in the step's order
                 recorder.write(out)
                 if step is not None:
                     steps.append(step)
@@ -166,26 +167,23 @@ def record(
                     on_step(out)
     except KeyboardInterrupt:  # Ctrl-C (between steps; a second one anywhere): the trace is flushed, the run summarised
         interrupted = True
+    except BaseException as exc:  # goes on up once what was traced is on disk and the summary says it failed
+        failure = exc
+        raise
     finally:
         if bar is not None:
             bar.close()
-        for request_id in recorder.open_request_ids():  # unfinished only when interrupted: their rows as they stand
-            recorder.ended(request_id)
-        outputs = [engine.output(i) for i in request_ids]
-        for output in outputs:
-            recorder.finished(output)
-        pool = engine.stats()
-        summary = recorder.close(
-            forwards=sum(s["forwards"] for s in steps),
-            scheduler_policy=engine.cfg.scheduler_policy,
-            kv_utilization_max=max((s["kv_utilization"] for s in steps), default=0.0),
-            kv_utilization_mean=sum(s["kv_utilization"] for s in steps) / max(len(steps), 1),
-            prefix_cache_hit_rate=pool.prefix_hits / pool.prefix_queries if pool.prefix_queries else None,
-            decode_steps=decode_steps_by_batch(steps),
-            **(engine.speculator.stats.summary() if engine.speculator is not None else {}),
+        extra = {
             **(summary_extra or {}),
             **({"interrupted": True} if interrupted else {}),
-        )
+            **({"failed": one_line(failure)} if failure is not None else {}),
+        }
+        try:
+            outputs, summary = _close(engine, recorder, request_ids, steps, extra)
+        except Exception as exc:  # noqa: BLE001 - closing after a failed step: the step's error is the one raised
+            if failure is None:
+                raise
+            print(f"toolkit: closing the run after that failure also failed: {one_line(exc)}", file=sys.stderr)
     final_rows = request_rows(engine, run_id, request_ids)
     if plots:
         plot_run(run_dir)
@@ -198,3 +196,27 @@ def record(
             f"{run_dir} (replay and verify accept the partial run)"
         )
     return Recorded(run_id=run_id, run_dir=run_dir, outputs=outputs, summary=summary, steps=steps)
+
+
+def _close(
+    engine: Engine, recorder: RunRecorder, request_ids: list[str], steps: list[dict[str, Any]], extra: dict[str, Any]
+) -> tuple[list[RequestOutput], dict[str, Any]]:
+    """The rest of the run recorded: the final rows of what has not ended (only when interrupted or failed: their
+    rows as they stand), the trace closed, summary.json with the run's figures and `extra`."""
+    for request_id in recorder.open_request_ids():
+        recorder.ended(request_id)
+    outputs = [engine.output(i) for i in request_ids]
+    for output in outputs:
+        recorder.finished(output)
+    pool = engine.stats()
+    summary = recorder.close(
+        forwards=sum(s["forwards"] for s in steps),
+        scheduler_policy=engine.cfg.scheduler_policy,
+        kv_utilization_max=max((s["kv_utilization"] for s in steps), default=0.0),
+        kv_utilization_mean=sum(s["kv_utilization"] for s in steps) / max(len(steps), 1),
+        prefix_cache_hit_rate=pool.prefix_hits / pool.prefix_queries if pool.prefix_queries else None,
+        decode_steps=decode_steps_by_batch(steps),
+        **(engine.speculator.stats.summary() if engine.speculator is not None else {}),
+        **extra,
+    )
+    return outputs, summary

@@ -128,6 +128,8 @@ def read_requests(run_dir: Path, check_version: bool = True) -> pa.Table:
             for r, s in zip(still_open.column("request_id").to_pylist(), still_open.column("stream").to_pylist())
         ]
         table = pa.concat_tables([table, still_open.filter(pa.array(keep, pa.bool_()))])
+    if table.column("arrival_index").null_count:  # rows without a recorded arrival (a converted transcript): as written
+        return table
     return table.sort_by([("arrival_index", "ascending"), ("stream", "ascending")])
 
 

@@ -160,7 +160,7 @@ REQUESTS_SCHEMA = pa.schema(
             pa.string(),
         ),  # the engine that produced a converted transcript (mode=audit); null: this toolkit
         ("source_record", pa.string()),  # the transcript line it was converted from, as read (mode=audit)
-        ("arrival_index", pa.int64()),  # the request's place in the run's arrival order (served runs; null otherwise)
+        ("arrival_index", pa.int64()),  # the request's place in the run's arrival order (null: a converted transcript)
         ("request_body_sha256", pa.string()),  # sha256 of the HTTP body as received (served runs, whatever record_body)
     ],
     metadata={"toolkit_schema_version": str(SCHEMA_VERSION)},

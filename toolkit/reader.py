@@ -1,0 +1,170 @@
+"""Read a run directory's trace back, refusing what it cannot trust with a one-line error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from omegaconf import DictConfig, OmegaConf
+
+from toolkit.errors import ToolkitError
+from toolkit.trace.schema import (
+    COMPATIBLE,
+    REJECTED_SCHEMA,
+    REQUESTS_SCHEMA,
+    SAMPLES_SCHEMA,
+    SCHEMA_VERSION,
+    SUPERSEDED,
+)
+from toolkit.trace.writer import (
+    MANIFEST_FILE,
+    OPEN_REQUESTS_FILE,
+    REJECTED_DIR,
+    REQUESTS_FILE,
+    SAMPLES_DIR,
+    STEPS_DIR,
+)
+
+
+class TraceError(ToolkitError):
+    """A trace directory is missing, from another schema version, truncated or corrupt."""
+
+
+def read_manifest(run_dir: Path) -> dict[str, Any]:
+    path = Path(run_dir) / MANIFEST_FILE
+    if not Path(run_dir).is_dir():
+        raise TraceError(f"trace directory {str(run_dir)!r} does not exist")
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise TraceError(f"{path} is missing: not a toolkit run directory") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise TraceError(f"{path} is unreadable or corrupt: {exc}") from None
+    version = manifest.get("schema_version")
+    if version in SUPERSEDED:
+        raise TraceError(
+            f"{path}: trace schema version {version}, this toolkit reads version {SCHEMA_VERSION}: "
+            f"{SUPERSEDED[version]}"
+        )
+    if version != SCHEMA_VERSION and version not in COMPATIBLE:
+        raise TraceError(f"{path}: trace schema version {version!r}, this toolkit reads version {SCHEMA_VERSION}")
+    return manifest
+
+
+def read_config(run_dir: Path) -> DictConfig:
+    """The run's resolved config (config.yaml): what rebuilds its engine."""
+    path = Path(run_dir) / "config.yaml"
+    try:
+        return OmegaConf.load(path)
+    except FileNotFoundError:
+        raise TraceError(f"{path} is missing: cannot rebuild the engine of this run") from None
+    except Exception as exc:  # noqa: BLE001 - yaml errors come in many types
+        raise TraceError(f"{path} is unreadable: {exc}") from None
+
+
+def _version(table: pa.Table) -> str:
+    return (table.schema.metadata or {}).get(b"toolkit_schema_version", b"").decode()
+
+
+def _check_version(table: pa.Table, what: str) -> None:
+    version = _version(table)
+    if version != str(SCHEMA_VERSION) and version not in {str(v) for v in COMPATIBLE}:
+        raise TraceError(f"{what}: schema version {version or 'missing'!r}, this toolkit reads {SCHEMA_VERSION}")
+
+
+def _add_missing(table: pa.Table, schema: pa.Schema, kind: str) -> pa.Table:
+    """An older version's table gets the columns it did not have, as nulls (in the current order)."""
+    missing = next((cols[kind] for v, cols in COMPATIBLE.items() if str(v) == _version(table)), ())
+    if not missing or table.schema.names != [n for n in schema.names if n not in missing]:
+        return table
+    columns = {
+        name: table.column(name) if name in table.schema.names else pa.nulls(table.num_rows, schema.field(name).type)
+        for name in schema.names
+    }
+    return pa.table(columns, schema=schema.remove_metadata().with_metadata(table.schema.metadata))
+
+
+def read_samples(run_dir: Path, check_version: bool = True) -> pa.Table:
+    """Every SampleTrace row of the run, in the order written (parts in name order)."""
+    directory = Path(run_dir) / SAMPLES_DIR
+    if not directory.is_dir():
+        raise TraceError(f"{directory} is missing")
+    tables = []
+    for part in sorted(directory.glob("part-*.parquet")):
+        try:
+            table = pq.read_table(part)
+        except (pa.ArrowException, OSError) as exc:
+            raise TraceError(f"{part} is truncated or corrupt: {exc}") from None
+        if check_version:
+            _check_version(table, str(part))
+        table = _add_missing(table, SAMPLES_SCHEMA, "samples")
+        if table.schema.names != SAMPLES_SCHEMA.names:
+            raise TraceError(f"{part} has columns {table.schema.names}, expected {SAMPLES_SCHEMA.names}")
+        tables.append(table)
+    if not tables:
+        return SAMPLES_SCHEMA.empty_table()
+    return pa.concat_tables(tables)
+
+
+def read_requests(run_dir: Path, check_version: bool = True) -> pa.Table:
+    """One row per sequence. requests.parquet is a directory of append-only parts (final rows, in the order
+    requests ended) beside requests.open.parquet (those not ended when it was written, e.g. before a kill -9):
+    both are read, a request's final row wins, and rows come back in arrival order. A run recorded before
+    2026-11-28 outside a server has one requests.parquet file instead, read as it is."""
+    path = Path(run_dir) / REQUESTS_FILE
+    if not path.is_dir():
+        return _read_requests_table(path, check_version)
+    ended = [_read_requests_table(part, check_version) for part in sorted(path.glob("part-*.parquet"))]
+    table = pa.concat_tables(ended) if ended else REQUESTS_SCHEMA.empty_table()
+    open_path = Path(run_dir) / OPEN_REQUESTS_FILE
+    if open_path.exists():
+        still_open = _read_requests_table(open_path, check_version)
+        done = set(zip(table.column("request_id").to_pylist(), table.column("stream").to_pylist()))
+        keep = [
+            (r, s) not in done
+            for r, s in zip(still_open.column("request_id").to_pylist(), still_open.column("stream").to_pylist())
+        ]
+        table = pa.concat_tables([table, still_open.filter(pa.array(keep, pa.bool_()))])
+    if table.column("arrival_index").null_count:  # rows without a recorded arrival (a converted transcript): as written
+        return table
+    return table.sort_by([("arrival_index", "ascending"), ("stream", "ascending")])
+
+
+def _read_requests_table(path: Path, check_version: bool) -> pa.Table:
+    try:
+        table = pq.read_table(path)
+    except FileNotFoundError:
+        raise TraceError(f"{path} is missing") from None
+    except (pa.ArrowException, OSError) as exc:
+        raise TraceError(f"{path} is truncated or corrupt: {exc}") from None
+    if check_version:
+        _check_version(table, str(path))
+    table = _add_missing(table, REQUESTS_SCHEMA, "requests")
+    if table.schema.names != REQUESTS_SCHEMA.names:
+        raise TraceError(f"{path} has columns {table.schema.names}, expected {REQUESTS_SCHEMA.names}")
+    return table
+
+
+def read_rejected(run_dir: Path) -> pa.Table:
+    """A served run's refused (503) and failed (500) requests, in the order recorded (none: an empty table)."""
+    parts = sorted((Path(run_dir) / REJECTED_DIR).glob("part-*.parquet"))
+    try:
+        tables = [pq.read_table(part) for part in parts]
+    except (pa.ArrowException, OSError) as exc:
+        raise TraceError(f"{Path(run_dir) / REJECTED_DIR} has a truncated or corrupt part: {exc}") from None
+    return pa.concat_tables(tables) if tables else REJECTED_SCHEMA.empty_table()
+
+
+def read_steps(run_dir: Path) -> pa.Table | None:
+    """The run's step records (steps.parquet: parts in name order, or one file in a run recorded before
+    2026-11-28); None when it recorded none (an audit of a transcript, a run that never stepped)."""
+    path = Path(run_dir) / STEPS_DIR
+    parts = sorted(path.glob("part-*.parquet")) if path.is_dir() else [path] if path.exists() else []
+    try:
+        tables = [pq.read_table(part) for part in parts]
+    except (pa.ArrowException, OSError) as exc:
+        raise TraceError(f"{path} has a truncated or corrupt part: {exc}") from None
+    return pa.concat_tables(tables) if tables else None
