@@ -195,16 +195,16 @@ def _both_paths(model):
     seen = [0, 0]
     forward = model.forward
 
-    def both(ids, positions, attn, kv_caches, rows, num_layers=None, native_matmul=False):
+    def both(ids, positions, attn, kv_caches, rows, num_layers=None, native_matmul=False, schedule=None):
         before = [(k.clone(), v.clone()) for k, v in kv_caches]
         model.fused_layers = False
-        want = forward(ids, positions, attn, kv_caches, rows, num_layers, native_matmul)
+        want = forward(ids, positions, attn, kv_caches, rows, num_layers, native_matmul, schedule)
         want_kv = [(k.clone(), v.clone()) for k, v in kv_caches]
         for (k, v), (k0, v0) in zip(kv_caches, before):
             k.copy_(k0)
             v.copy_(v0)
         model.fused_layers = True
-        got = forward(ids, positions, attn, kv_caches, rows, num_layers, native_matmul)
+        got = forward(ids, positions, attn, kv_caches, rows, num_layers, native_matmul, schedule)
         seen[0] += 1
         seen[1] += torch.equal(got, want) and all(
             torch.equal(k, k1) and torch.equal(v, v1) for (k, v), (k1, v1) in zip(kv_caches, want_kv)
@@ -266,7 +266,7 @@ def test_fused_layers_refuse_a_slot_outside_the_cache_before_writing(tiny):
     model, checked = tiny.model, []
     forward = model.forward
 
-    def tampered(ids, positions, attn, kv_caches, rows, num_layers=None, native_matmul=False):
+    def tampered(ids, positions, attn, kv_caches, rows, num_layers=None, native_matmul=False, schedule=None):
         if not checked:
             before = [(k.clone(), v.clone()) for k, v in kv_caches]
             slots = attn.slot_mapping_N.clone()
@@ -280,11 +280,12 @@ def test_fused_layers_refuse_a_slot_outside_the_cache_before_writing(tiny):
                     rows,
                     num_layers,
                     native_matmul,
+                    schedule,
                 )
             checked.append(
                 all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(kv_caches, before))
             )
-        return forward(ids, positions, attn, kv_caches, rows, num_layers, native_matmul)
+        return forward(ids, positions, attn, kv_caches, rows, num_layers, native_matmul, schedule)
 
     model.forward = tampered
     try:

@@ -68,12 +68,16 @@ static void check_matmul(void) {
     const int64_t M = 13, K = 67, N = 181;
     float *x = uniform(M * K, 1.0f), *w = uniform(K * N, 1.0f), *pw = pack(w, K, N);
     float *out = malloc(sizeof(float) * M * N), *one = malloc(sizeof(float) * N), *serial = malloc(sizeof(float) * M * N);
-    toolkit_matmul_invariant_f32(x, K, pw, out, N, M, K, N, 2);
-    toolkit_matmul_invariant_f32(x, K, pw, serial, N, M, K, N, 1);
+    toolkit_matmul_invariant_f32(x, K, pw, out, N, M, K, N, 2, 0);
+    toolkit_matmul_invariant_f32(x, K, pw, serial, N, M, K, N, 1, 0);
     expect_same("matmul: 1 vs 2 threads", out, serial, sizeof(float) * M * N);
-    for (int64_t m = 0; m < M; m++) {
-        toolkit_matmul_invariant_f32(x + m * K, K, pw, one, N, 1, K, N, 2);
-        expect_same("matmul: a row alone vs in the batch", one, out + m * N, sizeof(float) * N);
+    for (int v = 0; v < toolkit_matmul_schedules(); v++) { /* every schedule: the same bits */
+        toolkit_matmul_invariant_f32(x, K, pw, serial, N, M, K, N, 2, v);
+        expect_same("matmul: a schedule vs the tiles", serial, out, sizeof(float) * M * N);
+        for (int64_t m = 0; m < M; m++) {
+            toolkit_matmul_invariant_f32(x + m * K, K, pw, one, N, 1, K, N, 2, v);
+            expect_same("matmul: a row alone vs in the batch", one, out + m * N, sizeof(float) * N);
+        }
     }
     save("matmul", out, sizeof(float) * M * N);
     free(x); free(w); free(pw); free(out); free(one); free(serial);
@@ -316,8 +320,8 @@ static void check_h16(int kind, const char *name) {
                     ph[i * nr + b + 2 * j + 1] = bits16(pw[i * nr + b + vl + j], kind);
                 }
     }
-    toolkit_matmul_invariant_f32(x, K, pw, want, N, M, K, N, 2);
-    toolkit_matmul_invariant_h16(x, K, ph, got, N, M, K, N, 2, kind);
+    toolkit_matmul_invariant_f32(x, K, pw, want, N, M, K, N, 2, 0);
+    toolkit_matmul_invariant_h16(x, K, ph, got, N, M, K, N, 2, kind, 0);
     snprintf(what, sizeof what, "%s: the 16-bit matmul differs from fp32 on the widened weights", name);
     expect_same(what, want, got, sizeof(float) * M * N);
     /* the attention: one sequence of 40 positions in blocks of 16, three queries */

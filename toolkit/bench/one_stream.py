@@ -40,7 +40,7 @@ from gguf.quants import dequantize
 from toolkit.bench.precision import machine
 from toolkit.models.loading import smollm2_dir, smollm2_gguf
 from toolkit.models.tokenizer import Tokenizer
-from toolkit.trace.reader import read_steps
+from toolkit.trace.reader import read_manifest, read_steps
 
 REQUESTS = [  # chat requests of the kind the issue measured with (short questions, a few sentences out)
     "Describe a lighthouse at night.",
@@ -185,6 +185,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--matmul-schedules",
+        nargs="+",
+        default=["auto"],
+        help="ours with each engine.matmul_schedule (auto: measured per CPU; tiles / pairs / quads / fixed forced)",
+    )
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--llama-server", default=None, help="its path (default: .venv/bin/llama-server, PATH)")
     parser.add_argument("--out", default=None, help="also write the figures here as JSON")
@@ -216,16 +222,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         print("llama-server: not built (make llama-server): this project's server only")
     for dtype in args.dtypes:
-        systems[f"toolkit {dtype}"] = [
-            sys.executable,
-            str(root / "run.py"),
-            "mode=serve",
-            f"model.dtype={dtype}",
-            "engine.max_num_seqs=1",
-            "progress=false",
-        ]
+        for schedule in args.matmul_schedules:
+            systems[f"toolkit {dtype}" + ("" if schedule == "auto" else f" {schedule}")] = [
+                sys.executable,
+                str(root / "run.py"),
+                "mode=serve",
+                f"model.dtype={dtype}",
+                "engine.max_num_seqs=1",
+                f"engine.matmul_schedule={schedule}",
+                "progress=false",
+            ]
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
     steps: dict[str, list[float]] = {name: [] for name in systems}
+    schedules: dict[str, str | None] = {}  # ours: the matmul's loops per rows its manifest records
     for round_ in range(args.rounds):
         for name, command in systems.items():
             port = free_port()
@@ -241,12 +250,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             finally:
                 server.stop()
             steps[name] += decode_step_ms(name, work / tag, work / f"{tag}.log")
+            if not name.startswith("llama"):
+                schedules[name] = read_manifest(work / tag).get("matmul_schedule")
             print(f"round {round_ + 1}/{args.rounds}: {name} done", flush=True)
     result = {
         "machine": machine("cpu"),
         "threads": args.threads,
         "max_tokens": args.max_tokens,
         "systems": {name: summarise(r, steps[name]) for name, r in rows.items() if r},
+        "matmul_schedules": schedules,
     }
     base = result["systems"].get("llama-server f32", {}).get("tok_per_s")
     print(
@@ -269,6 +281,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "step: the engine's own time per decode step (ours: steps.parquet step_s; llama-server: its log's eval "
         "time per token); overhead: TPOT p50 - step p50, the server's host work per token"
     )
+    for name, schedule in schedules.items():
+        print(f"{name}: matmul schedule {schedule}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     shutil.rmtree(work, ignore_errors=True)

@@ -95,7 +95,15 @@ def measure(
 async def _clients(spec: dict[str, Any]) -> dict[str, Any]:
     import openai  # deferred: the openai client, a test dependency
 
-    client = openai.AsyncOpenAI(base_url=spec["url"] + "/v1", api_key="unused", max_retries=0, timeout=3600)
+    # a connection per request ("Connection: close"): llama-server (cpp-httplib) closes an idle kept-alive connection
+    # just as the next request reuses it ("Server disconnected without sending a response"), and no retry hides it
+    client = openai.AsyncOpenAI(
+        base_url=spec["url"] + "/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=3600,
+        default_headers={"Connection": "close"},
+    )
     prompts = spec["prompts"]
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(len(prompts)):

@@ -134,10 +134,12 @@ class Engine(EngineQueries):
             self.attention_backend,
             batch_invariant=self.cfg.batch_invariant,
             native_matmul=self.matmul_backend == "native",
+            matmul_schedule=self.cfg.matmul_schedule,
             flex_compile=self.cfg.flex_compile,
             two_forwards=self.cfg.scheduler_policy == "two_forwards",
             graphs=(self.graph_mode, self.cfg.max_num_seqs),
         )
+        self.matmul_schedule = self.runner.matmul_schedule  # the native CPU matmul's loops per rows (or None)
         # created on the first structured-output request; the stages share it without a reference back to the
         # engine (an engine in a reference cycle would keep its KV cache until the cycle collector runs)
         self._grammar_backend = LazyGrammar(self.tokenizer, self.vocab_size, self.eos_token_ids or (0,))

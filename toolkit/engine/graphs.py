@@ -29,6 +29,7 @@ import torch
 from toolkit.engine.scheduler import ScheduledBatch
 from toolkit.kv.attention import AttentionMetadata, additive_bias
 from toolkit.kv.paged_cache import PagedKVCache
+from toolkit.native.schedules import MatmulSchedule
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 WIDTH_BUCKETS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # key blocks a row may attend to
@@ -65,8 +66,10 @@ class DecodeGraphs:
         native_matmul: bool,
         max_num_seqs: int,
         capture: bool,
+        schedule: MatmulSchedule | None = None,
     ):
         self.model, self.kv_cache, self.backend, self.native_matmul = model, kv_cache, backend, native_matmul
+        self.schedule = schedule  # the native CPU matmul's loops per rows (the runner's)
         self.device = kv_cache.layers[0][0].device
         self.block_size = kv_cache.block_size
         self.scratch = kv_cache.num_blocks - 1  # the block no sequence owns
@@ -172,7 +175,14 @@ class DecodeGraphs:
             kv_quant=self.kv_cache.quant,
         )
         return self.model(
-            s.input_ids_B, s.positions_B, attn, self.kv_cache.layers, s.rows_B, None, native_matmul=self.native_matmul
+            s.input_ids_B,
+            s.positions_B,
+            attn,
+            self.kv_cache.layers,
+            s.rows_B,
+            None,
+            native_matmul=self.native_matmul,
+            schedule=self.schedule,
         )
 
     def _capture(self, s: Bucket) -> None:

@@ -20,7 +20,7 @@ from toolkit.engine.scheduler import ScheduledBatch, ScheduledChunk
 from toolkit.kv import flex
 from toolkit.kv.attention import AttentionMetadata, PrefillChunk, additive_bias
 from toolkit.kv.paged_cache import PagedKVCache
-from toolkit.native import invariant_gpu, library
+from toolkit.native import invariant_gpu, library, schedules
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,7 @@ class ModelRunner:
         attention_backend: str = "sdpa",
         batch_invariant: bool = False,
         native_matmul: bool = False,
+        matmul_schedule: str = "auto",
         flex_compile: bool = True,
         two_forwards: bool = False,
         graphs: tuple[str, int] = ("off", 0),
@@ -61,8 +62,12 @@ class ModelRunner:
         # every query through the fixed-order kernel): a token's bits do not depend on its neighbours
         self.batch_invariant = batch_invariant
         self.native_matmul = native_matmul or batch_invariant
+        self.matmul_schedule: schedules.MatmulSchedule | None = None  # the native CPU matmul's loops per rows
         if self.native_matmul and not invariant_gpu.routes(model.embed):
-            model.packed_weights()  # packed now, with the load, not inside the first request's step (~1 s here)
+            layers, head = model.packed_weights()  # packed now, with the load, not inside the first request's step
+            self.matmul_schedule = schedules.choose(
+                matmul_schedule, [w for layer in layers for w in layer.values()], head, batch_invariant=batch_invariant
+            )
         self.groups = model.arch.num_heads // model.arch.num_kv_heads
         self.dtype = model.embed.dtype  # the compute dtype (the cache may store bf16, int8 or fp8)
         self.kv_cache = kv_cache
@@ -79,7 +84,13 @@ class ModelRunner:
             None
             if mode == "off"
             else DecodeGraphs(
-                model, kv_cache, attention_backend, self.native_matmul, max_num_seqs, capture=mode == "capture"
+                model,
+                kv_cache,
+                attention_backend,
+                self.native_matmul,
+                max_num_seqs,
+                capture=mode == "capture",
+                schedule=self.matmul_schedule,
             )
         )
 
@@ -236,6 +247,7 @@ class ModelRunner:
             inputs.logits_rows_R,
             num_layers,
             native_matmul=self.native_matmul,
+            schedule=self.matmul_schedule,
         )
         if logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)

@@ -335,6 +335,7 @@ class Speculator:
                 engine.attention_backend,
                 batch_invariant=engine.cfg.batch_invariant,
                 native_matmul=engine.matmul_backend == "native",
+                matmul_schedule=engine.cfg.matmul_schedule,
                 flex_compile=engine.cfg.flex_compile,
             )
             return cls(cfg, ModelProposer(engine.loaded, runner, num_layers=cfg.draft_layers, shares_target_cache=True))
@@ -369,6 +370,7 @@ class Speculator:
             "kernel" if on_kernel else "sdpa",
             batch_invariant=engine.cfg.batch_invariant and on_kernel,
             native_matmul=engine.matmul_backend == "native" and on_kernel,
+            matmul_schedule=engine.cfg.matmul_schedule,
         )
         return cls(cfg, ModelProposer(draft, runner, block_manager=BlockManager(blocks, engine.cfg.block_size)))
 

@@ -41,6 +41,7 @@ from toolkit.native.ops import (
     rope_cpu,
     silu_mul_cpu,
 )
+from toolkit.native.schedules import MatmulSchedule
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 
@@ -298,6 +299,7 @@ class PagedDecoder(nn.Module):
         logits_rows_R: torch.Tensor,
         num_layers: int | None = None,
         native_matmul: bool = False,
+        schedule: MatmulSchedule | None = None,
     ) -> torch.Tensor:
         """Run one packed step; return fp32 logits (R, V) for the rows in `logits_rows_R`.
 
@@ -305,7 +307,8 @@ class PagedDecoder(nn.Module):
         self-draft model of speculative decoding, sharing every weight with this one.
         `native_matmul` computes every projection with the packed fixed-order matmul (faster
         than torch's CPU GEMM here, and each row's bits are independent of the other rows,
-        which the batch-invariant mode needs); the rest of the forward is per-token already."""
+        which the batch-invariant mode needs); the rest of the forward is per-token already. `schedule`: its loops
+        for each number of rows (toolkit.native.schedules: the same bits in every one; default the fixed ones)."""
         a = self.arch
         mm, packed, head = torch.matmul, None, self.lm_head_t
         if native_matmul and invariant_gpu.routes(self.embed):  # one fixed tiling, no split-K: M changes no row
@@ -313,7 +316,11 @@ class PagedDecoder(nn.Module):
             def mm(h, w):
                 return gm.invariant_matmul(h, w).to(h.dtype)
         elif native_matmul:
-            mm = matmul_invariant
+            plan = schedule or MatmulSchedule()
+
+            def mm(h, w):
+                return matmul_invariant(h, w, schedule=plan.for_rows(h.shape[0]))
+
             packed, head = self.packed_weights()
         n = input_ids_N.shape[0]
         q_width, kv_width = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
@@ -360,6 +367,7 @@ class PagedDecoder(nn.Module):
                 a.rms_norm_eps,
                 self.scale,
                 kv_caches[0][0].shape[0] * kv_caches[0][0].shape[1],
+                schedule=plan.for_rows(n),
             )
             layers = []  # x holds the last layer's residual stream, its MLP output added
         for i, (layer, (k_cache, v_cache)) in enumerate(layers):

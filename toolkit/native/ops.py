@@ -165,10 +165,13 @@ def pack_weight(w_KN: torch.Tensor, lib: NativeLib | None = None) -> PackedWeigh
     return PackedWeight(data, k, n, nr, vl)
 
 
-def matmul_invariant(x_MK: torch.Tensor, w: torch.Tensor | PackedWeight, lib: NativeLib | None = None) -> torch.Tensor:
+def matmul_invariant(
+    x_MK: torch.Tensor, w: torch.Tensor | PackedWeight, lib: NativeLib | None = None, schedule: int = 0
+) -> torch.Tensor:
     """x @ w in fp32 with each output element summed over k in order, by one FMA chain: a row's
-    result does not depend on the other rows, on M, or on the number of threads. `w` is (K, N),
-    packed with `pack_weight` once (a plain tensor is packed on every call)."""
+    result does not depend on the other rows, on M, on the number of threads or on the `schedule` (the loops
+    that stream the weights: toolkit.native.schedules). `w` is (K, N), packed with `pack_weight` once (a plain
+    tensor is packed on every call)."""
     lib = resolve(lib)
     packed = w if isinstance(w, PackedWeight) else pack_weight(w, lib)
     if (packed.panel, packed.lanes) != (lib.panel, lib.lanes):
@@ -196,9 +199,11 @@ def matmul_invariant(x_MK: torch.Tensor, w: torch.Tensor | PackedWeight, lib: Na
         torch.get_num_threads(),
     )
     if packed.data.dtype == torch.float32:
-        lib.fn["matmul_invariant"](*args)
+        rc = lib.fn["matmul_invariant"](*args, schedule)
     else:
-        lib.fn["matmul_invariant_h16"](*args, H16_KINDS[packed.data.dtype])
+        rc = lib.fn["matmul_invariant_h16"](*args, H16_KINDS[packed.data.dtype], schedule)
+    if rc != 0:
+        raise ValueError(f"no matmul schedule {schedule} (this build has {lib.fn['matmul_schedules']()})")
     return out if dtype == torch.float32 else out.to(dtype)
 
 
@@ -336,13 +341,15 @@ def decoder_layers_cpu(
     num_slots: int,
     lib: NativeLib | None = None,
     kind: int = 0,
+    schedule: int = 0,
 ) -> None:
     """Run a Llama-style decoder's layers over the step's N tokens in one call (csrc/decoder_layers.c):
     `x` (N, hidden), contiguous, is updated in place to the last layer's residual stream. `layers_L8` holds
     each layer's addresses (ln_attn, ln_mlp, packed w_qkv, w_o, w_gate_up, w_down, K cache, V cache);
     dims = (N, hidden, heads, kv heads, head dim, MLP width, block size); a slot outside the cache's
     `num_slots` raises before anything is written. A bf16 / fp16 model passes x in its format, 16-bit packed
-    projections and caches and fp32 norm weights: every operation's outputs are rounded to that format."""
+    projections and caches and fp32 norm weights: every operation's outputs are rounded to that format.
+    `schedule`: the matmuls' loops for N rows (toolkit.native.schedules), which change no bit."""
     if x_NE.dtype != torch.float32:
         x32 = x_NE.float()
         decoder_layers_cpu(
@@ -361,6 +368,7 @@ def decoder_layers_cpu(
             num_slots,
             lib,
             kind=H16_KINDS[x_NE.dtype],
+            schedule=schedule,
         )
         x_NE.copy_(x32)  # exact: rounded already
         return
@@ -388,6 +396,7 @@ def decoder_layers_cpu(
         scale,
         torch.get_num_threads(),
         kind,
+        schedule,
     )
     if rc == -3:
         raise IndexError(f"a KV slot is outside the cache's {num_slots} slots")

@@ -143,10 +143,13 @@ def native_kernels(engine) -> dict[str, Any]:
             "kernel_numerics": f"triton {invariant_gpu.triton.__version__}, sm_{major}{minor}",
         }
     lib = library.native()
+    schedule = engine.matmul_schedule
     return {
         "native_kernels": lib.profile.describe(),
         "kernel_numerics": lib.profile.numerics,
         "kernel_target": lib.profile.target,
+        # the matmul's loops per class of rows and how they were chosen (they change no bit)
+        "matmul_schedule": schedule.describe() if schedule is not None else None,
     }
 
 

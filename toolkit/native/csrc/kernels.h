@@ -10,10 +10,11 @@
 #include <stdint.h>
 
 int toolkit_matmul_invariant_f32(const float *, int64_t, const float *, float *, int64_t, int64_t, int64_t, int64_t,
-                                 int);
+                                 int, int);
+int toolkit_matmul_schedules(void);
 void toolkit_matmul_layout(int64_t *);
 int toolkit_matmul_invariant_h16(const float *, int64_t, const uint16_t *, float *, int64_t, int64_t, int64_t,
-                                 int64_t, int, int);
+                                 int64_t, int, int, int);
 int toolkit_paged_attention_h16(const float *, int64_t, const uint16_t *, const uint16_t *, const int64_t *, int64_t,
                                 const int64_t *, const int64_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t,
                                 float, int, int);
@@ -44,6 +45,6 @@ int toolkit_sample_tail_rows(const float *, int64_t, int64_t, int64_t, const int
 int toolkit_paged_attention_supports(int64_t, int64_t, int64_t, int64_t, int);
 int toolkit_decoder_layers(const int64_t *, int64_t, const int64_t *, float *, const int64_t *, const int64_t *,
                            const int64_t *, const float *, const float *, const int64_t *, const int64_t *,
-                           const int64_t *, float, float, int, int);
+                           const int64_t *, float, float, int, int, int);
 
 #endif

@@ -94,25 +94,30 @@ static void tile_##R##_##TAG(const float *x, int64_t ldx, const WT *w, int64_t l
             for (int v_ = 0; v_ < (V); v_++) wk[v_] = WLOAD((p) + VL * v_, KIND);              \
     } while (0)
 
-/* One row (M = 1, a decode step at batch 1) over two adjacent wide panels at once: 2 * NV chains instead
- * of NV, so the FMA latency does not bound the weights read per cycle (with AVX2's NV = 2 and 16-bit
- * weights it did). Each column is still the one chain from 0 over k = 0 .. K-1: the same bits. */
-#define DEFINE_ROW_PAIR(F, WT, KIND)                                                                       \
-static void row_pair_##F(const float *x, const WT *w, float *out, int64_t K, const char *pf, int64_t pf_lines) { \
-    vf acc[2 * NV];                                                                                        \
-    for (int v = 0; v < 2 * NV; v++) acc[v] = splat(0.0f);                                                \
-    const WT *w1 = w + K * NR; /* the next panel */                                                       \
-    const int64_t per_k = (pf_lines + K - 1) / K;                                                          \
-    for (int64_t k = 0; k < K; k++) {                                                                      \
-        for (int64_t q = k * per_k; q < (k + 1) * per_k && q < pf_lines; q++)                              \
-            __builtin_prefetch(pf + 64 * q, 0, 2);                                                         \
-        vf wk[2 * NV];                                                                                     \
-        WLOAD_ROW(w + k * NR, wk, NV, KIND);                                                               \
-        WLOAD_ROW(w1 + k * NR, (wk + NV), NV, KIND);                                                       \
-        const vf xr = splat(x[k]);                                                                         \
-        for (int v = 0; v < 2 * NV; v++) acc[v] = vfma(xr, wk[v], acc[v]);                                 \
-    }                                                                                                      \
-    for (int v = 0; v < 2 * NV; v++) storev(out + VL * v, acc[v]); /* the two panels' columns are adjacent */ \
+/* Rows over G adjacent wide panels at once, the whole of k in one pass (the schedules MM_PAIRS and MM_QUADS, for
+ * the few rows of a decode step): G * NV chains a row instead of NV, so the FMA latency does not bound the weights
+ * read per cycle (with AVX2's NV = 2 and 16-bit weights it did), and G streams of weights in flight. Each column
+ * is still the one chain from 0 over k = 0 .. K-1: the same bits as every other schedule. While they run, the
+ * group's k steps prefetch `pf_lines` lines at `pf` (the thread's next group). */
+#define DEFINE_GROUP(G, R, F, WT, KIND)                                                                        \
+static void group_##G##_##R##_##F(const float *x, int64_t ldx, const WT *w, float *out, int64_t ldo, int64_t K, \
+                                  const char *pf, int64_t pf_lines) {                                          \
+    vf acc[R][G * NV];                                                                                         \
+    for (int r = 0; r < R; r++)                                                                                \
+        for (int v = 0; v < G * NV; v++) acc[r][v] = splat(0.0f);                                              \
+    const int64_t per_k = (pf_lines + K - 1) / K;                                                              \
+    for (int64_t k = 0; k < K; k++) {                                                                          \
+        for (int64_t q = k * per_k; q < (k + 1) * per_k && q < pf_lines; q++)                                  \
+            __builtin_prefetch(pf + 64 * q, 0, 2);                                                             \
+        vf wk[G * NV];                                                                                         \
+        for (int g = 0; g < G; g++) WLOAD_ROW(w + g * K * NR + k * NR, (wk + g * NV), NV, KIND);               \
+        for (int r = 0; r < R; r++) {                                                                          \
+            const vf xr = splat(x[r * ldx + k]);                                                               \
+            for (int v = 0; v < G * NV; v++) acc[r][v] = vfma(xr, wk[v], acc[r][v]);                           \
+        }                                                                                                      \
+    }                                                                                                          \
+    for (int r = 0; r < R; r++) /* the group's panels' columns are adjacent */                                 \
+        for (int v = 0; v < G * NV; v++) storev(out + r * ldo + VL * v, acc[r][v]);                            \
 }
 
 /* every tile of one weight format: TILES_WIDE_<F> / TILES_NARROW_<F>[rows] */
@@ -129,9 +134,11 @@ static void row_pair_##F(const float *x, const WT *w, float *out, int64_t K, con
 DEFINE_FORMAT(f32, float, H16_NONE)
 DEFINE_FORMAT(bf16, uint16_t, H16_BF16)
 DEFINE_FORMAT(f16, uint16_t, H16_F16)
-DEFINE_ROW_PAIR(f32, float, H16_NONE)
-DEFINE_ROW_PAIR(bf16, uint16_t, H16_BF16)
-DEFINE_ROW_PAIR(f16, uint16_t, H16_F16)
+#define DEFINE_GROUPS(F, WT, KIND) \
+    DEFINE_GROUP(2, 2, F, WT, KIND) DEFINE_GROUP(2, 1, F, WT, KIND) DEFINE_GROUP(4, 1, F, WT, KIND)
+DEFINE_GROUPS(f32, float, H16_NONE)
+DEFINE_GROUPS(bf16, uint16_t, H16_BF16)
+DEFINE_GROUPS(f16, uint16_t, H16_F16)
 
 INLINE float widen_any(const void *w, int64_t i, const int kind) {
     return kind == H16_NONE ? ((const float *)w)[i] : widen_h16(((const uint16_t *)w)[i], kind);
@@ -161,9 +168,51 @@ static int64_t row_block(int64_t K) {
     return rows < 4 * MR ? 4 * MR : rows;
 }
 
+/* One panel p (wide or narrow) for rows [mb, mend), by row tiles over blocks of k whose slab of the panel stays
+ * in L1 while every row tile passes over it; with `prefetch` the tiles prefetch the next panel, a share each */
+#define DEFINE_PANEL(F, WT)                                                                                   \
+static void panel_##F(const float *x, int64_t ldx, const WT *w, float *out, int64_t ldo, int64_t mb,           \
+                      int64_t mend, int64_t K, int64_t p, int64_t wide_panels, int64_t narrow_start,           \
+                      int64_t panels, int prefetch) {                                                         \
+    const int wide = p < wide_panels;                                                                          \
+    const int64_t n0 = wide ? p * NR : narrow_start + (p - wide_panels) * VL;                                  \
+    const int64_t width = wide ? NR : VL;                                                                      \
+    const WT *panel = w + n0 * K; /* panels before this one hold n0 columns of K rows */                      \
+    const tile_##F *tiles = wide ? TILES_WIDE_##F : TILES_NARROW_##F;                                          \
+    const char *next = (const char *)(panel + width * K); /* the next panel, packed right after this one */    \
+    const int64_t lines = prefetch && p + 1 < panels ? K * (p + 1 < wide_panels ? NR : VL) * (int64_t)sizeof(WT) / 64 \
+                                                     : 0;                                                      \
+    const int64_t row_tiles = (mend - mb + MR - 1) / MR, passes = row_tiles * ((K + KC - 1) / KC);             \
+    const int64_t share = (lines + passes - 1) / passes;                                                       \
+    for (int64_t k0 = 0, r = 0; k0 < K; k0 += KC) {                                                            \
+        const int64_t kc = K - k0 < KC ? K - k0 : KC;                                                          \
+        for (int64_t m0 = mb; m0 < mend; m0 += MR, r++) {                                                      \
+            const int64_t mr = (mend - m0) < MR ? (mend - m0) : MR;                                            \
+            int64_t first = r * share, count = lines - first < share ? lines - first : share;                  \
+            if (count < 0) count = 0;                                                                          \
+            tiles[mr](x + m0 * ldx + k0, ldx, panel + k0 * width, width, out + m0 * ldo + n0, ldo, kc, k0 == 0, \
+                      next + 64 * first, count);                                                               \
+        }                                                                                                      \
+    }                                                                                                          \
+}
+
+/* The schedules (`variant`): which loops run the same chains. Every one gives the same bits (each column one FMA
+ * chain over k in order); they differ in how the weights stream, so the fastest depends on the CPU and the rows
+ * (toolkit/native/schedules.py measures them at first use and keeps the choice per CPU and build).
+ *   MM_TILES: panel by panel, each in blocks of k, row tiles of up to MR rows over each block (the general path:
+ *             prefill and batches; the x slab in L2, a block of the panel in L1);
+ *   MM_PAIRS: two wide panels at a time, the whole of k in one pass, rows two at a time;
+ *   MM_QUADS: four wide panels at a time, the whole of k in one pass, one row at a time.
+ * The grouped schedules split the panels into one contiguous range a thread, of equal counts (the group's odd
+ * panels and the narrow ones run as tiles inside the range), so no thread waits on another's leftover. */
+enum { MM_TILES = 0, MM_PAIRS = 1, MM_QUADS = 2, MM_SCHEDULES };
+int toolkit_matmul_schedules(void) { return MM_SCHEDULES; }
+
 #define DEFINE_MATMUL(F, WT, KIND)                                                                              \
+DEFINE_PANEL(F, WT)                                                                                             \
 static int matmul_##F(const float *x, int64_t ldx, const WT *w, float *out, int64_t ldo, int64_t M, int64_t K,  \
-                      int64_t N, int num_threads) {                                                            \
+                      int64_t N, int num_threads, int variant) {                                               \
+    if (variant < 0 || variant >= MM_SCHEDULES) return -1;                                                     \
     if (M <= 0 || N <= 0) return 0;                                                                            \
     if (K <= 0) {                                                                                              \
         for (int64_t m = 0; m < M; m++) memset(out + m * ldo, 0, (size_t)N * sizeof(float));                   \
@@ -175,44 +224,39 @@ static int matmul_##F(const float *x, int64_t ldx, const WT *w, float *out, int6
     const int64_t vec_end = narrow_start + narrow_panels * VL;                                                 \
     const int64_t panels = wide_panels + narrow_panels;                                                        \
     const int64_t per_line = 64 / (int64_t)sizeof(WT);                                                         \
-    /* one row: the wide panels two at a time (row_pair), each pair prefetching the next */                    \
-    const int64_t pairs = M == 1 ? wide_panels / 2 : 0;                                                        \
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && pairs > 1)")    \
-    for (int64_t q = 0; q < pairs; q++) {                                                                      \
-        const WT *pair = w + 2 * q * NR * K;                                                                   \
-        row_pair_##F(x, pair, out + 2 * q * NR, K, (const char *)(pair + 2 * NR * K),                          \
-                     q + 1 < pairs ? 2 * NR * K / per_line : 0);                                               \
-    }                                                                                                          \
-    /* the panels the pairs left (at M = 1 often none: then no threads are started for them), in blocks of  \
-     * rows whose x slab stays in L2 while every panel passes over it (a row's sums are the same in any block) */\
-    const int64_t left = panels - 2 * pairs;                                                                   \
-    const int64_t mc = row_block(K);                                                                           \
-    for (int64_t mb = 0; mb < M && left > 0; mb += mc) {                                                       \
-    const int64_t mend = M - mb < mc ? M : mb + mc;                                                            \
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && left > 1)")     \
-    for (int64_t p = 2 * pairs; p < panels; p++) {                                                             \
-        const int wide = p < wide_panels;                                                                      \
-        const int64_t n0 = wide ? p * NR : narrow_start + (p - wide_panels) * VL;                              \
-        const int64_t width = wide ? NR : VL;                                                                  \
-        const WT *panel = w + n0 * K; /* panels before this one hold n0 columns of K rows */                  \
-        const tile_##F *tiles = wide ? TILES_WIDE_##F : TILES_NARROW_##F;                                      \
-        /* the row tiles of this panel prefetch the next one (packed right after it), a share each */         \
-        const char *next = (const char *)(panel + width * K);                                                  \
-        const int64_t lines = p + 1 < panels ? K * (p + 1 < wide_panels ? NR : VL) / per_line : 0;             \
-        /* k in blocks of KC whose slab of the panel stays in L1 while every row tile passes over it */       \
-        const int64_t row_tiles = (mend - mb + MR - 1) / MR, passes = row_tiles * ((K + KC - 1) / KC);         \
-        const int64_t share = (lines + passes - 1) / passes;                                                   \
-        for (int64_t k0 = 0, r = 0; k0 < K; k0 += KC) {                                                        \
-            const int64_t kc = K - k0 < KC ? K - k0 : KC;                                                      \
-            for (int64_t m0 = mb; m0 < mend; m0 += MR, r++) {                                                  \
-                const int64_t mr = (mend - m0) < MR ? (mend - m0) : MR;                                        \
-                int64_t first = r * share, count = lines - first < share ? lines - first : share;              \
-                if (count < 0) count = 0;                                                                      \
-                tiles[mr](x + m0 * ldx + k0, ldx, panel + k0 * width, width, out + m0 * ldo + n0, ldo, kc,     \
-                          k0 == 0, next + 64 * first, count);                                                  \
+    if (variant == MM_TILES) {                                                                                 \
+        /* in blocks of rows whose x slab stays in L2 while every panel passes over it (a row's sums are the   \
+         * same in any block); each panel's tiles prefetch the next panel (packed right after it) */          \
+        const int64_t mc = row_block(K);                                                                       \
+        for (int64_t mb = 0; mb < M; mb += mc) {                                                               \
+            const int64_t mend = M - mb < mc ? M : mb + mc;                                                    \
+            _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && panels > 1)") \
+            for (int64_t p = 0; p < panels; p++) {                                                             \
+                panel_##F(x, ldx, w, out, ldo, mb, mend, K, p, wide_panels, narrow_start, panels, 1);          \
             }                                                                                                  \
         }                                                                                                      \
-    }                                                                                                          \
+    } else {                                                                                                   \
+        const int64_t G = variant == MM_PAIRS ? 2 : 4, R = variant == MM_PAIRS ? 2 : 1;                        \
+        const int64_t threads = num_threads < 1 ? 1 : num_threads > panels ? panels : num_threads;             \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                     \
+        for (int64_t t = 0; t < threads; t++) {                                                                \
+            const int64_t p0 = t * panels / threads, p1 = (t + 1) * panels / threads;                          \
+            const int64_t groups_end = p1 < wide_panels ? p1 : wide_panels;                                    \
+            int64_t p = p0;                                                                                    \
+            for (; p + G <= groups_end; p += G) {                                                              \
+                const WT *group = w + p * NR * K;                                                              \
+                const int64_t ahead = groups_end - (p + G) < G ? groups_end - (p + G) : G; /* the next group */ \
+                for (int64_t m0 = 0; m0 < M; m0 += R) {                                                        \
+                    const char *pf = (const char *)(group + G * NR * K);                                       \
+                    const int64_t lines = m0 == 0 && ahead > 0 ? ahead * NR * K / per_line : 0;                \
+                    if (G == 4) group_4_1_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines); \
+                    else if (M - m0 >= 2) group_2_2_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines); \
+                    else group_2_1_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines);  \
+                }                                                                                              \
+            }                                                                                                  \
+            for (; p < p1; p++) /* the range's panels left over: as tiles */                                   \
+                panel_##F(x, ldx, w, out, ldo, 0, M, K, p, wide_panels, narrow_start, panels, 0);              \
+        }                                                                                                      \
     }                                                                                                          \
     if (vec_end < N) tail_columns(x, ldx, w + vec_end * K, N - vec_end, out, ldo, M, K, vec_end, N, KIND);     \
     return 0;                                                                                                  \
@@ -222,17 +266,17 @@ DEFINE_MATMUL(bf16, uint16_t, H16_BF16)
 DEFINE_MATMUL(f16, uint16_t, H16_F16)
 
 int toolkit_matmul_invariant_f32(const float *x, int64_t ldx, const float *w, float *out, int64_t ldo,
-                                 int64_t M, int64_t K, int64_t N, int num_threads) {
-    return matmul_f32(x, ldx, w, out, ldo, M, K, N, num_threads);
+                                 int64_t M, int64_t K, int64_t N, int num_threads, int variant) {
+    return matmul_f32(x, ldx, w, out, ldo, M, K, N, num_threads, variant);
 }
 
 /* The same product with 16-bit weights (kind H16_BF16 or H16_F16, packed the same way): every weight is
  * widened exactly to fp32 as it is loaded, so the result is the fp32 product's on the widened weights, bit
  * for bit, while a decode step reads half the bytes. */
 int toolkit_matmul_invariant_h16(const float *x, int64_t ldx, const uint16_t *w, float *out, int64_t ldo,
-                                 int64_t M, int64_t K, int64_t N, int num_threads, int kind) {
-    if (kind == H16_BF16) return matmul_bf16(x, ldx, w, out, ldo, M, K, N, num_threads);
-    if (kind == H16_F16) return matmul_f16(x, ldx, w, out, ldo, M, K, N, num_threads);
+                                 int64_t M, int64_t K, int64_t N, int num_threads, int kind, int variant) {
+    if (kind == H16_BF16) return matmul_bf16(x, ldx, w, out, ldo, M, K, N, num_threads, variant);
+    if (kind == H16_F16) return matmul_f16(x, ldx, w, out, ldo, M, K, N, num_threads, variant);
     return -1;
 }
 
