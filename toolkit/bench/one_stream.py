@@ -2,6 +2,7 @@
 
     make one-stream                  # builds llama.cpp's llama-server once (make llama-server), then this:
     python -m toolkit.bench.one_stream [--dtypes float32 bfloat16] [--rounds 2] [--max-tokens 64]
+    python -m toolkit.bench.one_stream --matmul-schedules auto tiles   # also ours with a forced matmul schedule
 
 The same chat requests (rendered with the model's chat template, sent as token ids so both servers read the
 same prompt), one at a time, greedy with ignore_eos, sent by the serving benchmark's client process (the real
