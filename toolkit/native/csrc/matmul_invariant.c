@@ -196,7 +196,7 @@ static void panel_##F(const float *x, int64_t ldx, const WT *w, float *out, int6
     }                                                                                                          \
 }
 
-/* The schedules (`variant`): which loops run the same chains. Every one gives the same bits (each column one FMA
+/* The schedules (`schedule`, MM_*): which loops run the same chains. Every one gives the same bits (each column one FMA
  * chain over k in order); they differ in how the weights stream, so the fastest depends on the CPU and the rows
  * (toolkit/native/schedules.py measures them at first use and keeps the choice per CPU and build).
  *   MM_TILES: panel by panel, each in blocks of k, row tiles of up to MR rows over each block (the general path:
@@ -211,8 +211,8 @@ int toolkit_matmul_schedules(void) { return MM_SCHEDULES; }
 #define DEFINE_MATMUL(F, WT, KIND)                                                                              \
 DEFINE_PANEL(F, WT)                                                                                             \
 static int matmul_##F(const float *x, int64_t ldx, const WT *w, float *out, int64_t ldo, int64_t M, int64_t K,  \
-                      int64_t N, int num_threads, int variant) {                                               \
-    if (variant < 0 || variant >= MM_SCHEDULES) return -1;                                                     \
+                      int64_t N, int num_threads, int schedule) {                                               \
+    if (schedule < 0 || schedule >= MM_SCHEDULES) return -1;                                                     \
     if (M <= 0 || N <= 0) return 0;                                                                            \
     if (K <= 0) {                                                                                              \
         for (int64_t m = 0; m < M; m++) memset(out + m * ldo, 0, (size_t)N * sizeof(float));                   \
@@ -224,7 +224,7 @@ static int matmul_##F(const float *x, int64_t ldx, const WT *w, float *out, int6
     const int64_t vec_end = narrow_start + narrow_panels * VL;                                                 \
     const int64_t panels = wide_panels + narrow_panels;                                                        \
     const int64_t per_line = 64 / (int64_t)sizeof(WT);                                                         \
-    if (variant == MM_TILES) {                                                                                 \
+    if (schedule == MM_TILES) {                                                                                 \
         /* in blocks of rows whose x slab stays in L2 while every panel passes over it (a row's sums are the   \
          * same in any block); each panel's tiles prefetch the next panel (packed right after it) */          \
         const int64_t mc = row_block(K);                                                                       \
@@ -236,7 +236,7 @@ static int matmul_##F(const float *x, int64_t ldx, const WT *w, float *out, int6
             }                                                                                                  \
         }                                                                                                      \
     } else {                                                                                                   \
-        const int64_t G = variant == MM_PAIRS ? 2 : 4, R = variant == MM_PAIRS ? 2 : 1;                        \
+        const int64_t G = schedule == MM_PAIRS ? 2 : 4, R = schedule == MM_PAIRS ? 2 : 1;                        \
         const int64_t threads = num_threads < 1 ? 1 : num_threads > panels ? panels : num_threads;             \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                     \
         for (int64_t t = 0; t < threads; t++) {                                                                \
@@ -266,17 +266,17 @@ DEFINE_MATMUL(bf16, uint16_t, H16_BF16)
 DEFINE_MATMUL(f16, uint16_t, H16_F16)
 
 int toolkit_matmul_invariant_f32(const float *x, int64_t ldx, const float *w, float *out, int64_t ldo,
-                                 int64_t M, int64_t K, int64_t N, int num_threads, int variant) {
-    return matmul_f32(x, ldx, w, out, ldo, M, K, N, num_threads, variant);
+                                 int64_t M, int64_t K, int64_t N, int num_threads, int schedule) {
+    return matmul_f32(x, ldx, w, out, ldo, M, K, N, num_threads, schedule);
 }
 
 /* The same product with 16-bit weights (kind H16_BF16 or H16_F16, packed the same way): every weight is
  * widened exactly to fp32 as it is loaded, so the result is the fp32 product's on the widened weights, bit
  * for bit, while a decode step reads half the bytes. */
 int toolkit_matmul_invariant_h16(const float *x, int64_t ldx, const uint16_t *w, float *out, int64_t ldo,
-                                 int64_t M, int64_t K, int64_t N, int num_threads, int kind, int variant) {
-    if (kind == H16_BF16) return matmul_bf16(x, ldx, w, out, ldo, M, K, N, num_threads, variant);
-    if (kind == H16_F16) return matmul_f16(x, ldx, w, out, ldo, M, K, N, num_threads, variant);
+                                 int64_t M, int64_t K, int64_t N, int num_threads, int kind, int schedule) {
+    if (kind == H16_BF16) return matmul_bf16(x, ldx, w, out, ldo, M, K, N, num_threads, schedule);
+    if (kind == H16_F16) return matmul_f16(x, ldx, w, out, ldo, M, K, N, num_threads, schedule);
     return -1;
 }
 
