@@ -97,6 +97,16 @@ def test_auto_takes_the_fastest_measured_and_keeps_it_per_cpu_and_build(tmp_path
     assert calls == [4, 4, 1] and len(list(tmp_path.rglob("schedule-*.json"))) == 2
 
 
+def test_a_cache_it_cannot_write_keeps_the_choice_for_the_process(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the cache's directory would be")
+    monkeypatch.setenv("TOOLKIT_CACHE", str(blocked))
+    planted = {c: {"tiles": 2.0, "pairs": 1.0, "quads": 3.0} for c in ("1-1", "2-4", "5-16")}
+    monkeypatch.setattr(schedules, "measure", lambda weights, lib=None: planted)
+    chosen = schedules.choose("auto", [pack_weight(torch.randn(64, 96))])
+    assert chosen.choice == ("pairs",) * 3 and "not kept" in chosen.how
+
+
 def test_measure_times_every_schedule_of_every_class():
     ms = schedules.measure([pack_weight(torch.randn(128, 256))], rounds=1)
     assert list(ms) == ["1-1", "2-4", "5-16"]

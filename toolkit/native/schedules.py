@@ -95,10 +95,13 @@ def choose(
         pass
     ms = measure(timed, lib)
     choice = tuple(min(SCHEDULES, key=lambda s, c=c: (ms[c][s], s != fixed)) for c, fixed in zip(ms, FIXED))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"choice": choice, "ms": ms, "threads": torch.get_num_threads()}))
-    os.replace(tmp, path)  # whole or not at all: processes choosing at once each write a complete file
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"choice": choice, "ms": ms, "threads": torch.get_num_threads()}))
+        os.replace(tmp, path)  # whole or not at all: processes choosing at once each write a complete file
+    except OSError as exc:  # a cache it cannot write (read-only, full): the choice holds for this process
+        return MatmulSchedule(choice, f"measured at first use, not kept ({exc.strerror or exc})", ms)
     return MatmulSchedule(choice, "measured at first use", ms)
 
 
