@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"model.dtype={dtype}",
                 # the chat template's shared start computed once, as llama-server reuses its slot's cached prompt
                 "engine.enable_prefix_caching=true",
-                f"engine.matmul_schedule={schedule}",
+                *([] if schedule == "auto" else [f"engine.matmul_schedule={schedule}"]),
                 "progress=false",
             ]
     phases = {"one stream": (1, prompts)}

@@ -4,6 +4,7 @@ batch 1 >= 1.8x fp32, the weights' bytes halved).
     python -m toolkit.bench.precision                      # SmolLM2 on this CPU, batches 1 and 8
     python -m toolkit.bench.precision --shape --device cuda  # random weights of SmolLM2's shape on a GPU
     TOOLKIT_KERNEL_TARGET=x86-64-v3 python -m toolkit.bench.precision   # AVX2 kernels on an AVX-512 CPU
+    python -m toolkit.bench.precision --formats float32 --matmul-schedules auto tiles pairs quads   # the matmul's loops
 
 Each batch size times a pure decode step (toolkit.engine.synthetic.decode_step_ms, context 128) for every
 format in turn, `--repeats` rounds, and prints the medians and each one's speed relative to fp32, with the
@@ -16,7 +17,7 @@ import statistics
 
 import torch
 
-from toolkit.config import EngineConfig, ModelConfig
+from toolkit.config import MATMUL_SCHEDULES, EngineConfig, ModelConfig
 from toolkit.engine.synthetic import decode_step_ms
 from toolkit.models import load_model
 from toolkit.native import cpu, library
@@ -59,6 +60,13 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    parser.add_argument(
+        "--matmul-schedules",
+        nargs="+",
+        default=["auto"],
+        choices=MATMUL_SCHEDULES,
+        help="each format with each engine.matmul_schedule (auto: the one measured for this CPU)",
+    )
     args = parser.parse_args(argv)
     base = SMOLLM2_SHAPE if args.shape else dict(name="smollm2")
     models = {f: load_model(ModelConfig(**base, dtype=f), device=args.device) for f in args.formats}
@@ -67,14 +75,20 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
         f"on {machine(args.device)}",
         flush=True,
     )
+    runs = {  # label -> (format, schedule)
+        f if schedule == "auto" else f"{f} {schedule}": (f, schedule)
+        for f in args.formats
+        for schedule in args.matmul_schedules
+    }
     table = {}
     for batch in args.batches:
-        times: dict[str, list[float]] = {f: [] for f in args.formats}
-        for _ in range(args.repeats):  # alternating, so drift hits every format alike
-            for f in args.formats:
-                times[f].append(decode_step_ms(models[f], EngineConfig(device=args.device), batch, args.context))
-        table[batch] = {f: statistics.median(t) for f, t in times.items()}
-        first = table[batch][args.formats[0]]
+        times: dict[str, list[float]] = {label: [] for label in runs}
+        for _ in range(args.repeats):  # alternating, so drift hits every format and schedule alike
+            for label, (f, schedule) in runs.items():
+                engine_cfg = EngineConfig(device=args.device, matmul_schedule=schedule)
+                times[label].append(decode_step_ms(models[f], engine_cfg, batch, args.context))
+        table[batch] = {label: statistics.median(t) for label, t in times.items()}
+        first = next(iter(table[batch].values()))
         print(
             f"batch {batch:3d}: "
             + ", ".join(f"{f} {ms:7.2f} ms ({first / ms:4.2f}x)" for f, ms in table[batch].items()),
