@@ -14,11 +14,12 @@ from tests.conftest import make_engine, native_only
 from toolkit.config import EngineConfig
 from toolkit.errors import ConfigError
 from toolkit.native import library, schedules
-from toolkit.native.ops import matmul_invariant, pack_weight
+from toolkit.native.ops import fixed_schedule, matmul_invariant, pack_weight
 from toolkit.runs.manifest import native_kernels
 from toolkit.sampling.params import SamplingParams
 
 pytestmark = [pytest.mark.native, native_only]
+SCHEDULES_OF = schedules.SCHEDULES.__getitem__
 
 
 @settings(max_examples=40)
@@ -62,9 +63,11 @@ def test_the_settings_choose_as_documented(tmp_path, monkeypatch):
     layers = [pack_weight(torch.randn(64, 96)) for _ in range(3)]
     forced = schedules.choose("quads", layers)
     assert forced.choice == ("quads",) * 3 and [forced.for_rows(m) for m in (1, 3, 9, 17, 500)] == [2, 2, 2, 0, 0]
+    assert [SCHEDULES_OF(fixed_schedule(m)) for m in (1, 2, 16, 17)] == ["pairs", "tiles", "tiles", "tiles"]
     fixed = schedules.choose("auto", layers, batch_invariant=True)
     assert fixed.choice == schedules.FIXED and "batch_invariant" in fixed.describe()
     assert [fixed.for_rows(m) for m in (1, 2, 16, 17)] == [1, 0, 0, 0]
+    assert [fixed.for_rows(m) for m in range(1, 40)] == [fixed_schedule(m) for m in range(1, 40)]  # one fixed choice
     assert schedules.choose("fixed", layers).choice == schedules.FIXED
     with pytest.raises(ValueError, match="engine.matmul_schedule must be one of"):
         schedules.choose("fastest", layers)

@@ -165,13 +165,19 @@ def pack_weight(w_KN: torch.Tensor, lib: NativeLib | None = None) -> PackedWeigh
     return PackedWeight(data, k, n, nr, vl)
 
 
+def fixed_schedule(rows: int) -> int:
+    """The matmul's schedule for `rows` rows when none is chosen (toolkit.native.schedules.FIXED): pairs for one row,
+    tiles for more."""
+    return 1 if rows == 1 else 0
+
+
 def matmul_invariant(
-    x_MK: torch.Tensor, w: torch.Tensor | PackedWeight, lib: NativeLib | None = None, schedule: int = 0
+    x_MK: torch.Tensor, w: torch.Tensor | PackedWeight, lib: NativeLib | None = None, schedule: int | None = None
 ) -> torch.Tensor:
     """x @ w in fp32 with each output element summed over k in order, by one FMA chain: a row's
     result does not depend on the other rows, on M, on the number of threads or on the `schedule` (the loops
-    that stream the weights: toolkit.native.schedules). `w` is (K, N), packed with `pack_weight` once (a plain
-    tensor is packed on every call)."""
+    that stream the weights: toolkit.native.schedules; None: the fixed choice for the rows). `w` is (K, N), packed
+    with `pack_weight` once (a plain tensor is packed on every call)."""
     lib = resolve(lib)
     packed = w if isinstance(w, PackedWeight) else pack_weight(w, lib)
     if (packed.panel, packed.lanes) != (lib.panel, lib.lanes):
@@ -186,6 +192,7 @@ def matmul_invariant(
     if x_MK.stride(-1) != 1:
         x_MK = x_MK.contiguous()
     m = x_MK.shape[0]
+    schedule = fixed_schedule(m) if schedule is None else schedule
     out = torch.empty((m, packed.n), dtype=torch.float32)
     args = (
         x_MK.data_ptr(),
@@ -341,7 +348,7 @@ def decoder_layers_cpu(
     num_slots: int,
     lib: NativeLib | None = None,
     kind: int = 0,
-    schedule: int = 0,
+    schedule: int | None = None,
 ) -> None:
     """Run a Llama-style decoder's layers over the step's N tokens in one call (csrc/decoder_layers.c):
     `x` (N, hidden), contiguous, is updated in place to the last layer's residual stream. `layers_L8` holds
@@ -349,7 +356,8 @@ def decoder_layers_cpu(
     dims = (N, hidden, heads, kv heads, head dim, MLP width, block size); a slot outside the cache's
     `num_slots` raises before anything is written. A bf16 / fp16 model passes x in its format, 16-bit packed
     projections and caches and fp32 norm weights: every operation's outputs are rounded to that format.
-    `schedule`: the matmuls' loops for N rows (toolkit.native.schedules), which change no bit."""
+    `schedule`: the matmuls' loops for N rows (toolkit.native.schedules; None: the fixed choice), which change no
+    bit."""
     if x_NE.dtype != torch.float32:
         x32 = x_NE.float()
         decoder_layers_cpu(
@@ -373,6 +381,7 @@ def decoder_layers_cpu(
         x_NE.copy_(x32)  # exact: rounded already
         return
     n, e, h, k, d, f, bs = dims
+    schedule = fixed_schedule(n) if schedule is None else schedule
     widths = [e, (h + 2 * k) * d, (h + k) * d, h * d, e, 2 * f, f, e]  # h, qkv, qk, attn, o, gate_up, act, m
     work = torch.empty(n * sum(widths), dtype=torch.float32)
     offsets = torch.tensor([0, *widths[:-1]], dtype=torch.int64).cumsum(0) * (n * 4) + work.data_ptr()

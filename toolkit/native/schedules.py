@@ -42,7 +42,7 @@ SCHEDULES = ("tiles", "pairs", "quads")  # csrc/matmul_invariant.c's MM_TILES, M
 SETTINGS = ("auto", "fixed", *SCHEDULES)
 # the classes of rows measured: (first, last, the rows timed); more rows than the last class's run tiles
 ROW_CLASSES = ((1, 1, 1), (2, 4, 3), (5, 16, 10))
-FIXED = ("pairs", "tiles", "tiles")
+FIXED = ("pairs", "tiles", "tiles")  # toolkit.native.ops.fixed_schedule
 MEASURED_BYTES = 192 << 20  # the layers' weights timed per pass at most (beyond any L3 the weights stream from)
 ROUNDS = 3
 
