@@ -27,6 +27,7 @@ from toolkit.errors import ConfigError, ForeignEngineError
 from toolkit.llm import LLM
 from toolkit.models import load_model
 from toolkit.models.loading import smollm2_dir, smollm2_gguf
+from toolkit.native import cpu
 from toolkit.runs.metrics import percentile
 
 KNOWN_SYSTEMS = ("engine", "engine_notrace", "hf_static", "hf_cb", "naive", "llama_cpp")
@@ -289,15 +290,7 @@ def _long_prompt_report(loaded, engine_cfg, requests: list[BenchRequest], worklo
 
 
 def _machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.system()}"
+    return f"{cpu.model_name()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.system()}"
 
 
 def _fmt(value, spec=".1f") -> str:

@@ -41,12 +41,7 @@ def machine(device: str) -> str:
     """The CPU's model name and its bf16 / AMX flags, or the GPU's name."""
     if torch.device(device).type == "cuda":
         return torch.cuda.get_device_name(torch.device(device))
-    name = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
-    except OSError:
-        pass
+    name = cpu.model_name()
     flags = cpu.cpu_flags()
     extra = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "asimd") if f in flags]
     return f"{name} ({' '.join(extra) or 'no SIMD flags read'}); kernels: {library.describe_native()}"

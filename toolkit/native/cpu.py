@@ -31,6 +31,18 @@ def machine() -> str:
 
 
 @lru_cache(maxsize=1)
+def model_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (e.g. "AMD EPYC"), or "unknown CPU"."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+@lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -29,20 +29,19 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from toolkit.native.cpu import cpu_flags
+from toolkit.native.cpu import cpu_flags, model_name
 from toolkit.native.library import NativeLib, resolve
-from toolkit.native.ops import PackedWeight, matmul_invariant
+from toolkit.native.ops import PackedWeight, fixed_schedule, matmul_invariant
 from toolkit.paths import cache_root
 
 SCHEDULES = ("tiles", "pairs", "quads")  # csrc/matmul_invariant.c's MM_TILES, MM_PAIRS, MM_QUADS, in order
 SETTINGS = ("auto", "fixed", *SCHEDULES)
 # the classes of rows measured: (first, last, the rows timed); more rows than the last class's run tiles
 ROW_CLASSES = ((1, 1, 1), (2, 4, 3), (5, 16, 10))
-FIXED = ("pairs", "tiles", "tiles")  # toolkit.native.ops.fixed_schedule
+FIXED = tuple(SCHEDULES[fixed_schedule(rows)] for _, _, rows in ROW_CLASSES)  # pairs, tiles, tiles
 MEASURED_BYTES = 192 << 20  # the layers' weights timed per pass at most (beyond any L3 the weights stream from)
 ROUNDS = 3
 
@@ -138,12 +137,6 @@ def _timed_weights(layers: list[PackedWeight], head: PackedWeight | None) -> lis
 def _key(lib: NativeLib, weights: list[PackedWeight]) -> str:
     """What the fastest schedule depends on: the CPU (its model name and flags), the build's library, the threads,
     the weights' format and shapes."""
-    try:
-        cpu = next(
-            (line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), ""
-        )
-    except OSError:
-        cpu = ""
     shapes = [(w.k, w.n, str(w.data.dtype)) for w in weights]
-    text = json.dumps([cpu, sorted(cpu_flags()), lib.path.name, torch.get_num_threads(), shapes])
+    text = json.dumps([model_name(), sorted(cpu_flags()), lib.path.name, torch.get_num_threads(), shapes])
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -246,8 +246,8 @@ static int matmul_##F(const float *x, int64_t ldx, const WT *w, float *out, int6
             for (; p + G <= groups_end; p += G) {                                                              \
                 const WT *group = w + p * NR * K;                                                              \
                 const int64_t ahead = groups_end - (p + G) < G ? groups_end - (p + G) : G; /* the next group */ \
+                const char *pf = (const char *)(group + G * NR * K); /* prefetched by the first rows' pass */  \
                 for (int64_t m0 = 0; m0 < M; m0 += R) {                                                        \
-                    const char *pf = (const char *)(group + G * NR * K);                                       \
                     const int64_t lines = m0 == 0 && ahead > 0 ? ahead * NR * K / per_line : 0;                \
                     if (G == 4) group_4_1_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines); \
                     else if (M - m0 >= 2) group_2_2_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines); \
