@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import make_engine, native_only
-from toolkit.config import EngineConfig
+from toolkit.config import MATMUL_SCHEDULES, EngineConfig
 from toolkit.errors import ConfigError
 from toolkit.native import library, schedules
 from toolkit.native.ops import fixed_schedule, matmul_invariant, pack_weight
@@ -78,21 +78,22 @@ def test_auto_takes_the_fastest_measured_and_keeps_it_per_cpu_and_build(tmp_path
     """The fastest schedule of each class wins (a tie goes to the fixed one); the choice is written once and read
     back (no second measurement); a damaged file is measured again; other weights' shapes get their own key."""
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    slow = {f"{name}-nopf": 10.0 for name in schedules.LOOPS}
     planted = {
-        "1-1": {"tiles": 3.0, "pairs": 2.0, "quads": 1.0},
-        "2-4": {"tiles": 2.0, "pairs": 2.0, "quads": 2.5},  # a tie: the fixed choice (tiles) stays
-        "5-16": {"tiles": 9.0, "pairs": 4.0, "quads": 8.0},
+        "1-1": {"tiles": 3.0, "pairs": 2.0, "quads": 1.0, **slow, "quads-nopf": 0.5},
+        "2-4": {"tiles": 2.0, "pairs": 2.0, "quads": 2.5, **slow, "pairs-nopf": 2.0},  # a tie: the fixed choice stays
+        "5-16": {"tiles": 9.0, "pairs": 4.0, "quads": 8.0, **slow},
     }
     calls = []
     monkeypatch.setattr(schedules, "measure", lambda weights, lib=None: calls.append(len(weights)) or planted)
     layers = [pack_weight(torch.randn(64, 96)) for _ in range(3)]
     first = schedules.choose("auto", layers, pack_weight(torch.randn(64, 500)))
-    assert first.choice == ("quads", "tiles", "pairs") and first.how == "measured at first use"
+    assert first.choice == ("quads-nopf", "tiles", "pairs") and first.how == "measured at first use"
     assert calls == [4]  # the layers and the head, timed together
     again = schedules.choose("auto", layers, pack_weight(torch.randn(64, 500)))
     assert again.choice == first.choice and "kept in schedule-" in again.how and calls == [4]
     (kept,) = tmp_path.rglob("schedule-*.json")
-    assert json.loads(kept.read_text())["choice"] == ["quads", "tiles", "pairs"]
+    assert json.loads(kept.read_text())["choice"] == ["quads-nopf", "tiles", "pairs"]
     kept.write_text("{not json")
     assert schedules.choose("auto", layers, pack_weight(torch.randn(64, 500))).how == "measured at first use"
     assert calls == [4, 4]
@@ -104,7 +105,10 @@ def test_a_cache_it_cannot_write_keeps_the_choice_for_the_process(tmp_path, monk
     blocked = tmp_path / "file"
     blocked.write_text("a file where the cache's directory would be")
     monkeypatch.setenv("TOOLKIT_CACHE", str(blocked))
-    planted = {c: {"tiles": 2.0, "pairs": 1.0, "quads": 3.0} for c in ("1-1", "2-4", "5-16")}
+    planted = {
+        c: {"tiles": 2.0, "pairs": 1.0, "quads": 3.0, "tiles-nopf": 2.0, "pairs-nopf": 1.5, "quads-nopf": 4.0}
+        for c in ("1-1", "2-4", "5-16")
+    }
     monkeypatch.setattr(schedules, "measure", lambda weights, lib=None: planted)
     chosen = schedules.choose("auto", [pack_weight(torch.randn(64, 96))])
     assert chosen.choice == ("pairs",) * 3 and "not kept" in chosen.how
@@ -129,7 +133,7 @@ def test_the_engine_gives_the_same_tokens_and_logits_in_every_schedule(tiny, tmp
         for i in range(3)
     ]
     seen = {}
-    for setting in ("tiles", "pairs", "quads", "auto"):
+    for setting in ("tiles", "pairs", "quads", "quads-nopf", "auto"):
         engine = make_engine(tiny, matmul_schedule=setting, max_num_batched_tokens=24, max_num_seqs=3)
         for r in requests:
             engine.add_request(**r)
@@ -156,3 +160,4 @@ def test_a_bad_setting_is_one_config_error():
 
 def test_the_build_has_the_schedules_python_names():
     assert library.native().fn["matmul_schedules"]() == len(schedules.SCHEDULES)
+    assert MATMUL_SCHEDULES == schedules.SETTINGS  # the config's list (no native import there) is the module's

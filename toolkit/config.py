@@ -20,7 +20,8 @@ MODEL_NAMES = ("smollm2", "tiny", "hf", "nanogpt")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "kernel", "sdpa", "flex")
 MATMUL_BACKENDS = ("auto", "native", "torch")
-MATMUL_SCHEDULES = ("auto", "fixed", "tiles", "pairs", "quads")  # toolkit.native.schedules.SETTINGS
+# toolkit.native.schedules.SETTINGS: each loop with the software prefetch, and without it (-nopf)
+MATMUL_SCHEDULES = ("auto", "fixed", "tiles", "pairs", "quads", "tiles-nopf", "pairs-nopf", "quads-nopf")
 KV_CACHE_DTYPES = ("auto", "bf16", "int8", "fp8_e4m3")
 # fused: prefill chunks and decodes in ONE forward per step (the default); two_forwards: the same schedule, prefill
 # chunks and decodes in separate forwards; prefill_first: a waiting prompt is prefilled whole in a step of its
@@ -137,7 +138,8 @@ class EngineConfig:
     # auto: the native packed matmul (csrc/matmul_invariant.c) on CPU fp32 when it compiles, else torch's
     matmul_backend: str = "auto"  # auto | native | torch
     # the native CPU matmul's loops per class of rows (toolkit/native/schedules.py): auto (measured at first use,
-    # kept per CPU and build) | fixed | tiles | pairs | quads; every schedule gives the same bits
+    # kept per CPU and build) | fixed | tiles | pairs | quads, each also -nopf (no software prefetch); every schedule
+    # gives the same bits
     matmul_schedule: str = "auto"
     scheduler_policy: str = "fused"  # fused | two_forwards | prefill_first | no_chunking (SCHEDULER_POLICIES)
     max_chunk_tokens: int | None = None  # one sequence's prefill chunk at most (None: the step's budget)

@@ -9,6 +9,10 @@ its prefetchers, its vector width), the rows and the threads, so it is measured,
     pairs  two panels at a time, the whole of k in one pass, rows two at a time
     quads  four panels at a time, the whole of k in one pass, a row at a time
 
+each with the kernel's software prefetch of the weights ahead, or with `-nopf` without it (the hardware prefetcher
+alone: on a Zen 4, 2 cores, a row at a time over SmolLM2's LM head streamed 54-67 GB/s without, 34-38 with; on the
+AVX2 EPYC the prefetch was what kept 10 and 16 rows fed).
+
 The classes of rows: a decode step at batch 1, a few rows (2-4), a small batch (5-16); more rows (prefill, big
 batches) always run tiles, whose x slab and k blocks are built for them. `engine.matmul_schedule`:
 
@@ -37,7 +41,9 @@ from toolkit.native.library import NativeLib, resolve
 from toolkit.native.ops import PackedWeight, fixed_schedule, matmul_invariant
 from toolkit.paths import cache_root
 
-SCHEDULES = ("tiles", "pairs", "quads")  # csrc/matmul_invariant.c's MM_TILES, MM_PAIRS, MM_QUADS, in order
+LOOPS = ("tiles", "pairs", "quads")  # csrc/matmul_invariant.c's MM_TILES, MM_PAIRS, MM_QUADS, in order
+# the loops with the software prefetch, then without it (MM_LOOPS + each): csrc/matmul_invariant.c's schedules
+SCHEDULES = (*LOOPS, *(f"{name}-nopf" for name in LOOPS))
 SETTINGS = ("auto", "fixed", *SCHEDULES)
 # the classes of rows measured: (first, last, the rows timed); more rows than the last class's run tiles
 ROW_CLASSES = ((1, 1, 1), (2, 4, 3), (5, 16, 10))

@@ -205,7 +205,11 @@ static void panel_##F(const float *x, int64_t ldx, const WT *w, float *out, int6
  *   MM_QUADS: four wide panels at a time, the whole of k in one pass, one row at a time.
  * The grouped schedules split the panels into one contiguous range a thread, of equal counts (the group's odd
  * panels and the narrow ones run as tiles inside the range), so no thread waits on another's leftover. */
-enum { MM_TILES = 0, MM_PAIRS = 1, MM_QUADS = 2, MM_SCHEDULES };
+enum { MM_TILES = 0, MM_PAIRS = 1, MM_QUADS = 2, MM_LOOPS };
+/* each set of loops with the software prefetch above (schedule < MM_LOOPS) and without it (schedule - MM_LOOPS): on
+ * some CPUs the hardware prefetcher alone streams faster (Zen 4, 2 cores: a row at a time over SmolLM2's LM head
+ * 54-67 GB/s without, 34-38 with), on others the prefetch covers what it misses (see the top of this file) */
+enum { MM_SCHEDULES = 2 * MM_LOOPS };
 int toolkit_matmul_schedules(void) { return MM_SCHEDULES; }
 
 #define DEFINE_MATMUL(F, WT, KIND)                                                                              \
@@ -224,6 +228,8 @@ static int matmul_##F(const float *x, int64_t ldx, const WT *w, float *out, int6
     const int64_t vec_end = narrow_start + narrow_panels * VL;                                                 \
     const int64_t panels = wide_panels + narrow_panels;                                                        \
     const int64_t per_line = 64 / (int64_t)sizeof(WT);                                                         \
+    const int prefetch = schedule < MM_LOOPS;                                                                  \
+    schedule %= MM_LOOPS;                                                                                      \
     if (schedule == MM_TILES) {                                                                                 \
         /* in blocks of rows whose x slab stays in L2 while every panel passes over it (a row's sums are the   \
          * same in any block); each panel's tiles prefetch the next panel (packed right after it) */          \
@@ -232,7 +238,7 @@ static int matmul_##F(const float *x, int64_t ldx, const WT *w, float *out, int6
             const int64_t mend = M - mb < mc ? M : mb + mc;                                                    \
             _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && panels > 1)") \
             for (int64_t p = 0; p < panels; p++) {                                                             \
-                panel_##F(x, ldx, w, out, ldo, mb, mend, K, p, wide_panels, narrow_start, panels, 1);          \
+                panel_##F(x, ldx, w, out, ldo, mb, mend, K, p, wide_panels, narrow_start, panels, prefetch);   \
             }                                                                                                  \
         }                                                                                                      \
     } else {                                                                                                   \
@@ -248,7 +254,7 @@ static int matmul_##F(const float *x, int64_t ldx, const WT *w, float *out, int6
                 const int64_t ahead = groups_end - (p + G) < G ? groups_end - (p + G) : G; /* the next group */ \
                 const char *pf = (const char *)(group + G * NR * K); /* prefetched by the first rows' pass */  \
                 for (int64_t m0 = 0; m0 < M; m0 += R) {                                                        \
-                    const int64_t lines = m0 == 0 && ahead > 0 ? ahead * NR * K / per_line : 0;                \
+                    const int64_t lines = prefetch && m0 == 0 && ahead > 0 ? ahead * NR * K / per_line : 0;    \
                     if (G == 4) group_4_1_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines); \
                     else if (M - m0 >= 2) group_2_2_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines); \
                     else group_2_1_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines);  \
