@@ -204,11 +204,18 @@ def test_bad_engine_config(kwargs, match):
 
 
 @settings(max_examples=60, deadline=None)
-@given(data=st.data(), backend=st.sampled_from(["kernel", "sdpa"]), block_size=st.sampled_from([1, 4, 16]))
-def test_step_inputs_are_the_per_token_definition(tiny, data, backend, block_size):
-    """The runner builds positions, cache slots, per-token chunk index and logits rows with tensor ops;
-    they must be the per-token definition: position = start + i, slot = table[pos // bs] * bs + pos % bs,
-    in the packing order decodes, verifications, prefills."""
+@given(
+    data=st.data(),
+    backend=st.sampled_from(["kernel", "sdpa"]),
+    block_size=st.sampled_from([1, 4, 16]),
+    small_step=st.sampled_from([0, 64]),
+)
+def test_step_inputs_are_the_per_token_definition(tiny, data, backend, block_size, small_step):
+    """The runner builds positions, cache slots, per-token chunk index and logits rows with tensor ops (or, in a
+    step of at most SMALL_STEP_TOKENS tokens, with Python's ints; 0 here: tensor ops always); they must be the
+    per-token definition: position = start + i, slot = table[pos // bs] * bs + pos % bs, in the packing order
+    decodes, verifications, prefills."""
+    from toolkit.engine import runner as runner_module
     from toolkit.engine.runner import ModelRunner
     from toolkit.engine.scheduler import ScheduledBatch, ScheduledChunk
     from toolkit.kv.paged_cache import PagedKVCache
@@ -233,7 +240,12 @@ def test_step_inputs_are_the_per_token_definition(tiny, data, backend, block_siz
                 num_logits=logits,
             )
         )
-    inputs = runner.prepare(ScheduledBatch(step=0, chunks=tuple(chunks), num_decode_tokens=0, num_prefill_tokens=0))
+    kept, runner_module.SMALL_STEP_TOKENS = runner_module.SMALL_STEP_TOKENS, small_step
+    try:
+        batch = ScheduledBatch(step=0, chunks=tuple(chunks), num_decode_tokens=0, num_prefill_tokens=0)
+        inputs = runner.prepare(batch)
+    finally:
+        runner_module.SMALL_STEP_TOKENS = kept
     ordered = (
         [c for c in chunks if c.num_tokens == 1]
         + [c for c in chunks if c.num_tokens > 1 and c.num_logits > 1]
