@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from tests.conftest import make_engine, native_only
 from toolkit.config import MATMUL_SCHEDULES, EngineConfig
 from toolkit.errors import ConfigError
-from toolkit.native import library, schedules
-from toolkit.native.ops import fixed_schedule, matmul_invariant, pack_weight
+from toolkit.native import library, memory, schedules
+from toolkit.native.ops import fixed_schedule, matmul_invariant, pack_weight, packed_arena
 from toolkit.runs.manifest import native_kernels
 from toolkit.sampling.params import SamplingParams
 
@@ -161,3 +161,50 @@ def test_a_bad_setting_is_one_config_error():
 def test_the_build_has_the_schedules_python_names():
     assert library.native().fn["matmul_schedules"]() == len(schedules.SCHEDULES)
     assert MATMUL_SCHEDULES == schedules.SETTINGS  # the config's list (no native import there) is the module's
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    shapes=st.lists(st.tuples(st.integers(1, 200), st.integers(1, 300)), min_size=1, max_size=5),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    huge=st.sampled_from([0, 4096, 2 << 20]),
+    seed=st.integers(0, 2**16),
+)
+def test_weights_packed_in_one_arena_are_the_weights_packed_alone(shapes, dtype, huge, seed):
+    """packed_arena packs every weight into one buffer (on huge pages where the kernel gives them): each is the
+    same packing, bit for bit, as pack_weight alone, starts on a 64-byte line, and none overlaps another (a weight
+    written over its neighbour's first line would change the neighbour's product, which is compared too). `huge`:
+    the huge page size the buffer is laid out for (0: torch.empty; 4 KB: every buffer mapped)."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(k, n, generator=gen).to(dtype) for k, n in shapes]
+    kept = memory.huge_page_bytes
+    memory.huge_page_bytes = lambda: huge
+    try:
+        arena = packed_arena(weights)
+    finally:
+        memory.huge_page_bytes = kept
+    x = {k: torch.randn(2, k, generator=gen) for k, _ in shapes}
+    for w, packed in zip(weights, arena):
+        alone = pack_weight(w)
+        assert torch.equal(packed.data, alone.data) and packed.data.data_ptr() % 64 == 0
+        assert torch.equal(matmul_invariant(x[w.shape[0]], packed), matmul_invariant(x[w.shape[0]], alone))
+    spans = sorted((p.data.data_ptr(), p.data.data_ptr() + p.data.nbytes) for p in arena)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
+def test_huge_empty_maps_aligned_advised_memory_or_falls_back(monkeypatch):
+    """Where the kernel offers transparent huge pages the buffer starts on a huge page boundary (what MADV_HUGEPAGE
+    needs to back it), is writable and sized to the element; where it does not, it is torch.empty's."""
+    size = memory.huge_page_bytes()
+    if size:
+        t = memory.huge_empty(size // 2 + 3, torch.bfloat16)
+        assert t.data_ptr() % size == 0 and t.shape == (size // 2 + 3,) and t.dtype == torch.bfloat16
+        t.fill_(1.5)
+        assert float(t.float().sum()) == 1.5 * t.numel()
+    else:
+        print("this kernel offers no transparent huge pages: the fallback alone is tested")
+    monkeypatch.setattr(memory, "huge_page_bytes", lambda: 0)
+    plain = memory.huge_empty(1000, torch.float32)
+    assert plain.shape == (1000,) and plain.dtype == torch.float32
+    with pytest.raises(ValueError, match="out must be"):
+        pack_weight(torch.ones(4, 8), out=torch.empty(31))

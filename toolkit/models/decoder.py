@@ -37,7 +37,7 @@ from toolkit.native.ops import (
     add_rms_norm_cpu,
     decoder_layers_cpu,
     matmul_invariant,
-    pack_weight,
+    packed_arena,
     rope_cpu,
     silu_mul_cpu,
 )
@@ -194,9 +194,11 @@ class PagedDecoder(nn.Module):
     def packed_weights(self):
         """The projections packed for the native matmul, made on first use (a second copy of
         the weights, held only by models that run with engine.matmul_backend=native)."""
-        if self._packed is None:
-            layers = [{n: pack_weight(getattr(layer, n)) for n in layer.projections} for layer in self.layers]
-            self._packed = (layers, pack_weight(self.lm_head_t))
+        if self._packed is None:  # one arena on huge pages, in the order a step reads them (packed_arena)
+            names = [(layer, n) for layer in self.layers for n in layer.projections]
+            packed = iter(packed_arena([getattr(layer, n) for layer, n in names] + [self.lm_head_t]))
+            layers = [{n: next(packed) for n in layer.projections} for layer in self.layers]
+            self._packed = (layers, next(packed))
         return self._packed
 
     @staticmethod

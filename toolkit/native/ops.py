@@ -9,6 +9,7 @@ from functools import lru_cache
 import torch
 
 from toolkit.native.library import KernelUnavailable, NativeLib, resolve
+from toolkit.native.memory import huge_empty
 
 
 @lru_cache(maxsize=1)
@@ -142,10 +143,11 @@ class PackedWeight:
     lanes: int
 
 
-def pack_weight(w_KN: torch.Tensor, lib: NativeLib | None = None) -> PackedWeight:
+def pack_weight(w_KN: torch.Tensor, lib: NativeLib | None = None, out: torch.Tensor | None = None) -> PackedWeight:
     """Column panels of the build's wide panel width, then of its lanes, then the last N % lanes
     columns, each panel contiguous; in a bf16 wide panel each k's blocks of `lanes` columns are interleaved
-    in pairs (weight by weight), which the kernel widens two blocks at a time."""
+    in pairs (weight by weight), which the kernel widens two blocks at a time. `out`: K * N elements of the
+    weight's format to pack into (a model's weights in one huge-page arena: packed_arena)."""
     lib = resolve(lib)
     nr, vl = lib.panel, lib.lanes
     k, n = w_KN.shape
@@ -153,7 +155,9 @@ def pack_weight(w_KN: torch.Tensor, lib: NativeLib | None = None) -> PackedWeigh
     vec_end = wide * nr + narrow * vl
     if w_KN.dtype not in FLOATS:
         raise KernelUnavailable(f"the batch-invariant matmul reads fp32, bf16 or fp16 weights, not {w_KN.dtype}")
-    data = torch.empty(k * n, dtype=w_KN.dtype)  # each part copied into place once
+    if out is not None and (out.shape != (k * n,) or out.dtype != w_KN.dtype or not out.is_contiguous()):
+        raise ValueError(f"pack_weight: out must be {k * n} contiguous {w_KN.dtype} elements")
+    data = torch.empty(k * n, dtype=w_KN.dtype) if out is None else out  # each part copied into place once
     panels = w_KN[:, : wide * nr].reshape(k, wide, nr).permute(1, 0, 2)
     if w_KN.dtype == torch.bfloat16:  # each k's column blocks in interleaved pairs (csrc/matmul_invariant.c)
         panels = panels.reshape(wide, k, nr // (2 * vl), 2, vl).transpose(3, 4)
@@ -163,6 +167,24 @@ def pack_weight(w_KN: torch.Tensor, lib: NativeLib | None = None) -> PackedWeigh
     )
     data[k * vec_end :].view(k, n - vec_end).copy_(w_KN[:, vec_end:])
     return PackedWeight(data, k, n, nr, vl)
+
+
+def packed_arena(weights: list[torch.Tensor], lib: NativeLib | None = None) -> list[PackedWeight]:
+    """Each (K, N) weight packed (pack_weight), all of them in one buffer on huge pages where the kernel gives them
+    (toolkit.native.memory: a decode step streams them all), each starting on a 64-byte line."""
+    lib = resolve(lib)
+    if not weights:
+        return []
+    dtype = weights[0].dtype
+    if any(w.dtype != dtype for w in weights):
+        return [pack_weight(w, lib) for w in weights]
+    line = 64 // weights[0].element_size()
+    starts, total = [], 0
+    for w in weights:
+        starts.append(total)
+        total += -(-w.numel() // line) * line
+    arena = huge_empty(total, dtype)
+    return [pack_weight(w, lib, arena[s : s + w.numel()]) for w, s in zip(weights, starts)]
 
 
 def fixed_schedule(rows: int) -> int:
