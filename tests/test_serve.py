@@ -411,3 +411,12 @@ def test_mode_serve_closes_cleanly_on_sigterm_and_stays_readable_after_kill_9(tm
     report = replay(run_dir, out_dir=tmp_path / "replayed")
     assert report.identical, report.summary_line()
     assert report.rows_only_in_replay == 0  # the replay ends where the trace does, not at max_tokens
+
+
+def test_the_server_runs_uvicorns_c_event_loop_and_http_parser(server):
+    """uvloop and httptools are serve's dependencies, which uvicorn takes when they import: the event loop's Python
+    per streamed token is what a token costs beyond its step (it competes with the step for the GIL and the cores;
+    docs/serving.md). Without them uvicorn would quietly run asyncio's loop and h11."""
+    config = server.uvicorn.config
+    assert config.get_loop_factory().__module__.startswith("uvloop")
+    assert config.http_protocol_class.__name__ == "HttpToolsProtocol"
