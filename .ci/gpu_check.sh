@@ -33,6 +33,8 @@ timeout 130 python3 -m toolkit.bench.gpu --shape smollm2 --batches 1 8 32 --batc
   --json "$OUT/bench_smollm2.json" --host-profile "$OUT/host_profile.txt" 2>&1 | tee "$OUT/bench.txt"
 timeout 100 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --batch-invariant \
   --json "$OUT/bench_llama1b.json" 2>&1 | tee -a "$OUT/bench.txt"
+timeout 60 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 8 --context 4000 --steps 8 \
+  --hf-tokens 0 2>&1 | tee -a "$OUT/bench.txt"  # a long context: the attention's KV split (issue 57)
 timeout 50 python3 -m toolkit.bench.gpu --shape smollm2 --dtypes float32 bfloat16 --batches 1 --steps 8 --hf-tokens 0 \
   --kernel-table 14 2>&1 | tee "$OUT/kernel_table.txt"
 echo "tests/test_cuda.py exited $status"

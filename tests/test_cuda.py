@@ -224,6 +224,46 @@ def test_the_triton_kernels_give_a_row_the_same_bits_at_every_batch_size(dtype):
         assert torch.equal(ig.logsumexp((x @ w)[:m].contiguous()), lse[:m])
 
 
+def test_a_long_contexts_split_attention_keeps_a_tokens_bits_in_any_batch():
+    """Issue 57's KV split on a GPU: contexts up to 3,000 keys (12 splits of 256, combined in order) give each token
+    the bits it gets alone, beside 31 others or with wider tables (more splits allocated), within bf16's rounding
+    of float64; a context of one split is the unsplit kernel's, bit for bit."""
+    from toolkit.native import invariant_gpu as ig
+
+    gen = torch.Generator().manual_seed(5)
+    n, kv_heads, groups, dim, block, width = 32, 2, 4, 64, 16, 188
+    k_cache, v_cache = (torch.randn(2, n * width + 1, block, kv_heads, dim, generator=gen)).to(torch.bfloat16).cuda()
+    tables = torch.randperm(n * width, generator=gen).view(n, width).cuda()
+    ctx = torch.randint(1, width * block + 1, (n,), generator=gen)
+    ctx[:4] = torch.tensor([1, 200, 256, width * block])
+    ctx = ctx.cuda()
+    q = torch.randn(n, kv_heads * groups, dim, generator=gen).to(torch.bfloat16).cuda()
+    rows = torch.arange(n, device="cuda")
+
+    def attend(index, tables_SB=tables, split=ig.ATTENTION_SPLIT):
+        out = torch.empty_like(q[index])
+        ig.paged_attention(q[index], k_cache, v_cache, tables_SB, rows[index], ctx[index], dim**-0.5, out, split)
+        return out
+
+    everything = torch.arange(n, device="cuda")
+    out = attend(everything)
+    for index in ([0], [3], [3, 1], list(range(7)), list(range(31, -1, -1))):
+        assert torch.equal(attend(torch.tensor(index, device="cuda")), out[index]), index
+    wider = torch.cat([tables, tables[:, :40]], 1)
+    assert torch.equal(attend(everything, wider), out)
+    unsplit = attend(everything, split=16 * -(-width * block // 16))
+    short = ctx <= ig.ATTENTION_SPLIT
+    assert torch.equal(unsplit[short], out[short])
+    keys = k_cache[tables].reshape(n, -1, kv_heads, dim).double()
+    values = v_cache[tables].reshape(n, -1, kv_heads, dim).double()
+    for i in (0, 1, 3, 17):
+        c = int(ctx[i])
+        for h in range(kv_heads * groups):
+            weights = torch.softmax(keys[i, :c, h // groups] @ q[i, h].double() * dim**-0.5, 0)
+            want = weights @ values[i, :c, h // groups]
+            assert (out[i, h].double() - want).abs().max() <= 2**-7 * want.abs().max() + 1e-3, (i, h)
+
+
 def test_batch_invariant_rows_are_the_same_bits_in_every_batch_mix_and_graph_mode():
     """Issue 57's matrix on a GPU: engine.batch_invariant=true (Triton matmul, attention, norms, logsumexp), one
     request's logits rows bit-identical alone and at batch 7, 32 and 64, its decode steps beside other requests'

@@ -246,6 +246,71 @@ def test_the_paged_attention_kernel_gives_a_token_its_bits_in_any_mix(data, kv_h
 
 
 @TRITON
+@settings(max_examples=8, deadline=None)
+@given(
+    data=st.data(),
+    kv_heads=st.integers(1, 2),
+    groups=st.sampled_from([1, 3]),
+    block=st.sampled_from([1, 4, 8]),
+    split=st.sampled_from([16, 32]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_a_long_contexts_splits_keep_a_tokens_bits_in_any_mix(data, kv_heads, groups, block, split, dtype):
+    """A context longer than the split is taken a split per program and combined in order (split small here, 256 in
+    the engine): within the format's rounding of float64; each token the same bits alone, in any batch and whatever
+    the tables' width (the splits allocated: a graph bucket's); and a context of one split the unsplit kernel's bits
+    (so which path a batch takes changes no row)."""
+    gen = torch.Generator().manual_seed(kv_heads * 100 + groups * 10 + block + split)
+    seqs, width, dim = 3, -(-96 // block), 16
+    num_blocks = seqs * width + 1
+    k_cache, v_cache = (torch.randn(2, num_blocks, block, kv_heads, dim, generator=gen) * 2).to(dtype)
+    tables = torch.randperm(num_blocks - 1, generator=gen)[: seqs * width].view(seqs, width)
+    n = data.draw(st.integers(1, 6))
+    query_table = torch.tensor(data.draw(st.lists(st.integers(0, seqs - 1), min_size=n, max_size=n)))
+    query_ctx = torch.tensor(data.draw(st.lists(st.integers(1, width * block), min_size=n, max_size=n)))
+    q = torch.randn(n, kv_heads * groups, dim, generator=gen).to(dtype)
+
+    def attend(index, tables_SB=tables, split_at=split):
+        out = torch.empty_like(q[index])
+        ig.paged_attention(
+            q[index], k_cache, v_cache, tables_SB, query_table[index], query_ctx[index], dim**-0.5, out, split_at
+        )
+        return out
+
+    everything = torch.arange(n)
+    out = attend(everything)
+    want = _attention_reference(q, k_cache, v_cache, tables, query_table, query_ctx, dim**-0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7 * want.abs().max().item() + 1e-3
+    assert (out.double() - want).abs().max() <= tolerance
+    wider = torch.cat([tables, torch.zeros(seqs, 2 * split // block + 1, dtype=tables.dtype)], 1)
+    assert torch.equal(attend(everything, wider), out)  # more splits allocated, none of them read
+    for rows in _subsets(data.draw, n):
+        assert torch.equal(attend(torch.tensor(rows)), out[rows]), rows
+    short = query_ctx <= split
+    unsplit = attend(everything, split_at=16 * -(-width * block // 16))
+    assert torch.equal(unsplit[short], out[short])
+    if (~short).any():  # longer ones are combined from the splits: other bits than one pass, within rounding
+        assert (unsplit.double() - want).abs().max() <= tolerance
+
+
+@TRITON
+def test_a_split_chosen_by_the_batch_would_change_the_bits():
+    """What the invariance tests guard against: the same context split at 16 or at 32 keys gives other bits, so a
+    split size (or a split count) chosen by the batch's shape would change a token's bits with its batch."""
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = torch.randn(2, 12, 8, 1, 16, generator=gen)
+    q, one, ctx = torch.randn(1, 2, 16, generator=gen), torch.tensor([0]), torch.tensor([90])
+    outs = []
+    for split in (16, 32):
+        out = torch.empty_like(q)
+        ig.paged_attention(q, k_cache, v_cache, torch.arange(12).view(1, 12), one, ctx, 0.25, out, split)
+        outs.append(out)
+    assert not torch.equal(outs[0], outs[1]) and (outs[0] - outs[1]).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ig.paged_attention(q, k_cache, v_cache, torch.arange(12).view(1, 12), one, ctx, 0.25, outs[0], 24)
+
+
+@TRITON
 def test_the_attention_keeps_its_bits_whatever_the_block_size_and_a_split_chosen_otherwise_is_caught(monkeypatch):
     """The same keys cached in blocks of 8, 4 or 1 give a token the same bits (the kernel takes key positions in
     tiles of its own; the recompute that verify runs need not share the engine's block size). What the batch tests

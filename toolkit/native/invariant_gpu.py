@@ -9,8 +9,9 @@ One program a row or token, every mode (`routes`: the decoder, attention and sam
   `rms_norm`: the norm alone (the same kernel without its residual);
 - `rope`: HF's RoPE of every head of a token, each op rounded as torch's (the same bits);
 - `silu_mul`: silu(gate) * up of a fused projection;
-- `paged_attention`: each token over its own sequence's cached keys, block by block in its table's order (the CPU
-  kernel's contract: prompt chunks and decode tokens in one launch, and a CUDA graph holds it);
+- `paged_attention`: each token over its own sequence's cached keys, 16 positions at a time in its table's order
+  (the CPU kernel's contract: prompt chunks and decode tokens in one launch, and a CUDA graph holds it); a context
+  over ATTENTION_SPLIT keys a program per split, combined in the splits' order by `_combine_kernel`;
 - `logsumexp`: an online max-and-sum over BLOCK_V slices in order.
 
 Where Triton does not import, or the tensors are on the CPU without TRITON_INTERPRET=1, rms_norm and logsumexp
@@ -32,6 +33,9 @@ except ImportError:  # the torch fallback below
     triton = tl = None
 
 ATTENTION_TILE = 16  # key positions the attention takes at a time, whatever the block size
+# key positions of one split of a long context (a multiple of the tile): a token's keys past the first split are taken
+# by more programs, split by its own context alone, and combined in the splits' order (paged_attention)
+ATTENTION_SPLIT = 256
 # every launch: no contraction of a multiply and an add into an FMA (Triton's default differs between versions, and
 # the bits would with it)
 FIXED = {"enable_fp_fusion": False}
@@ -157,29 +161,41 @@ if triton is not None:
         soh,
         G,
         BS,
+        m_ptr,
+        total_ptr,
+        acc_ptr,
+        SPLIT,
         BG: tl.constexpr,
         TILE: tl.constexpr,
         D: tl.constexpr,
+        SPLITS: tl.constexpr,
     ):
-        """One program per (query token, KV head): the token's G query heads over its own sequence's first ctx
-        cached keys, TILE key positions at a time in ascending order (each key's slot read from the block table:
+        """One program per (query token, KV head[, split]): the token's G query heads over its own sequence's first
+        ctx cached keys, TILE key positions at a time in ascending order (each key's slot read from the block table:
         table[pos // BS] * BS + pos % BS), an online softmax in fp32. The order of every sum is fixed by the
-        token's own context: the same bits whatever the batch, its mix of prefill and decode, or the block size."""
+        token's own context: the same bits whatever the batch, its mix of prefill and decode, or the block size.
+        With SPLITS, program (n, kvh, s) takes positions [s * SPLIT, (s + 1) * SPLIT) of the context and stores its
+        running max, sum and output (m_ptr, total_ptr, acc_ptr) for _combine_kernel instead of the output."""
         n = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         g = tl.arange(0, BG)[:, None]
         d = tl.arange(0, D)[None, :]
         t = tl.arange(0, TILE)
         gmask = g < G
-        q = tl.load(q_ptr + n * sqn + (kvh * G + g) * sqh + d, mask=gmask, other=0.0).to(tl.float32)
         seq = tl.load(qtable_ptr + n)
         ctx = tl.load(qctx_ptr + n)
+        first, end = 0, ctx
+        if SPLITS:
+            s = tl.program_id(2)
+            first = s * SPLIT
+            end = tl.minimum(ctx, first + SPLIT)
+        q = tl.load(q_ptr + n * sqn + (kvh * G + g) * sqh + d, mask=gmask, other=0.0).to(tl.float32)
         m = tl.full((BG,), float("-inf"), dtype=tl.float32)
         total = tl.zeros((BG,), dtype=tl.float32)
         acc = tl.zeros((BG, D), dtype=tl.float32)
-        for j in range(0, tl.cdiv(ctx, TILE)):
-            pos = j * TILE + t
-            seen = pos < ctx
+        for j in range(0, tl.cdiv(end - first, TILE)):  # no iteration where the split is past the context
+            pos = first + j * TILE + t
+            seen = pos < end
             block = tl.load(tables_ptr + seq * stb + pos // BS, mask=seen, other=0).to(tl.int64)
             base = block[:, None] * skb + (pos % BS)[:, None] * skt + kvh * skh + d
             k = tl.load(k_ptr + base, mask=seen[:, None], other=0.0).to(tl.float32)  # (TILE, D)
@@ -192,8 +208,54 @@ if triton is not None:
             total = total * fade + tl.sum(p, axis=1)
             acc = acc * fade[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m = peak
+        if SPLITS:
+            part = (n * tl.num_programs(1) + kvh) * SPLITS + s  # (token, KV head, split): G heads each
+            row = part * BG + tl.arange(0, BG)
+            tl.store(m_ptr + row, m)
+            tl.store(total_ptr + row, total)
+            tl.store(acc_ptr + row[:, None] * D + d, acc)
+        else:
+            out = acc / total[:, None]
+            tl.store(out_ptr + n * son + (kvh * G + g) * soh + d, out.to(out_ptr.dtype.element_ty), mask=gmask)
+
+    @triton.jit
+    def _combine_kernel(
+        qctx_ptr,
+        m_ptr,
+        total_ptr,
+        acc_ptr,
+        out_ptr,
+        son,
+        soh,
+        G,
+        SPLIT,
+        BG: tl.constexpr,
+        D: tl.constexpr,
+        SPLITS: tl.constexpr,
+    ):
+        """A token's splits (the programs of _paged_attention_kernel with SPLITS) combined in their order, only as
+        many as its own context has: the peak of their maxima, then each split's sum and output rescaled to it and
+        added, split 0 first. With one split the rescale is exp(0) = 1 and the result the unsplit kernel's, bit for
+        bit."""
+        n = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1)
+        g = tl.arange(0, BG)
+        d = tl.arange(0, D)[None, :]
+        used = tl.cdiv(tl.load(qctx_ptr + n), SPLIT)
+        base = (n * tl.num_programs(1) + kvh) * SPLITS * BG
+        peak = tl.full((BG,), float("-inf"), dtype=tl.float32)
+        for s in range(0, used):
+            peak = tl.maximum(peak, tl.load(m_ptr + base + s * BG + g))
+        total = tl.zeros((BG,), dtype=tl.float32)
+        acc = tl.zeros((BG, D), dtype=tl.float32)
+        for s in range(0, used):
+            row = base + s * BG + g
+            fade = tl.exp(tl.load(m_ptr + row) - peak)
+            total = total + tl.load(total_ptr + row) * fade
+            acc = acc + tl.load(acc_ptr + row[:, None] * D + d) * fade[:, None]
         out = acc / total[:, None]
-        tl.store(out_ptr + n * son + (kvh * G + g) * soh + d, out.to(out_ptr.dtype.element_ty), mask=gmask)
+        gmask = g[:, None] < G
+        tl.store(out_ptr + n * son + (kvh * G + g[:, None]) * soh + d, out.to(out_ptr.dtype.element_ty), mask=gmask)
 
 
 def is_pow2(n: int) -> bool:
@@ -276,34 +338,73 @@ def paged_attention(
     query_ctx_N: torch.Tensor,
     scale: float,
     out_NHD: torch.Tensor,
+    split: int = ATTENTION_SPLIT,
 ) -> None:
     """Each query token over its own sequence's cached keys (query_table_N: its row of tables_SB; query_ctx_N:
-    how many keys it sees), into out_NHD: the CPU kernel's contract (toolkit.native.ops.paged_attention_cpu)."""
+    how many keys it sees), into out_NHD: the CPU kernel's contract (toolkit.native.ops.paged_attention_cpu).
+    A context longer than `split` keys is taken by a program per `split` keys and their results combined in order
+    (flash decoding, with the split fixed by the token's own context: a long context at batch 1 is not one program
+    a KV head, and its bits do not depend on the batch)."""
     n, heads, dim = q_NHD.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    if n:
-        _paged_attention_kernel[(n, kv_heads)](
-            q_NHD,
-            k_cache,
-            v_cache,
-            tables_SB,
-            query_table_N,
+    if not n:
+        return
+    groups, bg = heads // kv_heads, triton.next_power_of_2(heads // kv_heads)
+    # splits of a context: as many as the longest the tables hold (a static shape, which a CUDA graph's bucket
+    # keeps), though each token combines only its own context's; a batch whose tables hold at most one split runs
+    # the kernel unsplit (the same bits: _combine_kernel)
+    splits = -(-tables_SB.shape[1] * block_size // split)
+    if split % ATTENTION_TILE or split <= 0:
+        raise ValueError(f"the attention's split must be a positive multiple of {ATTENTION_TILE}, got {split}")
+    if splits > 1:
+        m = torch.empty(n * kv_heads * splits * bg, dtype=torch.float32, device=q_NHD.device)
+        total = torch.empty_like(m)
+        acc = torch.empty(m.numel() * dim, dtype=torch.float32, device=q_NHD.device)
+    else:
+        m = total = acc = out_NHD  # unread
+    _paged_attention_kernel[(n, kv_heads, splits)](
+        q_NHD,
+        k_cache,
+        v_cache,
+        tables_SB,
+        query_table_N,
+        query_ctx_N,
+        out_NHD,
+        scale,
+        q_NHD.stride(0),
+        q_NHD.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        tables_SB.stride(0),
+        out_NHD.stride(0),
+        out_NHD.stride(1),
+        groups,
+        block_size,
+        m,
+        total,
+        acc,
+        split,
+        BG=bg,
+        TILE=ATTENTION_TILE,
+        D=dim,
+        SPLITS=splits if splits > 1 else 0,
+        **FIXED,
+    )
+    if splits > 1:
+        _combine_kernel[(n, kv_heads)](
             query_ctx_N,
+            m,
+            total,
+            acc,
             out_NHD,
-            scale,
-            q_NHD.stride(0),
-            q_NHD.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            tables_SB.stride(0),
             out_NHD.stride(0),
             out_NHD.stride(1),
-            heads // kv_heads,
-            block_size,
-            BG=triton.next_power_of_2(heads // kv_heads),
-            TILE=ATTENTION_TILE,
+            groups,
+            split,
+            BG=bg,
             D=dim,
+            SPLITS=splits,
             **FIXED,
         )
 
