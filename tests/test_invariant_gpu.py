@@ -284,6 +284,12 @@ def test_a_long_contexts_splits_keep_a_tokens_bits_in_any_mix(data, kv_heads, gr
     assert (out.double() - want).abs().max() <= tolerance
     wider = torch.cat([tables, torch.zeros(seqs, 2 * split // block + 1, dtype=tables.dtype)], 1)
     assert torch.equal(attend(everything, wider), out)  # more splits allocated, none of them read
+    kept = ig.ATTENTION_SPLIT_BYTES
+    ig.ATTENTION_SPLIT_BYTES = 1  # a token at a time through the partial results (a long prefill chunk's pieces)
+    try:
+        assert torch.equal(attend(everything), out)
+    finally:
+        ig.ATTENTION_SPLIT_BYTES = kept
     for rows in _subsets(data.draw, n):
         assert torch.equal(attend(torch.tensor(rows)), out[rows]), rows
     short = query_ctx <= split

@@ -36,6 +36,7 @@ ATTENTION_TILE = 16  # key positions the attention takes at a time, whatever the
 # key positions of one split of a long context (a multiple of the tile): a token's keys past the first split are taken
 # by more programs, split by its own context alone, and combined in the splits' order (paged_attention)
 ATTENTION_SPLIT = 256
+ATTENTION_SPLIT_BYTES = 64 << 20  # the splits' partial results held at once at most (tokens taken in pieces past it)
 # every launch: no contraction of a multiply and an add into an FMA (Triton's default differs between versions, and
 # the bits would with it)
 FIXED = {"enable_fp_fusion": False}
@@ -208,12 +209,13 @@ if triton is not None:
             total = total * fade + tl.sum(p, axis=1)
             acc = acc * fade[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m = peak
-        if SPLITS:
+        if SPLITS:  # a split past the context stores nothing (_combine_kernel reads only the context's)
             part = (n * tl.num_programs(1) + kvh) * SPLITS + s  # (token, KV head, split): G heads each
             row = part * BG + tl.arange(0, BG)
-            tl.store(m_ptr + row, m)
-            tl.store(total_ptr + row, total)
-            tl.store(acc_ptr + row[:, None] * D + d, acc)
+            live = tl.zeros((BG,), dtype=tl.int64) + first < ctx  # every head of this split, or none
+            tl.store(m_ptr + row, m, mask=live)
+            tl.store(total_ptr + row, total, mask=live)
+            tl.store(acc_ptr + row[:, None] * D + d, acc, mask=live[:, None])
         else:
             out = acc / total[:, None]
             tl.store(out_ptr + n * son + (kvh * G + g) * soh + d, out.to(out_ptr.dtype.element_ty), mask=gmask)
@@ -349,19 +351,36 @@ def paged_attention(
     _, block_size, kv_heads, _ = k_cache.shape
     if not n:
         return
-    groups, bg = heads // kv_heads, triton.next_power_of_2(heads // kv_heads)
     # splits of a context: as many as the longest the tables hold (a static shape, which a CUDA graph's bucket
     # keeps), though each token combines only its own context's; a batch whose tables hold at most one split runs
     # the kernel unsplit (the same bits: _combine_kernel)
     splits = -(-tables_SB.shape[1] * block_size // split)
     if split % ATTENTION_TILE or split <= 0:
         raise ValueError(f"the attention's split must be a positive multiple of {ATTENTION_TILE}, got {split}")
-    if splits > 1:
-        m = torch.empty(n * kv_heads * splits * bg, dtype=torch.float32, device=q_NHD.device)
-        total = torch.empty_like(m)
-        acc = torch.empty(m.numel() * dim, dtype=torch.float32, device=q_NHD.device)
-    else:
-        m = total = acc = out_NHD  # unread
+    if splits == 1:
+        _attention_launch(q_NHD, k_cache, v_cache, tables_SB, query_table_N, query_ctx_N, scale, out_NHD, split, 1)
+        return
+    # the splits' partial results, for at most `piece` tokens at a time (a prefill chunk of thousands of tokens over
+    # a long context would need gigabytes at once): a token's bits do not depend on its piece
+    rows = kv_heads * splits * triton.next_power_of_2(heads // kv_heads)  # a token's (KV head, split, query head)
+    piece = max(1, min(n, ATTENTION_SPLIT_BYTES // (rows * (dim + 2) * 4)))
+    m = torch.empty(piece * rows, dtype=torch.float32, device=q_NHD.device)
+    total = torch.empty_like(m)
+    acc = torch.empty(m.numel() * dim, dtype=torch.float32, device=q_NHD.device)
+    for lo in range(0, n, piece):
+        hi = min(n, lo + piece)
+        args = (q_NHD[lo:hi], k_cache, v_cache, tables_SB, query_table_N[lo:hi], query_ctx_N[lo:hi], scale)
+        _attention_launch(*args, out_NHD[lo:hi], split, splits, (m, total, acc))
+
+
+def _attention_launch(
+    q_NHD, k_cache, v_cache, tables_SB, query_table_N, query_ctx_N, scale, out_NHD, split, splits, parts=None
+) -> None:
+    """One launch of the attention (splits > 1: its splits into `parts`, then their combination into out_NHD)."""
+    n, heads, dim = q_NHD.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    groups, bg = heads // kv_heads, triton.next_power_of_2(heads // kv_heads)
+    m, total, acc = parts if parts is not None else (out_NHD,) * 3  # unread when unsplit
     _paged_attention_kernel[(n, kv_heads, splits)](
         q_NHD,
         k_cache,
