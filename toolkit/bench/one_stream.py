@@ -184,6 +184,19 @@ def summarise(seen: list[dict[str, Any]], step_ms: list[float], base: list[dict[
     return out
 
 
+def file_huge_mb() -> float | None:
+    """The page cache held in huge folios now (/proc/meminfo's FileHugePages, MB): llama-server maps its GGUF from
+    the page cache, so whether its weights stream from huge pages (about a quarter faster on a VM) varies with this;
+    ours are packed on anonymous huge pages (toolkit.native.memory)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("FileHugePages:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def parallel(name: str, n: int) -> list[str]:
     """A server's options for `n` requests at once: llama-server's slots (each with 2048 tokens of context), our
     engine's sequences a step."""
@@ -240,6 +253,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = {(phase, name): [] for phase in phases for name in systems}
     steps: dict[str, list[float]] = {name: [] for name in systems}
     schedules: dict[str, str | None] = {}  # ours: the matmul's loops per rows its manifest records
+    huge_mb = [file_huge_mb()]
     for phase, (n, batch) in phases.items():
         servers: dict[str, Server] = {}
         try:
@@ -273,8 +287,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 steps[name] += decode_step_ms(name, work / tag, work / f"{tag}.log")
             if not name.startswith("llama"):
                 schedules[name] = read_manifest(work / tag).get("matmul_schedule")
+    huge_mb.append(file_huge_mb())
     result = {
         "machine": machine("cpu"),
+        "file_huge_pages_mb": huge_mb,
         "threads": args.threads,
         "max_tokens": args.max_tokens,
         "systems": {
@@ -317,6 +333,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{name:<20} {s['tok_per_s']:>7.1f} {s['ttft_ms_p50']:>12.1f} {s['tpot_ms_p50']:>12.1f} {ratio:>16}")
     for name, schedule in schedules.items():
         print(f"{name}: matmul schedule {schedule}")
+    if huge_mb[0] is not None and llama:
+        print(
+            f"page cache in huge folios (FileHugePages): {huge_mb[0]:.0f} MB before, {huge_mb[-1]:.0f} MB after "
+            f"(llama-server maps its {smollm2_f32_gguf().stat().st_size / 2**20:.0f} MB GGUF from it; ours are on "
+            f"anonymous huge pages)"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     shutil.rmtree(work, ignore_errors=True)
