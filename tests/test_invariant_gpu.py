@@ -210,6 +210,26 @@ def _attention_reference(q, k_cache, v_cache, tables, query_table, query_ctx, sc
     return out
 
 
+def _attention_case(data, seed: int, kv_heads: int, groups: int, block: int, dim: int, dtype, width: int, max_n: int):
+    """Three sequences' cached keys in shuffled blocks of `width` each, and 1..max_n query tokens, each over one of
+    them with a drawn context: (q, k_cache, v_cache, tables, query_table, query_ctx)."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs = 3
+    num_blocks = seqs * width + 1
+    k_cache, v_cache = (torch.randn(2, num_blocks, block, kv_heads, dim, generator=gen) * 2).to(dtype)
+    tables = torch.randperm(num_blocks - 1, generator=gen)[: seqs * width].view(seqs, width)
+    n = data.draw(st.integers(1, max_n))
+    query_table = torch.tensor(data.draw(st.lists(st.integers(0, seqs - 1), min_size=n, max_size=n)))
+    query_ctx = torch.tensor(data.draw(st.lists(st.integers(1, width * block), min_size=n, max_size=n)))
+    q = torch.randn(n, kv_heads * groups, dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, query_table, query_ctx
+
+
+def _attention_tolerance(dtype, want: torch.Tensor) -> float:
+    """fp32 sums' error, or the 16-bit output's rounding of the largest value."""
+    return 1e-5 if dtype == torch.float32 else 2**-7 * want.abs().max().item() + 1e-3
+
+
 @TRITON
 @settings(max_examples=8, deadline=None)
 @given(
@@ -224,20 +244,15 @@ def test_the_paged_attention_kernel_gives_a_token_its_bits_in_any_mix(data, kv_h
     """The GPU's paged attention (one program per token and KV head, keys in the table's order): within the
     format's rounding of float64, and each token's output the same bits alone as in any batch, a prompt chunk's
     tokens (one sequence, growing contexts) mixed with other sequences' decode tokens."""
-    gen = torch.Generator().manual_seed(kv_heads * 100 + groups * 10 + block)
-    seqs, width = 3, 5
-    num_blocks = seqs * width + 1
-    k_cache, v_cache = (torch.randn(2, num_blocks, block, kv_heads, dim, generator=gen) * 2).to(dtype)
-    tables = torch.randperm(num_blocks - 1, generator=gen)[: seqs * width].view(seqs, width)
-    n = data.draw(st.integers(1, 8))
-    query_table = torch.tensor(data.draw(st.lists(st.integers(0, seqs - 1), min_size=n, max_size=n)))
-    query_ctx = torch.tensor(data.draw(st.lists(st.integers(1, width * block), min_size=n, max_size=n)))
-    q = torch.randn(n, kv_heads * groups, dim, generator=gen).to(dtype)
+    seed = kv_heads * 100 + groups * 10 + block
+    q, k_cache, v_cache, tables, query_table, query_ctx = _attention_case(
+        data, seed, kv_heads, groups, block, dim, dtype, width=5, max_n=8
+    )
+    n = q.shape[0]
     out = torch.empty_like(q)
     ig.paged_attention(q, k_cache, v_cache, tables, query_table, query_ctx, dim**-0.5, out)
     want = _attention_reference(q, k_cache, v_cache, tables, query_table, query_ctx, dim**-0.5)
-    tolerance = 1e-5 if dtype == torch.float32 else 2**-7 * want.abs().max().item() + 1e-3
-    assert (out.double() - want).abs().max() <= tolerance
+    assert (out.double() - want).abs().max() <= _attention_tolerance(dtype, want)
     for rows in _subsets(data.draw, n):
         index = torch.tensor(rows)
         alone = torch.empty_like(q[index])
@@ -260,15 +275,11 @@ def test_a_long_contexts_splits_keep_a_tokens_bits_in_any_mix(data, kv_heads, gr
     the engine): within the format's rounding of float64; each token the same bits alone, in any batch and whatever
     the tables' width (the splits allocated: a graph bucket's); and a context of one split the unsplit kernel's bits
     (so which path a batch takes changes no row)."""
-    gen = torch.Generator().manual_seed(kv_heads * 100 + groups * 10 + block + split)
     seqs, width, dim = 3, -(-96 // block), 16
-    num_blocks = seqs * width + 1
-    k_cache, v_cache = (torch.randn(2, num_blocks, block, kv_heads, dim, generator=gen) * 2).to(dtype)
-    tables = torch.randperm(num_blocks - 1, generator=gen)[: seqs * width].view(seqs, width)
-    n = data.draw(st.integers(1, 6))
-    query_table = torch.tensor(data.draw(st.lists(st.integers(0, seqs - 1), min_size=n, max_size=n)))
-    query_ctx = torch.tensor(data.draw(st.lists(st.integers(1, width * block), min_size=n, max_size=n)))
-    q = torch.randn(n, kv_heads * groups, dim, generator=gen).to(dtype)
+    q, k_cache, v_cache, tables, query_table, query_ctx = _attention_case(
+        data, kv_heads * 100 + groups * 10 + block + split, kv_heads, groups, block, dim, dtype, width, max_n=6
+    )
+    n = q.shape[0]
 
     def attend(index, tables_SB=tables, split_at=split):
         out = torch.empty_like(q[index])
@@ -280,7 +291,7 @@ def test_a_long_contexts_splits_keep_a_tokens_bits_in_any_mix(data, kv_heads, gr
     everything = torch.arange(n)
     out = attend(everything)
     want = _attention_reference(q, k_cache, v_cache, tables, query_table, query_ctx, dim**-0.5)
-    tolerance = 1e-5 if dtype == torch.float32 else 2**-7 * want.abs().max().item() + 1e-3
+    tolerance = _attention_tolerance(dtype, want)
     assert (out.double() - want).abs().max() <= tolerance
     wider = torch.cat([tables, torch.zeros(seqs, 2 * split // block + 1, dtype=tables.dtype)], 1)
     assert torch.equal(attend(everything, wider), out)  # more splits allocated, none of them read

@@ -254,11 +254,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     steps: dict[str, list[float]] = {name: [] for name in systems}
     schedules: dict[str, str | None] = {}  # ours: the matmul's loops per rows its manifest records
     huge_mb = [file_huge_mb()]
+    tags = {name: name.replace(" ", "-") for name in systems}  # each server's log and run directory, per phase
     for phase, (n, batch) in phases.items():
         servers: dict[str, Server] = {}
         try:
             for name, command in systems.items():  # one at a time, each warmed up (allocation, first-call costs)
-                port, tag = free_port(), f"{name.replace(' ', '-')}-{n}"
+                port, tag = free_port(), f"{tags[name]}-{n}"
                 flag = (
                     ["--port", str(port)]
                     if name.startswith("llama")
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for server in servers.values():
                 server.stop()
         for name in servers:
-            tag = f"{name.replace(' ', '-')}-{n}"
+            tag = f"{tags[name]}-{n}"
             if n == 1:
                 steps[name] += decode_step_ms(name, work / tag, work / f"{tag}.log")
             if not name.startswith("llama"):

@@ -195,8 +195,8 @@ class PagedDecoder(nn.Module):
         """The projections packed for the native matmul, made on first use (a second copy of
         the weights, held only by models that run with engine.matmul_backend=native)."""
         if self._packed is None:  # one arena on huge pages, in the order a step reads them (packed_arena)
-            names = [(layer, n) for layer in self.layers for n in layer.projections]
-            packed = iter(packed_arena([getattr(layer, n) for layer, n in names] + [self.lm_head_t]))
+            weights = [getattr(layer, n) for layer in self.layers for n in layer.projections]
+            packed = iter(packed_arena(weights + [self.lm_head_t]))
             layers = [{n: next(packed) for n in layer.projections} for layer in self.layers]
             self._packed = (layers, next(packed))
         return self._packed

@@ -354,9 +354,9 @@ def paged_attention(
     # splits of a context: as many as the longest the tables hold (a static shape, which a CUDA graph's bucket
     # keeps), though each token combines only its own context's; a batch whose tables hold at most one split runs
     # the kernel unsplit (the same bits: _combine_kernel)
-    splits = -(-tables_SB.shape[1] * block_size // split)
     if split % ATTENTION_TILE or split <= 0:
         raise ValueError(f"the attention's split must be a positive multiple of {ATTENTION_TILE}, got {split}")
+    splits = -(-tables_SB.shape[1] * block_size // split)
     if splits == 1:
         _attention_launch(q_NHD, k_cache, v_cache, tables_SB, query_table_N, query_ctx_N, scale, out_NHD, split, 1)
         return

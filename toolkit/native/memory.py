@@ -39,7 +39,7 @@ def huge_page_bytes() -> int:
 def huge_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised 1-D tensor of `numel` elements, on huge pages where the kernel gives them (see above)."""
     size = huge_page_bytes()
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if size == 0 or nbytes < size:
         return torch.empty(numel, dtype=dtype)
     try:
