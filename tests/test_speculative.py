@@ -61,6 +61,8 @@ def test_tiny_greedy_speculation_equals_plain_greedy(tiny, method):
     engine = spec_engine(tiny, method, max_num_batched_tokens=64, max_num_seqs=4)
     assert [o.output_token_ids for o in engine.generate(requests)] == plain
     assert engine.speculator.stats.proposed > 0
+    if method == "self_draft":  # the target's weights: its matmul schedule, not a second choice
+        assert engine.speculator.proposer.runner.matmul_schedule is engine.matmul_schedule
 
 
 @pytest.mark.native

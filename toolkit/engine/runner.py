@@ -67,7 +67,7 @@ class ModelRunner:
         attention_backend: str = "sdpa",
         batch_invariant: bool = False,
         native_matmul: bool = False,
-        matmul_schedule: str = "auto",
+        matmul_schedule: str | schedules.MatmulSchedule = "auto",
         flex_compile: bool = True,
         two_forwards: bool = False,
         graphs: tuple[str, int] = ("off", 0),
@@ -84,8 +84,15 @@ class ModelRunner:
         self.matmul_schedule: schedules.MatmulSchedule | None = None  # the native CPU matmul's loops per rows
         if self.native_matmul and not invariant_gpu.routes(model.embed):
             layers, head = model.packed_weights()  # packed now, with the load, not inside the first request's step
-            self.matmul_schedule = schedules.choose(
-                matmul_schedule, [w for layer in layers for w in layer.values()], head, batch_invariant=batch_invariant
+            self.matmul_schedule = (
+                matmul_schedule  # already chosen for these weights (a self-draft's runner over the target's)
+                if isinstance(matmul_schedule, schedules.MatmulSchedule)
+                else schedules.choose(
+                    matmul_schedule,
+                    [w for layer in layers for w in layer.values()],
+                    head,
+                    batch_invariant=batch_invariant,
+                )
             )
         self.groups = model.arch.num_heads // model.arch.num_kv_heads
         self.dtype = model.embed.dtype  # the compute dtype (the cache may store bf16, int8 or fp8)

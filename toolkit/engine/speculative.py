@@ -58,6 +58,7 @@ class DraftHost(Protocol):
     cfg: Any  # its EngineConfig (block_size, batch_invariant, flex_compile)
     attention_backend: str
     matmul_backend: str
+    matmul_schedule: Any  # the target's chosen MatmulSchedule (None off the native CPU matmul)
     vocab_size: int
     tokenizer: Any
     num_kv_blocks: int
@@ -335,7 +336,8 @@ class Speculator:
                 engine.attention_backend,
                 batch_invariant=engine.cfg.batch_invariant,
                 native_matmul=engine.matmul_backend == "native",
-                matmul_schedule=engine.cfg.matmul_schedule,
+                # the target's own weights: its choice, not a second one (a measurement where no cache is kept)
+                matmul_schedule=engine.matmul_schedule or engine.cfg.matmul_schedule,
                 flex_compile=engine.cfg.flex_compile,
             )
             return cls(cfg, ModelProposer(engine.loaded, runner, num_layers=cfg.draft_layers, shares_target_cache=True))
