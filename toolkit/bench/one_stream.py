@@ -4,6 +4,7 @@
     python -m toolkit.bench.one_stream [--dtypes float32 bfloat16] [--rounds 2] [--max-tokens 64]
     python -m toolkit.bench.one_stream --matmul-schedules auto tiles   # also ours with a forced matmul schedule
     python -m toolkit.bench.one_stream --batched 32   # then 32 requests at once to each server (32 slots / seqs)
+    python -m toolkit.bench.one_stream --batched 32 --llama-slots auto   # llama-server at its default slots
 
 The same chat requests (rendered with the model's chat template, sent as token ids so both servers read the
 same prompt), one at a time, greedy with ignore_eos, sent by the serving benchmark's client process (the real
@@ -197,10 +198,13 @@ def file_huge_mb() -> float | None:
     return None
 
 
-def parallel(name: str, n: int) -> list[str]:
-    """A server's options for `n` requests at once: llama-server's slots (each with 2048 tokens of context), our
-    engine's sequences a step."""
-    return ["-np", str(n), "-c", str(2048 * n)] if name.startswith("llama") else [f"engine.max_num_seqs={n}"]
+def parallel(name: str, n: int, llama_slots: str = "batch") -> list[str]:
+    """A server's options for `n` requests at once: llama-server's slots (each with 2048 tokens of context; with
+    `llama_slots` "auto" and n > 1, its own default: -np auto, 4 slots over a unified KV cache, as a user who does
+    not set it runs it), our engine's sequences a step."""
+    if not name.startswith("llama"):
+        return [f"engine.max_num_seqs={n}"]
+    return [] if llama_slots == "auto" and n > 1 else ["-np", str(n), "-c", str(2048 * n)]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -216,6 +220,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument(
         "--batched", type=int, default=0, help="also N requests at once (the requests repeated) to each server"
+    )
+    parser.add_argument(
+        "--llama-slots",
+        choices=["batch", "auto"],
+        default="batch",
+        help="llama-server's slots when batched: one a request (batch; -np N) or its default (auto)",
     )
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--llama-server", default=None, help="its path (default: .venv/bin/llama-server, PATH)")
@@ -265,7 +275,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     if name.startswith("llama")
                     else [f"serve.port={port}", f"hydra.run.dir={work / tag}"]
                 )
-                servers[name] = Server(name, command + parallel(name, n) + flag, port, work / f"{tag}.log", cwd=root)
+                servers[name] = Server(
+                    name, command + parallel(name, n, args.llama_slots) + flag, port, work / f"{tag}.log", cwd=root
+                )
                 servers[name].up()
                 clients({"url": servers[name].url, "prompts": batch[:1], "max_tokens": 8, "clients": 1})
             for round_ in range(args.rounds):
@@ -293,6 +305,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine("cpu"),
         "file_huge_pages_mb": huge_mb,
         "threads": args.threads,
+        "llama_slots": args.llama_slots,
         "max_tokens": args.max_tokens,
         "systems": {
             name: summarise(r, steps[name], rows.get(("one stream", "llama-server f32")))
@@ -327,7 +340,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     if result["batched"]:
         batched_base = result["batched"].get("llama-server f32", {}).get("tok_per_s")
-        print(f"\nbatched: {args.batched} requests at once x {args.max_tokens} tokens x {args.rounds} rounds")
+        slots = f"-np {args.batched}" if args.llama_slots == "batch" else "its default slots (-np auto)"
+        print(
+            f"\nbatched: {args.batched} requests at once x {args.max_tokens} tokens x {args.rounds} rounds "
+            f"(llama-server: {slots})"
+        )
         print(f"{'system':<20} {'tok/s':>7} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'vs llama-server':>16}")
         for name, s in result["batched"].items():
             ratio = f"{s['tok_per_s'] / batched_base:.2f}x" if batched_base else "-"
