@@ -178,6 +178,9 @@ class TraceWriter:
         self.flush_s = 0.0  # CPU time of the part writes (samples, logits, requests) on the writer thread
         self._held: tuple[Any, RequestsUpdate | None] | None = None  # write_output's last (out, requests)
         self._steps_since_flush = 0
+        # the steps not yet handed to the worker: they go over as one item when a part is due, so the worker
+        # wakes once a part, not once a step (a wake-up each step took the GIL and a core beside the next step)
+        self._batch: list[tuple] = []
         self._queue: queue.Queue = queue.Queue(maxsize=256)
         self._error: BaseException | None = None
         self.retry_faults, self.max_buffered_rows, self.retry_s = retry_faults, max_buffered_rows, retry_s
@@ -234,8 +237,15 @@ class TraceWriter:
                 if wanted:
                     block = rows[[i for _, i in wanted]].float().cpu().numpy()  # a copy: the step's block moves on
                     logits = [(t.request_id, t.stream, t.position, block[k]) for k, (t, _) in enumerate(wanted)]
-        self._queue.put((tuple(traces), digests, requests, logits))
+        self._batch.append((tuple(traces), digests, requests, logits))
+        if len(self._batch) >= self.flush_every_steps:
+            self._hand_off()
         self.engine_thread_s += time.perf_counter() - start
+
+    def _hand_off(self) -> None:
+        batch, self._batch = self._batch, []
+        if batch:
+            self._queue.put(batch)
 
     def write_output(self, out, requests: RequestsUpdate | None = None) -> None:
         """write_step for an Engine.step(trace_digests=True) output: its rows, logits and digests. Its rows are
@@ -253,7 +263,8 @@ class TraceWriter:
     def flush(self) -> None:
         """Write everything received so far (blocks until the worker has written it)."""
         self._release_held()
-        self._queue.put(("flush", None, None, ()))
+        self._hand_off()
+        self._queue.put([("flush", None, None, ())])
         self._queue.join()
         if self._error is not None:
             raise RuntimeError(f"trace writer failed: {self._error}") from self._error
@@ -261,7 +272,7 @@ class TraceWriter:
     @property
     def buffered_rows(self) -> int:
         """Sample rows received and not yet on disk (approximate while the worker runs)."""
-        return len(self._pending) + self._queue.qsize()
+        return len(self._pending) + sum(len(item[0]) for item in self._batch) + self._queue.qsize()
 
     @property
     def backlogged(self) -> bool:
@@ -301,28 +312,32 @@ class TraceWriter:
             try:
                 if item is None:
                     return
-                traces, digests, requests, logits = item
-                if requests is not None:
-                    self._ended.extend(requests.ended)
-                    if requests.open is not None:
-                        self._open = requests.open
-                    room = max(MAX_BUFFERED_REJECTED - len(self._rejected), 0)  # they pile up while a fault lasts
-                    self._rejected.extend(requests.rejected[:room])
-                    self.rejected_dropped += max(len(requests.rejected) - room, 0)
-                if traces == "flush":
-                    self._write_part()
-                    continue
-                self._pending.extend(zip(traces, digests))
-                self._logits.extend(logits)
-                self._steps_since_flush += 1
-                due = self.fault is None or time.monotonic() - self._tried >= self.retry_s  # not every step
-                if self._steps_since_flush >= self.flush_every_steps and due:
-                    self._write_part()
+                for step in item:  # the steps a hand-off carried, in order
+                    self._take(*step)
             except BaseException as exc:  # noqa: BLE001 - surfaced on the next call from the engine thread
                 self._error = exc
             finally:
                 self.worker_cpu_s += time.thread_time() - start
                 self._queue.task_done()
+
+    def _take(self, traces, digests, requests: RequestsUpdate | None, logits) -> None:
+        """One step's rows (or "flush") into the buffers; a part written when one is due."""
+        if requests is not None:
+            self._ended.extend(requests.ended)
+            if requests.open is not None:
+                self._open = requests.open
+            room = max(MAX_BUFFERED_REJECTED - len(self._rejected), 0)  # they pile up while a fault lasts
+            self._rejected.extend(requests.rejected[:room])
+            self.rejected_dropped += max(len(requests.rejected) - room, 0)
+        if traces == "flush":
+            self._write_part()
+            return
+        self._pending.extend(zip(traces, digests))
+        self._logits.extend(logits)
+        self._steps_since_flush += 1
+        due = self.fault is None or time.monotonic() - self._tried >= self.retry_s  # not every step
+        if self._steps_since_flush >= self.flush_every_steps and due:
+            self._write_part()
 
     def _write_part(self) -> None:
         start = time.thread_time()
