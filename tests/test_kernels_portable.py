@@ -300,20 +300,6 @@ def test_sha_job_in_parts_gives_every_digest_and_each_callables_result(lib, meth
     assert "Traceback" not in capfd.readouterr().err
 
 
-@pytest.mark.parametrize("rows", [1, 2])
-def test_a_sha_job_of_one_or_two_rows_hashes_them_beside_where_the_cpu_has_sha_extensions(lib, rows):
-    """A one-stream step's logits row: with the SHA extensions it is hashed on another thread while beside(fn)
-    runs (the job is not done when made), without them by hashlib when made; hashlib's digests either way."""
-    x = torch.randn(3, 49152, generator=torch.Generator().manual_seed(rows))
-    index = [2, 0][:rows]
-    want = [hashlib.sha256(x[i].numpy().tobytes()).hexdigest() for i in index]
-    job = sha.ShaJob(x, index, threads=2, lib=lib)
-    assert (job._done is None) == lib.sha_ni, "one or two rows: hashed beside exactly where the CPU has SHA"
-    assert job.beside(lambda: time.sleep(0.002) or "fn") == "fn"
-    assert job.digests() == want
-    assert sha.sha256_rows(x, index, lib=lib) == want
-
-
 def test_sha_job_calls_from_two_threads_take_turns(lib):
     """digests() from another thread while beside(fn) runs waits for it (a group is never hashed by two calls
     at once: a finishing call that skipped a group another call held would leave its digests unwritten);

@@ -60,7 +60,7 @@ class ShaJob:
         lib: NativeLib | None = None,
         method: str = "auto",
     ):
-        job = _sha_job(rows_RB, index, threads, lib, method, beside=True)
+        job = _sha_job(rows_RB, index, threads, lib, method)
         self._done = job if isinstance(job, list) else None
         self._lock = threading.Lock()
         self._inside: int | None = None  # the thread running fn in beside(), while it does
@@ -130,12 +130,9 @@ class ShaJob:
 _TASK = ctypes.CFUNCTYPE(ctypes.c_int)
 
 
-def _sha_job(rows_RB, index, threads, lib, method, beside: bool = False):
+def _sha_job(rows_RB, index, threads, lib, method):
     """sha256_rows' arguments checked and resolved: the digests themselves (hashlib's) where the kernels do
-    not run, else (lib, rows, index, threads, method, byte offsets, output). One or two rows (method "auto") go to
-    hashlib, whose single stream is as fast as a kernel's, unless `beside` (a ShaJob) and the CPU has the SHA
-    extensions: then another thread hashes them while the caller's Python runs (a one-stream step's logits row,
-    ~0.1 ms of a bf16 SmolLM2 step off its path)."""
+    not run, else (lib, rows, index, threads, method, byte offsets, output)."""
     if method not in SHA_METHODS:
         raise ValueError(f"sha256_rows: method must be one of {SHA_METHODS}, got {method!r}")
     x = torch.from_numpy(rows_RB) if not isinstance(rows_RB, torch.Tensor) else rows_RB
@@ -148,17 +145,14 @@ def _sha_job(rows_RB, index, threads, lib, method, beside: bool = False):
     if not whole and any(not 0 <= i < x.shape[0] for i in index):
         raise IndexError(f"sha256_rows: a row index is outside the {x.shape[0]} rows")
     # a pass of the build's lanes costs about what hashlib takes for two rows
-    few = len(index) <= 2 and method == "auto"
-    lib = resolve_or_none(lib) if not few or beside else None
-    if few and lib is not None and not lib.sha_ni:
-        lib = None  # a lanes pass for one or two rows costs more than hashlib's whole work
+    lib = resolve_or_none(lib) if len(index) > 2 or method != "auto" else None
     if lib is None:
         return [hashlib.sha256(x[i].numpy().view("uint8")).hexdigest() for i in index]
     threads = threads or torch.get_num_threads()
     if method == "sha_ni" and not lib.sha_ni:
         raise KernelUnavailable("this CPU has no SHA extensions (sha256_rows method='sha_ni')")
     if method == "auto":
-        method = "sha_ni" if lib.sha_ni and (few or _sha_ni_faster(lib, len(index), threads)) else "lanes"
+        method = "sha_ni" if lib.sha_ni and _sha_ni_faster(lib, len(index), threads) else "lanes"
     offsets = (np.arange(len(index), dtype=np.int64) if whole else np.array(index, dtype=np.int64)) * (
         x.stride(0) * x.element_size()
     )
