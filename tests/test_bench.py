@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from tests.conftest import NATIVE_OFF
+from tests.conftest import NATIVE_OFF, native_only
 from tests.test_cli import run_cli
+from toolkit.bench import matmul_shapes
+from toolkit.native import ops, schedules
 
 pytestmark = pytest.mark.native
 
@@ -74,6 +77,43 @@ def test_bench_harness_reports_systems_roofline_kernels_and_kv_capacity(tmp_path
         assert row["max_abs_diff"] < 1e-5 and row["kernel_ms"] > 0  # the two paths compute the same attention
     assert kernels["rope"] and all(r["bit_identical"] for r in kernels["rope"])
     assert (tmp_path / "bench.png").is_file()
+
+
+@native_only
+def test_the_matmul_shapes_benchmark_times_every_schedule_of_every_weight(tmp_path, capsys):
+    """python -m toolkit.bench.matmul_shapes on the tiny shape: every projection and the LM head, every class of rows
+    and every schedule timed over a pass past 96 MB, the fastest marked once a row, the machine's stream measured
+    before and after, and the JSON the figures returned."""
+    out = tmp_path / "shapes.json"
+    result = matmul_shapes.main(["--shape", "tiny", "--dtypes", "float32", "--rounds", "1", "--json", str(out)])
+    printed = capsys.readouterr().out
+    figures = result["float32"]
+    assert set(figures) == {"w_qkv", "w_o", "w_gate_up", "w_down", "lm_head"}
+    assert figures["lm_head"]["shape"] == [256, 512] and figures["w_down"]["shape"] == [512, 256]
+    for f in figures.values():
+        assert f["mb_a_pass"] >= matmul_shapes.PASS_BYTES / 1e6
+        assert [rows for rows in f["classes"]] == [f"{a}-{b}" for a, b, _ in schedules.ROW_CLASSES]
+        for by in f["classes"].values():
+            assert list(by) == list(schedules.SCHEDULES) and all(v["us"] > 0 and v["gbs"] > 0 for v in by.values())
+    assert len(result["stream_gbs"]) == 2 and all(g > 0 for g in result["stream_gbs"])
+    assert json.loads(out.read_text())["float32"] == json.loads(json.dumps(figures))
+    assert printed.count(")*") == sum(len(f["classes"]) for f in figures.values())  # one fastest a row
+
+
+@native_only
+def test_the_copies_past_the_caches_are_the_weights_in_memory_of_their_own():
+    """Each copy holds its weight's bits (the same product, bit for bit) in memory no other weight shares, on a
+    64-byte line, and the pass reaches the bytes asked for."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [ops.pack_weight(torch.randn(64, 96 + 16 * i, generator=gen)) for i in range(3)]
+    copies = matmul_shapes.past_caches(weights, min_bytes=1 << 20)
+    assert all(a is b for a, b in zip(copies, weights)) and sum(w.data.numel() * 4 for w in copies) >= 1 << 20
+    x = torch.randn(2, 64, generator=gen)
+    for i, copy in enumerate(copies):
+        assert torch.equal(ops.matmul_invariant(x, copy), ops.matmul_invariant(x, weights[i % 3]))
+    spans = sorted((w.data.data_ptr(), w.data.data_ptr() + w.data.numel() * 4) for w in copies)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), "two weights share memory"
+    assert all(w.data.data_ptr() % 64 == 0 for w in copies[3:])
 
 
 def test_the_gpu_benchmark_runs_on_the_cpu_and_prints_each_figure(tmp_path, capsys):
