@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import make_engine, native_only
 from toolkit import replay, verify
-from toolkit.bench.one_stream import free_port
+from toolkit.bench.one_stream import free_port, thread_cpu_s
 from toolkit.sampling.params import SamplingParams
 from toolkit.serve.main import start_server
 from toolkit.trace.reader import read_requests, read_samples
@@ -420,3 +420,15 @@ def test_the_server_runs_uvicorns_c_event_loop_and_http_parser(server):
     config = server.uvicorn.config
     assert config.get_loop_factory().__module__.startswith("uvloop")
     assert config.http_protocol_class.__name__ == "HttpToolsProtocol"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc are Linux's")
+def test_the_servers_threads_carry_their_names_in_the_os(server):
+    """top -H, py-spy and toolkit.bench.one_stream's CPU a token by thread read the OS's thread names: the engine's
+    thread and the trace writer's are named there (the engine's OpenMP workers inherit its name once it has stepped),
+    and one_stream's reader sums this process's CPU under those names."""
+    httpx.post(server.url + "/v1/completions", json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    names = [p.read_text().strip() for p in Path(f"/proc/{os.getpid()}/task").glob("*/comm")]
+    assert "engine-loop" in names and "trace-writer" in names
+    cpu = thread_cpu_s(os.getpid())
+    assert cpu["engine-loop"] > 0 and set(cpu) == set(names)

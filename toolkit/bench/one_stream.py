@@ -185,6 +185,24 @@ def summarise(seen: list[dict[str, Any]], step_ms: list[float], base: list[dict[
     return out
 
 
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of a process's threads so far, summed by thread name (/proc/<pid>/task/*/stat;
+    ours name theirs: toolkit.native.threads); {} where /proc cannot be read (not Linux, the process gone)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return {}
+    for task in tasks:
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # a thread that ended meanwhile
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
+    return out
+
+
 def file_huge_mb() -> float | None:
     """The page cache held in huge folios now (/proc/meminfo's FileHugePages, MB): llama-server maps its GGUF from
     the page cache, so whether its weights stream from huge pages (about a quarter faster on a VM) varies with this;
@@ -264,6 +282,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     steps: dict[str, list[float]] = {name: [] for name in systems}
     schedules: dict[str, str | None] = {}  # ours: the matmul's loops per rows its manifest records
     huge_mb = [file_huge_mb()]
+    thread_cpu: dict[tuple[str, str], dict[str, float]] = {}  # (phase, system) -> thread name -> CPU seconds
     tags = {name: name.replace(" ", "-") for name in systems}  # each server's log and run directory, per phase
     for phase, (n, batch) in phases.items():
         servers: dict[str, Server] = {}
@@ -280,6 +299,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 )
                 servers[name].up()
                 clients({"url": servers[name].url, "prompts": batch[:1], "max_tokens": 8, "clients": 1})
+            cpu_before = {name: thread_cpu_s(server.process.pid) for name, server in servers.items()}
             for round_ in range(args.rounds):
                 if n == 1:  # request by request, every server in turn
                     spec = {"urls": [s.url for s in servers.values()], "prompts": batch, "max_tokens": args.max_tokens}
@@ -291,6 +311,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         spec = {"url": servers[name].url, "prompts": batch, "max_tokens": args.max_tokens, "clients": n}
                         rows[phase, name].append(clients(spec))
                 print(f"{phase}, round {round_ + 1}/{args.rounds} done", flush=True)
+            for name, server in servers.items():  # each thread's CPU over the phase (the warm-ups left out)
+                after = thread_cpu_s(server.process.pid)
+                thread_cpu[phase, name] = {t: s - cpu_before[name].get(t, 0.0) for t, s in after.items()}
         finally:
             for server in servers.values():
                 server.stop()
@@ -313,6 +336,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if r and phase == "one stream"
         },
         "batched": {name: summarise(r, []) for (phase, name), r in rows.items() if r and phase == "batched"},
+        "cpu_ms_a_token": {  # each system's threads, by name, over the one-stream phase
+            name: {
+                t: round(1e3 * s / tokens, 3)
+                for t, s in sorted(thread_cpu.get(("one stream", name), {}).items(), key=lambda ts: -ts[1])
+                if s > 0
+            }
+            for (phase, name), r in rows.items()
+            if r and phase == "one stream" and (tokens := sum(sum(x["tokens"]) for x in r))
+        },
         "matmul_schedules": schedules,
     }
     base = result["systems"].get("llama-server f32", {}).get("tok_per_s")
@@ -338,6 +370,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "time per token); overhead: TPOT p50 - step p50, the server's host work per token; paired: the median "
         "over requests of a request's tok/s over llama-server's for the same request, sent just before or after"
     )
+    for name, by_thread in result["cpu_ms_a_token"].items():
+        shown = ", ".join(f"{t} {ms:.2f}" for t, ms in by_thread.items() if ms >= 0.01)
+        print(f"CPU a token by thread, {name}: {shown or '-'} ms")
     if result["batched"]:
         batched_base = result["batched"].get("llama-server f32", {}).get("tok_per_s")
         slots = f"-np {args.batched}" if args.llama_slots == "batch" else "its default slots (-np auto)"

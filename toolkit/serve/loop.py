@@ -32,6 +32,7 @@ from typing import Any
 from toolkit.engine.core import Engine, EngineRequest, RequestOutput, StepOutput, TextDelta
 from toolkit.errors import ConfigError, RequestError, ToolkitError, one_line
 from toolkit.native.library import release_openmp_threads
+from toolkit.native.threads import name_current_thread
 from toolkit.runs.recorder import RunRecorder, body_sha256
 from toolkit.trace.schema import SampleTrace
 
@@ -239,6 +240,7 @@ class EngineLoop:
     # ------------------------------------------------------------------ the engine thread
 
     def _run(self) -> None:
+        name_current_thread()  # "engine-loop", its OpenMP workers too: a profile tells the step from the server
         engine = self.engine
         try:
             while True:

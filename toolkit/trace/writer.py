@@ -32,6 +32,7 @@ from omegaconf import OmegaConf
 
 from toolkit.errors import ConfigError
 from toolkit.native.sha import sha256_rows
+from toolkit.native.threads import name_current_thread
 from toolkit.trace.schema import REJECTED_SCHEMA, REQUESTS_SCHEMA, SAMPLES_SCHEMA, TRACE_FIELDS, SampleTrace
 
 SAMPLES_DIR = "samples.parquet"
@@ -299,6 +300,7 @@ class TraceWriter:
         self.close()
 
     def _work(self) -> None:
+        name_current_thread()  # "trace-writer" in top -H, py-spy and /proc
         while True:
             try:
                 item = self._queue.get(timeout=self.retry_s if self.fault is not None else None)
