@@ -9,7 +9,7 @@ projection name (that weight of every layer, read in one pass as a decode step s
 memory where that is under 96 MB) and the LM head, each class of rows and each schedule, the fastest round's
 microseconds a weight and the GB/s of weights streamed; the schedules are interleaved a round
 (toolkit.native.schedules.measure), and the fastest is marked. Beside them, what the machine streams at the moment:
-a sum over 512 MB on huge pages (toolkit.native.memory, where the packed weights live), measured before and after.
+a sum over 512 MB on huge pages (toolkit.bench.roofline.memory_bandwidth_gbs), measured before and after.
 Whether a schedule per weight shape would beat one per class of rows can be read off the table. Random weights of
 the named shape; the CPU is named."""
 
@@ -25,42 +25,23 @@ import torch
 
 from toolkit.bench.gpu import SHAPES
 from toolkit.bench.precision import machine
+from toolkit.bench.roofline import memory_bandwidth_gbs
 from toolkit.config import ModelConfig
-from toolkit.engine.synthetic import timed
 from toolkit.models import load_model
 from toolkit.native import library, schedules
-from toolkit.native.memory import huge_empty
-from toolkit.native.ops import PackedWeight
+from toolkit.native.ops import PackedWeight, arena
 
 PASS_BYTES = 96 << 20  # a pass reads at least this much (copies added): past a 32 MB L3, as a decode step streams
-
-
-def stream_gbs(mb: int = 512, repeats: int = 5) -> float:
-    """GB/s of a sum over `mb` MB of fp32 on huge pages (where the kernel gives them), the fastest of `repeats`."""
-    x = huge_empty(mb * 2**20 // 4, torch.float32)
-    x.fill_(1.0)
-    x.sum()
-    return x.numel() * 4 / min(timed(x.sum) for _ in range(repeats)) / 1e9
 
 
 def past_caches(weights: list[PackedWeight], min_bytes: int = PASS_BYTES) -> list[PackedWeight]:
     """`weights`, and copies of them in fresh memory (one huge-page arena) until a pass reads `min_bytes`: a small
     model's one projection of every layer would otherwise sit in the L3 between passes, where a decode step's
     weights never are (each read once a step, all of them past any cache)."""
-    sizes = [w.data.numel() for w in weights]
-    total = sum(n * weights[0].data.element_size() for n in sizes)
-    copies = max(0, -(-min_bytes // total) - 1) if total else 0
-    line = 64 // weights[0].data.element_size()
-    padded = [-(-n // line) * line for n in sizes]  # each copy on a 64-byte line, as packed_arena lays them
-    arena = huge_empty(copies * sum(padded), weights[0].data.dtype)
-    out, at = list(weights), 0
-    for _ in range(copies):
-        for w, n, room in zip(weights, sizes, padded):
-            data = arena[at : at + n]
-            data.copy_(w.data.view(-1))
-            out.append(dataclasses.replace(w, data=data))
-            at += room
-    return out
+    total = sum(w.data.numel() * w.data.element_size() for w in weights)
+    copies = (max(0, -(-min_bytes // total) - 1) if total else 0) * weights
+    buffers = arena([w.data.numel() for w in copies], weights[0].data.dtype)  # as packed_arena lays weights out
+    return weights + [dataclasses.replace(w, data=data.copy_(w.data.view(-1))) for w, data in zip(copies, buffers)]
 
 
 def measure_shapes(model: torch.nn.Module, rounds: int) -> dict[str, dict[str, Any]]:
@@ -95,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         library.native()
     except library.KernelUnavailable as exc:  # TOOLKIT_NATIVE=0, or no compiler: nothing of ours to time
         raise SystemExit(f"matmul_shapes: the packed matmul does not run here: {exc}") from None
-    result: dict[str, Any] = {"machine": machine("cpu"), "shape": args.shape, "stream_gbs": [stream_gbs()]}
+    result: dict[str, Any] = {"machine": machine("cpu"), "shape": args.shape, "stream_gbs": [memory_bandwidth_gbs()]}
     print(f"the packed matmul's schedules per weight shape, {args.shape}'s shapes, on {result['machine']}")
     for dtype in args.dtypes:
         model = load_model(ModelConfig(**SHAPES[args.shape], dtype=dtype), device="cpu").model
@@ -113,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     for s in schedules.SCHEDULES
                 )
                 print(f"{name:<10} {f'{k} x {n}':>12} {rows:>5}  " + "  ".join(cells))
-    result["stream_gbs"].append(stream_gbs())
+    result["stream_gbs"].append(memory_bandwidth_gbs())
     print(
         f"\nthe machine's stream (a 512 MB fp32 sum on huge pages): {result['stream_gbs'][0]:.1f} GB/s before, "
         f"{result['stream_gbs'][1]:.1f} after"

@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     steps: dict[str, list[float]] = {name: [] for name in systems}
     schedules: dict[str, str | None] = {}  # ours: the matmul's loops per rows its manifest records
     huge_mb = [file_huge_mb()]
-    thread_cpu: dict[tuple[str, str], dict[str, float]] = {}  # (phase, system) -> thread name -> CPU seconds
+    thread_cpu: dict[str, dict[str, float]] = {}  # one stream: system -> thread name -> CPU seconds
     tags = {name: name.replace(" ", "-") for name in systems}  # each server's log and run directory, per phase
     for phase, (n, batch) in phases.items():
         servers: dict[str, Server] = {}
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 )
                 servers[name].up()
                 clients({"url": servers[name].url, "prompts": batch[:1], "max_tokens": 8, "clients": 1})
-            cpu_before = {name: thread_cpu_s(server.process.pid) for name, server in servers.items()}
+            cpu_before = {name: thread_cpu_s(server.process.pid) for name, server in servers.items() if n == 1}
             for round_ in range(args.rounds):
                 if n == 1:  # request by request, every server in turn
                     spec = {"urls": [s.url for s in servers.values()], "prompts": batch, "max_tokens": args.max_tokens}
@@ -311,9 +311,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         spec = {"url": servers[name].url, "prompts": batch, "max_tokens": args.max_tokens, "clients": n}
                         rows[phase, name].append(clients(spec))
                 print(f"{phase}, round {round_ + 1}/{args.rounds} done", flush=True)
-            for name, server in servers.items():  # each thread's CPU over the phase (the warm-ups left out)
-                after = thread_cpu_s(server.process.pid)
-                thread_cpu[phase, name] = {t: s - cpu_before[name].get(t, 0.0) for t, s in after.items()}
+            for name in cpu_before:  # each thread's CPU over the one stream (the warm-ups left out)
+                after = thread_cpu_s(servers[name].process.pid)
+                thread_cpu[name] = {t: s - cpu_before[name].get(t, 0.0) for t, s in after.items()}
         finally:
             for server in servers.values():
                 server.stop()
@@ -336,16 +336,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if r and phase == "one stream"
         },
         "batched": {name: summarise(r, []) for (phase, name), r in rows.items() if r and phase == "batched"},
-        "cpu_ms_a_token": {  # each system's threads, by name, over the one-stream phase
-            name: {
-                t: round(1e3 * s / tokens, 3)
-                for t, s in sorted(thread_cpu.get(("one stream", name), {}).items(), key=lambda ts: -ts[1])
-                if s > 0
-            }
-            for (phase, name), r in rows.items()
-            if r and phase == "one stream" and (tokens := sum(sum(x["tokens"]) for x in r))
-        },
         "matmul_schedules": schedules,
+    }
+    result["cpu_ms_a_token"] = {  # each system's threads, by name, over the one-stream phase
+        name: {
+            t: round(1e3 * s / result["systems"][name]["output_tokens"], 3)
+            for t, s in sorted(by_thread.items(), key=lambda ts: -ts[1])
+            if s > 0
+        }
+        for name, by_thread in thread_cpu.items()
+        if result["systems"].get(name, {}).get("output_tokens")
     }
     base = result["systems"].get("llama-server f32", {}).get("tok_per_s")
     print(

@@ -178,13 +178,19 @@ def packed_arena(weights: list[torch.Tensor], lib: NativeLib | None = None) -> l
     dtype = weights[0].dtype
     if any(w.dtype != dtype for w in weights):
         return [pack_weight(w, lib) for w in weights]
-    line = 64 // weights[0].element_size()
+    return [pack_weight(w, lib, out) for w, out in zip(weights, arena([w.numel() for w in weights], dtype))]
+
+
+def arena(numels: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    """1-D tensors of `numels` elements, one after another in one buffer on huge pages where the kernel gives them
+    (toolkit.native.memory), each starting on a 64-byte line."""
+    line = 64 // dtype.itemsize
     starts, total = [], 0
-    for w in weights:
+    for n in numels:
         starts.append(total)
-        total += -(-w.numel() // line) * line
-    arena = huge_empty(total, dtype)
-    return [pack_weight(w, lib, arena[s : s + w.numel()]) for w, s in zip(weights, starts)]
+        total += -(-n // line) * line
+    buffer = huge_empty(total, dtype)
+    return [buffer[s : s + n] for n, s in zip(numels, starts)]
 
 
 def fixed_schedule(rows: int) -> int:
