@@ -234,6 +234,24 @@ def test_incremental_detokenization_equals_a_full_redecode(tiny, data, text, inc
             break
 
 
+@pytest.mark.parametrize("stops", [[], ["zebra"]])
+def test_text_streamed_past_an_invalid_byte_is_neither_repeated_nor_lost(tiny, stops):
+    """SmolLM2 ids for ".", a lone continuation byte (U+FFFD for good), " " with the lead byte of 文, then its two
+    continuation bytes, one token each. The stream may show " " while 文 is still incomplete: the text streamed
+    is then past the confirmed text, inside the pending one. Streaming from there once repeated the " " and lost
+    文 (".\ufffd  " instead of ".\ufffd 文"): the pending text was read as if it began at the stream point."""
+    tok = tiny.tokenizer
+    ids = [30, 221, 17097, 240, 225]
+    assert tok.decode(ids) == ".\ufffd 文"
+    state, oracle, streamed = StopState(), {"emitted": 0, "scanned": 0}, []
+    for n in range(1, len(ids) + 1):
+        kwargs = dict(check_stops=True, include_stop=False, final=n == len(ids))
+        got = update_text(tok.decode, ids[:n], stops, state, **kwargs)
+        assert got.delta == full_redecode(tok.decode, ids[:n], stops, oracle, **kwargs)[0], n
+        streamed.append(got.delta)
+    assert "".join(streamed) == tok.decode(ids)
+
+
 def test_characters_split_across_tokens_come_out_whole(tiny):
     """Decoding each token alone would split multi-byte characters into U+FFFD; the matcher holds a
     partial character back until the token that completes it."""
