@@ -15,6 +15,13 @@ from toolkit.sampling.params import SamplingParams
 pytestmark = pytest.mark.native
 
 
+# the cached path and the recompute sum attention (and so everything after it) in other orders: 400 random workloads
+# put them up to 7.8e-7 of the largest logit (floored at 10) apart, one derandomized example 1.01e-6 (1.01e-5 at
+# logits of 5.4, ~21 fp32 ulps there), all on AMD EPYC (avx2 avx512f); a cached key's attention score off by 1e-5
+# (sdpa decode rows) puts them 3.1e-5 apart, which fails
+TOLERANCE = 2e-6
+
+
 @st.composite
 def workloads(draw):
     vocab = 49152
@@ -70,6 +77,7 @@ def test_cached_logits_equal_no_cache_recompute(tiny, workload):
         expected = reference_logits(tiny.model, tokens[:-1]).float()  # row t predicts token t+1
         assert [p for p, _ in rows[rid]] == list(range(len(engine.requests[rid].prompt_token_ids), len(tokens)))
         for position, logits in rows[rid]:
-            assert (logits - expected[position - 1]).abs().max().item() < 1e-5, (rid, position)
+            want = expected[position - 1]
+            assert (logits - want).abs().max().item() < TOLERANCE * max(10.0, want.abs().max().item()), (rid, position)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     engine.block_manager.check_invariants()
