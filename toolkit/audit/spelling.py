@@ -69,7 +69,7 @@ def spell(steps: Sequence[tuple[Any, Any]], text: str, tokens, stop_trimmed: boo
         if not reached:
             off = _furthest(layers[-1], data)
             first = (j, _why_not(token, token_bytes, exact, why, data, off, tokens))
-            return Spelled(_path(layers), [first, *_later(steps, j, data, off, tokens)])
+            return _confirmed(_path(layers), steps, [first, *_later(steps, j, data, off, tokens)])
         layers.append(reached)
     final = {off: v for off, v in layers[-1].items() if off in (len(data), END)}
     if not final:
@@ -78,7 +78,7 @@ def spell(steps: Sequence[tuple[Any, Any]], text: str, tokens, stop_trimmed: boo
             f"the tokens spell the first {got} bytes of the text, which goes on with {data[got : got + 24]!r}: "
             f"tokens are missing from the logprobs"
         )
-        return Spelled(_path(layers), [(len(steps), why)])
+        return _confirmed(_path(layers), steps, [(len(steps), why)])
     off = len(data) if len(data) in final else END
     ids = _path(layers, off)
     ways = sum(v[2] for v in final.values())  # distinct states are distinct choices of tokens
@@ -96,6 +96,22 @@ def spell(steps: Sequence[tuple[Any, Any]], text: str, tokens, stop_trimmed: boo
             ],
         )
     return Spelled(ids, [], sum(_piece(t, b) for t, b in steps))
+
+
+def _confirmed(ids: list[int], steps: Sequence[tuple[Any, Any]], problems: list[tuple[int, str]]) -> Spelled:
+    """The tokens of a spelling that stops short (`ids`, then `problems`), less the pieces of a character it ends
+    with: the text chose them only provisionally, and no token after them followed in it (a string that is
+    empty because the server stripped a space is such a piece too), so they are reported, never kept."""
+    k = len(ids)
+    while k and _piece(*steps[k - 1]):
+        k -= 1
+    if k == len(ids):
+        return Spelled(ids, problems)
+    why = (
+        f"token string {steps[k][0]!r} (part of a multi-byte character, or whitespace stripped): the tokens after "
+        f"it do not follow in the text, so which token it was is not known; ask the server for `bytes` or token ids"
+    )
+    return Spelled(ids[:k], [(k, why), *problems])
 
 
 def _pieces_here(token: str, data: bytes, off: int, tokens) -> list[int]:
