@@ -184,6 +184,9 @@ BAD = [  # (route, body, status, param)
     ("completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
     ("completions", {"prompt": "x", "presence_penalty": 9}, 400, "presence_penalty"),
+    ("chat/completions", {"messages": CHAT, "store": True}, 400, "store"),
+    ("chat/completions", {"messages": CHAT, "service_tier": "flex"}, 400, "service_tier"),
+    ("chat/completions", {"messages": None}, 400, "messages"),
 ]
 
 
@@ -193,6 +196,26 @@ def test_a_bad_request_is_a_4xx_naming_the_field(server, route, body, status, pa
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] == param and "\n" not in error["message"] and error["type"]
+
+
+def test_null_fields_take_their_defaults(server):
+    """OpenAI's optional fields take null for "not given", and clients send it: the answer is the one without
+    them. A completion's max_tokens left at null is OpenAI's default, 16."""
+    base = {"model": "smollm2", "messages": CHAT, "max_tokens": 4, "temperature": 0}
+    nulls = dict.fromkeys(
+        ["n", "stream", "logprobs", "top_logprobs", "stop", "seed", "stream_options", "response_format", "user"]
+        + ["store", "service_tier", "metadata", "logit_bias", "max_completion_tokens", "presence_penalty"]
+    )
+    tiers = {"store": False, "service_tier": "auto", "metadata": {"run": "1"}}  # what those fields mean by default
+    plain, *others = (
+        httpx.post(f"{server.url}/v1/chat/completions", json={**base, **extra}, timeout=60).json()
+        for extra in ({}, nulls, tiers)
+    )
+    for other in others:
+        assert other["choices"] == plain["choices"] and other["usage"] == plain["usage"], other
+    body = {"model": "smollm2", "prompt": "Once", "max_tokens": None, "echo": None, "n": None, "ignore_eos": True}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text
 
 
 def test_bad_json_and_the_server_still_serves(server):

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError, PydanticUseDefault
 
 # OpenAI fields refused with a clear reason rather than "unknown field"
 UNSUPPORTED = {
@@ -26,14 +27,23 @@ UNSUPPORTED = {
     "prediction": "predicted outputs are not supported by this server",
     "web_search_options": "web search is not supported by this server",
     "reasoning_effort": "reasoning models are not served here",
-    "service_tier": "service tiers are not supported by this server",
-    "store": "stored completions are not supported by this server",
     "suffix": "suffix (insertion) is not supported by this server",
 }
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """OpenAI's optional fields take `null` for "not given" (`n`, `stream`, `logprobs`, `echo`, a completion's
+        `max_tokens`, ...), and clients send it: a field left at null gets its default."""
+        if value is None and info.field_name is not None:
+            declared = cls.model_fields[info.field_name]
+            if not declared.is_required() and declared.default is not None:
+                raise PydanticUseDefault()
+        return value
 
 
 class StreamOptions(Strict):
@@ -81,6 +91,24 @@ class SamplingFields(Strict):
     response_format: ResponseFormat | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
+    store: bool | None = None  # false (OpenAI's default): nothing is stored for later retrieval, as here
+    service_tier: str | None = None  # "auto" or "default" (OpenAI's default tier): the one tier there is
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_stored(cls, value: bool | None) -> bool | None:
+        if value:
+            raise PydanticCustomError("unsupported", "stored completions are not supported by this server")
+        return value
+
+    @field_validator("service_tier")
+    @classmethod
+    def _one_tier(cls, value: str | None) -> str | None:
+        if value not in (None, "auto", "default"):
+            raise PydanticCustomError(
+                "unsupported", "this server has one service tier, 'auto' or 'default', not '{value}'", {"value": value}
+            )
+        return value
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         """SamplingParams fields the request set (the rest are the server's defaults)."""
