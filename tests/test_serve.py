@@ -246,6 +246,20 @@ def test_prompt_logprobs_with_echo_match_generation(server):
     )
 
 
+def test_a_completions_top_logprobs_hold_the_chosen_token(server):
+    """OpenAI's legacy completions: "the API will always return the logprob of the sampled token, so there may be up
+    to logprobs+1 elements": each position's alternatives hold its own token (sampled, or the prompt's with echo)."""
+    c = client(server)
+    for k in (0, 1):
+        got = c.completions.create(
+            model="smollm2", prompt="Once upon a", max_tokens=12, temperature=1.5, seed=k, logprobs=k, echo=True
+        ).choices[0]
+        lp = got.logprobs
+        for token, logprob, top in list(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))[1:]:
+            assert top[token] == logprob and len(top) <= k + 1, (token, top)
+        assert any(len(top) == 2 for top in lp.top_logprobs[1:]) or k == 0  # sampled off the top one somewhere
+
+
 def test_a_client_that_leaves_frees_its_blocks(server):
     body = {
         "model": "smollm2",

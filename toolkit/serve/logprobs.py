@@ -11,7 +11,8 @@ from toolkit.serve.protocol import token_text
 
 class LogprobFormat:
     """For one request's answer: `wanted` is its logprobs field (None: the answer carries none; 0: the sampled
-    token's only; k: the k most likely under the raw distribution beside it)."""
+    token's only; k: the k most likely under the raw distribution beside it). A completion's `top_logprobs` hold
+    the chosen token too, as OpenAI's and vLLM's do (up to k + 1 entries); a chat's `top_logprobs`, the k alone."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, wanted: int | None):
         self.tokenizer, self.vocab_size, self.wanted = tokenizer, vocab_size, wanted
@@ -55,7 +56,7 @@ class LogprobFormat:
             offset += len(text)
             tokens.append(text)
             logprobs.append(r.raw_logprob)
-            tops.append({token_text(tok, t): lp for t, lp in self._top(r)})
+            tops.append(_with_chosen({token_text(tok, t): lp for t, lp in self._top(r)}, text, r.raw_logprob))
         return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
     def echo(self, prompt_ids, prompt_scores: list | None, rows) -> dict:
@@ -72,8 +73,18 @@ class LogprobFormat:
             out["text_offset"].append(offset)
             offset += len(text)
             out["token_logprobs"].append(None if entry is None else entry[1])
-            out["top_logprobs"].append(None if entry is None else {token_text(tok, t): lp for t, lp in entry[2]})
+            out["top_logprobs"].append(
+                None if entry is None else _with_chosen({token_text(tok, t): lp for t, lp in entry[2]}, text, entry[1])
+            )
         generated = self.completion(rows, offset)
         for key in out:
             out[key] += generated[key]
         return out
+
+
+def _with_chosen(top: dict[str, float], text: str, logprob: float) -> dict[str, float]:
+    """A completion position's alternatives with the token it has (the sampled or prompt token) among them: "the API
+    will always return the logprob of the sampled token, so there may be up to logprobs+1 elements" (OpenAI). A
+    token whose text another alternative already has keeps that entry."""
+    top.setdefault(text, logprob)
+    return top
