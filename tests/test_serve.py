@@ -218,6 +218,18 @@ def test_null_fields_take_their_defaults(server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text
 
 
+def test_models_retrieve_and_unknown_routes_answer_in_openais_shape(server):
+    c = client(server)
+    assert c.models.retrieve("smollm2").id == "smollm2"
+    with pytest.raises(openai.NotFoundError, match="'gpt-9' does not exist"):
+        c.models.retrieve("gpt-9")
+    with pytest.raises(openai.NotFoundError, match="no route POST /v1/embeddings"):
+        c.embeddings.create(model="smollm2", input="hi")
+    r = httpx.get(f"{server.url}/v1/chat/completions")
+    assert r.status_code == 405 and "POST" in r.headers["allow"]
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"} and "does not take GET" in r.text
+
+
 def test_bad_json_and_the_server_still_serves(server):
     r = httpx.post(f"{server.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]

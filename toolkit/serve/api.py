@@ -5,6 +5,7 @@ their requests' updates; they never touch the engine.
     GET  /metrics              Prometheus text (running / waiting, KV blocks, tokens/s, TTFT / TPOT histograms);
                                needs a key when serve.metrics_public is false
     GET  /v1/models            the served model
+    GET  /v1/models/{model}    the served model by its name or an alias (404 for another)
     POST /v1/completions       prompt as text or token ids (or a list of them), n, echo, logprobs, stream
     POST /v1/chat/completions  messages through the tokenizer's chat template, logprobs + top_logprobs,
                                response_format (json_object / json_schema through xgrammar), stream
@@ -27,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 from toolkit.serve.grammars import GrammarCompiler
 from toolkit.serve.job import Job, TimedEventStream
@@ -37,7 +39,6 @@ from toolkit.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Limits,
-    SamplingFields,
     ServedModel,
     validation_error,
 )
@@ -70,6 +71,8 @@ class Api:
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.render_metrics, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/models/{model:path}", self.model, methods=["GET"])
+        app.add_exception_handler(HTTPException, self._no_such_route)
         app.add_api_route(
             "/v1/completions", self.completions, methods=["POST"], openapi_extra=_json_body_doc(CompletionRequest)
         )
@@ -128,21 +131,36 @@ class Api:
             self._authorize(request)
         except ApiError as exc:
             return exc.response()
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.served.name,
-                        "object": "model",
-                        "created": self.served.created,
-                        "owned_by": "toolkit",
-                        "root": self.served.name,
-                        "max_model_len": self.served.max_model_len,
-                    }
-                ],
-            }
-        )
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request, model: str) -> Response:
+        """OpenAI's models.retrieve: the served model's card under its name or an alias."""
+        try:
+            self._authorize(request)
+            self._check_model(model)
+        except ApiError as exc:
+            return exc.response()
+        return JSONResponse(self._card())
+
+    def _card(self) -> dict[str, Any]:
+        return {
+            "id": self.served.name,
+            "object": "model",
+            "created": self.served.created,
+            "owned_by": "toolkit",
+            "root": self.served.name,
+            "max_model_len": self.served.max_model_len,
+        }
+
+    async def _no_such_route(self, request: Request, exc: HTTPException) -> Response:
+        """Starlette's own answers (no such route: 404; a route without that method: 405) in OpenAI's error shape."""
+        where = f"{request.method} {request.url.path}"
+        message = {
+            404: f"no route {where} on this server (it serves /v1/models, /v1/completions, /v1/chat/completions)",
+            405: f"{where}: this route does not take {request.method}",
+        }.get(exc.status_code, f"{where}: {exc.detail}")
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return ApiError(exc.status_code, message, None, kind, headers=exc.headers).response()
 
     # ------------------------------------------------------------------ the two generation routes
 
@@ -162,7 +180,7 @@ class Api:
                 req = model_cls.model_validate(body)
             except ValidationError as exc:
                 raise validation_error(exc) from None
-            self._check_model(req)
+            self._check_model(req.model)
             job = Job.build(self, route, req, body)
             await job.submit()
         except ApiError as exc:
@@ -177,11 +195,11 @@ class Api:
             return TimedEventStream(job.stream(), self.limits.stream_write_timeout_s, job.abort)
         return await job.complete(request)
 
-    def _check_model(self, req: SamplingFields) -> None:
-        if req.model is not None and req.model not in (self.served.name, *self.served.aliases):
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.served.name, *self.served.aliases):
             raise ApiError(
                 404,
-                f"the model {req.model!r} does not exist; this server serves {self.served.name!r}",
+                f"the model {model!r} does not exist; this server serves {self.served.name!r}",
                 "model",
                 "not_found_error",
             )
