@@ -44,6 +44,20 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# TOOLKIT_HYPOTHESIS_SCALE=10: every property draws 10x the examples its @settings names (a bug hunt before a stop,
+# not CI: docs/testing.md); HYPOTHESIS_PROFILE=default beside it draws them at random instead of derandomized
+SCALE = int(os.environ.get("TOOLKIT_HYPOTHESIS_SCALE") or 1)
+
+
+def pytest_collection_modifyitems(items):
+    """Under TOOLKIT_HYPOTHESIS_SCALE, each property's settings (which override the profile's) scaled once."""
+    if SCALE <= 1:
+        return
+    for test in {id(f): f for f in (getattr(item, "obj", None) for item in items)}.values():
+        given = getattr(test, "_hypothesis_internal_use_settings", None)
+        if given is not None:
+            test._hypothesis_internal_use_settings = settings(given, max_examples=given.max_examples * SCALE)
+
 
 @pytest.fixture(scope="session")
 def tiny():
