@@ -11,7 +11,7 @@ from toolkit import LLM, SamplingParams, replay
 from toolkit.config import EngineConfig
 from toolkit.engine.core import Engine
 from toolkit.errors import ConfigError, RequestError
-from toolkit.trace.reader import read_requests
+from toolkit.trace.reader import read_requests, read_samples
 
 pytestmark = pytest.mark.native
 
@@ -79,3 +79,37 @@ def test_smollm2_chat_and_text_prompts_use_the_models_sampling_defaults(tmp_path
     assert chat[0].outputs[0].text and text[0].outputs[0].text
     recorded = json.loads(read_requests(llm.trace_dir).to_pylist()[0]["sampling_params"])
     assert (recorded["temperature"], recorded["top_p"]) == (0.2, 0.9)  # resolved defaults are in the trace
+
+
+@pytest.mark.parametrize("trace", [True, False])
+def test_logprobs_are_vllms_and_the_traces(tmp_path, trace):
+    """`logprobs=k`: per output token (of every sample) a dict of vLLM Logprobs, the sampled token first, then the
+    k most likely with ranks 1..k in order; the sampled token's rank (counted on the step's logits) is its place
+    among them where it is one, past k where not, 1 when greedy; its logprob is the trace's raw_logprob, and
+    cumulative_logprob their sum. A request that asks for none gets None."""
+    llm = LLM(model="tiny", trace=trace, trace_root=tmp_path)
+    sampled = SamplingParams(temperature=1.5, seed=5, max_tokens=6, ignore_eos=True, logprobs=20, n=2)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
+    outs = llm.generate(PROMPTS, [sampled, greedy, SamplingParams(max_tokens=2)], use_tqdm=False)
+    rows = (
+        {(r["request_id"], r["stream"], r["position"]): r for r in read_samples(llm.trace_dir).to_pylist()}
+        if trace
+        else {}
+    )
+    decode = llm.get_tokenizer().decode
+    for o, k in zip(outs[:2], (20, 2)):
+        for c in o.outputs:
+            assert len(c.logprobs) == len(c.token_ids) == (6 if k == 20 else 4)
+            for j, (token, entries) in enumerate(zip(c.token_ids, c.logprobs)):
+                mine = entries[token]
+                assert list(entries)[0] == token and len(entries) == (k if mine.rank <= k else k + 1)
+                top = sorted((e for e in entries.values() if e.rank <= k), key=lambda e: e.rank)
+                assert [e.rank for e in top] == list(range(1, k + 1))
+                assert all(a.logprob >= b.logprob for a, b in zip(top, top[1:])) and top[0].logprob >= mine.logprob
+                assert mine.rank == 1 or o is outs[0]
+                assert mine.decoded_token == decode([token], skip_special_tokens=False)
+                if trace:
+                    assert mine.logprob == rows[(o.request_id, c.index, len(o.prompt_token_ids) + j)]["raw_logprob"]
+            assert c.cumulative_logprob == sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs))
+    assert any(e[t].rank > 20 for c in outs[0].outputs for t, e in zip(c.token_ids, c.logprobs))  # sampled off the top
+    assert outs[2].outputs[0].logprobs is None and outs[2].outputs[0].cumulative_logprob is None

@@ -23,9 +23,9 @@ from typing import Any
 
 from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig, from_mapping
 from toolkit.engine.core import Engine, EngineRequest, load_for
-from toolkit.engine.outputs import RequestOutput
+from toolkit.engine.outputs import Logprob, RequestOutput, StepOutput
 from toolkit.errors import ConfigError
-from toolkit.runs.session import record
+from toolkit.runs.session import Progress, record
 from toolkit.sampling.params import SamplingParams
 
 Prompt = str | Sequence[int] | Mapping[str, Any]  # text, token ids, or {"prompt" | "prompt_token_ids": ...}
@@ -91,26 +91,36 @@ class LLM:
         them (generation_config="auto"), else the library's."""
         return self.default_sampling
 
+    def get_tokenizer(self):
+        """The model's tokenizer (encode, decode, apply_chat_template); None for a model without one."""
+        return self.loaded.tokenizer
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One output per prompt, in order. `sampling_params`: one for every prompt, or one each."""
+        """One output per prompt, in order. `sampling_params`: one for every prompt, or one each. `use_tqdm`: a
+        progress line on a terminal (sequences done, tokens/s; nothing when stderr is not one)."""
         prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
-        return self._run([_prompt_request(p) for p in prompts], sampling_params)
+        return self._run([_prompt_request(p) for p in prompts], sampling_params, use_tqdm)
 
     def chat(
         self,
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One output per conversation (the tokenizer's chat template, generation prompt added)."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        return self._run([{"messages": [dict(m) for m in c]} for c in conversations], sampling_params)
+        return self._run([{"messages": [dict(m) for m in c]} for c in conversations], sampling_params, use_tqdm)
 
     def _run(
-        self, requests: list[dict[str, Any]], sampling_params: SamplingParams | Sequence[SamplingParams] | None
+        self,
+        requests: list[dict[str, Any]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         params = _per_request(sampling_params, len(requests), self.default_sampling)
         engine = Engine(self.loaded, self.engine_cfg, self.default_sampling, self.spec_cfg)
@@ -118,9 +128,15 @@ class LLM:
             engine.add(EngineRequest(**r, sampling_params=p, request_id=f"{i}"))
             for i, (r, p) in enumerate(zip(requests, params))
         ]  # a bad request raises before anything runs
+        logprobs = _Logprobs(self.loaded.tokenizer, {i for i, p in zip(ids, params) if p.logprobs is not None})
         if not self.trace:
-            engine.run_until_done()
-            return [engine.output(i) for i in ids]
+            progress = Progress(sum(len(engine.sequences(i)) for i in ids)) if use_tqdm else None
+            while engine.has_unfinished():
+                out = engine.step()
+                logprobs.stepped(out)
+                if progress is not None:
+                    progress.update(out)
+            return [logprobs.attach(engine.output(i)) for i in ids]
         run_dir = self.trace_root / f"{time.strftime('%H-%M-%S')}-llm-{len(self.trace_dirs)}"
         config = {
             "model": dataclasses.asdict(self.loaded.config),
@@ -129,9 +145,43 @@ class LLM:
             "mode": "run",
             "entry": "toolkit.LLM",
         }
-        recorded = record(engine, ids, run_dir, config)
+        recorded = record(engine, ids, run_dir, config, on_step=logprobs.stepped, progress=use_tqdm)
         self.trace_dirs.append(recorded.run_dir)
-        return recorded.outputs
+        return [logprobs.attach(o) for o in recorded.outputs]
+
+
+class _Logprobs:
+    """vLLM's per-token logprobs of the requests that asked for them, read from each step's trace rows as the run
+    goes: at each position the sampled token (its rank counted on the step's raw logits row), then the
+    `logprobs` most likely (top_raw, ranks 1..k); the sum of the sampled tokens' log-probabilities beside."""
+
+    def __init__(self, tokenizer, wanted: set[str]):
+        self.tokenizer, self.wanted = tokenizer, wanted
+        self.rows: dict[tuple[str, int], list[dict[int, Logprob]]] = {}
+
+    def _text(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer is not None else None
+
+    def stepped(self, out: StepOutput) -> None:
+        for s in out.samples:
+            if s.request_id not in self.wanted or s.token_id < 0:
+                continue
+            row = out.logits_RV[s.logits_row]
+            rank = int((row > row[s.token_id]).sum()) + 1
+            entries = {s.token_id: Logprob(s.raw_logprob, rank, self._text(s.token_id))}
+            for r, (token_id, logprob) in enumerate(s.top_raw, 1):
+                entries.setdefault(token_id, Logprob(logprob, r, self._text(token_id)))
+            self.rows.setdefault((s.request_id, s.stream), []).append(entries)
+
+    def attach(self, out: RequestOutput) -> RequestOutput:
+        if out.request_id not in self.wanted:
+            return out
+        samples = []
+        for c in out.outputs:
+            rows = self.rows.get((out.request_id, c.index), [])
+            cumulative = sum(row[t].logprob for row, t in zip(rows, c.token_ids))
+            samples.append(dataclasses.replace(c, logprobs=rows, cumulative_logprob=cumulative))
+        return dataclasses.replace(out, outputs=tuple(samples))
 
 
 def _is_single_prompt(prompts: Any) -> bool:

@@ -24,8 +24,20 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability at one position (vLLM's Logprob): under the raw distribution (the trace's
+    raw_logprob and top_raw, vLLM's default logprobs mode), its rank there (1: the most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(frozen=True)
 class CompletionOutput:
-    """One sample of a request (vLLM's CompletionOutput)."""
+    """One sample of a request (vLLM's CompletionOutput). `logprobs` and `cumulative_logprob` are filled where the
+    request asked for logprobs (toolkit.LLM): per output token, the sampled token and the `logprobs` most likely,
+    and the sum of the sampled tokens' log-probabilities."""
 
     index: int
     text: str
@@ -34,6 +46,8 @@ class CompletionOutput:
     stop_reason: int | str | None
     seed: int
     metrics: RequestMetrics
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass(frozen=True)
