@@ -113,3 +113,15 @@ def test_logprobs_are_vllms_and_the_traces(tmp_path, trace):
             assert c.cumulative_logprob == sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs))
     assert any(e[t].rank > 20 for c in outs[0].outputs for t, e in zip(c.token_ids, c.logprobs))  # sampled off the top
     assert outs[2].outputs[0].logprobs is None and outs[2].outputs[0].cumulative_logprob is None
+
+
+def test_max_tokens_none_is_the_rest_of_the_context_and_the_trace_records_it(tmp_path):
+    """vLLM's SamplingParams(max_tokens=None): generate until the context is full; the engine resolves it as it
+    admits the request, so the trace holds the number and the run replays."""
+    llm = LLM(model="tiny", max_model_len=40, trace_root=tmp_path)
+    out = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=None, ignore_eos=True, temperature=0))
+    assert [len(o.outputs[0].token_ids) for o in out] == [40 - len(p) for p in PROMPTS[:2]]
+    assert {o.outputs[0].finish_reason for o in out} == {"length"}
+    recorded = [json.loads(r["sampling_params"])["max_tokens"] for r in read_requests(llm.trace_dir).to_pylist()]
+    assert sorted(recorded) == sorted(40 - len(p) for p in PROMPTS[:2])
+    assert replay(llm.trace_dir, out_dir=tmp_path / "replayed").identical

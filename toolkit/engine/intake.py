@@ -70,6 +70,8 @@ class RequestIntake:
             raise RequestError(f"request id {request_id!r} must not contain '#' (reserved for parallel samples)")
         params = self._sampling(request.sampling_params)
         ids, text = self._prompt_ids(request.prompt, request.messages, request.prompt_token_ids)
+        if params.max_tokens is None:  # vLLM's meaning: the rest of the context (what the trace then records)
+            params = params.replace(max_tokens=max(self.max_model_len - len(ids), 1))
         self._check_fits(request_id, len(ids), params.max_tokens)
         self._check_token_ids(params)
         bad_words_ids = self._bad_words_ids(params)

@@ -57,7 +57,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: the rest of the context (vLLM's meaning), resolved as a request is admitted
     min_tokens: int = 0
     logprobs: int | None = None  # top alternatives recorded per sampled token
     skip_special_tokens: bool = True
@@ -131,11 +131,11 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
         check(
-            is_int(self.max_tokens) and self.max_tokens > 0,
-            f"max_tokens must be a positive integer, got {self.max_tokens!r}",
+            self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens > 0),
+            f"max_tokens must be a positive integer or None (the rest of the context), got {self.max_tokens!r}",
         )
         check(
-            is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            is_int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
             f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
         )
         check(
