@@ -125,3 +125,25 @@ def test_max_tokens_none_is_the_rest_of_the_context_and_the_trace_records_it(tmp
     recorded = [json.loads(r["sampling_params"])["max_tokens"] for r in read_requests(llm.trace_dir).to_pylist()]
     assert sorted(recorded) == sorted(40 - len(p) for p in PROMPTS[:2])
     assert replay(llm.trace_dir, out_dir=tmp_path / "replayed").identical
+
+
+def test_prompt_logprobs_score_each_prompt_token_as_generation_does(tmp_path):
+    """vLLM's SamplingParams(prompt_logprobs=k): None for the first prompt token, then the token's Logprob (with its
+    rank) and the k most likely. A token generated after a prompt, scored as part of the next prompt, gets the
+    logprob its generation had."""
+    llm = LLM(model="tiny", trace=False)
+    first = llm.generate(PROMPTS, SamplingParams(temperature=1.0, seed=2, max_tokens=1, logprobs=0), use_tqdm=False)
+    longer = [list(p) + list(o.outputs[0].token_ids) for p, o in zip(PROMPTS, first)]
+    scored = llm.generate(longer, SamplingParams(max_tokens=1, prompt_logprobs=3), use_tqdm=False)
+    for prompt, o, f in zip(longer, scored, first):
+        assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == len(prompt)
+        for token, entries in zip(prompt[1:], o.prompt_logprobs[1:]):
+            top = sorted((e for e in entries.values() if e.rank <= 3), key=lambda e: e.rank)
+            assert list(entries)[0] == token and [e.rank for e in top] == [1, 2, 3]
+            assert len(entries) == (3 if entries[token].rank <= 3 else 4)
+        generated = f.outputs[0].logprobs[0][prompt[-1]]
+        again = o.prompt_logprobs[-1][prompt[-1]]
+        # another computation (no cache, float64 softmax): the same logprob within fp32's rounding; the rank may
+        # differ where another token's logit is within that rounding of this one's
+        assert abs(again.logprob - generated.logprob) < 1e-4 and abs(again.rank - generated.rank) <= 2
+    assert first[0].prompt_logprobs is None

@@ -128,7 +128,11 @@ class LLM:
             engine.add(EngineRequest(**r, sampling_params=p, request_id=f"{i}"))
             for i, (r, p) in enumerate(zip(requests, params))
         ]  # a bad request raises before anything runs
-        logprobs = _Logprobs(self.loaded.tokenizer, {i for i, p in zip(ids, params) if p.logprobs is not None})
+        logprobs = _Logprobs(
+            engine,
+            {i for i, p in zip(ids, params) if p.logprobs is not None},
+            {i: p.prompt_logprobs for i, p in zip(ids, params) if p.prompt_logprobs is not None},
+        )
         if not self.trace:
             progress = Progress(sum(len(engine.sequences(i)) for i in ids)) if use_tqdm else None
             while engine.has_unfinished():
@@ -153,10 +157,11 @@ class LLM:
 class _Logprobs:
     """vLLM's per-token logprobs of the requests that asked for them, read from each step's trace rows as the run
     goes: at each position the sampled token (its rank counted on the step's raw logits row), then the
-    `logprobs` most likely (top_raw, ranks 1..k); the sum of the sampled tokens' log-probabilities beside."""
+    `logprobs` most likely (top_raw, ranks 1..k); the sum of the sampled tokens' log-probabilities beside. A
+    request's `prompt_logprobs` come from one no-cache forward over its prompt (the server's echo scores)."""
 
-    def __init__(self, tokenizer, wanted: set[str]):
-        self.tokenizer, self.wanted = tokenizer, wanted
+    def __init__(self, engine: Engine, wanted: set[str], prompt_wanted: dict[str, int]):
+        self.engine, self.tokenizer, self.wanted, self.prompt_wanted = engine, engine.tokenizer, wanted, prompt_wanted
         self.rows: dict[tuple[str, int], list[dict[int, Logprob]]] = {}
 
     def _text(self, token_id: int) -> str | None:
@@ -174,6 +179,8 @@ class _Logprobs:
             self.rows.setdefault((s.request_id, s.stream), []).append(entries)
 
     def attach(self, out: RequestOutput) -> RequestOutput:
+        if out.request_id in self.prompt_wanted:
+            out = dataclasses.replace(out, prompt_logprobs=self._prompt(out, self.prompt_wanted[out.request_id]))
         if out.request_id not in self.wanted:
             return out
         samples = []
@@ -182,6 +189,15 @@ class _Logprobs:
             cumulative = sum(row[t].logprob for row, t in zip(rows, c.token_ids))
             samples.append(dataclasses.replace(c, logprobs=rows, cumulative_logprob=cumulative))
         return dataclasses.replace(out, outputs=tuple(samples))
+
+    def _prompt(self, out: RequestOutput, k: int) -> list[dict[int, Logprob] | None]:
+        scored = [None]
+        for token_id, logprob, top, rank in self.engine.prompt_logprobs(out.prompt_token_ids, k)[1:]:
+            entries = {token_id: Logprob(logprob, rank, self._text(token_id))}
+            for r, (t, lp) in enumerate(top, 1):
+                entries.setdefault(t, Logprob(lp, r, self._text(t)))
+            scored.append(entries)
+        return scored
 
 
 def _is_single_prompt(prompts: Any) -> bool:

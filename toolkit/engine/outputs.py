@@ -57,6 +57,9 @@ class RequestOutput:
     prompt_token_ids: tuple[int, ...]
     outputs: tuple[CompletionOutput, ...]
     finished: bool
+    # SamplingParams(prompt_logprobs=k) through toolkit.LLM: None for the first prompt token, then per token its
+    # Logprob and the k most likely (vLLM's RequestOutput.prompt_logprobs)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     # conveniences for the common n == 1 case
     @property

@@ -322,14 +322,16 @@ def recompute_logits(
 def prompt_logprobs(model: torch.nn.Module, token_ids: Sequence[int], k: int) -> list:
     """Raw logprobs of every prompt token given the ones before it (the first has none: None) and the top `k`
     alternatives at each position, from one no-cache forward (recompute_logits, float64 log-softmax): an eval
-    harness's loglikelihood request (echo + logprobs). Per position: (token id, logprob, [(id, logprob)...])."""
+    harness's loglikelihood request (echo + logprobs). Per position: (token id, logprob, [(id, logprob)...], the
+    token's rank there: 1 + the tokens more likely)."""
     ids = list(token_ids)
     logprobs = torch.log_softmax(recompute_logits(model, ids, batch_invariant=False)[:-1].double(), -1)
     rows: list = [None]
     for pos in range(1, len(ids)):
         row = logprobs[pos - 1]
         top = torch.topk(row, k).indices.tolist() if k else []
-        rows.append((ids[pos], float(row[ids[pos]]), [(t, float(row[t])) for t in top]))
+        rank = int((row > row[ids[pos]]).sum()) + 1
+        rows.append((ids[pos], float(row[ids[pos]]), [(t, float(row[t])) for t in top], rank))
     return rows
 
 

@@ -60,6 +60,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: the rest of the context (vLLM's meaning), resolved as a request is admitted
     min_tokens: int = 0
     logprobs: int | None = None  # top alternatives recorded per sampled token
+    prompt_logprobs: int | None = None  # toolkit.LLM: each prompt token's logprob and the top k beside it
     skip_special_tokens: bool = True
     structured_outputs: Any = None  # StructuredOutputs or a mapping with one of json, regex, grammar, choice
     processors: tuple[str, ...] | None = None
@@ -138,10 +139,12 @@ class SamplingParams:
             is_int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
             f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
         )
-        check(
-            self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-            f"logprobs must be null or an integer in [0, 20], got {self.logprobs!r}",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(
+                value is None or (is_int(value) and 0 <= value <= 20),
+                f"{name} must be null or an integer in [0, 20], got {value!r}",
+            )
         set_("structured_outputs", StructuredOutputs.coerce(self.structured_outputs))
         # which processors change anything: fixed for these (frozen) parameters, asked per row and step
         set_("_active", frozenset(name for name, on in self._activity().items() if on))
