@@ -11,6 +11,7 @@ from toolkit import LLM, SamplingParams, replay
 from toolkit.config import EngineConfig
 from toolkit.engine.core import Engine
 from toolkit.errors import ConfigError, RequestError
+from toolkit.llm import checkpoint_dtype
 from toolkit.trace.reader import read_requests, read_samples
 
 pytestmark = pytest.mark.native
@@ -60,6 +61,8 @@ def test_without_tracing_nothing_is_written(tmp_path):
         ),
         (lambda: LLM(model="tiny", trace=False).generate({"prompt_ids": [1]}), ConfigError, "prompt_ids"),
         (lambda: LLM(model="tiny", trace=False).generate([[1, 10**9]]), RequestError, "outside the vocabulary"),
+        (lambda: LLM(model="tiny", tensor_parallel_size=2), ConfigError, "tensor_parallel_size=2"),
+        (lambda: LLM(model="tiny", gpu_memory_utilization=0.9), ConfigError, "gpu_memory_utilization"),
     ],
 )
 def test_bad_input_is_one_clear_error(make, error, match):
@@ -147,3 +150,26 @@ def test_prompt_logprobs_score_each_prompt_token_as_generation_does(tmp_path):
         # differ where another token's logit is within that rounding of this one's
         assert abs(again.logprob - generated.logprob) < 1e-4 and abs(again.rank - generated.rank) <= 2
     assert first[0].prompt_logprobs is None
+
+
+def test_vllms_options_are_said_in_the_engines_terms(tmp_path):
+    """A vLLM script's LLM(...) options that mean something here: one device, eager (no CUDA graphs), the swap
+    space, dtype auto (a checkpoint's 16-bit torch_dtype, else float32); trust_remote_code changes nothing."""
+    llm = LLM(
+        model="tiny",
+        trace=False,
+        dtype="auto",
+        tensor_parallel_size=1,
+        enforce_eager=True,
+        swap_space=0.5,
+        trust_remote_code=True,
+    )
+    assert (llm.engine_cfg.cuda_graphs, llm.engine_cfg.swap_space_gb, llm.loaded.config.dtype) == (
+        "off",
+        0.5,
+        "float32",
+    )
+    assert LLM(model="tiny", trace=False, enforce_eager=False).engine_cfg.cuda_graphs == "auto"
+    for stored, want in (("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"), (None, "float32")):
+        (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": stored}))
+        assert checkpoint_dtype(tmp_path) == want

@@ -16,6 +16,7 @@ the latest call's, `llm.trace_dirs` all of them. `python run.py mode=replay repl
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,6 +33,38 @@ Prompt = str | Sequence[int] | Mapping[str, Any]  # text, token ids, or {"prompt
 Conversation = Sequence[Mapping[str, Any]]  # chat messages: [{"role": ..., "content": ...}, ...]
 
 
+# vLLM's LLM(...) options that have a meaning here, said in EngineConfig's terms (its others stay unknown options)
+VLLM_OPTIONS = {
+    "tensor_parallel_size": "1 only: the engine runs on one device",
+    "enforce_eager": "true: engine.cuda_graphs=off (no CUDA graph captured)",
+    "swap_space": "GiB of host memory for swapped-out KV: engine.swap_space_gb",
+    "trust_remote_code": "accepted and changes nothing: no checkpoint's own code runs here (known architectures)",
+}
+
+
+def _from_vllm(options: Mapping[str, Any]) -> dict[str, Any]:
+    """`options` with VLLM_OPTIONS said as EngineConfig's fields."""
+    out = dict(options)
+    if out.get("tensor_parallel_size", 1) != 1:
+        raise ConfigError(f"tensor_parallel_size={out['tensor_parallel_size']!r}: the engine runs on one device (1)")
+    out.pop("tensor_parallel_size", None)
+    out.pop("trust_remote_code", None)
+    if out.pop("enforce_eager", False):
+        out.setdefault("cuda_graphs", "off")
+    if "swap_space" in out:
+        out.setdefault("swap_space_gb", out.pop("swap_space"))
+    return out
+
+
+def checkpoint_dtype(directory: Path) -> str:
+    """dtype="auto": the checkpoint's torch_dtype where it is bfloat16 or float16, else float32."""
+    try:
+        stored = json.loads((directory / "config.json").read_text()).get("torch_dtype")
+    except (OSError, ValueError, AttributeError):
+        stored = None
+    return stored if stored in ("bfloat16", "float16") else "float32"
+
+
 class LLM:
     def __init__(
         self,
@@ -44,12 +77,16 @@ class LLM:
         trace_root: str | Path | None = None,
         **engine_options: Any,
     ):
-        """`model`: "smollm2", "tiny" or a local HF checkpoint directory. `engine_options`: EngineConfig's
+        """`model`: "smollm2", "tiny" or a local HF checkpoint directory. `dtype`: float32, bfloat16, float16 or
+        "auto" (a checkpoint's own torch_dtype where it is 16-bit, else float32). `engine_options`: EngineConfig's
         fields (max_num_seqs, max_num_batched_tokens, max_model_len, seed, enable_prefix_caching, ...;
-        an unknown one is a one-line ConfigError). `generation_config`: "auto" takes the model's own
-        sampling defaults, "none" the library's. `trace_root`: where run directories go (default
-        traces/<date>/<time>-llm-<n>)."""
+        an unknown one is a one-line ConfigError), and vLLM's options that mean something here (VLLM_OPTIONS).
+        `generation_config`: "auto" takes the model's own sampling defaults, "none" the library's.
+        `trace_root`: where run directories go (default traces/<date>/<time>-llm-<n>)."""
         known = {"smollm2", "tiny"}
+        if dtype == "auto":
+            dtype = "float32" if model in known else checkpoint_dtype(Path(model))
+        engine_options = _from_vllm(engine_options)
         model_cfg = (
             ModelConfig(name=model, dtype=dtype, generation_config=generation_config)
             if model in known
