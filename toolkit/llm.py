@@ -210,10 +210,16 @@ class _Logprobs:
                 continue
             row = out.logits_RV[s.logits_row]
             rank = int((row > row[s.token_id]).sum()) + 1
-            entries = {s.token_id: Logprob(s.raw_logprob, rank, self._text(s.token_id))}
-            for r, (token_id, logprob) in enumerate(s.top_raw, 1):
-                entries.setdefault(token_id, Logprob(logprob, r, self._text(token_id)))
-            self.rows.setdefault((s.request_id, s.stream), []).append(entries)
+            self.rows.setdefault((s.request_id, s.stream), []).append(
+                self._entries(s.token_id, s.raw_logprob, rank, s.top_raw)
+            )
+
+    def _entries(self, token_id: int, logprob: float, rank: int, top) -> dict[int, Logprob]:
+        """One position's dict: its own token first, then the most likely (ranks 1..k) it is not one of."""
+        entries = {token_id: Logprob(logprob, rank, self._text(token_id))}
+        for r, (t, lp) in enumerate(top, 1):
+            entries.setdefault(t, Logprob(lp, r, self._text(t)))
+        return entries
 
     def attach(self, out: RequestOutput) -> RequestOutput:
         if out.request_id in self.prompt_wanted:
@@ -228,13 +234,8 @@ class _Logprobs:
         return dataclasses.replace(out, outputs=tuple(samples))
 
     def _prompt(self, out: RequestOutput, k: int) -> list[dict[int, Logprob] | None]:
-        scored = [None]
-        for token_id, logprob, top, rank in self.engine.prompt_logprobs(out.prompt_token_ids, k)[1:]:
-            entries = {token_id: Logprob(logprob, rank, self._text(token_id))}
-            for r, (t, lp) in enumerate(top, 1):
-                entries.setdefault(t, Logprob(lp, r, self._text(t)))
-            scored.append(entries)
-        return scored
+        scored = self.engine.prompt_logprobs(out.prompt_token_ids, k)[1:]
+        return [None] + [self._entries(token_id, logprob, rank, top) for token_id, logprob, top, rank in scored]
 
 
 def _is_single_prompt(prompts: Any) -> bool:
