@@ -133,7 +133,7 @@ class SamplingParams:
             check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
         check(
             self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens > 0),
-            f"max_tokens must be a positive integer or None (the rest of the context), got {self.max_tokens!r}",
+            f"max_tokens must be a positive integer, got {self.max_tokens!r}",
         )
         check(
             is_int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
