@@ -268,7 +268,6 @@ def test_a_loop_that_cannot_go_on_tells_its_owner_after_answering_everyone(tiny)
         EngineRequest("a", request_id="a", sampling_params={"max_tokens": 2}),
         None,
         lambda update: update.error and answered.set(),
-        False,
     )
     loop.submit([sub])
     loop._thread.join(30)

@@ -156,11 +156,10 @@ class Job:
         body: dict,
         prompts: list[dict[str, Any]],
         sampling: dict[str, Any],
-        fill_max_tokens: bool,
     ):
         self.api, self.route, self.req, self.body = api, route, req, body
         self.chat = route.endswith("chat/completions")
-        self.prompts, self.sampling, self.fill_max_tokens = prompts, sampling, fill_max_tokens
+        self.prompts, self.sampling = prompts, sampling
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.request_ids: list[str] = []
@@ -189,7 +188,7 @@ class Job:
             sampling = req.sampling(max_tokens, logprobs)
         except FieldError as exc:
             raise ApiError(400, str(exc), exc.param) from None
-        return cls(api, route, req, body, prompts, sampling, fill_max_tokens=max_tokens is None)
+        return cls(api, route, req, body, prompts, sampling)
 
     # ------------------------------------------------------------------ submitting
 
@@ -229,7 +228,6 @@ class Job:
                 EngineRequest(**prompt, sampling_params=self.sampling, request_id=f"{self.id}-{i}"),
                 self.body,
                 sink,
-                self.fill_max_tokens,
                 route=self.route,
             )
             for i, prompt in enumerate(self.prompts)

@@ -17,7 +17,6 @@ raises for no request alone fails the requests it ran, and `max_failed_steps` of
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import sys
 import threading
@@ -59,7 +58,6 @@ class Submission:
     request: EngineRequest
     body: Any
     sink: Sink
-    fill_max_tokens: bool = False  # max_tokens: the rest of the context (a chat request that gave none)
     route: str = ""  # the HTTP route it came on
     accepted: Future = field(default_factory=Future)  # the request id, or the RequestError refusing it
 
@@ -319,18 +317,6 @@ class EngineLoop:
         request = sub.request
         request_id = request.request_id
         try:
-            if sub.fill_max_tokens:
-                ids = engine.prompt_ids(request)
-                request = dataclasses.replace(
-                    request,
-                    prompt=None,
-                    messages=None,
-                    prompt_token_ids=ids,
-                    sampling_params={
-                        **(request.sampling_params or {}),
-                        "max_tokens": max(engine.max_model_len - len(ids), 1),
-                    },
-                )
             request_id = engine.add(request)
         except ToolkitError as exc:
             sub.accepted.set_exception(RequestError(str(exc)))

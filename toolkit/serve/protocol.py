@@ -137,8 +137,7 @@ class SamplingFields(Strict):
         out = {k: v for k, v in fields.items() if v is not None}
         if self.logit_bias:
             out["logit_bias"] = self.logit_bias
-        if max_tokens is not None:
-            out["max_tokens"] = max_tokens
+        out["max_tokens"] = max_tokens  # None (a chat that gave none): the rest of the context, as the engine reads it
         if logprobs is not None:
             out["logprobs"] = logprobs
         structured = self.structured_outputs()
