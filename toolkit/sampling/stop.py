@@ -164,14 +164,6 @@ def update_text(
     """Decode the new output tokens (those of ids[first:]: a sequence's tokens after its prompt), look
     for stop strings in the new text, and say what may be streamed."""
     state.advance(decode, ids, first)
-    if not stops:  # nothing to find or hold back: the text streams up to a trailing incomplete character
-        # (the confirmed text never ends in one: advance keeps such a piece pending)
-        stable = state.length if final else state.confirmed + len(state.pending.rstrip(REPLACEMENT))
-        state.scanned = stable
-        stable = max(stable, state.emitted)
-        delta = state.tail(state.emitted)[: stable - state.emitted] if stable > state.emitted else ""
-        state.emitted = stable
-        return TextUpdate(delta=delta, stop_string=None)
     longest = max((len(s) for s in stops), default=1)
     # the window of text this update reads: from before the stream point and the scan point, with
     # room for a stop string or a held-back prefix ending there
