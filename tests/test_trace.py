@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -204,6 +205,35 @@ def test_rows_are_on_disk_after_each_flush(tiny, tmp_path):
     assert read_samples(tmp_path).num_rows == 6
     writer.close()
     assert read_samples(tmp_path).num_rows == 7
+
+
+@pytest.mark.native
+def test_buffered_rows_count_every_row_not_yet_on_disk(tiny, tmp_path):
+    """While a part is being written (held here), the rows behind it wait in the worker's buffer, in hand-offs of
+    several steps each on its queue, and in the steps not yet handed off: buffered_rows counts every one of them
+    (what bounds a fault's backlog, max_buffered_rows), then they all reach the disk."""
+    engine = make_engine(tiny, max_num_batched_tokens=8, max_num_seqs=2)
+    writer = TraceWriter(tmp_path, "held", flush_every_steps=2)
+    entered, release, write_part = threading.Event(), threading.Event(), writer._write_part
+
+    def held() -> None:
+        entered.set()
+        release.wait(60)
+        write_part()
+
+    writer._write_part = held
+    for prompt in ([1, 2], [3, 4, 5]):
+        engine.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=9, ignore_eos=True))
+    written = 0
+    for _ in range(9):
+        out = engine.step()
+        writer.write_step(out.samples, out.logits_RV)
+        written += len(out.samples)
+    assert entered.wait(60) and writer._queue.qsize() >= 2  # hand-offs wait behind the held part
+    assert writer.buffered_rows == written
+    release.set()
+    writer.close()
+    assert read_samples(tmp_path).num_rows == written
 
 
 @pytest.mark.native

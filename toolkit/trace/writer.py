@@ -272,8 +272,11 @@ class TraceWriter:
 
     @property
     def buffered_rows(self) -> int:
-        """Sample rows received and not yet on disk (approximate while the worker runs)."""
-        return len(self._pending) + sum(len(item[0]) for item in self._batch) + self._queue.qsize()
+        """Sample rows received and not yet on disk (approximate while the worker runs): the worker's buffer, the
+        hand-offs queued for it (each a list of steps), and the steps not yet handed off."""
+        with self._queue.mutex:  # the worker takes from the queue meanwhile
+            queued = [step for item in self._queue.queue if item is not None for step in item]
+        return len(self._pending) + sum(len(traces) for traces, *_ in queued + self._batch if traces != "flush")
 
     @property
     def backlogged(self) -> bool:
