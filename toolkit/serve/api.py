@@ -155,8 +155,9 @@ class Api:
     async def _no_such_route(self, request: Request, exc: HTTPException) -> Response:
         """Starlette's own answers (no such route: 404; a route without that method: 405) in OpenAI's error shape."""
         where = f"{request.method} {request.url.path}"
+        served = ", ".join(r.path for r in self.app.routes if r.path.startswith("/v1/") and "{" not in r.path)
         message = {
-            404: f"no route {where} on this server (it serves /v1/models, /v1/completions, /v1/chat/completions)",
+            404: f"no route {where} on this server (it serves {served})",
             405: f"{where}: this route does not take {request.method}",
         }.get(exc.status_code, f"{where}: {exc.detail}")
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
