@@ -177,6 +177,8 @@ class LLM:
                 logprobs.stepped(out)
                 if progress is not None:
                     progress.update(out)
+            if progress is not None:
+                progress.close()  # the line ends, as record's does
             return [logprobs.attach(engine.output(i)) for i in ids]
         run_dir = self.trace_root / f"{time.strftime('%H-%M-%S')}-llm-{len(self.trace_dirs)}"
         config = {
