@@ -33,17 +33,15 @@ Prompt = str | Sequence[int] | Mapping[str, Any]  # text, token ids, or {"prompt
 Conversation = Sequence[Mapping[str, Any]]  # chat messages: [{"role": ..., "content": ...}, ...]
 
 
-# vLLM's LLM(...) options that have a meaning here, said in EngineConfig's terms (its others stay unknown options)
-VLLM_OPTIONS = {
-    "tensor_parallel_size": "1 only: the engine runs on one device",
-    "enforce_eager": "true: engine.cuda_graphs=off (no CUDA graph captured)",
-    "swap_space": "GiB of host memory for swapped-out KV: engine.swap_space_gb",
-    "trust_remote_code": "accepted and changes nothing: no checkpoint's own code runs here (known architectures)",
-}
+def from_vllm(options: Mapping[str, Any]) -> dict[str, Any]:
+    """`options` with vLLM's LLM(...) options that have a meaning here said as EngineConfig's fields (its others
+    stay unknown options, a ConfigError):
 
-
-def _from_vllm(options: Mapping[str, Any]) -> dict[str, Any]:
-    """`options` with VLLM_OPTIONS said as EngineConfig's fields."""
+        tensor_parallel_size  1 only: the engine runs on one device
+        enforce_eager         true: engine.cuda_graphs=off (no CUDA graph captured)
+        swap_space            GiB of host memory for swapped-out KV: engine.swap_space_gb
+        trust_remote_code     accepted and changes nothing: no checkpoint's own code runs here (known architectures)
+    """
     out = dict(options)
     if out.get("tensor_parallel_size", 1) != 1:
         raise ConfigError(f"tensor_parallel_size={out['tensor_parallel_size']!r}: the engine runs on one device (1)")
@@ -80,13 +78,13 @@ class LLM:
         """`model`: "smollm2", "tiny" or a local HF checkpoint directory. `dtype`: float32, bfloat16, float16 or
         "auto" (a checkpoint's own torch_dtype where it is 16-bit, else float32). `engine_options`: EngineConfig's
         fields (max_num_seqs, max_num_batched_tokens, max_model_len, seed, enable_prefix_caching, ...;
-        an unknown one is a one-line ConfigError), and vLLM's options that mean something here (VLLM_OPTIONS).
+        an unknown one is a one-line ConfigError), and vLLM's options that mean something here (from_vllm).
         `generation_config`: "auto" takes the model's own sampling defaults, "none" the library's.
         `trace_root`: where run directories go (default traces/<date>/<time>-llm-<n>)."""
         known = {"smollm2", "tiny"}
         if dtype == "auto":
             dtype = "float32" if model in known else checkpoint_dtype(Path(model))
-        engine_options = _from_vllm(engine_options)
+        engine_options = from_vllm(engine_options)
         model_cfg = (
             ModelConfig(name=model, dtype=dtype, generation_config=generation_config)
             if model in known
