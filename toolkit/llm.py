@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig, from_mapping
 from toolkit.engine.core import Engine, EngineRequest, load_for
 from toolkit.engine.outputs import Logprob, RequestOutput, StepOutput
@@ -205,11 +207,13 @@ class _Logprobs:
         return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer is not None else None
 
     def stepped(self, out: StepOutput) -> None:
-        for s in out.samples:
-            if s.request_id not in self.wanted or s.token_id < 0:
-                continue
-            row = out.logits_RV[s.logits_row]
-            rank = int((row > row[s.token_id]).sum()) + 1
+        taken = [s for s in out.samples if s.request_id in self.wanted and s.token_id >= 0]
+        if not taken:
+            return
+        rows = out.logits_RV[torch.tensor([s.logits_row for s in taken], device=out.logits_RV.device)]
+        chosen = rows.gather(1, torch.tensor([[s.token_id] for s in taken], device=rows.device))
+        ranks = ((rows > chosen).sum(1) + 1).tolist()  # the step's ranks in one pass (one device sync on a GPU)
+        for s, rank in zip(taken, ranks):
             self.rows.setdefault((s.request_id, s.stream), []).append(
                 self._entries(s.token_id, s.raw_logprob, rank, s.top_raw)
             )
