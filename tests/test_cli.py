@@ -85,7 +85,7 @@ def test_requests_file_with_bad_lines_runs_the_others(tmp_path):
         (["model=hf", "model.path=/nonexistent/model"], "model path '/nonexistent/model' does not exist"),
         (["workload.requests=/nonexistent/reqs.jsonl"], "requests file '/nonexistent/reqs.jsonl' does not exist"),
         (["engine.block_size=0"], "engine.block_size must be a positive integer, got 0"),
-        (["sampling.temperature=-2"], "temperature must be a number >= 0"),
+        (["sampling.temperature=-2"], "temperature must be 0 (greedy) or a number"),
     ],
 )
 def test_user_mistakes_are_one_line_errors(tmp_path, args, message):

@@ -37,16 +37,24 @@ def _expect(row: int, exc_type, message: str, fn) -> None:
 
 
 SAMPLING_CASES = [
-    (5, dict(temperature=-1), "temperature must be a number >= 0"),
+    (5, dict(temperature=-1), "temperature must be 0 (greedy) or a number in [1e-05, 1e+05]"),
+    (5, dict(temperature=1e-38), "temperature must be 0 (greedy)"),  # 1 / t overflows fp32: logits of +inf
+    (5, dict(temperature=float("inf")), "temperature must be 0 (greedy)"),
     (6, dict(top_p=0.0), "top_p must be in (0, 1]"),
     (6, dict(top_p=1.5), "top_p must be in (0, 1]"),
     (7, dict(top_k=-2), "top_k must be -1"),
     (8, dict(min_p=2.0), "min_p must be in [0, 1]"),
-    (9, dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
+    (9, dict(repetition_penalty=0.0), "repetition_penalty must be >= 1e-05"),
+    (9, dict(repetition_penalty=1e-300), "repetition_penalty must be >= 1e-05"),
     (10, dict(n=0), "n must be an integer >= 1"),
     (11, dict(max_tokens=0), "max_tokens must be a positive integer"),
     (12, dict(stop=["ok", ""]), "stop strings must not be empty"),
     (14, dict(logprobs=50), "logprobs must be null or an integer in [0, 20]"),
+    (48, dict(logit_bias={5: float("inf")}), "values numbers <= 1e+05"),
+    (48, dict(logit_bias={5: float("nan")}), "values numbers <= 1e+05"),
+    (48, dict(logit_bias={5: 1e6}), "values numbers <= 1e+05"),
+    (49, dict(stop=["ok", "a\ud800"]), "stop string 'a\\ud800': it holds a lone surrogate"),
+    (49, dict(bad_words=["\udfff"]), "bad_words entry '\\udfff': it holds a lone surrogate"),
     (
         21,
         dict(structured_outputs={"json": {}, "regex": "a"}),
@@ -120,6 +128,13 @@ def test_request_rows(tiny):
         RequestError,
         "give exactly one of prompt, messages or prompt_token_ids",
         lambda: engine.add_request(prompt="a", prompt_token_ids=[1]),
+    )
+    _expect(50, RequestError, "prompt: it holds a lone surrogate", lambda: engine.add_request(prompt="hi \ud83d"))
+    _expect(
+        50,
+        RequestError,
+        "messages.0.content: it holds a lone surrogate '\\udc00' at character 0",
+        lambda: engine.add_request(messages=[{"role": "user", "content": "\udc00"}]),
     )
     engine.add_request(prompt="a", request_id="dup")
     _expect(20, RequestError, "is already in use", lambda: engine.add_request(prompt="b", request_id="dup"))

@@ -10,7 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import native_only
-from toolkit.sampling.params import SamplingParams
+from toolkit.sampling.params import (
+    MAX_LOGIT_BIAS,
+    MAX_TEMPERATURE,
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+    SamplingParams,
+)
 from toolkit.sampling.processors import REGISTRY, BatchView, RowState, apply_pipeline, truncation
 from toolkit.sampling.processors.masks import banned_ngram_next_tokens
 
@@ -239,6 +245,48 @@ def test_repetition_penalty_before_a_sampler_tail_is_handed_over_as_changes():
     want = sample(logits[keep], dense.processed_RV[keep], srows)
     assert got.token_ids == want.token_ids and got.support_sizes == want.support_sizes
     assert got.processed_logprobs == want.processed_logprobs and got.top_processed == want.top_processed
+
+
+@pytest.mark.native
+@settings(max_examples=60, deadline=None)
+@given(
+    temperature=st.one_of(st.just(0.0), st.floats(MIN_TEMPERATURE, MAX_TEMPERATURE)),
+    penalty=st.one_of(st.floats(MIN_REPETITION_PENALTY, 1e300), st.just(INF)),
+    bias=st.one_of(st.floats(-INF, MAX_LOGIT_BIAS), st.just(-INF)),
+    scale=st.sampled_from([1.0, 30.0, 1e4]),
+    top_k=st.sampled_from([-1, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_any_accepted_policy_keeps_each_processed_logit_finite_or_masked(
+    temperature, penalty, bias, scale, top_k, seed
+):
+    """Whatever temperature, repetition penalty and logit bias SamplingParams accepts, raw logits up to 1e4 in size
+    come out of the processors finite or -inf (masked), never +inf (a token the sampler cannot draw: it keeps the
+    finite ones) or NaN; and the sampler's fused pass (the penalty and temperature made in it) draws what the
+    dense pipeline's rows give. Seen tokens include logits of exactly 0 and -0. (A temperature of 1e-38 or a
+    penalty of 1e-300, accepted before, overflowed to +inf; an infinite penalty made 0 * inf = NaN.)"""
+    from toolkit.sampling.sampler import SampleRow, sample
+
+    vocab = 64
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+    logits.clamp_(-1e4, 1e4)
+    logits[:, 1], logits[:, 2] = 0.0, -0.0
+    params = SamplingParams(
+        temperature=temperature, repetition_penalty=penalty, logit_bias={1: bias, 3: bias}, top_k=top_k, seed=seed
+    )
+    rows = ((params, [1, 2, 3, 4, 5], 2), (params, [1, 6], 1))
+    v = view(*rows, vocab=vocab)
+    dense = apply_pipeline(logits, v, defer_tail=False)
+    assert not dense.errors, dense.errors
+    processed = dense.processed_RV
+    assert not torch.isnan(processed).any() and not torch.isposinf(processed).any()
+    assert torch.isfinite(processed).any(dim=-1).all()  # no row emptied: the bias touches two tokens of 64
+    srows = [SampleRow(greedy=params.greedy, seed=seed, position=9, stream=r) for r in range(2)]
+    want = sample(logits, processed, srows)
+    deferred = apply_pipeline(logits, v, defer_tail=True)
+    got = sample(logits, deferred.processed_RV, srows, tail=deferred.tail, patches=deferred.patches)
+    assert got.token_ids == want.token_ids and got.support_sizes == want.support_sizes
+    assert all(math.isfinite(float(processed[r, t])) for r, t in enumerate(want.token_ids))
 
 
 @pytest.mark.native

@@ -105,6 +105,68 @@ HOSTILE = {  # name -> (route, body, status, param, what the message says)
         "metadata",
         "values at most 512",
     ),
+    # what only Python's JSON parser reads (bytes: posted as they are)
+    "a lone surrogate in a chat message": (
+        "chat/completions",
+        b'{"messages": [{"role": "user", "content": "hi \\ud83d"}]}',
+        400,
+        "messages.0.content",
+        "lone surrogate '\\ud83d' at character 3",
+    ),
+    "a lone surrogate in a stop string": (
+        "completions",
+        b'{"prompt": "Hi", "stop": ["ok", "\\udc00x"]}',
+        400,
+        "stop.1",
+        "lone surrogate",
+    ),
+    "a lone surrogate in a metadata key": (
+        "completions",
+        b'{"prompt": "Hi", "metadata": {"\\udfff": "v"}}',
+        400,
+        "metadata.\\udfff",
+        "lone surrogate",
+    ),
+    "a temperature of Infinity": (
+        "completions",
+        b'{"prompt": "Hi", "temperature": Infinity}',
+        400,
+        "temperature",
+        "Infinity is not a JSON number",
+    ),
+    "a logit bias of NaN": ("completions", b'{"prompt": "Hi", "logit_bias": {"5": NaN}}', 400, "logit_bias.5", "NaN"),
+    # numbers that overflow a processed logit to +inf (a token no sampler draws)
+    "a temperature of 1e-300": (
+        "completions",
+        {"prompt": "Hi", "temperature": 1e-300},
+        400,
+        "temperature",
+        "0 (greedy) or a number in [1e-05, 1e+05]",
+    ),
+    "a logit bias of 1e300": (
+        "completions",
+        {"prompt": "Hi", "logit_bias": {"5": 1e300}},
+        400,
+        "logit_bias",
+        "<= 1e+05",
+    ),
+    "stream_options without stream": (
+        "completions",
+        {"prompt": "Hi", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        "only be set when stream is true",
+    ),
+    "a JSON schema xgrammar refuses": (
+        "chat/completions",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+        },
+        400,
+        "response_format.json_schema.schema",
+        "invalid response_format.json_schema.schema: ",
+    ),
 }
 
 
@@ -112,7 +174,12 @@ HOSTILE = {  # name -> (route, body, status, param, what the message says)
 def test_a_hostile_request_is_a_4xx_naming_its_field_and_costs_nothing(server, name):
     route, body, status, param, says = HOSTILE[name]
     t0 = time.perf_counter()
-    r = httpx.post(f"{server.url}/v1/{route}", json=body, timeout=60)
+    if isinstance(body, bytes):
+        r = httpx.post(
+            f"{server.url}/v1/{route}", content=body, headers={"content-type": "application/json"}, timeout=60
+        )
+    else:
+        r = httpx.post(f"{server.url}/v1/{route}", json=body, timeout=60)
     error = refused(r, status, param)
     assert says in error["message"], error
     assert time.perf_counter() - t0 < 5  # refused before any compile or forward

@@ -20,6 +20,19 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:500]
 
 
+def not_unicode(text: str) -> str | None:
+    """Why `text` is no Unicode text (a lone surrogate, half of a UTF-16 pair, which JSON's \\ud800 escape and
+    Python strings can hold but no tokenizer or UTF-8 file can), or None when it is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            f"it holds a lone surrogate {text[exc.start]!r} at character {exc.start} (half of a UTF-16 pair), "
+            f"which is not Unicode text"
+        )
+    return None
+
+
 class ConfigError(ToolkitError, ValueError):
     """A configuration value is out of range, mistyped or unknown."""
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from toolkit.config import EngineConfig
 from toolkit.engine.request import EngineRequest, Sequence
-from toolkit.errors import ConfigError, RequestError
+from toolkit.errors import ConfigError, RequestError, not_unicode
 from toolkit.models.tokenizer import Tokenizer
 from toolkit.sampling.grammar import GrammarBackend
 from toolkit.sampling.params import SamplingParams
@@ -156,11 +156,13 @@ class RequestIntake:
             if self.tokenizer is None:
                 raise RequestError("this model has no tokenizer matching its vocabulary; give prompt_token_ids")
             if messages is not None:
+                _check_text(messages, "messages")
                 ids = self.tokenizer.apply_chat_template(messages)
                 text = self.tokenizer.decode(ids, skip_special_tokens=False)
             else:
                 if not isinstance(prompt, str):
                     raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
+                _check_text(prompt, "prompt")
                 ids, text = self.tokenizer.encode(prompt), prompt
         if not ids:
             raise RequestError("the prompt is empty")
@@ -202,3 +204,19 @@ class RequestIntake:
             return resolve_bad_words(params.bad_words, self.tokenizer)
         except ValueError as exc:
             raise RequestError(str(exc)) from None
+
+
+def _check_text(value: Any, where: str) -> None:
+    """A RequestError naming the first string in `value` (a prompt, or a chat's messages) that is no Unicode text:
+    the tokenizer could not read it."""
+    todo = [(value, where)]
+    while todo:
+        item, path = todo.pop()
+        if isinstance(item, str):
+            problem = not_unicode(item)
+            if problem is not None:
+                raise RequestError(f"{path}: {problem}")
+        elif isinstance(item, Mapping):
+            todo.extend((v, f"{path}.{k}") for k, v in reversed(list(item.items())))
+        elif isinstance(item, (list, tuple)):
+            todo.extend((v, f"{path}.{i}") for i, v in reversed(list(enumerate(item))))

@@ -14,7 +14,7 @@ from toolkit.native.library import NativeLib, resolve, resolve_or_none
 
 class Patches(Protocol):
     """What the sampler's pass reads of a few per-row logit changes (toolkit.sampling.processors.base.Patches is one):
-    entry k divides the logit at (rows_S[k], cols_S[k]) by factor_S[k] where it is positive, else multiplies."""
+    entry k divides the logit at (rows_S[k], cols_S[k]) by factor_S[k] where it is not negative, else multiplies."""
 
     rows_S: torch.Tensor  # int64, non-decreasing
     cols_S: torch.Tensor  # int64

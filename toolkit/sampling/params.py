@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from toolkit.config import check, from_mapping, is_int, is_number
-from toolkit.errors import ConfigError
+from toolkit.errors import ConfigError, not_unicode
 from toolkit.sampling.structured import StructuredOutputs
 
 DEFAULT_PROCESSORS = (
@@ -30,6 +30,13 @@ DEFAULT_PROCESSORS = (
     "top_p",
     "min_p",
 )
+
+# Bounds that keep every processed logit finite (or -inf: masked) in fp32 for raw logits up to 1e4 in size. Past
+# them a division overflows: a logit of +inf, which the sampler cannot draw (it keeps finite logits), or NaN.
+MIN_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS; 0 is greedy
+MAX_TEMPERATURE = 1e5
+MIN_REPETITION_PENALTY = 1e-5  # a penalty below 1 divides a positive logit by it
+MAX_LOGIT_BIAS = 1e5  # any negative bias is fine: -inf bans the token
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,10 @@ class SamplingParams:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         check(is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         t = self.temperature
-        check(is_number(t) and t >= 0, f"temperature must be a number >= 0 (0 means greedy), got {t!r}")
+        check(
+            is_number(t) and (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE),
+            f"temperature must be 0 (greedy) or a number in [{MIN_TEMPERATURE:.0e}, {MAX_TEMPERATURE:.0e}], got {t!r}",
+        )
         set_("temperature", float(t))
         check(is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         set_("top_p", float(self.top_p))
@@ -80,8 +90,8 @@ class SamplingParams:
         check(is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
         set_("min_p", float(self.min_p))
         check(
-            is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-            f"repetition_penalty must be > 0 (1 means off), got {self.repetition_penalty!r}",
+            is_number(self.repetition_penalty) and self.repetition_penalty >= MIN_REPETITION_PENALTY,
+            f"repetition_penalty must be >= {MIN_REPETITION_PENALTY:.0e} (1 means off), got {self.repetition_penalty!r}",
         )
         set_("repetition_penalty", float(self.repetition_penalty))
         for name in ("presence_penalty", "frequency_penalty"):
@@ -108,8 +118,9 @@ class SamplingParams:
             except (TypeError, ValueError):
                 raise ConfigError(f"logit_bias must map token ids to numbers, got {dict(bias)!r}") from None
             check(
-                all(k >= 0 for k in clean) and all(v == v for v in clean.values()),
-                f"logit_bias keys must be token ids >= 0 and values numbers, got {dict(bias)!r}",
+                all(k >= 0 for k in clean) and all(v <= MAX_LOGIT_BIAS for v in clean.values()),  # NaN is not <=
+                f"logit_bias keys must be token ids >= 0 and values numbers <= {MAX_LOGIT_BIAS:.0e} (-inf bans a "
+                f"token), got {dict(bias)!r}",
             )
             set_("logit_bias", dict(sorted(clean.items())) or None)
         check(
@@ -122,6 +133,8 @@ class SamplingParams:
             f"stop must be a list of strings, got {self.stop!r}",
         )
         check(all(len(x) > 0 for x in stop), "stop strings must not be empty")
+        for x in stop:
+            check(not_unicode(x) is None, f"stop string {x[:40]!r}: {not_unicode(x)}")
         set_("stop", tuple(stop))
         ids = self.stop_token_ids
         check(
@@ -282,6 +295,7 @@ def _bad_words(words: Any) -> tuple:
     for w in words:
         if isinstance(w, str):
             check(len(w) > 0, "bad_words entries must not be empty")
+            check(not_unicode(w) is None, f"bad_words entry {w[:40]!r}: {not_unicode(w)}")
             out.append(w)
         elif isinstance(w, (list, tuple)) and w and all(is_int(t) and t >= 0 for t in w):
             out.append(tuple(w))

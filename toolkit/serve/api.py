@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -30,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from toolkit.errors import not_unicode
 from toolkit.serve.grammars import GrammarCompiler
 from toolkit.serve.job import Job, TimedEventStream
 from toolkit.serve.loop import EngineLoop
@@ -244,13 +246,53 @@ def _json_body_doc(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
+class _NotJson(float):
+    """NaN, Infinity or -Infinity in a body: Python's parser reads them, JSON (RFC 8259) has no such numbers."""
+
+    def __new__(cls, name: str) -> _NotJson:
+        number = super().__new__(cls, name)
+        number.name = name
+        return number
+
+
 def _json_body(raw: bytes) -> Any:
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_NotJson)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
     except RecursionError:  # the parser recurses per level: a body nested thousands deep
         raise ApiError(400, "the request body is nested too deeply to parse") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    _check_values(raw, body)
     return body
+
+
+_SUSPECT = re.compile(rb"\\u[dD][89a-fA-F]|NaN|Infinity")  # a surrogate's escape, or a constant JSON has not
+
+
+def _check_values(raw: bytes, body: dict) -> None:
+    """A 400 naming the first value no JSON parser outside Python's reads as this body has it: a number NaN or
+    +-Infinity, or a string (or key) with a lone surrogate (an escape such as \\ud800 without its pair). A UTF-8
+    body with neither spelled anywhere in it is not walked (a prompt of a million token ids costs no more)."""
+    if json.detect_encoding(raw) == "utf-8" and not _SUSPECT.search(raw):
+        return
+    todo: list[tuple[Any, str]] = [(body, "")]
+    while todo:
+        value, path = todo.pop()
+        if isinstance(value, _NotJson):
+            raise ApiError(400, f"{path}: {value.name} is not a JSON number", path)
+        if isinstance(value, str):
+            problem = not_unicode(value)
+            if problem is not None:
+                raise ApiError(400, f"{path}: {problem}", path)
+        elif isinstance(value, dict):
+            named = [(k, f"{path}.{_printable(k)}" if path else _printable(k)) for k in value]
+            todo += [(value[k], name) for k, name in reversed(named)] + [(k, name) for k, name in reversed(named)]
+        elif isinstance(value, list):
+            todo += [(v, f"{path}.{i}") for i, v in reversed(list(enumerate(value)))]
+
+
+def _printable(key: str) -> str:
+    """A key as a field's name in an error (a lone surrogate escaped: the answer is UTF-8)."""
+    return key.encode("utf-8", "backslashreplace").decode()

@@ -184,6 +184,8 @@ class Job:
                 prompts, max_tokens, logprobs = req.prompts(), req.max_tokens, req.logprobs
                 if req.echo and req.stream and logprobs is not None:
                     raise FieldError("echo", "echo with logprobs is not supported when streaming")
+            if req.stream_options is not None and not req.stream:
+                raise FieldError("stream_options", "stream_options can only be set when stream is true")
             api.limits.check(req, len(prompts))
             sampling = req.sampling(max_tokens, logprobs)
         except FieldError as exc:

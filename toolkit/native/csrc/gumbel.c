@@ -672,8 +672,8 @@ int toolkit_gumbel_sample_rows(const float *x, int64_t ldx, int64_t V, int64_t n
  * token i), built from the listed ids or, for a large support, one more pass; full rows are left alone.
  * Where raw_lse is given, raw_lse[r] = the logsumexp of row r as it comes in (toolkit_logsumexp_f32's),
  * read while the row is loaded for its ops. Where patch_off is given, row r is first penalised at the
- * columns patch_col[k], patch_off[r] <= k < patch_off[r + 1]: its logit x there becomes x / patch_factor[k]
- * where x > 0, else x * patch_factor[k] (the repetition penalty, handed over as its entries rather than as
+ * columns patch_col[k], patch_off[r] <= k < patch_off[r + 1]: its logit x there becomes x * patch_factor[k]
+ * where x < 0, else x / patch_factor[k] (the repetition penalty, handed over as its entries rather than as
  * a processed copy of the whole block; computed from the incoming row, so a column listed twice is
  * penalised once).
  * Returns 0, or -1 if out of memory.
@@ -726,7 +726,7 @@ int toolkit_sample_tail_rows(const float *x, int64_t ldx, int64_t R, int64_t V, 
                 }
                 for (int64_t k = patch_off[r]; k < patch_off[r + 1]; k++) {
                     const float seen = src[patch_col[k]], f = patch_factor[k];
-                    const float penalised = seen > 0.0f ? seen / f : seen * f;
+                    const float penalised = seen < 0.0f ? seen * f : seen / f; /* HF's: 0 / inf is 0, 0 * inf NaN */
                     if (!scaled) {
                         o[patch_col[k]] = penalised;
                         continue;

@@ -102,8 +102,8 @@ def token_index_np(ids_per_row: Sequence[Sequence[int]]) -> tuple[np.ndarray, np
 @dataclass(frozen=True)
 class Patches:
     """A penalty on a few entries of a logits block, rows in order: entry k divides the logit at row
-    rows_S[k], column cols_S[k] by factor_S[k] where it is positive and multiplies it by factor_S[k]
-    otherwise (a processor's output where it changes only these, see processors.apply_pipeline). The new
+    rows_S[k], column cols_S[k] by factor_S[k] where it is not negative and multiplies it by factor_S[k]
+    where it is (HF's: a logit of 0 stays 0, even under an infinite penalty) (a processor's output where it changes only these, see processors.apply_pipeline). The new
     values are computed from the incoming logits, so an entry listed twice is penalised once."""
 
     rows_S: torch.Tensor  # int64, non-decreasing
@@ -113,7 +113,7 @@ class Patches:
     def values(self, x_RV: torch.Tensor) -> torch.Tensor:
         """The entries' new values (float32 for float32 or narrower logits)."""
         seen_S = x_RV[self.rows_S, self.cols_S]
-        return torch.where(seen_S > 0, seen_S / self.factor_S, seen_S * self.factor_S)
+        return torch.where(seen_S < 0, seen_S * self.factor_S, seen_S / self.factor_S)
 
     def apply(self, x_RV: torch.Tensor) -> torch.Tensor:
         """A copy of x_RV with the changes made (what the kernel computes from them)."""
