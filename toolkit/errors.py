@@ -5,6 +5,11 @@ bad value and, where there is one, the fix. The CLI prints it without a tracebac
 exits non-zero; the Python API raises it.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
 
 class ToolkitError(Exception):
     """Base class: a user-facing, one-line error."""
@@ -31,6 +36,35 @@ def not_unicode(text: str) -> str | None:
             f"which is not Unicode text"
         )
     return None
+
+
+def json_leaves(value: Any, where: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted path, value) of every key, string, number, bool and null in a parsed JSON value, in document order,
+    without recursion (a hostile value may be deep); a key's path is its own (a lone surrogate in it escaped)."""
+    todo: list[tuple[Any, str]] = [(value, where)]
+    while todo:
+        item, path = todo.pop()
+        if isinstance(item, dict):
+            named = [(k, f"{path}.{_printable(k)}" if path else _printable(k)) for k in item]
+            todo += [(item[k], name) for k, name in reversed(named)] + [(k, name) for k, name in reversed(named)]
+        elif isinstance(item, (list, tuple)):
+            todo += [(v, f"{path}.{i}") for i, v in reversed(list(enumerate(item)))]
+        else:
+            yield path, item
+
+
+def not_unicode_in(value: Any, where: str = "") -> str | None:
+    """`path: why` of the first string or key in a parsed JSON value that is no Unicode text (not_unicode), or
+    None."""
+    for path, leaf in json_leaves(value, where):
+        problem = not_unicode(leaf) if isinstance(leaf, str) else None
+        if problem is not None:
+            return f"{path}: {problem}"
+    return None
+
+
+def _printable(key: Any) -> str:
+    return str(key).encode("utf-8", "backslashreplace").decode()
 
 
 class ConfigError(ToolkitError, ValueError):

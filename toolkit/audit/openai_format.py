@@ -25,16 +25,21 @@ def _merge_stream(chunks: list) -> dict:
                 merged.setdefault(key, chunk[key])
         if chunk.get("usage"):
             merged["usage"] = chunk["usage"]
-        for c in chunk.get("choices") or []:
+        chunk_choices = chunk.get("choices") or []
+        if not isinstance(chunk_choices, list) or not all(isinstance(c, dict) for c in chunk_choices):
+            raise TranscriptError("a streamed chunk's choices must be a list of objects")
+        for c in chunk_choices:
             index = c.get("index", 0)
+            if not isinstance(index, int) or isinstance(index, bool):
+                raise TranscriptError(f"a streamed choice's index must be an integer, got {str(index)[:40]}")
             out = choices.setdefault(
                 index, {"index": index, "text": "", "message": {"content": ""}, "logprobs": None, "finish_reason": None}
             )
             delta = c.get("delta")
             if isinstance(delta, dict):  # chat
-                out["message"]["content"] += delta.get("content") or ""
+                out["message"]["content"] += _text(delta.get("content"))
             else:
-                out["text"] += c.get("text") or ""
+                out["text"] += _text(c.get("text"))
             lp = c.get("logprobs")
             if isinstance(lp, dict):
                 if out["logprobs"] is None:
@@ -49,6 +54,13 @@ def _merge_stream(chunks: list) -> dict:
                 out["finish_reason"] = c["finish_reason"]
     merged["choices"] = [choices[i] for i in sorted(choices)]
     return merged
+
+
+def _text(piece: Any) -> str:
+    """A streamed chunk's text or content (null: none)."""
+    if piece is not None and not isinstance(piece, str):
+        raise TranscriptError(f"a streamed chunk's text is {str(piece)[:40]}, not a string")
+    return piece or ""
 
 
 def openai_line(obj: dict, line: int, tokens: TokenMap) -> list[Transcript]:
@@ -66,6 +78,8 @@ def openai_line(obj: dict, line: int, tokens: TokenMap) -> list[Transcript]:
     engine = str(obj.get("origin_engine") or response.get("system_fingerprint") or response.get("model") or "openai")
     base_id = str(response.get("id") or f"line{line}")
     n = request.get("n") or 1
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise TranscriptError(f"request.n is {str(n)[:40]}, not a positive integer")
     prompts = _openai_prompts(request, response, tokens, chat)
     unconfirmed = _confirm_prompts(prompts, response, chat)
     sampling = policy_of(request)
@@ -90,12 +104,15 @@ def openai_line(obj: dict, line: int, tokens: TokenMap) -> list[Transcript]:
             if not isinstance(entries, list):
                 raise TranscriptError(f"{where}.content is missing")
             steps = [_chat_entry(e, f"{where}.content[{i}]") for i, e in enumerate(entries)]
-            text = (choice.get("message") or {}).get("content")
+            message = choice.get("message")
+            text = message.get("content") if isinstance(message, dict) else None
         else:
             steps = _completion_entries(logprobs, where)
             text = choice.get("text")
             if request.get("echo"):  # the first entries are the prompt's tokens
                 steps = steps[len(prompt_ids) :]
+        if text is not None and not isinstance(text, str):
+            raise TranscriptError(f"choices[{position_in_list}]: the text is {str(text)[:40]}, not a string")
         record = Transcript(
             request_id=base_id if len(prompts) == 1 else f"{base_id}-{prompt_index}",
             stream=index % n if isinstance(index, int) else 0,
@@ -200,7 +217,7 @@ def _confirm_prompts(prompts: list[tuple[list[int], str | None, str]], response:
     many tokens as usage.prompt_tokens counts); a count that differs is the line's error."""
     if all(source == "given" for _, _, source in prompts):
         return None
-    usage = response.get("usage") or {}
+    usage = response.get("usage") if isinstance(response.get("usage"), dict) else {}
     counted, ours = usage.get("prompt_tokens"), sum(len(ids) for ids, _, _ in prompts)
     source = "the chat template" if chat else "the tokenizer"
     if not isinstance(counted, int) or isinstance(counted, bool):
@@ -280,7 +297,10 @@ def _chat_entry(entry: Any, where: str):
     if not isinstance(entry, dict) or "token" not in entry:
         raise TranscriptError(f"{where} is not a {{token, logprob}} object")
     top = []
-    for i, alt in enumerate(entry.get("top_logprobs") or []):
+    alts = entry.get("top_logprobs") or []
+    if not isinstance(alts, list):
+        raise TranscriptError(f"{where}.top_logprobs must be a list of {{token, logprob}} objects")
+    for i, alt in enumerate(alts):
         if not isinstance(alt, dict) or "token" not in alt:
             raise TranscriptError(f"{where}.top_logprobs[{i}] is not a {{token, logprob}} object")
         logprob = as_number(alt.get("logprob"), f"{where}.top_logprobs[{i}].logprob")
@@ -297,6 +317,8 @@ def _completion_entries(logprobs: dict, where: str):
         raise TranscriptError(f"{where}.top_logprobs must have one entry per token")
     steps = []
     for i, (token, value, top) in enumerate(zip(tokens, values, tops)):
+        if top is not None and not isinstance(top, dict):
+            raise TranscriptError(f"{where}.top_logprobs[{i}] must be a {{token: logprob}} object")
         alts = [(t, None, as_number(lp, f"{where}.top_logprobs[{i}][{t!r}]")) for t, lp in (top or {}).items()]
         steps.append((token, None, as_number(value, f"{where}.token_logprobs[{i}]"), alts))
     return steps

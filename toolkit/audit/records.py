@@ -93,10 +93,9 @@ class TokenMap:
         if token.startswith("token_id:") and token[9:].isdigit():  # vLLM's return_tokens_as_token_ids
             return self.to_id(int(token[9:]))
         if token_bytes is not None:
-            try:
-                raw = bytes(token_bytes)
-            except (TypeError, ValueError):
-                return None, f"token {token!r}: bytes {token_bytes!r} are not a list of byte values"
+            raw = byte_values(token_bytes)
+            if raw is None:
+                return None, f"token {token!r}: bytes {str(token_bytes)[:80]} are not a list of byte values"
         elif "\ufffd" in token or not token:
             # servers print U+FFFD (or nothing) for a token that is part of a multi-byte character: which
             # token it was cannot be known from the string
@@ -121,8 +120,23 @@ def request_id_of(obj: dict) -> str | None:
     return None
 
 
+def byte_values(token_bytes: Any) -> bytes | None:
+    """A token's `bytes` (a list of byte values) as bytes, or None when it is not one. Never bytes(n) of an integer
+    n: n zero bytes, a gigabyte for 10**9."""
+    if not isinstance(token_bytes, list) or not all(
+        isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 256 for b in token_bytes
+    ):
+        return None
+    return bytes(token_bytes)
+
+
 def check_ids(record: Transcript, vocab_size: int) -> None:
-    for what, ids in (("prompt_token_ids", record.prompt_token_ids), ("output token", record.output_token_ids)):
+    tops = [t for alts in record.top for t, _ in alts]
+    for what, ids in (
+        ("prompt_token_ids", record.prompt_token_ids),
+        ("output token", record.output_token_ids),
+        ("top_logprobs token", tops),
+    ):
         bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
         if bad is not None:
             raise TranscriptError(
@@ -134,9 +148,12 @@ def check_ids(record: Transcript, vocab_size: int) -> None:
 def as_number(value: Any, what: str) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TranscriptError(f"{what} is {value!r}, not a number")
-    return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value == float("inf"):
+        raise TranscriptError(f"{what} is {str(value)[:80]}, not a log-probability (a number, or -inf)")
+    try:
+        return float(value)
+    except OverflowError:  # an integer past a double's range
+        raise TranscriptError(f"{what} is {str(value)[:80]}, not a log-probability (a number, or -inf)") from None
 
 
 def as_int_list(value: Any, what: str) -> list[int]:

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from toolkit.audit.records import byte_values
+
 END = -1  # the state past the text's end (a stop string trimmed from the text)
 
 
@@ -199,10 +201,7 @@ def _later(steps, j: int, data: bytes, off: int, tokens) -> list[tuple[int, str]
 def _spelled(token: Any, token_bytes: Any) -> bytes | None:
     """The bytes a token's string (or its `bytes`) says it has; None when it gives none."""
     if token_bytes is not None:
-        try:
-            return bytes(token_bytes)
-        except (TypeError, ValueError):
-            return None
+        return byte_values(token_bytes)
     return token.encode("utf-8") if isinstance(token, str) else None
 
 

@@ -51,6 +51,7 @@ from toolkit.audit.records import (
     policy_of,
     request_id_of,
 )
+from toolkit.errors import not_unicode_in, one_line
 
 
 def read_transcripts(
@@ -80,6 +81,10 @@ def read_transcripts(
         if not isinstance(obj, dict):
             errors.append(LineError(number, None, "not a JSON object"))
             continue
+        problem = not_unicode_in(obj)  # a lone surrogate's escape: no tokenizer reads it
+        if problem is not None:
+            errors.append(LineError(number, request_id_of(obj), problem))
+            continue
         try:
             if fmt == "openai":
                 found = openai_line(obj, number, tokens)
@@ -89,6 +94,9 @@ def read_transcripts(
                 check_ids(record, vocab_size)
         except TranscriptError as exc:
             errors.append(LineError(number, request_id_of(obj), str(exc)))
+            continue
+        except Exception as exc:  # noqa: BLE001 - a shape no check above foresaw: this line's error, not the run's
+            errors.append(LineError(number, request_id_of(obj), f"unreadable: {one_line(exc)}"))
             continue
         for record in found:
             record.source = text
@@ -164,10 +172,12 @@ def _token_ids_line(
 
 
 def _key_id(key: Any, where: str) -> int:
-    try:
+    """A token id: an integer, or a string of one (a JSON object's key)."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
         return int(key)
-    except (TypeError, ValueError):
-        raise TranscriptError(f"{where}: key {key!r} is not a token id") from None
+    raise TranscriptError(f"{where}: {str(key)[:80]!r} is not a token id")
 
 
 def _logprob_value(value: Any, where: str) -> float | None:
@@ -205,6 +215,8 @@ def _sglang_line(obj: dict, meta: dict, line: int, tokens: TokenMap) -> Transcri
         output.append(_key_id(s[1], f"meta_info.output_token_logprobs[{i}]"))
         claimed.append(as_number(s[0], f"meta_info.output_token_logprobs[{i}][0]"))
     tops = meta.get("output_top_logprobs") or [None] * len(output)
+    if not isinstance(tops, list) or len(tops) != len(output):
+        raise TranscriptError("meta_info.output_top_logprobs must have one entry per output token")
     top = [_top_entries(t, f"meta_info.output_top_logprobs[{i}]") if t is not None else [] for i, t in enumerate(tops)]
     prompt = as_int_list(obj.get("prompt_token_ids", obj.get("input_ids")), "prompt_token_ids")
     return Transcript(

@@ -13,7 +13,7 @@ from typing import Any
 
 from toolkit.config import EngineConfig
 from toolkit.engine.request import EngineRequest, Sequence
-from toolkit.errors import ConfigError, RequestError, not_unicode
+from toolkit.errors import ConfigError, RequestError, not_unicode_in
 from toolkit.models.tokenizer import Tokenizer
 from toolkit.sampling.grammar import GrammarBackend
 from toolkit.sampling.params import SamplingParams
@@ -209,14 +209,6 @@ class RequestIntake:
 def _check_text(value: Any, where: str) -> None:
     """A RequestError naming the first string in `value` (a prompt, or a chat's messages) that is no Unicode text:
     the tokenizer could not read it."""
-    todo = [(value, where)]
-    while todo:
-        item, path = todo.pop()
-        if isinstance(item, str):
-            problem = not_unicode(item)
-            if problem is not None:
-                raise RequestError(f"{path}: {problem}")
-        elif isinstance(item, Mapping):
-            todo.extend((v, f"{path}.{k}") for k, v in reversed(list(item.items())))
-        elif isinstance(item, (list, tuple)):
-            todo.extend((v, f"{path}.{i}") for i, v in reversed(list(enumerate(item))))
+    problem = not_unicode_in(value, where)
+    if problem is not None:
+        raise RequestError(problem)

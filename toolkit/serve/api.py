@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from toolkit.errors import not_unicode
+from toolkit.errors import json_leaves, not_unicode
 from toolkit.serve.grammars import GrammarCompiler
 from toolkit.serve.job import Job, TimedEventStream
 from toolkit.serve.loop import EngineLoop
@@ -277,22 +277,9 @@ def _check_values(raw: bytes, body: dict) -> None:
     body with neither spelled anywhere in it is not walked (a prompt of a million token ids costs no more)."""
     if json.detect_encoding(raw) == "utf-8" and not _SUSPECT.search(raw):
         return
-    todo: list[tuple[Any, str]] = [(body, "")]
-    while todo:
-        value, path = todo.pop()
+    for path, value in json_leaves(body):
         if isinstance(value, _NotJson):
             raise ApiError(400, f"{path}: {value.name} is not a JSON number", path)
-        if isinstance(value, str):
-            problem = not_unicode(value)
-            if problem is not None:
-                raise ApiError(400, f"{path}: {problem}", path)
-        elif isinstance(value, dict):
-            named = [(k, f"{path}.{_printable(k)}" if path else _printable(k)) for k in value]
-            todo += [(value[k], name) for k, name in reversed(named)] + [(k, name) for k, name in reversed(named)]
-        elif isinstance(value, list):
-            todo += [(v, f"{path}.{i}") for i, v in reversed(list(enumerate(value)))]
-
-
-def _printable(key: str) -> str:
-    """A key as a field's name in an error (a lone surrogate escaped: the answer is UTF-8)."""
-    return key.encode("utf-8", "backslashreplace").decode()
+        problem = not_unicode(value) if isinstance(value, str) else None
+        if problem is not None:
+            raise ApiError(400, f"{path}: {problem}", path)
