@@ -183,7 +183,7 @@ def broken(draw, seeds):
         elif how == "repeat" and isinstance(old, (list, str)):
             holder[path[-1]] = old * draw(st.sampled_from([0, 3, 40]))
         else:
-            holder[path[-1]] = draw(st.sampled_from(HOSTILE))
+            holder[path[-1]] = copy.deepcopy(draw(st.sampled_from(HOSTILE)))
     return fmt, line
 
 

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import NATIVE_OFF, native_only
 from tests.stats import chi_square
+from toolkit.errors import ConfigError
 from toolkit.sampling import rng
+from toolkit.sampling.params import SamplingParams
 from toolkit.sampling.sampler import SampleRow, sample
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, float("-inf"), 1.5])  # token 7 masked
@@ -304,3 +307,31 @@ def test_a_penalty_made_in_the_sampler_pass_moves_the_row_maximum_bit_for_bit(op
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
     part = [r for r in range(20) if got.support[r] < 4099]  # kept masks are written for these rows only
     assert torch.equal(got.kept_bits_RB[part], want.kept_bits_RB[part])
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.dictionaries(
+        st.sampled_from([f.name for f in dataclasses.fields(SamplingParams)]),
+        JSON_VALUES
+        | st.sampled_from([["x"], [["temperature"]], [None], {"json": 5}, {"regex": 1}, {"choice": [1]}, 10**30]),
+        min_size=1,
+        max_size=2,
+    )
+)
+@example(data={"processors": [["temperature"]]})
+def test_any_sampling_section_is_valid_or_one_config_error(data):
+    """Whatever values a requests file, a run's config or a caller puts in the sampling fields, SamplingParams is
+    built or refuses with a one-line ConfigError: never another exception (a processors list holding a list was
+    looked up in a set before it was checked: TypeError, unhashable)."""
+    try:
+        SamplingParams(**data)  # as the intake builds it from a request's mapping
+    except ConfigError as exc:
+        assert "\n" not in str(exc)

@@ -161,8 +161,8 @@ class SamplingParams:
         set_("structured_outputs", StructuredOutputs.coerce(self.structured_outputs))
         # which processors change anything: fixed for these (frozen) parameters, asked per row and step
         set_("_active", frozenset(name for name, on in self._activity().items() if on))
+        self._check_processors()  # before they are looked up: a listed processor may be no name at all
         set_("_active_order", tuple(p for p in self.order if p in self._active))
-        self._check_processors()
         set_(
             "_description",
             tuple([self.describe(p) for p in self.active_processors()] + ["argmax" if self.greedy else "gumbel_max"]),
