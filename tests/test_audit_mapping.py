@@ -246,3 +246,54 @@ def test_a_choice_with_unmapped_tokens_leaves_its_sibling_choices_intact(tiny, t
     assert [(r.request_id, r.stream) for r in records] == [("chat-1", 0), ("chat-1", 1)]
     assert records[0].problems and records[0].problems[0].kind == "unmapped_token"
     assert records[1].output_token_ids == ids and not records[1].problems
+
+
+@pytest.fixture(scope="module")
+def pieces(token_map):
+    """Ids of tokens whose bytes are no whole UTF-8 (a character's first byte, or its last ones)."""
+    found = []
+    for i, b in enumerate(token_map.bytes_of):
+        try:
+            b.decode("utf-8")
+        except UnicodeDecodeError:
+            found.append(i)
+    return found[:64]
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+@example(data=None)  # our server's answer where it was found: a lone first byte (b"\xc5"), then " i"
+def test_tokens_that_are_no_utf8_are_confirmed_by_the_text_they_decode_to(
+    tiny, token_map, pieces, tmp_path_factory, data
+):
+    """A sampled sequence need not be UTF-8: a character's first byte followed by a space, say. A server's text has
+    U+FFFD there; with each token's `bytes` given, those tokens are confirmed by that text, never reported
+    unmapped (they were, as a string differing from the text: a false flag on our own server's transcript)."""
+    tok = tiny.tokenizer
+    if data is None:
+        ids = tok.encode("Hello", add_special_tokens=False) + [144] + tok.encode(" it is", add_special_tokens=False)
+        assert not _whole(token_map.bytes_of[144])
+    else:
+        plain = st.integers(0, tiny.arch.vocab_size - 1).filter(lambda i: i not in token_map.special_ids)
+        ids = data.draw(st.lists(plain | st.sampled_from(pieces), min_size=1, max_size=10))
+    raw = token_map.bytes_of
+    entries = [{"token": raw[i].decode("utf-8", errors="replace"), "bytes": list(raw[i]), "logprob": -1.0} for i in ids]
+    text = b"".join(raw[i] for i in ids).decode("utf-8", errors="replace")
+    assert text == tok.decode(ids)  # what a server prints: the tokenizer's own decode
+    usage = {"prompt_tokens": len(tok.apply_chat_template(MESSAGES)), "completion_tokens": len(ids)}
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": {"content": entries}}
+    line = {
+        "request": {"model": "m", "messages": MESSAGES, "logprobs": True},
+        "response": {"id": "chat-1", "choices": [{**choice, "finish_reason": "length"}], "usage": usage},
+    }
+    records, errors = _read(tmp_path_factory.mktemp("u"), tiny, [line])
+    assert not errors and not records[0].problems, (errors, records[0].problems)
+    assert records[0].output_token_ids == ids
+
+
+def _whole(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True

@@ -40,6 +40,9 @@ def _piece(token: Any, token_bytes: Any) -> bool:
 def spell(steps: Sequence[tuple[Any, Any]], text: str, tokens, stop_trimmed: bool) -> Spelled:
     """`steps`: per output token its string (or id, or vLLM's `token_id:<id>`) and its `bytes` (None if not
     given); `text`: the choice's text as the server returned it; `tokens`: a TokenMap."""
+    known = _decoded_as(steps, text, tokens)
+    if known is not None:
+        return Spelled(known)
     data = text.encode("utf-8")
     special = tokens.special_ids
     # per token index: {offset: (previous offset, token id, ways to reach it (max 2))}
@@ -98,6 +101,19 @@ def spell(steps: Sequence[tuple[Any, Any]], text: str, tokens, stop_trimmed: boo
             ],
         )
     return Spelled(ids, [], sum(_piece(t, b) for t, b in steps))
+
+
+def _decoded_as(steps: Sequence[tuple[Any, Any]], text: str, tokens) -> list[int] | None:
+    """The ids when every step names its token exactly and their bytes decode to `text` (special tokens rendered
+    or left out): what a server's text is when the tokens are no UTF-8 (a character's first byte, then a space),
+    U+FFFD where the bytes are not a character, which no byte-for-byte spelling of the text finds. Else None."""
+    ids = [tokens.to_id(token, token_bytes)[0] for token, token_bytes in steps]
+    if None in ids:
+        return None
+    for shown in (ids, [i for i in ids if i not in tokens.special_ids]):
+        if b"".join(tokens.bytes_of[i] for i in shown).decode("utf-8", errors="replace") == text:
+            return ids
+    return None
 
 
 def _confirmed(ids: list[int], steps: Sequence[tuple[Any, Any]], problems: list[tuple[int, str]]) -> Spelled:
