@@ -9,6 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.families import checkpoint_dir
+from toolkit.config import ModelConfig
+from toolkit.engine.scheduler import ScheduledChunk
+from toolkit.models import load_model
 from toolkit.native import gpu_matmul as gm
 from toolkit.native import invariant_gpu as ig
 
@@ -439,17 +443,18 @@ def test_the_gpu_path_of_other_families_runs_in_the_interpreter(monkeypatch, fam
     norms and its head_dim apart from hidden / heads, GPT-2's LayerNorm, learned positions and fused qkv): fp32
     logits are torch's CPU path's within 1e-4, bf16 ones no further from fp32 than torch's own bf16 path is (and a
     little), and in the batch-invariant mode a sequence's rows are the same bits alone and beside other chunks."""
-    from tests.families import checkpoint_dir
-    from toolkit.config import ModelConfig
-    from toolkit.engine.scheduler import ScheduledChunk as Chunk
-    from toolkit.models import load_model
-
     monkeypatch.setenv("TOOLKIT_NATIVE", "0")
     target = tuple((11 * j + 4) % 96 for j in range(14))
-    alone = [[Chunk("t", target, 0, (0, 1, 2, 3), samples=True, num_logits=14)]]
+    alone = [[ScheduledChunk("t", target, 0, (0, 1, 2, 3), samples=True, num_logits=14)]]
     mixed = [
-        [Chunk("o", target[3:12], 0, (4, 5, 6), samples=True), Chunk("t", target[:10], 0, (0, 1, 2), True)],
-        [Chunk("t", target[10:], 10, (0, 1, 2, 3), True, num_logits=4), Chunk("u", target[:5], 0, (7, 8), True)],
+        [
+            ScheduledChunk("o", target[3:12], 0, (4, 5, 6), samples=True),
+            ScheduledChunk("t", target[:10], 0, (0, 1, 2), True),
+        ],
+        [
+            ScheduledChunk("t", target[10:], 10, (0, 1, 2, 3), True, num_logits=4),
+            ScheduledChunk("u", target[:5], 0, (7, 8), True),
+        ],
     ]
     models = {
         d: load_model(ModelConfig(name="hf", path=str(checkpoint_dir(family)), dtype=d)).model

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import native_only
+from toolkit.sampling import sampler
 from toolkit.sampling.params import (
     MAX_LOGIT_BIAS,
     MAX_TEMPERATURE,
@@ -265,8 +266,6 @@ def test_any_accepted_policy_keeps_each_processed_logit_finite_or_masked(
     finite ones) or NaN; and the sampler's fused pass (the penalty and temperature made in it) draws what the
     dense pipeline's rows give. Seen tokens include logits of exactly 0 and -0. (A temperature of 1e-38 or a
     penalty of 1e-300, accepted before, overflowed to +inf; an infinite penalty made 0 * inf = NaN.)"""
-    from toolkit.sampling.sampler import SampleRow, sample
-
     vocab = 64
     logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(seed)) * scale
     logits.clamp_(-1e4, 1e4)
@@ -281,10 +280,10 @@ def test_any_accepted_policy_keeps_each_processed_logit_finite_or_masked(
     processed = dense.processed_RV
     assert not torch.isnan(processed).any() and not torch.isposinf(processed).any()
     assert torch.isfinite(processed).any(dim=-1).all()  # no row emptied: the bias touches two tokens of 64
-    srows = [SampleRow(greedy=params.greedy, seed=seed, position=9, stream=r) for r in range(2)]
-    want = sample(logits, processed, srows)
+    srows = [sampler.SampleRow(greedy=params.greedy, seed=seed, position=9, stream=r) for r in range(2)]
+    want = sampler.sample(logits, processed, srows)
     deferred = apply_pipeline(logits, v, defer_tail=True)
-    got = sample(logits, deferred.processed_RV, srows, tail=deferred.tail, patches=deferred.patches)
+    got = sampler.sample(logits, deferred.processed_RV, srows, tail=deferred.tail, patches=deferred.patches)
     assert got.token_ids == want.token_ids and got.support_sizes == want.support_sizes
     assert all(math.isfinite(float(processed[r, t])) for r, t in enumerate(want.token_ids))
 

@@ -31,6 +31,7 @@ position len(prompt).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -175,7 +176,7 @@ def _key_id(key: Any, where: str) -> int:
     """A token id: an integer, or a string of one (a JSON object's key)."""
     if isinstance(key, int) and not isinstance(key, bool):
         return key
-    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+    if isinstance(key, str) and re.fullmatch(r"\s*-?[0-9]+\s*", key):
         return int(key)
     raise TranscriptError(f"{where}: {str(key)[:80]!r} is not a token id")
 
