@@ -340,7 +340,7 @@ def request_error(exc: Exception, fields: Any) -> ApiError:
     """A RequestError / ConfigError from the engine's intake as a 400; `param` is the field it names first."""
     message = str(exc)
     fmt = getattr(fields, "response_format", None)
-    if message.startswith("invalid structured_outputs.json") and fmt is not None:  # the grammar of the request's
+    if message.startswith("invalid structured_outputs.json") and fmt is not None:  # its schema, as the client named it
         param = "response_format.json_schema.schema" if fmt.type == "json_schema" else "response_format"
         return ApiError(400, message.replace("structured_outputs.json", param, 1), param)
     names = sorted(getattr(type(fields), "model_fields", {}), key=len, reverse=True) + [
