@@ -61,6 +61,16 @@ def test_without_tracing_nothing_is_written(tmp_path):
         ),
         (lambda: LLM(model="tiny", trace=False).generate({"prompt_ids": [1]}), ConfigError, "prompt_ids"),
         (lambda: LLM(model="tiny", trace=False).generate([[1, 10**9]]), RequestError, "outside the vocabulary"),
+        (lambda: LLM(model="tiny", trace=False).generate([None]), ConfigError, "a prompt is text, a list of token"),
+        (lambda: LLM(model="tiny", trace=False).chat("hi"), ConfigError, "messages must be a list of"),
+        (lambda: LLM(model="tiny", trace=False).chat([["hi"]]), ConfigError, "a chat message is a"),
+        (
+            lambda: LLM(model="tiny", trace=False).chat([{"role": "user", "content": [{"type": "image_url"}]}]),
+            ConfigError,
+            "content parts must be text parts",
+        ),
+        (lambda: LLM(model="tiny", trace=False).generate("a", {"max_tokenz": 2}), ConfigError, "max_tokenz"),
+        (lambda: LLM(model="tiny", trace=False).generate("a", "greedy"), ConfigError, "sampling_params must be"),
         (lambda: LLM(model="tiny", tensor_parallel_size=2), ConfigError, "tensor_parallel_size=2"),
         (lambda: LLM(model="tiny", gpu_memory_utilization=0.9), ConfigError, "gpu_memory_utilization"),
     ],
@@ -69,6 +79,18 @@ def test_bad_input_is_one_clear_error(make, error, match):
     with pytest.raises(error, match=match) as info:
         make()
     assert "\n" not in str(info.value)
+
+
+def test_openai_content_parts_and_a_sampling_mapping_are_taken_as_vllm_takes_them():
+    """A message's content as OpenAI's text parts is the joined text (the server's reading too), and sampling
+    fields as a mapping are those SamplingParams: the same tokens either way."""
+    llm = LLM(model="tiny", trace=False)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    plain = llm.chat([{"role": "user", "content": "Say hi twice."}], greedy)
+    parts = [{"type": "text", "text": "Say hi "}, {"type": "text", "text": "twice."}]
+    joined = llm.chat([{"role": "user", "content": parts}], {"temperature": 0, "max_tokens": 4, "ignore_eos": True})
+    assert joined[0].prompt_token_ids == plain[0].prompt_token_ids
+    assert joined[0].outputs[0].token_ids == plain[0].outputs[0].token_ids and len(plain[0].outputs[0].token_ids) == 4
 
 
 @pytest.mark.slow

@@ -149,9 +149,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One output per conversation (the tokenizer's chat template, generation prompt added)."""
-        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        return self._run([{"messages": [dict(m) for m in c]} for c in conversations], sampling_params, use_tqdm)
+        """One output per conversation (the tokenizer's chat template, generation prompt added). A message's content
+        may be OpenAI's text parts ([{"type": "text", "text": ...}]), joined."""
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+            raise ConfigError(
+                f"messages must be a list of {{role, content}} mappings (or of such lists), got {messages!r:.80}"
+            )
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        return self._run([{"messages": _conversation(c)} for c in conversations], sampling_params, use_tqdm)
 
     def _run(
         self,
@@ -256,15 +261,50 @@ def _prompt_request(prompt: Prompt) -> dict[str, Any]:
         if unknown:
             raise ConfigError(f"a prompt mapping takes prompt or prompt_token_ids, not {', '.join(unknown)}")
         return dict(prompt)
+    if isinstance(prompt, (bytes, Mapping)) or not isinstance(prompt, Sequence):
+        raise ConfigError(
+            f"a prompt is text, a list of token ids or a {{prompt | prompt_token_ids}} mapping, got {prompt!r:.80}"
+        )
     return {"prompt_token_ids": list(prompt)}
+
+
+def _conversation(messages: Any) -> list[dict[str, Any]]:
+    """A conversation's messages as plain dicts, OpenAI's text content parts joined (what the server does)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ConfigError(f"a conversation is a list of {{role, content}} mappings, got {messages!r:.80}")
+    out = []
+    for m in messages:
+        if not isinstance(m, Mapping):
+            raise ConfigError(f"a chat message is a {{role, content}} mapping, got {m!r:.80}")
+        m = dict(m)
+        if isinstance(m.get("content"), list):
+            parts = m["content"]
+            if not all(
+                isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts
+            ):
+                raise ConfigError(
+                    f"a message's content parts must be text parts ({{type: text, text}}), got {parts!r:.80}"
+                )
+            m["content"] = "".join(p["text"] for p in parts)
+        out.append(m)
+    return out
 
 
 def _per_request(sampling_params, n: int, default: SamplingParams) -> list[SamplingParams]:
     if sampling_params is None:
         return [default] * n
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * n
-    params = list(sampling_params)
+    if isinstance(sampling_params, (SamplingParams, Mapping)):
+        return [_sampling(sampling_params)] * n
+    params = [_sampling(p) for p in sampling_params]
     if len(params) != n:
         raise ConfigError(f"{len(params)} SamplingParams for {n} prompts: give one, or one per prompt")
     return params
+
+
+def _sampling(params: SamplingParams | Mapping[str, Any]) -> SamplingParams:
+    """SamplingParams, or a mapping of its fields (unknown ones named)."""
+    if isinstance(params, SamplingParams):
+        return params
+    if isinstance(params, Mapping):
+        return SamplingParams.from_mapping(params)
+    raise ConfigError(f"sampling_params must be SamplingParams (or a list of them), got {params!r:.80}")
