@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -110,6 +111,9 @@ def test_replay_of_a_mixed_run_is_bit_identical(recorded_run, tmp_path):
         ("raw_logprob", lambda x: x - 0.001, "raw_logprob", "logprob"),
         ("noise", lambda x: x + 1e-12, "noise", "noise"),
         ("kept_sha256", lambda d: d[::-1], "kept_sha256", "support"),  # the sampling mask a row claims
+        # what only a replay compares: the recorded top alternatives (compared by id and fp32 bits)
+        ("top_raw", lambda top: [*top, {"token_id": 5, "logprob": -1.0}], "top_raw", "logprob"),
+        ("top_processed", lambda top: [*(top or []), {"token_id": 7, "logprob": -0.5}], "top_processed", "logprob"),
     ],
 )
 def test_tampering_one_value_is_reported_at_exactly_that_row(recorded_run, tmp_path, column, change, field, kind):
@@ -309,3 +313,28 @@ def test_replay_refuses_a_trace_recorded_under_other_kernel_numerics(tiny):
     manifest.update(kernel_numerics=other, native_kernels=f"x86-64-v4 ({other})", kernel_target="x86-64-v4")
     with pytest.raises(TraceError, match="native kernel numerics differ.*TOOLKIT_KERNEL_TARGET=x86-64-v4"):
         check_manifest(manifest, engine, allow_mismatch=False)
+
+
+def test_an_alternative_one_ulp_off_is_a_divergence_at_its_row(tiny, tmp_path):
+    """The recorded top alternatives are what the replay computes, id by id and bit for bit: one alternative's
+    logprob moved by one fp32 ulp is a divergence at exactly that row (a replay compared only the sampled token's
+    logprobs, and said such a trace was bit-identical)."""
+    asked = [
+        {
+            "prompt_token_ids": [5, 6, 7],
+            "request_id": "alts",
+            "sampling_params": SamplingParams(temperature=0.7, seed=2, max_tokens=5, ignore_eos=True, logprobs=3),
+        }
+    ]
+    run = tmp_path / "run"
+    make_run(tiny, run, requests=asked)
+    assert replay(run, out_dir=tmp_path / "same").identical
+
+    def nudge(top):
+        first = np.float32(top[1]["logprob"])
+        return [top[0], {**top[1], "logprob": float(np.nextafter(first, np.float32(0)))}, *top[2:]]
+
+    edit_sample(run, "alts", 4, "top_raw", nudge)
+    report = replay(run, out_dir=tmp_path / "replay")
+    assert [(d.position, d.field) for d in report.differences] == [(4, "top_raw")]
+    assert [(d.position, d.kind) for d in report.first_divergences] == [(4, "logprob")]

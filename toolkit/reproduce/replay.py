@@ -28,7 +28,15 @@ from toolkit.errors import ConfigError
 from toolkit.runs.manifest import native_kernels
 from toolkit.runs.session import record
 from toolkit.sampling.params import SamplingParams
-from toolkit.trace.diverge import Difference, Divergence, first_divergences, row_differences, sequences, show
+from toolkit.trace.diverge import (
+    REPLAYED_FIELDS,
+    Difference,
+    Divergence,
+    first_divergences,
+    row_differences,
+    sequences,
+    show,
+)
 from toolkit.trace.reader import TraceError, read_config, read_manifest, read_requests, read_samples
 from toolkit.trace.writer import atomic_write_table
 
@@ -64,7 +72,8 @@ class ReplayReport:
         if self.identical:
             return (
                 f"bit-identical: {self.rows_compared} sample rows of {self.sequences_compared} sequences match "
-                f"(token_id, raw/processed logprob bits, logits_sha256, noise, kept_sha256){partial}"
+                f"(token_id, raw/processed logprob bits, logits_sha256, noise, kept_sha256, top alternatives, grammar "
+                f"and speculative counts){partial}"
             )
         diverged = len(self.first_divergences)
         extra = {
@@ -246,7 +255,7 @@ def compare(
     report.sequences_unfinished_in_trace = len(sequences_recorded - finished)
     report.rows_only_in_replay = sum(1 for k in mine if k not in seen)
     for r in rows:
-        differences = row_differences(key(r), r, mine.get(key(r)))
+        differences = row_differences(key(r), r, mine.get(key(r)), REPLAYED_FIELDS)
         report.differences += differences
         fields = {d.field for d in differences}
         if "row" in fields:
@@ -262,9 +271,9 @@ def compare(
                     report.max_abs_logprob_diff = max(report.max_abs_logprob_diff, abs(r[f] - other[f]))
     for k in sorted(mine.keys() - seen):
         if (k[0], k[1]) in ended:
-            report.differences += row_differences(k, None, mine[k])
+            report.differences += row_differences(k, None, mine[k], REPLAYED_FIELDS)
     if report.differences:  # an identical replay's rows were just compared: not again
-        report.first_divergences = first_divergences(sequences(rows), sequences(compared))
+        report.first_divergences = first_divergences(sequences(rows), sequences(compared), REPLAYED_FIELDS)
 
 
 def write_divergences(path: Path, differences: Iterable[Difference]) -> None:

@@ -37,6 +37,17 @@ COMPARED_FIELDS = (
     "finish_reason",
     "error",
 )
+# what a replay of the same run (the same requests and policy) reproduces too, compared by replay only: the recorded
+# top alternatives, the grammar's kept count and the speculative draft's fields. Two different runs may ask for other
+# logprobs or drafts without diverging, so the report's and mode=compare's two-run views leave them out.
+REPLAYED_FIELDS = COMPARED_FIELDS + (
+    "top_raw",
+    "top_processed",
+    "grammar_allowed",
+    "draft_logprob",
+    "spec_proposed",
+    "spec_accepted",
+)
 
 # the cause each kind of first divergence points to, checked in this order at the first differing position: what
 # comes first in the pipeline (the forward) explains what follows
@@ -54,10 +65,10 @@ CAUSE_TEXT = dict(CAUSES)
 CAUSE_FIELDS = (
     ("length", {"row"}),
     ("logits", {"logits_sha256"}),
-    ("support", {"kept_sha256", "support_size"}),
+    ("support", {"kept_sha256", "support_size", "grammar_allowed"}),
     ("noise", {"noise"}),
-    ("token", {"token_id"}),
-    ("logprob", {"raw_logprob", "processed_logprob"}),
+    ("token", {"token_id", "draft_logprob", "spec_proposed", "spec_accepted"}),
+    ("logprob", {"raw_logprob", "processed_logprob", "top_raw", "top_processed"}),
 )
 # which differing field a divergence's one line shows with its values first
 HEADLINE = ("row", "token_id", "raw_logprob", "processed_logprob", "noise", "finish_reason", "error", "support_size")
@@ -70,13 +81,19 @@ def show(name: str, value: Any) -> str:
     return repr(value)
 
 
-def differing_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[str, ...]:
+def differing_fields(
+    a: Mapping[str, Any], b: Mapping[str, Any], fields: Sequence[str] = COMPARED_FIELDS
+) -> tuple[str, ...]:
     """The compared columns in which two rows of the same (sequence, position) differ, in pipeline order. A digest
-    either run did not record (null: a trace older than schema 6 has no kept-set digest) is not compared."""
+    or a replayed-only column either run did not record (null: a trace older than schema 6 has no kept-set digest)
+    is not compared."""
     return tuple(
         name
-        for name in COMPARED_FIELDS
-        if not (name.endswith("sha256") and (a.get(name) is None or b.get(name) is None))
+        for name in fields
+        if not (
+            (name.endswith("sha256") or name in REPLAYED_FIELDS[len(COMPARED_FIELDS) :])
+            and (a.get(name) is None or b.get(name) is None)
+        )
         and not same_value(name, a.get(name), b.get(name))
     )
 
@@ -166,14 +183,18 @@ def sequences(rows: Iterable[Mapping[str, Any]]) -> dict[SeqKey, list[dict]]:
     return out
 
 
-def row_differences(key: RowKey, a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> list[Difference]:
+def row_differences(
+    key: RowKey, a: Mapping[str, Any] | None, b: Mapping[str, Any] | None, fields: Sequence[str] = COMPARED_FIELDS
+) -> list[Difference]:
     """The differences of one row key: each differing field, or one `row` difference when a run lacks it."""
     if a is None or b is None:
         return [Difference(*key, "row", "missing" if a is None else "present", "missing" if b is None else "present")]
-    return [Difference(*key, f, a.get(f), b.get(f)) for f in differing_fields(a, b)]
+    return [Difference(*key, f, a.get(f), b.get(f)) for f in differing_fields(a, b, fields)]
 
 
-def first_divergence(key: SeqKey, a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]]) -> Divergence | None:
+def first_divergence(
+    key: SeqKey, a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]], fields: Sequence[str] = COMPARED_FIELDS
+) -> Divergence | None:
     """One sequence's rows in run a and run b: the first position at which they differ (None: they agree), with
     the first output token whose id differs."""
     rows_a = {r["position"]: r for r in a}
@@ -185,7 +206,7 @@ def first_divergence(key: SeqKey, a: Sequence[Mapping[str, Any]], b: Sequence[Ma
     ]
     token_index = next((i for i, (x, y) in enumerate(tokens) if x != y and x is not None and y is not None), None)
     for index, position in enumerate(positions):
-        differences = row_differences((*key, position), rows_a.get(position), rows_b.get(position))
+        differences = row_differences((*key, position), rows_a.get(position), rows_b.get(position), fields)
         if differences:
             fields = tuple(d.field for d in differences)
             return Divergence(
@@ -202,11 +223,15 @@ def first_divergence(key: SeqKey, a: Sequence[Mapping[str, Any]], b: Sequence[Ma
     return None
 
 
-def first_divergences(a: Mapping[SeqKey, Sequence[Mapping]], b: Mapping[SeqKey, Sequence[Mapping]]) -> list[Divergence]:
+def first_divergences(
+    a: Mapping[SeqKey, Sequence[Mapping]],
+    b: Mapping[SeqKey, Sequence[Mapping]],
+    fields: Sequence[str] = COMPARED_FIELDS,
+) -> list[Divergence]:
     """For each sequence of either run (rows by `sequences`), its first divergence, in sequence order."""
     out = []
     for key in sorted(set(a) | set(b)):
-        d = first_divergence(key, a.get(key, ()), b.get(key, ()))
+        d = first_divergence(key, a.get(key, ()), b.get(key, ()), fields)
         if d is not None:
             out.append(d)
     return out

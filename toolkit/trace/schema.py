@@ -43,7 +43,8 @@ SUPERSEDED = {
 }
 
 # the float columns compared by their bits (replay, the report): struct formats of their stored width
-FLOAT_BITS = {"raw_logprob": "<f", "processed_logprob": "<f", "noise": "<d"}
+FLOAT_BITS = {"raw_logprob": "<f", "processed_logprob": "<f", "noise": "<d", "draft_logprob": "<f"}
+TOP_COLUMNS = ("top_raw", "top_processed")  # lists of {token_id, logprob}: compared id by id and by fp32 bits
 
 
 def same_value(name: str, a: Any, b: Any) -> bool:
@@ -51,6 +52,11 @@ def same_value(name: str, a: Any, b: Any) -> bool:
     same NaN), the others by ==."""
     if name in FLOAT_BITS and isinstance(a, float) and isinstance(b, float):
         return struct.pack(FLOAT_BITS[name], a) == struct.pack(FLOAT_BITS[name], b)
+    if name in TOP_COLUMNS and isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(
+            x["token_id"] == y["token_id"] and same_value("raw_logprob", x["logprob"], y["logprob"])
+            for x, y in zip(a, b)
+        )
     return a == b
 
 
