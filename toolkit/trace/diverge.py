@@ -82,14 +82,14 @@ def show(name: str, value: Any) -> str:
 
 
 def differing_fields(
-    a: Mapping[str, Any], b: Mapping[str, Any], fields: Sequence[str] = COMPARED_FIELDS
+    a: Mapping[str, Any], b: Mapping[str, Any], compared: Sequence[str] = COMPARED_FIELDS
 ) -> tuple[str, ...]:
     """The compared columns in which two rows of the same (sequence, position) differ, in pipeline order. A digest
     or a replayed-only column either run did not record (null: a trace older than schema 6 has no kept-set digest)
     is not compared."""
     return tuple(
         name
-        for name in fields
+        for name in compared
         if not (
             (name.endswith("sha256") or name in REPLAYED_FIELDS[len(COMPARED_FIELDS) :])
             and (a.get(name) is None or b.get(name) is None)
@@ -184,16 +184,19 @@ def sequences(rows: Iterable[Mapping[str, Any]]) -> dict[SeqKey, list[dict]]:
 
 
 def row_differences(
-    key: RowKey, a: Mapping[str, Any] | None, b: Mapping[str, Any] | None, fields: Sequence[str] = COMPARED_FIELDS
+    key: RowKey, a: Mapping[str, Any] | None, b: Mapping[str, Any] | None, compared: Sequence[str] = COMPARED_FIELDS
 ) -> list[Difference]:
     """The differences of one row key: each differing field, or one `row` difference when a run lacks it."""
     if a is None or b is None:
         return [Difference(*key, "row", "missing" if a is None else "present", "missing" if b is None else "present")]
-    return [Difference(*key, f, a.get(f), b.get(f)) for f in differing_fields(a, b, fields)]
+    return [Difference(*key, f, a.get(f), b.get(f)) for f in differing_fields(a, b, compared)]
 
 
 def first_divergence(
-    key: SeqKey, a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]], fields: Sequence[str] = COMPARED_FIELDS
+    key: SeqKey,
+    a: Sequence[Mapping[str, Any]],
+    b: Sequence[Mapping[str, Any]],
+    compared: Sequence[str] = COMPARED_FIELDS,
 ) -> Divergence | None:
     """One sequence's rows in run a and run b: the first position at which they differ (None: they agree), with
     the first output token whose id differs."""
@@ -206,7 +209,7 @@ def first_divergence(
     ]
     token_index = next((i for i, (x, y) in enumerate(tokens) if x != y and x is not None and y is not None), None)
     for index, position in enumerate(positions):
-        differences = row_differences((*key, position), rows_a.get(position), rows_b.get(position), fields)
+        differences = row_differences((*key, position), rows_a.get(position), rows_b.get(position), compared)
         if differences:
             fields = tuple(d.field for d in differences)
             return Divergence(
@@ -226,12 +229,12 @@ def first_divergence(
 def first_divergences(
     a: Mapping[SeqKey, Sequence[Mapping]],
     b: Mapping[SeqKey, Sequence[Mapping]],
-    fields: Sequence[str] = COMPARED_FIELDS,
+    compared: Sequence[str] = COMPARED_FIELDS,
 ) -> list[Divergence]:
     """For each sequence of either run (rows by `sequences`), its first divergence, in sequence order."""
     out = []
     for key in sorted(set(a) | set(b)):
-        d = first_divergence(key, a.get(key, ()), b.get(key, ()), fields)
+        d = first_divergence(key, a.get(key, ()), b.get(key, ()), compared)
         if d is not None:
             out.append(d)
     return out
