@@ -134,7 +134,7 @@ class SamplingParams:
         )
         check(all(len(x) > 0 for x in stop), "stop strings must not be empty")
         for x in stop:
-            check(not_unicode(x) is None, f"stop string {x[:40]!r}: {not_unicode(x)}")
+            _unicode(x, "stop string")
         set_("stop", tuple(stop))
         ids = self.stop_token_ids
         check(
@@ -295,10 +295,17 @@ def _bad_words(words: Any) -> tuple:
     for w in words:
         if isinstance(w, str):
             check(len(w) > 0, "bad_words entries must not be empty")
-            check(not_unicode(w) is None, f"bad_words entry {w[:40]!r}: {not_unicode(w)}")
+            _unicode(w, "bad_words entry")
             out.append(w)
         elif isinstance(w, (list, tuple)) and w and all(is_int(t) and t >= 0 for t in w):
             out.append(tuple(w))
         else:
             raise ConfigError(f"bad_words entries must be strings or non-empty token-id lists, got {w!r}")
     return tuple(out)
+
+
+def _unicode(text: str, what: str) -> None:
+    """A ConfigError naming `text` where it is no Unicode text (toolkit.errors.not_unicode)."""
+    problem = not_unicode(text)
+    if problem is not None:
+        raise ConfigError(f"{what} {text[:40]!r}: {problem}")

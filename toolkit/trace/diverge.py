@@ -40,14 +40,8 @@ COMPARED_FIELDS = (
 # what a replay of the same run (the same requests and policy) reproduces too, compared by replay only: the recorded
 # top alternatives, the grammar's kept count and the speculative draft's fields. Two different runs may ask for other
 # logprobs or drafts without diverging, so the report's and mode=compare's two-run views leave them out.
-REPLAYED_FIELDS = COMPARED_FIELDS + (
-    "top_raw",
-    "top_processed",
-    "grammar_allowed",
-    "draft_logprob",
-    "spec_proposed",
-    "spec_accepted",
-)
+REPLAYED_ONLY = ("top_raw", "top_processed", "grammar_allowed", "draft_logprob", "spec_proposed", "spec_accepted")
+REPLAYED_FIELDS = COMPARED_FIELDS + REPLAYED_ONLY
 
 # the cause each kind of first divergence points to, checked in this order at the first differing position: what
 # comes first in the pipeline (the forward) explains what follows
@@ -90,10 +84,7 @@ def differing_fields(
     return tuple(
         name
         for name in compared
-        if not (
-            (name.endswith("sha256") or name in REPLAYED_FIELDS[len(COMPARED_FIELDS) :])
-            and (a.get(name) is None or b.get(name) is None)
-        )
+        if not ((name.endswith("sha256") or name in REPLAYED_ONLY) and (a.get(name) is None or b.get(name) is None))
         and not same_value(name, a.get(name), b.get(name))
     )
 
