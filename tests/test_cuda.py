@@ -228,7 +228,7 @@ def test_a_long_contexts_split_attention_keeps_a_tokens_bits_in_any_batch():
     """Issue 57's KV split on a GPU: contexts up to 3,000 keys (12 splits of 256, combined in order) give each token
     the bits it gets alone, beside 31 others or with wider tables (more splits allocated), within bf16's rounding
     of float64; a context of one split is the unsplit kernel's, bit for bit."""
-    from toolkit.native import invariant_gpu as ig
+    from toolkit.native import gpu_attention as ga
 
     gen = torch.Generator().manual_seed(5)
     n, kv_heads, groups, dim, block, width = 32, 2, 4, 64, 16, 188
@@ -240,9 +240,9 @@ def test_a_long_contexts_split_attention_keeps_a_tokens_bits_in_any_batch():
     q = torch.randn(n, kv_heads * groups, dim, generator=gen).to(torch.bfloat16).cuda()
     rows = torch.arange(n, device="cuda")
 
-    def attend(index, tables_SB=tables, split=ig.ATTENTION_SPLIT):
+    def attend(index, tables_SB=tables, split=ga.ATTENTION_SPLIT):
         out = torch.empty_like(q[index])
-        ig.paged_attention(q[index], k_cache, v_cache, tables_SB, rows[index], ctx[index], dim**-0.5, out, split)
+        ga.paged_attention(q[index], k_cache, v_cache, tables_SB, rows[index], ctx[index], dim**-0.5, out, split)
         return out
 
     everything = torch.arange(n, device="cuda")
@@ -252,7 +252,7 @@ def test_a_long_contexts_split_attention_keeps_a_tokens_bits_in_any_batch():
     wider = torch.cat([tables, tables[:, :40]], 1)
     assert torch.equal(attend(everything, wider), out)
     unsplit = attend(everything, split=16 * -(-width * block // 16))
-    short = ctx <= ig.ATTENTION_SPLIT
+    short = ctx <= ga.ATTENTION_SPLIT
     assert torch.equal(unsplit[short], out[short])
     keys = k_cache[tables].reshape(n, -1, kv_heads, dim).double()
     values = v_cache[tables].reshape(n, -1, kv_heads, dim).double()

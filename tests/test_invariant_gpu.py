@@ -13,6 +13,7 @@ from tests.families import checkpoint_dir
 from toolkit.config import ModelConfig
 from toolkit.engine.scheduler import ScheduledChunk
 from toolkit.models import load_model
+from toolkit.native import gpu_attention as ga
 from toolkit.native import gpu_matmul as gm
 from toolkit.native import invariant_gpu as ig
 
@@ -165,10 +166,10 @@ def test_the_add_rms_norm_kernel_is_the_torch_path_bit_for_bit(data, n, d, dtype
 
 @TRITON
 @settings(max_examples=8, deadline=None)
-@given(n=st.integers(1, 6), heads=st.integers(1, 7), dim=st.sampled_from([2, 16, 64]), dtype=DTYPES)
+@given(n=st.integers(1, 6), heads=st.integers(1, 7), dim=st.sampled_from([2, 6, 16, 24, 64]), dtype=DTYPES)
 def test_the_rope_kernel_is_torchs_expression_bit_for_bit(n, heads, dim, dtype):
     """RoPE of a strided q | k view in one kernel: x * cos + rotate_half(x) * sin in x's format, each op rounded as
-    torch's, the same bits."""
+    torch's, the same bits; a head_dim that is no power of two too (its tile's rest masked)."""
     from toolkit.models.decoder import rotate_half
 
     gen = torch.Generator().manual_seed(n * 10 + heads)
@@ -239,28 +240,29 @@ def _attention_tolerance(dtype, want: torch.Tensor) -> float:
 @given(
     data=st.data(),
     kv_heads=st.integers(1, 3),
-    groups=st.sampled_from([1, 3, 4]),
+    groups=st.sampled_from([1, 3, 4, 20]),
     block=st.sampled_from([1, 3, 8]),
-    dim=st.sampled_from([8, 16]),
+    dim=st.sampled_from([8, 12, 16]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )
 def test_the_paged_attention_kernel_gives_a_token_its_bits_in_any_mix(data, kv_heads, groups, block, dim, dtype):
-    """The GPU's paged attention (one program per token and KV head, keys in the table's order): within the
-    format's rounding of float64, and each token's output the same bits alone as in any batch, a prompt chunk's
-    tokens (one sequence, growing contexts) mixed with other sequences' decode tokens."""
+    """The GPU's paged attention (one program per token and KV head, or per 16 of its query heads, keys in the
+    table's order; a head_dim of no power of two in a wider tile, masked): within the format's rounding of float64,
+    and each token's output the same bits alone as in any batch, a prompt chunk's tokens (one sequence, growing
+    contexts) mixed with other sequences' decode tokens."""
     seed = kv_heads * 100 + groups * 10 + block
     q, k_cache, v_cache, tables, query_table, query_ctx = _attention_case(
         data, seed, kv_heads, groups, block, dim, dtype, width=5, max_n=8
     )
     n = q.shape[0]
     out = torch.empty_like(q)
-    ig.paged_attention(q, k_cache, v_cache, tables, query_table, query_ctx, dim**-0.5, out)
+    ga.paged_attention(q, k_cache, v_cache, tables, query_table, query_ctx, dim**-0.5, out)
     want = _attention_reference(q, k_cache, v_cache, tables, query_table, query_ctx, dim**-0.5)
     assert (out.double() - want).abs().max() <= _attention_tolerance(dtype, want)
     for rows in _subsets(data.draw, n):
         index = torch.tensor(rows)
         alone = torch.empty_like(q[index])
-        ig.paged_attention(q[index], k_cache, v_cache, tables, query_table[index], query_ctx[index], dim**-0.5, alone)
+        ga.paged_attention(q[index], k_cache, v_cache, tables, query_table[index], query_ctx[index], dim**-0.5, alone)
         assert torch.equal(alone, out[index]), rows
 
 
@@ -269,17 +271,18 @@ def test_the_paged_attention_kernel_gives_a_token_its_bits_in_any_mix(data, kv_h
 @given(
     data=st.data(),
     kv_heads=st.integers(1, 2),
-    groups=st.sampled_from([1, 3]),
+    groups=st.sampled_from([1, 3, 18]),
     block=st.sampled_from([1, 4, 8]),
     split=st.sampled_from([16, 32]),
+    dim=st.sampled_from([12, 16]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )
-def test_a_long_contexts_splits_keep_a_tokens_bits_in_any_mix(data, kv_heads, groups, block, split, dtype):
+def test_a_long_contexts_splits_keep_a_tokens_bits_in_any_mix(data, kv_heads, groups, block, split, dim, dtype):
     """A context longer than the split is taken a split per program and combined in order (split small here, 256 in
     the engine): within the format's rounding of float64; each token the same bits alone, in any batch and whatever
     the tables' width (the splits allocated: a graph bucket's); and a context of one split the unsplit kernel's bits
     (so which path a batch takes changes no row)."""
-    seqs, width, dim = 3, -(-96 // block), 16
+    seqs, width = 3, -(-96 // block)
     q, k_cache, v_cache, tables, query_table, query_ctx = _attention_case(
         data, kv_heads * 100 + groups * 10 + block + split, kv_heads, groups, block, dim, dtype, width, max_n=6
     )
@@ -287,7 +290,7 @@ def test_a_long_contexts_splits_keep_a_tokens_bits_in_any_mix(data, kv_heads, gr
 
     def attend(index, tables_SB=tables, split_at=split):
         out = torch.empty_like(q[index])
-        ig.paged_attention(
+        ga.paged_attention(
             q[index], k_cache, v_cache, tables_SB, query_table[index], query_ctx[index], dim**-0.5, out, split_at
         )
         return out
@@ -299,12 +302,12 @@ def test_a_long_contexts_splits_keep_a_tokens_bits_in_any_mix(data, kv_heads, gr
     assert (out.double() - want).abs().max() <= tolerance
     wider = torch.cat([tables, torch.zeros(seqs, 2 * split // block + 1, dtype=tables.dtype)], 1)
     assert torch.equal(attend(everything, wider), out)  # more splits allocated, none of them read
-    kept = ig.ATTENTION_SPLIT_BYTES
-    ig.ATTENTION_SPLIT_BYTES = 1  # a token at a time through the partial results (a long prefill chunk's pieces)
+    kept = ga.ATTENTION_SPLIT_BYTES
+    ga.ATTENTION_SPLIT_BYTES = 1  # a token at a time through the partial results (a long prefill chunk's pieces)
     try:
         assert torch.equal(attend(everything), out)
     finally:
-        ig.ATTENTION_SPLIT_BYTES = kept
+        ga.ATTENTION_SPLIT_BYTES = kept
     for rows in _subsets(data.draw, n):
         assert torch.equal(attend(torch.tensor(rows)), out[rows]), rows
     short = query_ctx <= split
@@ -312,6 +315,26 @@ def test_a_long_contexts_splits_keep_a_tokens_bits_in_any_mix(data, kv_heads, gr
     assert torch.equal(unsplit[short], out[short])
     if (~short).any():  # longer ones are combined from the splits: other bits than one pass, within rounding
         assert (unsplit.double() - want).abs().max() <= tolerance
+
+
+@TRITON
+@pytest.mark.parametrize("dim,split", [(6, 256), (12, 256), (12, 16)])
+def test_a_heads_masked_tile_reads_nothing_past_the_head(dim, split):
+    """A head_dim of no power of two runs in a wider tile: the lanes past the head must read nothing, since there
+    the cache holds the next head's or the next slot's values, which may be anything (here NaN: every slot but the
+    context's). The output is float64's within fp32 sums' error, and finite."""
+    gen = torch.Generator().manual_seed(dim)
+    k_cache, v_cache = torch.full((2, 4, 8, 1, dim), float("nan"))
+    ctx = 29  # the last seen key is followed by NaN in its block
+    keys, values = torch.randn(2, ctx, dim, generator=gen)
+    for cache, cached in ((k_cache, keys), (v_cache, values)):
+        cache.view(32, 1, dim)[:ctx, 0] = cached
+    q = torch.randn(1, 2, dim, generator=gen)
+    tables, one, context = torch.arange(4).view(1, 4), torch.tensor([0]), torch.tensor([ctx])
+    out = torch.empty_like(q)
+    ga.paged_attention(q, k_cache, v_cache, tables, one, context, dim**-0.5, out, split)
+    want = _attention_reference(q, k_cache, v_cache, tables, one, context, dim**-0.5)
+    assert torch.isfinite(out).all() and (out.double() - want).abs().max() <= 1e-5
 
 
 @TRITON
@@ -324,11 +347,11 @@ def test_a_split_chosen_by_the_batch_would_change_the_bits():
     outs = []
     for split in (16, 32):
         out = torch.empty_like(q)
-        ig.paged_attention(q, k_cache, v_cache, torch.arange(12).view(1, 12), one, ctx, 0.25, out, split)
+        ga.paged_attention(q, k_cache, v_cache, torch.arange(12).view(1, 12), one, ctx, 0.25, out, split)
         outs.append(out)
     assert not torch.equal(outs[0], outs[1]) and (outs[0] - outs[1]).abs().max() < 1e-5
     with pytest.raises(ValueError, match="multiple of 16"):
-        ig.paged_attention(q, k_cache, v_cache, torch.arange(12).view(1, 12), one, ctx, 0.25, outs[0], 24)
+        ga.paged_attention(q, k_cache, v_cache, torch.arange(12).view(1, 12), one, ctx, 0.25, outs[0], 24)
 
 
 @TRITON
@@ -342,7 +365,7 @@ def test_the_attention_keeps_its_bits_whatever_the_block_size_and_a_split_chosen
     outs = []
     for block in (8, 4, 1):
         out = torch.empty_like(q)
-        ig.paged_attention(
+        ga.paged_attention(
             q,
             k_cache.view(-1, block, 1, 16),
             v_cache.view(-1, block, 1, 16),
@@ -354,9 +377,9 @@ def test_the_attention_keeps_its_bits_whatever_the_block_size_and_a_split_chosen
         )
         outs.append(out)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    monkeypatch.setattr(ig, "ATTENTION_TILE", 8)
+    monkeypatch.setattr(ga, "ATTENTION_TILE", 8)
     split = torch.empty_like(q)
-    ig.paged_attention(q, k_cache, v_cache, torch.arange(8).view(1, 8), one, ctx, 0.25, split)
+    ga.paged_attention(q, k_cache, v_cache, torch.arange(8).view(1, 8), one, ctx, 0.25, split)
     assert not torch.equal(split, outs[0])
     assert (split - outs[0]).abs().max() < 1e-5
 
@@ -364,6 +387,9 @@ def test_the_attention_keeps_its_bits_whatever_the_block_size_and_a_split_chosen
 TINY = dict(
     name="tiny", seed=1, vocab_size=96, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96
 )
+# 20 query heads over one KV head (two programs a KV head) of head_dim 6 (in tiles of 8): the shapes that need the
+# kernels' masks
+WIDE = dict(TINY, seed=2, hidden_size=120, num_heads=20, num_kv_heads=1)
 
 
 def _runs(model, batches, backend: str, invariant: bool) -> dict[tuple[str, int], torch.Tensor]:
@@ -398,18 +424,19 @@ def _runs(model, batches, backend: str, invariant: bool) -> dict[tuple[str, int]
 
 @TRITON
 @pytest.mark.native  # it switches the native CPU kernels off, so that the GPU path's kernels run instead
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_engines_gpu_path_runs_in_the_interpreter_and_keeps_a_rows_bits_in_any_mix(monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,shape", [("float32", TINY), ("bfloat16", TINY), ("float32", WIDE), ("bfloat16", WIDE)])
+def test_the_engines_gpu_path_runs_in_the_interpreter_and_keeps_a_rows_bits_in_any_mix(monkeypatch, dtype, shape):
     """The engine's forward as it runs on a CUDA GPU (invariant_gpu.routes widened to the interpreter): Triton's
     attention, residual add + RMSNorm, RoPE and SiLU * up give torch's CPU path's logits within the format's
     rounding; and in the batch-invariant mode (the fixed-tiling matmul too) a sequence's rows are the same bits
-    computed alone in one prefill as chunked beside other sequences' prompt chunks and decode tokens."""
+    computed alone in one prefill as chunked beside other sequences' prompt chunks and decode tokens. Also for a
+    head_dim of no power of two and more query heads a KV head than one program takes."""
     from toolkit.config import ModelConfig
     from toolkit.engine.scheduler import ScheduledChunk as Chunk
     from toolkit.models import load_model
 
     monkeypatch.setenv("TOOLKIT_NATIVE", "0")
-    model = load_model(ModelConfig(**TINY, dtype=dtype)).model
+    model = load_model(ModelConfig(**shape, dtype=dtype)).model
     target = tuple((11 * j + 4) % 96 for j in range(14))
     other, third = tuple((5 * j + 1) % 96 for j in range(10)), tuple((3 * j + 2) % 96 for j in range(5))
     alone = [[Chunk("t", target, 0, (0, 1, 2, 3), samples=True, num_logits=14)]]

@@ -18,7 +18,7 @@ from toolkit.errors import ConfigError
 from toolkit.kv import PagedKVCache
 from toolkit.kv.quant import FORMATS
 from toolkit.models import LoadedModel
-from toolkit.native import invariant_gpu
+from toolkit.native import gpu_attention, invariant_gpu
 from toolkit.native.library import KernelUnavailable, native
 
 
@@ -55,7 +55,7 @@ def attention_backend(cfg: EngineConfig, loaded: LoadedModel) -> str:
         problem = f"the native kernel has no {unsupported} ({arch.family})"
     elif cfg.kv_cache_dtype not in ("auto", "bf16") and cfg.kv_scale_granularity == "channel":
         problem = "the native kernel reads block or tensor scales, not engine.kv_scale_granularity=channel"
-    elif torch.device(cfg.device).type == "cuda":  # the Triton kernel (toolkit/native/invariant_gpu.py)
+    elif torch.device(cfg.device).type == "cuda":  # the Triton kernel (toolkit/native/gpu_attention.py)
         problem = gpu_kernel_problem(cfg, arch)
     elif torch.device(cfg.device).type != "cpu":
         problem = "the native kernel runs on the CPU, and in Triton on a CUDA GPU"
@@ -89,11 +89,8 @@ def gpu_kernel_problem(cfg: EngineConfig, arch) -> str | None:
         return "Triton does not import here"
     if cfg.kv_cache_dtype not in ("auto", "bf16"):
         return f"the GPU kernel reads a 16- or 32-bit cache, not engine.kv_cache_dtype={cfg.kv_cache_dtype}"
-    if not invariant_gpu.supports_attention(arch.head_dim, arch.num_heads // arch.num_kv_heads):
-        return (
-            f"the GPU kernel takes a power-of-two head_dim up to 256 and up to 16 query heads a KV head, not "
-            f"head_dim {arch.head_dim} with {arch.num_heads // arch.num_kv_heads}"
-        )
+    if not gpu_attention.supports_attention(arch.head_dim, arch.num_heads // arch.num_kv_heads):
+        return f"the GPU kernel takes a head_dim up to {gpu_attention.MAX_HEAD_DIM}, not head_dim {arch.head_dim}"
     return None
 
 

@@ -20,7 +20,7 @@ from toolkit.engine.scheduler import ScheduledBatch, ScheduledChunk
 from toolkit.kv import flex
 from toolkit.kv.attention import AttentionMetadata, PrefillChunk, additive_bias
 from toolkit.kv.paged_cache import PagedKVCache
-from toolkit.native import invariant_gpu, library, schedules
+from toolkit.native import gpu_attention, invariant_gpu, library, schedules
 
 SMALL_STEP_TOKENS = 64  # a step of at most this many tokens maps its tokens to chunks, positions and slots in Python
 
@@ -286,11 +286,11 @@ class ModelRunner:
 def kernel_runs(model: torch.nn.Module, block_size: int) -> bool:
     """Whether the fixed-order attention kernel runs this model here: on the CPU, built (not switched off), and
     taking its shapes on its cache (a 16-bit cache: head_dim 64 or 128 only); on a CUDA GPU, Triton's, taking
-    its shapes (a power-of-two head_dim up to 256, no soft-capping or sliding window)."""
+    its shapes (a head_dim up to 256, no soft-capping or sliding window)."""
     if model.embed.device.type == "cuda":
         a = model.arch
         return (
-            invariant_gpu.supports_attention(a.head_dim, a.num_heads // a.num_kv_heads)
+            gpu_attention.supports_attention(a.head_dim, a.num_heads // a.num_kv_heads)
             and a.needs_torch_attention is None
         )
     if model.embed.device.type != "cpu" or not library.available():

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from toolkit.kv import flex
 from toolkit.kv.quant import read_blocks, write_quantized
-from toolkit.native import invariant_gpu
+from toolkit.native import gpu_attention, invariant_gpu
 from toolkit.native.ops import paged_attention_cpu, paged_attention_cpu_q8
 
 
@@ -190,7 +190,7 @@ def paged_attention(
         )
     elif meta.kernel_rows and invariant_gpu.routes(q_NHD):  # the Triton kernel, the same contract
         rows = meta.kernel_rows
-        invariant_gpu.paged_attention(
+        gpu_attention.paged_attention(
             q_NHD[:rows],
             k_cache,
             v_cache,

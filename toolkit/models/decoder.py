@@ -336,7 +336,7 @@ class PagedDecoder(nn.Module):
         # on a GPU, RMSNorm with the residual add, RoPE and SiLU * up are one Triton kernel each where torch spends 2-5
         # (a CUDA graph's length and launch time follow its kernel count)
         gpu = invariant_gpu.routes(x)
-        gpu_rope = gpu and self.pos_embed is None and invariant_gpu.is_pow2(a.head_dim)
+        gpu_rope = gpu and self.pos_embed is None
         gpu_silu = gpu and a.gated_mlp and a.activation == "silu"
         if self.pos_embed is not None:
             x = x + self.pos_embed[positions_N]
