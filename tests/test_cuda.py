@@ -315,3 +315,48 @@ def test_batch_invariant_rows_are_the_same_bits_in_every_batch_mix_and_graph_mod
                 assert rows.keys() == alone.keys()
                 for p in alone:
                     assert torch.equal(rows[p], alone[p]), (batch, graphs, mixed, p)
+
+
+@pytest.mark.parametrize(
+    "dtype,cache_dtype", [(torch.bfloat16, None), (torch.float32, None), (torch.float32, torch.bfloat16)]
+)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 1, 100)])
+def test_rope_with_the_cache_writes_and_a_wide_or_odd_head_on_a_gpu(dtype, cache_dtype, heads, kv_heads, dim):
+    """The GPU's fused RoPE and cache writes are RoPE then write_kv bit for bit (keys rounded to the cache's format as
+    torch rounds them), and its attention takes a head_dim of no power of two (100) and 32 query heads a KV head
+    (two programs each): float64's result within the format's rounding."""
+    from toolkit.kv.attention import write_kv
+    from toolkit.native import gpu_attention as ga
+    from toolkit.native import invariant_gpu as ig
+
+    gen = torch.Generator().manual_seed(dim + heads)
+    n, blocks, block = 37, 8, 16
+    qkv = (torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen) * 3).to(dtype).cuda()
+    qk = qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim)
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    angles = torch.arange(128).float()[:, None] * inv[None, :]
+    cos, sin = (torch.cat((angles, angles), -1).cos().cuda(), torch.cat((angles, angles), -1).sin().cuda())
+    positions = torch.arange(n, device="cuda")
+    slots = torch.randperm(blocks * block, generator=gen)[:n].cuda()
+    k_cache, v_cache = torch.randn(2, blocks, block, kv_heads, dim, generator=gen).to(cache_dtype or dtype).cuda()
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    roped = ig.rope(qk, cos, sin, positions)
+    write_kv(want_k, want_v, roped[:, heads:], v, slots)
+    q = ig.rope_write_kv(qk, v, cos, sin, positions, k_cache, v_cache, slots)
+    assert torch.equal(q, roped[:, :heads])
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    tables = (slots // block)[None, :].repeat(n, 1)  # each token's keys: the blocks its slots fell in (any order)
+    ctx = torch.arange(1, n + 1, device="cuda").clamp(max=tables.shape[1] * block)
+    out = torch.empty_like(q)
+    ga.paged_attention(q, k_cache, v_cache, tables, torch.arange(n, device="cuda"), ctx, dim**-0.5, out)
+    keys = k_cache[tables[0]].reshape(-1, kv_heads, dim).double()
+    values = v_cache[tables[0]].reshape(-1, kv_heads, dim).double()
+    groups = heads // kv_heads
+    for i in (0, 17, n - 1):
+        c = int(ctx[i])
+        for h in (0, heads - 1):
+            weights = torch.softmax(keys[:c, h // groups] @ q[i, h].double() * dim**-0.5, 0)
+            want = weights @ values[:c, h // groups]
+            bound = 1e-5 if dtype == torch.float32 and cache_dtype is None else 2**-7 * want.abs().max().item() + 1e-3
+            assert (out[i, h].double() - want).abs().max() <= bound, (i, h)

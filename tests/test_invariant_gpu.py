@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tests.families import checkpoint_dir
 from toolkit.config import ModelConfig
 from toolkit.engine.scheduler import ScheduledChunk
+from toolkit.kv.attention import write_kv
 from toolkit.models import load_model
 from toolkit.native import gpu_attention as ga
 from toolkit.native import gpu_matmul as gm
@@ -181,6 +182,44 @@ def test_the_rope_kernel_is_torchs_expression_bit_for_bit(n, heads, dim, dtype):
     positions = torch.randint(0, 300, (n,), generator=gen)
     c, s = cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
     assert torch.equal(ig.rope(x, cos, sin, positions), x * c + rotate_half(x) * s)
+
+
+@TRITON
+@settings(max_examples=10, deadline=None)
+@given(
+    data=st.data(),
+    n=st.integers(1, 6),
+    kv_heads=st.integers(1, 3),
+    groups=st.sampled_from([1, 2, 5]),
+    dim=st.sampled_from([4, 6, 16]),
+    dtype=DTYPES,
+    cache_dtype=st.sampled_from([None, torch.bfloat16, torch.float32]),
+)
+def test_rope_with_the_cache_writes_is_rope_then_write_kv_bit_for_bit(
+    data, n, kv_heads, groups, dim, dtype, cache_dtype
+):
+    """RoPE and the step's cache writes in one kernel: q's heads are the RoPE kernel's bits, and every cache slot
+    holds what RoPE then write_kv (torch's index copies, rounded to the cache's format) leaves there: the step's
+    slots its keys and values, every other slot untouched. The q | k heads and v are strided views of one fused
+    projection, as in the decoder."""
+    heads = kv_heads * groups
+    gen = torch.Generator().manual_seed(n * 100 + heads * 10 + dim)
+    qkv = (torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen) * 3).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim)
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    angles = torch.arange(64).float()[:, None] * inv[None, :]
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    positions = torch.randint(0, 64, (n,), generator=gen)
+    blocks, block = 5, 4
+    slots = torch.tensor(data.draw(st.permutations(range(blocks * block)))[:n])
+    k_cache, v_cache = torch.randn(2, blocks, block, kv_heads, dim, generator=gen).to(cache_dtype or dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    roped = ig.rope(qk, cos, sin, positions)
+    write_kv(want_k, want_v, roped[:, heads:], v, slots)
+    q = ig.rope_write_kv(qk, v, cos, sin, positions, k_cache, v_cache, slots)
+    assert torch.equal(q, roped[:, :heads])
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
 @TRITON

@@ -390,16 +390,20 @@ class PagedDecoder(nn.Module):
                     ],
                     dim=1,
                 )
-            if native_rope:  # the same bits in one pass
-                qk = rope_cpu(qk, self.rope_cos, self.rope_sin, positions_N)
-            elif gpu_rope:  # the same bits in one kernel
-                qk = invariant_gpu.rope(qk, self.rope_cos, self.rope_sin, positions_N)
-            elif self.pos_embed is None:
-                qk = qk * cos + rotate_half(qk) * sin  # RoPE on q and k heads at once
-            q = qk[:, : a.num_heads]  # (N, H, Dh)
-            k = qk[:, a.num_heads :]  # (N, K, Dh)
             v = qkv[:, q_width + kv_width :].view(n, a.num_kv_heads, a.head_dim)
-            write_kv(k_cache, v_cache, k, v, attn.slot_mapping_N, attn.kv_quant, i)
+            if gpu_rope and attn.kv_quant is None:  # RoPE and the cache writes in one kernel, the same bits
+                q = invariant_gpu.rope_write_kv(
+                    qk, v, self.rope_cos, self.rope_sin, positions_N, k_cache, v_cache, attn.slot_mapping_N
+                )
+            else:
+                if native_rope:  # the same bits in one pass
+                    qk = rope_cpu(qk, self.rope_cos, self.rope_sin, positions_N)
+                elif gpu_rope:  # the same bits in one kernel
+                    qk = invariant_gpu.rope(qk, self.rope_cos, self.rope_sin, positions_N)
+                elif self.pos_embed is None:
+                    qk = qk * cos + rotate_half(qk) * sin  # RoPE on q and k heads at once
+                q = qk[:, : a.num_heads]  # (N, H, Dh)
+                write_kv(k_cache, v_cache, qk[:, a.num_heads :], v, attn.slot_mapping_N, attn.kv_quant, i)
             o = paged_attention(
                 q, k_cache, v_cache, attn, self.scale, softcap=a.attn_softcap, window=a.window_of(i), layer=i
             )  # (N, H, Dh)

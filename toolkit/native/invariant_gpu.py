@@ -7,7 +7,8 @@ The batch-invariant mode's matmul is toolkit.native.gpu_matmul's; the paged atte
 One program a row or token, every mode (`routes`: the decoder, attention and sampler send a CUDA tensor here):
 - `add_rms_norm`: the residual add rounded to the format, then HF's RMSNorm (fp32 statistics, rounded, scaled);
   `rms_norm`: the norm alone (the same kernel without its residual);
-- `rope`: HF's RoPE of every head of a token, each op rounded as torch's (the same bits);
+- `rope`: HF's RoPE of every head of a token, each op rounded as torch's (the same bits); `rope_write_kv`: the same,
+  with the roped keys and the values stored into the token's cache slot (the step's cache writes);
 - `silu_mul`: silu(gate) * up of a fused projection;
 - `logsumexp`: an online max-and-sum over BLOCK_V slices in order.
 
@@ -114,13 +115,26 @@ if triton is not None:
         son,
         soh,
         sc,
+        v_ptr,
+        slot_ptr,
+        kc_ptr,
+        vc_ptr,
+        QH,
+        svn,
+        svh,
+        scs,
+        sch,
         BH: tl.constexpr,
         D: tl.constexpr,
         BD: tl.constexpr,
+        BK: tl.constexpr,
+        STORE: tl.constexpr,
     ):
         """One program a token, every head: x * cos + rotate_half(x) * sin with cos and sin rounded to the format
         and each product and the sum rounded to it, as torch's elementwise ops in that format do. A head of D
-        dimensions in a tile of BD (a power of two), the rest masked."""
+        dimensions in a tile of BD (a power of two), the rest masked. With STORE, heads from QH on are keys: they
+        go to their slot of the key cache instead of out (rounded to the cache's format), and the token's values
+        (v_ptr, BK heads a tile) to the same slot of the value cache: the step's cache writes in the same kernel."""
         n = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, BH)[:, None]
         d = tl.arange(0, BD)[None, :]
@@ -134,7 +148,18 @@ if triton is not None:
         c = _rounded(tl.load(cos_ptr + pos * sc + d, mask=d < D, other=0.0), x.dtype)
         sn = _rounded(tl.load(sin_ptr + pos * sc + d, mask=d < D, other=0.0), x.dtype)
         y = _rounded(_rounded(x.to(tl.float32) * c, x.dtype) + _rounded(xr * sn, x.dtype), x.dtype)
-        tl.store(out_ptr + n * son + h * soh + d, y.to(x.dtype), mask=mask)
+        if STORE:
+            tl.store(out_ptr + n * son + h * soh + d, y.to(x.dtype), mask=mask & (h < QH))
+            slot = tl.load(slot_ptr + n).to(tl.int64)
+            cache_t: tl.constexpr = kc_ptr.dtype.element_ty
+            keys = kc_ptr + slot * scs + (h - QH) * sch + d
+            tl.store(keys, _rounded(y, cache_t).to(cache_t), mask=mask & (h >= QH))
+            vh = tl.arange(0, BK)[:, None]
+            vmask = (vh < H - QH) & (d < D)
+            v = tl.load(v_ptr + n * svn + vh * svh + d, mask=vmask, other=0.0).to(tl.float32)
+            tl.store(vc_ptr + slot * scs + vh * sch + d, _rounded(v, cache_t).to(cache_t), mask=vmask)
+        else:
+            tl.store(out_ptr + n * son + h * soh + d, y.to(x.dtype), mask=mask)
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, width, sx, so, BW: tl.constexpr):
@@ -182,8 +207,35 @@ def add_rms_norm(
 def rope(x_NHD: torch.Tensor, cos_PD: torch.Tensor, sin_PD: torch.Tensor, positions_N: torch.Tensor) -> torch.Tensor:
     """HF's RoPE (x * cos + rotate_half(x) * sin, in x's format) of every head of every token, one kernel; x may
     be a strided view (the q | k part of the fused projection)."""
+    return _rope(x_NHD, cos_PD, sin_PD, positions_N)
+
+
+def rope_write_kv(
+    qk_NHD: torch.Tensor,
+    v_NKD: torch.Tensor,
+    cos_PD: torch.Tensor,
+    sin_PD: torch.Tensor,
+    positions_N: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping_N: torch.Tensor,
+) -> torch.Tensor:
+    """RoPE of the q | k heads and the step's cache writes in one kernel (where torch spends two index copies more):
+    returns q's heads (N, H, D); k's heads, roped, and v's go to their token's slot of each cache, rounded to its
+    format (toolkit.kv.attention.write_kv's bits)."""
+    return _rope(qk_NHD, cos_PD, sin_PD, positions_N, (v_NKD, slot_mapping_N, k_cache, v_cache), v_NKD.shape[1])
+
+
+def _rope(x_NHD, cos_PD, sin_PD, positions_N, store=None, kv_heads: int = 0) -> torch.Tensor:
     n, heads, dim = x_NHD.shape
-    out = torch.empty((n, heads, dim), dtype=x_NHD.dtype, device=x_NHD.device)
+    out = torch.empty((n, heads - kv_heads, dim), dtype=x_NHD.dtype, device=x_NHD.device)
+    if store is not None:
+        v, slots, k_cache, v_cache = store
+        k_flat, v_flat = (c.view(-1, kv_heads, dim) for c in (k_cache, v_cache))
+        assert k_flat.stride() == v_flat.stride() and k_flat.dtype == v_flat.dtype, "the caches share one layout"
+        cache = (v, slots, k_flat, v_flat, heads - kv_heads, v.stride(0), v.stride(1), *k_flat.stride()[:2])
+    else:
+        cache = (x_NHD, positions_N, x_NHD, x_NHD, heads, 0, 0, 0, 0)  # unread
     if n:
         _rope_kernel[(n,)](
             x_NHD,
@@ -197,9 +249,12 @@ def rope(x_NHD: torch.Tensor, cos_PD: torch.Tensor, sin_PD: torch.Tensor, positi
             out.stride(0),
             out.stride(1),
             cos_PD.stride(0),
+            *cache,
             BH=triton.next_power_of_2(heads),
             D=dim,
             BD=triton.next_power_of_2(dim),
+            BK=triton.next_power_of_2(max(kv_heads, 1)),
+            STORE=store is not None,
             **FIXED,
         )
     return out
