@@ -92,6 +92,72 @@ def test_batched_choice_is_the_row_by_row_choice_bit_for_bit(
             assert finite_row[got[0][i]] and got[1][i] == rng.gumbel_scalar(key, got[0][i])
 
 
+def _result_bits(result: sampler.SampleResult) -> dict:
+    """Every field of a SampleResult, floats as their bytes (NaN equals NaN, 0.0 differs from -0.0)."""
+    return {
+        "tokens": result.token_ids,
+        "raw": bits(result.raw_logprobs),
+        "processed": bits(result.processed_logprobs),
+        "support": result.support_sizes,
+        "noise": bits(result.noise),
+        "top_raw": [[(t, bits([v])) for t, v in row] for row in result.top_raw],
+        "top_processed": [[(t, bits([v])) for t, v in row] for row in result.top_processed],
+        "kept": result.kept_sha256,
+    }
+
+
+@pytest.mark.native  # the kept sets' digests ask the native sha256
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 8),
+    vocab=st.sampled_from([1, 5, 300, 4099]),
+    specials=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 4098), SPECIAL), max_size=6),
+    truncated=st.lists(st.tuples(st.integers(0, 7), st.integers(1, 99)), max_size=4),
+    processed=st.booleans(),
+    greedy=st.sets(st.integers(0, 7), max_size=4),
+    num_top=st.lists(st.integers(0, 3), min_size=8, max_size=8),
+    keys=st.lists(KEY, min_size=8, max_size=8),
+    seed=st.integers(0, 1000),
+)
+def test_the_devices_read_once_sample_is_the_cpus_sample_bit_for_bit(
+    rows, vocab, specials, truncated, processed, greedy, num_top, keys, seed
+):
+    """sample() off the CPU computes every field where the logits are and reads them in one transfer
+    (sample_on_device); run here on CPU tensors, it gives sample()'s CPU path (torch's, the native kernels held
+    off) every field's bits: tokens, both log-probabilities, support, noise, both lists of alternatives and the
+    kept-set digests, for raw and processed rows (truncated, NaN / +inf / -inf, nothing finite), greedy and
+    sampled rows, and any number of alternatives a row."""
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randn(rows, vocab, generator=gen) * 3
+    for r, c, value in specials:
+        if r < rows:
+            raw[r, c % vocab] = value
+    proc = raw
+    if processed:
+        proc = raw / 0.7
+        for r, every in truncated:
+            if r < rows:
+                proc[r, torch.arange(vocab) % every != 0] = float("-inf")
+        if rows > 2:
+            proc[-1] = float("-inf")
+    sample_rows = [
+        sampler.SampleRow(
+            greedy=i in greedy, seed=keys[i][0], position=keys[i][1], stream=keys[i][2], num_top=min(num_top[i], vocab)
+        )
+        for i in range(rows)
+    ]
+    with pytest.MonkeyPatch.context() as patch:  # the CPU's torch path: what the kernels would otherwise replace
+        patch.setattr(sampler, "gumbel_sample_cpu", lambda *a, **k: None)
+        patch.setattr(sampler, "argmax_cpu", lambda *a, **k: None)
+        patch.setattr(sampler, "logsumexp_cpu", lambda *a, **k: None)
+        want = sampler.sample(raw, proc, sample_rows)
+        lse = sampler.logsumexp_rows(raw, per_row=True)
+        keys_of = sampler._keys(sample_rows)
+        got = sampler.sample_on_device(raw, proc, sample_rows, keys_of, lse, per_row=True)
+    assert _result_bits(got) == _result_bits(want)
+    assert bits(got.raw_logsumexp) == bits(got.raw_logsumexp_R.tolist())  # read with the rest, for step 6
+
+
 def test_a_batched_choice_that_forgets_its_mask_or_swaps_its_key_words_is_caught():
     """What the comparison above catches: a batched pass without the mask (a NaN or +inf logit wins) or with
     the key's two words swapped (other noise) differs from the row-by-row choice."""

@@ -137,6 +137,34 @@ def test_the_noise_and_the_batched_choice_on_the_gpu_are_the_cpus_bit_for_bit():
     assert [float(g).hex() for g in got_noise] == [float(g).hex() for g in want_noise]
 
 
+def test_the_gpus_read_once_sample_is_the_cpus(monkeypatch):
+    """sample() on a GPU computes every field there and reads them in one transfer: the tokens, noise, supports
+    and kept-set digests are the CPU torch path's bit for bit, the log-probabilities and alternatives within fp32
+    rounding (the GPU's logsumexp is its own kernel), over raw and processed rows, greedy and sampled."""
+    from toolkit.sampling import sampler
+
+    gen = torch.Generator().manual_seed(9)
+    raw = torch.randn(6, 4099, generator=gen) * 3
+    raw[5, 3] = float("nan")
+    proc = raw / 0.7
+    proc[1, 100:] = float("-inf")
+    proc[2, ::2] = float("-inf")
+    proc[3] = float("-inf")
+    rows = [sampler.SampleRow(greedy=i % 3 == 0, seed=i, position=10 + i, stream=0, num_top=i % 4) for i in range(6)]
+    for processed in (raw, proc):
+        monkeypatch.setattr(sampler, "gumbel_sample_cpu", lambda *a, **k: None)
+        monkeypatch.setattr(sampler, "argmax_cpu", lambda *a, **k: None)
+        want = sampler.sample(raw, processed, rows)
+        raw_gpu = raw.cuda()
+        got = sampler.sample(raw_gpu, raw_gpu if processed is raw else processed.cuda(), rows)
+        assert got.token_ids == want.token_ids and got.support_sizes == want.support_sizes
+        assert [float(g).hex() for g in got.noise] == [float(g).hex() for g in want.noise]
+        assert got.kept_sha256 == want.kept_sha256
+        for a, b in ((got.raw_logprobs, want.raw_logprobs), (got.processed_logprobs, want.processed_logprobs)):
+            assert all(x == y or abs(x - y) <= 1e-5 or (x != x and y != y) for x, y in zip(a, b))
+        assert [[t for t, _ in row] for row in got.top_processed] == [[t for t, _ in row] for row in want.top_processed]
+
+
 def test_captured_graphs_give_the_eager_buckets_bits(on_gpu):
     """engine.cuda_graphs=auto captures each decode bucket; its replays give every row the bits that the same
     buckets give run eagerly (cuda_graphs=eager: the same kernels, the same padded shapes), and the tokens that

@@ -97,7 +97,8 @@ class Sampler:
             errors = {**errors, **emptied_by_changes(pipe, empty)}
         if lse_R is None:  # 6
             lse_R = self._raw_logsumexp(logits_RV, plain, result)
-            errors = {**errors, **invalid_rows(lse_R)}
+            read = result.raw_logsumexp if result is not None and len(plain) == logits_RV.shape[0] else None
+            errors = {**errors, **invalid_rows(lse_R, read)}
         return SamplerOutput(result, plain, errors, pipe.processed_RV, lse_R)
 
     def draft(self, logits_RV: torch.Tensor, view: BatchView, rows: list[SampleRow]) -> tuple[torch.Tensor, list[int]]:

@@ -44,6 +44,7 @@ class SampleResult:
     top_processed: list[list[tuple[int, float]]]
     kept_sha256: list[str]  # digest of each row's kept set (see kept_digest)
     raw_logsumexp_R: torch.Tensor | None = None  # the raw rows' logsumexp the log-probabilities were taken with
+    raw_logsumexp: list[float] | None = None  # the same, read to the host with the rest (sample_on_device)
 
 
 def pack_kept(finite_RV: torch.Tensor) -> torch.Tensor:
@@ -126,6 +127,8 @@ def sample(
     raw_lse = _raw_lse(raw_RV, raw_logsumexp_R, per_row)
     if patches is not None and patches.rows_S.numel():
         processed_RV = patches.apply(processed_RV)
+    if raw_RV.device.type != "cpu":
+        return sample_on_device(raw_RV, processed_RV, rows, keys, raw_lse, per_row)
     sampled = [i for i, key in enumerate(keys) if key is not None]
     unprocessed = processed_RV is raw_RV
     native = gumbel_sample_cpu(processed_RV, keys) if sampled or not unprocessed else None
@@ -162,6 +165,89 @@ def sample(
         kept_sha256=kept_digests(support, vocab, finite_RV=finite_RV),
         raw_logsumexp_R=raw_lse,
     )
+
+
+def sample_on_device(
+    raw_RV: torch.Tensor,
+    processed_RV: torch.Tensor,
+    rows: list[SampleRow],
+    keys: list[tuple[int, int] | None],
+    raw_lse: torch.Tensor,
+    per_row: bool,
+) -> SampleResult:
+    """sample() off the CPU: every field computed where the logits are, in a fixed sequence of tensor operations,
+    and read in one transfer. Each read is a wait for the device's queue to drain; the row-at-a-time fields were
+    up to ten of them a step (the support, the choice and its noise, the argmax, each log-probability, each list
+    of alternatives, the kept sets). The same bits as sample()'s path on the CPU (tests/test_batched_sampler.py
+    runs it there)."""
+    r, vocab = raw_RV.shape
+    unprocessed = processed_RV is raw_RV
+    num_top = max((row.num_top for row in rows), default=0)
+    finite_RV = None if unprocessed else torch.isfinite(processed_RV)
+    chosen_R = torch.full((r,), -1, dtype=torch.int64, device=raw_RV.device)
+    noise_R = torch.full((r,), float("nan"), dtype=torch.float64, device=raw_RV.device)
+    sampled = [i for i, key in enumerate(keys) if key is not None]
+    if sampled:
+        index = torch.tensor(sampled, device=raw_RV.device)
+        x_SV = processed_RV.index_select(0, index)
+        finite_SV = torch.isfinite(x_SV) if finite_RV is None else finite_RV.index_select(0, index)
+        words = rng.key_words([keys[i] for i in sampled], raw_RV.device)
+        chosen_R[index], noise_R[index] = _batched_choice_tensors(x_SV, words, finite_SV)
+    # greedy rows, and rows without a finite logit: the argmax (the first maximal id; a NaN counts as the maximum)
+    tokens_R = torch.where(chosen_R >= 0, chosen_R, torch.argmax(processed_RV, dim=-1))
+    proc_lse = raw_lse if unprocessed else logsumexp_rows(processed_RV, per_row)
+    at_R1 = tokens_R.unsqueeze(1)
+    raw_lp_R = raw_RV.gather(1, at_R1).squeeze(1) - raw_lse
+    fields = [tokens_R, noise_R, raw_lp_R, raw_lse]
+    if not unprocessed:
+        fields += [processed_RV.gather(1, at_R1).squeeze(1) - proc_lse, finite_RV.sum(dim=-1), pack_kept(finite_RV)]
+    if num_top:
+        for logits, lse in ((raw_RV, raw_lse),) if unprocessed else ((raw_RV, raw_lse), (processed_RV, proc_lse)):
+            values, ids = torch.topk(logits, num_top, dim=-1)
+            fields += [values - lse.unsqueeze(1), ids]
+    read = iter(read_once(fields))
+    tokens, noise, raw_lp, lse = (next(read).tolist() for _ in range(4))
+    proc_lp, support, kept_RB = (
+        (next(read).tolist(), next(read).tolist(), next(read))
+        if not unprocessed
+        else (
+            raw_lp,
+            [vocab] * r,
+            None,
+        )
+    )
+    tops = []
+    for _ in ((0,) if unprocessed else (0, 1)) if num_top else ():
+        values, ids = next(read).tolist(), next(read).tolist()
+        tops.append(
+            [
+                [(t, v) for t, v in zip(ids[i][: row.num_top], values[i][: row.num_top]) if v != float("-inf")]
+                for i, row in enumerate(rows)
+            ]
+        )
+    top_raw = tops[0] if tops else [[] for _ in rows]
+    return SampleResult(
+        token_ids=tokens,
+        raw_logprobs=raw_lp,
+        processed_logprobs=proc_lp,
+        support_sizes=support,
+        noise=noise,
+        top_raw=top_raw,
+        top_processed=tops[-1] if tops else top_raw,
+        kept_sha256=kept_digests(support, vocab, kept_RB),
+        raw_logsumexp_R=raw_lse,
+        raw_logsumexp=lse,
+    )
+
+
+def read_once(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors on the host, the device's queue waited on once: a CUDA tensor's copy is queued (into page-locked
+    memory) and the stream synchronised after the last; CPU tensors as they are."""
+    if not any(t.is_cuda for t in tensors):
+        return tensors
+    out = [t.to("cpu", non_blocking=True) if t.is_cuda else t for t in tensors]
+    torch.cuda.current_stream(next(t.device for t in tensors if t.is_cuda)).synchronize()
+    return out
 
 
 class FusedSample:
@@ -275,18 +361,20 @@ def gumbel_choices(
         if finite_RV is None
         else (finite_RV if index is None else finite_RV.index_select(0, index))
     )
-    tokens, noise_S = _batched_choice(x_SV, rng.key_words([keys[i] for i in sampled], x_SV.device), finite_SV)
+    words = rng.key_words([keys[i] for i in sampled], x_SV.device)
+    tokens, noise_S = (t.tolist() for t in read_once(list(_batched_choice_tensors(x_SV, words, finite_SV))))
     for i, token, g in zip(sampled, tokens, noise_S):
         chosen[i], noise[i] = token, g
     return chosen, noise
 
 
-def _batched_choice(
+def _batched_choice_tensors(
     x_SV: torch.Tensor, keys_S2: torch.Tensor, finite_SV: torch.Tensor
-) -> tuple[list[int], list[float]]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gumbel-max over each row's finite logits, all rows in a few passes (NOISE_ELEMENTS_PER_PASS each):
     argmax of logits + noise with the other tokens at -inf (ties to the lowest id, as gumbel_choice's argmax
-    over the ascending finite ids), and the chosen tokens' noise gathered from the pass."""
+    over the ascending finite ids), and the chosen tokens' noise gathered from the pass: (S,) int64 tokens (-1 for
+    a row without a finite logit), (S,) float64 noise (NaN there), where the logits are."""
     s, vocab = x_SV.shape
     hashes_V = rng.token_hashes(vocab, x_SV.device)
     step = max(1, NOISE_ELEMENTS_PER_PASS // max(vocab, 1))
@@ -301,7 +389,7 @@ def _batched_choice(
     any_S = finite_SV.any(dim=-1)
     token_S = torch.where(any_S, torch.cat(tokens).squeeze(1), -1)
     noise_S = torch.where(any_S, torch.cat(noise).squeeze(1), float("nan"))
-    return token_S.tolist(), noise_S.tolist()
+    return token_S, noise_S
 
 
 def gumbel_choice(

@@ -71,12 +71,13 @@ def sampler_tail(params, vocab_size: int) -> Tail:
     )
 
 
-def invalid_rows(logsumexp_R: torch.Tensor) -> dict[int, str]:
-    """Rows whose raw logits hold NaN or +inf (their logsumexp is not finite) cannot be sampled."""
+def invalid_rows(logsumexp_R: torch.Tensor, read: list[float] | None = None) -> dict[int, str]:
+    """Rows whose raw logits hold NaN or +inf (their logsumexp is not finite) cannot be sampled. `read`: the
+    values, already on the host (a GPU's sampler reads them with its results)."""
     # read as Python floats: R values, where a torch op here waited on its thread pool (~0.3 ms a step)
     return {
         i: "the model produced NaN or infinite logits"
-        for i, v in enumerate(logsumexp_R.tolist())
+        for i, v in enumerate(logsumexp_R.tolist() if read is None else read)
         if not math.isfinite(v)
     }
 
