@@ -34,7 +34,15 @@ from toolkit.sampling.processors import (
     emptied_by_changes,
     invalid_rows,
 )
-from toolkit.sampling.sampler import FusedSample, SampleResult, SampleRow, logsumexp_rows, sample
+from toolkit.sampling.sampler import (
+    DeviceSample,
+    FusedSample,
+    SampleResult,
+    SampleRow,
+    device_sample,
+    logsumexp_rows,
+    sample,
+)
 
 
 @dataclass
@@ -47,6 +55,16 @@ class Staged:
     plain: list[int]  # step 3: the rows sampled
     sample_args: tuple | None = None  # sample()'s arguments for the plain rows
     fused: FusedSample | None = None  # step 4's fused path, where it takes one: its native pass still to run
+    device: DeviceSample | None = None  # step 4 off the CPU: queued at stage, read at finish
+
+    def device_tokens(self) -> torch.Tensor | None:
+        """Every row's token where the logits are, before anything is read (a row that is not sampled: 0); None on
+        the CPU, where step 4 runs at finish."""
+        if self.device is None:
+            return None
+        tokens_R = torch.zeros(self.logits_RV.shape[0], dtype=torch.int64, device=self.logits_RV.device)
+        tokens_R[torch.tensor(self.plain, device=tokens_R.device)] = self.device.tokens_R
+        return tokens_R
 
 
 @dataclass(frozen=True)
@@ -84,6 +102,9 @@ class Sampler:
         if plain:
             staged.sample_args = self._sample_args(staged, [rows[i] for i in plain])
             staged.fused = FusedSample.of(*staged.sample_args)
+            if staged.fused is None and logits_RV.device.type != "cpu":  # queued now, read at finish
+                raw, processed, sample_rows, lse, per_row, _, patches = staged.sample_args
+                staged.device = device_sample(raw, processed, sample_rows, lse, per_row, patches)
         return staged
 
     def finish(self, staged: Staged) -> SamplerOutput:
@@ -91,7 +112,10 @@ class Sampler:
         logits_RV, pipe, lse_R, plain = staged.logits_RV, staged.pipe, staged.lse_R, staged.plain
         errors, result = pipe.errors, None
         if plain:  # 4
-            result = staged.fused.result() if staged.fused is not None else sample(*staged.sample_args)
+            if staged.fused is not None:
+                result = staged.fused.result()
+            else:
+                result = staged.device.result() if staged.device is not None else sample(*staged.sample_args)
         if pipe.changed_by and result is not None:  # 5
             empty = [i for i, support in zip(plain, result.support_sizes) if support == 0]
             errors = {**errors, **emptied_by_changes(pipe, empty)}

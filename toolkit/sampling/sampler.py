@@ -121,14 +121,14 @@ def sample(
     fused = FusedSample.of(raw_RV, processed_RV, rows, raw_logsumexp_R, per_row, tail, patches)
     if fused is not None:
         return fused.result()
+    if raw_RV.device.type != "cpu":
+        return device_sample(raw_RV, processed_RV, rows, raw_logsumexp_R, per_row, patches).result()
     r, vocab = raw_RV.shape
     keys = _keys(rows)
     num_top = max((row.num_top for row in rows), default=0)
     raw_lse = _raw_lse(raw_RV, raw_logsumexp_R, per_row)
     if patches is not None and patches.rows_S.numel():
         processed_RV = patches.apply(processed_RV)
-    if raw_RV.device.type != "cpu":
-        return sample_on_device(raw_RV, processed_RV, rows, keys, raw_lse, per_row)
     sampled = [i for i, key in enumerate(keys) if key is not None]
     unprocessed = processed_RV is raw_RV
     native = gumbel_sample_cpu(processed_RV, keys) if sampled or not unprocessed else None
@@ -167,6 +167,21 @@ def sample(
     )
 
 
+def device_sample(
+    raw_RV: torch.Tensor,
+    processed_RV: torch.Tensor,
+    rows: list[SampleRow],
+    raw_logsumexp_R: torch.Tensor | None = None,
+    per_row: bool = True,
+    patches: Patches | None = None,
+) -> DeviceSample:
+    """sample()'s work off the CPU queued, not read (DeviceSample): the same arguments, without a tail."""
+    if patches is not None and patches.rows_S.numel():
+        processed_RV = patches.apply(processed_RV)
+    raw_lse = _raw_lse(raw_RV, raw_logsumexp_R, per_row)
+    return DeviceSample(raw_RV, processed_RV, rows, _keys(rows), raw_lse, per_row)
+
+
 def sample_on_device(
     raw_RV: torch.Tensor,
     processed_RV: torch.Tensor,
@@ -175,79 +190,107 @@ def sample_on_device(
     raw_lse: torch.Tensor,
     per_row: bool,
 ) -> SampleResult:
-    """sample() off the CPU: every field computed where the logits are, in a fixed sequence of tensor operations,
-    and read in one transfer. Each read is a wait for the device's queue to drain; the row-at-a-time fields were
-    up to ten of them a step (the support, the choice and its noise, the argmax, each log-probability, each list
-    of alternatives, the kept sets). The same bits as sample()'s path on the CPU (tests/test_batched_sampler.py
-    runs it there)."""
-    r, vocab = raw_RV.shape
-    unprocessed = processed_RV is raw_RV
-    num_top = max((row.num_top for row in rows), default=0)
-    finite_RV = None if unprocessed else torch.isfinite(processed_RV)
-    chosen_R = torch.full((r,), -1, dtype=torch.int64, device=raw_RV.device)
-    noise_R = torch.full((r,), float("nan"), dtype=torch.float64, device=raw_RV.device)
-    sampled = [i for i, key in enumerate(keys) if key is not None]
-    if sampled:
-        index = torch.tensor(sampled, device=raw_RV.device)
-        x_SV = processed_RV.index_select(0, index)
-        finite_SV = torch.isfinite(x_SV) if finite_RV is None else finite_RV.index_select(0, index)
-        words = rng.key_words([keys[i] for i in sampled], raw_RV.device)
-        chosen_R[index], noise_R[index] = _batched_choice_tensors(x_SV, words, finite_SV)
-    # greedy rows, and rows without a finite logit: the argmax (the first maximal id; a NaN counts as the maximum)
-    tokens_R = torch.where(chosen_R >= 0, chosen_R, torch.argmax(processed_RV, dim=-1))
-    proc_lse = raw_lse if unprocessed else logsumexp_rows(processed_RV, per_row)
-    at_R1 = tokens_R.unsqueeze(1)
-    raw_lp_R = raw_RV.gather(1, at_R1).squeeze(1) - raw_lse
-    fields = [tokens_R, noise_R, raw_lp_R, raw_lse]
-    if not unprocessed:
-        fields += [processed_RV.gather(1, at_R1).squeeze(1) - proc_lse, finite_RV.sum(dim=-1), pack_kept(finite_RV)]
-    if num_top:
-        for logits, lse in ((raw_RV, raw_lse),) if unprocessed else ((raw_RV, raw_lse), (processed_RV, proc_lse)):
+    """sample() off the CPU: DeviceSample's two halves at once."""
+    return DeviceSample(raw_RV, processed_RV, rows, keys, raw_lse, per_row).result()
+
+
+class DeviceSample:
+    """sample() off the CPU: every field computed where the logits are, in a fixed sequence of tensor operations, and
+    read in one transfer. Each read is a wait for the device; the row-at-a-time fields were up to ten of them a step
+    (the support, the choice and its noise, the argmax, each log-probability, each list of alternatives, the kept
+    sets). The same bits as sample()'s path on the CPU (tests/test_batched_sampler.py runs it there).
+
+    Two halves: constructing it queues the work and the fields' copies to the host (page-locked memory), then records
+    an event; `result()` waits for that event alone, so work queued after it (the next step's forward, with async
+    scheduling) goes on meanwhile. `tokens_R`: the choice, where the logits are, before anything is read."""
+
+    def __init__(
+        self,
+        raw_RV: torch.Tensor,
+        processed_RV: torch.Tensor,
+        rows: list[SampleRow],
+        keys: list[tuple[int, int] | None],
+        raw_lse: torch.Tensor,
+        per_row: bool,
+    ):
+        r, self.vocab = raw_RV.shape
+        self.rows, self.raw_lse = rows, raw_lse
+        self.unprocessed = unprocessed = processed_RV is raw_RV
+        num_top = max((row.num_top for row in rows), default=0)
+        finite_RV = None if unprocessed else torch.isfinite(processed_RV)
+        chosen_R = torch.full((r,), -1, dtype=torch.int64, device=raw_RV.device)
+        noise_R = torch.full((r,), float("nan"), dtype=torch.float64, device=raw_RV.device)
+        sampled = [i for i, key in enumerate(keys) if key is not None]
+        if sampled:
+            index = torch.tensor(sampled, device=raw_RV.device)
+            x_SV = processed_RV.index_select(0, index)
+            finite_SV = torch.isfinite(x_SV) if finite_RV is None else finite_RV.index_select(0, index)
+            words = rng.key_words([keys[i] for i in sampled], raw_RV.device)
+            chosen_R[index], noise_R[index] = _batched_choice_tensors(x_SV, words, finite_SV)
+        # greedy rows, and rows without a finite logit: the argmax (the first maximal id; a NaN counts as the maximum)
+        self.tokens_R = torch.where(chosen_R >= 0, chosen_R, torch.argmax(processed_RV, dim=-1))
+        proc_lse = raw_lse if unprocessed else logsumexp_rows(processed_RV, per_row)
+        at_R1 = self.tokens_R.unsqueeze(1)
+        fields = [self.tokens_R, noise_R, raw_RV.gather(1, at_R1).squeeze(1) - raw_lse, raw_lse]
+        if not unprocessed:
+            processed_lp = processed_RV.gather(1, at_R1).squeeze(1) - proc_lse
+            fields += [processed_lp, finite_RV.sum(dim=-1), pack_kept(finite_RV)]
+        self.tops = 0 if not num_top else 1 if unprocessed else 2
+        for logits, lse in ((raw_RV, raw_lse), (processed_RV, proc_lse))[: self.tops]:
             values, ids = torch.topk(logits, num_top, dim=-1)
             fields += [values - lse.unsqueeze(1), ids]
-    read = iter(read_once(fields))
-    tokens, noise, raw_lp, lse = (next(read).tolist() for _ in range(4))
-    proc_lp, support, kept_RB = (
-        (next(read).tolist(), next(read).tolist(), next(read))
-        if not unprocessed
-        else (
-            raw_lp,
-            [vocab] * r,
-            None,
+        self.host, self.event = queue_read(fields)
+
+    def result(self) -> SampleResult:
+        if self.event is not None:
+            self.event.synchronize()
+        read, rows, vocab = iter(self.host), self.rows, self.vocab
+        tokens, noise, raw_lp, lse = (next(read).tolist() for _ in range(4))
+        proc_lp, support, kept_RB = raw_lp, [vocab] * len(rows), None
+        if not self.unprocessed:
+            proc_lp, support, kept_RB = next(read).tolist(), next(read).tolist(), next(read)
+        tops = []
+        for _ in range(self.tops):
+            values, ids = next(read).tolist(), next(read).tolist()
+            tops.append(
+                [
+                    [(t, v) for t, v in zip(ids[i][: row.num_top], values[i][: row.num_top]) if v != float("-inf")]
+                    for i, row in enumerate(rows)
+                ]
+            )
+        top_raw = tops[0] if tops else [[] for _ in rows]
+        return SampleResult(
+            token_ids=tokens,
+            raw_logprobs=raw_lp,
+            processed_logprobs=proc_lp,
+            support_sizes=support,
+            noise=noise,
+            top_raw=top_raw,
+            top_processed=tops[-1] if tops else top_raw,
+            kept_sha256=kept_digests(support, vocab, kept_RB),
+            raw_logsumexp_R=self.raw_lse,
+            raw_logsumexp=lse,
         )
-    )
-    tops = []
-    for _ in ((0,) if unprocessed else (0, 1)) if num_top else ():
-        values, ids = next(read).tolist(), next(read).tolist()
-        tops.append(
-            [
-                [(t, v) for t, v in zip(ids[i][: row.num_top], values[i][: row.num_top]) if v != float("-inf")]
-                for i, row in enumerate(rows)
-            ]
-        )
-    top_raw = tops[0] if tops else [[] for _ in rows]
-    return SampleResult(
-        token_ids=tokens,
-        raw_logprobs=raw_lp,
-        processed_logprobs=proc_lp,
-        support_sizes=support,
-        noise=noise,
-        top_raw=top_raw,
-        top_processed=tops[-1] if tops else top_raw,
-        kept_sha256=kept_digests(support, vocab, kept_RB),
-        raw_logsumexp_R=raw_lse,
-        raw_logsumexp=lse,
-    )
+
+
+def queue_read(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """The tensors' copies on the host, queued (CUDA tensors into page-locked memory, behind the work that computes
+    them), and an event recorded after them to wait on before reading (None: CPU tensors, as they are)."""
+    device = next((t.device for t in tensors if t.is_cuda), None)
+    if device is None:
+        return tensors, None
+    host = [t.to("cpu", non_blocking=True) if t.is_cuda else t for t in tensors]
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return host, event
 
 
 def read_once(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors on the host, the device's queue waited on once: a CUDA tensor's copy is queued (into page-locked
-    memory) and the stream synchronised after the last; CPU tensors as they are."""
-    if not any(t.is_cuda for t in tensors):
-        return tensors
-    out = [t.to("cpu", non_blocking=True) if t.is_cuda else t for t in tensors]
-    torch.cuda.current_stream(next(t.device for t in tensors if t.is_cuda)).synchronize()
-    return out
+    """The tensors on the host, the device waited on once (queue_read, then its event)."""
+    host, event = queue_read(tensors)
+    if event is not None:
+        event.synchronize()
+    return host
 
 
 class FusedSample:
