@@ -125,6 +125,9 @@ class EngineConfig:
     # auto: decode-only steps as CUDA graphs over static, padded batch buckets on CUDA; eager: the same buckets
     # without capture, any device (toolkit/engine/graphs.py); off: the runner packs every step
     cuda_graphs: str = "auto"
+    # the next decode step scheduled and its forward queued before this step's tokens are read and committed, so
+    # that a GPU computes while the host commits (toolkit/engine/ahead.py; vLLM's async_scheduling)
+    async_scheduling: bool = False
     enable_prefix_caching: bool = False
     preemption_mode: str = "recompute"  # recompute | swap
     preemption_policy: str = "newest"  # newest | priority
@@ -197,6 +200,10 @@ class EngineConfig:
         )
         check(
             isinstance(self.flex_compile, bool), f"engine.flex_compile must be true or false, got {self.flex_compile!r}"
+        )
+        check(
+            isinstance(self.async_scheduling, bool),
+            f"engine.async_scheduling must be true or false, got {self.async_scheduling!r}",
         )
         check(
             self.cuda_graphs in ("auto", "eager", "off"),

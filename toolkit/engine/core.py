@@ -39,6 +39,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig, from_mapping
+from toolkit.engine.ahead import Ahead, Pipeline
 from toolkit.engine.backends import (
     attention_backend,
     graph_mode,
@@ -177,6 +178,10 @@ class Engine(EngineQueries):
         self.start_time: float | None = None
         self.first_admission_time: float | None = None
         self._hashing: ShaJob | None = None  # the last step's trace digests, hashed on beside this step's Python
+        # engine.async_scheduling: the next step queued before this one is committed (toolkit/engine/ahead.py)
+        self.pipeline = Pipeline.of(
+            self.cfg, self.spec_cfg, self.scheduler, self.runner, self.decider, self.committer, self.requests
+        )
         self.model_sampling_defaults: dict[str, Any] = {}  # sampling fields taken from the model (from_config)
 
     @property
@@ -207,7 +212,9 @@ class Engine(EngineQueries):
         With n > 1 only sample 0 is prefilled; the other samples fork its blocks (copy-on-write)
         when its prompt is done and sample their first token from the same logits, each with
         its own RNG stream."""
-        seqs = self.intake.sequences(request, step_index=self.step_index, taken=self.groups)
+        # with a step already queued (async scheduling) the earliest a request can join is the one after it
+        step = self.step_index + (self.pipeline is not None and self.pipeline.queued is not None)
+        seqs = self.intake.sequences(request, step_index=step, taken=self.groups)
         for seq in seqs:
             self.requests[seq.seq_id] = seq
         self.groups[seqs[0].request_id] = [s.seq_id for s in seqs]
@@ -230,7 +237,14 @@ class Engine(EngineQueries):
     def step(self, *, trace_digests: bool = False) -> StepOutput:
         """One step: schedule, one forward, decide, commit. `trace_digests` (whoever writes the trace): the
         sha256 of every decided logits row too, in StepOutput.logits_sha256 for TraceWriter.write_output,
-        hashed on the other threads beside this step's Python and the next one's (see _decide_and_commit)."""
+        hashed on the other threads beside this step's Python and the next one's (see _decide_and_commit).
+        With engine.async_scheduling the step may have been scheduled and queued by the call before (ahead.py)."""
+        queued = self.pipeline.take() if self.pipeline is not None else None
+        if queued is not None:
+            try:
+                return self._resolved(*self.pipeline.resolve(queued, trace_digests, self.start_time))
+            except CommitFailed as exc:
+                raise exc.__cause__ from None
         step, now = self.step_index, time.perf_counter()
         # the last step's rows still to hash go on beside this step's scheduling and packing
         hashing, self._hashing = self._hashing, None
@@ -257,6 +271,9 @@ class Engine(EngineQueries):
         try:
             # the ONE forward of this step (two with scheduler_policy=two_forwards)
             out = self.runner.run(batch, beside=beside, move_blocks=False)
+            if self.pipeline is not None and not proposals:  # the next step queued before this one is read
+                staged = Ahead(batch, out, self.decider.stage(out, proposals, self.requests))
+                return self._resolved(*self.pipeline.resolve(staged, trace_digests, self.start_time))
             decision, committed, digests = self._decide_and_commit(batch, out, proposals, trace_digests)
         except CommitFailed as exc:  # sequences changed: nothing to retry
             raise exc.__cause__ from None
@@ -297,6 +314,13 @@ class Engine(EngineQueries):
         self.step_index = nxt if (nxt is not None and nxt > batch.step) else batch.step + 1
         return self._step_output(batch)
 
+    def _resolved(
+        self, batch: ScheduledBatch, decision: Decision, committed: Committed, forward_s: float, digests
+    ) -> StepOutput:
+        """A step that async scheduling committed (Pipeline.resolve)."""
+        self.step_index = batch.step + 1
+        return self._step_output(batch, committed, decision.logits_RV, forward_s, 1, digests)
+
     def _decide_and_commit(
         self, batch: ScheduledBatch, out: ModelOutput, proposals: Mapping[str, Proposal], digests: bool
     ) -> tuple[Decision, Committed, RowDigests | None]:
@@ -306,34 +330,10 @@ class Engine(EngineQueries):
         )
         return decision, committed, rows
 
-    def _step_output(
-        self,
-        batch: ScheduledBatch,
-        committed: Committed | None = None,
-        logits_RV: torch.Tensor | None = None,
-        forward_s: float = 0.0,
-        forwards: int = 0,
-        digests: RowDigests | None = None,
-    ) -> StepOutput:
-        used = self.block_manager.num_used_blocks
-        return StepOutput(
-            step=batch.step,
-            batch_size=len(batch.chunks),
-            num_decode_tokens=batch.num_decode_tokens,
-            num_prefill_tokens=batch.num_prefill_tokens,
-            samples=committed.traces if committed else (),
-            logits_RV=logits_RV,
-            deltas=committed.deltas if committed else (),
-            finished=committed.finished if committed else (),
-            preempted=batch.preempted,
-            kv_blocks_used=used,
-            kv_utilization=used / self.num_kv_blocks,
-            prefix_hit_tokens=batch.prefix_hit_tokens,
-            forward_s=forward_s,
-            forwards=forwards,
-            logits_sha256=digests,
-            failed=committed.failed if committed else (),
-        )
+    def _step_output(self, batch: ScheduledBatch, *rest) -> StepOutput:
+        """StepOutput of `batch` (outputs.step_output: what it committed, its logits, forward seconds and count,
+        digests) with the KV pool's use now."""
+        return step_output(batch, self.block_manager.num_used_blocks, self.num_kv_blocks, *rest)
 
     def abort(self, request_id: str) -> None:
         """Finish every sequence of a request now, before the next step (finish_reason "abort"), and free its
@@ -341,6 +341,8 @@ class Engine(EngineQueries):
         if request_id not in self.groups:
             raise RequestError(f"unknown request id {request_id!r}")
         self.committer.abort([self.requests[s] for s in self.groups[request_id]], self.step_index)
+        if self.pipeline is not None:
+            self.pipeline.take(keep=True)  # a queued step of aborted sequences alone is dropped
 
     # ------------------------------------------------------------------ results out
 
@@ -387,6 +389,38 @@ class Engine(EngineQueries):
         self._add_all(requests)
         while self.has_unfinished():
             yield from self.step().deltas
+
+
+def step_output(
+    batch: ScheduledBatch,
+    kv_used: int,
+    kv_blocks: int,
+    committed: Committed | None = None,
+    logits_RV: torch.Tensor | None = None,
+    forward_s: float = 0.0,
+    forwards: int = 0,
+    digests: RowDigests | None = None,
+) -> StepOutput:
+    """What a step hands out: its batch's shape, what it committed, and the KV pool's use (`kv_used` of
+    `kv_blocks` blocks)."""
+    return StepOutput(
+        step=batch.step,
+        batch_size=len(batch.chunks),
+        num_decode_tokens=batch.num_decode_tokens,
+        num_prefill_tokens=batch.num_prefill_tokens,
+        samples=committed.traces if committed else (),
+        logits_RV=logits_RV,
+        deltas=committed.deltas if committed else (),
+        finished=committed.finished if committed else (),
+        preempted=batch.preempted,
+        kv_blocks_used=kv_used,
+        kv_utilization=kv_used / kv_blocks,
+        prefix_hit_tokens=batch.prefix_hit_tokens,
+        forward_s=forward_s,
+        forwards=forwards,
+        logits_sha256=digests,
+        failed=committed.failed if committed else (),
+    )
 
 
 def load_for(

@@ -60,6 +60,32 @@ class RowDigests(Mapping[int, str]):
         return len(self._rows)
 
 
+def commit_decided(
+    committer: Committer,
+    batch: ScheduledBatch,
+    decision: Decision,
+    proposals: Mapping[str, Proposal],
+    requests: Mapping[str, Sequence],
+    start_time: float | None,
+    digests: bool,
+) -> tuple[Committed, RowDigests | None, ShaJob | None]:
+    """The commit of a decision already made, with its decided rows' sha256 hashed beside it where `digests` and
+    the rows are CPU fp32 (CommitFailed: the commit raised)."""
+
+    def commit() -> Committed:
+        try:
+            return committer.commit(batch, decision, proposals, requests, start_time)
+        except Exception as exc:  # noqa: BLE001 - raised by step as it was: a commit is not retried
+            raise CommitFailed() from exc
+
+    logits = decision.logits_RV
+    if not (digests and logits.shape[0] and logits.device.type == "cpu" and logits.dtype == torch.float32):
+        return commit(), None, None
+    rows = sorted({e.row for _, emits in decision.emits for e in emits})
+    job = ShaJob(logits, rows)
+    return job.beside(commit), RowDigests(job, {row: i for i, row in enumerate(rows)}), job
+
+
 def decide_and_commit(
     decider: Decider,
     committer: Committer,
@@ -89,10 +115,7 @@ def decide_and_commit(
         return decision, commit(decision), None, None
     if proposals:  # verification's torch work stays on every thread; its rejected rows are not hashed
         decision = decider.decide(out, proposals, requests)
-        rows = sorted({e.row for _, emits in decision.emits for e in emits})
-        job = ShaJob(decision.logits_RV, rows)
-        committed = job.beside(lambda: commit(decision))
-        return decision, committed, RowDigests(job, {row: i for i, row in enumerate(rows)}), job
+        return (decision, *commit_decided(committer, batch, decision, proposals, requests, start_time, digests))
     job = ShaJob(logits)  # every row of the forward's is decided (a follower's row is its leader's)
     staged = job.beside(lambda: decider.stage(out, proposals, requests))
     if staged.sampler is not None:

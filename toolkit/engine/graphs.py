@@ -88,8 +88,9 @@ class DecodeGraphs:
             and all(c.num_tokens == 1 and c.num_logits == 1 and c.samples for c in batch.chunks)
         )
 
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, float]:
-        """The step's logits (D, V), rows in the batch's chunk order, and the host's seconds in the forward."""
+    def run(self, batch: ScheduledBatch, fed_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+        """The step's logits (D, V), rows in the batch's chunk order, and the host's seconds in the forward.
+        `fed_ids`: the rows' tokens on the device (async scheduling), in place of the chunks' placeholders."""
         chunks = batch.chunks
         d, bs = len(chunks), self.block_size
         width = bucket_of(max(-(-c.context_len // bs) for c in chunks), WIDTH_BUCKETS, self.max_width)
@@ -113,6 +114,8 @@ class DecodeGraphs:
         rows = ([c.token_ids[0] for c in chunks], positions, slots, [c.context_len for c in chunks], tables)
         for buffer, values in zip(self._inputs(s), rows):
             buffer[:d].copy_(torch.as_tensor(values, dtype=torch.int64))
+        if fed_ids is not None:
+            self._inputs(s)[0][:d].copy_(fed_ids)
         self.replays += 1
         t = time.perf_counter()
         if self.capture and s.graph is None:

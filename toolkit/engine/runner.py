@@ -233,13 +233,20 @@ class ModelRunner:
         num_layers: int | None = None,
         beside: Callable[[Callable[[], ForwardInputs]], ForwardInputs] | None = None,
         move_blocks: bool = True,
+        fed_ids: torch.Tensor | None = None,
     ) -> ModelOutput:
         """The forward of a batch. `beside` runs the packing of its inputs (Python) where the caller has work
         for the other threads meanwhile (Engine.step: the last step's trace digests, sha.ShaJob.beside).
         `move_blocks=False`: the batch's copy jobs already ran (Engine.step runs them once, so that a forward it
-        retries does not copy a swapped-out block again, from a block the failed forward may have written)."""
+        retries does not copy a swapped-out block again, from a block the failed forward may have written).
+        `fed_ids`: a decode batch's input tokens, one a chunk in its order, on the device (async scheduling: the
+        step before's choices, never read to the host); the chunks' own token_ids are then placeholders."""
         if move_blocks:
             self.move_blocks(batch)
+        if fed_ids is not None:
+            if any(c.num_tokens != 1 for c in batch.chunks) or fed_ids.shape != (len(batch.chunks),):
+                raise ValueError("fed_ids feeds a decode batch one token a chunk")
+            return self._forward(batch, num_layers, beside, fed_ids)
         decodes = tuple(c for c in batch.chunks if c.num_tokens == 1 or c.num_logits > 1) if self.two_forwards else ()
         if decodes and len(decodes) < len(batch.chunks):
             prefills = tuple(c for c in batch.chunks if c not in decodes)
@@ -260,12 +267,15 @@ class ModelRunner:
         batch: ScheduledBatch,
         num_layers: int | None,
         beside: Callable[[Callable[[], ForwardInputs]], ForwardInputs] | None = None,
+        fed_ids: torch.Tensor | None = None,
     ) -> ModelOutput:
         if self.graphs is not None and self.graphs.applies(batch, num_layers):
             self.num_forwards += 1
-            logits, seconds = self.graphs.run(batch)
+            logits, seconds = self.graphs.run(batch, fed_ids)
             return ModelOutput(logits_RV=logits, sample_chunks=batch.chunks, forward_s=seconds)
         inputs = self.prepare(batch) if beside is None else beside(lambda: self.prepare(batch))
+        if fed_ids is not None:  # a decode batch: one token a chunk, in the chunks' order (prepare's singles)
+            inputs = dataclasses.replace(inputs, input_ids_N=fed_ids)
         self.num_forwards += 1
         t = time.perf_counter()
         logits = self.model(

@@ -31,6 +31,10 @@ from toolkit.config import EngineConfig
 from toolkit.engine.request import Sequence, SequenceStatus
 from toolkit.kv.block_manager import BlockCopy, BlockManager, SwapCopy
 
+# a lookahead chunk's token: the one the step before samples, fed to the forward where it was sampled (async
+# scheduling), never a token id
+FED = -1
+
 
 @dataclass(frozen=True)
 class ScheduledChunk:
@@ -248,6 +252,35 @@ class Scheduler:
             block_copies=tuple(plan.copies),
             prefix_hit_tokens=plan.prefix_hit_tokens,
         )
+
+    def lookahead(self, step: int, batch: ScheduledBatch, finishing: set[str]) -> ScheduledBatch | None:
+        """Async scheduling: step `step`'s batch before `batch` (the step before) is committed, where it does not
+        depend on the tokens `batch` samples: every running sequence sampled its one token in `batch` and decodes
+        it now, as schedule() would decode it once `batch` is committed (the same chunks, in the same order, each
+        token FED). Sequences in `finishing` end at that commit whatever they sample (their length): left out. A
+        sequence that ends there for its token (a stop) is computed and its row dropped. None where the step could
+        be anything else: arrivals due, sequences waiting, a prefill under way, drafts, a budget or KV pool too
+        small for every decode without a preemption."""
+        sampled = {c.seq_id: c for c in batch.chunks if c.samples and c.num_logits == 1 and not c.draft_slots}
+        due = self._pending and self._pending[0][0] <= step
+        if due or self.waiting or len(sampled) != len(batch.chunks) or not self.running:
+            return None
+        decoding = [s for s in self.running if s.seq_id not in finishing]
+        if any(s.seq_id not in sampled for s in self.running) or not decoding:
+            return None
+        if len(decoding) > self.cfg.max_num_batched_tokens:
+            return None
+        starts = [sampled[s.seq_id].context_len for s in decoding]
+        cost = sum(self.blocks.write_cost(s.seq_id, p, p + 1) for s, p in zip(decoding, starts))
+        if cost > self.blocks.num_free_blocks:
+            return None
+        plan, chunks = _Plan(), []
+        for seq, start in zip(decoding, starts):
+            plan.copies.extend(self.blocks.write(seq.seq_id, start, start + 1))
+            chunks.append(
+                ScheduledChunk(seq.seq_id, (FED,), start, tuple(self.blocks.block_table(seq.seq_id)), samples=True)
+            )
+        return ScheduledBatch(step, tuple(chunks), len(chunks), 0, block_copies=tuple(plan.copies))
 
     # ------------------------------------------------------------------ helpers
 

@@ -132,8 +132,13 @@ class BlockManager:
         return grow, shared
 
     def can_write(self, seq_id: str, start: int, end: int) -> bool:
+        return self.write_cost(seq_id, start, end) <= len(self._free)
+
+    def write_cost(self, seq_id: str, start: int, end: int) -> int:
+        """Free blocks write(seq_id, start, end) takes: to grow, and to copy shared blocks (an upper bound where
+        sequences that share a block write beside each other: the first one's copy unshares it for the next)."""
         grow, shared = self._write_plan(seq_id, start, end)
-        return grow + len(shared) <= len(self._free)
+        return grow + len(shared)
 
     def write(self, seq_id: str, start: int, end: int) -> list[BlockCopy]:
         """Make positions [start, end) writable by this sequence alone; returns the copy-on-write jobs."""
