@@ -18,7 +18,14 @@ ROOT = Path(__file__).resolve().parents[1] / "toolkit"
 # The packages from the bottom up (docs/architecture.md draws them): a module imports from its own layer or the
 # layers below, never above, type hints included. Within a layer, the cycle check below keeps the order.
 LAYERS = (
-    ("toolkit.errors", "toolkit.paths", "toolkit.version", "toolkit.data", "toolkit.config"),  # leaves
+    (
+        "toolkit.errors",
+        "toolkit.paths",
+        "toolkit.version",
+        "toolkit.data",
+        "toolkit.config",
+        "toolkit.devices",
+    ),  # leaves
     ("toolkit.native",),  # the C kernels: build, CPU detection, ops, sha256 of rows, child processes
     ("toolkit.sampling",),  # SamplingParams, the processors, the sampler, RNG, grammar masks, stop strings
     ("toolkit.kv",),  # KV-cache memory and attention over it

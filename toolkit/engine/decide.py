@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from toolkit.devices import tensor_on, to_device
 from toolkit.engine.request import Sequence
 from toolkit.engine.runner import ModelOutput
 from toolkit.engine.speculative import PLAIN, Proposal, Speculator, verify
@@ -117,7 +118,9 @@ class Decider:
         rows, forks = self.rows(out, proposals, requests)
         logits_RV = out.logits_RV
         if len(rows) != logits_RV.shape[0] or any(r.logits_row != i for i, r in enumerate(rows)):
-            logits_RV = logits_RV.index_select(0, torch.tensor([r.logits_row for r in rows], device=logits_RV.device))
+            logits_RV = logits_RV.index_select(
+                0, tensor_on([r.logits_row for r in rows], logits_RV.device, torch.int64)
+            )
         grammar_mask, allowed = self.grammar_masks(rows, logits_RV.shape, logits_RV.device)
         view = self._view(rows, logits_RV.device, grammar_mask)
         sample_rows = [
@@ -200,7 +203,7 @@ class Decider:
                     if self.grammar().accept(ahead, rows[nxt].tokens[-1]):
                         reached[rows[i].seq.seq_id] = (depth + 1, ahead)
             depth += 1
-        return mask.to(device), allowed
+        return to_device(mask, device), allowed
 
     def _view(self, rows: list[Row], device, grammar_mask) -> BatchView:
         return BatchView(

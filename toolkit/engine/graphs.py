@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from toolkit.devices import copy_into
 from toolkit.engine.scheduler import ScheduledBatch
 from toolkit.kv.attention import AttentionMetadata, additive_bias
 from toolkit.kv.paged_cache import PagedKVCache
@@ -113,7 +114,7 @@ class DecodeGraphs:
         slots = tables[torch.arange(d), positions // bs] * bs + positions % bs
         rows = ([c.token_ids[0] for c in chunks], positions, slots, [c.context_len for c in chunks], tables)
         for buffer, values in zip(self._inputs(s), rows):
-            buffer[:d].copy_(torch.as_tensor(values, dtype=torch.int64))
+            copy_into(buffer[:d], torch.as_tensor(values, dtype=torch.int64))
         if fed_ids is not None:
             self._inputs(s)[0][:d].copy_(fed_ids)
         self.replays += 1

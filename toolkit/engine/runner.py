@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from toolkit.devices import tensor_on, to_device
 from toolkit.engine.graphs import DecodeGraphs
 from toolkit.engine.scheduler import ScheduledBatch, ScheduledChunk
 from toolkit.kv import flex
@@ -155,19 +156,19 @@ class ModelRunner:
         # gathered copy in the standard bench's prefill steps, and each row's bits then do not depend
         # on how its prompt was chunked)
         kernel_rows = len(ids) if use_kernel else 0
-        positions_t = positions_cpu.to(dev)
+        positions_t = to_device(positions_cpu, dev)
 
         tables = query_table = query_ctx = None
         if use_kernel:
-            tables = tables_cpu.to(dev)
-            query_table = chunk_of.to(dev)
+            tables = to_device(tables_cpu, dev)
+            query_table = to_device(chunk_of, dev)
             query_ctx = positions_t + 1
 
         decode_tables = decode_bias = decode_ctx = None
         if singles and self.backend == "sdpa":
             width = max(len(c.block_table) for c in singles)
-            decode_tables = tables_cpu[: len(singles), :width].to(dev)  # (D, B): the decodes come first
-            ctx = torch.tensor([c.context_len for c in singles], device=dev)
+            decode_tables = to_device(tables_cpu[: len(singles), :width], dev)  # (D, B): the decodes come first
+            ctx = tensor_on([c.context_len for c in singles], dev, torch.int64)
             decode_bias = additive_bias(torch.arange(width * bs, device=dev)[None, :] < ctx[:, None], self.dtype)
             decode_ctx = ctx
 
@@ -199,7 +200,7 @@ class ModelRunner:
                 self.flex_compile,
             )
         attn = AttentionMetadata(
-            slot_mapping_N=slots_cpu.to(dev),
+            slot_mapping_N=to_device(slots_cpu, dev),
             num_decodes=len(singles),
             kernel_rows=kernel_rows,
             block_tables_SB=tables,
@@ -213,10 +214,10 @@ class ModelRunner:
             kv_quant=self.kv_cache.quant,
         )
         return ForwardInputs(
-            input_ids_N=torch.tensor(ids, dtype=torch.int64, device=dev),
+            input_ids_N=tensor_on(ids, dev, torch.int64),
             positions_N=positions_t,
             attn=attn,
-            logits_rows_R=torch.tensor(rows, dtype=torch.int64, device=dev),
+            logits_rows_R=tensor_on(rows, dev, torch.int64),
             sample_chunks=tuple(sample_chunks),
         )
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from toolkit.devices import tensor_on
 from toolkit.sampling.processors import (
     BatchView,
     PipelineResult,
@@ -63,7 +64,7 @@ class Staged:
         if self.device is None:
             return None
         tokens_R = torch.zeros(self.logits_RV.shape[0], dtype=torch.int64, device=self.logits_RV.device)
-        tokens_R[torch.tensor(self.plain, device=tokens_R.device)] = self.device.tokens_R
+        tokens_R[tensor_on(self.plain, tokens_R.device, torch.int64)] = self.device.tokens_R
         return tokens_R
 
 
@@ -141,7 +142,7 @@ class Sampler:
         tail = [pipe.tail[i] for i in plain] if pipe.tail is not None else None
         if len(plain) == logits_RV.shape[0]:
             return (logits_RV, pipe.processed_RV, sample_rows, lse_R, self.batch_invariant, tail, pipe.patches)
-        index = torch.tensor(plain, device=logits_RV.device)
+        index = tensor_on(plain, logits_RV.device, torch.int64)
         patches = pipe.patches.select(plain, logits_RV.shape[0]) if pipe.patches is not None else None
         raw = logits_RV.index_select(0, index)
         processed = raw if pipe.processed_RV is logits_RV else pipe.processed_RV.index_select(0, index)

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from toolkit.devices import to_device
+
 MASK32 = 0xFFFFFFFF
 _C1 = 0x7FEB352D
 _C2 = 0x5BD1E995
@@ -167,7 +169,7 @@ def gumbel(key: tuple[int, int], token_hash: torch.Tensor) -> torch.Tensor:
 
 def key_words(keys: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
     """(R, 2) int64: the rows' keys, ready to broadcast against token hashes (one copy to the device)."""
-    return torch.tensor(list(keys), dtype=torch.int64).reshape(-1, 2).to(device)
+    return to_device(torch.tensor(list(keys), dtype=torch.int64).reshape(-1, 2), device)
 
 
 def gumbel_rows(keys_R2: torch.Tensor, token_hash_RV: torch.Tensor) -> torch.Tensor:

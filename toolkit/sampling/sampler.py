@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from toolkit.devices import tensor_on
 from toolkit.native import invariant_gpu
 from toolkit.native.sampling_ops import Patches, TailCall, argmax_cpu, gumbel_sample_cpu, logsumexp_cpu
 from toolkit.native.sha import sha256_rows
@@ -52,7 +53,7 @@ def pack_kept(finite_RV: torch.Tensor) -> torch.Tensor:
     r, vocab = finite_RV.shape
     padded = torch.zeros((r, (vocab + 7) // 8 * 8), dtype=torch.uint8, device=finite_RV.device)
     padded[:, :vocab] = finite_RV
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=finite_RV.device)
+    weights = tensor_on([1, 2, 4, 8, 16, 32, 64, 128], finite_RV.device, torch.uint8)
     return (padded.view(r, -1, 8) * weights).sum(-1, dtype=torch.uint8)
 
 
@@ -222,7 +223,7 @@ class DeviceSample:
         noise_R = torch.full((r,), float("nan"), dtype=torch.float64, device=raw_RV.device)
         sampled = [i for i, key in enumerate(keys) if key is not None]
         if sampled:
-            index = torch.tensor(sampled, device=raw_RV.device)
+            index = tensor_on(sampled, raw_RV.device, torch.int64)
             x_SV = processed_RV.index_select(0, index)
             finite_SV = torch.isfinite(x_SV) if finite_RV is None else finite_RV.index_select(0, index)
             words = rng.key_words([keys[i] for i in sampled], raw_RV.device)
@@ -366,7 +367,7 @@ def _raw_lse(raw_RV: torch.Tensor, given: torch.Tensor | None, per_row: bool) ->
 
 
 def _logprobs_at(logits_RV: torch.Tensor, lse_R: torch.Tensor, tokens: list[int]) -> list[float]:
-    token_t = torch.tensor(tokens, device=logits_RV.device).unsqueeze(1)
+    token_t = tensor_on(tokens, logits_RV.device, torch.int64).unsqueeze(1)
     return (logits_RV.gather(1, token_t).squeeze(1) - lse_R).tolist()
 
 
@@ -397,7 +398,7 @@ def gumbel_choices(
         for i in sampled:
             chosen[i], noise[i] = gumbel_choice(logits_RV[i], keys[i], None if finite_RV is None else finite_RV[i])
         return chosen, noise
-    index = None if len(sampled) == r else torch.tensor(sampled, device=logits_RV.device)
+    index = None if len(sampled) == r else tensor_on(sampled, logits_RV.device, torch.int64)
     x_SV = logits_RV if index is None else logits_RV.index_select(0, index)
     finite_SV = (
         torch.isfinite(x_SV)

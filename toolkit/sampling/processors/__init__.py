@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from toolkit.devices import tensor_on
 from toolkit.native.sampling_ops import tail_fusable
 from toolkit.sampling.params import DEFAULT_PROCESSORS
 from toolkit.sampling.processors import masks, penalties, truncation
@@ -144,7 +145,7 @@ def _changes(view: BatchView, fn: Processor, rows: list[int]) -> Patches | None:
         return None
     if whole:
         return changes
-    index = torch.tensor(rows, device=changes.rows_S.device)
+    index = tensor_on(rows, changes.rows_S.device, torch.int64)
     return Patches(index[changes.rows_S], changes.cols_S, changes.factor_S)
 
 
@@ -182,7 +183,7 @@ def _apply_one(
     logits_RV: torch.Tensor, view: BatchView, name: str, fn: Processor, rows: list[int], errors: dict[int, str]
 ) -> torch.Tensor:
     whole = len(rows) == logits_RV.shape[0]
-    index = torch.tensor(rows, device=logits_RV.device)
+    index = tensor_on(rows, logits_RV.device, torch.int64)
     before = logits_RV if whole else logits_RV.index_select(0, index)
     try:
         after = fn(before, view if whole else view.subset(rows))

@@ -24,6 +24,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from toolkit.devices import tensor_on, to_device
 from toolkit.sampling.params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -58,17 +59,19 @@ class BatchView:
     def subset(self, index: Sequence[int]) -> BatchView:
         mask = None
         if self.grammar_mask_RV is not None:
-            mask = self.grammar_mask_RV.index_select(0, torch.tensor(list(index), device=self.grammar_mask_RV.device))
+            mask = self.grammar_mask_RV.index_select(
+                0, tensor_on(list(index), self.grammar_mask_RV.device, torch.int64)
+            )
         return BatchView(tuple(self.rows[i] for i in index), self.vocab_size, self.device, self.eos_token_ids, mask)
 
     def column(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A per-row parameter as an (R, 1) tensor, ready to broadcast against (R, V)."""
-        return torch.tensor([[getattr(r.params, name)] for r in self.rows], dtype=dtype, device=self.device)
+        return tensor_on([[getattr(r.params, name)] for r in self.rows], self.device, dtype)
 
     def token_index(self, ids_per_row: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, cols) int64 index tensors of each row's listed token ids (repeats kept)."""
         rows, cols = token_index_np(ids_per_row)
-        return torch.from_numpy(rows).to(self.device), torch.from_numpy(cols).to(self.device)
+        return to_device(torch.from_numpy(rows), self.device), to_device(torch.from_numpy(cols), self.device)
 
     def token_mask(self, ids_per_row: Sequence[Sequence[int]]) -> torch.Tensor:
         """(R, V) bool, True at each row's listed token ids."""

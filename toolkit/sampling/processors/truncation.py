@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from toolkit.devices import tensor_on
 from toolkit.native.sampling_ops import truncate_cpu
 from toolkit.sampling.processors.base import NEG_INF, BatchView
 from toolkit.sampling.sampler import logsumexp_rows
@@ -24,7 +25,7 @@ def top_k(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:
     native = truncate_cpu(logits_RV, "top_k", torch.tensor(k, dtype=torch.float32))
     if native is not None:
         return native[0]
-    k_R = torch.tensor(k, device=logits_RV.device)
+    k_R = tensor_on(k, logits_RV.device)
     top_RK = torch.topk(logits_RV, int(k_R.max()), dim=-1).values
     kth_R1 = top_RK.gather(1, (k_R - 1).unsqueeze(1))
     return logits_RV.masked_fill(logits_RV < kth_R1, NEG_INF)

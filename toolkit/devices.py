@@ -1,0 +1,39 @@
+"""Host values onto the device without waiting for it.
+
+torch's copy of a CPU tensor into a CUDA one, unless non-blocking from page-locked memory, synchronises the stream:
+the host waits until every kernel queued so far has run. A decode step makes a dozen such copies (its token
+buffers, the processors' parameter columns, the rows a processor runs on, the sampler's keys), so each one drained
+the queue; with async scheduling (toolkit/engine/ahead.py) the queue holds the next step's forward, and the host
+would wait for it instead of committing beside it. `tensor_on` copies through page-locked memory, non-blocking
+(torch's caching host allocator keeps that memory until the copy has run). On the CPU it is torch.tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A CPU tensor on `device`; onto a CUDA device without waiting for the work queued there."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def tensor_on(
+    values: Sequence[Any] | Any, device: torch.device | str, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """torch.tensor(values, dtype=dtype, device=device), without waiting for the work queued on a CUDA device."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) for a CPU `src`, without waiting for the work queued on a CUDA `dst`'s device."""
+    if dst.is_cuda and not src.is_cuda:
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
