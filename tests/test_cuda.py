@@ -59,8 +59,8 @@ def run(loaded, device: str, **engine) -> tuple[Engine, dict[str, dict[int, torc
     rows: dict[str, dict[int, torch.Tensor]] = {}
     while eng.has_unfinished():
         out = eng.step()
-        for i, s in enumerate(out.samples):
-            rows.setdefault(s.request_id, {})[s.position] = out.logits_RV[i].float().cpu()
+        for s in out.samples:
+            rows.setdefault(s.request_id, {})[s.position] = out.logits_RV[s.logits_row].float().cpu()
     return eng, rows
 
 
@@ -101,6 +101,20 @@ def test_fp32_on_the_gpu_is_the_cpu_within_rounding():
         for p in set(by_pos) & set(gpu[rid]):
             if gpu_engine.requests[rid].token_ids[:p] == cpu_engine.requests[rid].token_ids[:p]:
                 assert (by_pos[p] - gpu[rid][p]).abs().max() < 1e-3, (rid, p)
+
+
+def test_async_scheduling_gives_every_row_its_bits_on_the_gpu(on_gpu):
+    """engine.async_scheduling on a GPU (decode steps captured as graphs, each step's choices fed to the next
+    forward where they were sampled, the host's copies non-blocking): with no row to drop (no stop), the steps it
+    queues are the engine's own, so every row's logits are the same bits as without it, and every token the same."""
+    eng, rows = run(on_gpu, "cuda")
+    eng_async, rows_async = run(on_gpu, "cuda", async_scheduling=True)
+    assert rows_async.keys() == rows.keys()
+    for request_id, by_position in rows.items():
+        assert by_position.keys() == rows_async[request_id].keys()
+        for position, logits in by_position.items():
+            assert torch.equal(rows_async[request_id][position], logits), (request_id, position)
+        assert eng_async.output(request_id).outputs[0].token_ids == eng.output(request_id).outputs[0].token_ids
 
 
 def test_the_noise_and_the_batched_choice_on_the_gpu_are_the_cpus_bit_for_bit():
