@@ -26,7 +26,7 @@ def top_k(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:
     if native is not None:
         return native[0]
     k_R = tensor_on(k, logits_RV.device)
-    top_RK = torch.topk(logits_RV, int(k_R.max()), dim=-1).values
+    top_RK = torch.topk(logits_RV, max(k), dim=-1).values  # the largest k from the host's list: no device read
     kth_R1 = top_RK.gather(1, (k_R - 1).unsqueeze(1))
     return logits_RV.masked_fill(logits_RV < kth_R1, NEG_INF)
 
