@@ -212,3 +212,50 @@ def test_a_request_aborted_while_its_next_step_is_queued_gets_no_row_there(model
     assert ahead and same(got, want)
     aborted = sorted({r["request_id"] for r in got})[1]
     assert max(r["step"] for r in got if r["request_id"] == aborted) == 3
+
+
+@pytest.mark.parametrize("stage", ["forward", "stage", "finish"])
+def test_a_request_whose_step_raises_fails_alone_with_async_scheduling(model, stage):
+    """A poison request (its forward, its decide stage or its decide's finish raises whenever it is in a step from
+    its 4th token on):
+    the queued step it poisons is dropped, the engine schedules that step anew and isolates the failure as it does
+    without async scheduling; the poison alone ends with "error", the others keep their rows' bits, and every KV
+    block comes back."""
+
+    def engine_with(names):
+        e = Engine(model, EngineConfig(batch_invariant=True, async_scheduling=True, max_num_seqs=8))
+        for i in names:
+            prompt = [(5 * i + j) % VOCAB for j in range(4 + i)]
+            e.add(
+                EngineRequest(prompt_token_ids=prompt, request_id=f"r{i}", sampling_params={"max_tokens": 9, "seed": i})
+            )
+        return e
+
+    def rows_of(e):
+        rows = []
+        while e.has_unfinished():
+            rows += [(s.request_id, s.position, s.token_id, repr(s.raw_logprob)) for s in e.step().samples]
+        return sorted(r for r in rows if r[0] != "r3")
+
+    without = rows_of(engine_with([0, 1, 2, 4, 5]))
+    e = engine_with(range(6))
+    target, name = (e.runner, "run") if stage == "forward" else (e.decider, stage)
+    original = getattr(target, name)
+
+    def poisoned(*args, **kwargs):
+        step = args[0]
+        if stage == "finish":
+            seqs = {r.seq.seq_id for r in step.rows}
+        else:
+            seqs = {c.seq_id for c in (step.chunks if stage == "forward" else step.sample_chunks)}
+        if "r3" in seqs and e.requests["r3"].num_output_tokens >= 3:
+            raise RuntimeError("poisoned")
+        return original(*args, **kwargs)
+
+    setattr(target, name, poisoned)
+    assert rows_of(e) == without
+    bad = e.output("r3")
+    # a queued forward runs before the step before it commits: the first forward launched with r3 past 3 tokens is
+    # the one after its 4th token's
+    assert bad.finish_reason == "error" and len(bad.outputs[0].token_ids) == (4 if stage == "forward" else 3)
+    assert e.block_manager.num_free_blocks == e.block_manager.num_blocks

@@ -245,6 +245,8 @@ class Engine(EngineQueries):
                 return self._resolved(*self.pipeline.resolve(queued, trace_digests, self.start_time))
             except CommitFailed as exc:
                 raise exc.__cause__ from None
+            except Exception:  # noqa: BLE001 - nothing committed: the step is scheduled anew below, failures isolated
+                pass
         step, now = self.step_index, time.perf_counter()
         # the last step's rows still to hash go on beside this step's scheduling and packing
         hashing, self._hashing = self._hashing, None
@@ -272,8 +274,8 @@ class Engine(EngineQueries):
             # the ONE forward of this step (two with scheduler_policy=two_forwards)
             out = self.runner.run(batch, beside=beside, move_blocks=False)
             if self.pipeline is not None and not proposals:  # the next step queued before this one is read
-                staged = Ahead(batch, out, self.decider.stage(out, proposals, self.requests))
-                return self._resolved(*self.pipeline.resolve(staged, trace_digests, self.start_time))
+                current = Ahead(batch, out, self.decider.stage(out, proposals, self.requests))
+                return self._resolved(*self.pipeline.resolve(current, trace_digests, self.start_time))
             decision, committed, digests = self._decide_and_commit(batch, out, proposals, trace_digests)
         except CommitFailed as exc:  # sequences changed: nothing to retry
             raise exc.__cause__ from None
