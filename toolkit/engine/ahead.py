@@ -93,12 +93,13 @@ class Pipeline:
 
     def resolve(
         self, step: Ahead, digests: bool, start_time: float | None
-    ) -> tuple[ScheduledBatch, Decision, Committed, float, RowDigests | None]:
+    ) -> tuple[ScheduledBatch, Committed, torch.Tensor, float, int, RowDigests | None]:
         """The step after `step` scheduled and its forward queued (fed `step`'s choices where they were made), then
         `step` read and committed, then the queued step's decide staged (self.queued, for the next call). Its rows
         as staged: rows of sequences aborted since are dropped at the commit. A failure before the commit is the
         step's, as it would be without the lookahead (CommitFailed: the commit's); a lookahead that fails is
-        dropped, and the engine schedules that step anew."""
+        dropped, and the engine schedules that step anew. Returns the step's StepOutput's parts: its batch, what it
+        committed, the logits it decided from, its forward's seconds and count, its rows' digests."""
         batch, out, staged = step.batch, step.out, step.staged
         decision = queued = None
         if not staged.forks:  # parallel samples leave their leader at the commit: they join the step after
@@ -113,7 +114,7 @@ class Pipeline:
         committed, rows, _ = commit_decided(self.committer, batch, decision, {}, self.requests, start_time, digests)
         if queued is not None:
             self.queued = self._stage(*queued)
-        return batch, decision, committed, out.forward_s, rows
+        return batch, committed, decision.logits_RV, out.forward_s, 1, rows
 
     def _look_ahead(
         self, batch: ScheduledBatch, out: ModelOutput, tokens_R: torch.Tensor

@@ -316,12 +316,10 @@ class Engine(EngineQueries):
         self.step_index = nxt if (nxt is not None and nxt > batch.step) else batch.step + 1
         return self._step_output(batch)
 
-    def _resolved(
-        self, batch: ScheduledBatch, decision: Decision, committed: Committed, forward_s: float, digests
-    ) -> StepOutput:
-        """A step that async scheduling committed (Pipeline.resolve)."""
+    def _resolved(self, batch: ScheduledBatch, *rest) -> StepOutput:
+        """A step async scheduling committed: Pipeline.resolve's batch and the rest of _step_output's arguments."""
         self.step_index = batch.step + 1
-        return self._step_output(batch, committed, decision.logits_RV, forward_s, 1, digests)
+        return self._step_output(batch, *rest)
 
     def _decide_and_commit(
         self, batch: ScheduledBatch, out: ModelOutput, proposals: Mapping[str, Proposal], digests: bool
