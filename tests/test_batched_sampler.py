@@ -123,7 +123,7 @@ def test_the_devices_read_once_sample_is_the_cpus_sample_bit_for_bit(
     rows, vocab, specials, truncated, processed, greedy, num_top, keys, seed
 ):
     """sample() off the CPU computes every field where the logits are and reads them in one transfer
-    (sample_on_device); run here on CPU tensors, it gives sample()'s CPU path (torch's, the native kernels held
+    (DeviceSample); run here on CPU tensors, it gives sample()'s CPU path (torch's, the native kernels held
     off) every field's bits: tokens, both log-probabilities, support, noise, both lists of alternatives and the
     kept-set digests, for raw and processed rows (truncated, NaN / +inf / -inf, nothing finite), greedy and
     sampled rows, and any number of alternatives a row."""
@@ -153,7 +153,7 @@ def test_the_devices_read_once_sample_is_the_cpus_sample_bit_for_bit(
         want = sampler.sample(raw, proc, sample_rows)
         lse = sampler.logsumexp_rows(raw, per_row=True)
         keys_of = sampler._keys(sample_rows)
-        got = sampler.sample_on_device(raw, proc, sample_rows, keys_of, lse, per_row=True)
+        got = sampler.DeviceSample(raw, proc, sample_rows, keys_of, lse, per_row=True).result()
     assert _result_bits(got) == _result_bits(want)
     assert bits(got.raw_logsumexp) == bits(got.raw_logsumexp_R.tolist())  # read with the rest, for step 6
 

@@ -45,7 +45,7 @@ class SampleResult:
     top_processed: list[list[tuple[int, float]]]
     kept_sha256: list[str]  # digest of each row's kept set (see kept_digest)
     raw_logsumexp_R: torch.Tensor | None = None  # the raw rows' logsumexp the log-probabilities were taken with
-    raw_logsumexp: list[float] | None = None  # the same, read to the host with the rest (sample_on_device)
+    raw_logsumexp: list[float] | None = None  # the same, read to the host with the rest (DeviceSample)
 
 
 def pack_kept(finite_RV: torch.Tensor) -> torch.Tensor:
@@ -181,18 +181,6 @@ def device_sample(
         processed_RV = patches.apply(processed_RV)
     raw_lse = _raw_lse(raw_RV, raw_logsumexp_R, per_row)
     return DeviceSample(raw_RV, processed_RV, rows, _keys(rows), raw_lse, per_row)
-
-
-def sample_on_device(
-    raw_RV: torch.Tensor,
-    processed_RV: torch.Tensor,
-    rows: list[SampleRow],
-    keys: list[tuple[int, int] | None],
-    raw_lse: torch.Tensor,
-    per_row: bool,
-) -> SampleResult:
-    """sample() off the CPU: DeviceSample's two halves at once."""
-    return DeviceSample(raw_RV, processed_RV, rows, keys, raw_lse, per_row).result()
 
 
 class DeviceSample:
