@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import native_only
 from tests.test_replay_verify import MIXED, make_run
 from toolkit import replay, verify
 from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig
@@ -22,7 +23,7 @@ from toolkit.errors import ConfigError
 from toolkit.models import load_model
 from toolkit.sampling.params import SamplingParams
 
-pytestmark = pytest.mark.native  # the batch-invariant mode's kernels
+pytestmark = pytest.mark.native  # the batch-invariant mode's kernels (native_only: the tests that need them)
 
 UNSTORED = ("t_emit_s", "logits_row")
 VOCAB = 24  # small: stop tokens are sampled, so steps queued ahead carry rows to drop
@@ -62,6 +63,7 @@ def run(model, requests, aborts=(), **engine) -> tuple[list[dict], int]:
                     stop_token_ids=r["stop"],
                     n=r["n"],
                     logprobs=r["logprobs"],
+                    ignore_eos=r.get("ignore_eos", False),
                 ),
             )
         )
@@ -85,6 +87,7 @@ def same(rows_a: list[dict], rows_b: list[dict]) -> bool:
     return [repr(r) for r in rows_a] == [repr(r) for r in rows_b]
 
 
+@native_only  # the batch-invariant mode
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     requests=st.lists(REQUEST, min_size=1, max_size=6),
@@ -119,6 +122,7 @@ def test_every_row_is_the_same_bits_with_async_scheduling(
     assert same(got, want)
 
 
+@native_only  # the batch-invariant mode
 def test_steps_are_resolved_ahead_and_stops_drop_their_queued_rows(model):
     """A fixed workload that stops early and late: most steps are resolved from the queue, the rows are the same
     bits as without async scheduling, and sequences that a stop token ended got no row past it."""
@@ -138,18 +142,17 @@ def test_steps_are_resolved_ahead_and_stops_drop_their_queued_rows(model):
 
 
 def test_the_default_modes_bits_are_unchanged_where_no_row_is_dropped(model):
-    """The steps scheduled ahead are the steps the engine schedules: without a row to drop (no stop token, the same
-    lengths), the default mode (its matmul's schedule follows the batch's rows) gives the same bits too."""
+    """The steps scheduled ahead are the steps the engine schedules: without a row to drop (no stop, EOS ignored,
+    the same lengths), the default mode (its matmuls' bits follow the batch's rows; torch's too, the kernels off)
+    gives the same bits too."""
     requests = [
         dict(prompt=[(7 * i + j) % VOCAB for j in range(3 + i)], max_tokens=9, temperature=t, stop=[], n=1, arrival=0)
-        | {"logprobs": 2}
+        | {"logprobs": 2, "ignore_eos": True}
         for i, t in enumerate([0.0, 0.7, 1.2, 0.0])
     ]
-    for r in requests:
-        r["max_tokens"] = 9
     engine = dict(max_num_batched_tokens=64)
-    want, _ = run(model, [r | {"stop": []} for r in requests], **engine)
-    got, ahead = run(model, [r | {"stop": []} for r in requests], async_scheduling=True, **engine)
+    want, _ = run(model, requests, **engine)
+    got, ahead = run(model, requests, async_scheduling=True, **engine)
     assert ahead > 0 and same(got, want)
 
 
@@ -158,6 +161,7 @@ def test_async_scheduling_refuses_speculative_decoding(model):
         Engine(model, EngineConfig(async_scheduling=True), None, SpeculativeConfig(method="ngram"))
 
 
+@native_only  # the batch-invariant mode
 def test_a_request_added_while_a_step_is_queued_replays_from_its_recorded_arrival(model):
     """A request added between steps while the next step is already queued joins the step after it, and that is
     the arrival step it records: added up front with it, it gets the same rows (a replay's case). Recorded as the
@@ -199,6 +203,7 @@ def test_an_async_run_replays_bit_for_bit_and_verifies(tmp_path):
     assert verify(tmp_path / "run", out_dir=tmp_path / "verify").passed
 
 
+@native_only  # the batch-invariant mode
 def test_a_request_aborted_while_its_next_step_is_queued_gets_no_row_there(model):
     """Aborted between steps while the step after is queued with its row (its decide staged too): the queued row
     is dropped, the request ends where the abort found it, and its batch mates' rows are those of the same abort
@@ -214,6 +219,7 @@ def test_a_request_aborted_while_its_next_step_is_queued_gets_no_row_there(model
     assert max(r["step"] for r in got if r["request_id"] == aborted) == 3
 
 
+@native_only  # the batch-invariant mode
 @pytest.mark.parametrize("stage", ["forward", "stage", "finish"])
 def test_a_request_whose_step_raises_fails_alone_with_async_scheduling(model, stage):
     """A poison request (its forward, its decide stage or its decide's finish raises whenever it is in a step from
