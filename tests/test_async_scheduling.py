@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import native_only
+from tests.conftest import make_engine, native_only
+from tests.test_grammar import grammar_mixes
 from tests.test_replay_verify import MIXED, make_run
 from toolkit import replay, verify
 from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig
@@ -265,3 +266,29 @@ def test_a_request_whose_step_raises_fails_alone_with_async_scheduling(model, st
     # the one after its 4th token's
     assert bad.finish_reason == "error" and len(bad.outputs[0].token_ids) == (4 if stage == "forward" else 3)
     assert e.block_manager.num_free_blocks == e.block_manager.num_blocks
+
+
+@native_only  # the batch-invariant mode
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mix=grammar_mixes(), stops=st.sampled_from([[], ["a"], ["e", "}"]]))
+def test_grammars_and_stop_strings_keep_every_rows_bits(tiny, mix, stops):
+    """Structured outputs (regex, choice, JSON schema, EBNF; the mask of a queued step is filled after the step
+    before is committed, its matcher advanced) and stop strings (found in the committed text, so the queued row of
+    a sequence they end is dropped), SmolLM2's tokenizer on the tiny model: every row the same bits with and
+    without async scheduling."""
+    requests, budget = mix
+    for r in requests:
+        r["sampling_params"] = dataclasses.replace(r["sampling_params"], stop=stops) if stops else r["sampling_params"]
+
+    def rows(**engine):
+        e = make_engine(
+            tiny, batch_invariant=True, max_num_batched_tokens=budget, max_num_seqs=min(budget, 6), **engine
+        )
+        for r in requests:
+            e.add_request(**r)
+        out = []
+        while e.has_unfinished():
+            out += [{k: v for k, v in dataclasses.asdict(x).items() if k not in UNSTORED} for x in e.step().samples]
+        return sorted(out, key=lambda r: (r["request_id"], r["position"]))
+
+    assert same(rows(async_scheduling=True), rows())
