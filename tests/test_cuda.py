@@ -367,27 +367,16 @@ def test_rope_with_the_cache_writes_and_a_wide_or_odd_head_on_a_gpu(dtype, cache
     """The GPU's fused RoPE and cache writes are RoPE then write_kv bit for bit (keys rounded to the cache's format as
     torch rounds them), and its attention takes a head_dim of no power of two (100) and 32 query heads a KV head
     (two programs each): float64's result within the format's rounding."""
-    from toolkit.kv.attention import write_kv
+    from tests.test_invariant_gpu import rope_write_kv_checked
     from toolkit.native import gpu_attention as ga
-    from toolkit.native import invariant_gpu as ig
 
     gen = torch.Generator().manual_seed(dim + heads)
     n, blocks, block = 37, 8, 16
-    qkv = (torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen) * 3).to(dtype).cuda()
-    qk = qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim)
-    v = qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim)
-    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
-    angles = torch.arange(128).float()[:, None] * inv[None, :]
-    cos, sin = (torch.cat((angles, angles), -1).cos().cuda(), torch.cat((angles, angles), -1).sin().cuda())
     positions = torch.arange(n, device="cuda")
     slots = torch.randperm(blocks * block, generator=gen)[:n].cuda()
-    k_cache, v_cache = torch.randn(2, blocks, block, kv_heads, dim, generator=gen).to(cache_dtype or dtype).cuda()
-    want_k, want_v = k_cache.clone(), v_cache.clone()
-    roped = ig.rope(qk, cos, sin, positions)
-    write_kv(want_k, want_v, roped[:, heads:], v, slots)
-    q = ig.rope_write_kv(qk, v, cos, sin, positions, k_cache, v_cache, slots)
-    assert torch.equal(q, roped[:, :heads])
-    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    q, k_cache, v_cache = rope_write_kv_checked(
+        gen, heads, kv_heads, dim, dtype, cache_dtype, positions, slots, blocks, block
+    )
     tables = (slots // block)[None, :].repeat(n, 1)  # each token's keys: the blocks its slots fell in (any order)
     ctx = torch.arange(1, n + 1, device="cuda").clamp(max=tables.shape[1] * block)
     out = torch.empty_like(q)

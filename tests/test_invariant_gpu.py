@@ -204,22 +204,29 @@ def test_rope_with_the_cache_writes_is_rope_then_write_kv_bit_for_bit(
     projection, as in the decoder."""
     heads = kv_heads * groups
     gen = torch.Generator().manual_seed(n * 100 + heads * 10 + dim)
-    qkv = (torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen) * 3).to(dtype)
+    positions = torch.randint(0, 64, (n,), generator=gen)
+    slots = torch.tensor(data.draw(st.permutations(range(20)))[:n])
+    rope_write_kv_checked(gen, heads, kv_heads, dim, dtype, cache_dtype, positions, slots, blocks=5, block=4)
+
+
+def rope_write_kv_checked(gen, heads, kv_heads, dim, dtype, cache_dtype, positions, slots, blocks, block):
+    """RoPE with the cache writes (invariant_gpu.rope_write_kv) of a strided q | k | v projection, checked against
+    RoPE then write_kv bit for bit, on the positions' and slots' device: (q's heads, the key and value caches)."""
+    n, device = len(positions), positions.device
+    qkv = (torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen) * 3).to(dtype).to(device)
     qk = qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim)
     v = qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim)
     inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
-    angles = torch.arange(64).float()[:, None] * inv[None, :]
-    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
-    positions = torch.randint(0, 64, (n,), generator=gen)
-    blocks, block = 5, 4
-    slots = torch.tensor(data.draw(st.permutations(range(blocks * block)))[:n])
-    k_cache, v_cache = torch.randn(2, blocks, block, kv_heads, dim, generator=gen).to(cache_dtype or dtype)
+    angles = torch.arange(int(positions.max()) + 1).float()[:, None] * inv[None, :]
+    cos, sin = (torch.cat((angles, angles), -1).cos().to(device), torch.cat((angles, angles), -1).sin().to(device))
+    k_cache, v_cache = torch.randn(2, blocks, block, kv_heads, dim, generator=gen).to(cache_dtype or dtype).to(device)
     want_k, want_v = k_cache.clone(), v_cache.clone()
     roped = ig.rope(qk, cos, sin, positions)
     write_kv(want_k, want_v, roped[:, heads:], v, slots)
     q = ig.rope_write_kv(qk, v, cos, sin, positions, k_cache, v_cache, slots)
     assert torch.equal(q, roped[:, :heads])
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    return q, k_cache, v_cache
 
 
 @TRITON

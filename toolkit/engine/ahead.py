@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.config import EngineConfig, SpeculativeConfig
+from toolkit.devices import tensor_on
 from toolkit.engine.commit import Committed, Committer
 from toolkit.engine.decide import Decider, Decision, Staged
 from toolkit.engine.digests import RowDigests, commit_decided
@@ -155,7 +156,7 @@ def row_tokens(decision: Decision, rows: int, device: torch.device) -> torch.Ten
         for e in emits:
             if e.error is None:
                 tokens[e.row] = e.token
-    return torch.tensor(tokens, dtype=torch.int64, device=device)
+    return tensor_on(tokens, device, torch.int64)
 
 
 def fed_ids(out: ModelOutput, tokens_R: torch.Tensor, nxt: ScheduledBatch) -> torch.Tensor:

@@ -73,17 +73,32 @@ def commit_decided(
     the rows are CPU fp32 (CommitFailed: the commit raised)."""
 
     def commit() -> Committed:
-        try:
-            return committer.commit(batch, decision, proposals, requests, start_time)
-        except Exception as exc:  # noqa: BLE001 - raised by step as it was: a commit is not retried
-            raise CommitFailed() from exc
+        return _commit(committer, batch, decision, proposals, requests, start_time)
 
-    logits = decision.logits_RV
-    if not (digests and logits.shape[0] and logits.device.type == "cpu" and logits.dtype == torch.float32):
+    if not _hashed(decision.logits_RV, digests):
         return commit(), None, None
     rows = sorted({e.row for _, emits in decision.emits for e in emits})
-    job = ShaJob(logits, rows)
+    job = ShaJob(decision.logits_RV, rows)
     return job.beside(commit), RowDigests(job, {row: i for i, row in enumerate(rows)}), job
+
+
+def _commit(
+    committer: Committer,
+    batch: ScheduledBatch,
+    decision: Decision,
+    proposals: Mapping[str, Proposal],
+    requests: Mapping[str, Sequence],
+    start_time: float | None,
+) -> Committed:
+    try:
+        return committer.commit(batch, decision, proposals, requests, start_time)
+    except Exception as exc:  # noqa: BLE001 - raised by step as it was: a commit is not retried
+        raise CommitFailed() from exc
+
+
+def _hashed(logits_RV: torch.Tensor, digests: bool) -> bool:
+    """Whether a step's rows are hashed: digests asked for, and CPU fp32 rows (what the native sha256 reads)."""
+    return bool(digests and logits_RV.shape[0] and logits_RV.device.type == "cpu" and logits_RV.dtype == torch.float32)
 
 
 def decide_and_commit(
@@ -100,17 +115,14 @@ def decide_and_commit(
     are CPU fp32, and the hashing job still going on (the engine runs its next step's scheduling beside it)."""
 
     def commit(decision: Decision) -> Committed:
-        try:
-            return committer.commit(batch, decision, proposals, requests, start_time)
-        except Exception as exc:  # noqa: BLE001 - raised by step as it was: a commit is not retried
-            raise CommitFailed() from exc
+        return _commit(committer, batch, decision, proposals, requests, start_time)
 
     def finish_and_commit() -> tuple[Decision, Committed]:
         decision = decider.finish(staged)
         return decision, commit(decision)
 
     logits = out.logits_RV
-    if not (digests and logits.shape[0] and logits.device.type == "cpu" and logits.dtype == torch.float32):
+    if not _hashed(logits, digests):
         decision = decider.decide(out, proposals, requests)
         return decision, commit(decision), None, None
     if proposals:  # verification's torch work stays on every thread; its rejected rows are not hashed

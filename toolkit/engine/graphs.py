@@ -113,10 +113,12 @@ class DecodeGraphs:
         positions = torch.tensor([c.start_pos for c in chunks], dtype=torch.int64)
         slots = tables[torch.arange(d), positions // bs] * bs + positions % bs
         rows = ([c.token_ids[0] for c in chunks], positions, slots, [c.context_len for c in chunks], tables)
-        for buffer, values in zip(self._inputs(s), rows):
+        buffers = self._inputs(s)
+        if fed_ids is not None:  # the tokens where they were sampled, not the chunks' placeholders
+            buffers[0][:d].copy_(fed_ids)
+            buffers, rows = buffers[1:], rows[1:]
+        for buffer, values in zip(buffers, rows):
             copy_into(buffer[:d], torch.as_tensor(values, dtype=torch.int64))
-        if fed_ids is not None:
-            self._inputs(s)[0][:d].copy_(fed_ids)
         self.replays += 1
         t = time.perf_counter()
         if self.capture and s.graph is None:

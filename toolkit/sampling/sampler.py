@@ -238,15 +238,7 @@ class DeviceSample:
         proc_lp, support, kept_RB = raw_lp, [vocab] * len(rows), None
         if not self.unprocessed:
             proc_lp, support, kept_RB = next(read).tolist(), next(read).tolist(), next(read)
-        tops = []
-        for _ in range(self.tops):
-            values, ids = next(read).tolist(), next(read).tolist()
-            tops.append(
-                [
-                    [(t, v) for t, v in zip(ids[i][: row.num_top], values[i][: row.num_top]) if v != float("-inf")]
-                    for i, row in enumerate(rows)
-                ]
-            )
+        tops = [_top_lists(next(read).tolist(), next(read).tolist(), rows) for _ in range(self.tops)]
         top_raw = tops[0] if tops else [[] for _ in rows]
         return SampleResult(
             token_ids=tokens,
@@ -442,7 +434,11 @@ def _top(logits_RV: torch.Tensor, lse_R: torch.Tensor, rows: list[SampleRow], k:
     if k == 0:
         return [[] for _ in rows]
     values, ids = torch.topk(logits_RV, k, dim=-1)
-    values, ids = (values - lse_R.unsqueeze(1)).tolist(), ids.tolist()
+    return _top_lists((values - lse_R.unsqueeze(1)).tolist(), ids.tolist(), rows)
+
+
+def _top_lists(values: list[list[float]], ids: list[list[int]], rows: list[SampleRow]) -> list[list[tuple[int, float]]]:
+    """Each row's alternatives from its top-k logprobs and ids: its own number of them, none at -inf."""
     return [
         [(t, v) for t, v in zip(ids[i][: row.num_top], values[i][: row.num_top]) if v != float("-inf")]
         for i, row in enumerate(rows)
