@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run lint format test prepare toolchains test-older-cpus test-fallback bench soak serve docs setup clean-venv llama-server one-stream
+.PHONY: run lint format test prepare toolchains test-older-cpus test-fallback bench soak serve docs setup clean-venv llama-server one-stream llama-server-x86-64-v3
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -69,6 +69,19 @@ $(LLAMA_SERVER): $(STAMP)
 		|| echo "warning: llama-server did not build (see $(VENV)/llama_server_build.log): one-stream runs ours only"
 
 llama-server: $(LLAMA_SERVER)
+
+# the same server built as on an AVX2-only machine (no AVX-512), the peer of our kernels held to AVX2
+# (TOOLKIT_KERNEL_TARGET=x86-64-v3 ATEN_CPU_CAPABILITY=avx2; see toolkit/bench/one_stream.py)
+LLAMA_SERVER_V3 := $(VENV)/bin/llama-server-x86-64-v3
+$(LLAMA_SERVER_V3): | $(LLAMA_SERVER)
+	( cmake -S $(VENV)/llama-src -B $(VENV)/llama-src/build-v3 $$(LLAMA_TARGET=x86-64-v3 bash .ci/llama_cmake_args) \
+			-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+			-DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF \
+		&& cmake --build $(VENV)/llama-src/build-v3 --target llama-server -j $$(nproc) \
+		&& cp $(VENV)/llama-src/build-v3/bin/llama-server $(LLAMA_SERVER_V3) ) >$(VENV)/llama_server_v3_build.log 2>&1 \
+		|| echo "warning: llama-server (x86-64-v3) did not build (see $(VENV)/llama_server_v3_build.log)"
+
+llama-server-x86-64-v3: $(LLAMA_SERVER_V3)
 
 # one stream through each OpenAI server, side by side (toolkit/bench/one_stream.py)
 one-stream: $(STAMP)

@@ -5,6 +5,7 @@
     python -m toolkit.bench.one_stream --matmul-schedules auto tiles   # also ours with a forced matmul schedule
     python -m toolkit.bench.one_stream --batched 32   # then 32 requests at once to each server (32 slots / seqs)
     python -m toolkit.bench.one_stream --batched 32 --llama-slots auto   # llama-server at its default slots
+    make llama-server-x86-64-v3 && python -m toolkit.bench.one_stream --isa x86-64-v3   # as on an AVX2-only CPU
 
 The same chat requests (rendered with the model's chat template, sent as token ids so both servers read the
 same prompt), one at a time, greedy with ignore_eos, sent by the serving benchmark's client process (the real
@@ -22,7 +23,9 @@ output tok/s (output tokens over the wall time from sending each request to its 
 the engine's own decode step time (ours from the served run's steps.parquet, llama-server's from its log's eval
 times) and the overhead per token (TPOT - step: the server's host work), the ratio to llama-server, and the paired
 ratio (the median over requests of a request's tok/s over llama-server's on the same request, sent seconds apart);
-the CPU named.
+the CPU named. `--isa x86-64-v3` runs both as an AVX2-only machine would: our kernels built for x86-64-v3
+(TOOLKIT_KERNEL_TARGET), torch's own kernels held to AVX2 (ATEN_CPU_CAPABILITY=avx2) and llama-server built without
+AVX-512 (`make llama-server-x86-64-v3`).
 """
 
 from __future__ import annotations
@@ -247,22 +250,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--llama-server", default=None, help="its path (default: .venv/bin/llama-server, PATH)")
+    parser.add_argument(
+        "--isa",
+        choices=["native", "x86-64-v3"],
+        default="native",
+        help="x86-64-v3: every server as on an AVX2-only CPU (our kernels, torch's and llama-server's)",
+    )
     parser.add_argument("--out", default=None, help="also write the figures here as JSON")
     args = parser.parse_args(argv)
+    if args.isa != "native":  # before the kernel library loads here, and inherited by every server started
+        os.environ.update(TOOLKIT_KERNEL_TARGET=args.isa, ATEN_CPU_CAPABILITY="avx2")
 
     tokenizer = Tokenizer(smollm2_dir())
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r}]) for r in REQUESTS]
     root = Path(__file__).resolve().parents[2]
     work = Path(tempfile.mkdtemp(prefix="one-stream-"))
     systems: dict[str, list[str]] = {}
-    llama = args.llama_server or next(
-        (str(p) for p in (root / ".venv/bin/llama-server",) if p.is_file()), shutil.which("llama-server")
-    )
+    built = root / ".venv/bin" / ("llama-server" + ("" if args.isa == "native" else f"-{args.isa}"))
+    llama = args.llama_server or (str(built) if built.is_file() else None)
+    if args.isa == "native":
+        llama = llama or shutil.which("llama-server")
     if llama:
         model = str(smollm2_f32_gguf())
         systems["llama-server f32"] = [llama, "-m", model, "--host", "127.0.0.1", "-t", str(args.threads), "--jinja"]
     else:
-        print("llama-server: not built (make llama-server): this project's server only")
+        print(f"llama-server: not built (make {built.name}): this project's server only")
     for dtype in args.dtypes:
         for schedule in args.matmul_schedules:
             systems[f"toolkit {dtype}" + ("" if schedule == "auto" else f" {schedule}")] = [
@@ -325,7 +337,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 schedules[name] = read_manifest(work / tag).get("matmul_schedule")
     huge_mb.append(file_huge_mb())
     result = {
-        "machine": machine("cpu"),
+        "machine": machine("cpu")
+        + ("" if args.isa == "native" else f"; run as {args.isa}: torch's kernels AVX2, llama-server without AVX-512"),
         "file_huge_pages_mb": huge_mb,
         "threads": args.threads,
         "llama_slots": args.llama_slots,
