@@ -192,3 +192,46 @@ def test_output_counts_of_all_rows_at_once_are_each_rows_counts(histories, promp
 def test_rows_not_sampled_get_no_token(rows, batched):
     tokens, noise = gumbel_choices(torch.randn(rows, 5), [None] * rows, batched=batched)
     assert tokens == [-1] * rows and len(noise) == rows and all(math.isnan(g) for g in noise)
+
+
+@pytest.mark.native  # routes forced to torch's code
+def test_a_gpu_steps_processors_and_sample_are_queued_without_a_single_read():
+    """What Sampler.stage queues on a GPU (every processor on torch's code, top-p ranking whole rows, the read-once
+    sample, the emptied-row flags' copy) reads no value back: on a GPU each read waits for the device, and async
+    scheduling stages a step while the device computes the next. Counted on the CPU (tests/host_reads.py); the
+    pipeline reading as it goes makes one read a processor."""
+    import functools
+
+    from tests.host_reads import HostReads
+    from toolkit.sampling.processors import REGISTRY, apply_pipeline, emptied_flags, emptied_rows, truncation
+    from toolkit.sampling.sampler import SampleRow, device_sample, queue_read
+
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+        SamplingParams(temperature=0.7, top_k=5, min_p=0.1, repetition_penalty=1.2, seed=2, logprobs=3),
+        SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.2, no_repeat_ngram_size=2),
+        SamplingParams(top_p=0.5, seed=3, logit_bias={3: 5.0}, bad_words=["x"], min_tokens=4, stop_token_ids=[9]),
+        SamplingParams(allowed_token_ids=[1, 2, 3], seed=4, top_k=2),
+        SamplingParams(allowed_token_ids=[5], bad_words=["x"], seed=5),  # emptied: known only once read
+    ]
+    history = [1, 2, 3, 1, 2, 5]
+    view = BatchView(
+        tuple(RowState(p, history, 2, ((5,),) if p.bad_words else ()) for p in params), 64, torch.device("cpu"), (7,)
+    )
+    logits = torch.randn(len(params), 64, generator=torch.Generator().manual_seed(0))
+    registry = {**REGISTRY, "top_p": functools.partial(truncation.top_p, first_k=None)}
+    rows = [SampleRow(greedy=p.greedy, seed=p.seed or 0, position=6, stream=0, num_top=p.logprobs or 0) for p in params]
+    for defer in (True, False):
+        with pytest.MonkeyPatch.context() as patch, HostReads() as reads:
+            patch.setattr(truncation, "truncate_cpu", lambda *a, **k: None)
+            pipe = apply_pipeline(logits, view, registry=registry, row_errors={}, defer_empty=defer)
+            queued = device_sample(logits, pipe.processed_RV, rows, None, False, pipe.patches)
+            flags = queue_read([emptied_flags(pipe.emptied)])[0] if pipe.emptied else None
+        if defer:
+            assert not reads.counts, reads.counts
+            assert emptied_rows(pipe.emptied, flags[0].tolist()) == {
+                5: "empty support: processor 'bad_words' removed every token"
+            }
+            assert len(queued.result().token_ids) == len(params)
+        else:
+            assert reads.counts["tolist"] >= 10, reads.counts  # a read a processor run

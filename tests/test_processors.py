@@ -56,8 +56,20 @@ def test_no_repeat_3gram_on_the_cat_sat_on_the_cat_bans_sat():
     assert out[0, sat] == -INF and torch.isfinite(out[0, [0, 1, 2, 4, 5, 6, 7]]).all()
 
 
+def top_p_on(path: str, x: torch.Tensor, v) -> torch.Tensor:
+    """top_p by one path: the native kernel, torch's top-k ranking (the CPU's fallback), or torch's ranking of whole
+    rows, two rows a block (what a GPU runs: nothing read back)."""
+    with pytest.MonkeyPatch.context() as patch:
+        if path != "native":
+            patch.setattr(truncation, "truncate_cpu", lambda *a, **k: None)
+        if path == "whole":
+            patch.setattr(truncation, "WHOLE_RANKING_ELEMENTS", 2 * x.shape[1])
+            return truncation.top_p(x, v, first_k=None)
+        return REGISTRY["top_p"](x, v)
+
+
 @pytest.mark.native
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", [*PATHS, "whole"])
 @pytest.mark.parametrize(
     "p, support",
     [
@@ -75,15 +87,12 @@ def test_top_p_keeps_the_token_that_crosses_p(path, p, support):
     next. (At p = 0.5 or 0.8 exactly, the side is decided by how log(0.3) and the sum round in fp32: not asked.)"""
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
-    with pytest.MonkeyPatch.context() as patch:
-        if path == "torch":
-            patch.setattr(truncation, "truncate_cpu", lambda *a, **k: None)
-        out = REGISTRY["top_p"](logits, view((SamplingParams(top_p=p), [0], 1), vocab=3))
+    out = top_p_on(path, logits, view((SamplingParams(top_p=p), [0], 1), vocab=3))
     assert set(torch.isfinite(out[0]).nonzero().flatten().tolist()) == support
 
 
 @pytest.mark.native
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", [*PATHS, "whole"])
 @settings(max_examples=40, deadline=None)
 @given(
     rows=st.integers(1, 6),
@@ -95,8 +104,8 @@ def test_top_p_keeps_the_token_that_crosses_p(path, p, support):
     seed=st.integers(0, 10**6),
 )
 def test_top_p_is_the_smallest_set_reaching_p(path, rows, vocab, scale, p, ties, masked, seed):
-    """Both paths (the native bisection and the torch top-k ranking) keep exactly {x >= t} where the
-    tokens above t hold less than p of the mass and those at or above t at least p (to 1e-5)."""
+    """Every path (the native bisection, the torch top-k ranking, whole rows ranked in blocks) keeps exactly
+    {x >= t} where the tokens above t hold less than p of the mass and those at or above t at least p (to 1e-5)."""
     from toolkit.native.sampling_ops import truncate_cpu
 
     if path == "native":
@@ -106,10 +115,7 @@ def test_top_p_is_the_smallest_set_reaching_p(path, rows, vocab, scale, p, ties,
         x = x.round()
     if masked and vocab > 3:
         x[0, vocab // 3 :] = -INF  # an earlier processor's truncation
-    with pytest.MonkeyPatch.context() as patch:
-        if path == "torch":
-            patch.setattr(truncation, "truncate_cpu", lambda *a, **k: None)
-        out = REGISTRY["top_p"](x, view(*[(SamplingParams(top_p=p), [0], 1)] * rows, vocab=vocab))
+    out = top_p_on(path, x, view(*[(SamplingParams(top_p=p), [0], 1)] * rows, vocab=vocab))
     probs = torch.softmax(x.double(), dim=-1)
     for r in range(rows):
         kept = torch.isfinite(out[r])
@@ -355,3 +361,66 @@ def test_processor_description_in_trace_order():
     assert p.pipeline_description() == ["top_p(0.9)", "repetition_penalty(1.1)", "temperature(0.7)", "gumbel_max"]
     assert SamplingParams(temperature=0).pipeline_description() == ["argmax"]
     assert math.isclose(SamplingParams(top_p=0.25).top_p, 0.25)
+
+
+def _poisoned_min_p(logits_RV, v):
+    """min_p that raises on any block holding a row with min_p 0.25 (the pipeline then runs it row by row)."""
+    if any(r.params.min_p == 0.25 for r in v.rows):
+        raise RuntimeError("poisoned row")
+    return truncation.min_p(logits_RV, v)
+
+
+EMPTYING = st.fixed_dictionaries(
+    {},
+    optional={
+        "allowed_token_ids": st.lists(st.integers(0, 15), min_size=1, max_size=3, unique=True),
+        "bad_words": st.lists(st.integers(0, 15).map(lambda t: [t]), min_size=1, max_size=3),
+        "top_k": st.integers(1, 20),
+        "top_p": st.sampled_from([0.3, 0.9]),
+        "min_p": st.sampled_from([0.1, 0.25]),
+        "temperature": st.sampled_from([0.5, 2.0]),
+        "repetition_penalty": st.sampled_from([1.3, 1e300]),
+        "logit_bias": st.dictionaries(st.integers(0, 15), st.sampled_from([-100.0, 5.0]), max_size=3),
+    },
+)
+
+
+@pytest.mark.native
+@settings(max_examples=80, deadline=None)
+@given(
+    data=st.data(),
+    rows=st.integers(1, 6),
+    nan_row=st.integers(-1, 5),
+    negative=st.booleans(),
+    seed=st.integers(0, 10**6),
+)
+def test_rows_emptied_unread_are_the_errors_read_as_they_go(data, rows, nan_row, negative, seed):
+    """apply_pipeline(defer_empty=True) reads nothing of which rows a processor emptied; once its flags are read,
+    emptied_rows names each such row's first emptying processor: the errors and the other rows' logits are those
+    of the pipeline that reads as it goes. Rows of several orders, bans that empty a row, penalties that overflow
+    to -inf, a NaN row, and a processor that raises for one row (its earlier empties read then)."""
+    from toolkit.sampling.processors import emptied_flags, emptied_rows
+
+    x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(seed)) * 3
+    if negative:
+        x = -x.abs() - 0.5  # every logit below zero: a huge repetition penalty sends the seen ones to -inf
+    if 0 <= nan_row < rows:
+        x[nan_row, 3] = float("nan")
+    specs = []
+    for _ in range(rows):
+        p = SamplingParams(**data.draw(EMPTYING))
+        order = data.draw(st.permutations(p.active_processors())) if data.draw(st.booleans()) else None
+        specs.append((p.replace(processors=order) if order else p, [1, 2, 2, 9, 4], 2))
+    bad = {i: tuple(tuple(w) for w in p.bad_words or ()) for i, (p, _, _) in enumerate(specs)}
+    v = view(*specs, vocab=16, bad=bad)
+    registry = {**REGISTRY, "min_p": _poisoned_min_p}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(truncation, "truncate_cpu", lambda *a, **k: None)  # torch's code, as on a GPU
+        now = apply_pipeline(x, v, registry=registry, row_errors={})
+        later = apply_pipeline(x, v, registry=registry, row_errors={}, defer_empty=True)
+    flags = emptied_flags(later.emptied).tolist() if later.emptied else []
+    errors = {**later.errors, **emptied_rows(later.emptied, flags)}
+    assert errors == now.errors
+    for i in range(rows):
+        if i not in errors:
+            assert torch.equal(later.processed_RV[i].view(torch.int32), now.processed_RV[i].view(torch.int32))

@@ -8,12 +8,16 @@
    and the rows whose raw logits hold NaN or +inf are known before the processors.
 2. The processors, each row in its order (toolkit.sampling.processors.apply_pipeline). With no verification
    each row's trailing temperature / top-k / top-p and its repetition-penalty changes are left to step 4, which
-   makes them in the same native pass that samples the row.
-3. The plain rows: those not verified and not failed (a processor raised, or left the row no token).
+   makes them in the same native pass that samples the row. Which rows a processor left no token is not read
+   here (`defer_empty`: on a GPU a read waits for the device, and async scheduling stages a step while the device
+   computes the next one): their flags are queued to the host with step 4's fields.
+3. The plain rows: those not verified and not failed (a processor raised, or the row's raw logits are known bad);
+   a row a processor emptied is sampled with them, its result dropped at step 5.
 4. Sampling of the plain rows (toolkit.sampling.sampler.sample): Gumbel-max with counter-based noise, all rows in
    one native pass where the kernels run (batched torch elsewhere), with each token's raw and processed
    log-probabilities, support size, noise, top alternatives and kept-set digest.
-5. Rows that step 4 found empty after changes left to it become errors, named as step 2 would name them.
+5. Rows a processor emptied become errors (the flags read), and so do rows that step 4 found empty after changes
+   left to it, named as step 2 would name them reading as it goes.
 6. Without step 1, the raw log-normalisers come from step 4's pass (computed for rows it did not sample), and the
    rows whose raw logits hold NaN or +inf become errors, whatever the processors made of them.
 
@@ -33,6 +37,8 @@ from toolkit.sampling.processors import (
     PipelineResult,
     apply_pipeline,
     emptied_by_changes,
+    emptied_flags,
+    emptied_rows,
     invalid_rows,
 )
 from toolkit.sampling.sampler import (
@@ -42,6 +48,7 @@ from toolkit.sampling.sampler import (
     SampleRow,
     device_sample,
     logsumexp_rows,
+    queue_read,
     sample,
 )
 
@@ -57,6 +64,7 @@ class Staged:
     sample_args: tuple | None = None  # sample()'s arguments for the plain rows
     fused: FusedSample | None = None  # step 4's fused path, where it takes one: its native pass still to run
     device: DeviceSample | None = None  # step 4 off the CPU: queued at stage, read at finish
+    emptied_read: tuple | None = None  # step 2's emptied-row flags queued to the host (queue_read's pair)
 
     def device_tokens(self) -> torch.Tensor | None:
         """Every row's token where the logits are, before anything is read (a row that is not sampled: 0); None on
@@ -96,10 +104,16 @@ class Sampler:
         speculation verifies, not sampled here); `verifying`: some sequence verifies drafts this step."""
         lse_R = logsumexp_rows(logits_RV, per_row=self.batch_invariant) if verifying else None  # 1
         pipe = apply_pipeline(
-            logits_RV, view, row_errors=invalid_rows(lse_R) if lse_R is not None else {}, defer_tail=not verifying
+            logits_RV,
+            view,
+            row_errors=invalid_rows(lse_R) if lse_R is not None else {},
+            defer_tail=not verifying,
+            defer_empty=True,
         )  # 2
         plain = [i for i, row in enumerate(rows) if row is not None and i not in pipe.errors]  # 3
         staged = Staged(logits_RV, pipe, lse_R, plain)
+        if pipe.emptied:
+            staged.emptied_read = queue_read([emptied_flags(pipe.emptied)])
         if plain:
             staged.sample_args = self._sample_args(staged, [rows[i] for i in plain])
             staged.fused = FusedSample.of(*staged.sample_args)
@@ -117,8 +131,13 @@ class Sampler:
                 result = staged.fused.result()
             else:
                 result = staged.device.result() if staged.device is not None else sample(*staged.sample_args)
-        if pipe.changed_by and result is not None:  # 5
-            empty = [i for i, support in zip(plain, result.support_sizes) if support == 0]
+        if staged.emptied_read is not None:  # 5
+            (flags,), event = staged.emptied_read
+            if event is not None:
+                event.synchronize()
+            errors = {**errors, **emptied_rows(pipe.emptied, flags.tolist())}
+        if pipe.changed_by and result is not None:
+            empty = [i for i, support in zip(plain, result.support_sizes) if support == 0 and i not in errors]
             errors = {**errors, **emptied_by_changes(pipe, empty)}
         if lse_R is None:  # 6
             lse_R = self._raw_logsumexp(logits_RV, plain, result)

@@ -5,7 +5,12 @@ truncation -> sample. A request may give its own order (`SamplingParams.processo
 rows are grouped by order and each processor runs once per group on the rows for which
 it is active, with per-row parameters. A row whose support a processor empties (or
 whose logits hold NaN, or whose processor raised) is reported as an error naming the
-cause; the other rows are untouched.
+cause; the other rows are untouched. With `defer_empty` (the sampler's), which rows a
+processor emptied is not read as it runs (on a GPU each read waits for the device):
+each processor's flags stay where the logits are (`PipelineResult.emptied`), the row goes
+on through the rest of its processors (nothing makes an empty row less empty) and is
+sampled with the others, and `emptied_rows` names the first processor that emptied it
+once the flags are read with the sampler's results.
 """
 
 from __future__ import annotations
@@ -57,6 +62,41 @@ class PipelineResult:
     # known once the sampler has run (see emptied_by_changes)
     patches: Patches | None = None
     changed_by: dict[int, str] = field(default_factory=dict)  # row -> the processor whose changes it has
+    # with defer_empty: each processor run's rows and whether it left each one empty, in the order they ran (still
+    # where the logits are); errors then holds the rest (emptied_rows reads these)
+    emptied: tuple[Emptied, ...] = ()
+
+
+@dataclass(frozen=True)
+class Emptied:
+    """One processor's run: the rows it ran on and, for each, whether it left the row no token (not yet read)."""
+
+    name: str
+    rows: tuple[int, ...]
+    empty_T: torch.Tensor  # (len(rows),) bool
+
+
+def emptied_flags(emptied: tuple[Emptied, ...]) -> torch.Tensor:
+    """Every run's flags in one tensor, to be read in one transfer (emptied_rows takes them back apart)."""
+    return torch.cat([e.empty_T for e in emptied])
+
+
+def emptied_rows(emptied: tuple[Emptied, ...], flags: list[bool]) -> dict[int, str]:
+    """The rows the runs left empty (`flags`: emptied_flags read), each with the error apply_pipeline gives it when
+    it reads them as it goes: the first processor that emptied it (a row runs its processors in its order, and
+    rows of one order run together, so the first run that flags a row is its first)."""
+    errors: dict[int, str] = {}
+    at = 0
+    for run in emptied:
+        for i, empty in zip(run.rows, flags[at : at + len(run.rows)]):
+            if empty and i not in errors:
+                errors[i] = _empty(run.name)
+        at += len(run.rows)
+    return errors
+
+
+def _empty(name: str) -> str:
+    return f"empty support: processor {name!r} removed every token"
 
 
 def sampler_tail(params, vocab_size: int) -> Tail:
@@ -89,6 +129,7 @@ def apply_pipeline(
     registry: dict[str, Processor] | None = None,
     row_errors: dict[int, str] | None = None,
     defer_tail: bool = False,
+    defer_empty: bool = False,
 ) -> PipelineResult:
     """Run every row through its processors in its order. Never mutates `logits_RV`.
 
@@ -96,6 +137,9 @@ def apply_pipeline(
     logits are scanned for NaN here. When no processor is active, the result IS the input.
     `defer_tail` (the default registry, where the native sampler runs on these logits) leaves each row's
     `sampler_tail` to the sampler, which applies it in the same pass that samples the row.
+    `defer_empty` reads nothing from the logits' device: the rows a processor empties are left in
+    `emptied` (see the module doc), unless a processor raises (then they are read first, to name each row's
+    first failure).
     """
     defer_tail = defer_tail and registry in (None, REGISTRY) and tail_fusable(logits_RV)
     registry = registry or REGISTRY
@@ -108,6 +152,7 @@ def apply_pipeline(
         if i not in errors:
             groups[row.params.order].append(i)
     out, patches, changed_by = logits_RV, [], {}
+    emptied: list[Emptied] | None = [] if defer_empty else None
     for order, rows in groups.items():
         runs: dict[str, list[int]] = defaultdict(list)  # processor -> the rows it runs on here
         last: dict[int, str] = {}  # row -> its last processor before a tail the sampler applies
@@ -129,9 +174,14 @@ def apply_pipeline(
                     changed_by.update(dict.fromkeys(deferred, name))
                     active = [i for i in active if last.get(i) != name]
             if active:
-                out = _apply_one(out, view, name, fn, active, errors)
+                out = _apply_one(out, view, name, fn, active, errors, emptied)
     return PipelineResult(
-        processed_RV=out, errors=errors, tail=tail, patches=_merge(patches) if tail else None, changed_by=changed_by
+        processed_RV=out,
+        errors=errors,
+        tail=tail,
+        patches=_merge(patches) if tail else None,
+        changed_by=changed_by,
+        emptied=tuple(emptied or ()),
     )
 
 
@@ -162,7 +212,7 @@ def emptied_by_changes(pipe: PipelineResult, rows: list[int]) -> dict[int, str]:
                 torch.zeros_like(pipe.patches.rows_S[mine]), pipe.patches.cols_S[mine], pipe.patches.factor_S[mine]
             ).apply(pipe.processed_RV[i : i + 1])
             if not bool(torch.amax(row) > NEG_INF):
-                errors[i] = f"empty support: processor {pipe.changed_by[i]!r} removed every token"
+                errors[i] = _empty(pipe.changed_by[i])
     return errors
 
 
@@ -180,20 +230,34 @@ def _merge(parts: list[Patches]) -> Patches | None:
 
 
 def _apply_one(
-    logits_RV: torch.Tensor, view: BatchView, name: str, fn: Processor, rows: list[int], errors: dict[int, str]
+    logits_RV: torch.Tensor,
+    view: BatchView,
+    name: str,
+    fn: Processor,
+    rows: list[int],
+    errors: dict[int, str],
+    emptied: list[Emptied] | None = None,
 ) -> torch.Tensor:
+    """`fn` on `rows`; the rows it empties become errors, or (`emptied` given) their flags are appended to it."""
     whole = len(rows) == logits_RV.shape[0]
     index = tensor_on(rows, logits_RV.device, torch.int64)
     before = logits_RV if whole else logits_RV.index_select(0, index)
     try:
         after = fn(before, view if whole else view.subset(rows))
     except Exception:  # noqa: BLE001 - isolate the row(s) that make a processor fail
+        if emptied:  # the rows emptied so far fail there, not here: read them now (a rare path)
+            errors.update(emptied_rows(tuple(emptied), emptied_flags(tuple(emptied)).tolist()))
+            emptied.clear()
+            rows = [i for i in rows if i not in errors]
         return _apply_row_by_row(logits_RV, view, name, fn, rows, errors)
     # a row is emptied when its largest logit is not above -inf (all -inf, or NaN): one reduction, where
     # isfinite(...).any() wrote and read a vocabulary-wide bool block (7 ms a step at 64 rows)
-    emptied = (~(torch.amax(after, dim=-1) > NEG_INF)).nonzero().flatten().tolist()
-    for j in emptied:
-        errors[rows[j]] = f"empty support: processor {name!r} removed every token"
+    empty_T = ~(torch.amax(after, dim=-1) > NEG_INF)
+    if emptied is not None:
+        emptied.append(Emptied(name, tuple(rows), empty_T))
+    else:
+        for j in empty_T.nonzero().flatten().tolist():
+            errors[rows[j]] = _empty(name)
     if whole:
         return after
     out = logits_RV.clone()
@@ -210,13 +274,14 @@ def _apply_row_by_row(logits_RV, view, name, fn, rows, errors) -> torch.Tensor:
             errors[i] = f"processor {name!r} failed: {type(exc).__name__}: {exc}"
             continue
         if not bool(torch.amax(row) > NEG_INF):
-            errors[i] = f"empty support: processor {name!r} removed every token"
+            errors[i] = _empty(name)
         out[i] = row[0]
     return out
 
 
 __all__ = [
     "BatchView",
+    "Emptied",
     "Patches",
     "PipelineResult",
     "REGISTRY",
@@ -225,6 +290,8 @@ __all__ = [
     "Tail",
     "apply_pipeline",
     "emptied_by_changes",
+    "emptied_flags",
+    "emptied_rows",
     "invalid_rows",
     "sampler_tail",
 ]

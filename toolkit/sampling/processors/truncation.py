@@ -31,31 +31,53 @@ def top_k(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:
     return logits_RV.masked_fill(logits_RV < kth_R1, NEG_INF)
 
 
-def top_p(logits_RV: torch.Tensor, view: BatchView, first_k: int = 256) -> torch.Tensor:
+def top_p(logits_RV: torch.Tensor, view: BatchView, first_k: int | None = 256) -> torch.Tensor:
     """Keep the smallest highest-probability set whose mass reaches p: the token that crosses p is kept,
     and so are tokens tied with it. Probabilities are exp(logit - logsumexp(row)) and their running mass
-    is summed in float64 down the ranking. No vocabulary-wide sort (28 ms at 16 rows of 49,152 on the
-    EPYC): fp32 rows on the CPU take the native bisection over the logits' order (mass summed in double
-    lanes; toolkit/native/csrc/gumbel.c), others rank only the top of each row (torch.topk, k = 256 and 4x more
-    for the rows whose mass has not reached p yet)."""
+    is summed in float64 down the ranking. No vocabulary-wide sort on the CPU (28 ms at 16 rows of 49,152 on
+    the EPYC): fp32 rows there take the native bisection over the logits' order (mass summed in double lanes;
+    toolkit/native/csrc/gumbel.c), others rank only the top of each row (torch.topk, k = 256 and 4x more for the
+    rows whose mass has not reached p yet). Off the CPU each row is ranked whole, in blocks of rows: finding
+    which rows are done would be a read, and a read waits for the device (a sort there is tens of
+    microseconds; vLLM's top-p sorts too). `first_k=None` ranks whole rows on the CPU too."""
     native = truncate_cpu(logits_RV, "top_p", view.column("top_p").flatten())
     if native is not None:
         return native[0]
-    vocab = logits_RV.shape[1]
+    rows, vocab = logits_RV.shape
     p_R = view.column("top_p", torch.float64).flatten()
     lse_R = logsumexp_rows(logits_RV).double()
-    threshold_R = torch.empty(logits_RV.shape[0], dtype=logits_RV.dtype, device=logits_RV.device)
-    todo = torch.arange(logits_RV.shape[0], device=logits_RV.device)
+    if first_k is None or logits_RV.device.type != "cpu":
+        block = max(1, WHOLE_RANKING_ELEMENTS // vocab)
+        threshold_R = torch.cat(
+            [
+                _crossing(logits_RV[i : i + block], lse_R[i : i + block], p_R[i : i + block], vocab)[0]
+                for i in range(0, rows, block)
+            ]
+        )
+        return logits_RV.masked_fill(logits_RV < threshold_R.unsqueeze(1), NEG_INF)
+    threshold_R = torch.empty(rows, dtype=logits_RV.dtype, device=logits_RV.device)
+    todo = torch.arange(rows, device=logits_RV.device)
     k = min(first_k, vocab)
     while todo.numel():
-        top_TK = torch.topk(logits_RV.index_select(0, todo), k, dim=-1).values  # sorted, largest first
-        probs_TK = torch.exp(top_TK.double() - lse_R[todo, None])
-        mass_before_TK = torch.cumsum(probs_TK, dim=-1) - probs_TK  # mass of the tokens ranked above
-        keep_T = (mass_before_TK < p_R[todo, None]).sum(dim=-1).clamp_min(1)  # the top token always stays
-        done_T = (keep_T < k) | (k == vocab)
-        threshold_R[todo[done_T]] = top_TK[done_T].gather(1, (keep_T[done_T] - 1).unsqueeze(1)).squeeze(1)
+        crossing_T, done_T = _crossing(logits_RV.index_select(0, todo), lse_R[todo], p_R[todo], k)
+        threshold_R[todo[done_T]] = crossing_T[done_T]
         todo, k = todo[~done_T], min(4 * k, vocab)
     return logits_RV.masked_fill(logits_RV < threshold_R.unsqueeze(1), NEG_INF)
+
+
+# a whole-vocabulary ranking's rows at a time off the CPU: its float64 temporaries stay near 100 MB a block
+WHOLE_RANKING_ELEMENTS = 1 << 22
+
+
+def _crossing(x_TV: torch.Tensor, lse_T: torch.Tensor, p_T: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of each row's k largest logits, the one whose running mass (float64, down the ranking) crosses p, and
+    whether it was found there (True wherever k is the whole row)."""
+    top_TK = torch.topk(x_TV, k, dim=-1).values  # sorted, largest first
+    probs_TK = torch.exp(top_TK.double() - lse_T[:, None])
+    mass_before_TK = torch.cumsum(probs_TK, dim=-1) - probs_TK  # mass of the tokens ranked above
+    keep_T = (mass_before_TK < p_T[:, None]).sum(dim=-1).clamp_min(1)  # the top token always stays
+    done_T = (keep_T < k) | (k == x_TV.shape[1])
+    return top_TK.gather(1, (keep_T - 1).unsqueeze(1)).squeeze(1), done_T
 
 
 def min_p(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:
