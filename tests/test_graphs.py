@@ -150,11 +150,24 @@ def test_padding_rows_touch_only_the_scratch_block(loaded):
             if bucket is not None:
                 live, scratch = engine.runner.graphs.filled[4, 4], engine.runner.graphs.scratch
                 assert (bucket.slots_B[live:] == scratch * 4).all() and (bucket.tables_BW[live:] == scratch).all()
+                assert (bucket.input_ids_B[live:] == 0).all() and (bucket.ctx_B[live:] == 1).all()
         caches.append([t.clone() for layer in engine.kv_cache.layers for t in layer])
     assert engine.runner.graphs.filled[4, 4] == 3  # the finished sequence's row went back to padding
     for unpadded, padded in zip(*caches):
         assert torch.equal(padded[:40], unpadded)
         assert (padded[40] != 7.0).any()  # the padding rows wrote the scratch block
+
+
+def test_a_bucket_step_sends_its_inputs_in_one_copy(loaded, monkeypatch):
+    """A bucketed decode step's inputs (ids, positions, slots, context lengths, tables; padding rows included) reach
+    the device in one copy: on a GPU each copy is a transfer the host queues (five and more a step before)."""
+    copies = []
+    real = graphs.copy_into
+    monkeypatch.setattr(graphs, "copy_into", lambda dst, src: (copies.append(dst.data_ptr()), real(dst, src)))
+    engine, _, _ = run(loaded, [(5, 16, 0.0), (3, 12, 0.7), (9, 8, 0.0)], cuda_graphs="eager", batch_invariant=True)
+    assert engine.runner.graphs.replays > 5
+    assert len(copies) == engine.runner.graphs.replays
+    assert set(copies) == {b.inputs_F.data_ptr() for b in engine.runner.graphs.buckets.values()}
 
 
 def test_the_smallest_bucket_that_holds(monkeypatch):

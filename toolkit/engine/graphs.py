@@ -2,8 +2,9 @@
 
 A step whose every chunk is one sampled decode token runs as a bucket: the smallest batch size B >= D of
 BATCH_BUCKETS (capped at max_num_seqs) and the smallest key width of WIDTH_BUCKETS blocks that covers its longest
-context (capped at a sequence's most blocks). Its inputs are copied into buffers allocated once per bucket, and
-the forward reads only those, so its shapes never change. Rows [D, B) are padding: token 0 at position 0, its
+context (capped at a sequence's most blocks). Its inputs are views of one buffer allocated once per bucket, filled
+by one copy a step (built whole on the host, padding rows included: one transfer, where a buffer each was five and
+more), and the forward reads only those, so its shapes never change. Rows [D, B) are padding: token 0 at position 0, its
 K/V written into a scratch block that no sequence owns (the cache has one block more than the block manager
 hands out), attending to that one key. Each real row's table is padded with the scratch block and its keys past
 its context are masked (the sdpa path) or never read (the native kernel reads each query's own context).
@@ -24,6 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from toolkit.devices import copy_into
@@ -46,14 +48,15 @@ def bucket_of(n: int, buckets: tuple[int, ...], cap: int) -> int:
 class Bucket:
     """One (batch, width) bucket's static buffers, its captured graph and its output (when captured)."""
 
-    input_ids_B: torch.Tensor
-    positions_B: torch.Tensor
-    slots_B: torch.Tensor
-    ctx_B: torch.Tensor
-    tables_BW: torch.Tensor
+    inputs_F: torch.Tensor  # a step's inputs, flat: [ids B | positions B | slots B | contexts B | tables B*W]
     rows_B: torch.Tensor  # 0..B-1: every row is a logits row
     graph: torch.cuda.CUDAGraph | None = None
     logits_BV: torch.Tensor | None = None
+
+    def __post_init__(self):
+        b = self.rows_B.shape[0]
+        self.input_ids_B, self.positions_B, self.slots_B, self.ctx_B = self.inputs_F[: 4 * b].view(4, b).unbind(0)
+        self.tables_BW = self.inputs_F[4 * b :].view(b, -1)
 
 
 class DecodeGraphs:
@@ -99,26 +102,10 @@ class DecodeGraphs:
         s = self.buckets.get((b, width))
         if s is None:
             s = self.buckets[b, width] = self._allocate(b, width)
-        stale = self.filled.get((b, width), 0)
-        if stale > d:  # rows an earlier step filled are padding again: never a freed sequence's slots
-            pad = self._allocate(stale - d, width)
-            for buffer, values in zip(self._inputs(s), self._inputs(pad)):
-                buffer[d:stale].copy_(values)
-        self.filled[b, width] = d
-        # the real rows' data, built on the host
-        used = [-(-c.context_len // bs) for c in chunks]
-        tables = torch.tensor(
-            [list(c.block_table[:n]) + [self.scratch] * (width - n) for c, n in zip(chunks, used)], dtype=torch.int64
-        )
-        positions = torch.tensor([c.start_pos for c in chunks], dtype=torch.int64)
-        slots = tables[torch.arange(d), positions // bs] * bs + positions % bs
-        rows = ([c.token_ids[0] for c in chunks], positions, slots, [c.context_len for c in chunks], tables)
-        buffers = self._inputs(s)
+        self.filled[b, width] = d  # rows [d, b) are padding again: never a freed sequence's slots
+        copy_into(s.inputs_F, self._host_inputs(chunks, b, width))
         if fed_ids is not None:  # the tokens where they were sampled, not the chunks' placeholders
-            buffers[0][:d].copy_(fed_ids)
-            buffers, rows = buffers[1:], rows[1:]
-        for buffer, values in zip(buffers, rows):
-            copy_into(buffer[:d], torch.as_tensor(values, dtype=torch.int64))
+            s.input_ids_B[:d].copy_(fed_ids)
         self.replays += 1
         t = time.perf_counter()
         if self.capture and s.graph is None:
@@ -140,24 +127,27 @@ class DecodeGraphs:
         return logits, time.perf_counter() - t
 
     def _allocate(self, b: int, width: int) -> Bucket:
-        """A bucket's buffers, every row padding: token 0 at position 0, writing and reading the scratch block."""
-
-        def full(shape, value):
-            return torch.full(shape, value, dtype=torch.int64, device=self.device)
-
+        """A bucket's buffers, every row padding."""
         return Bucket(
-            input_ids_B=full((b,), 0),
-            positions_B=full((b,), 0),
-            slots_B=full((b,), self.scratch * self.block_size),
-            ctx_B=full((b,), 1),
-            tables_BW=full((b, width), self.scratch),
+            inputs_F=self._host_inputs((), b, width).to(self.device),
             rows_B=torch.arange(b, dtype=torch.int64, device=self.device),
         )
 
-    @staticmethod
-    def _inputs(s: Bucket) -> tuple[torch.Tensor, ...]:
-        """The buffers a step fills, in the order run() builds their rows."""
-        return s.input_ids_B, s.positions_B, s.slots_B, s.ctx_B, s.tables_BW
+    def _host_inputs(self, chunks, b: int, width: int) -> torch.Tensor:
+        """A step's inputs as Bucket.inputs_F holds them, on the host: the chunks' rows, then padding rows (token 0 at
+        position 0, writing and reading the scratch block)."""
+        d, bs, scratch = len(chunks), self.block_size, self.scratch
+        flat = np.empty(b * (4 + width), dtype=np.int64)
+        ids, positions, slots, ctx = flat[: 4 * b].reshape(4, b)
+        tables = flat[4 * b :].reshape(b, width)
+        ids[d:], positions[d:], slots[d:], ctx[d:] = 0, 0, scratch * bs, 1
+        tables.fill(scratch)
+        for r, c in enumerate(chunks):
+            used = -(-c.context_len // bs)
+            tables[r, :used] = c.block_table[:used]
+            ids[r], positions[r], ctx[r] = c.token_ids[0], c.start_pos, c.context_len
+        slots[:d] = tables[np.arange(d), positions[:d] // bs] * bs + positions[:d] % bs
+        return torch.from_numpy(flat)
 
     def _forward(self, s: Bucket) -> torch.Tensor:
         """The bucket's forward over its buffers alone (what a graph captures)."""
