@@ -391,3 +391,23 @@ def test_rope_with_the_cache_writes_and_a_wide_or_odd_head_on_a_gpu(dtype, cache
             want = weights @ values[:c, h // groups]
             bound = 1e-5 if dtype == torch.float32 and cache_dtype is None else 2**-7 * want.abs().max().item() + 1e-3
             assert (out[i, h].double() - want).abs().max() <= bound, (i, h)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("granularity", ["block", "tensor"])
+def test_an_8_bit_cache_runs_in_the_triton_attention_on_a_gpu(kv_cache_dtype, granularity):
+    """An int8 / fp8 cache on a GPU takes the Triton attention (its scales read in the kernel; torch's sdpa before):
+    a repeated run gives the same bits, and its logits are torch's sdpa path's over the same cache within fp32's
+    rounding (the cache writes are the same ops on both)."""
+    loaded = load_model(ModelConfig(**MODEL), device="cuda")
+    kv = dict(kv_cache_dtype=kv_cache_dtype, kv_scale_granularity=granularity, cuda_graphs="off")
+    engine, rows = run(loaded, "cuda", **kv)
+    again_engine, again = run(loaded, "cuda", **kv)
+    sdpa_engine, sdpa = run(loaded, "cuda", attention_backend="sdpa", **kv)
+    assert engine.attention_backend == "kernel" and sdpa_engine.attention_backend == "sdpa"
+    for rid, by_pos in rows.items():
+        assert engine.requests[rid].token_ids == again_engine.requests[rid].token_ids
+        for p, logits in by_pos.items():
+            assert torch.equal(logits, again[rid][p]), (rid, p)
+            if engine.requests[rid].token_ids[:p] == sdpa_engine.requests[rid].token_ids[:p]:
+                assert (logits.log_softmax(-1) - sdpa[rid][p].log_softmax(-1)).abs().max() < 1e-3, (rid, p)

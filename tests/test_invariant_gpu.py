@@ -316,6 +316,57 @@ def test_the_paged_attention_kernel_gives_a_token_its_bits_in_any_mix(data, kv_h
 @settings(max_examples=8, deadline=None)
 @given(
     data=st.data(),
+    kv_format=st.sampled_from(["int8", "fp8_e4m3"]),
+    per_block=st.booleans(),
+    groups=st.sampled_from([1, 3]),
+    split=st.sampled_from([16, 256]),
+    dim=st.sampled_from([8, 12]),
+)
+def test_an_8_bit_caches_attention_is_its_de_quantised_cache_and_a_tokens_bits_in_any_mix(
+    data, kv_format, per_block, groups, split, dim
+):
+    """The attention over an int8 / fp8 cache with a scale per block and KV head, or per KV head: the float64
+    attention over the cache de-quantised (units x scale) within fp32 sums' rounding, split or not, and each token's
+    output the same bits alone as in any batch."""
+    from toolkit.kv.quant import FORMATS, quantize
+
+    q, k, v, tables, query_table, query_ctx = _attention_case(
+        data, groups * 10 + dim, 2, groups, 4, dim, torch.float32, width=6, max_n=6
+    )
+    q_max = FORMATS[kv_format][1]
+    axes = (1, 3) if per_block else (0, 1, 3)
+    k_scales, v_scales = (x.abs().amax(dim=axes) / q_max for x in (k, v))
+    shape = (-1, 1, 2, 1) if per_block else (1, 1, 2, 1)
+    k8, v8 = (quantize(x, s.view(shape), kv_format) for x, s in ((k, k_scales), (v, v_scales)))
+    k_dq, v_dq = (x8.float() * s.view(shape) for x8, s in ((k8, k_scales), (v8, v_scales)))
+    out = torch.empty_like(q)
+    args = (tables, query_table, query_ctx, dim**-0.5)
+    ga.paged_attention(q, k8, v8, *args, out, split, k_scales=k_scales, v_scales=v_scales)
+    want = _attention_reference(q, k_dq, v_dq, *args)
+    assert (out.double() - want).abs().max() <= 1e-5
+    for rows in _subsets(data.draw, q.shape[0]):
+        index = torch.tensor(rows)
+        alone = torch.empty_like(q[index])
+        ga.paged_attention(
+            q[index],
+            k8,
+            v8,
+            tables,
+            query_table[index],
+            query_ctx[index],
+            dim**-0.5,
+            alone,
+            split,
+            k_scales=k_scales,
+            v_scales=v_scales,
+        )
+        assert torch.equal(alone, out[index]), rows
+
+
+@TRITON
+@settings(max_examples=8, deadline=None)
+@given(
+    data=st.data(),
     kv_heads=st.integers(1, 2),
     groups=st.sampled_from([1, 3, 18]),
     block=st.sampled_from([1, 4, 8]),
@@ -438,15 +489,20 @@ TINY = dict(
 WIDE = dict(TINY, seed=2, hidden_size=120, num_heads=20, num_kv_heads=1)
 
 
-def _runs(model, batches, backend: str, invariant: bool) -> dict[tuple[str, int], torch.Tensor]:
-    """Run the batches in order over one fresh cache (block size 4); each sampled row's fp32 logits by (sequence,
-    the position it predicts)."""
+def _runs(
+    model, batches, backend: str, invariant: bool, kv: tuple[str, str] = ("auto", "block")
+) -> dict[tuple[str, int], torch.Tensor]:
+    """Run the batches in order over one fresh cache (block size 4; `kv`: its format and scales' granularity, a
+    tensor scale of 0.05 every KV head); each sampled row's fp32 logits by (sequence, the position it predicts)."""
     from toolkit.engine.runner import ModelRunner
     from toolkit.engine.scheduler import ScheduledBatch
     from toolkit.kv.paged_cache import PagedKVCache
 
     layers, kv_heads, head_dim = model.kv_shape
-    cache = PagedKVCache(layers, 12, 4, kv_heads, head_dim, model.embed.dtype, "cpu")
+    cache = PagedKVCache(layers, 12, 4, kv_heads, head_dim, model.embed.dtype, "cpu", kv_dtype=kv[0], granularity=kv[1])
+    for scales in cache.tensor_scales if cache.granularity == "tensor" else ():
+        for scale in scales:
+            scale.fill_(0.05)
     runner = ModelRunner(model, cache, torch.device("cpu"), backend, batch_invariant=invariant)
     rows = {}
     for step, chunks in enumerate(batches):
@@ -502,6 +558,46 @@ def test_the_engines_gpu_path_runs_in_the_interpreter_and_keeps_a_rows_bits_in_a
         assert (gpu_rows[key].log_softmax(-1) - logits.log_softmax(-1)).abs().max() < tolerance, key
     invariant_alone = _runs(model, alone, "kernel", True)
     invariant_mixed = _runs(model, mixed, "kernel", True)
+    assert [p for s, p in invariant_mixed if s == "t"] == [10, 11, 12, 13, 14]
+    for (seq, position), logits in invariant_mixed.items():
+        if seq == "t":
+            assert torch.equal(logits, invariant_alone["t", position]), position
+
+
+@TRITON
+@pytest.mark.native  # it switches the native CPU kernels off, so that the GPU path's kernels run instead
+@pytest.mark.parametrize("kv", [("int8", "block"), ("fp8_e4m3", "block"), ("int8", "tensor")])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_gpu_attention_reads_an_8_bit_cache_and_keeps_a_rows_bits_in_any_mix(monkeypatch, kv, dtype):
+    """An int8 / fp8 cache with block or tensor scales on the GPU path (the Triton attention, each key's scale out
+    of its dot product and each value's in its weight, as the CPU kernel reads it): torch's path over the same
+    cache (de-quantised to the model's format, then sdpa) within the format's rounding; and in the batch-invariant
+    mode a sequence's rows are the same bits alone as beside other sequences' chunks, chunked alike (a block's
+    scale follows its own sequence's writes alone; where a chunk boundary falls changes it: a block whose scale
+    grows is re-rounded)."""
+    from toolkit.engine.scheduler import ScheduledChunk as Chunk
+
+    monkeypatch.setenv("TOOLKIT_NATIVE", "0")
+    model = load_model(ModelConfig(**TINY, dtype=dtype)).model
+    target = tuple((11 * j + 4) % 96 for j in range(14))
+    whole = [[Chunk("t", target, 0, (0, 1, 2, 3), samples=True, num_logits=14)]]
+    first, then = (
+        Chunk("t", target[:10], 0, (0, 1, 2), True),
+        Chunk("t", target[10:], 10, (0, 1, 2, 3), True, num_logits=4),
+    )
+    alone = [[first], [then]]
+    mixed = [
+        [Chunk("o", target[2:11], 0, (4, 5, 6), samples=True), first],
+        [then, Chunk("u", target[:5], 0, (7, 8), True)],
+    ]
+    torch_rows = _runs(model, whole, "sdpa", False, kv)
+    monkeypatch.setattr(ig, "routes", ig.available)
+    gpu_rows = _runs(model, whole, "kernel", False, kv)
+    tolerance = 1e-4 if dtype == "float32" else 0.1
+    for key, logits in torch_rows.items():
+        assert (gpu_rows[key].log_softmax(-1) - logits.log_softmax(-1)).abs().max() < tolerance, key
+    invariant_alone = _runs(model, alone, "kernel", True, kv)
+    invariant_mixed = _runs(model, mixed, "kernel", True, kv)
     assert [p for s, p in invariant_mixed if s == "t"] == [10, 11, 12, 13, 14]
     for (seq, position), logits in invariant_mixed.items():
         if seq == "t":

@@ -87,8 +87,6 @@ def gpu_kernel_problem(cfg: EngineConfig, arch) -> str | None:
     """Why the Triton paged attention cannot run this engine on a CUDA GPU (None: it can)."""
     if invariant_gpu.triton is None:
         return "Triton does not import here"
-    if cfg.kv_cache_dtype not in ("auto", "bf16"):
-        return f"the GPU kernel reads a 16- or 32-bit cache, not engine.kv_cache_dtype={cfg.kv_cache_dtype}"
     if not gpu_attention.supports_attention(arch.head_dim, arch.num_heads // arch.num_kv_heads):
         return f"the GPU kernel takes a head_dim up to {gpu_attention.MAX_HEAD_DIM}, not head_dim {arch.head_dim}"
     return None

@@ -173,27 +173,34 @@ def paged_attention(
     out_NHD = torch.empty(q_NHD.shape, dtype=q_NHD.dtype, device=q_NHD.device)
     if meta.kernel_rows and (softcap is not None or window is not None):
         raise ValueError("the native attention kernel has no soft-capping or sliding window: use the sdpa backend")
-    if meta.kernel_rows and meta.kv_quant is not None:
-        rows = meta.kernel_rows
+    scales = {}
+    if meta.kernel_rows and meta.kv_quant is not None:  # block or tensor scales (the backend refuses channel ones)
         (k_block, k_static, _), (v_block, v_static, _) = (meta.kv_quant.layer(layer, w) for w in (0, 1))
-        paged_attention_cpu_q8(
-            q_NHD[:rows],
-            k_cache,
-            v_cache,
-            k_block if k_block is not None else k_static,
-            v_block if v_block is not None else v_static,
-            meta.block_tables_SB,
-            meta.query_table_N[:rows],
-            meta.query_ctx_N[:rows],
-            scale,
-            out_NHD[:rows],
+        scales = dict(
+            k_scales=k_block if k_block is not None else k_static,
+            v_scales=v_block if v_block is not None else v_static,
         )
-    elif meta.kernel_rows and invariant_gpu.routes(q_NHD):  # the Triton kernel, the same contract
+    if meta.kernel_rows and invariant_gpu.routes(q_NHD):  # the Triton kernel, the same contract
         rows = meta.kernel_rows
         gpu_attention.paged_attention(
             q_NHD[:rows],
             k_cache,
             v_cache,
+            meta.block_tables_SB,
+            meta.query_table_N[:rows],
+            meta.query_ctx_N[:rows],
+            scale,
+            out_NHD[:rows],
+            **scales,
+        )
+    elif meta.kernel_rows and scales:
+        rows = meta.kernel_rows
+        paged_attention_cpu_q8(
+            q_NHD[:rows],
+            k_cache,
+            v_cache,
+            scales["k_scales"],
+            scales["v_scales"],
             meta.block_tables_SB,
             meta.query_table_N[:rows],
             meta.query_ctx_N[:rows],

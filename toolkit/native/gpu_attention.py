@@ -8,6 +8,9 @@ prefill chunks and decode tokens, the block size or a CUDA graph's padding.
   split, combined in the splits' order by `_combine_kernel` (flash decoding, the split fixed by the context alone).
 - Any head_dim up to MAX_HEAD_DIM (in the power of two that holds it, the rest masked) and any number of query
   heads a KV head (HEADS_A_PROGRAM to a program).
+- An 8-bit cache (int8, fp8 e4m3) with a scale per block and KV head or one per KV head (engine.kv_scale_granularity
+  block or tensor), read as the CPU kernel reads it: the stored units widened to fp32, a key's scale factored out of
+  its dot product with the query and a value's into its softmax weight (toolkit/native/csrc/paged_attention.c).
 
 CI runs it under TRITON_INTERPRET=1 at small shapes (tests/test_invariant_gpu.py).
 """
@@ -57,10 +60,15 @@ if triton is not None:
         acc_ptr,
         SPLIT,
         D,
+        ks_ptr,
+        vs_ptr,
+        KV_HEADS,
         BG: tl.constexpr,
         TILE: tl.constexpr,
         BD: tl.constexpr,
         SPLITS: tl.constexpr,
+        SCALES: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         """One program per (query token, KV head and group of its query heads[, split]): BG of the token's G query
         heads over its own sequence's first ctx cached keys (HG groups a KV head), TILE key positions at a time in
@@ -69,7 +77,8 @@ if triton is not None:
         sum is fixed by the token's own context: the same bits whatever the batch, its mix of prefill and decode, or
         the block size. With SPLITS, program (n, head group, s) takes positions [s * SPLIT, (s + 1) * SPLIT) of the
         context and stores its running max, sum and output (m_ptr, total_ptr, acc_ptr) for _combine_kernel instead
-        of the output."""
+        of the output. SCALES (an 8-bit cache): 1, a scale per block and KV head (ks_ptr / vs_ptr: [blocks,
+        KV_HEADS]); 2, one per KV head ([KV_HEADS]); a key's multiplies its dot products, a value's its weights."""
         n = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1) // HG
         g = (tl.program_id(1) % HG) * BG + tl.arange(0, BG)[:, None]  # query heads of KV head kvh
@@ -93,15 +102,31 @@ if triton is not None:
             block = tl.load(tables_ptr + seq * stb + pos // BS, mask=seen, other=0).to(tl.int64)
             base = block[:, None] * skb + (pos % BS)[:, None] * skt + kvh * skh + d
             kmask = seen[:, None] & (d < D)
-            k = tl.load(k_ptr + base, mask=kmask, other=0.0).to(tl.float32)  # (TILE, BD)
-            v = tl.load(v_ptr + base, mask=kmask, other=0.0).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (BG, TILE)
-            scores = tl.where(seen[None, :], scores, float("-inf"))
+            k = tl.load(k_ptr + base, mask=kmask, other=0)  # (TILE, BD)
+            v = tl.load(v_ptr + base, mask=kmask, other=0)
+            if FP8:  # e4m3 bytes (read as uint8: the interpreter fills no float8 lanes)
+                k = k.to(tl.float8e4nv, bitcast=True)
+                v = v.to(tl.float8e4nv, bitcast=True)
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (BG, TILE)
+            if SCALES == 1:
+                ksc = tl.load(ks_ptr + block * KV_HEADS + kvh, mask=seen, other=0.0)
+                vsc = tl.load(vs_ptr + block * KV_HEADS + kvh, mask=seen, other=0.0)
+                scores = scores * ksc[None, :]
+            elif SCALES == 2:
+                ksc = tl.load(ks_ptr + kvh + 0 * t)
+                vsc = tl.load(vs_ptr + kvh + 0 * t)
+                scores = scores * ksc[None, :]
+            scores = tl.where(seen[None, :], scores * scale, float("-inf"))
             peak = tl.maximum(m, tl.max(scores, axis=1))
             p = tl.exp(scores - peak[:, None])
             fade = tl.exp(m - peak)
             total = total * fade + tl.sum(p, axis=1)
-            acc = acc * fade[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            weights = p
+            if SCALES != 0:
+                weights = p * vsc[None, :]
+            acc = acc * fade[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
             m = peak
         if SPLITS:  # a split past the context stores nothing (_combine_kernel reads only the context's)
             part = (n * tl.num_programs(1) + tl.program_id(1)) * SPLITS + s  # (token, head group, split): BG heads
@@ -169,9 +194,12 @@ def paged_attention(
     scale: float,
     out_NHD: torch.Tensor,
     split: int = ATTENTION_SPLIT,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
     """Each query token over its own sequence's cached keys (query_table_N: its row of tables_SB; query_ctx_N:
-    how many keys it sees), into out_NHD: the CPU kernel's contract (toolkit.native.ops.paged_attention_cpu).
+    how many keys it sees), into out_NHD: the CPU kernel's contract (toolkit.native.ops.paged_attention_cpu; with
+    `k_scales` / `v_scales`, an 8-bit cache's, paged_attention_cpu_q8: [blocks, KV heads] or [KV heads], fp32).
     A context longer than `split` keys is taken by a program per `split` keys and their results combined in order
     (flash decoding, with the split fixed by the token's own context: a long context at batch 1 is not one program
     a KV head, and its bits do not depend on the batch)."""
@@ -185,8 +213,10 @@ def paged_attention(
     if split % ATTENTION_TILE or split <= 0:
         raise ValueError(f"the attention's split must be a positive multiple of {ATTENTION_TILE}, got {split}")
     splits = -(-tables_SB.shape[1] * block_size // split)
+    scales = _scales(k_cache, k_scales, v_scales, kv_heads)
     if splits == 1:
-        _attention_launch(q_NHD, k_cache, v_cache, tables_SB, query_table_N, query_ctx_N, scale, out_NHD, split, 1)
+        args = (q_NHD, k_cache, v_cache, tables_SB, query_table_N, query_ctx_N, scale, out_NHD, split, 1)
+        _attention_launch(*args, scales=scales)
         return
     # the splits' partial results, for at most `piece` tokens at a time (a prefill chunk of thousands of tokens over
     # a long context would need gigabytes at once): a token's bits do not depend on its piece
@@ -199,18 +229,51 @@ def paged_attention(
     for lo in range(0, n, piece):
         hi = min(n, lo + piece)
         args = (q_NHD[lo:hi], k_cache, v_cache, tables_SB, query_table_N[lo:hi], query_ctx_N[lo:hi], scale)
-        _attention_launch(*args, out_NHD[lo:hi], split, splits, (m, total, acc))
+        _attention_launch(*args, out_NHD[lo:hi], split, splits, (m, total, acc), scales)
+
+
+def _scales(
+    k_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None, kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """An 8-bit cache's scales as the kernel takes them (keys', values', SCALES), or None for a 16- or 32-bit one."""
+    if k_cache.element_size() != 1:
+        return None
+    if k_scales is None or v_scales is None:
+        raise ValueError(f"an 8-bit cache ({k_cache.dtype}) is read with its key and value scales")
+    if k_scales.shape != v_scales.shape or k_scales.shape[-1] != kv_heads or k_scales.dim() not in (1, 2):
+        raise ValueError(
+            f"an 8-bit cache's scales are [blocks, KV heads] or [KV heads], not {tuple(k_scales.shape)} and "
+            f"{tuple(v_scales.shape)} for {kv_heads} KV heads"
+        )
+    k_scales, v_scales = (s.float().contiguous() for s in (k_scales, v_scales))
+    return k_scales, v_scales, 1 if k_scales.dim() == 2 else 2
 
 
 def _attention_launch(
-    q_NHD, k_cache, v_cache, tables_SB, query_table_N, query_ctx_N, scale, out_NHD, split, splits, parts=None
+    q_NHD,
+    k_cache,
+    v_cache,
+    tables_SB,
+    query_table_N,
+    query_ctx_N,
+    scale,
+    out_NHD,
+    split,
+    splits,
+    parts=None,
+    scales=None,
 ) -> None:
-    """One launch of the attention (splits > 1: its splits into `parts`, then their combination into out_NHD)."""
+    """One launch of the attention (splits > 1: its splits into `parts`, then their combination into out_NHD;
+    `scales`: an 8-bit cache's, from _scales)."""
     n, heads, dim = q_NHD.shape
     _, block_size, kv_heads, _ = k_cache.shape
     groups = heads // kv_heads
     head_groups, bg, bd = _head_tiles(groups, dim)
     m, total, acc = parts if parts is not None else (out_NHD,) * 3  # unread when unsplit
+    k_scales, v_scales, mode = scales if scales is not None else (out_NHD, out_NHD, 0)  # unread without
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _paged_attention_kernel[(n, kv_heads * head_groups, splits)](
         q_NHD,
         k_cache,
@@ -236,10 +299,15 @@ def _attention_launch(
         acc,
         split,
         dim,
+        k_scales,
+        v_scales,
+        kv_heads,
         BG=bg,
         TILE=ATTENTION_TILE,
         BD=bd,
         SPLITS=splits if splits > 1 else 0,
+        SCALES=mode,
+        FP8=fp8,
         **FIXED,
     )
     if splits > 1:
