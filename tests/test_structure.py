@@ -230,6 +230,58 @@ def test_imports_sit_at_module_top():
     assert unsaid == [], unsaid
 
 
+# a step's modules: what they send to a GPU goes through toolkit.devices (page-locked memory, non-blocking), since a
+# plain copy from pageable memory waits for every kernel queued before it (async scheduling's queued step too)
+STEP_MODULES = (
+    "engine/ahead.py",
+    "engine/core.py",
+    "engine/decide.py",
+    "engine/graphs.py",
+    "engine/runner.py",
+    "engine/scheduler.py",
+    "kv/attention.py",
+    "models/decoder.py",
+    *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "sampling").rglob("*.py"))),
+)
+
+
+def _torch_call(node: ast.AST, names: tuple[str, ...]) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in names
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "torch"
+    )
+
+
+def waiting_copies(path: Path) -> list[str]:
+    """Host values copied to a device from pageable memory: torch.tensor / torch.as_tensor with a device, and a
+    tensor built from host values (torch.tensor, torch.from_numpy) moved with .to(...)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        made_there = _torch_call(node, ("tensor", "as_tensor")) and any(k.arg == "device" for k in node.keywords)
+        moved = (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "to"
+            and _torch_call(node.func.value, ("tensor", "as_tensor", "from_numpy"))
+        )
+        if made_there or moved:
+            found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_a_steps_host_values_reach_the_device_without_waiting_for_it(tmp_path):
+    """No step module builds a device tensor from host values with torch.tensor(..., device=...): on a GPU that copy
+    waits for the queue to drain (toolkit/devices.py's tensor_on does not). The check finds one."""
+    assert [f for m in STEP_MODULES for f in waiting_copies(ROOT / m)] == []
+    (tmp_path / "bad.py").write_text(
+        "import torch\nx = torch.tensor([1, 2], dtype=torch.int64, device='cuda')\ny = torch.from_numpy(a).to(d)\n"
+    )
+    assert waiting_copies(tmp_path / "bad.py") == ["bad.py:2", "bad.py:3"]
+
+
 def test_no_class_is_too_long_to_read():
     long = []
     for path in ROOT.rglob("*.py"):

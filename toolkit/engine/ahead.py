@@ -163,7 +163,7 @@ def fed_ids(out: ModelOutput, tokens_R: torch.Tensor, nxt: ScheduledBatch) -> to
     """The lookahead batch's input tokens: each chunk's sequence's choice in the step before (its rows in
     out.sample_chunks' order), gathered where the choices are."""
     row_of = {c.seq_id: i for i, c in enumerate(out.sample_chunks)}
-    index = torch.tensor([row_of[c.seq_id] for c in nxt.chunks], dtype=torch.int64, device=tokens_R.device)
+    index = tensor_on([row_of[c.seq_id] for c in nxt.chunks], tokens_R.device, torch.int64)  # no wait for step k
     return tokens_R.index_select(0, index)
 
 
@@ -176,7 +176,7 @@ def live(
     if len(keep) == len(batch.chunks):
         return batch, out
     chunks = tuple(batch.chunks[i] for i in keep)
-    index = torch.tensor(keep, dtype=torch.int64, device=out.logits_RV.device)
+    index = tensor_on(keep, out.logits_RV.device, torch.int64)
     return (
         dataclasses.replace(batch, chunks=chunks, num_decode_tokens=len(chunks)),
         ModelOutput(out.logits_RV.index_select(0, index), chunks, out.forward_s),

@@ -326,7 +326,7 @@ class Decider:
         if grammar_rows:
             mask = torch.ones(logits_RV.shape, dtype=torch.bool)
             mask[torch.tensor(grammar_rows)] = self.grammar().fill_masks([matchers[i] for i in grammar_rows])
-            mask = mask.to(logits_RV.device)
+            mask = to_device(mask, logits_RV.device)
         view = BatchView(
             rows=tuple(
                 RowState(s.sampling, t, s.num_prompt_tokens, s.bad_words_ids) for s, t in zip(seqs, tokens_hist)

@@ -177,7 +177,7 @@ class ModelRunner:
         sdpa_chunks = verifies + multis if self.backend == "sdpa" else []
         for chunk in sdpa_chunks:
             ctx = chunk.context_len
-            table = torch.tensor(chunk.block_table[: -(-ctx // bs)], dtype=torch.int64, device=dev)
+            table = tensor_on(chunk.block_table[: -(-ctx // bs)], dev, torch.int64)
             query_pos = torch.arange(chunk.start_pos, ctx, device=dev)
             causal = torch.arange(ctx, device=dev)[None, :] <= query_pos[:, None]  # (Q, T)
             bias = additive_bias(causal, self.dtype).repeat(self.groups, 1)  # (G*Q, T)

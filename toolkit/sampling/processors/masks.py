@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from toolkit.devices import tensor_on
 from toolkit.sampling.processors.base import NEG_INF, BatchView
 
 
@@ -55,8 +56,9 @@ def logit_bias(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:
                 values.append(bias)
     bias_RV = torch.zeros_like(logits_RV)
     if rows:
-        bias_RV[torch.tensor(rows), torch.tensor(cols)] = torch.tensor(
-            values, dtype=logits_RV.dtype, device=logits_RV.device
+        dev = logits_RV.device
+        bias_RV[tensor_on(rows, dev, torch.int64), tensor_on(cols, dev, torch.int64)] = tensor_on(
+            values, dev, logits_RV.dtype
         )
     return logits_RV + bias_RV
 

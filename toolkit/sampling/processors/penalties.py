@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from toolkit.devices import to_device
 from toolkit.sampling.processors.base import BatchView, Patches, token_index_np
 
 
@@ -22,7 +23,7 @@ def repetition_penalty_changes(view: BatchView) -> Patches:
     rows_S, cols_S = token_index_np([r.token_ids for r in view.rows])
     with np.errstate(over="ignore"):  # a penalty beyond float32 is inf, as a float32 tensor of it
         factor_S = np.array([r.params.repetition_penalty for r in view.rows], np.float32)[rows_S]
-    return Patches(*(torch.from_numpy(a).to(view.device) for a in (rows_S, cols_S, factor_S)))
+    return Patches(*(to_device(torch.from_numpy(a), view.device) for a in (rows_S, cols_S, factor_S)))
 
 
 repetition_penalty.changes = repetition_penalty_changes
