@@ -411,3 +411,49 @@ def test_an_8_bit_cache_runs_in_the_triton_attention_on_a_gpu(kv_cache_dtype, gr
             assert torch.equal(logits, again[rid][p]), (rid, p)
             if engine.requests[rid].token_ids[:p] == sdpa_engine.requests[rid].token_ids[:p]:
                 assert (logits.log_softmax(-1) - sdpa[rid][p].log_softmax(-1)).abs().max() < 1e-3, (rid, p)
+
+
+def test_async_scheduling_queues_the_next_step_without_waiting_for_the_gpu(on_gpu, monkeypatch):
+    """With async scheduling, the lookahead (the next step's schedule and forward) and the staging of its decide
+    (processors, the sampler's queued work) make no synchronising CUDA call (torch.cuda.set_sync_debug_mode: a read of
+    a value, nonzero, a boolean mask's indexing, a copy from pageable memory), so the host never waits there for the
+    GPU to drain: sampled requests with top-p, top-k, min-p, penalties and a logit bias, after the warm-up steps
+    (the graphs' capture)."""
+    import warnings
+
+    from toolkit.engine import ahead
+
+    watched: list[str] = []
+    for name in ("_look_ahead", "_stage"):
+        original = getattr(ahead.Pipeline, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    return _original(self, *args, **kwargs)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                    watched.extend(
+                        f"{_name} {w.filename}:{w.lineno}: {w.message}" for w in seen if "synchroniz" in str(w.message)
+                    )
+
+        monkeypatch.setattr(ahead.Pipeline, name, counted)
+    eng = Engine(on_gpu, EngineConfig(device="cuda", max_num_seqs=8, async_scheduling=True), SamplingParams())
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+        SamplingParams(temperature=0.7, top_k=20, min_p=0.05, repetition_penalty=1.2, seed=2, logprobs=2),
+        SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={5: 3.0}),
+    ]
+    for i, p in enumerate(params * 2):
+        eng.add_request(
+            prompt_token_ids=[(7 * i + j) % 512 for j in range(6)],
+            sampling_params=p.replace(max_tokens=24, ignore_eos=True),
+        )
+    for _ in range(6):  # prefill, the first decode steps and their graphs' capture
+        eng.step()
+    watched.clear()
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.pipeline is not None and watched == [], watched[:5]

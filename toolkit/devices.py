@@ -16,6 +16,13 @@ from typing import Any
 import torch
 
 
+def off_cpu(t: torch.Tensor) -> bool:
+    """Whether a step's host code takes the device's route for `t` (its work queued, its results read once) rather
+    than the CPU's (native kernels, a row at a time). The one test of it, so that a CPU test can widen it and run the
+    device's route on CPU tensors (tests/test_async_scheduling.py)."""
+    return t.device.type != "cpu"
+
+
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A CPU tensor on `device`; onto a CUDA device without waiting for the work queued there."""
     device = torch.device(device)

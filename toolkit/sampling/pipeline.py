@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from toolkit import devices
 from toolkit.devices import tensor_on
 from toolkit.sampling.processors import (
     BatchView,
@@ -117,7 +118,7 @@ class Sampler:
         if plain:
             staged.sample_args = self._sample_args(staged, [rows[i] for i in plain])
             staged.fused = FusedSample.of(*staged.sample_args)
-            if staged.fused is None and logits_RV.device.type != "cpu":  # queued now, read at finish
+            if staged.fused is None and devices.off_cpu(logits_RV):  # queued now, read at finish
                 raw, processed, sample_rows, lse, per_row, _, patches = staged.sample_args
                 staged.device = device_sample(raw, processed, sample_rows, lse, per_row, patches)
         return staged

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from toolkit import devices
 from toolkit.devices import tensor_on
 from toolkit.native import invariant_gpu
 from toolkit.native.sampling_ops import Patches, TailCall, argmax_cpu, gumbel_sample_cpu, logsumexp_cpu
@@ -122,7 +123,7 @@ def sample(
     fused = FusedSample.of(raw_RV, processed_RV, rows, raw_logsumexp_R, per_row, tail, patches)
     if fused is not None:
         return fused.result()
-    if raw_RV.device.type != "cpu":
+    if devices.off_cpu(raw_RV):
         return device_sample(raw_RV, processed_RV, rows, raw_logsumexp_R, per_row, patches).result()
     r, vocab = raw_RV.shape
     keys = _keys(rows)
@@ -371,7 +372,7 @@ def gumbel_choices(
     chosen, noise = [-1] * r, [float("nan")] * r
     sampled = [i for i, key in enumerate(keys) if key is not None]
     if batched is None:
-        batched = logits_RV.device.type != "cpu"
+        batched = devices.off_cpu(logits_RV)
     if not sampled:
         return chosen, noise
     if not batched:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from toolkit import devices
 from toolkit.devices import tensor_on
 from toolkit.native.sampling_ops import truncate_cpu
 from toolkit.sampling.processors.base import NEG_INF, BatchView
@@ -46,7 +47,7 @@ def top_p(logits_RV: torch.Tensor, view: BatchView, first_k: int | None = 256) -
     rows, vocab = logits_RV.shape
     p_R = view.column("top_p", torch.float64).flatten()
     lse_R = logsumexp_rows(logits_RV).double()
-    if first_k is None or logits_RV.device.type != "cpu":
+    if first_k is None or devices.off_cpu(logits_RV):
         block = max(1, WHOLE_RANKING_ELEMENTS // vocab)
         threshold_R = torch.cat(
             [
