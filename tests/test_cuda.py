@@ -398,13 +398,15 @@ def test_rope_with_the_cache_writes_and_a_wide_or_odd_head_on_a_gpu(dtype, cache
 def test_an_8_bit_cache_runs_in_the_triton_attention_on_a_gpu(kv_cache_dtype, granularity):
     """An int8 / fp8 cache on a GPU takes the Triton attention (its scales read in the kernel; torch's sdpa before):
     a repeated run gives the same bits, and its logits are torch's sdpa path's over the same cache within fp32's
-    rounding (the cache writes are the same ops on both)."""
+    rounding (the cache writes are the same ops on both). Its decode buckets are captured with static tensor
+    scales and run eagerly with running block scales (graph_mode)."""
     loaded = load_model(ModelConfig(**MODEL), device="cuda")
-    kv = dict(kv_cache_dtype=kv_cache_dtype, kv_scale_granularity=granularity, cuda_graphs="off")
+    kv = dict(kv_cache_dtype=kv_cache_dtype, kv_scale_granularity=granularity)  # buckets: eager, or captured
     engine, rows = run(loaded, "cuda", **kv)
     again_engine, again = run(loaded, "cuda", **kv)
     sdpa_engine, sdpa = run(loaded, "cuda", attention_backend="sdpa", **kv)
     assert engine.attention_backend == "kernel" and sdpa_engine.attention_backend == "sdpa"
+    assert engine.graph_mode == ("capture" if granularity == "tensor" else "eager")
     for rid, by_pos in rows.items():
         assert engine.requests[rid].token_ids == again_engine.requests[rid].token_ids
         for p, logits in by_pos.items():

@@ -179,6 +179,21 @@ def test_the_smallest_bucket_that_holds(monkeypatch):
     assert graphs.bucket_of(3, graphs.BATCH_BUCKETS, 3) == 3  # capped at max_num_seqs
 
 
+def test_a_running_scale_cache_runs_its_buckets_eagerly_on_a_gpu():
+    """engine.cuda_graphs=auto on CUDA captures the buckets, except over an 8-bit cache with running block or channel
+    scales, whose writes look up the touched blocks (a capture of them would fail): eager buckets from the start.
+    Static tensor scales are captured; off CUDA, auto is the runner's packing."""
+    from toolkit.engine.backends import graph_mode
+
+    def mode(device, kv="auto", granularity="block"):
+        return graph_mode(EngineConfig(device=device, kv_cache_dtype=kv, kv_scale_granularity=granularity), "kernel")
+
+    assert mode("cuda") == "capture" and mode("cuda", "bf16") == "capture"
+    assert mode("cuda", "int8") == mode("cuda", "fp8_e4m3", "channel") == "eager"
+    assert mode("cuda", "int8", "tensor") == "capture"
+    assert mode("cpu") == mode("cpu", "int8") == "off"
+
+
 def test_a_bad_cuda_graphs_value_is_one_line_naming_the_field(loaded):
     with pytest.raises(ConfigError, match="engine.cuda_graphs must be auto, eager or off, got 'yes'"):
         EngineConfig(cuda_graphs="yes")

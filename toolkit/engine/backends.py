@@ -16,7 +16,7 @@ from toolkit.engine.runner import ModelRunner
 from toolkit.engine.scheduler import ScheduledBatch, ScheduledChunk
 from toolkit.errors import ConfigError
 from toolkit.kv import PagedKVCache
-from toolkit.kv.quant import FORMATS
+from toolkit.kv.quant import FORMATS, is_quantized
 from toolkit.models import LoadedModel
 from toolkit.native import gpu_attention, invariant_gpu
 from toolkit.native.library import KernelUnavailable, native
@@ -94,8 +94,9 @@ def gpu_kernel_problem(cfg: EngineConfig, arch) -> str | None:
 
 def graph_mode(cfg: EngineConfig, attention: str) -> str:
     """How decode steps run (toolkit/engine/graphs.py): "capture" (engine.cuda_graphs=auto on CUDA), "eager"
-    (cuda_graphs=eager: the buckets without capture) or "off" (cuda_graphs=off, auto elsewhere, and FlexAttention,
-    whose block masks the runner builds per step)."""
+    (cuda_graphs=eager: the buckets without capture; auto on CUDA with an 8-bit cache's running block or channel
+    scales) or "off" (cuda_graphs=off, auto elsewhere, and FlexAttention, whose block masks the runner builds per
+    step)."""
     if attention == "flex" and cfg.cuda_graphs == "eager":
         raise ConfigError(
             "engine.cuda_graphs=eager runs the sdpa or kernel attention; attention_backend=flex "
@@ -105,7 +106,13 @@ def graph_mode(cfg: EngineConfig, attention: str) -> str:
         return "off"
     if cfg.cuda_graphs == "eager":
         return "eager"
-    return "capture" if torch.device(cfg.device).type == "cuda" else "off"
+    if torch.device(cfg.device).type != "cuda":
+        return "off"
+    if is_quantized(cfg.kv_cache_dtype) and cfg.kv_scale_granularity != "tensor":
+        # a running scale's writes find the blocks a step touches and those whose range grew (unique, any): a
+        # capture of them fails, so the buckets run eagerly from the start (tensor scales are static: captured)
+        return "eager"
+    return "capture"
 
 
 def matmul_backend(cfg: EngineConfig, loaded: LoadedModel) -> str:
