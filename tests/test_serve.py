@@ -4,6 +4,7 @@ replays bit for bit and verifies, bad requests are 400s naming the field, a clie
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -481,3 +482,35 @@ def test_the_servers_threads_carry_their_names_in_the_os(server):
     assert "engine-loop" in names and "trace-writer" in names
     cpu = thread_cpu_s(os.getpid())
     assert cpu["engine-loop"] > 0 and set(cpu) == set(names)
+
+
+def test_a_stopped_server_lets_its_engine_go(tiny, tmp_path):
+    """After a request and stop(), nothing the server built keeps its engine (the KV cache: 2 GB by default) alive:
+    fastapi keeps every endpoint in module-level caches, so a route bound to the server held a stopped server's
+    engine for the life of the process (a test worker piled 13 GB of them). A request after the Api is gone gets a
+    503 in OpenAI's shape."""
+    import gc
+    import weakref
+
+    from toolkit.serve import api
+
+    engine = make_engine(tiny, max_num_seqs=2, sampling=SamplingParams())
+    srv = start_server(engine, tmp_path / "run", {"model": {"name": "tiny"}})
+    done = client(srv).completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=2)
+    assert done.usage.completion_tokens == 2
+    srv.stop()
+    gone = weakref.ref(engine)
+    del engine, srv
+    gc.collect()
+    assert gone() is None
+
+    class Held:
+        async def health(self):
+            return "ok"
+
+    held = Held()
+    endpoint = api._weakly(held.health)
+    del held
+    gc.collect()
+    response = asyncio.run(endpoint())
+    assert response.status_code == 503 and json.loads(response.body)["error"]["type"] == "server_error"

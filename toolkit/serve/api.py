@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import json
 import re
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -44,6 +46,23 @@ from toolkit.serve.protocol import (
     ServedModel,
     validation_error,
 )
+
+
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A route's endpoint that holds its Api weakly: fastapi keeps every endpoint it has classified in module-level
+    caches (fastapi.dependencies.models' lru_caches), so a bound method there kept a stopped server's Api, its
+    engine loop and its engine (the KV cache: 2 GB by default) for the life of the process. The same signature."""
+    ref = weakref.WeakMethod(method)
+
+    async def endpoint(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        if bound is None:  # a request reaching a server whose Api is gone
+            return ApiError(503, "the server is shutting down", kind="server_error").response()
+        return await bound(*args, **kwargs)
+
+    endpoint.__signature__ = inspect.signature(method)
+    endpoint.__name__, endpoint.__qualname__, endpoint.__doc__ = method.__name__, method.__qualname__, method.__doc__
+    return endpoint
 
 
 class Api:
@@ -70,17 +89,20 @@ class Api:
         self.app = FastAPI(title="toolkit", lifespan=self._lifespan(on_shutdown))
         app = self.app
         app.state.compiler = self.compiler  # what /metrics-like checks read of it (tests)
-        app.add_api_route("/health", self.health, methods=["GET"])
-        app.add_api_route("/metrics", self.render_metrics, methods=["GET"])
-        app.add_api_route("/v1/models", self.models, methods=["GET"])
-        app.add_api_route("/v1/models/{model:path}", self.model, methods=["GET"])
+        app.add_api_route("/health", _weakly(self.health), methods=["GET"])
+        app.add_api_route("/metrics", _weakly(self.render_metrics), methods=["GET"])
+        app.add_api_route("/v1/models", _weakly(self.models), methods=["GET"])
+        app.add_api_route("/v1/models/{model:path}", _weakly(self.model), methods=["GET"])
         app.add_exception_handler(HTTPException, self._no_such_route)
         app.add_api_route(
-            "/v1/completions", self.completions, methods=["POST"], openapi_extra=_json_body_doc(CompletionRequest)
+            "/v1/completions",
+            _weakly(self.completions),
+            methods=["POST"],
+            openapi_extra=_json_body_doc(CompletionRequest),
         )
         app.add_api_route(
             "/v1/chat/completions",
-            self.chat_completions,
+            _weakly(self.chat_completions),
             methods=["POST"],
             openapi_extra=_json_body_doc(ChatCompletionRequest),
         )
