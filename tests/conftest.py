@@ -145,8 +145,8 @@ def _native_marker_is_honest(request, tmp_path_factory):
 
 def _malloc_trim():
     """glibc's malloc_trim, or None: the engine raises malloc's trim threshold to 1 GB (toolkit.engine.backends), so
-    the heap a test's SmolLM2 engines leave free stays in the worker's resident memory, worker after worker's
-    tests piling up (13 GB in one of two workers, and a 24 GB machine killed one)."""
+    the heap a test's engines leave free would stay in the worker's resident memory, test after test (a worker
+    peaked at 12.8 GB on a 24 GB machine, with stopped servers' engines kept too; 8.3 GB now)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         return libc.malloc_trim
