@@ -73,7 +73,7 @@ def commit_decided(
     the rows are CPU fp32 (CommitFailed: the commit raised)."""
 
     def commit() -> Committed:
-        return _commit(committer, batch, decision, proposals, requests, start_time)
+        return _commit(lambda: committer.commit(batch, decision, proposals, requests, start_time))
 
     if not _hashed(decision.logits_RV, digests):
         return commit(), None, None
@@ -82,16 +82,10 @@ def commit_decided(
     return job.beside(commit), RowDigests(job, {row: i for i, row in enumerate(rows)}), job
 
 
-def _commit(
-    committer: Committer,
-    batch: ScheduledBatch,
-    decision: Decision,
-    proposals: Mapping[str, Proposal],
-    requests: Mapping[str, Sequence],
-    start_time: float | None,
-) -> Committed:
+def _commit(commit: Callable[[], Committed]) -> Committed:
+    """A commit, its raise turned into CommitFailed."""
     try:
-        return committer.commit(batch, decision, proposals, requests, start_time)
+        return commit()
     except Exception as exc:  # noqa: BLE001 - raised by step as it was: a commit is not retried
         raise CommitFailed() from exc
 
@@ -115,17 +109,15 @@ def decide_and_commit(
     are CPU fp32, and the hashing job still going on (the engine runs its next step's scheduling beside it)."""
 
     def commit(decision: Decision) -> Committed:
-        return _commit(committer, batch, decision, proposals, requests, start_time)
+        return _commit(lambda: committer.commit(batch, decision, proposals, requests, start_time))
 
     def finish_and_commit() -> tuple[Decision, Committed]:
         decision = decider.finish(staged)
         return decision, commit(decision)
 
     logits = out.logits_RV
-    if not _hashed(logits, digests):
-        decision = decider.decide(out, proposals, requests)
-        return decision, commit(decision), None, None
-    if proposals:  # verification's torch work stays on every thread; its rejected rows are not hashed
+    # unhashed rows, or verification (its torch work stays on every thread; its rejected rows are not hashed)
+    if proposals or not _hashed(logits, digests):
         decision = decider.decide(out, proposals, requests)
         return (decision, *commit_decided(committer, batch, decision, proposals, requests, start_time, digests))
     job = ShaJob(logits)  # every row of the forward's is decided (a follower's row is its leader's)
