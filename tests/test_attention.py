@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tests.conftest import native_only
 from toolkit.models.decoder import rope_tables, rotate_half
 from toolkit.native import library
-from toolkit.native.ops import add_rms_norm_cpu, paged_attention_cpu, rope_cpu, silu_mul_cpu
+from toolkit.native.ops import add_rms_norm_cpu, paged_attention_cpu, paged_attention_cpu_q8, rope_cpu, silu_mul_cpu
 from toolkit.sampling.params import SamplingParams
 
 pytestmark = [pytest.mark.native, native_only]
@@ -73,6 +73,49 @@ def test_kernel_matches_dense_reference(heads, block_size, contexts, seed):
     for i in range(0, q.shape[0], 3):
         alone = paged_attention_cpu(q[i : i + 1], k_cache, v_cache, tables_t, qt[i : i + 1], qc[i : i + 1], d**-0.5)
         assert torch.equal(alone[0], got[i])
+
+
+def _with_threads(threads: int, fn):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    heads=st.sampled_from([(9, 3, 64), (4, 4, 64), (8, 2, 128), (8, 1, 64), (10, 2, 64), (32, 8, 64), (3, 1, 128)]),
+    cache=st.sampled_from(["float32", "bfloat16", "float16", "int8"]),
+    threads=st.integers(2, 7),
+    contexts=st.lists(st.integers(1, 200), min_size=1, max_size=3),
+    seed=st.integers(0, 1000),
+)
+def test_a_querys_heads_split_over_the_threads_give_its_bits(heads, cache, threads, contexts, seed):
+    """Fewer queries than threads (a decode step of one sequence): each query's heads go in ranges over the
+    threads, and every head gets the bits it gets on one thread, where the query runs whole."""
+    h, kh, d = heads
+    gen = torch.Generator().manual_seed(seed)
+    q, k_cache, v_cache, tables, qt, qc = attention_case(gen, h, kh, d, 16, contexts)
+    q, qt, qc = q[-len(contexts) :], qt[-len(contexts) :], qc[-len(contexts) :]  # a decode row a sequence
+    if cache == "int8":
+        k8, v8 = ((c * 40).round().clamp(-127, 127).to(torch.int8) for c in (k_cache, v_cache))
+        scales = torch.rand(2, k_cache.shape[0], kh, generator=gen) / 40 + 1e-3
+
+        def run():
+            out = torch.empty(q.shape, dtype=torch.float32)
+            return paged_attention_cpu_q8(q, k8, v8, scales[0], scales[1], tables, qt, qc, d**-0.5, out)
+    else:
+        k16, v16 = k_cache.to(getattr(torch, cache)), v_cache.to(getattr(torch, cache))
+
+        def run():
+            return paged_attention_cpu(q, k16, v16, tables, qt, qc, d**-0.5)
+
+    whole = _with_threads(1, run)
+    split = _with_threads(threads, run)
+    assert torch.equal(split, whole)
+    assert torch.isfinite(split).all()
 
 
 def test_kernel_and_sdpa_engines_agree(tiny):

@@ -7,7 +7,8 @@
  * build's lanes, simd.h) in position order with an online softmax, so the result for a query
  * depends only on the query, its context length, the cache contents and the build's profile
  * (lanes, FMA): it is the same bits whatever the batch, the chunking of the prompt, the block
- * size or the number of threads (each query is computed by one thread, in one fixed order).
+ * size or the number of threads (each head of a query is computed by one thread, in one fixed order;
+ * with fewer queries than threads a query's heads are split in ranges over the threads).
  *
  * The G query heads that share a KV head are processed together, up to 4 at a time, so each key
  * row is loaded once per group (and each value row too, where the group's accumulators fit in the
@@ -142,19 +143,21 @@ static int heads_per_chunk(int64_t G, int DV) {
     return C;
 }
 
-/* One query token, all its heads, over its sequence's first ctx positions in tiles of VL: each
- * tile's K rows (then V rows) of every KV head lie contiguously in the cache. When `prefetch`, the
- * rows PF_AHEAD positions on are prefetched, a share per chunk (see PREFETCH). */
+/* One query token, its heads h0 .. h1-1, over its sequence's first ctx positions in tiles of VL: each
+ * tile's K rows (then V rows) of every KV head lie contiguously in the cache. The heads of one KV head in
+ * the range go in chunks of heads_per_chunk of their count; a head's bits are the same whatever its range
+ * and chunk (see attend_chunk). When `prefetch`, the rows PF_AHEAD positions on are prefetched, a share per
+ * chunk (see PREFETCH). */
 INLINE void attend_query(const int DV, const int q8, const float *qn, const void *k_cache, const void *v_cache,
                          const int64_t *table, int64_t ctx, int64_t H, int64_t K, int64_t BS, float scale,
                          float *out, const float *k_scales, const float *v_scales, int64_t scale_stride,
-                         const float *lut, const int prefetch) {
+                         const float *lut, const int prefetch, int64_t h0, int64_t h1) {
     const int64_t D = DV * VL, G = H / K, esize = q8 == CACHE_Q8 ? 1 : q8 == CACHE_F32 ? 4 : 2;
     const int64_t row_bytes = K * D * esize;
-    const int C = heads_per_chunk(G, DV);
+    const int64_t kh0 = h0 / G, kh1 = (h1 + G - 1) / G; /* the KV heads the range reads */
     vf q[SIMD_MAX_H * DV_MAX], acc[SIMD_MAX_H * DV_MAX];
     float m[SIMD_MAX_H], l[SIMD_MAX_H];
-    for (int64_t h = 0; h < H; h++) {
+    for (int64_t h = h0; h < h1; h++) {
         for (int i = 0; i < DV; i++) {
             q[h * DV + i] = loadv(qn + h * D + VL * i) * splat(scale);
             acc[h * DV + i] = splat(0.0f);
@@ -166,7 +169,11 @@ INLINE void attend_query(const int DV, const int q8, const float *qn, const void
     float ksc[SIMD_MAX_H][VL], vsc[SIMD_MAX_H][VL]; /* per KV head and position: the block's scales */
     const char *pf[2 * VL * 16];                     /* lines of K and V rows ahead (a row is <= 16 lines here) */
     const int64_t row_lines = (row_bytes + 63) / 64 < 16 ? (row_bytes + 63) / 64 : 16;
-    const int64_t chunks = K * (G / C);
+    int64_t chunks = 0;
+    for (int64_t kh = kh0; kh < kh1; kh++) {
+        const int64_t lo = kh * G > h0 ? kh * G : h0, hi = (kh + 1) * G < h1 ? (kh + 1) * G : h1;
+        chunks += (hi - lo) / heads_per_chunk(hi - lo, DV);
+    }
     for (int64_t t0 = 0; t0 < ctx; t0 += VL) {
         const int64_t tn = (ctx - t0) < VL ? (ctx - t0) : VL;
         for (int64_t t = 0, blk = t0 / BS, off = t0 % BS; t < tn; t++) {
@@ -190,8 +197,10 @@ INLINE void attend_query(const int DV, const int q8, const float *qn, const void
         const int64_t share = (lines + chunks - 1) / chunks;
         int64_t chunk = 0;
         const vi valid = lane < splati((int32_t)tn);
-        for (int64_t kh = 0; kh < K; kh++)
-            for (int64_t h = kh * G; h < (kh + 1) * G; h += C, chunk++) {
+        for (int64_t kh = kh0; kh < kh1; kh++) {
+            const int64_t lo = kh * G > h0 ? kh * G : h0, hi = (kh + 1) * G < h1 ? (kh + 1) * G : h1;
+            const int C = heads_per_chunk(hi - lo, DV);
+            for (int64_t h = lo; h < hi; h += C, chunk++) {
                 const int64_t first = chunk * share, count = lines - first < share ? lines - first : share;
 #define CHUNK(CC) attend_chunk(DV, CC, q8, q + h * DV, acc + h * DV, m + h, l + h, k_cache, v_cache, rows, kh * D, \
                                tn, valid, ksc[kh], vsc[kh], lut, pf + (count > 0 ? first : 0), count > 0 ? count : 0)
@@ -203,8 +212,9 @@ INLINE void attend_query(const int DV, const int q8, const float *qn, const void
                 }
 #undef CHUNK
             }
+        }
     }
-    for (int64_t h = 0; h < H; h++) {
+    for (int64_t h = h0; h < h1; h++) {
         const vf inv = splat(1.0f / l[h]);
         for (int i = 0; i < DV; i++) storev(out + h * D + VL * i, acc[h * DV + i] * inv);
     }
@@ -213,13 +223,23 @@ INLINE void attend_query(const int DV, const int q8, const float *qn, const void
 #define DEFINE_ITEM(NAME, DV, Q8, ELEM)                                                                         \
 static void NAME(const float *qn, const ELEM *k_cache, const ELEM *v_cache, const int64_t *table, int64_t ctx,  \
                  int64_t H, int64_t K, int64_t BS, float scale, float *out, const float *k_scales,             \
-                 const float *v_scales, int64_t scale_stride, const float *lut, int prefetch) {               \
+                 const float *v_scales, int64_t scale_stride, const float *lut, int prefetch, int64_t h0,      \
+                 int64_t h1) {                                                                                 \
     if (prefetch) /* two copies, so the one without prefetching carries none of its bookkeeping */          \
         attend_query(DV, Q8, qn, k_cache, v_cache, table, ctx, H, K, BS, scale, out, k_scales, v_scales,       \
-                     scale_stride, lut, 1);                                                                   \
+                     scale_stride, lut, 1, h0, h1);                                                           \
     else                                                                                                       \
         attend_query(DV, Q8, qn, k_cache, v_cache, table, ctx, H, K, BS, scale, out, k_scales, v_scales,       \
-                     scale_stride, lut, 0);                                                                   \
+                     scale_stride, lut, 0, h0, h1);                                                           \
+}
+
+/* How many ranges of heads each query is split into, each range one work item: 1 where the queries alone give
+ * every thread one (a batch), else enough for every thread (a decode step of one sequence would otherwise run
+ * all its heads on one thread while the others wait at the step's next barrier), at most a range a head */
+static int64_t head_ranges(int64_t N, int64_t H, int num_threads) {
+    if (num_threads <= 1 || N >= num_threads) return 1;
+    const int64_t s = (num_threads + N - 1) / N;
+    return s < H ? s : H;
 }
 DEFINE_ITEM(item_simd_64, 64 / VL, 0, float)
 DEFINE_ITEM(item_simd_128, 128 / VL, 0, float)
@@ -250,11 +270,13 @@ int toolkit_paged_attention_f32(
     if (!toolkit_paged_attention_supports(H, K, D, BS, 0)) return -1;
     const int64_t G = H / K;
     if (H <= SIMD_MAX_H && (D == 64 || D == 128)) {
+        const int64_t S = head_ranges(N, H, num_threads);
         #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-        for (int64_t n = 0; n < N; n++) {
+        for (int64_t i = 0; i < N * S; i++) {
+            const int64_t n = i / S, h0 = i % S * H / S, h1 = (i % S + 1) * H / S;
             const int64_t *table = block_tables + query_table[n] * bt_row_stride;
-            if (D == 64) item_simd_64(q + n * q_row_stride, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, out + n * H * D, 0, 0, 0, 0, PREFETCH(n));
-            else item_simd_128(q + n * q_row_stride, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, out + n * H * D, 0, 0, 0, 0, PREFETCH(n));
+            if (D == 64) item_simd_64(q + n * q_row_stride, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, out + n * H * D, 0, 0, 0, 0, PREFETCH(n), h0, h1);
+            else item_simd_128(q + n * q_row_stride, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, out + n * H * D, 0, 0, 0, 0, PREFETCH(n), h0, h1);
         }
         return 0;
     }
@@ -320,13 +342,15 @@ int toolkit_paged_attention_q8(
     const float *k_scales, const float *v_scales, int64_t scale_stride, const float *lut)
 {
     if (!toolkit_paged_attention_supports(H, K, D, BS, 1)) return -1;
+    const int64_t S = head_ranges(N, H, num_threads);
     #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t i = 0; i < N * S; i++) {
+        const int64_t n = i / S, h0 = i % S * H / S, h1 = (i % S + 1) * H / S;
         const int64_t *table = block_tables + query_table[n] * bt_row_stride;
         if (D == 64) item_q8_64(q + n * q_row_stride, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale,
-                               out + n * H * D, k_scales, v_scales, scale_stride, lut, PREFETCH(n));
+                               out + n * H * D, k_scales, v_scales, scale_stride, lut, PREFETCH(n), h0, h1);
         else item_q8_128(q + n * q_row_stride, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale,
-                       out + n * H * D, k_scales, v_scales, scale_stride, lut, PREFETCH(n));
+                       out + n * H * D, k_scales, v_scales, scale_stride, lut, PREFETCH(n), h0, h1);
     }
     return 0;
 }
@@ -340,18 +364,20 @@ int toolkit_paged_attention_h16(
     float *out, int64_t N, int64_t H, int64_t K, int64_t D, int64_t BS, float scale, int num_threads, int kind)
 {
     if (!toolkit_paged_attention_supports(H, K, D, BS, 1) || (kind != CACHE_BF16 && kind != CACHE_F16)) return -1;
+    const int64_t S = head_ranges(N, H, num_threads);
     #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t i = 0; i < N * S; i++) {
+        const int64_t n = i / S, h0 = i % S * H / S, h1 = (i % S + 1) * H / S;
         const int64_t *table = block_tables + query_table[n] * bt_row_stride;
         const float *qn = q + n * q_row_stride;
         float *on = out + n * H * D;
         const int pf = PREFETCH(n);
         if (kind == CACHE_BF16) {
-            if (D == 64) item_bf16_64(qn, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, on, 0, 0, 0, 0, pf);
-            else item_bf16_128(qn, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, on, 0, 0, 0, 0, pf);
+            if (D == 64) item_bf16_64(qn, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, on, 0, 0, 0, 0, pf, h0, h1);
+            else item_bf16_128(qn, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, on, 0, 0, 0, 0, pf, h0, h1);
         } else {
-            if (D == 64) item_f16_64(qn, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, on, 0, 0, 0, 0, pf);
-            else item_f16_128(qn, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, on, 0, 0, 0, 0, pf);
+            if (D == 64) item_f16_64(qn, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, on, 0, 0, 0, 0, pf, h0, h1);
+            else item_f16_128(qn, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, on, 0, 0, 0, 0, pf, h0, h1);
         }
     }
     return 0;
