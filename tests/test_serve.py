@@ -476,12 +476,20 @@ def test_the_server_runs_uvicorns_c_event_loop_and_http_parser(server):
 def test_the_servers_threads_carry_their_names_in_the_os(server):
     """top -H, py-spy and toolkit.bench.one_stream's CPU a token by thread read the OS's thread names: the engine's
     thread and the trace writer's are named there (the engine's OpenMP workers inherit its name once it has stepped),
-    and one_stream's reader sums this process's CPU under those names."""
+    and one_stream's reader sums this process's CPU under those names. The trace writer runs at a lower CPU
+    priority than the engine's threads (its encoding takes the cores' gaps, not a step's core)."""
     httpx.post(server.url + "/v1/completions", json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2}, timeout=60)
-    names = [p.read_text().strip() for p in Path(f"/proc/{os.getpid()}/task").glob("*/comm")]
+    tasks = list(Path(f"/proc/{os.getpid()}/task").iterdir())
+    names = [(t / "comm").read_text().strip() for t in tasks]
     assert "engine-loop" in names and "trace-writer" in names
     cpu = thread_cpu_s(os.getpid())
     assert cpu["engine-loop"] > 0 and set(cpu) == set(names)
+    nice = {}  # thread name -> nice values (stat's 19th field, counted after the name's closing parenthesis)
+    for task, name in zip(tasks, names):
+        stat = (task / "stat").read_text()
+        nice.setdefault(name, set()).add(int(stat[stat.rindex(")") + 2 :].split()[16]))
+    assert min(nice["trace-writer"]) == min(os.getpriority(os.PRIO_PROCESS, 0) + 10, 19)
+    assert max(nice["engine-loop"]) == os.getpriority(os.PRIO_PROCESS, 0) < min(nice["trace-writer"])
 
 
 def test_a_stopped_server_lets_its_engine_go(tiny, tmp_path):

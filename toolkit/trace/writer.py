@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 
 from toolkit.errors import ConfigError
 from toolkit.native.sha import sha256_rows
-from toolkit.native.threads import name_current_thread
+from toolkit.native.threads import name_current_thread, yield_to_the_step
 from toolkit.trace.schema import REJECTED_SCHEMA, REQUESTS_SCHEMA, SAMPLES_SCHEMA, TRACE_FIELDS, SampleTrace
 
 SAMPLES_DIR = "samples.parquet"
@@ -304,6 +304,7 @@ class TraceWriter:
 
     def _work(self) -> None:
         name_current_thread()  # "trace-writer" in top -H, py-spy and /proc
+        yield_to_the_step()  # its encoding fills the cores' gaps instead of preempting the step's threads
         while True:
             try:
                 item = self._queue.get(timeout=self.retry_s if self.fault is not None else None)
