@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import native_only
+from tests.numerics import with_threads
 from toolkit.models.decoder import rope_tables, rotate_half
 from toolkit.native import library
 from toolkit.native.ops import add_rms_norm_cpu, paged_attention_cpu, paged_attention_cpu_q8, rope_cpu, silu_mul_cpu
@@ -75,15 +76,6 @@ def test_kernel_matches_dense_reference(heads, block_size, contexts, seed):
         assert torch.equal(alone[0], got[i])
 
 
-def _with_threads(threads: int, fn):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
-
-
 @settings(max_examples=40, deadline=None)
 @given(
     heads=st.sampled_from([(9, 3, 64), (4, 4, 64), (8, 2, 128), (8, 1, 64), (10, 2, 64), (32, 8, 64), (3, 1, 128)]),
@@ -112,8 +104,8 @@ def test_a_querys_heads_split_over_the_threads_give_its_bits(heads, cache, threa
         def run():
             return paged_attention_cpu(q, k16, v16, tables, qt, qc, d**-0.5)
 
-    whole = _with_threads(1, run)
-    split = _with_threads(threads, run)
+    whole = with_threads(1, run)
+    split = with_threads(threads, run)
     assert torch.equal(split, whole)
     assert torch.isfinite(split).all()
 
