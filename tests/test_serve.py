@@ -488,8 +488,9 @@ def test_the_servers_threads_carry_their_names_in_the_os(server):
     for task, name in zip(tasks, names):
         stat = (task / "stat").read_text()
         nice.setdefault(name, set()).add(int(stat[stat.rindex(")") + 2 :].split()[16]))
-    assert min(nice["trace-writer"]) == min(os.getpriority(os.PRIO_PROCESS, 0) + 10, 19)
-    assert max(nice["engine-loop"]) == os.getpriority(os.PRIO_PROCESS, 0) < min(nice["trace-writer"])
+    base = os.getpriority(os.PRIO_PROCESS, 0)  # this thread's, which the server's threads inherit
+    assert min(nice["trace-writer"]) == min(base + 10, 19) and max(nice["engine-loop"]) == base
+    assert base == 19 or base < min(nice["trace-writer"])  # (a suite run at nice 19 has no lower priority left)
 
 
 def test_a_stopped_server_lets_its_engine_go(tiny, tmp_path):
