@@ -210,7 +210,9 @@ class Job:
         timeout = self.api.limits.grammar_timeout_s
         try:
             await self.api.compiler.compile(self.sampling, timeout)
-            scores = await asyncio.to_thread(self._prepare)
+            # echo with logprobs scores its prompts (a forward) on a thread of its own; anything else needs no hop
+            scored = not self.chat and self.req.echo and self.req.logprobs is not None
+            scores = await asyncio.to_thread(self._prepare) if scored else [None] * len(self.prompts)
         except TimeoutError:  # the compile goes on on its thread (bounded by the schema's limits) and is cached
             raise ApiError(
                 400,
@@ -254,11 +256,8 @@ class Job:
         self.prompt_logprobs = scores
 
     def _prepare(self) -> list:
-        """What can be done before the engine thread sees the request, once its grammar is compiled: for echo
-        with logprobs, its prompts checked and scored. Per prompt: None or toolkit.engine.runner.prompt_logprobs'
-        rows."""
-        if self.chat or not self.req.echo or self.req.logprobs is None:
-            return [None] * len(self.prompts)
+        """What is done before the engine thread sees a completion with echo and logprobs, once its grammar is
+        compiled: its prompts checked and scored. Per prompt: toolkit.engine.runner.prompt_logprobs' rows."""
         return [self.api.loop.prompt_logprobs(EngineRequest(**prompt), self.req.logprobs) for prompt in self.prompts]
 
     def abort(self) -> None:
