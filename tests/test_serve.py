@@ -484,10 +484,9 @@ def test_the_servers_threads_carry_their_names_in_the_os(server):
     assert "engine-loop" in names and "trace-writer" in names
     cpu = thread_cpu_s(os.getpid())
     assert cpu["engine-loop"] > 0 and set(cpu) == set(names)
-    nice = {}  # thread name -> nice values (stat's 19th field, counted after the name's closing parenthesis)
+    nice = {}  # thread name -> its threads' nice values
     for task, name in zip(tasks, names):
-        stat = (task / "stat").read_text()
-        nice.setdefault(name, set()).add(int(stat[stat.rindex(")") + 2 :].split()[16]))
+        nice.setdefault(name, set()).add(os.getpriority(os.PRIO_PROCESS, int(task.name)))
     base = os.getpriority(os.PRIO_PROCESS, 0)  # this thread's, which the server's threads inherit
     assert min(nice["trace-writer"]) == min(base + 10, 19) and max(nice["engine-loop"]) == base
     assert base == 19 or base < min(nice["trace-writer"])  # (a suite run at nice 19 has no lower priority left)

@@ -169,10 +169,13 @@ INLINE void attend_query(const int DV, const int q8, const float *qn, const void
     float ksc[SIMD_MAX_H][VL], vsc[SIMD_MAX_H][VL]; /* per KV head and position: the block's scales */
     const char *pf[2 * VL * 16];                     /* lines of K and V rows ahead (a row is <= 16 lines here) */
     const int64_t row_lines = (row_bytes + 63) / 64 < 16 ? (row_bytes + 63) / 64 : 16;
-    int64_t chunks = 0;
+    int64_t lo[SIMD_MAX_H], hi[SIMD_MAX_H], chunks = 0; /* per KV head read: its heads in the range */
+    int per[SIMD_MAX_H];                                    /* ... and how many go in a chunk */
     for (int64_t kh = kh0; kh < kh1; kh++) {
-        const int64_t lo = kh * G > h0 ? kh * G : h0, hi = (kh + 1) * G < h1 ? (kh + 1) * G : h1;
-        chunks += (hi - lo) / heads_per_chunk(hi - lo, DV);
+        lo[kh] = kh * G > h0 ? kh * G : h0;
+        hi[kh] = (kh + 1) * G < h1 ? (kh + 1) * G : h1;
+        per[kh] = heads_per_chunk(hi[kh] - lo[kh], DV);
+        chunks += (hi[kh] - lo[kh]) / per[kh];
     }
     for (int64_t t0 = 0; t0 < ctx; t0 += VL) {
         const int64_t tn = (ctx - t0) < VL ? (ctx - t0) : VL;
@@ -198,9 +201,8 @@ INLINE void attend_query(const int DV, const int q8, const float *qn, const void
         int64_t chunk = 0;
         const vi valid = lane < splati((int32_t)tn);
         for (int64_t kh = kh0; kh < kh1; kh++) {
-            const int64_t lo = kh * G > h0 ? kh * G : h0, hi = (kh + 1) * G < h1 ? (kh + 1) * G : h1;
-            const int C = heads_per_chunk(hi - lo, DV);
-            for (int64_t h = lo; h < hi; h += C, chunk++) {
+            const int C = per[kh];
+            for (int64_t h = lo[kh]; h < hi[kh]; h += C, chunk++) {
                 const int64_t first = chunk * share, count = lines - first < share ? lines - first : share;
 #define CHUNK(CC) attend_chunk(DV, CC, q8, q + h * DV, acc + h * DV, m + h, l + h, k_cache, v_cache, rows, kh * D, \
                                tn, valid, ksc[kh], vsc[kh], lut, pf + (count > 0 ? first : 0), count > 0 ? count : 0)
