@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -24,7 +25,7 @@ from toolkit.engine.outputs import TextDelta
 from toolkit.engine.request import EngineRequest
 from toolkit.sampling.params import SamplingParams
 from toolkit.serve.job import Mailbox
-from toolkit.serve.loop import Update
+from toolkit.serve.loop import LoopSink, Update, _wait_taken
 from toolkit.serve.main import start_server
 from toolkit.trace.reader import read_rejected, read_requests, read_samples
 from toolkit.trace.writer import OPEN_REQUESTS_FILE, REQUESTS_FILE
@@ -503,3 +504,51 @@ def test_the_thread_that_loaded_the_engine_gives_its_openmp_workers_back_before_
     assert released >= 1, "no loaded OpenMP runtime released its workers"
     assert after_release == base, (base, with_team, after_release)
     assert after_start == base + 1, (base, with_team, after_start)
+
+
+def test_a_step_waits_for_its_event_loop_to_write_what_it_handed_over_but_never_past_the_bound():
+    """After a step the engine thread waits until each event loop it handed updates to has run them and the tasks
+    they woke (a stream's chunk written), so that work runs while it waits, not beside the next forward; here the
+    task takes 50 ms over each update. The wait ends at its bound when the loop is busy elsewhere, and a closed
+    loop is not waited for. Waiting one hop (behind the updates, not the tasks) fails the first assertion; no bound
+    fails the second."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    written: list[int] = []
+    ready = threading.Event()
+
+    async def stream(queue: asyncio.Queue) -> None:
+        ready.set()
+        while True:
+            update = await queue.get()
+            if update is None:
+                return
+            time.sleep(0.05)  # the chunk's Python, holding the loop
+            written.append(update)
+
+    queue: asyncio.Queue = asyncio.run_coroutine_threadsafe(_make_queue(), loop).result(10)
+    try:
+        asyncio.run_coroutine_threadsafe(stream(queue), loop)
+        assert ready.wait(10)
+        sink = LoopSink(loop, queue.put_nowait)
+        for n in range(3):
+            sink(n)
+            _wait_taken({loop}, 5.0)
+            assert written == list(range(n + 1))
+        loop.call_soon_threadsafe(time.sleep, 1.0)  # the loop busy with something else for a second
+        start = time.perf_counter()
+        _wait_taken({loop}, 0.05)
+        assert time.perf_counter() - start < 0.5
+    finally:
+        loop.call_soon_threadsafe(queue.put_nowait, None)  # the stream ends
+        loop.call_soon_threadsafe(loop.call_soon, loop.stop)
+        thread.join(10)
+        loop.close()
+    start = time.perf_counter()
+    _wait_taken({loop}, 5.0)  # closed
+    assert time.perf_counter() - start < 0.5
+
+
+async def _make_queue() -> asyncio.Queue:
+    return asyncio.Queue()

@@ -287,6 +287,10 @@ def test_connection_and_limit_knobs_are_checked_and_reach_uvicorn(tiny):
     for bad in ({"limit_concurrency": 0}, {"max_stop_chars": -1}, {"grammar_timeout_s": 0}, {"max_metadata": 1.5}):
         with pytest.raises(ConfigError, match=f"serve.{next(iter(bad))} must be a positive"):
             serve_config({"serve": bad})
+    for bad in (-1, 1001, "2", True):  # 0 is allowed: no wait
+        with pytest.raises(ConfigError, match="serve.handoff_wait_ms must be a number in"):
+            serve_config({"serve": {"handoff_wait_ms": bad}})
+    assert serve_config({"serve": {"handoff_wait_ms": 0}})["handoff_wait_ms"] == 0
     srv = start_server(make_engine(tiny, sampling=SamplingParams()), None, limit_concurrency=7, timeout_keep_alive=3)
     try:
         assert (srv.uvicorn.config.limit_concurrency, srv.uvicorn.config.timeout_keep_alive) == (7, 3)

@@ -23,7 +23,7 @@ from toolkit.errors import RequestError, ToolkitError, one_line
 from toolkit.runs.recorder import body_sha256
 from toolkit.serve.grammars import GrammarCompiler
 from toolkit.serve.logprobs import LogprobFormat
-from toolkit.serve.loop import EngineLoop, InternalError, Submission, Unavailable, Update
+from toolkit.serve.loop import EngineLoop, InternalError, LoopSink, Submission, Unavailable, Update
 from toolkit.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -194,10 +194,8 @@ class Job:
 
     # ------------------------------------------------------------------ submitting
 
-    def _sink(self) -> Callable[[Update], None]:
-        loop = asyncio.get_running_loop()
-        mailbox = self.queue
-        return lambda update: loop.call_soon_threadsafe(mailbox.put, update)
+    def _sink(self) -> LoopSink:
+        return LoopSink(asyncio.get_running_loop(), self.queue.put)
 
     async def submit(self) -> None:
         """Admit (503 when the loop is full, before any work), prepare off the engine thread (the grammar compiled

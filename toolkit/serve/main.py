@@ -58,6 +58,7 @@ SERVE_DEFAULTS = {
     "timeout_keep_alive": 5,
     "max_trace_gb": None,
     "max_compiling": 8,
+    "handoff_wait_ms": 2,
     **dataclasses.asdict(Limits()),
 }
 
@@ -104,6 +105,9 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
             or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)
         ):
             raise ConfigError(f"serve.{name} must be a positive number{' or null' if nullable else ''}, got {value!r}")
+    wait = section["handoff_wait_ms"]
+    if not (isinstance(wait, (int, float)) and not isinstance(wait, bool) and 0 <= wait <= 1000):
+        raise ConfigError(f"serve.handoff_wait_ms must be a number in [0, 1000], got {wait!r}")
     keys = section["api_key"]
     keys = [keys] if isinstance(keys, str) else list(keys or [])
     keys += [k for k in os.environ.get("TOOLKIT_API_KEY", "").split(",") if k.strip()]
@@ -142,6 +146,7 @@ def build(
         record_body=section["record_body"],
         max_trace_bytes=None if section["max_trace_gb"] is None else int(section["max_trace_gb"] * 2**30),
         on_fatal=on_fatal,
+        handoff_wait_s=section["handoff_wait_ms"] / 1e3,
     )
     metrics_box["m"] = metrics = ServerMetrics(loop, name)
     limits = Limits(**{f.name: section[f.name] for f in dataclasses.fields(Limits)})
