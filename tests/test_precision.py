@@ -87,11 +87,13 @@ def test_round_h16_is_torchs_round_to_nearest_even(bits, dtype):
     n=st.integers(1, 200),
     dtype=st.sampled_from(H16),
     seed=st.integers(0, 2**16),
+    scale=st.sampled_from([1.0, 1e-6, 3e4]),
 )
-def test_h16_matmul_is_the_fp32_matmul_on_the_widened_weights(m, k, n, dtype, seed):
+def test_h16_matmul_is_the_fp32_matmul_on_the_widened_weights(m, k, n, dtype, seed, scale):
     """16-bit weights are widened exactly and summed in the fp32 kernel's one FMA chain: the same bits as the
     fp32 matmul of the widened weights (a kernel accumulating in 16 bits fails this at once), a row alone the
-    same as in the batch, and 16-bit activations are the fp32 product rounded once."""
+    same as in the batch, and 16-bit activations are the fp32 product rounded once, given as fp32 (as_fp32) with
+    the very values of the 16-bit result."""
     g = torch.Generator().manual_seed(seed)
     w, x = torch.randn(k, n, generator=g).to(dtype), torch.randn(m, k, generator=g)
     packed = pack_weight(w)
@@ -99,9 +101,12 @@ def test_h16_matmul_is_the_fp32_matmul_on_the_widened_weights(m, k, n, dtype, se
     got = matmul_invariant(x, packed)
     assert torch.equal(got, matmul_invariant(x, pack_weight(w.float())))
     assert torch.equal(matmul_invariant(x[-1:], packed)[0], got[-1])
-    xh = x.to(dtype)
+    xh = x.to(dtype) * scale  # scaled: fp16's overflow to inf and subnormals too
     out = matmul_invariant(xh, packed)
     assert out.dtype == dtype and torch.equal(out, matmul_invariant(xh.float(), packed).to(dtype))
+    # the LM head's fp32 logits: the same values as the 16-bit result widened (a copy skipped, no bit changed)
+    wide = matmul_invariant(xh, packed, as_fp32=True)
+    assert wide.dtype == torch.float32 and _same_bits(wide, out.float())
 
 
 @pytest.mark.native

@@ -200,12 +200,18 @@ def fixed_schedule(rows: int) -> int:
 
 
 def matmul_invariant(
-    x_MK: torch.Tensor, w: torch.Tensor | PackedWeight, lib: NativeLib | None = None, schedule: int | None = None
+    x_MK: torch.Tensor,
+    w: torch.Tensor | PackedWeight,
+    lib: NativeLib | None = None,
+    schedule: int | None = None,
+    as_fp32: bool = False,
 ) -> torch.Tensor:
     """x @ w in fp32 with each output element summed over k in order, by one FMA chain: a row's
     result does not depend on the other rows, on M, on the number of threads or on the `schedule` (the loops
     that stream the weights: toolkit.native.schedules; None: the fixed choice for the rows). `w` is (K, N), packed
-    with `pack_weight` once (a plain tensor is packed on every call)."""
+    with `pack_weight` once (a plain tensor is packed on every call). The result is in x's format; `as_fp32` gives
+    a 16-bit x's result as fp32 holding the same values (rounded in place: what `.to(x.dtype).float()` gives,
+    without the two copies: a step's logits)."""
     lib = resolve(lib)
     packed = w if isinstance(w, PackedWeight) else pack_weight(w, lib)
     if (packed.panel, packed.lanes) != (lib.panel, lib.lanes):
@@ -239,7 +245,9 @@ def matmul_invariant(
         rc = lib.fn["matmul_invariant_h16"](*args, H16_KINDS[packed.data.dtype], schedule)
     if rc != 0:
         raise ValueError(f"no matmul schedule {schedule} (this build has {lib.fn['matmul_schedules']()})")
-    return out if dtype == torch.float32 else out.to(dtype)
+    if dtype == torch.float32:
+        return out
+    return round_h16(out, dtype, lib) if as_fp32 else out.to(dtype)
 
 
 def paged_attention_cpu(
