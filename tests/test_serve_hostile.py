@@ -7,14 +7,16 @@ import json
 import socket
 import threading
 import time
+from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
+import torch
 
 from tests.conftest import make_engine, once
 from toolkit.sampling.params import SamplingParams
-from toolkit.serve.main import serve_config, start_server
+from toolkit.serve.main import handoff_wait_ms, serve_config, start_server
 
 pytestmark = pytest.mark.native
 
@@ -294,6 +296,9 @@ def test_connection_and_limit_knobs_are_checked_and_reach_uvicorn(tiny):
     srv = start_server(make_engine(tiny, sampling=SamplingParams()), None, limit_concurrency=7, timeout_keep_alive=3)
     try:
         assert (srv.uvicorn.config.limit_concurrency, srv.uvicorn.config.timeout_keep_alive) == (7, 3)
+        assert srv.loop.handoff_wait_s == 0.002  # the default on the CPU; none on a GPU, unless set
+        assert handoff_wait_ms(None, SimpleNamespace(device=torch.device("cuda"))) == 0
+        assert handoff_wait_ms(5, SimpleNamespace(device=torch.device("cuda"))) == 5
     finally:
         srv.stop()
 
