@@ -16,7 +16,8 @@ import torch
 
 from tests.conftest import make_engine, once
 from toolkit.sampling.params import SamplingParams
-from toolkit.serve.main import handoff_wait_ms, serve_config, start_server
+from toolkit.serve.loop import handoff_wait_for
+from toolkit.serve.main import serve_config, start_server
 
 pytestmark = pytest.mark.native
 
@@ -297,8 +298,8 @@ def test_connection_and_limit_knobs_are_checked_and_reach_uvicorn(tiny):
     try:
         assert (srv.uvicorn.config.limit_concurrency, srv.uvicorn.config.timeout_keep_alive) == (7, 3)
         assert srv.loop.handoff_wait_s == 0.002  # the default on the CPU; none on a GPU, unless set
-        assert handoff_wait_ms(None, SimpleNamespace(device=torch.device("cuda"))) == 0
-        assert handoff_wait_ms(5, SimpleNamespace(device=torch.device("cuda"))) == 5
+        assert handoff_wait_for(None, SimpleNamespace(device=torch.device("cuda"))) == 0
+        assert handoff_wait_for(5, SimpleNamespace(device=torch.device("cuda"))) == 5
     finally:
         srv.stop()
 

@@ -313,7 +313,6 @@ class PagedDecoder(nn.Module):
         for each number of rows (toolkit.native.schedules: the same bits in every one; default the fixed ones)."""
         a = self.arch
         mm, packed, head = torch.matmul, None, self.lm_head_t
-        logits_mm = None  # the LM head's product, where it can give fp32 logits at once
         if native_matmul and invariant_gpu.routes(self.embed):  # one fixed tiling, no split-K: M changes no row
 
             def mm(h, w):
@@ -323,9 +322,6 @@ class PagedDecoder(nn.Module):
 
             def mm(h, w):
                 return matmul_invariant(h, w, schedule=plan.for_rows(h.shape[0]))
-
-            def logits_mm(h, w):
-                return matmul_invariant(h, w, schedule=plan.for_rows(h.shape[0]), as_fp32=True)
 
             packed, head = self.packed_weights()
         n = input_ids_N.shape[0]
@@ -431,7 +427,10 @@ class PagedDecoder(nn.Module):
         if pending is not None:
             x = x + pending
         _, h = self._add_norm(x[logits_rows_R], None, self.norm, self.norm_b, native_norm)
-        logits = (logits_mm or mm)(h, head).float()  # (R, V)
+        if packed is not None:  # the packed matmul gives a 16-bit model's logits as fp32 at once (the same bits)
+            logits = matmul_invariant(h, head, schedule=plan.for_rows(h.shape[0]), as_fp32=True)
+        else:
+            logits = mm(h, head).float()  # (R, V)
         if a.final_softcap is not None:
             logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
         return logits

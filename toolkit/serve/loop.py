@@ -129,7 +129,7 @@ class EngineLoop:
         max_failed_steps: int = 3,
         max_trace_bytes: int | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
-        handoff_wait_s: float = 0.002,
+        handoff_wait_ms: float | None = None,
     ):
         """`run_dir`: where the run is recorded (None: not recorded; toolkit.runs.recorder). `on_finish`: called
         on the engine thread with each finished request's output (the server's latency histograms).
@@ -138,8 +138,8 @@ class EngineLoop:
         before the loop gives up (the engine is then broken, not one request). `max_trace_bytes`: the trace's
         size past which new requests are refused (507), as while the disk refuses writes. `on_fatal`: called on
         the engine thread once the loop cannot go on, after every waiting client was answered (mode=serve
-        shuts the server down then and exits non-zero, for a supervisor to restart it). `handoff_wait_s`: how long
-        at most a step waits for the event loops it handed updates to (_wait_taken)."""
+        shuts the server down then and exits non-zero, for a supervisor to restart it). `handoff_wait_ms`: how long
+        at most a step waits for the event loops it handed updates to (_wait_taken; None: handoff_wait_for's default)."""
         if not (isinstance(max_waiting, int) and max_waiting >= 1):
             raise ConfigError(f"serve.max_waiting must be a positive integer, got {max_waiting!r}")
         self.engine = engine
@@ -154,7 +154,8 @@ class EngineLoop:
             served=True,
         )
         self.run_id, self.writer = self.record.run_id, self.record.writer
-        self.on_finish, self.on_fatal, self.handoff_wait_s = on_finish, on_fatal, handoff_wait_s
+        self.on_finish, self.on_fatal = on_finish, on_fatal
+        self.handoff_wait_s = handoff_wait_for(handoff_wait_ms, engine) / 1e3
         self.max_waiting, self.max_failed_steps = max_waiting, max_failed_steps
         self.stats = LoopStats(kv_blocks_total=engine.num_kv_blocks)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -413,6 +414,18 @@ def _send(sink: Sink, update: Update) -> None:
         sink(update)
     except RuntimeError:
         pass
+
+
+HANDOFF_WAIT_MS = 2  # serve.handoff_wait_ms's default where the forward runs on the CPU
+
+
+def handoff_wait_for(setting: float | None, engine: Engine) -> float:
+    """How long a step waits for the event loop to write what it handed over: the setting, or by default
+    HANDOFF_WAIT_MS where the forward runs on the CPU (whose cores the event loop's work would take from it) and 0
+    on a GPU (where it takes none: not measured there, so not changed)."""
+    if setting is not None:
+        return float(setting)
+    return HANDOFF_WAIT_MS if engine.device.type == "cpu" else 0.0
 
 
 def _wait_taken(loops: set[asyncio.AbstractEventLoop], timeout_s: float) -> None:

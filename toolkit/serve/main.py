@@ -58,7 +58,7 @@ SERVE_DEFAULTS = {
     "timeout_keep_alive": 5,
     "max_trace_gb": None,
     "max_compiling": 8,
-    "handoff_wait_ms": None,  # None: HANDOFF_WAIT_MS on the CPU, 0 on a GPU
+    "handoff_wait_ms": None,  # None: the engine loop's default for its device (toolkit.serve.loop.handoff_wait_for)
     **dataclasses.asdict(Limits()),
 }
 
@@ -117,18 +117,6 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return section
 
 
-HANDOFF_WAIT_MS = 2  # serve.handoff_wait_ms's default on the CPU (toolkit/serve/loop.py _wait_taken)
-
-
-def handoff_wait_ms(setting: float | None, engine: Engine) -> float:
-    """How long a step waits for the event loop to write what it handed over: the setting, or by default
-    HANDOFF_WAIT_MS where the forward runs on the CPU (whose cores the event loop's work would take from it) and 0
-    on a GPU (where it takes none: not measured there, so not changed)."""
-    if setting is not None:
-        return float(setting)
-    return HANDOFF_WAIT_MS if engine.device.type == "cpu" else 0.0
-
-
 EXIT_LOOP_FAILED = 70  # mode=serve's exit code when its engine loop could not go on (EX_SOFTWARE)
 
 
@@ -158,7 +146,7 @@ def build(
         record_body=section["record_body"],
         max_trace_bytes=None if section["max_trace_gb"] is None else int(section["max_trace_gb"] * 2**30),
         on_fatal=on_fatal,
-        handoff_wait_s=handoff_wait_ms(section["handoff_wait_ms"], engine) / 1e3,
+        handoff_wait_ms=section["handoff_wait_ms"],
     )
     metrics_box["m"] = metrics = ServerMetrics(loop, name)
     limits = Limits(**{f.name: section[f.name] for f in dataclasses.fields(Limits)})
