@@ -38,5 +38,7 @@ timeout 60 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batc
   --hf-tokens 0 2>&1 | tee -a "$OUT/bench.txt"  # a long context: the attention's KV split (issue 57)
 timeout 50 python3 -m toolkit.bench.gpu --shape smollm2 --dtypes float32 bfloat16 --batches 1 --steps 8 --hf-tokens 0 \
   --kernel-table 14 2>&1 | tee "$OUT/kernel_table.txt"
+timeout 60 python3 -m toolkit.bench.gpu --shape smollm2 --dtypes float32 bfloat16 --batches 1 32 --kernels \
+  2>&1 | tee -a "$OUT/kernel_table.txt"  # the invariant matmul's tilings beside cuBLAS (issue 57's fp32 cost)
 echo "tests/test_cuda.py exited $status"
 exit "$status"

@@ -232,9 +232,17 @@ def hf_step_ms(model, device: torch.device, batch: int, context: int, tokens: in
     return 1000 * statistics.median(b - a for a, b in zip(clock.times, clock.times[1:]))
 
 
+# the tilings --kernels times for matmul_dot, by whether the inputs are fp32 (the format's own one is starred)
+DOT_TILINGS = {
+    True: ((16, 32, 32), (16, 16, 64), (16, 64, 32), (32, 32, 32), (64, 64, 64)),
+    False: ((64, 64, 64), (16, 64, 64), (32, 64, 64), (64, 32, 64)),
+}
+
+
 def kernel_times(shape: str, dtypes: list[str], batches: list[int], device: torch.device) -> list[str]:
-    """Issue 57's matmul cost: ms of torch's matmul and of the invariant Triton matmuls (tl.sum, tensor-core
-    tiles) on the shape's two widest decode products, each the median of 20 after warm-ups, side by side."""
+    """Issue 57's matmul cost: ms of torch's matmul and of the invariant Triton matmuls (tl.sum, and tl.dot in
+    several tilings, the format's own starred) on the shape's two widest decode products, each the median of 20
+    after warm-ups, side by side."""
 
     dims = SHAPES[shape]
     lines = []
@@ -244,11 +252,15 @@ def kernel_times(shape: str, dtypes: list[str], batches: list[int], device: torc
             for m in batches:
                 x = torch.randn(m, k, device=device).to(DTYPES[dtype])
                 ms = {}
-                for name, fn in (
-                    ("torch", lambda: x @ w),
-                    ("tl.sum", lambda: gm.matmul(x, w)),
-                    ("tl.dot", lambda: gm.matmul_dot(x, w)),
-                ):
+                fns = [("torch", lambda: x @ w), ("tl.sum", lambda: gm.matmul(x, w))]
+                fns += [
+                    (
+                        f"tl.dot {'x'.join(map(str, b))}{'*' if b == gm.dot_blocks(x.dtype) else ''}",
+                        lambda b=b: gm.matmul_dot(x, w, b),
+                    )
+                    for b in DOT_TILINGS[x.dtype == torch.float32]
+                ]
+                for name, fn in fns:
                     try:
                         timed_steps(fn, device, 3)
                         ms[name] = statistics.median(timed_steps(fn, device, 20))

@@ -137,16 +137,23 @@ def matmul(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
     return out
 
 
-DOT_BLOCKS = (64, 64, 64)  # matmul_dot's one tiling (BLOCK_M x BLOCK_N tiles, BLOCK_K slices)
+DOT_BLOCKS = (64, 64, 64)  # matmul_dot's one tiling of 16-bit inputs (BLOCK_M x BLOCK_N tiles, BLOCK_K slices)
+DOT_BLOCKS_FP32 = (16, 32, 32)  # ... and of fp32's, whose "ieee" tile product is FMAs, not the tensor cores
 
 
-def matmul_dot(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
-    """x @ w by tensor-core tile products in one fixed tiling, no split-K, fp32 sums: the matmul the engine's
-    batch-invariant mode runs on a CUDA GPU. Tiles are always whole (masked loads pad them), so the tile product
-    has one shape whatever M is, and a row's products are summed the same way whatever the other rows hold."""
+def dot_blocks(dtype: torch.dtype) -> tuple[int, int, int]:
+    """matmul_dot's one tiling for inputs of `dtype`: fixed by the format alone, never by the number of rows."""
+    return DOT_BLOCKS_FP32 if dtype == torch.float32 else DOT_BLOCKS
+
+
+def matmul_dot(x_MK: torch.Tensor, w_KN: torch.Tensor, blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x @ w by tile products in one fixed tiling, no split-K, fp32 sums: the matmul the engine's batch-invariant
+    mode runs on a CUDA GPU. Tiles are always whole (masked loads pad them), so the tile product has one shape
+    whatever M is, and a row's products are summed the same way whatever the other rows hold. `blocks` overrides
+    the format's tiling (`dot_blocks`) for the benchmark's comparison of tilings; the engine never passes it."""
     m, k = x_MK.shape
     n = w_KN.shape[1]
-    bm, bn, bk = DOT_BLOCKS
+    bm, bn, bk = blocks or dot_blocks(x_MK.dtype)
     widen = x_MK.device.type == "cpu"  # the interpreter
     out = torch.empty((m, n), dtype=torch.float32, device=x_MK.device)
     if m == 0:
