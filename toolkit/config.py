@@ -22,6 +22,10 @@ ATTENTION_BACKENDS = ("auto", "kernel", "sdpa", "flex")
 MATMUL_BACKENDS = ("auto", "native", "torch")
 # toolkit.native.schedules.SETTINGS: each loop with the software prefetch, and without it (-nopf)
 MATMUL_SCHEDULES = ("auto", "fixed", "tiles", "pairs", "quads", "tiles-nopf", "pairs-nopf", "quads-nopf")
+# toolkit.native.schedules.BUILD_SETTINGS: auto over one build's matmul (toolkit.native.cpu.TARGETS)
+MATMUL_BUILD_SCHEDULES = tuple(
+    f"auto:{t}" for t in ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4", "armv8-a", "generic", "scalar")
+)
 KV_CACHE_DTYPES = ("auto", "bf16", "int8", "fp8_e4m3")
 # fused: prefill chunks and decodes in ONE forward per step (the default); two_forwards: the same schedule, prefill
 # chunks and decodes in separate forwards; prefill_first: a waiting prompt is prefilled whole in a step of its
@@ -231,8 +235,9 @@ class EngineConfig:
             f"engine.matmul_backend must be one of {MATMUL_BACKENDS}, got {self.matmul_backend!r}",
         )
         check(
-            self.matmul_schedule in MATMUL_SCHEDULES,
-            f"engine.matmul_schedule must be one of {MATMUL_SCHEDULES}, got {self.matmul_schedule!r}",
+            self.matmul_schedule in MATMUL_SCHEDULES + MATMUL_BUILD_SCHEDULES,
+            f"engine.matmul_schedule must be one of {MATMUL_SCHEDULES} or auto:<kernel target> (auto over that "
+            f"build's matmul: {', '.join(MATMUL_BUILD_SCHEDULES)}), got {self.matmul_schedule!r}",
         )
         check(
             not (self.batch_invariant and self.matmul_backend == "torch"),

@@ -33,6 +33,7 @@ from toolkit.errors import ModelLoadError
 from toolkit.kv.attention import AttentionMetadata, paged_attention, write_kv
 from toolkit.native import gpu_matmul as gm
 from toolkit.native import invariant_gpu, library
+from toolkit.native.library import NativeLib
 from toolkit.native.ops import (
     add_rms_norm_cpu,
     decoder_layers_cpu,
@@ -173,7 +174,7 @@ class PagedDecoder(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.scale = arch.scale
-        self._packed = None  # the projections packed for the native matmul (packed_weights)
+        self._packed: dict[str, tuple] = {}  # the projections packed for the native matmul, by build (packed_weights)
         self.act = ACTIVATIONS[arch.activation]
         # whether every layer is plain Llama (no biases, q/k norms or extra norms, no soft-capping or
         # sliding window): then a CPU fp32 step on the native kernels runs all layers in one C call
@@ -187,19 +188,28 @@ class PagedDecoder(nn.Module):
             )
         )
         self.fused_layers = True  # may be switched off per model (tests compare both paths bit for bit)
-        self._layer_weights = None  # the packed weights' addresses per layer, for the fused call
+        self._layer_weights: dict[str, list] = {}  # the packed weights' addresses per layer, for the fused call
         self._norms_f32 = None  # the norm weights in fp32 (a 16-bit model's widened) the fused call reads
         self._layer_tables: dict[tuple[int, ...], torch.Tensor] = {}  # with the caches' addresses
 
-    def packed_weights(self):
-        """The projections packed for the native matmul, made on first use (a second copy of
-        the weights, held only by models that run with engine.matmul_backend=native)."""
-        if self._packed is None:  # one arena on huge pages, in the order a step reads them (packed_arena)
+    def packed_weights(self, lib: NativeLib | None = None):
+        """The projections packed for the native matmul of `lib` (default: the process's build), made on first use
+        (a second copy of the weights, held only by models that run with engine.matmul_backend=native; a third
+        where another build's matmul runs some rows: toolkit.native.schedules)."""
+        key = "" if lib is None or lib is library.resolve_or_none(None) else lib.profile.target
+        if key not in self._packed:  # one arena on huge pages, in the order a step reads them (packed_arena)
             weights = [getattr(layer, n) for layer in self.layers for n in layer.projections]
-            packed = iter(packed_arena(weights + [self.lm_head_t]))
+            packed = iter(packed_arena(weights + [self.lm_head_t], lib))
             layers = [{n: next(packed) for n in layer.projections} for layer in self.layers]
-            self._packed = (layers, next(packed))
-        return self._packed
+            self._packed[key] = (layers, next(packed))
+        return self._packed[key]
+
+    def drop_packed(self, keep: list[str]) -> None:
+        """Release the packings for other builds than the process's own and those named in `keep`."""
+        for key in [k for k in self._packed if k and k not in keep]:
+            del self._packed[key]
+            self._layer_weights.pop(key, None)
+        self._layer_tables.clear()
 
     @staticmethod
     def _native(x: torch.Tensor) -> bool:
@@ -259,26 +269,27 @@ class PagedDecoder(nn.Module):
             and self._native(x)
         )
 
-    def _layer_table(self, packed, kv_caches, num_layers: int) -> torch.Tensor:
+    def _layer_table(self, packed, kv_caches, num_layers: int, build: str = "") -> torch.Tensor:
         """Per layer: the addresses of its norm weights (fp32: a 16-bit model's widened, kept here), packed
-        projections and K / V caches."""
-        if self._layer_weights is None:
+        projections (packed for `build`'s matmul, "" the process's own) and K / V caches."""
+        if self._norms_f32 is None:
             self._norms_f32 = [(layer.ln_attn.float(), layer.ln_mlp.float()) for layer in self.layers]
-            self._layer_weights = [
+        if build not in self._layer_weights:
+            self._layer_weights[build] = [
                 [a.data_ptr(), b.data_ptr()]
                 + [p[name].data.data_ptr() for name in ("w_qkv", "w_o", "w_gate_up", "w_down")]
                 for (a, b), p in zip(self._norms_f32, packed)
             ]
         caches = tuple(p for k, v in kv_caches[:num_layers] for p in (k.data_ptr(), v.data_ptr()))
-        table = self._layer_tables.get(caches)
-        if table is None:  # built once per cache (and per depth, for the self-draft)
+        table = self._layer_tables.get((build, caches))
+        if table is None:  # built once per cache and build (and per depth, for the self-draft)
             if len(self._layer_tables) >= 8:
                 self._layer_tables.clear()
+            weights = self._layer_weights[build][:num_layers]
             table = torch.tensor(
-                [w + [k, v] for w, k, v in zip(self._layer_weights[:num_layers], caches[0::2], caches[1::2])],
-                dtype=torch.int64,
+                [w + [k, v] for w, k, v in zip(weights, caches[0::2], caches[1::2])], dtype=torch.int64
             )
-            self._layer_tables[caches] = table
+            self._layer_tables[(build, caches)] = table
         return table
 
     @property
@@ -313,18 +324,21 @@ class PagedDecoder(nn.Module):
         for each number of rows (toolkit.native.schedules: the same bits in every one; default the fixed ones)."""
         a = self.arch
         mm, packed, head = torch.matmul, None, self.lm_head_t
+        n = input_ids_N.shape[0]
         if native_matmul and invariant_gpu.routes(self.embed):  # one fixed tiling, no split-K: M changes no row
 
             def mm(h, w):
                 return gm.invariant_matmul(h, w).to(h.dtype)
         elif native_matmul:
             plan = schedule or MatmulSchedule()
+            mm_lib = plan.lib_for_rows(n)  # the build whose matmul runs the projections' n rows (None: our own)
 
             def mm(h, w):
-                return matmul_invariant(h, w, schedule=plan.for_rows(h.shape[0]))
+                return matmul_invariant(h, w, mm_lib, schedule=plan.for_rows(h.shape[0]))
 
-            packed, head = self.packed_weights()
-        n = input_ids_N.shape[0]
+            packed, _ = self.packed_weights(mm_lib)
+            head_lib = plan.lib_for_rows(logits_rows_R.shape[0])
+            head = self.packed_weights(head_lib)[1]
         q_width, kv_width = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         x = self.embed[input_ids_N]  # (N, hidden)
         if a.embed_scale != 1.0:
@@ -357,7 +371,7 @@ class PagedDecoder(nn.Module):
             )
             decoder_layers_cpu(
                 x,
-                self._layer_table(packed, kv_caches, len(layers)),
+                self._layer_table(packed, kv_caches, len(layers), plan.build_for_rows(n)),
                 dims,
                 positions_N,
                 attn.slot_mapping_N,
@@ -370,6 +384,7 @@ class PagedDecoder(nn.Module):
                 self.scale,
                 kv_caches[0][0].shape[0] * kv_caches[0][0].shape[1],
                 schedule=plan.for_rows(n),
+                matmul_lib=mm_lib,
             )
             layers = []  # x holds the last layer's residual stream, its MLP output added
         for i, (layer, (k_cache, v_cache)) in enumerate(layers):
@@ -428,7 +443,7 @@ class PagedDecoder(nn.Module):
             x = x + pending
         _, h = self._add_norm(x[logits_rows_R], None, self.norm, self.norm_b, native_norm)
         if packed is not None:  # the packed matmul gives a 16-bit model's logits as fp32 at once (the same bits)
-            logits = matmul_invariant(h, head, schedule=plan.for_rows(h.shape[0]), as_fp32=True)
+            logits = matmul_invariant(h, head, head_lib, schedule=plan.for_rows(h.shape[0]), as_fp32=True)
         else:
             logits = mm(h, head).float()  # (R, V)
         if a.final_softcap is not None:

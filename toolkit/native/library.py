@@ -152,6 +152,8 @@ SIGNATURES = {  # symbol -> argument types (every one returns int)
         ctypes.c_int,
         ctypes.c_int,
         ctypes.c_int,
+        P,  # another build's matmuls (fp32, 16-bit), or NULL: this build's
+        P,
     ],
 }
 

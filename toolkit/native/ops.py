@@ -3,6 +3,7 @@ tensors, checks what it is given and calls one symbol of the process's build (or
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -385,6 +386,7 @@ def decoder_layers_cpu(
     lib: NativeLib | None = None,
     kind: int = 0,
     schedule: int | None = None,
+    matmul_lib: NativeLib | None = None,
 ) -> None:
     """Run a Llama-style decoder's layers over the step's N tokens in one call (csrc/decoder_layers.c):
     `x` (N, hidden), contiguous, is updated in place to the last layer's residual stream. `layers_L8` holds
@@ -393,7 +395,8 @@ def decoder_layers_cpu(
     `num_slots` raises before anything is written. A bf16 / fp16 model passes x in its format, 16-bit packed
     projections and caches and fp32 norm weights: every operation's outputs are rounded to that format.
     `schedule`: the matmuls' loops for N rows (toolkit.native.schedules; None: the fixed choice), which change no
-    bit."""
+    bit. `matmul_lib`: another FMA build whose matmul runs the projections (packed for its panels), which changes
+    no bit either; None, `lib`'s own."""
     if x_NE.dtype != torch.float32:
         x32 = x_NE.float()
         decoder_layers_cpu(
@@ -413,6 +416,7 @@ def decoder_layers_cpu(
             lib,
             kind=H16_KINDS[x_NE.dtype],
             schedule=schedule,
+            matmul_lib=matmul_lib,
         )
         x_NE.copy_(x32)  # exact: rounded already
         return
@@ -424,7 +428,16 @@ def decoder_layers_cpu(
     all_dims = torch.tensor(
         [n, e, h, k, d, f, bs, cos_PD.shape[0], block_tables_SB.stride(0), num_slots], dtype=torch.int64
     )
-    rc = resolve(lib).fn["decoder_layers"](
+    lib = resolve(lib)
+    mm = (None, None)
+    if matmul_lib is not None and matmul_lib is not lib:
+        fma = lib.profile.fma and matmul_lib.profile.fma
+        if not fma:  # without FMA a build's matmul rounds each product: its bits follow the build
+            raise ValueError(f"{matmul_lib!r}'s matmul gives {lib!r}'s bits only where both have FMA")
+        mm = tuple(
+            ctypes.cast(matmul_lib.fn[f], ctypes.c_void_p).value for f in ("matmul_invariant", "matmul_invariant_h16")
+        )
+    rc = lib.fn["decoder_layers"](
         layers_L8.data_ptr(),
         layers_L8.shape[0],
         all_dims.data_ptr(),
@@ -442,6 +455,7 @@ def decoder_layers_cpu(
         torch.get_num_threads(),
         kind,
         schedule,
+        *mm,
     )
     if rc == -3:
         raise IndexError(f"a KV slot is outside the cache's {num_slots} slots")

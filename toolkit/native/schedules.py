@@ -23,6 +23,16 @@ batches) always run tiles, whose x slab and k blocks are built for them. `engine
     fixed  pairs for one row, tiles for more (the schedule before the choice existed)
     tiles | pairs | quads   that one for every class (a benchmark's deliberately wrong choice)
 
+    auto:<target>  measured as auto, over that build's matmul alone (a benchmark's deliberately narrow choice)
+
+**Which build's matmul.** Every FMA build's matmul is the same FMA chain per output (tests/test_schedules.py), so on
+an AVX-512 CPU `auto` also times the AVX2 build's (x86-64-v3) schedules on weights packed for its panels, and a
+class of rows may run it: the engine's other kernels stay its own build's, and no bit changes. On the Sapphire
+Rapids Xeon issue 60 measured, the AVX2 build streamed a decode row's weights faster (22.5 against 18.5 GB/s) and
+the AVX-512 build a batch's. Another build runs a class of rows only where it beats the own build's fastest schedule
+by OTHER_BUILD_MARGIN, and its second packing is made only for a build some class chose, and only for a model whose
+packed weights take at most OTHER_BUILD_BYTES (it doubles their memory).
+
 The run's manifest records the choice and how it was made (`matmul_schedule`).
 """
 
@@ -32,19 +42,25 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from toolkit.native.cpu import cpu_flags, model_name
-from toolkit.native.library import NativeLib, resolve
+from toolkit.native.cpu import TARGETS, cpu_flags, model_name
+from toolkit.native.library import KernelUnavailable, NativeLib, build, resolve
 from toolkit.native.ops import PackedWeight, fixed_schedule, matmul_invariant
 from toolkit.paths import cache_root
 
 LOOPS = ("tiles", "pairs", "quads")  # csrc/matmul_invariant.c's MM_TILES, MM_PAIRS, MM_QUADS, in order
 # the loops with the software prefetch, then without it (MM_LOOPS + each): csrc/matmul_invariant.c's schedules
 SCHEDULES = (*LOOPS, *(f"{name}-nopf" for name in LOOPS))
-SETTINGS = ("auto", "fixed", *SCHEDULES)
+SETTINGS = ("auto", "fixed", *SCHEDULES)  # and auto:<target> (BUILD_SETTINGS)
+BUILD_SETTINGS = tuple(f"auto:{target}" for target in TARGETS)
+# the narrower builds whose matmul a build's engine may run in its own's stead (both FMA: the same bits)
+NARROWER = {"x86-64-v4": ("x86-64-v3",)}
+OTHER_BUILD_BYTES = 2 << 30  # a model's packed weights past this are not packed a second time for another build
+OTHER_BUILD_MARGIN = 0.05  # another build's matmul runs a class of rows only where it is this much faster
 # the classes of rows measured: (first, last, the rows timed); more rows than the last class's run tiles
 ROW_CLASSES = ((1, 1, 1), (2, 4, 3), (5, 16, 10))
 FIXED = tuple(SCHEDULES[fixed_schedule(rows)] for _, _, rows in ROW_CLASSES)  # pairs, tiles, tiles
@@ -58,7 +74,8 @@ class MatmulSchedule:
 
     choice: tuple[str, ...] = FIXED
     how: str = "fixed"
-    measured_ms: dict[str, dict[str, float]] | None = None  # class -> schedule -> the fastest round's ms
+    measured_ms: dict[str, dict[str, float]] | None = None  # class -> [build ]schedule -> the fastest round's ms
+    builds: tuple[str, ...] = ()  # per class, the build whose matmul runs ("" or none: the engine's own)
 
     def for_rows(self, rows: int) -> int:
         """The schedule (its index in SCHEDULES) a matmul of `rows` rows runs."""
@@ -67,12 +84,54 @@ class MatmulSchedule:
                 return SCHEDULES.index(name)
         return 0
 
+    def build_for_rows(self, rows: int) -> str:
+        """The build whose matmul `rows` rows run: a target's name, or "" for the engine's own."""
+        for (first, last, _), target in zip(ROW_CLASSES, self.builds):
+            if first <= rows <= last:
+                return target
+        return ""
+
+    def lib_for_rows(self, rows: int) -> NativeLib | None:
+        """That build's library (None: the engine's own)."""
+        target = self.build_for_rows(rows)
+        return other_build(target) if target else None
+
+    def other_builds(self) -> list[str]:
+        return sorted({b for b in self.builds if b})
+
     def describe(self) -> str:
+        builds = self.builds or ("",) * len(self.choice)
         classes = ", ".join(
-            f"{first if first == last else f'{first}-{last}'}: {name}"
-            for (first, last, _), name in zip(ROW_CLASSES, self.choice)
+            f"{first if first == last else f'{first}-{last}'}: {name}{f' ({target})' if target else ''}"
+            for (first, last, _), name, target in zip(ROW_CLASSES, self.choice, builds)
         )
         return f"rows {classes}, {ROW_CLASSES[-1][1] + 1}+: tiles ({self.how})"
+
+
+def other_build(name: str) -> NativeLib:
+    """Another build of the kernels, by its name (a target, or target/lanes as TOOLKIT_KERNEL_TARGET names one),
+    whose matmul runs in the engine's build's stead: compiled once per process."""
+    target, _, lanes = name.partition("/")
+    return build(target, int(lanes) if lanes else None, os.environ.get("CC") or None)
+
+
+def matmul_builds(lib: NativeLib) -> list[NativeLib]:
+    """The builds whose matmul `lib`'s engine may run, its own first: every narrower FMA build this CPU runs and
+    compiles (NARROWER). A build forced to other lanes (x86-64-v3/4) or without FMA keeps its own."""
+    found = [lib]
+    if not lib.profile.fma:
+        return found
+    for target in NARROWER.get(lib.profile.target, ()):
+        try:
+            other = other_build(target)
+        except KernelUnavailable:  # not compiled here: the engine's own build's matmul runs, as before
+            continue
+        if other.profile.fma:
+            found.append(other)
+    return found
+
+
+Packer = Callable[[NativeLib], tuple[list[PackedWeight], PackedWeight | None]]  # a model's weights for a build
 
 
 def choose(
@@ -81,51 +140,92 @@ def choose(
     head: PackedWeight | None = None,
     lib: NativeLib | None = None,
     batch_invariant: bool = False,
+    packed_for: Packer | None = None,
 ) -> MatmulSchedule:
     """The schedule for a model's packed weights (`layers`: its projections in order, `head`: the LM head's) under
-    `setting` (one of SETTINGS)."""
-    if setting not in SETTINGS:
-        raise ValueError(f"engine.matmul_schedule must be one of {SETTINGS}, got {setting!r}")
+    `setting` (one of SETTINGS, or auto:<target>). `packed_for(build)`: the same weights packed for another build,
+    whose matmul `auto` then times too (matmul_builds); without it, the engine's own build's alone."""
+    by_build = setting.startswith("auto:") and setting.removeprefix("auto:").partition("/")[0] in TARGETS
+    if setting not in SETTINGS and not by_build:
+        raise ValueError(f"engine.matmul_schedule must be one of {SETTINGS} or auto:<target>, got {setting!r}")
     if setting in SCHEDULES:
         return MatmulSchedule((setting,) * len(ROW_CLASSES), f"engine.matmul_schedule={setting}")
     if setting == "fixed" or batch_invariant:
         return MatmulSchedule(FIXED, "fixed: batch_invariant=true" if batch_invariant else "fixed")
     lib = resolve(lib)
-    timed = _timed_weights(layers, head)
-    path = cache_root() / "kernels" / f"schedule-{_key(lib, timed)}.json"
+    size = sum(w.data.numel() * w.data.element_size() for w in [*layers, *([head] if head is not None else [])])
+    builds = matmul_builds(lib) if packed_for is not None and size <= OTHER_BUILD_BYTES else [lib]
+    if by_build:
+        only = setting.removeprefix("auto:")
+        builds = [b for b in builds if b.profile.target == only]
+        if not builds:
+            runnable = ", ".join(b.profile.target for b in matmul_builds(lib))
+            raise ValueError(f"engine.matmul_schedule={setting}: this engine's matmul runs in {runnable}, not {only}")
+    own = _timed_weights(layers, head)  # another build's packing has the same shapes: the key is theirs
+    path = cache_root() / "kernels" / f"schedule-{_key(lib, own, [b.path.name for b in builds])}.json"
     try:
         kept = json.loads(path.read_text())
-        return MatmulSchedule(tuple(kept["choice"]), f"measured at first use, kept in {path.name}", kept["ms"])
+        return _chosen(kept["choice"], f"measured at first use, kept in {path.name}", kept["ms"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    ms = measure(timed, lib)
-    choice = tuple(min(SCHEDULES, key=lambda s, c=c: (ms[c][s], s != fixed)) for c, fixed in zip(ms, FIXED))
+    others = {b.profile.target: (b, _timed_weights(*packed_for(b))) for b in builds if b is not lib}
+    ms = measure(own if lib in builds else [], lib, others=others) if others else measure(own, lib)
+    choice = [_fastest(ms[c], fixed) for c, fixed in zip(ms, FIXED)]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"choice": choice, "ms": ms, "threads": torch.get_num_threads()}))
         os.replace(tmp, path)  # whole or not at all: processes choosing at once each write a complete file
     except OSError as exc:  # a cache it cannot write (read-only, full): the choice holds for this process
-        return MatmulSchedule(choice, f"measured at first use, not kept ({exc.strerror or exc})", ms)
-    return MatmulSchedule(choice, "measured at first use", ms)
+        return _chosen(choice, f"measured at first use, not kept ({exc.strerror or exc})", ms)
+    return _chosen(choice, "measured at first use", ms)
 
 
-def measure(weights: list[PackedWeight], lib: NativeLib | None = None, rounds: int = ROUNDS) -> dict[str, dict]:
+def _fastest(ms: dict[str, float], fixed: str) -> str:
+    """A class's fastest label (a tie goes to the fixed schedule). Another build's ("<target> <name>") must beat the
+    own build's fastest by OTHER_BUILD_MARGIN: it costs a second packing of the weights, and a few percent is this
+    measurement's noise."""
+    own = {s: t for s, t in ms.items() if " " not in s}
+    best = min(ms, key=lambda s: (ms[s], s != fixed, " " in s))
+    if " " in best and own and ms[best] > (1 - OTHER_BUILD_MARGIN) * min(own.values()):
+        return min(own, key=lambda s: (own[s], s != fixed))
+    return best
+
+
+def _chosen(labels: list[str], how: str, ms: dict[str, dict[str, float]]) -> MatmulSchedule:
+    """A MatmulSchedule from measured labels: a schedule's name, or "<target> <name>" for another build's."""
+    split = [label.rpartition(" ") for label in labels]
+    builds = tuple(target for target, _, _ in split)
+    return MatmulSchedule(tuple(name for _, _, name in split), how, ms, builds if any(builds) else ())
+
+
+def measure(
+    weights: list[PackedWeight],
+    lib: NativeLib | None = None,
+    rounds: int = ROUNDS,
+    others: dict[str, tuple[NativeLib, list[PackedWeight]]] | None = None,
+) -> dict[str, dict]:
     """ms of one pass over `weights` per class of rows and schedule: the fastest of `rounds` rounds, the schedules
-    interleaved in each (a drift of the machine falls on all)."""
+    interleaved in each (a drift of the machine falls on all). `others`: another build's library and the same
+    weights packed for it, by the build's name; its schedules are timed in the same rounds, as "<name> <schedule>"
+    (with no `weights`, only theirs)."""
     lib = resolve(lib)
+    runs = [(s, lib, weights) for s in SCHEDULES] if weights else []
+    for target, (other, packed) in (others or {}).items():
+        runs += [(f"{target} {s}", other, packed) for s in SCHEDULES]
     gen = torch.Generator().manual_seed(0)
     out = {}
     for first, last, rows in ROW_CLASSES:
-        xs = {k: torch.randn(rows, k, generator=gen) for k in {w.k for w in weights}}
-        best = dict.fromkeys(SCHEDULES, float("inf"))
+        xs = {k: torch.randn(rows, k, generator=gen) for _, _, ws in runs for k in {w.k for w in ws}}
+        best = {label: float("inf") for label, _, _ in runs}
         for r in range(rounds):
-            for s in SCHEDULES[r % len(SCHEDULES) :] + SCHEDULES[: r % len(SCHEDULES)]:
+            for label, build_lib, ws in runs[r % len(runs) :] + runs[: r % len(runs)]:
+                index = SCHEDULES.index(label.rpartition(" ")[2])
                 t = time.perf_counter()
-                for w in weights:
-                    matmul_invariant(xs[w.k], w, lib, SCHEDULES.index(s))
-                best[s] = min(best[s], 1e3 * (time.perf_counter() - t))
-        out[f"{first}-{last}"] = {s: round(v, 3) for s, v in best.items()}
+                for w in ws:
+                    matmul_invariant(xs[w.k], w, build_lib, index)
+                best[label] = min(best[label], 1e3 * (time.perf_counter() - t))
+        out[f"{first}-{last}"] = {label: round(v, 3) for label, v in best.items()}
     return out
 
 
@@ -140,9 +240,9 @@ def _timed_weights(layers: list[PackedWeight], head: PackedWeight | None) -> lis
     return timed + ([head] if head is not None else [])
 
 
-def _key(lib: NativeLib, weights: list[PackedWeight]) -> str:
-    """What the fastest schedule depends on: the CPU (its model name and flags), the build's library, the threads,
-    the weights' format and shapes."""
+def _key(lib: NativeLib, weights: list[PackedWeight], builds: list[str] | None = None) -> str:
+    """What the fastest schedule depends on: the CPU (its model name and flags), the build's library (and the
+    other builds' timed beside it), the threads, the weights' format and shapes."""
     shapes = [(w.k, w.n, str(w.data.dtype)) for w in weights]
-    text = json.dumps([model_name(), sorted(cpu_flags()), lib.path.name, torch.get_num_threads(), shapes])
+    text = json.dumps([model_name(), sorted(cpu_flags()), lib.path.name, builds, torch.get_num_threads(), shapes])
     return hashlib.sha256(text.encode()).hexdigest()[:16]

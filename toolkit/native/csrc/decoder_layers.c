@@ -21,7 +21,10 @@
  * two give the same bits in every format. Norm weights are fp32 (a 16-bit model's, widened).
  *
  * `schedule` is the matmul's schedule for this step's N rows (matmul_invariant.c's MM_*): it changes how the weights
- * stream, never a bit.
+ * stream, never a bit. `mm_f32` / `mm_h16`, where not NULL, are another build's matmul entry points (the projections
+ * packed for that build's panels): every FMA build's matmul is one FMA chain per output in k's order, so it too
+ * changes how the weights stream and never a bit (toolkit/native/schedules.py chooses it per number of rows, e.g.
+ * the AVX2 build's at one row on a CPU whose AVX-512 loads stream slower).
  */
 #include <stdint.h>
 #include <string.h>
@@ -34,6 +37,11 @@
 #define silu toolkit_silu_mul_f32
 #define rope toolkit_rope_f32
 #define attention toolkit_paged_attention_f32
+
+typedef int (*matmul_f32_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t, int64_t, int64_t, int,
+                             int);
+typedef int (*matmul_h16_fn)(const float *, int64_t, const uint16_t *, float *, int64_t, int64_t, int64_t, int64_t,
+                             int, int, int);
 
 /* per layer, addresses of: the two norm weights, the four packed projections, the K and V caches */
 enum { L_LN_ATTN, L_LN_MLP, L_QKV, L_O, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, L_FIELDS };
@@ -50,8 +58,10 @@ int toolkit_decoder_layers(const int64_t *layers, int64_t num_layers, const int6
                            float *x, const int64_t *work, const int64_t *positions, const int64_t *slots,
                            const float *cos_table, const float *sin_table, const int64_t *block_tables,
                            const int64_t *query_table, const int64_t *query_ctx, float eps, float scale,
-                           int threads, int kind, int schedule)
+                           int threads, int kind, int schedule, const void *mm_f32, const void *mm_h16)
 {
+    const matmul_f32_fn mm32 = mm_f32 ? (matmul_f32_fn)(intptr_t)mm_f32 : matmul;
+    const matmul_h16_fn mm16 = mm_h16 ? (matmul_h16_fn)(intptr_t)mm_h16 : toolkit_matmul_invariant_h16;
     const int64_t N = dims[D_N], E = dims[D_HIDDEN], H = dims[D_H], K = dims[D_K], D = dims[D_HD], F = dims[D_F];
     const int64_t qw = H * D, kvw = K * D, qkvw = qw + 2 * kvw, qkw = qw + kvw;
     float *h = (float *)(intptr_t)work[W_H], *qkv = (float *)(intptr_t)work[W_QKV];
@@ -66,9 +76,8 @@ int toolkit_decoder_layers(const int64_t *layers, int64_t num_layers, const int6
 #define PTR(l, f) ((const void *)(intptr_t)layers[(l) * L_FIELDS + (f)])
 #define ROUND(p, len) do { if (kind != H16_NONE) toolkit_round_h16(p, len, kind, threads); } while (0)
 #define MATMUL(in, ldi, f, out, M, Kd, Nd)                                                                     \
-    TRY(kind == H16_NONE ? matmul(in, ldi, (const float *)PTR(l, f), out, Nd, M, Kd, Nd, threads, schedule)    \
-                         : toolkit_matmul_invariant_h16(in, ldi, (const uint16_t *)PTR(l, f), out, Nd, M, Kd, Nd, \
-                                                        threads, kind, schedule));                              \
+    TRY(kind == H16_NONE ? mm32(in, ldi, (const float *)PTR(l, f), out, Nd, M, Kd, Nd, threads, schedule)      \
+                         : mm16(in, ldi, (const uint16_t *)PTR(l, f), out, Nd, M, Kd, Nd, threads, kind, schedule)); \
     ROUND(out, (M) * (Nd))
     for (int64_t l = 0; l < num_layers; l++) {
         void *k_cache = (void *)PTR(l, L_K_CACHE), *v_cache = (void *)PTR(l, L_V_CACHE);

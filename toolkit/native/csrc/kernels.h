@@ -45,6 +45,6 @@ int toolkit_sample_tail_rows(const float *, int64_t, int64_t, int64_t, const int
 int toolkit_paged_attention_supports(int64_t, int64_t, int64_t, int64_t, int);
 int toolkit_decoder_layers(const int64_t *, int64_t, const int64_t *, float *, const int64_t *, const int64_t *,
                            const int64_t *, const float *, const float *, const int64_t *, const int64_t *,
-                           const int64_t *, float, float, int, int, int);
+                           const int64_t *, float, float, int, int, int, const void *, const void *);
 
 #endif

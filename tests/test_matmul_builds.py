@@ -1,0 +1,173 @@
+"""Another build's matmul for some rows (toolkit/native/schedules.py, issue 60): every FMA build's matmul is the
+same FMA chain per output, so the engine may run, say, the AVX2 build's at one row on an AVX-512 CPU. Its bits are
+the engine's own build's, the choice is measured with the others and recorded, and only a chosen build's packing is
+kept."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import make_engine, native_only
+from toolkit.config import MATMUL_BUILD_SCHEDULES, EngineConfig
+from toolkit.errors import ConfigError
+from toolkit.native import cpu, library, schedules
+from toolkit.native.ops import matmul_invariant, pack_weight
+from toolkit.runs.manifest import native_kernels
+from toolkit.sampling.params import SamplingParams
+
+pytestmark = [pytest.mark.native, native_only]
+
+
+def _other_fma_build() -> str:
+    """A build this CPU runs whose matmul is FMA chains at another width than the process's own build: the AVX2
+    build beside AVX-512, AVX2 at 4 lanes beside AVX2, ..."""
+    own = library.native().profile
+    if not own.fma:
+        pytest.skip(f"the process's build ({own.target}) has no FMA: its matmul's bits are its own")
+    for name in ("x86-64-v3", "x86-64-v3/4", "armv8-a/8"):
+        target = name.partition("/")[0]
+        if name != own.target and target in cpu.runnable_targets():
+            try:
+                other = schedules.other_build(name)
+            except library.KernelUnavailable as exc:
+                print(f"{name} does not build here: {exc}")
+                continue
+            if other.profile.fma and (other.panel, other.lanes) != (library.native().panel, library.native().lanes):
+                return name
+    pytest.skip(f"no other FMA build with other panels runs on this CPU ({own.target})")
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 20),
+    k=st.integers(1, 300),
+    n=st.integers(1, 700),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    schedule=st.integers(0, len(schedules.SCHEDULES) - 1),
+    seed=st.integers(0, 2**16),
+)
+def test_another_fma_builds_matmul_gives_the_same_bits(rows, k, n, dtype, schedule, seed):
+    """The other build's matmul, on the weight packed for its panels, in any schedule: the process's build's
+    product bit for bit, in every format (fp32, and 16-bit weights widened)."""
+    other = schedules.other_build(_other_fma_build())
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = torch.randn(k, n, generator=gen).to(dtype)
+    want = matmul_invariant(x, pack_weight(w), schedule=0)
+    assert torch.equal(matmul_invariant(x, pack_weight(w, other), other, schedule), want)
+
+
+def _run(engine, requests) -> dict:
+    for r in requests:
+        engine.add_request(**r)
+    rows = {}
+    while engine.has_unfinished():
+        out = engine.step()
+        for i, s in enumerate(out.samples):
+            rows[(s.request_id, s.position)] = out.logits_RV[i].clone()
+    return rows
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_engine_running_another_builds_matmul_gives_its_own_bits(dtype, tmp_path, monkeypatch):
+    """A mixed run (prefill chunks, 1 to 3 decode rows a step: the fused layers and the LM head at every class of
+    rows) with another build's matmul chosen for one row, for 2-4 rows, or for every class: every logits row is the
+    process's own build's, bit for bit; the manifest names the build; only the chosen build's packing is kept."""
+    from toolkit.config import ModelConfig
+    from toolkit.models import load_model
+
+    other = _other_fma_build()
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    requests = [
+        dict(
+            prompt_token_ids=[(13 * i + j) % 3000 + 5 for j in range(10 + 7 * i)],
+            request_id=f"r{i}",
+            sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=6, ignore_eos=True),
+        )
+        for i in range(3)
+    ]
+    tiny = load_model(ModelConfig(name="tiny", seed=0, dtype=dtype))
+    want = _run(make_engine(tiny, matmul_schedule="fixed", max_num_batched_tokens=24, max_num_seqs=3), requests)
+    for builds in ((other, "", ""), ("", other, ""), (other, other, other)):
+        labels = [f"{b} {s}" if b else s for b, s in zip(builds, ("quads-nopf", "tiles", "pairs"))]
+        monkeypatch.setattr(
+            schedules,
+            "measure",
+            lambda *a, labels=labels, **k: {c: {s: 1.0} for c, s in zip(("1-1", "2-4", "5-16"), labels)},
+        )
+        for path in tmp_path.rglob("schedule-*.json"):
+            path.unlink()
+        tiny = load_model(ModelConfig(name="tiny", seed=0, dtype=dtype))
+        engine = make_engine(tiny, matmul_schedule="auto", max_num_batched_tokens=24, max_num_seqs=3)
+        assert engine.matmul_schedule.builds == builds
+        assert f"1: quads-nopf{f' ({other})' if builds[0] else ''}," in native_kernels(engine)["matmul_schedule"]
+        assert set(tiny.model._packed) == {"", other}  # measured, chosen, packed at load
+        got = _run(engine, requests)
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[key], want[key]) for key in want), builds
+
+
+@pytest.mark.parametrize("other_ms", [2.0, 0.97])
+def test_a_build_measured_and_not_chosen_is_not_kept(other_ms, tmp_path, monkeypatch):
+    """Another build slower, or faster by less than OTHER_BUILD_MARGIN (not worth a second packing): the own
+    build's matmul runs every class, and the other's packing, made to time it, is released."""
+    other = _other_fma_build()
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    if other not in [b.profile.target for b in schedules.matmul_builds(library.native())]:
+        monkeypatch.setattr(schedules, "NARROWER", {library.native().profile.target: (other,)})
+    seen = []
+
+    def planted(weights, lib=None, rounds=3, others=None):
+        seen.append(sorted(others or {}))
+        return {c: {"tiles": 1.0, f"{other} tiles": other_ms} for c in ("1-1", "2-4", "5-16")}
+
+    monkeypatch.setattr(schedules, "measure", planted)
+    from toolkit.config import ModelConfig
+    from toolkit.models import load_model
+
+    loaded = load_model(ModelConfig(name="tiny", seed=0))
+    engine = make_engine(loaded)
+    assert seen == [[other]]  # the other build was timed beside the own
+    assert engine.matmul_schedule.builds == () and set(loaded.model._packed) == {""}
+
+
+def test_auto_over_one_build_and_the_cache_keep_the_other_build(tmp_path, monkeypatch):
+    """auto:<target> measures that build's schedules alone; the kept choice names the build; a build this engine's
+    matmul cannot run is a one-line error, and the config refuses an unknown target."""
+    other = _other_fma_build()
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(schedules, "NARROWER", {library.native().profile.target: (other,)})
+    layers = [pack_weight(torch.randn(64, 96)) for _ in range(2)]
+    calls = []
+
+    def planted(weights, lib=None, rounds=3, others=None):
+        calls.append((len(weights), sorted(others or {})))
+        times = {**({f"{other} pairs": 1.0} if others else {}), **({"tiles": 2.0} if weights else {})}
+        return dict.fromkeys(("1-1", "2-4", "5-16"), times)
+
+    monkeypatch.setattr(schedules, "measure", planted)
+    repack = lambda lib: ([pack_weight(torch.randn(64, 96), lib) for _ in range(2)], None)  # noqa: E731
+    only = schedules.choose(f"auto:{other}", layers, packed_for=repack)
+    assert calls == [(0, [other])] and only.builds == (other,) * 3 and only.choice == ("pairs",) * 3
+    both = schedules.choose("auto", layers, packed_for=repack)
+    assert calls[-1] == (2, [other]) and both.builds == (other,) * 3
+    again = schedules.choose("auto", layers, packed_for=repack)
+    assert len(calls) == 2 and "kept in" in again.how and again.builds == both.builds
+    kept = [json.loads(p.read_text())["choice"] for p in tmp_path.rglob("schedule-*.json")]
+    assert [f"{other} pairs"] * 3 in kept and len(kept) == 2  # auto and auto:<other> are kept apart
+    assert schedules.choose("auto", layers).builds == ()  # no packer: the own build's alone (measured anew)
+    with pytest.raises(ValueError, match="this engine's matmul runs in"):
+        schedules.choose("auto:scalar", layers, packed_for=repack)
+    assert f"auto:{other.partition('/')[0]}" in MATMUL_BUILD_SCHEDULES
+    EngineConfig(matmul_schedule="auto:x86-64-v3")
+    with pytest.raises(ConfigError, match="auto:<kernel target>"):
+        EngineConfig(matmul_schedule="auto:x86-64-v9")
+
+
+def test_the_configs_targets_are_the_kernels():
+    assert MATMUL_BUILD_SCHEDULES == schedules.BUILD_SETTINGS
