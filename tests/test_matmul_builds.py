@@ -151,11 +151,16 @@ def test_auto_over_one_build_and_the_cache_keep_the_other_build(tmp_path, monkey
         return dict.fromkeys(("1-1", "2-4", "5-16"), times)
 
     monkeypatch.setattr(schedules, "measure", planted)
+    duels = []
+    monkeypatch.setattr(
+        schedules, "duel", lambda runs, rows: duels.append(rows) or {r[0]: 1.0 if " " in r[0] else 2.0 for r in runs}
+    )
     repack = lambda lib: ([pack_weight(torch.randn(64, 96), lib) for _ in range(2)], None)  # noqa: E731
     only = schedules.choose(f"auto:{other}", layers, packed_for=repack)
     assert calls == [(0, [other])] and only.builds == (other,) * 3 and only.choice == ("pairs",) * 3
+    assert duels == []  # no own build measured: nothing to confirm against
     both = schedules.choose("auto", layers, packed_for=repack)
-    assert calls[-1] == (2, [other]) and both.builds == (other,) * 3
+    assert calls[-1] == (2, [other]) and both.builds == (other,) * 3 and duels == [1, 3, 10]
     again = schedules.choose("auto", layers, packed_for=repack)
     assert len(calls) == 2 and "kept in" in again.how and again.builds == both.builds
     kept = [json.loads(p.read_text())["choice"] for p in tmp_path.rglob("schedule-*.json")]
@@ -171,3 +176,32 @@ def test_auto_over_one_build_and_the_cache_keep_the_other_build(tmp_path, monkey
 
 def test_the_configs_targets_are_the_kernels():
     assert MATMUL_BUILD_SCHEDULES == schedules.BUILD_SETTINGS
+
+
+def test_a_surveys_pick_of_another_build_that_loses_the_duel_is_not_taken(tmp_path, monkeypatch):
+    """The survey (fastest of three rounds) picks another build by more than the margin at one row and at 10 rows;
+    the duel (medians of alternating rounds) confirms the first and not the second: only the first runs it, and
+    the duel's medians are kept beside the survey's."""
+    other = _other_fma_build()
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(schedules, "NARROWER", {library.native().profile.target: (other,)})
+    monkeypatch.setattr(
+        schedules,
+        "measure",
+        lambda weights, lib=None, rounds=3, others=None: {
+            "1-1": {"quads-nopf": 2.0, f"{other} quads-nopf": 1.0},
+            "2-4": {"tiles-nopf": 1.0, f"{other} tiles": 3.0},
+            "5-16": {"tiles": 2.0, f"{other} pairs": 1.0},
+        },
+    )
+    medians = {1: (2.0, 1.5), 10: (2.0, 1.95)}  # rows -> (own, other): the second within the margin
+    monkeypatch.setattr(schedules, "duel", lambda runs, rows: {r[0]: medians[rows][" " in r[0]] for r in runs})
+    layers = [pack_weight(torch.randn(64, 96)) for _ in range(2)]
+    repack = lambda lib: ([pack_weight(torch.randn(64, 96), lib) for _ in range(2)], None)  # noqa: E731
+    chosen = schedules.choose("auto", layers, packed_for=repack)
+    assert chosen.choice == ("quads-nopf", "tiles-nopf", "tiles") and chosen.builds == (other, "", "")
+    (kept,) = [json.loads(p.read_text()) for p in tmp_path.rglob("schedule-*.json")]
+    assert kept["confirmed"] == {
+        "1-1": {"quads-nopf": 2.0, f"{other} quads-nopf": 1.5},
+        "5-16": {"tiles": 2.0, f"{other} pairs": 1.95},
+    }

@@ -3,6 +3,7 @@
     make one-stream                  # builds llama.cpp's llama-server once (make llama-server), then this:
     python -m toolkit.bench.one_stream [--dtypes float32 bfloat16] [--rounds 2] [--max-tokens 64]
     python -m toolkit.bench.one_stream --matmul-schedules auto tiles   # also ours with a forced matmul schedule
+    python -m toolkit.bench.one_stream --matmul-schedules auto auto:x86-64-v4 auto:x86-64-v3   # each build's matmul
     python -m toolkit.bench.one_stream --batched 32   # then 32 requests at once to each server (32 slots / seqs)
     python -m toolkit.bench.one_stream --batched 32 --llama-slots auto   # llama-server at its default slots
     make llama-server-x86-64-v3 && python -m toolkit.bench.one_stream --isa x86-64-v3   # as on an AVX2-only CPU
@@ -237,7 +238,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--matmul-schedules",
         nargs="+",
         default=["auto"],
-        help="ours with each engine.matmul_schedule (auto: measured per CPU; tiles / pairs / quads / fixed forced)",
+        help="ours with each engine.matmul_schedule (auto: measured per CPU over its builds' matmuls; auto:<target>: "
+        "over that build's alone, e.g. auto:x86-64-v4 for always AVX-512; tiles / pairs / quads / fixed forced)",
     )
     parser.add_argument(
         "--batched", type=int, default=0, help="also N requests at once (the requests repeated) to each server"

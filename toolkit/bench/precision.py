@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from toolkit.config import MATMUL_SCHEDULES, EngineConfig, ModelConfig
+from toolkit.config import MATMUL_BUILD_SCHEDULES, MATMUL_SCHEDULES, EngineConfig, ModelConfig
 from toolkit.engine.synthetic import decode_step_ms
 from toolkit.models import load_model
 from toolkit.native import cpu, library
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
         "--matmul-schedules",
         nargs="+",
         default=["auto"],
-        choices=MATMUL_SCHEDULES,
+        choices=MATMUL_SCHEDULES + MATMUL_BUILD_SCHEDULES,
         help="each format with each engine.matmul_schedule (auto: the one measured for this CPU)",
     )
     args = parser.parse_args(argv)

@@ -30,7 +30,8 @@ an AVX-512 CPU `auto` also times the AVX2 build's (x86-64-v3) schedules on weigh
 class of rows may run it: the engine's other kernels stay its own build's, and no bit changes. On the Sapphire
 Rapids Xeon issue 60 measured, the AVX2 build streamed a decode row's weights faster (22.5 against 18.5 GB/s) and
 the AVX-512 build a batch's. Another build runs a class of rows only where it beats the own build's fastest schedule
-by OTHER_BUILD_MARGIN, and its second packing is made only for a build some class chose, and only for a model whose
+by OTHER_BUILD_MARGIN, in the survey and again in a duel of the two (medians of DUEL_ROUNDS alternating rounds),
+and its second packing is made only for a build some class chose, and only for a model whose
 packed weights take at most OTHER_BUILD_BYTES (it doubles their memory).
 
 The run's manifest records the choice and how it was made (`matmul_schedule`).
@@ -41,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,6 +63,7 @@ BUILD_SETTINGS = tuple(f"auto:{target}" for target in TARGETS)
 NARROWER = {"x86-64-v4": ("x86-64-v3",)}
 OTHER_BUILD_BYTES = 2 << 30  # a model's packed weights past this are not packed a second time for another build
 OTHER_BUILD_MARGIN = 0.05  # another build's matmul runs a class of rows only where it is this much faster
+DUEL_ROUNDS = 9  # the rounds of the duel that confirms another build's pick (medians compared)
 # the classes of rows measured: (first, last, the rows timed); more rows than the last class's run tiles
 ROW_CLASSES = ((1, 1, 1), (2, 4, 3), (5, 16, 10))
 FIXED = tuple(SCHEDULES[fixed_schedule(rows)] for _, _, rows in ROW_CLASSES)  # pairs, tiles, tiles
@@ -171,14 +174,45 @@ def choose(
     others = {b.profile.target: (b, _timed_weights(*packed_for(b))) for b in builds if b is not lib}
     ms = measure(own if lib in builds else [], lib, others=others) if others else measure(own, lib)
     choice = [_fastest(ms[c], fixed) for c, fixed in zip(ms, FIXED)]
+    confirmed = {}  # class -> the duel's medians, where the survey chose another build over a measured own one
+    for i, (c, fixed) in enumerate(zip(ms, FIXED)):
+        own_times = {s: t for s, t in ms[c].items() if " " not in s}
+        if " " in choice[i] and own_times:
+            mine = min(own_times, key=lambda s, fixed=fixed: (own_times[s], s != fixed))
+            target = choice[i].rpartition(" ")[0]
+            confirmed[c] = duel([(mine, lib, own), (choice[i], *others[target])], ROW_CLASSES[i][2])
+            if confirmed[c][choice[i]] > (1 - OTHER_BUILD_MARGIN) * confirmed[c][mine]:
+                choice[i] = mine
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"choice": choice, "ms": ms, "threads": torch.get_num_threads()}))
+        kept = {"choice": choice, "ms": ms, "confirmed": confirmed, "threads": torch.get_num_threads()}
+        tmp.write_text(json.dumps(kept))
         os.replace(tmp, path)  # whole or not at all: processes choosing at once each write a complete file
     except OSError as exc:  # a cache it cannot write (read-only, full): the choice holds for this process
         return _chosen(choice, f"measured at first use, not kept ({exc.strerror or exc})", ms)
     return _chosen(choice, "measured at first use", ms)
+
+
+def duel(runs: list[tuple[str, NativeLib, list[PackedWeight]]], rows: int, rounds: int = DUEL_ROUNDS) -> dict:
+    """The median ms of a pass over each run's weights (label, its build, its packing) at `rows` rows, `rounds`
+    rounds alternating: the survey's pick of another build confirmed against the own build's fastest before its
+    weights are packed a second time (a survey's fastest-of-three follows this machine's drift)."""
+    gen = torch.Generator().manual_seed(1)
+    xs = {k: torch.randn(rows, k, generator=gen) for _, _, ws in runs for k in {w.k for w in ws}}
+    times: dict[str, list[float]] = {label: [] for label, _, _ in runs}
+    for r in range(rounds):
+        for label, build_lib, ws in runs if r % 2 == 0 else runs[::-1]:
+            times[label].append(_pass_ms(xs, ws, build_lib, label))
+    return {label: round(statistics.median(t), 3) for label, t in times.items()}
+
+
+def _pass_ms(xs: dict[int, torch.Tensor], weights: list[PackedWeight], lib: NativeLib, label: str) -> float:
+    index = SCHEDULES.index(label.rpartition(" ")[2])
+    t = time.perf_counter()
+    for w in weights:
+        matmul_invariant(xs[w.k], w, lib, index)
+    return 1e3 * (time.perf_counter() - t)
 
 
 def _fastest(ms: dict[str, float], fixed: str) -> str:
@@ -220,11 +254,7 @@ def measure(
         best = {label: float("inf") for label, _, _ in runs}
         for r in range(rounds):
             for label, build_lib, ws in runs[r % len(runs) :] + runs[: r % len(runs)]:
-                index = SCHEDULES.index(label.rpartition(" ")[2])
-                t = time.perf_counter()
-                for w in ws:
-                    matmul_invariant(xs[w.k], w, build_lib, index)
-                best[label] = min(best[label], 1e3 * (time.perf_counter() - t))
+                best[label] = min(best[label], _pass_ms(xs, ws, build_lib, label))
         out[f"{first}-{last}"] = {label: round(v, 3) for label, v in best.items()}
     return out
 
