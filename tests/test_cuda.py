@@ -248,9 +248,8 @@ def test_the_triton_kernels_give_a_row_the_same_bits_at_every_batch_size(dtype):
     from toolkit.native import invariant_gpu as ig
 
     gen = torch.Generator().manual_seed(11)
-    x = (
-        torch.randn(200, 576, generator=gen).to(dtype).cuda()
-    )  # rows over several of matmul_dot's tiles (64 rows at 16 bits, 16 at fp32)
+    # rows over several of matmul_dot's tiles (64 rows at 16 bits, 16 at fp32)
+    x = torch.randn(200, 576, generator=gen).to(dtype).cuda()
     w = (torch.randn(576, 1536, generator=gen) / 24).to(dtype).cuda()
     exact = x.double() @ w.double()
     bound = 580 * 2.0**-24 * (x.double().abs() @ w.double().abs()) + 1e-30
