@@ -25,7 +25,7 @@ batches) always run tiles, whose x slab and k blocks are built for them. `engine
 
     auto:<target>  measured as auto, over that build's matmul alone (a benchmark's deliberately narrow choice)
 
-**Which build's matmul.** Every FMA build's matmul is the same FMA chain per output (tests/test_schedules.py), so on
+**Which build's matmul.** Every FMA build's matmul is the same FMA chain per output (tests/test_matmul_builds.py), so on
 an AVX-512 CPU `auto` also times the AVX2 build's (x86-64-v3) schedules on weights packed for its panels, and a
 class of rows may run it: the engine's other kernels stay its own build's, and no bit changes. On the Sapphire
 Rapids Xeon issue 60 measured, the AVX2 build streamed a decode row's weights faster (22.5 against 18.5 GB/s) and
@@ -177,9 +177,9 @@ def choose(
     confirmed = {}  # class -> the duel's medians, where the survey chose another build over a measured own one
     for i, (c, fixed) in enumerate(zip(ms, FIXED)):
         own_times = {s: t for s, t in ms[c].items() if " " not in s}
-        if " " in choice[i] and own_times:
+        target = choice[i].rpartition(" ")[0]
+        if target in others and own_times:
             mine = min(own_times, key=lambda s, fixed=fixed: (own_times[s], s != fixed))
-            target = choice[i].rpartition(" ")[0]
             confirmed[c] = duel([(mine, lib, own), (choice[i], *others[target])], ROW_CLASSES[i][2])
             if confirmed[c][choice[i]] > (1 - OTHER_BUILD_MARGIN) * confirmed[c][mine]:
                 choice[i] = mine
