@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import make_engine, native_only
+from tests.test_schedules import mixed_run
 from toolkit.config import MATMUL_BUILD_SCHEDULES, EngineConfig
 from toolkit.errors import ConfigError
 from toolkit.native import cpu, library, schedules
 from toolkit.native.ops import matmul_invariant, pack_weight
 from toolkit.runs.manifest import native_kernels
-from toolkit.sampling.params import SamplingParams
 
 pytestmark = [pytest.mark.native, native_only]
 
@@ -62,17 +62,6 @@ def test_another_fma_builds_matmul_gives_the_same_bits(rows, k, n, dtype, schedu
     assert torch.equal(matmul_invariant(x, pack_weight(w, other), other, schedule), want)
 
 
-def _run(engine, requests) -> dict:
-    for r in requests:
-        engine.add_request(**r)
-    rows = {}
-    while engine.has_unfinished():
-        out = engine.step()
-        for i, s in enumerate(out.samples):
-            rows[(s.request_id, s.position)] = out.logits_RV[i].clone()
-    return rows
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_engine_running_another_builds_matmul_gives_its_own_bits(dtype, tmp_path, monkeypatch):
     """A mixed run (prefill chunks, 1 to 3 decode rows a step: the fused layers and the LM head at every class of
@@ -83,16 +72,8 @@ def test_the_engine_running_another_builds_matmul_gives_its_own_bits(dtype, tmp_
 
     other = _other_fma_build()
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
-    requests = [
-        dict(
-            prompt_token_ids=[(13 * i + j) % 3000 + 5 for j in range(10 + 7 * i)],
-            request_id=f"r{i}",
-            sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=6, ignore_eos=True),
-        )
-        for i in range(3)
-    ]
     tiny = load_model(ModelConfig(name="tiny", seed=0, dtype=dtype))
-    want = _run(make_engine(tiny, matmul_schedule="fixed", max_num_batched_tokens=24, max_num_seqs=3), requests)
+    want = mixed_run(make_engine(tiny, matmul_schedule="fixed", max_num_batched_tokens=24, max_num_seqs=3))
     for builds in ((other, "", ""), ("", other, ""), (other, other, other)):
         labels = [f"{b} {s}" if b else s for b, s in zip(builds, ("quads-nopf", "tiles", "pairs"))]
         monkeypatch.setattr(
@@ -107,7 +88,7 @@ def test_the_engine_running_another_builds_matmul_gives_its_own_bits(dtype, tmp_
         assert engine.matmul_schedule.builds == builds
         assert f"1: quads-nopf{f' ({other})' if builds[0] else ''}," in native_kernels(engine)["matmul_schedule"]
         assert set(tiny.model._packed) == {"", other}  # measured, chosen, packed at load
-        got = _run(engine, requests)
+        got = mixed_run(engine)
         assert got.keys() == want.keys()
         assert all(torch.equal(got[key], want[key]) for key in want), builds
 

@@ -120,29 +120,31 @@ def test_measure_times_every_schedule_of_every_class():
     assert all(set(v) == set(schedules.SCHEDULES) and min(v.values()) > 0 for v in ms.values())
 
 
-def test_the_engine_gives_the_same_tokens_and_logits_in_every_schedule(tiny, tmp_path, monkeypatch):
-    """A mixed run (prefill chunks, 1 to 3 decode rows a step) in each schedule: the same logits, bit for bit, and
-    the manifest names the schedule and how it was chosen."""
-    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
-    requests = [
-        dict(
+def mixed_run(engine) -> dict:
+    """Three sampled requests of different prompt lengths, run to the end (prefill chunks beside 1 to 3 decode rows a
+    step, with max_num_batched_tokens=24 and max_num_seqs=3): each sampled row's logits by (request, position)."""
+    for i in range(3):
+        engine.add_request(
             prompt_token_ids=[(13 * i + j) % 3000 + 5 for j in range(10 + 7 * i)],
             request_id=f"r{i}",
             sampling_params=SamplingParams(temperature=1.0, seed=i, max_tokens=6, ignore_eos=True),
         )
-        for i in range(3)
-    ]
+    rows = {}
+    while engine.has_unfinished():
+        out = engine.step()
+        for i, s in enumerate(out.samples):
+            rows[(s.request_id, s.position)] = out.logits_RV[i].clone()
+    return rows
+
+
+def test_the_engine_gives_the_same_tokens_and_logits_in_every_schedule(tiny, tmp_path, monkeypatch):
+    """A mixed run (prefill chunks, 1 to 3 decode rows a step) in each schedule: the same logits, bit for bit, and
+    the manifest names the schedule and how it was chosen."""
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
     seen = {}
     for setting in ("tiles", "pairs", "quads", "quads-nopf", "auto"):
         engine = make_engine(tiny, matmul_schedule=setting, max_num_batched_tokens=24, max_num_seqs=3)
-        for r in requests:
-            engine.add_request(**r)
-        rows = {}
-        while engine.has_unfinished():
-            out = engine.step()
-            for i, s in enumerate(out.samples):
-                rows[(s.request_id, s.position)] = out.logits_RV[i].clone()
-        seen[setting] = rows
+        seen[setting] = mixed_run(engine)
         described = native_kernels(engine)["matmul_schedule"]
         assert described == engine.matmul_schedule.describe()
         assert (setting in described) if setting != "auto" else ("measured at first use" in described)
