@@ -33,7 +33,7 @@ def _other_fma_build() -> str:
         target = name.partition("/")[0]
         if name != own.target and target in cpu.runnable_targets():
             try:
-                other = schedules.other_build(name)
+                other = library.build_named(name)
             except library.KernelUnavailable as exc:
                 print(f"{name} does not build here: {exc}")
                 continue
@@ -54,7 +54,7 @@ def _other_fma_build() -> str:
 def test_another_fma_builds_matmul_gives_the_same_bits(rows, k, n, dtype, schedule, seed):
     """The other build's matmul, on the weight packed for its panels, in any schedule: the process's build's
     product bit for bit, in every format (fp32, and 16-bit weights widened)."""
-    other = schedules.other_build(_other_fma_build())
+    other = library.build_named(_other_fma_build())
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     w = torch.randn(k, n, generator=gen).to(dtype)

@@ -85,7 +85,9 @@ def test_auto_takes_the_fastest_measured_and_keeps_it_per_cpu_and_build(tmp_path
         "5-16": {"tiles": 9.0, "pairs": 4.0, "quads": 8.0, **slow},
     }
     calls = []
-    monkeypatch.setattr(schedules, "measure", lambda weights, lib=None: calls.append(len(weights)) or planted)
+    monkeypatch.setattr(
+        schedules, "measure", lambda weights, lib=None, others=None: calls.append(len(weights)) or planted
+    )
     layers = [pack_weight(torch.randn(64, 96)) for _ in range(3)]
     first = schedules.choose("auto", layers, pack_weight(torch.randn(64, 500)))
     assert first.choice == ("quads-nopf", "tiles", "pairs") and first.how == "measured at first use"
@@ -109,7 +111,7 @@ def test_a_cache_it_cannot_write_keeps_the_choice_for_the_process(tmp_path, monk
         c: {"tiles": 2.0, "pairs": 1.0, "quads": 3.0, "tiles-nopf": 2.0, "pairs-nopf": 1.5, "quads-nopf": 4.0}
         for c in ("1-1", "2-4", "5-16")
     }
-    monkeypatch.setattr(schedules, "measure", lambda weights, lib=None: planted)
+    monkeypatch.setattr(schedules, "measure", lambda weights, lib=None, others=None: planted)
     chosen = schedules.choose("auto", [pack_weight(torch.randn(64, 96))])
     assert chosen.choice == ("pairs",) * 3 and "not kept" in chosen.how
 

@@ -81,8 +81,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for dtype in args.dtypes:
         model = load_model(ModelConfig(**SHAPES[args.shape], dtype=dtype), device="cpu").model
         shapes = result[dtype] = measure_shapes(model, args.rounds)
-        layers, head = model.packed_weights()
-        auto = schedules.choose("auto", [w for layer in layers for w in layer.values()], head)
+        auto = schedules.choose("auto", *model.packed_projections())
         print(f"\n{dtype}: us a weight (GB/s streamed), * the fastest; auto chose {auto.describe()}")
         print(f"{'weight':<10} {'K x N':>12} {'rows':>5}  " + "  ".join(f"{s:>16}" for s in schedules.SCHEDULES))
         for name, figures in shapes.items():

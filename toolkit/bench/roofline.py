@@ -59,8 +59,8 @@ def _gemm_pass(model, m: int, native: bool):
     mm = torch.matmul
     if native:
         mm = matmul_invariant
-        layers, head = model.packed_weights()
-        weights = [w for layer in layers for w in layer.values()] + [head]
+        projections, head = model.packed_projections()
+        weights = [*projections, head]
 
     def run():
         for w in weights:

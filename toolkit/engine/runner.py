@@ -12,7 +12,6 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -85,21 +84,20 @@ class ModelRunner:
         self.native_matmul = native_matmul or batch_invariant
         self.matmul_schedule: schedules.MatmulSchedule | None = None  # the native CPU matmul's loops per rows
         if self.native_matmul and not invariant_gpu.routes(model.embed):
-            layers, head = model.packed_weights()  # packed now, with the load, not inside the first request's step
-            self.matmul_schedule = (
+            self.matmul_schedule = (  # the weights packed now, with the load, not inside the first request's step
                 matmul_schedule  # already chosen for these weights (a self-draft's runner over the target's)
                 if isinstance(matmul_schedule, schedules.MatmulSchedule)
                 else schedules.choose(
                     matmul_schedule,
-                    *_flat((layers, head)),
+                    *model.packed_projections(),
                     batch_invariant=batch_invariant,
-                    packed_for=lambda lib: _flat(model.packed_weights(lib)),
+                    packed_for=model.packed_projections,
                 )
             )
             chosen = self.matmul_schedule.other_builds()  # another build's matmul for some rows: its packing
             model.drop_packed(keep=chosen)  # those measured and not chosen are released
             for target in chosen:
-                model.packed_weights(schedules.other_build(target))  # packed now, not inside a step
+                model.packed_weights(library.build_named(target))  # packed now, not inside a step
         self.groups = model.arch.num_heads // model.arch.num_kv_heads
         self.dtype = model.embed.dtype  # the compute dtype (the cache may store bf16, int8 or fp8)
         self.kv_cache = kv_cache
@@ -441,9 +439,3 @@ def plan_packs(sequences: list[list[int]], last: list[int], block_size: int, max
             packs.append(pack)
         pack.add(i, ids, last[i], block_size, prefix)
     return packs
-
-
-def _flat(packed: tuple[list[dict], Any]) -> tuple[list, Any]:
-    """A model's packed weights (per layer, by name; the head) as its projections in order, and the head."""
-    layers, head = packed
-    return [w for layer in layers for w in layer.values()], head

@@ -196,13 +196,23 @@ class PagedDecoder(nn.Module):
         """The projections packed for the native matmul of `lib` (default: the process's build), made on first use
         (a second copy of the weights, held only by models that run with engine.matmul_backend=native; a third
         where another build's matmul runs some rows: toolkit.native.schedules)."""
-        key = "" if lib is None or lib is library.resolve_or_none(None) else lib.profile.target
+        key = self._build_key(lib)
         if key not in self._packed:  # one arena on huge pages, in the order a step reads them (packed_arena)
             weights = [getattr(layer, n) for layer in self.layers for n in layer.projections]
             packed = iter(packed_arena(weights + [self.lm_head_t], lib))
             layers = [{n: next(packed) for n in layer.projections} for layer in self.layers]
             self._packed[key] = (layers, next(packed))
         return self._packed[key]
+
+    def packed_projections(self, lib: NativeLib | None = None):
+        """packed_weights(lib) as one list, every layer's projections in order, and the LM head's."""
+        layers, head = self.packed_weights(lib)
+        return [w for layer in layers for w in layer.values()], head
+
+    @staticmethod
+    def _build_key(lib: NativeLib | None) -> str:
+        """The packings' and layer tables' key of a build: "" for the process's own, else its name."""
+        return "" if lib is None or lib is library.resolve_or_none(None) else lib.profile.target
 
     def drop_packed(self, keep: list[str]) -> None:
         """Release the packings for other builds than the process's own and those named in `keep`."""
@@ -269,16 +279,17 @@ class PagedDecoder(nn.Module):
             and self._native(x)
         )
 
-    def _layer_table(self, packed, kv_caches, num_layers: int, build: str = "") -> torch.Tensor:
+    def _layer_table(self, kv_caches, num_layers: int, lib: NativeLib | None = None) -> torch.Tensor:
         """Per layer: the addresses of its norm weights (fp32: a 16-bit model's widened, kept here), packed
-        projections (packed for `build`'s matmul, "" the process's own) and K / V caches."""
+        projections (packed for `lib`'s matmul; None, the process's own build's) and K / V caches."""
+        build = self._build_key(lib)
         if self._norms_f32 is None:
             self._norms_f32 = [(layer.ln_attn.float(), layer.ln_mlp.float()) for layer in self.layers]
         if build not in self._layer_weights:
             self._layer_weights[build] = [
                 [a.data_ptr(), b.data_ptr()]
                 + [p[name].data.data_ptr() for name in ("w_qkv", "w_o", "w_gate_up", "w_down")]
-                for (a, b), p in zip(self._norms_f32, packed)
+                for (a, b), p in zip(self._norms_f32, self.packed_weights(lib)[0])
             ]
         caches = tuple(p for k, v in kv_caches[:num_layers] for p in (k.data_ptr(), v.data_ptr()))
         table = self._layer_tables.get((build, caches))
@@ -371,7 +382,7 @@ class PagedDecoder(nn.Module):
             )
             decoder_layers_cpu(
                 x,
-                self._layer_table(packed, kv_caches, len(layers), plan.build_for_rows(n)),
+                self._layer_table(kv_caches, len(layers), mm_lib),
                 dims,
                 positions_N,
                 attn.slot_mapping_N,

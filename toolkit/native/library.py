@@ -285,10 +285,16 @@ def compile_only(target: str, lanes: int | None = None, cc: str | None = None) -
     return result
 
 
-def _default_spec() -> tuple[str, int | None]:
-    spec = os.environ.get("TOOLKIT_KERNEL_TARGET") or host_target()
-    target, _, lanes = spec.partition("/")
+def _spec(name: str) -> tuple[str, int | None]:
+    """A build's name as TOOLKIT_KERNEL_TARGET names it (a target, or target/lanes): (target, lanes)."""
+    target, _, lanes = name.partition("/")
     return target, int(lanes) if lanes.isdigit() else None
+
+
+def build_named(name: str) -> NativeLib:
+    """The build of that name (x86-64-v3, x86-64-v3/4, ...) with $CC, as native() builds its own: compiled at
+    most once per process (another build whose matmul runs some rows: toolkit.native.schedules)."""
+    return build(*_spec(name), os.environ.get("CC") or None)
 
 
 @cache
@@ -324,7 +330,7 @@ def native() -> NativeLib:
     one warning line on stderr; with TOOLKIT_NATIVE=0 nothing is compiled and nothing is printed."""
     if switched_off():
         raise KernelUnavailable("native kernels are switched off (TOOLKIT_NATIVE=0; unset it to use them)")
-    target, lanes = _default_spec()
+    target, lanes = _spec(os.environ.get("TOOLKIT_KERNEL_TARGET") or host_target())
     result = _build(target, lanes, os.environ.get("CC") or None)
     if isinstance(result, KernelUnavailable):
         _warn_once(

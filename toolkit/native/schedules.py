@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.native.cpu import TARGETS, cpu_flags, model_name
-from toolkit.native.library import KernelUnavailable, NativeLib, build, resolve
+from toolkit.native.library import KernelUnavailable, NativeLib, build_named, resolve
 from toolkit.native.ops import PackedWeight, fixed_schedule, matmul_invariant
 from toolkit.paths import cache_root
 
@@ -97,7 +97,7 @@ class MatmulSchedule:
     def lib_for_rows(self, rows: int) -> NativeLib | None:
         """That build's library (None: the engine's own)."""
         target = self.build_for_rows(rows)
-        return other_build(target) if target else None
+        return build_named(target) if target else None
 
     def other_builds(self) -> list[str]:
         return sorted({b for b in self.builds if b})
@@ -111,13 +111,6 @@ class MatmulSchedule:
         return f"rows {classes}, {ROW_CLASSES[-1][1] + 1}+: tiles ({self.how})"
 
 
-def other_build(name: str) -> NativeLib:
-    """Another build of the kernels, by its name (a target, or target/lanes as TOOLKIT_KERNEL_TARGET names one),
-    whose matmul runs in the engine's build's stead: compiled once per process."""
-    target, _, lanes = name.partition("/")
-    return build(target, int(lanes) if lanes else None, os.environ.get("CC") or None)
-
-
 def matmul_builds(lib: NativeLib) -> list[NativeLib]:
     """The builds whose matmul `lib`'s engine may run, its own first: every narrower FMA build this CPU runs and
     compiles (NARROWER). A build forced to other lanes (x86-64-v3/4) or without FMA keeps its own."""
@@ -126,7 +119,7 @@ def matmul_builds(lib: NativeLib) -> list[NativeLib]:
         return found
     for target in NARROWER.get(lib.profile.target, ()):
         try:
-            other = other_build(target)
+            other = build_named(target)
         except KernelUnavailable:  # not compiled here: the engine's own build's matmul runs, as before
             continue
         if other.profile.fma:
@@ -172,7 +165,7 @@ def choose(
     except (OSError, ValueError, KeyError, TypeError):
         pass
     others = {b.profile.target: (b, _timed_weights(*packed_for(b))) for b in builds if b is not lib}
-    ms = measure(own if lib in builds else [], lib, others=others) if others else measure(own, lib)
+    ms = measure(own if lib in builds else [], lib, others=others)
     choice = [_fastest(ms[c], fixed) for c, fixed in zip(ms, FIXED)]
     confirmed = {}  # class -> the duel's medians, where the survey chose another build over a measured own one
     for i, (c, fixed) in enumerate(zip(ms, FIXED)):
