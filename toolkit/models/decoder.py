@@ -193,10 +193,9 @@ class PagedDecoder(nn.Module):
         self._layer_tables: dict[tuple[int, ...], torch.Tensor] = {}  # with the caches' addresses
 
     def packed_weights(self, lib: NativeLib | None = None):
-        """The projections packed for the native matmul of `lib` (default: the process's build), made on first use
-        (a second copy of the weights, held only by models that run with engine.matmul_backend=native; a third
-        where another build's matmul runs some rows: toolkit.native.schedules)."""
-        key = self._build_key(lib)
+        """The projections packed for `lib`'s native matmul (default: the process's build), made on first use: a
+        copy of the weights (another where another build's matmul runs some rows: toolkit.native.schedules)."""
+        key = build_key(lib)
         if key not in self._packed:  # one arena on huge pages, in the order a step reads them (packed_arena)
             weights = [getattr(layer, n) for layer in self.layers for n in layer.projections]
             packed = iter(packed_arena(weights + [self.lm_head_t], lib))
@@ -208,11 +207,6 @@ class PagedDecoder(nn.Module):
         """packed_weights(lib) as one list, every layer's projections in order, and the LM head's."""
         layers, head = self.packed_weights(lib)
         return [w for layer in layers for w in layer.values()], head
-
-    @staticmethod
-    def _build_key(lib: NativeLib | None) -> str:
-        """The packings' and layer tables' key of a build: "" for the process's own, else its name."""
-        return "" if lib is None or lib is library.resolve_or_none(None) else lib.profile.target
 
     def drop_packed(self, keep: list[str]) -> None:
         """Release the packings for other builds than the process's own and those named in `keep`."""
@@ -282,7 +276,7 @@ class PagedDecoder(nn.Module):
     def _layer_table(self, kv_caches, num_layers: int, lib: NativeLib | None = None) -> torch.Tensor:
         """Per layer: the addresses of its norm weights (fp32: a 16-bit model's widened, kept here), packed
         projections (packed for `lib`'s matmul; None, the process's own build's) and K / V caches."""
-        build = self._build_key(lib)
+        build = build_key(lib)
         if self._norms_f32 is None:
             self._norms_f32 = [(layer.ln_attn.float(), layer.ln_mlp.float()) for layer in self.layers]
         if build not in self._layer_weights:
@@ -460,6 +454,11 @@ class PagedDecoder(nn.Module):
         if a.final_softcap is not None:
             logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
         return logits
+
+
+def build_key(lib: NativeLib | None) -> str:
+    """A model's packings' and layer tables' key for a build: "" for the process's own, else its name."""
+    return "" if lib is None or lib is library.resolve_or_none(None) else lib.profile.target
 
 
 def required_keys(arch: DecoderArch) -> list[str]:
