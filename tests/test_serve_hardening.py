@@ -24,8 +24,8 @@ from toolkit import replay
 from toolkit.engine.outputs import TextDelta
 from toolkit.engine.request import EngineRequest
 from toolkit.sampling.params import SamplingParams
-from toolkit.serve.job import Mailbox
 from toolkit.serve.loop import LoopSink, Update, _wait_taken
+from toolkit.serve.mailbox import Mailbox
 from toolkit.serve.main import start_server
 from toolkit.trace.reader import read_rejected, read_requests, read_samples
 from toolkit.trace.writer import OPEN_REQUESTS_FILE, REQUESTS_FILE
@@ -400,7 +400,7 @@ def test_a_slow_readers_mailbox_keeps_each_prompts_updates_apart(steps, limit):
 def test_a_mailbox_past_its_bytes_gives_up_once_and_says_so(texts, limit, max_bytes):
     """Unread bytes are counted exactly (each text, ROW_BYTES a row, less what was read); past max_bytes the
     overflow callback runs once, nothing more is kept, and every read is the error."""
-    from toolkit.serve.job import ROW_BYTES
+    from toolkit.serve.mailbox import ROW_BYTES
 
     async def run() -> None:
         calls = []

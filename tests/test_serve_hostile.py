@@ -138,6 +138,40 @@ HOSTILE = {  # name -> (route, body, status, param, what the message says)
         "Infinity is not a JSON number",
     ),
     "a logit bias of NaN": ("completions", b'{"prompt": "Hi", "logit_bias": {"5": NaN}}', 400, "logit_bias.5", "NaN"),
+    "an integer of 5000 digits": (
+        "completions",
+        b'{"prompt": "Hi", "max_tokens": 1' + b"0" * 5000 + b"}",
+        400,
+        None,
+        "a number of more than 4300 digits",
+    ),
+    # nested deeper than the trace's body digest encodes (~950), shallower than the parser refuses
+    "a json_object format nested 940 deep": (
+        "chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object", "x": '
+        + b"[" * 940
+        + b"]" * 940
+        + b"}}",
+        400,
+        "response_format",
+        "nested too deeply (more than 512 levels)",
+    ),
+    # past the trace's int32 column (the writer failed at the next flush, and the server with it)
+    "a top_k of 2^31": ("completions", {"prompt": "Hi", "top_k": 2**31}, 400, "top_k", "up to 2147483647"),
+    "a logit bias key with a space": (
+        "completions",
+        {"prompt": "Hi", "logit_bias": {" 5": 1.0}},
+        400,
+        "logit_bias",
+        "plain decimal digits",
+    ),
+    "a logit bias key given twice, once with a leading zero": (
+        "completions",
+        {"prompt": "Hi", "logit_bias": {"5": 1.0, "05": -1.0}},
+        400,
+        "logit_bias",
+        "got '05'",
+    ),
     # numbers that overflow a processed logit to +inf (a token no sampler draws)
     "a temperature of 1e-300": (
         "completions",
@@ -362,3 +396,153 @@ def test_a_stream_whose_client_stops_reading_is_aborted(tiny, knobs):
     finally:
         sock.close()
         srv.stop()
+
+
+def _connect(url: str) -> socket.socket:
+    parts = urlsplit(url)
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=30)
+    return sock
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server closed this connection (reads its end of file), within the socket's timeout."""
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_connections_that_never_finish_a_request_head_are_closed_and_take_no_place_for_long(tiny):
+    """A connection that sends nothing, or its headers a byte at a time and never the blank line, or nothing more
+    after its answer, is closed serve.client_header_timeout_s after it opened (or after the answer): under
+    limit_concurrency such connections once locked every client out for as long as they stayed open."""
+    srv = start_server(
+        make_engine(tiny, sampling=SamplingParams()),
+        None,
+        client_header_timeout_s=1.5,
+        timeout_keep_alive=60,
+        limit_concurrency=4,
+    )
+    try:
+        silent, partial, answered = (_connect(srv.url) for _ in range(3))
+        partial.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        body = b'{"prompt": "Hi", "max_tokens": 2}'
+        answered.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        assert b"200 OK" in answered.recv(65536)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 503  # the three hold three of the four places (and this one the fourth)
+        t0 = time.monotonic()
+        for sock in (silent, partial, answered):
+            sock.settimeout(15)
+            assert _closed_by_server(sock)  # uvicorn's keep-alive timer (60 s here) would have waited
+        assert time.monotonic() - t0 < 10
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200  # their places are free again
+    finally:
+        for sock in (silent, partial, answered):
+            sock.close()
+        srv.stop()
+
+
+def _http_count(url: str, status: str) -> float:
+    """toolkit_http_requests_total for /v1/completions with this status, from /metrics."""
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("toolkit_http_requests_total{") and 'route="/v1/completions"' in line:
+            if f'status="{status}"' in line:
+                return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_body_that_stops_arriving_is_a_408_and_a_client_leaving_mid_body_an_answered_request(tiny):
+    """Headers whole, the body cut short: past serve.client_body_timeout_s without a byte of it, a 408 in OpenAI's
+    shape that closes the connection (its handler freed); a client that closes its end mid-body ends its request
+    as a counted 400 (it was uvicorn's traceback and no answer), and a request a head is still served."""
+    srv = start_server(make_engine(tiny, sampling=SamplingParams()), None, client_body_timeout_s=0.5)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    try:
+        stalled = _connect(srv.url)
+        stalled.sendall(head + b'{"prompt": "Hi",')
+        stalled.settimeout(15)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.endswith(b"}}"):
+            chunk = stalled.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+        status_line, _, rest = answer.partition(b"\r\n")
+        headers, _, body = rest.partition(b"\r\n\r\n")
+        assert status_line.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b"connection: close" in headers.lower()
+        error = json.loads(body)["error"]
+        assert error["code"] == "request_timeout" and "serve.client_body_timeout_s" in error["message"]
+        assert _closed_by_server(stalled)
+
+        before = _http_count(srv.url, "400")
+        leaving = _connect(srv.url)
+        leaving.sendall(head + b'{"prompt": ')
+        time.sleep(0.1)
+        leaving.close()
+        deadline = time.monotonic() + 10
+        while _http_count(srv.url, "400") < before + 1:
+            assert time.monotonic() < deadline, "the request whose client left mid-body was never answered"
+            time.sleep(0.05)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+    finally:
+        stalled.close()
+        srv.stop()
+
+
+def test_requests_being_prepared_hold_their_places_under_max_waiting_and_give_them_back(tiny):
+    """A request holds its places under serve.max_waiting from its admission to its hand-over to the engine loop,
+    so requests whose grammars compile or whose echoed prompts are scored count as waiting (they once escaped the
+    bound: 16 scoring requests past max_waiting=4 all ran, the last answered after four minutes); one whose
+    preparation fails, and one handed over, give them back."""
+    from toolkit.serve.loop import Unavailable
+
+    srv = start_server(make_engine(tiny, sampling=SamplingParams()), None, max_waiting=2)
+    ok = {"prompt": "Hi", "max_tokens": 2}
+    bad_schema = {
+        "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+    }
+    try:
+        srv.loop.check_capacity(2)  # two places held, as by a request of two prompts being prepared
+        with pytest.raises(Unavailable, match="serve.max_waiting=2"):
+            srv.loop.check_capacity(1)
+        r = httpx.post(srv.url + "/v1/completions", json=ok, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_overloaded"
+        srv.loop.release(2)
+        for _ in range(3):  # refused while prepared: each gives its place back
+            refused(
+                httpx.post(srv.url + "/v1/chat/completions", json=bad_schema, timeout=60),
+                400,
+                "response_format.json_schema.schema",
+            )
+        for _ in range(3):  # handed over and answered
+            assert httpx.post(srv.url + "/v1/completions", json={**ok, "n": 2}, timeout=60).status_code == 200
+        assert srv.loop._preparing == 0
+    finally:
+        srv.stop()
+
+
+def test_a_request_whose_own_constraints_leave_no_token_says_why(server):
+    """allowed_token_ids [5] with token 5 banned (a bias of -inf) leaves no token to sample: the choice ends with
+    finish_reason "error" and, in stop_reason, the processor that emptied it, streamed or not (it said nothing)."""
+    body = b'{"prompt": "Hi", "max_tokens": 3, "allowed_token_ids": [5], "logit_bias": {"5": -1e309}%s}'
+    headers = {"content-type": "application/json"}
+    r = httpx.post(f"{server.url}/v1/completions", content=body % b"", headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "error" and choice["text"] == ""
+    assert "empty support: processor 'logit_bias' removed every token" in choice["stop_reason"]
+    r = httpx.post(f"{server.url}/v1/completions", content=body % b', "stream": true', headers=headers, timeout=60)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    last = [c for e in events for c in e["choices"] if c["finish_reason"]][-1]
+    assert last["finish_reason"] == "error" and "removed every token" in last["stop_reason"]

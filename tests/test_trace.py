@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import make_engine
+from toolkit.errors import ConfigError
 from toolkit.runs.manifest import request_rows
 from toolkit.sampling.params import SamplingParams
 from toolkit.trace.reader import TraceError, read_requests, read_samples
@@ -442,3 +443,23 @@ def test_request_rows_without_an_arrival_keep_the_order_written(tmp_path):
     got = read_requests(tmp_path).select(["request_id", "stream"]).to_pylist()
     assert got == [{"request_id": r["request_id"], "stream": r["stream"]} for r in rows]
     assert read_requests(tmp_path).schema.names == REQUESTS_SCHEMA.names
+
+
+@pytest.mark.native
+def test_the_largest_top_k_a_request_may_ask_for_is_traced(tiny, tmp_path):
+    """Every top_k SamplingParams takes fits the trace's column: 2^31 - 1 runs and reads back (2^31 is refused
+    on construction; it once passed, and the trace writer failed at its next flush, and the server with it)."""
+    from toolkit.sampling.params import MAX_TOP_K
+
+    assert MAX_TOP_K == 2**31 - 1
+    with pytest.raises(ConfigError, match="top_k"):
+        SamplingParams(top_k=MAX_TOP_K + 1)
+    engine = make_engine(tiny, max_num_batched_tokens=8, max_num_seqs=2)
+    huge = {
+        "prompt_token_ids": [1, 2, 3],
+        "request_id": "huge",
+        "sampling_params": SamplingParams(top_k=MAX_TOP_K, seed=1, max_tokens=3),
+    }
+    run_traced(engine, [huge], tmp_path)
+    rows = read_samples(tmp_path).to_pylist()
+    assert len(rows) == 3 and {r["top_k"] for r in rows} == {MAX_TOP_K}

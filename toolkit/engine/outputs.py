@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.engine.request import Sequence
+from toolkit.engine.request import FinishReason, Sequence
 from toolkit.trace.schema import SampleTrace
 
 
@@ -43,7 +43,7 @@ class CompletionOutput:
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None
-    stop_reason: int | str | None
+    stop_reason: int | str | None  # the stop string or token id; with finish_reason "error", the error
     seed: int
     metrics: RequestMetrics
     logprobs: list[dict[int, Logprob]] | None = None
@@ -149,7 +149,7 @@ def request_output(request_id: str, seqs: collections.abc.Sequence[Sequence]) ->
                 text=s.text,
                 token_ids=tuple(s.output_token_ids),
                 finish_reason=s.finish_reason.value if s.finish_reason else None,
-                stop_reason=s.stop_reason,
+                stop_reason=s.finish_detail if s.finish_reason is FinishReason.ERROR else s.stop_reason,
                 seed=s.seed,
                 metrics=request_metrics(s),
             )

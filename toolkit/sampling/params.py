@@ -37,6 +37,7 @@ MIN_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS; 0 is greedy
 MAX_TEMPERATURE = 1e5
 MIN_REPETITION_PENALTY = 1e-5  # a penalty below 1 divides a positive logit by it
 MAX_LOGIT_BIAS = 1e5  # any negative bias is fine: -inf bans the token
+MAX_TOP_K = 2**31 - 1  # the trace's top_k column is int32; any k past the vocabulary keeps every token
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,8 @@ class SamplingParams:
         check(is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         set_("top_p", float(self.top_p))
         check(
-            is_int(self.top_k) and self.top_k >= -1,
-            f"top_k must be -1 (all tokens), 0 (all tokens) or a positive integer, got {self.top_k!r}",
+            is_int(self.top_k) and -1 <= self.top_k <= MAX_TOP_K,
+            f"top_k must be -1 (all tokens), 0 (all tokens) or a positive integer up to {MAX_TOP_K}, got {self.top_k!r}",
         )
         check(is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
         set_("min_p", float(self.min_p))
@@ -113,6 +114,12 @@ class SamplingParams:
         if self.logit_bias is not None:
             bias = self.logit_bias
             check(isinstance(bias, Mapping), f"logit_bias must be a mapping of token id to bias, got {bias!r}")
+            odd = next((k for k in bias if not (is_int(k) or _decimal(k))), None)
+            check(
+                odd is None,
+                f'logit_bias keys must be token ids, in plain decimal digits where they are strings ("50256"), '
+                f"got {odd!r}",
+            )
             try:
                 clean = {int(k): float(v) for k, v in bias.items()}
             except (TypeError, ValueError):
@@ -284,6 +291,12 @@ class SamplingParams:
             if k in {f.name for f in fields(cls)} and data.get(k, getattr(library, k)) == getattr(library, k)
         }
         return cls.from_mapping({**data, **taken}), taken
+
+
+def _decimal(key: Any) -> bool:
+    """A token id as JSON's object keys write it: ASCII digits, no sign, no leading zero, no space or underscore
+    (Python's int() takes " 5", "\u0665" and "1_0" too, and "05" and "5" would be one token given twice)."""
+    return isinstance(key, str) and key.isascii() and key.isdigit() and (key == "0" or key[0] != "0")
 
 
 def _bad_words(words: Any) -> tuple:

@@ -21,7 +21,9 @@ import asyncio
 import hmac
 import inspect
 import json
+import math
 import re
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
@@ -32,6 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from toolkit.errors import json_leaves, not_unicode
 from toolkit.serve.grammars import GrammarCompiler
@@ -44,6 +47,7 @@ from toolkit.serve.protocol import (
     CompletionRequest,
     Limits,
     ServedModel,
+    json_shape,
     validation_error,
 )
 
@@ -83,6 +87,7 @@ class Api:
         a request with a new one gets 503 (GrammarCompiler)."""
         self.loop, self.served, self.metrics, self.limits = loop, served, metrics, limits or Limits()
         self.compiler = GrammarCompiler(loop.precompile, max_compiling)
+        self.scoring = asyncio.Lock()  # one request's prompts scored at a time (Job._prepared)
         self.api_keys = tuple(k.encode() for k in api_keys)
         self.metrics_public = metrics_public
         self.tokenizer = loop.engine.tokenizer
@@ -199,7 +204,7 @@ class Api:
         job = None
         try:
             self._authorize(request)
-            raw = await _read_body(request, int(self.limits.max_body_mb * 2**20))
+            raw = await _read_body(request, int(self.limits.max_body_mb * 2**20), self.limits.client_body_timeout_s)
             body = _json_body(raw)
             try:
                 req = model_cls.model_validate(body)
@@ -230,8 +235,10 @@ class Api:
             )
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, or a 413 once it is longer than `limit` bytes (read no further: a huge upload costs nothing)."""
+async def _read_body(request: Request, limit: int, idle_s: float) -> bytes:
+    """The body, or a 413 once it is longer than `limit` bytes (read no further: a huge upload costs nothing), a
+    408 once no byte of it has come for `idle_s` seconds (a client that stops halfway holds no handler), a 400 where
+    the client left before its body was whole (an answer nobody reads: the request is over)."""
     declared = request.headers.get("content-length")
     too_large = ApiError(
         413,
@@ -242,12 +249,27 @@ async def _read_body(request: Request, limit: int) -> bytes:
     )
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    chunks, size, clock = [], 0, asyncio.get_running_loop()
+    closing = {"connection": "close"}  # the rest of the body is never read: the connection cannot carry another
+    try:
+        async with asyncio.timeout(idle_s) as deadline:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+                deadline.reschedule(clock.time() + idle_s)
+    except TimeoutError:
+        raise ApiError(
+            408,
+            f"the request body stopped arriving: no byte of it for {idle_s:g} s (serve.client_body_timeout_s)",
+            None,
+            "invalid_request_error",
+            "request_timeout",
+            closing,
+        ) from None
+    except ClientDisconnect:
+        raise ApiError(400, "the client closed the connection before its body was whole", headers=closing) from None
     return b"".join(chunks)
 
 
@@ -277,6 +299,9 @@ class _NotJson(float):
         return number
 
 
+MAX_BODY_DEPTH = 512  # JSON levels a body may nest (a schema's: serve.max_schema_depth); past it, a 400
+
+
 def _json_body(raw: bytes) -> Any:
     try:
         body = json.loads(raw, parse_constant=_NotJson)
@@ -284,8 +309,20 @@ def _json_body(raw: bytes) -> Any:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
     except RecursionError:  # the parser recurses per level: a body nested thousands deep
         raise ApiError(400, "the request body is nested too deeply to parse") from None
+    except ValueError:  # Python's guard on int(): a number of more than sys.get_int_max_str_digits() digits
+        raise ApiError(
+            400, f"the request body holds a number of more than {sys.get_int_max_str_digits()} digits"
+        ) from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    # every encoder and walker after the parser recurses too (the trace's body digest, the grammar's compiler), each
+    # a little deeper per level than the parser: a body the parser just took would fail there, as a 500
+    if raw.count(b"[") + raw.count(b"{") > MAX_BODY_DEPTH:  # the one way to nest: a prompt of token ids is not walked
+        for name, value in body.items():
+            if json_shape(value, MAX_BODY_DEPTH - 1, math.inf)[0] > MAX_BODY_DEPTH - 1:
+                raise ApiError(
+                    400, f"{name}: the request body is nested too deeply (more than {MAX_BODY_DEPTH} levels)", name
+                )
     _check_values(raw, body)
     return body
 

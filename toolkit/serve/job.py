@@ -1,5 +1,5 @@
-"""One HTTP request's generation: its submissions to the engine loop, the updates it collects (a bounded
-mailbox), and the response or SSE stream it writes from them."""
+"""One HTTP request's generation: its submissions to the engine loop, the updates it collects (in its mailbox,
+toolkit.serve.mailbox), and the response or SSE stream it writes from them."""
 
 from __future__ import annotations
 
@@ -8,22 +8,20 @@ import json
 import sys
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 
-from toolkit.engine.outputs import TextDelta
 from toolkit.engine.request import EngineRequest
 from toolkit.errors import RequestError, ToolkitError, one_line
 from toolkit.runs.recorder import body_sha256
 from toolkit.serve.grammars import GrammarCompiler
 from toolkit.serve.logprobs import LogprobFormat
 from toolkit.serve.loop import EngineLoop, InternalError, LoopSink, Submission, Unavailable, Update
+from toolkit.serve.mailbox import Mailbox
 from toolkit.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -48,101 +46,26 @@ class JobHost(Protocol):
     limits: Limits
     tokenizer: Any
     compiler: GrammarCompiler
+    scoring: asyncio.Lock  # held while an echoed request's prompts are scored
 
 
-ROW_BYTES = 512  # what one unread trace row counts for against serve.max_unread_mb (its top logprobs with it)
-
-
-class Mailbox:
-    """A job's updates from the engine thread (one engine request per prompt), bounded twice. At `limit` unread
-    updates the next ones wait in a tail that becomes one update per engine request when it is read (each sample's
-    text joined once, a request's last update, with its output, last): a slow reader costs what it has not read,
-    never a queue of every step nor a copy of its text per step. Past `max_bytes` unread (UTF-8 text, and
-    ROW_BYTES a trace row) the job is given up: `on_overflow` is called once (the job aborts its engine
-    requests), what was unread is dropped, and every read from then on is that error."""
-
-    def __init__(self, limit: int = 64, max_bytes: int = 4 * 2**20, on_overflow: Callable[[], None] | None = None):
-        self.limit, self.max_bytes, self.on_overflow = limit, max_bytes, on_overflow
-        self._items: deque[Update] = deque()
-        self._tail: list[Update] = []
-        self._bytes = 0
-        self._overflow: Update | None = None
-        self._ready = asyncio.Event()
-
-    def put(self, update: Update) -> None:  # on the event loop's thread
-        if self._overflow is not None:
-            return
-        self._bytes += _size(update)
-        if self._bytes > self.max_bytes:
-            self._items.clear()
-            self._tail.clear()
-            self._bytes = 0
-            self._overflow = Update(
-                update.request_id,
-                error=f"the client read too slowly: more than "
-                f"{self.max_bytes} bytes of this request's output were unread "
-                f"(serve.max_unread_mb); the request was aborted",
-            )
-            if self.on_overflow is not None:
-                self.on_overflow()
-        elif self._tail or len(self._items) + 1 >= self.limit:
-            self._tail.append(update)
-        else:
-            self._items.append(update)
-        self._ready.set()
-
-    async def get(self) -> Update:
-        while True:
-            if self._overflow is not None:
-                return self._overflow
-            if not self._items and self._tail:  # each request's waiting updates joined into one, in order
-                self._items.extend(_merge_by_request(self._tail))
-                self._tail = []
-            if self._items:
-                update = self._items.popleft()
-            else:
-                self._ready.clear()
-                await self._ready.wait()
-                continue
-            self._bytes -= _size(update)
-            return update
-
-    def __len__(self) -> int:
-        """The updates a reader would get now (the tail is one)."""
-        return len(self._items) + bool(self._tail)
-
-    @property
-    def unread_bytes(self) -> int:
-        return self._bytes
-
-
-def _size(update: Update) -> int:
-    return sum(len(d.text.encode()) for d in update.deltas) + ROW_BYTES * len(update.samples)
-
-
-def _merge_by_request(updates: list[Update]) -> list[Update]:
-    """The updates of each engine request joined into one (_merge), in the order the requests first appear."""
-    by_request: dict[str, list[Update]] = {}
-    for update in updates:
-        by_request.setdefault(update.request_id, []).append(update)
-    return [_merge(group) for group in by_request.values()]
-
-
-def _merge(updates: list[Update]) -> Update:
-    """One update that says what one engine request's `updates` said in turn: each sample's deltas joined into
-    one; the output or error, which only a request's last update carries, from the last."""
-    texts: dict[int, list[str]] = {}
-    tokens: dict[int, list[int]] = {}
-    last: dict[int, TextDelta] = {}
-    for update in updates:
-        for d in update.deltas:
-            texts.setdefault(d.index, []).append(d.text)
-            tokens.setdefault(d.index, []).extend(d.token_ids)
-            last[d.index] = d
-    deltas = tuple(replace(d, text="".join(texts[i]), token_ids=tuple(tokens[i])) for i, d in last.items())
-    samples = tuple(s for update in updates for s in update.samples)
-    final = updates[-1]
-    return Update(final.request_id, deltas, samples, final.output, final.error)
+def preparation_error(exc: Exception, req: SamplingFields, timeout_s: float) -> ApiError:
+    """What a request's preparation raised, as its answer: a grammar past serve.grammar_timeout_s (its compile goes
+    on, bounded by the schema's limits, and is cached) or refused a 400, a full loop a 503, the unexpected a 500."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, TimeoutError):
+        return ApiError(
+            400,
+            f"response_format: compiling its grammar took longer than this server allows "
+            f"(serve.grammar_timeout_s={timeout_s:g})",
+            "response_format",
+        )
+    if isinstance(exc, Unavailable):
+        return unavailable(exc)
+    if isinstance(exc, ToolkitError):
+        return request_error(exc, req)
+    return ApiError(500, f"preparing the request failed: {one_line(exc)}", None, "internal_error")
 
 
 class Job:
@@ -198,44 +121,31 @@ class Job:
         return LoopSink(asyncio.get_running_loop(), self.queue.put)
 
     async def submit(self) -> None:
-        """Admit (503 when the loop is full, before any work), prepare off the engine thread (the grammar compiled
-        within serve.grammar_timeout_s, echoed prompts scored), then hand the engine requests to the loop, all or
-        none: 400 for what the engine refuses, 503 when it is full, 500 when it failed."""
+        """Admit (503 when the loop is full, before any work; places held until the hand-over), prepare off the
+        engine thread (_prepared), then hand the engine requests to the loop, all or none: 400 for what the engine
+        refuses, 503 when it is full, 500 when it failed."""
+        held = len(self.prompts)
         try:
-            self.api.loop.check_capacity(len(self.prompts))
+            self.api.loop.check_capacity(held)
         except Unavailable as exc:
             raise unavailable(exc) from None
-        timeout = self.api.limits.grammar_timeout_s
         try:
-            await self.api.compiler.compile(self.sampling, timeout)
-            # echo with logprobs scores its prompts (a forward) on a thread of its own; anything else needs no hop
-            scored = not self.chat and self.req.echo and self.req.logprobs is not None
-            scores = await asyncio.to_thread(self._prepare) if scored else [None] * len(self.prompts)
-        except TimeoutError:  # the compile goes on on its thread (bounded by the schema's limits) and is cached
-            raise ApiError(
-                400,
-                f"response_format: compiling its grammar took longer than this server allows "
-                f"(serve.grammar_timeout_s={timeout:g})",
-                "response_format",
-            ) from None
-        except Unavailable as exc:
-            raise unavailable(exc) from None
-        except ToolkitError as exc:
-            raise request_error(exc, self.req) from None
-        except Exception as exc:  # noqa: BLE001 - an unexpected failure is this request's 500, one line
-            raise ApiError(500, f"preparing the request failed: {one_line(exc)}", None, "internal_error") from None
-        sink = self._sink()
-        submissions = [
-            Submission(
-                EngineRequest(**prompt, sampling_params=self.sampling, request_id=f"{self.id}-{i}"),
-                self.body,
-                sink,
-                route=self.route,
-            )
-            for i, prompt in enumerate(self.prompts)
-        ]
+            scores = await self._prepared()
+            sink = self._sink()
+            submissions = [
+                Submission(
+                    EngineRequest(**prompt, sampling_params=self.sampling, request_id=f"{self.id}-{i}"),
+                    self.body,
+                    sink,
+                    route=self.route,
+                )
+                for i, prompt in enumerate(self.prompts)
+            ]
+        except BaseException:  # an error's answer, or the client gone (cancelled): the places are free again
+            self.api.loop.release(held)
+            raise
         try:
-            futures = self.api.loop.submit(submissions)
+            futures = self.api.loop.submit(submissions, held)
         except Unavailable as exc:
             raise unavailable(exc) from None
         failed = None
@@ -252,6 +162,18 @@ class Job:
                 raise ApiError(500, str(failed), None, "internal_error")
             raise request_error(failed, self.req)
         self.prompt_logprobs = scores
+
+    async def _prepared(self) -> list:
+        """The grammar compiled (within serve.grammar_timeout_s) and, for echo with logprobs, the prompts scored on a
+        thread, one request's at a time (as the engine runs one forward at a time): per prompt its scores or None."""
+        try:
+            await self.api.compiler.compile(self.sampling, self.api.limits.grammar_timeout_s)
+            if self.chat or not self.req.echo or self.req.logprobs is None:
+                return [None] * len(self.prompts)
+            async with self.api.scoring:
+                return await asyncio.to_thread(self._prepare)
+        except Exception as exc:  # noqa: BLE001 - every failure is this request's answer (preparation_error)
+            raise preparation_error(exc, self.req, self.api.limits.grammar_timeout_s) from None
 
     def _prepare(self) -> list:
         """What is done before the engine thread sees a completion with echo and logprobs, once its grammar is
@@ -398,23 +320,22 @@ class Job:
                     index = self._choice_index(d.request_id, d.index)
                     finish = d.finish_reason if d.finished else None
                     if self.chat:
-                        choices.append(
-                            {
-                                "index": index,
-                                "delta": {"content": d.text} if d.text else {},
-                                "logprobs": self.logprobs.chat(rows),
-                                "finish_reason": finish,
-                            }
-                        )
+                        choice = {
+                            "index": index,
+                            "delta": {"content": d.text} if d.text else {},
+                            "logprobs": self.logprobs.chat(rows),
+                            "finish_reason": finish,
+                        }
                     else:
-                        choices.append(
-                            {
-                                "index": index,
-                                "text": d.text,
-                                "logprobs": self.logprobs.completion(rows),
-                                "finish_reason": finish,
-                            }
-                        )
+                        choice = {
+                            "index": index,
+                            "text": d.text,
+                            "logprobs": self.logprobs.completion(rows),
+                            "finish_reason": finish,
+                        }
+                    if finish == "error":  # why, as the answer without streaming has it (its trace row's reason)
+                        choice["stop_reason"] = rows[-1].stop_reason if rows else None
+                    choices.append(choice)
                 if choices:
                     usage = self.usage(sent_tokens) if continuous else None
                     yield self._event(choices, usage)

@@ -161,6 +161,7 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._queued = 0  # adds submitted, not yet taken with the waiting count refreshed after them
+        self._preparing = 0  # places check_capacity holds for requests being prepared (grammars, prompt scores)
         self._wake = threading.Event()
         self._stopping = False
         self._sinks: dict[str, Sink] = {}
@@ -180,10 +181,16 @@ class EngineLoop:
         return self
 
     def check_capacity(self, count: int) -> None:
-        """Unavailable (a 503) if `count` more requests would pass `max_waiting` now: asked before any work is
-        done for a request (its grammar, its prompt's scores), so a full server spends nothing on it."""
+        """Hold `count` places under `max_waiting` for a request about to be prepared (grammar, prompt scores), or
+        Unavailable (a 503): asked before any work is done for it, so a full server spends nothing on it, and the
+        requests being prepared count as waiting. submit() gives the places back, or release() without it."""
         with self._lock:
             self._refuse_past(count)
+            self._preparing += count
+
+    def release(self, count: int) -> None:
+        with self._lock:
+            self._preparing -= count
 
     def _refuse_past(self, count: int) -> None:
         if self._stopping or self.error is not None:
@@ -193,17 +200,19 @@ class EngineLoop:
             raise Unavailable(
                 f"this server cannot take requests while {storage}; retry later", 5, 507, "insufficient_storage"
             )
-        waiting = self._queued + self.stats.waiting_requests
+        waiting = self._queued + self._preparing + self.stats.waiting_requests
         if waiting + count > self.max_waiting:
             raise Unavailable(
                 f"the server is at capacity: {waiting} requests are waiting "
                 f"(serve.max_waiting={self.max_waiting}); retry later"
             )
 
-    def submit(self, submissions: list[Submission]) -> list[Future]:
+    def submit(self, submissions: list[Submission], held: int = 0) -> list[Future]:
         """Queue one HTTP request's engine requests, all or none: Unavailable when the loop is stopping or
-        `max_waiting` would be passed. Each future holds its id once the engine took it (or the error)."""
+        `max_waiting` would be passed. `held`: the places check_capacity held for them, given back first whatever
+        happens. Each future holds its id once the engine took it (or the error)."""
         with self._lock:
+            self._preparing -= held
             self._refuse_past(len(submissions))
             self._queued += len(submissions)
             for sub in submissions:  # under the lock: _fail_queued, once it holds it, sees every one of them

@@ -229,6 +229,7 @@ class Limits:
     grammar_timeout_s: float = 10.0  # compiling a request's grammar past this: 400
     max_unread_mb: float = 4.0  # a request's output its client has not read yet, past which it is aborted
     stream_write_timeout_s: float = 30.0  # a stream whose client takes no bytes for this long: requests aborted
+    client_body_timeout_s: float = 30.0  # a body of which no byte comes for this long: 408 (nginx's name)
 
     def check(self, req: SamplingFields, prompts: int) -> None:
         """A FieldError naming the first field past its limit."""
