@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import ipaddress
 import os
@@ -18,15 +17,11 @@ from typing import Any
 import uvicorn
 from omegaconf import DictConfig, OmegaConf
 
-try:
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as HttpProtocol
-except ImportError:  # no httptools: h11's, as uvicorn's "auto" picks
-    from uvicorn.protocols.http.h11_impl import H11Protocol as HttpProtocol
-
 from toolkit.engine.core import Engine
 from toolkit.errors import ConfigError
 from toolkit.report import report_after, wanted
 from toolkit.serve.api import Api
+from toolkit.serve.connections import http_protocol
 from toolkit.serve.loop import EngineLoop
 from toolkit.serve.metrics import ServerMetrics
 from toolkit.serve.protocol import Limits, ServedModel
@@ -190,58 +185,19 @@ def _loopback(host: str) -> bool:
 def _uvicorn_config(app, host: str, port: int, section: Mapping[str, Any]):
     """uvicorn's settings: past `limit_concurrency` open connections a new one gets 503; an idle keep-alive
     connection is closed after `timeout_keep_alive` seconds, one whose request head has not all come
-    `client_header_timeout_s` after it opened (or after its last answer) too (http_protocol)."""
+    `client_header_timeout_s` after it opened (or after its last answer) too, and the 503 is OpenAI's
+    (toolkit.serve.connections)."""
     return uvicorn.Config(
         app,
         host=host,
         port=port,
-        http=http_protocol(section["client_header_timeout_s"]),
+        http=http_protocol(section["client_header_timeout_s"], section["limit_concurrency"]),
         log_level=section["log_level"],
         timeout_graceful_shutdown=section["timeout_graceful_shutdown"],
         lifespan="on",
         limit_concurrency=section["limit_concurrency"],
         timeout_keep_alive=section["timeout_keep_alive"],
     )
-
-
-def http_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol (httptools where it is installed, else h11: what its "auto" picks) with one timer more:
-    a connection whose request line and headers have not all come `header_timeout_s` seconds after it opened, or
-    after its last answer, while no request of it is under way, is closed. uvicorn's keep-alive timer stops at the
-    first byte, and nothing else times a request's head: a client that sent nothing, or a header a minute, held its
-    connection, and a place under limit_concurrency, for ever (nginx's client_header_timeout)."""
-
-    class Protocol(HttpProtocol):
-        _head_timer: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._time_the_head()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._time_the_head()
-
-        def connection_lost(self, exc) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-            super().connection_lost(exc)
-
-        def _time_the_head(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-            self._head_timer = None
-            if not self.transport.is_closing():
-                self._head_timer = self.loop.call_later(header_timeout_s, self._head_timed_out, self.cycle)
-
-        def _head_timed_out(self, cycle) -> None:
-            """No request head has come whole since the timer started (the cycle is the one of then), and none
-            is under way: a pipelined request, or one still answering, keeps its connection."""
-            self._head_timer = None
-            if self.cycle is cycle and (cycle is None or cycle.response_complete) and not self.transport.is_closing():
-                self.transport.close()
-
-    return Protocol
 
 
 def start_server(
