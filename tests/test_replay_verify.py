@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import make_engine, native_only
 from toolkit import replay, verify
+from toolkit.errors import ConfigError
 from toolkit.runs.session import record
 from toolkit.sampling.params import SamplingParams
 from toolkit.trace.reader import TraceError, read_requests, read_samples
@@ -338,3 +339,82 @@ def test_an_alternative_one_ulp_off_is_a_divergence_at_its_row(tiny, tmp_path):
     report = replay(run, out_dir=tmp_path / "replay")
     assert [(d.position, d.field) for d in report.differences] == [(4, "top_raw")]
     assert [(d.position, d.kind) for d in report.first_divergences] == [(4, "logprob")]
+
+
+def _rewrite_parts(run_dir: Path, change) -> None:
+    """Every samples.parquet part rewritten as change(table) gives it."""
+    for part in sorted((run_dir / "samples.parquet").glob("part-*.parquet")):
+        pq.write_table(change(pq.read_table(part)), part)
+
+
+def test_a_trace_that_cannot_be_trusted_is_refused_naming_what(tiny, recorded_run, tmp_path):
+    """What a probe passed as a sound trace (each once replayed "bit-identical" or diverged for the wrong reason, or
+    raised a traceback) is refused with one line: a rerun or a replay written into a directory that holds a run
+    (the parts of two runs under one manifest, the recording gone), a trace whose every sample part is lost, a part
+    given twice or taken from another run, a column of another type, a row without its key, a manifest whose word
+    disagrees with its config or is no object, and corrupt recorded values."""
+    with pytest.raises(ConfigError, match="already holds a run"):
+        make_run(tiny, copy_run(recorded_run, tmp_path / "again"))
+    with pytest.raises(ConfigError, match="already holds a run"):
+        replay(copy_run(recorded_run, tmp_path / "into"), out_dir=tmp_path / "into")
+    assert (tmp_path / "into" / "samples.parquet").exists()
+
+    def refused(name: str, edit, match: str, also_verify: bool = True) -> None:
+        run = copy_run(recorded_run, tmp_path / name)
+        edit(run)
+        with pytest.raises(TraceError, match=match) as info:
+            replay(run, out_dir=tmp_path / f"{name}-replay")
+        assert "\n" not in str(info.value)
+        if also_verify:
+            with pytest.raises(TraceError, match=match):
+                verify(run)
+
+    def lose_parts(run: Path) -> None:
+        for part in (run / "samples.parquet").glob("part-*.parquet"):
+            part.unlink()
+
+    refused("lost", lose_parts, "holds no sample rows, yet requests.parquet lists")
+    refused("twice", lambda run: _rewrite_parts(run, lambda t: pa.concat_tables([t, t])), "more than one row")
+    other = tmp_path / "other"
+    make_run(tiny, other)
+
+    def foreign(run: Path) -> None:
+        shutil.copy(
+            next((other / "samples.parquet").glob("part-*.parquet")), run / "samples.parquet/part-000009.parquet"
+        )
+
+    refused("foreign", foreign, "a part from another run")
+
+    def retype(table: pa.Table) -> pa.Table:
+        i = table.schema.get_field_index("token_id")
+        return table.set_column(i, "token_id", table.column("token_id").cast(pa.string()))
+
+    refused("retyped", lambda run: _rewrite_parts(run, retype), "column token_id is string, expected int64")
+
+    def unkey(table: pa.Table) -> pa.Table:
+        i = table.schema.get_field_index("request_id")
+        return table.set_column(i, "request_id", pa.nulls(table.num_rows, pa.string()))
+
+    refused("unkeyed", lambda run: _rewrite_parts(run, unkey), "rows have no request_id")
+
+    def manifest_edit(**changes):
+        def edit(run: Path) -> None:
+            manifest = json.loads((run / "manifest.json").read_text())
+            (run / "manifest.json").write_text(json.dumps({**manifest, **changes}))
+
+        return edit
+
+    run = copy_run(recorded_run, tmp_path / "dtype")
+    manifest_edit(dtype="bfloat16")(run)
+    with pytest.raises(TraceError, match="manifest.json says a bfloat16 run, its config.yaml loads float32"):
+        verify(run)  # its tolerance would have been bfloat16's
+    refused("threads", manifest_edit(num_threads=-3), "num_threads -3 is no thread count", also_verify=False)
+    refused("listed", lambda run: (run / "manifest.json").write_text("[1, 2]"), "a JSON list, not an object")
+
+    def corrupt_params(run: Path) -> None:
+        for part in (run / "requests.parquet").glob("part-*.parquet"):
+            table = pq.read_table(part)
+            i = table.schema.get_field_index("sampling_params")
+            pq.write_table(table.set_column(i, "sampling_params", pa.array(["{oops"] * table.num_rows)), part)
+
+    refused("params", corrupt_params, "sampling_params of .* are corrupt")

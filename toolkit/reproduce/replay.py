@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from toolkit.config import is_int
 from toolkit.engine.core import Engine, EngineRequest
 from toolkit.errors import ConfigError
 from toolkit.runs.manifest import native_kernels
@@ -37,7 +38,14 @@ from toolkit.trace.diverge import (
     sequences,
     show,
 )
-from toolkit.trace.reader import TraceError, read_config, read_manifest, read_requests, read_samples
+from toolkit.trace.reader import (
+    TraceError,
+    check_rows_present,
+    read_config,
+    read_manifest,
+    read_requests,
+    read_samples,
+)
 from toolkit.trace.writer import atomic_write_table
 
 
@@ -188,6 +196,18 @@ def check_manifest(manifest: dict[str, Any], engine: Engine, allow_mismatch: boo
     return problems
 
 
+def recorded_sampling(row: dict[str, Any]) -> SamplingParams:
+    """A requests.parquet row's SamplingParams: its JSON with its resolved seed (a TraceError naming the row where
+    that is no JSON object)."""
+    try:
+        params = json.loads(row["sampling_params"])
+    except (TypeError, ValueError):
+        params = None
+    if not isinstance(params, dict):
+        raise TraceError(f"requests.parquet: the sampling_params of {row['request_id']}#{row['stream']} are corrupt")
+    return SamplingParams.from_mapping({**params, "seed": row["seed"]})
+
+
 def add_recorded_requests(engine: Engine, requests: list[dict[str, Any]]) -> list[str]:
     """Re-add every recorded request (requests.parquet's rows) with its recorded prompt ids, resolved seed and
     arrival step, in the recorded order (the order of arrivals within a step)."""
@@ -195,14 +215,12 @@ def add_recorded_requests(engine: Engine, requests: list[dict[str, Any]]) -> lis
     for row in requests:
         if engine.has_request(row["request_id"]):
             continue  # one row per sequence: the request was added with its first row
-        params = json.loads(row["sampling_params"])
-        params["seed"] = row["seed"]
         engine.add(
             EngineRequest(
                 prompt_token_ids=row["prompt_token_ids"],
                 request_id=row["request_id"],
                 arrival_step=row["arrival_step"],
-                sampling_params=SamplingParams.from_mapping(params),
+                sampling_params=recorded_sampling(row),
                 priority=row.get("priority") or 0,
             )
         )
@@ -325,9 +343,13 @@ def replay(
     recorded_cfg = read_config(run_dir)
     requests = read_requests(run_dir, check_version=not allow_mismatch)
     recorded_samples = read_samples(run_dir, check_version=not allow_mismatch)
+    check_rows_present(requests, recorded_samples, run_dir)
     cfg = apply_overrides(recorded_cfg, overrides)
     if not any(o.split("=")[0].lstrip("+") == "engine.num_threads" for o in overrides):
-        torch.set_num_threads(int(manifest.get("num_threads") or torch.get_num_threads()))
+        threads = manifest.get("num_threads") or torch.get_num_threads()
+        if not is_int(threads) or threads < 1:
+            raise TraceError(f"{run_dir / 'manifest.json'}: num_threads {threads!r} is no thread count")
+        torch.set_num_threads(threads)
     engine = Engine.from_config(cfg)
     mismatches += check_manifest(manifest, engine, allow_mismatch)
     out_dir = (

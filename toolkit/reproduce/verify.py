@@ -39,12 +39,19 @@ from toolkit.models.loading import hf_reference_model, load_checkpoint
 from toolkit.models.reference import reference_logits
 from toolkit.native import invariant_gpu
 from toolkit.native.library import available as kernels_available
+from toolkit.reproduce.replay import recorded_sampling
 from toolkit.reproduce.shard import RayOptions, progress_bar, run_on_ray
-from toolkit.sampling.params import SamplingParams
 from toolkit.sampling.processors import BatchView, RowState, apply_pipeline
 from toolkit.sampling.processors.masks import resolve_bad_words
 from toolkit.sampling.sampler import logsumexp_rows
-from toolkit.trace.reader import TraceError, read_config, read_manifest, read_requests, read_samples
+from toolkit.trace.reader import (
+    TraceError,
+    check_rows_present,
+    read_config,
+    read_manifest,
+    read_requests,
+    read_samples,
+)
 from toolkit.trace.writer import atomic_write_table, logits_digest
 
 
@@ -173,6 +180,9 @@ def verify(
     loaded = load_model(model_cfg, engine_cfg.device)
     if loaded.revision != manifest.get("weights_sha256"):
         raise TraceError("refusing to verify: the model weights differ from the recorded run's")
+    rebuilt = str(loaded.model.embed.dtype).removeprefix("torch.")
+    if rebuilt != run_dtype:  # the tolerance follows the run's format: the manifest's word alone is not taken
+        raise TraceError(f"refusing to verify: manifest.json says a {run_dtype} run, its config.yaml loads {rebuilt}")
     if reference == "exact" and not manifest.get("batch_invariant", False):
         raise ConfigError(
             "verify.reference=exact needs a trace recorded with engine.batch_invariant=true "
@@ -184,8 +194,10 @@ def verify(
             f"verify.reference=exact needs the {'Triton' if on_gpu else 'native'} kernels (the "
             f"batch-invariant bits), which do not run here; use reference=ours"
         )
-    requests = {(r["request_id"], r["stream"]): r for r in read_requests(run_dir).to_pylist()}
-    samples = read_samples(run_dir).to_pylist()
+    requests_table, samples_table = read_requests(run_dir), read_samples(run_dir)
+    check_rows_present(requests_table, samples_table, run_dir)
+    requests = {(r["request_id"], r["stream"]): r for r in requests_table.to_pylist()}
+    samples = samples_table.to_pylist()
     report = VerifyReport(
         trace_dir=run_dir, reference=reference, atol=float(atol), run_dtype=run_dtype, reference_dtype=reference_dtype
     )
@@ -278,9 +290,7 @@ def absorb(report: VerifyReport, part: VerifyReport) -> None:
 def _verify_sequence(key, rows, request, forward, loaded, eos, report: VerifyReport) -> None:
     request_id, stream = key
     prompt = list(request["prompt_token_ids"])
-    params_dict = json.loads(request["sampling_params"])
-    params_dict["seed"] = request["seed"]
-    params = SamplingParams.from_mapping(params_dict)
+    params = recorded_sampling(request)
     rows = [r for r in rows if r["token_id"] >= 0]  # an error row sampled nothing
     if not rows:
         return

@@ -38,6 +38,7 @@ from toolkit.errors import ConfigError
 from toolkit.runs.manifest import build_manifest, new_run_id, request_rows
 from toolkit.runs.metrics import InterTokenLatency, RunningSummary
 from toolkit.trace.writer import (
+    MANIFEST_FILE,
     REQUESTS_FILE,
     SAMPLES_DIR,
     STEPS_DIR,
@@ -51,6 +52,18 @@ from toolkit.trace.writer import (
 
 STEPS_PART_ROWS = 4096  # steps.parquet rows per part file
 RECORD_BODY = ("full", "hash", "off")
+
+
+def holds_run(run_dir: Path) -> None:
+    """A ConfigError where `run_dir` already holds a run (its manifest, or a part of its trace): a second run there
+    would leave parts of both under one manifest (a replay written into the run it replays, its recording gone)."""
+    paths = (run_dir / MANIFEST_FILE, run_dir / SAMPLES_DIR, run_dir / REQUESTS_FILE)
+    found = next((p for p in paths if p.is_file() or any(p.glob("part-*.parquet"))), None)
+    if found is not None:
+        raise ConfigError(
+            f"{run_dir} already holds a run ({found.name}): a new one would mix its trace with it; choose another "
+            f"hydra.run.dir (or remove that one)"
+        )
 
 
 def body_sha256(body: Any) -> str | None:
@@ -133,6 +146,7 @@ class RunRecorder:
         self.writer: TraceWriter | None = None
         self.config = effective_config(engine, config)
         if self.run_dir is not None:
+            holds_run(self.run_dir)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(self.run_dir / "config.yaml", OmegaConf.to_yaml(self.config).encode())
             extra = {"served": True, "record_body": record_body} if served else {}

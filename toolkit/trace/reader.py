@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from omegaconf import DictConfig, OmegaConf
 
@@ -41,8 +42,10 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
         raise TraceError(f"{path} is missing: not a toolkit run directory") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:
         raise TraceError(f"{path} is unreadable or corrupt: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise TraceError(f"{path} is corrupt: a JSON {type(manifest).__name__}, not an object")
     version = manifest.get("schema_version")
     if version in SUPERSEDED:
         raise TraceError(
@@ -87,11 +90,18 @@ def _add_missing(table: pa.Table, schema: pa.Schema, kind: str) -> pa.Table:
     return pa.table(columns, schema=schema.remove_metadata().with_metadata(table.schema.metadata))
 
 
+SAMPLE_KEY = ("request_id", "stream", "position")  # one row a sampled position of a sequence
+REQUIRED = ("run_id", *SAMPLE_KEY, "token_id")  # columns no row may leave null (a converted transcript has no step)
+
+
 def read_samples(run_dir: Path, check_version: bool = True) -> pa.Table:
-    """Every SampleTrace row of the run, in the order written (parts in name order)."""
+    """Every SampleTrace row of the run, in the order written (parts in name order). Refused, naming the part: a
+    column missing, renamed or of another type, a row of another run (its run_id not the manifest's, where one is
+    readable), a key left null, and a sampled position given twice."""
     directory = Path(run_dir) / SAMPLES_DIR
     if not directory.is_dir():
         raise TraceError(f"{directory} is missing")
+    run_id = _manifest_run_id(run_dir)
     tables = []
     for part in sorted(directory.glob("part-*.parquet")):
         try:
@@ -103,10 +113,53 @@ def read_samples(run_dir: Path, check_version: bool = True) -> pa.Table:
         table = _add_missing(table, SAMPLES_SCHEMA, "samples")
         if table.schema.names != SAMPLES_SCHEMA.names:
             raise TraceError(f"{part} has columns {table.schema.names}, expected {SAMPLES_SCHEMA.names}")
+        retyped = next((f for f in SAMPLES_SCHEMA if table.schema.field(f.name).type != f.type), None)
+        if retyped is not None:
+            found = table.schema.field(retyped.name).type
+            raise TraceError(f"{part}: column {retyped.name} is {found}, expected {retyped.type}")
+        null = next((name for name in REQUIRED if table.column(name).null_count), None)
+        if null is not None:
+            raise TraceError(f"{part}: {table.column(null).null_count} rows have no {null}")
+        runs = pc.unique(table.column("run_id")).to_pylist()
+        run_id = run_id if run_id is not None else runs[0] if runs else None
+        if any(r != run_id for r in runs):
+            other = next(r for r in runs if r != run_id)
+            raise TraceError(
+                f"{part} holds rows of run {other!r}, not of this run ({run_id!r}): a part from another run"
+            )
         tables.append(table)
     if not tables:
         return SAMPLES_SCHEMA.empty_table()
-    return pa.concat_tables(tables)
+    table = pa.concat_tables(tables)
+    counts = table.group_by(list(SAMPLE_KEY)).aggregate([([], "count_all")])
+    twice = counts.filter(pc.greater(counts.column("count_all"), 1))
+    if twice.num_rows:
+        first = twice.slice(0, 1).to_pylist()[0]
+        raise TraceError(
+            f"{directory}: {twice.num_rows} sampled positions have more than one row (the first: "
+            f"{first['request_id']}#{first['stream']} at position {first['position']}, {first['count_all']} rows)"
+        )
+    return table
+
+
+def _manifest_run_id(run_dir: Path) -> str | None:
+    """The run id its manifest names, or None where there is no readable one (read_manifest says why, elsewhere)."""
+    try:
+        manifest = json.loads((Path(run_dir) / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest.get("run_id") if isinstance(manifest, dict) else None
+
+
+def check_rows_present(requests: pa.Table, samples: pa.Table, run_dir: Path) -> None:
+    """A TraceError where requests.parquet lists output tokens and samples.parquet holds no row at all: every part
+    lost, nothing to compare (a trace cut short keeps its rows up to its last flush, and is compared as partial)."""
+    outputs = pc.sum(pc.list_value_length(requests.column("output_token_ids"))).as_py() or 0
+    if samples.num_rows == 0 and outputs:
+        raise TraceError(
+            f"{Path(run_dir) / SAMPLES_DIR} holds no sample rows, yet requests.parquet lists {outputs} output tokens: "
+            f"the trace's rows are lost"
+        )
 
 
 def read_requests(run_dir: Path, check_version: bool = True) -> pa.Table:
