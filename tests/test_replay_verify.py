@@ -418,3 +418,8 @@ def test_a_trace_that_cannot_be_trusted_is_refused_naming_what(tiny, recorded_ru
             pq.write_table(table.set_column(i, "sampling_params", pa.array(["{oops"] * table.num_rows)), part)
 
     refused("params", corrupt_params, "sampling_params of .* are corrupt")
+    run = copy_run(recorded_run, tmp_path / "vocab")
+    first = read_samples(run).slice(0, 1).to_pylist()[0]
+    edit_sample(run, first["request_id"], first["position"], "token_id", lambda _: 10**12)
+    with pytest.raises(TraceError, match="token id 1000000000000 is outside the model's vocabulary"):
+        verify(run)

@@ -522,3 +522,14 @@ def screenshots(report: Path, prefix: str, views: list[str]) -> None:
 
 if __name__ == "__main__":
     screenshots(Path(sys.argv[1]), sys.argv[2], sys.argv[3:] or ["requests", "engine", "summary"])
+
+
+def test_a_token_id_the_tokenizer_lacks_is_shown_as_its_id(smollm2):
+    """A corrupt trace's id past the vocabulary (10^12: the tokenizer's decode overflowed) is shown as its id,
+    where mode=report raised a traceback; ids it has are spelled."""
+    from toolkit.report.data import Pieces
+
+    pieces = Pieces(smollm2.tokenizer)
+    pieces.add([10**12, 2**40, 504])
+    assert pieces.table[10**12] == "#1000000000000" and pieces.table[2**40] == f"#{2**40}"
+    assert pieces.table[504] == smollm2.tokenizer.decode([504], skip_special_tokens=False)

@@ -50,7 +50,10 @@ class Pieces:
             elif self.tokenizer is None:
                 self.table[t] = f"#{t}"
             else:
-                self.table[t] = self.tokenizer.decode([t], skip_special_tokens=False)
+                try:
+                    self.table[t] = self.tokenizer.decode([t], skip_special_tokens=False)
+                except (OverflowError, ValueError, IndexError):  # no such token (a corrupt trace): its id
+                    self.table[t] = f"#{t}"
 
 
 def _top(entries) -> list | None:

@@ -295,6 +295,10 @@ def _verify_sequence(key, rows, request, forward, loaded, eos, report: VerifyRep
     if not rows:
         return
     tokens = prompt + [r["token_id"] for r in rows]
+    vocab = loaded.arch.vocab_size
+    outside = next((t for t in tokens if not 0 <= t < vocab), None)
+    if outside is not None:
+        raise TraceError(f"{request_id}#{stream}: token id {outside} is outside the model's vocabulary ({vocab})")
     expected_positions = list(range(len(prompt), len(tokens)))
     if [r["position"] for r in rows] != expected_positions:
         raise TraceError(f"{request_id}#{stream}: trace positions are not contiguous after the prompt")
