@@ -463,3 +463,19 @@ def test_the_largest_top_k_a_request_may_ask_for_is_traced(tiny, tmp_path):
     run_traced(engine, [huge], tmp_path)
     rows = read_samples(tmp_path).to_pylist()
     assert len(rows) == 3 and {r["top_k"] for r in rows} == {MAX_TOP_K}
+
+
+@pytest.mark.native
+def test_a_run_directory_that_cannot_be_written_is_one_line_before_any_step(tiny, tmp_path):
+    """A file where the run directory goes (or a full or read-only disk) stops a run before its first step with
+    one line (exit 74), where the OSError's traceback came out of Hydra's mode."""
+    from toolkit.runs.session import record
+    from toolkit.trace.writer import TraceWriteError
+
+    (tmp_path / "a-file").write_text("not a directory")
+    engine = make_engine(tiny)
+    ids = [engine.add_request(prompt_token_ids=[1, 2], sampling_params=SamplingParams(max_tokens=2))]
+    with pytest.raises(TraceWriteError, match="cannot write the run directory .*a-file/run") as info:
+        record(engine, ids, tmp_path / "a-file" / "run", {}, flush_every_steps=4)
+    assert info.value.exit_code == 74 and "\n" not in str(info.value)
+    assert engine.step_index == 0

@@ -34,7 +34,7 @@ import pyarrow as pa
 from omegaconf import DictConfig, OmegaConf
 
 from toolkit.engine.core import Engine, RequestOutput, StepOutput
-from toolkit.errors import ConfigError
+from toolkit.errors import ConfigError, one_line
 from toolkit.runs.manifest import build_manifest, new_run_id, request_rows
 from toolkit.runs.metrics import InterTokenLatency, RunningSummary
 from toolkit.trace.writer import (
@@ -43,6 +43,7 @@ from toolkit.trace.writer import (
     SAMPLES_DIR,
     STEPS_DIR,
     RequestsUpdate,
+    TraceWriteError,
     TraceWriter,
     atomic_write_bytes,
     atomic_write_table,
@@ -147,11 +148,14 @@ class RunRecorder:
         self.config = effective_config(engine, config)
         if self.run_dir is not None:
             holds_run(self.run_dir)
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(self.run_dir / "config.yaml", OmegaConf.to_yaml(self.config).encode())
-            extra = {"served": True, "record_body": record_body} if served else {}
-            write_manifest(self.run_dir, build_manifest(engine, self.run_id, {**extra, **(manifest_extra or {})}))
-            (self.run_dir / REQUESTS_FILE).mkdir(exist_ok=True)
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(self.run_dir / "config.yaml", OmegaConf.to_yaml(self.config).encode())
+                extra = {"served": True, "record_body": record_body} if served else {}
+                write_manifest(self.run_dir, build_manifest(engine, self.run_id, {**extra, **(manifest_extra or {})}))
+                (self.run_dir / REQUESTS_FILE).mkdir(exist_ok=True)
+            except OSError as exc:  # a full or read-only disk, a file where the directory goes: before any step
+                raise TraceWriteError(f"cannot write the run directory {self.run_dir}: {one_line(exc)}") from None
             chosen = full_logits if full_logits is not None else OmegaConf.select(self.config, "trace.full_logits")
             self.writer = TraceWriter(self.run_dir, self.run_id, flush_every_steps, chosen, retry_faults=served)
 

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 import torch
 from omegaconf import OmegaConf
 
-from toolkit.errors import ConfigError
+from toolkit.errors import ConfigError, ToolkitError, one_line
 from toolkit.native.sha import sha256_rows
 from toolkit.native.threads import name_current_thread, yield_to_the_step
 from toolkit.trace.schema import REJECTED_SCHEMA, REQUESTS_SCHEMA, SAMPLES_SCHEMA, TRACE_FIELDS, SampleTrace
@@ -92,6 +92,13 @@ def write_requests(run_dir: Path, rows: Sequence[dict[str, Any]]) -> None:
 
 def requests_table(rows: Sequence[dict[str, Any]]) -> pa.Table:
     return pa.table({name: [r.get(name) for r in rows] for name in REQUESTS_SCHEMA.names}, schema=REQUESTS_SCHEMA)
+
+
+class TraceWriteError(ToolkitError, RuntimeError):
+    """The trace could not be written (a full or read-only disk, a run directory gone): the run stops with this
+    one line, exit 74 (EX_IOERR), its rows on disk up to its last flush."""
+
+    exit_code = 74
 
 
 @dataclass(frozen=True)
@@ -215,7 +222,7 @@ class TraceWriter:
         digests: Mapping[int, str] | None,
     ) -> None:
         if self._error is not None:
-            raise RuntimeError(f"trace writer failed: {self._error}") from self._error
+            raise TraceWriteError(f"trace writer failed: {one_line(self._error)}") from self._error
         start = time.perf_counter()
         given, digests = digests, []
         logits: list[tuple[str, int, int, Any]] = []  # trace.full_logits: (request, stream, position, row)
@@ -268,7 +275,7 @@ class TraceWriter:
         self._queue.put([("flush", None, None, ())])
         self._queue.join()
         if self._error is not None:
-            raise RuntimeError(f"trace writer failed: {self._error}") from self._error
+            raise TraceWriteError(f"trace writer failed: {one_line(self._error)}") from self._error
 
     @property
     def buffered_rows(self) -> int:
