@@ -291,6 +291,39 @@ def test_cli_exit_codes_and_bad_lines_named(hf_tiny, tiny, tmp_path):
     assert not (out4 / "audit.json").exists() and not (out4 / "samples.parquet").exists()
 
 
+def test_lines_past_what_python_the_trace_or_the_model_holds_are_named_and_the_others_audited(tiny, tmp_path):
+    """Each of these lines is its own error and the good one is audited, its converted trace written. Before: the
+    deep line raised RecursionError and the long number ValueError out of the reader, a stream of 2**40 or 10**30
+    failed the converted trace's int32 column after the audit ran, -5 was taken, and a prompt longer than the
+    model's positions failed the reference's forward with a tensor size error."""
+    positions = tiny.arch.max_position_embeddings
+    good = {"request_id": "good", "prompt_token_ids": [1, 2, 3], "output_token_ids": [4, 5], "logprobs": [-1.0, -1.0]}
+    lines = [
+        json.dumps(good),
+        "[" * 100000 + "]" * 100000,
+        json.dumps({**good, "request_id": "digits"})[:-1] + ', "stream": ' + "7" * 5000 + "}",
+        *(json.dumps({**good, "request_id": f"s{i}", "stream": s}) for i, s in enumerate([2**40, 10**30, -5])),
+        json.dumps({**good, "request_id": "long", "prompt_token_ids": [504] * positions}),
+    ]
+    path = tmp_path / "limits.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    proc, out = _run(tmp_path, f"audit.input={path}", "audit.format=token_ids")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    named = [line for line in proc.stderr.splitlines() if line.startswith("line ")]
+    assert named == [
+        "line 2: not JSON: nested too deep to read",
+        "line 3: not JSON: a number of more than 4300 digits",
+        "line 4 (s0): stream must be an integer in [0, 2^31) (the sample's index), got 1099511627776",
+        f"line 5 (s1): stream must be an integer in [0, 2^31) (the sample's index), got {10**30}",
+        "line 6 (s2): stream must be an integer in [0, 2^31) (the sample's index), got -5",
+        f"line 7 (long): prompt ({positions}) + output (2) = {positions + 2} tokens exceed the model's "
+        f"{positions} positions",
+    ], proc.stderr
+    d = json.loads((out / "audit.json").read_text())
+    assert [r["request_id"] for r in d["requests"]] == ["good"] and len(d["line_errors"]) == 6
+    assert (out / "requests.parquet").exists()
+
+
 def test_chat_template_mismatch_is_named(tiny, tmp_path):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
     response = {

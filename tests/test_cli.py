@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from toolkit.trace.reader import read_requests
 
@@ -86,6 +87,15 @@ def test_requests_file_with_bad_lines_runs_the_others(tmp_path):
         (["workload.requests=/nonexistent/reqs.jsonl"], "requests file '/nonexistent/reqs.jsonl' does not exist"),
         (["engine.block_size=0"], "engine.block_size must be a positive integer, got 0"),
         (["sampling.temperature=-2"], "temperature must be 0 (greedy) or a number"),
+        (["trace.flush_every_steps=0"], "trace.flush_every_steps must be an integer in [1, 64], got 0"),
+        (["trace.enabled=maybe"], "trace.enabled must be true or false, got 'maybe'"),
+        (["engine.kv_cache_memory_gb=inf"], "engine.kv_cache_memory_gb must be a finite positive number, got inf"),
+        (["engine.kv_cache_memory_gb=1e9"], "engine.kv_cache_memory_gb=1e+09 is more than the"),
+        pytest.param(
+            ["engine.device=mps"],
+            "engine.device=mps but this torch build cannot use MPS",
+            marks=pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS"),
+        ),
     ],
 )
 def test_user_mistakes_are_one_line_errors(tmp_path, args, message):

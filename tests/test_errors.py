@@ -10,10 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import NATIVE_OFF, make_engine
 from toolkit import replay, verify
-from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig, from_mapping
+from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig, TraceConfig, from_mapping
+from toolkit.engine.core import load_for
 from toolkit.errors import ConfigError, ModelLoadError, RequestError, ToolkitError, WorkloadError
 from toolkit.models import load_model
 from toolkit.runs.workload import load_requests
@@ -89,6 +91,38 @@ def test_config_rows():
         lambda: SamplingParams.from_mapping({"temprature": 1.0}),
     )
     _expect(23, ConfigError, "speculative.method must be one of", lambda: SpeculativeConfig(method="medusa"))
+    _expect(
+        3,
+        ConfigError,
+        "engine.kv_cache_memory_gb must be a finite positive number, got inf",
+        lambda: EngineConfig(kv_cache_memory_gb=float("inf")),
+    )
+    for bad, message in [
+        ({"flush_every_steps": 0}, "trace.flush_every_steps must be an integer in [1, 64], got 0"),
+        ({"flush_every_steps": 1000}, "trace.flush_every_steps must be an integer in [1, 64], got 1000"),
+        ({"enabled": "maybe"}, "trace.enabled must be true or false, got 'maybe'"),
+    ]:
+        _expect(53, ConfigError, message, lambda: from_mapping(TraceConfig, bad, section="trace"))
+
+
+def test_a_device_or_kv_memory_this_machine_has_not_is_refused_before_the_model_loads():
+    """Before: engine.device=mps passed the config and torch failed on the weights; a kv_cache_memory_gb past the
+    machine's memory got the process killed as the pool filled."""
+    tiny = ModelConfig(name="tiny")
+    if not torch.backends.mps.is_available():
+        _expect(
+            51,
+            ConfigError,
+            "engine.device=mps but this torch build cannot use MPS",
+            lambda: load_for(tiny, EngineConfig(device="mps"), {}),
+        )
+    _expect(
+        52,
+        ConfigError,
+        "engine.kv_cache_memory_gb=1e+09 is more than the",
+        lambda: load_for(tiny, EngineConfig(kv_cache_memory_gb=1e9), {}),
+    )
+    load_for(tiny, EngineConfig(kv_cache_memory_gb=1e9, num_kv_blocks=8), {})  # a fixed pool does not read it
 
 
 def test_cli_typo_and_mistyped_value_are_refused_by_composition(tmp_path):
@@ -135,6 +169,24 @@ def test_request_rows(tiny):
         RequestError,
         "messages.0.content: it holds a lone surrogate '\\udc00' at character 0",
         lambda: engine.add_request(messages=[{"role": "user", "content": "\udc00"}]),
+    )
+    _expect(
+        50,
+        RequestError,
+        "request id 'a\\ud800': it holds a lone surrogate",
+        lambda: engine.add_request(prompt="hi", request_id="a\ud800"),
+    )
+    _expect(
+        54,
+        RequestError,
+        "priority must be an integer in [-2^63, 2^63), got 100000000000000000000000000000",
+        lambda: engine.add_request(prompt="hi", priority=10**29),
+    )
+    _expect(
+        54,
+        RequestError,
+        "arrival_step must be an integer in [0, 2^63), got 9223372036854775808",
+        lambda: engine.add_request(prompt="hi", arrival_step=2**63),
     )
     engine.add_request(prompt="a", request_id="dup")
     _expect(20, RequestError, "is already in use", lambda: engine.add_request(prompt="b", request_id="dup"))
@@ -263,6 +315,34 @@ def test_requests_file_rows(tmp_path, tiny):
     ids, refused = add_specs(make_engine(tiny), specs)  # the bad field is refused, the good line runs
     assert 30 in DOC_ROWS and len(ids) == 1 and len(refused) == 1
     assert "line 3" in refused[0].reason and "max_tokens" in refused[0].reason
+    # the fields the trace stores in fixed-width columns, and an id no UTF-8 file holds: that line's error
+    path.write_text(
+        '{"prompt": "fine"}\n{"prompt": "hi", "priority": 100000000000000000000000000000}\n'
+        '{"prompt": "hi", "arrival_step": 100000000000000000000}\n{"id": "a\\ud800", "prompt": "hi"}\n'
+    )
+    specs, rejected = load_requests(path)
+    ids, refused = add_specs(make_engine(tiny), specs)
+    assert not rejected and len(ids) == 1, refused
+    assert [r.reason.split(": ")[:2] for r in refused] == [
+        ["reqs.jsonl line 2", "priority must be an integer in [-2^63, 2^63), got 100000000000000000000000000000"],
+        ["reqs.jsonl line 3", "arrival_step must be an integer in [0, 2^63), got 100000000000000000000"],
+        ["reqs.jsonl line 4", "request id 'a\\ud800'"],
+    ]
+
+
+def test_a_requests_line_past_what_python_reads_is_malformed_json(tmp_path):
+    """A line nested past Python's recursion limit, or holding an integer of more digits than int() converts, is
+    that line's error (they raised RecursionError and ValueError out of load_requests); the others are read."""
+    path = tmp_path / "reqs.jsonl"
+    path.write_text(
+        "[" * 100000 + "]" * 100000 + '\n{"prompt": "hi", "max_tokens": ' + "9" * 5000 + '}\n{"prompt": "ok"}\n'
+    )
+    specs, rejected = load_requests(path)
+    assert 29 in DOC_ROWS and [s.prompt for s in specs] == ["ok"]
+    assert [r.reason for r in rejected] == [
+        "reqs.jsonl line 1: malformed JSON (nested too deep to read)",
+        "reqs.jsonl line 2: malformed JSON (a number of more than 4300 digits)",
+    ]
 
 
 @pytest.fixture(scope="module")

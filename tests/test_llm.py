@@ -62,6 +62,8 @@ def test_without_tracing_nothing_is_written(tmp_path):
         (lambda: LLM(model="tiny", trace=False).generate({"prompt_ids": [1]}), ConfigError, "prompt_ids"),
         (lambda: LLM(model="tiny", trace=False).generate([[1, 10**9]]), RequestError, "outside the vocabulary"),
         (lambda: LLM(model="tiny", trace=False).generate([None]), ConfigError, "a prompt is text, a list of token"),
+        (lambda: LLM(model="tiny", trace=False).generate(None), ConfigError, "a prompt is text, a list of token"),
+        (lambda: LLM(model="tiny", trace=False).generate(5), ConfigError, "a prompt is text, a list of token"),
         (lambda: LLM(model="tiny", trace=False).chat("hi"), ConfigError, "messages must be a list of"),
         (lambda: LLM(model="tiny", trace=False).chat([["hi"]]), ConfigError, "a chat message is a"),
         (

@@ -321,6 +321,8 @@ def test_a_full_server_refuses_before_it_compiles_a_grammar(tiny):
 def test_connection_and_limit_knobs_are_checked_and_reach_uvicorn(tiny):
     from toolkit.errors import ConfigError
 
+    with pytest.raises(ConfigError, match=r"serve.flush_every_steps must be an integer in \[1, 64\]"):
+        serve_config({"serve": {"flush_every_steps": 65}})
     for bad in ({"limit_concurrency": 0}, {"max_stop_chars": -1}, {"grammar_timeout_s": 0}, {"max_metadata": 1.5}):
         with pytest.raises(ConfigError, match=f"serve.{next(iter(bad))} must be a positive"):
             serve_config({"serve": bad})

@@ -9,6 +9,8 @@ into one of these, refusing unknown keys with the list of known ones.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -161,8 +163,8 @@ class EngineConfig:
             f"got {self.num_kv_blocks!r}",
         )
         check(
-            is_number(self.kv_cache_memory_gb) and self.kv_cache_memory_gb > 0,
-            f"engine.kv_cache_memory_gb must be a positive number, got {self.kv_cache_memory_gb!r}",
+            is_number(self.kv_cache_memory_gb) and 0 < self.kv_cache_memory_gb < math.inf,
+            f"engine.kv_cache_memory_gb must be a finite positive number, got {self.kv_cache_memory_gb!r}",
         )
         check(
             self.max_model_len is None or (is_int(self.max_model_len) and self.max_model_len > 0),
@@ -174,7 +176,7 @@ class EngineConfig:
         )
         check(is_int(self.seed) and self.seed >= 0, f"engine.seed must be a non-negative integer, got {self.seed!r}")
         check(
-            isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda", "mps"),
+            isinstance(self.device, str) and re.fullmatch(r"(cpu|cuda|mps)(:[0-9]+)?", self.device) is not None,
             f"engine.device must be cpu, cuda[:N] or mps, got {self.device!r}",
         )
         check(
@@ -190,8 +192,8 @@ class EngineConfig:
             f"engine.preemption_policy must be newest or priority, got {self.preemption_policy!r}",
         )
         check(
-            is_number(self.swap_space_gb) and self.swap_space_gb >= 0,
-            f"engine.swap_space_gb must be a number >= 0, got {self.swap_space_gb!r}",
+            is_number(self.swap_space_gb) and 0 <= self.swap_space_gb < math.inf,
+            f"engine.swap_space_gb must be a finite number >= 0, got {self.swap_space_gb!r}",
         )
         check(
             isinstance(self.batch_invariant, bool),
@@ -255,6 +257,22 @@ class EngineConfig:
             self.max_num_batched_tokens >= self.max_num_seqs,
             f"engine.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
             f"engine.max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step",
+        )
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    """The `trace` section: per-token rows to Parquet (toolkit.trace.writer), checked before anything loads."""
+
+    enabled: bool = True
+    flush_every_steps: int = 64  # a crash loses at most this many steps of rows
+    full_logits: Any = None  # off | all | request ids (checked by toolkit.trace.writer.full_logits_selection)
+
+    def __post_init__(self):
+        check(isinstance(self.enabled, bool), f"trace.enabled must be true or false, got {self.enabled!r}")
+        check(
+            is_int(self.flush_every_steps) and 1 <= self.flush_every_steps <= 64,
+            f"trace.flush_every_steps must be an integer in [1, 64], got {self.flush_every_steps!r}",
         )
 
 

@@ -7,6 +7,7 @@ exits non-zero; the Python API raises it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,6 +37,14 @@ def not_unicode(text: str) -> str | None:
             f"which is not Unicode text"
         )
     return None
+
+
+def json_past_limits(exc: ValueError | RecursionError) -> str:
+    """Why json.loads refused a text that is JSON yet past what Python reads: nested past its recursion limit, or
+    an integer of more digits than int() converts (4300 by default)."""
+    if isinstance(exc, RecursionError):
+        return "nested too deep to read"
+    return f"a number of more than {sys.get_int_max_str_digits()} digits"
 
 
 def json_leaves(value: Any, where: str = "") -> Iterator[tuple[str, Any]]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -248,8 +248,8 @@ class _Logprobs:
 
 
 def _is_single_prompt(prompts: Any) -> bool:
-    if isinstance(prompts, (str, Mapping)):
-        return True
+    if isinstance(prompts, (str, Mapping)) or not isinstance(prompts, Iterable):
+        return True  # None, a number...: refused as one prompt (_prompt_request)
     return bool(prompts) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
 
 

@@ -107,11 +107,12 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
         raise AuditInputError(f"audit.input {source!r} is not a file")
     model_cfg = from_mapping(ModelConfig, OmegaConf.to_container(cfg.model, resolve=True), section="model")
     loaded = load_model(model_cfg, "cpu")
+    vocab, positions = loaded.arch.vocab_size, loaded.arch.max_position_embeddings  # what a line must fit
     if loaded.tokenizer is None:
         raise AuditInputError(f"model {model_cfg.name!r} has no tokenizer to read a transcript with")
     try:
         records, line_errors = read_transcripts(
-            source, fmt, loaded.tokenizer, loaded.arch.vocab_size, a.get("logprobs_mode")
+            source, fmt, loaded.tokenizer, vocab, a.get("logprobs_mode"), max_positions=positions
         )
     except TranscriptError as exc:
         raise AuditInputError(str(exc)) from None
@@ -222,7 +223,6 @@ def run_engine_mismatch(cfg: DictConfig, run_dir: Path, a: dict) -> int:
             if missing:
                 print(f"{name}: skipped: {missing}", file=sys.stderr)
                 continue
-
             try:
                 fmt = src.llama_cpp_transcript(path, smollm2_gguf(), prompts, max_tokens, k)
             except ForeignEngineError as exc:  # its crash is this source's error, not the run's

@@ -145,6 +145,25 @@ def check_ids(record: Transcript, vocab_size: int) -> None:
             )
 
 
+def check_length(record: Transcript, max_positions: int | None) -> None:
+    """The reference recomputes prompt + output in one forward: no longer than the model's positions."""
+    prompt, output = len(record.prompt_token_ids), len(record.output_token_ids)
+    if max_positions is not None and prompt + output > max_positions:
+        raise TranscriptError(
+            f"prompt ({prompt}) + output ({output}) = {prompt + output} tokens exceed the model's "
+            f"{max_positions} positions"
+        )
+
+
+def as_stream(value: Any) -> int:
+    """A line's `stream`, the sample's index among its request's (absent or null: 0); the trace stores it as int32."""
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**31:
+        raise TranscriptError(f"stream must be an integer in [0, 2^31) (the sample's index), got {str(value)[:40]}")
+    return value
+
+
 def as_number(value: Any, what: str) -> float | None:
     if value is None:
         return None

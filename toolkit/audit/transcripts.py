@@ -48,17 +48,26 @@ from toolkit.audit.records import (
     TranscriptError,
     as_int_list,
     as_number,
+    as_stream,
     check_ids,
+    check_length,
     policy_of,
     request_id_of,
 )
-from toolkit.errors import not_unicode_in, one_line
+from toolkit.errors import json_past_limits, not_unicode_in, one_line
 
 
 def read_transcripts(
-    path: str | Path, fmt: str, tokenizer, vocab_size: int, logprobs_mode: str | None = None
+    path: str | Path,
+    fmt: str,
+    tokenizer,
+    vocab_size: int,
+    logprobs_mode: str | None = None,
+    *,
+    max_positions: int | None = None,
 ) -> tuple[list[Transcript], list[LineError]]:
-    """Every usable request of the file, and a LineError for each line that is not."""
+    """Every usable request of the file, and a LineError for each line that is not. `max_positions`: the model's
+    (a longer prompt + output cannot be recomputed; None: not checked)."""
     if fmt not in FORMATS:
         raise TranscriptError(f"audit.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if logprobs_mode is not None and logprobs_mode not in LOGPROBS_MODES:
@@ -79,6 +88,9 @@ def read_transcripts(
         except json.JSONDecodeError as exc:
             errors.append(LineError(number, None, f"not JSON: {exc}"))
             continue
+        except (ValueError, RecursionError) as exc:
+            errors.append(LineError(number, None, f"not JSON: {json_past_limits(exc)}"))
+            continue
         if not isinstance(obj, dict):
             errors.append(LineError(number, None, "not a JSON object"))
             continue
@@ -93,6 +105,8 @@ def read_transcripts(
                 found = [_token_ids_line(obj, number, tokens, "hf" if fmt == "hf" else "unknown", logprobs_mode)]
             for record in found:
                 check_ids(record, vocab_size)
+                as_stream(record.stream)
+                check_length(record, max_positions)
         except TranscriptError as exc:
             errors.append(LineError(number, request_id_of(obj), str(exc)))
             continue
@@ -157,7 +171,7 @@ def _token_ids_line(
         top = [[] for _ in output]  # the top alternatives are raw ones
     return Transcript(
         request_id=str(request_id_of(obj) or f"line{line}"),
-        stream=int(obj.get("stream", 0) or 0),
+        stream=as_stream(obj.get("stream")),
         line=line,
         origin_engine=str(obj.get("origin_engine") or default_engine),
         prompt_token_ids=prompt,

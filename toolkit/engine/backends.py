@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 
 import torch
 
@@ -163,6 +164,7 @@ def kv_pool(cfg: EngineConfig, loaded: LoadedModel, max_model_len: int, scratch:
     block_bytes = PagedKVCache.block_bytes(
         layers, cfg.block_size, kv_heads, head_dim, dtype, cfg.kv_cache_dtype, cfg.kv_scale_granularity
     )
+    check_device(cfg)
     num_blocks = cfg.num_kv_blocks or auto_num_blocks(cfg, max_model_len, block_bytes)
     num_host_blocks = int(cfg.swap_space_gb * 2**30 // block_bytes) if cfg.preemption_mode == "swap" else 0
     kv_cache = PagedKVCache(
@@ -180,6 +182,29 @@ def kv_pool(cfg: EngineConfig, loaded: LoadedModel, max_model_len: int, scratch:
     if kv_cache.granularity == "tensor":
         calibrate_kv_scales(kv_cache, loaded, cfg, max_model_len)
     return kv_cache, num_blocks, num_host_blocks
+
+
+def check_device(cfg: EngineConfig) -> None:
+    """A ConfigError naming engine.device when this torch build or machine has no such device, or
+    engine.kv_cache_memory_gb when it is more memory than the device has (the pool would be killed for it)."""
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"engine.device={cfg.device} but CUDA is not available; use engine.device=cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"engine.device={cfg.device} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"engine.device={cfg.device} but this torch build cannot use MPS; use engine.device=cpu")
+    if cfg.num_kv_blocks is None:  # the pool is sized from kv_cache_memory_gb
+        total = (
+            torch.cuda.mem_get_info(device)[1]
+            if device.type == "cuda"
+            else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        )
+        if cfg.kv_cache_memory_gb * 2**30 > total:
+            raise ConfigError(
+                f"engine.kv_cache_memory_gb={cfg.kv_cache_memory_gb:g} is more than the {total / 2**30:.1f} GB "
+                f"of memory {cfg.device} has; lower it"
+            )
 
 
 def auto_num_blocks(cfg: EngineConfig, max_model_len: int, block_bytes: int) -> int:

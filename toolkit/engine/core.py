@@ -42,6 +42,7 @@ from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig, from_ma
 from toolkit.engine.ahead import Ahead, Pipeline
 from toolkit.engine.backends import (
     attention_backend,
+    check_device,
     graph_mode,
     keep_freed_memory,
     kv_pool,
@@ -431,8 +432,7 @@ def load_for(
     fields came from the model."""
     if engine_cfg.num_threads:
         torch.set_num_threads(engine_cfg.num_threads)
-    if engine_cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"engine.device={engine_cfg.device} but CUDA is not available; use engine.device=cpu")
+    check_device(engine_cfg)
     loaded = load_model(model_cfg, engine_cfg.device)
     generation = loaded.generation if model_cfg.generation_config == "auto" else {}
     default_sampling, taken = SamplingParams.with_model_defaults(sampling, generation)

@@ -13,7 +13,7 @@ from typing import Any
 
 from toolkit.config import EngineConfig
 from toolkit.engine.request import EngineRequest, Sequence
-from toolkit.errors import ConfigError, RequestError, not_unicode_in
+from toolkit.errors import ConfigError, RequestError, not_unicode, not_unicode_in
 from toolkit.models.tokenizer import Tokenizer
 from toolkit.sampling.grammar import GrammarBackend
 from toolkit.sampling.params import SamplingParams
@@ -64,6 +64,9 @@ class RequestIntake:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
         request_id = str(request_id)
+        problem = not_unicode(request_id)  # a lone surrogate: no UTF-8 seed, trace or log can hold it
+        if problem is not None:
+            raise RequestError(f"request id {request_id!r}: {problem}")
         if request_id in taken:
             raise RequestError(f"request id {request_id!r} is already in use")
         if "#" in request_id:
@@ -77,10 +80,11 @@ class RequestIntake:
         bad_words_ids = self._bad_words_ids(params)
         if params.structured_outputs is not None:
             self.grammar().compile(params.structured_outputs)  # an invalid grammar is refused here
-        if arrival_step is not None and not (isinstance(arrival_step, int) and arrival_step >= 0):
-            raise RequestError(f"arrival_step must be a non-negative integer, got {arrival_step!r}")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise RequestError(f"priority must be an integer, got {priority!r}")
+        # both are int64 columns of the trace
+        if arrival_step is not None and not (isinstance(arrival_step, int) and 0 <= arrival_step < 2**63):
+            raise RequestError(f"arrival_step must be an integer in [0, 2^63), got {arrival_step!r}")
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
+            raise RequestError(f"priority must be an integer in [-2^63, 2^63), got {priority!r}")
         if params.n > self.cfg.max_num_seqs:
             raise RequestError(f"n={params.n} parallel samples exceed engine.max_num_seqs ({self.cfg.max_num_seqs})")
         seed = params.seed if params.seed is not None else derive_seed(self.cfg.seed, request_id)

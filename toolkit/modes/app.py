@@ -11,6 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from toolkit.config import TraceConfig, from_mapping
 from toolkit.engine.core import Engine, RequestOutput
 from toolkit.errors import ConfigError, ToolkitError
 from toolkit.modes import MODES
@@ -74,6 +75,8 @@ def run_train(cfg: DictConfig, run_dir: Path) -> int:
 
 
 def run_workload(cfg: DictConfig, run_dir: Path) -> int:
+    trace_section = OmegaConf.to_container(cfg.trace, resolve=True) if cfg.get("trace") else {}
+    trace_cfg = from_mapping(TraceConfig, trace_section, section="trace")  # checked before the model loads
     specs, rejected = workload_specs(cfg)
     for r in rejected:
         print(f"rejected: {r.reason}", file=sys.stderr)
@@ -83,15 +86,14 @@ def run_workload(cfg: DictConfig, run_dir: Path) -> int:
         print(f"rejected: {r.reason}", file=sys.stderr)
     rejected += more_rejected
 
-    trace_cfg = cfg.get("trace") or {}
     recorded = record(
         engine,
         ids,
         run_dir,
         cfg,
-        trace=trace_cfg.get("enabled", True),
-        flush_every_steps=trace_cfg.get("flush_every_steps", 64),
-        full_logits=trace_cfg.get("full_logits"),
+        trace=trace_cfg.enabled,
+        flush_every_steps=trace_cfg.flush_every_steps,
+        full_logits=trace_cfg.full_logits,
         logger=OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else None,
         progress=cfg.get("progress", True),
         plots=cfg.get("plots", True),
@@ -115,7 +117,7 @@ def run_workload(cfg: DictConfig, run_dir: Path) -> int:
         f"replay it bit for bit:   python run.py mode=replay replay.trace={run_dir}\n"
         f"verify its logits:       python run.py mode=verify verify.trace={run_dir}"
     )
-    if trace_cfg.get("enabled", True) and wanted(cfg):
+    if trace_cfg.enabled and wanted(cfg):
         _report_line(report_after(run_dir))
     return 1 if rejected else 0
 

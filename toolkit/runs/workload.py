@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from toolkit.data import passages
 from toolkit.engine.request import EngineRequest
-from toolkit.errors import RequestError, WorkloadError
+from toolkit.errors import RequestError, WorkloadError, json_past_limits
 
 
 class AcceptsRequests(Protocol):
@@ -133,6 +133,9 @@ def load_requests(path: str | Path) -> tuple[list[RequestSpec], list[Rejected]]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             rejected.append(Rejected(source, f"{source}: malformed JSON ({exc.msg} at column {exc.colno})"))
+            continue
+        except (ValueError, RecursionError) as exc:
+            rejected.append(Rejected(source, f"{source}: malformed JSON ({json_past_limits(exc)})"))
             continue
         try:
             spec = parse_request(obj, default_id=f"line-{number}", source=source)

@@ -109,6 +109,9 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
             or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)
         ):
             raise ConfigError(f"serve.{name} must be a positive number{' or null' if nullable else ''}, got {value!r}")
+    flush = section["flush_every_steps"]
+    if not (isinstance(flush, int) and not isinstance(flush, bool) and 1 <= flush <= 64):
+        raise ConfigError(f"serve.flush_every_steps must be an integer in [1, 64], got {flush!r}")
     wait = section["handoff_wait_ms"]
     if not (wait is None or (isinstance(wait, (int, float)) and not isinstance(wait, bool) and 0 <= wait <= 1000)):
         raise ConfigError(f"serve.handoff_wait_ms must be a number in [0, 1000] or null, got {wait!r}")
