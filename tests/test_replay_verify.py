@@ -423,3 +423,22 @@ def test_a_trace_that_cannot_be_trusted_is_refused_naming_what(tiny, recorded_ru
     edit_sample(run, first["request_id"], first["position"], "token_id", lambda _: 10**12)
     with pytest.raises(TraceError, match="token id 1000000000000 is outside the model's vocabulary"):
         verify(run)
+
+
+def test_a_schemas_property_order_is_recorded_and_its_run_replays(tiny, tmp_path):
+    """A JSON schema's properties in their given order make its grammar (the keys are generated in that order): the
+    recorded sampling_params keep it, so the run replays bit for bit. They were written with sorted keys, and every
+    served run with a schema whose properties were not in alphabetical order diverged in replay and failed verify."""
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}},
+        "required": ["zeta", "alpha"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(temperature=0, max_tokens=24, structured_outputs={"json": schema})
+    run = tmp_path / "schema"
+    make_run(tiny, run, requests=[{"prompt_token_ids": [1, 2, 3], "request_id": "json", "sampling_params": params}])
+    recorded = json.loads(read_requests(run).column("sampling_params")[0].as_py())
+    assert list(recorded["structured_outputs"]["json"]["properties"]) == ["zeta", "alpha"]
+    report = replay(run, out_dir=tmp_path / "replay")
+    assert report.identical, report.summary_line()

@@ -158,7 +158,8 @@ def full_redecode(decode, output_ids, stops, state, *, check_stops, include_stop
     text = decode(output_ids)
     if check_stops and stops:
         start = max(0, state["scanned"] - max(len(s) for s in stops) + 1)
-        hits = [(pos, s) for s in stops if (pos := text.find(s, start)) >= 0]
+        end = len(text) if final else len(text.rstrip(REPLACEMENT))  # not into a character still incomplete
+        hits = [(pos, s) for s in stops if (pos := text.find(s, start, end)) >= 0]
         if hits:
             pos, s = min(hits)
             text = text[: pos + len(s)] if include_stop else text[:pos]
@@ -263,6 +264,18 @@ def test_characters_split_across_tokens_come_out_whole(tiny):
     for n in range(1, len(ids) + 1):
         update_text(tok.decode, ids[:n], [], state, check_stops=False, include_stop=False, final=n == len(ids))
     assert state.text == tok.decode(ids)
+
+
+@pytest.mark.parametrize("stop", [REPLACEMENT, "😀" + REPLACEMENT])
+def test_a_stop_string_holding_u_fffd_never_matches_a_character_still_incomplete(tiny, stop):
+    """A partial character decodes as U+FFFD until the token that completes it: a stop string holding U+FFFD matched
+    it, and the text was cut at an emoji's first bytes (the probe's "Write three emojis" with stop ["\ufffd"])."""
+    tok = tiny.tokenizer
+    ids = tok.encode("1. 😀😀😀 done", add_special_tokens=False)
+    assert REPLACEMENT in "".join(tok.decode(ids[:n]) for n in range(1, len(ids)))  # characters split over tokens
+    for include in (False, True):
+        shown, hit, n, final = feed(tok, ids, [stop], include=include)
+        assert hit is None and shown == tok.decode(ids)[: len(shown)], (stop, include, shown)
 
 
 def test_work_per_token_does_not_grow_with_the_output(tiny):

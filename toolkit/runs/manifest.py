@@ -166,7 +166,7 @@ def request_rows(engine, run_id: str, request_ids: Sequence[str]) -> list[dict[s
                     "stream": s.stream,
                     "prompt_token_ids": list(s.prompt_token_ids),
                     "prompt_text": s.prompt_text,
-                    "sampling_params": json.dumps(s.sampling.to_dict(), sort_keys=True),
+                    "sampling_params": json.dumps(s.sampling.to_dict()),  # key order kept: a schema's is its grammar's
                     "seed": s.seed,
                     "arrival_step": s.arrival_step,
                     "admitted_step": s.admitted_step,

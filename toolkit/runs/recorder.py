@@ -181,7 +181,7 @@ class RunRecorder:
     def admitted(self, request_id: str, body: Any = None) -> None:
         if self.writer is None:
             return
-        text = json.dumps(body, sort_keys=True) if body is not None else None
+        text = json.dumps(body) if body is not None else None  # its keys in the order received (a schema's matter)
         self._bodies[request_id] = (
             text if self.record_body == "full" else None,
             body_sha256(body) if self.record_body != "off" else None,

@@ -172,7 +172,9 @@ def update_text(
     length = origin + len(window)
     if check_stops and stops:
         start = max(0, state.scanned - longest + 1) - origin
-        hits = [(pos, s) for s in stops if (pos := window.find(s, start)) >= 0]
+        # a trailing U+FFFD is a character still incomplete (its other bytes in the next tokens), not one to match
+        end = len(window) if final else len(window.rstrip(REPLACEMENT))
+        hits = [(pos, s) for s in stops if (pos := window.find(s, start, end)) >= 0]
         if hits:
             pos, s = min(hits)
             cut = origin + pos + (len(s) if include_stop else 0)
