@@ -434,15 +434,19 @@ def test_mode_serve_closes_cleanly_on_sigterm_and_stays_readable_after_kill_9(tm
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         c.completions.create(model="smollm2", prompt="Finished before the signal:", max_tokens=20, temperature=0.5)
         pool = ThreadPoolExecutor(3)
-        for i in range(3):  # still generating when the signal comes
-            pool.submit(
-                c.completions.create,
+
+        def stream(i: int) -> str | None:  # the finish_reason its last chunk carried
+            chunks = c.completions.create(
                 model="smollm2",
                 prompt=f"Story {i}:",
                 max_tokens=600,
                 temperature=0.8,
+                stream=True,
                 extra_body={"ignore_eos": True},
             )
+            return [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1]
+
+        streams = [pool.submit(stream, i) for i in range(3)]  # still generating when the signal comes
         time.sleep(2)
         proc.send_signal(sig)
         proc.wait(60)
@@ -450,6 +454,9 @@ def test_mode_serve_closes_cleanly_on_sigterm_and_stays_readable_after_kill_9(tm
     finally:
         if proc.poll() is None:
             proc.kill()
+    if sig == signal.SIGTERM:  # each stream ended (no client cut mid-chunk), and the server logged no traceback
+        assert [f.result() for f in streams] == ["abort"] * 3
+        assert "Traceback" not in proc.stdout.read()
     samples = read_samples(run_dir)  # readable either way
     assert samples.num_rows >= 20
     requests = read_requests(run_dir)

@@ -1,9 +1,12 @@
 """The server's connections: uvicorn's HTTP protocol with what uvicorn leaves out, a time limit on a request's head
-and an overload answer in OpenAI's shape."""
+and an overload answer in OpenAI's shape, and its server ending every stream before it shuts down."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+
+import uvicorn
 
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as HttpProtocol
@@ -79,3 +82,19 @@ def http_protocol(header_timeout_s: float, limit: int | None) -> type[asyncio.Pr
                 self.transport.close()
 
     return Protocol
+
+
+class AbortingServer(uvicorn.Server):
+    """uvicorn's server, whose first exit signal (SIGINT, SIGTERM) first calls `on_exit` (the engine loop aborting
+    every request): each stream then ends with its finish_reason "abort" and [DONE] within a step, inside
+    timeout_graceful_shutdown, where uvicorn cancelled the streams still open past it (a traceback each, and
+    clients cut mid-chunk with no ending)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]):
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            self._on_exit()
+        super().handle_exit(sig, frame)

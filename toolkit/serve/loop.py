@@ -182,8 +182,7 @@ class EngineLoop:
 
     def check_capacity(self, count: int) -> None:
         """Hold `count` places under `max_waiting` for a request about to be prepared (grammar, prompt scores), or
-        Unavailable (a 503): asked before any work is done for it, so a full server spends nothing on it, and the
-        requests being prepared count as waiting. submit() gives the places back, or release() without it."""
+        Unavailable (a 503) before any work; submit() gives them back, or release() where it never comes."""
         with self._lock:
             self._refuse_past(count)
             self._preparing += count
@@ -208,9 +207,8 @@ class EngineLoop:
             )
 
     def submit(self, submissions: list[Submission], held: int = 0) -> list[Future]:
-        """Queue one HTTP request's engine requests, all or none: Unavailable when the loop is stopping or
-        `max_waiting` would be passed. `held`: the places check_capacity held for them, given back first whatever
-        happens. Each future holds its id once the engine took it (or the error)."""
+        """Queue one HTTP request's engine requests, all or none (Unavailable: stopping, or past `max_waiting`), the
+        places check_capacity `held` for them given back first. Each future holds its id, or the error."""
         with self._lock:
             self._preparing -= held
             self._refuse_past(len(submissions))
@@ -238,8 +236,8 @@ class EngineLoop:
         finally:  # the forward's OpenMP workers on this handler thread would slow the engine thread's (kernels)
             release_openmp_threads()
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (its client left): it finishes before the next step and its blocks are freed."""
+    def abort(self, request_id: str | None) -> None:
+        """Abort a request (its client left), or every one (None: a shutdown): before the next step, blocks freed."""
         self._commands.put(("abort", request_id))
         self._wake.set()
 
@@ -259,9 +257,7 @@ class EngineLoop:
         """Requests the loop holds state for (admitted, not ended)."""
         return len(self._sinks)
 
-    # ------------------------------------------------------------------ the engine thread
-
-    def _run(self) -> None:
+    def _run(self) -> None:  # the engine thread, from here on
         name_current_thread()  # "engine-loop", its OpenMP workers too: a profile tells the step from the server
         engine = self.engine
         try:
@@ -329,8 +325,9 @@ class EngineLoop:
             if kind == "add":
                 added += 1
                 self._add(item)
-            elif item in self._sinks:
-                self._abort(item)
+            else:
+                for request_id in [item] if item in self._sinks else list(self._sinks) if item is None else []:
+                    self._abort(request_id)
         if added:
             self.stats.refresh(self.engine.stats())
             with self._lock:
@@ -359,7 +356,7 @@ class EngineLoop:
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
-        self._finish(request_id, ())
+        self._finish(request_id, (), aborted=True)
 
     def _after_step(self, out: StepOutput | None) -> None:
         engine = self.engine
@@ -387,9 +384,11 @@ class EngineLoop:
         self.stats.refresh(self.engine.stats())
         self.record.write(out)
 
-    def _finish(self, request_id: str, deltas, samples=(), error: str | None = None) -> None:
+    def _finish(self, request_id: str, deltas, samples=(), error: str | None = None, aborted: bool = False) -> None:
         digest = self.record.ended(request_id)
         output = self.engine.release(request_id)
+        if aborted:  # each sample cut short ends its stream with its finish_reason, as one that finished does
+            deltas = (*deltas, *_abort_ends(request_id, output))
         sink = self._sinks.pop(request_id)
         self._errors.pop(request_id, None)
         self.record.finished(output)
@@ -415,6 +414,12 @@ class EngineLoop:
                 return
             if kind == "add" and not item.accepted.done():
                 item.accepted.set_exception(Unavailable("the server is shutting down"))
+
+
+def _abort_ends(request_id: str, output: RequestOutput) -> tuple[TextDelta, ...]:
+    """A last delta, finish_reason "abort", for each sample of `output` an abort cut short."""
+    ends = [c.index for c in output.outputs if c.finish_reason == "abort"]
+    return tuple(TextDelta(request_id, i, "", (), True, "abort") for i in ends)
 
 
 def _send(sink: Sink, update: Update) -> None:

@@ -21,7 +21,7 @@ from toolkit.engine.core import Engine
 from toolkit.errors import ConfigError
 from toolkit.report import report_after, wanted
 from toolkit.serve.api import Api
-from toolkit.serve.connections import http_protocol
+from toolkit.serve.connections import AbortingServer, http_protocol
 from toolkit.serve.loop import EngineLoop
 from toolkit.serve.metrics import ServerMetrics
 from toolkit.serve.protocol import Limits, ServedModel
@@ -249,7 +249,7 @@ def run_serve(cfg: DictConfig, run_dir: Path) -> int:
     previous = {
         sig: signal.signal(sig, lambda number, frame: caught.append(number)) for sig in (signal.SIGINT, signal.SIGTERM)
     }
-    servers.append(uvicorn.Server(config))
+    servers.append(AbortingServer(config, on_exit=lambda: loop.abort(None)))
     try:
         if loop.error is None:  # (a loop that failed before the server existed had no server to stop)
             servers[0].run()
