@@ -170,11 +170,12 @@ def update_text(
     origin = max(0, min(state.emitted, state.scanned) - longest)
     window = state.tail(origin)
     length = origin + len(window)
+    # before the output's end a trailing U+FFFD is a character still incomplete (its other bytes in the next tokens):
+    # neither matched, nor streamed, nor scanned past
+    complete = len(window) if final else len(window.rstrip(REPLACEMENT))
     if check_stops and stops:
         start = max(0, state.scanned - longest + 1) - origin
-        # a trailing U+FFFD is a character still incomplete (its other bytes in the next tokens), not one to match
-        end = len(window) if final else len(window.rstrip(REPLACEMENT))
-        hits = [(pos, s) for s in stops if (pos := window.find(s, start, end)) >= 0]
+        hits = [(pos, s) for s in stops if (pos := window.find(s, start, complete)) >= 0]
         if hits:
             pos, s = min(hits)
             cut = origin + pos + (len(s) if include_stop else 0)
@@ -182,17 +183,13 @@ def update_text(
             state.truncate(cut)
             state.emitted = state.scanned = cut
             return TextUpdate(delta=delta, stop_string=s)
-    stable = length
-    if not final:
-        while stable > origin and window[stable - origin - 1] == REPLACEMENT:  # an incomplete character
-            stable -= 1
-        if check_stops and stops and stable > origin:
-            stable -= state.held_back(stops, stable)
+    stable = origin + complete
+    if not final and check_stops and stops and complete:
+        stable -= state.held_back(stops, stable)
     if final:
         state.scanned = length
     else:
-        kept = window.rstrip(REPLACEMENT)
-        state.scanned = origin + len(kept) if kept or origin == 0 else len(state.text.rstrip(REPLACEMENT))
+        state.scanned = origin + complete if complete or origin == 0 else len(state.text.rstrip(REPLACEMENT))
     stable = max(stable, state.emitted)
     delta = window[state.emitted - origin : stable - origin]
     state.emitted = stable
