@@ -240,6 +240,42 @@ def test_speculative_trace_and_replay(tiny, tmp_path):
 
 
 @pytest.mark.native
+def test_a_self_draft_never_writes_a_block_before_its_swap_moved_it(tiny, tmp_path):
+    """A self-draft's forward writes the target's cache: a block a swap-out frees this step must reach the host
+    before the draft writes it, and a swapped-in block be in place before the draft reads it. A pool of 12 blocks
+    of 8 for four sequences of 48 tokens swaps every few steps; every recorded logprob is then the recomputed one
+    (the draft ran before the copies: verify failed at |diff| 0.58)."""
+    from toolkit.reproduce.verify import verify
+    from toolkit.runs.session import record
+
+    engine = spec_engine(
+        tiny,
+        "self_draft",
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        num_kv_blocks=12,
+        block_size=8,
+        preemption_mode="swap",
+    )
+    swaps = []
+    move = engine.runner.move_blocks
+    engine.runner.move_blocks = lambda batch: (swaps.append(len(batch.swap_out) + len(batch.swap_in)), move(batch))
+    ids = [
+        engine.add_request(
+            prompt_token_ids=list(range(30 * i + 3, 30 * i + 27)),
+            request_id=f"s{i}",
+            sampling_params=SamplingParams(temperature=1.0, seed=i, n=2, max_tokens=24, ignore_eos=True),
+        )
+        for i in range(2)
+    ]
+    config = {"model": {"name": "tiny", "seed": 0}, "speculative": {"method": "self_draft", "draft_layers": 1}}
+    record(engine, ids, tmp_path / "run", config)
+    assert sum(swaps) >= 2 and engine.speculator.stats.proposed > 0
+    report = verify(tmp_path / "run")
+    assert report.passed and report.rows_checked == 4 * 24, report.summary_line()
+
+
+@pytest.mark.native
 def test_grammar_and_speculation_keep_outputs_valid(tiny):
     engine = spec_engine(tiny, "draft_model", "rejection", max_num_batched_tokens=64, max_num_seqs=8)
     schema = {

@@ -263,6 +263,10 @@ class Engine(EngineQueries):
         if batch.is_empty:
             return self._idle(batch)
         self._scheduled(batch, now)
+        # once, and before any forward: a self-draft's forward writes the shared cache (a block a swap-out frees
+        # must reach the host first, a swapped-in or copied block be in place before the draft reads it), and a
+        # forward retried below must not copy a swapped-out block again
+        self.runner.move_blocks(batch)
         if self.speculator is not None:
             batch, proposals = self.speculator.fill(
                 batch, self.requests, DraftContext(self.block_manager.block_table, self.decider.draft_sample)
@@ -270,7 +274,6 @@ class Engine(EngineQueries):
         else:
             proposals = {}
         forwards = self.runner.num_forwards
-        self.runner.move_blocks(batch)  # once: a forward retried below must not copy a swapped-out block again
         try:
             # the ONE forward of this step (two with scheduler_policy=two_forwards)
             out = self.runner.run(batch, beside=beside, move_blocks=False)
