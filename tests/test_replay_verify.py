@@ -442,3 +442,39 @@ def test_a_schemas_property_order_is_recorded_and_its_run_replays(tiny, tmp_path
     assert list(recorded["structured_outputs"]["json"]["properties"]) == ["zeta", "alpha"]
     report = replay(run, out_dir=tmp_path / "replay")
     assert report.identical, report.summary_line()
+
+
+def test_a_greedy_grammar_run_verifies_with_its_grammars_masks(tiny, tmp_path):
+    """A greedy row with a grammar is the argmax of the MASKED logits: verify rebuilds each row's mask with a
+    fresh matcher fed the recorded tokens (it checked the argmax of the unmasked ones, and every served greedy
+    JSON run failed). A row whose recorded grammar_allowed is not the rebuilt mask's, or whose token the grammar
+    refuses, fails by name."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"enum": ["Al", "Bo"]}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(temperature=0, max_tokens=24, structured_outputs={"json": schema})
+    run = tmp_path / "greedy"
+    make_run(tiny, run, requests=[{"prompt_token_ids": [5, 6, 7], "request_id": "json", "sampling_params": params}])
+    report = verify(run)
+    assert report.passed and report.greedy_rows == report.rows_checked > 0, report.summary_line()
+    rows = read_samples(run).to_pylist()
+    assert any(r["grammar_allowed"] < tiny.arch.vocab_size for r in rows)
+
+    counted = copy_run(run, tmp_path / "counted")
+    edit_sample(counted, "json", rows[2]["position"], "grammar_allowed", lambda n: n + 1)
+    failure = verify(counted).failures[0]
+    assert failure.position == rows[2]["position"] and "the grammar allows" in failure.reason, failure.reason
+
+    refused = copy_run(run, tmp_path / "refused")
+    first = rows[0]  # the grammar's first token opens the object: "{" or whitespace, never token 0
+    edit_sample(refused, "json", first["position"], "token_id", lambda _: 0)
+    recomputed = (
+        verify(refused).failures[0].recomputed_logprob
+    )  # the edited token's own logprob, so only the grammar fails
+    edit_sample(refused, "json", first["position"], "raw_logprob", lambda _: recomputed)
+    failure = verify(refused).failures[0]
+    assert failure.position == first["position"], failure.reason
+    assert failure.reason == "the request's grammar does not allow token 0 here"

@@ -41,6 +41,7 @@ from toolkit.native import invariant_gpu
 from toolkit.native.library import available as kernels_available
 from toolkit.reproduce.replay import recorded_sampling
 from toolkit.reproduce.shard import RayOptions, progress_bar, run_on_ray
+from toolkit.sampling.grammar import LazyGrammar
 from toolkit.sampling.processors import BatchView, RowState, apply_pipeline
 from toolkit.sampling.processors.masks import resolve_bad_words
 from toolkit.sampling.sampler import logsumexp_rows
@@ -262,8 +263,10 @@ def verify_sequences(
             )
         )
     )
+    vocab = loaded.arch.vocab_size
+    grammar = LazyGrammar(loaded.tokenizer, vocab, tuple(t for t in eos if t < vocab) or (0,))  # the engine's
     for key, rows, request in jobs:
-        _verify_sequence(key, rows, request, forward, loaded, eos, report)
+        _verify_sequence(key, rows, request, forward, loaded, eos, grammar, report)
         if progress is not None:
             progress(len(rows) + len(request["prompt_token_ids"]))
     return report
@@ -287,7 +290,21 @@ def absorb(report: VerifyReport, part: VerifyReport) -> None:
     report.checks += part.checks
 
 
-def _verify_sequence(key, rows, request, forward, loaded, eos, report: VerifyReport) -> None:
+def _grammar_masks(grammar: LazyGrammar, spec, outputs: list[int], vocab: int) -> tuple[torch.Tensor, int | None]:
+    """(len(outputs), vocab) bool: what the request's grammar allowed before each recorded output token, the
+    engine's masks rebuilt by a fresh matcher fed the tokens in order; and the index of the first token it
+    refused (None: all taken). Rows past a refused token allow everything: nothing constrains them any more."""
+    backend = grammar()
+    matcher = backend.matcher(spec)
+    masks_RV = torch.ones(len(outputs), vocab, dtype=torch.bool)
+    for i, token in enumerate(outputs):
+        masks_RV[i] = backend.fill_masks([matcher])[0]
+        if not backend.accept(matcher, token):
+            return masks_RV, i
+    return masks_RV, None
+
+
+def _verify_sequence(key, rows, request, forward, loaded, eos, grammar, report: VerifyReport) -> None:
     request_id, stream = key
     prompt = list(request["prompt_token_ids"])
     params = recorded_sampling(request)
@@ -309,6 +326,9 @@ def _verify_sequence(key, rows, request, forward, loaded, eos, report: VerifyRep
     else:
         logprobs = torch.log_softmax(logits.double(), dim=-1)
     greedy = params.temperature == 0.0
+    masks_RV, refused = None, None
+    if params.structured_outputs is not None:
+        masks_RV, refused = _grammar_masks(grammar, params.structured_outputs, [r["token_id"] for r in rows], vocab)
     if greedy:
         view = BatchView(
             tuple(
@@ -318,6 +338,7 @@ def _verify_sequence(key, rows, request, forward, loaded, eos, report: VerifyRep
             loaded.arch.vocab_size,
             logits.device,
             eos,
+            None if masks_RV is None else masks_RV.to(logits.device),
         )
         processed = apply_pipeline(logits[len(prompt) - 1 :].float(), view).processed_RV
     failed_before = False
@@ -338,6 +359,12 @@ def _verify_sequence(key, rows, request, forward, loaded, eos, report: VerifyRep
                     report.near_tie_flips += 1
                 else:
                     reason = f"greedy token {row['token_id']} is not the argmax ({top}, margin {margin:.3g})"
+        if i == refused:
+            reason = f"the request's grammar does not allow token {row['token_id']} here"
+        elif masks_RV is not None and row["grammar_allowed"] not in (None, int(masks_RV[i].sum())):
+            reason = (
+                f"the grammar allows {int(masks_RV[i].sum())} tokens here, the trace records {row['grammar_allowed']}"
+            )
         if diff > report.atol or not math.isfinite(diff):
             reason = (
                 f"raw logprob recorded {row['raw_logprob']:.6g}, recomputed {recomputed:.6g} "
