@@ -161,7 +161,7 @@ def test_request_rows(tiny):
         19,
         RequestError,
         "give exactly one of prompt, messages or prompt_token_ids",
-        lambda: engine.add_request(prompt="a", prompt_token_ids=[1]),
+        lambda: engine.add_request(prompt="a", messages=[{"role": "user", "content": "a"}]),
     )
     _expect(50, RequestError, "prompt: it holds a lone surrogate", lambda: engine.add_request(prompt="hi \ud83d"))
     _expect(

@@ -549,3 +549,30 @@ def test_a_request_whose_own_constraints_leave_no_token_says_why(server):
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     last = [c for e in events for c in e["choices"] if c["finish_reason"]][-1]
     assert last["finish_reason"] == "error" and "removed every token" in last["stop_reason"]
+
+
+def test_the_engine_thread_tokenizes_no_prompt_and_a_huge_one_is_refused_off_it(server, monkeypatch):
+    """Prompts are tokenized and checked against the context on a handler's thread (the tokenizer lets the GIL go
+    there) and reach the engine as ids beside their text: a 2 MB prompt, a chat message of 2 MB, 300,000 ids are
+    each a 400 naming the field, and neither they nor a good request cost the engine thread a tokenization (an
+    8 MB prompt held it 4 s: every stream waited). Usage counts the prompt's tokens from the first chunk."""
+    tokenizer = server.loop.engine.tokenizer
+    encode, threads = tokenizer.encode, []
+    monkeypatch.setattr(
+        tokenizer, "encode", lambda *a, **k: (threads.append(threading.current_thread().name), encode(*a, **k))[1]
+    )
+    big = "hello world " * 170_000
+    for route, body, param in (
+        ("completions", {"prompt": big, "max_tokens": 1}, "prompt"),
+        ("chat/completions", {"messages": [{"role": "user", "content": big}], "max_tokens": 1}, "messages"),
+        ("completions", {"prompt": [1] * 300_000, "max_tokens": 1}, "prompt"),
+    ):
+        error = refused(httpx.post(f"{server.url}/v1/{route}", json=body, timeout=60), 400, param)
+        assert "engine.max_model_len" in error["message"], error
+    body = {"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 3, "stream": True}
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    prompt_tokens = {e["usage"]["prompt_tokens"] for e in events if e.get("usage")}
+    assert len(prompt_tokens) == 1 and prompt_tokens.pop() > 0, events
+    assert len(threads) >= 3 and "engine-loop" not in threads, threads

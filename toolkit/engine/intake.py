@@ -6,6 +6,7 @@ defaults, the context and KV-pool limits, token ids inside the vocabulary, bad w
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import hashlib
 import time
 from collections.abc import Callable, Container, Mapping
@@ -124,14 +125,18 @@ class RequestIntake:
         except ConfigError as exc:
             raise RequestError(str(exc)) from None
 
+    def tokenized(self, request: EngineRequest) -> EngineRequest:
+        """The request with its prompt as token ids beside its text (a chat's through the template), checked as
+        `sequences` checks them (every id inside the vocabulary, shorter than the context), or a RequestError
+        naming the prompt. A server calls it on its handlers' threads and adds what it returns, so the engine
+        thread never tokenizes a hostile prompt (an 8 MB one held it 4 s) and tokenizes no prompt twice."""
+        ids, text = self._prompt_ids(request.prompt, request.messages, request.prompt_token_ids)
+        self._check_context(len(ids))
+        return dataclasses.replace(request, prompt=text, messages=None, prompt_token_ids=tuple(ids))
+
     def prompt_ids(self, request: EngineRequest) -> list[int]:
-        """A request's prompt as token ids, checked as `sequences` checks it (every id inside the vocabulary,
-        shorter than the context), or a RequestError naming the prompt: what scoring a prompt reads. Ids past the
-        context are refused before they are read (a hostile prompt may hold a million)."""
-        prompt, messages, prompt_token_ids = request.prompt, request.messages, request.prompt_token_ids
-        if isinstance(prompt_token_ids, collections.abc.Sequence) and not isinstance(prompt_token_ids, (str, bytes)):
-            self._check_context(len(prompt_token_ids))
-        ids, _ = self._prompt_ids(prompt, messages, prompt_token_ids)
+        """A request's prompt as token ids, checked as `sequences` checks it: what scoring a prompt reads."""
+        ids, _ = self._prompt_ids(request.prompt, request.messages, request.prompt_token_ids)
         self._check_context(len(ids))
         return ids
 
@@ -143,19 +148,29 @@ class RequestIntake:
             )
 
     def _prompt_ids(self, prompt, messages, prompt_token_ids) -> tuple[list[int], str | None]:
-        given = [x is not None for x in (prompt, messages, prompt_token_ids)]
+        """The prompt's ids and text. `prompt` beside `prompt_token_ids` is their text, tokenized by the caller
+        (`tokenized`, vLLM's TextTokensPrompt); ids past the context are refused before they are read (a hostile
+        prompt may hold millions)."""
+        given = [x is not None for x in (prompt if prompt_token_ids is None else None, messages, prompt_token_ids)]
         if sum(given) != 1:
             raise RequestError("give exactly one of prompt, messages or prompt_token_ids")
         if prompt_token_ids is not None:
             if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, collections.abc.Sequence):
                 raise RequestError("prompt_token_ids must be a list of integers")
+            if prompt is not None:
+                if not isinstance(prompt, str):
+                    raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
+                _check_text(prompt, "prompt")
+            self._check_context(len(prompt_token_ids))
             ids = list(prompt_token_ids)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise RequestError("prompt_token_ids must be a list of integers")
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-            text = self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer else None
+            text = prompt
+            if text is None and self.tokenizer is not None:
+                text = self.tokenizer.decode(ids, skip_special_tokens=False)
         else:
             if self.tokenizer is None:
                 raise RequestError("this model has no tokenizer matching its vocabulary; give prompt_token_ids")

@@ -110,6 +110,11 @@ class EngineQueries:
             prefix_hits=bm.prefix_hits,
         )
 
+    def tokenized(self, request: EngineRequest) -> EngineRequest:
+        """The request with its prompt's ids beside its text, checked as `add` checks them, on the caller's thread
+        (a server's handler): adding what it returns tokenizes nothing on the engine's."""
+        return self.intake.tokenized(request)
+
     def prompt_ids(self, request: EngineRequest) -> list[int]:
         """The request's prompt as intake computes and checks it (a chat's through the template)."""
         return self.intake.prompt_ids(request)

@@ -25,7 +25,8 @@ from toolkit.sampling.stop import StopState
 class EngineRequest:
     """One request into the engine, the only shape one arrives in: toolkit.LLM, the server, a workload and replay
     build it; `Engine.add` takes it, and the engine's intake validates it once (a RequestError naming the field).
-    Give one of `prompt`, `messages` (a chat, through the tokenizer's template) or `prompt_token_ids`.
+    Give one of `prompt`, `messages` (a chat, through the tokenizer's template) or `prompt_token_ids`; `prompt`
+    beside `prompt_token_ids` is their text, tokenized already (vLLM's TextTokensPrompt: Engine.tokenized).
     `sampling_params`: a SamplingParams, or a mapping of its fields over the engine's defaults; with n > 1 the
     request becomes n sequences. `arrival_step`: the engine step before which it is not scheduled (a workload's
     timeline); `priority`: lower is more important (preemption_policy=priority)."""

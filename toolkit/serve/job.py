@@ -164,20 +164,31 @@ class Job:
         self.prompt_logprobs = scores
 
     async def _prepared(self) -> list:
-        """The grammar compiled (within serve.grammar_timeout_s) and, for echo with logprobs, the prompts scored on a
-        thread, one request's at a time (as the engine runs one forward at a time): per prompt its scores or None."""
+        """The grammar compiled (within serve.grammar_timeout_s), the prompts tokenized and checked against the
+        context on a thread (the engine thread tokenizes nothing; the tokenizer lets the GIL go), and, for echo
+        with logprobs, scored on a thread, one request's at a time (as the engine runs one forward at a time): per
+        prompt its scores or None."""
         try:
             await self.api.compiler.compile(self.sampling, self.api.limits.grammar_timeout_s)
+            self.prompts = await asyncio.to_thread(self._tokenized)
             if self.chat or not self.req.echo or self.req.logprobs is None:
                 return [None] * len(self.prompts)
             async with self.api.scoring:
-                return await asyncio.to_thread(self._prepare)
+                return await asyncio.to_thread(self._scored)
         except Exception as exc:  # noqa: BLE001 - every failure is this request's answer (preparation_error)
             raise preparation_error(exc, self.req, self.api.limits.grammar_timeout_s) from None
 
-    def _prepare(self) -> list:
-        """What is done before the engine thread sees a completion with echo and logprobs, once its grammar is
-        compiled: its prompts checked and scored. Per prompt: toolkit.engine.runner.prompt_logprobs' rows."""
+    def _tokenized(self) -> list[dict[str, Any]]:
+        """Each prompt as its ids beside its text (toolkit.engine.intake: what the engine then adds as it is)."""
+        prompts = []
+        for prompt in self.prompts:
+            request = self.api.loop.tokenized(EngineRequest(**prompt))
+            prompts.append({"prompt": request.prompt, "prompt_token_ids": request.prompt_token_ids})
+        return prompts
+
+    def _scored(self) -> list:
+        """A completion's prompts, with echo and logprobs, scored: per prompt toolkit.engine.runner.prompt_logprobs'
+        rows."""
         return [self.api.loop.prompt_logprobs(EngineRequest(**prompt), self.req.logprobs) for prompt in self.prompts]
 
     def abort(self) -> None:
@@ -221,7 +232,7 @@ class Job:
 
     def usage(self, completion: int | None = None) -> dict[str, int]:
         """Tokens so far: the prompts' and `completion` (None: every output's)."""
-        prompt = sum(len(o.prompt_token_ids) for o in self.outputs.values())
+        prompt = sum(len(p.get("prompt_token_ids") or ()) for p in self.prompts)  # tokenized before submission
         if completion is None:
             completion = sum(len(c.token_ids) for o in self.outputs.values() for c in o.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

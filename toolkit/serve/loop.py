@@ -228,6 +228,11 @@ class EngineLoop:
         thread), so the engine thread never waits for a compiler; a RequestError if it is invalid."""
         self.engine.precompile(sampling_params)
 
+    def tokenized(self, request: EngineRequest) -> EngineRequest:
+        """The request's prompt tokenized and checked against the context on the caller's thread (a handler's),
+        never the engine thread's; a RequestError naming the prompt."""
+        return self.engine.tokenized(request)
+
     def prompt_logprobs(self, request: EngineRequest, k: int) -> list:
         """echo with logprobs: the prompt checked as intake checks it and scored by one no-cache forward, on the
         caller's thread (it reads the weights only, never the engine's state)."""

@@ -350,6 +350,8 @@ def request_error(exc: Exception, fields: Any) -> ApiError:
         "logprobs",
     ]
     param = next((n for n in names if message.startswith(n) or f" {n} " in f" {message} "), None)
+    if param == "prompt" and "messages" in names:  # a chat's prompt is what its messages make
+        param = "messages"
     return ApiError(400, message, param)
 
 
