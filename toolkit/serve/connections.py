@@ -1,22 +1,29 @@
-"""The server's connections: uvicorn's HTTP protocol with what uvicorn leaves out, a time limit on a request's head
-and an overload answer in OpenAI's shape, and its server ending every stream before it shuts down."""
+"""The server's connections: uvicorn's HTTP protocol with what uvicorn leaves out, a time and a size limit on a
+request's head, and its own answers (overload, a malformed or oversized head) in OpenAI's shape; and its server
+ending every stream before it shuts down."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 
 import uvicorn
 
 try:
+    from uvicorn.protocols.http.httptools_impl import STATUS_LINE
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as HttpProtocol
 except ImportError:  # no httptools: h11's, as uvicorn's "auto" picks
     from uvicorn.protocols.http.h11_impl import H11Protocol as HttpProtocol
 
+    STATUS_LINE = {}
+
 from toolkit.serve.protocol import ApiError
 
 
-def http_protocol(header_timeout_s: float, limit: int | None) -> type[asyncio.Protocol]:
+def http_protocol(
+    header_timeout_s: float, limit: int | None, max_head_bytes: int = 64 * 1024
+) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol (httptools where it is installed, else h11: what its "auto" picks) with:
 
     - a timer on the request's head: a connection whose request line and headers have not all come
@@ -25,7 +32,11 @@ def http_protocol(header_timeout_s: float, limit: int | None) -> type[asyncio.Pr
       nothing, or a header a minute, held its connection, and a place under `limit`, for ever (nginx's
       client_header_timeout);
     - past `limit` open connections or requests (serve.limit_concurrency, uvicorn's test), a 503 in OpenAI's shape
-      with Retry-After, where uvicorn answers a plain-text one (httptools only: h11's is uvicorn's own)."""
+      with Retry-After, where uvicorn answers a plain-text one (httptools only: h11's is uvicorn's own);
+    - a request head (its line and headers) past `max_head_bytes` (serve.max_header_kb) is a 431 and the connection
+      closed, as soon as its bytes pass the bound: httptools keeps a head's bytes however many come, and a client
+      streaming one header for 10 s held 200 MB (h11 has its own bound, h11_max_incomplete_event_size);
+    - a head the parser refuses is a 400 in OpenAI's shape, where uvicorn answers it in plain text."""
     overloaded = ApiError(
         503,
         f"the server is at its limit of {limit} open connections (serve.limit_concurrency); retry later",
@@ -35,24 +46,68 @@ def http_protocol(header_timeout_s: float, limit: int | None) -> type[asyncio.Pr
         {"Retry-After": "1", "Connection": "close"},
     ).response()
 
+    too_large = ApiError(
+        431,
+        f"the request's head (its request line and headers) is larger than serve.max_header_kb="
+        f"{max_head_bytes // 1024}",
+        None,
+        "invalid_request_error",
+        "request_header_fields_too_large",
+        {"Connection": "close"},
+    )
+    httptools = hasattr(HttpProtocol, "on_headers_complete")  # h11's protocol has no parser callbacks
+
     class Protocol(HttpProtocol):
         _head_timer: asyncio.TimerHandle | None = None
+        _head_bytes: int | None = 0  # bytes of the head under way (None: no head under way, a request is)
 
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self._limit = self.limit_concurrency
-            if hasattr(HttpProtocol, "on_headers_complete"):  # httptools': the test is ours (on_headers_complete)
+            if httptools:  # the test is ours (on_headers_complete)
                 self.limit_concurrency = None
 
+        def data_received(self, data: bytes) -> None:
+            if self._head_bytes is not None:
+                self._head_bytes += len(data)
+            super().data_received(data)
+            if httptools and self._head_bytes is not None and self._head_bytes > max_head_bytes:
+                self._answer(too_large)  # the head is still not whole past the bound
+
         def on_headers_complete(self) -> None:
-            """uvicorn's, with `overloaded` as the app past the limit: the same test, OpenAI's answer."""
+            """uvicorn's, with `overloaded` as the app past the limit (the same test, OpenAI's answer), and
+            `too_large` for a head past the bound that came whole in one read."""
+            self._head_bytes = None
             app = self.app
-            if self._limit is not None and (len(self.connections) >= self._limit or len(self.tasks) >= self._limit):
+            if len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers) > max_head_bytes:
+                self.app = too_large.response()
+            elif self._limit is not None and (len(self.connections) >= self._limit or len(self.tasks) >= self._limit):
                 self.app = overloaded
             try:
                 super().on_headers_complete()
             finally:
                 self.app = app
+
+        def send_400_response(self, msg: str) -> None:
+            """A head the parser refuses (httptools'): OpenAI's shape."""
+            self._answer(ApiError(400, f"invalid HTTP request: {msg}", None, code="invalid_http_request"))
+
+        def _answer(self, error: ApiError) -> None:
+            """`error` written as its response and the connection closed, where no request is under way to carry it
+            (uvicorn's send_400_response, in OpenAI's shape)."""
+            if self.transport.is_closing():
+                return
+            body = json.dumps(
+                {"error": {"message": error.message, "type": error.kind, "param": None, "code": error.code}}
+            ).encode()
+            head = [STATUS_LINE[error.status]] + [n + b": " + v + b"\r\n" for n, v in self.server_state.default_headers]
+            head += [
+                b"content-type: application/json\r\n",
+                b"content-length: " + str(len(body)).encode() + b"\r\n",
+                b"connection: close\r\n\r\n",
+            ]
+            self.transport.write(b"".join(head) + body)
+            self.transport.close()
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -60,6 +115,7 @@ def http_protocol(header_timeout_s: float, limit: int | None) -> type[asyncio.Pr
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            self._head_bytes = 0
             self._time_the_head()
 
         def connection_lost(self, exc) -> None:

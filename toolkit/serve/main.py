@@ -58,6 +58,7 @@ SERVE_DEFAULTS = {
     "limit_concurrency": 1024,
     "timeout_keep_alive": 5,
     "client_header_timeout_s": 10.0,  # a connection whose request line and headers are not whole by then: closed
+    "max_header_kb": 64,  # a request line and headers past this: 431, the connection closed
     "max_trace_gb": None,
     "max_compiling": 8,
     "handoff_wait_ms": None,  # None: the engine loop's default for its device (toolkit.serve.loop.handoff_wait_for)
@@ -91,6 +92,7 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "limit_concurrency",
         "timeout_keep_alive",
         "max_compiling",
+        "max_header_kb",
     ):
         if not (isinstance(section[name], int) and not isinstance(section[name], bool) and section[name] >= 1):
             raise ConfigError(f"serve.{name} must be a positive integer, got {section[name]!r}")
@@ -194,7 +196,10 @@ def _uvicorn_config(app, host: str, port: int, section: Mapping[str, Any]):
         app,
         host=host,
         port=port,
-        http=http_protocol(section["client_header_timeout_s"], section["limit_concurrency"]),
+        http=http_protocol(
+            section["client_header_timeout_s"], section["limit_concurrency"], section["max_header_kb"] * 1024
+        ),
+        h11_max_incomplete_event_size=section["max_header_kb"] * 1024,  # where h11 parses (no httptools)
         log_level=section["log_level"],
         timeout_graceful_shutdown=section["timeout_graceful_shutdown"],
         lifespan="on",
