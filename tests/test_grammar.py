@@ -319,3 +319,20 @@ def test_grammar_trace_and_replay(tiny, tmp_path):
     assert req["plain"]["grammar_kind"] is None
     report = replay(tmp_path / "run", out_dir=tmp_path / "replay")
     assert report.identical, report.summary_line()
+
+
+@pytest.mark.native
+def test_an_assertion_inside_xgrammar_is_a_readable_refusal(tiny):
+    """A schema pattern of large repetition counts fails an assertion inside xgrammar 0.2.8 (its text named a C++
+    member, per_rule_fsm_hashes, and nothing a client could act on): the refusal says the compiler could not build
+    it, on one line, and the engine compiles the next grammar."""
+    engine = make_engine(tiny)
+    schema = {"type": "string", "pattern": "(a|b|c){600}q"}
+    try:
+        engine.precompile(SamplingParams(structured_outputs={"json": schema}))
+    except RequestError as exc:
+        message = str(exc)
+        assert message.startswith("invalid structured_outputs.json: "), message
+        assert "Check failed" not in message and "\n" not in message, message
+        assert "xgrammar cannot compile it" in message or "[" not in message, message
+    engine.precompile(SamplingParams(structured_outputs={"json": {"type": "string", "pattern": "(a|b){3}"}}))

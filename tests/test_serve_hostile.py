@@ -250,8 +250,12 @@ def test_a_grammar_past_its_time_limit_is_a_400(tiny):
 def test_compiles_that_outlive_their_time_limit_hold_their_own_threads_and_a_bound(tiny):
     """A compile past serve.grammar_timeout_s goes on (xgrammar's cannot be interrupted) on the compiler's own
     threads: while it does, a new grammar past serve.max_compiling is a 503 + Retry-After naming the knob, and a
-    request without a grammar is served at once; once it ends, grammars are taken again."""
-    srv = start_server(make_engine(tiny, sampling=SamplingParams()), None, grammar_timeout_s=0.001, max_compiling=1)
+    request without a grammar, or with one compiled already (json_object here), is served at once (it was refused
+    too: eight hostile patterns locked every structured request out for a minute); once it ends, grammars are taken
+    again."""
+    engine = make_engine(tiny, sampling=SamplingParams())
+    engine.precompile(SamplingParams(structured_outputs={"json": {"type": "object"}}))  # what json_object asks
+    srv = start_server(engine, None, grammar_timeout_s=0.001, max_compiling=1)
     wide = {
         "type": "object",
         "properties": {f"k{i}": {"type": "integer"} for i in range(3000)},
@@ -271,6 +275,10 @@ def test_compiles_that_outlive_their_time_limit_hold_their_own_threads_and_a_bou
         assert srv.uvicorn.config.app.state.compiler.compiling == 1
         r = chat(nested_schema(2))
         assert "serve.max_compiling=1" in refused(r, 503, None)["message"] and int(r.headers["retry-after"]) >= 1
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        body["response_format"] = {"type": "json_object"}
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
         assert (
             httpx.post(f"{srv.url}/v1/completions", json={"prompt": "plain", "max_tokens": 2}, timeout=60).status_code
             == 200

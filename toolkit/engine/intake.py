@@ -9,14 +9,14 @@ import collections.abc
 import dataclasses
 import hashlib
 import time
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Container, Mapping
 from typing import Any
 
 from toolkit.config import EngineConfig
 from toolkit.engine.request import EngineRequest, Sequence
 from toolkit.errors import ConfigError, RequestError, not_unicode, not_unicode_in
 from toolkit.models.tokenizer import Tokenizer
-from toolkit.sampling.grammar import GrammarBackend
+from toolkit.sampling.grammar import LazyGrammar
 from toolkit.sampling.params import SamplingParams
 from toolkit.sampling.processors.masks import resolve_bad_words
 
@@ -36,7 +36,7 @@ class RequestIntake:
         max_model_len: int,
         num_kv_blocks: int,
         default_sampling: SamplingParams,
-        grammar: Callable[[], GrammarBackend],
+        grammar: LazyGrammar,
     ):
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -47,12 +47,16 @@ class RequestIntake:
         self.grammar = grammar  # the engine's grammar backend, created on first use
         self._next_id = 0
 
-    def precompile(self, sampling_params: SamplingParams | Mapping[str, Any] | None) -> None:
+    def precompile(self, sampling_params: SamplingParams | Mapping[str, Any] | None, cached_only: bool = False) -> bool:
         """Compile a request's grammar into the engine's cache ahead of `sequences` (a server does it on its
-        handlers' threads, so the engine thread never waits for a compiler); a RequestError if it is invalid."""
-        params = self._sampling(sampling_params)
-        if params.structured_outputs is not None:
-            self.grammar().compile(params.structured_outputs)
+        handlers' threads, so the engine thread never waits for a compiler); a RequestError if it is invalid.
+        `cached_only`: compile nothing, and say whether nothing is left to compile (no grammar, or one compiled)."""
+        spec = self._sampling(sampling_params).structured_outputs
+        if spec is None or self.grammar.compiled(spec):
+            return True
+        if not cached_only:
+            self.grammar().compile(spec)
+        return not cached_only
 
     def sequences(self, request: EngineRequest, *, step_index: int = 0, taken: Container[str] = ()) -> list[Sequence]:
         """The sequences of one request (n when n > 1; the first leads, the others follow it), or a

@@ -119,9 +119,10 @@ class EngineQueries:
         """The request's prompt as intake computes and checks it (a chat's through the template)."""
         return self.intake.prompt_ids(request)
 
-    def precompile(self, sampling_params: SamplingParams | Mapping[str, Any] | None) -> None:
-        """Compile a request's grammar ahead of `add`, on the caller's thread (RequestError if invalid)."""
-        self.intake.precompile(sampling_params)
+    def precompile(self, sampling_params: SamplingParams | Mapping[str, Any] | None, cached_only: bool = False) -> bool:
+        """Compile a request's grammar ahead of `add`, on the caller's thread (RequestError if invalid); with
+        `cached_only`, compile nothing and say whether nothing is left to compile."""
+        return self.intake.precompile(sampling_params, cached_only)
 
     def prompt_logprobs(self, prompt_token_ids: collections.abc.Sequence[int], k: int) -> list:
         """Each prompt token's logprob and the top k at its position (echo), recomputed without the cache."""

@@ -29,8 +29,10 @@ MAX_COMPILED = 256  # compiled grammars kept per engine
 
 def _compiler_message(exc: Exception) -> str:
     """xgrammar's message without its timestamp and source location, on one line."""
-    text = " ".join(str(exc).split())
-    return re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", text)
+    text = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", " ".join(str(exc).split()))
+    if text.startswith("Check failed"):  # an assertion inside xgrammar, met by patterns of large repetition counts
+        return f"xgrammar cannot compile it (its internal check failed: {text.removeprefix('Check failed: ')})"
+    return text
 
 
 class GrammarBackend:
@@ -51,6 +53,10 @@ class GrammarBackend:
         self.compilations = 0
         self.seconds = 0.0  # time spent filling masks, advancing and checking matchers (for benchmarks)
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
+
+    def is_compiled(self, spec: StructuredOutputs) -> bool:
+        with self._lock:
+            return (spec.kind, spec.text) in self._compiled
 
     def compile(self, spec: StructuredOutputs):
         """The compiled grammar, from an LRU cache of MAX_COMPILED (a long-running server sees endless schemas)."""
@@ -118,6 +124,12 @@ class LazyGrammar:
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, tuple(stop_token_ids)
         self.backend: GrammarBackend | None = None
         self._lock = threading.Lock()
+
+    def compiled(self, spec: StructuredOutputs) -> bool:
+        """Whether `spec` is compiled already (never builds the backend: False before its first use)."""
+        with self._lock:
+            backend = self.backend
+        return backend is not None and backend.is_compiled(spec)
 
     def __call__(self) -> GrammarBackend:
         with self._lock:

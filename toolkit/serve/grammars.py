@@ -16,16 +16,16 @@ class GrammarCompiler:
     default pool: a compile past serve.grammar_timeout_s cannot be interrupted (xgrammar's) and goes on, so
     compiles hold at most these threads and every other handler's work (echo scoring) keeps its own. Past
     `max_compiling` compiles running or queued at once (timed-out ones still running among them), a request with
-    a grammar gets 503 + Retry-After; a request without one never waits here."""
+    a new grammar gets 503 + Retry-After; a request without one, or with one compiled already, never waits here
+    (it was queued behind the compiles, and refused past the bound, a minute long under a hostile schema)."""
 
-    def __init__(self, precompile: Callable[[Any], None], max_compiling: int, workers: int = 2):
+    def __init__(self, precompile: Callable[..., bool], max_compiling: int, workers: int = 2):
         self.precompile, self.max_compiling = precompile, max_compiling
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="grammar")
         self.compiling = 0  # on the event loop's thread only
 
     async def compile(self, sampling: dict[str, Any], timeout_s: float) -> None:
-        if sampling.get("structured_outputs") is None:
-            self.precompile(sampling)  # a check of the sampling fields: nothing to compile
+        if self.precompile(sampling, cached_only=True):  # the sampling fields checked, nothing to compile
             return
         if self.compiling >= self.max_compiling:
             raise Unavailable(

@@ -223,10 +223,10 @@ class EngineLoop:
         self.record.reject(request_id, route, status, reason, body_sha256)
         self._wake.set()
 
-    def precompile(self, sampling_params: Any) -> None:
+    def precompile(self, sampling_params: Any, cached_only: bool = False) -> bool:
         """Compile a request's grammar into the engine's cache, on the caller's thread (a grammar-compiler
         thread), so the engine thread never waits for a compiler; a RequestError if it is invalid."""
-        self.engine.precompile(sampling_params)
+        return self.engine.precompile(sampling_params, cached_only)
 
     def tokenized(self, request: EngineRequest) -> EngineRequest:
         """The request's prompt tokenized and checked against the context on the caller's thread (a handler's),
