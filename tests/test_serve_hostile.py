@@ -639,3 +639,34 @@ def test_a_request_head_past_max_header_kb_is_a_431_before_it_is_whole_and_a_bad
         assert ok.status_code == 200, ok.text
     finally:
         srv.stop()
+
+
+def test_a_dumped_assistant_message_goes_back_in_the_history_and_other_parts_are_named(server):
+    """The `openai` client's message, dumped (`model_dump()`: refusal, annotations, audio, function_call, tool_calls,
+    all null) and sent back in the next request's history, is taken (it was a 400 naming `refusal`); a tool call or
+    an image part is a 400 that says what is not supported (an image part's said `content` was no string)."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    history = [{"role": "user", "content": "Hi"}]
+    first = client.chat.completions.create(model="tiny", messages=history, max_tokens=3)
+    dumped = first.choices[0].message.model_dump()
+    assert {"refusal", "audio", "function_call", "tool_calls"} <= set(dumped)
+    again = client.chat.completions.create(
+        model="tiny", messages=[*history, dumped, {"role": "user", "content": "More"}], max_tokens=3
+    )
+    assert again.usage.prompt_tokens > first.usage.prompt_tokens
+    for message, param, says in (
+        (
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]},
+            "messages.0.tool_calls",
+            "tool calling",
+        ),
+        (
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]},
+            "messages.0.content.0",
+            "'image_url' are not supported",
+        ),
+    ):
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [message], "max_tokens": 1}, timeout=60)
+        assert says in refused(r, 400, param)["message"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError, PydanticUseDefault
 
 # OpenAI fields refused with a clear reason rather than "unknown field"
@@ -179,19 +179,51 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(Strict):
-    type: Literal["text"]
-    text: str
+    model_config = ConfigDict(extra="allow")  # another kind's fields: refused by its kind, not field by field
+
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> TextPart:
+        if self.type != "text":
+            raise PydanticCustomError(
+                "unsupported", f"content parts of type {self.type!r} are not supported (text only)"
+            )
+        if self.text is None:
+            raise PydanticCustomError("unsupported", "a text part needs its text")
+        return self
 
 
 class Message(Strict):
+    """A chat message. The fields an assistant message the client got back carries (OpenAI's `refusal`,
+    `annotations`, `audio`, `function_call`, `tool_calls`) are taken when null, as `openai` clients send a dumped
+    message back in the history; a refusal is its text."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("audio", "function_call", "tool_calls", "tool_call_id", mode="before")
+    @classmethod
+    def _no_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, []):
+            what = "audio" if info.field_name == "audio" else "tool calling"
+            raise PydanticCustomError("unsupported", f"{what} is not supported by this server")
+        return None
 
     def plain(self) -> dict[str, str]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
+        if content is None:
+            content = self.refusal
         return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
 
 
@@ -319,8 +351,10 @@ class ApiError(Exception):
 
 
 def validation_error(exc: ValidationError) -> ApiError:
-    """The first problem pydantic found, as a 400 naming the field (dotted path)."""
-    err = exc.errors()[0]
+    """The first problem pydantic found, as a 400 naming the field (dotted path); one of ours (`unsupported`: a
+    content part's kind, a tool call) before what a union's other members say (`content` is no string)."""
+    errors = exc.errors()
+    err = next((e for e in errors if e["type"] == "unsupported"), errors[0])
     loc = [str(x) for x in err["loc"] if not _union_tag(x)]
     param = ".".join(loc) or None
     if err["type"] == "extra_forbidden":
