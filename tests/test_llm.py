@@ -40,6 +40,9 @@ def test_each_call_is_its_own_run_and_a_seed_does_not_depend_on_the_batch(tmp_pa
     among = llm.generate(PROMPTS, [SamplingParams(seed=i, max_tokens=4) for i in (1, 2)] + [params])
     assert alone[0].outputs[0].token_ids == among[2].outputs[0].token_ids
     assert len(llm.trace_dirs) == 2 and llm.trace_dirs[0] != llm.trace_dirs[1] == llm.trace_dir
+    other = LLM(model="tiny", trace_root=tmp_path)  # a second LLM on the same root, its first call in one second
+    dirs = [other.generate(PROMPTS[2], params) and other.trace_dir for _ in range(2)] + [llm.trace_dir]
+    assert len(set(dirs)) == 3  # each its own directory (the second's first call was refused: it held a run)
 
 
 def test_without_tracing_nothing_is_written(tmp_path):

@@ -16,6 +16,7 @@ the latest call's, `llm.trace_dirs` all of them. `python run.py mode=replay repl
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -185,7 +186,7 @@ class LLM:
             if progress is not None:
                 progress.close()  # the line ends, as record's does
             return [logprobs.attach(engine.output(i)) for i in ids]
-        run_dir = self.trace_root / f"{time.strftime('%H-%M-%S')}-llm-{len(self.trace_dirs)}"
+        run_dir = _new_run_dir(self.trace_root, f"{time.strftime('%H-%M-%S')}-llm-{len(self.trace_dirs)}")
         config = {
             "model": dataclasses.asdict(self.loaded.config),
             "engine": dataclasses.asdict(self.engine_cfg),
@@ -308,3 +309,18 @@ def _sampling(params: SamplingParams | Mapping[str, Any]) -> SamplingParams:
     if isinstance(params, Mapping):
         return SamplingParams.from_mapping(params)
     raise ConfigError(f"sampling_params must be SamplingParams (or a list of them), got {params!r:.80}")
+
+
+def _new_run_dir(root: Path, stem: str) -> Path:
+    """A directory made here under `root`: `stem`, or `stem-2`, `stem-3`, ... where that is taken. mkdir is atomic,
+    so two LLMs (or processes) sharing a trace_root in one second never get one run directory (the second's call
+    was refused: it already held a run)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for k in itertools.count(1):
+        path = root / (stem if k == 1 else f"{stem}-{k}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise AssertionError("unreachable")
