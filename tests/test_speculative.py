@@ -351,3 +351,17 @@ def test_bad_speculative_configs():
         SpeculativeConfig(method="draft_model")
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         SpeculativeConfig(method="ngram", num_speculative_tokens=0)
+
+
+@pytest.mark.native
+def test_a_draft_that_reaches_fewer_positions_than_the_context_is_refused_at_start(tiny):
+    """A draft model drafts at every position of the target's context: one of 16 positions crashed the first step
+    past them with an IndexError from the rotary table; it is a one-line ConfigError when the engine is built."""
+    from toolkit.errors import ConfigError
+
+    cfg = SpeculativeConfig(method="draft_model", draft_model={"name": "tiny", "max_position_embeddings": 16})
+    with pytest.raises(ConfigError, match="reaches 16 positions, the target's context 2048"):
+        Engine(tiny, EngineConfig(), SamplingParams(), cfg)
+    short = Engine(tiny, EngineConfig(max_model_len=16), SamplingParams(temperature=0.0), cfg)  # within its reach
+    out = short.generate([{"prompt_token_ids": [1, 2, 3], "sampling_params": SamplingParams(max_tokens=12)}])
+    assert len(out[0].output_token_ids) == 12

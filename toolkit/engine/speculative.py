@@ -355,6 +355,12 @@ class Speculator:
             and draft.tokenizer.digest != engine.tokenizer.digest
         ):
             raise ConfigError("speculative.draft_model uses another tokenizer than the target")
+        if draft.arch.max_position_embeddings < engine.max_model_len:  # it drafts at every position of the context
+            raise ConfigError(
+                f"speculative.draft_model reaches {draft.arch.max_position_embeddings} positions, the target's context "
+                f"{engine.max_model_len} (engine.max_model_len): give a draft that reaches as far, or lower "
+                f"engine.max_model_len"
+            )
         layers, kv_heads, head_dim = draft.model.kv_shape
         blocks = engine.num_kv_blocks
         cache = PagedKVCache(
