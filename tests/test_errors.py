@@ -125,6 +125,20 @@ def test_a_device_or_kv_memory_this_machine_has_not_is_refused_before_the_model_
     load_for(tiny, EngineConfig(kv_cache_memory_gb=1e9, num_kv_blocks=8), {})  # a fixed pool does not read it
 
 
+@pytest.mark.native
+def test_a_kv_pool_of_blocks_or_a_swap_pool_larger_than_memory_is_refused(tiny):
+    """engine.num_kv_blocks and engine.swap_space_gb size their pools directly: past the memory they live in, the
+    allocator's traceback (or an overflow in torch's size arithmetic) was the answer."""
+    from toolkit.engine.core import Engine
+
+    loaded = tiny
+    for cfg, message in (
+        (EngineConfig(num_kv_blocks=10**9), "engine.num_kv_blocks=1e+09 makes a KV pool of"),
+        (EngineConfig(preemption_mode="swap", swap_space_gb=1e12), "engine.swap_space_gb=1e+12 makes a KV pool of"),
+    ):
+        _expect(59, ConfigError, message, lambda cfg=cfg: Engine(loaded, cfg))
+
+
 def test_cli_typo_and_mistyped_value_are_refused_by_composition(tmp_path):
     assert 2 in DOC_ROWS
     for override, message in [

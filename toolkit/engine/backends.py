@@ -167,6 +167,16 @@ def kv_pool(cfg: EngineConfig, loaded: LoadedModel, max_model_len: int, scratch:
     check_device(cfg)
     num_blocks = cfg.num_kv_blocks or auto_num_blocks(cfg, max_model_len, block_bytes)
     num_host_blocks = int(cfg.swap_space_gb * 2**30 // block_bytes) if cfg.preemption_mode == "swap" else 0
+    for name, value, size, device in (
+        ("num_kv_blocks", cfg.num_kv_blocks, num_blocks * block_bytes, torch.device(cfg.device)),
+        ("swap_space_gb", cfg.swap_space_gb, num_host_blocks * block_bytes, torch.device("cpu")),
+    ):
+        total = memory_bytes(device)
+        if size > total:  # refused here, not by the allocator's traceback (or a kill for the memory)
+            raise ConfigError(
+                f"engine.{name}={value:g} makes a KV pool of {size / 2**30:.1f} GB, more than the "
+                f"{total / 2**30:.1f} GB of memory {device.type} has; lower it"
+            )
     kv_cache = PagedKVCache(
         layers,
         num_blocks + scratch,
@@ -195,16 +205,19 @@ def check_device(cfg: EngineConfig) -> None:
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"engine.device={cfg.device} but this torch build cannot use MPS; use engine.device=cpu")
     if cfg.num_kv_blocks is None:  # the pool is sized from kv_cache_memory_gb
-        total = (
-            torch.cuda.mem_get_info(device)[1]
-            if device.type == "cuda"
-            else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        )
+        total = memory_bytes(device)
         if cfg.kv_cache_memory_gb * 2**30 > total:
             raise ConfigError(
                 f"engine.kv_cache_memory_gb={cfg.kv_cache_memory_gb:g} is more than the {total / 2**30:.1f} GB "
                 f"of memory {cfg.device} has; lower it"
             )
+
+
+def memory_bytes(device: torch.device) -> int:
+    """A device's memory: a CUDA GPU's, else this machine's RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def auto_num_blocks(cfg: EngineConfig, max_model_len: int, block_bytes: int) -> int:
