@@ -196,6 +196,7 @@ def test_request_that_can_never_fit_the_pool_is_refused(tiny):
         (dict(block_size=0), "engine.block_size must be a positive integer, got 0"),
         (dict(max_num_batched_tokens=4, max_num_seqs=8), "max_num_batched_tokens"),
         (dict(device="tpu"), "engine.device"),
+        (dict(num_threads=100_000), r"engine.num_threads must be an integer in \[1, 1024\]"),  # torch's SIGSEGV
     ],
 )
 def test_bad_engine_config(kwargs, match):

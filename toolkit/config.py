@@ -33,6 +33,7 @@ KV_CACHE_DTYPES = ("auto", "bf16", "int8", "fp8_e4m3")
 # chunks and decodes in separate forwards; prefill_first: a waiting prompt is prefilled whole in a step of its
 # own before decodes continue (vLLM V0's default); no_chunking: a prompt enters a step only whole
 SCHEDULER_POLICIES = ("fused", "two_forwards", "prefill_first", "no_chunking")
+MAX_THREADS = 1024  # engine.num_threads: torch crashes setting 100,000
 
 
 def check(cond: bool, message: str) -> None:
@@ -171,8 +172,9 @@ class EngineConfig:
             f"engine.max_model_len must be a positive integer or null, got {self.max_model_len!r}",
         )
         check(
-            self.num_threads is None or (is_int(self.num_threads) and self.num_threads > 0),
-            f"engine.num_threads must be a positive integer or null, got {self.num_threads!r}",
+            # torch itself crashes (SIGSEGV) setting 100,000 threads
+            self.num_threads is None or (is_int(self.num_threads) and 0 < self.num_threads <= MAX_THREADS),
+            f"engine.num_threads must be an integer in [1, {MAX_THREADS}] or null, got {self.num_threads!r}",
         )
         check(is_int(self.seed) and self.seed >= 0, f"engine.seed must be a non-negative integer, got {self.seed!r}")
         check(
