@@ -75,3 +75,15 @@ def test_the_most_upstream_field_names_the_cause_and_the_token_leads_the_line():
     )
     # a digest one run did not record is not compared (a trace older than schema 6 has no kept-set digest)
     assert first_divergences(a, sequences([row("r", 0, 1, kept_sha256=None), row("r", 1, 2)])) == []
+
+
+def test_a_draft_that_differs_under_the_same_token_is_named_speculation():
+    """A replay with another speculation (its counters differ, its token does not) was said to be "sampling: ...
+    another token": the cause names the draft."""
+    from toolkit.trace.diverge import REPLAYED_FIELDS
+
+    a = sequences([row("r", 0, 1, spec_proposed=0, spec_accepted=0)])
+    b = sequences([row("r", 0, 1, spec_proposed=1, spec_accepted=0)])
+    (d,) = first_divergences(a, b, REPLAYED_FIELDS)
+    assert d.kind == "speculation" and d.fields == ("spec_proposed",), d
+    assert "(cause: speculation: the same token, another draft" in d.describe("recorded", "replayed")

@@ -478,3 +478,15 @@ def test_a_greedy_grammar_run_verifies_with_its_grammars_masks(tiny, tmp_path):
     failure = verify(refused).failures[0]
     assert failure.position == first["position"], failure.reason
     assert failure.reason == "the request's grammar does not allow token 0 here"
+
+
+def test_replay_overrides_given_as_one_string_are_one_clear_error():
+    """`replay.overrides=notalist` reached the parser character by character ("Error parsing override 'n'")."""
+    from omegaconf import OmegaConf
+
+    from toolkit.reproduce.replay import apply_overrides
+
+    with pytest.raises(ConfigError, match="replay.overrides must be a list of key=value strings, got 'notalist'"):
+        apply_overrides(OmegaConf.create({"engine": {}}), "notalist")
+    cfg = apply_overrides(OmegaConf.create({"engine": {"block_size": 4}}), OmegaConf.create(["engine.block_size=8"]))
+    assert cfg.engine.block_size == 8

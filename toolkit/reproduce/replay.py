@@ -130,6 +130,8 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     from hydra.core.override_parser.overrides_parser import OverridesParser  # deferred: ANTLR
     from hydra.errors import HydraException  # deferred: hydra, with its ANTLR parser
 
+    if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):  # a string: its characters
+        raise ConfigError(f"replay.overrides must be a list of key=value strings, got {overrides!r}")
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))

@@ -50,6 +50,7 @@ CAUSES = (
     ("support", "processors or grammar: the same logits, but another kept set (kept_sha256 / support_size)"),
     ("noise", "sampling noise: the same logits and kept set, other Gumbel noise (seed, position or stream)"),
     ("token", "sampling: the same logits, kept set and noise, but another token"),
+    ("speculation", "speculation: the same token, another draft (draft_logprob / spec_proposed / spec_accepted)"),
     ("logprob", "numerical: the same token, other logprob bits"),
     ("finish", "stopping: the same token, another finish or error"),
     ("length", "length: one run has no row at this position (it stopped earlier, or its trace was cut)"),
@@ -61,7 +62,8 @@ CAUSE_FIELDS = (
     ("logits", {"logits_sha256"}),
     ("support", {"kept_sha256", "support_size", "grammar_allowed"}),
     ("noise", {"noise"}),
-    ("token", {"token_id", "draft_logprob", "spec_proposed", "spec_accepted"}),
+    ("token", {"token_id"}),
+    ("speculation", {"draft_logprob", "spec_proposed", "spec_accepted"}),
     ("logprob", {"raw_logprob", "processed_logprob", "top_raw", "top_processed"}),
 )
 # which differing field a divergence's one line shows with its values first
