@@ -670,3 +670,14 @@ def test_a_dumped_assistant_message_goes_back_in_the_history_and_other_parts_are
     ):
         r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [message], "max_tokens": 1}, timeout=60)
         assert says in refused(r, 400, param)["message"]
+
+
+def test_head_reads_the_get_routes_and_a_trailing_slash_is_a_404_naming_the_routes(server):
+    """A health checker's HEAD got 405; a POST to /v1/completions/ got a bare 307 to a URL built from the client's
+    Host header (httpx and openai do not follow it on a POST, so the client saw an empty answer)."""
+    for path in ("/health", "/v1/models"):
+        r = httpx.head(server.url + path, timeout=30)
+        assert r.status_code == 200 and r.content == b"" and int(r.headers["content-length"]) > 0, path
+    r = httpx.post(f"{server.url}/v1/completions/", json={"prompt": "Hi", "max_tokens": 1}, headers={"Host": "x"})
+    error = refused(r, 404, None)
+    assert "no route POST /v1/completions/" in error["message"] and "/v1/completions," in error["message"]

@@ -91,13 +91,16 @@ class Api:
         self.api_keys = tuple(k.encode() for k in api_keys)
         self.metrics_public = metrics_public
         self.tokenizer = loop.engine.tokenizer
-        self.app = FastAPI(title="toolkit", lifespan=self._lifespan(on_shutdown))
+        # no redirect for a trailing slash: a 307 to a URL built from the client's Host header, which clients do not
+        # follow on a POST; the 404 names the routes
+        self.app = FastAPI(title="toolkit", lifespan=self._lifespan(on_shutdown), redirect_slashes=False)
         app = self.app
         app.state.compiler = self.compiler  # what /metrics-like checks read of it (tests)
-        app.add_api_route("/health", _weakly(self.health), methods=["GET"])
-        app.add_api_route("/metrics", _weakly(self.render_metrics), methods=["GET"])
-        app.add_api_route("/v1/models", _weakly(self.models), methods=["GET"])
-        app.add_api_route("/v1/models/{model:path}", _weakly(self.model), methods=["GET"])
+        reads = ["GET", "HEAD"]  # HEAD as GET without its body (health checkers probe with it)
+        app.add_api_route("/health", _weakly(self.health), methods=reads)
+        app.add_api_route("/metrics", _weakly(self.render_metrics), methods=reads)
+        app.add_api_route("/v1/models", _weakly(self.models), methods=reads)
+        app.add_api_route("/v1/models/{model:path}", _weakly(self.model), methods=reads)
         app.add_exception_handler(HTTPException, self._no_such_route)
         app.add_api_route(
             "/v1/completions",
