@@ -129,3 +129,24 @@ def test_past_max_trace_gb_new_requests_get_507(tiny, tmp_path):
         assert httpx.get(srv.url + "/health").json()["status"] == "degraded"
     finally:
         srv.stop()
+
+
+def test_an_idle_server_has_its_last_steps_on_disk(tiny, tmp_path):
+    """Rows go to disk every serve.flush_every_steps steps; the last few steps' rows and request rows stayed in
+    memory for as long as the server then idled (a kill then lost them). Once the engine has nothing to run they
+    are written: a replay of the run directory read while the server still runs has every row."""
+    import pyarrow.parquet as pq
+
+    run = tmp_path / "run"
+    srv = start_server(make_engine(tiny, sampling=SamplingParams()), run, flush_every_steps=64)
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 5, "n": 2}, timeout=60)
+        assert r.status_code == 200
+
+        def rows_on_disk() -> int:
+            return sum(pq.read_table(p).num_rows for p in (run / "samples.parquet").glob("part-*.parquet"))
+
+        until(lambda: rows_on_disk() == 10, 10)
+        assert srv.loop.engine.has_unfinished() is False
+    finally:
+        srv.stop()

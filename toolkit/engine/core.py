@@ -263,10 +263,7 @@ class Engine(EngineQueries):
         if batch.is_empty:
             return self._idle(batch)
         self._scheduled(batch, now)
-        # once, and before any forward: a self-draft's forward writes the shared cache (a block a swap-out frees
-        # must reach the host first, a swapped-in or copied block be in place before the draft reads it), and a
-        # forward retried below must not copy a swapped-out block again
-        self.runner.move_blocks(batch)
+        self.runner.move_blocks(batch)  # once (a retried forward must not copy again), before a self-draft writes
         if self.speculator is not None:
             batch, proposals = self.speculator.fill(
                 batch, self.requests, DraftContext(self.block_manager.block_table, self.decider.draft_sample)

@@ -86,7 +86,7 @@ class Api:
         `Authorization: Bearer <one of them>`. `max_compiling`: grammars compiling or queued at once, past which
         a request with a new one gets 503 (GrammarCompiler)."""
         self.loop, self.served, self.metrics, self.limits = loop, served, metrics, limits or Limits()
-        self.compiler = GrammarCompiler(loop.precompile, max_compiling)
+        self.compiler = GrammarCompiler(loop.prepare.precompile, max_compiling)
         self.scoring = asyncio.Lock()  # one request's prompts scored at a time (Job._prepared)
         self.api_keys = tuple(k.encode() for k in api_keys)
         self.metrics_public = metrics_public

@@ -178,18 +178,13 @@ class Job:
         except Exception as exc:  # noqa: BLE001 - every failure is this request's answer (preparation_error)
             raise preparation_error(exc, self.req, self.api.limits.grammar_timeout_s) from None
 
-    def _tokenized(self) -> list[dict[str, Any]]:
-        """Each prompt as its ids beside its text (toolkit.engine.intake: what the engine then adds as it is)."""
-        prompts = []
-        for prompt in self.prompts:
-            request = self.api.loop.tokenized(EngineRequest(**prompt))
-            prompts.append({"prompt": request.prompt, "prompt_token_ids": request.prompt_token_ids})
-        return prompts
+    def _tokenized(self) -> list[dict[str, Any]]:  # each prompt's ids beside its text: what the engine adds as it is
+        requests = [self.api.loop.prepare.tokenized(EngineRequest(**prompt)) for prompt in self.prompts]
+        return [{"prompt": r.prompt, "prompt_token_ids": r.prompt_token_ids} for r in requests]
 
-    def _scored(self) -> list:
-        """A completion's prompts, with echo and logprobs, scored: per prompt toolkit.engine.runner.prompt_logprobs'
-        rows."""
-        return [self.api.loop.prompt_logprobs(EngineRequest(**prompt), self.req.logprobs) for prompt in self.prompts]
+    def _scored(self) -> list:  # echo with logprobs: per prompt toolkit.engine.runner.prompt_logprobs' rows
+        prepare = self.api.loop.prepare
+        return [prepare.prompt_logprobs(EngineRequest(**prompt), self.req.logprobs) for prompt in self.prompts]
 
     def abort(self) -> None:
         for request_id in self.request_ids:

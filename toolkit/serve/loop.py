@@ -115,6 +115,33 @@ class InternalError(ToolkitError):
     """An unexpected exception on the engine thread, for the requests it touched: an HTTP 500 each."""
 
 
+class Preparer:
+    """What a request's handler does with the engine before the engine thread sees the request, on the handler's
+    own threads: its grammar compiled, its prompt tokenized and checked, an echo's prompt scored. It reads the
+    engine's caches and weights, never its state."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def precompile(self, sampling_params: Any, cached_only: bool = False) -> bool:
+        """Compile a request's grammar into the engine's cache, on the caller's thread (a grammar-compiler
+        thread), so the engine thread never waits for a compiler; a RequestError if it is invalid."""
+        return self.engine.precompile(sampling_params, cached_only)
+
+    def tokenized(self, request: EngineRequest) -> EngineRequest:
+        """The request's prompt tokenized and checked against the context on the caller's thread (a handler's),
+        never the engine thread's; a RequestError naming the prompt."""
+        return self.engine.tokenized(request)
+
+    def prompt_logprobs(self, request: EngineRequest, k: int) -> list:
+        """echo with logprobs: the prompt checked as intake checks it and scored by one no-cache forward, on the
+        caller's thread (it reads the weights only, never the engine's state)."""
+        try:
+            return self.engine.prompt_logprobs(self.engine.prompt_ids(request), k)
+        finally:  # the forward's OpenMP workers on this handler thread would slow the engine thread's (kernels)
+            release_openmp_threads()
+
+
 class EngineLoop:
     def __init__(
         self,
@@ -143,6 +170,7 @@ class EngineLoop:
         if not (isinstance(max_waiting, int) and max_waiting >= 1):
             raise ConfigError(f"serve.max_waiting must be a positive integer, got {max_waiting!r}")
         self.engine = engine
+        self.prepare = Preparer(engine)  # on handlers' threads: grammars, prompts, echo scores
         self.record = RunRecorder(
             engine,
             run_dir,
@@ -167,6 +195,7 @@ class EngineLoop:
         self._sinks: dict[str, Sink] = {}
         self._errors: dict[str, str] = {}  # request id -> why a step failed it (answered once it ends)
         self._failed_steps = 0
+        self._unflushed = False  # steps since the trace was last flushed whole (written when the loop idles)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.error: BaseException | None = None
 
@@ -223,24 +252,6 @@ class EngineLoop:
         self.record.reject(request_id, route, status, reason, body_sha256)
         self._wake.set()
 
-    def precompile(self, sampling_params: Any, cached_only: bool = False) -> bool:
-        """Compile a request's grammar into the engine's cache, on the caller's thread (a grammar-compiler
-        thread), so the engine thread never waits for a compiler; a RequestError if it is invalid."""
-        return self.engine.precompile(sampling_params, cached_only)
-
-    def tokenized(self, request: EngineRequest) -> EngineRequest:
-        """The request's prompt tokenized and checked against the context on the caller's thread (a handler's),
-        never the engine thread's; a RequestError naming the prompt."""
-        return self.engine.tokenized(request)
-
-    def prompt_logprobs(self, request: EngineRequest, k: int) -> list:
-        """echo with logprobs: the prompt checked as intake checks it and scored by one no-cache forward, on the
-        caller's thread (it reads the weights only, never the engine's state)."""
-        try:
-            return self.engine.prompt_logprobs(self.engine.prompt_ids(request), k)
-        finally:  # the forward's OpenMP workers on this handler thread would slow the engine thread's (kernels)
-            release_openmp_threads()
-
     def abort(self, request_id: str | None) -> None:
         """Abort a request (its client left), or every one (None: a shutdown): before the next step, blocks freed."""
         self._commands.put(("abort", request_id))
@@ -277,6 +288,9 @@ class EngineLoop:
                 if not engine.has_unfinished() or backlogged:  # idle, or the disk holds too many rows back
                     self.stats.refresh(self.engine.stats())
                     self.record.write(None)  # an abort or a refusal while idle
+                    if self._unflushed and not backlogged and self.writer is not None and self.writer.fault is None:
+                        self.record.flush()  # what the last steps left in memory: a kill while idle lost it
+                        self._unflushed = False
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
@@ -297,7 +311,7 @@ class EngineLoop:
                 self.on_fatal(self.error)
 
     def _step(self) -> None:
-        t0 = time.perf_counter()
+        t0, self._unflushed = time.perf_counter(), True
         try:
             out = self.engine.step(trace_digests=self.writer is not None)
         except Exception as exc:  # noqa: BLE001 - the requests of this step fail; the loop goes on
