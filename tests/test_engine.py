@@ -171,7 +171,8 @@ def test_small_vocab_model_takes_token_ids_only(tiny_small_vocab):
         (dict(prompt_token_ids=[1, 2], sampling_params={"temperature": -1}), "temperature"),
         (dict(prompt_token_ids=[1, 2], sampling_params={"bogus": 1}), "unknown sampling option"),
         (dict(prompt_token_ids=[1, -3]), "outside the vocabulary"),
-        (dict(prompt="a", prompt_token_ids=[1]), "exactly one"),
+        (dict(prompt="a", messages=[{"role": "user", "content": "a"}]), "exactly one"),
+        (dict(prompt=5, prompt_token_ids=[1]), "prompt must be a string"),  # beside ids, it is their text
         (dict(messages=[{"role": "user"}]), "messages"),
     ],
 )

@@ -332,7 +332,10 @@ def test_an_assertion_inside_xgrammar_is_a_readable_refusal(tiny):
         engine.precompile(SamplingParams(structured_outputs={"json": schema}))
     except RequestError as exc:
         message = str(exc)
-        assert message.startswith("invalid structured_outputs.json: "), message
-        assert "Check failed" not in message and "\n" not in message, message
-        assert "xgrammar cannot compile it" in message or "[" not in message, message
+    else:
+        pytest.skip("this xgrammar compiles the pattern (its assertion is gone): no refusal to word")
+    assert message.startswith("invalid structured_outputs.json: xgrammar cannot compile it (its internal check"), (
+        message
+    )
+    assert "Check failed" not in message and "\n" not in message, message
     engine.precompile(SamplingParams(structured_outputs={"json": {"type": "string", "pattern": "(a|b){3}"}}))

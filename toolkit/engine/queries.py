@@ -10,7 +10,8 @@ such reaches: none).
     engine.running_sequences()                         the running set, in the scheduler's order, to read only
     engine.stats()                                     EngineStats: queues and the KV pool, now
     engine.prompt_ids(request)                         an EngineRequest's prompt as intake computes and checks it
-    engine.precompile(sampling_params)                 its grammar compiled ahead of `add`, on the caller's thread
+    engine.tokenized(request)                          the request with its prompt's ids beside its text, checked
+    engine.precompile(sampling_params, cached_only)    its grammar compiled ahead of `add`, on the caller's thread
     engine.prompt_logprobs(ids, k)                     echo's prompt scores, by one no-cache forward
     engine.check_invariants()                          the block manager's own consistency check
 """

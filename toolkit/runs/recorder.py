@@ -248,11 +248,12 @@ class RunRecorder:
         else:
             self.writer.write_step((), None, update)
 
-    def flush(self) -> None:
-        """Everything received so far on disk, the request rows included (a run is replayable from here on)."""
+    def flush(self, wait: bool = True) -> None:
+        """Everything received so far on disk, the request rows included (a run is replayable from here on);
+        `wait=False`: handed to the writer's thread, not waited for."""
         if self.writer is not None:
             self.writer.write_step((), None, self._requests_update())
-            self.writer.flush()
+            self.writer.flush(wait)
 
     @property
     def rows_written(self) -> int:

@@ -55,8 +55,14 @@ class GrammarBackend:
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
 
     def is_compiled(self, spec: StructuredOutputs) -> bool:
+        """Whether `spec` is in the cache; if so it is made the most recently used (the request it answers is
+        about to be added: it must not be evicted first, and compiled again on the engine thread)."""
+        key = (spec.kind, spec.text)
         with self._lock:
-            return (spec.kind, spec.text) in self._compiled
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return True
+            return False
 
     def compile(self, spec: StructuredOutputs):
         """The compiled grammar, from an LRU cache of MAX_COMPILED (a long-running server sees endless schemas)."""
@@ -126,9 +132,9 @@ class LazyGrammar:
         self._lock = threading.Lock()
 
     def compiled(self, spec: StructuredOutputs) -> bool:
-        """Whether `spec` is compiled already (never builds the backend: False before its first use)."""
-        with self._lock:
-            backend = self.backend
+        """Whether `spec` is compiled already. Never builds the backend, nor waits for the lock a build holds
+        (seconds: an event loop asks): False before its first use."""
+        backend = self.backend  # one attribute read: set once, whole
         return backend is not None and backend.is_compiled(spec)
 
     def __call__(self) -> GrammarBackend:

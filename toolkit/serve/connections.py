@@ -7,18 +7,18 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from http import HTTPStatus
 
 import uvicorn
 
 try:
-    from uvicorn.protocols.http.httptools_impl import STATUS_LINE
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as HttpProtocol
 except ImportError:  # no httptools: h11's, as uvicorn's "auto" picks
     from uvicorn.protocols.http.h11_impl import H11Protocol as HttpProtocol
 
-    STATUS_LINE = {}
-
 from toolkit.serve.protocol import ApiError
+
+STATUS_LINE = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
 
 
 def http_protocol(
@@ -59,7 +59,7 @@ def http_protocol(
 
     class Protocol(HttpProtocol):
         _head_timer: asyncio.TimerHandle | None = None
-        _head_bytes: int | None = 0  # bytes of the head under way (None: no head under way, a request is)
+        _head_bytes: int | None = None  # bytes of the head under way since the read it began in (None: none is)
 
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
@@ -72,7 +72,11 @@ def http_protocol(
                 self._head_bytes += len(data)
             super().data_received(data)
             if httptools and self._head_bytes is not None and self._head_bytes > max_head_bytes:
-                self._answer(too_large)  # the head is still not whole past the bound
+                self._answer(too_large)  # the head is still not whole past the bound (one read more at most)
+
+        def on_message_begin(self) -> None:  # a head begins (httptools'): counted from the next read on
+            super().on_message_begin()
+            self._head_bytes = 0
 
         def on_headers_complete(self) -> None:
             """uvicorn's, with `overloaded` as the app past the limit (the same test, OpenAI's answer), and
@@ -94,8 +98,12 @@ def http_protocol(
 
         def _answer(self, error: ApiError) -> None:
             """`error` written as its response and the connection closed, where no request is under way to carry it
-            (uvicorn's send_400_response, in OpenAI's shape)."""
+            (uvicorn's send_400_response, in OpenAI's shape); behind an answer still under way (a pipelined head
+            past the bound), the connection is only closed."""
             if self.transport.is_closing():
+                return
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.transport.close()
                 return
             body = json.dumps(
                 {"error": {"message": error.message, "type": error.kind, "param": None, "code": error.code}}
@@ -115,7 +123,6 @@ def http_protocol(
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            self._head_bytes = 0
             self._time_the_head()
 
         def connection_lost(self, exc) -> None:

@@ -288,10 +288,11 @@ class EngineLoop:
                 if not engine.has_unfinished() or backlogged:  # idle, or the disk holds too many rows back
                     self.stats.refresh(self.engine.stats())
                     self.record.write(None)  # an abort or a refusal while idle
-                    if self._unflushed and not backlogged and self.writer is not None and self.writer.fault is None:
-                        self.record.flush()  # what the last steps left in memory: a kill while idle lost it
+                    woken = self._wake.wait(0.5)
+                    if not woken and self._unflushed and not backlogged and self.writer is not None:
+                        # idle half a second: what the last steps left in memory to the writer (a kill lost it)
+                        self.record.flush(wait=False)
                         self._unflushed = False
-                    self._wake.wait(0.5)
                     self._wake.clear()
                     continue
                 self._step()

@@ -268,11 +268,14 @@ class TraceWriter:
             out, requests = held
             self._write_step(out.samples, out.logits_RV, requests, out.logits_sha256)
 
-    def flush(self) -> None:
-        """Write everything received so far (blocks until the worker has written it)."""
+    def flush(self, wait: bool = True) -> None:
+        """Write everything received so far: blocks until the worker has written it, or (`wait=False`) only hands
+        it to the worker (an idle server's loop, which must never wait on a disk)."""
         self._release_held()
         self._hand_off()
         self._queue.put([("flush", None, None, ())])
+        if not wait:
+            return
         self._queue.join()
         if self._error is not None:
             raise TraceWriteError(f"trace writer failed: {one_line(self._error)}") from self._error
