@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -137,6 +138,16 @@ def test_a_kv_pool_of_blocks_or_a_swap_pool_larger_than_memory_is_refused(tiny):
         (EngineConfig(preemption_mode="swap", swap_space_gb=1e12), "engine.swap_space_gb=1e+12 makes a KV pool of"),
     ):
         _expect(59, ConfigError, message, lambda cfg=cfg: Engine(loaded, cfg))
+    from toolkit.kv.paged_cache import PagedKVCache
+
+    ram_gb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    layers, kv_heads, head_dim = loaded.model.kv_shape
+    block_gb = (
+        PagedKVCache.block_bytes(layers, EngineConfig().block_size, kv_heads, head_dim, torch.float32, "auto", "block")
+        / 2**30
+    )
+    half = EngineConfig(num_kv_blocks=int(0.6 * ram_gb / block_gb), preemption_mode="swap", swap_space_gb=0.6 * ram_gb)
+    _expect(59, ConfigError, "make KV pools of", lambda: Engine(loaded, half))  # each fits, the two do not
 
 
 def test_cli_typo_and_mistyped_value_are_refused_by_composition(tmp_path):

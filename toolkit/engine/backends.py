@@ -177,6 +177,13 @@ def kv_pool(cfg: EngineConfig, loaded: LoadedModel, max_model_len: int, scratch:
                 f"engine.{name}={value:g} makes a KV pool of {size / 2**30:.1f} GB, more than the "
                 f"{total / 2**30:.1f} GB of memory {device.type} has; lower it"
             )
+    ram = memory_bytes(torch.device("cpu"))
+    if torch.device(cfg.device).type != "cuda" and (num_blocks + num_host_blocks) * block_bytes > ram:
+        raise ConfigError(  # both pools in RAM: each may fit, and not the two
+            f"engine.num_kv_blocks and engine.swap_space_gb make KV pools of "
+            f"{(num_blocks + num_host_blocks) * block_bytes / 2**30:.1f} GB together, more than the "
+            f"{ram / 2**30:.1f} GB of memory cpu has; lower either"
+        )
     kv_cache = PagedKVCache(
         layers,
         num_blocks + scratch,
