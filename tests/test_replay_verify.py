@@ -490,3 +490,16 @@ def test_replay_overrides_given_as_one_string_are_one_clear_error():
         apply_overrides(OmegaConf.create({"engine": {}}), "notalist")
     cfg = apply_overrides(OmegaConf.create({"engine": {"block_size": 4}}), OmegaConf.create(["engine.block_size=8"]))
     assert cfg.engine.block_size == 8
+
+
+@native_only
+def test_a_quantised_kv_runs_failure_says_the_difference_is_the_quantisations(tiny, tmp_path):
+    """Verify recomputes with K and V in full precision, so an 8-bit KV run differs from it by design (0.002 to 0.87
+    nats, docs/kv-cache.md): its failure says so, and how to bound it, where it read as a corrupted run."""
+    run = tmp_path / "int8"
+    make_run(tiny, run, engine_cfg={**ENGINE_CFG, "kv_cache_dtype": "int8"})
+    failed = verify(run, atol=1e-12)
+    assert not failed.passed and "this run's KV cache is int8" in failed.summary_line(), failed.summary_line()
+    assert failed.to_dict()["kv_cache_dtype"] == "int8"
+    passed = verify(run, atol=10.0)
+    assert passed.passed and "KV cache" not in passed.summary_line()
