@@ -195,7 +195,7 @@ class EngineLoop:
         self._sinks: dict[str, Sink] = {}
         self._errors: dict[str, str] = {}  # request id -> why a step failed it (answered once it ends)
         self._failed_steps = 0
-        self._unflushed = False  # steps since the trace was last flushed whole (written when the loop idles)
+        self._unflushed = False  # whether steps ran since the loop last handed the writer a flush (idle)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.error: BaseException | None = None
 
