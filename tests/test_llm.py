@@ -96,6 +96,13 @@ def test_openai_content_parts_and_a_sampling_mapping_are_taken_as_vllm_takes_the
     joined = llm.chat([{"role": "user", "content": parts}], {"temperature": 0, "max_tokens": 4, "ignore_eos": True})
     assert joined[0].prompt_token_ids == plain[0].prompt_token_ids
     assert joined[0].outputs[0].token_ids == plain[0].outputs[0].token_ids and len(plain[0].outputs[0].token_ids) == 4
+    # an assistant message as an OpenAI client dumps it (nulls beside its text), a refusal as its text: as served
+    dumped = {"role": "assistant", "content": None, "refusal": "No.", "tool_calls": None, "audio": None}
+    history = [{"role": "user", "content": "Say hi twice."}, dumped, {"role": "user", "content": "Why?"}]
+    spelled = [*history[:1], {"role": "assistant", "content": "No."}, history[2]]
+    assert llm.chat(history, greedy)[0].prompt_token_ids == llm.chat(spelled, greedy)[0].prompt_token_ids
+    with pytest.raises(ConfigError, match="tool_calls is not supported"):
+        llm.chat([{"role": "assistant", "content": "x", "tool_calls": [{"id": "c"}]}], greedy)
 
 
 @pytest.mark.slow

@@ -287,6 +287,11 @@ def _conversation(messages: Any) -> list[dict[str, Any]]:
                     f"a message's content parts must be text parts ({{type: text, text}}), got {parts!r:.80}"
                 )
             m["content"] = "".join(p["text"] for p in parts)
+        for name in ("tool_calls", "function_call", "audio"):  # a message an OpenAI client got back: null there
+            if m.get(name) not in (None, []):
+                raise ConfigError(f"a chat message's {name} is not supported (tool calling and audio are not)")
+        if m.get("content") is None and isinstance(m.get("refusal"), str):
+            m["content"] = m["refusal"]  # a refusal is the message's text, as the server reads it
         out.append(m)
     return out
 
