@@ -683,6 +683,20 @@ def test_head_reads_the_get_routes_and_a_trailing_slash_is_a_404_naming_the_rout
     assert "no route POST /v1/completions/" in error["message"] and "/v1/completions," in error["message"]
 
 
+def _two_answers(url: str, requests: bytes) -> bytes:
+    """What one connection answers to `requests` (two, sent at once), read until both answers are whole."""
+    sock = _connect(url)
+    sock.sendall(requests)
+    sock.settimeout(30)
+    data = b""
+    while data.count(b"HTTP/1.1 ") < 2 or not data.rstrip().endswith(b"}"):
+        chunk = sock.recv(65536)
+        assert chunk, data[-300:]
+        data += chunk
+    sock.close()
+    return data
+
+
 def test_bodies_past_max_header_kb_are_no_head_pipelined_or_behind_an_early_answer(tiny):
     """Only a head is bounded by serve.max_header_kb: two pipelined requests with 100 KB bodies are both served,
     and a 404 answered before its 100 KB body is read leaves the connection serving the next request (the count
@@ -691,23 +705,11 @@ def test_bodies_past_max_header_kb_are_no_head_pipelined_or_behind_an_early_answ
     body = b'{"prompt": "Hi", "max_tokens": 1}' + b" " * 100_000
     request = b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
     try:
-        pipelined = _connect(srv.url)
-        pipelined.sendall(request % (b"/v1/completions", len(body), body) * 2)
-        pipelined.settimeout(30)
-        data = b""
-        while data.count(b"HTTP/1.1 ") < 2 or not data.rstrip().endswith(b"}"):
-            chunk = pipelined.recv(65536)
-            assert chunk, data[-300:]
-            data += chunk
+        data = _two_answers(srv.url, request % (b"/v1/completions", len(body), body) * 2)
         assert data.count(b"HTTP/1.1 200 OK") == 2, data[:500]
-        early = _connect(srv.url)
-        early.sendall(request % (b"/v1/nowhere", len(body), body) + request % (b"/v1/completions", len(body), body))
-        early.settimeout(30)
-        data = b""
-        while data.count(b"HTTP/1.1 ") < 2 or not data.rstrip().endswith(b"}"):
-            chunk = early.recv(65536)
-            assert chunk, data[-300:]
-            data += chunk
+        data = _two_answers(
+            srv.url, request % (b"/v1/nowhere", len(body), body) + request % (b"/v1/completions", len(body), body)
+        )
         assert b"HTTP/1.1 404" in data and b"HTTP/1.1 200 OK" in data and b"431" not in data, data[:500]
     finally:
         srv.stop()

@@ -105,9 +105,7 @@ def http_protocol(
             if self.cycle is not None and not self.cycle.response_complete:
                 self.transport.close()
                 return
-            body = json.dumps(
-                {"error": {"message": error.message, "type": error.kind, "param": None, "code": error.code}}
-            ).encode()
+            body = json.dumps(error.body()).encode()
             head = [STATUS_LINE[error.status]] + [n + b": " + v + b"\r\n" for n, v in self.server_state.default_headers]
             head += [
                 b"content-type: application/json\r\n",

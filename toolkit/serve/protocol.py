@@ -342,12 +342,12 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.kind = status, " ".join(message.split()), param, kind
         self.code, self.headers = code, headers
 
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error object."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        return JSONResponse(
-            {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}},
-            status_code=self.status,
-            headers=self.headers,
-        )
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def validation_error(exc: ValidationError) -> ApiError:
