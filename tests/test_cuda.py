@@ -460,3 +460,15 @@ def test_async_scheduling_queues_the_next_step_without_waiting_for_the_gpu(on_gp
     while eng.has_unfinished():
         eng.step()
     assert eng.pipeline is not None and watched == [], watched[:5]
+
+
+def test_a_packed_forward_does_not_wait_for_the_gpu(on_gpu, monkeypatch):
+    """The runner's packed forward (every prefill step, and every step with engine.cuda_graphs=off) called
+    torch.cuda.synchronize after each forward, so the host waited for the GPU to drain; nothing in a step's forward
+    waits now (the sampler's one event, on its own copies, is the only wait)."""
+    calls = []
+    real = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: (calls.append(a), real(*a, **k)))
+    eng, rows = run(on_gpu, "cuda", cuda_graphs="off")
+    assert sum(len(r) for r in rows.values()) == 5 * 12
+    assert calls == []

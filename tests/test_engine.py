@@ -8,10 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import make_engine
-from toolkit.config import EngineConfig
+from toolkit.config import EngineConfig, ModelConfig
 from toolkit.engine.core import Engine
 from toolkit.engine.request import SequenceStatus
 from toolkit.errors import ConfigError, RequestError
+from toolkit.models import load_model
 from toolkit.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -154,6 +155,22 @@ def test_small_vocab_model_takes_token_ids_only(tiny_small_vocab):
         engine.add_request("hello")
     with pytest.raises(RequestError, match="outside the vocabulary"):
         engine.add_request(prompt_token_ids=[1, 64])
+
+
+@pytest.mark.native
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
+def test_more_alternatives_than_the_vocabulary_is_refused_with_one_line(name):
+    """20 alternatives of a 17-token vocabulary failed the request mid-step (torch.topk's "selected index k out
+    of range", on the CPU's sampler and the GPU's); it is refused at intake, naming the field, and the whole
+    vocabulary is still taken."""
+    engine = make_engine(load_model(ModelConfig(name="tiny", seed=1, vocab_size=17)))
+    with pytest.raises(RequestError, match=f"^{name} 18 asks for more alternatives than the vocabulary's 17 tokens"):
+        engine.add_request(prompt_token_ids=[1, 2], sampling_params={name: 18, "max_tokens": 2})
+    assert not engine.requests
+    rid = engine.add_request(prompt_token_ids=[1, 2], sampling_params={name: 17, "max_tokens": 2, "seed": 0})
+    engine.run_until_done()
+    out = engine.output(rid)
+    assert out.finish_reason == "length", out  # the whole vocabulary as alternatives, no error
 
 
 @pytest.mark.native

@@ -154,6 +154,27 @@ def test_unknown_family_is_one_line_error(tmp_path):
         load_model(ModelConfig(name="hf", path=str(tmp_path)))
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_attention_heads": 6, "num_key_value_heads": 4}, r"num_attention_heads \(6\) must be a multiple of"),
+        ({"num_attention_heads": 0}, "must be a positive integer, got 0"),
+        ({"hidden_size": "64"}, "hidden_size must be a positive integer, got '64'"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer, got 0"),
+        ({"head_dim": 15, "num_key_value_heads": 4}, r"head_dim \(15\) must be even"),
+    ],
+)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2"])
+def test_a_config_with_sizes_no_decoder_has_is_one_line_error(family, change, message):
+    """6 query heads over 4 KV heads loaded before: the GPU's attention left two heads unwritten (uninitialised
+    memory, no error) and the CPU's torch attention crashed mid-step with a reshape error."""
+    from toolkit.models.families import arch_from_hf_config
+
+    with pytest.raises(ModelLoadError, match=message):
+        arch_from_hf_config({**CONFIGS[family], **change})
+    arch_from_hf_config(CONFIGS[family])  # the family's own config still loads
+
+
 @pytest.mark.native
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])
 def test_flex_backend_matches_default(family):

@@ -158,6 +158,22 @@ def test_padding_rows_touch_only_the_scratch_block(loaded):
         assert (padded[40] != 7.0).any()  # the padding rows wrote the scratch block
 
 
+@native_only
+def test_a_buckets_width_is_capped_at_a_sequences_most_blocks_not_the_pool(loaded):
+    """A context past the largest width bucket took a bucket as wide as the KV pool (a 60,000-block pool: a
+    117 MiB table a step at 256 rows, and 3,750 splits a token); the cap is a sequence's most blocks
+    (max_model_len / block_size), here 6 of 4 tokens where the pool holds hundreds, and the rows keep their bits."""
+    workload = [(12, 10, 0.0), (16, 6, 1.0), (3, 19, 0.0)]  # contexts up to 22 tokens: 6 blocks, bucket 8 uncapped
+    cfg = dict(block_size=4, max_model_len=22, num_kv_blocks=300, batch_invariant=True)
+    _, want_rows, want_tokens = run(loaded, workload, cuda_graphs="off", **cfg)
+    engine, got_rows, got_tokens = run(loaded, workload, cuda_graphs="eager", **cfg)
+    assert engine.runner.graphs.scratch == 300
+    widths = {w for _, w in engine.runner.graphs.buckets}
+    assert max(widths) == 6, widths
+    assert got_tokens == want_tokens
+    assert all(torch.equal(got_rows[k], row) for k, row in want_rows.items())
+
+
 def test_a_bucket_step_sends_its_inputs_in_one_copy(loaded, monkeypatch):
     """A bucketed decode step's inputs (ids, positions, slots, context lengths, tables; padding rows included) reach
     the device in one copy: on a GPU each copy is a transfer the host queues (five and more a step before)."""

@@ -139,7 +139,7 @@ class Engine(EngineQueries):
             matmul_schedule=self.cfg.matmul_schedule,
             flex_compile=self.cfg.flex_compile,
             two_forwards=self.cfg.scheduler_policy == "two_forwards",
-            graphs=(self.graph_mode, self.cfg.max_num_seqs),
+            graphs=(self.graph_mode, self.cfg.max_num_seqs, self.max_model_len),
         )
         self.matmul_schedule = self.runner.matmul_schedule  # the native CPU matmul's loops per rows (or None)
         # created on the first structured-output request; the stages share it without a reference back to the

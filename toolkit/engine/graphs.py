@@ -69,6 +69,7 @@ class DecodeGraphs:
         backend: str,
         native_matmul: bool,
         max_num_seqs: int,
+        max_model_len: int,
         capture: bool,
         schedule: MatmulSchedule | None = None,
     ):
@@ -78,7 +79,9 @@ class DecodeGraphs:
         self.block_size = kv_cache.block_size
         self.scratch = kv_cache.num_blocks - 1  # the block no sequence owns
         self.max_batch = max_num_seqs
-        self.max_width = max(1, self.scratch)
+        # a sequence's most blocks: a context past the largest width bucket gets a bucket this wide, never one as
+        # wide as the pool (a 60,000-block pool's 256-row bucket was a 117 MiB table a step, 3,750 splits a token)
+        self.max_width = max(1, min(self.scratch, -(-max_model_len // self.block_size)))
         self.capture = capture
         self.buckets: dict[tuple[int, int], Bucket] = {}
         self.pool = None  # the captured graphs' shared memory pool

@@ -221,6 +221,10 @@ class RequestIntake:
             bad = [t for t in ids or () if t >= v]
             if bad:
                 raise RequestError(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {v})")
+        for name in ("logprobs", "prompt_logprobs"):  # alternatives beside each token: at most the vocabulary's
+            k = getattr(params, name)
+            if k is not None and k > v:
+                raise RequestError(f"{name} {k} asks for more alternatives than the vocabulary's {v} tokens")
 
     def _bad_words_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
         try:

@@ -71,7 +71,7 @@ class ModelRunner:
         matmul_schedule: str | schedules.MatmulSchedule = "auto",
         flex_compile: bool = True,
         two_forwards: bool = False,
-        graphs: tuple[str, int] = ("off", 0),
+        graphs: tuple[str, int, int] = ("off", 0, 0),
     ):
         self.model = model
         self.backend = attention_backend  # "kernel", "sdpa" or "flex" (resolved by the engine)
@@ -108,8 +108,9 @@ class ModelRunner:
         # (the interleaving post's starting point); the logits rows come out in the fused order
         self.two_forwards = two_forwards
         # decode-only steps in padded batch buckets over static buffers, captured as CUDA graphs or run eagerly
-        # ((mode, max_num_seqs): toolkit/engine/graphs.py); the cache holds one scratch block for the padding rows
-        mode, max_num_seqs = graphs
+        # ((mode, max_num_seqs, max_model_len): toolkit/engine/graphs.py); the cache holds one scratch block for the
+        # padding rows
+        mode, max_num_seqs, max_model_len = graphs
         self.graphs = (
             None
             if mode == "off"
@@ -119,6 +120,7 @@ class ModelRunner:
                 attention_backend,
                 self.native_matmul,
                 max_num_seqs,
+                max_model_len,
                 capture=mode == "capture",
                 schedule=self.matmul_schedule,
             )
@@ -292,8 +294,8 @@ class ModelRunner:
             native_matmul=self.native_matmul,
             schedule=self.matmul_schedule,
         )
-        if logits.device.type == "cuda":
-            torch.cuda.synchronize(logits.device)
+        # no wait for the device (it was here): the sampler's kernels queue behind the forward's, and on a GPU the
+        # seconds are the host's, as in a bucket (graphs.py)
         return ModelOutput(logits_RV=logits, sample_chunks=inputs.sample_chunks, forward_s=time.perf_counter() - t)
 
 

@@ -27,10 +27,36 @@ def family_of(model_type: Any) -> ModuleType:
 
 def arch_from_hf_config(cfg: Mapping[str, Any]) -> DecoderArch:
     family = family_of(cfg.get("model_type"))
+    for key in HF_SIZES:
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ModelLoadError(f"config.json's {key} must be a positive integer, got {value!r}")
     try:
-        return family.from_hf_config(cfg)
+        arch = family.from_hf_config(cfg)
     except KeyError as exc:
         raise ModelLoadError(f"config.json of a {cfg.get('model_type')} model lacks {exc.args[0]!r}") from None
+    check_shape(arch)
+    return arch
+
+
+# every family's sizes (HF's names): each a positive integer where given
+HF_SIZES = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_inner", "n_positions",
+)  # fmt: skip
+
+
+def check_shape(arch: DecoderArch) -> None:
+    """A config.json whose heads no decoder has is refused in one line: 6 query heads over 4 KV heads loaded, and
+    the GPU's attention left two heads unwritten (uninitialised memory, no error) while the CPU's torch attention
+    crashed mid-step."""
+    if arch.num_heads % arch.num_kv_heads:
+        raise ModelLoadError(
+            f"config.json's num_attention_heads ({arch.num_heads}) must be a multiple of num_key_value_heads"
+            f" ({arch.num_kv_heads}): each KV head serves the same number of query heads"
+        )
+    if arch.positions == "rope" and arch.head_dim % 2:
+        raise ModelLoadError(f"config.json's head_dim ({arch.head_dim}) must be even for rotary positions")
 
 
 def canonical_weights(arch: DecoderArch, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
