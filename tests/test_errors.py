@@ -433,6 +433,27 @@ def test_trace_rows(small_run, tmp_path):
     assert {55, 56, 57, 58} <= DOC_ROWS
 
 
+@pytest.mark.native
+def test_replay_overrides_the_trace_fixes_held_out_shapes_and_alternatives_past_the_vocabulary():
+    from toolkit.models.families import arch_from_hf_config
+    from toolkit.reproduce.replay import check_overrides
+
+    for override in ("sampling.temperature=0.3", "+sampling.top_k=3", "workload.num_requests=1", "engine.seed=7"):
+        _expect(60, ConfigError, "cannot change a replay", lambda o=override: check_overrides([o]))
+    check_overrides(["engine.max_num_seqs=2", "engine.seed_offset=1", "model.dtype=bfloat16"])  # these reach it
+    llama = {"model_type": "llama", "vocab_size": 64, "hidden_size": 96, "num_hidden_layers": 1}
+    heads = {**llama, "intermediate_size": 64, "num_attention_heads": 6, "num_key_value_heads": 4}
+    _expect(61, ModelLoadError, "must be a multiple of num_key_value_heads", lambda: arch_from_hf_config(heads))
+    engine = make_engine(load_model(ModelConfig(name="tiny", seed=1, vocab_size=17)))
+    for name in ("logprobs", "prompt_logprobs"):
+        _expect(
+            62,
+            RequestError,
+            "asks for more alternatives than the vocabulary's 17 tokens",
+            lambda n=name: engine.add_request(prompt_token_ids=[1], sampling_params={n: 20}),
+        )
+
+
 def test_every_documented_row_is_tested():
     source = Path(__file__).read_text()
     tested = {int(n) for n in re.findall(r"_expect\(\s*(\d+),", source)}

@@ -82,8 +82,9 @@ def copy_run(src: Path, dst: Path) -> Path:
     return dst
 
 
-def edit_sample(run_dir: Path, request_id: str, position: int, column: str, change) -> None:
-    """Hand-edit one value of one row in samples.parquet."""
+def edit_sample(run_dir: Path, request_id: str, position: int, column: str, change, outputs: bool = True) -> None:
+    """Hand-edit one value of one row in samples.parquet; a token as a careful forger would, in requests.parquet's
+    output tokens too (`outputs`: the two files then agree, and only a replay or a recomputation can tell)."""
     for part in sorted((run_dir / "samples.parquet").glob("part-*.parquet")):
         table = pq.read_table(part)
         rows = table.to_pylist()
@@ -91,8 +92,23 @@ def edit_sample(run_dir: Path, request_id: str, position: int, column: str, chan
             if r["request_id"] == request_id and r["position"] == position and r["stream"] == 0:
                 r[column] = change(r[column])
                 pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), part)
+                if column == "token_id" and outputs:
+                    edit_outputs(run_dir, request_id, position, r[column])
                 return
     raise AssertionError("row not found")
+
+
+def edit_outputs(run_dir: Path, request_id: str, position: int, token: int) -> None:
+    """Set the output token at `position` of stream 0 of `request_id` in requests.parquet's parts."""
+    for part in sorted((run_dir / REQUESTS_FILE).glob("part-*.parquet")):
+        table = pq.read_table(part)
+        rows = table.to_pylist()
+        for r in rows:
+            if r["request_id"] == request_id and r["stream"] == 0:
+                r["output_token_ids"][position - len(r["prompt_token_ids"])] = token
+                pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), part)
+                return
+    raise AssertionError("request not found")
 
 
 def test_replay_of_a_mixed_run_is_bit_identical(recorded_run, tmp_path):
@@ -144,6 +160,23 @@ def test_verify_passes_and_a_hand_edited_token_fails_at_that_row(recorded_run, t
     assert [(f.request_id, f.position) for f in report.failures] == [("greedy", 7)]
 
 
+def test_verify_names_a_sampled_token_forged_with_its_recomputed_logprob(recorded_run, tmp_path):
+    """A sampled token changed in both files, with the raw logprob the reference gives the new token: every
+    logprob then lies within atol and verify passed (only replay caught it). A sampled row's noise is its
+    request key's for its token, so the forged row fails at itself; a noise edited alone fails too."""
+    run = copy_run(recorded_run, tmp_path / "run")
+    edit_sample(run, "nucleus", 33, "token_id", lambda t: (t + 1) % 49152)
+    check = next(c for c in verify(run).checks if (c.request_id, c.position) == ("nucleus", 33))
+    edit_sample(run, "nucleus", 33, "raw_logprob", lambda _: check.recomputed_logprob)
+    report = verify(run)
+    assert [(f.request_id, f.position) for f in report.failures] == [("nucleus", 33)], report.summary_line()
+    assert "is not the request key's for token" in report.failures[0].reason
+    assert report.failures[0].abs_diff < 1e-4  # its logprob did not give it away
+    run = copy_run(recorded_run, tmp_path / "noise")
+    edit_sample(run, "nucleus", 34, "noise", lambda x: x + 1e-12)
+    assert [(f.request_id, f.position) for f in verify(run).failures] == [("nucleus", 34)]
+
+
 def test_verify_with_the_hf_reference(recorded_run):
     report = verify(recorded_run, reference="hf")
     assert report.passed and report.reference == "hf" and report.max_abs_diff < 1e-4
@@ -170,10 +203,12 @@ def test_partial_trace_replays_and_verifies_the_rows_it_has(tiny, tmp_path):
         flush_every_steps=3,
         on_step=capture,
     )
-    # what a kill -9 leaves: the last part not yet written, the request rows as they were at the start of the run
+    # what a kill -9 leaves: the last part not yet written, the request rows as they were at the start of the run,
+    # no summary.json (written when a run closes)
     parts = sorted((run_dir / "samples.parquet").glob("part-*.parquet"))
     assert len(parts) >= 3
     parts[-1].unlink()
+    (run_dir / "summary.json").unlink()
     shutil.rmtree(run_dir / REQUESTS_FILE)
     shutil.copytree(initial_requests / REQUESTS_FILE, run_dir / REQUESTS_FILE)
     shutil.copy(initial_requests / OPEN_REQUESTS_FILE, run_dir / OPEN_REQUESTS_FILE)
@@ -313,6 +348,14 @@ def test_replay_refuses_a_trace_recorded_under_other_kernel_numerics(tiny):
     other = "16 lanes, fma" if here["kernel_numerics"] != "16 lanes, fma" else "8 lanes, fma"
     manifest.update(kernel_numerics=other, native_kernels=f"x86-64-v4 ({other})", kernel_target="x86-64-v4")
     with pytest.raises(TraceError, match="native kernel numerics differ.*TOOLKIT_KERNEL_TARGET=x86-64-v4"):
+        check_manifest(manifest, engine, allow_mismatch=False)
+    # the numerics themselves are named on both sides (not a build's name twice where only they were recorded)
+    manifest.update(native_kernels=here["native_kernels"])
+    with pytest.raises(TraceError, match=f"recorded {other} .*, replay {here['kernel_numerics']} "):
+        check_manifest(manifest, engine, allow_mismatch=False)
+    # a manifest saying another format than config.yaml loads (verify refused it; replay said bit-identical)
+    manifest.update(here, dtype="bfloat16")
+    with pytest.raises(TraceError, match="model format differs: recorded bfloat16, replay float32"):
         check_manifest(manifest, engine, allow_mismatch=False)
 
 
@@ -492,6 +535,15 @@ def test_replay_overrides_given_as_one_string_are_one_clear_error():
     assert cfg.engine.block_size == 8
 
 
+@pytest.mark.parametrize("override", ["sampling.temperature=0.3", "engine.seed=7", "workload.num_requests=1"])
+def test_an_override_the_trace_fixes_is_refused_not_a_bit_identical_replay(recorded_run, tmp_path, override):
+    """Each request is re-added with its recorded sampling and resolved seed, so these overrides never reached the
+    run: replay.json recorded them and the replay said "bit-identical" (exit 0), as if they changed nothing."""
+    with pytest.raises(ConfigError, match="cannot change a replay"):
+        replay(recorded_run, overrides=[override], out_dir=tmp_path / "replay")
+    assert not (tmp_path / "replay").exists()
+
+
 @native_only
 def test_a_quantised_kv_runs_failure_says_the_difference_is_the_quantisations(tiny, tmp_path):
     """Verify recomputes with K and V in full precision, so an 8-bit KV run differs from it by design (0.002 to 0.87
@@ -503,3 +555,61 @@ def test_a_quantised_kv_runs_failure_says_the_difference_is_the_quantisations(ti
     assert failed.to_dict()["kv_cache_dtype"] == "int8"
     passed = verify(run, atol=10.0)
     assert passed.passed and "KV cache" not in passed.summary_line()
+
+
+def _drop_rows(keep):
+    """A samples.parquet change: only the rows `keep(row)` keeps."""
+    return lambda table: pa.Table.from_pylist([r for r in table.to_pylist() if keep(r)], schema=table.schema)
+
+
+def _set_finish(table: pa.Table) -> pa.Table:
+    rows = table.to_pylist()
+    for r in rows:
+        if r["request_id"] == "greedy" and r["finish_reason"] is not None:
+            r["finish_reason"] = "stop"
+    return pa.Table.from_pylist(rows, schema=table.schema)
+
+
+@pytest.mark.parametrize(
+    "name, change, message",
+    [
+        ("a sequence's last row", _drop_rows(lambda r: (r["request_id"], r["position"]) != ("greedy", 11)), "rows"),
+        ("its last three", _drop_rows(lambda r: not (r["request_id"] == "greedy" and r["position"] >= 9)), "rows"),
+        ("a middle row", _drop_rows(lambda r: (r["request_id"], r["position"]) != ("nucleus", 33)), "rows"),
+        ("a whole sequence", _drop_rows(lambda r: r["request_id"] != "stop"), "rows"),
+        ("a sample row's token", None, r"greedy#0: .* first apart at output token 3"),
+        ("requests.parquet's output", None, r"greedy#0: .* first apart at output token 5"),
+        ("a finish row's reason", _set_finish, r"greedy#0: its sample row at position 11 says it finished \(stop\)"),
+    ],
+)
+def test_rows_lost_or_a_token_edited_in_one_file_is_refused_not_a_partial_or_passing_trace(
+    recorded_run, tmp_path, name, change, message
+):
+    """A closed run's trace lost rows, or its two files disagree: replay said "bit-identical" (the sequences cut
+    short as a partial trace's) and verify passed, both with exit 0; deleting every row of one request went
+    unnoticed. Now both refuse it, naming what: summary.json counts the rows the run wrote, and a sequence
+    requests.parquet records as ended must be spelled by its sample rows, its finish on its last row."""
+    run = copy_run(recorded_run, tmp_path / "run")
+    if change is not None:
+        _rewrite_parts(run, change)
+    elif name == "a sample row's token":
+        edit_sample(run, "greedy", 7, "token_id", lambda t: (t + 1) % 49152, outputs=False)
+    else:
+        edit_outputs(run, "greedy", 9, 3)
+    for check in (lambda: replay(run, out_dir=tmp_path / "replay"), lambda: verify(run)):
+        with pytest.raises(TraceError, match=message):
+            check()
+
+
+def test_a_killed_runs_ended_sequence_may_stop_short_of_its_outputs_never_disagree(recorded_run, tmp_path):
+    """What kill -9 can leave (the writer puts a flush's ended requests on disk before its sample part, and no
+    summary.json): an ended sequence whose last rows are lost is compared as partial; a disagreeing token is not."""
+    run = copy_run(recorded_run, tmp_path / "run")
+    (run / "summary.json").unlink()
+    _rewrite_parts(run, _drop_rows(lambda r: not (r["request_id"] == "greedy" and r["position"] >= 9)))
+    report = replay(run, out_dir=tmp_path / "replay")
+    assert report.identical and report.sequences_unfinished_in_trace == 1, report.summary_line()
+    assert verify(run).passed
+    edit_sample(run, "greedy", 7, "token_id", lambda t: (t + 1) % 49152, outputs=False)
+    with pytest.raises(TraceError, match="greedy#0: .* first apart at output token 3"):
+        verify(run)

@@ -175,7 +175,7 @@ def run_verify(cfg: DictConfig, run_dir: Path) -> int:
     for c in report.failures:
         print(f"  first failure: {c.request_id}#{c.stream} position {c.position} token {c.token_id}: {c.reason}")
     if report.downstream_rows:
-        print(f"  ({report.downstream_rows} later rows fail too: their prefix contains a failing token)")
+        print(f"  ({report.downstream_rows} later rows of those sequences fail too; each is shown at its first)")
     return 0 if report.passed else 1
 
 

@@ -152,6 +152,27 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     return cfg
 
 
+# what a replay's overrides cannot change: each request is re-added from requests.parquet with its recorded
+# sampling, prompt ids and resolved seed, so these sections (sampling=, processors= and structured_outputs= write
+# sampling) and the seed that resolved the seeds never reach it
+FIXED_BY_THE_TRACE = ("sampling", "workload", "engine.seed")
+
+
+def check_overrides(overrides: Sequence[str]) -> None:
+    """A ConfigError for an override a replay would take without effect: replay.json recorded it while the run
+    used the trace's values, and said "bit-identical", as if a temperature or a seed changed nothing."""
+    for o in [] if isinstance(overrides, str) else overrides:  # one string: apply_overrides says what is wrong
+        if not isinstance(o, str):
+            continue
+        key = o.lstrip("+~").split("=", 1)[0].strip()
+        if any(key == k or key.startswith(k + ".") for k in FIXED_BY_THE_TRACE):
+            raise ConfigError(
+                f"replay override {o!r} cannot change a replay: each request is re-added from requests.parquet with "
+                f"its recorded sampling, prompt ids and resolved seed; a replay's overrides change engine.*, model.* "
+                f"and speculative.* (to sample otherwise, run the workload again)"
+            )
+
+
 def check_manifest(manifest: dict[str, Any], engine: Engine, allow_mismatch: bool) -> list[str]:
     """Differences between the recorded run and the rebuilt engine that make bits incomparable."""
     loaded = engine.loaded
@@ -161,6 +182,9 @@ def check_manifest(manifest: dict[str, Any], engine: Engine, allow_mismatch: boo
             f"model weights differ: recorded sha256 {str(manifest.get('weights_sha256'))[:12]}..., "
             f"now {loaded.revision[:12]}..."
         )
+    rebuilt = str(loaded.model.embed.dtype).removeprefix("torch.")
+    if manifest.get("dtype", "float32") != rebuilt:  # the manifest's word against what config.yaml loads
+        problems.append(f"model format differs: recorded {manifest.get('dtype', 'float32')}, replay {rebuilt}")
     token_digest = loaded.tokenizer.digest if loaded.tokenizer else None
     if manifest.get("tokenizer_sha256") != token_digest:
         problems.append("tokenizer differs from the recorded one")
@@ -189,8 +213,9 @@ def check_manifest(manifest: dict[str, Any], engine: Engine, allow_mismatch: boo
     recorded_numerics, now = manifest.get("kernel_numerics"), native_kernels(engine)
     if recorded_numerics and now["kernel_numerics"] and recorded_numerics != now["kernel_numerics"]:
         problems.append(
-            f"native kernel numerics differ: recorded {manifest.get('native_kernels')}, replay "
-            f"{now['native_kernels']} (the kernels' bits depend on lanes and FMA: replay on a CPU that "
+            f"native kernel numerics differ: recorded {recorded_numerics} ({manifest.get('native_kernels')}), replay "
+            f"{now['kernel_numerics']} ({now['native_kernels']}) (the kernels' bits depend on lanes and FMA: replay "
+            f"on a CPU that "
             f"runs {manifest.get('kernel_target')}, with TOOLKIT_KERNEL_TARGET={manifest.get('kernel_target')})"
         )
     if problems and not allow_mismatch:
@@ -346,6 +371,7 @@ def replay(
     requests = read_requests(run_dir, check_version=not allow_mismatch)
     recorded_samples = read_samples(run_dir, check_version=not allow_mismatch)
     check_rows_present(requests, recorded_samples, run_dir)
+    check_overrides(overrides)
     cfg = apply_overrides(recorded_cfg, overrides)
     if not any(o.split("=")[0].lstrip("+") == "engine.num_threads" for o in overrides):
         threads = manifest.get("num_threads") or torch.get_num_threads()

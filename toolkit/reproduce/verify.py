@@ -41,6 +41,7 @@ from toolkit.native import invariant_gpu
 from toolkit.native.library import available as kernels_available
 from toolkit.reproduce.replay import recorded_sampling
 from toolkit.reproduce.shard import RayOptions, progress_bar, run_on_ray
+from toolkit.sampling import rng
 from toolkit.sampling.grammar import LazyGrammar
 from toolkit.sampling.processors import BatchView, RowState, apply_pipeline
 from toolkit.sampling.processors.masks import resolve_bad_words
@@ -377,6 +378,16 @@ def _verify_sequence(key, rows, request, forward, loaded, eos, grammar, report: 
             reason = (
                 f"the grammar allows {int(masks_RV[i].sum())} tokens here, the trace records {row['grammar_allowed']}"
             )
+        noise = row["noise"]
+        if not greedy and row["origin"] in (None, "plain") and noise is not None and math.isfinite(noise):
+            # a sampled token's noise is its request key's (seed, position, stream) for that token: a token or a
+            # noise edited alone is named here, where its logprob may lie within atol (replay proves the choice)
+            want = rng.gumbel_scalar(rng.row_key(request["seed"], p, stream), row["token_id"])
+            if want != noise:
+                reason = (
+                    f"noise {noise!r} is not the request key's for token {row['token_id']} ({want!r}): the token "
+                    f"or its noise was edited"
+                )
         if diff > report.atol or not math.isfinite(diff):
             reason = (
                 f"raw logprob recorded {row['raw_logprob']:.6g}, recomputed {recomputed:.6g} "

@@ -152,14 +152,58 @@ def _manifest_run_id(run_dir: Path) -> str | None:
 
 
 def check_rows_present(requests: pa.Table, samples: pa.Table, run_dir: Path) -> None:
-    """A TraceError where requests.parquet lists output tokens and samples.parquet holds no row at all: every part
-    lost, nothing to compare (a trace cut short keeps its rows up to its last flush, and is compared as partial)."""
+    """A TraceError where sample rows were lost or edited after the run: none at all while requests.parquet lists
+    output tokens; another count than summary.json's `trace_rows` (the rows the writer put on disk); or a
+    sequence requests.parquet records as ended whose rows do not spell its output tokens. Where no summary.json
+    was written (a run killed with kill -9 keeps its rows up to its last flush, and is compared as partial), an
+    ended sequence's rows may stop short of its output, never disagree with it."""
     outputs = pc.sum(pc.list_value_length(requests.column("output_token_ids"))).as_py() or 0
     if samples.num_rows == 0 and outputs:
         raise TraceError(
             f"{Path(run_dir) / SAMPLES_DIR} holds no sample rows, yet requests.parquet lists {outputs} output tokens: "
             f"the trace's rows are lost"
         )
+    summary = _summary(run_dir)
+    written = summary.get("trace_rows")
+    if isinstance(written, int) and not isinstance(written, bool) and written != samples.num_rows:
+        raise TraceError(
+            f"{Path(run_dir) / SAMPLES_DIR} holds {samples.num_rows} sample rows, but the run wrote {written} "
+            f"(summary.json's trace_rows): rows were lost or added after the run"
+        )
+    spelled: dict[tuple[str, int], list[tuple[int, int, str | None]]] = {}
+    for rid, stream, position, token, finish in zip(
+        *(samples.column(c).to_pylist() for c in ("request_id", "stream", "position", "token_id", "finish_reason"))
+    ):
+        spelled.setdefault((rid, stream), []).append((position, token, finish))
+    for row in requests.select(["request_id", "stream", "output_token_ids", "finish_reason"]).to_pylist():
+        if row["finish_reason"] is None:
+            continue
+        rows = sorted(spelled.get((row["request_id"], row["stream"]), ()))
+        want = row["output_token_ids"] or []
+        got = [t for _, t, _ in rows if t is not None and t >= 0]  # an error row samples nothing
+        name = f"{row['request_id']}#{row['stream']}"
+        if got != want and (summary or got != want[: len(got)]):
+            j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            raise TraceError(
+                f"{name}: requests.parquet records it ended ({row['finish_reason']}) with {len(want)} output tokens, "
+                f"but its sample rows spell {len(got)}, the first apart at output token {j}: the trace was edited or "
+                f"its rows lost"
+            )
+        ends = [(p, f) for p, _, f in rows if f is not None]
+        if ends and (ends[0][1] != row["finish_reason"] or ends[0][0] != rows[-1][0]):
+            raise TraceError(
+                f"{name}: its sample row at position {ends[0][0]} says it finished ({ends[0][1]}), requests.parquet "
+                f"that it ended ({row['finish_reason']}) at its last row, position {rows[-1][0]}: the trace was edited"
+            )
+
+
+def _summary(run_dir: Path) -> dict[str, Any]:
+    """summary.json (written when a run closes), or {} where there is none or it is unreadable."""
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
 
 
 def read_requests(run_dir: Path, check_version: bool = True) -> pa.Table:
