@@ -172,6 +172,41 @@ def test_greedy_departure_is_the_first_non_argmax_position(hf_tiny, tiny, tmp_pa
     assert "greedy_departure" in rep["flagged"][0]["kind"] and "logprob" not in rep["flagged"][0]["kind"]
 
 
+def test_a_stated_logit_bias_is_applied_to_the_reference_and_its_ids_checked(tiny, tmp_path):
+    """Before, the audit's policy left out logit_bias (OpenAI's field, keys as JSON strings): a greedy transcript
+    whose bias banned the argmax was flagged greedy_departure at that token. An id past the vocabulary is its
+    line's error naming logit_bias."""
+    import torch
+
+    from toolkit.models.reference import reference_logits
+
+    prompt = tiny.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}])
+    banned = int(reference_logits(tiny.model, prompt)[-1].argmax())
+    output, logprobs = [], []
+    for _ in range(4):  # greedy under the bias, with each token's raw logprob (what a server reports)
+        logits = reference_logits(tiny.model, prompt + output)[-1].double()
+        token = int((logits - 100.0 * (torch.arange(logits.numel()) == banned)).argmax())
+        output.append(token)
+        logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+    assert output[0] != banned
+    line = {"prompt_token_ids": prompt, "output_token_ids": output, "logprobs": logprobs}
+    vocab = tiny.arch.vocab_size
+    lines = [
+        {**line, "request_id": "biased", "sampling": {"temperature": 0.0, "logit_bias": {str(banned): -100}}},
+        {**line, "request_id": "unbiased", "sampling": {"temperature": 0.0}},
+        {**line, "request_id": "past", "sampling": {"temperature": 0.0, "logit_bias": {str(vocab): -100}}},
+        {**line, "request_id": "word", "sampling": {"temperature": 0.0, "logit_bias": {"red": -100}}},
+    ]
+    records, errors = read_transcripts(_write(tmp_path / "bias.jsonl", lines), "token_ids", tiny.tokenizer, vocab)
+    report = audit_transcripts(records, reference_forward(tiny, "ours"), tiny, atol=1e-4, reference="ours")
+    flagged = {r["request_id"]: [f["kind"] for f in r["flagged"]] for r in report.to_dict()["requests"]}
+    assert flagged["biased"] == []
+    assert flagged["unbiased"][0] == "greedy_departure"  # the same tokens without the bias: a departure
+    why = {e.request_id: e.why for e in errors}
+    assert why["past"].startswith(f"logit_bias key {vocab} is outside the model's vocabulary of {vocab}")
+    assert why["word"].startswith("logit_bias keys must be token ids") and why["word"].endswith("got 'red'")
+
+
 # ---------------------------------------------------------------------------------------- formats
 
 

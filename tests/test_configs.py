@@ -4,10 +4,14 @@ a joblib multirun writes one trace per job, mode=compare reads them, wandb logs 
 from __future__ import annotations
 
 import glob
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -86,6 +90,25 @@ def test_every_experiment_composes_with_each_swept_value(name):
             _instantiate(_compose([f"experiment={name}", f"{key}={value}"]))
 
 
+@pytest.mark.native
+def test_preemption_invariance_preempts_and_every_request_fits_its_small_pool(tmp_path):
+    """Before, the experiment's 32-block pool held 512 tokens and its chat-5 needs 583: the small-pool jobs
+    refused that request instead of preempting anything for it, so the sweep did not answer its question."""
+    cfg = _compose(["experiment=preemption_invariance"], hydra_node=True)
+    (pool,) = [v for v in str(cfg.hydra.sweeper.params["engine.num_kv_blocks"]).split(",") if v != "null"]
+    run_dir = tmp_path / "run"
+    args = ["experiment=preemption_invariance", "model=tiny", BATCH_INVARIANT_OVERRIDE, f"engine.num_kv_blocks={pool}"]
+    proc = _run(
+        [*args, "print_outputs=false", "plots=false", "report.auto=false", f"hydra.run.dir={run_dir}"], tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["requests"], summary["rejected"]) == (cfg.workload.num_requests, 0), summary.get(
+        "rejected_requests"
+    )
+    assert summary["num_preemptions"] > 0
+
+
 def test_a_typo_or_a_mistyped_value_is_refused_at_composition():
     from hydra.errors import ConfigCompositionException
 
@@ -159,6 +182,42 @@ def test_compare_names_the_first_divergence(tmp_path):
 
     with pytest.raises(ConfigError, match="matches no run directory"):
         compare([str(tmp_path / "nothing*")])
+
+
+def test_compare_keys_runs_by_directory_and_counts_missing_rows_and_sequences(tmp_path):
+    """Before, compare grouped sample rows by run_id, so an edited copy of a run (same run_id) was merged into the
+    first run and reported "identical"; and it counted only the rows both runs hold, so a run cut short, or missing
+    a whole sequence, was "identical (N rows)" too."""
+    from toolkit.reproduce.compare import compare
+
+    source = ROOT / "tests" / "data" / "traces" / "v7-file"
+    (part,) = (source / "samples.parquet").glob("part-*.parquet")
+    table = pq.read_table(part)
+    rows = table.to_pylist()
+    last = max(r["position"] for r in rows if r["request_id"] == "chat-0")
+    edits = {
+        "copy": rows,
+        "edited": [
+            {**r, "token_id": r["token_id"] + 1} if (r["request_id"], r["position"]) == ("chat-0", last) else r
+            for r in rows
+        ],
+        "cut": [r for r in rows if r["request_id"] == "chat-0" and r["position"] != last],  # chat-1 gone whole
+    }
+    runs = []
+    for name, edited in edits.items():
+        shutil.copytree(source, tmp_path / name)
+        pq.write_table(
+            pa.Table.from_pylist(edited, schema=table.schema), tmp_path / name / "samples.parquet" / part.name
+        )
+        runs.append(str(tmp_path / name))
+    result = compare([str(source), *runs], out_dir=tmp_path / "cmp")
+    copy, edited, cut = result.rows[1:]
+    assert copy["divergence"] == f"identical ({len(rows)} rows)"
+    assert edited["divergence"] == f"1/{len(rows)} rows differ; first chat-0 position {last}"
+    assert cut["divergence"].startswith("the 4 shared rows agree; 6 rows only in the first run (")
+    assert f"chat-0 from position {last}" in cut["divergence"] and "chat-1 missing from this run" in cut["divergence"]
+    written = pq.read_table(tmp_path / "cmp" / "compare.parquet").to_pylist()[3]
+    assert (written["rows_only_first_run"], written["sequences_only_first_run"]) == (6, ["chat-1"])
 
 
 @pytest.mark.native

@@ -63,6 +63,24 @@ def test_first_divergences_agree_with_the_token_streams(streams, data):
     shared = sum(min(len(streams[r]), len(other[r])) for r in streams)
     assert agreement.common == shared
     assert agreement.differing == sum(x != y for r in streams for x, y in zip(streams[r], other[r]))
+    assert agreement.only_a + agreement.only_b == sum(abs(len(streams[r]) - len(other[r])) for r in streams)
+    assert agreement.identical == (streams == other)
+
+
+def test_token_agreement_counts_rows_and_sequences_one_run_lacks():
+    """Before, token_agreement counted only the rows both runs hold: a run cut short (max_tokens 4 vs 8) or one
+    missing a whole sequence was described as "identical (N rows)"."""
+    a = {("x", 0, p): 1 for p in range(8)} | {("y", 0, p): 2 for p in range(8)} | {("z", 1, 0): 3}
+    b = {("x", 0, p): 1 for p in range(4)} | {("y", 0, p): 2 for p in range(8)} | {("w", 0, 5): 4}
+    agreement = token_agreement(a, b)
+    assert not agreement.identical
+    assert (agreement.common, agreement.differing, agreement.only_a, agreement.only_b) == (12, 0, 5, 1)
+    assert agreement.describe("the first run", "this run") == (
+        "the 12 shared rows agree; 5 rows only in the first run (x from position 4, z#1 missing from this run); "
+        "1 row only in this run (w missing from the first run)"
+    )
+    assert agreement.to_dict()["sequences_only_a"] == ["z#1"]
+    assert token_agreement(a, dict(a)).describe() == "identical (17 rows)"
 
 
 def test_the_most_upstream_field_names_the_cause_and_the_token_leads_the_line():

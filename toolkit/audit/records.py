@@ -7,6 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from toolkit.errors import ConfigError
+from toolkit.sampling.params import SamplingParams
+
 FORMATS = ("openai", "token_ids", "hf")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's names: before / after the processors
 # the request fields that decide which tokens a policy can produce (OpenAI's and vLLM's names = ours)
@@ -18,6 +21,7 @@ POLICY_FIELDS = (
     "repetition_penalty",
     "presence_penalty",
     "frequency_penalty",
+    "logit_bias",  # OpenAI's {token id: bias}: a greedy token under a bias is the biased argmax
     "processors",
 )
 
@@ -143,6 +147,25 @@ def check_ids(record: Transcript, vocab_size: int) -> None:
                 f"{what} {bad!r} is outside the model's vocabulary of "
                 f"{vocab_size}: the transcript comes from another tokenizer"
             )
+    check_logit_bias(record, vocab_size)
+
+
+def check_logit_bias(record: Transcript, vocab_size: int) -> None:
+    """A stated logit_bias must read as our SamplingParams read it (keys token ids, strings of digits in JSON)
+    and name tokens of this model: the reference applies it, and an id past the vocabulary has no logit."""
+    bias = (record.sampling or {}).get("logit_bias")
+    if bias is None:
+        return
+    try:
+        ids = SamplingParams.from_mapping({"logit_bias": bias}).logit_bias or {}
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise TranscriptError(str(exc)) from None
+    bad = next((t for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise TranscriptError(
+            f"logit_bias key {bad} is outside the model's vocabulary of {vocab_size}: "
+            f"the transcript comes from another tokenizer"
+        )
 
 
 def check_length(record: Transcript, max_positions: int | None) -> None:

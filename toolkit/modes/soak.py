@@ -4,7 +4,9 @@
     python run.py experiment=soak soak.duration_s=30   # the suite's version
 
 Requests with random prompt lengths, sampling parameters and max_tokens keep arriving so
-that the queue never drains; a fraction is aborted at random while running; the KV pool
+that the queue never drains; after every step each unfinished request (queued, running
+or preempted) is aborted with probability `abort_prob`, so most requests end aborted, and
+those still in flight at the end are aborted too (`aborted` counts both); the KV pool
 is small enough that preemption (recompute or swap, alternating by request) is constant.
 Every step's sample rows go through the trace writer. Checked at the end, and the exit
 code says whether all held: no exception, the block manager's invariants at every
@@ -98,8 +100,9 @@ def soak(
         counts["sample_rows"] += len(out.samples)
         counts["error_rows"] += sum(1 for row in out.samples if row.token_id < 0)
         counts["preemptions"] += len(out.preempted)
-        running = sorted(r for r in live if not engine.output(r).finished)
-        for rid in running:
+        # per step, not per request: an abort lands at any stage (queued, mid-prefill, preempted, decoding)
+        unfinished = sorted(r for r in live if not engine.output(r).finished)
+        for rid in unfinished:
             if rnd.random() < abort_prob:
                 engine.abort(rid)
         for rid in sorted(live):

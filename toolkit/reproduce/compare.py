@@ -1,10 +1,12 @@
 """Compare many recorded runs: `python run.py mode=compare 'compare.runs=[dirA,dirB]'` (or globs).
 
-The runs' sample traces are read as ONE pyarrow dataset (every part file of every run;
-rows carry their `run_id`), their summaries and request tables beside it. Printed: a table
-of throughput, TTFT/TPOT percentiles, speculative acceptance and structured-output
-validity per run, and where each run's tokens first diverge from the first run's (same
-request, stream and position). Written: compare.json, compare.parquet and compare.png.
+Each run's sample trace is read as a pyarrow dataset of its part files, its summary and
+request table beside it. A run is its directory, never its run_id: a copy of a run (edited,
+or re-read) shares the id. Printed: a table of throughput, TTFT/TPOT percentiles,
+speculative acceptance and structured-output validity per run, and how each run's tokens
+agree with the first run's (same request, stream and position): the rows that differ, the
+first of them, and the rows and whole sequences only one of the two has. Written:
+compare.json, compare.parquet (those counts and names as columns too) and compare.png.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import pyarrow.dataset as ds
 from toolkit.errors import ConfigError
 from toolkit.runs.metrics import percentile
 from toolkit.runs.plots import plot_compare
-from toolkit.trace.diverge import token_agreement
+from toolkit.trace.diverge import RowKey, token_agreement
 from toolkit.trace.reader import TraceError, read_requests
 from toolkit.trace.writer import REQUESTS_FILE, SAMPLES_DIR, atomic_write_table
 
@@ -78,30 +80,43 @@ def resolve_runs(patterns: Sequence[str] | str) -> list[Path]:
     return runs
 
 
+def run_tokens(run: Path) -> dict[RowKey, int]:
+    """One run's token ids by (request_id, stream, position), from its own part files (keyed by the directory:
+    two runs with one run_id, a run and its edited copy, stay two runs)."""
+    parts = [str(p) for p in sorted((run / SAMPLES_DIR).glob("part-*.parquet"))]
+    if not parts:
+        return {}
+    samples = ds.dataset(parts, format="parquet").to_table(columns=["request_id", "stream", "position", "token_id"])
+    columns = samples.to_pydict()
+    return {
+        (req, stream, pos): tok
+        for req, stream, pos, tok in zip(
+            columns["request_id"], columns["stream"], columns["position"], columns["token_id"]
+        )
+    }
+
+
 def compare(patterns: Sequence[str] | str, out_dir: Path | None = None) -> Comparison:
     runs = resolve_runs(patterns)
-    parts = [str(p) for run in runs for p in sorted((run / SAMPLES_DIR).glob("part-*.parquet"))]
-    dataset = ds.dataset(parts, format="parquet")  # every run's samples as one dataset
-    samples = dataset.to_table(columns=["run_id", "request_id", "stream", "position", "token_id"]).to_pydict()
-    by_run: dict[str, dict[tuple, int]] = {}
-    for rid, req, stream, pos, tok in zip(
-        samples["run_id"], samples["request_id"], samples["stream"], samples["position"], samples["token_id"]
-    ):
-        by_run.setdefault(rid, {})[(req, stream, pos)] = tok
     result = Comparison()
     reference = None
     for run in runs:
         summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
         req = read_requests(run).select(["run_id", "ttft_s", "tpot_s"]).to_pydict()
         run_id = req["run_id"][0] if req["run_id"] else summary.get("run_id")
-        tokens = by_run.get(run_id, {})
+        tokens = run_tokens(run)
         name = str(run)
         ttft = [v for v in req["ttft_s"] if v is not None]
         tpot = [v for v in req["tpot_s"] if v is not None]
         row = {"run": name, "run_id": run_id, **{c: summary.get(c) for c in COLUMNS}}
         row["ttft_p50_s"] = row["ttft_p50_s"] if row["ttft_p50_s"] is not None else percentile(ttft, 50)
         row["tpot_p50_s"] = row["tpot_p50_s"] if row["tpot_p50_s"] is not None else percentile(tpot, 50)
-        row["divergence"] = "(reference)" if reference is None else token_agreement(reference, tokens).describe()
+        if reference is None:
+            row["divergence"] = "(reference)"
+        else:
+            agreement = token_agreement(reference, tokens)
+            row["divergence"] = agreement.describe("the first run", "this run")
+            row.update(agreement.to_dict("first_run", "this_run"))
         reference = tokens if reference is None else reference
         result.rows.append(row)
         result.latencies[name] = {"ttft_s": ttft, "tpot_s": tpot}
@@ -109,6 +124,8 @@ def compare(patterns: Sequence[str] | str, out_dir: Path | None = None) -> Compa
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "compare.json").write_text(json.dumps(result.rows, indent=2))
-        atomic_write_table(out_dir / "compare.parquet", pa.Table.from_pylist(result.rows))
+        columns = dict.fromkeys(name for row in result.rows for name in row)  # the reference row has no agreement
+        table = pa.table({name: [row.get(name) for row in result.rows] for name in columns})
+        atomic_write_table(out_dir / "compare.parquet", table)
         plot_compare(result.rows, result.latencies, out_dir / "compare.png")
     return result

@@ -243,24 +243,77 @@ def first_difference(a: Sequence, b: Sequence) -> int | None:
 
 @dataclass(frozen=True)
 class TokenAgreement:
-    """Two runs' token ids on the rows both have (mode=compare's divergence column)."""
+    """Two runs' token ids row by row (mode=compare's divergence column). A row one run lacks is a divergence too:
+    a run that stopped earlier, or lost a whole sequence, is not identical to one that did not."""
 
     common: int
     differing: int
-    first: RowKey | None  # the differing row at the lowest position (then sequence)
+    first: RowKey | None  # the differing shared row at the lowest position (then sequence)
+    only_a: int = 0  # rows run a has and run b lacks
+    only_b: int = 0
+    # the sequences with rows in one run only: (request_id, stream, first such position, whole sequence missing)
+    extra_a: tuple[tuple[str, int, int, bool], ...] = ()
+    extra_b: tuple[tuple[str, int, int, bool], ...] = ()
 
-    def describe(self) -> str:
-        if not self.common:
-            return "no common rows"
-        if self.first is None:
-            return f"identical ({self.common} rows)"
-        return (
-            f"{self.differing}/{self.common} rows differ; first {self.first[0]}#{self.first[1]} "
-            f"position {self.first[2]}"
-        )
+    @property
+    def identical(self) -> bool:
+        return not (self.differing or self.only_a or self.only_b)
+
+    def describe(self, a: str = "a", b: str = "b") -> str:
+        if self.identical:
+            return f"identical ({self.common} rows)" if self.common else "no rows"
+        if self.first is not None:
+            head = f"{self.differing}/{self.common} rows differ; first {seq_name(*self.first[:2])} position {self.first[2]}"
+        else:
+            head = f"the {self.common} shared rows agree" if self.common else "no shared rows"
+        extras = [
+            f"{n} row{'s' * (n != 1)} only in {run} ({_name_extras(extra, other)})"
+            for n, extra, run, other in ((self.only_a, self.extra_a, a, b), (self.only_b, self.extra_b, b, a))
+            if n
+        ]
+        return "; ".join([head, *extras])
+
+    def to_dict(self, a: str = "a", b: str = "b") -> dict[str, Any]:
+        """The counts and names as columns (`a`, `b`: how the runs are named in the column names)."""
+        return {
+            "rows_shared": self.common,
+            "rows_differing": self.differing,
+            "first_differing": None if self.first is None else f"{seq_name(*self.first[:2])} position {self.first[2]}",
+            f"rows_only_{a}": self.only_a,
+            f"rows_only_{b}": self.only_b,
+            f"sequences_only_{a}": [seq_name(r, s) for r, s, _, whole in self.extra_a if whole],
+            f"sequences_only_{b}": [seq_name(r, s) for r, s, _, whole in self.extra_b if whole],
+        }
+
+
+def _name_extras(extra: Sequence[tuple[str, int, int, bool]], other: str, most: int = 4) -> str:
+    """The sequences with rows in one run only, as text: one the other run lacks whole by name, a longer one from
+    where the other stops; the first `most`, then a count (a sweep may cut every sequence)."""
+    names = [
+        f"{seq_name(r, s)} {f'missing from {other}' if whole else f'from position {p}'}" for r, s, p, whole in extra
+    ]
+    return ", ".join(names[:most]) + (f", and {len(names) - most} more" if len(names) > most else "")
+
+
+def _extras(rows: Iterable[RowKey], other: Mapping[RowKey, int]) -> tuple[tuple[str, int, int, bool], ...]:
+    """Per sequence, the first of `rows` and whether the other run has no row of that sequence at all."""
+    first: dict[SeqKey, int] = {}
+    for request_id, stream, position in rows:
+        first[(request_id, stream)] = min(position, first.get((request_id, stream), position))
+    present = {k[:2] for k in other}
+    return tuple((r, s, p, (r, s) not in present) for (r, s), p in sorted(first.items()))
 
 
 def token_agreement(a: Mapping[RowKey, int], b: Mapping[RowKey, int]) -> TokenAgreement:
     common = sorted(set(a) & set(b), key=lambda k: (k[2], k[0], k[1]))
     diff = [k for k in common if a[k] != b[k]]
-    return TokenAgreement(len(common), len(diff), diff[0] if diff else None)
+    only_a, only_b = set(a) - set(b), set(b) - set(a)
+    return TokenAgreement(
+        len(common),
+        len(diff),
+        diff[0] if diff else None,
+        len(only_a),
+        len(only_b),
+        _extras(only_a, b),
+        _extras(only_b, a),
+    )
