@@ -218,6 +218,12 @@ def test_compare_keys_runs_by_directory_and_counts_missing_rows_and_sequences(tm
     assert f"chat-0 from position {last}" in cut["divergence"] and "chat-1 missing from this run" in cut["divergence"]
     written = pq.read_table(tmp_path / "cmp" / "compare.parquet").to_pylist()[3]
     assert (written["rows_only_first_run"], written["sequences_only_first_run"]) == (6, ["chat-1"])
+    # two runs that agree: the agreement columns keep their types (null and list<null> before), one schema for all
+    compare([str(source), runs[0]], out_dir=tmp_path / "agree")
+    schema = pq.read_schema(tmp_path / "agree" / "compare.parquet")
+    assert schema.field("first_differing").type == pa.string()
+    assert schema.field("sequences_only_this_run").type == pa.list_(pa.string())
+    assert schema.field("rows_only_first_run").type == pa.int64()
 
 
 @pytest.mark.native

@@ -438,7 +438,13 @@ def test_replay_overrides_the_trace_fixes_held_out_shapes_and_alternatives_past_
     from toolkit.models.families import arch_from_hf_config
     from toolkit.reproduce.replay import check_overrides
 
-    for override in ("sampling.temperature=0.3", "+sampling.top_k=3", "workload.num_requests=1", "engine.seed=7"):
+    for override in (
+        "sampling.temperature=0.3",
+        "+sampling.top_k=3",
+        "+processors=x",
+        "workload.num_requests=1",
+        "engine.seed=7",
+    ):
         _expect(60, ConfigError, "cannot change a replay", lambda o=override: check_overrides([o]))
     check_overrides(["engine.max_num_seqs=2", "engine.seed_offset=1", "model.dtype=bfloat16"])  # these reach it
     llama = {"model_type": "llama", "vocab_size": 64, "hidden_size": 96, "num_hidden_layers": 1}

@@ -613,3 +613,20 @@ def test_a_killed_runs_ended_sequence_may_stop_short_of_its_outputs_never_disagr
     edit_sample(run, "greedy", 7, "token_id", lambda t: (t + 1) % 49152, outputs=False)
     with pytest.raises(TraceError, match="greedy#0: .* first apart at output token 3"):
         verify(run)
+
+
+@pytest.mark.parametrize("how", [{"interrupted": True}, {"failed": "CommitFailed: a digest"}])
+def test_a_run_closed_after_ctrl_c_or_a_failure_may_lack_its_last_steps_rows(recorded_run, tmp_path, how):
+    """Ctrl-C inside a step, or a failed commit, ends requests whose last step's rows never reached the writer; the
+    run still closes with a summary.json (counting the rows on disk) and says replay and verify accept it: they
+    do, as a partial trace, where a whole run's summary makes the same gap a refusal."""
+    run = copy_run(recorded_run, tmp_path / "run")
+    _rewrite_parts(run, _drop_rows(lambda r: (r["request_id"], r["position"]) != ("greedy", 11)))
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "trace_rows": summary["trace_rows"] - 1, **how}))
+    report = replay(run, out_dir=tmp_path / "replay")
+    assert report.identical and report.sequences_unfinished_in_trace == 1, report.summary_line()
+    assert verify(run).passed
+    (run / "summary.json").write_text(json.dumps({**summary, "trace_rows": summary["trace_rows"] - 1}))
+    with pytest.raises(TraceError, match="greedy#0: requests.parquet records it ended"):
+        verify(run)

@@ -80,6 +80,19 @@ def resolve_runs(patterns: Sequence[str] | str) -> list[Path]:
     return runs
 
 
+# the agreement columns typed whatever their values (all null in a two-run compare whose runs agree): every
+# compare.parquet has one schema, and many read as one dataset
+AGREEMENT_TYPES = {
+    "rows_shared": pa.int64(),
+    "rows_differing": pa.int64(),
+    "first_differing": pa.string(),
+    "rows_only_first_run": pa.int64(),
+    "rows_only_this_run": pa.int64(),
+    "sequences_only_first_run": pa.list_(pa.string()),
+    "sequences_only_this_run": pa.list_(pa.string()),
+}
+
+
 def run_tokens(run: Path) -> dict[RowKey, int]:
     """One run's token ids by (request_id, stream, position), from its own part files (keyed by the directory:
     two runs with one run_id, a run and its edited copy, stay two runs)."""
@@ -125,7 +138,9 @@ def compare(patterns: Sequence[str] | str, out_dir: Path | None = None) -> Compa
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "compare.json").write_text(json.dumps(result.rows, indent=2))
         columns = dict.fromkeys(name for row in result.rows for name in row)  # the reference row has no agreement
-        table = pa.table({name: [row.get(name) for row in result.rows] for name in columns})
+        table = pa.table(
+            {name: pa.array([row.get(name) for row in result.rows], AGREEMENT_TYPES.get(name)) for name in columns}
+        )
         atomic_write_table(out_dir / "compare.parquet", table)
         plot_compare(result.rows, result.latencies, out_dir / "compare.png")
     return result

@@ -155,7 +155,7 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
 # what a replay's overrides cannot change: each request is re-added from requests.parquet with its recorded
 # sampling, prompt ids and resolved seed, so these sections (sampling=, processors= and structured_outputs= write
 # sampling) and the seed that resolved the seeds never reach it
-FIXED_BY_THE_TRACE = ("sampling", "workload", "engine.seed")
+FIXED_BY_THE_TRACE = ("sampling", "processors", "structured_outputs", "workload", "engine.seed")
 
 
 def check_overrides(overrides: Sequence[str]) -> None:

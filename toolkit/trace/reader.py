@@ -154,9 +154,9 @@ def _manifest_run_id(run_dir: Path) -> str | None:
 def check_rows_present(requests: pa.Table, samples: pa.Table, run_dir: Path) -> None:
     """A TraceError where sample rows were lost or edited after the run: none at all while requests.parquet lists
     output tokens; another count than summary.json's `trace_rows` (the rows the writer put on disk); or a
-    sequence requests.parquet records as ended whose rows do not spell its output tokens. Where no summary.json
-    was written (a run killed with kill -9 keeps its rows up to its last flush, and is compared as partial), an
-    ended sequence's rows may stop short of its output, never disagree with it."""
+    sequence requests.parquet records as ended whose rows do not spell its output tokens. Where the run did not
+    close whole (kill -9 leaves no summary.json and its rows up to the last flush; Ctrl-C or a failure may leave
+    a step's rows unwritten), an ended sequence's rows may stop short of its output, never disagree with it."""
     outputs = pc.sum(pc.list_value_length(requests.column("output_token_ids"))).as_py() or 0
     if samples.num_rows == 0 and outputs:
         raise TraceError(
@@ -165,7 +165,11 @@ def check_rows_present(requests: pa.Table, samples: pa.Table, run_dir: Path) -> 
         )
     summary = _summary(run_dir)
     written = summary.get("trace_rows")
-    if isinstance(written, int) and not isinstance(written, bool) and written != samples.num_rows:
+    counted = isinstance(written, int) and not isinstance(written, bool)
+    # closed whole: every step's rows reached the writer. A run stopped by Ctrl-C or a failure closes with a
+    # summary too, and its last step's rows may never have been handed over (nor a failed write's part).
+    whole = counted and not summary.get("interrupted") and not summary.get("failed")
+    if counted and written != samples.num_rows:
         raise TraceError(
             f"{Path(run_dir) / SAMPLES_DIR} holds {samples.num_rows} sample rows, but the run wrote {written} "
             f"(summary.json's trace_rows): rows were lost or added after the run"
@@ -182,7 +186,7 @@ def check_rows_present(requests: pa.Table, samples: pa.Table, run_dir: Path) -> 
         want = row["output_token_ids"] or []
         got = [t for _, t, _ in rows if t is not None and t >= 0]  # an error row samples nothing
         name = f"{row['request_id']}#{row['stream']}"
-        if got != want and (summary or got != want[: len(got)]):
+        if got != want and (whole or got != want[: len(got)]):
             j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
             raise TraceError(
                 f"{name}: requests.parquet records it ended ({row['finish_reason']}) with {len(want)} output tokens, "
