@@ -207,6 +207,45 @@ def test_a_stated_logit_bias_is_applied_to_the_reference_and_its_ids_checked(tin
     assert why["word"].startswith("logit_bias keys must be token ids") and why["word"].endswith("got 'red'")
 
 
+def test_a_grammar_constrained_request_checks_its_raw_logprobs_not_its_choices(tiny, tmp_path):
+    """A request with response_format (or vLLM's guided_* / structured_outputs) had its grammar ignored: a JSON
+    mode's forced "{" was flagged greedy_departure (and sampled ones outside_support). Another engine's grammar is
+    not rebuilt here, so its greedy choices and support go unchecked, said per request (`constrained`), while its
+    raw logprobs are still checked; processed logprobs under it cannot be, and say why."""
+    import torch
+
+    from toolkit.models.reference import reference_logits
+
+    prompt = tiny.tokenizer.apply_chat_template([{"role": "user", "content": "Give JSON."}])
+    logits = reference_logits(tiny.model, prompt)[-1].double()
+    token = int(logits.argsort()[-5])  # what a grammar forced: not the argmax
+    logprob = float(torch.log_softmax(logits, -1)[token])
+    line = {"prompt_token_ids": prompt, "output_token_ids": [token], "logprobs": [logprob]}
+    lines = [
+        {**line, "request_id": "json", "sampling": {"temperature": 0.0, "response_format": {"type": "json_object"}}},
+        {**line, "request_id": "regex", "sampling": {"temperature": 0.0, "guided_regex": "[0-9]+"}},
+        {**line, "request_id": "text", "sampling": {"temperature": 0.0, "response_format": {"type": "text"}}},
+        {
+            **line,
+            "request_id": "lie",
+            "logprobs": [logprob + 0.5],
+            "sampling": {"temperature": 0.0, "guided_regex": "a"},
+        },
+        {**line, "request_id": "processed", "logprobs_mode": "processed_logprobs", "sampling": {"guided_regex": "a"}},
+    ]
+    records, errors = read_transcripts(
+        _write(tmp_path / "g.jsonl", lines), "token_ids", tiny.tokenizer, tiny.arch.vocab_size
+    )
+    assert not errors, errors
+    report = audit_transcripts(records, reference_forward(tiny, "ours"), tiny, atol=1e-4, reference="ours").to_dict()
+    got = {r["request_id"]: ([f["kind"] for f in r["flagged"]], r["constrained"]) for r in report["requests"]}
+    assert got["json"] == ([], "response_format json_object")
+    assert got["regex"] == ([], "guided_regex")
+    assert got["text"] == (["greedy_departure"], None)  # no grammar: the choice is checked
+    assert got["lie"] == (["logprob"], "guided_regex")  # the raw logprob still is
+    assert got["processed"] == (["constrained"], "guided_regex")
+
+
 # ---------------------------------------------------------------------------------------- formats
 
 
@@ -376,6 +415,57 @@ def test_chat_template_mismatch_is_named(tiny, tmp_path):
     path = _write(tmp_path / "chat.jsonl", [{"request": body, "response": response}])
     records, errors = read_transcripts(path, "openai", tiny.tokenizer, tiny.arch.vocab_size)
     assert not records and len(errors) == 1 and "chat template" in errors[0].why and errors[0].line == 1
+
+
+def test_a_completion_whose_logprobs_come_in_the_chat_shape_reads_as_the_classic_one(tiny, tmp_path):
+    """llama-server answers /v1/completions with `logprobs.content` ({token, logprob, bytes, top_logprobs} entries,
+    the chat shape), not `tokens` / `token_logprobs`: every line was refused. Both shapes read the same claims."""
+    prompt = "Once upon a time"
+    ids = tiny.tokenizer.encode(" there was a fox", add_special_tokens=False)
+    raw = tiny.tokenizer.token_bytes(tiny.arch.vocab_size)
+    strings = [raw[i].decode("utf-8", errors="replace") for i in ids]
+    claims = [-0.5 - 0.25 * j for j in range(len(ids))]
+    tops = [{s: c, "zz": c - 1.0} for s, c in zip(strings, claims)]
+    classic = {"tokens": strings, "token_logprobs": claims, "top_logprobs": tops}
+    content = {
+        "content": [
+            {
+                "token": s,
+                "logprob": c,
+                "bytes": list(raw[i]),
+                "top_logprobs": [{"token": t, "logprob": v} for t, v in top.items()],
+            }
+            for s, c, i, top in zip(strings, claims, ids, tops)
+        ]
+    }
+    usage = {"prompt_tokens": len(tiny.tokenizer.encode(prompt)), "completion_tokens": len(ids)}
+    lines = [
+        {
+            "request": {"model": "m", "prompt": prompt, "logprobs": 2},
+            "response": {
+                "id": f"cmpl-{k}",
+                "choices": [
+                    {"index": 0, "text": tiny.tokenizer.decode(ids), "finish_reason": "length", "logprobs": lp}
+                ],
+                "usage": usage,
+            },
+        }
+        for k, lp in (("classic", classic), ("content", content))
+    ]
+    records, errors = read_transcripts(
+        _write(tmp_path / "c.jsonl", lines), "openai", tiny.tokenizer, tiny.arch.vocab_size
+    )
+    assert not errors, errors
+    a, b = records
+    assert a.output_token_ids == b.output_token_ids == ids and not a.problems and not b.problems
+    assert a.claimed == b.claimed == claims and a.top == b.top
+
+
+def test_a_logprob_given_as_a_string_is_named_as_a_string(tiny, tmp_path):
+    """A logprob of "-inf" (the string) was "logprobs[0] is -inf, not a log-probability (a number, or -inf)"."""
+    line = {"prompt_token_ids": [1, 2], "output_token_ids": [3, 4], "logprobs": ["-inf", "-0.5"]}
+    _, errors = read_transcripts(_write(tmp_path / "s.jsonl", [line]), "token_ids", tiny.tokenizer, 49152)
+    assert len(errors) == 1 and "is '-inf', not a log-probability (a JSON number, or -inf)" in errors[0].why
 
 
 def test_converted_trace_verifies_with_mode_verify(hf_tiny, tmp_path):

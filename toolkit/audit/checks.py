@@ -58,6 +58,7 @@ class RequestReport:
     first_departure_margin: float | None = None  # the reference's logprob margin of its argmax there
     prompt_source: str = "given"  # given | encoded | rebuilt (toolkit.audit.transcripts.Transcript)
     sampling_assumed: dict[str, Any] = field(default_factory=dict)  # policy fields not stated: the values taken
+    constrained: str | None = None  # the grammar field the request set: its greedy choices and support not checked
 
     def flagged(self) -> list[dict]:
         out = [
@@ -88,6 +89,7 @@ class RequestReport:
             "origin_engine": self.origin_engine,
             "prompt": self.prompt_source,
             "sampling_assumed": self.sampling_assumed,
+            "constrained": self.constrained,
             "tokens": self.tokens,
             "output_tokens": self.output_tokens,
             **_error_stats(errors),
@@ -307,6 +309,7 @@ def _audit_one(
         output_tokens=len(record.output_token_ids),
         prompt_source=record.prompt_source,
         sampling_assumed=dict(record.sampling_assumed),
+        constrained=record.constrained,
     )
     rep.problems = [
         {"position": p.position, "token_id": None, "claimed": None, "recomputed": None, "kind": p.kind, "why": p.why}
@@ -346,6 +349,10 @@ def _audit_one(
         out = apply_pipeline(logits, view, row_errors=invalid_rows(raw.amax(dim=-1))).processed_RV
         processed = raw if out is logits else torch.log_softmax(out.double(), dim=-1)  # no processor: the same
     mode = record.logprobs_mode
+    if mode == "processed_logprobs" and record.constrained:
+        why = f"processed logprobs under {record.constrained}: they depend on its grammar's mask, not rebuilt here"
+        rep.problems.append(_problem(len(prompt), output[0], "constrained", why))
+        return rep
     if mode == "processed_logprobs" and processed is None:
         rep.problems.append(
             {
@@ -360,7 +367,10 @@ def _audit_one(
         )
         return rep
     claimed_space = processed if mode == "processed_logprobs" else raw
-    greedy = params is not None and params.temperature == 0.0
+    # a grammar's mask (not rebuilt) decides the greedy choice and the support: only the raw logprobs are checked
+    greedy = params is not None and params.temperature == 0.0 and not record.constrained
+    if record.constrained:
+        processed = None
     mass_limit = math.exp(atol)
     argmaxes = (processed if processed is not None else raw).argmax(dim=-1).tolist()
     for j, token in enumerate(output):
@@ -449,3 +459,7 @@ def _check_top(
 
 def _fmt(v: Any, spec: str = ".3g") -> str:
     return "-" if v is None else format(v, spec)
+
+
+def _problem(position: int, token_id: int, kind: str, why: str) -> dict:
+    return {"position": position, "token_id": token_id, "claimed": None, "recomputed": None, "kind": kind, "why": why}

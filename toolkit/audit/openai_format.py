@@ -7,7 +7,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from toolkit.audit.records import Problem, TokenMap, Transcript, TranscriptError, as_int_list, as_number, policy_of
+from toolkit.audit.records import (
+    Problem,
+    TokenMap,
+    Transcript,
+    TranscriptError,
+    as_int_list,
+    as_number,
+    constraint_of,
+    policy_of,
+)
 from toolkit.audit.spelling import spell
 
 
@@ -127,6 +136,7 @@ def openai_line(obj: dict, line: int, tokens: TokenMap) -> list[Transcript]:
             output_text=text,
             finish_reason=choice.get("finish_reason"),
             prompt_source=prompt_source,
+            constrained=constraint_of(request),
         )
         records.append(record)
         if prompt_source != "given" and unconfirmed:
@@ -309,9 +319,11 @@ def _chat_entry(entry: Any, where: str):
 
 
 def _completion_entries(logprobs: dict, where: str):
+    if isinstance(logprobs.get("content"), list) and "tokens" not in logprobs:  # llama-server: the chat shape
+        return [_chat_entry(e, f"{where}.content[{i}]") for i, e in enumerate(logprobs["content"])]
     tokens, values = logprobs.get("tokens"), logprobs.get("token_logprobs")
     if not isinstance(tokens, list) or not isinstance(values, list) or len(tokens) != len(values):
-        raise TranscriptError(f"{where} needs `tokens` and `token_logprobs` of the same length")
+        raise TranscriptError(f"{where} needs `tokens` and `token_logprobs` of the same length (or `content`)")
     tops = logprobs.get("top_logprobs") or [None] * len(tokens)
     if not isinstance(tops, list) or len(tops) != len(tokens):
         raise TranscriptError(f"{where}.top_logprobs must have one entry per token")

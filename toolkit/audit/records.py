@@ -59,6 +59,9 @@ class Transcript:
     problems: list[Problem] = field(default_factory=list)
     # policy fields the source left out, with the values the audit took for them (toolkit.audit.checks)
     sampling_assumed: dict[str, Any] = field(default_factory=dict)
+    # a grammar the request set (constraint_of): its mask is not rebuilt here, so its greedy choices and support
+    # are not checked (the raw logprobs are)
+    constrained: str | None = None
 
 
 @dataclass
@@ -191,17 +194,45 @@ def as_number(value: Any, what: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value == float("inf"):
-        raise TranscriptError(f"{what} is {str(value)[:80]}, not a log-probability (a number, or -inf)")
+        shown = repr(value)[:80] if isinstance(value, str) else str(value)[:80]  # "-inf" the string, not -inf
+        raise TranscriptError(f"{what} is {shown}, not a log-probability (a JSON number, or -inf)")
     try:
         return float(value)
     except OverflowError:  # an integer past a double's range
-        raise TranscriptError(f"{what} is {str(value)[:80]}, not a log-probability (a number, or -inf)") from None
+        raise TranscriptError(f"{what} is {str(value)[:80]}, not a log-probability (a JSON number, or -inf)") from None
 
 
 def as_int_list(value: Any, what: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise TranscriptError(f"{what} must be a list of token ids")
     return list(value)
+
+
+# request fields (OpenAI's, vLLM's) that constrain the tokens with a grammar: a mask the reference does not rebuild
+# (another engine's grammar, its whitespace rules, may allow other tokens than xgrammar's)
+CONSTRAINT_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+
+
+def constraint_of(obj: dict | None) -> str | None:
+    """The first grammar field `obj` sets ("response_format json_schema", "guided_regex", ...), or None."""
+    if not isinstance(obj, dict):
+        return None
+    for key in CONSTRAINT_FIELDS:
+        value = obj.get(key)
+        if key == "response_format":
+            kind = value.get("type") if isinstance(value, dict) else value
+            if kind not in (None, "text"):
+                return f"response_format {kind}"
+        elif value not in (None, "", [], {}):
+            return key
+    return None
 
 
 def policy_of(obj: dict | None) -> dict[str, Any] | None:

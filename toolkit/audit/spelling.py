@@ -23,6 +23,11 @@ from typing import Any
 from toolkit.audit.records import byte_values
 
 END = -1  # the state past the text's end (a stop string trimmed from the text)
+REPLACEMENT = "\ufffd".encode()  # U+FFFD in the text
+CUT = (
+    "the text has U+FFFD here, a character it could not decode (a response cut inside it): its tokens are not "
+    "known from the text; ask the server for `bytes` or token ids"
+)
 
 
 @dataclass
@@ -80,7 +85,9 @@ def spell(steps: Sequence[tuple[Any, Any]], text: str, tokens, stop_trimmed: boo
     if not final:
         got = max(layers[-1])
         why = (
-            f"the tokens spell the first {got} bytes of the text, which goes on with {data[got : got + 24]!r}: "
+            CUT
+            if data.startswith(REPLACEMENT, got)
+            else f"the tokens spell the first {got} bytes of the text, which goes on with {data[got : got + 24]!r}: "
             f"tokens are missing from the logprobs"
         )
         return _confirmed(_path(layers), steps, [(len(steps), why)])
@@ -135,6 +142,8 @@ def _confirmed(ids: list[int], steps: Sequence[tuple[Any, Any]], problems: list[
 def _pieces_here(token: str, data: bytes, off: int, tokens) -> list[int]:
     """The tokens whose bytes the text has at `off` and that print as `token` (an empty string: any token that
     is not whole UTF-8 on its own)."""
+    if data.startswith(REPLACEMENT, off):  # the text's own U+FFFD: bytes the server could not decode (a response
+        return []  # cut inside a character), so no token is spelled by it: the piece stays unknown, never guessed
     found = []
     for length in range(1, min(tokens.max_bytes, len(data) - off) + 1):
         for i in tokens.ids_of(data[off : off + length]):
@@ -234,7 +243,9 @@ def _why_not(token, token_bytes, exact, why, data: bytes, off: int, tokens) -> s
         return why
     if exact is None:
         return (
-            f"token string {token!r} stands for part of a multi-byte character and no token the text has here "
+            f"token string {token!r} stands for part of a multi-byte character; {CUT}"
+            if data.startswith(REPLACEMENT, off)
+            else f"token string {token!r} stands for part of a multi-byte character and no token the text has here "
             f"prints as it"
         )
     b = tokens.bytes_of[exact]

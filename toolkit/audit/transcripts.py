@@ -51,6 +51,7 @@ from toolkit.audit.records import (
     as_stream,
     check_ids,
     check_length,
+    constraint_of,
     policy_of,
     request_id_of,
 )
@@ -180,6 +181,7 @@ def _token_ids_line(
         top=top,
         logprobs_mode=mode,
         sampling=policy_of(obj.get("sampling")),
+        constrained=constraint_of(obj.get("sampling")),
         prompt_text=obj.get("prompt") if isinstance(obj.get("prompt"), str) else None,
         output_text=obj.get("text") if isinstance(obj.get("text"), str) else None,
         finish_reason=obj.get("finish_reason"),
@@ -244,6 +246,7 @@ def _sglang_line(obj: dict, meta: dict, line: int, tokens: TokenMap) -> Transcri
         claimed=claimed,
         top=top,
         sampling=policy_of(obj.get("sampling")),
+        constrained=constraint_of(obj.get("sampling")),
         output_text=obj.get("text") if isinstance(obj.get("text"), str) else None,
         finish_reason=(meta.get("finish_reason") or {}).get("type")
         if isinstance(meta.get("finish_reason"), dict)
