@@ -210,8 +210,10 @@ def test_a_stated_logit_bias_is_applied_to_the_reference_and_its_ids_checked(tin
 def test_a_grammar_constrained_request_checks_its_raw_logprobs_not_its_choices(tiny, tmp_path):
     """A request with response_format (or vLLM's guided_* / structured_outputs) had its grammar ignored: a JSON
     mode's forced "{" was flagged greedy_departure (and sampled ones outside_support). Another engine's grammar is
-    not rebuilt here, so its greedy choices and support go unchecked, said per request (`constrained`), while its
-    raw logprobs are still checked; processed logprobs under it cannot be, and say why."""
+    not rebuilt here, so its greedy choices, support and alternatives go unchecked, said per request
+    (`constrained`), while its tokens' raw logprobs are checked one-sided: vLLM takes them after the mask, so
+    renormalised over the allowed tokens they are raised (never lowered). Processed logprobs under it cannot be
+    checked, and say why; junk where a grammar goes is none."""
     import torch
 
     from toolkit.models.reference import reference_logits
@@ -225,12 +227,9 @@ def test_a_grammar_constrained_request_checks_its_raw_logprobs_not_its_choices(t
         {**line, "request_id": "json", "sampling": {"temperature": 0.0, "response_format": {"type": "json_object"}}},
         {**line, "request_id": "regex", "sampling": {"temperature": 0.0, "guided_regex": "[0-9]+"}},
         {**line, "request_id": "text", "sampling": {"temperature": 0.0, "response_format": {"type": "text"}}},
-        {
-            **line,
-            "request_id": "lie",
-            "logprobs": [logprob + 0.5],
-            "sampling": {"temperature": 0.0, "guided_regex": "a"},
-        },
+        {**line, "request_id": "lie", "logprobs": [logprob - 0.5], "sampling": {"guided_regex": "a"}},
+        {**line, "request_id": "vllm", "logprobs": [logprob + 0.5], "sampling": {"guided_regex": "a"}},
+        {**line, "request_id": "junk", "sampling": {"temperature": 0.0, "response_format": {"type": ""}}},
         {**line, "request_id": "processed", "logprobs_mode": "processed_logprobs", "sampling": {"guided_regex": "a"}},
     ]
     records, errors = read_transcripts(
@@ -242,7 +241,9 @@ def test_a_grammar_constrained_request_checks_its_raw_logprobs_not_its_choices(t
     assert got["json"] == ([], "response_format json_object")
     assert got["regex"] == ([], "guided_regex")
     assert got["text"] == (["greedy_departure"], None)  # no grammar: the choice is checked
-    assert got["lie"] == (["logprob"], "guided_regex")  # the raw logprob still is
+    assert got["lie"] == (["logprob"], "guided_regex")  # below the reference: no mask lowers a logprob
+    assert got["vllm"] == ([], "guided_regex")  # above it: what renormalising over the allowed tokens gives
+    assert got["junk"] == (["greedy_departure"], None)
     assert got["processed"] == (["constrained"], "guided_regex")
 
 

@@ -367,7 +367,9 @@ def _audit_one(
         )
         return rep
     claimed_space = processed if mode == "processed_logprobs" else raw
-    # a grammar's mask (not rebuilt) decides the greedy choice and the support: only the raw logprobs are checked
+    # a grammar's mask (not rebuilt) decides the greedy choice, the support and the alternatives: only the sampled
+    # tokens' raw logprobs are checked, one-sided (vLLM takes its logprobs after the mask: renormalised over the
+    # allowed tokens, a logprob is raised, never lowered)
     greedy = params is not None and params.temperature == 0.0 and not record.constrained
     if record.constrained:
         processed = None
@@ -391,12 +393,12 @@ def _audit_one(
             rep.tokens += 1
             check.abs_error = abs(claimed - recomputed)
             check.ratio = _safe_exp(recomputed - claimed)
-            if check.abs_error > atol:
+            if check.abs_error > atol and not (record.constrained and claimed > recomputed):
                 check.kinds.append("logprob")
                 check.why.append(
                     f"claimed {claimed:.6g}, recomputed {recomputed:.6g} (|diff| {check.abs_error:.3g} > atol {atol:g})"
                 )
-        top = _unique(record.top[j]) if j < len(record.top) else []
+        top = _unique(record.top[j]) if j < len(record.top) and not record.constrained else []
         if top:
             _check_top(check, top, claimed_space[j], atol, mass_limit)
         if processed is not None and not math.isfinite(float(processed[j, token])):

@@ -99,12 +99,6 @@ class Detection:
             if self.best == self.stated
             else f"better explained by {self.best} than by the stated {self.stated}"
         )
-        near, far = self.mean_abs.get(self.best), self.mean_abs.get(self.stated)
-        if self.best != self.stated and near is not None and far is not None and near >= far:
-            said += (  # a wider error fits better, yet that format's own forward is no closer: not what ran
-                f", though its recompute is no closer (mean |d| {near:.3g} against {far:.3g}): only the width of its "
-                f"error fits, and another format (a quantised model?) may be what ran"
-            )
         misfit = self.misfit
         if misfit is not None and misfit > MISFIT_LIMIT:
             said += (

@@ -227,11 +227,13 @@ def constraint_of(obj: dict | None) -> str | None:
     for key in CONSTRAINT_FIELDS:
         value = obj.get(key)
         if key == "response_format":
-            kind = value.get("type") if isinstance(value, dict) else value
-            if kind not in (None, "text"):
+            kind = value.get("type") if isinstance(value, dict) else None
+            if kind in ("json_object", "json_schema"):  # OpenAI's grammars; "text" and anything else: none
                 return f"response_format {kind}"
-        elif value not in (None, "", [], {}):
-            return key
+        elif isinstance(value, dict) and any(v not in (None, False, "", [], {}) for v in value.values()):
+            return key  # vLLM's structured_outputs with a field set
+        elif isinstance(value, (str, list)) and value or (not isinstance(value, (dict, bool)) and value is not None):
+            return key  # a schema text, a regex, a list of choices, a grammar
     return None
 
 

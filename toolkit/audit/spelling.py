@@ -25,8 +25,8 @@ from toolkit.audit.records import byte_values
 END = -1  # the state past the text's end (a stop string trimmed from the text)
 REPLACEMENT = "\ufffd".encode()  # U+FFFD in the text
 CUT = (
-    "the text has U+FFFD here, a character it could not decode (a response cut inside it): its tokens are not "
-    "known from the text; ask the server for `bytes` or token ids"
+    "the text has U+FFFD here, bytes the server could not decode (a character the response's end cut, or no "
+    "UTF-8): which tokens they were is not known from the text; ask the server for `bytes` or token ids"
 )
 
 
