@@ -311,24 +311,12 @@ def _audit_one(
         sampling_assumed=dict(record.sampling_assumed),
         constrained=record.constrained,
     )
-    rep.problems = [
-        {"position": p.position, "token_id": None, "claimed": None, "recomputed": None, "kind": p.kind, "why": p.why}
-        for p in record.problems
-    ]
+    rep.problems = [_problem(p.position, None, p.kind, p.why) for p in record.problems]
     prompt, output = record.prompt_token_ids, record.output_token_ids
     if not output:
         return rep
     if not prompt:
-        rep.problems.append(
-            {
-                "position": 0,
-                "token_id": output[0],
-                "claimed": None,
-                "recomputed": None,
-                "kind": "no_prompt",
-                "why": "an empty prompt: the first token has no context",
-            }
-        )
+        rep.problems.append(_problem(0, output[0], "no_prompt", "an empty prompt: the first token has no context"))
         return rep
     tokens = prompt + output
     if logits is None:
@@ -337,7 +325,7 @@ def _audit_one(
     raw = torch.log_softmax(logits, dim=-1)
     params = _policy_params(record)
     processed = None
-    if params is not None:
+    if params is not None and not record.constrained:  # under a grammar not rebuilt, nothing reads the processed
         positions = range(len(prompt), len(tokens))
         view = BatchView(
             tuple(RowState(params, tokens[:p], len(prompt)) for p in positions),
@@ -354,25 +342,16 @@ def _audit_one(
         rep.problems.append(_problem(len(prompt), output[0], "constrained", why))
         return rep
     if mode == "processed_logprobs" and processed is None:
-        rep.problems.append(
-            {
-                "position": len(prompt),
-                "token_id": output[0],
-                "claimed": None,
-                "recomputed": None,
-                "kind": "no_policy",
-                "why": "processed logprobs are claimed but the transcript does not "
-                "state the sampling parameters to recompute them",
-            }
+        why = (
+            "processed logprobs are claimed but the transcript does not state the sampling parameters to recompute them"
         )
+        rep.problems.append(_problem(len(prompt), output[0], "no_policy", why))
         return rep
     claimed_space = processed if mode == "processed_logprobs" else raw
     # a grammar's mask (not rebuilt) decides the greedy choice, the support and the alternatives: only the sampled
     # tokens' raw logprobs are checked, one-sided (vLLM takes its logprobs after the mask: renormalised over the
     # allowed tokens, a logprob is raised, never lowered)
     greedy = params is not None and params.temperature == 0.0 and not record.constrained
-    if record.constrained:
-        processed = None
     mass_limit = math.exp(atol)
     argmaxes = (processed if processed is not None else raw).argmax(dim=-1).tolist()
     for j, token in enumerate(output):
@@ -463,5 +442,5 @@ def _fmt(v: Any, spec: str = ".3g") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def _problem(position: int, token_id: int, kind: str, why: str) -> dict:
+def _problem(position: int, token_id: int | None, kind: str, why: str) -> dict:
     return {"position": position, "token_id": token_id, "claimed": None, "recomputed": None, "kind": kind, "why": why}

@@ -232,7 +232,7 @@ def constraint_of(obj: dict | None) -> str | None:
                 return f"response_format {kind}"
         elif isinstance(value, dict) and any(v not in (None, False, "", [], {}) for v in value.values()):
             return key  # vLLM's structured_outputs with a field set
-        elif isinstance(value, (str, list)) and value or (not isinstance(value, (dict, bool)) and value is not None):
+        elif not isinstance(value, (dict, bool)) and value not in (None, "", []):
             return key  # a schema text, a regex, a list of choices, a grammar
     return None
 
