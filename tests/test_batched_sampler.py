@@ -235,3 +235,50 @@ def test_a_gpu_steps_processors_and_sample_are_queued_without_a_single_read():
             assert len(queued.result().token_ids) == len(params)
         else:
             assert reads.counts["tolist"] >= 10, reads.counts  # a read a processor run
+
+
+def _ranked(values: list[float], k: int) -> list[int]:
+    """The k largest ids, largest first, ties by ascending id, a NaN the largest: top_k's promise, in Python."""
+    return sorted(range(len(values)), key=lambda t: (0 if values[t] != values[t] else 1, -values[t], t))[:k]
+
+
+@pytest.mark.native
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    vocab=st.sampled_from([1, 6, 300, 5000]),
+    k=st.integers(1, 12),
+    levels=st.integers(1, 5),
+    specials=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 4999), SPECIAL), max_size=6),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+    seed=st.integers(0, 1000),
+)
+def test_alternatives_rank_equal_values_by_ascending_id_on_every_path(rows, vocab, k, levels, specials, dtype, seed):
+    """A row's alternatives are its k largest logits, largest first, equal ones by ascending token id (a NaN the
+    largest; -0.0 equal to 0.0): top_k (the CPU's way and the device's), and with it sample()'s CPU path and
+    DeviceSample's, whatever the format.
+    torch.topk leaves the order of ties, and which tied ids it keeps at the k-th place, to the device: an H200
+    listed a row's tied alternatives as [2, 1, 0] where the CPU listed [0, 1, 2]."""
+    k = min(k, vocab)
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, levels, (rows, vocab), generator=gen).to(dtype) * -0.5  # few levels: many ties
+    for r, c, value in specials:
+        if r < rows:
+            raw[r, c % vocab] = value
+    for top_k in (sampler.top_k, sampler._top_k_device):  # the CPU's way, and the device's (run here)
+        values, ids = top_k(raw, k)
+        for r in range(rows):
+            row = [0.0 if v == 0 else v for v in raw[r].double().tolist()]
+            assert ids[r].tolist() == _ranked(row, k), r
+            assert torch.equal(values[r], raw[r, ids[r]]) or torch.isnan(values[r]).any()
+    sample_rows = [sampler.SampleRow(greedy=True, seed=0, position=0, stream=0, num_top=k) for _ in range(rows)]
+    logits = raw.float()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sampler, "argmax_cpu", lambda *a, **kw: None)
+        want = sampler.sample(logits, logits, sample_rows)
+        lse = sampler.logsumexp_rows(logits, per_row=True)
+        got = sampler.DeviceSample(logits, logits, sample_rows, sampler._keys(sample_rows), lse, per_row=True).result()
+    for r in range(rows):
+        row = logits[r].double().tolist()  # those of logprob -inf are not listed (a row with +inf: all but it)
+        listed = [t for t in _ranked([0.0 if v == 0 else v for v in row], k) if row[t] - lse[r] != float("-inf")]
+        assert [t for t, _ in want.top_raw[r]] == [t for t, _ in got.top_raw[r]] == listed, r

@@ -307,10 +307,16 @@ def test_a_long_contexts_split_attention_keeps_a_tokens_bits_in_any_batch():
             assert (out[i, h].double() - want).abs().max() <= 2**-7 * want.abs().max() + 1e-3, (i, h)
 
 
-def test_batch_invariant_rows_are_the_same_bits_in_every_batch_mix_and_graph_mode():
+@pytest.mark.parametrize("blocks", [None, (64, 16, 64), (16, 16, 64)])
+def test_batch_invariant_rows_are_the_same_bits_in_every_batch_mix_and_graph_mode(blocks, monkeypatch):
     """Issue 57's matrix on a GPU: engine.batch_invariant=true (Triton matmul, attention, norms, logsumexp), one
     request's logits rows bit-identical alone and at batch 7, 32 and 64, its decode steps beside other requests'
-    prompt chunks (they arrive while it decodes, in chunks of a small token budget), CUDA graphs on and off."""
+    prompt chunks (they arrive while it decodes, in chunks of a small token budget), CUDA graphs on and off; in the
+    matmul's own 16-bit tiling and in the narrower ones the benchmark compares (`--dot-blocks`)."""
+    from toolkit.native import gpu_matmul as gm
+
+    if blocks is not None:
+        monkeypatch.setattr(gm, "DOT_BLOCKS", blocks)
     loaded = load_model(ModelConfig(**MODEL, dtype="bfloat16"), device="cuda")
     target = [(13 * j + 5) % 512 for j in range(21)]
 
@@ -398,9 +404,11 @@ def test_rope_with_the_cache_writes_and_a_wide_or_odd_head_on_a_gpu(dtype, cache
 @pytest.mark.parametrize("granularity", ["block", "tensor"])
 def test_an_8_bit_cache_runs_in_the_triton_attention_on_a_gpu(kv_cache_dtype, granularity):
     """An int8 / fp8 cache on a GPU takes the Triton attention (its scales read in the kernel; torch's sdpa before):
-    a repeated run gives the same bits, and its logits are torch's sdpa path's over the same cache within fp32's
-    rounding (the cache writes are the same ops on both). Its decode buckets are captured with static tensor
-    scales and run eagerly with running block scales (graph_mode)."""
+    a repeated run gives the same bits, and its logits are torch's sdpa path's within one 8-bit unit's effect (the
+    cache writes are the same ops on both, but a key the two paths computed an fp32 rounding apart can round to
+    neighbouring 8-bit units: an H200 saw 1.2e-3; a scale lost or applied twice is off by more than 1).
+    Its decode buckets are captured with static tensor scales and run eagerly with running block scales
+    (graph_mode). The kernel over one cache: test_the_triton_attention_over_an_8_bit_cache_is_float64s_on_a_gpu."""
     loaded = load_model(ModelConfig(**MODEL), device="cuda")
     kv = dict(kv_cache_dtype=kv_cache_dtype, kv_scale_granularity=granularity)  # buckets: eager, or captured
     engine, rows = run(loaded, "cuda", **kv)
@@ -413,7 +421,38 @@ def test_an_8_bit_cache_runs_in_the_triton_attention_on_a_gpu(kv_cache_dtype, gr
         for p, logits in by_pos.items():
             assert torch.equal(logits, again[rid][p]), (rid, p)
             if engine.requests[rid].token_ids[:p] == sdpa_engine.requests[rid].token_ids[:p]:
-                assert (logits.log_softmax(-1) - sdpa[rid][p].log_softmax(-1)).abs().max() < 1e-3, (rid, p)
+                assert (logits.log_softmax(-1) - sdpa[rid][p].log_softmax(-1)).abs().max() < 1e-2, (rid, p)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("per_block", [True, False])
+@pytest.mark.parametrize("groups,dim", [(2, 64), (20, 100)])
+def test_the_triton_attention_over_an_8_bit_cache_is_float64s_on_a_gpu(kv_cache_dtype, per_block, groups, dim):
+    """The attention compiled for a GPU over an int8 / fp8 cache (a scale per block and KV head, or per KV head;
+    split and unsplit; 2 query heads a KV head, and 20: the 16-head programs): the float64 attention over the cache
+    de-quantised within fp32 sums' rounding."""
+    from tests.test_invariant_gpu import _attention_reference
+    from toolkit.kv.quant import FORMATS, quantize
+    from toolkit.native import gpu_attention as ga
+
+    gen = torch.Generator().manual_seed(groups + dim)
+    kv_heads, blocks, block, n = 2, 12, 8, 9
+    k, v = (torch.randn(blocks, block, kv_heads, dim, generator=gen) * 2 for _ in range(2))
+    axes = (1, 3) if per_block else (0, 1, 3)
+    k_scales, v_scales = (x.abs().amax(dim=axes) / FORMATS[kv_cache_dtype][1] for x in (k, v))
+    shape = (-1, 1, kv_heads, 1) if per_block else (1, 1, kv_heads, 1)
+    k8, v8 = (quantize(x, s.view(shape), kv_cache_dtype) for x, s in ((k, k_scales), (v, v_scales)))
+    k_dq, v_dq = (x8.float() * s.view(shape) for x8, s in ((k8, k_scales), (v8, v_scales)))
+    tables = torch.randperm(blocks, generator=gen)[:10].view(1, 10)
+    query_table = torch.zeros(n, dtype=torch.int64)
+    query_ctx = torch.tensor([1, 2, 7, 8, 9, 33, 64, 79, 80])
+    q = torch.randn(n, kv_heads * groups, dim, generator=gen)
+    want = _attention_reference(q, k_dq, v_dq, tables, query_table, query_ctx, dim**-0.5)
+    cuda = [x.cuda() for x in (q, k8, v8, tables, query_table, query_ctx)]
+    for split in (16, 256):
+        out = torch.empty_like(cuda[0])
+        ga.paged_attention(*cuda, dim**-0.5, out, split, k_scales=k_scales.cuda(), v_scales=v_scales.cuda())
+        assert (out.cpu().double() - want).abs().max() <= 1e-5, split
 
 
 def test_async_scheduling_queues_the_next_step_without_waiting_for_the_gpu(on_gpu, monkeypatch):

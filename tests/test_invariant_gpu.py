@@ -318,7 +318,7 @@ def test_the_paged_attention_kernel_gives_a_token_its_bits_in_any_mix(data, kv_h
     data=st.data(),
     kv_format=st.sampled_from(["int8", "fp8_e4m3"]),
     per_block=st.booleans(),
-    groups=st.sampled_from([1, 3]),
+    groups=st.sampled_from([1, 3, 20]),
     split=st.sampled_from([16, 256]),
     dim=st.sampled_from([8, 12]),
 )

@@ -53,6 +53,7 @@ SHAPES = {
         num_kv_heads=8,
         intermediate_size=8192,
         rope_theta=500000.0,
+        max_position_embeddings=131072,
     ),
     "tiny": dict(
         name="tiny",
@@ -193,12 +194,27 @@ def back_to_back_ms(loaded: LoadedModel, device: torch.device, batch: int, conte
 
 
 def async_bucket(
-    loaded: LoadedModel, device: torch.device, batch: int, context: int, steps: int, row: dict[str, Any]
+    loaded: LoadedModel,
+    device: torch.device,
+    batch: int,
+    context: int,
+    steps: int,
+    row: dict[str, Any],
+    profile_to: Path | None = None,
 ) -> dict[str, Any]:
     """engine.async_scheduling beside the default, both timed back to back in turn (the better of two each), and the
-    GPU's busy share with it: the default's kernel time a step (`row`) over its step."""
+    GPU's busy share with it: the default's kernel time a step (`row`) over its step. With `profile_to`, the host
+    functions of its steps, back to back, are appended there."""
     default = min(back_to_back_ms(loaded, device, batch, context, steps, False) for _ in range(2))
     ahead = min(back_to_back_ms(loaded, device, batch, context, steps, True) for _ in range(2))
+    if profile_to is not None:
+        engine = decode_engine(
+            loaded, EngineConfig(device=str(device), async_scheduling=True), batch, context, 2 * steps
+        )
+        for _ in range(3):
+            engine.step()
+        title = f"{loaded.model.embed.dtype} batch {batch} async scheduling, back to back"
+        host_profile(engine.step, device, steps, title, profile_to)
     kernel_ms = None if row["busy"] is None else row["busy"] * row["ms"]
     return {
         "ms": ahead,
@@ -234,20 +250,40 @@ def hf_step_ms(model, device: torch.device, batch: int, context: int, tokens: in
 
 # the tilings --kernels times for matmul_dot, by whether the inputs are fp32 (the format's own one is starred)
 DOT_TILINGS = {
-    True: ((16, 32, 32), (16, 16, 64), (16, 64, 32), (32, 32, 32), (64, 64, 64)),
-    False: ((64, 64, 64), (16, 64, 64), (32, 64, 64), (64, 32, 64)),
+    True: ((16, 32, 32), (16, 16, 32), (16, 16, 64), (32, 16, 32), (16, 64, 32), (64, 64, 64)),
+    False: ((64, 64, 64), (16, 64, 64), (64, 32, 64), (64, 16, 64), (16, 16, 64), (16, 32, 128), (32, 16, 128)),
 }
+
+
+def kernel_ms(fn: Callable[[], Any], device: torch.device) -> float:
+    """ms of one call of fn: its kernels' own time on a GPU (do_bench), else the median of 20 calls after 3."""
+    if device.type == "cuda":
+        from triton.testing import do_bench  # deferred: Triton, on a CUDA machine only
+
+        return float(do_bench(fn, return_mode="median"))
+    timed_steps(fn, device, 3)
+    return statistics.median(timed_steps(fn, device, 20))
 
 
 def kernel_times(shape: str, dtypes: list[str], batches: list[int], device: torch.device) -> list[str]:
     """Issue 57's matmul cost: ms of torch's matmul and of the invariant Triton matmuls (tl.sum, and tl.dot in
-    several tilings, the format's own starred) on the shape's two widest decode products, each the median of 20
-    after warm-ups, side by side."""
+    several tilings, the format's own starred) on each of the shape's decode products, side by side: on a GPU the
+    kernel's own time (triton.testing.do_bench: CUDA events, no wait between calls, the L2 cleared), elsewhere the
+    median of 20 calls."""
 
     dims = SHAPES[shape]
+    hidden, width = dims["hidden_size"], dims["intermediate_size"]
+    head_dim = hidden // dims["num_heads"]
+    products = (
+        (hidden, (dims["num_heads"] + 2 * dims["num_kv_heads"]) * head_dim),  # q, k and v
+        (hidden, hidden),  # o
+        (hidden, 2 * width),  # gate and up
+        (width, hidden),  # down
+        (hidden, dims["vocab_size"]),  # the LM head
+    )
     lines = []
     for dtype in dtypes:
-        for k, n in ((dims["hidden_size"], 2 * dims["intermediate_size"]), (dims["hidden_size"], dims["vocab_size"])):
+        for k, n in products:
             w = (torch.randn(k, n, device=device) / k**0.5).to(DTYPES[dtype])
             for m in batches:
                 x = torch.randn(m, k, device=device).to(DTYPES[dtype])
@@ -262,8 +298,7 @@ def kernel_times(shape: str, dtypes: list[str], batches: list[int], device: torc
                 ]
                 for name, fn in fns:
                     try:
-                        timed_steps(fn, device, 3)
-                        ms[name] = statistics.median(timed_steps(fn, device, 20))
+                        ms[name] = kernel_ms(fn, device)
                     except Exception as exc:  # noqa: BLE001 - a kernel that does not compile here is a figure too
                         ms[name] = float("nan")
                         lines.append(f"{name} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
@@ -295,7 +330,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--kernel-table", type=int, default=0, help="print each bucket's costliest ops, this many")
     parser.add_argument("--host-profile", type=Path, help="append each bucket's host profile (cProfile) here")
+    parser.add_argument(
+        "--dot-blocks",
+        type=lambda text: tuple(int(x) for x in text.split(",")),
+        help="BM,BN,BK: the invariant matmul's tiling of 16-bit inputs for this run (a tiling to compare)",
+    )
     args = parser.parse_args(argv)
+    if args.dot_blocks:
+        gm.DOT_BLOCKS = args.dot_blocks
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device here (torch.cuda.is_available() is False): try --device cpu")
@@ -303,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bandwidth = copy_bandwidth_gbs(device, 512 if device.type == "cuda" else 128)
     print(
         f"decode steps, random weights of {args.shape}'s shape, context {args.context}, on {where}; "
-        f"copy bandwidth {bandwidth:.0f} GB/s",
+        f"copy bandwidth {bandwidth:.0f} GB/s; the invariant matmul's 16-bit tiling {gm.DOT_BLOCKS}",
         flush=True,
     )
     results: dict[str, Any] = {"device": where, "shape": args.shape, "copy_bandwidth_gbs": bandwidth, "rows": []}
@@ -329,9 +371,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ),
             }
             if args.batch_invariant:
-                row["invariant"] = engine_bucket(loaded, device, batch, args.context, args.steps, True)
+                row["invariant"] = engine_bucket(
+                    loaded, device, batch, args.context, args.steps, True, args.host_profile, args.kernel_table
+                )
             if args.async_scheduling and "ms" in row:
-                row["async"] = async_bucket(loaded, device, batch, args.context, args.steps, row)
+                row["async"] = async_bucket(loaded, device, batch, args.context, args.steps, row, args.host_profile)
             if hf is not None:
                 row["hf_ms"] = hf_step_ms(hf, device, batch, args.context, args.hf_tokens, loaded.arch.vocab_size)
             results["rows"].append(row)

@@ -27,7 +27,7 @@ from toolkit.sampling import pipeline, rng
 from toolkit.sampling.grammar import GrammarBackend
 from toolkit.sampling.pipeline import Sampler, SamplerOutput
 from toolkit.sampling.processors import BatchView, RowState
-from toolkit.sampling.sampler import FusedSample, SampleRow, kept_digests, logsumexp_rows
+from toolkit.sampling.sampler import FusedSample, SampleRow, kept_digests, logsumexp_rows, top_k
 
 
 @dataclass
@@ -353,5 +353,5 @@ class Decider:
 def _top(logits_V: torch.Tensor, lse: torch.Tensor, k: int | None) -> tuple[tuple[int, float], ...]:
     if not k:
         return ()
-    values, ids = torch.topk(logits_V, k)
+    values, ids = top_k(logits_V, k)
     return tuple((int(t), float(v - lse)) for t, v in zip(ids, values) if v != float("-inf"))

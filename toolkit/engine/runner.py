@@ -22,6 +22,7 @@ from toolkit.kv import flex
 from toolkit.kv.attention import AttentionMetadata, PrefillChunk, additive_bias
 from toolkit.kv.paged_cache import PagedKVCache
 from toolkit.native import gpu_attention, invariant_gpu, library, schedules
+from toolkit.sampling.sampler import top_k
 
 SMALL_STEP_TOKENS = 64  # a step of at most this many tokens maps its tokens to chunks, positions and slots in Python
 
@@ -345,7 +346,7 @@ def prompt_logprobs(model: torch.nn.Module, token_ids: Sequence[int], k: int) ->
     rows: list = [None]
     for pos in range(1, len(ids)):
         row = logprobs[pos - 1]
-        top = torch.topk(row, k).indices.tolist() if k else []
+        top = top_k(row, k)[1].tolist() if k else []
         rank = int((row > row[ids[pos]]).sum()) + 1
         rows.append((ids[pos], float(row[ids[pos]]), [(t, float(row[t])) for t in top], rank))
     return rows

@@ -103,7 +103,12 @@ if triton is not None:
             base = block[:, None] * skb + (pos % BS)[:, None] * skt + kvh * skh + d
             kmask = seen[:, None] & (d < D)
             k = tl.load(k_ptr + base, mask=kmask, other=0)  # (TILE, BD)
-            v = tl.load(v_ptr + base, mask=kmask, other=0)
+            if BG >= 16:  # the values as (BD, TILE): see the weighted sum below
+                dt = tl.arange(0, BD)[:, None]
+                base_t = block[None, :] * skb + (pos % BS)[None, :] * skt + kvh * skh + dt
+                v = tl.load(v_ptr + base_t, mask=seen[None, :] & (dt < D), other=0)
+            else:
+                v = tl.load(v_ptr + base, mask=kmask, other=0)
             if FP8:  # e4m3 bytes (read as uint8: the interpreter fills no float8 lanes)
                 k = k.to(tl.float8e4nv, bitcast=True)
                 v = v.to(tl.float8e4nv, bitcast=True)
@@ -126,7 +131,12 @@ if triton is not None:
             weights = p
             if SCALES != 0:
                 weights = p * vsc[None, :]
-            acc = acc * fade[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
+            # Triton's combine pass compiles sum(a[:, :, None] * b[None, :, :], 1) with 16 rows or more as a tl.dot, at
+            # TF32 on a GPU (1e-3 off in fp32: an H200, 32 query heads a KV head): those reduce the last axis instead
+            if BG >= 16:
+                acc = acc * fade[:, None] + tl.sum(weights[:, None, :] * v[None, :, :], axis=2)
+            else:
+                acc = acc * fade[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
             m = peak
         if SPLITS:  # a split past the context stores nothing (_combine_kernel reads only the context's)
             part = (n * tl.num_programs(1) + tl.program_id(1)) * SPLITS + s  # (token, head group, split): BG heads

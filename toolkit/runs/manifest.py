@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from toolkit.engine.outputs import request_metrics
-from toolkit.native import invariant_gpu, library
+from toolkit.native import gpu_matmul, invariant_gpu, library
 from toolkit.trace.schema import SCHEMA_VERSION, SampleTrace
 from toolkit.version import __version__
 
@@ -138,9 +138,12 @@ def native_kernels(engine) -> dict[str, Any]:
         gpu = torch.cuda.get_device_name(engine.device)
         major, minor = torch.cuda.get_device_capability(engine.device)
         # what the kernels' bits depend on: the compiler and the architecture it compiles for (replay compares it)
+        numerics = f"triton {invariant_gpu.triton.__version__}, sm_{major}{minor}"
+        if engine.matmul_backend == "native":  # the invariant matmul's tiling fixes its rows' sums
+            numerics += ", matmul tiles " + "x".join(map(str, gpu_matmul.dot_blocks(engine.loaded.model.embed.dtype)))
         return {
             "native_kernels": f"Triton {invariant_gpu.triton.__version__} kernels on {gpu}",
-            "kernel_numerics": f"triton {invariant_gpu.triton.__version__}, sm_{major}{minor}",
+            "kernel_numerics": numerics,
         }
     lib = library.native()
     schedule = engine.matmul_schedule

@@ -227,7 +227,7 @@ class DeviceSample:
             fields += [processed_lp, finite_RV.sum(dim=-1), pack_kept(finite_RV)]
         self.tops = 0 if not num_top else 1 if unprocessed else 2
         for logits, lse in ((raw_RV, raw_lse), (processed_RV, proc_lse))[: self.tops]:
-            values, ids = torch.topk(logits, num_top, dim=-1)
+            values, ids = _top_k_device(logits, num_top)
             fields += [values - lse.unsqueeze(1), ids]
         self.host, self.event = queue_read(fields)
 
@@ -431,10 +431,54 @@ def gumbel_choice(
     return int(ids[j]), float(g[j])
 
 
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of the k largest of each row (the last axis), largest first, equal values by ascending id (a NaN
+    counts as the largest, -0.0 as 0.0): one answer on every device. torch.topk's order of ties, and which of them
+    it keeps at the k-th place, are the device's own (an H200's differed from the CPU's, and the CPU's is no rule).
+    On the CPU: torch.topk of k + 1, then each row's k put in order, and a tie at the k-th place settled by the
+    lowest tied ids. Elsewhere, with no read: one int64 a value (its order-keeping bits over its id) in one topk
+    (float64: a stable sort)."""
+    return _top_k_device(x, k) if devices.off_cpu(x) else _top_k_host(x, k)
+
+
+def _top_k_device(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dtype == torch.float64:
+        values, ids = torch.sort(x, dim=-1, descending=True, stable=True)
+        return values[..., :k], ids[..., :k]
+    f = x.float() + 0.0  # -0.0 + 0.0 is 0.0
+    bits = torch.where(torch.isnan(f), float("nan"), f).view(torch.int32).to(torch.int64)
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # a negative float's magnitude bits reversed
+    vocab = x.shape[-1]
+    ids = torch.topk(order * (1 << 32) + (vocab - 1 - torch.arange(vocab, device=x.device)), k, dim=-1).indices
+    return x.gather(-1, ids), ids
+
+
+def _rank(pair: tuple[float, int]) -> tuple[bool, float, int]:
+    value, token = pair
+    return value == value, -value if value == value else 0.0, token  # NaN first, then descending, then the id
+
+
+def _top_k_host(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x_RV = x.reshape(-1, x.shape[-1])
+    values, ids = torch.topk(x_RV, min(k + 1, x_RV.shape[1]), dim=-1)
+    chosen = []
+    for r, (vs, ts) in enumerate(zip(values.tolist(), ids.tolist())):
+        kth = vs[k - 1] if k else 0.0
+        if len(vs) > k > 0 and (vs[k] == kth or vs[k] != vs[k] and kth != kth):  # tied at the k-th place
+            above = [(v, t) for v, t in zip(vs, ts) if v != v or v > kth] if kth == kth else []
+            tied = (x_RV[r] == kth) if kth == kth else torch.isnan(x_RV[r])
+            pairs = sorted(above, key=_rank) + [(kth, int(t)) for t in tied.nonzero()[: k - len(above), 0]]
+        else:
+            pairs = sorted(zip(vs[:k], ts[:k]), key=_rank)
+        chosen.append([t for _, t in pairs])
+    ids_RK = torch.tensor(chosen, dtype=torch.int64).reshape(*x.shape[:-1], k)
+    return x.gather(-1, ids_RK), ids_RK
+
+
 def _top(logits_RV: torch.Tensor, lse_R: torch.Tensor, rows: list[SampleRow], k: int) -> list[list[tuple[int, float]]]:
     if k == 0:
         return [[] for _ in rows]
-    values, ids = torch.topk(logits_RV, k, dim=-1)
+    values, ids = top_k(logits_RV, k)
     return _top_lists((values - lse_R.unsqueeze(1)).tolist(), ids.tolist(), rows)
 
 
