@@ -282,6 +282,47 @@ def test_a_steps_host_values_reach_the_device_without_waiting_for_it(tmp_path):
     assert waiting_copies(tmp_path / "bad.py") == ["bad.py:2", "bad.py:3"]
 
 
+def middle_axis_products(path: Path) -> list[str]:
+    """Where a Triton kernel sums a product of two 3-d broadcasts over axis 1 (`tl.sum(a[:, :, None] * b[None, :, :],
+    axis=1)`): Triton's combine pass compiles that, with 16 rows and columns or more, as a tl.dot at TF32 on a GPU
+    (an H200 found the attention 1.4e-3 off in fp32 so)."""
+
+    def three_d(node: ast.AST) -> bool:
+        return isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 3
+
+    found, lines = [], path.read_text().splitlines()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Call) and ast.unparse(node.func) == "tl.sum" and node.args):
+            continue
+        if lines[node.lineno - 1].endswith("# under 16 rows"):  # a branch taken only where the pass cannot match
+            continue
+        axis = [k.value for k in node.keywords if k.arg == "axis"] or node.args[1:2]
+        product = node.args[0]
+        if (
+            axis
+            and isinstance(axis[0], ast.Constant)
+            and axis[0].value == 1
+            and isinstance(product, ast.BinOp)
+            and isinstance(product.op, ast.Mult)
+            and three_d(product.left)
+            and three_d(product.right)
+        ):
+            found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_no_triton_kernel_sums_a_broadcast_product_over_its_middle_axis(tmp_path):
+    """No kernel of ours writes the multiply-and-sum that Triton compiles to a TF32 tile product (fp32 kept
+    exact: issue 57); the attention's 16-head programs and the tl.sum matmul reduce the last axis, and a line marked
+    `# under 16 rows` runs only where the pass cannot match. The check finds one."""
+    assert [f for p in sorted((ROOT / "native").glob("*.py")) for f in middle_axis_products(p)] == []
+    (tmp_path / "bad.py").write_text(
+        "acc = tl.sum(w[:, :, None] * v[None, :, :], axis=1)\nok = tl.sum(w[:, None, :] * v[None, :, :], axis=2)\n"
+        "small = tl.sum(w[:, :, None] * v[None, :, :], axis=1)  # under 16 rows\n"
+    )
+    assert middle_axis_products(tmp_path / "bad.py") == ["bad.py:1"]
+
+
 def test_no_class_is_too_long_to_read():
     long = []
     for path in ROOT.rglob("*.py"):

@@ -8,7 +8,8 @@ fixed order whatever the number of rows, so a request's logits do not depend on 
 - `matmul(x_MK, w_KN)`: the same idea with each slice's products reduced by `tl.sum`: what the interpreter runs
   (its `tl.dot` is numpy's, not row-invariant). On an H100 its fp32 results missed fp32 sums' error bound by TF32's
   margin: Triton's combine pass compiles sum(x[:, :, None] * w[None, :, :], 1) of 16 rows and columns or more as a
-  tl.dot at TF32 (found on an H200, in the attention), so the GPU runs `matmul_dot`.
+  tl.dot at TF32 (found on an H200, in the attention), so the GPU runs `matmul_dot`. It now reduces the last axis
+  of x[:, None, :] * w_t[None, :, :], which the pass does not match; not yet timed on a GPU in this form.
 
 Where Triton does not import, or the tensors are on the CPU without TRITON_INTERPRET=1, `matmul` computes the same
 reduction with torch, one row at a time (`matmul_rows`).
@@ -58,10 +59,10 @@ if triton is not None:
             x = tl.load(
                 x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0
             ).to(tl.float32)
-            w = tl.load(
-                w_ptr + kk[:, None] * swk + rn[None, :] * swn, mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0
+            w = tl.load(  # (BN, BK): the products reduce the last axis (not a TF32 tl.dot: see the module's notes)
+                w_ptr + kk[None, :] * swk + rn[:, None] * swn, mask=(kk[None, :] < K) & (rn[:, None] < N), other=0.0
             ).to(tl.float32)
-            acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
         tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit(do_not_specialize=["M"])  # one compiled kernel whatever the row count (M = 1 included)
