@@ -3,7 +3,10 @@ sequences (a hypothesis state machine)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -174,4 +177,39 @@ def test_check_invariants_catches_a_leak():
     bm.allocate("a", 4)
     bm.ref_counts[bm.block_table("a")[0]] = 0  # a referenced block whose count says free
     with pytest.raises(AssertionError):
+        bm.check_invariants()
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 14), min_size=1, max_size=5),
+    forks=st.lists(st.integers(0, 4), max_size=4),
+    free_blocks=st.integers(0, 6),
+    steps=st.lists(st.integers(1, 2), min_size=1, max_size=4),
+)
+def test_a_decode_steps_writes_at_once_are_the_writes_one_by_one(lengths, forks, free_blocks, steps):
+    """write_rows (a decode step's lookahead: one plan a row) leaves the manager as write_cost's check, then write()
+    row by row, leaves it: the same tables, reference counts, free list and copies, forked sequences sharing
+    blocks included (the first one's copy unshares a block for the next); where the rows' cost does not fit, None
+    and nothing written."""
+    bm = BlockManager(num_blocks=sum(-(-n // BS) for n in lengths) + free_blocks, block_size=BS)
+    for i, n in enumerate(lengths):
+        bm.allocate(f"s{i}", n)
+    for j, parent in enumerate(forks):
+        if parent < len(lengths):
+            bm.fork(f"s{parent}", f"f{j}")
+    seqs = sorted(bm._tables)
+    for ahead in steps:
+        writes = [(s, bm.num_tokens(s), bm.num_tokens(s) + ahead) for s in seqs]
+        twin = copy.deepcopy(bm)
+        fits = sum(twin.write_cost(*w) for w in writes) <= twin.num_free_blocks
+        want = [c for w in writes for c in twin.write(*w)] if fits else None
+        got = bm.write_rows(writes)
+        assert got == want
+        assert (bm._tables, bm.ref_counts, bm._free, bm._num_tokens) == (
+            twin._tables,
+            twin.ref_counts,
+            twin._free,
+            twin._num_tokens,
+        )
         bm.check_invariants()

@@ -271,16 +271,14 @@ class Scheduler:
         if len(decoding) > self.cfg.max_num_batched_tokens:
             return None
         starts = [sampled[s.seq_id].context_len for s in decoding]
-        cost = sum(self.blocks.write_cost(s.seq_id, p, p + 1) for s, p in zip(decoding, starts))
-        if cost > self.blocks.num_free_blocks:
+        copies = self.blocks.write_rows([(s.seq_id, p, p + 1) for s, p in zip(decoding, starts)])
+        if copies is None:
             return None
-        plan, chunks = _Plan(), []
-        for seq, start in zip(decoding, starts):
-            plan.copies.extend(self.blocks.write(seq.seq_id, start, start + 1))
-            chunks.append(
-                ScheduledChunk(seq.seq_id, (FED,), start, tuple(self.blocks.block_table(seq.seq_id)), samples=True)
-            )
-        return ScheduledBatch(step, tuple(chunks), len(chunks), 0, block_copies=tuple(plan.copies))
+        chunks = tuple(
+            ScheduledChunk(seq.seq_id, (FED,), start, self.blocks.table(seq.seq_id), samples=True)
+            for seq, start in zip(decoding, starts)
+        )
+        return ScheduledBatch(step, chunks, len(chunks), 0, block_copies=tuple(copies))
 
     # ------------------------------------------------------------------ helpers
 
@@ -303,7 +301,7 @@ class Scheduler:
             seq_id=seq.seq_id,
             token_ids=tuple(seq.token_ids[start:total]),
             start_pos=start,
-            block_table=tuple(self.blocks.block_table(seq.seq_id)),
+            block_table=self.blocks.table(seq.seq_id),
             samples=total == seq.num_tokens,
             draft_slots=drafts,
         )

@@ -110,6 +110,10 @@ class BlockManager:
     def block_table(self, seq_id: str) -> list[int]:
         return list(self._tables[seq_id])
 
+    def table(self, seq_id: str) -> tuple[int, ...]:
+        """The block table as a ScheduledChunk holds it."""
+        return tuple(self._tables[seq_id])
+
     def num_tokens(self, seq_id: str) -> int:
         """Tokens the sequence has capacity for (reserved, not necessarily written)."""
         return self._num_tokens[seq_id]
@@ -147,6 +151,22 @@ class BlockManager:
             raise NoFreeBlocks(
                 f"write({seq_id!r}, {start}, {end}) needs {grow + len(shared)} blocks, {len(self._free)} free"
             )
+        return self._apply(seq_id, end, grow, shared)
+
+    def write_rows(self, writes: list[tuple[str, int, int]]) -> list[BlockCopy] | None:
+        """write() of every (seq_id, start, end), where write_cost's bound of them together fits the free blocks;
+        None, and nothing written, where it does not. One plan a row (a decode step's lookahead: write_cost then
+        write planned each row twice); a row that shares a block is planned again when it is written, after the
+        rows before it (their copies unshare blocks)."""
+        plans = [self._write_plan(*w) for w in writes]
+        if sum(grow + len(shared) for grow, shared in plans) > len(self._free):
+            return None
+        copies: list[BlockCopy] = []
+        for (seq_id, start, end), (grow, shared) in zip(writes, plans):
+            copies += self.write(seq_id, start, end) if shared else self._apply(seq_id, end, grow, [])
+        return copies
+
+    def _apply(self, seq_id: str, end: int, grow: int, shared: list[int]) -> list[BlockCopy]:
         table = self._tables[seq_id]
         copies = []
         for i in shared:
