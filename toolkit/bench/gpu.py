@@ -249,12 +249,6 @@ def hf_step_ms(model, device: torch.device, batch: int, context: int, tokens: in
 
 
 # the tilings --kernels times for matmul_dot, by whether the inputs are fp32 (the format's own one is starred)
-DOT_TILINGS = {
-    True: ((16, 32, 32), (16, 16, 32), (16, 16, 64), (32, 16, 32), (16, 64, 32), (64, 64, 64)),
-    False: ((64, 64, 64), (16, 64, 64), (64, 32, 64), (64, 16, 64), (16, 16, 64), (16, 32, 128), (32, 16, 128)),
-}
-
-
 def kernel_ms(fn: Callable[[], Any], device: torch.device) -> float:
     """ms of one call of fn: its kernels' own time on a GPU (do_bench), else the median of 20 calls after 3."""
     if device.type == "cuda":
@@ -294,7 +288,7 @@ def kernel_times(shape: str, dtypes: list[str], batches: list[int], device: torc
                         f"tl.dot {'x'.join(map(str, b))}{'*' if b == gm.dot_blocks(x.dtype) else ''}",
                         lambda b=b: gm.matmul_dot(x, w, b),
                     )
-                    for b in DOT_TILINGS[x.dtype == torch.float32]
+                    for b in gm.candidate_tilings(x.dtype)
                 ]
                 for name, fn in fns:
                     try:
@@ -330,14 +324,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--kernel-table", type=int, default=0, help="print each bucket's costliest ops, this many")
     parser.add_argument("--host-profile", type=Path, help="append each bucket's host profile (cProfile) here")
-    parser.add_argument(
-        "--dot-blocks",
-        type=lambda text: tuple(int(x) for x in text.split(",")),
-        help="BM,BN,BK: the invariant matmul's tiling of 16-bit inputs for this run (a tiling to compare)",
-    )
+    for flag, which in (("--dot-blocks", "16-bit"), ("--dot-blocks-fp32", "fp32")):
+        parser.add_argument(
+            flag,
+            type=lambda text: tuple(int(x) for x in text.split(",")),
+            help=f"BM,BN,BK: the invariant matmul's tiling of {which} inputs for this run (a tiling to compare)",
+        )
     args = parser.parse_args(argv)
-    if args.dot_blocks:
-        gm.DOT_BLOCKS = args.dot_blocks
+    gm.DOT_BLOCKS = args.dot_blocks or gm.DOT_BLOCKS
+    gm.DOT_BLOCKS_FP32 = args.dot_blocks_fp32 or gm.DOT_BLOCKS_FP32
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device here (torch.cuda.is_available() is False): try --device cpu")
@@ -345,7 +340,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bandwidth = copy_bandwidth_gbs(device, 512 if device.type == "cuda" else 128)
     print(
         f"decode steps, random weights of {args.shape}'s shape, context {args.context}, on {where}; "
-        f"copy bandwidth {bandwidth:.0f} GB/s; the invariant matmul's 16-bit tiling {gm.DOT_BLOCKS}",
+        f"copy bandwidth {bandwidth:.0f} GB/s; the invariant matmul's tilings {gm.DOT_BLOCKS} (16-bit), "
+        f"{gm.DOT_BLOCKS_FP32} (fp32)",
         flush=True,
     )
     results: dict[str, Any] = {"device": where, "shape": args.shape, "copy_bandwidth_gbs": bandwidth, "rows": []}

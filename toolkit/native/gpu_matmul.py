@@ -146,6 +146,29 @@ DOT_BLOCKS = (64, 16, 64)
 DOT_BLOCKS_FP32 = (16, 32, 32)  # ... and of fp32's, whose "ieee" tile product is FMAs, not the tensor cores
 
 
+# tilings the benchmark times beside the format's own (`python -m toolkit.bench.gpu --kernels`, `--dot-blocks`), and
+# the interpreter checks: at one row a decode product is bound by the weight bytes a multiprocessor has in flight
+# (programs x the K slice's bytes x the pipeline's stages: 64 x 64 x 64 and 64 x 16 x 64 timed alike at batch 1 on an
+# H200), so the longer K slices are the candidates
+CANDIDATES = (
+    (64, 64, 64),
+    (16, 64, 64),
+    (64, 32, 64),
+    (16, 16, 64),
+    (64, 16, 128),
+    (64, 16, 256),
+    (16, 16, 256),
+    (16, 32, 256),
+)
+CANDIDATES_FP32 = ((16, 16, 32), (16, 16, 64), (32, 16, 32), (16, 64, 32), (16, 16, 128), (16, 32, 128))
+
+
+def candidate_tilings(dtype: torch.dtype) -> tuple[tuple[int, int, int], ...]:
+    """The format's own tiling, then the others the benchmark compares."""
+    own = dot_blocks(dtype)
+    return (own,) + tuple(b for b in (CANDIDATES_FP32 if dtype == torch.float32 else CANDIDATES) if b != own)
+
+
 def dot_blocks(dtype: torch.dtype) -> tuple[int, int, int]:
     """matmul_dot's one tiling for inputs of `dtype`: fixed by the format alone, never by the number of rows."""
     return DOT_BLOCKS_FP32 if dtype == torch.float32 else DOT_BLOCKS
