@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -180,18 +180,21 @@ def test_check_invariants_catches_a_leak():
         bm.check_invariants()
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=150, deadline=None)
+@example(lengths=[4], forks=[], free_blocks=4, steps=[1], again=0)  # a sequence written twice, growing each time
+@example(lengths=[6, 3], forks=[0, 0], free_blocks=3, steps=[1], again=9)  # forks sharing a block, each copying
 @given(
     lengths=st.lists(st.integers(1, 14), min_size=1, max_size=5),
     forks=st.lists(st.integers(0, 4), max_size=4),
     free_blocks=st.integers(0, 6),
     steps=st.lists(st.integers(1, 2), min_size=1, max_size=4),
+    again=st.integers(0, 9),
 )
-def test_a_decode_steps_writes_at_once_are_the_writes_one_by_one(lengths, forks, free_blocks, steps):
+def test_a_decode_steps_writes_at_once_are_the_writes_one_by_one(lengths, forks, free_blocks, steps, again):
     """write_rows (a decode step's lookahead: one plan a row) leaves the manager as write_cost's check, then write()
     row by row, leaves it: the same tables, reference counts, free list and copies, forked sequences sharing
-    blocks included (the first one's copy unshares a block for the next); where the rows' cost does not fit, None
-    and nothing written."""
+    blocks included (the first one's copy unshares a block for the next), and a sequence written twice; where the
+    rows' cost does not fit, None and nothing written."""
     bm = BlockManager(num_blocks=sum(-(-n // BS) for n in lengths) + free_blocks, block_size=BS)
     for i, n in enumerate(lengths):
         bm.allocate(f"s{i}", n)
@@ -201,6 +204,9 @@ def test_a_decode_steps_writes_at_once_are_the_writes_one_by_one(lengths, forks,
     seqs = sorted(bm._tables)
     for ahead in steps:
         writes = [(s, bm.num_tokens(s), bm.num_tokens(s) + ahead) for s in seqs]
+        if again < len(writes):  # that sequence's next positions too, after the others
+            seq, _, end = writes[again]
+            writes.append((seq, end, end + ahead))
         twin = copy.deepcopy(bm)
         fits = sum(twin.write_cost(*w) for w in writes) <= twin.num_free_blocks
         want = [c for w in writes for c in twin.write(*w)] if fits else None

@@ -312,7 +312,7 @@ def test_batch_invariant_rows_are_the_same_bits_in_every_batch_mix_and_graph_mod
     """Issue 57's matrix on a GPU: engine.batch_invariant=true (Triton matmul, attention, norms, logsumexp), one
     request's logits rows bit-identical alone and at batch 7, 32 and 64, its decode steps beside other requests'
     prompt chunks (they arrive while it decodes, in chunks of a small token budget), CUDA graphs on and off; in the
-    matmul's own 16-bit tiling and in the narrower ones the benchmark compares (`--dot-blocks`)."""
+    matmul's own 16-bit tiling, the one before it, and the leading candidate the benchmark compares (`--dot-blocks`)."""
     from toolkit.native import gpu_matmul as gm
 
     if blocks is not None:

@@ -248,7 +248,6 @@ def hf_step_ms(model, device: torch.device, batch: int, context: int, tokens: in
     return 1000 * statistics.median(b - a for a, b in zip(clock.times, clock.times[1:]))
 
 
-# the tilings --kernels times for matmul_dot, by whether the inputs are fp32 (the format's own one is starred)
 def kernel_ms(fn: Callable[[], Any], device: torch.device) -> float:
     """ms of one call of fn: its kernels' own time on a GPU (do_bench), else the median of 20 calls after 3."""
     if device.type == "cuda":
@@ -303,6 +302,17 @@ def kernel_times(shape: str, dtypes: list[str], batches: list[int], device: torc
     return lines
 
 
+def tiling(text: str) -> tuple[int, int, int]:
+    """BM,BN,BK: three powers of two, each at least 16 (what tl.dot takes)."""
+    try:
+        blocks = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        blocks = ()
+    if len(blocks) != 3 or any(b < 16 or b & (b - 1) for b in blocks):
+        raise argparse.ArgumentTypeError(f"a tiling is BM,BN,BK, three powers of two of at least 16: got {text!r}")
+    return blocks
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -327,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for flag, which in (("--dot-blocks", "16-bit"), ("--dot-blocks-fp32", "fp32")):
         parser.add_argument(
             flag,
-            type=lambda text: tuple(int(x) for x in text.split(",")),
+            type=tiling,
             help=f"BM,BN,BK: the invariant matmul's tiling of {which} inputs for this run (a tiling to compare)",
         )
     args = parser.parse_args(argv)

@@ -157,13 +157,16 @@ class BlockManager:
         """write() of every (seq_id, start, end), where write_cost's bound of them together fits the free blocks;
         None, and nothing written, where it does not. One plan a row (a decode step's lookahead: write_cost then
         write planned each row twice); a row that shares a block is planned again when it is written, after the
-        rows before it (their copies unshare blocks)."""
+        rows before it (their copies unshare blocks), and so is a sequence's second row."""
         plans = [self._write_plan(*w) for w in writes]
         if sum(grow + len(shared) for grow, shared in plans) > len(self._free):
             return None
         copies: list[BlockCopy] = []
+        written: set[str] = set()
         for (seq_id, start, end), (grow, shared) in zip(writes, plans):
-            copies += self.write(seq_id, start, end) if shared else self._apply(seq_id, end, grow, [])
+            fresh = not shared and seq_id not in written
+            copies += self._apply(seq_id, end, grow, []) if fresh else self.write(seq_id, start, end)
+            written.add(seq_id)
         return copies
 
     def _apply(self, seq_id: str, end: int, grow: int, shared: list[int]) -> list[BlockCopy]:

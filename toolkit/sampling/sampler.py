@@ -438,6 +438,8 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     On the CPU: torch.topk of k + 1, then each row's k put in order, and a tie at the k-th place settled by the
     lowest tied ids. Elsewhere, with no read: one int64 a value (its order-keeping bits over its id) in one topk
     (float64: a stable sort)."""
+    if not 0 <= k <= x.shape[-1]:
+        raise ValueError(f"top_k: k = {k} outside [0, {x.shape[-1]}]")
     return _top_k_device(x, k) if devices.off_cpu(x) else _top_k_host(x, k)
 
 
@@ -449,7 +451,8 @@ def _top_k_device(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     bits = torch.where(torch.isnan(f), float("nan"), f).view(torch.int32).to(torch.int64)
     order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # a negative float's magnitude bits reversed
     vocab = x.shape[-1]
-    ids = torch.topk(order * (1 << 32) + (vocab - 1 - torch.arange(vocab, device=x.device)), k, dim=-1).indices
+    order.mul_(1 << 32).add_(torch.arange(vocab - 1, -1, -1, device=x.device))  # in place: R x V int64 is large
+    ids = torch.topk(order, k, dim=-1).indices
     return x.gather(-1, ids), ids
 
 
