@@ -28,9 +28,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD TOOLKIT_CACHE=$PWD/.gpu/tkc PYTHONUNBUFFERED=1
 { nvidia-smi -L; python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } \
   2>&1 | tee "$OUT/device.txt"
-timeout 240 python3 -m pytest -q -p no:cacheprovider -rs --durations=8 tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
+timeout 220 python3 -m pytest -q -p no:cacheprovider -rs --durations=8 tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
 status=${PIPESTATUS[0]}
-timeout 150 python3 -m toolkit.bench.gpu --shape smollm2 --batches 1 8 32 --batch-invariant --async-scheduling \
+timeout 140 python3 -m toolkit.bench.gpu --shape smollm2 --batches 1 8 32 --batch-invariant --async-scheduling \
   --json "$OUT/bench_smollm2.json" --host-profile "$OUT/host_profile.txt" 2>&1 | tee "$OUT/bench.txt"
 timeout 80 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --batch-invariant --async-scheduling \
   --json "$OUT/bench_llama1b.json" --host-profile "$OUT/host_profile.txt" 2>&1 | tee -a "$OUT/bench.txt"
