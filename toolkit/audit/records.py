@@ -194,12 +194,16 @@ def as_number(value: Any, what: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value == float("inf"):
-        shown = repr(value)[:80] if isinstance(value, str) else str(value)[:80]  # "-inf" the string, not -inf
-        raise TranscriptError(f"{what} is {shown}, not a log-probability (a JSON number, or -inf)")
+        raise _not_a_logprob(what, value)
     try:
         return float(value)
     except OverflowError:  # an integer past a double's range
-        raise TranscriptError(f"{what} is {str(value)[:80]}, not a log-probability (a JSON number, or -inf)") from None
+        raise _not_a_logprob(what, value) from None
+
+
+def _not_a_logprob(what: str, value: Any) -> TranscriptError:
+    shown = repr(value)[:80] if isinstance(value, str) else str(value)[:80]  # "-inf" the string, not -inf
+    return TranscriptError(f"{what} is {shown}, not a log-probability (a JSON number, or -inf)")
 
 
 def as_int_list(value: Any, what: str) -> list[int]:

@@ -177,14 +177,20 @@ def engine_bucket(
     }
 
 
-def back_to_back_ms(loaded: LoadedModel, device: torch.device, batch: int, context: int, steps: int, async_: bool):
-    """ms a step of `steps` decode steps run one after another, the device waited for only after the last: what a
-    serving loop sees, and the only timing in which async scheduling's overlap shows (a wait after each step
-    drains the step it queued)."""
+def warm_engine(loaded: LoadedModel, device: torch.device, batch: int, context: int, steps: int, async_: bool):
+    """A decode engine with room for `steps` more steps past 3 warm-up ones, which it has run."""
     cfg = EngineConfig(device=str(device), async_scheduling=async_)
     engine = decode_engine(loaded, cfg, batch, context, steps=2 * steps + 6)
     for _ in range(3):
         engine.step()
+    return engine
+
+
+def back_to_back_ms(loaded: LoadedModel, device: torch.device, batch: int, context: int, steps: int, async_: bool):
+    """ms a step of `steps` decode steps run one after another, the device waited for only after the last: what a
+    serving loop sees, and the only timing in which async scheduling's overlap shows (a wait after each step
+    drains the step it queued)."""
+    engine = warm_engine(loaded, device, batch, context, steps, async_)
     sync(device)
     start = time.perf_counter()
     for _ in range(steps):
@@ -208,11 +214,7 @@ def async_bucket(
     default = min(back_to_back_ms(loaded, device, batch, context, steps, False) for _ in range(2))
     ahead = min(back_to_back_ms(loaded, device, batch, context, steps, True) for _ in range(2))
     if profile_to is not None:
-        engine = decode_engine(
-            loaded, EngineConfig(device=str(device), async_scheduling=True), batch, context, 2 * steps
-        )
-        for _ in range(3):
-            engine.step()
+        engine = warm_engine(loaded, device, batch, context, steps, True)
         title = f"{loaded.model.embed.dtype} batch {batch} async scheduling, back to back"
         host_profile(engine.step, device, steps, title, profile_to)
     kernel_ms = None if row["busy"] is None else row["busy"] * row["ms"]
