@@ -283,11 +283,11 @@ def kernel_times(shape: str, dtypes: list[str], batches: list[int], device: torc
             for m in batches:
                 x = torch.randn(m, k, device=device).to(DTYPES[dtype])
                 ms = {}
-                fns = [("torch", lambda: x @ w), ("tl.sum", lambda: gm.matmul(x, w))]
+                fns = [("torch", lambda: x @ w), ("tl.sum", lambda: gm.matmul(x, w, out_dtype=x.dtype))]
                 fns += [
                     (
                         f"tl.dot {'x'.join(map(str, b))}{'*' if b == gm.dot_blocks(x.dtype) else ''}",
-                        lambda b=b: gm.matmul_dot(x, w, b),
+                        lambda b=b: gm.matmul_dot(x, w, b, out_dtype=x.dtype),
                     )
                     for b in gm.candidate_tilings(x.dtype)
                 ]

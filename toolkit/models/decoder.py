@@ -333,7 +333,7 @@ class PagedDecoder(nn.Module):
         if native_matmul and invariant_gpu.routes(self.embed):  # one fixed tiling, no split-K: M changes no row
 
             def mm(h, w):
-                return gm.invariant_matmul(h, w).to(h.dtype)
+                return gm.invariant_matmul(h, w)
         elif native_matmul:
             plan = schedule or MatmulSchedule()
             mm_lib = plan.lib_for_rows(n)  # the build whose matmul runs the projections' n rows (None: our own)

@@ -25,12 +25,15 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32  # the tl.sum matmul's one tiling
 
 
 def invariant_matmul(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
-    """The batch-invariant mode's matmul, fp32 (M, N): tensor-core tiles on a GPU, the tl.sum tiles in the
-    interpreter (whose tile product is numpy's, not row-invariant)."""
-    return matmul_dot(x_MK, w_KN) if x_MK.is_cuda else matmul(x_MK, w_KN)
+    """The batch-invariant mode's matmul, (M, N) in x's format: tensor-core tiles on a GPU, the tl.sum tiles in the
+    interpreter (whose tile product is numpy's, not row-invariant). A 16-bit result is the fp32 sums rounded in the
+    kernel's store, the bits of `.to(x.dtype)` after an fp32 result without its launch and its fp32 copy."""
+    fn = matmul_dot if x_MK.is_cuda else matmul
+    return fn(x_MK, w_KN, out_dtype=x_MK.dtype)
 
 
 if triton is not None:
+    from toolkit.native.invariant_gpu import rounded  # only where Triton imports
 
     @triton.jit(do_not_specialize=["M"])  # one compiled kernel whatever the row count (M = 1 included)
     def _matmul_kernel(
@@ -63,7 +66,8 @@ if triton is not None:
                 w_ptr + kk[None, :] * swk + rn[:, None] * swn, mask=(kk[None, :] < K) & (rn[:, None] < N), other=0.0
             ).to(tl.float32)
             acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-        tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+        out = rounded(acc, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)  # once, to nearest even
+        tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, out, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit(do_not_specialize=["M"])  # one compiled kernel whatever the row count (M = 1 included)
     def _matmul_dot_kernel(
@@ -105,16 +109,17 @@ if triton is not None:
                 x = x.to(tl.float32)
                 w = w.to(tl.float32)
             acc = tl.dot(x, w, acc, input_precision=PRECISION)
-        tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+        out = rounded(acc, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)  # once, to nearest even
+        tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, out, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def matmul(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
-    """x @ w, (M, N) fp32, each row's sums in one order whatever M is."""
+def matmul(x_MK: torch.Tensor, w_KN: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x @ w, (M, N), each row's sums in one order whatever M is, in fp32, rounded to `out_dtype` at the end."""
     m, k = x_MK.shape
     n = w_KN.shape[1]
     if not available(x_MK):
-        return matmul_rows(x_MK, w_KN)
-    out = torch.empty((m, n), dtype=torch.float32, device=x_MK.device)
+        return matmul_rows(x_MK, w_KN).to(out_dtype)
+    out = torch.empty((m, n), dtype=out_dtype, device=x_MK.device)
     if m == 0:
         return out
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
@@ -174,16 +179,22 @@ def dot_blocks(dtype: torch.dtype) -> tuple[int, int, int]:
     return DOT_BLOCKS_FP32 if dtype == torch.float32 else DOT_BLOCKS
 
 
-def matmul_dot(x_MK: torch.Tensor, w_KN: torch.Tensor, blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
+def matmul_dot(
+    x_MK: torch.Tensor,
+    w_KN: torch.Tensor,
+    blocks: tuple[int, int, int] | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """x @ w by tile products in one fixed tiling, no split-K, fp32 sums: the matmul the engine's batch-invariant
     mode runs on a CUDA GPU. Tiles are always whole (masked loads pad them), so the tile product has one shape
     whatever M is, and a row's products are summed the same way whatever the other rows hold. `blocks` overrides
-    the format's tiling (`dot_blocks`) for the benchmark's comparison of tilings; the engine never passes it."""
+    the format's tiling (`dot_blocks`) for the benchmark's comparison of tilings; the engine never passes it. The
+    fp32 sums are rounded once to `out_dtype` as they are stored."""
     m, k = x_MK.shape
     n = w_KN.shape[1]
     bm, bn, bk = blocks or dot_blocks(x_MK.dtype)
     widen = x_MK.device.type == "cpu"  # the interpreter
-    out = torch.empty((m, n), dtype=torch.float32, device=x_MK.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=x_MK.device)
     if m == 0:
         return out
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))

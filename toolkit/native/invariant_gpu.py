@@ -53,7 +53,7 @@ def routes(t: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _rounded(y, dtype: tl.constexpr):
+    def rounded(y, dtype: tl.constexpr):
         """fp32 -> dtype, round to nearest even, as an fp32 value. bf16 by integer rounding of the fp32 bits (then
         exact): Triton's interpreter truncates a bf16 conversion, a GPU rounds it; this is both's nearest-even."""
         if dtype == tl.bfloat16:
@@ -95,12 +95,12 @@ if triton is not None:
         x = tl.load(x_ptr + row * sx + cols, mask=mask, other=0.0)
         s = x.to(tl.float32)
         if HAS_RES:
-            s = _rounded(s + tl.load(r_ptr + row * sr + cols, mask=mask, other=0.0).to(tl.float32), x.dtype)
+            s = rounded(s + tl.load(r_ptr + row * sr + cols, mask=mask, other=0.0).to(tl.float32), x.dtype)
             tl.store(sum_ptr + row * ss + cols, s.to(x.dtype), mask=mask)
         inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(s * s, axis=0), D * 1.0) + eps))  # IEEE-rounded
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = _rounded(s * inv, x.dtype)
-        tl.store(out_ptr + row * so + cols, _rounded(w * y, x.dtype).to(x.dtype), mask=mask)
+        y = rounded(s * inv, x.dtype)
+        tl.store(out_ptr + row * so + cols, rounded(w * y, x.dtype).to(x.dtype), mask=mask)
 
     @triton.jit
     def _rope_kernel(
@@ -145,19 +145,19 @@ if triton is not None:
         xr = tl.load(x_ptr + n * sxn + h * sxh + partner, mask=mask, other=0.0).to(tl.float32)
         xr = tl.where(d < half, -xr, xr)
         pos = tl.load(pos_ptr + n)
-        c = _rounded(tl.load(cos_ptr + pos * sc + d, mask=d < D, other=0.0), x.dtype)
-        sn = _rounded(tl.load(sin_ptr + pos * sc + d, mask=d < D, other=0.0), x.dtype)
-        y = _rounded(_rounded(x.to(tl.float32) * c, x.dtype) + _rounded(xr * sn, x.dtype), x.dtype)
+        c = rounded(tl.load(cos_ptr + pos * sc + d, mask=d < D, other=0.0), x.dtype)
+        sn = rounded(tl.load(sin_ptr + pos * sc + d, mask=d < D, other=0.0), x.dtype)
+        y = rounded(rounded(x.to(tl.float32) * c, x.dtype) + rounded(xr * sn, x.dtype), x.dtype)
         if STORE:
             tl.store(out_ptr + n * son + h * soh + d, y.to(x.dtype), mask=mask & (h < QH))
             slot = tl.load(slot_ptr + n).to(tl.int64)
             cache_t: tl.constexpr = kc_ptr.dtype.element_ty
             keys = kc_ptr + slot * scs + (h - QH) * sch + d
-            tl.store(keys, _rounded(y, cache_t).to(cache_t), mask=mask & (h >= QH))
+            tl.store(keys, rounded(y, cache_t).to(cache_t), mask=mask & (h >= QH))
             vh = tl.arange(0, BK)[:, None]
             vmask = (vh < H - QH) & (d < D)
             v = tl.load(v_ptr + n * svn + vh * svh + d, mask=vmask, other=0.0).to(tl.float32)
-            tl.store(vc_ptr + slot * scs + vh * sch + d, _rounded(v, cache_t).to(cache_t), mask=vmask)
+            tl.store(vc_ptr + slot * scs + vh * sch + d, rounded(v, cache_t).to(cache_t), mask=vmask)
         else:
             tl.store(out_ptr + n * son + h * soh + d, y.to(x.dtype), mask=mask)
 
@@ -170,8 +170,8 @@ if triton is not None:
         g = tl.load(x_ptr + row * sx + cols, mask=mask, other=0.0)
         u = tl.load(x_ptr + row * sx + width + cols, mask=mask, other=0.0).to(tl.float32)
         g32 = g.to(tl.float32)
-        a = _rounded(tl.div_rn(g32, 1.0 + tl.exp(-g32)), g.dtype)
-        tl.store(out_ptr + row * so + cols, _rounded(a * u, g.dtype).to(g.dtype), mask=mask)
+        a = rounded(tl.div_rn(g32, 1.0 + tl.exp(-g32)), g.dtype)
+        tl.store(out_ptr + row * so + cols, rounded(a * u, g.dtype).to(g.dtype), mask=mask)
 
 
 def add_rms_norm(
