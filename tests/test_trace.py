@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import threading
@@ -49,6 +50,23 @@ traces = st.builds(
     t_emit_s=st.floats(0, 1e6),
     logits_row=st.just(0),
 )
+
+
+@settings(max_examples=30)
+@given(row=traces)
+def test_the_engines_row_constructor_is_the_dataclasss(row):
+    """SampleTrace.from_fields (what the commit builds a row with, without the frozen __init__) gives the row the
+    dataclass gives: equal, same hash and repr, frozen; a missing or unknown field is refused, not a short row."""
+    values = dataclasses.asdict(row)
+    built = SampleTrace.from_fields(dict(values))
+    assert built == row and hash(built) == hash(row) and repr(built) == repr(row)
+    assert dataclasses.asdict(built) == values and dataclasses.replace(built, step=1) == dataclasses.replace(row, step=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.token_id = 7  # type: ignore[misc]
+    with pytest.raises(TypeError, match=r"missing \['seed'\]"):
+        SampleTrace.from_fields({k: v for k, v in values.items() if k != "seed"})
+    with pytest.raises(TypeError, match=r"unknown \['tokenid'\]"):
+        SampleTrace.from_fields({**values, "tokenid": 3})
 
 
 @settings(max_examples=30)

@@ -80,6 +80,7 @@ class Committer:
             follower.first_scheduled_time = leader.first_scheduled_time
             leader.followers = []
         forked = {f.seq_id for _, f in decision.forks}
+        row_of = StepRows(batch, decision.grammar_allowed, start_time)
         traces, deltas, finished, failed = [], [], [], []
         for seq, emitted in decision.emits:
             verified = seq.seq_id in proposals
@@ -91,9 +92,7 @@ class Committer:
                     if seq.seq_id in forked and not delta.finished:
                         self.scheduler.adopt(seq)
                     deltas.append(delta)
-                    traces.append(
-                        self.trace_row(seq, e, position, batch, delta.finished, decision.grammar_allowed, start_time)
-                    )
+                    traces.append(row_of(seq, e, position, delta.finished))
                     if delta.finished:
                         finished.append(seq.seq_id)
                         break
@@ -233,46 +232,47 @@ class Committer:
                 seq.abort_step = step
                 self.finish(seq, FinishReason.ABORT, "abort", None, now)
 
-    def trace_row(
-        self,
-        seq: Sequence,
-        e: Emit,
-        position: int,
-        batch: ScheduledBatch,
-        finished: bool,
-        allowed: dict[int, int],
-        start_time: float,
-    ) -> SampleTrace:
+
+class StepRows:
+    """A step's SampleTrace rows: the fields the step fixes read once, a row's own from its sequence and emit."""
+
+    def __init__(self, batch: ScheduledBatch, allowed: dict[int, int], start_time: float):
+        self.step, self.batch_size, self.step_tokens = batch.step, len(batch.chunks), batch.num_tokens
+        self.allowed, self.start_time = allowed, start_time
+
+    def __call__(self, seq: Sequence, e: Emit, position: int, finished: bool) -> SampleTrace:
         p = seq.sampling
-        return SampleTrace(
-            request_id=seq.request_id,
-            stream=seq.stream,
-            step=batch.step,
-            position=position,
-            token_id=e.token,
-            raw_logprob=e.raw_logprob,
-            processed_logprob=e.processed_logprob,
-            support_size=e.support,
-            top_raw=e.top_raw,
-            top_processed=e.top_processed,
-            processors=tuple(p.pipeline_description()),
-            temperature=p.temperature,
-            top_k=p.top_k,
-            top_p=p.top_p,
-            min_p=p.min_p,
-            seed=seq.seed,
-            noise=e.noise,
-            batch_size=len(batch.chunks),
-            step_tokens=batch.num_tokens,
-            finish_reason=seq.finish_reason.value if finished else None,
-            stop_reason=seq.finish_detail if finished else None,
-            error=e.error,
-            t_emit_s=time.perf_counter() - start_time,
-            logits_row=e.row,
-            grammar_allowed=allowed.get(e.row),
-            origin=e.origin,
-            draft_logprob=e.draft_logprob,
-            spec_proposed=e.spec_proposed,
-            spec_accepted=e.spec_accepted,
-            kept_sha256=e.kept_sha256,
+        return SampleTrace.from_fields(
+            {
+                "request_id": seq.request_id,
+                "stream": seq.stream,
+                "step": self.step,
+                "position": position,
+                "token_id": e.token,
+                "raw_logprob": e.raw_logprob,
+                "processed_logprob": e.processed_logprob,
+                "support_size": e.support,
+                "top_raw": e.top_raw,
+                "top_processed": e.top_processed,
+                "processors": p.described_pipeline,
+                "temperature": p.temperature,
+                "top_k": p.top_k,
+                "top_p": p.top_p,
+                "min_p": p.min_p,
+                "seed": seq.seed,
+                "noise": e.noise,
+                "batch_size": self.batch_size,
+                "step_tokens": self.step_tokens,
+                "finish_reason": seq.finish_reason.value if finished else None,
+                "stop_reason": seq.finish_detail if finished else None,
+                "error": e.error,
+                "t_emit_s": time.perf_counter() - self.start_time,
+                "logits_row": e.row,
+                "grammar_allowed": self.allowed.get(e.row),
+                "origin": e.origin,
+                "draft_logprob": e.draft_logprob,
+                "spec_proposed": e.spec_proposed,
+                "spec_accepted": e.spec_accepted,
+                "kept_sha256": e.kept_sha256,
+            }
         )

@@ -257,6 +257,11 @@ class SamplingParams:
         """The active processors with their parameters, then the selection rule."""
         return list(self._description)
 
+    @property
+    def described_pipeline(self) -> tuple[str, ...]:
+        """pipeline_description() as the tuple these (frozen) parameters keep: a trace row's `processors`."""
+        return self._description
+
     def replace(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)
 

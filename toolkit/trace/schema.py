@@ -98,6 +98,22 @@ class SampleTrace:
     spec_accepted: int = 0  # of which kept
     kept_sha256: str | None = None  # sha256 of the kept set: the tokens with a finite processed logit, as a bitmask
 
+    @classmethod
+    def from_fields(cls, values: dict[str, Any]) -> SampleTrace:
+        """The row of `values` (every field by name, no other name; the dict becomes the row's and must not be used
+        again): what `SampleTrace(**values)` gives, equal, hashed and frozen alike, without the frozen __init__'s
+        one `object.__setattr__` a field. The engine builds one a sampled token (issue 56: at batch 32 the frozen
+        __init__ was 0.23 ms of a step's host time on an AMD EPYC, 7.3 us a row against 2.2)."""
+        if values.keys() != _TRACE_FIELDS:
+            missing, extra = sorted(_TRACE_FIELDS - values.keys()), sorted(values.keys() - _TRACE_FIELDS)
+            raise TypeError(f"SampleTrace fields missing {missing}, unknown {extra}")
+        row = object.__new__(cls)
+        object.__setattr__(row, "__dict__", values)
+        return row
+
+
+_TRACE_FIELDS = frozenset(f.name for f in fields(SampleTrace))
+
 
 SAMPLE_COLUMNS = [
     ("run_id", pa.string()),
