@@ -168,3 +168,49 @@ def test_the_gpu_benchmark_runs_on_the_cpu_and_prints_each_figure(tmp_path, caps
     assert printed.count(" ms a step,") == 4 and printed.count("async scheduling") == 4
     assert f"on {gpu.machine('cpu')}; copy bandwidth" in printed.splitlines()[0]  # the device named
     assert any(line.startswith("goal ") and "fp32's" in line for line in result["goals"])
+
+
+def test_the_host_step_benchmark_takes_the_forward_out(capsys):
+    """python -m toolkit.bench.host_step: every batch size with async scheduling off and on, the machine named; the
+    forward's seconds are not in the figure (a forward made 20 ms slower leaves it under 20 ms a step; a clock that
+    counted nothing, or the whole step, would not)."""
+    import time
+
+    from toolkit.bench import host_step
+    from toolkit.config import ModelConfig
+    from toolkit.models import load_model
+
+    result = host_step.main(["--batches", "1", "4", "--steps", "3", "--repeats", "1"])
+    assert list(result) == ["batch 1", "batch 1 async", "batch 4", "batch 4 async"]
+    assert all(0 < ms < 1000 for ms in result.values())
+    assert "host ms a decode step outside the forward" in capsys.readouterr().out
+    loaded = load_model(ModelConfig(**host_step.SHAPE), device="cpu")
+    clock = host_step.ForwardClock(loaded.model)
+    slow = clock.inner
+
+    def slower(*args, **kwargs):
+        time.sleep(0.02)
+        return slow(*args, **kwargs)
+
+    clock.inner = slower
+    figures = host_step.host_ms(loaded, clock, 2, False, 3, 1)
+    assert clock.seconds >= 3 * 0.02 and 0 < figures[0] < 20
+
+
+@pytest.mark.parametrize(
+    "text, blocks",
+    [("64,16,256", (64, 16, 256)), ("64,16,256,4", (64, 16, 256, 4)), ("16,16,16,1", (16, 16, 16, 1))]
+    + [(bad, None) for bad in ("64,16", "64,16,256,9", "64,16,256,0", "8,16,16", "64,24,64", "a,b,c", "64,16,256,4,1")],
+)
+def test_the_gpu_benchmarks_tiling_is_three_powers_of_two_then_its_stages(text, blocks):
+    """--dot-blocks / --dot-blocks-fp32: BM,BN,BK (powers of two, at least 16: what tl.dot takes), then optionally
+    the pipeline's stages (1 to 8); anything else is refused before a GPU compiles it."""
+    import argparse
+
+    from toolkit.bench import gpu
+
+    if blocks is None:
+        with pytest.raises(argparse.ArgumentTypeError, match="a tiling is BM,BN,BK"):
+            gpu.tiling(text)
+    else:
+        assert gpu.tiling(text) == blocks

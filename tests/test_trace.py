@@ -60,7 +60,9 @@ def test_the_engines_row_constructor_is_the_dataclasss(row):
     values = dataclasses.asdict(row)
     built = SampleTrace.from_fields(dict(values))
     assert built == row and hash(built) == hash(row) and repr(built) == repr(row)
-    assert dataclasses.asdict(built) == values and dataclasses.replace(built, step=1) == dataclasses.replace(row, step=1)
+    assert dataclasses.asdict(built) == values and dataclasses.replace(built, step=1) == dataclasses.replace(
+        row, step=1
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         built.token_id = 7  # type: ignore[misc]
     with pytest.raises(TypeError, match=r"missing \['seed'\]"):

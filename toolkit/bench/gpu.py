@@ -304,14 +304,19 @@ def kernel_times(shape: str, dtypes: list[str], batches: list[int], device: torc
     return lines
 
 
-def tiling(text: str) -> tuple[int, int, int]:
-    """BM,BN,BK: three powers of two, each at least 16 (what tl.dot takes)."""
+def tiling(text: str) -> tuple[int, ...]:
+    """BM,BN,BK: three powers of two, each at least 16 (what tl.dot takes); then optionally the pipeline's stages,
+    1 to 8."""
     try:
         blocks = tuple(int(x) for x in text.split(","))
     except ValueError:
         blocks = ()
-    if len(blocks) != 3 or any(b < 16 or b & (b - 1) for b in blocks):
-        raise argparse.ArgumentTypeError(f"a tiling is BM,BN,BK, three powers of two of at least 16: got {text!r}")
+    stages_ok = len(blocks) == 3 or (len(blocks) == 4 and 1 <= blocks[3] <= 8)
+    if not stages_ok or any(b < 16 or b & (b - 1) for b in blocks[:3]):
+        raise argparse.ArgumentTypeError(
+            f"a tiling is BM,BN,BK (three powers of two of at least 16), then optionally its stages (1 to 8): "
+            f"got {text!r}"
+        )
     return blocks
 
 

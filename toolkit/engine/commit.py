@@ -26,6 +26,8 @@ from toolkit.sampling.grammar import GrammarBackend
 from toolkit.sampling.stop import TextUpdate, update_text
 from toolkit.trace.schema import SampleTrace
 
+NO_TEXT = TextUpdate(delta="", stop_string=None)  # an engine without a tokenizer: no text, no stop string
+
 
 @dataclass(frozen=True)
 class Committed:
@@ -84,7 +86,6 @@ class Committer:
         traces, deltas, finished, failed = [], [], [], []
         for seq, emitted in decision.emits:
             verified = seq.seq_id in proposals
-            position, marks = seq.num_tokens, (len(deltas), len(traces), len(finished))
             try:
                 for e in emitted:
                     position, marks = seq.num_tokens, (len(deltas), len(traces), len(finished))
@@ -146,13 +147,15 @@ class Committer:
             stop = (FinishReason.STOP, f"stop_token_id:{token}", token)
         elif seq.grammar is not None and self.grammar().finished(seq.grammar):
             stop = (FinishReason.STOP, "grammar", None)  # the structured output is complete
-        at_length = seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
-        update = self.text(seq, final=stop is not None or at_length)
+        num_tokens = len(seq.token_ids)
+        max_tokens = num_tokens - seq.num_prompt_tokens >= p.max_tokens
+        max_model_len = num_tokens >= self.max_model_len
+        update = self.text(seq, final=stop is not None or max_tokens or max_model_len)
         if stop is None and update.stop_string is not None:
             stop = (FinishReason.STOP, f"stop_str:{update.stop_string}", update.stop_string)
-        if stop is None and seq.num_output_tokens >= p.max_tokens:
+        if stop is None and max_tokens:
             stop = (FinishReason.LENGTH, "max_tokens", None)
-        if stop is None and seq.num_tokens >= self.max_model_len:
+        if stop is None and max_model_len:
             stop = (FinishReason.LENGTH, "max_model_len", None)
         if stop is not None:
             self.finish(seq, stop[0], stop[1], stop[2], now)
@@ -168,7 +171,7 @@ class Committer:
     def text(self, seq: Sequence, *, final: bool) -> TextUpdate:
         """Advance the sequence's text and stop-string matcher (no text without a tokenizer)."""
         if self.tokenizer is None:
-            return TextUpdate(delta="", stop_string=None)
+            return NO_TEXT
         p = seq.sampling
         return update_text(
             lambda ids: self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens),

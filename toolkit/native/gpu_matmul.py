@@ -154,27 +154,29 @@ DOT_BLOCKS_FP32 = (16, 32, 32)  # ... and of fp32's, whose "ieee" tile product i
 # tilings the benchmark times beside the format's own (`python -m toolkit.bench.gpu --kernels`, `--dot-blocks`), and
 # the interpreter checks: at one row a decode product is bound by the weight bytes a multiprocessor has in flight
 # (programs x the K slice's bytes x the pipeline's stages: 64 x 64 x 64 and 64 x 16 x 64 timed alike at batch 1 on an
-# H200), so the longer K slices are the candidates
+# H200), so the longer K slices and deeper pipelines are the candidates. A fourth number is the pipeline's stages
+# (Triton's num_stages: K slices loaded ahead; its default 3); the stages move loads, never the order of the sums.
 CANDIDATES = (
     (64, 64, 64),
-    (16, 64, 64),
     (64, 32, 64),
     (16, 16, 64),
     (64, 16, 128),
     (64, 16, 256),
     (16, 16, 256),
     (16, 32, 256),
+    (64, 16, 128, 4),
+    (64, 16, 256, 4),
 )
-CANDIDATES_FP32 = ((16, 16, 32), (16, 16, 64), (32, 16, 32), (16, 64, 32), (16, 16, 128), (16, 32, 128))
+CANDIDATES_FP32 = ((16, 16, 32), (16, 16, 64), (32, 16, 32), (16, 64, 32), (16, 16, 128), (16, 32, 128), (16, 32, 128, 4))
 
 
-def candidate_tilings(dtype: torch.dtype) -> tuple[tuple[int, int, int], ...]:
+def candidate_tilings(dtype: torch.dtype) -> tuple[tuple[int, ...], ...]:
     """The format's own tiling, then the others the benchmark compares."""
     own = dot_blocks(dtype)
     return (own,) + tuple(b for b in (CANDIDATES_FP32 if dtype == torch.float32 else CANDIDATES) if b != own)
 
 
-def dot_blocks(dtype: torch.dtype) -> tuple[int, int, int]:
+def dot_blocks(dtype: torch.dtype) -> tuple[int, ...]:
     """matmul_dot's one tiling for inputs of `dtype`: fixed by the format alone, never by the number of rows."""
     return DOT_BLOCKS_FP32 if dtype == torch.float32 else DOT_BLOCKS
 
@@ -182,17 +184,19 @@ def dot_blocks(dtype: torch.dtype) -> tuple[int, int, int]:
 def matmul_dot(
     x_MK: torch.Tensor,
     w_KN: torch.Tensor,
-    blocks: tuple[int, int, int] | None = None,
+    blocks: tuple[int, ...] | None = None,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """x @ w by tile products in one fixed tiling, no split-K, fp32 sums: the matmul the engine's batch-invariant
     mode runs on a CUDA GPU. Tiles are always whole (masked loads pad them), so the tile product has one shape
     whatever M is, and a row's products are summed the same way whatever the other rows hold. `blocks` overrides
-    the format's tiling (`dot_blocks`) for the benchmark's comparison of tilings; the engine never passes it. The
-    fp32 sums are rounded once to `out_dtype` as they are stored."""
+    the format's tiling (`dot_blocks`: BM, BN, BK and optionally the pipeline's stages) for the benchmark's
+    comparison of tilings; the engine never passes it. The fp32 sums are rounded once to `out_dtype` as they are
+    stored."""
     m, k = x_MK.shape
     n = w_KN.shape[1]
-    bm, bn, bk = blocks or dot_blocks(x_MK.dtype)
+    bm, bn, bk, *stages = blocks or dot_blocks(x_MK.dtype)
+    pipeline = {"num_stages": stages[0]} if stages else {}
     widen = x_MK.device.type == "cpu"  # the interpreter
     out = torch.empty((m, n), dtype=out_dtype, device=x_MK.device)
     if m == 0:
@@ -217,6 +221,7 @@ def matmul_dot(
         PRECISION="ieee" if widen or x_MK.dtype == torch.float32 else "tf32",
         WIDEN=widen,
         **FIXED,
+        **pipeline,
     )
     return out
 
