@@ -186,17 +186,46 @@ def warm_engine(loaded: LoadedModel, device: torch.device, batch: int, context: 
     return engine
 
 
-def back_to_back_ms(loaded: LoadedModel, device: torch.device, batch: int, context: int, steps: int, async_: bool):
-    """ms a step of `steps` decode steps run one after another, the device waited for only after the last: what a
-    serving loop sees, and the only timing in which async scheduling's overlap shows (a wait after each step
-    drains the step it queued)."""
+class WaitClock:
+    """The host's seconds in `torch.cuda.Event.synchronize` while it is entered: a step's one wait for the device
+    (the sampler's results; toolkit/devices.py keeps every other copy from waiting). A step's time less its wait is
+    the host's own work: where that is most of the step, the host bounds it, else the GPU."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._synchronize = torch.cuda.Event.synchronize
+
+    def _timed(self, event: torch.cuda.Event) -> None:
+        t = time.perf_counter()
+        try:
+            self._synchronize(event)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+    def __enter__(self) -> WaitClock:
+        clock = self
+        torch.cuda.Event.synchronize = lambda event: clock._timed(event)  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.Event.synchronize = self._synchronize  # type: ignore[method-assign]
+
+
+def back_to_back_ms(
+    loaded: LoadedModel, device: torch.device, batch: int, context: int, steps: int, async_: bool
+) -> tuple[float, float]:
+    """(ms a step, of which the host waited for the device) of `steps` decode steps run one after another, the device
+    waited for only after the last: what a serving loop sees, and the only timing in which async scheduling's
+    overlap shows (a wait after each step drains the step it queued)."""
     engine = warm_engine(loaded, device, batch, context, steps, async_)
     sync(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync(device)
-    return 1000 * (time.perf_counter() - start) / steps
+    with WaitClock() as waits:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync(device)
+        elapsed = time.perf_counter() - start
+    return 1000 * elapsed / steps, 1000 * waits.seconds / steps
 
 
 def async_bucket(
@@ -211,8 +240,8 @@ def async_bucket(
     """engine.async_scheduling beside the default, both timed back to back in turn (the better of two each), and the
     GPU's busy share with it: the default's kernel time a step (`row`) over its step. With `profile_to`, the host
     functions of its steps, back to back, are appended there."""
-    default = min(back_to_back_ms(loaded, device, batch, context, steps, False) for _ in range(2))
-    ahead = min(back_to_back_ms(loaded, device, batch, context, steps, True) for _ in range(2))
+    default, default_wait = min(back_to_back_ms(loaded, device, batch, context, steps, False) for _ in range(2))
+    ahead, wait = min(back_to_back_ms(loaded, device, batch, context, steps, True) for _ in range(2))
     if profile_to is not None:
         engine = warm_engine(loaded, device, batch, context, steps, True)
         title = f"{loaded.model.embed.dtype} batch {batch} async scheduling, back to back"
@@ -221,6 +250,8 @@ def async_bucket(
     return {
         "ms": ahead,
         "default_ms": default,
+        "host_ms": ahead - wait,  # the host's own work a step: the rest it waited for the device
+        "default_host_ms": default - default_wait,
         "tok_s": 1000 * batch / ahead,
         "busy": None if kernel_ms is None else min(1.0, kernel_ms / ahead),
     }
@@ -417,8 +448,8 @@ def describe(row: dict[str, Any]) -> str:
     if "async" in row:
         a = row["async"]
         line += (
-            f"; back to back {a['default_ms']:.2f} ms, async scheduling {a['ms']:.2f} ms "
-            f"({a['default_ms'] / a['ms']:.2f}x the default's speed)"
+            f"; back to back {a['default_ms']:.2f} ms (host {a['default_host_ms']:.2f}), async scheduling "
+            f"{a['ms']:.2f} ms (host {a['host_ms']:.2f}; {a['default_ms'] / a['ms']:.2f}x the default's speed)"
         )
         if a["busy"] is not None:
             line += f", GPU busy {100 * a['busy']:3.0f}%"
