@@ -88,6 +88,44 @@ def test_a_16_bit_result_is_rounded_in_the_store_as_torch_rounds_it(data, m, k, 
     assert torch.equal(gm.invariant_matmul(x, w), gm.matmul(x, w).to(dtype))
 
 
+if ig.triton is not None:
+    tl = ig.tl
+
+    @ig.triton.jit
+    def _round_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        y = tl.load(x_ptr + i, mask=i < n, other=0.0)
+        tl.store(out_ptr + i, ig.rounded(y, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=i < n)
+
+
+# fp32 bit patterns where rounding to 16 bits goes wrong first: NaNs (a GPU's is 0x7FFFFFFF, whose rounding carry
+# overflows into the sign), infinities, the largest finite value (rounds to inf), ties to even both ways (at the
+# smallest normal too), -0.0, subnormals rounding to 0 or to the smallest normal. (Not a result that is a bf16
+# subnormal, below 2^-126: the interpreter's conversion flushes it to 0, where a GPU's and torch's keep it.)
+SPECIAL_BITS = [
+    0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0x7F800001, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x7F7F7FFF, 0x477FEFFF,
+    0x477FF000, 0x3F808000, 0x3F818000, 0xBF808000, 0x80000000, 0x00000000, 0x00000001, 0x00008000, 0x00808000,
+    0x00818000, 0x807FFFFF, 0x33800000, 0x33000001,
+]  # fmt: skip
+
+
+@TRITON
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # numpy's fp16 of 3e38: inf, meant
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_kernels_rounding_is_torchs_at_nans_infinities_ties_and_subnormals(dtype):
+    """`rounded` (every invariant kernel's fp32 -> 16-bit rounding, the matmul's store included): torch's `.to(dtype)`
+    bit for bit, and a NaN stays a NaN (not -0.0 from the carry of a GPU's 0x7FFFFFFF NaN, nor inf)."""
+    gen = torch.Generator().manual_seed(3)
+    bits = torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in SPECIAL_BITS], dtype=torch.int32)
+    x = torch.cat([bits.view(torch.float32), torch.randn(200, generator=gen) * 10.0 ** torch.randint(-8, 8, (200,))])
+    out = torch.empty(x.shape, dtype=dtype)
+    _round_kernel[(1,)](x, out, x.numel(), BLOCK=256)
+    want = x.to(dtype)
+    assert torch.equal(out.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert torch.equal(out[finite].view(torch.int16), want[finite].view(torch.int16))
+
+
 @pytest.mark.parametrize(
     "impl", [pytest.param(ig.rms_norm, marks=TRITON, id="triton"), pytest.param(ig.rms_norm_rows, id="torch-rows")]
 )

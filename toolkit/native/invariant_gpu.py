@@ -55,11 +55,13 @@ if triton is not None:
     @triton.jit
     def rounded(y, dtype: tl.constexpr):
         """fp32 -> dtype, round to nearest even, as an fp32 value. bf16 by integer rounding of the fp32 bits (then
-        exact): Triton's interpreter truncates a bf16 conversion, a GPU rounds it; this is both's nearest-even."""
+        exact): Triton's interpreter truncates a bf16 conversion, a GPU rounds it; this is both's nearest-even. A NaN
+        is the quiet NaN: the rounding carry would turn a GPU's NaN (all mantissa bits set, 0x7FFFFFFF) into -0.0,
+        and truncating a NaN whose payload is in its low bits gives inf."""
         if dtype == tl.bfloat16:
             bits = y.to(tl.int32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-            return bits.to(tl.float32, bitcast=True)
+            return tl.where(y == y, bits.to(tl.float32, bitcast=True), float("nan"))
         return y.to(dtype).to(tl.float32)
 
     @triton.jit
