@@ -165,11 +165,10 @@ def test_the_gpu_benchmark_runs_on_the_cpu_and_prints_each_figure(tmp_path, caps
         else:
             assert row["invariant"]["ms"] > 0
         assert row["async"]["ms"] > 0 and row["async"]["default_ms"] > 0 and row["async"]["busy"] is None
-        # the CPU's steps wait on no CUDA event: the host's own work is the whole step
-        assert (
-            row["async"]["host_ms"] == row["async"]["ms"]
-            and row["async"]["default_host_ms"] == row["async"]["default_ms"]
-        )
+        # the CPU's steps wait on no CUDA event and its drain is next to nothing: the host's work is about the step
+        a = row["async"]
+        assert 0.9 * a["ms"] < a["host_ms"] <= a["ms"]
+        assert 0.9 * a["default_ms"] < a["default_host_ms"] <= a["default_ms"]
     assert printed.count(" ms a step,") == 4 and printed.count("async scheduling") == 4 and printed.count("(host ") == 8
     assert f"on {gpu.machine('cpu')}; copy bandwidth" in printed.splitlines()[0]  # the device named
     assert any(line.startswith("goal ") and "fp32's" in line for line in result["goals"])
@@ -193,7 +192,7 @@ def test_the_gpu_benchmarks_wait_clock_counts_the_waits_and_puts_synchronize_bac
         for _ in range(3):
             torch.cuda.Event.synchronize(None)
     torch.cuda.Event.synchronize(None)
-    assert 0.03 <= waits.seconds < 0.04 + 0.02 and torch.cuda.Event.synchronize is slow
+    assert 0.03 <= waits.seconds < 1 and torch.cuda.Event.synchronize is slow
 
 
 def test_the_host_step_benchmark_takes_the_forward_out(capsys):

@@ -69,21 +69,25 @@ def test_the_tensor_core_matmul_is_within_fp32_sums_rounding(data, m, k, n, dtyp
 
 
 @TRITON
-@settings(max_examples=12, deadline=None)
-@given(data=st.data(), m=st.integers(1, 40), k=st.integers(1, 200), n=st.integers(1, 70), dtype=DTYPES)
-def test_a_16_bit_result_is_rounded_in_the_store_as_torch_rounds_it(data, m, k, n, dtype):
+@settings(max_examples=6, deadline=None)
+@given(
+    m=st.integers(1, 20),
+    k=st.integers(1, 300),
+    n=st.integers(1, 40),
+    dtype=DTYPES,
+    scale=st.sampled_from([1.0, 2.0**-8, 300.0]),
+)
+def test_a_16_bit_result_is_rounded_in_the_store_as_torch_rounds_it(m, k, n, dtype, scale):
     """The engine's invariant matmul returns x's format from the kernel's store (no separate cast a projection):
     the fp32 sums rounded to nearest even, bit for bit what `.to(dtype)` of the fp32 result gives, in both kernels
-    and every tiling. Ties included: sums of a few bf16 products land on half-way points of bf16 often."""
+    and each tiling the benchmark compares. Ties included: sums of a few bf16 products land on half-way points of
+    bf16 often."""
     gen = torch.Generator().manual_seed(m * 1000 + k * 10 + n)
-    scale = data.draw(st.sampled_from([1.0, 2.0**-8, 300.0]))
     x = (torch.randint(-8, 9, (m, k), generator=gen) * scale).to(dtype)  # small integers: exact sums, many ties
     w = torch.randn(k, n, generator=gen).to(dtype)
-    blocks = data.draw(st.sampled_from(gm.candidate_tilings(dtype)))
-    for fp32, rounded in (
-        (gm.matmul(x, w), gm.matmul(x, w, out_dtype=dtype)),
-        (gm.matmul_dot(x, w, blocks), gm.matmul_dot(x, w, blocks, out_dtype=dtype)),
-    ):
+    pairs = [(gm.matmul(x, w), gm.matmul(x, w, out_dtype=dtype))]
+    pairs += [(gm.matmul_dot(x, w, b), gm.matmul_dot(x, w, b, out_dtype=dtype)) for b in gm.candidate_tilings(dtype)]
+    for fp32, rounded in pairs:
         assert rounded.dtype == dtype and torch.equal(rounded, fp32.to(dtype))
     assert torch.equal(gm.invariant_matmul(x, w), gm.matmul(x, w).to(dtype))
 
