@@ -182,13 +182,13 @@ def test_the_gpu_benchmarks_wait_clock_counts_the_waits_and_puts_synchronize_bac
 
     import torch
 
-    from toolkit.bench import gpu
+    from toolkit.bench import clocks
 
     def slow(event):
         time.sleep(0.01)
 
     monkeypatch.setattr(torch.cuda.Event, "synchronize", slow)
-    with gpu.WaitClock() as waits:
+    with clocks.WaitClock() as waits:
         for _ in range(3):
             torch.cuda.Event.synchronize(None)
     torch.cuda.Event.synchronize(None)
@@ -201,7 +201,7 @@ def test_the_host_step_benchmark_takes_the_forward_out(capsys):
     counted nothing, or the whole step, would not)."""
     import time
 
-    from toolkit.bench import host_step
+    from toolkit.bench import clocks, host_step
     from toolkit.config import ModelConfig
     from toolkit.models import load_model
 
@@ -210,7 +210,7 @@ def test_the_host_step_benchmark_takes_the_forward_out(capsys):
     assert all(0 < ms < 1000 for ms in result.values())
     assert "host ms a decode step outside the forward" in capsys.readouterr().out
     loaded = load_model(ModelConfig(**host_step.SHAPE), device="cpu")
-    clock = host_step.ForwardClock(loaded.model)
+    clock = clocks.ForwardClock(loaded.model)
     slow = clock.inner
 
     def slower(*args, **kwargs):

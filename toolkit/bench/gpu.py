@@ -31,6 +31,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from toolkit.bench.clocks import WaitClock
 from toolkit.bench.precision import SMOLLM2_SHAPE, machine
 from toolkit.bench.systems import StepClock
 from toolkit.config import EngineConfig, ModelConfig
@@ -184,31 +185,6 @@ def warm_engine(loaded: LoadedModel, device: torch.device, batch: int, context: 
     for _ in range(3):
         engine.step()
     return engine
-
-
-class WaitClock:
-    """The host's seconds in `torch.cuda.Event.synchronize` while it is entered: a step's one wait for the device
-    (the sampler's results; toolkit/devices.py keeps every other copy from waiting). A step's time less its wait is
-    the host's own work: where that is most of the step, the host bounds it, else the GPU."""
-
-    def __init__(self):
-        self.seconds = 0.0
-        self._synchronize = None
-
-    def _timed(self, event: torch.cuda.Event) -> None:
-        t = time.perf_counter()
-        try:
-            self._synchronize(event)
-        finally:
-            self.seconds += time.perf_counter() - t
-
-    def __enter__(self) -> WaitClock:
-        clock, self._synchronize = self, torch.cuda.Event.synchronize
-        torch.cuda.Event.synchronize = lambda event: clock._timed(event)  # type: ignore[method-assign]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        torch.cuda.Event.synchronize = self._synchronize  # type: ignore[method-assign]
 
 
 def back_to_back_ms(

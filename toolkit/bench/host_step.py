@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
+from toolkit.bench.clocks import ForwardClock
 from toolkit.bench.gpu import SHAPES
 from toolkit.bench.precision import machine
 from toolkit.config import EngineConfig, ModelConfig
@@ -35,22 +34,6 @@ SHAPE = {
     "num_kv_heads": 1,
     "intermediate_size": 128,
 }
-
-
-class ForwardClock:
-    """Wraps a model's forward and adds up the seconds spent in it."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.seconds = 0.0
-        self.inner: Callable[..., Any] = model.forward
-        model.forward = self  # the instance's attribute: nn.Module.__call__ calls it
-
-    def __call__(self, *args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return self.inner(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - t
 
 
 def host_ms(loaded, clock: ForwardClock, batch: int, async_: bool, steps: int, repeats: int) -> list[float]:
