@@ -161,7 +161,12 @@ def row_tokens(decision: Decision, rows: int, device: torch.device) -> torch.Ten
 
 def fed_ids(out: ModelOutput, tokens_R: torch.Tensor, nxt: ScheduledBatch) -> torch.Tensor:
     """The lookahead batch's input tokens: each chunk's sequence's choice in the step before (its rows in
-    out.sample_chunks' order), gathered where the choices are."""
+    out.sample_chunks' order), gathered where the choices are. Where every row decodes again in the same order (no
+    sequence ended by its length), the choices are the input as they are: no index to copy over, no gather."""
+    if len(nxt.chunks) == len(out.sample_chunks) and all(
+        a.seq_id == b.seq_id for a, b in zip(nxt.chunks, out.sample_chunks)
+    ):
+        return tokens_R
     row_of = {c.seq_id: i for i, c in enumerate(out.sample_chunks)}
     index = tensor_on([row_of[c.seq_id] for c in nxt.chunks], tokens_R.device, torch.int64)  # no wait for step k
     return tokens_R.index_select(0, index)
