@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from toolkit.sampling import rng, sampler
@@ -108,6 +108,28 @@ def _result_bits(result: sampler.SampleResult) -> dict:
 
 @pytest.mark.native  # the kept sets' digests ask the native sha256
 @settings(max_examples=40, deadline=None)
+@example(  # every row greedy: no noise drawn or read on the device (NaN filled on the host)
+    rows=3,
+    vocab=300,
+    specials=[],
+    truncated=[],
+    processed=False,
+    greedy={0, 1, 2},
+    num_top=[1] * 8,
+    keys=[(1, 2, 0)] * 8,
+    seed=0,
+)
+@example(
+    rows=4,
+    vocab=300,
+    specials=[(1, 7, float("nan"))],
+    truncated=[(2, 3)],
+    processed=True,
+    greedy={0, 1, 2, 3},
+    num_top=[0, 2, 0, 1] * 2,
+    keys=[(5, 6, 1)] * 8,
+    seed=1,
+)
 @given(
     rows=st.integers(1, 8),
     vocab=st.sampled_from([1, 5, 300, 4099]),

@@ -208,20 +208,25 @@ class DeviceSample:
         self.unprocessed = unprocessed = processed_RV is raw_RV
         num_top = max((row.num_top for row in rows), default=0)
         finite_RV = None if unprocessed else torch.isfinite(processed_RV)
-        chosen_R = torch.full((r,), -1, dtype=torch.int64, device=raw_RV.device)
-        noise_R = torch.full((r,), float("nan"), dtype=torch.float64, device=raw_RV.device)
         sampled = [i for i, key in enumerate(keys) if key is not None]
+        # greedy rows, and rows without a finite logit: the argmax (the first maximal id; a NaN counts as the maximum)
+        argmax_R = torch.argmax(processed_RV, dim=-1)
+        self.all_greedy = not sampled  # no noise to draw or read: NaN for every row, filled on the host
+        fields = []
         if sampled:
+            chosen_R = torch.full((r,), -1, dtype=torch.int64, device=raw_RV.device)
+            noise_R = torch.full((r,), float("nan"), dtype=torch.float64, device=raw_RV.device)
             index = tensor_on(sampled, raw_RV.device, torch.int64)
             x_SV = processed_RV.index_select(0, index)
             finite_SV = torch.isfinite(x_SV) if finite_RV is None else finite_RV.index_select(0, index)
             words = rng.key_words([keys[i] for i in sampled], raw_RV.device)
             chosen_R[index], noise_R[index] = _batched_choice_tensors(x_SV, words, finite_SV)
-        # greedy rows, and rows without a finite logit: the argmax (the first maximal id; a NaN counts as the maximum)
-        self.tokens_R = torch.where(chosen_R >= 0, chosen_R, torch.argmax(processed_RV, dim=-1))
+            argmax_R = torch.where(chosen_R >= 0, chosen_R, argmax_R)
+            fields.append(noise_R)
+        self.tokens_R = argmax_R
         proc_lse = raw_lse if unprocessed else logsumexp_rows(processed_RV, per_row)
         at_R1 = self.tokens_R.unsqueeze(1)
-        fields = [self.tokens_R, noise_R, raw_RV.gather(1, at_R1).squeeze(1) - raw_lse, raw_lse]
+        fields = [self.tokens_R, *fields, raw_RV.gather(1, at_R1).squeeze(1) - raw_lse, raw_lse]
         if not unprocessed:
             processed_lp = processed_RV.gather(1, at_R1).squeeze(1) - proc_lse
             fields += [processed_lp, finite_RV.sum(dim=-1), pack_kept(finite_RV)]
@@ -235,7 +240,9 @@ class DeviceSample:
         if self.event is not None:
             self.event.synchronize()
         read, rows, vocab = iter(self.host), self.rows, self.vocab
-        tokens, noise, raw_lp, lse = (next(read).tolist() for _ in range(4))
+        tokens = next(read).tolist()
+        noise = [float("nan")] * len(rows) if self.all_greedy else next(read).tolist()
+        raw_lp, lse = next(read).tolist(), next(read).tolist()
         proc_lp, support, kept_RB = raw_lp, [vocab] * len(rows), None
         if not self.unprocessed:
             proc_lp, support, kept_RB = next(read).tolist(), next(read).tolist(), next(read)
