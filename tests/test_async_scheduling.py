@@ -300,8 +300,9 @@ def test_the_device_route_queues_the_next_step_without_a_read(model, monkeypatch
     schedule and forward) and staging (its processors and the sampler's queued work) must read nothing. Run here
     on the device's route (devices.off_cpu widened, the native CPU kernels off: top-p ranking whole rows, the
     read-once sample queued at staging), sampled rows with top-p, top-k, min-p, penalties, a logit bias and
-    alternatives: no host read in either (tests/host_reads.py), and every request runs to its end. (Reading which
-    rows a processor emptied as it ran made one read a processor; top-p's top-256 loop three.)"""
+    alternatives: no host read in either (tests/host_reads.py), every request runs to its end, and with the tokens
+    it gets without async scheduling. (Reading which rows a processor emptied as it ran made one read a processor;
+    top-p's top-256 loop three.)"""
     from tests.host_reads import HostReads
     from toolkit import devices
     from toolkit.engine import ahead
@@ -320,22 +321,31 @@ def test_the_device_route_queues_the_next_step_without_a_read(model, monkeypatch
             return out
 
         monkeypatch.setattr(ahead.Pipeline, name, counted)
-    engine = Engine(model, EngineConfig(max_num_seqs=8, async_scheduling=True, cuda_graphs=graphs))
     params = [
         SamplingParams(temperature=0.8, top_p=0.9, seed=1),
         SamplingParams(temperature=0.7, top_k=5, min_p=0.05, repetition_penalty=1.2, seed=2, logprobs=2),
         SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={5: 3.0}),
     ]
-    ids = [
-        engine.add_request(
-            prompt_token_ids=[(7 * i + j) % VOCAB for j in range(6)],
-            sampling_params=p.replace(max_tokens=16, ignore_eos=True),
-        )
-        for i, p in enumerate(params * 2)
-    ]
+
+    def engine_with_requests(async_scheduling: bool) -> tuple[Engine, list[str]]:
+        engine = Engine(model, EngineConfig(max_num_seqs=8, async_scheduling=async_scheduling, cuda_graphs=graphs))
+        ids = [
+            engine.add_request(
+                prompt_token_ids=[(7 * i + j) % VOCAB for j in range(6)],
+                sampling_params=p.replace(max_tokens=16, ignore_eos=True),
+            )
+            for i, p in enumerate(params * 2)
+        ]
+        return engine, ids
+
+    engine, ids = engine_with_requests(True)
     lookaheads = 0
     while engine.has_unfinished():
         lookaheads += engine.pipeline.queued is not None
         engine.step()
     assert lookaheads >= 10 and reads == {}, reads
     assert all(len(engine.output(i).outputs[0].token_ids) == 16 for i in ids)
+    # the lookahead fed each step the choices the step before made (as they are, or gathered): the default's tokens
+    default, _ = engine_with_requests(False)
+    default.run_until_done()
+    assert [engine.output(i).outputs[0].token_ids for i in ids] == [default.output(i).outputs[0].token_ids for i in ids]

@@ -72,6 +72,8 @@ class Staged:
         the CPU, where step 4 runs at finish."""
         if self.device is None:
             return None
+        if self.plain == list(range(self.logits_RV.shape[0])):  # every row sampled: the choices as they are
+            return self.device.tokens_R
         tokens_R = torch.zeros(self.logits_RV.shape[0], dtype=torch.int64, device=self.logits_RV.device)
         tokens_R[tensor_on(self.plain, tokens_R.device, torch.int64)] = self.device.tokens_R
         return tokens_R

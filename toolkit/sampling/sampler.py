@@ -212,7 +212,7 @@ class DeviceSample:
         # greedy rows, and rows without a finite logit: the argmax (the first maximal id; a NaN counts as the maximum)
         argmax_R = torch.argmax(processed_RV, dim=-1)
         self.all_greedy = not sampled  # no noise to draw or read: NaN for every row, filled on the host
-        fields = []
+        noise_field = []
         if sampled:
             chosen_R = torch.full((r,), -1, dtype=torch.int64, device=raw_RV.device)
             noise_R = torch.full((r,), float("nan"), dtype=torch.float64, device=raw_RV.device)
@@ -222,11 +222,11 @@ class DeviceSample:
             words = rng.key_words([keys[i] for i in sampled], raw_RV.device)
             chosen_R[index], noise_R[index] = _batched_choice_tensors(x_SV, words, finite_SV)
             argmax_R = torch.where(chosen_R >= 0, chosen_R, argmax_R)
-            fields.append(noise_R)
+            noise_field.append(noise_R)
         self.tokens_R = argmax_R
         proc_lse = raw_lse if unprocessed else logsumexp_rows(processed_RV, per_row)
         at_R1 = self.tokens_R.unsqueeze(1)
-        fields = [self.tokens_R, *fields, raw_RV.gather(1, at_R1).squeeze(1) - raw_lse, raw_lse]
+        fields = [self.tokens_R, *noise_field, raw_RV.gather(1, at_R1).squeeze(1) - raw_lse, raw_lse]
         if not unprocessed:
             processed_lp = processed_RV.gather(1, at_R1).squeeze(1) - proc_lse
             fields += [processed_lp, finite_RV.sum(dim=-1), pack_kept(finite_RV)]
