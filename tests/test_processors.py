@@ -358,8 +358,8 @@ def test_processor_description_in_trace_order():
     p = SamplingParams(
         temperature=0.7, top_p=0.9, repetition_penalty=1.1, processors=["top_p", "repetition_penalty", "temperature"]
     )
-    assert p.pipeline_description() == ["top_p(0.9)", "repetition_penalty(1.1)", "temperature(0.7)", "gumbel_max"]
-    assert SamplingParams(temperature=0).pipeline_description() == ["argmax"]
+    assert list(p.pipeline_description()) == ["top_p(0.9)", "repetition_penalty(1.1)", "temperature(0.7)", "gumbel_max"]
+    assert list(SamplingParams(temperature=0).pipeline_description()) == ["argmax"]
     assert math.isclose(SamplingParams(top_p=0.25).top_p, 0.25)
 
 

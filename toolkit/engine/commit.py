@@ -257,7 +257,7 @@ class StepRows:
                 "support_size": e.support,
                 "top_raw": e.top_raw,
                 "top_processed": e.top_processed,
-                "processors": p.described_pipeline,
+                "processors": p.pipeline_description(),
                 "temperature": p.temperature,
                 "top_k": p.top_k,
                 "top_p": p.top_p,

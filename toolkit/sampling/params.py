@@ -253,13 +253,9 @@ class SamplingParams:
         }[name]
         return f"{name}({value:g})" if isinstance(value, float) else f"{name}({value})"
 
-    def pipeline_description(self) -> list[str]:
-        """The active processors with their parameters, then the selection rule."""
-        return list(self._description)
-
-    @property
-    def described_pipeline(self) -> tuple[str, ...]:
-        """pipeline_description() as the tuple these (frozen) parameters keep: a trace row's `processors`."""
+    def pipeline_description(self) -> tuple[str, ...]:
+        """The active processors with their parameters, then the selection rule: the tuple these (frozen) parameters
+        keep, a trace row's `processors`."""
         return self._description
 
     def replace(self, **changes) -> SamplingParams:
