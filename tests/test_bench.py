@@ -4,6 +4,7 @@ are not asserted: speed is measured by `make bench`, never by tests)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -220,6 +221,27 @@ def test_the_host_step_benchmark_takes_the_forward_out(capsys):
     clock.inner = slower
     figures = host_step.host_ms(loaded, clock, 2, False, 3, 1)
     assert clock.seconds >= 3 * 0.02 and 0 < figures[0] < 20
+
+
+def test_the_host_step_benchmarks_device_route_runs_a_gpus_host_code_and_is_put_back(monkeypatch):
+    """--route device times the host code a GPU's steps run (the sampler's work queued and read once, DeviceSample),
+    on the CPU; afterwards the CPU's route is back (devices.off_cpu, TOOLKIT_NATIVE as they were). A route that
+    only named itself would queue no DeviceSample; one left widened would send the next engine down it."""
+    from toolkit import devices
+    from toolkit.bench import host_step
+    from toolkit.sampling import sampler
+
+    monkeypatch.setenv("TOOLKIT_NATIVE", "1")
+    queued = []
+    init = sampler.DeviceSample.__init__
+    monkeypatch.setattr(sampler.DeviceSample, "__init__", lambda self, *a: queued.append(1) or init(self, *a))
+    result = host_step.main(["--batches", "2", "--steps", "3", "--repeats", "1", "--route", "device"])
+    assert list(result) == ["batch 2", "batch 2 async"] and all(0 < ms < 1000 for ms in result.values())
+    assert len(queued) >= 2 * 3
+    assert not devices.off_cpu(torch.empty(0)) and os.environ["TOOLKIT_NATIVE"] == "1"
+    queued.clear()
+    host_step.main(["--batches", "2", "--steps", "3", "--repeats", "1"])
+    assert not queued
 
 
 @pytest.mark.parametrize(

@@ -191,7 +191,7 @@ def test_check_invariants_catches_a_leak():
     again=st.integers(0, 9),
 )
 def test_a_decode_steps_writes_at_once_are_the_writes_one_by_one(lengths, forks, free_blocks, steps, again):
-    """write_rows (a decode step's lookahead: one plan a row) leaves the manager as write_cost's check, then write()
+    """write_rows (a decode step's lookahead: one plan a row) leaves the manager as plan_write's bound, then write()
     row by row, leaves it: the same tables, reference counts, free list and copies, forked sequences sharing
     blocks included (the first one's copy unshares a block for the next), and a sequence written twice; where the
     rows' cost does not fit, None and nothing written."""
@@ -208,10 +208,47 @@ def test_a_decode_steps_writes_at_once_are_the_writes_one_by_one(lengths, forks,
             seq, _, end = writes[again]
             writes.append((seq, end, end + ahead))
         twin = copy.deepcopy(bm)
-        fits = sum(twin.write_cost(*w) for w in writes) <= twin.num_free_blocks
+        plans = [twin._write_plan(*w) for w in writes]
+        fits = sum(grow + len(shared) for grow, shared in plans) <= twin.num_free_blocks
         want = [c for w in writes for c in twin.write(*w)] if fits else None
         got = bm.write_rows(writes)
         assert got == want
+        assert (bm._tables, bm.ref_counts, bm._free, bm._num_tokens) == (
+            twin._tables,
+            twin.ref_counts,
+            twin._free,
+            twin._num_tokens,
+        )
+        bm.check_invariants()
+
+
+@settings(max_examples=150, deadline=None)
+@example(lengths=[6, 3], forks=[0, 0], free_blocks=1, start_back=2, ahead=3)  # a shared block to copy, one free
+@given(
+    lengths=st.lists(st.integers(1, 14), min_size=1, max_size=4),
+    forks=st.lists(st.integers(0, 3), max_size=3),
+    free_blocks=st.integers(0, 4),
+    start_back=st.integers(0, 5),
+    ahead=st.integers(1, 9),
+)
+def test_a_planned_write_is_the_checked_write(lengths, forks, free_blocks, start_back, ahead):
+    """plan_write (the scheduler's decode rows: one plan where check then write made two) answers what can_write
+    answers, and write() with its plan leaves the manager as write() planning again does: the same tables,
+    reference counts, free list, capacities and copies, shared (forked) blocks included."""
+    bm = BlockManager(num_blocks=sum(-(-n // BS) for n in lengths) + free_blocks, block_size=BS)
+    for i, n in enumerate(lengths):
+        bm.allocate(f"s{i}", n)
+    for j, parent in enumerate(forks):
+        if parent < len(lengths):
+            bm.fork(f"s{parent}", f"f{j}")
+    for seq in sorted(bm._tables):
+        start = max(0, bm.num_tokens(seq) - start_back)
+        planned = bm.plan_write(seq, start, start + ahead)
+        assert (planned is not None) == bm.can_write(seq, start, start + ahead)
+        if planned is None:
+            continue
+        twin = copy.deepcopy(bm)
+        assert bm.write(seq, start, start + ahead, planned) == twin.write(seq, start, start + ahead)
         assert (bm._tables, bm.ref_counts, bm._free, bm._num_tokens) == (
             twin._tables,
             twin.ref_counts,

@@ -171,17 +171,21 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.DECODING or seq not in self.running:
                 continue
-            while not self.blocks.can_write(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + 1):
+            start = seq.num_computed_tokens
+            while (planned := self.blocks.plan_write(seq.seq_id, start, start + 1)) is None:
                 victim = self._victim(scheduled)
                 self._preempt(victim, step, plan)
                 if victim is seq:
                     break
             if seq in self.running:
                 drafts = min(plan.draft_slots.get(seq.seq_id, 0), budget - 1)
-                start = seq.num_computed_tokens
-                while drafts and not self.blocks.can_write(seq.seq_id, start, start + 1 + drafts):
-                    drafts -= 1  # speculation only uses blocks that are free anyway
-                chunks.append(self._take(seq, 1, plan, drafts))
+                while drafts:  # speculation only uses blocks that are free anyway
+                    wider = self.blocks.plan_write(seq.seq_id, start, start + 1 + drafts)
+                    if wider is not None:
+                        planned = wider
+                        break
+                    drafts -= 1
+                chunks.append(self._take(seq, 1, plan, drafts, planned))
                 scheduled.add(seq.seq_id)
                 budget -= 1 + drafts
                 num_decode += 1 + drafts
@@ -293,10 +297,13 @@ class Scheduler:
             size -= bs  # a copy-on-write block also needs room
         return max(size, 0)
 
-    def _take(self, seq: Sequence, size: int, plan: _Plan, drafts: int = 0) -> ScheduledChunk:
+    def _take(
+        self, seq: Sequence, size: int, plan: _Plan, drafts: int = 0, planned: tuple[int, list[int]] | None = None
+    ) -> ScheduledChunk:
+        """`planned`: the block manager's plan_write of this chunk and its drafts, where the caller has it."""
         start = seq.num_computed_tokens
         total = start + size
-        plan.copies.extend(self.blocks.write(seq.seq_id, start, total + drafts))
+        plan.copies.extend(self.blocks.write(seq.seq_id, start, total + drafts, planned))
         return ScheduledChunk(
             seq_id=seq.seq_id,
             token_ids=tuple(seq.token_ids[start:total]),

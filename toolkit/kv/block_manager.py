@@ -126,7 +126,8 @@ class BlockManager:
     # ------------------------------------------------------------------ writing tokens (grow + copy-on-write)
 
     def _write_plan(self, seq_id: str | None, start: int, end: int) -> tuple[int, list[int]]:
-        """(new blocks to take to hold `end` tokens, indexes of shared blocks in [start, end) to copy)."""
+        """(new blocks to take to hold `end` tokens, indexes of shared blocks in [start, end) to copy): write() takes
+        their sum, a bound where sequences sharing a block write beside each other (one's copy unshares it)."""
         table = self._tables.get(seq_id, []) if seq_id is not None else []
         grow = max(0, self.blocks_for_tokens(end) - len(table))
         if end <= start:
@@ -136,28 +137,26 @@ class BlockManager:
         return grow, shared
 
     def can_write(self, seq_id: str, start: int, end: int) -> bool:
-        return self.write_cost(seq_id, start, end) <= len(self._free)
+        return self.plan_write(seq_id, start, end) is not None
 
-    def write_cost(self, seq_id: str, start: int, end: int) -> int:
-        """Free blocks write(seq_id, start, end) takes: to grow, and to copy shared blocks (an upper bound where
-        sequences that share a block write beside each other: the first one's copy unshares it for the next)."""
-        grow, shared = self._write_plan(seq_id, start, end)
-        return grow + len(shared)
+    def plan_write(self, seq_id: str, start: int, end: int) -> tuple[int, list[int]] | None:
+        """The plan write() carries out where it fits (None: it does not), for a caller that writes with nothing
+        changed between: one plan where can_write then write made two (a decode row's every step)."""
+        grow, shared = planned = self._write_plan(seq_id, start, end)
+        return planned if grow + len(shared) <= len(self._free) else None
 
-    def write(self, seq_id: str, start: int, end: int) -> list[BlockCopy]:
-        """Make positions [start, end) writable by this sequence alone; returns the copy-on-write jobs."""
-        grow, shared = self._write_plan(seq_id, start, end)
+    def write(self, seq_id: str, start: int, end: int, planned: tuple[int, list[int]] | None = None) -> list[BlockCopy]:
+        """Make positions [start, end) writable by this sequence alone; returns the copy-on-write jobs. `planned`:
+        plan_write's answer for the same arguments, nothing changed since."""
+        grow, shared = self._write_plan(seq_id, start, end) if planned is None else planned
         if grow + len(shared) > len(self._free):
-            raise NoFreeBlocks(
-                f"write({seq_id!r}, {start}, {end}) needs {grow + len(shared)} blocks, {len(self._free)} free"
-            )
+            raise NoFreeBlocks(f"write({seq_id!r}, {start}, {end}) needs {grow + len(shared)}, {len(self._free)} free")
         return self._apply(seq_id, end, grow, shared)
 
     def write_rows(self, writes: list[tuple[str, int, int]]) -> list[BlockCopy] | None:
-        """write() of every (seq_id, start, end), where write_cost's bound of them together fits the free blocks;
-        None, and nothing written, where it does not. One plan a row (a decode step's lookahead: write_cost then
-        write planned each row twice); a row that shares a block is planned again when it is written, after the
-        rows before it (their copies unshare blocks), and so is a sequence's second row."""
+        """write() of every (seq_id, start, end), where their plans' bound together fits the free blocks; None, and
+        nothing written, where it does not. One plan a row (a decode step's lookahead); a row that shares a block is
+        planned again when written, after the rows before it (their copies unshare blocks), as is a second row."""
         plans = [self._write_plan(*w) for w in writes]
         if sum(grow + len(shared) for grow, shared in plans) > len(self._free):
             return None
