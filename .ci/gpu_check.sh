@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The one script a session runs when the device tool lends it a GPU (issues 56 and 57), about 7 minutes on an H200
-# (2026-11-30: 415 s in all, 188 s of it the tests): tests/test_cuda.py, then python -m toolkit.bench.gpu on SmolLM2's
-# and Llama-3.2-1B's shapes with the invariant mode and async scheduling beside, then the invariant matmul's candidate
-# tilings (in the engine and alone), every output under $OUT (at most 8 files). The GPU machine reaches no package
-# index: prepare .gpu/ here first, then pass it as `carry`:
+# (2026-11-30: 415 s in all, 188 s of it the tests): tests/test_cuda.py, the host's share of a step on its CPU alone
+# (toolkit.bench.host_step), then python -m toolkit.bench.gpu on SmolLM2's and Llama-3.2-1B's shapes with the
+# invariant mode and async scheduling beside, then the invariant matmul's candidate tilings (in the engine and alone),
+# every output under $OUT (at most 8 files). The GPU machine reaches no package index: prepare .gpu/ here first, then
+# pass it as `carry`:
 #
 #   bash .ci/gpu_check.sh prepare                  # on this machine: the wheels and SmolLM2's tokenizer into .gpu/
 #   bash .ci/gpu_check.sh                          # on the GPU machine (device tool: run, carry [".gpu"])
@@ -30,6 +31,10 @@ export PYTHONPATH=/tmp/site:$PWD TOOLKIT_CACHE=$PWD/.gpu/tkc PYTHONUNBUFFERED=1
   2>&1 | tee "$OUT/device.txt"
 timeout 220 python3 -m pytest -q -p no:cacheprovider -rs --durations=8 tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
 status=${PIPESTATUS[0]}
+# the host code a GPU's steps run, timed on this machine's CPU alone (issue 56: the H200's host was slower than the
+# CPUs where it is cut); the native CPU kernels off, so nothing compiles
+{ grep -m1 'model name' /proc/cpuinfo; TOOLKIT_NATIVE=0 timeout 30 python3 -m toolkit.bench.host_step --batches 32 \
+  --repeats 3 --route device; } 2>&1 | tee "$OUT/host_step.txt"
 timeout 140 python3 -m toolkit.bench.gpu --shape smollm2 --batches 1 8 32 --batch-invariant --async-scheduling \
   --json "$OUT/bench_smollm2.json" --host-profile "$OUT/host_profile.txt" 2>&1 | tee "$OUT/bench.txt"
 timeout 80 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --batch-invariant --async-scheduling \
