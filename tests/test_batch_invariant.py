@@ -154,6 +154,27 @@ def test_logits_are_bit_identical_in_any_batch_and_equal_the_recompute(tiny, mix
     engine.block_manager.check_invariants()
 
 
+def test_a_gelu_models_rows_keep_their_bits_at_a_width_no_vector_step_divides():
+    """GPT-2's tanh GELU at an MLP width of 200: torch's CPU loop takes a tensor in vector steps (16 or 32 floats)
+    and a scalar tail whose tanh rounds otherwise, so over the whole batch a row's activation had other bits where
+    it sat elsewhere (found by a probe: 12 of 12 rows' logits, and the exact verify failing). A row at a time
+    (decoder.rowwise) it has its own: the same bits alone, batched and prefilled in chunks, and the recompute's."""
+    from tests.families import VOCAB, checkpoint_dir
+    from toolkit.config import ModelConfig
+    from toolkit.models import load_model
+
+    gpt2 = load_model(ModelConfig(name="hf", path=str(checkpoint_dir("gpt2_odd"))))
+    sampled = SamplingParams(temperature=0.9, seed=5, max_tokens=8, ignore_eos=True)
+    target = dict(prompt_token_ids=[(7 * i) % (VOCAB - 2) + 2 for i in range(13)], request_id="target")
+    others = [dict(prompt_token_ids=[(5 * i + n) % (VOCAB - 2) + 2 for i in range(n)]) for n in (3, 29, 7, 18, 1)]
+    ref = collect(make_engine(gpt2, batch_invariant=True), [{**target, "sampling_params": sampled}])["target"]
+    mixed = make_engine(gpt2, batch_invariant=True, max_num_batched_tokens=16, max_num_seqs=6)
+    requests = [{**r, "sampling_params": sampled} for r in others[:2] + [target] + others[2:]]
+    assert_rows_equal(ref, collect(mixed, requests)["target"])
+    recomputed = recompute_logits(gpt2.model, mixed.requests["target"].token_ids[:-1])
+    assert all(torch.equal(recomputed[p - 1], logits) for p, logits in ref.items())
+
+
 def test_preemption_and_prefix_hits_keep_bits(tiny):
     """Forced preemption (both modes) and prefix-cache hits, explicitly: same bits as alone."""
     shared = TARGET["prompt_token_ids"][:32]

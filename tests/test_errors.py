@@ -231,6 +231,33 @@ def test_request_rows(tiny):
     assert len(outs[0].output_token_ids) == 3
 
 
+@pytest.mark.native
+def test_rows_of_a_model_without_a_tokenizer_or_with_one_layer():
+    """Found by a probe: a model without a tokenizer took stop strings and never stopped on them (bad words and
+    grammars were refused already), a one-layer model's self-draft named an empty range, and an array of ids
+    raised numpy's or torch's own ValueError."""
+    import numpy as np
+
+    from tests.families import checkpoint_dir
+    from toolkit import LLM
+    from toolkit.bench.host_step import SHAPE
+    from toolkit.engine.core import Engine
+
+    untokenized = load_model(ModelConfig(name="hf", path=str(checkpoint_dir("llama"))))
+    engine = make_engine(untokenized)
+    stop = SamplingParams(stop=["x"], max_tokens=4)
+    add = engine.add_request
+    _expect(
+        63, RequestError, "stop strings need a tokenizer", lambda: add(prompt_token_ids=[2, 3], sampling_params=stop)
+    )
+    assert add(prompt_token_ids=[2, 3], sampling_params=SamplingParams(stop_token_ids=[5], max_tokens=4))
+    one_layer = load_model(ModelConfig(**SHAPE))
+    self_draft = SpeculativeConfig(method="self_draft", draft_layers=1)
+    _expect(64, ConfigError, "it needs 2 or more", lambda: Engine(one_layer, EngineConfig(), speculative=self_draft))
+    llm = LLM(model="tiny", trace=False)
+    _expect(65, ConfigError, "or 2 (prompts), got 3", lambda: llm.generate(np.zeros((1, 1, 2), dtype=np.int64)))
+
+
 def test_model_rows(tmp_path):
     _expect(
         24,

@@ -244,3 +244,28 @@ def test_a_16_bit_rms_norm_is_hfs_expression_bit_for_bit(rows, width, scale, dty
     step = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)  # a 16-bit format's relative spacing
     bound = (weight.float().abs() * hf32.abs() * step * 2 + 1e-30)[~same]
     assert ((got.float() - want.float()).abs()[~same] <= bound).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    data=st.data(),
+    rows=st.integers(1, 12),
+    width=st.integers(1, 70),
+    piece=st.sampled_from([7, 16, 64, 16384]),
+    activation=st.sampled_from(["gelu_tanh", "gelu", "silu"]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_an_activation_a_row_at_a_time_gives_each_row_its_own_bits(data, rows, width, piece, activation, dtype):
+    """decoder.rowwise (the batch-invariant mode's activations on the CPU): a row's result is its own whatever rows
+    surround it (the same bits computed with any subset of the rows), in pieces of ROW_PIECE elements too, and it is
+    the activation's value."""
+    from toolkit.models import decoder
+
+    fn = decoder.ACTIVATIONS[activation]
+    x = (torch.randn(rows, width, generator=torch.Generator().manual_seed(rows * 100 + width)) * 3).to(dtype)
+    subset = data.draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=rows, unique=True))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decoder, "ROW_PIECE", piece)
+        full, some = decoder.rowwise(fn, x), decoder.rowwise(fn, x[subset])
+    assert full.dtype == dtype and torch.allclose(full.float(), fn(x.float()), rtol=1e-2, atol=1e-2)
+    assert torch.equal(some, full[subset])

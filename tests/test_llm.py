@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from toolkit import LLM, SamplingParams, replay
 from toolkit.config import EngineConfig
@@ -67,6 +69,8 @@ def test_without_tracing_nothing_is_written(tmp_path):
         (lambda: LLM(model="tiny", trace=False).generate([None]), ConfigError, "a prompt is text, a list of token"),
         (lambda: LLM(model="tiny", trace=False).generate(None), ConfigError, "a prompt is text, a list of token"),
         (lambda: LLM(model="tiny", trace=False).generate(5), ConfigError, "a prompt is text, a list of token"),
+        (lambda: LLM(model="tiny", trace=False).generate(np.array(5)), ConfigError, "1 dimension .* got 0"),
+        (lambda: LLM(model="tiny", trace=False).generate(torch.ones(1, 2, 2)), ConfigError, "or 2 .* got 3"),
         (lambda: LLM(model="tiny", trace=False).chat("hi"), ConfigError, "messages must be a list of"),
         (lambda: LLM(model="tiny", trace=False).chat([["hi"]]), ConfigError, "a chat message is a"),
         (
@@ -84,6 +88,20 @@ def test_bad_input_is_one_clear_error(make, error, match):
     with pytest.raises(error, match=match) as info:
         make()
     assert "\n" not in str(info.value)
+
+
+def test_token_ids_in_a_numpy_array_or_a_torch_tensor_are_the_lists_they_hold():
+    """A prompt's ids as HF's tokenizers return them (a numpy array, a torch tensor; a row of each is one prompt,
+    two rows a batch) are taken as the lists they hold: the same outputs, where they raised an untyped
+    "truth value of an array is ambiguous"."""
+    llm = LLM(model="tiny", trace=False)
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    tokens = lambda outs: [o.outputs[0].token_ids for o in outs]  # noqa: E731
+    want = tokens(llm.generate(PROMPTS[:1] * 2, greedy))
+    assert tokens(llm.generate(np.array(PROMPTS[0]), greedy)) == want[:1]
+    assert tokens(llm.generate(torch.tensor(PROMPTS[0]), greedy)) == want[:1]
+    assert tokens(llm.generate(torch.tensor(PROMPTS[:1] * 2), greedy)) == want
+    assert tokens(llm.generate([np.array(PROMPTS[0]), torch.tensor(PROMPTS[0])], greedy)) == want
 
 
 def test_openai_content_parts_and_a_sampling_mapping_are_taken_as_vllm_takes_them():

@@ -141,8 +141,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """One output per prompt, in order. `sampling_params`: one for every prompt, or one each. `use_tqdm`: a
         progress line on a terminal (sequences done, tokens/s; nothing when stderr is not one)."""
+        prompts = _as_lists(prompts)
         prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
-        return self._run([_prompt_request(p) for p in prompts], sampling_params, use_tqdm)
+        return self._run([_prompt_request(_as_lists(p)) for p in prompts], sampling_params, use_tqdm)
 
     def chat(
         self,
@@ -246,6 +247,16 @@ class _Logprobs:
     def _prompt(self, out: RequestOutput, k: int) -> list[dict[int, Logprob] | None]:
         scored = self.engine.prompt_logprobs(out.prompt_token_ids, k)[1:]
         return [None] + [self._entries(token_id, logprob, rank, top) for token_id, logprob, top, rank in scored]
+
+
+def _as_lists(prompts: Any) -> Any:
+    """A numpy array or torch tensor of token ids as the lists it holds (one row: one prompt's ids; two: a batch's),
+    as HF's tokenizers return them; anything else as it is."""
+    if hasattr(prompts, "tolist") and hasattr(prompts, "ndim"):
+        if prompts.ndim not in (1, 2):
+            raise ConfigError(f"an array of token ids has 1 dimension (a prompt) or 2 (prompts), got {prompts.ndim}")
+        return prompts.tolist()
+    return prompts
 
 
 def _is_single_prompt(prompts: Any) -> bool:

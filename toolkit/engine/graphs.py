@@ -72,8 +72,10 @@ class DecodeGraphs:
         max_model_len: int,
         capture: bool,
         schedule: MatmulSchedule | None = None,
+        batch_invariant: bool = False,
     ):
         self.model, self.kv_cache, self.backend, self.native_matmul = model, kv_cache, backend, native_matmul
+        self.batch_invariant = batch_invariant  # the engine's mode, which the forward keeps (PagedDecoder.forward)
         self.schedule = schedule  # the native CPU matmul's loops per rows (the runner's)
         self.device = kv_cache.layers[0][0].device
         self.block_size = kv_cache.block_size
@@ -188,6 +190,7 @@ class DecodeGraphs:
             None,
             native_matmul=self.native_matmul,
             schedule=self.schedule,
+            batch_invariant=self.batch_invariant,
         )
 
     def _capture(self, s: Bucket) -> None:

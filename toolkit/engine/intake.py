@@ -83,6 +83,8 @@ class RequestIntake:
         self._check_fits(request_id, len(ids), params.max_tokens)
         self._check_token_ids(params)
         bad_words_ids = self._bad_words_ids(params)
+        if params.stop and self.tokenizer is None:  # nothing detokenizes: no text would ever match
+            raise RequestError("stop strings need a tokenizer (this model has none); give stop_token_ids instead")
         if params.structured_outputs is not None:
             self.grammar().compile(params.structured_outputs)  # an invalid grammar is refused here
         # both are int64 columns of the trace

@@ -124,6 +124,7 @@ class ModelRunner:
                 max_model_len,
                 capture=mode == "capture",
                 schedule=self.matmul_schedule,
+                batch_invariant=batch_invariant,
             )
         )
 
@@ -294,6 +295,7 @@ class ModelRunner:
             num_layers,
             native_matmul=self.native_matmul,
             schedule=self.matmul_schedule,
+            batch_invariant=self.batch_invariant,
         )
         # no wait for the device (it was here): the sampler's kernels queue behind the forward's, and on a GPU the
         # seconds are the host's, as in a bucket (graphs.py)

@@ -325,6 +325,10 @@ class Speculator:
             return cls(cfg, NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
         if cfg.method == "self_draft":
             layers = engine.loaded.arch.num_layers
+            if layers < 2:
+                raise ConfigError(
+                    "speculative.method=self_draft drafts with the model's first layers: it needs 2 or more"
+                )
             if not 1 <= cfg.draft_layers < layers:
                 raise ConfigError(
                     f"speculative.draft_layers must be in [1, {layers - 1}] for this model, got {cfg.draft_layers}"

@@ -21,8 +21,9 @@ Only the rows that will be sampled go through the final norm and the LM head.
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,23 @@ from toolkit.native.ops import (
 from toolkit.native.schedules import MatmulSchedule
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
+# torch's CPU elementwise loops take a tensor in a vector body and a scalar tail, whose tanh, erf and exp round
+# differently, and GELU splits more than 16384 elements over the threads: a row's activation had other bits where
+# the row sat elsewhere in the batch (GPT-2 at widths no multiple of 32). A row at a time, in pieces of at most this
+# many elements (one thread each), each row has its own.
+ROW_PIECE = 16384
+
+
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x_NW: torch.Tensor) -> torch.Tensor:
+    """fn(x_NW) computed a row at a time (in pieces of ROW_PIECE elements): a row's bits whatever the other rows."""
+    n, w = x_NW.shape
+    if n == 1 and w <= ROW_PIECE:
+        return fn(x_NW)
+    out = torch.empty((n, w), dtype=x_NW.dtype, device=x_NW.device)
+    for i in range(n):
+        for j in range(0, w, ROW_PIECE):
+            out[i : i + 1, j : j + ROW_PIECE] = fn(x_NW[i : i + 1, j : j + ROW_PIECE])
+    return out
 
 
 @dataclass(frozen=True)
@@ -318,15 +336,14 @@ class PagedDecoder(nn.Module):
         num_layers: int | None = None,
         native_matmul: bool = False,
         schedule: MatmulSchedule | None = None,
+        batch_invariant: bool = False,
     ) -> torch.Tensor:
-        """Run one packed step; return fp32 logits (R, V) for the rows in `logits_rows_R`.
-
-        `num_layers` stops after the first layers (then the final norm and LM head): the
-        self-draft model of speculative decoding, sharing every weight with this one.
-        `native_matmul` computes every projection with the packed fixed-order matmul (faster
-        than torch's CPU GEMM here, and each row's bits are independent of the other rows,
-        which the batch-invariant mode needs); the rest of the forward is per-token already. `schedule`: its loops
-        for each number of rows (toolkit.native.schedules: the same bits in every one; default the fixed ones)."""
+        """Run one packed step; return fp32 logits (R, V) for the rows in `logits_rows_R`. `num_layers` stops after
+        the first layers (then the final norm and LM head): the self-draft of speculative decoding, sharing every weight.
+        `native_matmul` computes every projection with the packed fixed-order matmul (faster than torch's CPU GEMM
+        here, and each row's bits are independent of the other rows, which the batch-invariant mode needs); `schedule`:
+        its loops for each number of rows (toolkit.native.schedules: the same bits in every one). `batch_invariant`
+        (that mode): an activation without a native kernel runs a row at a time on the CPU too (`rowwise`)."""
         a = self.arch
         mm, packed, head = torch.matmul, None, self.lm_head_t
         n = input_ids_N.shape[0]
@@ -362,6 +379,7 @@ class PagedDecoder(nn.Module):
         elif not (native_rope or gpu_rope):
             cos = self.rope_cos[positions_N].unsqueeze(1).to(self.embed.dtype)  # (N, 1, Dh)
             sin = self.rope_sin[positions_N].unsqueeze(1).to(self.embed.dtype)
+        act = functools.partial(rowwise, self.act) if batch_invariant and x.device.type == "cpu" else self.act
         pending = None  # the previous layer's MLP output: the next norm adds it to x
         layers = list(zip(itertools.islice(self.layers, num_layers), kv_caches))  # no ModuleList slice per step
         if native_matmul and native_silu and native_rope and self._fused(x, attn, kv_caches, positions_N):
@@ -437,9 +455,9 @@ class PagedDecoder(nn.Module):
                 h = invariant_gpu.silu_mul(proj(h, "w_gate_up"))
             elif a.gated_mlp:
                 gate, up = proj(h, "w_gate_up").chunk(2, dim=-1)
-                h = self.act(gate) * up
+                h = act(gate) * up
             else:
-                h = self.act(proj(h, "w_up", layer.b_up))
+                h = act(proj(h, "w_up", layer.b_up))
             m = proj(h, "w_down", layer.b_down)
             if layer.post_mlp_norm is not None:
                 m = self._norm(m, layer.post_mlp_norm)
