@@ -140,8 +140,8 @@ class DecodeGraphs:
 
     def _host_inputs(self, chunks, b: int, width: int) -> torch.Tensor:
         """A step's inputs as Bucket.inputs_F holds them, on the host: the chunks' rows, then padding rows (token 0 at
-        position 0, writing and reading the scratch block). Built as one list and converted once (a numpy store an
-        element took a third longer at 32 rows)."""
+        position 0, writing and reading the scratch block). One list, converted once: a numpy store an element took
+        half as long again at 32 rows."""
         d, bs, scratch = len(chunks), self.block_size, self.scratch
         pad = b - d
         ids, positions, ctx, tables = [], [], [], []

@@ -48,8 +48,8 @@ from toolkit.native.schedules import MatmulSchedule
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 # torch's CPU elementwise loops take a tensor in a vector body and a scalar tail, whose tanh, erf and exp round
 # differently, and GELU splits more than 16384 elements over the threads: a row's activation had other bits where
-# the row sat elsewhere in the batch (GPT-2 at widths no multiple of 32). A row at a time, in pieces of at most this
-# many elements (one thread each), each row has its own.
+# the row sat elsewhere in the batch (GPT-2 at an MLP width no multiple of the loop's step, 240 on AVX-512). A row at
+# a time, in pieces of at most this many elements (one thread each), each row has its own.
 ROW_PIECE = 16384
 
 

@@ -96,6 +96,7 @@ class VerifyReport:
     near_tie_flips: int = 0  # greedy argmax flipped, but within atol of the top: reported, not failed
     failures: list[RowCheck] = field(default_factory=list)  # first failing row of each sequence
     downstream_rows: int = 0  # failing rows after a sequence's first failure (their prefix holds it)
+    error_rows: int = 0  # rows that sampled nothing (an error ended their sequence): nothing to recompute
     checks: list[RowCheck] = field(default_factory=list)
 
     @property
@@ -114,6 +115,8 @@ class VerifyReport:
         )
         if self.near_tie_flips:
             line += f" ({self.near_tie_flips} near-tie flips within atol)"
+        if self.error_rows:
+            line += f"; {self.error_rows} error rows sampled nothing and are not recomputed"
         if not self.passed and self.kv_cache_dtype not in ("auto", None):
             line += (
                 f"; this run's KV cache is {self.kv_cache_dtype}, and the reference keeps K and V in full precision: "
@@ -138,6 +141,7 @@ class VerifyReport:
             "greedy_argmax_mismatches": self.greedy_argmax_mismatches,
             "near_tie_flips": self.near_tie_flips,
             "downstream_rows": self.downstream_rows,
+            "error_rows": self.error_rows,
             "failures": [f"{c.request_id}#{c.stream} position {c.position}: {c.reason}" for c in self.failures],
         }
 
@@ -290,7 +294,7 @@ def _verify_shard(loaded, memo: dict, jobs: list, empty: VerifyReport) -> Verify
     return verify_sequences(jobs, loaded, empty)
 
 
-COUNTS = ("rows_checked", "greedy_rows", "greedy_argmax_mismatches", "near_tie_flips", "downstream_rows")
+COUNTS = ("rows_checked", "greedy_rows", "greedy_argmax_mismatches", "near_tie_flips", "downstream_rows", "error_rows")
 
 
 def absorb(report: VerifyReport, part: VerifyReport) -> None:
@@ -321,7 +325,9 @@ def _verify_sequence(key, rows, request, forward, loaded, eos, grammar, report: 
     request_id, stream = key
     prompt = list(request["prompt_token_ids"])
     params = recorded_sampling(request)
-    rows = [r for r in rows if r["token_id"] >= 0]  # an error row sampled nothing
+    sampled = [r for r in rows if r["token_id"] >= 0]  # an error row sampled nothing
+    report.error_rows += len(rows) - len(sampled)
+    rows = sampled
     if not rows:
         return
     tokens = prompt + [r["token_id"] for r in rows]
