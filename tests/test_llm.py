@@ -102,6 +102,9 @@ def test_token_ids_in_a_numpy_array_or_a_torch_tensor_are_the_lists_they_hold():
     assert tokens(llm.generate(torch.tensor(PROMPTS[0]), greedy)) == want[:1]
     assert tokens(llm.generate(torch.tensor(PROMPTS[:1] * 2), greedy)) == want
     assert tokens(llm.generate([np.array(PROMPTS[0]), torch.tensor(PROMPTS[0])], greedy)) == want
+    assert tokens(llm.generate({"prompt_token_ids": np.array(PROMPTS[0])}, greedy)) == want[:1]
+    with pytest.raises(RequestError, match="the prompt is empty"):  # one prompt, not none
+        llm.generate(np.array([], dtype=np.int64), greedy)
 
 
 def test_openai_content_parts_and_a_sampling_mapping_are_taken_as_vllm_takes_them():

@@ -191,6 +191,29 @@ def test_verify_counts_the_error_rows_it_cannot_recompute(tiny, tmp_path):
     assert "1 error rows sampled nothing and are not recomputed" in report.summary_line()
 
 
+def test_an_older_trace_with_stop_strings_on_a_model_without_a_tokenizer_replays(tmp_path):
+    """Such stop strings are refused now (nothing detokenizes, so none ever matched); a trace recorded before keeps
+    them in its requests' sampling, which replay cannot override. Replay drops them: the same run, bit-identical."""
+    from tests.families import checkpoint_dir
+    from toolkit.config import ModelConfig
+    from toolkit.models import load_model
+
+    model = {"name": "hf", "path": str(checkpoint_dir("llama"))}
+    engine = make_engine(load_model(ModelConfig(**model)), **ENGINE_CFG)
+    params = SamplingParams(temperature=1.0, seed=4, max_tokens=5, ignore_eos=True)
+    ids = [engine.add_request(prompt_token_ids=[3, 4, 5], request_id="old", sampling_params=params)]
+    run = tmp_path / "run"
+    record(engine, ids, run, {"model": model, "engine": ENGINE_CFG, "sampling": {}, "trace": {}})
+    for part in sorted((run / REQUESTS_FILE).glob("part-*.parquet")):  # as recorded before the refusal
+        table = pq.read_table(part)
+        rows = table.to_pylist()
+        for r in rows:
+            r["sampling_params"] = json.dumps({**json.loads(r["sampling_params"]), "stop": ["x"]})
+        pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), part)
+    report = replay(run, out_dir=tmp_path / "replayed")
+    assert report.identical, report.summary_line()
+
+
 def test_verify_with_the_hf_reference(recorded_run):
     report = verify(recorded_run, reference="hf")
     assert report.passed and report.reference == "hf" and report.max_abs_diff < 1e-4

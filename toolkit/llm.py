@@ -141,9 +141,15 @@ class LLM:
     ) -> list[RequestOutput]:
         """One output per prompt, in order. `sampling_params`: one for every prompt, or one each. `use_tqdm`: a
         progress line on a terminal (sequences done, tokens/s; nothing when stderr is not one)."""
-        prompts = _as_lists(prompts)
-        prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
-        return self._run([_prompt_request(_as_lists(p)) for p in prompts], sampling_params, use_tqdm)
+        if _is_array(prompts):  # as HF's tokenizers return ids: a row a prompt
+            if prompts.ndim not in (1, 2):
+                raise ConfigError(
+                    f"an array of token ids has 1 dimension (a prompt) or 2 (prompts), got {prompts.ndim}"
+                )
+            prompts = [prompts] if prompts.ndim == 1 else list(prompts)
+        else:
+            prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
+        return self._run([_prompt_request(p) for p in prompts], sampling_params, use_tqdm)
 
     def chat(
         self,
@@ -249,14 +255,14 @@ class _Logprobs:
         return [None] + [self._entries(token_id, logprob, rank, top) for token_id, logprob, top, rank in scored]
 
 
-def _as_lists(prompts: Any) -> Any:
-    """A numpy array or torch tensor of token ids as the lists it holds (one row: one prompt's ids; two: a batch's),
-    as HF's tokenizers return them; anything else as it is."""
-    if hasattr(prompts, "tolist") and hasattr(prompts, "ndim"):
-        if prompts.ndim not in (1, 2):
-            raise ConfigError(f"an array of token ids has 1 dimension (a prompt) or 2 (prompts), got {prompts.ndim}")
-        return prompts.tolist()
-    return prompts
+def _is_array(x: Any) -> bool:
+    """A numpy array or a torch tensor (of token ids, where a prompt is expected)."""
+    return hasattr(x, "tolist") and hasattr(x, "ndim")
+
+
+def _ids(x: Any) -> Any:
+    """One prompt's ids in a one-dimensional array as the list it holds; anything else as it is."""
+    return x.tolist() if _is_array(x) and x.ndim == 1 else x
 
 
 def _is_single_prompt(prompts: Any) -> bool:
@@ -272,7 +278,8 @@ def _prompt_request(prompt: Prompt) -> dict[str, Any]:
         unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
         if unknown:
             raise ConfigError(f"a prompt mapping takes prompt or prompt_token_ids, not {', '.join(unknown)}")
-        return dict(prompt)
+        return {k: _ids(v) if k == "prompt_token_ids" else v for k, v in prompt.items()}
+    prompt = _ids(prompt)
     if isinstance(prompt, (bytes, Mapping)) or not isinstance(prompt, Sequence):
         raise ConfigError(
             f"a prompt is text, a list of token ids or a {{prompt | prompt_token_ids}} mapping, got {prompt!r:.80}"

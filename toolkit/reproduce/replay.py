@@ -242,12 +242,15 @@ def add_recorded_requests(engine: Engine, requests: list[dict[str, Any]]) -> lis
     for row in requests:
         if engine.has_request(row["request_id"]):
             continue  # one row per sequence: the request was added with its first row
+        params = recorded_sampling(row)
+        if params.stop and engine.tokenizer is None:  # recorded before such stops were refused: they never matched
+            params = params.replace(stop=())
         engine.add(
             EngineRequest(
                 prompt_token_ids=row["prompt_token_ids"],
                 request_id=row["request_id"],
                 arrival_step=row["arrival_step"],
-                sampling_params=recorded_sampling(row),
+                sampling_params=params,
                 priority=row.get("priority") or 0,
             )
         )
