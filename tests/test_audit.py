@@ -8,6 +8,7 @@ replaced, top logprobs holding more than probability 1.
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -399,6 +400,30 @@ def test_lines_past_what_python_the_trace_or_the_model_holds_are_named_and_the_o
     assert (out / "requests.parquet").exists()
 
 
+def test_a_transcript_is_read_a_line_at_a_time_split_at_line_ends_only(tiny, tmp_path, monkeypatch):
+    """A probe's findings: str.splitlines split a valid JSON line at a raw U+2028 or U+0085 in a string (JSON allows
+    them unescaped; json.dumps(ensure_ascii=False) writes them), rejecting it and misnumbering every line after; a
+    byte-order mark rejected the first line; the whole file was read at once and every rejected line kept (265 MB a
+    million bad lines). Now: lines end at line ends only, a BOM is dropped, the file is streamed and the reasons
+    past MAX_LINE_ERRORS are counted in one error, not kept."""
+    from toolkit.audit import transcripts
+    from toolkit.audit.records import TranscriptError, lines_rejected
+
+    good = {"request_id": "a", "prompt_token_ids": [1, 2, 3], "output_token_ids": [4, 5], "logprobs": [-1.0, -1.0]}
+    odd = json.dumps({**good, "request_id": "b", "note": "x\u2028y\x85z\u2029"}, ensure_ascii=False)
+    path = tmp_path / "t.jsonl"
+    path.write_text("\ufeff" + json.dumps(good) + "\r\n" + odd + "\n" + "not json\n" * 7 + json.dumps(good) + "\n")
+    monkeypatch.setattr(transcripts, "MAX_LINE_ERRORS", 3)
+    records, errors = read_transcripts(path, "token_ids", tiny.tokenizer, tiny.arch.vocab_size)
+    assert [r.request_id for r in records] == ["a", "b", "a~1"] and records[1].source == odd
+    assert [e.line for e in errors] == [3, 4, 5, 6] and lines_rejected(errors) == 7
+    assert errors[-1].why.startswith("and 4 more lines rejected from here on") and errors[-1].more == 3
+    gz = tmp_path / "t.jsonl.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    with pytest.raises(TranscriptError, match="a gzip file: decompress it first"):
+        read_transcripts(gz, "token_ids", tiny.tokenizer, tiny.arch.vocab_size)
+
+
 def test_chat_template_mismatch_is_named(tiny, tmp_path):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
     response = {
@@ -486,6 +511,25 @@ def test_converted_trace_verifies_with_mode_verify(hf_tiny, tmp_path):
         timeout=300,
     )
     assert verify.returncode == 0 and "verified" in verify.stdout, verify.stdout + verify.stderr
+
+
+def test_a_converted_trace_without_the_models_logprobs_verifies_its_tokens_alone(tmp_path):
+    """An audited transcript's trace holds no raw logprob where the claim was null, nor in a processed-logprobs
+    transcript: verify died there with a TypeError traceback (a probe's finding). It now checks those rows' tokens
+    and says how many recorded no logprob; a claim it has is still compared."""
+    from toolkit import verify
+
+    lines = [
+        {"request_id": "a", "prompt_token_ids": [1, 2, 3], "output_token_ids": [5, 6], "logprobs": [-10.0, None]},
+        {"request_id": "p", "prompt_token_ids": [1, 2, 3], "output_token_ids": [5, 6], "logprobs": [-1.0, -1.0]},
+    ]
+    lines[1] |= {"logprobs_mode": "processed_logprobs", "sampling": {"temperature": 1.0, "top_k": 2}}
+    proc, out = _run(tmp_path, f"audit.input={_write(tmp_path / 't.jsonl', lines)}", "audit.format=token_ids")
+    assert (out / "samples.parquet").exists(), proc.stderr
+    report = verify(out)
+    assert report.unclaimed_rows == 3 and report.rows_checked == 4
+    assert [(f.request_id, f.position) for f in report.failures] == [("a", 3)]  # the one claim, and it is wrong
+    assert "3 rows record no raw logprob" in report.summary_line()
 
 
 # ---------------------------------------------------------------------------------------- real engines, SmolLM2

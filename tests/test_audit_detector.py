@@ -75,6 +75,20 @@ def test_one_wild_token_cannot_decide_alone():
     assert float(typical - token_loglik(torch.tensor([20.0]), DEFAULT_SCALES["float32"])) < 20
 
 
+@pytest.mark.parametrize("stated", FORMATS)
+def test_claims_far_from_every_format_favour_none_whatever_is_stated(stated):
+    """Claims off by nats (another model or checkpoint) score the outlier density under every format alike: the
+    detector said "consistent with the stated format" and named the stated one best, whichever it was (a probe's
+    finding). No format is best then, and the verdict says so; it still says they fit none."""
+    g = torch.Generator().manual_seed(1)
+    far = 10.0 + torch.rand(24, generator=g, dtype=torch.float64)
+    found = detect({f: [far] for f in FORMATS}, DEFAULT_SCALES, stated)[0]
+    assert found.best is None and found.tied == list(FORMATS) and found.to_dict()["best"] is None
+    assert found.verdict().startswith("no format is favoured") and "fits none of the formats" in found.verdict()
+    near = detect({f: [far * 0 if f == stated else far] for f in FORMATS}, DEFAULT_SCALES, stated)[0]
+    assert near.best == stated and near.verdict().startswith("consistent with the stated format")
+
+
 def test_tokens_without_a_usable_claim_are_left_out_of_every_hypothesis():
     r = torch.tensor([0.0, math.nan, 1e-6, 0.0])
     found = detect({"float32": [r], "bfloat16": [r.flip(0)]}, DEFAULT_SCALES, "float32")[0]

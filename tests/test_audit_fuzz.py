@@ -144,14 +144,17 @@ def _fit_for_the_audit(record, vocab: int) -> bool:
     )
 
 
-def test_every_place_of_every_line_broken_every_way_is_read_by_name(seeds, reference, tiny, tmp_path):
+def test_every_place_of_every_line_broken_every_way_is_read_by_name(seeds, reference, tiny, tmp_path, monkeypatch):
     """Each place of each seed line (a list's first 2 entries), replaced by each hostile value or deleted, one line
     each, in one file: every line is refused with a specific check's reason (not the catch-all's `unreadable:`)
     or read into a record the audit can take (ids inside the vocabulary, a claim per output token, no NaN or
     +inf); and an even sample of those records is audited. Before these checks, a top alternative's id past the
     vocabulary indexed out of bounds in the audit, an id of 2**63 overflowed, a `bytes` of 10**9 allocated a
     gigabyte, and a streamed chunk, a usage or a message that was not an object raised."""
+    from toolkit.audit import transcripts
+
     vocab = tiny.arch.vocab_size
+    monkeypatch.setattr(transcripts, "MAX_LINE_ERRORS", 10**6)  # every line's reason named, none only counted
     for fmt, lines in seeds.items():
         broken_lines = [m for line in lines for m in _mutations(line)]
         path = tmp_path / f"{fmt}.jsonl"

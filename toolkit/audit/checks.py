@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from toolkit.audit.records import LineError, Transcript
+from toolkit.audit.records import LineError, Transcript, lines_rejected
 from toolkit.errors import ConfigError, ToolkitError
 from toolkit.runs.metrics import percentile
 from toolkit.sampling.params import SamplingParams
@@ -154,7 +154,7 @@ class AuditReport:
             "sequence_ratio_max": max(seq) if seq else None,
             "greedy_departures": sum(r.first_greedy_departure is not None for r in self.requests),
             "requests_flagged": sum(bool(r["flagged"]) for r in per_request),
-            "lines_rejected": len(self.line_errors),
+            "lines_rejected": lines_rejected(self.line_errors),
             "line_errors": [{"line": e.line, "request_id": e.request_id, "why": e.why} for e in self.line_errors],
             "requests": per_request,
         }

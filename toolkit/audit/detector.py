@@ -65,14 +65,24 @@ class Detection:
 
     @property
     def misfit(self) -> float | None:
-        """mean |d| under the best hypothesis over its width: ~1 when that format explains the claims (the Laplace
-        fit), far above when none of the hypotheses does (another engine altogether)."""
-        best = self.best
-        return self.mean_abs[best] / self.scales[best] if best is not None and self.scales else None
+        """mean |d| under the best hypothesis (the stated one where none is best) over its width: ~1 when that
+        format explains the claims (the Laplace fit), far above when none of the hypotheses does (another engine
+        altogether)."""
+        at = self.best or self.stated
+        return self.mean_abs[at] / self.scales[at] if self.tokens and self.scales else None
+
+    @property
+    def tied(self) -> list[str]:
+        """The hypotheses sharing the highest log-likelihood: more than one where the claims favour no format (every
+        residual past each format's Laplace width scores the same outlier density under all of them)."""
+        top = max(self.loglik.values(), default=None)
+        return [h for h, v in self.loglik.items() if v == top] if self.tokens else []
 
     @property
     def best(self) -> str | None:
-        return max(self.loglik, key=self.loglik.get) if self.tokens else None
+        """The hypothesis with the highest log-likelihood; None on a tie (the stated format is not favoured then)."""
+        tied = self.tied
+        return tied[0] if len(tied) == 1 else None
 
     @property
     def posterior(self) -> dict[str, float]:
@@ -94,16 +104,17 @@ class Detection:
     def verdict(self) -> str | None:
         if not self.tokens:
             return None
-        said = (
-            "consistent with the stated format"
-            if self.best == self.stated
-            else f"better explained by {self.best} than by the stated {self.stated}"
-        )
+        if self.best is None:
+            said = f"no format is favoured: the claims score alike under {', '.join(self.tied)}"
+        elif self.best == self.stated:
+            said = "consistent with the stated format"
+        else:
+            said = f"better explained by {self.best} than by the stated {self.stated}"
         misfit = self.misfit
         if misfit is not None and misfit > MISFIT_LIMIT:
             said += (
-                f", but it fits none of the formats: its mean |d| under {self.best} is {misfit:.3g} times that "
-                f"format's width"
+                f", but it fits none of the formats: its mean |d| under {self.best or self.stated} is {misfit:.3g} "
+                f"times that format's width"
             )
         return said
 

@@ -59,7 +59,7 @@ from toolkit.audit.detection import (
     run_detector,
 )
 from toolkit.audit.detector import WINDOWS, Detection
-from toolkit.audit.records import FORMATS, Transcript, TranscriptError
+from toolkit.audit.records import FORMATS, Transcript, TranscriptError, lines_rejected
 from toolkit.audit.references import _atol, _forward, _references, stated_reference
 from toolkit.audit.transcripts import read_transcripts
 from toolkit.config import EngineConfig, ModelConfig, from_mapping
@@ -119,7 +119,7 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
     for e in line_errors:
         print(f"line {e.line}{' (' + e.request_id + ')' if e.request_id else ''}: {e.why}", file=sys.stderr)
     if not records:
-        raise AuditInputError(f"no usable request in {source} ({len(line_errors)} lines rejected)")
+        raise AuditInputError(f"no usable request in {source} ({lines_rejected(line_errors)} lines rejected)")
     defaults_from, defaults = sampling_defaults(a, loaded)
     assume_sampling(records, defaults)
     assumed = sum(bool(r.sampling_assumed) for r in records)

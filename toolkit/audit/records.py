@@ -3,7 +3,7 @@ LineError for a line that cannot be audited), and the checks each line's fields 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +69,12 @@ class LineError:
     line: int
     request_id: str | None
     why: str
+    more: int = 0  # this many later lines rejected too, their reasons not kept (past transcripts.MAX_LINE_ERRORS)
+
+
+def lines_rejected(errors: Iterable[LineError]) -> int:
+    """The lines a reading rejected, those counted past the named ones included."""
+    return sum(1 + e.more for e in errors)
 
 
 class TokenMap:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,8 @@ from toolkit.audit.records import (
 )
 from toolkit.errors import json_past_limits, not_unicode_in, one_line
 
+MAX_LINE_ERRORS = 1000  # rejected lines named one by one; the rest of a reading's are counted
+
 
 def read_transcripts(
     path: str | Path,
@@ -74,51 +76,18 @@ def read_transcripts(
     if logprobs_mode is not None and logprobs_mode not in LOGPROBS_MODES:
         raise TranscriptError(f"audit.logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
     path = Path(path)
-    try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TranscriptError(f"cannot read {path}: {exc}") from None
     tokens = TokenMap(tokenizer, vocab_size)
     records: list[Transcript] = []
-    errors: list[LineError] = []
-    for number, text in enumerate(lines, 1):
-        if not text.strip():
-            continue
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as exc:
-            errors.append(LineError(number, None, f"not JSON: {exc}"))
-            continue
-        except (ValueError, RecursionError) as exc:
-            errors.append(LineError(number, None, f"not JSON: {json_past_limits(exc)}"))
-            continue
-        if not isinstance(obj, dict):
-            errors.append(LineError(number, None, "not a JSON object"))
-            continue
-        problem = not_unicode_in(obj)  # a lone surrogate's escape: no tokenizer reads it
-        if problem is not None:
-            errors.append(LineError(number, request_id_of(obj), problem))
-            continue
-        try:
-            if fmt == "openai":
-                found = openai_line(obj, number, tokens)
+    errors = LineErrors()
+    try:
+        for number, text in enumerate(_lines(path), 1):
+            found = _read_line(number, text, fmt, tokens, vocab_size, logprobs_mode, max_positions)
+            if isinstance(found, LineError):
+                errors.append(found)
             else:
-                found = [_token_ids_line(obj, number, tokens, "hf" if fmt == "hf" else "unknown", logprobs_mode)]
-            for record in found:
-                check_ids(record, vocab_size)
-                as_stream(record.stream)
-                check_length(record, max_positions)
-        except TranscriptError as exc:
-            errors.append(LineError(number, request_id_of(obj), str(exc)))
-            continue
-        except Exception as exc:  # noqa: BLE001 - a shape no check above foresaw: this line's error, not the run's
-            errors.append(LineError(number, request_id_of(obj), f"unreadable: {one_line(exc)}"))
-            continue
-        for record in found:
-            record.source = text
-            if logprobs_mode is not None:
-                record.logprobs_mode = logprobs_mode
-            records.append(record)
+                records += found
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TranscriptError(f"cannot read {path}: {exc}{_gzip_hint(path)}") from None
     seen: set[tuple[str, int]] = set()
     for record in records:  # request ids name a request in the converted trace: make repeats unique
         key, k = (record.request_id, record.stream), 1
@@ -126,7 +95,91 @@ def read_transcripts(
             key, k = (f"{record.request_id}~{k}", record.stream), k + 1
         record.request_id = key[0]
         seen.add(key)
-    return records, errors
+    return records, errors.kept()
+
+
+def _lines(path: Path) -> Iterator[str]:
+    """The file's lines as read, one at a time (a file of any length in bounded memory): split at line ends only,
+    not at the U+2028, U+2029 or U+0085 a JSON string may hold unescaped (str.splitlines split a valid line there);
+    a UTF-8 byte-order mark dropped."""
+    with path.open(encoding="utf-8-sig", newline="") as f:
+        for line in f:
+            yield line.rstrip("\r\n")
+
+
+def _gzip_hint(path: Path) -> str:
+    """What to do with a gzip file (its magic bytes), which reads as no UTF-8."""
+    try:
+        with path.open("rb") as f:
+            return " (a gzip file: decompress it first)" if f.read(2) == b"\x1f\x8b" else ""
+    except OSError:
+        return ""
+
+
+class LineErrors:
+    """A reading's rejected lines: the first MAX_LINE_ERRORS named, the rest counted in one more (LineError.more),
+    so that a file of a million bad lines costs neither a million kept reasons nor a million printed ones."""
+
+    def __init__(self):
+        self.named: list[LineError] = []
+        self.first_unnamed: int | None = None
+        self.unnamed = 0
+
+    def append(self, error: LineError) -> None:
+        if len(self.named) < MAX_LINE_ERRORS:
+            self.named.append(error)
+            return
+        self.first_unnamed = self.first_unnamed or error.line
+        self.unnamed += 1
+
+    def kept(self) -> list[LineError]:
+        if not self.unnamed:
+            return self.named
+        why = f"and {self.unnamed} more lines rejected from here on (the first {MAX_LINE_ERRORS} are named)"
+        return [*self.named, LineError(self.first_unnamed, None, why, more=self.unnamed - 1)]
+
+
+def _read_line(
+    number: int,
+    text: str,
+    fmt: str,
+    tokens: TokenMap,
+    vocab_size: int,
+    logprobs_mode: str | None,
+    max_positions: int | None,
+) -> list[Transcript] | LineError:
+    """One line's requests (none for a blank line), or why it is rejected."""
+    if not text.strip():
+        return []
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return LineError(number, None, f"not JSON: {exc}")
+    except (ValueError, RecursionError) as exc:
+        return LineError(number, None, f"not JSON: {json_past_limits(exc)}")
+    if not isinstance(obj, dict):
+        return LineError(number, None, "not a JSON object")
+    problem = not_unicode_in(obj)  # a lone surrogate's escape: no tokenizer reads it
+    if problem is not None:
+        return LineError(number, request_id_of(obj), problem)
+    try:
+        if fmt == "openai":
+            found = openai_line(obj, number, tokens)
+        else:
+            found = [_token_ids_line(obj, number, tokens, "hf" if fmt == "hf" else "unknown", logprobs_mode)]
+        for record in found:
+            check_ids(record, vocab_size)
+            as_stream(record.stream)
+            check_length(record, max_positions)
+    except TranscriptError as exc:
+        return LineError(number, request_id_of(obj), str(exc))
+    except Exception as exc:  # noqa: BLE001 - a shape no check above foresaw: this line's error, not the run's
+        return LineError(number, request_id_of(obj), f"unreadable: {one_line(exc)}")
+    for record in found:
+        record.source = text
+        if logprobs_mode is not None:
+            record.logprobs_mode = logprobs_mode
+    return found
 
 
 # ---------------------------------------------------------------------------------------------- token ids

@@ -63,7 +63,7 @@ class RowCheck:
     stream: int
     position: int
     token_id: int
-    recorded_logprob: float
+    recorded_logprob: float | None  # None: no claim (an audited transcript's missing or processed logprob)
     recomputed_logprob: float
     abs_diff: float
     greedy: bool
@@ -97,6 +97,7 @@ class VerifyReport:
     failures: list[RowCheck] = field(default_factory=list)  # first failing row of each sequence
     downstream_rows: int = 0  # failing rows after a sequence's first failure (their prefix holds it)
     error_rows: int = 0  # rows that sampled nothing (an error ended their sequence): nothing to recompute
+    unclaimed_rows: int = 0  # rows recording no raw logprob (an audit's transcript): their token checked alone
     checks: list[RowCheck] = field(default_factory=list)
 
     @property
@@ -117,6 +118,10 @@ class VerifyReport:
             line += f" ({self.near_tie_flips} near-tie flips within atol)"
         if self.error_rows:
             line += f"; {self.error_rows} error rows sampled nothing and are not recomputed"
+        if self.unclaimed_rows:
+            line += (
+                f"; {self.unclaimed_rows} rows record no raw logprob (an audited transcript's): tokens checked alone"
+            )
         if not self.passed and self.kv_cache_dtype not in ("auto", None):
             line += (
                 f"; this run's KV cache is {self.kv_cache_dtype}, and the reference keeps K and V in full precision: "
@@ -142,6 +147,7 @@ class VerifyReport:
             "near_tie_flips": self.near_tie_flips,
             "downstream_rows": self.downstream_rows,
             "error_rows": self.error_rows,
+            "unclaimed_rows": self.unclaimed_rows,
             "failures": [f"{c.request_id}#{c.stream} position {c.position}: {c.reason}" for c in self.failures],
         }
 
@@ -294,7 +300,15 @@ def _verify_shard(loaded, memo: dict, jobs: list, empty: VerifyReport) -> Verify
     return verify_sequences(jobs, loaded, empty)
 
 
-COUNTS = ("rows_checked", "greedy_rows", "greedy_argmax_mismatches", "near_tie_flips", "downstream_rows", "error_rows")
+COUNTS = (
+    "rows_checked",
+    "greedy_rows",
+    "greedy_argmax_mismatches",
+    "near_tie_flips",
+    "downstream_rows",
+    "error_rows",
+    "unclaimed_rows",
+)
 
 
 def absorb(report: VerifyReport, part: VerifyReport) -> None:
@@ -364,7 +378,9 @@ def _verify_sequence(key, rows, request, forward, loaded, eos, grammar, report: 
     for i, row in enumerate(rows):
         p = row["position"]
         recomputed = float(logprobs[p - 1, row["token_id"]])
-        diff = abs(recomputed - row["raw_logprob"])
+        claimed = row["raw_logprob"]  # None in an audit's converted transcript without the model's logprob
+        diff = 0.0 if claimed is None else abs(recomputed - claimed)
+        report.unclaimed_rows += claimed is None
         argmax_ok = None
         reason = ""
         if greedy:
@@ -396,7 +412,7 @@ def _verify_sequence(key, rows, request, forward, loaded, eos, grammar, report: 
                 )
         if diff > report.atol or not math.isfinite(diff):
             reason = (
-                f"raw logprob recorded {row['raw_logprob']:.6g}, recomputed {recomputed:.6g} "
+                f"raw logprob recorded {claimed:.6g}, recomputed {recomputed:.6g} "
                 f"(|diff| {diff:.3g} > atol {report.atol:g})"
             )
         if exact and not reason:
