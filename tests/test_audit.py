@@ -424,6 +424,15 @@ def test_a_transcript_is_read_a_line_at_a_time_split_at_line_ends_only(tiny, tmp
         read_transcripts(gz, "token_ids", tiny.tokenizer, tiny.arch.vocab_size)
 
 
+@pytest.mark.parametrize("index", [-1, "0", 1.0, True])
+def test_a_choice_index_that_is_no_count_is_named(tiny, tmp_path, index):
+    """A choice's index of -1 took the last prompt and stream n - 1; one that was no integer, stream 0."""
+    choice = {"index": index, "text": "a", "logprobs": {"tokens": ["a"], "token_logprobs": [-1.0]}}
+    line = {"request": {"prompt": ["hi", "yo"], "n": 2, "logprobs": 0}, "response": {"choices": [choice]}}
+    records, errors = read_transcripts(_write(tmp_path / "o.jsonl", [line]), "openai", tiny.tokenizer, 49152)
+    assert not records and len(errors) == 1 and "index must be an integer >= 0" in errors[0].why, errors
+
+
 def test_chat_template_mismatch_is_named(tiny, tmp_path):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
     response = {

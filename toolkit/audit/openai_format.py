@@ -97,7 +97,11 @@ def openai_line(obj: dict, line: int, tokens: TokenMap) -> list[Transcript]:
         if not isinstance(choice, dict):
             raise TranscriptError(f"response.choices[{position_in_list}] is not an object")
         index = choice.get("index", position_in_list)
-        prompt_index = index // n if isinstance(index, int) and len(prompts) > 1 else 0
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:  # -1 took the last prompt
+            raise TranscriptError(
+                f"response.choices[{position_in_list}].index must be an integer >= 0, got {index!r:.40}"
+            )
+        prompt_index = index // n if len(prompts) > 1 else 0
         if prompt_index >= len(prompts):
             raise TranscriptError(f"response.choices[{position_in_list}].index {index} has no prompt")
         prompt_ids, prompt_text, prompt_source = prompts[prompt_index]
@@ -124,7 +128,7 @@ def openai_line(obj: dict, line: int, tokens: TokenMap) -> list[Transcript]:
             raise TranscriptError(f"choices[{position_in_list}]: the text is {str(text)[:40]}, not a string")
         record = Transcript(
             request_id=base_id if len(prompts) == 1 else f"{base_id}-{prompt_index}",
-            stream=index % n if isinstance(index, int) else 0,
+            stream=index % n,
             line=line,
             origin_engine=engine,
             prompt_token_ids=list(prompt_ids),
