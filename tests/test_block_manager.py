@@ -180,6 +180,22 @@ def test_check_invariants_catches_a_leak():
         bm.check_invariants()
 
 
+def _with_forks(lengths: list[int], forks: list[int], free_blocks: int) -> BlockManager:
+    """Sequences s0, s1, ... of `lengths` tokens, f0, f1, ... forked from the s of each index in `forks` (past the
+    last: none), and `free_blocks` more."""
+    bm = BlockManager(num_blocks=sum(-(-n // BS) for n in lengths) + free_blocks, block_size=BS)
+    for i, n in enumerate(lengths):
+        bm.allocate(f"s{i}", n)
+    for j, parent in enumerate(forks):
+        if parent < len(lengths):
+            bm.fork(f"s{parent}", f"f{j}")
+    return bm
+
+
+def _state(bm: BlockManager) -> tuple:
+    return bm._tables, bm.ref_counts, bm._free, bm._num_tokens
+
+
 @settings(max_examples=150, deadline=None)
 @example(lengths=[4], forks=[], free_blocks=4, steps=[1], again=0)  # a sequence written twice, growing each time
 @example(lengths=[6, 3], forks=[0, 0], free_blocks=3, steps=[1], again=9)  # forks sharing a block, each copying
@@ -195,12 +211,7 @@ def test_a_decode_steps_writes_at_once_are_the_writes_one_by_one(lengths, forks,
     row by row, leaves it: the same tables, reference counts, free list and copies, forked sequences sharing
     blocks included (the first one's copy unshares a block for the next), and a sequence written twice; where the
     rows' cost does not fit, None and nothing written."""
-    bm = BlockManager(num_blocks=sum(-(-n // BS) for n in lengths) + free_blocks, block_size=BS)
-    for i, n in enumerate(lengths):
-        bm.allocate(f"s{i}", n)
-    for j, parent in enumerate(forks):
-        if parent < len(lengths):
-            bm.fork(f"s{parent}", f"f{j}")
+    bm = _with_forks(lengths, forks, free_blocks)
     seqs = sorted(bm._tables)
     for ahead in steps:
         writes = [(s, bm.num_tokens(s), bm.num_tokens(s) + ahead) for s in seqs]
@@ -213,12 +224,7 @@ def test_a_decode_steps_writes_at_once_are_the_writes_one_by_one(lengths, forks,
         want = [c for w in writes for c in twin.write(*w)] if fits else None
         got = bm.write_rows(writes)
         assert got == want
-        assert (bm._tables, bm.ref_counts, bm._free, bm._num_tokens) == (
-            twin._tables,
-            twin.ref_counts,
-            twin._free,
-            twin._num_tokens,
-        )
+        assert _state(bm) == _state(twin)
         bm.check_invariants()
 
 
@@ -235,12 +241,7 @@ def test_a_planned_write_is_the_checked_write(lengths, forks, free_blocks, start
     """plan_write (the scheduler's decode rows: one plan where check then write made two) answers what can_write
     answers, and write() with its plan leaves the manager as write() planning again does: the same tables,
     reference counts, free list, capacities and copies, shared (forked) blocks included."""
-    bm = BlockManager(num_blocks=sum(-(-n // BS) for n in lengths) + free_blocks, block_size=BS)
-    for i, n in enumerate(lengths):
-        bm.allocate(f"s{i}", n)
-    for j, parent in enumerate(forks):
-        if parent < len(lengths):
-            bm.fork(f"s{parent}", f"f{j}")
+    bm = _with_forks(lengths, forks, free_blocks)
     for seq in sorted(bm._tables):
         start = max(0, bm.num_tokens(seq) - start_back)
         planned = bm.plan_write(seq, start, start + ahead)
@@ -249,10 +250,5 @@ def test_a_planned_write_is_the_checked_write(lengths, forks, free_blocks, start
             continue
         twin = copy.deepcopy(bm)
         assert bm.write(seq, start, start + ahead, planned) == twin.write(seq, start, start + ahead)
-        assert (bm._tables, bm.ref_counts, bm._free, bm._num_tokens) == (
-            twin._tables,
-            twin.ref_counts,
-            twin._free,
-            twin._num_tokens,
-        )
+        assert _state(bm) == _state(twin)
         bm.check_invariants()
