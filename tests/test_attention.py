@@ -235,16 +235,16 @@ def _both_paths(model):
     seen = [0, 0]
     forward = model.forward
 
-    def both(ids, positions, attn, kv_caches, rows, num_layers=None, native_matmul=False, schedule=None):
+    def both(ids, positions, attn, kv_caches, rows, num_layers=None, native_matmul=False, schedule=None, **mode):
         before = [(k.clone(), v.clone()) for k, v in kv_caches]
         model.fused_layers = False
-        want = forward(ids, positions, attn, kv_caches, rows, num_layers, native_matmul, schedule)
+        want = forward(ids, positions, attn, kv_caches, rows, num_layers, native_matmul, schedule, **mode)
         want_kv = [(k.clone(), v.clone()) for k, v in kv_caches]
         for (k, v), (k0, v0) in zip(kv_caches, before):
             k.copy_(k0)
             v.copy_(v0)
         model.fused_layers = True
-        got = forward(ids, positions, attn, kv_caches, rows, num_layers, native_matmul, schedule)
+        got = forward(ids, positions, attn, kv_caches, rows, num_layers, native_matmul, schedule, **mode)
         seen[0] += 1
         seen[1] += torch.equal(got, want) and all(
             torch.equal(k, k1) and torch.equal(v, v1) for (k, v), (k1, v1) in zip(kv_caches, want_kv)
@@ -306,7 +306,7 @@ def test_fused_layers_refuse_a_slot_outside_the_cache_before_writing(tiny):
     model, checked = tiny.model, []
     forward = model.forward
 
-    def tampered(ids, positions, attn, kv_caches, rows, num_layers=None, native_matmul=False, schedule=None):
+    def tampered(ids, positions, attn, kv_caches, rows, num_layers=None, native_matmul=False, schedule=None, **mode):
         if not checked:
             before = [(k.clone(), v.clone()) for k, v in kv_caches]
             slots = attn.slot_mapping_N.clone()
@@ -321,11 +321,12 @@ def test_fused_layers_refuse_a_slot_outside_the_cache_before_writing(tiny):
                     num_layers,
                     native_matmul,
                     schedule,
+                    **mode,
                 )
             checked.append(
                 all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(kv_caches, before))
             )
-        return forward(ids, positions, attn, kv_caches, rows, num_layers, native_matmul, schedule)
+        return forward(ids, positions, attn, kv_caches, rows, num_layers, native_matmul, schedule, **mode)
 
     model.forward = tampered
     try:
