@@ -307,45 +307,46 @@ def test_the_device_route_queues_the_next_step_without_a_read(model, monkeypatch
     from toolkit import devices
     from toolkit.engine import ahead
 
-    monkeypatch.setenv("TOOLKIT_NATIVE", "0")
-    monkeypatch.setattr(devices, "off_cpu", lambda t: True)
-    reads: dict[str, int] = {}
-    for name in ("_look_ahead", "_stage"):
-        original = getattr(ahead.Pipeline, name)
+    with devices.device_route():  # the device's route, on CPU tensors
+        reads: dict[str, int] = {}
+        for name in ("_look_ahead", "_stage"):
+            original = getattr(ahead.Pipeline, name)
 
-        def counted(self, *args, _original=original, _name=name, **kwargs):
-            with HostReads() as seen:
-                out = _original(self, *args, **kwargs)
-            for what, n in seen.counts.items():
-                reads[f"{_name}: {what}"] = reads.get(f"{_name}: {what}", 0) + n
-            return out
+            def counted(self, *args, _original=original, _name=name, **kwargs):
+                with HostReads() as seen:
+                    out = _original(self, *args, **kwargs)
+                for what, n in seen.counts.items():
+                    reads[f"{_name}: {what}"] = reads.get(f"{_name}: {what}", 0) + n
+                return out
 
-        monkeypatch.setattr(ahead.Pipeline, name, counted)
-    params = [
-        SamplingParams(temperature=0.8, top_p=0.9, seed=1),
-        SamplingParams(temperature=0.7, top_k=5, min_p=0.05, repetition_penalty=1.2, seed=2, logprobs=2),
-        SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={5: 3.0}),
-    ]
-
-    def engine_with_requests(async_scheduling: bool) -> tuple[Engine, list[str]]:
-        engine = Engine(model, EngineConfig(max_num_seqs=8, async_scheduling=async_scheduling, cuda_graphs=graphs))
-        ids = [
-            engine.add_request(
-                prompt_token_ids=[(7 * i + j) % VOCAB for j in range(6)],
-                sampling_params=p.replace(max_tokens=16, ignore_eos=True),
-            )
-            for i, p in enumerate(params * 2)
+            monkeypatch.setattr(ahead.Pipeline, name, counted)
+        params = [
+            SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+            SamplingParams(temperature=0.7, top_k=5, min_p=0.05, repetition_penalty=1.2, seed=2, logprobs=2),
+            SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={5: 3.0}),
         ]
-        return engine, ids
 
-    engine, ids = engine_with_requests(True)
-    lookaheads = 0
-    while engine.has_unfinished():
-        lookaheads += engine.pipeline.queued is not None
-        engine.step()
-    assert lookaheads >= 10 and reads == {}, reads
-    assert all(len(engine.output(i).outputs[0].token_ids) == 16 for i in ids)
-    # the lookahead fed each step the choices the step before made (as they are, or gathered): the default's tokens
-    default, _ = engine_with_requests(False)
-    default.run_until_done()
-    assert [engine.output(i).outputs[0].token_ids for i in ids] == [default.output(i).outputs[0].token_ids for i in ids]
+        def engine_with_requests(async_scheduling: bool) -> tuple[Engine, list[str]]:
+            engine = Engine(model, EngineConfig(max_num_seqs=8, async_scheduling=async_scheduling, cuda_graphs=graphs))
+            ids = [
+                engine.add_request(
+                    prompt_token_ids=[(7 * i + j) % VOCAB for j in range(6)],
+                    sampling_params=p.replace(max_tokens=16, ignore_eos=True),
+                )
+                for i, p in enumerate(params * 2)
+            ]
+            return engine, ids
+
+        engine, ids = engine_with_requests(True)
+        lookaheads = 0
+        while engine.has_unfinished():
+            lookaheads += engine.pipeline.queued is not None
+            engine.step()
+        assert lookaheads >= 10 and reads == {}, reads
+        assert all(len(engine.output(i).outputs[0].token_ids) == 16 for i in ids)
+        # the lookahead fed each step the choices the step before made (as they are, or gathered): the default's tokens
+        default, _ = engine_with_requests(False)
+        default.run_until_done()
+        assert [engine.output(i).outputs[0].token_ids for i in ids] == [
+            default.output(i).outputs[0].token_ids for i in ids
+        ]

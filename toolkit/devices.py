@@ -10,17 +10,38 @@ would wait for it instead of committing beside it. `tensor_on` copies through pa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
+_WIDENED = False  # device_route: every tensor takes the device's route
+
 
 def off_cpu(t: torch.Tensor) -> bool:
     """Whether a step's host code takes the device's route for `t` (its work queued, its results read once) rather
-    than the CPU's (native kernels, a row at a time). The one test of it, so that a CPU test can widen it and run the
-    device's route on CPU tensors (tests/test_async_scheduling.py)."""
-    return t.device.type != "cpu"
+    than the CPU's (native kernels, a row at a time). The one test of it, so that device_route can widen it."""
+    return _WIDENED or t.device.type != "cpu"
+
+
+@contextlib.contextmanager
+def device_route() -> Iterator[None]:
+    """While entered, a step's host code takes the device's route on CPU tensors (off_cpu widened) with the native
+    CPU kernels off (TOOLKIT_NATIVE=0); then both are as they were. What a GPU's host runs, run and timed where no GPU
+    is (tests/test_async_scheduling.py; toolkit.bench.host_step --route device)."""
+    global _WIDENED
+    widened, env = _WIDENED, os.environ.get("TOOLKIT_NATIVE")
+    _WIDENED, os.environ["TOOLKIT_NATIVE"] = True, "0"
+    try:
+        yield
+    finally:
+        _WIDENED = widened
+        if env is None:
+            del os.environ["TOOLKIT_NATIVE"]
+        else:
+            os.environ["TOOLKIT_NATIVE"] = env
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -6,7 +6,7 @@ is measured here.
 
     python -m toolkit.bench.host_step                        # batch 1, 8 and 32, async scheduling off and on
     python -m toolkit.bench.host_step --batches 32 --repeats 9
-    python -m toolkit.bench.host_step --route device         # the host code a GPU's steps run (see device_route)
+    python -m toolkit.bench.host_step --route device         # the host code a GPU's steps run (devices.device_route)
 
 Each figure is the median of `--repeats` fresh engines' `--steps` steps after a warm-up, the forward's own seconds
 taken out; the machine is named beside it."""
@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import time
-from collections.abc import Iterator
 
 import torch
 
@@ -41,25 +39,6 @@ SHAPE = {
 }
 
 
-@contextlib.contextmanager
-def device_route() -> Iterator[None]:
-    """The host code a GPU's steps run, here on the CPU: devices.off_cpu widened (the sampler's work queued and read
-    once, DeviceSample; the processors' whole-row forms) and the native CPU kernels off (TOOLKIT_NATIVE=0), as
-    tests/test_async_scheduling.py runs it. Its figure includes the CPU's time in the sampler's few torch ops
-    (tiny at this vocabulary), not a GPU's cost to launch them."""
-    env, off_cpu = os.environ.get("TOOLKIT_NATIVE"), devices.off_cpu
-    os.environ["TOOLKIT_NATIVE"] = "0"
-    devices.off_cpu = lambda t: True
-    try:
-        yield
-    finally:
-        devices.off_cpu = off_cpu
-        if env is None:
-            del os.environ["TOOLKIT_NATIVE"]
-        else:
-            os.environ["TOOLKIT_NATIVE"] = env
-
-
 def host_ms(loaded, clock: ForwardClock, batch: int, async_: bool, steps: int, repeats: int) -> list[float]:
     """Each repeat's host ms a step outside the forward: a fresh engine at `batch`, `steps` steps after 10."""
     cfg = EngineConfig(device="cpu", cuda_graphs="eager", async_scheduling=async_)
@@ -80,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--route", choices=["cpu", "device"], default="cpu", help="device: see device_route")
+    parser.add_argument("--route", choices=["cpu", "device"], default="cpu", help="device: devices.device_route")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # the host's Python is one thread; the forward's threads would only add noise
     loaded = load_model(ModelConfig(**SHAPE), device="cpu")
@@ -92,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     result = {}
     for batch in args.batches:
         for async_ in (False, True):
-            with device_route() if args.route == "device" else contextlib.nullcontext():
+            with devices.device_route() if args.route == "device" else contextlib.nullcontext():
                 figures = host_ms(loaded, clock, batch, async_, args.steps, args.repeats)
             key = f"batch {batch}{' async' if async_ else ''}"
             result[key] = statistics.median(figures)
