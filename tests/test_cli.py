@@ -133,7 +133,11 @@ def test_bad_builtin_workload_options(tmp_path):
 
 
 @pytest.mark.native
-def test_ctrl_c_flushes_the_trace_writes_the_summary_and_exits_130(tmp_path):
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_flushes_the_trace_writes_the_summary_and_exits_as_the_signal(tmp_path, signame):
+    """Ctrl-C, or SIGTERM as `timeout`, Slurm and `docker stop` send it: the trace flushed, the summary written (it
+    names the signal), exit 128 + the signal's number, and the partial run replays. SIGTERM killed the run with up
+    to a flush of rows unwritten and no summary."""
     import json
     import signal
     import time
@@ -163,12 +167,13 @@ def test_ctrl_c_flushes_the_trace_writes_the_summary_and_exits_130(tmp_path):
     deadline = time.time() + 120
     while not list((run_dir / "samples.parquet").glob("part-*.parquet")) and time.time() < deadline:
         time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
+    sent = signal.Signals[signame]
+    proc.send_signal(sent)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-1500:]
-    assert "interrupted at step" in err and "Traceback" not in err
+    assert proc.returncode == 128 + sent, err[-1500:]
+    assert "interrupted at step" in err and f"({signame})" in err and "Traceback" not in err
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["interrupted"] is True and summary["trace_rows"] > 0
+    assert summary["interrupted"] is True and summary["signal"] == signame and summary["trace_rows"] > 0
     assert read_samples(run_dir).num_rows == summary["trace_rows"]  # every written row readable
     from toolkit import replay
 

@@ -1,0 +1,98 @@
+"""Faults around a recorded run that are not the engine's: a trace part the disk refuses, a signal from a job
+scheduler, a run directory Hydra cannot write, a sweep with a failing job. Each is survived and said: the trace's
+rows on disk before anything optional, summary.json naming the failure, one line and the documented exit code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import make_engine
+from tests.test_trace import MIXED
+from toolkit.trace.reader import read_samples
+
+pytestmark = pytest.mark.native
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_refused_logits_part_loses_no_sample_row_and_the_summary_says_why(tiny, tmp_path):
+    """trace.full_logits' part is optional and large; the sample rows are the trace. With the logits' directory
+    unwritable (a file in its place), every sample row is still on disk, the run fails with the writer's error,
+    and summary.json names it beside the rows it holds."""
+    from toolkit.runs.session import record
+    from toolkit.trace.writer import TraceWriteError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "logits.parquet").write_text("a file where the logits' parts go")
+    engine = make_engine(tiny, max_num_batched_tokens=8, max_num_seqs=4)
+    ids = [engine.add_request(**r) for r in MIXED]
+    with pytest.raises(TraceWriteError, match="trace writer failed"):
+        record(engine, ids, run, {}, flush_every_steps=64, full_logits="all")
+    outputs = [engine.output(i) for i in ids]
+    summary = json.loads((run / "summary.json").read_text())
+    assert "closing the trace" in summary["failed"] and "logits.parquet" in summary["failed"], summary["failed"]
+    rows = read_samples(run)
+    assert rows.num_rows == summary["trace_rows"] == sum(len(c.token_ids) for o in outputs for c in o.outputs) > 0
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_a_sweep_runs_every_job_and_names_each_failed_one(tmp_path):
+    """A multirun whose first job's config is refused: the other job still runs to its trace (a job's sys.exit
+    ended the sweep there, and under joblib killed the jobs beside it), each job's code is in its job.json, the
+    failed one is named with its overrides on stderr, and the sweep exits 1."""
+    sweep = tmp_path / "sweep"
+    proc = _run(
+        [
+            "-m",
+            "hydra/launcher=joblib",
+            "hydra.launcher.n_jobs=2",
+            "model=tiny",
+            "workload.num_requests=2",
+            "workload.min_tokens=1",
+            "workload.max_tokens=4",
+            "print_outputs=false",
+            "plots=false",
+            "report.auto=false",
+            "engine.max_num_batched_tokens=0,64",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        tmp_path,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    codes = {int(d.name): json.loads((d / "job.json").read_text())["exit_code"] for d in sweep.iterdir() if d.is_dir()}
+    assert codes == {0: 2, 1: 0}
+    assert (sweep / "1" / "summary.json").exists() and read_samples(sweep / "1").num_rows > 0
+    named = [line for line in proc.stderr.splitlines() if line.startswith("sweep: job ")]
+    assert len(named) == 1 and "engine.max_num_batched_tokens=0" in named[0] and "exit 2" in named[0], named
+    assert "sweep: 1 of 2 jobs failed" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_run_directory_holding_a_run_or_unwritable_is_refused_before_hydra_writes_in_it(tmp_path):
+    """hydra.run.dir at an earlier run: one line (errors.md row 55), and that run's .hydra/ provenance as it was
+    (Hydra rewrote it before the toolkit's check ran). A file in its place: one line, exit 74 (row 57), where
+    Hydra's own traceback came first."""
+    earlier = tmp_path / "earlier"
+    (earlier / ".hydra").mkdir(parents=True)
+    (earlier / "manifest.json").write_text("{}")
+    (earlier / ".hydra" / "overrides.yaml").write_text("- the earlier run's overrides\n")
+    proc = _run(["model=tiny", f"hydra.run.dir={earlier}"], tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().endswith("(or remove that one)"), proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and "already holds a run" in proc.stderr
+    assert (earlier / ".hydra" / "overrides.yaml").read_text() == "- the earlier run's overrides\n"
+    assert not (earlier / "run.log").exists()
+
+    (tmp_path / "a_file").write_text("not a directory")
+    for where in (tmp_path / "a_file", tmp_path / "a_file" / "run"):
+        proc = _run(["model=tiny", f"hydra.run.dir={where}"], tmp_path)
+        assert proc.returncode == 74, proc.stderr[-2000:]
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: cannot write the run directory")
