@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -264,11 +265,20 @@ class RunRecorder:
         `wall_s`: first admission to last finish when not given."""
         if self.writer is None:
             return None
+        failure: BaseException | None = None
         try:
             self.writer.write_step((), None, self._requests_update(final=True))
             self.writer.close()
+        except BaseException as exc:  # raised on once the summary says so (when the disk takes it)
+            failure = exc
+            raise
         finally:
-            self._write_steps(final=True)
+            try:
+                self._write_steps(final=True)
+            except OSError as exc:
+                if failure is None:
+                    raise
+                print(f"toolkit: steps.parquet not written either: {one_line(exc)}", file=sys.stderr)
             engine = self.engine
             if wall_s is None:
                 wall_s = (engine.last_finish_time or 0.0) - (engine.first_admission_time or 0.0)
@@ -292,8 +302,15 @@ class RunRecorder:
                 model_revision=engine.loaded.revision,
                 **served,
                 **extra,
+                **({"failed": f"closing the trace: {one_line(failure)}"} if failure and "failed" not in extra else {}),
             )
-            atomic_write_bytes(self.run_dir / "summary.json", json.dumps(summary, indent=2).encode())
+            try:
+                atomic_write_bytes(self.run_dir / "summary.json", json.dumps(summary, indent=2).encode())
+            except OSError as exc:
+                if failure is None:
+                    raise
+                # the trace's own failure (its lost rows counted) is the one raised, not this one's
+                print(f"toolkit: summary.json not written either: {one_line(exc)}", file=sys.stderr)
             if (
                 not self.trace
             ):  # no sample rows: no samples.parquet/ (compare and the report take its presence as a trace)

@@ -397,6 +397,11 @@ class TraceWriter:
             else:
                 (self.run_dir / OPEN_REQUESTS_FILE).unlink(missing_ok=True)
             self._open = None
+        if self._pending:  # the trace's rows before the optional logits: a disk that takes one part takes these
+            table = sample_rows_table(self.run_id, [t for t, _ in self._pending], [d for _, d in self._pending])
+            self.bytes_written += atomic_write_table(self.dir / f"part-{self._parts:06d}.parquet", table)
+            self._pending, self._parts = [], self._parts + 1
+            self.rows_written += table.num_rows
         if self._logits:
             rows = self._logits
             flat = pa.array(np.concatenate([r[3] for r in rows]), pa.float32())
@@ -412,9 +417,3 @@ class TraceWriter:
                 ),
             )
             self._logits, self._logits_parts = [], self._logits_parts + 1
-        if not self._pending:
-            return
-        table = sample_rows_table(self.run_id, [t for t, _ in self._pending], [d for _, d in self._pending])
-        self.bytes_written += atomic_write_table(self.dir / f"part-{self._parts:06d}.parquet", table)
-        self._pending, self._parts = [], self._parts + 1
-        self.rows_written += table.num_rows
