@@ -136,6 +136,8 @@ def test_a_kv_pool_of_blocks_or_a_swap_pool_larger_than_memory_is_refused(tiny):
     for cfg, message in (
         (EngineConfig(num_kv_blocks=10**9), "engine.num_kv_blocks=1e+09 makes a KV pool of"),
         (EngineConfig(preemption_mode="swap", swap_space_gb=1e12), "engine.swap_space_gb=1e+12 makes a KV pool of"),
+        # a pool sized automatically (num_kv_blocks unset) of one block past the memory: the block size is why
+        (EngineConfig(block_size=2**31), "engine.block_size=2.14748e+09 makes a KV pool of"),
     ):
         _expect(59, ConfigError, message, lambda cfg=cfg: Engine(loaded, cfg))
     from toolkit.kv.paged_cache import PagedKVCache

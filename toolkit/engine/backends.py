@@ -173,6 +173,8 @@ def kv_pool(cfg: EngineConfig, loaded: LoadedModel, max_model_len: int, scratch:
     ):
         total = memory_bytes(device)
         if size > total:  # refused here, not by the allocator's traceback (or a kill for the memory)
+            if value is None:  # the pool sized itself: at least one block of this size did not fit
+                name, value = "block_size", cfg.block_size
             raise ConfigError(
                 f"engine.{name}={value:g} makes a KV pool of {size / 2**30:.1f} GB, more than the "
                 f"{total / 2**30:.1f} GB of memory {device.type} has; lower it"
