@@ -96,3 +96,23 @@ def test_a_run_directory_holding_a_run_or_unwritable_is_refused_before_hydra_wri
         proc = _run(["model=tiny", f"hydra.run.dir={where}"], tmp_path)
         assert proc.returncode == 74, proc.stderr[-2000:]
         assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: cannot write the run directory")
+
+
+def test_mode_serve_at_an_address_it_cannot_take_says_so_in_one_line_before_loading(tmp_path):
+    """A port in use, a host that does not resolve: one line naming serve.host and serve.port, exit 2, before the
+    model loads (uvicorn said so in its own words after the "serving at" line, exit 3)."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        for host, why in (("127.0.0.1", "in use"), ("256.1.1.1", "")):
+            proc = _run(["mode=serve", "model=tiny", f"serve.host={host}", f"serve.port={port}"], tmp_path)
+            assert proc.returncode == 2, proc.stderr[-2000:]
+            assert proc.stderr.count("\n") == 1 and "serving" not in proc.stderr, proc.stderr
+            assert proc.stderr.startswith(f"error: serve.host={host} serve.port={port}: cannot listen there: ")
+            assert why in proc.stderr
+    finally:
+        taken.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Callable
 from http import HTTPStatus
 
@@ -16,6 +17,7 @@ try:
 except ImportError:  # no httptools: h11's, as uvicorn's "auto" picks
     from uvicorn.protocols.http.h11_impl import H11Protocol as HttpProtocol
 
+from toolkit.errors import ConfigError
 from toolkit.serve.protocol import ApiError
 
 STATUS_LINE = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
@@ -159,3 +161,23 @@ class AbortingServer(uvicorn.Server):
         if not self.should_exit:
             self._on_exit()
         super().handle_exit(sig, frame)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads and handed to uvicorn: a host that does not resolve, an
+    address this machine has not or a port in use is one line naming serve.host and serve.port (uvicorn said so
+    in its own words after the "serving at" line, exit 3, once the model had loaded)."""
+    sock = None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+        sock.bind(address)
+    except (OSError, OverflowError, UnicodeError) as exc:
+        if sock is not None:
+            sock.close()
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"serve.host={host} serve.port={port}: cannot listen there: {reason}") from None
+    return sock

@@ -21,7 +21,7 @@ from toolkit.engine.core import Engine
 from toolkit.errors import ConfigError
 from toolkit.report import report_after, wanted
 from toolkit.serve.api import Api
-from toolkit.serve.connections import AbortingServer, http_protocol
+from toolkit.serve.connections import AbortingServer, http_protocol, listening_socket
 from toolkit.serve.loop import EngineLoop
 from toolkit.serve.metrics import ServerMetrics
 from toolkit.serve.protocol import Limits, ServedModel
@@ -236,12 +236,14 @@ def start_server(
 def run_serve(cfg: DictConfig, run_dir: Path) -> int:
     """The server in the foreground until SIGINT / SIGTERM; the run directory is closed cleanly then."""
     section = serve_config(cfg)
+    host, port = section["host"], section["port"]
+    sock = listening_socket(host, port)  # before the model loads: an address it cannot take is one line
+    port = sock.getsockname()[1]  # serve.port=0: the one the system chose
     engine = Engine.from_config(cfg)
     servers: list[uvicorn.Server] = []  # the loop's failure shuts the HTTP server down (on any thread)
     loop, app = build(
         engine, run_dir, cfg, section, on_fatal=lambda exc: [setattr(s, "should_exit", True) for s in servers]
     )
-    host, port = section["host"], section["port"]
     print(
         f"serving {engine.loaded.name} at http://{host}:{port}/v1 (OpenAI API); trace: {run_dir}",
         file=sys.stderr,
@@ -257,10 +259,11 @@ def run_serve(cfg: DictConfig, run_dir: Path) -> int:
     servers.append(AbortingServer(config, on_exit=lambda: loop.abort(None)))
     try:
         if loop.error is None:  # (a loop that failed before the server existed had no server to stop)
-            servers[0].run()
+            servers[0].run(sockets=[sock])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        sock.close()
     loop.stop()
     if loop.error is not None:  # every waiting client was answered; a supervisor restarts a fresh process
         print(
