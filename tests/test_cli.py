@@ -296,6 +296,10 @@ def test_help_lists_every_mode_with_one_line_and_each_is_dispatched(tmp_path):
         assert proc.returncode == 0, proc.stderr
         listed = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("  ")]
         assert listed == list(MODES) and all(len(line) <= 120 for line in proc.stdout.splitlines())
+    proc = subprocess.run([sys.executable, "-m", "toolkit", "mode=run"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr == (  # not the run it looks like: one line saying where runs go
+        "error: python -m toolkit only lists the modes; a run goes through run.py: python run.py mode=run\n"
+    )
     proc = run_cli("mode=bogus", run_dir=tmp_path)  # a mode that does not exist: one line naming them all
     assert proc.returncode != 0 and "unknown mode 'bogus'" in proc.stderr and all(m in proc.stderr for m in MODES)
     assert "Traceback" not in proc.stderr
