@@ -209,6 +209,16 @@ def test_compare_keys_runs_by_directory_and_counts_missing_rows_and_sequences(tm
         pq.write_table(
             pa.Table.from_pylist(edited, schema=table.schema), tmp_path / name / "samples.parquet" / part.name
         )
+        if name == "edited":  # its request row spells the edited token too: compare refuses a trace that disagrees
+            path = tmp_path / name / "requests.parquet"
+            for p in sorted(path.glob("part-*.parquet")) if path.is_dir() else [path]:
+                req = pq.read_table(p).to_pylist()
+                for r in req:
+                    if r["request_id"] == "chat-0":
+                        r["output_token_ids"][-1] += 1
+                pq.write_table(pa.Table.from_pylist(req, schema=pq.read_schema(p)), p)
+        if name == "cut":  # a run killed before it closed (no summary.json): its rows stop short
+            (tmp_path / name / "summary.json").unlink()
         runs.append(str(tmp_path / name))
     result = compare([str(source), *runs], out_dir=tmp_path / "cmp")
     copy, edited, cut = result.rows[1:]

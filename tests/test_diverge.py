@@ -105,3 +105,30 @@ def test_a_draft_that_differs_under_the_same_token_is_named_speculation():
     (d,) = first_divergences(a, b, REPLAYED_FIELDS)
     assert d.kind == "speculation" and d.fields == ("spec_proposed",), d
     assert "(cause: speculation: the same token, another draft" in d.describe("recorded", "replayed")
+
+
+def test_a_sampling_policy_that_differs_is_named_with_its_values():
+    """Two runs at another temperature were explained as "sampling noise: ... other Gumbel noise": the rows record
+    their policy, and a policy no stage explains is the cause, named with both values. Another seed is still the
+    noise it draws, another top_k still the kept set, each saying the policy differs too."""
+    policy = {"temperature": 0.699999988079071, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "seed": 7}
+    policy["processors"] = ["temperature(0.7)", "gumbel_max"]
+    a = sequences([row("r", 0, 1, **policy), row("r", 1, 2, **policy)])
+    hotter = {**policy, "temperature": 1.2999999523162842, "processors": ["temperature(1.3)", "gumbel_max"]}
+    b = sequences([row("r", 0, 1, **hotter), row("r", 1, 3, noise=0.25, **hotter)])
+    (d,) = first_divergences(a, b)
+    assert (d.position, d.kind) == (1, "policy"), d
+    assert d.cause == "sampling policy: temperature 0.7 vs 1.3; the same logits, sampled under another policy"
+    assert d.describe().endswith(
+        "(cause: sampling policy: temperature 0.7 vs 1.3; the same logits, sampled under another policy)"
+    )
+    reseeded = sequences([row("r", 0, 1, **{**policy, "seed": 8}), row("r", 1, 3, noise=0.25, **{**policy, "seed": 8})])
+    (d,) = first_divergences(a, reseeded)
+    assert d.kind == "noise" and d.cause.endswith("; the sampling policy differs too: seed 7 vs 8"), d.cause
+    top_k = {**policy, "top_k": 5, "processors": ["temperature(0.7)", "top_k(5)", "gumbel_max"]}
+    cut = sequences([row("r", 0, 1, **top_k), row("r", 1, 2, kept_sha256="other", **top_k)])
+    (d,) = first_divergences(a, cut)
+    assert d.kind == "support" and "the sampling policy differs too: top_k -1 vs 5" in d.cause, d.cause
+    # the raw logits no policy changes: a numerical divergence stays one
+    (d,) = first_divergences(a, sequences([row("r", 0, 1, **hotter), row("r", 1, 2, logits_sha256="x", **hotter)]))
+    assert d.kind == "logits"

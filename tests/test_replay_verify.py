@@ -572,7 +572,9 @@ def test_replay_overrides_given_as_one_string_are_one_clear_error():
     assert cfg.engine.block_size == 8
 
 
-@pytest.mark.parametrize("override", ["sampling.temperature=0.3", "engine.seed=7", "workload.num_requests=1"])
+@pytest.mark.parametrize(
+    "override", ["sampling.temperature=0.3", "engine.seed=7", "workload.num_requests=1", "model.generation_config=none"]
+)
 def test_an_override_the_trace_fixes_is_refused_not_a_bit_identical_replay(recorded_run, tmp_path, override):
     """Each request is re-added with its recorded sampling and resolved seed, so these overrides never reached the
     run: replay.json recorded them and the replay said "bit-identical" (exit 0), as if they changed nothing."""
@@ -667,3 +669,160 @@ def test_a_run_closed_after_ctrl_c_or_a_failure_may_lack_its_last_steps_rows(rec
     (run / "summary.json").write_text(json.dumps({**summary, "trace_rows": summary["trace_rows"] - 1}))
     with pytest.raises(TraceError, match="greedy#0: requests.parquet records it ended"):
         verify(run)
+
+
+def test_a_manifests_thread_count_out_of_range_is_refused_not_set(recorded_run, tmp_path):
+    """`num_threads: 100000` in manifest.json reached torch.set_num_threads, which segfaults; `num_threads: 0` was
+    replaced by torch's default (`... or torch.get_num_threads()`) and the replay ran. Both are refused."""
+    for threads in (0, 100_000, True):
+        run = copy_run(recorded_run, tmp_path / f"threads-{threads}")
+        manifest = json.loads((run / "manifest.json").read_text())
+        (run / "manifest.json").write_text(json.dumps({**manifest, "num_threads": threads}))
+        with pytest.raises(TraceError, match=f"num_threads {threads!r} is no thread count"):
+            replay(run, out_dir=tmp_path / f"threads-{threads}-replay")
+
+
+@pytest.mark.parametrize("text", ["", "x", "[1, 2]", "model: 3\nengine: {}", "model: {name: tiny}"])
+def test_a_config_yaml_without_the_sections_a_run_records_is_refused(recorded_run, tmp_path, text):
+    """An empty or non-YAML-mapping config.yaml: verify raised omegaconf's `Missing key model` (a traceback at the
+    CLI), replay rebuilt the default engine and blamed the weights."""
+    run = copy_run(recorded_run, tmp_path / "run")
+    (run / "config.yaml").write_text(text)
+    for check in (lambda: replay(run, out_dir=tmp_path / "replay"), lambda: verify(run)):
+        with pytest.raises(TraceError, match=r"config.yaml is not a run's config: it has no (model|engine)"):
+            check()
+    assert not (tmp_path / "replay").exists()
+
+
+def test_replay_options_of_the_wrong_kind_are_one_clear_error(recorded_run, tmp_path):
+    """From the command line: `replay.overrides=5` raised a TypeError, `replay.overrides=[trace.flush_every_steps=0]`
+    a ValueError from the trace writer, `replay.overrides=[model=hf]` (a config group, which replaced the recorded
+    model section with the string 'hf') a ValueError in the engine, and `replay.allow_mismatch="false"` or `=maybe`
+    counted as true."""
+    from omegaconf import OmegaConf
+
+    from toolkit.modes.app import run_replay
+
+    def cli(**replay_section):
+        cfg = OmegaConf.create({"replay": {"trace": str(recorded_run), **replay_section}, "report": {"auto": False}})
+        return run_replay(cfg, tmp_path / "cli")
+
+    with pytest.raises(ConfigError, match="replay.overrides must be a list of key=value strings, got 5"):
+        cli(overrides=5)
+    with pytest.raises(ConfigError, match=r"trace.flush_every_steps must be an integer in \[1, 64\], got 0"):
+        cli(overrides=["trace.flush_every_steps=0"])
+    with pytest.raises(ConfigError, match="replay override 'model=hf' replaces the recorded model section"):
+        cli(overrides=["model=hf"])
+    for value in ("false", "maybe", 1):
+        with pytest.raises(ConfigError, match=f"replay.allow_mismatch must be true or false, got {value!r}"):
+            cli(allow_mismatch=value)
+    with pytest.raises(ConfigError, match="replay.allow_mismatch must be true or false"):
+        replay(recorded_run, allow_mismatch="false", out_dir=tmp_path / "api")
+    assert not (tmp_path / "cli").exists() and not (tmp_path / "api").exists()
+
+
+@pytest.mark.parametrize("atol", [float("inf"), float("nan"), 0.0, -1.0, "x", True])
+def test_verify_refuses_a_tolerance_that_is_no_positive_finite_number(recorded_run, tmp_path, atol):
+    """`verify.atol=inf` (or nan) was taken: every recomputed row passed whatever it recorded."""
+    from omegaconf import OmegaConf
+
+    from toolkit.modes.app import run_verify
+
+    with pytest.raises(ConfigError, match="verify.atol must be a positive number or auto"):
+        verify(recorded_run, atol=atol)
+    cfg = OmegaConf.create({"verify": {"trace": str(recorded_run), "atol": atol}})
+    with pytest.raises(ConfigError, match="verify.atol must be a positive number or auto"):
+        run_verify(cfg, tmp_path / "cli")
+
+
+def test_an_unreadable_summary_is_refused_not_read_as_a_killed_runs(recorded_run, tmp_path):
+    """summary.json is written whole (atomically): an unreadable one was damaged or edited. It was read as a
+    killed run's (none), which switched off the closed run's checks: a trace with its last rows deleted replayed
+    "bit-identical" and verified. A missing summary.json is still a killed run's (the test above)."""
+    for name, text, match in (
+        ("garbage", "x", "summary.json is unreadable or corrupt"),
+        ("listed", "[1, 2]", "summary.json is corrupt: a JSON list, not an object"),
+    ):
+        run = copy_run(recorded_run, tmp_path / name)
+        _rewrite_parts(run, _drop_rows(lambda r: not (r["request_id"] == "greedy" and r["position"] >= 9)))
+        (run / "summary.json").write_text(text)
+        for check in (lambda: replay(run, out_dir=tmp_path / f"{name}-replay"), lambda: verify(run)):
+            with pytest.raises(TraceError, match=match):
+                check()
+
+
+def _edit_request_params(run_dir: Path, request_id: str, **changes) -> None:
+    for part in sorted((run_dir / REQUESTS_FILE).glob("part-*.parquet")):
+        table = pq.read_table(part)
+        rows = table.to_pylist()
+        for r in rows:
+            if r["request_id"] == request_id:
+                r["sampling_params"] = json.dumps({**json.loads(r["sampling_params"]), **changes})
+        pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), part)
+
+
+def test_a_sample_rows_policy_other_than_its_requests_is_refused(recorded_run, tmp_path):
+    """requests.parquet's temperature edited (the sample rows record another): verify recomputed with the edited
+    one and passed. Replay and verify now refuse it, naming the field; so is a sample row's edited top_k."""
+    run = copy_run(recorded_run, tmp_path / "params")
+    _edit_request_params(run, "nucleus", temperature=0.5)
+    for check in (lambda: replay(run, out_dir=tmp_path / "r1"), lambda: verify(run)):
+        with pytest.raises(TraceError, match=r"nucleus#0: its sample rows record temperature 0\.8\d*, requests"):
+            check()
+    run = copy_run(recorded_run, tmp_path / "rows")
+    _rewrite_parts(
+        run, lambda t: t.set_column(t.schema.get_field_index("top_k"), "top_k", pa.array([7] * len(t), pa.int32()))
+    )
+    with pytest.raises(TraceError, match="its sample rows record top_k 7, requests.parquet its sampling_params top_k"):
+        verify(run)
+
+
+def test_a_trace_without_sample_rows_is_nothing_to_check_not_a_success(tiny, tmp_path):
+    """A run whose every request was rejected (or killed before its first flush) has no sample row: replay said
+    "bit-identical: 0 sample rows of 0 sequences" and verify "verified: 0 rows", both exit 0."""
+    run = tmp_path / "empty"
+    make_run(tiny, run, requests=[])
+    with pytest.raises(TraceError, match="holds no sample rows: .* nothing to replay"):
+        replay(run, out_dir=tmp_path / "replay")
+    with pytest.raises(TraceError, match="holds no sample rows: .* nothing to verify"):
+        verify(run)
+
+
+def test_compare_refuses_what_replay_refuses_and_names_other_weights(recorded_run, tmp_path):
+    """mode=compare read the part files itself: a row given twice was "identical (N-1 rows)", a truncated part an
+    ArrowInvalid traceback, a garbage summary.json a JSONDecodeError, rows lost under an intact summary a run that
+    stopped early; runs of other weights were compared without a word, and long paths cut from the left looked
+    alike. Each run is now read as replay reads it."""
+    from toolkit.reproduce.compare import compare
+
+    def refused(name: str, edit, match: str) -> None:
+        run = copy_run(recorded_run, tmp_path / name)
+        edit(run)
+        with pytest.raises(TraceError, match=match) as info:
+            compare([str(recorded_run), str(run)])
+        assert "\n" not in str(info.value)
+
+    refused("twice", lambda run: _rewrite_parts(run, lambda t: pa.concat_tables([t, t.slice(0, 1)])), "more than one")
+
+    def truncate(run: Path) -> None:
+        part = next((run / "samples.parquet").glob("part-*.parquet"))
+        part.write_bytes(part.read_bytes()[: len(part.read_bytes()) // 2])
+
+    refused("truncated", truncate, "is truncated or corrupt")
+    refused("summary", lambda run: (run / "summary.json").write_text("x"), "summary.json is unreadable or corrupt")
+    refused(
+        "lost",
+        lambda run: _rewrite_parts(run, _drop_rows(lambda r: (r["request_id"], r["position"]) != ("greedy", 11))),
+        "but the run wrote",
+    )
+    long = "a-long-directory-name-that-every-run-shares-" * 2
+    first, other = tmp_path / "x" / long / "run", tmp_path / "y" / long / "run"
+    copy_run(recorded_run, first)
+    copy_run(recorded_run, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps({**manifest, "weights_sha256": "ab" * 32}))
+    table = compare([str(first), str(other)]).table()
+    lines = table.splitlines()
+    assert lines[1].startswith(str(first)) and lines[2].startswith(str(other)), table
+    assert lines[-1].startswith(f"note: {other} ran other model weights than the first run"), table
+    assert "sha256 abababababab... vs" in lines[-1]

@@ -136,10 +136,11 @@ def _trace_arg(cfg: DictConfig, mode: str) -> Path:
 
 def run_replay(cfg: DictConfig, run_dir: Path) -> int:
     r = cfg.replay
+    overrides = r.get("overrides")  # replay() refuses what is no list of strings (5, "x"), and a non-boolean below
     report = replay(
         _trace_arg(cfg, "replay"),
-        list(r.get("overrides") or []),
-        allow_mismatch=bool(r.get("allow_mismatch")),
+        [] if overrides is None else overrides,
+        allow_mismatch=r.get("allow_mismatch", False),
         out_dir=run_dir,
     )
     if wanted(cfg):  # the recorded run against its replay: where they part, and why
@@ -158,9 +159,7 @@ def run_replay(cfg: DictConfig, run_dir: Path) -> int:
 
 def run_verify(cfg: DictConfig, run_dir: Path) -> int:
     v = cfg.verify
-    atol = v.get("atol", "auto")
-    if atol != "auto" and not isinstance(atol, (int, float)):
-        raise ConfigError(f"verify.atol must be a positive number or auto, got {atol!r}")
+    atol = v.get("atol", "auto")  # verify() refuses what is no positive finite number (inf, nan, 0, "x")
     plain = OmegaConf.to_container(v, resolve=True)
     ray = ray_options(plain, "verify") if launcher(plain, "verify") == "ray" else None
     report = verify(

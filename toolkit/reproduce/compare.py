@@ -1,8 +1,10 @@
 """Compare many recorded runs: `python run.py mode=compare 'compare.runs=[dirA,dirB]'` (or globs).
 
-Each run's sample trace is read as a pyarrow dataset of its part files, its summary and
-request table beside it. A run is its directory, never its run_id: a copy of a run (edited,
-or re-read) shares the id. Printed: a table of throughput, TTFT/TPOT percentiles,
+Each run is read as replay reads it (toolkit.trace.reader): its manifest, sample parts, request
+table and summary, refused with replay's one-line TraceError where it cannot be trusted (a part
+truncated, a row given twice, rows lost from a closed run, a corrupt summary). A run is its
+directory, never its run_id: a copy of a run (re-read) shares the id. Runs of other model weights
+than the first run's are named in a note under the table. Printed: a table of throughput, TTFT/TPOT percentiles,
 speculative acceptance and structured-output validity per run, and how each run's tokens
 agree with the first run's (same request, stream and position): the rows that differ, the
 first of them, and the rows and whole sequences only one of the two has. Written:
@@ -19,13 +21,19 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 
 from toolkit.errors import ConfigError
 from toolkit.runs.metrics import percentile
 from toolkit.runs.plots import plot_compare
 from toolkit.trace.diverge import RowKey, token_agreement
-from toolkit.trace.reader import TraceError, read_requests
+from toolkit.trace.reader import (
+    TraceError,
+    check_rows_present,
+    read_manifest,
+    read_requests,
+    read_samples,
+    read_summary,
+)
 from toolkit.trace.writer import REQUESTS_FILE, SAMPLES_DIR, atomic_write_table
 
 COLUMNS = (
@@ -45,17 +53,19 @@ COLUMNS = (
 class Comparison:
     rows: list[dict[str, Any]] = field(default_factory=list)
     latencies: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # printed under the table (runs of other model weights)
 
     def table(self) -> str:
-        head = f"{'run':<28} " + " ".join(f"{c[:12]:>12}" for c in COLUMNS) + "  tokens vs first run"
+        width = max([28, *(len(r["run"]) for r in self.rows)])  # whole paths: a cut one hid where runs differ
+        head = f"{'run':<{width}} " + " ".join(f"{c[:12]:>12}" for c in COLUMNS) + "  tokens vs first run"
         lines = [head]
         for r in self.rows:
             cells = []
             for c in COLUMNS:
                 v = r.get(c)
                 cells.append(f"{'-' if v is None else (f'{v:.4g}' if isinstance(v, float) else v):>12}")
-            lines.append(f"{r['run'][-28:]:<28} " + " ".join(cells) + f"  {r['divergence']}")
-        return "\n".join(lines)
+            lines.append(f"{r['run']:<{width}} " + " ".join(cells) + f"  {r['divergence']}")
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
 def resolve_runs(patterns: Sequence[str] | str) -> list[Path]:
@@ -93,14 +103,10 @@ AGREEMENT_TYPES = {
 }
 
 
-def run_tokens(run: Path) -> dict[RowKey, int]:
-    """One run's token ids by (request_id, stream, position), from its own part files (keyed by the directory:
-    two runs with one run_id, a run and its edited copy, stay two runs)."""
-    parts = [str(p) for p in sorted((run / SAMPLES_DIR).glob("part-*.parquet"))]
-    if not parts:
-        return {}
-    samples = ds.dataset(parts, format="parquet").to_table(columns=["request_id", "stream", "position", "token_id"])
-    columns = samples.to_pydict()
+def run_tokens(samples: pa.Table) -> dict[RowKey, int]:
+    """One run's token ids by (request_id, stream, position), from its own sample rows (keyed by the directory:
+    two runs with one run_id, a run and its copy, stay two runs)."""
+    columns = samples.select(["request_id", "stream", "position", "token_id"]).to_pydict()
     return {
         (req, stream, pos): tok
         for req, stream, pos, tok in zip(
@@ -112,12 +118,21 @@ def run_tokens(run: Path) -> dict[RowKey, int]:
 def compare(patterns: Sequence[str] | str, out_dir: Path | None = None) -> Comparison:
     runs = resolve_runs(patterns)
     result = Comparison()
-    reference = None
+    reference, weights = None, None
     for run in runs:
-        summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
-        req = read_requests(run).select(["run_id", "ttft_s", "tpot_s"]).to_pydict()
+        manifest, requests, samples = read_manifest(run), read_requests(run), read_samples(run)
+        check_rows_present(requests, samples, run)  # what replay refuses, refused here too
+        summary = read_summary(run)
+        req = requests.select(["run_id", "ttft_s", "tpot_s"]).to_pydict()
         run_id = req["run_id"][0] if req["run_id"] else summary.get("run_id")
-        tokens = run_tokens(run)
+        tokens = run_tokens(samples)
+        model = (manifest.get("model_id") or manifest.get("model_name"), manifest.get("weights_sha256"))
+        if weights is not None and model[1] != weights[1]:
+            result.notes.append(
+                f"{run} ran other model weights than the first run ({model[0]}, sha256 {str(model[1])[:12]}... vs "
+                f"{weights[0]}, sha256 {str(weights[1])[:12]}...): its tokens are another model's"
+            )
+        weights = model if weights is None else weights
         name = str(run)
         ttft = [v for v in req["ttft_s"] if v is not None]
         tpot = [v for v in req["tpot_s"] if v is not None]

@@ -21,9 +21,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from toolkit.config import is_int
+from toolkit.config import MAX_THREADS, TraceConfig, from_mapping, is_int
 from toolkit.engine.core import Engine, EngineRequest
 from toolkit.errors import ConfigError
 from toolkit.runs.manifest import native_kernels
@@ -45,6 +45,7 @@ from toolkit.trace.reader import (
     read_manifest,
     read_requests,
     read_samples,
+    require_rows,
 )
 from toolkit.trace.writer import atomic_write_table
 
@@ -146,8 +147,14 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
                 raise ConfigError(f"replay override ~{key}: no such key in the recorded config")
             del node[leaf]
             continue
-        if not o.is_add() and OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
+        current = OmegaConf.select(cfg, key, default="__missing__")
+        if not o.is_add() and current == "__missing__":
             raise ConfigError(f"replay override {key}: no such key in the recorded config (use +{key}=... to add)")
+        if isinstance(current, DictConfig) and not isinstance(o.value(), dict):  # `model=hf`: a config group's name
+            raise ConfigError(
+                f"replay override {o.input_line!r} replaces the recorded {key} section with {o.value()!r}: replay "
+                f"overrides set keys of the recorded config (e.g. {key}.<key>=...), not config groups"
+            )
         OmegaConf.update(cfg, key, o.value(), merge=True, force_add=o.is_add())
     return cfg
 
@@ -155,7 +162,24 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
 # what a replay's overrides cannot change: each request is re-added from requests.parquet with its recorded
 # sampling, prompt ids and resolved seed, so these sections (sampling=, processors= and structured_outputs= write
 # sampling) and the seed that resolved the seeds never reach it
-FIXED_BY_THE_TRACE = ("sampling", "processors", "structured_outputs", "workload", "engine.seed")
+# (model.generation_config: the sampling defaults the run took from it are in each request's recorded sampling)
+FIXED_BY_THE_TRACE = (
+    "sampling",
+    "processors",
+    "structured_outputs",
+    "workload",
+    "engine.seed",
+    "model.generation_config",
+)
+
+
+def replay_overrides(overrides: Any) -> list[str]:
+    """`replay.overrides` as a list of strings (a ConfigError for anything else: one string, a number)."""
+    if isinstance(overrides, str) or not isinstance(overrides, (Sequence, ListConfig)):
+        raise ConfigError(f"replay.overrides must be a list of key=value strings, got {overrides!r}")
+    if not all(isinstance(o, str) for o in overrides):
+        raise ConfigError(f"replay.overrides must be a list of key=value strings, got {list(overrides)!r}")
+    return list(overrides)
 
 
 def check_overrides(overrides: Sequence[str]) -> None:
@@ -169,7 +193,8 @@ def check_overrides(overrides: Sequence[str]) -> None:
             raise ConfigError(
                 f"replay override {o!r} cannot change a replay: each request is re-added from requests.parquet with "
                 f"its recorded sampling, prompt ids and resolved seed; a replay's overrides change engine.*, model.* "
-                f"and speculative.* (to sample otherwise, run the workload again)"
+                f"(not model.generation_config, whose sampling defaults are in the recorded sampling) and "
+                f"speculative.* (to sample otherwise, run the workload again)"
             )
 
 
@@ -362,6 +387,9 @@ def replay(
 ) -> ReplayReport:
     """Re-run a recorded run (optionally with config overrides) and compare every sample row."""
     run_dir = Path(run_dir)
+    overrides = replay_overrides(overrides)
+    if not isinstance(allow_mismatch, bool):  # "false" (a string) was true
+        raise ConfigError(f"replay.allow_mismatch must be true or false, got {allow_mismatch!r}")
     mismatches: list[str] = []
     try:
         manifest = read_manifest(run_dir)
@@ -374,12 +402,22 @@ def replay(
     requests = read_requests(run_dir, check_version=not allow_mismatch)
     recorded_samples = read_samples(run_dir, check_version=not allow_mismatch)
     check_rows_present(requests, recorded_samples, run_dir)
+    require_rows(recorded_samples, run_dir, "replay")
     check_overrides(overrides)
     cfg = apply_overrides(recorded_cfg, overrides)
+    trace_section = cfg.get("trace")
+    if not isinstance(trace_section, (DictConfig, type(None))):
+        raise TraceError(f"{run_dir / 'config.yaml'}: its trace section is {trace_section!r}, not a mapping")
+    trace_section = OmegaConf.to_container(trace_section, resolve=True) if trace_section is not None else {}
+    trace_cfg = from_mapping(TraceConfig, trace_section, section="trace")  # checked before the model loads
     if not any(o.split("=")[0].lstrip("+") == "engine.num_threads" for o in overrides):
-        threads = manifest.get("num_threads") or torch.get_num_threads()
-        if not is_int(threads) or threads < 1:
-            raise TraceError(f"{run_dir / 'manifest.json'}: num_threads {threads!r} is no thread count")
+        threads = manifest.get("num_threads")  # none recorded: this process's
+        threads = torch.get_num_threads() if threads is None else threads
+        if not is_int(threads) or not 1 <= threads <= MAX_THREADS:  # torch crashes setting 100,000
+            raise TraceError(
+                f"{run_dir / 'manifest.json'}: num_threads {threads!r} is no thread count (an integer in "
+                f"[1, {MAX_THREADS}])"
+            )
         torch.set_num_threads(threads)
     engine = Engine.from_config(cfg)
     mismatches += check_manifest(manifest, engine, allow_mismatch)
@@ -388,13 +426,12 @@ def replay(
     )
     request_rows = requests.to_pylist()
     ids = add_recorded_requests(engine, request_rows)
-    trace_cfg = cfg.get("trace") or {}
     record(
         engine,
         ids,
         out_dir,
         cfg,
-        flush_every_steps=trace_cfg.get("flush_every_steps", 64),
+        flush_every_steps=trace_cfg.flush_every_steps,
         before_step=recorded_aborts(request_rows, recorded_samples),
         manifest_extra={"replay_of": manifest.get("run_id"), "replay_overrides": list(overrides)},
     )

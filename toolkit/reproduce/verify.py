@@ -53,6 +53,7 @@ from toolkit.trace.reader import (
     read_manifest,
     read_requests,
     read_samples,
+    require_rows,
 )
 from toolkit.trace.writer import atomic_write_table, logits_digest
 
@@ -185,7 +186,7 @@ def verify(
     run_dir = Path(run_dir)
     if reference not in ("ours", "hf", "exact"):
         raise ConfigError(f"verify.reference must be 'ours', 'hf' or 'exact', got {reference!r}")
-    if atol != "auto" and not (isinstance(atol, (int, float)) and not isinstance(atol, bool) and atol > 0):
+    if atol != "auto" and not (isinstance(atol, (int, float)) and not isinstance(atol, bool) and 0 < atol < math.inf):
         raise ConfigError(f"verify.atol must be a positive number or auto, got {atol!r}")
     if reference_dtype not in REFERENCE_DTYPES:
         raise ConfigError(f"verify.reference_dtype must be float64 or float32, got {reference_dtype!r}")
@@ -215,6 +216,7 @@ def verify(
         )
     requests_table, samples_table = read_requests(run_dir), read_samples(run_dir)
     check_rows_present(requests_table, samples_table, run_dir)
+    require_rows(samples_table, run_dir, "verify")
     requests = {(r["request_id"], r["stream"]): r for r in requests_table.to_pylist()}
     samples = samples_table.to_pylist()
     report = VerifyReport(

@@ -10,7 +10,11 @@ Two runs' rows are matched by (request_id, stream, position). Every caller asks 
 
 A first divergence is named by the most upstream stage that differs at that row (`CAUSES`, in pipeline order):
 the forward's logits, then the processors' or grammar's kept set, then the noise, then the token, its logprob
-bits, its finish; a row present in one run only is a `length` divergence.
+bits, its finish; a row present in one run only is a `length` divergence. Where the two rows record another
+sampling policy (`POLICY_FIELDS`: two runs of the same requests at another temperature), that policy is the
+cause (`policy`), named with both values, unless the stage found is all it changed (another seed: the noise;
+another top_k, top_p, min_p or processor: the kept set) or the raw logits differ (no policy changes them); the
+stage's cause then says the policy differs too.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ REPLAYED_FIELDS = COMPARED_FIELDS + REPLAYED_ONLY
 # comes first in the pipeline (the forward) explains what follows
 CAUSES = (
     ("logits", "numerical: the raw logits differ (logits_sha256), so the forward computed other bits"),
+    ("policy", "sampling policy: the same logits, sampled under another policy"),
     ("support", "processors or grammar: the same logits, but another kept set (kept_sha256 / support_size)"),
     ("noise", "sampling noise: the same logits and kept set, other Gumbel noise (seed, position or stream)"),
     ("token", "sampling: the same logits, kept set and noise, but another token"),
@@ -66,6 +71,11 @@ CAUSE_FIELDS = (
     ("speculation", {"draft_logprob", "spec_proposed", "spec_accepted"}),
     ("logprob", {"raw_logprob", "processed_logprob", "top_raw", "top_processed"}),
 )
+# the sample columns that record a sequence's sampling policy (the same on each of its rows), and what each stage
+# a policy change explains by itself: another seed draws other noise; another top_k / top_p / min_p or processor
+# keeps another set. A policy difference a stage does not explain (a temperature) is the divergence's cause.
+POLICY_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "processors")
+EXPLAINED_BY = {"noise": {"seed"}, "support": {"top_k", "top_p", "min_p", "processors"}}
 # which differing field a divergence's one line shows with its values first
 HEADLINE = ("row", "token_id", "raw_logprob", "processed_logprob", "noise", "finish_reason", "error", "support_size")
 
@@ -95,6 +105,26 @@ def cause_of(fields: Iterable[str]) -> str:
     """The kind of divergence (a key of CAUSES) a set of differing fields points to."""
     f = set(fields)
     return next((kind for kind, names in CAUSE_FIELDS if f & names), "finish")
+
+
+def _policy_value(value: Any) -> str:
+    """A policy value as text: a float32 column's value as its shortest decimal (0.7, not 0.699999988)."""
+    return repr(float(f"{value:.7g}")) if isinstance(value, float) else repr(value)
+
+
+def policy_cause(kind: str, a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> tuple[str, list]:
+    """The kind of a first divergence whose stage is `kind`, given its two rows (either may be missing: then the
+    other run's sequence's first row stands for it, its policy is the same on every row), and the policy fields
+    the two rows record apart."""
+    if a is None or b is None:
+        return kind, []
+    apart = [
+        Difference(a["request_id"], a["stream"], a["position"], f, a.get(f), b.get(f))
+        for f in POLICY_FIELDS
+        if f in a and f in b and a.get(f) is not None and b.get(f) is not None and a.get(f) != b.get(f)
+    ]
+    explained = {d.field for d in apart} <= EXPLAINED_BY.get(kind, set())
+    return (kind if not apart or kind == "logits" or explained else "policy"), apart
 
 
 def seq_name(request_id: str, stream: int) -> str:
@@ -134,10 +164,17 @@ class Divergence:
     b_token: int | None
     token_index: int | None = None  # the first output token whose id differs (None: every shared token agrees)
     differences: tuple[Difference, ...] = ()  # the differing fields with both runs' values
+    policy: tuple[Difference, ...] = ()  # the sampling policy fields (POLICY_FIELDS) the two rows record apart
 
     @property
     def cause(self) -> str:
-        return CAUSE_TEXT[self.kind]
+        if not self.policy:
+            return CAUSE_TEXT[self.kind]
+        scalars = [d for d in self.policy if d.field != "processors"] or list(self.policy)  # the list repeats them
+        named = ", ".join(f"{d.field} {_policy_value(d.a)} vs {_policy_value(d.b)}" for d in scalars)
+        if self.kind == "policy":
+            return f"sampling policy: {named}; the same logits, sampled under another policy"
+        return f"{CAUSE_TEXT[self.kind]}; the sampling policy differs too: {named}"
 
     def describe(self, a: str = "a", b: str = "b") -> str:
         """One line: the most telling field with both values (the token if it differs, then a logprob, the noise,
@@ -205,16 +242,20 @@ def first_divergence(
         differences = row_differences((*key, position), rows_a.get(position), rows_b.get(position), compared)
         if differences:
             fields = tuple(d.field for d in differences)
+            kind, policy = policy_cause(
+                cause_of(fields), rows_a.get(position, a[0] if a else None), rows_b.get(position, b[0] if b else None)
+            )
             return Divergence(
                 key[0],
                 key[1],
                 position,
                 index,
-                cause_of(fields),
+                kind,
                 fields,
                 *tokens[index],
                 token_index=token_index,
                 differences=tuple(differences),
+                policy=tuple(policy),
             )
     return None
 

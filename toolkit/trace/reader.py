@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +62,25 @@ def read_config(run_dir: Path) -> DictConfig:
     """The run's resolved config (config.yaml): what rebuilds its engine."""
     path = Path(run_dir) / "config.yaml"
     try:
-        return OmegaConf.load(path)
+        cfg = OmegaConf.load(path)
     except FileNotFoundError:
         raise TraceError(f"{path} is missing: cannot rebuild the engine of this run") from None
     except Exception as exc:  # noqa: BLE001 - yaml errors come in many types
         raise TraceError(f"{path} is unreadable: {exc}") from None
+    # every run records its whole config, the model and engine it ran among it (runs.recorder.effective_config):
+    # without them a replay rebuilt the default engine and blamed the weights, and verify raised omegaconf's error
+    missing = [
+        s for s in RECORDED_SECTIONS if not isinstance(cfg, DictConfig) or not isinstance(cfg.get(s), DictConfig)
+    ]
+    if missing:
+        raise TraceError(
+            f"{path} is not a run's config: it has no {' or '.join(missing)} section (a run records its whole "
+            f"config, the model and engine it ran among it): cannot rebuild the engine of this run"
+        )
+    return cfg
+
+
+RECORDED_SECTIONS = ("model", "engine")  # the config.yaml sections a replay and a verify rebuild the run from
 
 
 def _version(table: pa.Table) -> str:
@@ -163,7 +178,7 @@ def check_rows_present(requests: pa.Table, samples: pa.Table, run_dir: Path) -> 
             f"{Path(run_dir) / SAMPLES_DIR} holds no sample rows, yet requests.parquet lists {outputs} output tokens: "
             f"the trace's rows are lost"
         )
-    summary = _summary(run_dir)
+    summary = read_summary(run_dir)
     written = summary.get("trace_rows")
     counted = isinstance(written, int) and not isinstance(written, bool)
     # closed whole: every step's rows reached the writer. A run stopped by Ctrl-C or a failure closes with a
@@ -199,15 +214,79 @@ def check_rows_present(requests: pa.Table, samples: pa.Table, run_dir: Path) -> 
                 f"{name}: its sample row at position {ends[0][0]} says it finished ({ends[0][1]}), requests.parquet "
                 f"that it ended ({row['finish_reason']}) at its last row, position {rows[-1][0]}: the trace was edited"
             )
+    check_policy(requests, samples)
 
 
-def _summary(run_dir: Path) -> dict[str, Any]:
-    """summary.json (written when a run closes), or {} where there is none or it is unreadable."""
+def require_rows(samples: pa.Table, run_dir: Path, what: str) -> None:
+    """A TraceError where the trace holds no sample row at all (every request rejected, or a run killed before its
+    first flush): a replay or a verify of it checked nothing, and said "bit-identical" or "verified" (exit 0)."""
+    if samples.num_rows == 0:
+        raise TraceError(
+            f"{Path(run_dir) / SAMPLES_DIR} holds no sample rows: the run sampled no token that reached its trace "
+            f"(every request rejected, or stopped before its first flush), so there is nothing to {what}"
+        )
+
+
+# the sampling policy each sample row records beside its request's (requests.parquet's sampling_params)
+POLICY_FIELDS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def check_policy(requests: pa.Table, samples: pa.Table) -> None:
+    """A TraceError where a sequence's first sample row records another sampling policy (temperature, top_p,
+    top_k, min_p, seed) than its request row: one of the two files was edited (a replay re-adds the request's, a
+    verify recomputes with it). A converted transcript's rows (mode=audit) record the other engine's claims: not
+    checked."""
+    first: dict[tuple[str, int], tuple] = {}
+    columns = ("request_id", "stream", *POLICY_FIELDS, "seed")
+    for rid, stream, *values in zip(*(samples.column(c).to_pylist() for c in columns)):
+        first.setdefault((rid, stream), tuple(values))
+    for row in requests.select(["request_id", "stream", "sampling_params", "seed", "origin_engine"]).to_pylist():
+        recorded = first.get((row["request_id"], row["stream"]))
+        if recorded is None or row["origin_engine"] is not None:
+            continue
+        try:
+            params = json.loads(row["sampling_params"])
+        except (TypeError, ValueError, RecursionError):
+            params = None  # replay and verify name corrupt sampling_params (recorded_sampling)
+        wanted = {**(params if isinstance(params, dict) else {}), "seed": row["seed"]}
+        for name, value in zip((*POLICY_FIELDS, "seed"), recorded):
+            want = wanted.get(name)
+            if value is None or not _is_number(want) or _stored(name, want) == value:
+                continue
+            raise TraceError(
+                f"{row['request_id']}#{row['stream']}: its sample rows record {name} {value!r}, requests.parquet "
+                f"{'its seed' if name == 'seed' else 'its sampling_params'} {name} {want!r}: the trace was edited"
+            )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _stored(name: str, value: float) -> float | int:
+    """A policy value as its sample column stores it (temperature, top_p, min_p: float32)."""
+    if name in ("temperature", "top_p", "min_p"):
+        try:
+            return struct.unpack("<f", struct.pack("<f", value))[0]
+        except (OverflowError, struct.error):
+            return value
+    return value
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """summary.json (written when a run closes), or {} where there is none (a run killed before it closed). One
+    that is there but unreadable, or no JSON object, is a TraceError: summaries are written whole (atomically), so
+    it was damaged or edited, and reading it as a killed run's would switch off the checks of a closed run's rows."""
+    path = Path(run_dir) / "summary.json"
     try:
-        summary = json.loads((Path(run_dir) / "summary.json").read_text())
-    except (OSError, ValueError):
+        summary = json.loads(path.read_text())
+    except FileNotFoundError:
         return {}
-    return summary if isinstance(summary, dict) else {}
+    except (OSError, ValueError, RecursionError) as exc:
+        raise TraceError(f"{path} is unreadable or corrupt: {exc}") from None
+    if not isinstance(summary, dict):
+        raise TraceError(f"{path} is corrupt: a JSON {type(summary).__name__}, not an object")
+    return summary
 
 
 def read_requests(run_dir: Path, check_version: bool = True) -> pa.Table:
