@@ -162,7 +162,7 @@ BAD = [  # (route, body, status, param)
     ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     ("chat/completions", {}, 400, "messages"),
     ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
-    ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 99}, 400, "logprobs"),
+    ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 99}, 400, "top_logprobs"),
     (
         "chat/completions",
         {"messages": CHAT, "response_format": {"type": "json_schema"}},

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ import httpx
 import openai
 import pyarrow.parquet as pq
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -552,3 +554,174 @@ def test_a_step_waits_for_its_event_loop_to_write_what_it_handed_over_but_never_
 
 async def _make_queue() -> asyncio.Queue:
     return asyncio.Queue()
+
+
+# ---------------------------------------------------------------------- echo scoring: bounded, stoppable, named
+
+
+def _scores_as_before(model, token_ids: list[int], k: int) -> list:
+    """prompt_logprobs as it was: the whole (T, V) matrix through one float64 log-softmax, row by row after."""
+    from toolkit.engine.runner import recompute_logits
+    from toolkit.sampling.sampler import top_k
+
+    ids = list(token_ids)
+    logprobs = torch.log_softmax(recompute_logits(model, ids, batch_invariant=False)[:-1].double(), -1)
+    rows: list = [None]
+    for pos in range(1, len(ids)):
+        row = logprobs[pos - 1]
+        top = top_k(row, k)[1].tolist() if k else []
+        rank = int((row > row[ids[pos]]).sum()) + 1
+        rows.append((ids[pos], float(row[ids[pos]]), [(t, float(row[t])) for t in top], rank))
+    return rows
+
+
+@pytest.mark.native
+def test_echo_scores_are_the_whole_matrix_bits_from_bounded_pieces_and_stop_when_asked(tiny, monkeypatch):
+    """prompt_logprobs runs its float64 log-softmax over a bounded piece of rows at a time (it took the whole prompt
+    at once: 0.87 MB a prompt token, +3.5 GB at 4,000) and gives the very entries the whole matrix gave (repr: every
+    bit of every float), at any piece size; `stop` is asked between pieces, and once true scoring ends (None)."""
+    from toolkit.engine import runner
+
+    model = tiny.model
+    vocab = model.arch.vocab_size
+    g = torch.Generator().manual_seed(0)
+    softmaxed: list[int] = []
+    log_softmax = torch.log_softmax
+
+    def counted(x, *args, **kwargs):
+        softmaxed.append(x.shape[0])
+        return log_softmax(x, *args, **kwargs)
+
+    for n, k in ((1, 0), (2, 3), (37, 5), (200, 20), (201, 0)):
+        ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+        before = _scores_as_before(model, ids, k)
+        for piece_rows in (1, 7, 64):
+            softmaxed.clear()
+            with monkeypatch.context() as m:
+                m.setattr(runner.torch, "log_softmax", counted)
+                now = runner.prompt_logprobs(model, ids, k, piece_bytes=8 * vocab * piece_rows)
+            assert repr(now) == repr(before), (n, k, piece_rows)
+            assert max(softmaxed, default=0) <= piece_rows and sum(softmaxed) == n - 1, softmaxed
+    asked: list[int] = []
+    ids = torch.randint(0, vocab, (100,), generator=g).tolist()
+    with monkeypatch.context() as m:
+        m.setattr(runner.torch, "log_softmax", counted)
+        softmaxed.clear()
+        stopped = runner.prompt_logprobs(
+            model, ids, 2, stop=lambda: asked.append(1) or len(asked) > 3, piece_bytes=8 * vocab * 10
+        )
+    assert stopped is None and len(softmaxed) == 2, softmaxed  # asked before the forward, then between pieces
+    assert runner.prompt_logprobs(model, ids, 2, stop=lambda: True) is None
+
+
+@pytest.mark.native
+def test_echo_scoring_past_max_scored_tokens_is_a_400_before_any_forward(tiny):
+    """serve.max_scored_tokens bounds the prompt tokens one echo + logprobs request has scored (64 prompts of a
+    full context each were scored one after another, unbounded): past it a 400 naming the prompt and the knob,
+    before any scoring forward; at it, served. A bound that is no positive integer is refused at start."""
+    from toolkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="serve.max_scored_tokens must be a positive integer"):
+        start_server(_engine(tiny), None, max_scored_tokens=0)
+    engine = _engine(tiny)
+    scored: list[int] = []
+    score = engine.prompt_logprobs
+    engine.prompt_logprobs = lambda ids, k, stop=None: scored.append(len(ids)) or score(ids, k, stop)
+    srv = start_server(engine, None, max_scored_tokens=100)
+    body = {"echo": True, "logprobs": 1, "max_tokens": 1}
+    try:
+        for prompt in ([[7] * 101], [[7] * 60, [8] * 41], ["word " * 40, "word " * 70]):
+            r = _post(srv.url, {**body, "prompt": prompt})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "prompt" and "serve.max_scored_tokens=100" in error["message"], error
+        assert scored == []  # refused before any forward
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        out = c.completions.create(model="tiny", prompt=[[7] * 60, [8] * 40], echo=True, logprobs=1, max_tokens=1)
+        assert scored == [60, 40] and len(out.choices[0].logprobs.token_logprobs) == 61
+        assert _post(srv.url, {"prompt": [[7] * 500], "max_tokens": 1}).status_code == 200  # no echo: not scored
+    finally:
+        srv.stop()
+
+
+@pytest.mark.native
+def test_a_client_that_leaves_while_its_prompts_are_scored_stops_the_scoring(tiny):
+    """Scoring is told to stop (its `stop` turns true) once the client that asked for it has gone, and the next echo
+    request, which waited behind it (one request's prompts scored at a time), is served at once: a client that
+    left was scored to the end first, 34 s of another client's wait in the probe."""
+    engine = _engine(tiny)
+    score, entered, saw_stop = engine.prompt_logprobs, threading.Event(), threading.Event()
+
+    def slow(ids, k, stop=None):  # the hog's first prompt: scoring that would go on for long
+        if len(ids) == 50 and not entered.is_set():
+            entered.set()
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                if stop is not None and stop():
+                    saw_stop.set()
+                    return None
+                time.sleep(0.01)
+        return score(ids, k, stop)
+
+    def hog(outcome: list) -> None:
+        body = {"prompt": [[9] * 50] * 8, "echo": True, "logprobs": 1, "max_tokens": 1}
+        try:
+            outcome.append(httpx.post(srv.url + "/v1/completions", json=body, timeout=1.0))
+        except httpx.ReadTimeout as exc:  # the client gives up after 1 s and closes its connection
+            outcome.append(exc)
+
+    engine.prompt_logprobs = slow
+    srv = start_server(engine, None)
+    try:
+        outcome: list = []
+        left = threading.Thread(target=hog, args=(outcome,))
+        left.start()
+        assert entered.wait(30)
+        left.join(10)
+        assert isinstance(outcome[0], httpx.ReadTimeout), outcome
+        assert saw_stop.wait(5), "scoring went on after its client left"
+        t0 = time.perf_counter()
+        r = _post(srv.url, {"prompt": "Hello there", "echo": True, "logprobs": 1, "max_tokens": 1})
+        assert r.status_code == 200 and time.perf_counter() - t0 < 5, r.text
+        assert r.json()["choices"][0]["logprobs"]["token_logprobs"][0] is None
+        assert srv.loop._preparing == 0
+    finally:
+        srv.stop()
+
+
+@pytest.mark.native
+def test_a_chats_errors_name_the_field_it_sent(tiny):
+    """A chat's max_completion_tokens and top_logprobs reach the engine as max_tokens and logprobs: a value it
+    refuses is a 400 naming the field the client sent, in `param` and in the message (they said max_tokens and
+    logprobs, fields the client never sent); a chat that sent max_tokens is still told max_tokens."""
+    srv = start_server(_engine(tiny), None)
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "Hi"}]
+    try:
+        for field, value, extra in (
+            ("max_completion_tokens", 0, {}),
+            ("max_completion_tokens", -1, {}),
+            ("max_completion_tokens", 90_000, {}),
+            ("max_completion_tokens", 0, {"max_tokens": 5}),  # both: max_completion_tokens is the one used
+            ("top_logprobs", 21, {"logprobs": True}),
+            ("top_logprobs", -1, {"logprobs": True}),
+            ("max_tokens", 0, {}),
+            ("max_tokens", 90_000, {}),
+        ):
+            with pytest.raises(openai.BadRequestError) as caught:
+                c.chat.completions.create(model="tiny", messages=messages, **{field: value, **extra})
+            error = caught.value.body
+            assert error["param"] == field, (field, value, error)
+            assert field in error["message"] and str(value) in error["message"], error
+            other = {
+                "max_completion_tokens": "max_tokens",
+                "top_logprobs": "logprobs",
+                "max_tokens": "max_completion_tokens",
+            }
+            assert not re.search(rf"(?<![_a-z]){other[field]}\b", error["message"]), error
+        ok = c.chat.completions.create(
+            model="tiny", messages=messages, max_completion_tokens=2, logprobs=True, top_logprobs=20
+        )
+        assert len(ok.choices[0].logprobs.content[0].top_logprobs) == 20
+    finally:
+        srv.stop()

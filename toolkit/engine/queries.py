@@ -12,7 +12,7 @@ such reaches: none).
     engine.prompt_ids(request)                         an EngineRequest's prompt as intake computes and checks it
     engine.tokenized(request)                          the request with its prompt's ids beside its text, checked
     engine.precompile(sampling_params, cached_only)    its grammar compiled ahead of `add`, on the caller's thread
-    engine.prompt_logprobs(ids, k)                     echo's prompt scores, by one no-cache forward
+    engine.prompt_logprobs(ids, k, stop)               echo's prompt scores, by one no-cache forward
     engine.check_invariants()                          the block manager's own consistency check
 """
 
@@ -125,9 +125,15 @@ class EngineQueries:
         `cached_only`, compile nothing and say whether nothing is left to compile."""
         return self.intake.precompile(sampling_params, cached_only)
 
-    def prompt_logprobs(self, prompt_token_ids: collections.abc.Sequence[int], k: int) -> list:
-        """Each prompt token's logprob and the top k at its position (echo), recomputed without the cache."""
-        return prompt_logprobs(self.loaded.model, prompt_token_ids, k)
+    def prompt_logprobs(
+        self,
+        prompt_token_ids: collections.abc.Sequence[int],
+        k: int,
+        stop: collections.abc.Callable[[], bool] | None = None,
+    ) -> list | None:
+        """Each prompt token's logprob and the top k at its position (echo), recomputed without the cache; None
+        once `stop()` is true (asked between pieces of the scoring: its caller gave up)."""
+        return prompt_logprobs(self.loaded.model, prompt_token_ids, k, stop)
 
     def check_invariants(self) -> None:
         """The block manager's consistency check (reference counts, free list, prefix table); raises if broken."""

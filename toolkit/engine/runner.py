@@ -338,19 +338,39 @@ def recompute_logits(
     return runner.run(ScheduledBatch(step=0, chunks=(chunk,), num_decode_tokens=0, num_prefill_tokens=n)).logits_RV
 
 
-def prompt_logprobs(model: torch.nn.Module, token_ids: Sequence[int], k: int) -> list:
+def prompt_logprobs(
+    model: torch.nn.Module,
+    token_ids: Sequence[int],
+    k: int,
+    stop: Callable[[], bool] | None = None,
+    piece_bytes: int = 32 << 20,
+) -> list | None:
     """Raw logprobs of every prompt token given the ones before it (the first has none: None) and the top `k`
     alternatives at each position, from one no-cache forward (recompute_logits, float64 log-softmax): an eval
     harness's loglikelihood request (echo + logprobs). Per position: (token id, logprob, [(id, logprob)...], the
-    token's rank there: 1 + the tokens more likely)."""
+    token's rank there: 1 + the tokens more likely). The log-softmax runs over `piece_bytes` of float64 rows
+    at a time, keeping each row's token, rank and top k only: past the forward's own fp32 logits, memory does not
+    grow with the prompt (the whole matrix in float64, twice, was 0.6 MB a token more), and the bits are the
+    whole matrix's (each row's log-softmax is its own). `stop`: asked between pieces; once true, scoring ends
+    and the answer is None (a server's client left, or it is shutting down)."""
     ids = list(token_ids)
-    logprobs = torch.log_softmax(recompute_logits(model, ids, batch_invariant=False)[:-1].double(), -1)
+    if stop is not None and stop():
+        return None
+    logits = recompute_logits(model, ids, batch_invariant=False)
     rows: list = [None]
-    for pos in range(1, len(ids)):
-        row = logprobs[pos - 1]
-        top = top_k(row, k)[1].tolist() if k else []
-        rank = int((row > row[ids[pos]]).sum()) + 1
-        rows.append((ids[pos], float(row[ids[pos]]), [(t, float(row[t])) for t in top], rank))
+    piece = max(1, piece_bytes // (8 * logits.shape[-1]))
+    for start in range(0, len(ids) - 1, piece):
+        if stop is not None and stop():
+            return None
+        end = min(start + piece, len(ids) - 1)
+        logprobs = torch.log_softmax(logits[start:end].double(), -1)
+        targets = tensor_on(ids[start + 1 : end + 1], logprobs.device).unsqueeze(1)
+        chosen = logprobs.gather(1, targets)
+        ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
+        top = top_k(logprobs, k)[1] if k else targets[:, :0]
+        top_ids, top_values = top.tolist(), logprobs.gather(1, top).tolist()
+        for i, (token, value, rank) in enumerate(zip(ids[start + 1 : end + 1], chosen[:, 0].tolist(), ranks)):
+            rows.append((token, value, list(zip(top_ids[i], top_values[i])), rank))
     return rows
 
 

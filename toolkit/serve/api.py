@@ -215,7 +215,7 @@ class Api:
                 raise validation_error(exc) from None
             self._check_model(req.model)
             job = Job.build(self, route, req, body)
-            await job.submit()
+            await job.submit(request)
         except ApiError as exc:
             self.metrics.http.labels(route, str(exc.status)).inc()
             if exc.status in (503, 507):

@@ -4,11 +4,14 @@ toolkit.serve.mailbox), and the response or SSE stream it writes from them."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
 import sys
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Protocol
 
 from fastapi import Request
@@ -20,7 +23,7 @@ from toolkit.errors import RequestError, ToolkitError, one_line
 from toolkit.runs.recorder import body_sha256
 from toolkit.serve.grammars import GrammarCompiler
 from toolkit.serve.logprobs import LogprobFormat
-from toolkit.serve.loop import EngineLoop, InternalError, LoopSink, Submission, Unavailable, Update
+from toolkit.serve.loop import Closing, EngineLoop, InternalError, LoopSink, Submission, Unavailable, Update
 from toolkit.serve.mailbox import Mailbox
 from toolkit.serve.protocol import (
     ApiError,
@@ -49,11 +52,24 @@ class JobHost(Protocol):
     scoring: asyncio.Lock  # held while an echoed request's prompts are scored
 
 
+def shutting_down() -> ApiError:
+    """A request the server will not answer because it is shutting down (the loop refuses new ones so too)."""
+    return unavailable(Unavailable("the server is shutting down"))
+
+
+# what the environment, not a request, is short of: a grammar compile failing so (xgrammar's own threads, at
+# shutdown) says it in its message, which its schema never does
+_ENVIRONMENT = tuple(os.strerror(e) for e in (errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ENOSPC))
+
+
 def preparation_error(exc: Exception, req: SamplingFields, timeout_s: float) -> ApiError:
     """What a request's preparation raised, as its answer: a grammar past serve.grammar_timeout_s (its compile goes
-    on, bounded by the schema's limits, and is cached) or refused a 400, a full loop a 503, the unexpected a 500."""
+    on, bounded by the schema's limits, and is cached) or refused a 400, a full loop a 503, the unexpected a 500; a
+    compile failing for want of threads or memory (EAGAIN) a 503, never the client's schema's fault."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, FieldError):
+        return ApiError(400, str(exc), exc.param)
     if isinstance(exc, TimeoutError):
         return ApiError(
             400,
@@ -63,6 +79,8 @@ def preparation_error(exc: Exception, req: SamplingFields, timeout_s: float) -> 
         )
     if isinstance(exc, Unavailable):
         return unavailable(exc)
+    if isinstance(exc, ToolkitError) and any(str(exc).endswith(short) for short in _ENVIRONMENT):
+        return unavailable(Unavailable(f"the server could not prepare this request now ({one_line(exc)}); retry later"))
     if isinstance(exc, ToolkitError):
         return request_error(exc, req)
     return ApiError(500, f"preparing the request failed: {one_line(exc)}", None, "internal_error")
@@ -91,6 +109,7 @@ class Job:
         self.outputs: dict[str, Any] = {}
         self.samples: dict[tuple[str, int], list] = {}  # (request id, sample index) -> trace rows, in order
         self.prompt_logprobs: list[list | None] = []
+        self.cancel = threading.Event()  # set once its client left or the server is shutting down: preparing, stop
         self.logprobs = LogprobFormat(api.tokenizer, api.loop.engine.loaded.arch.vocab_size, sampling.get("logprobs"))
 
     @classmethod
@@ -117,21 +136,18 @@ class Job:
 
     # ------------------------------------------------------------------ submitting
 
-    def _sink(self) -> LoopSink:
-        return LoopSink(asyncio.get_running_loop(), self.queue.put)
-
-    async def submit(self) -> None:
+    async def submit(self, request: Request | None = None) -> None:
         """Admit (503 when the loop is full, before any work; places held until the hand-over), prepare off the
-        engine thread (_prepared), then hand the engine requests to the loop, all or none: 400 for what the engine
-        refuses, 503 when it is full, 500 when it failed."""
+        engine thread (_prepared; ended when `request`'s client leaves or a shutdown begins), then hand the engine
+        requests to the loop, all or none: 400 for what the engine refuses, 503 when it is full, 500 when it failed."""
         held = len(self.prompts)
         try:
             self.api.loop.check_capacity(held)
         except Unavailable as exc:
             raise unavailable(exc) from None
         try:
-            scores = await self._prepared()
-            sink = self._sink()
+            scores = await _until_ended(self._prepared(), request, self.api.loop.closing, self.cancel)
+            sink = LoopSink(asyncio.get_running_loop(), self.queue.put)
             submissions = [
                 Submission(
                     EngineRequest(**prompt, sampling_params=self.sampling, request_id=f"{self.id}-{i}"),
@@ -166,25 +182,27 @@ class Job:
     async def _prepared(self) -> list:
         """The grammar compiled (within serve.grammar_timeout_s), the prompts tokenized and checked against the
         context on a thread (the engine thread tokenizes nothing; the tokenizer lets the GIL go), and, for echo
-        with logprobs, scored on a thread, one request's at a time (as the engine runs one forward at a time): per
-        prompt its scores or None."""
+        with logprobs, counted (serve.max_scored_tokens) and scored on a thread, one request's at a time (as the
+        engine runs one forward at a time): per prompt its scores or None. Its threads stop once self.cancel is set."""
         try:
             await self.api.compiler.compile(self.sampling, self.api.limits.grammar_timeout_s)
             self.prompts = await asyncio.to_thread(self._tokenized)
             if self.chat or not self.req.echo or self.req.logprobs is None:
                 return [None] * len(self.prompts)
-            async with self.api.scoring:
-                return await asyncio.to_thread(self._scored)
+            self.api.limits.check_scored(sum(len(p["prompt_token_ids"]) for p in self.prompts))
+            return await _one_at_a_time(self.api.scoring, self._scored)
         except Exception as exc:  # noqa: BLE001 - every failure is this request's answer (preparation_error)
             raise preparation_error(exc, self.req, self.api.limits.grammar_timeout_s) from None
 
     def _tokenized(self) -> list[dict[str, Any]]:  # each prompt's ids beside its text: what the engine adds as it is
-        requests = [self.api.loop.prepare.tokenized(EngineRequest(**prompt)) for prompt in self.prompts]
+        requests = [
+            self.api.loop.prepare.tokenized(EngineRequest(**p)) for p in self.prompts if not self.cancel.is_set()
+        ]
         return [{"prompt": r.prompt, "prompt_token_ids": r.prompt_token_ids} for r in requests]
 
     def _scored(self) -> list:  # echo with logprobs: per prompt toolkit.engine.runner.prompt_logprobs' rows
-        prepare = self.api.loop.prepare
-        return [prepare.prompt_logprobs(EngineRequest(**prompt), self.req.logprobs) for prompt in self.prompts]
+        prepare, stop, k = self.api.loop.prepare, self.cancel.is_set, self.req.logprobs
+        return [prepare.prompt_logprobs(EngineRequest(**prompt), k, stop) for prompt in self.prompts if not stop()]
 
     def abort(self) -> None:
         for request_id in self.request_ids:
@@ -403,6 +421,71 @@ def _prompt_text(tokenizer, prompt: dict[str, Any]) -> str:
     if prompt.get("prompt") is not None:
         return prompt["prompt"]
     return tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False) if tokenizer else ""
+
+
+async def _until_ended(work: Coroutine[Any, Any, list], request: Request | None, closing: Closing, cancel) -> list:
+    """`work` (a request's preparation), ended at once (`cancel`, a threading.Event, set: its threads stop; a
+    compile is left to finish and be cached) when the client leaves (a 499 nobody reads) or the server begins
+    shutting down (a 503 to each, as to the requests it then refuses; a handler uvicorn cancels past
+    serve.timeout_graceful_shutdown is answered so too): a shutdown never waits for, nor tracebacks on, it."""
+    loop = asyncio.get_running_loop()
+    ended: asyncio.Future = loop.create_future()
+
+    def end(answer: ApiError) -> None:  # on the event loop's thread
+        cancel.set()
+        if not ended.done():
+            ended.set_result(answer)
+
+    def shutdown() -> None:  # on the thread that begins the shutdown (a signal handler's: no lock)
+        try:
+            loop.call_soon_threadsafe(end, shutting_down())
+        except RuntimeError:  # the event loop is closed: nobody waits
+            pass
+
+    def gone(left: asyncio.Future) -> None:
+        if not left.cancelled():
+            left.exception()  # read (a receive that failed: the connection is gone too)
+            end(ApiError(499, "the client closed the connection before its answer was ready"))
+
+    left = asyncio.ensure_future(_disconnected(request)) if request is not None else loop.create_future()
+    left.add_done_callback(gone)
+    closing.add(shutdown)
+    if closing.begun:
+        shutdown()
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({task, ended}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # uvicorn's graceful shutdown gave up on this handler: answered as one
+        asyncio.current_task().uncancel()
+        end(shutting_down())
+    finally:
+        closing.discard(shutdown)
+        left.cancel()
+    if ended.done():
+        task.cancel()
+        if task.done() and not task.cancelled():
+            task.exception()  # read: its answer is no longer anyone's
+        raise ended.result()
+    return task.result()
+
+
+async def _one_at_a_time(lock: asyncio.Lock, scored: Callable[[], list]) -> list:
+    """`scored()` on a thread while holding `lock`, which its thread keeps until it returns, even where its request
+    ends first (_until_ended; the thread sees the request's cancel within a piece): one request scored at once."""
+    await lock.acquire()
+    try:
+        scoring = asyncio.ensure_future(asyncio.to_thread(scored))
+    except BaseException:
+        lock.release()
+        raise
+
+    def release(done: asyncio.Future) -> None:
+        lock.release()
+        if not done.cancelled():
+            done.exception()  # read: it may be no one's answer any more
+
+    scoring.add_done_callback(release)
+    return await asyncio.shield(scoring)
 
 
 async def _disconnected(request: Request) -> None:

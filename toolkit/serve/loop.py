@@ -133,13 +133,26 @@ class Preparer:
         never the engine thread's; a RequestError naming the prompt."""
         return self.engine.tokenized(request)
 
-    def prompt_logprobs(self, request: EngineRequest, k: int) -> list:
+    def prompt_logprobs(self, request: EngineRequest, k: int, stop: Callable[[], bool] | None = None) -> list | None:
         """echo with logprobs: the prompt checked as intake checks it and scored by one no-cache forward, on the
-        caller's thread (it reads the weights only, never the engine's state)."""
+        caller's thread (it reads the weights only, never the engine's state); None once `stop()` is true."""
         try:
-            return self.engine.prompt_logprobs(self.engine.prompt_ids(request), k)
+            return self.engine.prompt_logprobs(self.engine.prompt_ids(request), k, stop)
         finally:  # the forward's OpenMP workers on this handler thread would slow the engine thread's (kernels)
             release_openmp_threads()
+
+
+class Closing(set):
+    """Callbacks to run once the server begins shutting down (EngineLoop.abort(None), its first signal's, or stop()),
+    on the thread that begins it: a signal handler's, so each takes no lock (call_soon_threadsafe). A request being
+    prepared (a grammar compiling, prompts scored) is answered then, its work stopped (toolkit.serve.job)."""
+
+    begun = False
+
+    def begin(self) -> None:
+        self.begun = True
+        for callback in list(self):
+            callback()
 
 
 class EngineLoop:
@@ -192,6 +205,7 @@ class EngineLoop:
         self._preparing = 0  # places check_capacity holds for requests being prepared (grammars, prompt scores)
         self._wake = threading.Event()
         self._stopping = False
+        self.closing = Closing()  # begun by abort(None) (a shutdown's first signal) or stop()
         self._sinks: dict[str, Sink] = {}
         self._errors: dict[str, str] = {}  # request id -> why a step failed it (answered once it ends)
         self._failed_steps = 0
@@ -221,7 +235,7 @@ class EngineLoop:
             self._preparing -= count
 
     def _refuse_past(self, count: int) -> None:
-        if self._stopping or self.error is not None:
+        if self._stopping or self.closing.begun or self.error is not None:
             raise Unavailable("the server is shutting down")
         storage = self.record.unavailable
         if storage is not None:
@@ -253,12 +267,16 @@ class EngineLoop:
         self._wake.set()
 
     def abort(self, request_id: str | None) -> None:
-        """Abort a request (its client left), or every one (None: a shutdown): before the next step, blocks freed."""
+        """Abort a request (its client left), or every one (None: a shutdown, after which new requests are refused
+        and those being prepared told: Closing): before the next step, blocks freed. No lock: a signal calls it."""
+        if request_id is None:
+            self.closing.begin()
         self._commands.put(("abort", request_id))
         self._wake.set()
 
     def stop(self, timeout: float | None = 30.0) -> None:
         """Abort what is still running, write the rest of the trace, requests.parquet and summary.json."""
+        self.closing.begin()
         with self._lock:
             self._stopping = True
         self._wake.set()

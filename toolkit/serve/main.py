@@ -93,6 +93,7 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "timeout_keep_alive",
         "max_compiling",
         "max_header_kb",
+        "max_scored_tokens",
     ):
         if not (isinstance(section[name], int) and not isinstance(section[name], bool) and section[name] >= 1):
             raise ConfigError(f"serve.{name} must be a positive integer, got {section[name]!r}")

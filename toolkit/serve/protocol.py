@@ -7,6 +7,7 @@ the server's defaults (the model's generation config where it has one), exactly 
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -14,6 +15,8 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError, PydanticUseDefault
+
+from toolkit.errors import ConfigError
 
 # OpenAI fields refused with a clear reason rather than "unknown field"
 UNSUPPORTED = {
@@ -241,6 +244,14 @@ class ChatCompletionRequest(SamplingFields):
             raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def sent_as(self) -> dict[str, str]:
+        """The engine's names for what this chat request sent under its own (max_new_tokens, num_logprobs): its
+        errors name the field the client sent (request_error)."""
+        sent = {"logprobs": "top_logprobs"}  # a chat's `logprobs` is a switch: the count is its top_logprobs
+        if self.max_completion_tokens is not None:
+            sent["max_tokens"] = "max_completion_tokens"
+        return sent
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -262,6 +273,22 @@ class Limits:
     max_unread_mb: float = 4.0  # a request's output its client has not read yet, past which it is aborted
     stream_write_timeout_s: float = 30.0  # a stream whose client takes no bytes for this long: requests aborted
     client_body_timeout_s: float = 30.0  # a body of which no byte comes for this long: 408 (nginx's name)
+    max_scored_tokens: int = 16384  # prompt tokens one echo + logprobs request has scored (a forward each, off-cache)
+
+    def __post_init__(self) -> None:
+        value = self.max_scored_tokens
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ConfigError(f"serve.max_scored_tokens must be a positive integer, got {value!r}")
+
+    def check_scored(self, tokens: int) -> None:
+        """A FieldError (the prompt) where echo with logprobs would score more prompt tokens than one request may:
+        each costs the forward's fp32 logits and time, on a thread one request holds at once."""
+        if tokens > self.max_scored_tokens:
+            raise FieldError(
+                "prompt",
+                f"prompt: echo with logprobs would score {tokens} prompt tokens, more than this server scores in "
+                f"one request (serve.max_scored_tokens={self.max_scored_tokens})",
+            )
 
     def check(self, req: SamplingFields, prompts: int) -> None:
         """A FieldError naming the first field past its limit."""
@@ -372,8 +399,12 @@ def _union_tag(part: Any) -> bool:
 
 
 def request_error(exc: Exception, fields: Any) -> ApiError:
-    """A RequestError / ConfigError from the engine's intake as a 400; `param` is the field it names first."""
+    """A RequestError / ConfigError from the engine's intake as a 400; `param` is the field it names first, under
+    the name the client sent it by (a chat's max_completion_tokens and top_logprobs, the engine's max_tokens and
+    logprobs), as the message says it."""
     message = str(exc)
+    for engine_name, sent in (fields.sent_as() if hasattr(fields, "sent_as") else {}).items():
+        message = re.sub(rf"\b{engine_name}\b", sent, message)
     fmt = getattr(fields, "response_format", None)
     if message.startswith("invalid structured_outputs.json") and fmt is not None:  # its schema, as the client named it
         param = "response_format.json_schema.schema" if fmt.type == "json_schema" else "response_format"
