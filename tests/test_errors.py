@@ -455,7 +455,9 @@ def test_trace_rows(small_run, tmp_path):
     from toolkit.reproduce.compare import compare
 
     _expect(37, ConfigError, "matches no run directory", lambda: compare([str(tmp_path / "none*")]))
-    assert 38 in DOC_ROWS  # Ctrl-C: tests/test_cli.py::test_ctrl_c_flushes_the_trace_writes_the_summary_and_exits_130
+    assert (
+        38 in DOC_ROWS
+    )  # Ctrl-C, SIGTERM: tests/test_cli.py::test_ctrl_c_or_sigterm_flushes_the_trace_writes_the_summary_and_exits_as_the_signal
     # tests/test_replay_verify.py::test_a_trace_that_cannot_be_trusted_is_refused_naming_what: rows 55 and 56 there,
     # tests/test_trace.py::test_a_run_directory_that_cannot_be_written_is_one_line_before_any_step: row 57,
     # tests/test_serve_hostile.py::test_a_hostile_request_is_a_4xx_naming_its_field_and_costs_nothing: row 58
@@ -496,3 +498,35 @@ def test_every_documented_row_is_tested():
     tested |= {int(n) for ns in re.findall(r"\{([\d, ]+)\} <= DOC_ROWS", source) for n in ns.split(",")}
     tested |= {row for row, _, _ in SAMPLING_CASES}
     assert DOC_ROWS <= tested, sorted(DOC_ROWS - tested)
+
+
+def test_the_run_directory_serve_address_and_trace_files_a_probe_broke_are_one_line(tmp_path):
+    """Rows 66-74, added after the twenty-fifth session's hostile probes: each called where it is raised, or named
+    beside the test that drives it end to end."""
+    from toolkit.reproduce.replay import replay
+    from toolkit.serve.connections import listening_socket
+    from toolkit.trace.reader import read_config, read_summary
+
+    _expect(
+        66,
+        ConfigError,
+        "serve.host=256.1.1.1 serve.port=8000: cannot listen there: ",
+        lambda: listening_socket("256.1.1.1", 8000),
+    )
+    (tmp_path / "config.yaml").write_text("")
+    _expect(67, TraceError, "is not a run's config: it has no model or engine section", lambda: read_config(tmp_path))
+    _expect(69, ConfigError, "replay.overrides must be a list of key=value strings", lambda: replay(tmp_path, 5))
+    _expect(
+        69,
+        ConfigError,
+        "replay.allow_mismatch must be true or false",
+        lambda: replay(tmp_path, [], allow_mismatch="false"),
+    )
+    (tmp_path / "summary.json").write_text("x")
+    _expect(70, TraceError, "summary.json is unreadable or corrupt", lambda: read_summary(tmp_path))
+    # tests/test_replay_verify.py: test_a_manifests_thread_count_out_of_range_is_refused_not_set (68),
+    # test_a_sample_rows_policy_other_than_its_requests_is_refused (71),
+    # test_a_trace_without_sample_rows_is_nothing_to_check_not_a_success (72);
+    # tests/test_serve_hardening.py::test_echo_scoring_past_max_scored_tokens_is_a_400_before_any_forward (73);
+    # tests/test_serve_shutdown.py::test_a_shutdown_answers_the_requests_being_prepared_at_once_and_stops_their_work (74)
+    assert {68, 71, 72, 73, 74} <= DOC_ROWS
