@@ -530,3 +530,9 @@ def test_the_run_directory_serve_address_and_trace_files_a_probe_broke_are_one_l
     # tests/test_serve_hardening.py::test_echo_scoring_past_max_scored_tokens_is_a_400_before_any_forward (73);
     # tests/test_serve_shutdown.py::test_a_shutdown_answers_the_requests_being_prepared_at_once_and_stops_their_work (74)
     assert {68, 71, 72, 73, 74} <= DOC_ROWS
+    from toolkit.sampling.structured import StructuredOutputs
+
+    outside = {"properties": {"a": {"$ref": "https://example.com/a.json"}}, "$defs": {"b": {"$ref": "#/$defs/b"}}}
+    _expect(75, ConfigError, "points outside the schema", lambda: StructuredOutputs(json=outside))
+    assert StructuredOutputs(json={"$defs": {"b": {"type": "string"}}, "$ref": "#/$defs/b"}).kind == "json"
+    assert 76 in DOC_ROWS  # tests/test_serve.py::test_a_bad_request_is_a_4xx_naming_the_field: messages.0.content

@@ -188,6 +188,23 @@ BAD = [  # (route, body, status, param)
     ("chat/completions", {"messages": CHAT, "store": True}, 400, "store"),
     ("chat/completions", {"messages": CHAT, "service_tier": "flex"}, 400, "service_tier"),
     ("chat/completions", {"messages": None}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0.content"),  # read as "" before
+    ("chat/completions", {"messages": [{"role": "user", "content": None}]}, 400, "messages.0.content"),
+    ("chat/completions", {"messages": [*CHAT, {"role": "tool", "content": "42"}]}, 400, f"messages.{len(CHAT)}.role"),
+    ("chat/completions", {"messages": CHAT, "tool_choice": "auto"}, 400, "tool_choice"),
+    ("chat/completions", {"messages": CHAT, "modalities": ["text", "audio"]}, 400, "modalities"),
+    (  # a schema referring outside itself: xgrammar left that part unconstrained (a 200, the output unchecked)
+        "chat/completions",
+        {
+            "messages": CHAT,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "r", "schema": {"properties": {"a": {"$ref": "https://example.com/a.json"}}}},
+            },
+        },
+        400,
+        "response_format.json_schema.schema",
+    ),
 ]
 
 
@@ -208,6 +225,8 @@ def test_null_fields_take_their_defaults(server):
         + ["store", "service_tier", "metadata", "logit_bias", "max_completion_tokens", "presence_penalty"]
     )
     tiers = {"store": False, "service_tier": "auto", "metadata": {"run": "1"}}  # what those fields mean by default
+    # and what asks for nothing this server lacks, as vLLM takes it: no tool call, either policy, text output
+    tiers |= {"tool_choice": "none", "parallel_tool_calls": False, "modalities": ["text"]}
     plain, *others = (
         httpx.post(f"{server.url}/v1/chat/completions", json={**base, **extra}, timeout=60).json()
         for extra in ({}, nulls, tiers)

@@ -41,6 +41,12 @@ class StructuredOutputs:
             if not isinstance(schema, Mapping):
                 raise ConfigError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
             object.__setattr__(self, "json", _plain(schema))
+            ref = external_ref(self.json)
+            if ref is not None:  # xgrammar logs a warning and leaves that part unconstrained: the output unchecked
+                raise ConfigError(
+                    f"invalid structured_outputs.json: its $ref {ref[:200]!r} points outside the schema, which is not "
+                    f"fetched here: put what it names under $defs and refer to it as #/$defs/<name>"
+                )
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise ConfigError(f"structured_outputs.regex must be a non-empty string, got {self.regex!r}")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
@@ -90,6 +96,22 @@ class StructuredOutputs:
             raise ConfigError(f"unknown structured_outputs field(s) {', '.join(unknown)}; known: {', '.join(KINDS)}")
         present = {k: v for k, v in value.items() if v is not None}
         return cls(**present)
+
+
+def external_ref(schema: Any) -> str | None:
+    """The first `$ref` of a JSON schema that names no place inside it (not `#...`: a URL, a file), walked without
+    recursion; None where every reference is internal."""
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and not ref.startswith("#"):
+                return ref
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return None
 
 
 def _plain(value: Any) -> Any:

@@ -204,7 +204,7 @@ class Message(Strict):
     message back in the history; a refusal is its text."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
     refusal: str | None = None
     annotations: list[Any] | None = None
@@ -221,6 +221,25 @@ class Message(Strict):
             raise PydanticCustomError("unsupported", f"{what} is not supported by this server")
         return None
 
+    @field_validator("role")
+    @classmethod
+    def _not_a_tool(cls, role: str) -> str:
+        """A tool's answer needs the tool call it answers (OpenAI's tool_call_id), which this server never makes."""
+        if role == "tool":
+            raise PydanticCustomError(
+                "unsupported", "a tool message answers a tool call: tool calling is not supported"
+            )
+        return role
+
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, content: Any, info: ValidationInfo) -> Any:
+        """Every message but an assistant's needs its content (OpenAI: a 400; here it was read as empty text)."""
+        role = info.data.get("role")
+        if content is None and role not in (None, "assistant"):
+            raise PydanticCustomError("missing_content", f"a {role} message needs its content")
+        return content
+
     def plain(self) -> dict[str, str]:
         content = self.content
         if isinstance(content, list):
@@ -230,8 +249,25 @@ class Message(Strict):
         return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
 
 
+# fields of UNSUPPORTED whose value asks for nothing this server lacks, taken as vLLM takes them (SDK wrappers send
+# them by default): no tool call, either tool-call policy, text output
+ASKS_NOTHING = {
+    "tool_choice": lambda v: v == "none",
+    "parallel_tool_calls": lambda v: isinstance(v, bool),
+    "modalities": lambda v: v == ["text"],
+}
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _what_asks_nothing(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (k in ASKS_NOTHING and ASKS_NOTHING[k](v))}
+        return data
+
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
