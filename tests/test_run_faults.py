@@ -5,8 +5,10 @@ rows on disk before anything optional, summary.json naming the failure, one line
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,23 +53,21 @@ def test_a_sweep_runs_every_job_and_names_each_failed_one(tmp_path):
     ended the sweep there, and under joblib killed the jobs beside it), each job's code is in its job.json, the
     failed one is named with its overrides on stderr, and the sweep exits 1."""
     sweep = tmp_path / "sweep"
-    proc = _run(
-        [
-            "-m",
-            "hydra/launcher=joblib",
-            "hydra.launcher.n_jobs=2",
-            "model=tiny",
-            "workload.num_requests=2",
-            "workload.min_tokens=1",
-            "workload.max_tokens=4",
-            "print_outputs=false",
-            "plots=false",
-            "report.auto=false",
-            "engine.max_num_batched_tokens=0,64",
-            f"hydra.sweep.dir={sweep}",
-        ],
-        tmp_path,
-    )
+    args = [
+        "-m",
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        "model=tiny",
+        "workload.num_requests=2",
+        "workload.min_tokens=1",
+        "workload.max_tokens=4",
+        "print_outputs=false",
+        "plots=false",
+        "report.auto=false",
+        "engine.max_num_batched_tokens=0,64",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    proc = _run(args, tmp_path)
     assert proc.returncode == 1, proc.stderr[-2000:]
     codes = {int(d.name): json.loads((d / "job.json").read_text())["exit_code"] for d in sweep.iterdir() if d.is_dir()}
     assert codes == {0: 2, 1: 0}
@@ -75,6 +75,33 @@ def test_a_sweep_runs_every_job_and_names_each_failed_one(tmp_path):
     named = [line for line in proc.stderr.splitlines() if line.startswith("sweep: job ")]
     assert len(named) == 1 and "engine.max_num_batched_tokens=0" in named[0] and "exit 2" in named[0], named
     assert "sweep: 1 of 2 jobs failed" in proc.stderr and "Traceback" not in proc.stderr
+    # the same sweep again into the same directory: each job is refused (its directory holds a run), and each is
+    # named, though the older job.json files said 0 (a reused directory's jobs were filtered out: exit 0)
+    again = _run(args, tmp_path)
+    assert again.returncode == 1 and "sweep: 2 of 2 jobs failed" in again.stderr, again.stderr[-2000:]
+
+
+def test_ctrl_c_in_a_sweeps_job_stops_the_sweep(tmp_path):
+    """Ctrl-C (or SIGTERM) in a job ends the sweep there, with the job's code: the next job does not start."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "run.py"), "-m", "model=tiny", "workload.num_requests=40"]
+        + ["workload.min_tokens=200", "workload.max_tokens=400", "print_outputs=false", "trace.flush_every_steps=4"]
+        + ["engine.max_num_seqs=8,16", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a suite in the background ignores it
+    )
+    deadline = time.time() + 120
+    while not list((sweep / "0" / "samples.parquet").glob("part-*.parquet")) and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert json.loads((sweep / "0" / "job.json").read_text())["exit_code"] == 130
+    assert not (sweep / "1").exists() and "Traceback" not in err
 
 
 def test_a_run_directory_holding_a_run_or_unwritable_is_refused_before_hydra_writes_in_it(tmp_path):

@@ -29,7 +29,11 @@ from toolkit.runs.recorder import holds_run
 from toolkit.trace.writer import TraceWriteError
 
 JOB_FILE = "job.json"  # a multirun job's exit code and overrides, in its run directory
-RECORDING_MODES = ("run", "serve", "replay")  # the modes that record a run into Hydra's run directory
+RECORDING_MODES = ("run", "serve", "replay")
+STOPPED = (
+    130,
+    143,
+)  # a job's exit code after Ctrl-C or SIGTERM (toolkit.runs.session)  # the modes that record a run into Hydra's run directory
 _failed_jobs: list[dict[str, Any]] = []  # the last sweep's, for run.py's exit code
 
 
@@ -58,8 +62,10 @@ def job_ended(run_dir: Path, code: int, multirun: bool, num: int, overrides: lis
     record = {"num": num, "exit_code": int(code), "overrides": list(overrides)}
     try:
         (run_dir / JOB_FILE).write_text(json.dumps(record))
-    except OSError as exc:  # the sweep still names it, from what the launcher returned
+    except OSError as exc:  # the sweep names it still: a job that recorded no end
         print(f"toolkit: job {num}: {JOB_FILE} not written: {one_line(exc)}", file=sys.stderr)
+    if code in STOPPED:  # Ctrl-C or SIGTERM stops the sweep, not only its job
+        sys.exit(code)
 
 
 def sweep_exit_code() -> int:
@@ -68,19 +74,29 @@ def sweep_exit_code() -> int:
 
 
 def sweep_jobs(sweep_dir: Path, since: float) -> list[dict[str, Any]]:
-    """Each job under `sweep_dir` that started since `since` (a reused sweep directory's older jobs are not this
-    sweep's): its num, overrides and exit code, None where it recorded no end (killed), and its directory."""
+    """Each job under `sweep_dir` that this sweep ran, since `since` (Hydra rewrites a job's .hydra/hydra.yaml as it
+    starts it: a reused sweep directory's older jobs are not this sweep's): its num, overrides and exit code, None
+    where it recorded no end since (killed; a job.json older than that is an earlier sweep's), its directory."""
     found = []
     for hydra_dir in sorted(sweep_dir.rglob(".hydra"), key=str):
         job_dir = hydra_dir.parent
-        if hydra_dir.stat().st_mtime < since - 1:
+        if _mtime(hydra_dir / "hydra.yaml") < since - 1:
             continue
         try:
-            record = json.loads((job_dir / JOB_FILE).read_text())
+            record = json.loads((job_dir / JOB_FILE).read_text()) if _mtime(job_dir / JOB_FILE) >= since - 1 else None
         except (OSError, ValueError):
+            record = None
+        if not isinstance(record, dict):
             record = {"num": job_dir.name, "exit_code": None, "overrides": _overrides(hydra_dir)}
         found.append({**record, "dir": str(job_dir)})
     return found
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return float("-inf")
 
 
 def _overrides(hydra_dir: Path) -> list[str]:
@@ -100,7 +116,11 @@ class Jobs(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
-            check_run_dir(Path(str(config.hydra.run.dir)), str(config.get("mode", "run")))
+            run_dir = Path(str(config.hydra.run.dir))
+        except Exception:  # noqa: BLE001 - a dir only run_job resolves (${hydra:...}): record() checks it then
+            return
+        try:
+            check_run_dir(run_dir, str(config.get("mode", "run")))
         except ToolkitError as exc:
             print(f"error: {exc}", file=sys.stderr)
             sys.exit(exc.exit_code)
@@ -111,7 +131,10 @@ class Jobs(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
-        jobs = sweep_jobs(sweep_dir, self.started) if sweep_dir.is_dir() else []
+        try:
+            jobs = sweep_jobs(sweep_dir, self.started) if sweep_dir.is_dir() else []
+        except OSError as exc:  # Hydra would make this a warning, and the sweep a success
+            jobs = [{"num": "?", "exit_code": None, "overrides": [f"its jobs unreadable: {one_line(exc)}"], "dir": ""}]
         _failed_jobs[:] = [j for j in jobs if j["exit_code"] != 0]
         for job in _failed_jobs:
             how = "recorded no end (killed?)" if job["exit_code"] is None else f"exit {job['exit_code']}"

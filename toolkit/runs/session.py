@@ -172,6 +172,7 @@ def record(
                     bar.update(out)
                 if on_step is not None:
                     on_step(out)
+        interrupted = ctrl_c.pressed  # a signal in the last step: the process was asked to stop all the same
     except KeyboardInterrupt:  # Ctrl-C (between steps; a second one anywhere): the trace is flushed, the run summarised
         interrupted = True
     except BaseException as exc:  # goes on up once what was traced is on disk and the summary says it failed

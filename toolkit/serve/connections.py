@@ -163,21 +163,18 @@ class AbortingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """The server's socket, bound before the model loads and handed to uvicorn: a host that does not resolve, an
-    address this machine has not or a port in use is one line naming serve.host and serve.port (uvicorn said so
-    in its own words after the "serving at" line, exit 3, once the model had loaded)."""
-    sock = None
+def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """The server's socket, bound and listening before the model loads, handed to uvicorn (bound as uvicorn binds
+    one: IPv6 where the host has a colon, else IPv4, SO_REUSEADDR): a host that does not resolve, an address this
+    machine has not or a port in use is one line naming serve.host and serve.port (uvicorn said so in its own words
+    after the "serving at" line, exit 3, once the model had loaded)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
-        sock.bind(address)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)  # a second server binding the port meanwhile fails here, not after its model loads
     except (OSError, OverflowError, UnicodeError) as exc:
-        if sock is not None:
-            sock.close()
+        sock.close()
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ConfigError(f"serve.host={host} serve.port={port}: cannot listen there: {reason}") from None
     return sock

@@ -240,7 +240,11 @@ def run_serve(cfg: DictConfig, run_dir: Path) -> int:
     host, port = section["host"], section["port"]
     sock = listening_socket(host, port)  # before the model loads: an address it cannot take is one line
     port = sock.getsockname()[1]  # serve.port=0: the one the system chose
-    engine = Engine.from_config(cfg)
+    try:
+        engine = Engine.from_config(cfg)
+    except BaseException:
+        sock.close()
+        raise
     servers: list[uvicorn.Server] = []  # the loop's failure shuts the HTTP server down (on any thread)
     loop, app = build(
         engine, run_dir, cfg, section, on_fatal=lambda exc: [setattr(s, "should_exit", True) for s in servers]

@@ -236,10 +236,13 @@ def check_policy(requests: pa.Table, samples: pa.Table) -> None:
     top_k, min_p, seed) than its request row: one of the two files was edited (a replay re-adds the request's, a
     verify recomputes with it). A converted transcript's rows (mode=audit) record the other engine's claims: not
     checked."""
-    first: dict[tuple[str, int], tuple] = {}
     columns = ("request_id", "stream", *POLICY_FIELDS, "seed")
-    for rid, stream, *values in zip(*(samples.column(c).to_pylist() for c in columns)):
-        first.setdefault((rid, stream), tuple(values))
+    keyed = samples.select(["request_id", "stream"]).append_column("row", pa.array(range(samples.num_rows), pa.int64()))
+    firsts = keyed.group_by(["request_id", "stream"]).aggregate([("row", "min")]).column("row_min")
+    heads = samples.select(list(columns)).take(firsts)  # a sequence's first row each, found in Arrow (millions of rows)
+    first = {
+        (rid, stream): tuple(values) for rid, stream, *values in zip(*(heads.column(c).to_pylist() for c in columns))
+    }
     for row in requests.select(["request_id", "stream", "sampling_params", "seed", "origin_engine"]).to_pylist():
         recorded = first.get((row["request_id"], row["stream"]))
         if recorded is None or row["origin_engine"] is not None:

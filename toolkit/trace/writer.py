@@ -302,8 +302,10 @@ class TraceWriter:
         self._queue.put(None)
         self._thread.join()
         if self.fault is not None:
+            logits = f" and {len(self._logits)} full-logits rows" if self._logits else ""
             raise OSError(
-                f"trace writer: {len(self._pending)} sample rows could not be written to {self.run_dir}: {self.fault}"
+                f"trace writer: {len(self._pending)} sample rows{logits} could not be written to {self.run_dir}: "
+                f"{self.fault}"
             )
 
     def __enter__(self) -> TraceWriter:
