@@ -7,6 +7,7 @@ Run as a script to save the README's screenshots: python tests/test_report.py <r
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -360,7 +361,13 @@ def _large_run(src: Path, dst: Path, requests: int = 1000, rows_each: int = 100)
                 finish_reason="length" if k == rows_each - 1 else None,
             )
             out.append(r)
-        reqs.append({**request_rows[i % len(request_rows)], "request_id": rid, "stream": 0, "arrival_index": i})
+        spelled = [r["token_id"] for r in out[-rows_each:]]  # what its request row records: the trace agrees
+        first = samples[i % len(samples)]  # the request whose sampling policy its rows record
+        base = next(q for q in request_rows if (q["request_id"], q["stream"]) == (first["request_id"], first["stream"]))
+        reqs.append(
+            {**base, "request_id": rid, "stream": 0, "arrival_index": i}
+            | {"output_token_ids": spelled, "finish_reason": "length", "prompt_token_ids": [1] * 100}
+        )
     shutil.rmtree(dst / "samples.parquet")
     (dst / "samples.parquet").mkdir()
     schema = pq.read_table(next((src / "samples.parquet").glob("part-*.parquet"))).schema
@@ -368,6 +375,8 @@ def _large_run(src: Path, dst: Path, requests: int = 1000, rows_each: int = 100)
     shutil.rmtree(dst / "requests.parquet")
     (dst / "requests.open.parquet").unlink(missing_ok=True)
     write_requests(dst, reqs)
+    summary = json.loads((dst / "summary.json").read_text())
+    (dst / "summary.json").write_text(json.dumps({**summary, "trace_rows": len(out)}))
     return len(out)
 
 
@@ -500,6 +509,41 @@ def test_mode_report_writes_the_page_and_refuses_bad_arguments_in_one_line(real_
         bad = cli(*args)
         assert bad.returncode == 2 and words in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_run_that_stopped_short_or_lost_rows_says_so_or_is_refused(real_run, browser, tmp_path):
+    """A hostile probe's runs: an interrupted run with a request refused and a NaN in its summary renders, and says
+    first that it stopped and what was refused (it showed its figures as a whole run's, and a NaN was a traceback);
+    a run whose rows were lost is refused as replay and compare refuse it (it showed them as 0 tokens); report.out
+    that cannot be written is one line (a traceback)."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from toolkit.errors import ConfigError
+    from toolkit.report import write_report
+    from toolkit.trace.reader import TraceError
+
+    stopped = tmp_path / "stopped"
+    shutil.copytree(real_run, stopped, ignore=shutil.ignore_patterns("report.html"))
+    summary = json.loads((stopped / "summary.json").read_text())
+    summary |= {"interrupted": True, "signal": "SIGTERM", "rejected": 1, "rejected_requests": ["too long"]}
+    summary["ttft_p50_s"] = float("nan")  # Python's json writes it; JSON has no such number
+    (stopped / "summary.json").write_text(json.dumps(summary))
+    page = open_report(browser, write_report(stopped, tokenizer=None))
+    said = page.locator("#notes p").all_inner_texts()
+    assert len(said) == 2 and "interrupted (SIGTERM)" in said[0] and "1 request(s) were rejected" in said[1], said
+    page.close()
+
+    lost = tmp_path / "lost"
+    shutil.copytree(real_run, lost, ignore=shutil.ignore_patterns("report.html"))
+    (part,) = (lost / "samples.parquet").glob("part-*.parquet")
+    rows = pq.read_table(part)
+    pq.write_table(rows.slice(0, rows.num_rows - 3), part)  # a closed run's last rows gone
+    with pytest.raises(TraceError, match="sample rows, but the run wrote"):
+        write_report(lost, tokenizer=None)
+    with pytest.raises(ConfigError, match="report.out: cannot write"):
+        write_report(real_run, out=tmp_path, tokenizer=None)
 
 
 def screenshots(report: Path, prefix: str, views: list[str]) -> None:

@@ -27,10 +27,10 @@ from markupsafe import Markup
 from omegaconf import OmegaConf
 
 from toolkit.config import ModelConfig, from_mapping
-from toolkit.errors import ConfigError, ToolkitError
+from toolkit.errors import ConfigError, ToolkitError, one_line
 from toolkit.models.loading import tokenizer_dir
 from toolkit.models.tokenizer import Tokenizer
-from toolkit.report.data import Pieces, RunData
+from toolkit.report.data import Pieces, RunData, notes
 from toolkit.runs.plots import token_budget
 from toolkit.trace.diverge import first_divergences
 from toolkit.trace.writer import atomic_write_bytes
@@ -181,10 +181,11 @@ def _steps_note(steps: dict[str, list] | None) -> str:
     if not steps or not steps.get("step"):
         return "This run recorded no steps (no steps.parquet: e.g. a mode=audit transcript)."
     n = len(steps["step"])
-    times = sorted(steps["step_s"])
+    times = sorted(t for t in steps["step_s"] if t is not None and math.isfinite(t)) or [math.nan]
+    kv = [u for u in steps["kv_utilization"] if u is not None and math.isfinite(u)] or [math.nan]
     return (
-        f"{n} steps; step time p50 {1e3 * times[n // 2]:.1f} ms; {sum(steps.get('preempted') or [])} "
-        f"preemptions; peak KV use {100 * max(steps['kv_utilization']):.1f}%."
+        f"{n} steps; step time p50 {1e3 * times[len(times) // 2]:.1f} ms; {sum(steps.get('preempted') or [])} "
+        f"preemptions; peak KV use {100 * max(kv):.1f}%."
     )
 
 
@@ -201,6 +202,7 @@ def build_payload(run: RunData, against: RunData | None = None, tokenizer=None) 
         "latency": _json(latency_figure(run)),
     }
     payload["steps_note"] = _steps_note(run.steps)
+    payload["notes"] = notes(run) + ([f"the second run: {n}" for n in notes(against)] if against is not None else [])
     payload["pieces"] = {str(k): v for k, v in pieces.table.items()}
     payload["processors"] = [list(p) for p, _ in sorted(processors.items(), key=lambda kv: kv[1])]
     return payload
@@ -239,7 +241,10 @@ def write_report(
     title = f"{run_dir.name}" + (f" vs {Path(against).name}" if against is not None else "")
     html = render(build_payload(run, other, tokenizer), f"toolkit report: {title}")
     out = Path(out) if out is not None else run_dir / "report.html"
-    atomic_write_bytes(out, html.encode())
+    try:
+        atomic_write_bytes(out, html.encode())
+    except OSError as exc:  # a directory, a path that does not exist, a full disk
+        raise ConfigError(f"report.out: cannot write {out}: {one_line(exc)}") from None
     return out
 
 

@@ -19,7 +19,14 @@ import numpy as np
 import pyarrow as pa
 
 from toolkit.trace.diverge import SeqKey, sequences
-from toolkit.trace.reader import read_manifest, read_requests, read_samples, read_steps
+from toolkit.trace.reader import (
+    check_rows_present,
+    read_manifest,
+    read_requests,
+    read_samples,
+    read_steps,
+    read_summary,
+)
 
 
 def f32(x: float | None) -> float | None:
@@ -168,6 +175,34 @@ def request_entries(requests: pa.Table, seqs: dict[SeqKey, list[dict]]) -> list[
     return out
 
 
+def finite(value: Any) -> Any:
+    """`value` with every NaN or infinity in it as None: JSON has no such numbers, and Python's writes them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    return [finite(v) for v in value] if isinstance(value, list) else value
+
+
+def notes(run: RunData) -> list[str]:
+    """What the page says first about the run as a whole: stopped early, failed, requests refused."""
+    s = run.summary or {}
+    out = []
+    if s.get("interrupted"):
+        out.append(
+            f"This run was interrupted ({s.get('signal') or 'Ctrl-C'}): the requests still running then stop short."
+        )
+    if s.get("failed"):
+        out.append(f"This run failed: {s['failed']}")
+    if not s:
+        out.append("This run has no summary.json: it did not close (killed?); its figures are the rows it wrote.")
+    rejected = s.get("rejected") or 0
+    if rejected:
+        reasons = "; ".join(str(r) for r in (s.get("rejected_requests") or [])[:3])
+        out.append(f"{rejected} request(s) were rejected and are not shown" + (f": {reasons}" if reasons else ""))
+    return out
+
+
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(Path(path).read_text())
@@ -191,13 +226,14 @@ class RunData:
     def read(cls, run_dir: str | Path) -> RunData:
         run_dir = Path(run_dir)
         config = run_dir / "config.yaml"
-        samples, steps = read_samples(run_dir), read_steps(run_dir)
+        samples, steps, requests = read_samples(run_dir), read_steps(run_dir), read_requests(run_dir)
+        check_rows_present(requests, samples, run_dir)  # what replay and compare refuse (rows lost) is refused here
         return cls(
             run_dir=run_dir,
-            manifest=read_manifest(run_dir),
-            summary=read_json(run_dir / "summary.json"),
+            manifest=finite(read_manifest(run_dir)),
+            summary=finite(read_summary(run_dir)) or None,
             config_yaml=config.read_text() if config.exists() else "",
-            requests=read_requests(run_dir),
+            requests=requests,
             seqs=sequences(samples.to_pylist()),
             steps=steps.to_pydict() if steps is not None else None,
         )

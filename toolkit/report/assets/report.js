@@ -359,6 +359,8 @@
     next.click();
   });
 
+  if ((D.notes || []).length) /* stopped early, failed, requests refused: said before any figure */
+    document.querySelector("header").after(el("div", { id: "notes" }, ...D.notes.map((t) => el("p", { text: t }))));
   addTab("requests", "Requests", requestsView);
   if (B) addTab("compare", "Compare", compareView);
   addTab("engine", "Engine", engineView);
