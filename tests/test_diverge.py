@@ -132,3 +132,16 @@ def test_a_sampling_policy_that_differs_is_named_with_its_values():
     # the raw logits no policy changes: a numerical divergence stays one
     (d,) = first_divergences(a, sequences([row("r", 0, 1, **hotter), row("r", 1, 2, logits_sha256="x", **hotter)]))
     assert d.kind == "logits"
+
+
+def test_a_request_whose_prompts_differ_is_named_so_not_by_its_rows():
+    """Two runs whose request "b" had another prompt of the same length: its rows part at the logits, which read as
+    "numerical: the forward computed other bits"; with each run's prompts given, the prompt is the cause. A request
+    with one prompt in both runs keeps its row-level cause."""
+    a = sequences([row("b", 5, 1), row("same", 5, 1)])
+    b = sequences([row("b", 5, 1, logits_sha256="other"), row("same", 5, 1, logits_sha256="other")])
+    prompts = ({"b": [1, 2, 3], "same": [4, 5]}, {"b": [1, 2, 9], "same": [4, 5]})
+    by_request = {d.request_id: d for d in first_divergences(a, b, prompts=prompts)}
+    assert by_request["b"].kind == "prompt" and by_request["b"].cause.startswith("prompt: the two runs' prompts differ")
+    assert by_request["same"].kind == "logits"
+    assert {d.kind for d in first_divergences(a, b)} == {"logits"}  # without the prompts: what the rows say

@@ -544,6 +544,13 @@ def test_a_run_that_stopped_short_or_lost_rows_says_so_or_is_refused(real_run, b
         write_report(lost, tokenizer=None)
     with pytest.raises(ConfigError, match="report.out: cannot write"):
         write_report(real_run, out=tmp_path, tokenizer=None)
+    # another tokenizer's run against it: its ids were decoded with this run's tokenizer (another text, or none)
+    other = tmp_path / "other"
+    shutil.copytree(real_run, other, ignore=shutil.ignore_patterns("report.html"))
+    manifest = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps({**manifest, "tokenizer_sha256": "0" * 64}))
+    with pytest.raises(ConfigError, match="ran another tokenizer than"):
+        write_report(real_run, other, out=tmp_path / "two.html", tokenizer=None)
 
 
 def screenshots(report: Path, prefix: str, views: list[str]) -> None:

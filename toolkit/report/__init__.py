@@ -194,7 +194,11 @@ def build_payload(run: RunData, against: RunData | None = None, tokenizer=None) 
     payload: dict[str, Any] = {"run": run.payload(pieces, processors)}
     if against is not None:
         payload["against"] = against.payload(pieces, processors)
-        payload["divergences"] = [d.to_dict() for d in first_divergences(run.seqs, against.seqs)]
+        prompts = tuple(
+            dict(zip(r.requests.column("request_id").to_pylist(), r.requests.column("prompt_token_ids").to_pylist()))
+            for r in (run, against)
+        )
+        payload["divergences"] = [d.to_dict() for d in first_divergences(run.seqs, against.seqs, prompts=prompts)]
         payload["compared_sequences"] = len(set(run.seqs) | set(against.seqs))
     payload["figures"] = {
         "timeline": _json(timeline_figure(run.steps, token_budget(run.run_dir))),
@@ -236,6 +240,12 @@ def write_report(
     run_dir = Path(run_dir)
     run = RunData.read(run_dir)
     other = RunData.read(Path(against)) if against is not None else None
+    if other is not None and run.manifest.get("tokenizer_sha256") != other.manifest.get("tokenizer_sha256"):
+        raise ConfigError(  # one run's token ids through the other's tokenizer read as another text, or as none
+            f"report.against: {against} ran another tokenizer than {run_dir} (tokenizer_sha256 "
+            f"{str(other.manifest.get('tokenizer_sha256'))[:12]} vs {str(run.manifest.get('tokenizer_sha256'))[:12]}): "
+            f"their tokens cannot be shown side by side; compare their texts with mode=compare"
+        )
     if tokenizer == "auto":
         tokenizer = report_tokenizer(run_dir, run.manifest)
     title = f"{run_dir.name}" + (f" vs {Path(against).name}" if against is not None else "")

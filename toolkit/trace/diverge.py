@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from toolkit.trace.schema import FLOAT_BITS, same_value
@@ -50,6 +50,7 @@ REPLAYED_FIELDS = COMPARED_FIELDS + REPLAYED_ONLY
 # the cause each kind of first divergence points to, checked in this order at the first differing position: what
 # comes first in the pipeline (the forward) explains what follows
 CAUSES = (
+    ("prompt", "prompt: the two runs' prompts differ, so their rows continue other contexts"),
     ("logits", "numerical: the raw logits differ (logits_sha256), so the forward computed other bits"),
     ("policy", "sampling policy: the same logits, sampled under another policy"),
     ("support", "processors or grammar: the same logits, but another kept set (kept_sha256 / support_size)"),
@@ -264,12 +265,18 @@ def first_divergences(
     a: Mapping[SeqKey, Sequence[Mapping]],
     b: Mapping[SeqKey, Sequence[Mapping]],
     compared: Sequence[str] = COMPARED_FIELDS,
+    prompts: tuple[Mapping[str, Sequence[int]], Mapping[str, Sequence[int]]] | None = None,
 ) -> list[Divergence]:
-    """For each sequence of either run (rows by `sequences`), its first divergence, in sequence order."""
+    """For each sequence of either run (rows by `sequences`), its first divergence, in sequence order. With
+    `prompts` (each run's prompt token ids by request id), a request whose prompts differ is named so first: its
+    rows, compared by position, continue other contexts (a cause read off them would be wrong)."""
     out = []
     for key in sorted(set(a) | set(b)):
         d = first_divergence(key, a.get(key, ()), b.get(key, ()), compared)
         if d is not None:
+            if prompts is not None and key[0] in prompts[0] and key[0] in prompts[1]:
+                if list(prompts[0][key[0]]) != list(prompts[1][key[0]]):
+                    d = replace(d, kind="prompt", policy=())
             out.append(d)
     return out
 
