@@ -584,3 +584,13 @@ def test_a_token_id_the_tokenizer_lacks_is_shown_as_its_id(smollm2):
     pieces.add([10**12, 2**40, 504])
     assert pieces.table[10**12] == "#1000000000000" and pieces.table[2**40] == f"#{2**40}"
     assert pieces.table[504] == smollm2.tokenizer.decode([504], skip_special_tokens=False)
+
+
+def test_a_long_prompt_keeps_its_end_and_says_how_much_was_cut():
+    """The page keeps a prompt's last characters (what the output continues); a cut start is said, where it was
+    dropped without a word."""
+    from toolkit.report.data import _tail
+
+    assert _tail("short", 10) == "short"
+    cut = _tail("HEAD" + "x" * 20 + "TAIL", 10)
+    assert cut.endswith("xxxxxxTAIL") and cut.startswith("[19 characters before] …") and "HEAD" not in cut

@@ -133,7 +133,7 @@ def request_entries(requests: pa.Table, seqs: dict[SeqKey, list[dict]]) -> list[
                 "id": r["request_id"],
                 "stream": r["stream"],
                 "tokens": len(rows),
-                "prompt": (r["prompt_text"] or "")[-4000:],
+                "prompt": _tail(r["prompt_text"] or "", 4000),  # its end, which the output continues
                 "prompt_tokens": len(r["prompt_token_ids"] or ()),
                 "finish": r["finish_reason"],
                 "stop": r["stop_reason"],
@@ -173,6 +173,11 @@ def request_entries(requests: pa.Table, seqs: dict[SeqKey, list[dict]]) -> list[
             }
         )
     return out
+
+
+def _tail(text: str, n: int) -> str:
+    """The last `n` characters of `text`, marked where the start was cut (it was cut without a word)."""
+    return text if len(text) <= n else f"[{len(text) - n + 1} characters before] …" + text[-(n - 1) :]
 
 
 def finite(value: Any) -> Any:

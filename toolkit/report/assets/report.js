@@ -133,11 +133,11 @@
     for (const id of ids) {
       const raw = lookup(tr, id), proc = lookup(tp, id);
       table.append(el("tr", { class: id === q.tok[k] ? "chosen" : null, "data-token": id },
-        el("td", {}, el("span", { class: "piece", text: visible(piece(id)) })),
+        el("td", {}, el("span", { class: "piece", text: visible(piece(id)) }), el("span", { class: "muted", text: ` ${id}` })),
         el("td", { class: "num", text: raw === null ? "–" : `${fmt(raw)} (${pct(Math.exp(raw))})` }),
         el("td", { class: "num", text: proc === null ? "masked / not in top" : `${fmt(proc)} (${pct(Math.exp(proc))})` })));
     }
-    const labels = ids.map((id) => JSON.stringify(piece(id)));
+    const labels = ids.map((id) => `${JSON.stringify(piece(id))} ${id}`); /* pieces alike (byte tokens): a bar each */
     const figure = {
       data: [
         { type: "bar", name: "raw", x: labels, y: ids.map((id) => { const v = lookup(tr, id); return v === null ? 0 : Math.exp(v); }), marker: { color: "#98a2b3" } },
@@ -295,7 +295,8 @@
         el("p", {}, `First divergence at position ${d.position} (output token ${d.index}): `,
           el("span", { class: "cause", id: "div-cause", "data-kind": d.kind, "data-position": d.position, text: d.cause })),
         el("p", { id: "token-divergence", "data-index": d.token_index === null ? "" : d.token_index,
-          text: d.token_index === null ? "The tokens both runs have agree; they part in other fields only."
+          text: d.a_token === null || d.b_token === null ? "One run has no row here: its tokens stop earlier, or it lacks the sequence."
+            : d.token_index === null ? "The tokens both runs have agree; they part in other fields only."
             : `The tokens first differ at output token ${d.token_index}` + (d.token_index === d.index ? " (here)." : ".") }),
         el("p", { class: "muted", text: `differing fields: ${d.fields.join(", ")}; token A ${d.a_token === null ? "none" : JSON.stringify(piece(d.a_token)) + " (" + d.a_token + ")"}, token B ${d.b_token === null ? "none" : JSON.stringify(piece(d.b_token)) + " (" + d.b_token + ")"}` }),
         colourControls(drawPair)];
