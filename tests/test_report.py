@@ -593,4 +593,4 @@ def test_a_long_prompt_keeps_its_end_and_says_how_much_was_cut():
 
     assert _tail("short", 10) == "short"
     cut = _tail("HEAD" + "x" * 20 + "TAIL", 10)
-    assert cut.endswith("xxxxxxTAIL") and cut.startswith("[19 characters before] …") and "HEAD" not in cut
+    assert cut.endswith("xxxxxTAIL") and cut.startswith("[19 characters before] …") and "HEAD" not in cut
