@@ -497,6 +497,9 @@ def test_mode_report_writes_the_page_and_refuses_bad_arguments_in_one_line(real_
             timeout=300,
         )
 
+    untraced = tmp_path / "untraced"  # a run of trace.enabled=false: its manifest, no sample rows
+    untraced.mkdir()
+    (untraced / "manifest.json").write_text("{}")
     ok = cli(f"report.run={real_run}", f"report.out={tmp_path / 'r.html'}")
     assert ok.returncode == 0 and (tmp_path / "r.html").exists(), ok.stderr
     html = (tmp_path / "r.html").read_text()
@@ -504,6 +507,7 @@ def test_mode_report_writes_the_page_and_refuses_bad_arguments_in_one_line(real_
     for args, words in (
         ((), "needs report.run"),
         ((f"report.run={tmp_path}",), "not a run directory"),
+        ((f"report.run={untraced}",), "recorded with trace.enabled=false"),  # "not a run directory" misled
         ((f"report.run={real_run}", f"report.against={tmp_path / 'nope'}"), "report.against"),
     ):
         bad = cli(*args)

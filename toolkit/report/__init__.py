@@ -267,7 +267,12 @@ def run_report(cfg, run_dir: Path) -> int:
     for name in ("run", "against"):
         value = section.get(name)
         if value and not (Path(value) / "samples.parquet").is_dir():
-            raise ConfigError(f"report.{name}: {value} is not a run directory (no samples.parquet/)")
+            why = (
+                "recorded with trace.enabled=false: it has no sample rows to show"
+                if (Path(value) / "manifest.json").is_file()
+                else "is not a run directory (no samples.parquet/)"
+            )
+            raise ConfigError(f"report.{name}: {value} {why}")
     out = write_report(target, section.get("against"), section.get("out"))
     size = out.stat().st_size / 2**20
     print(f"report: {out} ({size:.1f} MB)")

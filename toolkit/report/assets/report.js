@@ -213,7 +213,7 @@
       page = Math.min(page, pages - 1);
       const table = el("table", { id: "req-table" },
         el("tr", {}, el("th", { text: "request" }), el("th", { class: "num", text: "tokens" }),
-          el("th", { text: "finish" }), el("th", { class: "num", text: "mean p" })));
+          el("th", { text: "finish" }), el("th", { class: "num", text: "geo. mean p", title: "exp(mean raw logprob): the geometric mean of the chosen tokens' probabilities" })));
       for (const i of idx.slice(page * PAGE, (page + 1) * PAGE)) {
         const r = A.requests[i];
         table.append(el("tr", { class: "req" + (i === selected ? " selected" : ""), "data-index": i,
