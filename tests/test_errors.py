@@ -536,3 +536,4 @@ def test_the_run_directory_serve_address_and_trace_files_a_probe_broke_are_one_l
     _expect(75, ConfigError, "points outside the schema", lambda: StructuredOutputs(json=outside))
     assert StructuredOutputs(json={"$defs": {"b": {"type": "string"}}, "$ref": "#/$defs/b"}).kind == "json"
     assert 76 in DOC_ROWS  # tests/test_serve.py::test_a_bad_request_is_a_4xx_naming_the_field: messages.0.content
+    assert 77 in DOC_ROWS  # tests/test_run_faults.py::test_full_logits_naming_a_request_the_run_has_not_is_one_line

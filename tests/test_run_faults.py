@@ -143,3 +143,14 @@ def test_mode_serve_at_an_address_it_cannot_take_says_so_in_one_line_before_load
             assert why in proc.stderr
     finally:
         taken.close()
+
+
+def test_full_logits_naming_a_request_the_run_has_not_is_one_line(tmp_path):
+    """trace.full_logits=[ghost]: a typo'd request id wrote no logits and said nothing; now one line naming it."""
+    proc = _run(
+        ["model=tiny", "workload.num_requests=2", "workload.min_tokens=1", "workload.max_tokens=4"]
+        + ["trace.full_logits=[ghost]", f"hydra.run.dir={tmp_path / 'run'}"],
+        tmp_path,
+    )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: trace.full_logits names request ids this run has not: ghost (its ids: ")

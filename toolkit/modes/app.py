@@ -24,7 +24,7 @@ from toolkit.reproduce.verify import verify
 from toolkit.runs.metrics import batch_vs_single, structured_output_validity
 from toolkit.runs.session import record
 from toolkit.runs.workload import add_specs, workload_specs
-from toolkit.trace.writer import atomic_write_bytes
+from toolkit.trace.writer import atomic_write_bytes, full_logits_selection
 
 
 def runner(mode: str) -> Callable[[DictConfig, Path], int]:
@@ -85,6 +85,13 @@ def run_workload(cfg: DictConfig, run_dir: Path) -> int:
     for r in more_rejected:
         print(f"rejected: {r.reason}", file=sys.stderr)
     rejected += more_rejected
+    chosen = full_logits_selection(trace_cfg.full_logits)
+    if isinstance(chosen, frozenset) and not chosen <= set(ids):  # a typo wrote no logits, and said nothing
+        unknown = ", ".join(sorted(chosen - set(ids)))
+        raise ConfigError(
+            f"trace.full_logits names request ids this run has not: {unknown} (its ids: {', '.join(ids[:8])}"
+            f"{', ...' if len(ids) > 8 else ''})"
+        )
 
     recorded = record(
         engine,
