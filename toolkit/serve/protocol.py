@@ -260,17 +260,17 @@ ASKS_NOTHING = {
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _what_asks_nothing(cls, data: Any) -> Any:
+        """ASKS_NOTHING's values dropped before validation: the request is the one without them."""
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if not (k in ASKS_NOTHING and ASKS_NOTHING[k](v))}
         return data
-
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
