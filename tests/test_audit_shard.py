@@ -53,6 +53,33 @@ def test_bad_ray_options_are_named():
         ray_options({"ray": {"workers": 0}})
     with pytest.raises(ConfigError, match=r"verify.ray: unknown keys \['nodes'\]"):
         ray_options({"ray": {"nodes": 3}}, "verify")
+    with pytest.raises(ConfigError, match=r"verify.ray must be a mapping of address, workers"):
+        ray_options({"ray": 5}, "verify")  # a TypeError traceback before
+
+
+def test_a_cluster_that_cannot_answer_or_place_a_worker_is_one_line_before_any_wait():
+    """ray.init retried an address where nothing listens for ever, and an actor asking for more CPUs than the
+    cluster has waited for ever, silently: each is one line now; a cluster with room for fewer workers than asked
+    gets as many as fit (the answers are the same: each shard is recomputed alone)."""
+    from toolkit.errors import ClusterError
+    from toolkit.reproduce.shard import RayOptions, check_reachable, placeable
+
+    with pytest.raises(ClusterError, match=r"verify.ray.address=127.0.0.1:1: no Ray cluster answers there"):
+        check_reachable("127.0.0.1:1", "verify")
+    check_reachable("auto", "verify")  # left to Ray, which finds a running cluster or says there is none
+    with pytest.raises(
+        ClusterError, match=r"verify.ray.threads=2: a worker asks for 2 CPUs, and the Ray cluster has 1"
+    ):
+        placeable(1.0, RayOptions(workers=2, threads=2), 8, "verify")
+    assert placeable(5.0, RayOptions(workers=4, threads=2), 8, "audit") == 2
+    assert placeable(16.0, RayOptions(workers=4, threads=2), 3, "audit") == 3  # a worker a shard at most
+    if RAY_MISSING:
+        print(f"SKIP reason (the rest): {RAY_MISSING}")
+        return
+    from toolkit.reproduce.shard import run_on_ray
+
+    with pytest.raises(ClusterError, match=r"verify.ray.address=auto: cannot join that Ray cluster: ConnectionError"):
+        run_on_ray({}, RayOptions(address="auto"), [1], "verify", None, None)  # no cluster runs: a traceback before
 
 
 def _cli(*args, timeout=600):

@@ -537,3 +537,7 @@ def test_the_run_directory_serve_address_and_trace_files_a_probe_broke_are_one_l
     assert StructuredOutputs(json={"$defs": {"b": {"type": "string"}}, "$ref": "#/$defs/b"}).kind == "json"
     assert 76 in DOC_ROWS  # tests/test_serve.py::test_a_bad_request_is_a_4xx_naming_the_field: messages.0.content
     assert 77 in DOC_ROWS  # tests/test_run_faults.py::test_full_logits_naming_a_request_the_run_has_not_is_one_line
+    from toolkit.errors import ClusterError
+    from toolkit.reproduce.shard import check_reachable
+
+    _expect(78, ClusterError, "no Ray cluster answers there", lambda: check_reachable("127.0.0.1:1", "verify"))

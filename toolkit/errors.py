@@ -100,3 +100,9 @@ class Interrupted(ToolkitError):
 
 class ForeignEngineError(ToolkitError):
     """Another engine (llama.cpp), run in a child process, crashed, failed or ran past its time."""
+
+
+class ClusterError(ToolkitError):
+    """A Ray cluster a sharded run asked for cannot be reached, cannot place its workers, or lost one."""
+
+    exit_code = 69  # EX_UNAVAILABLE

@@ -13,15 +13,16 @@ Ray is its own extra (`pip install 'toolkit[ray]'`), imported only here, when a 
 
 from __future__ import annotations
 
+import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from toolkit.config import ModelConfig, from_mapping
-from toolkit.errors import ConfigError
+from toolkit.errors import ClusterError, ConfigError, one_line
 from toolkit.models import load_model
 
 LAUNCHERS = ("local", "ray")
@@ -37,7 +38,12 @@ class RayOptions:
 
 def ray_options(a: dict, section: str = "audit") -> RayOptions:
     """<section>.ray checked: a one-line error naming the field."""
-    r = dict(a.get("ray") or {})
+    given = a.get("ray") or {}
+    if not isinstance(given, Mapping):
+        raise ConfigError(
+            f"{section}.ray must be a mapping of address, workers, shards_per_worker, threads, got {given!r}"
+        )
+    r = dict(given)
     unknown = sorted(set(r) - {"address", "workers", "shards_per_worker", "threads"})
     if unknown:
         raise ConfigError(f"{section}.ray: unknown keys {unknown}; known: address, workers, shards_per_worker, threads")
@@ -129,20 +135,63 @@ def run_on_ray(
         kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
         if options.address is None:
             kwargs["num_cpus"] = options.workers * options.threads
-        ray.init(address=options.address, **kwargs)
+        else:
+            check_reachable(options.address, what)
+        try:
+            ray.init(address=options.address, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - ray raises ConnectionError, RuntimeError, ValueError by case
+            raise ClusterError(
+                f"{what}.ray.address={options.address}: cannot join that Ray cluster: {one_line(exc)}"
+            ) from None
     try:
         shards = split(weights, options.workers * options.shards_per_worker)
+        workers = placeable(ray.cluster_resources().get("CPU", 0), options, len(shards), what)
         actor = ray.remote(num_cpus=options.threads)(_Worker)
-        pool = ActorPool([actor.remote(model_cfg, options.threads) for _ in range(min(options.workers, len(shards)))])
+        pool = ActorPool([actor.remote(model_cfg, options.threads) for _ in range(workers)])
         results: dict[int, Any] = {}
         with progress_bar(sum(weights), f"{what} on Ray") as bar:
             for k, shard in enumerate(shards):
                 pool.submit(lambda w, job: w.run.remote(job[0], work, args_of(job[1])), (k, shard))
             while pool.has_next():
-                index, answer = pool.get_next_unordered()
+                try:
+                    index, answer = pool.get_next_unordered()
+                except ray.exceptions.RayError as exc:  # a worker died (killed, out of memory), or its node
+                    raise ClusterError(f"{what} on Ray: a worker failed: {one_line(exc)}") from None
                 results[index] = answer
                 bar.update(sum(weights[i] for i in shards[index]))
         return results
     finally:
         if started:
             ray.shutdown()
+
+
+def check_reachable(address: str, what: str, timeout_s: float = 5.0) -> None:
+    """A ClusterError where nothing answers at a host:port address (ray.init retried such an address for ever);
+    `auto` and an address without a port are left to Ray."""
+    host, _, port = address.rpartition("://")[2].rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ClusterError(f"{what}.ray.address={address}: no Ray cluster answers there ({reason})") from None
+
+
+def placeable(cpus: float, options: RayOptions, shards: int, what: str) -> int:
+    """How many workers of `options.threads` CPUs each the cluster can place at once (an actor it can never place
+    waited for ever, silently): at most `options.workers`, one a shard; a ClusterError where not even one fits."""
+    fits = int(cpus // options.threads)
+    if fits < 1:
+        raise ClusterError(
+            f"{what}.ray.threads={options.threads}: a worker asks for {options.threads} CPUs, and the Ray cluster has "
+            f"{cpus:g}; lower it"
+        )
+    workers = min(options.workers, shards, fits)
+    if workers < min(options.workers, shards):
+        print(
+            f"toolkit: the Ray cluster has {cpus:g} CPUs: {workers} workers of {options.threads} threads, "
+            f"not {options.workers}",
+            file=sys.stderr,
+        )
+    return workers
