@@ -541,3 +541,10 @@ def test_the_run_directory_serve_address_and_trace_files_a_probe_broke_are_one_l
     from toolkit.reproduce.shard import check_reachable
 
     _expect(78, ClusterError, "no Ray cluster answers there", lambda: check_reachable("127.0.0.1:1", "verify"))
+    from toolkit.bench.kv_quantization import kv_quantization_options
+    from toolkit.bench.scheduling import scheduling_options
+
+    plot = {"variants": {"a": {"max_num_seqs": 2}}, "plot_y": ["bogus"]}  # a zero-height bar before
+    _expect(79, ConfigError, "scheduling.plot_y: unknown figure", lambda: scheduling_options(plot, EngineConfig()))
+    twice = {"variants": ["int8", "int8"]}
+    _expect(79, ConfigError, "kv_quantization.variants names 'int8' twice", lambda: kv_quantization_options(twice))

@@ -20,17 +20,16 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from toolkit.bench import grammar_cost, invariant_cost, kernel_cost, kv_cost, roofline, systems, text_cost
+from toolkit.bench.options import bench_options, engine_variant, mappings
 from toolkit.bench.plots import plot_bench
 from toolkit.bench.workloads import BenchRequest, make_workload
-from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig, from_mapping
+from toolkit.config import EngineConfig, ModelConfig, from_mapping
 from toolkit.errors import ConfigError, ForeignEngineError
 from toolkit.llm import LLM
 from toolkit.models import load_model
 from toolkit.models.loading import smollm2_dir, smollm2_gguf
 from toolkit.native import cpu
 from toolkit.runs.metrics import percentile
-
-KNOWN_SYSTEMS = ("engine", "engine_notrace", "hf_static", "hf_cb", "naive", "llama_cpp")
 
 
 def _as_list(value) -> list:
@@ -54,9 +53,8 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
     b = OmegaConf.to_container(cfg.bench, resolve=True)
     engine_cfg = from_mapping(EngineConfig, OmegaConf.to_container(cfg.engine, resolve=True), section="engine")
     model_cfg = from_mapping(ModelConfig, OmegaConf.to_container(cfg.model, resolve=True), section="model")
-    unknown = [s for s in b["systems"] if s not in KNOWN_SYSTEMS]
-    if unknown:
-        raise ConfigError(f"unknown bench system {unknown[0]!r}; known: {', '.join(KNOWN_SYSTEMS)}")
+    hf_dir = model_cfg.path or (smollm2_dir() if model_cfg.name == "smollm2" else None)
+    bench_options(b, engine_cfg, hf_dir)  # every option, before the model loads and anything is timed
     if engine_cfg.num_threads:
         torch.set_num_threads(engine_cfg.num_threads)
     t0 = time.perf_counter()
@@ -77,7 +75,7 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
     )
 
     results: dict[str, systems.SystemResult] = {}
-    repeats = max(1, b.get("repeats", 1))
+    repeats = b.get("repeats", 1)
     names = [n for n in ("engine", "engine_notrace") if n in b["systems"]]
     runs: dict[str, list[systems.SystemResult]] = {n: [] for n in names}
     for i in range(repeats):  # alternate, so that drift of a shared machine hits both alike
@@ -90,38 +88,25 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
         results[name] = ordered[len(ordered) // 2]
         results[name].extra["wall_s_all"] = [r.wall_s for r in ordered]
     sampled = {}
-    for variant, fields in (b.get("sampled_variants") or {}).items():  # traced, as the greedy `engine` run
+    sampled_variants = mappings(b.get("sampled_variants"), "bench.sampled_variants")
+    for variant, fields in sampled_variants.items():  # traced, as the greedy `engine` run
         name = f"engine[{variant}]"
         sampled[name] = systems.run_engine(
-            loaded,
-            engine_cfg,
-            requests,
-            trace_dir=run_dir / f"engine_trace_{variant}",
-            name=name,
-            sampling=dict(fields or {}),
+            loaded, engine_cfg, requests, trace_dir=run_dir / f"engine_trace_{variant}", name=name, sampling=fields
         )
-        sampled[name].extra["sampling"] = dict(fields or {})
+        sampled[name].extra["sampling"] = fields
         print(f"  {name}: {sampled[name].wall_s:.2f} s", flush=True)
     report_host = (
-        _host_work_at_batch(
-            loaded, engine_cfg, requests, int(b["host_work_batch"]), b.get("sampled_variants") or {}, run_dir
-        )
+        _host_work_at_batch(loaded, engine_cfg, requests, b["host_work_batch"], sampled_variants, run_dir)
         if b.get("host_work_batch")
         else None
     )  # decode steps at a full batch, greedy and sampled
-    for variant, overrides in (b.get("engine_variants") or {}).items():
+    for variant, overrides in mappings(b.get("engine_variants"), "bench.engine_variants").items():
         name = f"engine[{variant}]"
-        overrides = dict(overrides or {})
-        spec = overrides.pop("speculative", None)  # e.g. {speculative: {method: ngram}}
-        spec_cfg = from_mapping(SpeculativeConfig, spec, section="speculative") if spec else None
-        variant_cfg = from_mapping(EngineConfig, {**dataclasses.asdict(engine_cfg), **overrides}, section="engine")
+        variant_cfg, spec_cfg = engine_variant(engine_cfg, overrides)
         results[name] = systems.run_engine(loaded, variant_cfg, requests, name=name, speculative=spec_cfg)
-        results[name].extra["overrides"] = {**overrides, **({"speculative": spec} if spec else {})}
+        results[name].extra["overrides"] = overrides
         print(f"  {name}: {results[name].wall_s:.2f} s", flush=True)
-    needs_hf = any(s in b["systems"] for s in ("hf_static", "hf_cb", "naive"))
-    hf_dir = model_cfg.path or (smollm2_dir() if model_cfg.name == "smollm2" else None)
-    if needs_hf and hf_dir is None:
-        raise ConfigError("HF systems need a checkpoint directory (model=smollm2 or model.path=...)")
     if "hf_static" in b["systems"]:
         batch = b.get("hf_batch_size") or engine_cfg.max_num_seqs
         results["hf_static"] = systems.run_hf_static(
@@ -206,7 +191,7 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> int:
         )
     if b.get("text_cost", False):
         print("  measuring the text and stop-string work per token ...", flush=True)
-        report["text_cost"] = text_cost.measure(loaded, int(b.get("text_tokens", 4096)))
+        report["text_cost"] = text_cost.measure(loaded, b.get("text_tokens", 4096))
     if b.get("kernel_cost", False):
         report["kernel_cost"] = kernel_cost.measure(
             loaded,

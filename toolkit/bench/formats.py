@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from toolkit.bench.kv_quantization import parse_variant
-from toolkit.config import EngineConfig, ModelConfig, from_mapping
+from toolkit.bench.kv_quantization import parse_variant, variant_list
+from toolkit.config import EngineConfig, ModelConfig, check, from_mapping
 from toolkit.engine.core import Engine
 from toolkit.engine.runner import recompute_logits
 from toolkit.engine.synthetic import decode_step_ms
@@ -54,8 +54,19 @@ def parse(text: str) -> tuple[str, str, str]:
             f"precision.variants: bad variant {text!r}: start with a model dtype "
             f"({', '.join(MODEL_DTYPES)}), then optionally /<kv storage> as in kv_quantization"
         )
-    kv_dtype, granularity = parse_variant(kv or "auto")
+    try:
+        kv_dtype, granularity = parse_variant(kv or "auto", option="precision.variants")
+    except ConfigError as exc:  # the KV storage part: name the whole variant
+        raise ConfigError(f"{exc} (the KV storage of {text!r})") from None
     return dtype, kv_dtype, granularity
+
+
+def precision_options(study: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The precision section checked before a model loads: its variants (float32 first), hf_spread."""
+    variants = variant_list(study.get("variants"), "precision.variants", parse, ("float32", "auto", "block"))
+    hf_spread = study.get("hf_spread", True)
+    check(isinstance(hf_spread, bool), f"precision.hf_spread must be true or false, got {hf_spread!r}")
+    return variants
 
 
 def _stats(diffs: torch.Tensor) -> dict[str, float]:
@@ -72,9 +83,7 @@ def _hf_logprobs(model, impl: str, tokens: list[int], prompt_len: int) -> torch.
 
 def run_precision(cfg: DictConfig, run_dir: Path) -> int:
     study = OmegaConf.to_container(cfg.precision, resolve=True)
-    variants = [parse(v) for v in study["variants"]]
-    if variants[0] != ("float32", "auto", "block"):
-        variants.insert(0, ("float32", "auto", "block"))
+    variants = precision_options(study)
     specs, rejected = workload_specs(cfg)
     if rejected:
         raise ConfigError(f"precision needs a clean workload: {rejected[0].reason}")
@@ -82,7 +91,7 @@ def run_precision(cfg: DictConfig, run_dir: Path) -> int:
         ModelConfig, {**OmegaConf.to_container(cfg.model, resolve=True), "dtype": "float32"}, section="model"
     )
     fp32 = load_model(model_cfg)
-    hf_fp32 = hf_reference_model(load_checkpoint(model_cfg)) if study["hf_spread"] else None
+    hf_fp32 = hf_reference_model(load_checkpoint(model_cfg)) if study.get("hf_spread", True) else None
     hf_by_dtype: dict[str, Any] = {}
     results: list[dict[str, Any]] = []
     reference_tokens: dict[str, list[int]] = {}

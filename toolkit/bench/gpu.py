@@ -32,6 +32,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from toolkit.bench.clocks import WaitClock
+from toolkit.bench.options import entry_point, positive_int, torch_device
 from toolkit.bench.precision import SMOLLM2_SHAPE, machine
 from toolkit.bench.systems import StepClock
 from toolkit.config import EngineConfig, ModelConfig
@@ -331,12 +332,12 @@ def tiling(text: str) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", type=torch_device, default="cuda")
     parser.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPES))
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=16, help="steps timed (and as many profiled) a bucket")
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--context", type=positive_int, default=64)
+    parser.add_argument("--steps", type=positive_int, default=16, help="steps timed (and as many profiled) a bucket")
     parser.add_argument("--hf-tokens", type=int, default=16, help="tokens HF generates a timing (0: no HF)")
     parser.add_argument("--batch-invariant", action="store_true", help="also time engine.batch_invariant=true")
     parser.add_argument(
@@ -475,4 +476,4 @@ def goals(shape: str, rows: list[dict[str, Any]]) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(entry_point(main))

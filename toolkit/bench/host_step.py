@@ -23,6 +23,7 @@ import torch
 from toolkit import devices
 from toolkit.bench.clocks import ForwardClock
 from toolkit.bench.gpu import SHAPES
+from toolkit.bench.options import entry_point, positive_int
 from toolkit.bench.precision import machine
 from toolkit.config import EngineConfig, ModelConfig
 from toolkit.engine.synthetic import decode_engine
@@ -56,9 +57,9 @@ def host_ms(loaded, clock: ForwardClock, batch: int, async_: bool, steps: int, r
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(prog="python -m toolkit.bench.host_step", description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--steps", type=positive_int, default=200)
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--route", choices=["cpu", "device"], default="cpu", help="device: devices.device_route")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # the host's Python is one thread; the forward's threads would only add noise
@@ -84,4 +85,4 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(entry_point(main))

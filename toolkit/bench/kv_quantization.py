@@ -18,11 +18,14 @@ positions per variant) in the run directory.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from toolkit.config import check, is_number
 from toolkit.engine.core import Engine
 from toolkit.errors import ConfigError
 from toolkit.kv.quant import is_quantized
@@ -33,10 +36,12 @@ from toolkit.runs.workload import add_specs, workload_specs
 from toolkit.trace.diverge import first_difference
 
 KV_VARIANTS = ("auto", "bf16", "int8", "fp8_e4m3")
+REFERENCES = ("ours", "hf", "exact")  # verify's references (toolkit.reproduce.verify)
 
 
-def parse_variant(text: str) -> tuple[str, str]:
-    """'int8' -> (int8, block); 'fp8_e4m3/tensor' -> (fp8_e4m3, tensor); 'int8/channel' -> (int8, channel)."""
+def parse_variant(text: str, option: str = "kv_quantization.variants") -> tuple[str, str]:
+    """'int8' -> (int8, block); 'fp8_e4m3/tensor' -> (fp8_e4m3, tensor); 'int8/channel' -> (int8, channel). A bad
+    one is a ConfigError naming `option`, the list it came from."""
     dtype, _, granularity = str(text).partition("/")
     granularity = granularity or "block"
     if (
@@ -45,17 +50,43 @@ def parse_variant(text: str) -> tuple[str, str]:
         or (granularity != "block" and not is_quantized(dtype))
     ):
         raise ConfigError(
-            f"kv_quantization.variants: bad variant {text!r}; use one of {', '.join(KV_VARIANTS)}, "
+            f"{option}: bad variant {text!r}; use one of {', '.join(KV_VARIANTS)}, "
             f"optionally int8/tensor, int8/channel, fp8_e4m3/tensor or fp8_e4m3/channel"
         )
     return dtype, granularity
 
 
+def variant_list(values: Any, option: str, parse: Callable[[str], tuple], reference: tuple) -> list[tuple]:
+    """`option`'s variants parsed, `reference` first (added where missing): a ConfigError naming `option` for
+    anything but a non-empty list of variants, or for one named twice (int8 and int8/block are one)."""
+    check(
+        isinstance(values, list) and bool(values) and all(isinstance(v, str) for v in values),
+        f"{option} must be a non-empty list of variants, e.g. [{'/'.join(reference[:1])}, ...], got {values!r}",
+    )
+    parsed = [parse(v) for v in values]
+    twice = next((v for i, v in enumerate(values) if parsed[i] in parsed[:i]), None)
+    check(twice is None, f"{option} names {twice!r} twice (the same variant as an earlier one)")
+    return [reference] + [v for v in parsed if v != reference]
+
+
+def kv_quantization_options(study: dict[str, Any]) -> list[tuple[str, str]]:
+    """The kv_quantization section checked before any variant runs: its variants (auto first), reference, atol."""
+    variants = variant_list(study.get("variants"), "kv_quantization.variants", parse_variant, ("auto", "block"))
+    reference, atol = study.get("reference", "ours"), study.get("atol", "auto")
+    check(
+        reference in REFERENCES,
+        f"kv_quantization.reference must be one of {', '.join(REFERENCES)}, got {reference!r}",
+    )
+    check(
+        atol == "auto" or (is_number(atol) and 0 < atol < math.inf),
+        f"kv_quantization.atol must be a positive number or auto, got {atol!r}",
+    )
+    return variants
+
+
 def run_kv_quantization(cfg: DictConfig, run_dir: Path) -> int:
     study = OmegaConf.to_container(cfg.kv_quantization, resolve=True)
-    variants = [parse_variant(v) for v in study["variants"]]
-    if variants[0] != ("auto", "block"):
-        variants.insert(0, ("auto", "block"))
+    variants = kv_quantization_options(study)
     specs, rejected = workload_specs(cfg)
     if rejected:
         raise ConfigError(f"kv_quantization needs a clean workload: {rejected[0].reason}")
@@ -74,7 +105,10 @@ def run_kv_quantization(cfg: DictConfig, run_dir: Path) -> int:
         if not reference_tokens:
             reference_tokens = tokens
         report = verify(
-            run_dir / name, reference=study["reference"], atol=float(study["atol"]), out_dir=run_dir / name / "verify"
+            run_dir / name,
+            reference=study.get("reference", "ours"),
+            atol=study.get("atol", "auto"),
+            out_dir=run_dir / name / "verify",
         )
         diffs = [c.abs_diff for c in report.checks]
         divergence = {rid: first_difference(reference_tokens[rid], t) for rid, t in tokens.items()}

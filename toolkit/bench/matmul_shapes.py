@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from toolkit.bench.gpu import SHAPES
+from toolkit.bench.options import entry_point, positive_int
 from toolkit.bench.precision import machine
 from toolkit.bench.roofline import memory_bandwidth_gbs
 from toolkit.config import ModelConfig
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=positive_int, default=5)
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     try:
@@ -104,4 +105,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(entry_point(main))

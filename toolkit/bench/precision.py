@@ -17,6 +17,7 @@ import statistics
 
 import torch
 
+from toolkit.bench.options import entry_point, positive_int, torch_device
 from toolkit.config import MATMUL_BUILD_SCHEDULES, MATMUL_SCHEDULES, EngineConfig, ModelConfig
 from toolkit.engine.synthetic import decode_step_ms
 from toolkit.models import load_model
@@ -49,11 +50,11 @@ def machine(device: str) -> str:
 
 def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=torch_device, default="cpu")
     parser.add_argument("--shape", action="store_true", help="random weights of SmolLM2's shape, not SmolLM2")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8])
+    parser.add_argument("--context", type=positive_int, default=128)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     parser.add_argument(
         "--matmul-schedules",
@@ -93,4 +94,4 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(entry_point(main))

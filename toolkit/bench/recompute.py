@@ -26,6 +26,7 @@ from pathlib import Path
 from toolkit.audit.checks import audit_transcripts
 from toolkit.audit.references import EngineForward
 from toolkit.audit.transcripts import read_transcripts
+from toolkit.bench.options import entry_point, positive_int
 from toolkit.bench.precision import machine
 from toolkit.config import EngineConfig, ModelConfig
 from toolkit.engine.core import load_for
@@ -96,11 +97,11 @@ def rollouts(llm: LLM, path: Path, prompts: int, samples: int, shots: int, max_t
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="smollm2 | tiny")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--samples", type=int, default=8, help="samples per prompt (an RL group)")
+    p.add_argument("--prompts", type=positive_int, default=8)
+    p.add_argument("--samples", type=positive_int, default=8, help="samples per prompt (an RL group)")
     p.add_argument("--shots", type=int, default=0, help=f"worked examples in each prompt (0-{len(SHOTS)})")
-    p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--max-tokens", type=positive_int, default=96)
+    p.add_argument("--rounds", type=positive_int, default=2)
     p.add_argument("--seed", type=int, default=7)
     args = p.parse_args(argv)
     if not 0 <= args.shots <= len(SHOTS):
@@ -148,4 +149,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(entry_point(main))

@@ -23,8 +23,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from toolkit.bench import _machine as bench_machine
-from toolkit.bench.workloads import make_workload
-from toolkit.config import EngineConfig, ModelConfig, from_mapping
+from toolkit.bench.options import count, flag, mappings, names
+from toolkit.bench.workloads import make_workload, workload_options
+from toolkit.config import EngineConfig, ModelConfig, check, from_mapping, is_int, is_number
 from toolkit.engine.core import Engine, load_for
 from toolkit.errors import ConfigError
 from toolkit.runs.metrics import percentile
@@ -56,10 +57,11 @@ def run_scheduling(cfg: DictConfig, run_dir: Path) -> int:
     s = OmegaConf.to_container(cfg.scheduling, resolve=True) if cfg.get("scheduling") else {}
     model_cfg = from_mapping(ModelConfig, OmegaConf.to_container(cfg.model, resolve=True), section="model")
     engine_cfg = from_mapping(EngineConfig, OmegaConf.to_container(cfg.engine, resolve=True), section="engine")
+    scheduling_options(s, engine_cfg)  # every option, before the model loads and any variant runs
     loaded, _, _ = load_for(model_cfg, engine_cfg, {})
     if loaded.tokenizer is None:
         raise ConfigError(f"mode=scheduling workloads need a tokenizer; model {model_cfg.name!r} has none")
-    if s.get("kind") == "walkthrough":
+    if s.get("kind", "variants") == "walkthrough":
         report = walkthrough(loaded, engine_cfg, s)
     else:
         report = compare_variants(loaded, engine_cfg, s, run_dir)
@@ -80,13 +82,88 @@ def run_scheduling(cfg: DictConfig, run_dir: Path) -> int:
     return 0 if report.get("greedy_tokens_agree", True) else 1
 
 
+# ------------------------------------------------------------------------------------------- options
+
+KINDS = ("variants", "walkthrough")
+GROUP_FIGURES = ("ttft_p50_s", "ttft_p95_s", "tpot_p95_s")  # what each request group reports (run_variant)
+
+
+def scheduling_options(s: dict[str, Any], engine_cfg: EngineConfig) -> None:
+    """The scheduling section checked whole, before the model loads: a bad value is one ConfigError naming it."""
+    kind = s.get("kind", "variants")
+    check(kind in KINDS, f"scheduling.kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    flag(s.get("warmup", True), "scheduling.warmup")
+    if kind == "walkthrough":
+        count(s.get("max_batch_size", 4), "scheduling.max_batch_size")
+        arrivals(s)
+        return
+    workload_options(s.get("workload", "standard"), s.get("num_requests"), s.get("max_tokens"), "scheduling")
+    for name, overrides in variants(s).items():  # each variant's engine, as it will run
+        try:
+            from_mapping(EngineConfig, {**dataclasses.asdict(engine_cfg), **overrides}, section="engine")
+        except ConfigError as exc:
+            raise ConfigError(f"scheduling variant {name!r}: {exc}") from None
+    if s.get("columns") is not None:
+        names(s["columns"], "scheduling.columns", tuple(COLUMNS))
+    plot_y = s.get("plot_y")
+    if plot_y is not None:
+        check(
+            isinstance(plot_y, list) and bool(plot_y) and all(isinstance(y, str) for y in plot_y),
+            f"scheduling.plot_y must be a non-empty list of figures, got {plot_y!r}",
+        )
+        for y in plot_y:
+            group, _, figure = y.rpartition(".")
+            check(
+                figure in GROUP_FIGURES if group else y in COLUMNS,
+                f"scheduling.plot_y: unknown figure {y!r}; known: {', '.join(COLUMNS)}, "
+                f"or <request group>.{{{', '.join(GROUP_FIGURES)}}}",
+            )
+    x = s.get("plot_x")
+    swept = list(s.get("sweep") or {})
+    check(
+        x is None or x in swept,
+        f"scheduling.plot_x must be null or a field of scheduling.sweep ({', '.join(swept) or 'none swept'}), "
+        f"got {x!r}",
+    )
+
+
+def check_groups(s: dict[str, Any], workload) -> None:
+    """scheduling.plot_y's `group.figure` names a request group of the workload (before any variant runs)."""
+    groups = sorted({r.group for r in workload.requests})
+    for y in s.get("plot_y") or []:
+        group = y.rpartition(".")[0]
+        check(
+            not group or (len(groups) > 1 and group in groups),
+            f"scheduling.plot_y: {y!r} names no request group of workload {workload.name!r} "
+            f"(its groups: {', '.join(groups) if len(groups) > 1 else 'one, not reported apart'})",
+        )
+
+
+def arrivals(s: dict[str, Any]) -> list[tuple[int, str, int]]:
+    """scheduling.arrivals as (arrival step >= 0, prompt text, max new tokens >= 1) triples."""
+    given = s.get("arrivals") or [[0, "O Romeo, ", 17], [0, "To be or ", 22], [3, "KING HENRY:\n", 15]]
+    bad = "scheduling.arrivals must be a list of [arrival step >= 0, prompt text, max new tokens >= 1], got"
+    check(isinstance(given, list), f"{bad} {given!r}")
+    for a in given:
+        ok = isinstance(a, list) and len(a) == 3 and isinstance(a[1], str) and bool(a[1])
+        check(ok and is_int(a[0]) and a[0] >= 0 and is_int(a[2]) and a[2] >= 1, f"{bad} {a!r}")
+    return [tuple(a) for a in given]
+
+
 # ------------------------------------------------------------------------------------------- variants
 
 
 def variants(s: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    base = dict(s.get("base") or {})
-    out = {name: {**base, **(over or {})} for name, over in (s.get("variants") or {}).items()}
-    for name, values in (s.get("sweep") or {}).items():
+    """{variant name: engine overrides} of scheduling.variants and scheduling.sweep, over scheduling.base."""
+    base = mappings({"base": s.get("base")}, "scheduling")["base"]
+    out = {name: {**base, **over} for name, over in mappings(s.get("variants"), "scheduling.variants").items()}
+    sweep = s.get("sweep") or {}
+    check(isinstance(sweep, dict), f"scheduling.sweep must be a mapping {{engine field: [values]}}, got {sweep!r}")
+    for name, values in sweep.items():
+        check(
+            isinstance(values, list) and bool(values),
+            f"scheduling.sweep.{name} must be a non-empty list of values, got {values!r}",
+        )
         for v in values:
             out[f"{name}={v}"] = {**base, name: v}
     if not out:
@@ -96,8 +173,13 @@ def variants(s: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def compare_variants(loaded, engine_cfg: EngineConfig, s: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     workload = make_workload(
-        s.get("workload", "standard"), loaded.tokenizer, s.get("num_requests"), s.get("max_tokens")
+        s.get("workload", "standard"),
+        loaded.tokenizer,
+        s.get("num_requests"),
+        s.get("max_tokens"),
+        section="scheduling",
     )
+    check_groups(s, workload)
     rows, tokens = {}, {}
     every = variants(s)
     if s.get("warmup", True):  # the first variant measured otherwise pays the process's first forwards (~10%)
@@ -185,6 +267,12 @@ def field(row: dict[str, Any], name: str) -> Any:
     return row.get(name)
 
 
+def _y(row: dict[str, Any], name: str, scale: float) -> float:
+    """A plotted figure; one the row lacks is NaN (no point, no bar), never a zero."""
+    value = field(row, name)
+    return float("nan") if value is None else scale * value
+
+
 def _cell(value: Any, fmt: str) -> str:
     if value is None:
         return "-"
@@ -226,9 +314,8 @@ def format_table(report: dict[str, Any], columns: list[str]) -> str:
 
 def walkthrough(loaded, engine_cfg: EngineConfig, s: dict[str, Any]) -> dict[str, Any]:
     """The continuous-batching post's example: requests (arrival step, prompt, max new tokens), max batch 4."""
-    arrivals = s.get("arrivals") or [[0, "O Romeo, ", 17], [0, "To be or ", 22], [3, "KING HENRY:\n", 15]]
-    max_batch = int(s.get("max_batch_size", 4))
-    requests = [(int(a), loaded.tokenizer.encode(text, add_special_tokens=False), int(n)) for a, text, n in arrivals]
+    max_batch = s.get("max_batch_size", 4)
+    requests = [(a, loaded.tokenizer.encode(text, add_special_tokens=False), n) for a, text, n in arrivals(s)]
     cfg = dataclasses.replace(
         engine_cfg, max_num_seqs=max_batch, max_num_batched_tokens=max(engine_cfg.max_num_batched_tokens, max_batch)
     )
@@ -347,14 +434,18 @@ def plot(report: dict[str, Any], s: dict[str, Any], path: Path) -> None:
             others = {n: r for n, r in rows.items() if n not in swept}
             if swept:
                 xs = [r["overrides"][x_field] for r in swept.values()]
-                ax.plot(xs, [scale * (field(r, y) or 0) for r in swept.values()], "o-", label=f"swept {x_field}")
-                ax.set_xscale("log", base=2)
+                if all(is_number(v) and v > 0 for v in xs):  # a count or size: powers of two apart
+                    ax.set_xscale("log", base=2)
+                else:  # categories (a policy, a flag): one slot each, in the sweep's order
+                    ax.set_xticks(range(len(xs)), [str(v) for v in xs])
+                    xs = list(range(len(xs)))
+                ax.plot(xs, [_y(r, y, scale) for r in swept.values()], "o-", label=f"swept {x_field}")
                 ax.set_xlabel(x_field)
                 for n, r in others.items():
-                    ax.axhline(scale * (field(r, y) or 0), linestyle="--", color="grey")
-                    ax.text(min(xs), scale * (field(r, y) or 0), f" {n}", fontsize=8, va="bottom")
+                    ax.axhline(_y(r, y, scale), linestyle="--", color="grey")
+                    ax.text(min(xs), _y(r, y, scale), f" {n}", fontsize=8, va="bottom")
             else:
-                ax.bar(list(others), [scale * (field(r, y) or 0) for r in others.values()])
+                ax.bar(list(others), [_y(r, y, scale) for r in others.values()])
                 ax.tick_params(axis="x", labelrotation=20)
             ax.set_ylabel(
                 COLUMNS.get(y.split(".")[-1], (y,))[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from toolkit.config import is_int
 from toolkit.data import passages
 from toolkit.errors import ConfigError
 from toolkit.runs.workload import CHAT_QUESTIONS
@@ -152,11 +153,34 @@ WORKLOADS = {
 }
 
 
+MIN_REQUESTS = {"long_prompt": 2}  # its decodes are a third of the requests' complement: one request is no decode
+
+
+def workload_options(name: str, num_requests: int | None, max_tokens: int | None, section: str) -> None:
+    """<section>.workload, .num_requests and .max_tokens checked (null: the workload's own count), naming the
+    option: what make_workload builds from, and what a mode checks before its model loads."""
+    if not isinstance(name, str) or name not in WORKLOADS:
+        raise ConfigError(f"unknown {section}.workload {name!r}; known: {', '.join(WORKLOADS)}")
+    least = MIN_REQUESTS.get(name, 1)
+    if num_requests is not None and not (is_int(num_requests) and num_requests >= least):
+        raise ConfigError(
+            f"{section}.num_requests must be null or an integer of at least {least} ({name}), got {num_requests!r}"
+        )
+    if max_tokens is not None and not (is_int(max_tokens) and max_tokens >= 1):
+        raise ConfigError(f"{section}.max_tokens must be null or an integer of at least 1, got {max_tokens!r}")
+
+
 def make_workload(
-    name: str, tokenizer, num_requests: int | None = None, max_tokens: int | None = None, seed: int = 0
+    name: str,
+    tokenizer,
+    num_requests: int | None = None,
+    max_tokens: int | None = None,
+    seed: int = 0,
+    section: str = "bench",
 ) -> Workload:
-    if name not in WORKLOADS:
-        raise ConfigError(f"unknown bench.workload {name!r}; known: {', '.join(WORKLOADS)}")
+    """Workload `name`, shrunk to `num_requests` / `max_tokens` where given; a bad value is a ConfigError naming
+    <section>.workload / .num_requests / .max_tokens."""
+    workload_options(name, num_requests, max_tokens, section)
     kwargs = {"seed": seed}
     if num_requests is not None:
         kwargs["num_requests"] = num_requests

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from toolkit.config import EngineConfig
+from toolkit.config import EngineConfig, check, is_int
 from toolkit.engine.core import Engine
 from toolkit.engine.request import SequenceStatus
 from toolkit.sampling.params import SamplingParams
@@ -28,13 +28,19 @@ def decode_engine(loaded, engine_cfg: EngineConfig, batch: int, context: int, st
 
     The decode state is synthetic: each sequence's KV blocks are allocated and filled with
     random values and it is marked as decoding, instead of prefilling batch x context tokens
-    first (the step's cost does not depend on the cached values).
+    first (the step's cost does not depend on the cached values). A batch or context under 1, or no step, is
+    a ConfigError: there would be no decode step to time (a batch of 0 steps in no time).
     """
+    check(is_int(batch) and batch >= 1, f"a decode step's batch must be an integer of at least 1, got {batch!r}")
+    check(
+        is_int(context) and context >= 1, f"a decode step's context must be an integer of at least 1, got {context!r}"
+    )
+    check(is_int(steps) and steps >= 1, f"a decode step's steps must be an integer of at least 1, got {steps!r}")
     blocks_needed = batch * (-(-(context + steps + 2) // engine_cfg.block_size))
     cfg = EngineConfig(
         **{
             **engine_cfg.__dict__,
-            "max_num_seqs": max(batch, 1),
+            "max_num_seqs": batch,
             "max_num_batched_tokens": max(engine_cfg.max_num_batched_tokens, batch),
             "num_kv_blocks": blocks_needed + batch + 8,
         }
