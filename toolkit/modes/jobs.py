@@ -22,25 +22,21 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from toolkit.errors import ToolkitError, one_line
 from toolkit.runs.recorder import holds_run
 from toolkit.trace.writer import TraceWriteError
 
 JOB_FILE = "job.json"  # a multirun job's exit code and overrides, in its run directory
-RECORDING_MODES = ("run", "serve", "replay")
-STOPPED = (
-    130,
-    143,
-)  # a job's exit code after Ctrl-C or SIGTERM (toolkit.runs.session)  # the modes that record a run into Hydra's run directory
+RECORDING_MODES = ("run", "serve", "replay")  # the modes that record a run into Hydra's run directory
+STOPPED = (130, 143)  # a job's exit code after Ctrl-C or SIGTERM (toolkit.runs.session)
 _failed_jobs: list[dict[str, Any]] = []  # the last sweep's, for run.py's exit code
 
 
 def check_run_dir(run_dir: Path, mode: str) -> None:
     """A ConfigError where a recording mode's `run_dir` already holds a run; a TraceWriteError where it cannot be
     made or written (a file in its place, a read-only disk), as `record` says it."""
-
     if mode in RECORDING_MODES:
         holds_run(run_dir)
     try:
@@ -100,8 +96,6 @@ def _mtime(path: Path) -> float:
 
 
 def _overrides(hydra_dir: Path) -> list[str]:
-    from omegaconf import OmegaConf  # deferred: only for a job that recorded no end
-
     try:
         return list(OmegaConf.load(hydra_dir / "overrides.yaml"))
     except Exception:  # noqa: BLE001 - a damaged file names nothing; the job is still reported
