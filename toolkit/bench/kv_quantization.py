@@ -18,25 +18,23 @@ positions per variant) in the run directory.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from toolkit.config import check, is_number
+from toolkit.config import check
 from toolkit.engine.core import Engine
 from toolkit.errors import ConfigError
 from toolkit.kv.quant import is_quantized
-from toolkit.reproduce.verify import verify
+from toolkit.reproduce.verify import check_reference, verify
 from toolkit.runs.plots import _pyplot
 from toolkit.runs.session import record
 from toolkit.runs.workload import add_specs, workload_specs
 from toolkit.trace.diverge import first_difference
 
 KV_VARIANTS = ("auto", "bf16", "int8", "fp8_e4m3")
-REFERENCES = ("ours", "hf", "exact")  # verify's references (toolkit.reproduce.verify)
 
 
 def parse_variant(text: str, option: str = "kv_quantization.variants") -> tuple[str, str]:
@@ -72,15 +70,7 @@ def variant_list(values: Any, option: str, parse: Callable[[str], tuple], refere
 def kv_quantization_options(study: dict[str, Any]) -> list[tuple[str, str]]:
     """The kv_quantization section checked before any variant runs: its variants (auto first), reference, atol."""
     variants = variant_list(study.get("variants"), "kv_quantization.variants", parse_variant, ("auto", "block"))
-    reference, atol = study.get("reference", "ours"), study.get("atol", "auto")
-    check(
-        reference in REFERENCES,
-        f"kv_quantization.reference must be one of {', '.join(REFERENCES)}, got {reference!r}",
-    )
-    check(
-        atol == "auto" or (is_number(atol) and 0 < atol < math.inf),
-        f"kv_quantization.atol must be a positive number or auto, got {atol!r}",
-    )
+    check_reference(study.get("reference", "ours"), study.get("atol", "auto"), "kv_quantization")
     return variants
 
 

@@ -208,13 +208,6 @@ def notes(run: RunData) -> list[str]:
     return out
 
 
-def read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
 @dataclass
 class RunData:
     """One run directory, read for a report."""

@@ -31,7 +31,7 @@ import pyarrow as pa
 import torch
 from omegaconf import OmegaConf
 
-from toolkit.config import EngineConfig, ModelConfig, from_mapping
+from toolkit.config import EngineConfig, ModelConfig, from_mapping, is_number
 from toolkit.engine.runner import recompute_logits
 from toolkit.errors import ConfigError
 from toolkit.models import load_model
@@ -172,6 +172,18 @@ def reference_forward(loaded, reference: str, dtype: torch.dtype = torch.float64
     return lambda ids: reference_logits(loaded.model, ids, dtype)
 
 
+REFERENCES = ("ours", "hf", "exact")
+
+
+def check_reference(reference: Any, atol: Any, section: str = "verify") -> None:
+    """<section>.reference and <section>.atol checked: one ConfigError naming the option (mode=verify, and
+    mode=kv_quantization before any variant runs)."""
+    if reference not in REFERENCES:
+        raise ConfigError(f"{section}.reference must be 'ours', 'hf' or 'exact', got {reference!r}")
+    if atol != "auto" and not (is_number(atol) and 0 < atol < math.inf):
+        raise ConfigError(f"{section}.atol must be a positive number or auto, got {atol!r}")
+
+
 def verify(
     run_dir: str | Path,
     *,
@@ -184,10 +196,7 @@ def verify(
     """The trace's every sampled row recomputed teacher-forced and compared (on Ray workers when `ray` is given:
     toolkit.reproduce.shard, the same report)."""
     run_dir = Path(run_dir)
-    if reference not in ("ours", "hf", "exact"):
-        raise ConfigError(f"verify.reference must be 'ours', 'hf' or 'exact', got {reference!r}")
-    if atol != "auto" and not (isinstance(atol, (int, float)) and not isinstance(atol, bool) and 0 < atol < math.inf):
-        raise ConfigError(f"verify.atol must be a positive number or auto, got {atol!r}")
+    check_reference(reference, atol)
     if reference_dtype not in REFERENCE_DTYPES:
         raise ConfigError(f"verify.reference_dtype must be float64 or float32, got {reference_dtype!r}")
     manifest = read_manifest(run_dir)

@@ -12,6 +12,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from omegaconf import DictConfig, OmegaConf
 
+from toolkit.config import is_number
 from toolkit.errors import ToolkitError
 from toolkit.trace.schema import (
     COMPATIBLE,
@@ -254,16 +255,12 @@ def check_policy(requests: pa.Table, samples: pa.Table) -> None:
         wanted = {**(params if isinstance(params, dict) else {}), "seed": row["seed"]}
         for name, value in zip((*POLICY_FIELDS, "seed"), recorded):
             want = wanted.get(name)
-            if value is None or not _is_number(want) or _stored(name, want) == value:
+            if value is None or not is_number(want) or _stored(name, want) == value:
                 continue
             raise TraceError(
                 f"{row['request_id']}#{row['stream']}: its sample rows record {name} {value!r}, requests.parquet "
                 f"{'its seed' if name == 'seed' else 'its sampling_params'} {name} {want!r}: the trace was edited"
             )
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _stored(name: str, value: float) -> float | int:
