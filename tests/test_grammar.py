@@ -339,3 +339,24 @@ def test_an_assertion_inside_xgrammar_is_a_readable_refusal(tiny):
     )
     assert "Check failed" not in message and "\n" not in message, message
     engine.precompile(SamplingParams(structured_outputs={"json": {"type": "string", "pattern": "(a|b){3}"}}))
+
+
+def test_a_compile_the_machine_refuses_is_a_resource_error_not_the_grammars(tiny):
+    """xgrammar's C++ errors carry only their text: one ending in an OS shortage (a thread refused at shutdown:
+    EAGAIN) is the machine's, a ResourceError (a server's 503), where it was "invalid structured_outputs.json" (a
+    400 blaming the client's schema); any other message is still the grammar's RequestError."""
+    import types
+
+    from toolkit.errors import ResourceError
+    from toolkit.sampling.grammar import GrammarBackend, StructuredOutputs
+
+    backend = GrammarBackend(tiny.tokenizer, tiny.arch.vocab_size, [0])
+
+    def refusing(text, **kwargs):
+        raise RuntimeError(f"[12:00:00] /xgrammar/cpp/compiler.cc:42: {json.loads(text)['title']}")
+
+    backend.compiler = types.SimpleNamespace(compile_json_schema=refusing)  # what xgrammar raises, at its call
+    with pytest.raises(ResourceError, match="compiling structured_outputs.json failed: Resource temporarily"):
+        backend.compile(StructuredOutputs(json={"title": "Resource temporarily unavailable"}))
+    with pytest.raises(RequestError, match="invalid structured_outputs.json: no such keyword"):
+        backend.compile(StructuredOutputs(json={"title": "no such keyword"}))

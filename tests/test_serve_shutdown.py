@@ -171,7 +171,7 @@ def test_a_compile_the_environment_fails_is_a_503_not_the_clients_schema(tiny):
     """A grammar compile that fails for want of a resource (xgrammar's threads at shutdown: EAGAIN, "Resource
     temporarily unavailable", once told the client its schema was invalid) is a 503 + Retry-After naming no field;
     a schema xgrammar refuses is still the client's 400."""
-    from toolkit.errors import RequestError
+    from toolkit.errors import ResourceError
     from toolkit.serve.main import start_server
 
     engine = make_engine(tiny, sampling=SamplingParams())
@@ -183,7 +183,8 @@ def test_a_compile_the_environment_fails_is_a_503_not_the_clients_schema(tiny):
         if cached_only:
             return False
         if sampling["structured_outputs"]["json"].get("title") == "eagain":
-            raise RequestError("invalid structured_outputs.json: Resource temporarily unavailable")
+            # as toolkit.sampling.grammar classifies xgrammar's EAGAIN (tests/test_grammar.py)
+            raise ResourceError("compiling structured_outputs.json failed: Resource temporarily unavailable")
         return precompile(sampling, cached_only)
 
     engine.precompile = failing

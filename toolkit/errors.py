@@ -106,3 +106,10 @@ class ClusterError(ToolkitError):
     """A Ray cluster a sharded run asked for cannot be reached, cannot place its workers, or lost one."""
 
     exit_code = 69  # EX_UNAVAILABLE
+
+
+class ResourceError(ToolkitError):
+    """The environment, not the request, was short of something the work needs (threads, memory, file handles):
+    the same request may succeed when retried (a server answers 503 + Retry-After)."""
+
+    exit_code = 75  # EX_TEMPFAIL

@@ -10,6 +10,8 @@ committed tokens after a recompute preemption.
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 import threading
 import time
@@ -19,12 +21,15 @@ from typing import Any
 
 import torch
 
-from toolkit.errors import RequestError
+from toolkit.errors import RequestError, ResourceError
 from toolkit.sampling.structured import KINDS, StructuredOutputs, choice_ebnf
 
 __all__ = ["GrammarBackend", "KINDS", "LazyGrammar", "StructuredOutputs", "choice_ebnf", "unpack_bitmask"]
 
 MAX_COMPILED = 256  # compiled grammars kept per engine
+# what xgrammar's message ends with when the system refused it a thread, memory or a file (its C++ errors carry
+# only their text): a ResourceError, never the request's grammar's fault
+RESOURCE_ERRORS = tuple(os.strerror(e) for e in (errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ENOSPC))
 
 
 def _compiler_message(exc: Exception) -> str:
@@ -80,7 +85,10 @@ class GrammarBackend:
             else:
                 compiled = self.compiler.compile_grammar(spec.text)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the reason
-            raise RequestError(f"invalid structured_outputs.{spec.kind}: {_compiler_message(exc)}") from None
+            message = _compiler_message(exc)
+            if message.endswith(RESOURCE_ERRORS):  # the machine's shortage (its threads at shutdown), not the grammar's
+                raise ResourceError(f"compiling structured_outputs.{spec.kind} failed: {message}") from None
+            raise RequestError(f"invalid structured_outputs.{spec.kind}: {message}") from None
         with self._lock:
             self._compiled[key] = compiled
             self._compiled.move_to_end(key)

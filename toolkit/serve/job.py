@@ -4,9 +4,7 @@ toolkit.serve.mailbox), and the response or SSE stream it writes from them."""
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
-import os
 import sys
 import threading
 import time
@@ -19,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 
 from toolkit.engine.request import EngineRequest
-from toolkit.errors import RequestError, ToolkitError, one_line
+from toolkit.errors import RequestError, ResourceError, ToolkitError, one_line
 from toolkit.runs.recorder import body_sha256
 from toolkit.serve.grammars import GrammarCompiler
 from toolkit.serve.logprobs import LogprobFormat
@@ -57,11 +55,6 @@ def shutting_down() -> ApiError:
     return unavailable(Unavailable("the server is shutting down"))
 
 
-# what the environment, not a request, is short of: a grammar compile failing so (xgrammar's own threads, at
-# shutdown) says it in its message, which its schema never does
-_ENVIRONMENT = tuple(os.strerror(e) for e in (errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ENOSPC))
-
-
 def preparation_error(exc: Exception, req: SamplingFields, timeout_s: float) -> ApiError:
     """What a request's preparation raised, as its answer: a grammar past serve.grammar_timeout_s (its compile goes
     on, bounded by the schema's limits, and is cached) or refused a 400, a full loop a 503, the unexpected a 500; a
@@ -79,7 +72,7 @@ def preparation_error(exc: Exception, req: SamplingFields, timeout_s: float) -> 
         )
     if isinstance(exc, Unavailable):
         return unavailable(exc)
-    if isinstance(exc, ToolkitError) and any(str(exc).endswith(short) for short in _ENVIRONMENT):
+    if isinstance(exc, ResourceError):  # toolkit.sampling.grammar: the machine was short, not the schema wrong
         return unavailable(Unavailable(f"the server could not prepare this request now ({one_line(exc)}); retry later"))
     if isinstance(exc, ToolkitError):
         return request_error(exc, req)
