@@ -74,7 +74,7 @@ def mappings(value: Any, option: str) -> dict[str, dict[str, Any]]:
     return {str(name): dict(fields or {}) for name, fields in value.items()}
 
 
-def _named(option: str, build: Callable[[], Any]) -> Any:
+def named(option: str, build: Callable[[], Any]) -> Any:
     """build(), its ConfigError prefixed with the option it came from."""
     try:
         return build()
@@ -130,9 +130,9 @@ def bench_options(b: dict[str, Any], engine_cfg: EngineConfig, hf_dir: Any) -> N
                 f"bench.{name} must be a {'positive' if positive else 'non-negative'} number, got {value!r}",
             )
     for name, fields in mappings(b.get("sampled_variants"), "bench.sampled_variants").items():
-        _named(f"bench.sampled_variants.{name}", lambda fields=fields: sampled_variant(fields))
+        named(f"bench.sampled_variants.{name}", lambda fields=fields: sampled_variant(fields))
     for name, overrides in mappings(b.get("engine_variants"), "bench.engine_variants").items():
-        _named(f"bench.engine_variants.{name}", lambda o=overrides: engine_variant(engine_cfg, o))
+        named(f"bench.engine_variants.{name}", lambda o=overrides: engine_variant(engine_cfg, o))
     if any(s in systems for s in ("hf_static", "hf_cb", "naive")) and hf_dir is None:
         raise ConfigError("HF systems need a checkpoint directory (model=smollm2 or model.path=...)")
 

@@ -23,7 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from toolkit.bench import _machine as bench_machine
-from toolkit.bench.options import count, flag, mappings, names
+from toolkit.bench.options import count, flag, mappings, named, names
 from toolkit.bench.workloads import make_workload, workload_options
 from toolkit.config import EngineConfig, ModelConfig, check, from_mapping, is_int, is_number
 from toolkit.engine.core import Engine, load_for
@@ -99,10 +99,8 @@ def scheduling_options(s: dict[str, Any], engine_cfg: EngineConfig) -> None:
         return
     workload_options(s.get("workload", "standard"), s.get("num_requests"), s.get("max_tokens"), "scheduling")
     for name, overrides in variants(s).items():  # each variant's engine, as it will run
-        try:
-            from_mapping(EngineConfig, {**dataclasses.asdict(engine_cfg), **overrides}, section="engine")
-        except ConfigError as exc:
-            raise ConfigError(f"scheduling variant {name!r}: {exc}") from None
+        engine = {**dataclasses.asdict(engine_cfg), **overrides}
+        named(f"scheduling variant {name!r}", lambda e=engine: from_mapping(EngineConfig, e, section="engine"))
     if s.get("columns") is not None:
         names(s["columns"], "scheduling.columns", tuple(COLUMNS))
     plot_y = s.get("plot_y")
