@@ -226,6 +226,9 @@ def test_ctrl_c_is_taken_between_steps_never_inside_one(tiny, tmp_path, sigint_d
     assert seen == [0, 1, 2, 3]
     assert max(read_samples(tmp_path / "run")["step"].to_pylist()) == 3  # step 3's rows are in the trace
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    # nothing finished (50 tokens a request, stopped at step 4): the wall time runs from the first admission to
+    # the stop, not to a finish time of 0.0 (that gave -6782.6 s)
+    assert 0.0 < json.loads((tmp_path / "run" / "summary.json").read_text())["wall_s"] < 600
 
     def twice(out):
         os.kill(os.getpid(), signal.SIGINT)

@@ -11,11 +11,12 @@ as an artifact.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from toolkit.errors import ConfigError
+from toolkit.errors import ConfigError, one_line
 
 LOGGERS = ("none", "wandb")
 
@@ -39,28 +40,59 @@ class WandbLogger(RunLogger):
             import wandb  # deferred: wandb, the [wandb] extra
         except ImportError:  # pragma: no cover - wandb comes with the wandb (and dev) extra
             raise ConfigError("logger=wandb needs the wandb package: pip install 'toolkit[wandb]'") from None
+        every = cfg.get("log_every_steps", 1)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(f"logger.log_every_steps must be a positive integer, got {every!r}")
+        self.every = every
         os.environ.setdefault("WANDB_SILENT", "true")
         self.wandb = wandb
-        self.run = wandb.init(
-            project=cfg.get("project") or "toolkit",
-            entity=cfg.get("entity"),
-            mode=mode,
-            dir=str(run_dir),
-            name=cfg.get("run_name") or run_dir.name,
-            id=run_id,
-            tags=list(cfg.get("tags") or []),
-            config=dict(config),
-            settings=wandb.Settings(console="off", x_disable_stats=True),
-        )
-        self.every = int(cfg.get("log_every_steps") or 1)
+        try:
+            self.run = wandb.init(
+                project=cfg.get("project") or "toolkit",
+                entity=cfg.get("entity"),
+                mode=mode,
+                dir=str(run_dir),
+                name=cfg.get("run_name") or run_dir.name,
+                id=run_id,
+                tags=list(cfg.get("tags") or []),
+                config=dict(config),
+                settings=wandb.Settings(console="off", x_disable_stats=True),
+            )
+        except Exception as exc:  # noqa: BLE001 - wandb's UsageError, pydantic's ValidationError, an unwritable dir
+            raise ConfigError(
+                f"logger=wandb could not start its run (logger.project, logger.tags, logger.mode, WANDB_* settings "
+                f"or the run directory): {one_line(exc)}"
+            ) from None
+
+    def _lost(self, exc: BaseException) -> None:
+        """wandb failed mid-run (its service died, its disk filled): said once, and the run goes on without it
+        (the run directory holds everything wandb would have had)."""
+        print(f"toolkit: wandb stopped logging, the run goes on without it: {one_line(exc)}", file=sys.stderr)
+        self.run = None
+        try:  # its service's exit hook goes with it: a dead service would print a traceback at exit
+            self.wandb.teardown(exit_code=1)
+        except Exception:  # noqa: BLE001, S110 - the service is gone already; what was said above is the news
+            pass
 
     def log_step(self, record: Mapping[str, Any]) -> None:
-        if record["step"] % self.every == 0:
+        if self.run is None or record["step"] % self.every:
+            return
+        try:
             self.run.log(
                 {f"step/{k}": v for k, v in record.items() if k != "step" and v is not None}, step=int(record["step"])
             )
+        except Exception as exc:  # noqa: BLE001 - a logger's fault must not stop the run it observes
+            self._lost(exc)
 
     def finish(self, summary: Mapping[str, Any], requests: list[Mapping[str, Any]], run_dir: Path) -> None:
+        if self.run is None:
+            return
+        try:
+            self._finish(summary, requests, run_dir)
+        except Exception as exc:  # noqa: BLE001 - the run is recorded already; wandb's copy is what is lost
+            self._lost(exc)
+
+    def _finish(self, summary: Mapping[str, Any], requests: list[Mapping[str, Any]], run_dir: Path) -> None:
         columns = [
             "request_id",
             "stream",

@@ -280,8 +280,9 @@ class RunRecorder:
                     raise
                 print(f"toolkit: steps.parquet not written either: {one_line(exc)}", file=sys.stderr)
             engine = self.engine
-            if wall_s is None:
-                wall_s = (engine.last_finish_time or 0.0) - (engine.first_admission_time or 0.0)
+            if wall_s is None:  # first admission to last finish; to now where nothing finished (an interrupted run)
+                first, last = engine.first_admission_time, engine.last_finish_time
+                wall_s = 0.0 if first is None else max(0.0, (time.perf_counter() if last is None else last) - first)
             served = (
                 {
                     "served": True,
