@@ -148,3 +148,49 @@ def test_fuzzed_request_files_never_crash_the_engine_or_the_trace(tiny, tmp_path
     rows = read_samples(run / "run").num_rows
     assert rows == recorded.summary["trace_rows"]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("over", "options", "named"),
+    [  # each crashed with a traceback before (a helper's probe): now one ConfigError naming the option
+        ("engine", {"duration_s": "abc"}, "soak.duration_s"),  # TypeError: '<' not supported
+        ("engine", {"duration_s": -5}, "soak.duration_s"),  # a soak of nothing that reported success
+        ("engine", {"duration_s": 1, "check_every": 0}, "soak.check_every"),  # ZeroDivisionError
+        ("engine", {"duration_s": 1, "max_prompt": 0}, "soak.max_prompt"),  # empty range for randrange()
+        ("engine", {"duration_s": 1, "max_new": 0}, "soak.max_new"),
+        ("engine", {"duration_s": 1, "queue_depth": 0}, "soak.queue_depth"),  # 105,968 empty steps
+        ("engine", {"duration_s": 1, "queue_depth": 20000}, "soak.queue_depth"),  # 18 s for one step
+        ("engine", {"queue_depth": 8}, "soak.duration_s is required"),  # TypeError: missing duration_s
+        ("http", {"report_every": 0}, "soak.report_every"),  # ZeroDivisionError
+        ("http", {"concurrency": 0}, "soak.concurrency"),
+        ("http", {"requests": -3}, "soak.requests"),
+        ("http", {"burst": 10**6}, "soak.burst"),
+        ("http", {"replay": "yes"}, "soak.replay"),
+    ],
+)
+def test_bad_soak_options_are_one_line_config_errors(over, options, named):
+    from toolkit.modes.soak import check_options
+
+    with pytest.raises(ConfigError, match=named) as caught:
+        check_options(options, over)
+    assert "\n" not in str(caught.value)
+
+
+@settings(max_examples=300)
+@given(st.sampled_from(["engine", "http"]), st.data())
+def test_fuzzed_soak_options_pass_only_in_range(over, data):
+    from toolkit.modes.soak import ENGINE_CHECKS, HTTP_CHECKS, check_options
+
+    table = ENGINE_CHECKS if over == "engine" else HTTP_CHECKS
+    options = data.draw(st.dictionaries(st.sampled_from(sorted(table)), NUMBERS, max_size=4))
+    try:
+        check_options(dict(options), over)
+    except ConfigError as exc:
+        assert str(exc).startswith("soak.") and "\n" not in str(exc)
+        return
+    assert over == "http" or "duration_s" in options
+    for name, value in options.items():  # what passed is of its kind and in its range
+        kind, least, most = table[name]
+        assert isinstance(value, bool) == (kind == "bool")
+        assert kind == "bool" or (value == value and least <= value <= most)
+        assert kind != "count" or isinstance(value, int)

@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 from omegaconf import DictConfig, OmegaConf
 
-from toolkit.config import EngineConfig, ModelConfig, from_mapping
+from toolkit.config import EngineConfig, ModelConfig, check, from_mapping, is_int, is_number
 from toolkit.engine.core import Engine, EngineRequest
 from toolkit.errors import ConfigError
 from toolkit.models import load_model
@@ -186,6 +186,7 @@ def run_soak(cfg: DictConfig, run_dir: Path) -> int:
         raise ConfigError(
             f"unknown soak option(s) for soak.over={over}: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
         )
+    check_options(s, over)
     run_dir.mkdir(parents=True, exist_ok=True)
     loaded = load_model(model_cfg, engine_cfg.device)
     if over == "http":
@@ -241,3 +242,49 @@ def _run_http(cfg: DictConfig, loaded, engine_cfg: EngineConfig, run_dir: Path, 
         print(f"FAILED: {p}")
     print(f"soak_http.json: {run_dir}")
     return 0 if not report["problems"] else 1
+
+
+MAX_QUEUE = 4096  # requests a soak keeps live or waiting at once (soak.queue_depth, soak.concurrency, soak.burst)
+# each option's check: (kind, least, most); kind "count": an integer, "number": an int or float, "bool": true / false
+ENGINE_CHECKS: dict[str, tuple[str, float, float]] = {
+    "duration_s": ("number", 0.001, float("inf")),
+    "seed": ("count", 0, float("inf")),
+    "queue_depth": ("count", 1, MAX_QUEUE),
+    "abort_prob": ("number", 0, 1),
+    "max_prompt": ("count", 1, float("inf")),
+    "max_new": ("count", 1, float("inf")),
+    "check_every": ("count", 1, float("inf")),
+    "warmup_s": ("number", 0, float("inf")),
+    "max_rss_growth_mb": ("number", 0, float("inf")),
+}
+HTTP_CHECKS: dict[str, tuple[str, float, float]] = {
+    "requests": ("count", 1, float("inf")),
+    "concurrency": ("count", 1, MAX_QUEUE),
+    "max_tokens": ("count", 1, float("inf")),
+    "report_every": ("count", 1, float("inf")),
+    "seed": ("count", 0, float("inf")),
+    "max_waiting": ("count", 1, float("inf")),
+    "burst": ("count", 0, MAX_QUEUE),
+    "replay": ("bool", 0, 1),
+    "max_rss_growth_mb": ("number", 0, float("inf")),
+    "max_flush_ratio": ("number", 0, float("inf")),
+}
+
+
+def check_options(s: dict[str, Any], over: str) -> None:
+    """Each soak option's type and range, one ConfigError naming it, before the model loads (a zero check_every
+    was a ZeroDivisionError, a zero max_new an empty randrange, a missing duration_s a TypeError)."""
+    if over == "engine":
+        check(
+            "duration_s" in s,
+            "soak.duration_s is required (seconds of load): python run.py experiment=soak soak.duration_s=30",
+        )
+    for name, value in s.items():
+        kind, least, most = (ENGINE_CHECKS if over == "engine" else HTTP_CHECKS)[name]
+        if kind == "bool":
+            check(isinstance(value, bool), f"soak.{name} must be true or false, got {value!r}")
+            continue
+        typed = is_int(value) if kind == "count" else is_number(value)
+        what = "an integer" if kind == "count" else "a number"
+        span = f"of at least {least:g}" if most == float("inf") else f"from {least:g} to {most:g}"
+        check(typed and least <= value <= most, f"soak.{name} must be {what} {span}, got {value!r}")
