@@ -5,6 +5,7 @@ runs or fails with its documented error type, never crashes the engine or corrup
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -155,6 +156,7 @@ def test_fuzzed_request_files_never_crash_the_engine_or_the_trace(tiny, tmp_path
     [  # each crashed with a traceback before (a helper's probe): now one ConfigError naming the option
         ("engine", {"duration_s": "abc"}, "soak.duration_s"),  # TypeError: '<' not supported
         ("engine", {"duration_s": -5}, "soak.duration_s"),  # a soak of nothing that reported success
+        ("engine", {"duration_s": float("inf")}, "soak.duration_s"),  # a soak without end
         ("engine", {"duration_s": 1, "check_every": 0}, "soak.check_every"),  # ZeroDivisionError
         ("engine", {"duration_s": 1, "max_prompt": 0}, "soak.max_prompt"),  # empty range for randrange()
         ("engine", {"duration_s": 1, "max_new": 0}, "soak.max_new"),
@@ -192,5 +194,5 @@ def test_fuzzed_soak_options_pass_only_in_range(over, data):
     for name, value in options.items():  # what passed is of its kind and in its range
         kind, least, most = table[name]
         assert isinstance(value, bool) == (kind == "bool")
-        assert kind == "bool" or (value == value and least <= value <= most)
+        assert kind == "bool" or (math.isfinite(value) and least <= value <= most)
         assert kind != "count" or isinstance(value, int)

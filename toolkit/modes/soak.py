@@ -18,6 +18,7 @@ below `max_rss_growth_mb`. The report goes to soak.json in the run directory.
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -284,7 +285,7 @@ def check_options(s: dict[str, Any], over: str) -> None:
         if kind == "bool":
             check(isinstance(value, bool), f"soak.{name} must be true or false, got {value!r}")
             continue
-        typed = is_int(value) if kind == "count" else is_number(value)
+        typed = is_int(value) if kind == "count" else is_number(value) and math.isfinite(value)
         what = "an integer" if kind == "count" else "a number"
         span = f"of at least {least:g}" if most == float("inf") else f"from {least:g} to {most:g}"
         check(typed and least <= value <= most, f"soak.{name} must be {what} {span}, got {value!r}")

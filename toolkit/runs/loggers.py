@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from toolkit.config import check, is_int
 from toolkit.errors import ConfigError, one_line
 
 LOGGERS = ("none", "wandb")
@@ -41,8 +42,7 @@ class WandbLogger(RunLogger):
         except ImportError:  # pragma: no cover - wandb comes with the wandb (and dev) extra
             raise ConfigError("logger=wandb needs the wandb package: pip install 'toolkit[wandb]'") from None
         every = cfg.get("log_every_steps", 1)
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ConfigError(f"logger.log_every_steps must be a positive integer, got {every!r}")
+        check(is_int(every) and every >= 1, f"logger.log_every_steps must be a positive integer, got {every!r}")
         self.every = every
         os.environ.setdefault("WANDB_SILENT", "true")
         self.wandb = wandb
