@@ -92,10 +92,17 @@ class WorkloadError(ToolkitError):
     """A requests file is missing, unreadable or malformed."""
 
 
-class Interrupted(ToolkitError):
-    """The run was interrupted (Ctrl-C) after its trace was flushed and its summary written."""
+class Interrupted(KeyboardInterrupt):
+    """The run was interrupted (Ctrl-C, SIGTERM) after its trace was flushed and its summary written.
+
+    A KeyboardInterrupt, not a ToolkitError: a caller's `except Exception` (around `LLM.generate`, a notebook's
+    retry loop) must not swallow the user's Ctrl-C, which it would as an Exception. Its message is one line, and
+    its exit_code the signal's own (130 for Ctrl-C, 143 for SIGTERM)."""
 
     exit_code = 130
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
 
 
 class ForeignEngineError(ToolkitError):

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from toolkit.config import TraceConfig, from_mapping
 from toolkit.engine.core import Engine, RequestOutput
-from toolkit.errors import ConfigError, ToolkitError
+from toolkit.errors import ConfigError, Interrupted, ToolkitError
 from toolkit.modes import MODES
 from toolkit.modes.train import train
 from toolkit.report import report_after, run_report, wanted
@@ -55,7 +55,10 @@ def main(cfg: DictConfig, run_dir: Path) -> int:
     except ToolkitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:  # before or after the engine loop (record() handles it inside)
+    except Interrupted as exc:  # inside the engine loop: record() flushed the trace and says where it stopped
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:  # before or after the engine loop
         print("interrupted", file=sys.stderr)
         return 130
 
