@@ -58,6 +58,11 @@ SAMPLING_CASES = [
     (48, dict(logit_bias={5: 1e6}), "values numbers <= 1e+05"),
     (49, dict(stop=["ok", "a\ud800"]), "stop string 'a\\ud800': it holds a lone surrogate"),
     (49, dict(bad_words=["\udfff"]), "bad_words entry '\\udfff': it holds a lone surrogate"),
+    (80, dict(stop=["x"] * 2000), "stop holds 2000 strings, more than the 1024 one request may give"),
+    (80, dict(stop=["x" * 65537]), "stop holds 65537 characters, more than the 65536"),
+    (80, dict(stop_token_ids=[2] * 1025), "stop_token_ids holds 1025 token ids, more than the 1024"),
+    (80, dict(bad_words=["a"] * 4097), "bad_words holds 4097 entries, more than the 4096"),
+    (80, dict(bad_words=[[1] * 65537]), "bad_words holds 65537 characters and token ids, more than the 65536"),
     (
         21,
         dict(structured_outputs={"json": {}, "regex": "a"}),

@@ -47,6 +47,30 @@ def test_each_call_is_its_own_run_and_a_seed_does_not_depend_on_the_batch(tmp_pa
     assert len(set(dirs)) == 3  # each its own directory (the second's first call was refused: it held a run)
 
 
+def test_unseeded_samples_differ_call_to_call_and_repeat_in_a_fresh_llm(tmp_path):
+    """vLLM's behaviour: request ids count on across an LLM's calls, so an unseeded request's samples differ from
+    one call to the next (they repeated: every call's ids began at "0"), and a fresh LLM with the same engine seed
+    repeats them call for call; each call's trace replays."""
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(model="tiny", trace_root=tmp_path / "a")
+    calls = [llm.generate(PROMPTS, params, use_tqdm=False) for _ in range(2)]
+    tokens = [[o.outputs[0].token_ids for o in outs] for outs in calls]
+    assert tokens[0] != tokens[1]
+    assert [o.request_id for outs in calls for o in outs] == [str(i) for i in range(2 * len(PROMPTS))]
+    again = LLM(model="tiny", trace=False)
+    assert [[o.outputs[0].token_ids for o in again.generate(PROMPTS, params, use_tqdm=False)] for _ in range(2)] == (
+        tokens
+    )
+    report = replay(llm.trace_dirs[1], out_dir=tmp_path / "replayed")
+    assert report.identical, report.summary_line()
+
+
+def test_stop_strings_and_bad_words_up_to_their_bounds_are_taken():
+    """The bounds (1024 stop strings, 4096 bad words, 65536 characters) refuse past them, not at them."""
+    SamplingParams(stop=[f"s{i}" for i in range(1024)], stop_token_ids=list(range(1024)))
+    SamplingParams(stop=["x" * 65536], bad_words=["b"] * 4096)
+
+
 def test_without_tracing_nothing_is_written(tmp_path):
     llm = LLM(model="tiny", trace=False, trace_root=tmp_path)
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, ignore_eos=True))
@@ -80,6 +104,8 @@ def test_without_tracing_nothing_is_written(tmp_path):
         ),
         (lambda: LLM(model="tiny", trace=False).generate("a", {"max_tokenz": 2}), ConfigError, "max_tokenz"),
         (lambda: LLM(model="tiny", trace=False).generate("a", "greedy"), ConfigError, "sampling_params must be"),
+        (lambda: LLM(model="tiny", trace=False).generate("a", 5), ConfigError, "sampling_params must be"),
+        (lambda: LLM(model="tiny", trace=False).generate("a", b"x"), ConfigError, "sampling_params must be"),
         (lambda: LLM(model="tiny", tensor_parallel_size=2), ConfigError, "tensor_parallel_size=2"),
         (lambda: LLM(model="tiny", gpu_memory_utilization=0.9), ConfigError, "gpu_memory_utilization"),
     ],
@@ -103,6 +129,9 @@ def test_token_ids_in_a_numpy_array_or_a_torch_tensor_are_the_lists_they_hold():
     assert tokens(llm.generate(torch.tensor(PROMPTS[:1] * 2), greedy)) == want
     assert tokens(llm.generate([np.array(PROMPTS[0]), torch.tensor(PROMPTS[0])], greedy)) == want
     assert tokens(llm.generate({"prompt_token_ids": np.array(PROMPTS[0])}, greedy)) == want[:1]
+    # a list of numpy integers (a tokenizer's ids indexed one by one) is one prompt, not a list of prompts
+    assert tokens(llm.generate([np.int64(t) for t in PROMPTS[0]], greedy)) == want[:1]
+    assert tokens(llm.generate({"prompt_token_ids": [np.int32(t) for t in PROMPTS[0]]}, greedy)) == want[:1]
     with pytest.raises(RequestError, match="the prompt is empty"):  # one prompt, not none
         llm.generate(np.array([], dtype=np.int64), greedy)
 

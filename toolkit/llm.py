@@ -18,11 +18,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import numbers
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig, from_mapping
@@ -99,6 +101,7 @@ class LLM:
         self.trace = trace
         self.trace_root = Path(trace_root) if trace_root is not None else Path("traces") / time.strftime("%Y-%m-%d")
         self.trace_dirs: list[Path] = []
+        self.next_request_id = 0  # vLLM's request_counter: ids count on across calls
 
     @classmethod
     def over(
@@ -117,6 +120,7 @@ class LLM:
         llm.trace = trace
         llm.trace_root = Path(trace_root) if trace_root is not None else Path("traces") / time.strftime("%Y-%m-%d")
         llm.trace_dirs = []
+        llm.next_request_id = 0
         return llm
 
     @property
@@ -140,7 +144,9 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One output per prompt, in order. `sampling_params`: one for every prompt, or one each. `use_tqdm`: a
-        progress line on a terminal (sequences done, tokens/s; nothing when stderr is not one)."""
+        progress line on a terminal (sequences done, tokens/s; nothing when stderr is not one). Request ids count
+        on across calls ("0", "1", ... as vLLM's): a request without its own seed draws from the engine's seed and
+        its id, so a second call samples afresh, and a new LLM with the same `seed` repeats the calls in order."""
         if _is_array(prompts):  # as HF's tokenizers return ids: a row a prompt
             if prompts.ndim not in (1, 2):
                 raise ConfigError(
@@ -174,8 +180,12 @@ class LLM:
     ) -> list[RequestOutput]:
         params = _per_request(sampling_params, len(requests), self.default_sampling)
         engine = Engine(self.loaded, self.engine_cfg, self.default_sampling, self.spec_cfg)
+        # request ids count on across calls (vLLM's request_counter): an unseeded request's seed derives from its id
+        # and the engine's seed, so a second call's samples differ from the first's as vLLM's do, and a fresh LLM
+        # with the same seed repeats them call for call
+        first, self.next_request_id = self.next_request_id, self.next_request_id + len(requests)
         ids = [
-            engine.add(EngineRequest(**r, sampling_params=p, request_id=f"{i}"))
+            engine.add(EngineRequest(**r, sampling_params=p, request_id=f"{first + i}"))
             for i, (r, p) in enumerate(zip(requests, params))
         ]  # a bad request raises before anything runs
         logprobs = _Logprobs(
@@ -268,7 +278,12 @@ def _ids(x: Any) -> Any:
 def _is_single_prompt(prompts: Any) -> bool:
     if isinstance(prompts, (str, Mapping)) or not isinstance(prompts, Iterable):
         return True  # None, a number...: refused as one prompt (_prompt_request)
-    return bool(prompts) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+    return bool(prompts) and all(_is_token_id(t) for t in prompts)
+
+
+def _is_token_id(t: Any) -> bool:
+    """An integer (Python's or numpy's: a list of a tokenizer's np.int64), not a bool."""
+    return isinstance(t, numbers.Integral) and not isinstance(t, (bool, np.bool_))
 
 
 def _prompt_request(prompt: Prompt) -> dict[str, Any]:
@@ -278,13 +293,17 @@ def _prompt_request(prompt: Prompt) -> dict[str, Any]:
         unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
         if unknown:
             raise ConfigError(f"a prompt mapping takes prompt or prompt_token_ids, not {', '.join(unknown)}")
-        return {k: _ids(v) if k == "prompt_token_ids" else v for k, v in prompt.items()}
+        out = {k: _ids(v) if k == "prompt_token_ids" else v for k, v in prompt.items()}
+        ids = out.get("prompt_token_ids")
+        if isinstance(ids, Sequence) and not isinstance(ids, (str, bytes)):
+            out["prompt_token_ids"] = [int(t) if _is_token_id(t) else t for t in ids]
+        return out
     prompt = _ids(prompt)
     if isinstance(prompt, (bytes, Mapping)) or not isinstance(prompt, Sequence):
         raise ConfigError(
             f"a prompt is text, a list of token ids or a {{prompt | prompt_token_ids}} mapping, got {prompt!r:.80}"
         )
-    return {"prompt_token_ids": list(prompt)}
+    return {"prompt_token_ids": [int(t) if _is_token_id(t) else t for t in prompt]}
 
 
 def _conversation(messages: Any) -> list[dict[str, Any]]:
@@ -319,6 +338,8 @@ def _per_request(sampling_params, n: int, default: SamplingParams) -> list[Sampl
         return [default] * n
     if isinstance(sampling_params, (SamplingParams, Mapping)):
         return [_sampling(sampling_params)] * n
+    if isinstance(sampling_params, (str, bytes)) or not isinstance(sampling_params, Iterable):
+        raise ConfigError(f"sampling_params must be SamplingParams (or a list of them), got {sampling_params!r:.80}")
     params = [_sampling(p) for p in sampling_params]
     if len(params) != n:
         raise ConfigError(f"{len(params)} SamplingParams for {n} prompts: give one, or one per prompt")

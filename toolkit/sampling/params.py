@@ -38,6 +38,12 @@ MAX_TEMPERATURE = 1e5
 MIN_REPETITION_PENALTY = 1e-5  # a penalty below 1 divides a positive logit by it
 MAX_LOGIT_BIAS = 1e5  # any negative bias is fine: -inf bans the token
 MAX_TOP_K = 2**31 - 1  # the trace's top_k column is int32; any k past the vocabulary keeps every token
+# What one request's stop strings and bad words may hold: each is matched against every new token (a stop string
+# costs ~0.75 us a token, 1024 of them ~0.6 ms on a 2-core AMD EPYC (avx2)), so without a bound one request's
+# 100000 stop strings held the engine thread ~1 s a token. The server's own limits are tighter (serve.max_stop 32).
+MAX_STOP = 1024  # stop strings; and stop_token_ids
+MAX_STOP_CHARS = 65536  # characters of all stop strings together; and of all bad words
+MAX_BAD_WORDS = 4096
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,8 @@ class SamplingParams:
 
     `processors` is the ordered logits-processor pipeline (default `DEFAULT_PROCESSORS`);
     a parameter set away from its neutral value must have its processor in the list.
+    `stop` and `stop_token_ids` hold at most 1024 each, `bad_words` 4096, and either 65536 characters in all
+    (each is matched against every new token; a ConfigError names the field past that).
     """
 
     n: int = 1
@@ -149,6 +157,11 @@ class SamplingParams:
             f"stop_token_ids must be a list of non-negative token ids, got {ids!r}",
         )
         set_("stop_token_ids", tuple(ids))
+        _bounded("stop", len(self.stop), MAX_STOP, "strings")
+        _bounded("stop", sum(map(len, self.stop)), MAX_STOP_CHARS, "characters")
+        _bounded("stop_token_ids", len(self.stop_token_ids), MAX_STOP, "token ids")
+        _bounded("bad_words", len(self.bad_words), MAX_BAD_WORDS, "entries")
+        _bounded("bad_words", sum(map(len, self.bad_words)), MAX_STOP_CHARS, "characters and token ids")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
         check(
@@ -316,6 +329,16 @@ def _bad_words(words: Any) -> tuple:
         else:
             raise ConfigError(f"bad_words entries must be strings or non-empty token-id lists, got {w!r}")
     return tuple(out)
+
+
+def _bounded(name: str, count: int, limit: int, what: str) -> None:
+    """A ConfigError naming the field where a request's list holds more than one request may ask to be matched
+    against every new token."""
+    check(
+        count <= limit,
+        f"{name} holds {count} {what}, more than the {limit} one request may give (each is matched against every "
+        f"new token)",
+    )
 
 
 def _unicode(text: str, what: str) -> None:
