@@ -540,6 +540,15 @@ def test_the_run_directory_serve_address_and_trace_files_a_probe_broke_are_one_l
     outside = {"properties": {"a": {"$ref": "https://example.com/a.json"}}, "$defs": {"b": {"$ref": "#/$defs/b"}}}
     _expect(75, ConfigError, "points outside the schema", lambda: StructuredOutputs(json=outside))
     assert StructuredOutputs(json={"$defs": {"b": {"type": "string"}}, "$ref": "#/$defs/b"}).kind == "json"
+    unique = {
+        "type": "object",
+        "properties": {"not": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
+    }
+    message = "'uniqueItems' at properties.not.uniqueItems is not enforced by the grammar engine (xgrammar)"
+    _expect(81, ConfigError, message, lambda: StructuredOutputs(json=unique))
+    deep = '{"items":' * 5000 + "{}" + "}" * 5000  # a RecursionError before
+    _expect(81, ConfigError, "nested too deeply to be read", lambda: StructuredOutputs(json=deep))
+    # tests/test_grammar.py::test_a_keyword_xgrammar_does_not_enforce_is_refused_naming_its_path: every keyword (81)
     assert 76 in DOC_ROWS  # tests/test_serve.py::test_a_bad_request_is_a_4xx_naming_the_field: messages.0.content
     assert 77 in DOC_ROWS  # tests/test_run_faults.py::test_full_logits_naming_a_request_the_run_has_not_is_one_line
     from toolkit.errors import ClusterError

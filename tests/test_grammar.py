@@ -12,8 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import make_engine
-from toolkit.errors import RequestError
+from toolkit.errors import ConfigError, RequestError
 from toolkit.sampling.params import SamplingParams
+from toolkit.sampling.structured import StructuredOutputs
+from toolkit.sampling.unenforced import unenforced_keyword
 
 SCHEMAS = {
     "person": (
@@ -360,3 +362,221 @@ def test_a_compile_the_machine_refuses_is_a_resource_error_not_the_grammars(tiny
         backend.compile(StructuredOutputs(json={"title": "Resource temporarily unavailable"}))
     with pytest.raises(RequestError, match="invalid structured_outputs.json: no such keyword"):
         backend.compile(StructuredOutputs(json={"title": "no such keyword"}))
+
+
+# --- JSON-schema keywords xgrammar accepts but does not enforce: refused, naming the keyword and its path ---
+
+INT = {"type": "integer"}
+AB = {"a": INT, "b": INT}
+# (schema, the keyword refused, its path, a JSON text breaking it that xgrammar 0.2.8 still accepts)
+UNENFORCED = [
+    ({"type": "array", "items": INT, "uniqueItems": True}, "uniqueItems", "uniqueItems", "[1,1]"),
+    (
+        {"type": "object", "properties": {"a": {"type": "integer", "not": {"const": 1}}}, "required": ["a"]},
+        "not",
+        "properties.a.not",
+        '{"a":1}',
+    ),
+    (
+        {
+            "type": "array",
+            "items": {"type": "object", "properties": AB, "if": {"required": ["a"]}, "then": {"required": ["b"]}},
+        },
+        "if",
+        "items.if",
+        '[{"a":1}]',
+    ),
+    (
+        {"$defs": {"d": {"type": "object", "properties": AB, "dependentRequired": {"a": ["b"]}}}, "$ref": "#/$defs/d"},
+        "dependentRequired",
+        "$defs.d.dependentRequired",
+        '{"a":1}',
+    ),
+    (
+        {
+            "anyOf": [
+                {"type": "object", "properties": AB, "dependentSchemas": {"a": {"required": ["b"]}}},
+                {"type": "null"},
+            ]
+        },
+        "dependentSchemas",
+        "anyOf.0.dependentSchemas",
+        '{"a":1}',
+    ),
+    ({"type": "object", "properties": AB, "dependencies": {"a": ["b"]}}, "dependencies", "dependencies", '{"a":1}'),
+    (
+        {"type": "array", "prefixItems": [INT, {"type": "array", "items": INT, "contains": {"const": 5}}]},
+        "contains",
+        "prefixItems.1.contains",
+        "[1,[1]]",
+    ),
+    (
+        {"type": "object", "additionalProperties": {"type": "number", "multipleOf": 0.5}},
+        "multipleOf",
+        "additionalProperties.multipleOf",
+        '{"x":0.3}',
+    ),
+    ({"type": "integer", "multipleOf": 2.5}, "multipleOf", "multipleOf", "4"),
+    ({"allOf": [INT, {"type": "integer", "minimum": 5}]}, "allOf", "allOf", "3"),
+    ({"type": "string", "format": "regex"}, "format", "format", '"("'),
+    ({"type": "string", "format": "date", "pattern": "^2020"}, "pattern", "pattern", '"2021-01-01"'),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 2}, "maxLength", "maxLength", '"aaa"'),
+    ({"type": "array", "items": {"minimum": 5}}, "minimum", "items.minimum", "[4]"),
+    ({"$defs": {"x": INT}, "$ref": "#/$defs/x", "maximum": 3}, "maximum", "maximum", "5"),
+    ({"type": "string", "enum": ["a", 1]}, "type", "type", "1"),
+    ({"type": "object", "properties": {"a": INT}, "required": ["a", "b"]}, "required", "required", '{"a":1}'),
+    ({"$defs": {"x": {"$anchor": "x", "type": "integer"}}, "$ref": "#x"}, "$ref", "$ref", '"a"'),
+    (
+        {"$defs": {"x": {"$dynamicAnchor": "x", "type": "integer"}}, "$dynamicRef": "#x"},
+        "$dynamicRef",
+        "$dynamicRef",
+        '"a"',
+    ),
+    (
+        {"components": {"u": {"type": "array", "items": INT, "uniqueItems": True}}, "$ref": "#/components/u"},
+        "uniqueItems",
+        "components.u.uniqueItems",
+        "[1,1]",
+    ),
+    (
+        {"type": "object", "propertyNames": {"format": "date", "maxLength": 3}, "additionalProperties": INT},
+        "maxLength",
+        "propertyNames.maxLength",
+        '{"2020-01-01":1}',
+    ),
+]
+# (schema, a JSON text breaking it that xgrammar refuses): kept
+ENFORCED = [
+    ({"type": "array", "items": INT, "minItems": 2, "maxItems": 3}, "[1]"),
+    ({"type": "array", "items": INT, "uniqueItems": False, "minItems": 0}, '["a"]'),
+    ({"enum": ["a", 1]}, "2"),
+    ({"type": "string", "enum": ["a", "b"]}, '"c"'),
+    ({"type": "object", "const": {"a": 1}}, '{"a":2}'),
+    ({"type": "string", "pattern": "^a+$"}, '"b"'),
+    ({"type": "string", "minLength": 2, "maxLength": 3}, '"abcd"'),
+    ({"type": "integer", "minimum": 5, "exclusiveMaximum": 9}, "9"),
+    ({"type": "number", "exclusiveMinimum": 1.5}, "1.5"),
+    ({"type": ["integer", "null"], "multipleOf": 3}, "4"),
+    ({"type": "array", "prefixItems": [INT, {"type": "string"}], "items": False}, '[1,"a",2]'),
+    ({"type": "object", "properties": {"a": INT}, "additionalProperties": False, "required": ["a"]}, "{}"),
+    ({"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}, "additionalProperties": INT}, '{"A":1}'),
+    ({"type": "object", "patternProperties": {"^x.*$": INT}, "maxProperties": 1}, '{"xa":"s"}'),
+    ({"type": "object", "properties": AB, "minProperties": 2}, '{"a":1}'),
+    ({"type": "object", "properties": {"a": INT}, "unevaluatedProperties": False}, '{"a":1,"b":2}'),
+    ({"type": "string", "format": "date"}, '"x"'),
+    ({"allOf": [{"type": "integer", "minimum": 5}]}, "3"),
+    ({"anyOf": [INT, {"type": "string", "maxLength": 1}]}, '"ab"'),
+    ({"oneOf": [INT, {"type": "string"}]}, "true"),
+    ({"$defs": {"x": {"type": "integer", "maximum": 3}}, "$ref": "#/$defs/x"}, "5"),
+    ({"type": "integer", "if": {"minimum": 0}}, '"a"'),  # an `if` without then / else does nothing
+]
+
+
+def _xgrammar_accepts(schema: dict, text: str) -> bool:
+    """Whether xgrammar, compiled as GrammarBackend compiles a schema, takes `text` as a whole output."""
+    import xgrammar as xgr
+
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False)
+    compiled = compiler.compile_json_schema(json.dumps(schema), any_whitespace=True, max_whitespace_cnt=16)
+    matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    return matcher.accept_string(text) and matcher.is_terminated()
+
+
+@pytest.mark.parametrize("schema, keyword, path, text", UNENFORCED, ids=[f"{c[2]}" for c in UNENFORCED])
+def test_a_keyword_xgrammar_does_not_enforce_is_refused_naming_its_path(schema, keyword, path, text):
+    """xgrammar compiles these schemas and then lets through an output that breaks them (the text here): a 200
+    whose output the schema refuses. StructuredOutputs refuses the schema, in one line naming the keyword and its
+    place. If a later xgrammar enforces one, the last check fails: then drop it from toolkit/sampling/unenforced.py."""
+    with pytest.raises(ConfigError) as info:
+        SamplingParams(structured_outputs={"json": schema})
+    message = str(info.value)
+    assert message.startswith(f"invalid structured_outputs.json: {keyword!r} at {path} is not enforced by the ")
+    assert "grammar engine (xgrammar" in message and "remove it or check the output yourself" in message
+    assert "\n" not in message
+    with pytest.raises(ConfigError, match="is not enforced"):
+        StructuredOutputs(json=json.dumps(schema))  # as text too
+    assert _xgrammar_accepts(schema, text), f"xgrammar now enforces {keyword!r}: stop refusing it"
+
+
+@pytest.mark.parametrize("schema, text", ENFORCED, ids=[json.dumps(c[0])[:40] for c in ENFORCED])
+def test_a_keyword_xgrammar_enforces_is_kept(schema, text):
+
+    assert StructuredOutputs(json=schema).json == schema
+    assert not _xgrammar_accepts(schema, text)
+
+
+def test_a_property_named_like_a_keyword_is_a_name_not_a_keyword():
+    """`properties` maps names to schemas: a property called "not" or "uniqueItems" is a name; a const, enum or
+    default holds data, whatever its keys."""
+
+    names = ["not", "uniqueItems", "if", "contains", "allOf", "multipleOf", "$ref", "$dynamicRef", "dependencies"]
+    schema = {
+        "type": "object",
+        "properties": {name: {"type": "string"} for name in names}
+        | {"data": {"const": {"not": {"uniqueItems": True}}, "default": {"allOf": [1, 2]}}},
+        "required": names,
+        "patternProperties": {"^not$": INT},
+        "$defs": {"uniqueItems": {"type": "object", "properties": {"not": INT}}},
+    }
+    assert StructuredOutputs(json=schema).json == schema
+    assert _xgrammar_accepts(schema, json.dumps(dict.fromkeys(names, "x"), separators=(",", ":")))
+    assert not _xgrammar_accepts(schema, json.dumps({**dict.fromkeys(names, "x"), "not": 1}))
+
+
+def test_a_deeply_nested_schema_is_walked_without_recursion():
+    """A hostile schema may nest past Python's recursion limit: the walk is a loop (its path cut to its last 200
+    characters), and StructuredOutputs refuses what json cannot copy in one line, never a RecursionError."""
+
+    def nested(depth: int, inner: dict) -> dict:
+        for _ in range(depth):
+            inner = {"items": inner}
+        return inner
+
+    keyword, path, _ = unenforced_keyword(nested(5000, {"type": "array", "uniqueItems": True}))
+    assert keyword == "uniqueItems" and path == "..." + ("items." * 5000 + "uniqueItems")[-200:]
+    assert unenforced_keyword(nested(100_000, {"type": "array", "minItems": 1})) is None
+    for schema in (nested(5000, INT), '{"items":' * 5000 + '{"type":"integer"}' + "}" * 5000):
+        with pytest.raises(ConfigError, match="^invalid structured_outputs.json: it is nested too deeply to be read$"):
+            StructuredOutputs(json=schema)
+
+
+WRAPPERS = st.one_of(
+    st.tuples(st.just("properties"), st.sampled_from(["not", "uniqueItems", "if", "items", "x"]) | st.text(max_size=6)),
+    st.tuples(st.just("$defs"), st.sampled_from(["not", "allOf", "d"])),
+    st.tuples(st.sampled_from(["anyOf", "prefixItems"]), st.integers(0, 2)),
+    st.tuples(st.sampled_from(["items", "additionalProperties"])),
+)
+
+
+PLACEABLE = [case for case in UNENFORCED if '"#/' not in json.dumps(case[0])]  # no pointer from the root it moves
+
+
+def _wrap(schema: dict, wrappers: list[tuple]) -> dict:
+    """`schema` placed where each wrapper (outermost first) reads a schema; its siblings enforced ones."""
+    for wrapper in reversed(wrappers):
+        key, *at = wrapper
+        if key in ("properties", "$defs"):
+            schema = {"type": "object", key: {at[0]: schema}}
+        elif key == "anyOf":
+            schema = {"anyOf": [{"type": "null"}] * at[0] + [schema]}
+        elif key == "prefixItems":
+            schema = {"type": "array", "prefixItems": [INT] * at[0] + [schema]}
+        else:
+            schema = {"type": "array" if key == "items" else "object", key: schema}
+    return schema
+
+
+@settings(max_examples=60, deadline=None)
+@given(wrappers=st.lists(WRAPPERS, max_size=5), case=st.sampled_from(PLACEABLE), kept=st.sampled_from(ENFORCED))
+def test_a_refusal_names_the_keyword_wherever_it_is_placed(wrappers, case, kept):
+    """Wherever xgrammar reads a schema (a property of any name, $defs, anyOf / prefixItems branches, items,
+    additionalProperties), an unenforced keyword in it is refused with the path to it; an enforced one is kept."""
+
+    schema, keyword, path, _ = case
+    full = ".".join([str(part) for wrapper in wrappers for part in wrapper] + [path])
+    assert unenforced_keyword(_wrap(schema, wrappers)) == (
+        keyword,
+        full if len(full) <= 200 else "..." + full[-200:],
+        unenforced_keyword(schema)[2],
+    )
+    assert unenforced_keyword(_wrap(kept[0], wrappers)) is None

@@ -205,6 +205,21 @@ BAD = [  # (route, body, status, param)
         400,
         "response_format.json_schema.schema",
     ),
+    (  # a keyword xgrammar compiles but does not enforce: a 200 whose output could be [1, 1]
+        "chat/completions",
+        {
+            "messages": CHAT,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "u",
+                    "schema": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+                },
+            },
+        },
+        400,
+        "response_format.json_schema.schema",
+    ),
 ]
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from toolkit.errors import ConfigError
+from toolkit.sampling.unenforced import unenforced_keyword
 
 KINDS = ("json", "regex", "grammar", "choice")
 
@@ -31,21 +32,33 @@ class StructuredOutputs:
             )
         if self.json is not None:
             schema = self.json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as exc:
+            try:  # json's encoder and decoder recurse: a schema nested past Python's recursion limit is refused
+                if isinstance(schema, str):
+                    try:
+                        schema = json.loads(schema)
+                    except json.JSONDecodeError as exc:
+                        raise ConfigError(
+                            f"structured_outputs.json is not valid JSON: {exc.msg} at column {exc.colno}"
+                        ) from None
+                if not isinstance(schema, Mapping):
                     raise ConfigError(
-                        f"structured_outputs.json is not valid JSON: {exc.msg} at column {exc.colno}"
-                    ) from None
-            if not isinstance(schema, Mapping):
-                raise ConfigError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
-            object.__setattr__(self, "json", _plain(schema))
+                        f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}"
+                    )
+                object.__setattr__(self, "json", _plain(schema))
+            except RecursionError:
+                raise ConfigError("invalid structured_outputs.json: it is nested too deeply to be read") from None
             ref = external_ref(self.json)
             if ref is not None:  # xgrammar logs a warning and leaves that part unconstrained: the output unchecked
                 raise ConfigError(
                     f"invalid structured_outputs.json: its $ref {ref[:200]!r} points outside the schema, which is not "
                     f"fetched here: put what it names under $defs and refer to it as #/$defs/<name>"
+                )
+            dropped = unenforced_keyword(self.json)
+            if dropped is not None:  # xgrammar accepts it and does not hold the output to it
+                keyword, path, why = dropped
+                raise ConfigError(
+                    f"invalid structured_outputs.json: {keyword!r} at {path} is not enforced by the grammar engine "
+                    f"(xgrammar{why}); remove it or check the output yourself"
                 )
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise ConfigError(f"structured_outputs.regex must be a non-empty string, got {self.regex!r}")
