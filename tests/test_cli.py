@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -305,6 +306,16 @@ def test_help_lists_every_mode_with_one_line_and_each_is_dispatched(tmp_path):
         assert proc.returncode == 0, proc.stderr
         listed = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("  ")]
         assert listed == list(MODES) and all(len(line) <= 120 for line in proc.stdout.splitlines())
+    # the soak's line as soak.py has it (it said "hours of mixed load on the server": the default soak drives the
+    # engine in-process for soak.duration_s, an option it requires; the server is soak.over=http)
+    from toolkit.errors import ConfigError
+    from toolkit.modes.soak import ENGINE_CHECKS, HTTP_CHECKS, check_options
+
+    named = set(re.findall(r"soak\.(\w+)", MODES["soak"]))
+    assert {"duration_s", "over"} <= named <= {*ENGINE_CHECKS, *HTTP_CHECKS, "over"}
+    assert "server" not in MODES["soak"].split("soak.over=http")[0]
+    with pytest.raises(ConfigError, match="soak.duration_s is required"):
+        check_options({}, "engine")
     proc = subprocess.run([sys.executable, "-m", "toolkit", "mode=run"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr == (  # not the run it looks like: one line saying where runs go
         "error: python -m toolkit only lists the modes; a run goes through run.py: python run.py mode=run\n"

@@ -463,6 +463,7 @@ def test_trace_rows(small_run, tmp_path):
     assert (
         38 in DOC_ROWS
     )  # Ctrl-C, SIGTERM: tests/test_cli.py::test_ctrl_c_or_sigterm_flushes_the_trace_writes_the_summary_and_exits_as_the_signal
+    # and in a soak: tests/test_soak_and_fuzz.py::test_ctrl_c_stops_the_soak_between_steps_with_its_trace_and_report
     # tests/test_replay_verify.py::test_a_trace_that_cannot_be_trusted_is_refused_naming_what: rows 55 and 56 there,
     # tests/test_trace.py::test_a_run_directory_that_cannot_be_written_is_one_line_before_any_step: row 57,
     # tests/test_serve_hostile.py::test_a_hostile_request_is_a_4xx_naming_its_field_and_costs_nothing: row 58
@@ -562,3 +563,11 @@ def test_the_run_directory_serve_address_and_trace_files_a_probe_broke_are_one_l
     _expect(79, ConfigError, "scheduling.plot_y: unknown figure", lambda: scheduling_options(plot, EngineConfig()))
     twice = {"variants": ["int8", "int8"]}
     _expect(79, ConfigError, "kv_quantization.variants names 'int8' twice", lambda: kv_quantization_options(twice))
+    from toolkit.runs.loggers import check_logger
+
+    wandb = {"backend": "wandb", "mode": "offline"}
+    _expect(
+        82, ConfigError, "logger.project='a/b': Invalid project name", lambda: check_logger({**wandb, "project": "a/b"})
+    )
+    message = "logger=wandb logs mode=run only; mode=serve would ignore it"
+    _expect(82, ConfigError, message, lambda: check_logger(wandb, "serve"))

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from toolkit.errors import ConfigError
-from toolkit.runs.loggers import WandbLogger
+from toolkit.modes import MODES
+from toolkit.runs.loggers import WandbLogger, check_logger
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,3 +86,52 @@ def test_a_dead_wandb_service_is_said_once_and_the_run_goes_on(tmp_path):
     said = [line for line in done.stderr.splitlines() if line.startswith("toolkit: wandb stopped logging")]
     assert len(said) == 1, done.stderr[-2000:]
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def _run(*args: str, run_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "run.py", *args, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_logger_settings_are_refused_before_the_model_loads(tmp_path):
+    """A typo in a logger setting is one line before the model loads: here the model cannot load at all, and the
+    logger's error is the one said. Before, wandb.init after the model load was the first to look (a user waited
+    for a model load to learn of it)."""
+    missing = f"model.path={tmp_path / 'no-model'}"
+    for setting, named in [
+        ("logger.project=a/b", "logger.project='a/b'"),
+        (f"logger.tags=[{'x' * 70}]", "logger.tags="),
+        ("logger.log_every_steps=0", "logger.log_every_steps"),
+    ]:
+        proc = _run("model=hf", missing, "logger=wandb", setting, run_dir=tmp_path / "run")
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.startswith(f"error: {named}") and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    run_dir = tmp_path / "unwritable"
+    run_dir.mkdir()
+    (run_dir / "wandb").write_text("a file where wandb wants its folder")
+    with pytest.raises(ConfigError, match="logger=wandb cannot write in the run directory: .*wandb is not a directory"):
+        check_logger({"backend": "wandb"}, "run", run_dir)
+    check_logger({"backend": "wandb", "tags": ["a", "b"]}, "run", tmp_path / "fresh" / "run")  # to be made: fine
+
+
+@pytest.mark.parametrize("mode", sorted(set(MODES) - {"run"}))
+def test_a_logger_that_a_mode_would_ignore_is_refused_naming_both(mode):
+    """logger=wandb logs mode=run's steps; every other mode ignored it without a word (mode=serve, mode=soak, the
+    benchmarks): now one ConfigError naming the logger and the mode. logger=none is every mode's."""
+    with pytest.raises(ConfigError) as caught:
+        check_logger({"backend": "wandb", "mode": "offline"}, mode)
+    message = str(caught.value)
+    assert message.startswith("logger=wandb logs mode=run only") and f"mode={mode} would ignore it" in message
+    check_logger({"backend": "none"}, mode)
+
+
+def test_the_cli_refuses_a_logger_its_mode_would_ignore(tmp_path):
+    proc = _run("mode=serve", "logger=wandb", run_dir=tmp_path / "run")
+    assert proc.returncode == 2 and proc.stderr == (
+        "error: logger=wandb logs mode=run only; mode=serve would ignore it (drop logger=wandb, or logger=none)\n"
+    ), proc.stderr[-2000:]

@@ -12,7 +12,7 @@ MODES = {
     "verify": "teacher-forced recomputation of a trace: cached == recomputed logits (verify.trace=<dir>)",
     "compare": "many runs as one dataset: where their tokens and logprobs part (compare.runs=[...])",
     "audit": "recompute a foreign engine's transcript: flags per token, the detector, Ray sharding (audit.input=)",
-    "soak": "hours of mixed load on the server: memory, files and latency over time",
+    "soak": "random requests for soak.duration_s seconds: KV leaks, trace rows, RSS (soak.over=http: the server)",
     "train": "train the character-level GPT of the nanoGPT posts (model=nanogpt)",
     "kv_quantization": "KV-cache formats side by side: outputs kept, logprob drift, bytes",
     "precision": "model formats (fp32, bf16, fp16) side by side against HF and against each other",

@@ -21,6 +21,7 @@ from toolkit.reproduce.compare import compare, resolve_runs
 from toolkit.reproduce.replay import replay
 from toolkit.reproduce.shard import launcher, ray_options
 from toolkit.reproduce.verify import verify
+from toolkit.runs.loggers import check_logger
 from toolkit.runs.metrics import batch_vs_single, structured_output_validity
 from toolkit.runs.session import record
 from toolkit.runs.workload import add_specs, workload_specs
@@ -51,6 +52,8 @@ def main(cfg: DictConfig, run_dir: Path) -> int:
         mode = cfg.get("mode", "run")
         if mode not in RUNNERS:
             raise ToolkitError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+        # before the model loads: a logger setting's typo, or a logger the mode would ignore
+        check_logger(OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else None, mode, run_dir)
         return runner(mode)(cfg, run_dir)
     except ToolkitError as exc:
         print(f"error: {exc}", file=sys.stderr)

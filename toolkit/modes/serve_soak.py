@@ -9,6 +9,8 @@ clients (`concurrency`) send completions with random short prompts, sampling and
 the trace writer's flush time for that thousand and the requests the loop still holds. At the end it checks
 that nothing was lost (requests.parquet rows == requests served, samples rows == tokens answered) and replays
 the run bit for bit. The figures go to soak_http.json in the run directory; the exit code says whether all held.
+Ctrl-C or SIGTERM stops the clients (the requests in flight are answered first) and skips the replay: the server's
+trace closed, soak_http.json written with what was measured so far and `interrupted`, exit 130 (143 for SIGTERM).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import psutil
 
 from toolkit.engine.core import Engine
 from toolkit.reproduce.replay import replay as replay_run
+from toolkit.runs.signals import StopRequest, stop_between_steps
 from toolkit.serve.main import start_server
 from toolkit.trace.reader import read_requests, read_samples
 
@@ -79,6 +82,7 @@ def soak_http(
     report_burst: dict[str, Any] = {}
     start = time.perf_counter()
     flushed = [0.0]
+    stop = StopRequest()
 
     def checkpoint() -> None:
         writer = server.loop.writer
@@ -152,14 +156,19 @@ def soak_http(
             async def worker(k: int) -> None:
                 rnd = random.Random(seed * 1000 + k)
                 for _ in left:
+                    if stop.pressed:  # Ctrl-C, SIGTERM: no new request; those in flight are answered
+                        return
                     await one(client, rnd)
 
             await asyncio.gather(*(worker(k) for k in range(concurrency)))
 
     try:
-        asyncio.run(drive())
+        with stop_between_steps() as stop:
+            asyncio.run(drive())
+    except KeyboardInterrupt:  # a second signal: the requests in flight were cancelled; what was served is written
+        stop.pressed = True
     finally:
-        server.stop()
+        server.stop()  # the served trace closed
     recorded = read_requests(served_dir).num_rows
     sample_rows = read_samples(served_dir).num_rows
     report: dict[str, Any] = {
@@ -185,12 +194,19 @@ def soak_http(
         second, last = rows[1], rows[-1]
         report["rss_growth_mb"] = last["rss_mb"] - second["rss_mb"]
         report["flush_last_over_second"] = last["flush_s"] / max(second["flush_s"], 1e-9)
-    if replay:
+    if replay and not stop.pressed:
         replayed = replay_run(served_dir, out_dir=Path(run_dir) / "replayed")
         report["replay"] = replayed.summary_line()
         if not replayed.identical:
             problems.append(f"replay: {replayed.summary_line()}")
     report["problems"] = problems
-    report["passed"] = not problems
+    report["passed"] = not problems and not stop.pressed
+    if stop.pressed:
+        report.update(interrupted=True, signal=stop.name)
     (Path(run_dir) / "soak_http.json").write_text(json.dumps(report, indent=2))
+    if stop.pressed:
+        raise stop.interrupted(
+            f"soak over HTTP interrupted after {served} requests served, {report['seconds']:.0f} s ({stop.name}): "
+            f"trace closed ({sample_rows} sample rows), replay skipped, soak_http.json written in {run_dir}"
+        )
     return report

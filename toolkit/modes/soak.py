@@ -12,7 +12,9 @@ Every step's sample rows go through the trace writer. Checked at the end, and th
 code says whether all held: no exception, the block manager's invariants at every
 `check_every` steps, every block free once the last request is released, trace rows ==
 rows the engine emitted == tokens committed + error rows, and RSS growth after warm-up
-below `max_rss_growth_mb`. The report goes to soak.json in the run directory.
+below `max_rss_growth_mb`. The report goes to soak.json in the run directory. Ctrl-C or SIGTERM stops it
+between steps: the trace closed (every row emitted so far on disk), soak.json written with what was measured so far
+and `interrupted`, exit 130 (143 for SIGTERM) with one line.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from toolkit.errors import ConfigError
 from toolkit.models import load_model
 from toolkit.modes.serve_soak import soak_http
 from toolkit.runs.manifest import new_run_id
+from toolkit.runs.signals import StopRequest, stop_between_steps
 from toolkit.sampling.params import SamplingParams
 from toolkit.trace.writer import TraceWriter
 
@@ -73,7 +76,10 @@ def soak(
     start = time.perf_counter()
     rss_warm = None
     next_id = 0
-    while time.perf_counter() - start < duration_s:
+    stop = StopRequest()
+
+    def step() -> None:
+        nonlocal next_id, rss_warm
         while len(live) < queue_depth:
             n = rnd.randint(1, max_prompt)
             params = SamplingParams(
@@ -119,12 +125,19 @@ def soak(
             counts["invariant_checks"] += 1
         if rss_warm is None and time.perf_counter() - start >= warmup_s:
             rss_warm = proc.memory_info().rss / 2**20
+
+    try:
+        with stop_between_steps() as stop:  # a signal stops the soak between steps
+            while time.perf_counter() - start < duration_s and not stop.pressed:
+                step()
+    except KeyboardInterrupt:  # a second signal, mid-step: what was emitted so far is still written below
+        stop.pressed = True
+    writer.close()  # every row emitted so far on disk (the drain below aborts and releases, emitting none)
     for rid in sorted(live):  # drain: abort what still runs, release everything
         engine.abort(rid)
         result = engine.release(rid)
         counts["aborted"] += 1
         counts["tokens"] += sum(len(c.token_ids) for c in result.outputs)
-    writer.close()
     engine.check_invariants()
     rss_end = proc.memory_info().rss / 2**20
     rss_warm = rss_warm if rss_warm is not None else rss_end
@@ -155,8 +168,16 @@ def soak(
     if report["rss_growth_mb"] > max_rss_growth_mb:
         problems.append(f"RSS grew {report['rss_growth_mb']:.0f} MB after warm-up (limit {max_rss_growth_mb:.0f})")
     report["problems"] = problems
-    report["passed"] = not problems
+    report["passed"] = not problems and not stop.pressed
+    if stop.pressed:
+        report.update(interrupted=True, signal=stop.name)
     (run_dir / "soak.json").write_text(json.dumps(report, indent=2))
+    if stop.pressed:
+        raise stop.interrupted(
+            f"soak interrupted after {report['steps']} steps, {report['seconds']:.0f} s ({stop.name}): trace closed "
+            f"({report['trace_rows']} rows) and soak.json written in {run_dir}"
+            + (f"; {'; '.join(problems)}" if problems else "")
+        )
     return report
 
 

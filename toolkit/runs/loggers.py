@@ -32,18 +32,66 @@ class RunLogger:
         pass
 
 
+def check_logger(cfg: Mapping[str, Any] | None, run_mode: str = "run", run_dir: Path | None = None) -> None:
+    """The `logger` section checked whole before the model loads (app.main, for every mode): one ConfigError
+    naming the setting, where wandb.init after the model load was the first to look at it. Only mode=run logs
+    (record()'s steps); a logger asked of another mode would be ignored, so it is refused."""
+    cfg = dict(cfg or {})
+    kind = cfg.get("backend", "none")
+    if kind not in LOGGERS:
+        raise ConfigError(f"logger.backend must be one of {', '.join(LOGGERS)}, got {kind!r}")
+    if kind == "none":
+        return
+    check(
+        run_mode == "run",
+        f"logger={kind} logs mode=run only; mode={run_mode} would ignore it (drop logger={kind}, or logger=none)",
+    )
+    _check_wandb(cfg, run_dir)
+
+
+def _check_wandb(cfg: Mapping[str, Any], run_dir: Path | None) -> Any:
+    """logger=wandb's settings, each by wandb's own rules (wandb.Settings), and the run directory it writes in;
+    returns the wandb module."""
+    mode = cfg.get("mode", "offline")
+    check(mode in ("offline", "online", "disabled"), f"logger.mode must be offline, online or disabled, got {mode!r}")
+    try:
+        import wandb  # deferred: wandb, the [wandb] extra
+    except ImportError:  # pragma: no cover - wandb comes with the wandb (and dev) extra
+        raise ConfigError("logger=wandb needs the wandb package: pip install 'toolkit[wandb]'") from None
+    every = cfg.get("log_every_steps", 1)
+    check(is_int(every) and every >= 1, f"logger.log_every_steps must be a positive integer, got {every!r}")
+    tags = cfg.get("tags") or []
+    check(
+        isinstance(tags, (list, tuple)) and all(isinstance(t, str) for t in tags),
+        f"logger.tags must be a list of strings, got {tags!r}",
+    )
+    for name, setting, value in (("project", "project", cfg.get("project")), ("tags", "run_tags", tuple(tags))):
+        try:
+            wandb.Settings(**{setting: value})
+        except Exception as exc:  # noqa: BLE001 - wandb's UsageError, pydantic's ValidationError
+            errors = getattr(exc, "errors", None)
+            why = errors()[0]["msg"] if callable(errors) else str(exc)
+            raise ConfigError(f"logger.{name}={cfg.get(name)!r}: {' '.join(why.split())}") from None
+    if run_dir is not None:
+        where = Path(run_dir) / "wandb"
+        check(
+            not where.exists() or where.is_dir(),
+            f"logger=wandb cannot write in the run directory: {where} is not a directory",
+        )
+        while not where.exists():
+            where = where.parent
+        check(
+            os.access(where, os.W_OK | os.X_OK),
+            f"logger=wandb cannot write in the run directory {run_dir}: {where} is not writable",
+        )
+    return wandb
+
+
 class WandbLogger(RunLogger):
     def __init__(self, cfg: Mapping[str, Any], config: Mapping[str, Any], run_dir: Path, run_id: str):
+        wandb = _check_wandb(cfg, run_dir)
         mode = cfg.get("mode", "offline")
-        if mode not in ("offline", "online", "disabled"):
-            raise ConfigError(f"logger.mode must be offline, online or disabled, got {mode!r}")
-        try:
-            import wandb  # deferred: wandb, the [wandb] extra
-        except ImportError:  # pragma: no cover - wandb comes with the wandb (and dev) extra
-            raise ConfigError("logger=wandb needs the wandb package: pip install 'toolkit[wandb]'") from None
-        every = cfg.get("log_every_steps", 1)
-        check(is_int(every) and every >= 1, f"logger.log_every_steps must be a positive integer, got {every!r}")
-        self.every = every
+        self.every = cfg.get("log_every_steps", 1)
         os.environ.setdefault("WANDB_SILENT", "true")
         self.wandb = wandb
         try:

@@ -6,10 +6,7 @@ exactly what a run records (and a server records the same layout).
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -19,12 +16,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from toolkit.engine.core import Engine, RequestOutput, StepOutput
-from toolkit.errors import Interrupted, one_line
+from toolkit.errors import one_line
 from toolkit.runs.loggers import make_logger
 from toolkit.runs.manifest import request_rows
 from toolkit.runs.metrics import decode_steps_by_batch
 from toolkit.runs.plots import plot_run
 from toolkit.runs.recorder import RunRecorder
+from toolkit.runs.signals import StopRequest, stop_between_steps
 
 
 @dataclass(frozen=True)
@@ -65,41 +63,6 @@ class Progress:
         if self.enabled:
             self.stream.write("\n")
             self.stream.flush()
-
-
-DEFAULT_HANDLERS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
-
-
-class _CtrlC:
-    pressed = False
-    signum = signal.SIGINT  # the signal that asked the run to stop
-
-
-@contextlib.contextmanager
-def _ctrl_c_between_steps():
-    """Ctrl-C while the engine steps only sets a flag, which the loop reads between steps: a KeyboardInterrupt
-    raised at an arbitrary bytecode can land inside the trace writer's queue (threading.Condition.notify between
-    dropping a waiter and waking it) and leave close() waiting forever. A second Ctrl-C interrupts at once.
-    SIGTERM (what `timeout`, Slurm and `docker stop` send) stops the run the same way where nothing else handles it:
-    by default it killed the process with up to a flush of rows unwritten and no summary."""
-    state = _CtrlC()
-    if threading.current_thread() is not threading.main_thread():
-        yield state  # not ours to change (a worker thread)
-        return
-    ours = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is DEFAULT_HANDLERS[s]]
-
-    def handler(signum, frame):
-        if state.pressed:
-            raise KeyboardInterrupt
-        state.pressed, state.signum = True, signum
-
-    for s in ours:  # not a server's handler, nor a signal someone ignores
-        signal.signal(s, handler)
-    try:
-        yield state
-    finally:
-        for s in ours:
-            signal.signal(s, DEFAULT_HANDLERS[s])
 
 
 def record(
@@ -149,9 +112,9 @@ def record(
                 recorder.ended(request_id)
 
     failure: BaseException | None = None
-    ctrl_c = _CtrlC()
+    ctrl_c = StopRequest()
     try:
-        with _ctrl_c_between_steps() as ctrl_c:
+        with stop_between_steps() as ctrl_c:
             while engine.has_unfinished():
                 if ctrl_c.pressed:
                     raise KeyboardInterrupt
@@ -183,7 +146,7 @@ def record(
             bar.close()
         extra = {
             **(summary_extra or {}),
-            **({"interrupted": True, "signal": signal.Signals(ctrl_c.signum).name} if interrupted else {}),
+            **({"interrupted": True, "signal": ctrl_c.name} if interrupted else {}),
             **({"failed": one_line(failure)} if failure is not None else {}),
         }
         try:
@@ -198,13 +161,11 @@ def record(
     run_logger.finish(summary, final_rows, run_dir)
     if interrupted:
         done = sum(1 for r in final_rows if r.get("finish_reason"))
-        stopped = Interrupted(
-            f"interrupted at step {engine.step_index} ({signal.Signals(ctrl_c.signum).name}): {done}/{len(final_rows)} "
+        raise ctrl_c.interrupted(
+            f"interrupted at step {engine.step_index} ({ctrl_c.name}): {done}/{len(final_rows)} "
             f"sequences finished; trace flushed ({recorder.rows_written} rows) and summary.json written in "
             f"{run_dir} (replay and verify accept the partial run)"
         )
-        stopped.exit_code = 128 + ctrl_c.signum  # 130 for Ctrl-C, 143 for SIGTERM, as the signal's own death
-        raise stopped
     return Recorded(run_id=run_id, run_dir=run_dir, outputs=outputs, summary=summary, steps=steps)
 
 
