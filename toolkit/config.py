@@ -23,7 +23,18 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "kernel", "sdpa", "flex")
 MATMUL_BACKENDS = ("auto", "native", "torch")
 # toolkit.native.schedules.SETTINGS: each loop with the software prefetch, and without it (-nopf)
-MATMUL_SCHEDULES = ("auto", "fixed", "tiles", "pairs", "quads", "tiles-nopf", "pairs-nopf", "quads-nopf")
+MATMUL_SCHEDULES = (
+    "auto",
+    "fixed",
+    "tiles",
+    "pairs",
+    "quads",
+    "hexes",
+    "tiles-nopf",
+    "pairs-nopf",
+    "quads-nopf",
+    "hexes-nopf",
+)
 # toolkit.native.schedules.BUILD_SETTINGS: auto over one build's matmul (toolkit.native.cpu.TARGETS)
 MATMUL_BUILD_SCHEDULES = tuple(
     f"auto:{t}" for t in ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4", "armv8-a", "generic", "scalar")

@@ -8,6 +8,9 @@ its prefetchers, its vector width), the rows and the threads, so it is measured,
     tiles  panel by panel in blocks of k, row tiles over each block (the general path)
     pairs  two panels at a time, the whole of k in one pass, rows two at a time
     quads  four panels at a time, the whole of k in one pass, a row at a time
+    hexes  six panels at a time, the whole of k in one pass, a row at a time (AVX2's 12 chains: 16-bit weights
+           give a k step half fp32's bytes, so a row wants more in flight; on an AMD EPYC (avx2), 2 cores, auto
+           took it for 2-4 rows of bf16, and at one row it streamed each SmolLM2 weight 5-25% faster than quads)
 
 each with the kernel's software prefetch of the weights ahead, or with `-nopf` without it (the hardware prefetcher
 alone: on a Zen 4, 2 cores, a row at a time over SmolLM2's LM head streamed 54-67 GB/s without, 34-38 with; on the
@@ -21,7 +24,7 @@ batches) always run tiles, whose x slab and k blocks are built for them. `engine
            of the CPU, the build's library, the threads, the weights' format and shapes; batch_invariant=true
            keeps the fixed choice instead (its guarantee rests on no measurement)
     fixed  pairs for one row, tiles for more (the schedule before the choice existed)
-    tiles | pairs | quads   that one for every class (a benchmark's deliberately wrong choice)
+    tiles | pairs | quads | hexes   that one for every class (a benchmark's deliberately wrong choice)
 
     auto:<target>  measured as auto, over that build's matmul alone (a benchmark's deliberately narrow choice)
 
@@ -54,7 +57,7 @@ from toolkit.native.library import KernelUnavailable, NativeLib, build_named, re
 from toolkit.native.ops import PackedWeight, fixed_schedule, matmul_invariant
 from toolkit.paths import cache_root
 
-LOOPS = ("tiles", "pairs", "quads")  # csrc/matmul_invariant.c's MM_TILES, MM_PAIRS, MM_QUADS, in order
+LOOPS = ("tiles", "pairs", "quads", "hexes")  # csrc/matmul_invariant.c's MM_TILES, MM_PAIRS, MM_QUADS, MM_HEXES
 # the loops with the software prefetch, then without it (MM_LOOPS + each): csrc/matmul_invariant.c's schedules
 SCHEDULES = (*LOOPS, *(f"{name}-nopf" for name in LOOPS))
 SETTINGS = ("auto", "fixed", *SCHEDULES)  # and auto:<target> (BUILD_SETTINGS)

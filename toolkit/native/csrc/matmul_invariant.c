@@ -134,8 +134,9 @@ static void group_##G##_##R##_##F(const float *x, int64_t ldx, const WT *w, floa
 DEFINE_FORMAT(f32, float, H16_NONE)
 DEFINE_FORMAT(bf16, uint16_t, H16_BF16)
 DEFINE_FORMAT(f16, uint16_t, H16_F16)
-#define DEFINE_GROUPS(F, WT, KIND) \
-    DEFINE_GROUP(2, 2, F, WT, KIND) DEFINE_GROUP(2, 1, F, WT, KIND) DEFINE_GROUP(4, 1, F, WT, KIND)
+#define DEFINE_GROUPS(F, WT, KIND)                                                               \
+    DEFINE_GROUP(2, 2, F, WT, KIND) DEFINE_GROUP(2, 1, F, WT, KIND) DEFINE_GROUP(4, 1, F, WT, KIND) \
+    DEFINE_GROUP(6, 1, F, WT, KIND)
 DEFINE_GROUPS(f32, float, H16_NONE)
 DEFINE_GROUPS(bf16, uint16_t, H16_BF16)
 DEFINE_GROUPS(f16, uint16_t, H16_F16)
@@ -202,10 +203,13 @@ static void panel_##F(const float *x, int64_t ldx, const WT *w, float *out, int6
  *   MM_TILES: panel by panel, each in blocks of k, row tiles of up to MR rows over each block (the general path:
  *             prefill and batches; the x slab in L2, a block of the panel in L1);
  *   MM_PAIRS: two wide panels at a time, the whole of k in one pass, rows two at a time;
- *   MM_QUADS: four wide panels at a time, the whole of k in one pass, one row at a time.
+ *   MM_QUADS: four wide panels at a time, the whole of k in one pass, one row at a time;
+ *   MM_HEXES: six wide panels at a time, the whole of k in one pass, one row at a time (with AVX2's NV = 2, 12
+ *             chains: 16-bit weights give half the bytes a k step of fp32's, so a row needs more chains in
+ *             flight to stream them as fast).
  * The grouped schedules split the panels into one contiguous range a thread, of equal counts (the group's odd
  * panels and the narrow ones run as tiles inside the range), so no thread waits on another's leftover. */
-enum { MM_TILES = 0, MM_PAIRS = 1, MM_QUADS = 2, MM_LOOPS };
+enum { MM_TILES = 0, MM_PAIRS = 1, MM_QUADS = 2, MM_HEXES = 3, MM_LOOPS };
 /* each set of loops with the software prefetch above (schedule < MM_LOOPS) and without it (schedule - MM_LOOPS): on
  * some CPUs the hardware prefetcher alone streams faster (Zen 4, 2 cores: a row at a time over SmolLM2's LM head
  * 54-67 GB/s without, 34-38 with), on others the prefetch covers what it misses (see the top of this file) */
@@ -242,7 +246,7 @@ static int matmul_##F(const float *x, int64_t ldx, const WT *w, float *out, int6
             }                                                                                                  \
         }                                                                                                      \
     } else {                                                                                                   \
-        const int64_t G = schedule == MM_PAIRS ? 2 : 4, R = schedule == MM_PAIRS ? 2 : 1;                        \
+        const int64_t G = schedule == MM_PAIRS ? 2 : schedule == MM_QUADS ? 4 : 6, R = schedule == MM_PAIRS ? 2 : 1; \
         const int64_t threads = num_threads < 1 ? 1 : num_threads > panels ? panels : num_threads;             \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                     \
         for (int64_t t = 0; t < threads; t++) {                                                                \
@@ -255,7 +259,8 @@ static int matmul_##F(const float *x, int64_t ldx, const WT *w, float *out, int6
                 const char *pf = (const char *)(group + G * NR * K); /* prefetched by the first rows' pass */  \
                 for (int64_t m0 = 0; m0 < M; m0 += R) {                                                        \
                     const int64_t lines = prefetch && m0 == 0 && ahead > 0 ? ahead * NR * K / per_line : 0;    \
-                    if (G == 4) group_4_1_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines); \
+                    if (G == 6) group_6_1_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines); \
+                    else if (G == 4) group_4_1_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines); \
                     else if (M - m0 >= 2) group_2_2_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines); \
                     else group_2_1_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines);  \
                 }                                                                                              \
