@@ -212,6 +212,11 @@ def test_an_entry_point_prints_a_toolkit_error_as_one_line(capsys):
         ("precision", ["--shape", "--device", "bogus"], "--device"),
         ("host_step", ["--steps", "0"], "--steps"),
         ("gpu", ["--device", "cpu", "--shape", "tiny", "--batches", "-2"], "--batches"),
+        # a schedule the engine does not know was a traceback after llama-server had started
+        ("one_stream", ["--matmul-schedules", "auto", "hexes-nope"], "--matmul-schedules"),
+        ("one_stream", ["--rounds", "0"], "--rounds"),
+        ("one_stream", ["--batched", "-1"], "--batched"),
+        ("one_stream", ["--dtypes", "fp8"], "--dtypes"),
     ],
 )
 def test_the_bench_entry_points_refuse_a_bad_option_in_one_line(module, argv, option):

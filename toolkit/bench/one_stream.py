@@ -50,7 +50,9 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.quants import dequantize
 
+from toolkit.bench.options import entry_point, nonnegative_int, positive_int
 from toolkit.bench.precision import machine
+from toolkit.config import DTYPES, MATMUL_BUILD_SCHEDULES, MATMUL_SCHEDULES
 from toolkit.models.loading import smollm2_dir, smollm2_gguf
 from toolkit.models.tokenizer import Tokenizer
 from toolkit.trace.reader import read_manifest, read_steps
@@ -231,18 +233,23 @@ def parallel(name: str, n: int, llama_slots: str = "batch") -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=DTYPES)
+    parser.add_argument("--max-tokens", type=positive_int, default=64)
+    parser.add_argument("--rounds", type=positive_int, default=2)
     parser.add_argument(
         "--matmul-schedules",
         nargs="+",
         default=["auto"],
+        choices=MATMUL_SCHEDULES + MATMUL_BUILD_SCHEDULES,
+        metavar="SCHEDULE",
         help="ours with each engine.matmul_schedule (auto: measured per CPU over its builds' matmuls; auto:<target>: "
-        "over that build's alone, e.g. auto:x86-64-v4 for always AVX-512; tiles / pairs / quads / fixed forced)",
+        "over that build's alone, e.g. auto:x86-64-v4 for always AVX-512; tiles / pairs / quads / hexes / fixed forced)",
     )
     parser.add_argument(
-        "--batched", type=int, default=0, help="also N requests at once (the requests repeated) to each server"
+        "--batched",
+        type=nonnegative_int,
+        default=0,
+        help="also N requests at once (the requests repeated) to each server",
     )
     parser.add_argument(
         "--llama-slots",
@@ -250,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="batch",
         help="llama-server's slots when batched: one a request (batch; -np N) or its default (auto)",
     )
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--threads", type=positive_int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--llama-server", default=None, help="its path (default: .venv/bin/llama-server, PATH)")
     parser.add_argument(
         "--isa",
@@ -414,4 +421,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(entry_point(main))

@@ -151,6 +151,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer of at least 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer of at least 0, got {text!r}")
+    return value
+
+
 def torch_device(text: str) -> str:
     """argparse type: a torch device name (cpu, cuda, cuda:1, mps...)."""
     import torch  # deferred: torch, seconds to import, only where a device is asked for
