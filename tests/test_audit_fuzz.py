@@ -12,9 +12,11 @@ import json
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from omegaconf import OmegaConf
 
 from tests.conftest import make_engine
 from toolkit.audit.checks import audit_transcripts
+from toolkit.audit.foreign import write_converted_trace
 from toolkit.audit.sources import hf_transcript
 from toolkit.audit.transcripts import read_transcripts
 from toolkit.reproduce.verify import reference_forward
@@ -61,10 +63,11 @@ def _vllm_and_sglang(hf_lines: list[dict]) -> list[dict]:
             d[str(t)] = {"logprob": lp, "rank": None}
             entries.append(d)
         out.append({"prompt_token_ids": o["prompt_token_ids"], "output_token_ids": o["output_token_ids"]})
-        out[-1].update(logprobs=entries, request_id=o["request_id"], origin_engine="vllm")
+        out[-1].update(logprobs=entries, request_id=o["request_id"], origin_engine="vllm", finish_reason="length")
         steps = [[lp, t, None] for t, lp in zip(o["output_token_ids"], o["logprobs"])]
         tops = [[[a["logprob"], a["token_id"], None] for a in top] for top in o["top_logprobs"]]
         meta = {"id": o["request_id"], "output_token_logprobs": steps, "output_top_logprobs": tops}
+        meta["finish_reason"] = {"type": "length"}
         out.append({"prompt_token_ids": o["prompt_token_ids"], "meta_info": meta})
     return out
 
@@ -167,6 +170,8 @@ def test_every_place_of_every_line_broken_every_way_is_read_by_name(seeds, refer
         sample = records[:: max(1, len(records) // 25)]
         report = audit_transcripts(sample, reference, tiny, atol=1e-4, reference="ours", line_errors=errors)
         assert report.to_dict()["lines_rejected"] == len(errors)
+        # every record read fits the converted trace's columns (a finish_reason of 5, an id `true`: a pyarrow error)
+        write_converted_trace(tmp_path / fmt, records, tiny, OmegaConf.create({}), source=str(path), fmt=fmt)
 
 
 @st.composite
@@ -218,3 +223,4 @@ def test_a_broken_line_is_refused_by_name_or_audited_and_the_others_are_audited(
     d = report.to_dict()
     json.dumps(d, allow_nan=True)
     assert d["lines_rejected"] == len(errors)
+    write_converted_trace(tmp_path / "trace", records, tiny, OmegaConf.create({}), source=str(path), fmt=fmt)

@@ -276,25 +276,33 @@ def sampling_defaults(a: dict, loaded) -> tuple[str, dict[str, Any]]:
     )
 
 
-def assume_sampling(records: list[Transcript], defaults: dict[str, Any]) -> None:
+def assume_sampling(records: list[Transcript], defaults: dict[str, Any]) -> list[LineError]:
     """Each request that states a policy gets `defaults` (else the library's) for the fields it left out, and
-    says which it did not state and what was taken (RequestReport.sampling_assumed)."""
-    library = SamplingParams()
+    says which it did not state and what was taken (RequestReport.sampling_assumed). A request whose stated fields
+    and the defaults make no policy (a default top_k its stated `processors` leave out) leaves `records`, its line
+    an error returned: never audited without its greedy and support checks."""
+    library, kept, rejected = SamplingParams(), [], {}
     for r in records:
-        if r.sampling is None:
-            continue  # no policy stated at all: none is checked
-        missing = [k for k in ASSUMED_FIELDS if k not in r.sampling]
-        r.sampling_assumed = {k: defaults.get(k, getattr(library, k)) for k in missing}
-        r.sampling = {**r.sampling, **{k: defaults[k] for k in missing if k in defaults}}
+        if r.sampling is not None:  # none stated at all: none is checked
+            missing = [k for k in ASSUMED_FIELDS if k not in r.sampling]
+            r.sampling_assumed = {k: defaults.get(k, getattr(library, k)) for k in missing}
+            r.sampling = {**r.sampling, **{k: defaults[k] for k in missing if k in defaults}}
+            try:
+                SamplingParams.from_mapping(dict(r.sampling))
+            except (ConfigError, TypeError, ValueError) as exc:
+                taken = ", ".join(f"{k}={defaults[k]!r}" for k in missing if k in defaults) or "none"
+                why = f"the stated sampling with the defaults assumed ({taken}): {exc}"
+                rejected.setdefault(r.line, LineError(r.line, r.request_id, why))
+                continue
+        kept.append(r)
+    records[:] = [r for r in kept if r.line not in rejected]  # a line's requests share its policy
+    return list(rejected.values())
 
 
 def _policy_params(record: Transcript) -> SamplingParams | None:
-    if record.sampling is None:
-        return None
-    try:
-        return SamplingParams.from_mapping(dict(record.sampling))
-    except (ConfigError, TypeError, ValueError):
-        return None
+    """The stated policy (None: none stated); the reader refused a line whose policy is none (records.check_policy,
+    assume_sampling), so a ConfigError here is raised, never read as "no policy" (that turned the checks off)."""
+    return None if record.sampling is None else SamplingParams.from_mapping(dict(record.sampling))
 
 
 def _audit_one(

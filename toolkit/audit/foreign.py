@@ -110,18 +110,18 @@ def run_audit(cfg: DictConfig, run_dir: Path) -> int:
     vocab, positions = loaded.arch.vocab_size, loaded.arch.max_position_embeddings  # what a line must fit
     if loaded.tokenizer is None:
         raise AuditInputError(f"model {model_cfg.name!r} has no tokenizer to read a transcript with")
+    defaults_from, defaults = sampling_defaults(a, loaded)
     try:
         records, line_errors = read_transcripts(
             source, fmt, loaded.tokenizer, vocab, a.get("logprobs_mode"), max_positions=positions
         )
     except TranscriptError as exc:
         raise AuditInputError(str(exc)) from None
+    line_errors += assume_sampling(records, defaults)  # a stated policy the defaults complete into none: refused
     for e in line_errors:
         print(f"line {e.line}{' (' + e.request_id + ')' if e.request_id else ''}: {e.why}", file=sys.stderr)
     if not records:
         raise AuditInputError(f"no usable request in {source} ({lines_rejected(line_errors)} lines rejected)")
-    defaults_from, defaults = sampling_defaults(a, loaded)
-    assume_sampling(records, defaults)
     assumed = sum(bool(r.sampling_assumed) for r in records)
     if assumed:
         print(

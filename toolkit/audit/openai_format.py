@@ -14,6 +14,7 @@ from toolkit.audit.records import (
     TranscriptError,
     as_int_list,
     as_number,
+    as_text,
     constraint_of,
     policy_of,
 )
@@ -84,7 +85,9 @@ def openai_line(obj: dict, line: int, tokens: TokenMap) -> list[Transcript]:
     if not isinstance(choices, list) or not choices:
         raise TranscriptError("response.choices is missing or empty")
     chat = "messages" in request
-    engine = str(obj.get("origin_engine") or response.get("system_fingerprint") or response.get("model") or "openai")
+    engine = as_text(obj.get("origin_engine"), "origin_engine") or str(
+        response.get("system_fingerprint") or response.get("model") or "openai"
+    )
     base_id = str(response.get("id") or f"line{line}")
     n = request.get("n") or 1
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -126,6 +129,7 @@ def openai_line(obj: dict, line: int, tokens: TokenMap) -> list[Transcript]:
                 steps = steps[len(prompt_ids) :]
         if text is not None and not isinstance(text, str):
             raise TranscriptError(f"choices[{position_in_list}]: the text is {str(text)[:40]}, not a string")
+        finish_reason = as_text(choice.get("finish_reason"), f"choices[{position_in_list}].finish_reason")
         record = Transcript(
             request_id=base_id if len(prompts) == 1 else f"{base_id}-{prompt_index}",
             stream=index % n,
@@ -138,7 +142,7 @@ def openai_line(obj: dict, line: int, tokens: TokenMap) -> list[Transcript]:
             sampling=sampling,
             prompt_text=prompt_text,
             output_text=text,
-            finish_reason=choice.get("finish_reason"),
+            finish_reason=finish_reason,
             prompt_source=prompt_source,
             constrained=constraint_of(request),
         )
@@ -161,7 +165,7 @@ def openai_line(obj: dict, line: int, tokens: TokenMap) -> list[Transcript]:
             ids, problems = given_ids, []
         else:
             ids, problems = _map_tokens(
-                steps, text, prompt_text if request.get("echo") else None, choice.get("finish_reason"), tokens
+                steps, text, prompt_text if request.get("echo") else None, finish_reason, tokens
             )
         for token_id, (_, _, logprob, top) in zip(ids, steps):
             record.output_token_ids.append(token_id)
@@ -252,10 +256,8 @@ def _openai_prompts(
     request: dict, response: dict, tokens: TokenMap, chat: bool
 ) -> list[tuple[list[int], str | None, str]]:
     tok = tokens.tokenizer
-    if isinstance(response.get("prompt_token_ids"), list) and all(
-        isinstance(t, int) for t in response["prompt_token_ids"]
-    ):  # vLLM chat, return_token_ids
-        return [(list(response["prompt_token_ids"]), None, "given")]
+    if response.get("prompt_token_ids") is not None:  # vLLM chat, return_token_ids
+        return [(as_int_list(response["prompt_token_ids"], "response.prompt_token_ids"), None, "given")]
     if chat:
         messages = request.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -292,19 +294,24 @@ def _openai_prompts(
     prompt = request.get("prompt")
     if isinstance(prompt, str):
         return [(tok.encode(prompt), prompt, "encoded")]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt):
         return [(list(prompt), None, "given")]
     if isinstance(prompt, list) and prompt:
         out = []
         for p in prompt:
             if isinstance(p, str):
                 out.append((tok.encode(p), p, "encoded"))
-            elif isinstance(p, list) and all(isinstance(t, int) for t in p):
+            elif isinstance(p, list) and all(_is_id(t) for t in p):
                 out.append((list(p), None, "given"))
             else:
                 raise TranscriptError("request.prompt must be text, token ids or a list of them")
         return out
     raise TranscriptError("request has neither `prompt` nor `messages`")
+
+
+def _is_id(t: Any) -> bool:
+    """A JSON integer: `true` is none (Python's True is the int 1; the trace's id columns refuse it)."""
+    return isinstance(t, int) and not isinstance(t, bool)
 
 
 def _chat_entry(entry: Any, where: str):

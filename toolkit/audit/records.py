@@ -150,13 +150,16 @@ def check_ids(record: Transcript, vocab_size: int) -> None:
         ("output token", record.output_token_ids),
         ("top_logprobs token", tops),
     ):
-        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
-        if bad is not None:
-            raise TranscriptError(
-                f"{what} {bad!r} is outside the model's vocabulary of "
-                f"{vocab_size}: the transcript comes from another tokenizer"
-            )
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool):  # JSON's true is no token id (Python's True == 1)
+                raise TranscriptError(f"{what} {str(t)[:40]} is not a token id")
+            if not 0 <= t < vocab_size:
+                raise TranscriptError(
+                    f"{what} {t!r} is outside the model's vocabulary of "
+                    f"{vocab_size}: the transcript comes from another tokenizer"
+                )
     check_logit_bias(record, vocab_size)
+    check_policy(record)
 
 
 def check_logit_bias(record: Transcript, vocab_size: int) -> None:
@@ -175,6 +178,17 @@ def check_logit_bias(record: Transcript, vocab_size: int) -> None:
             f"logit_bias key {bad} is outside the model's vocabulary of {vocab_size}: "
             f"the transcript comes from another tokenizer"
         )
+
+
+def check_policy(record: Transcript) -> None:
+    """A stated policy must be one our SamplingParams takes (`"top_k": "50"` is none): the greedy and support checks
+    read it, and a policy that cannot be read would leave them off, the line passing unchecked."""
+    if record.sampling is None:
+        return
+    try:
+        SamplingParams.from_mapping(dict(record.sampling))
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise TranscriptError(f"the stated sampling: {exc}") from None
 
 
 def check_length(record: Transcript, max_positions: int | None) -> None:
@@ -210,6 +224,13 @@ def as_number(value: Any, what: str) -> float | None:
 def _not_a_logprob(what: str, value: Any) -> TranscriptError:
     shown = repr(value)[:80] if isinstance(value, str) else str(value)[:80]  # "-inf" the string, not -inf
     return TranscriptError(f"{what} is {shown}, not a log-probability (a JSON number, or -inf)")
+
+
+def as_text(value: Any, what: str) -> str | None:
+    """A text field the converted trace stores as a string (finish_reason, origin_engine): a string, or null."""
+    if value is None or isinstance(value, str):
+        return value
+    raise TranscriptError(f"{what} must be a string or null, got {str(value)[:40]}")
 
 
 def as_int_list(value: Any, what: str) -> list[int]:

@@ -49,6 +49,7 @@ from toolkit.audit.records import (
     as_int_list,
     as_number,
     as_stream,
+    as_text,
     check_ids,
     check_length,
     constraint_of,
@@ -99,12 +100,14 @@ def read_transcripts(
 
 
 def _lines(path: Path) -> Iterator[str]:
-    """The file's lines as read, one at a time (a file of any length in bounded memory): split at line ends only,
-    not at the U+2028, U+2029 or U+0085 a JSON string may hold unescaped (str.splitlines split a valid line there);
-    a UTF-8 byte-order mark dropped."""
-    with path.open(encoding="utf-8-sig", newline="") as f:
+    """The file's lines as read, one at a time (a file of any length in bounded memory): split at `\n` only (a
+    `\r` before it dropped), not at a lone `\r` (universal newlines split there: JSON's whitespace) nor at the
+    U+2028, U+2029 or U+0085 a JSON string may hold unescaped (str.splitlines split a valid line there); a UTF-8
+    byte-order mark dropped."""
+    with path.open(encoding="utf-8-sig", newline="\n") as f:
         for line in f:
-            yield line.rstrip("\r\n")
+            line = line[:-1] if line.endswith("\n") else line
+            yield line[:-1] if line.endswith("\r") else line
 
 
 def _gzip_hint(path: Path) -> str:
@@ -227,7 +230,7 @@ def _token_ids_line(
         request_id=str(request_id_of(obj) or f"line{line}"),
         stream=as_stream(obj.get("stream")),
         line=line,
-        origin_engine=str(obj.get("origin_engine") or default_engine),
+        origin_engine=as_text(obj.get("origin_engine"), "origin_engine") or default_engine,
         prompt_token_ids=prompt,
         output_token_ids=output,
         claimed=claimed,
@@ -237,7 +240,7 @@ def _token_ids_line(
         constrained=constraint_of(obj.get("sampling")),
         prompt_text=obj.get("prompt") if isinstance(obj.get("prompt"), str) else None,
         output_text=obj.get("text") if isinstance(obj.get("text"), str) else None,
-        finish_reason=obj.get("finish_reason"),
+        finish_reason=as_text(obj.get("finish_reason"), "finish_reason"),
     )
 
 
@@ -293,7 +296,7 @@ def _sglang_line(obj: dict, meta: dict, line: int, tokens: TokenMap) -> Transcri
         request_id=str(meta.get("id", obj.get("request_id", f"line{line}"))),
         stream=0,
         line=line,
-        origin_engine=str(obj.get("origin_engine") or "sglang"),
+        origin_engine=as_text(obj.get("origin_engine"), "origin_engine") or "sglang",
         prompt_token_ids=prompt,
         output_token_ids=output,
         claimed=claimed,
@@ -301,9 +304,9 @@ def _sglang_line(obj: dict, meta: dict, line: int, tokens: TokenMap) -> Transcri
         sampling=policy_of(obj.get("sampling")),
         constrained=constraint_of(obj.get("sampling")),
         output_text=obj.get("text") if isinstance(obj.get("text"), str) else None,
-        finish_reason=(meta.get("finish_reason") or {}).get("type")
+        finish_reason=as_text(meta["finish_reason"].get("type"), "meta_info.finish_reason.type")
         if isinstance(meta.get("finish_reason"), dict)
-        else meta.get("finish_reason"),
+        else as_text(meta.get("finish_reason"), "meta_info.finish_reason"),
     )
 
 
