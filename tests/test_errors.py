@@ -402,6 +402,8 @@ def test_a_requests_line_past_what_python_reads_is_malformed_json(tmp_path):
         "reqs.jsonl line 1: malformed JSON (nested too deep to read)",
         "reqs.jsonl line 2: malformed JSON (a number of more than 4300 digits)",
     ]
+    path.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')  # Latin-1
+    _expect(28, WorkloadError, "reqs.jsonl' line 2 is not UTF-8 text (its byte 16, 0xe9)", lambda: load_requests(path))
 
 
 @pytest.fixture(scope="module")
@@ -530,6 +532,8 @@ def test_the_run_directory_serve_address_and_trace_files_a_probe_broke_are_one_l
     )
     (tmp_path / "summary.json").write_text("x")
     _expect(70, TraceError, "summary.json is unreadable or corrupt", lambda: read_summary(tmp_path))
+    (tmp_path / "summary.json").write_text('{"interrupted": true, "output_tok_per_s": "fast"}')
+    _expect(70, TraceError, "is corrupt: output_tok_per_s is 'fast', not a number", lambda: read_summary(tmp_path))
     # tests/test_replay_verify.py: test_a_manifests_thread_count_out_of_range_is_refused_not_set (68),
     # test_a_sample_rows_policy_other_than_its_requests_is_refused (71),
     # test_a_trace_without_sample_rows_is_nothing_to_check_not_a_success (72);

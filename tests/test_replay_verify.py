@@ -826,3 +826,42 @@ def test_compare_refuses_what_replay_refuses_and_names_other_weights(recorded_ru
     assert lines[1].startswith(str(first)) and lines[2].startswith(str(other)), table
     assert lines[-1].startswith(f"note: {other} ran other model weights than the first run"), table
     assert "sha256 abababababab... vs" in lines[-1]
+
+
+def test_compare_refuses_a_summary_figure_of_another_type_before_writing_anything(recorded_run, tmp_path):
+    """`"output_tok_per_s": "fast"` in a run's summary.json made mode=compare write compare.json and stop on an
+    ArrowInvalid traceback (no compare.parquet, no png); `"ttft_p95_s": [1, 2]` wrote every file and then raised a
+    TypeError printing the table. Each is one line naming the file and the field, before any file is written; a
+    trace_rows of another type no longer switches replay's and verify's closed-run checks off. An interrupted run's
+    summary (NaN a figure, extra keys) still compares, its NaN shown as missing, in compare.parquet's one schema."""
+    from toolkit.reproduce.compare import compare
+
+    for key, value, shown in (
+        ("output_tok_per_s", "fast", "'fast', not a number"),
+        ("ttft_p95_s", [1, 2], "[1, 2], not a number"),
+        ("requests", True, "True, not a count"),
+    ):
+        run = copy_run(recorded_run, tmp_path / key)
+        summary = json.loads((run / "summary.json").read_text())
+        (run / "summary.json").write_text(json.dumps({**summary, key: value}))
+        out = tmp_path / f"{key}-out"
+        with pytest.raises(TraceError, match="summary.json is corrupt: ") as info:
+            compare([str(recorded_run), str(run)], out_dir=out)
+        assert str(info.value) == f"{run / 'summary.json'} is corrupt: {key} is {shown}", info.value
+        assert not out.exists() or not any(out.iterdir())
+    run = copy_run(recorded_run, tmp_path / "rows")
+    _rewrite_parts(run, _drop_rows(lambda r: not (r["request_id"] == "greedy" and r["position"] >= 9)))
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "trace_rows": str(summary["trace_rows"])}))
+    for check in (lambda: replay(run, out_dir=tmp_path / "rows-replay"), lambda: verify(run)):
+        with pytest.raises(TraceError, match="summary.json is corrupt: trace_rows is '[0-9]+', not a count"):
+            check()
+    stopped = copy_run(recorded_run, tmp_path / "stopped")
+    extra = {"interrupted": True, "signal": "SIGTERM", "failed": None, "newer_field": {"x": [1]}}
+    (stopped / "summary.json").write_text(json.dumps({**summary, **extra, "output_tok_per_s": float("nan")}))
+    result = compare([str(recorded_run), str(stopped)], out_dir=tmp_path / "out")
+    assert result.rows[1]["output_tok_per_s"] is None and result.rows[0]["output_tok_per_s"] > 0
+    assert result.table().splitlines()[2].split()[3] == "-", result.table()
+    schema = pq.read_schema(tmp_path / "out" / "compare.parquet")
+    assert schema.field("output_tok_per_s").type == pa.float64() and schema.field("requests").type == pa.int64()
+    assert schema.field("acceptance_rate").type == pa.float64()  # no run speculated: typed all the same

@@ -190,6 +190,70 @@ def test_fuzzed_request_files_never_crash_the_engine_or_the_trace(tiny, tmp_path
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+# what str.splitlines() takes for a line break besides \n; JSON strings may hold the last three raw
+BREAKS = ["\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
+BOM = "\ufeff"
+
+
+def test_a_requests_file_is_read_line_by_line_as_its_lines_are_numbered(tmp_path):
+    """load_requests read the file as text and cut it with str.splitlines(): a raw U+2028 or U+0085 inside a JSON
+    string (valid JSON, json.dumps(ensure_ascii=False) writes them) split the line in two, both rejected, and every
+    later line got a number one too high; a UTF-8 byte order mark made line 1 malformed JSON. Lines now end at \\n
+    (a \\r before it dropped), a BOM at the start of the file is dropped, and a file that is no UTF-8 is one
+    WorkloadError naming the line."""
+    from toolkit.runs.workload import load_requests
+
+    path = tmp_path / "reqs.jsonl"
+    lines = [
+        BOM + '{"id": "bom", "prompt": "hello"}',
+        '{"id": "ls", "prompt": "a\u2028b"}',
+        '{"id": "nel", "prompt": "a\x85b\u2029c"}\r',
+        "",
+        '{"id": "plain", "prompt": "fine"}\r',
+        BOM + '{"id": "late-bom", "prompt": "x"}',
+        '{"prompt": "a", "max_tokens": }',
+    ]
+    path.write_bytes("\n".join(lines).encode())
+    specs, rejected = load_requests(path)
+    assert [(s.id, s.prompt, s.source) for s in specs] == [
+        ("bom", "hello", "reqs.jsonl line 1"),
+        ("ls", "a\u2028b", "reqs.jsonl line 2"),
+        ("nel", "a\x85b\u2029c", "reqs.jsonl line 3"),
+        ("plain", "fine", "reqs.jsonl line 5"),
+    ]
+    assert [r.source for r in rejected] == ["reqs.jsonl line 6", "reqs.jsonl line 7"], rejected  # only one BOM
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')  # Latin-1
+    with pytest.raises(WorkloadError, match=r"line 2 is not UTF-8 text \(its byte 16, 0xe9\)") as info:
+        load_requests(path)
+    assert "\n" not in str(info.value)
+
+
+PROMPT_TEXT = st.text(st.characters(codec="utf-8") | st.sampled_from([*BREAKS, BOM]), max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.none() | PROMPT_TEXT, min_size=1, max_size=8).filter(lambda e: any(p is not None for p in e)),
+    st.booleans(),
+    st.sampled_from(["\n", "\r\n"]),
+    st.booleans(),
+)
+def test_any_prompts_written_as_jsonl_load_back_as_written(tmp_path_factory, prompts, bom, newline, last_newline):
+    """Requests whose prompts hold any text (line and paragraph separators, NEL, a BOM, ...), one JSON object a line
+    (None: a blank line) with \\n or \\r\\n endings, a BOM at the start of the file or not: each loads back as
+    written, its default id naming the line it is on in the file (blank lines counted)."""
+    from toolkit.runs.workload import load_requests
+
+    lines = ["" if p is None else json.dumps({"prompt": p}, ensure_ascii=False) for p in prompts]
+    text = (BOM if bom else "") + newline.join(lines) + (newline if last_newline else "")
+    path = tmp_path_factory.mktemp("requests") / "reqs.jsonl"
+    path.write_bytes(text.encode())
+    specs, rejected = load_requests(path)
+    assert not rejected, rejected
+    want = [(f"line-{n}", p) for n, p in enumerate(prompts, start=1) if p is not None]
+    assert [(s.id, s.prompt) for s in specs] == want
+
+
 @pytest.mark.parametrize(
     ("over", "options", "named"),
     [  # each crashed with a traceback before (a helper's probe): now one ConfigError naming the option

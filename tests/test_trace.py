@@ -499,3 +499,76 @@ def test_a_run_directory_that_cannot_be_written_is_one_line_before_any_step(tiny
         record(engine, ids, tmp_path / "a-file" / "run", {}, flush_every_steps=4)
     assert info.value.exit_code == 74 and "\n" not in str(info.value)
     assert engine.step_index == 0
+
+
+SUMMARY_VALUES = {
+    "a count": st.integers(0, 2**63 - 1),
+    "a number": st.integers(-(2**53), 2**53) | st.floats(),  # NaN and Infinity too: Python's json writes them
+    "a string": st.text(),
+    "true or false": st.booleans(),
+    "a list of strings": st.lists(st.text(), max_size=3),
+}
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+    max_leaves=8,
+)
+WRONG_VALUES = {
+    "a count": ["12", 1.0, True, -1, 2**63, [1], {}],
+    "a number": ["fast", True, False, [1, 2], {"p": 1}, 10**400],
+    "a string": [1, 2.5, True, [], {}],
+    "true or false": ["yes", 1, 0, [], "false"],
+    "a list of strings": ["a", 5, [1], [None], {}],
+}
+
+
+def _summary():
+    from toolkit.trace.reader import SUMMARY_FIELDS
+
+    checked = st.fixed_dictionaries(
+        {}, optional={key: st.none() | SUMMARY_VALUES[kind] for key, kind in SUMMARY_FIELDS.items()}
+    )
+    extra = st.dictionaries(st.text().filter(lambda k: k not in SUMMARY_FIELDS), JSON_VALUES, max_size=4)
+    return st.tuples(checked, extra).map(lambda t: {**t[1], **t[0]})
+
+
+@settings(max_examples=150, deadline=None)
+@given(_summary())
+def test_a_summary_whose_fields_have_their_types_reads_back_as_written(tmp_path_factory, summary):
+    """Every field a reader uses, of its type or null (NaN and Infinity among numbers), beside any other keys (a
+    newer writer's, an interrupted or failed run's `interrupted`, `signal`, `failed`): read as written."""
+    from toolkit.trace.reader import read_summary
+
+    run = tmp_path_factory.mktemp("summary")
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert json.dumps(read_summary(run), sort_keys=True) == json.dumps(summary, sort_keys=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_summary(), st.data())
+def test_a_summary_field_of_another_type_is_refused_naming_the_file_and_the_field(tmp_path_factory, summary, data):
+    """A figure or count of another type in summary.json (`"output_tok_per_s": "fast"`, `"ttft_p95_s": [1, 2]`) was
+    read as it stood: mode=compare wrote compare.json and then stopped on an ArrowInvalid or a TypeError traceback;
+    a `trace_rows` of another type switched the closed-run checks of replay and verify off. Now a TraceError
+    (docs/errors.md row 70) names the file and the field before anything reads on."""
+    from toolkit.trace.reader import SUMMARY_FIELDS, read_summary
+
+    key = data.draw(st.sampled_from(sorted(SUMMARY_FIELDS)))
+    value = data.draw(st.sampled_from(WRONG_VALUES[SUMMARY_FIELDS[key]]))
+    run = tmp_path_factory.mktemp("summary")
+    (run / "summary.json").write_text(json.dumps({**summary, key: value}))
+    with pytest.raises(TraceError, match=f"summary.json is corrupt: {key} is .*, not {SUMMARY_FIELDS[key]}$") as info:
+        read_summary(run)
+    assert str(run / "summary.json") in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_interrupted_or_failed_runs_summary_reads(tmp_path):
+    from toolkit.trace.reader import read_summary
+
+    for extra in (
+        {"interrupted": True, "signal": "SIGTERM"},
+        {"failed": "CommitFailed: a digest", "served": True, "rejected": 2, "rejected_requests": ["a", "b"]},
+    ):
+        summary = {"requests": 3, "output_tokens": 7, "trace_rows": 7, "ttft_p50_s": None, "wall_s": 0.5, **extra}
+        (tmp_path / "summary.json").write_text(json.dumps(summary))
+        assert read_summary(tmp_path) == summary

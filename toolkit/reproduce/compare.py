@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,9 +91,13 @@ def resolve_runs(patterns: Sequence[str] | str) -> list[Path]:
     return runs
 
 
-# the agreement columns typed whatever their values (all null in a two-run compare whose runs agree): every
-# compare.parquet has one schema, and many read as one dataset
-AGREEMENT_TYPES = {
+# the figures and agreement columns typed whatever their values (all null in a two-run compare whose runs agree, a
+# figure no run recorded): every compare.parquet has one schema, and many read as one dataset
+COLUMN_TYPES = {
+    "run": pa.string(),
+    "run_id": pa.string(),
+    **{c: pa.int64() if c in ("requests", "output_tokens") else pa.float64() for c in COLUMNS},
+    "divergence": pa.string(),
     "rows_shared": pa.int64(),
     "rows_differing": pa.int64(),
     "first_differing": pa.string(),
@@ -113,6 +118,14 @@ def run_tokens(samples: pa.Table) -> dict[RowKey, int]:
             columns["request_id"], columns["stream"], columns["position"], columns["token_id"]
         )
     }
+
+
+def figure(column: str, value: Any) -> Any:
+    """A summary's figure as the table shows it (read_summary checked its type): a count as it is, a figure a float,
+    NaN or Infinity (Python's json writes them) missing, as the report shows them."""
+    if value is None or COLUMN_TYPES[column] == pa.int64():
+        return value
+    return float(value) if math.isfinite(value) else None
 
 
 def compare(patterns: Sequence[str] | str, out_dir: Path | None = None) -> Comparison:
@@ -136,7 +149,7 @@ def compare(patterns: Sequence[str] | str, out_dir: Path | None = None) -> Compa
         name = str(run)
         ttft = [v for v in req["ttft_s"] if v is not None]
         tpot = [v for v in req["tpot_s"] if v is not None]
-        row = {"run": name, "run_id": run_id, **{c: summary.get(c) for c in COLUMNS}}
+        row = {"run": name, "run_id": run_id, **{c: figure(c, summary.get(c)) for c in COLUMNS}}
         row["ttft_p50_s"] = row["ttft_p50_s"] if row["ttft_p50_s"] is not None else percentile(ttft, 50)
         row["tpot_p50_s"] = row["tpot_p50_s"] if row["tpot_p50_s"] is not None else percentile(tpot, 50)
         if reference is None:
@@ -149,13 +162,13 @@ def compare(patterns: Sequence[str] | str, out_dir: Path | None = None) -> Compa
         result.rows.append(row)
         result.latencies[name] = {"ttft_s": ttft, "tpot_s": tpot}
     if out_dir is not None:
+        columns = dict.fromkeys(name for row in result.rows for name in row)  # the reference row has no agreement
+        table = pa.table(
+            {name: pa.array([row.get(name) for row in result.rows], COLUMN_TYPES.get(name)) for name in columns}
+        )
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "compare.json").write_text(json.dumps(result.rows, indent=2))
-        columns = dict.fromkeys(name for row in result.rows for name in row)  # the reference row has no agreement
-        table = pa.table(
-            {name: pa.array([row.get(name) for row in result.rows], AGREEMENT_TYPES.get(name)) for name in columns}
-        )
         atomic_write_table(out_dir / "compare.parquet", table)
         plot_compare(result.rows, result.latencies, out_dir / "compare.png")
     return result

@@ -4,7 +4,9 @@ A JSONL line is one JSON object with exactly one of `prompt` (text), `messages` 
 the tokenizer's chat template is applied) or `prompt_token_ids`, and optionally `id`,
 `max_tokens`, `arrival_step` (admitted no earlier than that engine step) and `sampling`
 (per-request overrides of the `sampling` config group). A bad line is reported with its
-line number; the other lines still run.
+line number; the other lines still run. The file is UTF-8 (a byte order mark at its start is
+dropped), its lines end at a line feed (CRLF too): a raw U+2028 or U+0085 in a JSON string
+is the string's, not a line break. A file that is no UTF-8 is one WorkloadError naming the line.
 """
 
 from __future__ import annotations
@@ -115,18 +117,18 @@ def parse_request(obj: Any, *, default_id: str, source: str) -> RequestSpec:
 
 
 def load_requests(path: str | Path) -> tuple[list[RequestSpec], list[Rejected]]:
-    """Read a requests JSONL file. Unreadable file: WorkloadError. Bad lines: returned as Rejected."""
+    """Read a requests JSONL file. Unreadable file (or not UTF-8): WorkloadError. Bad lines: returned as Rejected."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError:
         raise WorkloadError(f"requests file {str(path)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise WorkloadError(f"cannot read requests file {str(path)!r}: {exc}") from None
     specs, rejected = [], []
     seen: set[str] = set()
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
+    for number, line in enumerate(request_lines(path, data), start=1):
+        if not line.strip(JSON_SPACE):
             continue
         source = f"{path.name} line {number}"
         try:
@@ -149,6 +151,28 @@ def load_requests(path: str | Path) -> tuple[list[RequestSpec], list[Rejected]]:
     if not specs and not rejected:
         raise WorkloadError(f"requests file {str(path)!r} holds no requests")
     return specs, rejected
+
+
+JSON_SPACE = " \t\r"  # what JSON takes as whitespace on a line (str.strip() drops U+2028, U+0085, ... too)
+
+
+def request_lines(path: Path, data: bytes) -> list[str]:
+    """The file's lines as they are numbered in it: split at line feeds only (str.splitlines() also split inside a
+    line at U+2028, U+0085, form feeds, U+001C-U+001E ..., which a JSON string may hold raw, and so numbered lines
+    that are not there), one carriage return before each dropped (CRLF endings), and a UTF-8 byte order mark at the
+    start of the file dropped. A line that is no UTF-8 is a WorkloadError naming it: the file is in another
+    encoding, and its lines' text would be guessed."""
+    lines = data.removeprefix(b"\xef\xbb\xbf").split(b"\n")
+    out = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            out.append(line.removesuffix(b"\r").decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise WorkloadError(
+                f"requests file {str(path)!r} line {number} is not UTF-8 text (its byte {exc.start + 1}, "
+                f"0x{line[exc.start]:02x}): save the file as UTF-8"
+            ) from None
+    return out
 
 
 # --------------------------------------------------------------------------- built-in workloads

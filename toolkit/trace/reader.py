@@ -275,8 +275,9 @@ def _stored(name: str, value: float) -> float | int:
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
     """summary.json (written when a run closes), or {} where there is none (a run killed before it closed). One
-    that is there but unreadable, or no JSON object, is a TraceError: summaries are written whole (atomically), so
-    it was damaged or edited, and reading it as a killed run's would switch off the checks of a closed run's rows."""
+    that is there but unreadable, no JSON object, or with a field a reader uses of another type (SUMMARY_FIELDS) is a
+    TraceError: summaries are written whole (atomically), so it was damaged or edited, and reading it as a killed
+    run's would switch off the checks of a closed run's rows."""
     path = Path(run_dir) / "summary.json"
     try:
         summary = json.loads(path.read_text())
@@ -286,7 +287,55 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
         raise TraceError(f"{path} is unreadable or corrupt: {exc}") from None
     if not isinstance(summary, dict):
         raise TraceError(f"{path} is corrupt: a JSON {type(summary).__name__}, not an object")
+    for key, kind in SUMMARY_FIELDS.items():
+        value = summary.get(key)
+        if value is not None and not _is_kind(value, kind):
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            raise TraceError(f"{path} is corrupt: {key} is {shown}, not {kind}")
     return summary
+
+
+# what each summary.json field a reader uses must be, where it is not null: compare's table (counts and figures, the
+# run_id of a run without request rows), the closed-run checks (trace_rows, interrupted, failed) and the report's
+# notes and cards. A figure of another type reached pyarrow and str.format as a traceback after part of compare's
+# output was written; a trace_rows of another type switched the closed-run checks off. NaN and Infinity (Python's
+# json writes them) are numbers, shown as missing; other keys (a newer writer's, a run's extras) are kept as written.
+SUMMARY_FIELDS = {
+    **dict.fromkeys(("requests", "output_tokens", "trace_rows", "num_preemptions", "steps", "rejected"), "a count"),
+    **dict.fromkeys(
+        (
+            "output_tok_per_s",
+            "ttft_p50_s",
+            "ttft_p95_s",
+            "tpot_p50_s",
+            "tpot_p95_s",
+            "acceptance_rate",
+            "json_validity_rate",
+        ),
+        "a number",
+    ),
+    **dict.fromkeys(("run_id", "signal", "failed"), "a string"),
+    "interrupted": "true or false",
+    "rejected_requests": "a list of strings",
+}
+
+
+def _is_kind(value: Any, kind: str) -> bool:
+    if kind == "a count":  # a count as requests.parquet and compare.parquet store it (int64)
+        return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+    if kind == "a number":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        try:
+            float(value)  # an integer past a double's range is none
+        except OverflowError:
+            return False
+        return True
+    if kind == "a string":
+        return isinstance(value, str)
+    if kind == "true or false":
+        return isinstance(value, bool)
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
 def read_requests(run_dir: Path, check_version: bool = True) -> pa.Table:
