@@ -48,15 +48,16 @@ def test_each_call_is_its_own_run_and_a_seed_does_not_depend_on_the_batch(tmp_pa
 
 
 def test_unseeded_samples_differ_call_to_call_and_repeat_in_a_fresh_llm(tmp_path):
-    """vLLM's behaviour: request ids count on across an LLM's calls, so an unseeded request's samples differ from
-    one call to the next (they repeated: every call's ids began at "0"), and a fresh LLM with the same engine seed
-    repeats them call for call; each call's trace replays."""
+    """vLLM's behaviour: an unseeded request's samples differ from one call to the next (they repeated: each call's
+    engine had the same seed and ids), and a fresh LLM with the same engine seed repeats them call for call; each
+    call's trace replays, and every call's request ids are "0", "1", ... (two calls' traces join request by request,
+    as docs/notebooks/traces_duckdb.ipynb joins them)."""
     params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
     llm = LLM(model="tiny", trace_root=tmp_path / "a")
     calls = [llm.generate(PROMPTS, params, use_tqdm=False) for _ in range(2)]
     tokens = [[o.outputs[0].token_ids for o in outs] for outs in calls]
     assert tokens[0] != tokens[1]
-    assert [o.request_id for outs in calls for o in outs] == [str(i) for i in range(2 * len(PROMPTS))]
+    assert [o.request_id for outs in calls for o in outs] == [str(i) for i in range(len(PROMPTS))] * 2
     again = LLM(model="tiny", trace=False)
     assert [[o.outputs[0].token_ids for o in again.generate(PROMPTS, params, use_tqdm=False)] for _ in range(2)] == (
         tokens

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from toolkit.config import EngineConfig, ModelConfig, SpeculativeConfig, from_mapping
-from toolkit.engine.core import Engine, EngineRequest, load_for
+from toolkit.engine.core import Engine, EngineRequest, derive_seed, load_for
 from toolkit.engine.outputs import Logprob, RequestOutput, StepOutput
 from toolkit.errors import ConfigError
 from toolkit.runs.session import Progress, record
@@ -101,7 +101,7 @@ class LLM:
         self.trace = trace
         self.trace_root = Path(trace_root) if trace_root is not None else Path("traces") / time.strftime("%Y-%m-%d")
         self.trace_dirs: list[Path] = []
-        self.next_request_id = 0  # vLLM's request_counter: ids count on across calls
+        self.calls = 0  # generate / chat calls so far: each after the first samples afresh (_call_config)
 
     @classmethod
     def over(
@@ -120,7 +120,7 @@ class LLM:
         llm.trace = trace
         llm.trace_root = Path(trace_root) if trace_root is not None else Path("traces") / time.strftime("%Y-%m-%d")
         llm.trace_dirs = []
-        llm.next_request_id = 0
+        llm.calls = 0
         return llm
 
     @property
@@ -144,9 +144,10 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One output per prompt, in order. `sampling_params`: one for every prompt, or one each. `use_tqdm`: a
-        progress line on a terminal (sequences done, tokens/s; nothing when stderr is not one). Request ids count
-        on across calls ("0", "1", ... as vLLM's): a request without its own seed draws from the engine's seed and
-        its id, so a second call samples afresh, and a new LLM with the same `seed` repeats the calls in order."""
+        progress line on a terminal (sequences done, tokens/s; nothing when stderr is not one). A request without its
+        own seed samples afresh each call, as vLLM's do (the engine's seed of each call after the first is derived
+        from `seed` and the call's number, and recorded), and a new LLM with the same `seed` repeats the calls in
+        order; request ids are "0", "1", ... in every call, so two calls' traces join request by request."""
         if _is_array(prompts):  # as HF's tokenizers return ids: a row a prompt
             if prompts.ndim not in (1, 2):
                 raise ConfigError(
@@ -179,13 +180,10 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         params = _per_request(sampling_params, len(requests), self.default_sampling)
-        engine = Engine(self.loaded, self.engine_cfg, self.default_sampling, self.spec_cfg)
-        # request ids count on across calls (vLLM's request_counter): an unseeded request's seed derives from its id
-        # and the engine's seed, so a second call's samples differ from the first's as vLLM's do, and a fresh LLM
-        # with the same seed repeats them call for call
-        first, self.next_request_id = self.next_request_id, self.next_request_id + len(requests)
+        engine_cfg, self.calls = _call_config(self.engine_cfg, self.calls), self.calls + 1
+        engine = Engine(self.loaded, engine_cfg, self.default_sampling, self.spec_cfg)
         ids = [
-            engine.add(EngineRequest(**r, sampling_params=p, request_id=f"{first + i}"))
+            engine.add(EngineRequest(**r, sampling_params=p, request_id=f"{i}"))
             for i, (r, p) in enumerate(zip(requests, params))
         ]  # a bad request raises before anything runs
         logprobs = _Logprobs(
@@ -206,7 +204,7 @@ class LLM:
         run_dir = _new_run_dir(self.trace_root, f"{time.strftime('%H-%M-%S')}-llm-{len(self.trace_dirs)}")
         config = {
             "model": dataclasses.asdict(self.loaded.config),
-            "engine": dataclasses.asdict(self.engine_cfg),
+            "engine": dataclasses.asdict(engine_cfg),
             "speculative": dataclasses.asdict(self.spec_cfg),
             "mode": "run",
             "entry": "toolkit.LLM",
@@ -331,6 +329,17 @@ def _conversation(messages: Any) -> list[dict[str, Any]]:
             m["content"] = m["refusal"]  # a refusal is the message's text, as the server reads it
         out.append(m)
     return out
+
+
+def _call_config(engine_cfg: EngineConfig, call: int) -> EngineConfig:
+    """The engine's config for an LLM's `call`-th call (from 0): the first runs with the LLM's own seed (the CLI's run
+    with it, bit for bit); each later one with a seed derived from it and the call's number. An unseeded request's
+    seed derives from the engine's seed and its id, and every call's ids are "0", "1", ... (so runs join request by
+    request), so without this a second call repeated the first's samples, where vLLM's sample afresh; a fresh LLM
+    repeats its calls in order, and each call's config records the seed it ran with (replay takes it)."""
+    return (
+        engine_cfg if call == 0 else dataclasses.replace(engine_cfg, seed=derive_seed(engine_cfg.seed, f"call-{call}"))
+    )
 
 
 def _per_request(sampling_params, n: int, default: SamplingParams) -> list[SamplingParams]:
