@@ -28,6 +28,7 @@ from toolkit.runs.metrics import percentile
 from toolkit.runs.plots import plot_compare
 from toolkit.trace.diverge import RowKey, token_agreement
 from toolkit.trace.reader import (
+    SUMMARY_FIGURES,
     TraceError,
     check_rows_present,
     read_manifest,
@@ -37,17 +38,7 @@ from toolkit.trace.reader import (
 )
 from toolkit.trace.writer import REQUESTS_FILE, SAMPLES_DIR, atomic_write_table
 
-COLUMNS = (
-    "requests",
-    "output_tokens",
-    "output_tok_per_s",
-    "ttft_p50_s",
-    "ttft_p95_s",
-    "tpot_p50_s",
-    "tpot_p95_s",
-    "acceptance_rate",
-    "json_validity_rate",
-)
+COLUMNS = ("requests", "output_tokens", *SUMMARY_FIGURES)  # the summary's counts and figures read_summary checks
 
 
 @dataclass

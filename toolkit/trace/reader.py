@@ -300,20 +300,18 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
 # notes and cards. A figure of another type reached pyarrow and str.format as a traceback after part of compare's
 # output was written; a trace_rows of another type switched the closed-run checks off. NaN and Infinity (Python's
 # json writes them) are numbers, shown as missing; other keys (a newer writer's, a run's extras) are kept as written.
+SUMMARY_FIGURES = (  # compare's columns after requests and output_tokens
+    "output_tok_per_s",
+    "ttft_p50_s",
+    "ttft_p95_s",
+    "tpot_p50_s",
+    "tpot_p95_s",
+    "acceptance_rate",
+    "json_validity_rate",
+)
 SUMMARY_FIELDS = {
     **dict.fromkeys(("requests", "output_tokens", "trace_rows", "num_preemptions", "steps", "rejected"), "a count"),
-    **dict.fromkeys(
-        (
-            "output_tok_per_s",
-            "ttft_p50_s",
-            "ttft_p95_s",
-            "tpot_p50_s",
-            "tpot_p95_s",
-            "acceptance_rate",
-            "json_validity_rate",
-        ),
-        "a number",
-    ),
+    **dict.fromkeys(SUMMARY_FIGURES, "a number"),
     **dict.fromkeys(("run_id", "signal", "failed"), "a string"),
     "interrupted": "true or false",
     "rejected_requests": "a list of strings",
