@@ -83,6 +83,42 @@ def test_same_key_gives_the_same_token_whatever_the_batch(seed, position, stream
     assert batched.raw_logprobs[where] == alone.raw_logprobs[0]
 
 
+FLOAT32 = st.floats(width=32, allow_nan=True, allow_infinity=True)
+
+
+def _rows_and_picks(shape: tuple[int, int]):
+    rows, vocab = shape
+    return st.tuples(
+        st.just(shape),
+        st.lists(FLOAT32, min_size=rows * vocab, max_size=rows * vocab),
+        st.lists(FLOAT32, min_size=rows, max_size=rows),
+        st.lists(st.integers(-2, vocab + 1), min_size=rows, max_size=rows),
+    )
+
+
+@settings(max_examples=120, deadline=None)
+@given(case=st.tuples(st.integers(1, 10), st.integers(1, 12)).flatmap(_rows_and_picks), strided=st.booleans())
+def test_a_few_rows_logprobs_read_through_numpy_are_torchs_bits(case, strided):
+    """logprobs_at_cpu (a decode step's few rows, read without torch calls) gives torch's gather-and-subtract
+    bits for any fp32 values (infinities, NaN, the largest and smallest), on strided rows too, and declines (None)
+    where torch's path must take them: more than FEW_ROWS rows, a token outside the row, another format."""
+    from toolkit.native.sampling_ops import FEW_ROWS, logprobs_at_cpu
+
+    (rows, vocab), values, lse, tokens = case
+    x = torch.tensor(values, dtype=torch.float32).view(rows, vocab)
+    if strided:
+        x = torch.cat([x, x], dim=1)[:, :vocab]  # rows a stride apart that is not the row's length
+    lse_R = torch.tensor(lse, dtype=torch.float32)
+    got = logprobs_at_cpu(x, lse_R, tokens)
+    if rows > FEW_ROWS or any(not 0 <= t < vocab for t in tokens):
+        assert got is None
+        return
+    want = (x.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1) - lse_R).tolist()
+    for g, w in zip(got, want):  # the same value, -0.0 kept apart from 0.0, NaN where torch's is
+        assert (math.isnan(g) and math.isnan(w)) or (g == w and math.copysign(1, g) == math.copysign(1, w)), (g, w)
+    assert logprobs_at_cpu(x.double(), lse_R.double(), tokens) is None
+
+
 @settings(max_examples=300, deadline=None)
 @given(x=st.floats(min_value=2.2250738585072014e-308, max_value=1.7976931348623157e308))
 def test_our_logarithm_is_within_one_ulp_and_its_twins_agree(x):

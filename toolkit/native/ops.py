@@ -4,6 +4,7 @@ tensors, checks what it is given and calls one symbol of the process's build (or
 from __future__ import annotations
 
 import ctypes
+import itertools
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -86,13 +87,14 @@ def add_rms_norm_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + residual, RMSNorm(x + residual) * weight) for fp32 rows in one pass; `x` is updated in place
     (it must be a tensor the caller owns) and returned; without a residual, just the norm. bf16 / fp16 rows
-    are computed in fp32 and both outputs rounded back (x then is a new tensor)."""
+    are computed in fp32 and both outputs rounded back (x then is a new tensor, or without a residual x itself:
+    the norm leaves it as it is)."""
     if x_ND.dtype != torch.float32:
         dtype = x_ND.dtype
         x32, h32 = add_rms_norm_cpu(
             x_ND.float(), None if residual_ND is None else _fp32(residual_ND), _fp32(weight_D), eps, lib
         )
-        return x32.to(dtype), h32.to(dtype)
+        return x_ND if residual_ND is None else x32.to(dtype), h32.to(dtype)
     n, d = x_ND.shape
     if x_ND.stride(1) != 1:
         x_ND = x_ND.contiguous()
@@ -424,7 +426,9 @@ def decoder_layers_cpu(
     schedule = fixed_schedule(n) if schedule is None else schedule
     widths = [e, (h + 2 * k) * d, (h + k) * d, h * d, e, 2 * f, f, e]  # h, qkv, qk, attn, o, gate_up, act, m
     work = torch.empty(n * sum(widths), dtype=torch.float32)
-    offsets = torch.tensor([0, *widths[:-1]], dtype=torch.int64).cumsum(0) * (n * 4) + work.data_ptr()
+    offsets = torch.tensor(
+        list(itertools.accumulate(widths[:-1], lambda at, w: at + w * n * 4, initial=work.data_ptr()))
+    )
     all_dims = torch.tensor(
         [n, e, h, k, d, f, bs, cos_PD.shape[0], block_tables_SB.stride(0), num_slots], dtype=torch.int64
     )

@@ -18,7 +18,7 @@ import torch
 from toolkit import devices
 from toolkit.devices import tensor_on
 from toolkit.native import invariant_gpu
-from toolkit.native.sampling_ops import Patches, TailCall, argmax_cpu, gumbel_sample_cpu, logsumexp_cpu
+from toolkit.native.sampling_ops import Patches, TailCall, argmax_cpu, gumbel_sample_cpu, logprobs_at_cpu, logsumexp_cpu
 from toolkit.native.sha import sha256_rows
 from toolkit.sampling import rng
 
@@ -301,8 +301,7 @@ class FusedSample:
         self.tail, self.given_lse = list(tail), raw_logsumexp_R
         self.keys = _keys(rows)
         self.num_top = max((row.num_top for row in rows), default=0)
-        # not given, the raw rows' logsumexp is read by the kernel where its input is the raw rows
-        self.own_lse = raw_logsumexp_R is None and processed_RV is raw_RV
+        self.own_lse = raw_logsumexp_R is None and processed_RV is raw_RV  # not given: the kernel's, of its raw input
         self.call = TailCall.of(
             processed_RV, self.tail, self.keys, keep_rows=self.num_top > 0, patches=patches, raw_logsumexp=self.own_lse
         )
@@ -355,13 +354,13 @@ def _raw_lse(raw_RV: torch.Tensor, given: torch.Tensor | None, per_row: bool) ->
 
 
 def _logprobs_at(logits_RV: torch.Tensor, lse_R: torch.Tensor, tokens: list[int]) -> list[float]:
+    if (few := logprobs_at_cpu(logits_RV, lse_R, tokens)) is not None:  # a few CPU rows: no torch call
+        return few
     token_t = tensor_on(tokens, logits_RV.device, torch.int64).unsqueeze(1)
     return (logits_RV.gather(1, token_t).squeeze(1) - lse_R).tolist()
 
 
-# (rows x vocabulary) elements of noise a batched pass evaluates at once: each float64 / int64 temporary of it is
-# 32 MiB at most, whatever the batch
-NOISE_ELEMENTS_PER_PASS = 1 << 22
+NOISE_ELEMENTS_PER_PASS = 1 << 22  # rows x vocabulary a pass evaluates: each float64 / int64 temporary <= 32 MiB
 
 
 def gumbel_choices(
