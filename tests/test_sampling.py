@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from tests.conftest import NATIVE_OFF, native_only
 from tests.stats import chi_square
 from toolkit.errors import ConfigError
+from toolkit.native.sampling_ops import FEW_ROWS, logprobs_at_cpu
 from toolkit.sampling import rng
 from toolkit.sampling.params import SamplingParams
 from toolkit.sampling.sampler import SampleRow, sample
@@ -102,8 +103,6 @@ def test_a_few_rows_logprobs_read_through_numpy_are_torchs_bits(case, strided):
     """logprobs_at_cpu (a decode step's few rows, read without torch calls) gives torch's gather-and-subtract
     bits for any fp32 values (infinities, NaN, the largest and smallest), on strided rows too, and declines (None)
     where torch's path must take them: more than FEW_ROWS rows, a token outside the row, another format."""
-    from toolkit.native.sampling_ops import FEW_ROWS, logprobs_at_cpu
-
     (rows, vocab), values, lse, tokens = case
     x = torch.tensor(values, dtype=torch.float32).view(rows, vocab)
     if strided:

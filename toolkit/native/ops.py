@@ -426,9 +426,8 @@ def decoder_layers_cpu(
     schedule = fixed_schedule(n) if schedule is None else schedule
     widths = [e, (h + 2 * k) * d, (h + k) * d, h * d, e, 2 * f, f, e]  # h, qkv, qk, attn, o, gate_up, act, m
     work = torch.empty(n * sum(widths), dtype=torch.float32)
-    offsets = torch.tensor(
-        list(itertools.accumulate(widths[:-1], lambda at, w: at + w * n * 4, initial=work.data_ptr()))
-    )
+    starts = itertools.accumulate(widths[:-1], initial=0)  # each buffer's first element, in rows' widths
+    offsets = torch.tensor([work.data_ptr() + 4 * n * start for start in starts])
     all_dims = torch.tensor(
         [n, e, h, k, d, f, bs, cos_PD.shape[0], block_tables_SB.stride(0), num_slots], dtype=torch.int64
     )
