@@ -207,8 +207,8 @@ static void panel_##F(const float *x, int64_t ldx, const WT *w, float *out, int6
  *   MM_HEXES: six wide panels at a time, the whole of k in one pass, one row at a time (with AVX2's NV = 2, 12
  *             chains: 16-bit weights give half the bytes a k step of fp32's, so a row needs more chains in
  *             flight to stream them as fast).
- * The grouped schedules split the panels into one contiguous range a thread, of equal counts (the group's odd
- * panels and the narrow ones run as tiles inside the range), so no thread waits on another's leftover. */
+ * The grouped schedules hand out groups of panels (the panels left over and the narrow ones as tiles, one a unit):
+ * a contiguous share a thread, then the shares' last units to the threads done first (see `steal` below). */
 enum { MM_TILES = 0, MM_PAIRS = 1, MM_QUADS = 2, MM_HEXES = 3, MM_LOOPS };
 /* each set of loops with the software prefetch above (schedule < MM_LOOPS) and without it (schedule - MM_LOOPS): on
  * some CPUs the hardware prefetcher alone streams faster (Zen 4, 2 cores: a row at a time over SmolLM2's LM head
@@ -216,8 +216,74 @@ enum { MM_TILES = 0, MM_PAIRS = 1, MM_QUADS = 2, MM_HEXES = 3, MM_LOOPS };
 enum { MM_SCHEDULES = 2 * MM_LOOPS };
 int toolkit_matmul_schedules(void) { return MM_SCHEDULES; }
 
+/* The grouped schedules' work comes in units: each group of G adjacent wide panels (the first `groups` units), then
+ * each panel left over (wide or narrow) as tiles. Each thread starts on a contiguous share of them (equal counts of
+ * panels) and takes its units from the front; a thread done with its share takes the last units of the share with
+ * the most left, from the back, until none is left. Two threads streaming at once do not stream at the same rate
+ * (SmolLM2's bf16 decode on a 2-core AMD EPYC (avx2): one finished a projection ~10% of its time after the other,
+ * either one, at random), so a fixed split leaves one waiting at the end; which thread computes a unit never
+ * changes its bits (each column is one chain in one unit). */
+#define MAX_SHARES 256
+struct share {
+    uint64_t bounds; /* the next unit from the front (low 32 bits), one past the last (high 32 bits) */
+    char pad[56];    /* a cache line each: a thread's claims do not slow the others' */
+};
+static uint64_t share_bounds(int64_t lo, int64_t hi) { return (uint64_t)hi << 32 | (uint64_t)lo; }
+/* the unit holding panel p (a panel inside a group: the group after it, so a share starts on a whole group) */
+static int64_t unit_of(int64_t p, int64_t groups, int64_t G) {
+    return p < groups * G ? (p + G - 1) / G : groups + p - groups * G;
+}
+/* the share's next unit from its front (back = 0) or its back (back = 1); -1 when it has none left */
+static int64_t claim(struct share *s, int back) {
+    uint64_t cur = __atomic_load_n(&s->bounds, __ATOMIC_RELAXED), next;
+    do {
+        const int64_t lo = (int64_t)(cur & 0xffffffffu), hi = (int64_t)(cur >> 32);
+        if (lo >= hi) return -1;
+        next = back ? share_bounds(lo, hi - 1) : share_bounds(lo + 1, hi);
+    } while (!__atomic_compare_exchange_n(&s->bounds, &cur, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    return back ? (int64_t)(cur >> 32) - 1 : (int64_t)(cur & 0xffffffffu);
+}
+/* a unit from the back of the share (not thread t's) with the most left; -1 when every share is done */
+static int64_t steal(struct share *shares, int64_t threads, int64_t t) {
+    for (;;) {
+        int64_t best = -1, most = 0;
+        for (int64_t v = 0; v < threads; v++) {
+            const uint64_t b = __atomic_load_n(&shares[v].bounds, __ATOMIC_RELAXED);
+            const int64_t left = (int64_t)(b >> 32) - (int64_t)(b & 0xffffffffu);
+            if (v != t && left > most) best = v, most = left;
+        }
+        if (best < 0) return -1;
+        const int64_t u = claim(&shares[best], 1);
+        if (u >= 0) return u;
+    }
+}
+
+/* unit u for every row; a group's first rows prefetch group `ahead`'s panels (the unit the thread likely takes
+ * next) when the schedule prefetches */
+#define DEFINE_UNIT(F, WT)                                                                                       \
+static void unit_##F(const float *x, int64_t ldx, const WT *w, float *out, int64_t ldo, int64_t M, int64_t K,     \
+                     int64_t u, int64_t ahead, int64_t groups, int64_t G, int64_t wide_panels, int64_t narrow_start, \
+                     int64_t panels, int prefetch) {                                                             \
+    if (u >= groups) { /* a panel left over: as tiles */                                                        \
+        panel_##F(x, ldx, w, out, ldo, 0, M, K, groups * G + u - groups, wide_panels, narrow_start, panels, 0);  \
+        return;                                                                                                  \
+    }                                                                                                            \
+    const int64_t p = u * G, R = G == 2 ? 2 : 1;                                                                 \
+    const WT *group = w + p * NR * K;                                                                            \
+    const char *pf = (const char *)(w + (ahead >= 0 && ahead < groups ? ahead : 0) * G * NR * K);               \
+    const int64_t pf_lines = prefetch && ahead >= 0 && ahead < groups ? G * NR * K * (int64_t)sizeof(WT) / 64 : 0; \
+    for (int64_t m0 = 0; m0 < M; m0 += R) {                                                                      \
+        const int64_t lines = m0 == 0 ? pf_lines : 0;                                                            \
+        if (G == 6) group_6_1_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines);         \
+        else if (G == 4) group_4_1_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines);    \
+        else if (M - m0 >= 2) group_2_2_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines); \
+        else group_2_1_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines);                \
+    }                                                                                                            \
+}
+
 #define DEFINE_MATMUL(F, WT, KIND)                                                                              \
 DEFINE_PANEL(F, WT)                                                                                             \
+DEFINE_UNIT(F, WT)                                                                                              \
 static int matmul_##F(const float *x, int64_t ldx, const WT *w, float *out, int64_t ldo, int64_t M, int64_t K,  \
                       int64_t N, int num_threads, int schedule) {                                               \
     if (schedule < 0 || schedule >= MM_SCHEDULES) return -1;                                                     \
@@ -231,7 +297,6 @@ static int matmul_##F(const float *x, int64_t ldx, const WT *w, float *out, int6
     const int64_t narrow_panels = (N - narrow_start) / VL;                                                     \
     const int64_t vec_end = narrow_start + narrow_panels * VL;                                                 \
     const int64_t panels = wide_panels + narrow_panels;                                                        \
-    const int64_t per_line = 64 / (int64_t)sizeof(WT);                                                         \
     const int prefetch = schedule < MM_LOOPS;                                                                  \
     schedule %= MM_LOOPS;                                                                                      \
     if (schedule == MM_TILES) {                                                                                 \
@@ -246,27 +311,22 @@ static int matmul_##F(const float *x, int64_t ldx, const WT *w, float *out, int6
             }                                                                                                  \
         }                                                                                                      \
     } else {                                                                                                   \
-        const int64_t G = schedule == MM_PAIRS ? 2 : schedule == MM_QUADS ? 4 : 6, R = schedule == MM_PAIRS ? 2 : 1; \
-        const int64_t threads = num_threads < 1 ? 1 : num_threads > panels ? panels : num_threads;             \
+        const int64_t G = schedule == MM_PAIRS ? 2 : schedule == MM_QUADS ? 4 : 6;                             \
+        const int64_t groups = wide_panels / G, units = groups + panels - groups * G;                          \
+        if (units > 0x7fffffff) return -1; /* a share's bounds are 32-bit */                                   \
+        int64_t threads = num_threads < 1 ? 1 : num_threads > units ? units : num_threads;                     \
+        if (threads > MAX_SHARES) threads = MAX_SHARES;                                                       \
+        struct share shares[MAX_SHARES];                                                                       \
+        for (int64_t t = 0; t < threads; t++)                                                                  \
+            shares[t].bounds = share_bounds(unit_of(t * panels / threads, groups, G),                          \
+                                            unit_of((t + 1) * panels / threads, groups, G));                   \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                     \
         for (int64_t t = 0; t < threads; t++) {                                                                \
-            const int64_t p0 = t * panels / threads, p1 = (t + 1) * panels / threads;                          \
-            const int64_t groups_end = p1 < wide_panels ? p1 : wide_panels;                                    \
-            int64_t p = p0;                                                                                    \
-            for (; p + G <= groups_end; p += G) {                                                              \
-                const WT *group = w + p * NR * K;                                                              \
-                const int64_t ahead = groups_end - (p + G) < G ? groups_end - (p + G) : G; /* the next group */ \
-                const char *pf = (const char *)(group + G * NR * K); /* prefetched by the first rows' pass */  \
-                for (int64_t m0 = 0; m0 < M; m0 += R) {                                                        \
-                    const int64_t lines = prefetch && m0 == 0 && ahead > 0 ? ahead * NR * K / per_line : 0;    \
-                    if (G == 6) group_6_1_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines); \
-                    else if (G == 4) group_4_1_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines); \
-                    else if (M - m0 >= 2) group_2_2_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines); \
-                    else group_2_1_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines);  \
-                }                                                                                              \
-            }                                                                                                  \
-            for (; p < p1; p++) /* the range's panels left over: as tiles */                                   \
-                panel_##F(x, ldx, w, out, ldo, 0, M, K, p, wide_panels, narrow_start, panels, 0);              \
+            int64_t u;                                                                                         \
+            while ((u = claim(&shares[t], 0)) >= 0)                                                            \
+                unit_##F(x, ldx, w, out, ldo, M, K, u, u + 1, groups, G, wide_panels, narrow_start, panels, prefetch); \
+            while ((u = steal(shares, threads, t)) >= 0) /* the others' last units, from the back */           \
+                unit_##F(x, ldx, w, out, ldo, M, K, u, u - 1, groups, G, wide_panels, narrow_start, panels, prefetch); \
         }                                                                                                      \
     }                                                                                                          \
     if (vec_end < N) tail_columns(x, ldx, w + vec_end * K, N - vec_end, out, ldo, M, K, vec_end, N, KIND);     \
