@@ -224,9 +224,8 @@ int toolkit_matmul_schedules(void) { return MM_SCHEDULES; }
  * either one, at random), so a fixed split leaves one waiting at the end; which thread computes a unit never
  * changes its bits (each column is one chain in one unit). */
 #define MAX_SHARES 256
-struct share {
-    uint64_t bounds; /* the next unit from the front (low 32 bits), one past the last (high 32 bits) */
-    char pad[56];    /* a cache line each: a thread's claims do not slow the others' */
+struct share { /* a cache line each: a thread's claims do not slow the others' */
+    _Alignas(64) uint64_t bounds; /* the next unit from the front (low 32 bits), one past the last (high 32 bits) */
 };
 static uint64_t share_bounds(int64_t lo, int64_t hi) { return (uint64_t)hi << 32 | (uint64_t)lo; }
 /* the unit holding panel p (a panel inside a group: the group after it, so a share starts on a whole group) */
