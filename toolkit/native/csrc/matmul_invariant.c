@@ -269,8 +269,9 @@ static void unit_##F(const float *x, int64_t ldx, const WT *w, float *out, int64
     }                                                                                                            \
     const int64_t p = u * G, R = G == 2 ? 2 : 1;                                                                 \
     const WT *group = w + p * NR * K;                                                                            \
-    const char *pf = (const char *)(w + (ahead >= 0 && ahead < groups ? ahead : 0) * G * NR * K);               \
-    const int64_t pf_lines = prefetch && ahead >= 0 && ahead < groups ? G * NR * K * (int64_t)sizeof(WT) / 64 : 0; \
+    const int next = prefetch && ahead >= 0 && ahead < groups; /* the unit to prefetch is a group */             \
+    const char *pf = (const char *)(w + (next ? ahead : 0) * G * NR * K);                                       \
+    const int64_t pf_lines = next ? G * NR * K * (int64_t)sizeof(WT) / 64 : 0;                                  \
     for (int64_t m0 = 0; m0 < M; m0 += R) {                                                                      \
         const int64_t lines = m0 == 0 ? pf_lines : 0;                                                            \
         if (G == 6) group_6_1_##F(x + m0 * ldx, ldx, group, out + m0 * ldo + p * NR, ldo, K, pf, lines);         \
