@@ -92,6 +92,22 @@ def test_a_16_bit_result_is_rounded_in_the_store_as_torch_rounds_it(m, k, n, dty
     assert torch.equal(gm.invariant_matmul(x, w), gm.matmul(x, w).to(dtype))
 
 
+@TRITON
+@settings(max_examples=6, deadline=None)
+@given(m=st.integers(1, 20), k=st.integers(1, 200), n=st.integers(1, 60), dtype=DTYPES)
+def test_the_weights_storage_order_keeps_every_bit(m, k, n, dtype):
+    """The weights stored (N, K), as the benchmark times them beside the engine's (K, N) (gpu_matmul.layout_tilings):
+    the same values in another memory order give both kernels' results bit for bit, in every tiling it times. A
+    kernel that read the weights by the (K, N) order's strides whatever the tensor's would fail it."""
+    gen = torch.Generator().manual_seed(m * 1000 + k * 10 + n)
+    x, w = torch.randn(m, k, generator=gen).to(dtype), torch.randn(k, n, generator=gen).to(dtype)
+    w_nk = w.t().contiguous().t()
+    assert torch.equal(w_nk, w) and (min(k, n) == 1 or w_nk.stride() == (1, k))  # (one row or column: either order)
+    assert torch.equal(gm.matmul(x, w_nk), gm.matmul(x, w))
+    for b in set(gm.layout_tilings(dtype)) | set(gm.candidate_tilings(dtype)[:2]):
+        assert torch.equal(gm.matmul_dot(x, w_nk, b, out_dtype=dtype), gm.matmul_dot(x, w, b, out_dtype=dtype)), b
+
+
 if ig.triton is not None:
     tl = ig.tl
 

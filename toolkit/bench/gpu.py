@@ -272,7 +272,8 @@ def kernel_ms(fn: Callable[[], Any], device: torch.device) -> float:
 
 def kernel_times(shape: str, dtypes: list[str], batches: list[int], device: torch.device) -> list[str]:
     """Issue 57's matmul cost: ms of torch's matmul and of the invariant Triton matmuls (tl.sum, and tl.dot in
-    several tilings, the format's own starred) on each of the shape's decode products, side by side: on a GPU the
+    several tilings, the format's own starred; then torch's and a few tilings' with the weights stored (N, K)) on
+    each of the shape's decode products, side by side: on a GPU the
     kernel's own time (triton.testing.do_bench: CUDA events, no wait between calls, the L2 cleared), elsewhere the
     median of 20 calls."""
 
@@ -290,6 +291,7 @@ def kernel_times(shape: str, dtypes: list[str], batches: list[int], device: torc
     for dtype in dtypes:
         for k, n in products:
             w = (torch.randn(k, n, device=device) / k**0.5).to(DTYPES[dtype])
+            w_nk = w.t().contiguous().t()  # the same (K, N) values, each column's K contiguous
             for m in batches:
                 x = torch.randn(m, k, device=device).to(DTYPES[dtype])
                 ms = {}
@@ -300,6 +302,12 @@ def kernel_times(shape: str, dtypes: list[str], batches: list[int], device: torc
                         lambda b=b: gm.matmul_dot(x, w, b, out_dtype=x.dtype),
                     )
                     for b in gm.candidate_tilings(x.dtype)
+                ]
+                # the same weights stored (N, K), as torch's Linear keeps them: a tile's slice of each column is one
+                # run of K in memory (stored (K, N), 16 columns of 16 bits are 32 bytes a row of the slice)
+                fns += [("torch (N,K)", lambda: x @ w_nk)] + [
+                    (f"tl.dot {'x'.join(map(str, b))} (N,K)", lambda b=b: gm.matmul_dot(x, w_nk, b, out_dtype=x.dtype))
+                    for b in gm.layout_tilings(x.dtype)
                 ]
                 for name, fn in fns:
                     try:

@@ -178,6 +178,21 @@ CANDIDATES_FP32 = (
 )
 
 
+# ... and those it times again with the weights stored (N, K) (each column's K slice one contiguous run: stored (K, N)
+# as the engine keeps them, a 16-bit tile of 16 columns reads 32 bytes a row of its slice); the layout moves loads,
+# never the order of the sums, so it keeps every bit (tests/test_invariant_gpu.py)
+LAYOUT_CANDIDATES = ((64, 64, 64), (16, 16, 128))
+LAYOUT_CANDIDATES_FP32 = ((16, 64, 32),)
+
+
+def layout_tilings(dtype: torch.dtype) -> tuple[tuple[int, ...], ...]:
+    """The tilings the benchmark times with the weights stored (N, K): the format's own, then a few others."""
+    own = dot_blocks(dtype)
+    return (own,) + tuple(
+        b for b in (LAYOUT_CANDIDATES_FP32 if dtype == torch.float32 else LAYOUT_CANDIDATES) if b != own
+    )
+
+
 def candidate_tilings(dtype: torch.dtype) -> tuple[tuple[int, ...], ...]:
     """The format's own tiling, then the others the benchmark compares."""
     own = dot_blocks(dtype)
