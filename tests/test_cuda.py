@@ -267,6 +267,24 @@ def test_the_triton_kernels_give_a_row_the_same_bits_at_every_batch_size(dtype):
         assert torch.equal(ig.logsumexp((x @ w)[:m].contiguous()), lse[:m])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_weights_storage_order_keeps_the_invariant_matmuls_bits_on_a_gpu(dtype):
+    """The weights stored (N, K), which the benchmark times beside the engine's (K, N) (gpu_matmul.layout_tilings):
+    on a GPU the tile product reads its operand from shared memory in another layout, and must give the same bits,
+    at 1 and 32 rows, in every tiling the benchmark times in that order."""
+    from toolkit.native import gpu_matmul as gm
+
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(32, 2048, generator=gen).to(dtype).cuda()
+    w = (torch.randn(2048, 1000, generator=gen) / 45).to(dtype).cuda()
+    w_nk = w.t().contiguous().t()
+    assert w_nk.stride() == (1, 2048)
+    for blocks in gm.layout_tilings(dtype):
+        for m in (1, 32):
+            got = gm.matmul_dot(x[:m], w_nk, blocks, out_dtype=dtype)
+            assert torch.equal(got, gm.matmul_dot(x[:m], w, blocks, out_dtype=dtype)), (blocks, m)
+
+
 def test_a_long_contexts_split_attention_keeps_a_tokens_bits_in_any_batch():
     """Issue 57's KV split on a GPU: contexts up to 3,000 keys (12 splits of 256, combined in order) give each token
     the bits it gets alone, beside 31 others or with wider tables (more splits allocated), within bf16's rounding
