@@ -277,7 +277,7 @@ def test_the_weights_storage_order_keeps_the_invariant_matmuls_bits_on_a_gpu(dty
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(32, 2048, generator=gen).to(dtype).cuda()
     w = (torch.randn(2048, 1000, generator=gen) / 45).to(dtype).cuda()
-    w_nk = w.t().contiguous().t()
+    w_nk = gm.stored_nk(w)
     assert w_nk.stride() == (1, 2048)
     for blocks in gm.layout_tilings(dtype):
         for m in (1, 32):

@@ -101,7 +101,7 @@ def test_the_weights_storage_order_keeps_every_bit(m, k, n, dtype):
     kernel that read the weights by the (K, N) order's strides whatever the tensor's would fail it."""
     gen = torch.Generator().manual_seed(m * 1000 + k * 10 + n)
     x, w = torch.randn(m, k, generator=gen).to(dtype), torch.randn(k, n, generator=gen).to(dtype)
-    w_nk = w.t().contiguous().t()
+    w_nk = gm.stored_nk(w)
     assert torch.equal(w_nk, w) and (min(k, n) == 1 or w_nk.stride() == (1, k))  # (one row or column: either order)
     assert torch.equal(gm.matmul(x, w_nk), gm.matmul(x, w))
     for b in set(gm.layout_tilings(dtype)) | set(gm.candidate_tilings(dtype)[:2]):

@@ -186,17 +186,23 @@ LAYOUT_CANDIDATES_FP32 = ((16, 64, 32),)
 
 
 def layout_tilings(dtype: torch.dtype) -> tuple[tuple[int, ...], ...]:
-    """The tilings the benchmark times with the weights stored (N, K): the format's own, then a few others."""
-    own = dot_blocks(dtype)
-    return (own,) + tuple(
-        b for b in (LAYOUT_CANDIDATES_FP32 if dtype == torch.float32 else LAYOUT_CANDIDATES) if b != own
-    )
+    """The tilings the benchmark times with the weights stored (N, K) (`stored_nk`): the format's own, then others."""
+    return _own_then(dtype, LAYOUT_CANDIDATES_FP32 if dtype == torch.float32 else LAYOUT_CANDIDATES)
 
 
 def candidate_tilings(dtype: torch.dtype) -> tuple[tuple[int, ...], ...]:
     """The format's own tiling, then the others the benchmark compares."""
+    return _own_then(dtype, CANDIDATES_FP32 if dtype == torch.float32 else CANDIDATES)
+
+
+def _own_then(dtype: torch.dtype, others: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
     own = dot_blocks(dtype)
-    return (own,) + tuple(b for b in (CANDIDATES_FP32 if dtype == torch.float32 else CANDIDATES) if b != own)
+    return (own,) + tuple(b for b in others if b != own)
+
+
+def stored_nk(w_KN: torch.Tensor) -> torch.Tensor:
+    """The same (K, N) values stored (N, K), as torch's Linear keeps them: each column's K one contiguous run."""
+    return w_KN.t().contiguous().t()
 
 
 def dot_blocks(dtype: torch.dtype) -> tuple[int, ...]:
