@@ -40,9 +40,10 @@ timeout 140 python3 -m toolkit.bench.gpu --shape smollm2 --batches 1 8 32 --batc
 timeout 80 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --batch-invariant --async-scheduling \
   --json "$OUT/bench_llama1b.json" --host-profile "$OUT/host_profile.txt" 2>&1 | tee -a "$OUT/bench.txt"
 # issue 57's cost: the invariant matmul's longer K slices (then four stages deep) beside its own tiling, in the
-# engine, then every decode product's kernel alone (CUDA events), in the engine's (K, N) weights and stored (N, K);
-# the best goes into gpu_matmul.DOT_BLOCKS / DOT_BLOCKS_FP32 (and a faster (N, K) into how a GPU model keeps them)
-for blocks in 64,16,256 64,16,256,4; do
+# engine, then its own tiling over weights stored (N, K), then every decode product's kernel alone (CUDA events), in
+# the engine's (K, N) weights and stored (N, K); the best goes into gpu_matmul.DOT_BLOCKS / DOT_BLOCKS_FP32 (and a
+# faster (N, K) into how a GPU model keeps them)
+for blocks in 64,16,256 64,16,256,4 "64,16,64 --weights-nk"; do
   timeout 35 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --batch-invariant \
     --hf-tokens 0 --dot-blocks $blocks 2>&1 | tee -a "$OUT/tilings.txt"
 done

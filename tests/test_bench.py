@@ -261,3 +261,24 @@ def test_the_gpu_benchmarks_tiling_is_three_powers_of_two_then_its_stages(text, 
             gpu.tiling(text)
     else:
         assert gpu.tiling(text) == blocks
+
+
+def test_the_gpu_benchmark_stores_the_weights_n_by_k_when_asked(monkeypatch, capsys):
+    """--weights-nk: every engine the run makes reads its projections over (N, K) storage (gpu_matmul.
+    store_weights_nk, called once a format, before the engines), and the run says so in its first line."""
+    from toolkit.bench import gpu
+    from toolkit.native import gpu_matmul as gm
+
+    stored = []
+    monkeypatch.setattr(
+        gm, "store_weights_nk", lambda model, real=gm.store_weights_nk: stored.append(model) or real(model)
+    )
+    argv = ["--device", "cpu", "--shape", "tiny", "--batches", "2", "--steps", "2", "--hf-tokens", "0"]
+    result = gpu.main(argv + ["--dtypes", "float32", "bfloat16", "--weights-nk"])
+    assert result["weights"] == "(N, K)" and "the weights stored (N, K)" in capsys.readouterr().out.splitlines()[0]
+    assert [m.embed.dtype for m in stored] == [torch.float32, torch.bfloat16]
+    for model in stored:
+        assert all(w.stride() == (1, w.shape[0]) for layer in model.layers for w in layer.parameters() if w.dim() == 2)
+        assert model.lm_head_t.stride() == (1, model.lm_head_t.shape[0])
+    assert all(row["ms"] > 0 for row in result["rows"])
+    assert gpu.main(argv)["weights"] == "(K, N)" and len(stored) == 2

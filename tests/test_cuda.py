@@ -285,6 +285,25 @@ def test_the_weights_storage_order_keeps_the_invariant_matmuls_bits_on_a_gpu(dty
             assert torch.equal(got, gm.matmul_dot(x[:m], w, blocks, out_dtype=dtype)), (blocks, m)
 
 
+@pytest.mark.parametrize("graphs", ["off", "auto"])
+def test_an_engine_whose_weights_are_stored_n_by_k_gives_every_row_its_bits_on_a_gpu(graphs):
+    """`gpu_matmul.store_weights_nk`, what `python -m toolkit.bench.gpu --weights-nk` times: the batch-invariant
+    engine's tokens and logits rows are the bits it gives over the weights as loaded, CUDA graphs off and on."""
+    from toolkit.native import gpu_matmul as gm
+
+    as_loaded = load_model(ModelConfig(**MODEL, dtype="bfloat16"), device="cuda")
+    stored_nk = load_model(ModelConfig(**MODEL, dtype="bfloat16"), device="cuda")
+    gm.store_weights_nk(stored_nk.model)
+    want_eng, want = run(as_loaded, "cuda", batch_invariant=True, cuda_graphs=graphs)
+    got_eng, got = run(stored_nk, "cuda", batch_invariant=True, cuda_graphs=graphs)
+    assert got.keys() == want.keys()
+    for request_id, rows in want.items():
+        assert got_eng.sequences(request_id)[0].token_ids == want_eng.sequences(request_id)[0].token_ids
+        assert rows.keys() == got[request_id].keys()
+        for position, logits in rows.items():
+            assert torch.equal(got[request_id][position], logits), (request_id, position)
+
+
 def test_a_long_contexts_split_attention_keeps_a_tokens_bits_in_any_batch():
     """Issue 57's KV split on a GPU: contexts up to 3,000 keys (12 splits of 256, combined in order) give each token
     the bits it gets alone, beside 31 others or with wider tables (more splits allocated), within bf16's rounding

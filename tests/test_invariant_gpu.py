@@ -645,6 +645,42 @@ def test_the_engines_gpu_path_runs_in_the_interpreter_and_keeps_a_rows_bits_in_a
 
 @TRITON
 @pytest.mark.native  # it switches the native CPU kernels off, so that the GPU path's kernels run instead
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_engine_whose_weights_are_stored_n_by_k_gives_every_row_its_bits(monkeypatch, dtype):
+    """`gpu_matmul.store_weights_nk` (what `python -m toolkit.bench.gpu --weights-nk` times on a GPU): every
+    projection and the LM head keep their values and (K, N) shape over (N, K) storage, and the engine's
+    batch-invariant GPU path, in the interpreter, gives every row the bits it gives over the weights as loaded."""
+    from toolkit.config import ModelConfig
+    from toolkit.engine.scheduler import ScheduledChunk as Chunk
+    from toolkit.models import load_model
+
+    monkeypatch.setenv("TOOLKIT_NATIVE", "0")
+    monkeypatch.setattr(ig, "routes", ig.available)
+    as_loaded = load_model(ModelConfig(**TINY, dtype=dtype)).model
+    stored_nk = load_model(ModelConfig(**TINY, dtype=dtype)).model
+    gm.store_weights_nk(stored_nk)
+    pairs = [
+        (a, b) for la, lb in zip(as_loaded.layers, stored_nk.layers) for a, b in zip(la.parameters(), lb.parameters())
+    ]
+    pairs.append((as_loaded.lm_head_t, stored_nk.lm_head_t))
+    moved = [b for a, b in pairs if a.dim() == 2]
+    assert len(moved) == 2 * len(as_loaded.layers[0].projections) + 1  # every layer's projections and the LM head
+    for a, b in pairs:
+        assert torch.equal(a, b) and a.shape == b.shape
+    assert all(b.stride() == (1, b.shape[0]) for b in moved)
+    target, other = tuple((11 * j + 4) % 96 for j in range(9)), tuple((5 * j + 1) % 96 for j in range(6))
+    steps = [
+        [Chunk("o", other, 0, (4, 5), samples=True), Chunk("t", target[:5], 0, (0, 1), True)],
+        [Chunk("t", target[5:], 5, (0, 1, 2), True, num_logits=4), Chunk("o", (7,), 6, (4, 5), True)],
+    ]
+    want, got = _runs(as_loaded, steps, "kernel", True), _runs(stored_nk, steps, "kernel", True)
+    assert want.keys() == got.keys() and len(want) == 7
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+@TRITON
+@pytest.mark.native  # it switches the native CPU kernels off, so that the GPU path's kernels run instead
 @pytest.mark.parametrize("kv", [("int8", "block"), ("fp8_e4m3", "block"), ("int8", "tensor")])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_gpu_attention_reads_an_8_bit_cache_and_keeps_a_rows_bits_in_any_mix(monkeypatch, kv, dtype):

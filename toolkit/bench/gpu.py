@@ -7,6 +7,7 @@ device's measured copy bandwidth).
     python -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32
     python -m toolkit.bench.gpu --batch-invariant                # the invariant mode's cost beside the default
     python -m toolkit.bench.gpu --async-scheduling               # engine.async_scheduling beside the default
+    python -m toolkit.bench.gpu --batch-invariant --weights-nk   # every projection stored (N, K), as Linear keeps it
     python -m toolkit.bench.gpu --device cpu --shape tiny        # the same figures on the CPU (CI runs this)
 
 Random weights of the named shape (a GPU machine reaches no model hub); each bucket puts an engine straight into
@@ -365,6 +366,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             type=tiling,
             help=f"BM,BN,BK: the invariant matmul's tiling of {which} inputs for this run (a tiling to compare)",
         )
+    parser.add_argument(
+        "--weights-nk", action="store_true", help="store every projection (N, K), as torch's Linear does, not (K, N)"
+    )
     args = parser.parse_args(argv)
     gm.DOT_BLOCKS = args.dot_blocks or gm.DOT_BLOCKS
     gm.DOT_BLOCKS_FP32 = args.dot_blocks_fp32 or gm.DOT_BLOCKS_FP32
@@ -373,13 +377,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error("no CUDA device here (torch.cuda.is_available() is False): try --device cpu")
     where = machine(args.device)
     bandwidth = copy_bandwidth_gbs(device, 512 if device.type == "cuda" else 128)
+    order = "(N, K)" if args.weights_nk else "(K, N)"
     print(
         f"decode steps, random weights of {args.shape}'s shape, context {args.context}, on {where}; "
         f"copy bandwidth {bandwidth:.0f} GB/s; the invariant matmul's tilings {gm.DOT_BLOCKS} (16-bit), "
-        f"{gm.DOT_BLOCKS_FP32} (fp32)",
+        f"{gm.DOT_BLOCKS_FP32} (fp32); the weights stored {order}",
         flush=True,
     )
     results: dict[str, Any] = {"device": where, "shape": args.shape, "copy_bandwidth_gbs": bandwidth, "rows": []}
+    results["weights"] = order
     if args.kernels:
         results["kernels"] = kernel_times(args.shape, args.dtypes, args.batches, device)
         print("\n".join(results["kernels"]), flush=True)
@@ -388,6 +394,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return results
     for dtype in args.dtypes:
         loaded = load_model(ModelConfig(**SHAPES[args.shape], dtype=dtype), device=device)
+        if args.weights_nk:  # both modes read them so: the invariant matmul's loads, cuBLAS's transposed operand
+            gm.store_weights_nk(loaded.model)
         floor_ms = 1000 * step_weight_bytes(loaded) / (bandwidth * 1e9)
         hf = None
         if args.hf_tokens > 1:

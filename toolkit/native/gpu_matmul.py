@@ -205,6 +205,17 @@ def stored_nk(w_KN: torch.Tensor) -> torch.Tensor:
     return w_KN.t().contiguous().t()
 
 
+def store_weights_nk(model) -> None:
+    """Every projection of `model` (a PagedDecoder) and its LM head stored (N, K), still seen as (K, N): the same
+    values, so the invariant matmul gives every product its bits (its loads follow the weight's strides; the sums'
+    order is the tiling's). For `python -m toolkit.bench.gpu --weights-nk` to time the order in the engine, before a
+    GPU model keeps its weights so. Call it before an engine is made: a captured graph reads the weights it saw."""
+    for layer in model.layers:
+        for name in layer.projections:
+            setattr(layer, name, torch.nn.Parameter(stored_nk(getattr(layer, name)), requires_grad=False))
+    model.lm_head_t = torch.nn.Parameter(stored_nk(model.lm_head_t), requires_grad=False)
+
+
 def dot_blocks(dtype: torch.dtype) -> tuple[int, ...]:
     """matmul_dot's one tiling for inputs of `dtype`: fixed by the format alone, never by the number of rows."""
     return DOT_BLOCKS_FP32 if dtype == torch.float32 else DOT_BLOCKS
