@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The one script a session runs when the device tool lends it a GPU (issues 56 and 57), about 7 minutes on an H200
-# (2026-11-30: 415 s in all, 188 s of it the tests): tests/test_cuda.py, the host's share of a step on its CPU alone
-# (toolkit.bench.host_step), then python -m toolkit.bench.gpu on SmolLM2's and Llama-3.2-1B's shapes with the
-# invariant mode and async scheduling beside, then the invariant matmul's candidate tilings (in the engine and alone),
-# every output under $OUT (at most 8 files). The GPU machine reaches no package index: prepare .gpu/ here first, then
-# pass it as `carry`:
+# The one script a session runs when the device tool lends it a GPU (issues 56 and 57), about 8 minutes on an H200
+# (2026-11-30: 415 s in all, 188 s of it the tests, before the kernel table and two engine runs were added):
+# tests/test_cuda.py, python -m toolkit.bench.gpu on Llama-3.2-1B's shape with the invariant mode and async scheduling
+# beside, the invariant matmul's candidate tilings and weight orders (alone and in the engine), the host's share of a
+# step on its CPU alone (toolkit.bench.host_step), then the benchmark on SmolLM2's shape: what a run cut short at the
+# device's 600 s loses. Every output under $OUT (at most 8 files). The GPU machine reaches no package index: prepare
+# .gpu/ here first, then pass it as `carry`:
 #
 #   bash .ci/gpu_check.sh prepare                  # on this machine: the wheels and SmolLM2's tokenizer into .gpu/
 #   bash .ci/gpu_check.sh                          # on the GPU machine (device tool: run, carry [".gpu"])
@@ -31,25 +32,27 @@ export PYTHONPATH=/tmp/site:$PWD TOOLKIT_CACHE=$PWD/.gpu/tkc PYTHONUNBUFFERED=1
   2>&1 | tee "$OUT/device.txt"
 timeout 220 python3 -m pytest -q -p no:cacheprovider -rs --durations=8 tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
 status=${PIPESTATUS[0]}
-# the host code a GPU's steps run, timed on this machine's CPU alone (issue 56: the H200's host was slower than the
-# CPUs where it is cut); the native CPU kernels off, so nothing compiles
-{ grep -m1 'model name' /proc/cpuinfo; TOOLKIT_NATIVE=0 timeout 30 python3 -m toolkit.bench.host_step --batches 32 \
-  --repeats 3 --route device; } 2>&1 | tee "$OUT/host_step.txt"
-timeout 140 python3 -m toolkit.bench.gpu --shape smollm2 --batches 1 8 32 --batch-invariant --async-scheduling \
-  --json "$OUT/bench_smollm2.json" --host-profile "$OUT/host_profile.txt" 2>&1 | tee "$OUT/bench.txt"
+# issue 56's unmet goal (the busy share at batch 32 on Llama-3.2-1B's shape) and 57's cost there, first
 timeout 80 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --batch-invariant --async-scheduling \
-  --json "$OUT/bench_llama1b.json" --host-profile "$OUT/host_profile.txt" 2>&1 | tee -a "$OUT/bench.txt"
-# issue 57's cost: the invariant matmul's longer K slices (then four stages deep) beside its own tiling, in the
-# engine, then its own tiling over weights stored (N, K), then every decode product's kernel alone (CUDA events), in
-# the engine's (K, N) weights and stored (N, K); the best goes into gpu_matmul.DOT_BLOCKS / DOT_BLOCKS_FP32 (and a
-# faster (N, K) into how a GPU model keeps them)
+  --json "$OUT/bench_llama1b.json" --host-profile "$OUT/host_profile.txt" 2>&1 | tee "$OUT/bench.txt"
+# issue 57's cost: every decode product's kernel alone (CUDA events), in the engine's (K, N) weights and stored
+# (N, K); then in the engine the invariant matmul's longer K slices (then four stages deep) and its own tiling over
+# weights stored (N, K), beside the default; the best goes into gpu_matmul.DOT_BLOCKS / DOT_BLOCKS_FP32 (and a faster
+# (N, K) into how a GPU model keeps them)
+timeout 65 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --kernels \
+  2>&1 | tee "$OUT/tilings.txt"
 for blocks in 64,16,256 64,16,256,4 "64,16,64 --weights-nk"; do
   timeout 35 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --batch-invariant \
     --hf-tokens 0 --dot-blocks $blocks 2>&1 | tee -a "$OUT/tilings.txt"
 done
 timeout 35 python3 -m toolkit.bench.gpu --shape smollm2 --dtypes float32 --batches 1 32 --batch-invariant \
   --hf-tokens 0 --dot-blocks-fp32 16,32,128 2>&1 | tee -a "$OUT/tilings.txt"
-timeout 65 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --kernels \
-  2>&1 | tee -a "$OUT/tilings.txt"
+# the host code a GPU's steps run, timed on this machine's CPU alone (issue 56: the H200's host was slower than the
+# CPUs where it is cut); the native CPU kernels off, so nothing compiles
+{ grep -m1 'model name' /proc/cpuinfo; TOOLKIT_NATIVE=0 timeout 30 python3 -m toolkit.bench.host_step --batches 32 \
+  --repeats 3 --route device; } 2>&1 | tee "$OUT/host_step.txt"
+# last, as what a run cut short by the device's limit (600 s) loses: SmolLM2's shape, whose goals were met before
+timeout 140 python3 -m toolkit.bench.gpu --shape smollm2 --batches 1 8 32 --batch-invariant --async-scheduling \
+  --json "$OUT/bench_smollm2.json" --host-profile "$OUT/host_profile.txt" 2>&1 | tee -a "$OUT/bench.txt"
 echo "tests/test_cuda.py exited $status"
 exit "$status"
