@@ -39,7 +39,7 @@ timeout 80 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batc
 # (N, K); then in the engine the invariant matmul's longer K slices (then four stages deep) and its own tiling over
 # weights stored (N, K), beside the default; the best goes into gpu_matmul.DOT_BLOCKS / DOT_BLOCKS_FP32 (and a faster
 # (N, K) into how a GPU model keeps them)
-timeout 65 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --kernels \
+timeout 80 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --kernels \
   2>&1 | tee "$OUT/tilings.txt"
 for blocks in 64,16,256 64,16,256,4 "64,16,64 --weights-nk"; do
   timeout 35 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --batch-invariant \

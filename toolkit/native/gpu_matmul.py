@@ -156,6 +156,9 @@ DOT_BLOCKS_FP32 = (16, 32, 32)  # ... and of fp32's, whose "ieee" tile product i
 # (programs x the K slice's bytes x the pipeline's stages: 64 x 64 x 64 and 64 x 16 x 64 timed alike at batch 1 on an
 # H200), so the longer K slices and deeper pipelines are the candidates. A fourth number is the pipeline's stages
 # (Triton's num_stages: K slices loaded ahead; its default 3); the stages move loads, never the order of the sums.
+# Llama-3.2-1B's o and down products (N = 2048) run 128 programs of 16 columns, about one a multiprocessor: each
+# keeps BK x 16 weights a stage in flight (6 KB at 64 x 16 x 64), where an H200's bandwidth asks some 30 KB a
+# multiprocessor. Sixteen rows a tile leave the shared memory for the longest slices and deepest pipelines.
 CANDIDATES = (
     (64, 64, 64),
     (64, 32, 64),
@@ -166,6 +169,8 @@ CANDIDATES = (
     (16, 32, 256),
     (64, 16, 128, 4),
     (64, 16, 256, 4),
+    (16, 16, 256, 4),
+    (16, 16, 512),
 )
 CANDIDATES_FP32 = (
     (16, 16, 32),
