@@ -47,6 +47,10 @@ for blocks in 64,16,256 64,16,256,4 "64,16,64 --weights-nk"; do
 done
 timeout 35 python3 -m toolkit.bench.gpu --shape smollm2 --dtypes float32 --batches 1 32 --batch-invariant \
   --hf-tokens 0 --dot-blocks-fp32 16,32,128 2>&1 | tee -a "$OUT/tilings.txt"
+# fp32's kernel table too: its "ieee" tile product is one FMA chain a sum, so its "bits:" lines may say that every
+# tiling gives the own tiling's bits (then a tiling may follow the rows without moving a bit)
+timeout 45 python3 -m toolkit.bench.gpu --shape smollm2 --dtypes float32 --batches 1 32 --kernels \
+  2>&1 | tee -a "$OUT/tilings.txt"
 # the host code a GPU's steps run, timed on this machine's CPU alone (issue 56: the H200's host was slower than the
 # CPUs where it is cut); the native CPU kernels off, so nothing compiles
 { grep -m1 'model name' /proc/cpuinfo; TOOLKIT_NATIVE=0 timeout 30 python3 -m toolkit.bench.host_step --batches 32 \

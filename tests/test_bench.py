@@ -12,6 +12,8 @@ import torch
 from tests.conftest import NATIVE_OFF, native_only
 from tests.test_cli import run_cli
 from toolkit.bench import matmul_shapes
+from toolkit.native import gpu_matmul as gm
+from toolkit.native import invariant_gpu as ig
 from toolkit.native import ops, schedules
 
 pytestmark = pytest.mark.native
@@ -254,20 +256,19 @@ def test_the_gpu_benchmarks_tiling_is_three_powers_of_two_then_its_stages(text, 
     the pipeline's stages (1 to 8); anything else is refused before a GPU compiles it."""
     import argparse
 
-    from toolkit.bench import gpu
+    from toolkit.bench import gpu_kernels
 
     if blocks is None:
         with pytest.raises(argparse.ArgumentTypeError, match="a tiling is BM,BN,BK"):
-            gpu.tiling(text)
+            gpu_kernels.tiling(text)
     else:
-        assert gpu.tiling(text) == blocks
+        assert gpu_kernels.tiling(text) == blocks
 
 
 def test_the_gpu_benchmark_stores_the_weights_n_by_k_when_asked(monkeypatch, capsys):
     """--weights-nk: every engine the run makes reads its projections over (N, K) storage (gpu_matmul.
     store_weights_nk, called once a format, before the engines), and the run says so in its first line."""
     from toolkit.bench import gpu
-    from toolkit.native import gpu_matmul as gm
 
     stored = []
     monkeypatch.setattr(
@@ -282,3 +283,46 @@ def test_the_gpu_benchmark_stores_the_weights_n_by_k_when_asked(monkeypatch, cap
         assert model.lm_head_t.stride() == (1, model.lm_head_t.shape[0])
     assert all(row["ms"] > 0 for row in result["rows"])
     assert gpu.main(argv)["weights"] == "(K, N)" and len(stored) == 2
+
+
+def test_the_kernel_table_names_the_tilings_whose_bits_are_not_the_own_tilings():
+    """`--kernels` prints, after each product's figures, which tl.dot tilings do not give the format's own tiling's
+    bits: a last bit apart is apart."""
+    from toolkit.bench.gpu_kernels import same_bits
+
+    own = torch.tensor([1.0, 2.0, 3.0])
+    apart = torch.tensor([1.0, torch.nextafter(torch.tensor(2.0), torch.tensor(3.0)).item(), 3.0])
+    outputs = {"tl.dot 64x16x64*": own, "tl.dot 16x16x64": own.clone(), "tl.dot 64x64x64": apart}
+    assert same_bits(outputs) == "2 of 3 tilings' are tl.dot 64x16x64*'s; not: tl.dot 64x64x64"
+    assert same_bits({"tl.dot 64x16x64*": own, "tl.dot 64x16x64 (N,K)": own.clone()}) == (
+        "every tiling's are tl.dot 64x16x64*'s"
+    )
+    assert same_bits({"tl.dot 16x16x64": own}) == "the own tiling did not run"
+
+
+@pytest.mark.skipif(
+    not ig.available(torch.empty(0)),
+    reason="Triton does not import here, or runs neither a GPU nor its interpreter (TRITON_INTERPRET=1)",
+)
+def test_the_kernel_table_times_every_tiling_of_every_product_and_says_whose_bits_differ(monkeypatch):
+    """The kernel table on the CPU (Triton's interpreter, a small shape, the timer stubbed to one call): every
+    decode product's line names torch, tl.sum and every tiling in both weight orders, then its bits line; the own
+    tiling over weights stored (N, K) keeps the own tiling's bits."""
+    from toolkit.bench import gpu_kernels
+
+    calls = []
+    monkeypatch.setattr(gpu_kernels, "kernel_ms", lambda fn, device: calls.append(fn()) or 1.0)
+    dims = dict(hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=16, vocab_size=48)
+    lines = gpu_kernels.kernel_times(dims, ["bfloat16"], [2], torch.device("cpu"))
+    figures = [line for line in lines if line.startswith("matmul ")]
+    bits = [line for line in lines if line.startswith("  bits: ")]
+    assert [line.split(":")[0] for line in figures] == [
+        f"matmul bfloat16 2x{k} @ {k}x{n}" for k, n in ((32, 64), (32, 32), (32, 32), (16, 32), (32, 48))
+    ]
+    names = ["torch", "tl.sum"] + [f"tl.dot {'x'.join(map(str, b))}" for b in gm.candidate_tilings(torch.bfloat16)]
+    names += ["torch (N,K)"] + [f"tl.dot {'x'.join(map(str, b))} (N,K)" for b in gm.layout_tilings(torch.bfloat16)]
+    for line in figures:
+        assert all(f"{name} 1.000 ms" in line or f"{name}* 1.000 ms" in line for name in names), line
+    assert len(bits) == len(figures) and len(calls) == len(figures) * len(names)
+    own_nk = f"tl.dot {'x'.join(map(str, gm.dot_blocks(torch.bfloat16)))} (N,K)"
+    assert all(own_nk not in line and "did not run" not in line for line in bits), bits

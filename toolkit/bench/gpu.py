@@ -33,6 +33,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from toolkit.bench.clocks import WaitClock
+from toolkit.bench.gpu_kernels import kernel_times, tiling
 from toolkit.bench.options import entry_point, positive_int, torch_device
 from toolkit.bench.precision import SMOLLM2_SHAPE, machine
 from toolkit.bench.systems import StepClock
@@ -261,84 +262,6 @@ def hf_step_ms(model, device: torch.device, batch: int, context: int, tokens: in
     return 1000 * statistics.median(b - a for a, b in zip(clock.times, clock.times[1:]))
 
 
-def kernel_ms(fn: Callable[[], Any], device: torch.device) -> float:
-    """ms of one call of fn: its kernels' own time on a GPU (do_bench), else the median of 20 calls after 3."""
-    if device.type == "cuda":
-        from triton.testing import do_bench  # deferred: Triton, on a CUDA machine only
-
-        return float(do_bench(fn, return_mode="median"))
-    timed_steps(fn, device, 3)
-    return statistics.median(timed_steps(fn, device, 20))
-
-
-def kernel_times(shape: str, dtypes: list[str], batches: list[int], device: torch.device) -> list[str]:
-    """Issue 57's matmul cost: ms of torch's matmul and of the invariant Triton matmuls (tl.sum, and tl.dot in
-    several tilings, the format's own starred; then torch's and a few tilings' with the weights stored (N, K)) on
-    each of the shape's decode products, side by side: on a GPU the
-    kernel's own time (triton.testing.do_bench: CUDA events, no wait between calls, the L2 cleared), elsewhere the
-    median of 20 calls."""
-
-    dims = SHAPES[shape]
-    hidden, width = dims["hidden_size"], dims["intermediate_size"]
-    head_dim = hidden // dims["num_heads"]
-    products = (
-        (hidden, (dims["num_heads"] + 2 * dims["num_kv_heads"]) * head_dim),  # q, k and v
-        (hidden, hidden),  # o
-        (hidden, 2 * width),  # gate and up
-        (width, hidden),  # down
-        (hidden, dims["vocab_size"]),  # the LM head
-    )
-    lines = []
-    for dtype in dtypes:
-        for k, n in products:
-            w = (torch.randn(k, n, device=device) / k**0.5).to(DTYPES[dtype])
-            w_nk = gm.stored_nk(w)
-            for m in batches:
-                x = torch.randn(m, k, device=device).to(DTYPES[dtype])
-                ms = {}
-                fns = [("torch", lambda: x @ w), ("tl.sum", lambda: gm.matmul(x, w, out_dtype=x.dtype))]
-                fns += [
-                    (
-                        f"tl.dot {'x'.join(map(str, b))}{'*' if b == gm.dot_blocks(x.dtype) else ''}",
-                        lambda b=b: gm.matmul_dot(x, w, b, out_dtype=x.dtype),
-                    )
-                    for b in gm.candidate_tilings(x.dtype)
-                ]
-                # the same weights stored (N, K), as torch's Linear keeps them: a tile's slice of each column is one
-                # run of K in memory (stored (K, N), 16 columns of 16 bits are 32 bytes a row of the slice)
-                fns += [("torch (N,K)", lambda: x @ w_nk)] + [
-                    (f"tl.dot {'x'.join(map(str, b))} (N,K)", lambda b=b: gm.matmul_dot(x, w_nk, b, out_dtype=x.dtype))
-                    for b in gm.layout_tilings(x.dtype)
-                ]
-                for name, fn in fns:
-                    try:
-                        ms[name] = kernel_ms(fn, device)
-                    except Exception as exc:  # noqa: BLE001 - a kernel that does not compile here is a figure too
-                        ms[name] = float("nan")
-                        lines.append(f"{name} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-                lines.append(
-                    f"matmul {dtype} {m}x{k} @ {k}x{n}: "
-                    + ", ".join(f"{name} {v:.3f} ms ({v / ms['torch']:.2f}x)" for name, v in ms.items())
-                )
-    return lines
-
-
-def tiling(text: str) -> tuple[int, ...]:
-    """BM,BN,BK: three powers of two, each at least 16 (what tl.dot takes); then optionally the pipeline's stages,
-    1 to 8."""
-    try:
-        blocks = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        blocks = ()
-    stages_ok = len(blocks) == 3 or (len(blocks) == 4 and 1 <= blocks[3] <= 8)
-    if not stages_ok or any(b < 16 or b & (b - 1) for b in blocks[:3]):
-        raise argparse.ArgumentTypeError(
-            f"a tiling is BM,BN,BK (three powers of two of at least 16), then optionally its stages (1 to 8): "
-            f"got {text!r}"
-        )
-    return blocks
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", type=torch_device, default="cuda")
@@ -387,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"device": where, "shape": args.shape, "copy_bandwidth_gbs": bandwidth, "rows": []}
     results["weights"] = order
     if args.kernels:
-        results["kernels"] = kernel_times(args.shape, args.dtypes, args.batches, device)
+        results["kernels"] = kernel_times(SHAPES[args.shape], args.dtypes, args.batches, device)
         print("\n".join(results["kernels"]), flush=True)
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))

@@ -1,0 +1,110 @@
+"""Issue 57's matmul cost kernel by kernel (`python -m toolkit.bench.gpu --kernels`): every decode product of a
+shape, torch's matmul beside the invariant Triton matmuls in each candidate tiling and weight order, each kernel's
+own time; and which tilings give the bits of the format's own.
+
+That last is a finding, not a check: the engine's invariance rests on one tiling whatever the rows. Where another
+tiling gives every bit of the own one (an fp32 "ieee" tile product is one FMA chain a sum, in ascending K, whatever
+the tile; a 16-bit one is the tensor cores' instruction, whose shape the tile can change), the tiling could follow
+the number of rows without moving a bit; a GPU says which."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from toolkit.engine.synthetic import timed
+from toolkit.models import DTYPES
+from toolkit.native import gpu_matmul as gm
+
+
+def kernel_ms(fn: Callable[[], Any], device: torch.device) -> float:
+    """ms of one call of fn: its kernels' own time on a GPU (do_bench), else the median of 20 calls after 3."""
+    if device.type == "cuda":
+        from triton.testing import do_bench  # deferred: Triton, on a CUDA machine only
+
+        return float(do_bench(fn, return_mode="median"))
+    for _ in range(3):
+        fn()
+    return statistics.median(1000 * timed(fn) for _ in range(20))
+
+
+def kernel_times(dims: Mapping[str, int], dtypes: list[str], batches: list[int], device: torch.device) -> list[str]:
+    """Issue 57's matmul cost: ms of torch's matmul and of the invariant Triton matmuls (tl.sum, and tl.dot in
+    several tilings, the format's own starred; then torch's and a few tilings' with the weights stored (N, K)) on
+    each decode product of a shape of `dims`, side by side: on a GPU the kernel's own time (triton.testing.do_bench:
+    CUDA events, no wait between calls, the L2 cleared), elsewhere the median of 20 calls. After each product's
+    figures, the tl.dot tilings whose bits are not the own tiling's (`same_bits`)."""
+    hidden, width = dims["hidden_size"], dims["intermediate_size"]
+    head_dim = hidden // dims["num_heads"]
+    products = (
+        (hidden, (dims["num_heads"] + 2 * dims["num_kv_heads"]) * head_dim),  # q, k and v
+        (hidden, hidden),  # o
+        (hidden, 2 * width),  # gate and up
+        (width, hidden),  # down
+        (hidden, dims["vocab_size"]),  # the LM head
+    )
+    lines = []
+    for dtype in dtypes:
+        for k, n in products:
+            w = (torch.randn(k, n, device=device) / k**0.5).to(DTYPES[dtype])
+            w_nk = gm.stored_nk(w)
+            for m in batches:
+                x = torch.randn(m, k, device=device).to(DTYPES[dtype])
+                own = gm.dot_blocks(x.dtype)
+                ms, dots = {}, {}
+                fns = [("torch", lambda: x @ w), ("tl.sum", lambda: gm.matmul(x, w, out_dtype=x.dtype))]
+                for b in gm.candidate_tilings(x.dtype):
+                    name = f"tl.dot {'x'.join(map(str, b))}{'*' if b == own else ''}"
+                    fns.append((name, lambda b=b: gm.matmul_dot(x, w, b, out_dtype=x.dtype)))
+                    dots[name] = fns[-1][1]
+                # the same weights stored (N, K), as torch's Linear keeps them: a tile's slice of each column is one
+                # run of K in memory (stored (K, N), 16 columns of 16 bits are 32 bytes a row of the slice)
+                fns.append(("torch (N,K)", lambda: x @ w_nk))
+                for b in gm.layout_tilings(x.dtype):
+                    name = f"tl.dot {'x'.join(map(str, b))} (N,K)"
+                    fns.append((name, lambda b=b: gm.matmul_dot(x, w_nk, b, out_dtype=x.dtype)))
+                    dots[name] = fns[-1][1]
+                for name, fn in fns:
+                    try:
+                        ms[name] = kernel_ms(fn, device)
+                    except Exception as exc:  # noqa: BLE001 - a kernel that does not compile here is a figure too
+                        ms[name] = float("nan")
+                        dots.pop(name, None)
+                        lines.append(f"{name} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                lines.append(
+                    f"matmul {dtype} {m}x{k} @ {k}x{n}: "
+                    + ", ".join(f"{name} {v:.3f} ms ({v / ms['torch']:.2f}x)" for name, v in ms.items())
+                )
+                lines.append(f"  bits: {same_bits({name: fn() for name, fn in dots.items()})}")
+    return lines
+
+
+def same_bits(outputs: Mapping[str, torch.Tensor]) -> str:
+    """Which of the tl.dot tilings' `outputs` (by name, the format's own starred) are not the own tiling's bits."""
+    own = next((name for name in outputs if name.endswith("*")), None)
+    if own is None:
+        return "the own tiling did not run"
+    differ = [name for name, out in outputs.items() if not torch.equal(out, outputs[own])]
+    if not differ:
+        return f"every tiling's are {own}'s"
+    return f"{len(outputs) - len(differ)} of {len(outputs)} tilings' are {own}'s; not: " + ", ".join(differ)
+
+
+def tiling(text: str) -> tuple[int, ...]:
+    """BM,BN,BK: three powers of two, each at least 16 (what tl.dot takes); then optionally the pipeline's stages,
+    1 to 8."""
+    try:
+        blocks = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        blocks = ()
+    stages_ok = len(blocks) == 3 or (len(blocks) == 4 and 1 <= blocks[3] <= 8)
+    if not stages_ok or any(b < 16 or b & (b - 1) for b in blocks[:3]):
+        raise argparse.ArgumentTypeError(
+            f"a tiling is BM,BN,BK (three powers of two of at least 16), then optionally its stages (1 to 8): "
+            f"got {text!r}"
+        )
+    return blocks
