@@ -36,27 +36,26 @@ status=${PIPESTATUS[0]}
 timeout 80 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --batch-invariant --async-scheduling \
   --json "$OUT/bench_llama1b.json" --host-profile "$OUT/host_profile.txt" 2>&1 | tee "$OUT/bench.txt"
 # issue 57's cost: every decode product's kernel alone (CUDA events), in the engine's (K, N) weights and stored
-# (N, K); then in the engine the invariant matmul's longer K slices (then four stages deep) and its own tiling over
-# weights stored (N, K), beside the default; the best goes into gpu_matmul.DOT_BLOCKS / DOT_BLOCKS_FP32 (and a faster
-# (N, K) into how a GPU model keeps them)
+# (N, K), each followed by the tilings whose bits are not the own tiling's; then in the engine, beside the default,
+# each product in its fastest tiling there (--dot-blocks-from), a longer K slice four stages deep, and the own tiling
+# over weights stored (N, K). The best goes into gpu_matmul.DOT_BLOCKS(_BY_SHAPE) (and a faster (N, K) into how a GPU
+# model keeps its weights); then fp32's the same way on SmolLM2's shape
 timeout 80 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --kernels \
-  2>&1 | tee "$OUT/tilings.txt"
-for blocks in 64,16,256 64,16,256,4 "64,16,64 --weights-nk"; do
+  --json /tmp/kernels_llama1b.json 2>&1 | tee "$OUT/tilings.txt"
+for tiling in "--dot-blocks-from /tmp/kernels_llama1b.json" "--dot-blocks 64,16,256,4" "--dot-blocks 64,16,64 --weights-nk"; do
   timeout 35 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --batch-invariant \
-    --hf-tokens 0 --dot-blocks $blocks 2>&1 | tee -a "$OUT/tilings.txt"
+    --hf-tokens 0 $tiling 2>&1 | tee -a "$OUT/tilings.txt"
 done
-timeout 35 python3 -m toolkit.bench.gpu --shape smollm2 --dtypes float32 --batches 1 32 --batch-invariant \
-  --hf-tokens 0 --dot-blocks-fp32 16,32,128 2>&1 | tee -a "$OUT/tilings.txt"
-# fp32's kernel table too: its "ieee" tile product is one FMA chain a sum, so its "bits:" lines may say that every
-# tiling gives the own tiling's bits (then a tiling may follow the rows without moving a bit)
 timeout 45 python3 -m toolkit.bench.gpu --shape smollm2 --dtypes float32 --batches 1 32 --kernels \
-  2>&1 | tee -a "$OUT/tilings.txt"
+  --json /tmp/kernels_smollm2.json 2>&1 | tee -a "$OUT/tilings.txt"
+timeout 35 python3 -m toolkit.bench.gpu --shape smollm2 --dtypes float32 --batches 1 32 --batch-invariant \
+  --hf-tokens 0 --dot-blocks-from /tmp/kernels_smollm2.json 2>&1 | tee -a "$OUT/tilings.txt"
 # the host code a GPU's steps run, timed on this machine's CPU alone (issue 56: the H200's host was slower than the
 # CPUs where it is cut); the native CPU kernels off, so nothing compiles
 { grep -m1 'model name' /proc/cpuinfo; TOOLKIT_NATIVE=0 timeout 30 python3 -m toolkit.bench.host_step --batches 32 \
   --repeats 3 --route device; } 2>&1 | tee "$OUT/host_step.txt"
 # last, as what a run cut short by the device's limit (600 s) loses: SmolLM2's shape, whose goals were met before
-timeout 140 python3 -m toolkit.bench.gpu --shape smollm2 --batches 1 8 32 --batch-invariant --async-scheduling \
+timeout 100 python3 -m toolkit.bench.gpu --shape smollm2 --batches 1 32 --batch-invariant --async-scheduling \
   --json "$OUT/bench_smollm2.json" --host-profile "$OUT/host_profile.txt" 2>&1 | tee -a "$OUT/bench.txt"
 echo "tests/test_cuda.py exited $status"
 exit "$status"

@@ -313,7 +313,7 @@ def test_the_kernel_table_times_every_tiling_of_every_product_and_says_whose_bit
     calls = []
     monkeypatch.setattr(gpu_kernels, "kernel_ms", lambda fn, device: calls.append(fn()) or 1.0)
     dims = dict(hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=16, vocab_size=48)
-    lines = gpu_kernels.kernel_times(dims, ["bfloat16"], [2], torch.device("cpu"))
+    lines, records = gpu_kernels.kernel_times(dims, ["bfloat16"], [2], torch.device("cpu"))
     figures = [line for line in lines if line.startswith("matmul ")]
     bits = [line for line in lines if line.startswith("  bits: ")]
     assert [line.split(":")[0] for line in figures] == [
@@ -323,6 +323,68 @@ def test_the_kernel_table_times_every_tiling_of_every_product_and_says_whose_bit
     names += ["torch (N,K)"] + [f"tl.dot {'x'.join(map(str, b))} (N,K)" for b in gm.layout_tilings(torch.bfloat16)]
     for line in figures:
         assert all(f"{name} 1.000 ms" in line or f"{name}* 1.000 ms" in line for name in names), line
-    assert len(bits) == len(figures) and len(calls) == len(figures) * len(names)
+    assert len(bits) == len(figures) and len(calls) == len(figures) * len(names) == len(records)
+    assert all(r["ms"] == 1.0 and r["dtype"] == "bfloat16" and r["m"] == 2 for r in records)
+    for r in records:  # each record names its tiling and the weights' order as its figure does
+        assert r["name"].removesuffix("*").removesuffix(" (N,K)") == (
+            f"tl.dot {'x'.join(map(str, r['blocks']))}" if r["blocks"] else r["name"].removesuffix(" (N,K)")
+        )
+        assert r["order"] == ("(N,K)" if r["name"].endswith("(N,K)") else "(K,N)")
     own_nk = f"tl.dot {'x'.join(map(str, gm.dot_blocks(torch.bfloat16)))} (N,K)"
     assert all(own_nk not in line and "did not run" not in line for line in bits), bits
+
+
+def test_each_products_tiling_is_the_one_whose_worst_batch_is_fastest():
+    """--dot-blocks-from: a product's tiling is the one whose worst ratio to torch's time over the batches is least
+    (not the best at one batch), the format's own on a tie; a tiling that failed somewhere is never chosen; other
+    formats' figures and the other weight order count for nothing; a product whose best is the own tiling is not
+    named."""
+    from toolkit.bench.gpu_kernels import KN, NK, fastest_tilings
+
+    own, a, b = gm.dot_blocks(torch.bfloat16), (16, 16, 256), (64, 16, 256, 4)
+
+    def fig(k, n, m, blocks, ms, order=KN, dtype="bfloat16", name=None):
+        return dict(dtype=dtype, m=m, k=k, n=n, name=name or f"tl.dot {blocks}", blocks=blocks, order=order, ms=ms)
+
+    figures = [fig(k, n, m, None, 1.0, name="torch") for k, n in ((8, 4), (8, 2), (4, 8)) for m in (1, 32)]
+    figures += [fig(8, 4, 1, own, 2.0), fig(8, 4, 32, own, 1.2), fig(8, 4, 1, a, 1.1), fig(8, 4, 32, a, 1.5)]
+    figures += [fig(8, 4, 1, b, 1.0), fig(8, 4, 32, b, 1.6)]  # b is the fastest at one row, a at its worst
+    figures += [fig(8, 2, m, own, 1.3) for m in (1, 32)] + [fig(8, 2, m, a, 1.3) for m in (1, 32)]  # a tie
+    figures += [fig(4, 8, m, own, 1.3) for m in (1, 32)] + [fig(4, 8, 1, b, 1.0), fig(4, 8, 32, b, float("nan"))]
+    figures += [fig(4, 8, m, None, 0.5, order=NK, name="torch (N,K)") for m in (1, 32)]
+    figures += [fig(4, 8, 1, a, 0.5, order=NK), fig(4, 8, 32, a, 0.4, order=NK)]
+    figures += [fig(4, 8, 1, own, 0.6, order=NK), fig(4, 8, 32, own, 0.4, order=NK)]  # 1.2x at one row: a's 1.0x
+    figures += [fig(4, 8, m, a, 0.5, dtype="float32") for m in (1, 32)]
+    assert fastest_tilings(figures, "bfloat16") == {(8, 4): a}
+    assert fastest_tilings(figures, "bfloat16", NK) == {(4, 8): a}
+    assert fastest_tilings(figures, "float16") == {}
+
+
+def test_the_gpu_benchmark_takes_each_products_tiling_from_a_kernel_tables_json(tmp_path, monkeypatch, capsys):
+    """`--kernels --json F` keeps each figure as a record; `--dot-blocks-from F` gives each product the fastest
+    tiling there (gpu_matmul.DOT_BLOCKS_BY_SHAPE, fp32's apart) and names the tilings in the run's first line, as a
+    GPU run's manifest names them."""
+    from toolkit.bench import gpu
+    from toolkit.bench.gpu_kernels import KN
+
+    monkeypatch.setattr(gm, "DOT_BLOCKS_BY_SHAPE", {})
+    monkeypatch.setattr(gm, "DOT_BLOCKS_BY_SHAPE_FP32", {})
+    fast, own = (16, 16, 256), gm.dot_blocks(torch.bfloat16)
+    figures = [
+        dict(dtype="bfloat16", m=m, k=256, n=256, name=name, blocks=blocks, order=KN, ms=ms)
+        for m in (1, 32)
+        for name, blocks, ms in (("torch", None, 1.0), ("own", own, 1.5), ("fast", fast, 1.1))
+    ]
+    monkeypatch.setattr(gpu, "kernel_times", lambda *args: (["a line"], figures))
+    table = tmp_path / "kernels.json"
+    gpu.main(["--device", "cpu", "--shape", "tiny", "--kernels", "--json", str(table)])
+    assert json.loads(table.read_text())["kernel_figures"] == json.loads(json.dumps(figures))
+    capsys.readouterr()
+    argv = ["--device", "cpu", "--shape", "tiny", "--dtypes", "bfloat16", "--batches", "1", "--steps", "2"]
+    result = gpu.main(argv + ["--hf-tokens", "0", "--dot-blocks-from", str(table)])
+    assert gm.DOT_BLOCKS_BY_SHAPE == {(256, 256): fast} and gm.DOT_BLOCKS_BY_SHAPE_FP32 == {}
+    assert gm.dot_blocks(torch.bfloat16, 256, 256) == fast and gm.dot_blocks(torch.bfloat16, 256, 512) == own
+    assert gm.dot_blocks(torch.float32, 256, 256) == gm.DOT_BLOCKS_FP32
+    first = capsys.readouterr().out.splitlines()[0]
+    assert f"tilings {'x'.join(map(str, own))}; 256x256: 16x16x256 (16-bit)" in first, first
+    assert result["rows"][0]["ms"] > 0

@@ -344,16 +344,23 @@ def test_a_long_contexts_split_attention_keeps_a_tokens_bits_in_any_batch():
             assert (out[i, h].double() - want).abs().max() <= 2**-7 * want.abs().max() + 1e-3, (i, h)
 
 
-@pytest.mark.parametrize("blocks", [None, (64, 16, 256), (64, 16, 256, 4)])
+# each product's own tiling by its shape (gpu_matmul.DOT_BLOCKS_BY_SHAPE, as --dot-blocks-from fills it): MODEL's o,
+# down and gate-and-up products in three others, q, k and v and the LM head in the format's
+BY_SHAPE = {(256, 256): (16, 16, 256, 4), (512, 256): (16, 16, 512), (256, 1024): (64, 64, 64)}
+
+
+@pytest.mark.parametrize("blocks", [None, (64, 16, 256, 4), BY_SHAPE])
 def test_batch_invariant_rows_are_the_same_bits_in_every_batch_mix_and_graph_mode(blocks, monkeypatch):
     """Issue 57's matrix on a GPU: engine.batch_invariant=true (Triton matmul, attention, norms, logsumexp), one
     request's logits rows bit-identical alone and at batch 7, 32 and 64, its decode steps beside other requests'
     prompt chunks (they arrive while it decodes, in chunks of a small token budget), CUDA graphs on and off; in the
-    matmul's own 16-bit tiling and the leading candidates the benchmark compares (`--dot-blocks`: a longer K slice,
-    then the same four stages deep)."""
+    matmul's own 16-bit tiling, a leading candidate the benchmark compares (`--dot-blocks`: a longer K slice four
+    stages deep; the stages move loads, never the sums), and a tiling of each product's own (`--dot-blocks-from`)."""
     from toolkit.native import gpu_matmul as gm
 
-    if blocks is not None:
+    if isinstance(blocks, dict):
+        monkeypatch.setattr(gm, "DOT_BLOCKS_BY_SHAPE", blocks)
+    elif blocks is not None:
         monkeypatch.setattr(gm, "DOT_BLOCKS", blocks)
     loaded = load_model(ModelConfig(**MODEL, dtype="bfloat16"), device="cuda")
     target = [(13 * j + 5) % 512 for j in range(21)]

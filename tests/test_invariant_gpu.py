@@ -108,6 +108,32 @@ def test_the_weights_storage_order_keeps_every_bit(m, k, n, dtype):
         assert torch.equal(gm.matmul_dot(x, w_nk, b, out_dtype=dtype), gm.matmul_dot(x, w, b, out_dtype=dtype)), b
 
 
+@TRITON
+def test_a_products_own_tiling_is_taken_by_its_shape_and_never_by_its_rows(monkeypatch):
+    """gpu_matmul.DOT_BLOCKS_BY_SHAPE (what `--dot-blocks-from` fills from the kernel table): a (K, N) weight named
+    there is multiplied in its own tiling at every number of rows, other shapes in the format's, and the manifest's
+    description names it. fp32 in the interpreter, where tilings' sums differ (numpy's tile product), so a table
+    that is not read, or read for the wrong shape, is seen."""
+    gen = torch.Generator().manual_seed(5)
+    x, w, w2 = (
+        torch.randn(9, 128, generator=gen),
+        torch.randn(128, 40, generator=gen),
+        torch.randn(128, 24, generator=gen),
+    )
+    own = gm.dot_blocks(torch.float32)
+    by_own = gm.matmul_dot(x, w, own)
+    other = next(b for b in gm.candidate_tilings(torch.float32) if not torch.equal(gm.matmul_dot(x, w, b), by_own))
+    monkeypatch.setattr(gm, "DOT_BLOCKS_BY_SHAPE_FP32", {(128, 40): other})
+    assert gm.dot_blocks(torch.float32, 128, 40) == other and gm.dot_blocks(torch.bfloat16, 128, 40) == gm.DOT_BLOCKS
+    by_other = gm.matmul_dot(x, w, other)
+    assert torch.equal(gm.matmul_dot(x, w), by_other)
+    for m in (1, 4, 9):
+        assert torch.equal(gm.matmul_dot(x[:m], w), by_other[:m]), m
+    assert torch.equal(gm.matmul_dot(x, w2), gm.matmul_dot(x, w2, own))
+    assert gm.describe_tiling(torch.float32) == f"{'x'.join(map(str, own))}; 128x40: {'x'.join(map(str, other))}"
+    assert gm.describe_tiling(torch.bfloat16) == "x".join(map(str, gm.DOT_BLOCKS))
+
+
 if ig.triton is not None:
     tl = ig.tl
 

@@ -33,7 +33,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from toolkit.bench.clocks import WaitClock
-from toolkit.bench.gpu_kernels import kernel_times, tiling
+from toolkit.bench.gpu_kernels import KN, NK, fastest_tilings, kernel_times, tiling
 from toolkit.bench.options import entry_point, positive_int, torch_device
 from toolkit.bench.precision import SMOLLM2_SHAPE, machine
 from toolkit.bench.systems import StepClock
@@ -290,11 +290,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             help=f"BM,BN,BK: the invariant matmul's tiling of {which} inputs for this run (a tiling to compare)",
         )
     parser.add_argument(
+        "--dot-blocks-from",
+        type=Path,
+        help="a --kernels run's --json: each product its fastest tiling there (gpu_matmul.DOT_BLOCKS_BY_SHAPE)",
+    )
+    parser.add_argument(
         "--weights-nk", action="store_true", help="store every projection (N, K), as torch's Linear does, not (K, N)"
     )
     args = parser.parse_args(argv)
     gm.DOT_BLOCKS = args.dot_blocks or gm.DOT_BLOCKS
     gm.DOT_BLOCKS_FP32 = args.dot_blocks_fp32 or gm.DOT_BLOCKS_FP32
+    if args.dot_blocks_from:  # the kernel table's figures of the weights' order the engines will hold
+        figures = json.loads(args.dot_blocks_from.read_text())["kernel_figures"]
+        held = NK if args.weights_nk else KN
+        sixteen = fastest_tilings(figures, "bfloat16", held) or fastest_tilings(figures, "float16", held)
+        gm.DOT_BLOCKS_BY_SHAPE.update(sixteen)
+        gm.DOT_BLOCKS_BY_SHAPE_FP32.update(fastest_tilings(figures, "float32", held))
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device here (torch.cuda.is_available() is False): try --device cpu")
@@ -303,14 +314,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     order = "(N, K)" if args.weights_nk else "(K, N)"
     print(
         f"decode steps, random weights of {args.shape}'s shape, context {args.context}, on {where}; "
-        f"copy bandwidth {bandwidth:.0f} GB/s; the invariant matmul's tilings {gm.DOT_BLOCKS} (16-bit), "
-        f"{gm.DOT_BLOCKS_FP32} (fp32); the weights stored {order}",
+        f"copy bandwidth {bandwidth:.0f} GB/s; the invariant matmul's tilings {gm.describe_tiling(torch.bfloat16)} "
+        f"(16-bit), {gm.describe_tiling(torch.float32)} (fp32); the weights stored {order}",
         flush=True,
     )
     results: dict[str, Any] = {"device": where, "shape": args.shape, "copy_bandwidth_gbs": bandwidth, "rows": []}
     results["weights"] = order
     if args.kernels:
-        results["kernels"] = kernel_times(SHAPES[args.shape], args.dtypes, args.batches, device)
+        results["kernels"], results["kernel_figures"] = kernel_times(
+            SHAPES[args.shape], args.dtypes, args.batches, device
+        )
         print("\n".join(results["kernels"]), flush=True)
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))

@@ -20,6 +20,8 @@ from toolkit.engine.synthetic import timed
 from toolkit.models import DTYPES
 from toolkit.native import gpu_matmul as gm
 
+KN, NK = "(K,N)", "(N,K)"  # the weights' storage order: the engine's, and torch's Linear's
+
 
 def kernel_ms(fn: Callable[[], Any], device: torch.device) -> float:
     """ms of one call of fn: its kernels' own time on a GPU (do_bench), else the median of 20 calls after 3."""
@@ -32,12 +34,15 @@ def kernel_ms(fn: Callable[[], Any], device: torch.device) -> float:
     return statistics.median(1000 * timed(fn) for _ in range(20))
 
 
-def kernel_times(dims: Mapping[str, int], dtypes: list[str], batches: list[int], device: torch.device) -> list[str]:
+def kernel_times(
+    dims: Mapping[str, int], dtypes: list[str], batches: list[int], device: torch.device
+) -> tuple[list[str], list[dict[str, Any]]]:
     """Issue 57's matmul cost: ms of torch's matmul and of the invariant Triton matmuls (tl.sum, and tl.dot in
     several tilings, the format's own starred; then torch's and a few tilings' with the weights stored (N, K)) on
     each decode product of a shape of `dims`, side by side: on a GPU the kernel's own time (triton.testing.do_bench:
     CUDA events, no wait between calls, the L2 cleared), elsewhere the median of 20 calls. After each product's
-    figures, the tl.dot tilings whose bits are not the own tiling's (`same_bits`)."""
+    figures, the tl.dot tilings whose bits are not the own tiling's (`same_bits`). Returns the lines and each figure
+    as a record (what `fastest_tilings` reads)."""
     hidden, width = dims["hidden_size"], dims["intermediate_size"]
     head_dim = hidden // dims["num_heads"]
     products = (
@@ -47,40 +52,73 @@ def kernel_times(dims: Mapping[str, int], dtypes: list[str], batches: list[int],
         (width, hidden),  # down
         (hidden, dims["vocab_size"]),  # the LM head
     )
-    lines = []
+    lines, figures = [], []
     for dtype in dtypes:
         for k, n in products:
             w = (torch.randn(k, n, device=device) / k**0.5).to(DTYPES[dtype])
             w_nk = gm.stored_nk(w)
             for m in batches:
                 x = torch.randn(m, k, device=device).to(DTYPES[dtype])
-                own = gm.dot_blocks(x.dtype)
+                own = gm.dot_blocks(x.dtype, k, n)
                 ms, dots = {}, {}
-                fns = [("torch", lambda: x @ w), ("tl.sum", lambda: gm.matmul(x, w, out_dtype=x.dtype))]
+                # (name, blocks or None, the weights' order, the call)
+                fns = [
+                    ("torch", None, KN, lambda: x @ w),
+                    ("tl.sum", None, KN, lambda: gm.matmul(x, w, out_dtype=x.dtype)),
+                ]
                 for b in gm.candidate_tilings(x.dtype):
                     name = f"tl.dot {'x'.join(map(str, b))}{'*' if b == own else ''}"
-                    fns.append((name, lambda b=b: gm.matmul_dot(x, w, b, out_dtype=x.dtype)))
-                    dots[name] = fns[-1][1]
+                    fns.append((name, b, KN, lambda b=b: gm.matmul_dot(x, w, b, out_dtype=x.dtype)))
                 # the same weights stored (N, K), as torch's Linear keeps them: a tile's slice of each column is one
                 # run of K in memory (stored (K, N), 16 columns of 16 bits are 32 bytes a row of the slice)
-                fns.append(("torch (N,K)", lambda: x @ w_nk))
+                fns.append(("torch (N,K)", None, NK, lambda: x @ w_nk))
                 for b in gm.layout_tilings(x.dtype):
                     name = f"tl.dot {'x'.join(map(str, b))} (N,K)"
-                    fns.append((name, lambda b=b: gm.matmul_dot(x, w_nk, b, out_dtype=x.dtype)))
-                    dots[name] = fns[-1][1]
-                for name, fn in fns:
+                    fns.append((name, b, NK, lambda b=b: gm.matmul_dot(x, w_nk, b, out_dtype=x.dtype)))
+                for name, blocks, order, fn in fns:
                     try:
                         ms[name] = kernel_ms(fn, device)
+                        if blocks is not None:
+                            dots[name] = fn
                     except Exception as exc:  # noqa: BLE001 - a kernel that does not compile here is a figure too
                         ms[name] = float("nan")
-                        dots.pop(name, None)
                         lines.append(f"{name} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                    figures.append(dict(dtype=dtype, m=m, k=k, n=n, name=name, blocks=blocks, order=order))
+                    figures[-1]["ms"] = ms[name]
                 lines.append(
                     f"matmul {dtype} {m}x{k} @ {k}x{n}: "
                     + ", ".join(f"{name} {v:.3f} ms ({v / ms['torch']:.2f}x)" for name, v in ms.items())
                 )
                 lines.append(f"  bits: {same_bits({name: fn() for name, fn in dots.items()})}")
-    return lines
+    return lines, figures
+
+
+def fastest_tilings(
+    figures: list[dict[str, Any]], dtype: str, order: str = KN
+) -> dict[tuple[int, int], tuple[int, ...]]:
+    """Each product's tiling by the kernel table's `figures` of `dtype` (the weights in `order`): the one whose worst
+    ratio to torch's time over the batches timed is least (issue 57's cost goal holds at every batch), the format's
+    own on a tie. Only the products whose fastest is not the format's own tiling are named (DOT_BLOCKS_BY_SHAPE)."""
+    torch_ms = {  # torch's own matmul over the weights in the same order
+        (f["k"], f["n"], f["m"]): f["ms"]
+        for f in figures
+        if f["dtype"] == dtype and f["order"] == order and f["name"].startswith("torch")
+    }
+    worst: dict[tuple[int, int], dict[tuple[int, ...], float]] = {}
+    for f in figures:
+        if f["dtype"] != dtype or f["blocks"] is None or f["order"] != order:
+            continue
+        ratio = f["ms"] / torch_ms[f["k"], f["n"], f["m"]]
+        tilings = worst.setdefault((f["k"], f["n"]), {})
+        blocks = tuple(f["blocks"])
+        tilings[blocks] = max(tilings.get(blocks, 0.0), ratio if ratio == ratio else float("inf"))  # NaN: failed
+    own = gm.dot_blocks(DTYPES[dtype])
+    chosen = {}
+    for shape, tilings in worst.items():
+        best = min(tilings, key=lambda b: (tilings[b], b != own))
+        if best != own and tilings[best] < float("inf"):
+            chosen[shape] = best
+    return chosen
 
 
 def same_bits(outputs: Mapping[str, torch.Tensor]) -> str:

@@ -2,7 +2,7 @@
 fixed order whatever the number of rows, so a request's logits do not depend on what it is batched with.
 
 - `matmul_dot(x_MK, w_KN)` (`invariant_matmul` on a GPU): one fixed tiling (DOT_BLOCKS: 64 x 16 tiles, K in slices
-  of 64 in ascending order), no split-K, each slice's tile product by `tl.dot` on the tensor cores with fp32 sums
+  of 64 in ascending order; or the weight's shape's own, DOT_BLOCKS_BY_SHAPE: never the rows'), no split-K, each slice's tile product by `tl.dot` on the tensor cores with fp32 sums
   (fp32 at input_precision "ieee", never TF32), compiled once whatever M is. A tile is always whole (masked loads
   pad it), so a row's products meet the same instruction sequence whatever the other rows hold.
 - `matmul(x_MK, w_KN)`: the same idea with each slice's products reduced by `tl.sum`: what the interpreter runs
@@ -149,6 +149,11 @@ def matmul(x_MK: torch.Tensor, w_KN: torch.Tensor, out_dtype: torch.dtype = torc
 # 132 multiprocessors (its batch-invariant step at batch 32: 3.66 ms, 4.27 ms in 64 x 64 x 64; batch 1 the same)
 DOT_BLOCKS = (64, 16, 64)
 DOT_BLOCKS_FP32 = (16, 32, 32)  # ... and of fp32's, whose "ieee" tile product is FMAs, not the tensor cores
+# a product's own tiling by its shape (K, N), over the format's: fixed by the weights, never by the rows, so a row's
+# sums keep one order whatever it is batched with (`python -m toolkit.bench.gpu --dot-blocks-from` fills them from
+# the kernel table's fastest; a run's manifest names them, and a replay under others is refused)
+DOT_BLOCKS_BY_SHAPE: dict[tuple[int, int], tuple[int, ...]] = {}
+DOT_BLOCKS_BY_SHAPE_FP32: dict[tuple[int, int], tuple[int, ...]] = {}
 
 
 # tilings the benchmark times beside the format's own (`python -m toolkit.bench.gpu --kernels`, `--dot-blocks`), and
@@ -221,9 +226,23 @@ def store_weights_nk(model) -> None:
     model.lm_head_t = torch.nn.Parameter(stored_nk(model.lm_head_t), requires_grad=False)
 
 
-def dot_blocks(dtype: torch.dtype) -> tuple[int, ...]:
-    """matmul_dot's one tiling for inputs of `dtype`: fixed by the format alone, never by the number of rows."""
-    return DOT_BLOCKS_FP32 if dtype == torch.float32 else DOT_BLOCKS
+def dot_blocks(dtype: torch.dtype, k: int | None = None, n: int | None = None) -> tuple[int, ...]:
+    """matmul_dot's tiling for inputs of `dtype`, of a (K, N) weight where given: fixed by the format and the
+    weight's shape, never by the number of rows."""
+    fp32 = dtype == torch.float32
+    return (DOT_BLOCKS_BY_SHAPE_FP32 if fp32 else DOT_BLOCKS_BY_SHAPE).get((k, n)) or (
+        DOT_BLOCKS_FP32 if fp32 else DOT_BLOCKS
+    )
+
+
+def describe_tiling(dtype: torch.dtype) -> str:
+    """The tilings of `dtype`'s products, as a manifest names them: the format's, then each shape's own."""
+    fp32 = dtype == torch.float32
+    by_shape = DOT_BLOCKS_BY_SHAPE_FP32 if fp32 else DOT_BLOCKS_BY_SHAPE
+    return "; ".join(
+        ["x".join(map(str, DOT_BLOCKS_FP32 if fp32 else DOT_BLOCKS))]
+        + [f"{k}x{n}: {'x'.join(map(str, b))}" for (k, n), b in sorted(by_shape.items())]
+    )
 
 
 def matmul_dot(
@@ -235,12 +254,12 @@ def matmul_dot(
     """x @ w by tile products in one fixed tiling, no split-K, fp32 sums: the matmul the engine's batch-invariant
     mode runs on a CUDA GPU. Tiles are always whole (masked loads pad them), so the tile product has one shape
     whatever M is, and a row's products are summed the same way whatever the other rows hold. `blocks` overrides
-    the format's tiling (`dot_blocks`: BM, BN, BK and optionally the pipeline's stages) for the benchmark's
-    comparison of tilings; the engine never passes it. The fp32 sums are rounded once to `out_dtype` as they are
-    stored."""
+    the tiling of the format and the weight's shape (`dot_blocks`: BM, BN, BK and optionally the pipeline's
+    stages) for the benchmark's comparison of tilings; the engine never passes it. The fp32 sums are rounded once
+    to `out_dtype` as they are stored."""
     m, k = x_MK.shape
     n = w_KN.shape[1]
-    bm, bn, bk, *stages = blocks or dot_blocks(x_MK.dtype)
+    bm, bn, bk, *stages = blocks or dot_blocks(x_MK.dtype, k, n)
     pipeline = {"num_stages": stages[0]} if stages else {}
     widen = x_MK.device.type == "cpu"  # the interpreter
     out = torch.empty((m, n), dtype=out_dtype, device=x_MK.device)

@@ -140,7 +140,7 @@ def native_kernels(engine) -> dict[str, Any]:
         # what the kernels' bits depend on: the compiler and the architecture it compiles for (replay compares it)
         numerics = f"triton {invariant_gpu.triton.__version__}, sm_{major}{minor}"
         if engine.matmul_backend == "native":  # the invariant matmul's tiling fixes its rows' sums
-            numerics += ", matmul tiles " + "x".join(map(str, gpu_matmul.dot_blocks(engine.loaded.model.embed.dtype)))
+            numerics += ", matmul tiles " + gpu_matmul.describe_tiling(engine.loaded.model.embed.dtype)
         return {
             "native_kernels": f"Triton {invariant_gpu.triton.__version__} kernels on {gpu}",
             "kernel_numerics": numerics,
