@@ -2,9 +2,10 @@
 fixed order whatever the number of rows, so a request's logits do not depend on what it is batched with.
 
 - `matmul_dot(x_MK, w_KN)` (`invariant_matmul` on a GPU): one fixed tiling (DOT_BLOCKS: 64 x 16 tiles, K in slices
-  of 64 in ascending order; or the weight's shape's own, DOT_BLOCKS_BY_SHAPE: never the rows'), no split-K, each slice's tile product by `tl.dot` on the tensor cores with fp32 sums
-  (fp32 at input_precision "ieee", never TF32), compiled once whatever M is. A tile is always whole (masked loads
-  pad it), so a row's products meet the same instruction sequence whatever the other rows hold.
+  of 64 in ascending order; or the weight's shape's own, DOT_BLOCKS_BY_SHAPE: never the rows'), no split-K, each
+  slice's tile product by `tl.dot` on the tensor cores with fp32 sums (fp32 at input_precision "ieee", never TF32),
+  compiled once whatever M is. A tile is always whole (masked loads pad it), so a row's products meet the same
+  instruction sequence whatever the other rows hold.
 - `matmul(x_MK, w_KN)`: the same idea with each slice's products reduced by `tl.sum`: what the interpreter runs
   (its `tl.dot` is numpy's, not row-invariant). On an H100 its fp32 results missed fp32 sums' error bound by TF32's
   margin: Triton's combine pass compiles sum(x[:, :, None] * w[None, :, :], 1) of 16 rows and columns or more as a
