@@ -690,7 +690,8 @@ def test_an_engine_whose_weights_are_stored_n_by_k_gives_every_row_its_bits(monk
     ]
     pairs.append((as_loaded.lm_head_t, stored_nk.lm_head_t))
     moved = [b for a, b in pairs if a.dim() == 2]
-    assert len(moved) == 2 * len(as_loaded.layers[0].projections) + 1  # every layer's projections and the LM head
+    layers = as_loaded.layers
+    assert len(moved) == len(layers) * len(layers[0].projections) + 1  # every layer's projections and the LM head
     for a, b in pairs:
         assert torch.equal(a, b) and a.shape == b.shape
     assert all(b.stride() == (1, b.shape[0]) for b in moved)
