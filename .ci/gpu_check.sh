@@ -40,13 +40,13 @@ timeout 80 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batc
 # each product in its fastest tiling there (--dot-blocks-from), a longer K slice four stages deep, and the own tiling
 # over weights stored (N, K). The best goes into gpu_matmul.DOT_BLOCKS(_BY_SHAPE) (and a faster (N, K) into how a GPU
 # model keeps its weights); then fp32's the same way on SmolLM2's shape
-timeout 80 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --kernels \
+timeout 100 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --kernels \
   --json /tmp/kernels_llama1b.json 2>&1 | tee "$OUT/tilings.txt"
 for tiling in "--dot-blocks-from /tmp/kernels_llama1b.json" "--dot-blocks 64,16,256,4" "--dot-blocks 64,16,64 --weights-nk"; do
   timeout 35 python3 -m toolkit.bench.gpu --shape llama1b --dtypes bfloat16 --batches 1 32 --batch-invariant \
     --hf-tokens 0 $tiling 2>&1 | tee -a "$OUT/tilings.txt"
 done
-timeout 45 python3 -m toolkit.bench.gpu --shape smollm2 --dtypes float32 --batches 1 32 --kernels \
+timeout 60 python3 -m toolkit.bench.gpu --shape smollm2 --dtypes float32 --batches 1 32 --kernels \
   --json /tmp/kernels_smollm2.json 2>&1 | tee -a "$OUT/tilings.txt"
 timeout 35 python3 -m toolkit.bench.gpu --shape smollm2 --dtypes float32 --batches 1 32 --batch-invariant \
   --hf-tokens 0 --dot-blocks-from /tmp/kernels_smollm2.json 2>&1 | tee -a "$OUT/tilings.txt"
