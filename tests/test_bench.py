@@ -388,3 +388,6 @@ def test_the_gpu_benchmark_takes_each_products_tiling_from_a_kernel_tables_json(
     first = capsys.readouterr().out.splitlines()[0]
     assert f"tilings {'x'.join(map(str, own))}; 256x256: 16x16x256 (16-bit)" in first, first
     assert result["rows"][0]["ms"] > 0
+    with pytest.raises(SystemExit):  # argparse's one line: no file to read
+        gpu.main(argv + ["--dot-blocks-from", str(tmp_path / "none.json")])
+    assert "--dot-blocks-from: no file" in capsys.readouterr().err

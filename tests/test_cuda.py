@@ -294,6 +294,8 @@ def test_an_engine_whose_weights_are_stored_n_by_k_gives_every_row_its_bits_on_a
     as_loaded = load_model(ModelConfig(**MODEL, dtype="bfloat16"), device="cuda")
     stored_nk = load_model(ModelConfig(**MODEL, dtype="bfloat16"), device="cuda")
     gm.store_weights_nk(stored_nk.model)
+    w = stored_nk.model.layers[0].w_down
+    assert w.stride() == (1, w.shape[0]) and stored_nk.model.lm_head_t.stride()[0] == 1  # moved, as the bench does
     want_eng, want = run(as_loaded, "cuda", batch_invariant=True, cuda_graphs=graphs)
     got_eng, got = run(stored_nk, "cuda", batch_invariant=True, cuda_graphs=graphs)
     assert got.keys() == want.keys()
@@ -358,8 +360,11 @@ def test_batch_invariant_rows_are_the_same_bits_in_every_batch_mix_and_graph_mod
     stages deep; the stages move loads, never the sums), and a tiling of each product's own (`--dot-blocks-from`)."""
     from toolkit.native import gpu_matmul as gm
 
+    looked_up = set()  # the (K, N) of every product the engine's matmul asked a tiling for
     if isinstance(blocks, dict):
         monkeypatch.setattr(gm, "DOT_BLOCKS_BY_SHAPE", blocks)
+        lookup = gm.dot_blocks
+        monkeypatch.setattr(gm, "dot_blocks", lambda d, k=None, n=None: looked_up.add((k, n)) or lookup(d, k, n))
     elif blocks is not None:
         monkeypatch.setattr(gm, "DOT_BLOCKS", blocks)
     loaded = load_model(ModelConfig(**MODEL, dtype="bfloat16"), device="cuda")
@@ -409,6 +414,7 @@ def test_batch_invariant_rows_are_the_same_bits_in_every_batch_mix_and_graph_mod
                 assert rows.keys() == alone.keys()
                 for p in alone:
                     assert torch.equal(rows[p], alone[p]), (batch, graphs, mixed, p)
+    assert not isinstance(blocks, dict) or set(blocks) <= looked_up  # each product's own tiling was read by its shape
 
 
 @pytest.mark.parametrize(

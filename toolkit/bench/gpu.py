@@ -301,11 +301,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gm.DOT_BLOCKS = args.dot_blocks or gm.DOT_BLOCKS
     gm.DOT_BLOCKS_FP32 = args.dot_blocks_fp32 or gm.DOT_BLOCKS_FP32
     if args.dot_blocks_from:  # the kernel table's figures of the weights' order the engines will hold
+        if not args.dot_blocks_from.is_file():
+            parser.error(f"--dot-blocks-from: no file {args.dot_blocks_from} (write one with --kernels --json)")
         figures = json.loads(args.dot_blocks_from.read_text())["kernel_figures"]
         held = NK if args.weights_nk else KN
-        sixteen = fastest_tilings(figures, "bfloat16", held) or fastest_tilings(figures, "float16", held)
-        gm.DOT_BLOCKS_BY_SHAPE.update(sixteen)
-        gm.DOT_BLOCKS_BY_SHAPE_FP32.update(fastest_tilings(figures, "float32", held))
+        formats = {f["dtype"] for f in figures}
+        sixteen = next((d for d in ("bfloat16", "float16") if d in args.dtypes and d in formats), None)
+        gm.DOT_BLOCKS_BY_SHAPE = fastest_tilings(figures, sixteen, held) if sixteen else {}
+        gm.DOT_BLOCKS_BY_SHAPE_FP32 = fastest_tilings(figures, "float32", held) if "float32" in formats else {}
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device here (torch.cuda.is_available() is False): try --device cpu")
@@ -319,7 +322,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         flush=True,
     )
     results: dict[str, Any] = {"device": where, "shape": args.shape, "copy_bandwidth_gbs": bandwidth, "rows": []}
-    results["weights"] = order
     if args.kernels:
         results["kernels"], results["kernel_figures"] = kernel_times(
             SHAPES[args.shape], args.dtypes, args.batches, device
@@ -328,6 +330,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))
         return results
+    results["weights"] = order  # (the kernel table times both orders)
     for dtype in args.dtypes:
         loaded = load_model(ModelConfig(**SHAPES[args.shape], dtype=dtype), device=device)
         if args.weights_nk:  # both modes read them so: the invariant matmul's loads, cuBLAS's transposed operand

@@ -1,6 +1,7 @@
 """Issue 57's matmul cost kernel by kernel (`python -m toolkit.bench.gpu --kernels`): every decode product of a
 shape, torch's matmul beside the invariant Triton matmuls in each candidate tiling and weight order, each kernel's
-own time; and which tilings give the bits of the format's own.
+own time; and which tilings give the bits of the product's own (the format's, or its shape's where
+`gpu_matmul.DOT_BLOCKS_BY_SHAPE` names it).
 
 That last is a finding, not a check: the engine's invariance rests on one tiling whatever the rows. Where another
 tiling gives every bit of the own one (an fp32 "ieee" tile product is one FMA chain a sum, in ascending K, whatever
@@ -38,7 +39,7 @@ def kernel_times(
     dims: Mapping[str, int], dtypes: list[str], batches: list[int], device: torch.device
 ) -> tuple[list[str], list[dict[str, Any]]]:
     """Issue 57's matmul cost: ms of torch's matmul and of the invariant Triton matmuls (tl.sum, and tl.dot in
-    several tilings, the format's own starred; then torch's and a few tilings' with the weights stored (N, K)) on
+    several tilings, the product's own starred (`gpu_matmul.dot_blocks` of its format and shape); then torch's and a few tilings' with the weights stored (N, K)) on
     each decode product of a shape of `dims`, side by side: on a GPU the kernel's own time (triton.testing.do_bench:
     CUDA events, no wait between calls, the L2 cleared), elsewhere the median of 20 calls. After each product's
     figures, the tl.dot tilings whose bits are not the own tiling's (`same_bits`). Returns the lines and each figure
@@ -66,13 +67,13 @@ def kernel_times(
                     ("torch", None, KN, lambda: x @ w),
                     ("tl.sum", None, KN, lambda: gm.matmul(x, w, out_dtype=x.dtype)),
                 ]
-                for b in gm.candidate_tilings(x.dtype):
+                for b in gm.candidate_tilings(x.dtype, k, n):
                     name = f"tl.dot {'x'.join(map(str, b))}{'*' if b == own else ''}"
                     fns.append((name, b, KN, lambda b=b: gm.matmul_dot(x, w, b, out_dtype=x.dtype)))
                 # the same weights stored (N, K), as torch's Linear keeps them: a tile's slice of each column is one
                 # run of K in memory (stored (K, N), 16 columns of 16 bits are 32 bytes a row of the slice)
                 fns.append(("torch (N,K)", None, NK, lambda: x @ w_nk))
-                for b in gm.layout_tilings(x.dtype):
+                for b in gm.layout_tilings(x.dtype, k, n):
                     name = f"tl.dot {'x'.join(map(str, b))} (N,K)"
                     fns.append((name, b, NK, lambda b=b: gm.matmul_dot(x, w_nk, b, out_dtype=x.dtype)))
                 for name, blocks, order, fn in fns:
@@ -122,7 +123,7 @@ def fastest_tilings(
 
 
 def same_bits(outputs: Mapping[str, torch.Tensor]) -> str:
-    """Which of the tl.dot tilings' `outputs` (by name, the format's own starred) are not the own tiling's bits."""
+    """Which of the tl.dot tilings' `outputs` (by name, the product's own starred) are not the own tiling's bits."""
     own = next((name for name in outputs if name.endswith("*")), None)
     if own is None:
         return "the own tiling did not run"

@@ -196,18 +196,18 @@ LAYOUT_CANDIDATES = ((64, 64, 64), (16, 16, 128))
 LAYOUT_CANDIDATES_FP32 = ((16, 64, 32),)
 
 
-def layout_tilings(dtype: torch.dtype) -> tuple[tuple[int, ...], ...]:
-    """The tilings the benchmark times with the weights stored (N, K) (`stored_nk`): the format's own, then others."""
-    return _own_then(dtype, LAYOUT_CANDIDATES_FP32 if dtype == torch.float32 else LAYOUT_CANDIDATES)
+def layout_tilings(dtype: torch.dtype, k: int | None = None, n: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """The tilings the benchmark times with the weights stored (N, K) (`stored_nk`): the own tiling of the format
+    (and of a (K, N) weight where given: `dot_blocks`), then others."""
+    return _own_then(dot_blocks(dtype, k, n), LAYOUT_CANDIDATES_FP32 if dtype == torch.float32 else LAYOUT_CANDIDATES)
 
 
-def candidate_tilings(dtype: torch.dtype) -> tuple[tuple[int, ...], ...]:
-    """The format's own tiling, then the others the benchmark compares."""
-    return _own_then(dtype, CANDIDATES_FP32 if dtype == torch.float32 else CANDIDATES)
+def candidate_tilings(dtype: torch.dtype, k: int | None = None, n: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """The own tiling of the format (and of a (K, N) weight where given), then the others the benchmark compares."""
+    return _own_then(dot_blocks(dtype, k, n), CANDIDATES_FP32 if dtype == torch.float32 else CANDIDATES)
 
 
-def _own_then(dtype: torch.dtype, others: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
-    own = dot_blocks(dtype)
+def _own_then(own: tuple[int, ...], others: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
     return (own,) + tuple(b for b in others if b != own)
 
 
