@@ -11,6 +11,7 @@ the number of rows without moving a bit; a GPU says which."""
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -68,13 +69,13 @@ def kernel_times(
                     ("tl.sum", None, KN, lambda: gm.matmul(x, w, out_dtype=x.dtype)),
                 ]
                 for b in gm.candidate_tilings(x.dtype, k, n):
-                    name = f"tl.dot {'x'.join(map(str, b))}{'*' if b == own else ''}"
+                    name = f"tl.dot {gm.tiling_name(b)}{'*' if b == own else ''}"
                     fns.append((name, b, KN, lambda b=b: gm.matmul_dot(x, w, b, out_dtype=x.dtype)))
                 # the same weights stored (N, K), as torch's Linear keeps them: a tile's slice of each column is one
                 # run of K in memory (stored (K, N), 16 columns of 16 bits are 32 bytes a row of the slice)
                 fns.append(("torch (N,K)", None, NK, lambda: x @ w_nk))
                 for b in gm.layout_tilings(x.dtype, k, n):
-                    name = f"tl.dot {'x'.join(map(str, b))} (N,K)"
+                    name = f"tl.dot {gm.tiling_name(b)} (N,K)"
                     fns.append((name, b, NK, lambda b=b: gm.matmul_dot(x, w_nk, b, out_dtype=x.dtype)))
                 for name, blocks, order, fn in fns:
                     try:
@@ -84,8 +85,7 @@ def kernel_times(
                     except Exception as exc:  # noqa: BLE001 - a kernel that does not compile here is a figure too
                         ms[name] = float("nan")
                         lines.append(f"{name} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-                    figures.append(dict(dtype=dtype, m=m, k=k, n=n, name=name, blocks=blocks, order=order))
-                    figures[-1]["ms"] = ms[name]
+                    figures.append(dict(dtype=dtype, m=m, k=k, n=n, name=name, blocks=blocks, order=order, ms=ms[name]))
                 lines.append(
                     f"matmul {dtype} {m}x{k} @ {k}x{n}: "
                     + ", ".join(f"{name} {v:.3f} ms ({v / ms['torch']:.2f}x)" for name, v in ms.items())
@@ -112,12 +112,12 @@ def fastest_tilings(
         ratio = f["ms"] / torch_ms[f["k"], f["n"], f["m"]]
         tilings = worst.setdefault((f["k"], f["n"]), {})
         blocks = tuple(f["blocks"])
-        tilings[blocks] = max(tilings.get(blocks, 0.0), ratio if ratio == ratio else float("inf"))  # NaN: failed
+        tilings[blocks] = max(tilings.get(blocks, 0.0), math.inf if math.isnan(ratio) else ratio)  # NaN: failed
     own = gm.dot_blocks(DTYPES[dtype])
     chosen = {}
     for shape, tilings in worst.items():
         best = min(tilings, key=lambda b: (tilings[b], b != own))
-        if best != own and tilings[best] < float("inf"):
+        if best != own and tilings[best] < math.inf:
             chosen[shape] = best
     return chosen
 

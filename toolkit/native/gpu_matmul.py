@@ -230,20 +230,26 @@ def store_weights_nk(model) -> None:
 def dot_blocks(dtype: torch.dtype, k: int | None = None, n: int | None = None) -> tuple[int, ...]:
     """matmul_dot's tiling for inputs of `dtype`, of a (K, N) weight where given: fixed by the format and the
     weight's shape, never by the number of rows."""
-    fp32 = dtype == torch.float32
-    return (DOT_BLOCKS_BY_SHAPE_FP32 if fp32 else DOT_BLOCKS_BY_SHAPE).get((k, n)) or (
-        DOT_BLOCKS_FP32 if fp32 else DOT_BLOCKS
-    )
+    own, by_shape = _tilings(dtype)
+    return by_shape.get((k, n)) or own
 
 
 def describe_tiling(dtype: torch.dtype) -> str:
     """The tilings of `dtype`'s products, as a manifest names them: the format's, then each shape's own."""
-    fp32 = dtype == torch.float32
-    by_shape = DOT_BLOCKS_BY_SHAPE_FP32 if fp32 else DOT_BLOCKS_BY_SHAPE
-    return "; ".join(
-        ["x".join(map(str, DOT_BLOCKS_FP32 if fp32 else DOT_BLOCKS))]
-        + [f"{k}x{n}: {'x'.join(map(str, b))}" for (k, n), b in sorted(by_shape.items())]
-    )
+    own, by_shape = _tilings(dtype)
+    return "; ".join([tiling_name(own)] + [f"{k}x{n}: {tiling_name(b)}" for (k, n), b in sorted(by_shape.items())])
+
+
+def tiling_name(blocks: tuple[int, ...]) -> str:
+    """BMxBNxBK (then xstages): how the benchmark, the manifest and the notes write a tiling."""
+    return "x".join(map(str, blocks))
+
+
+def _tilings(dtype: torch.dtype) -> tuple[tuple[int, ...], dict[tuple[int, int], tuple[int, ...]]]:
+    """The format's tiling and its table by shape."""
+    if dtype == torch.float32:
+        return DOT_BLOCKS_FP32, DOT_BLOCKS_BY_SHAPE_FP32
+    return DOT_BLOCKS, DOT_BLOCKS_BY_SHAPE
 
 
 def matmul_dot(
