@@ -4,8 +4,8 @@
 # the parts' limits add up to more than the device's 600 s a call, so the least needed parts come last):
 # tests/test_cuda.py, python -m toolkit.bench.gpu on Llama-3.2-1B's shape with the invariant mode and async scheduling
 # beside, the invariant matmul's candidate tilings and weight orders (alone and in the engine), the host's share of a
-# step on its CPU alone (toolkit.bench.host_step), then the benchmark on SmolLM2's shape: what a run cut short at the
-# device's 600 s loses. Every output under $OUT (at most 8 files). The GPU machine reaches no package index: prepare
+# step on its CPU alone (toolkit.bench.host_step), then the benchmark on Qwen3-0.6B's and SmolLM2's shapes: what a
+# run cut short at the device's 600 s loses. Every output under $OUT (at most 8 files). The GPU machine reaches no package index: prepare
 # .gpu/ here first, then pass it as `carry`:
 #
 #   bash .ci/gpu_check.sh prepare                  # on this machine: the wheels and SmolLM2's tokenizer into .gpu/
@@ -56,6 +56,9 @@ timeout 35 python3 -m toolkit.bench.gpu --shape smollm2 --dtypes float32 --batch
 # CPUs where it is cut); the native CPU kernels off, so nothing compiles
 { grep -m1 'model name' /proc/cpuinfo; TOOLKIT_NATIVE=0 timeout 30 python3 -m toolkit.bench.host_step --batches 32 \
   --repeats 3 --route device; } 2>&1 | tee "$OUT/host_step.txt"
+# Qwen3-0.6B's shape (HF's random init of its config: q/k norms, heads of 128), never timed on a GPU before
+timeout 80 python3 -m toolkit.bench.gpu --shape qwen3-0.6b --dtypes bfloat16 --batches 1 32 --batch-invariant \
+  --async-scheduling 2>&1 | tee -a "$OUT/bench.txt"
 # last, as what a run cut short by the device's limit (600 s) loses: SmolLM2's shape, whose goals were met before
 timeout 100 python3 -m toolkit.bench.gpu --shape smollm2 --batches 1 32 --batch-invariant --async-scheduling \
   --json "$OUT/bench_smollm2.json" --host-profile "$OUT/host_profile.txt" 2>&1 | tee -a "$OUT/bench.txt"

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict
 
 import pytest
 import torch
 
 from tests.conftest import NATIVE_OFF, native_only
 from tests.test_cli import run_cli
-from toolkit.bench import matmul_shapes
+from toolkit.bench import gpu_shapes, matmul_shapes
 from toolkit.native import gpu_matmul as gm
 from toolkit.native import invariant_gpu as ig
 from toolkit.native import ops, schedules
@@ -148,7 +149,7 @@ def test_the_gpu_benchmark_runs_on_the_cpu_and_prints_each_figure(tmp_path, caps
     )
     printed = capsys.readouterr().out
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(result["rows"]))
-    shape = gpu.SHAPES["tiny"]
+    shape = gpu_shapes.SHAPES["tiny"]
     hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_layers"]
     head = hidden // shape["num_heads"]
     qkv = hidden * (hidden + 2 * shape["num_kv_heads"] * head)
@@ -175,6 +176,49 @@ def test_the_gpu_benchmark_runs_on_the_cpu_and_prints_each_figure(tmp_path, caps
     assert printed.count(" ms a step,") == 4 and printed.count("async scheduling") == 4 and printed.count("(host ") == 8
     assert f"on {gpu.machine('cpu')}; copy bandwidth" in printed.splitlines()[0]  # the device named
     assert any(line.startswith("goal ") and "fp32's" in line for line in result["goals"])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt2"])
+def test_the_gpu_benchmark_gives_a_config_jsons_shape_random_weights_that_hf_runs_too(tmp_path, capsys, family):
+    """--shape a config.json (or its directory): HF transformers' own random init of that architecture, timed in
+    the engine and in HF's generate on the same weights (the engine's logits are HF's within fp32 rounding), the
+    run named by the file; the kernel table's products are the architecture's own (Qwen3's heads wider than
+    hidden / heads, GPT-2's ungated MLP). A config the engine cannot run, or no config at all, is one line."""
+    from tests.families import CONFIGS
+    from toolkit.bench import gpu
+    from toolkit.bench.gpu_kernels import decode_products
+    from toolkit.engine.runner import recompute_logits
+    from toolkit.models.families import arch_from_hf_config
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(CONFIGS[family]))
+    argv = ["--device", "cpu", "--shape", str(tmp_path), "--dtypes", "float32", "--batches", "2", "--steps", "2"]
+    result = gpu.main(argv + ["--hf-tokens", "3", "--json", str(tmp_path / "out.json")])
+    assert result["shape"] == json.loads((tmp_path / "out.json").read_text())["shape"] == str(config)
+    assert f"random weights of {config}'s shape" in capsys.readouterr().out.splitlines()[0]
+    assert [(r["batch"], r["ms"] > 0, r["hf_ms"] > 0) for r in result["rows"]] == [(2, True, True)]
+    loaded, hf = gpu_shapes.shape_model(config, "float32", torch.device("cpu"), hf=True)
+    assert loaded.arch.family == family and loaded.model_id.startswith(f"random {family} weights of {config}")
+    tokens = [(7 * j + 3) % loaded.arch.vocab_size for j in range(12)]
+    with torch.no_grad():
+        theirs = hf(torch.tensor([tokens])).logits[0].float()
+    assert (recompute_logits(loaded.model, tokens) - theirs).abs().max() < 1e-4
+    spec = CONFIGS[family]
+    hidden, heads = spec.get("hidden_size", spec.get("n_embd")), spec.get("num_attention_heads", spec.get("n_head"))
+    width = spec.get("intermediate_size", 4 * hidden)
+    head_dim = spec.get("head_dim", hidden // heads)
+    kv = spec.get("num_key_value_heads", heads) * head_dim
+    mlp = 2 * width if family != "gpt2" else width
+    want = ((hidden, heads * head_dim + 2 * kv), (heads * head_dim, hidden), (hidden, mlp), (width, hidden))
+    assert decode_products(asdict(loaded.arch)) == want + ((hidden, spec["vocab_size"]),)
+    qwen3 = arch_from_hf_config(gpu_shapes.CONFIG_SHAPES["qwen3-0.6b"])  # Qwen3-0.6B's, as its config.json says
+    assert gpu_shapes.shape_source("qwen3-0.6b") == "qwen3-0.6b" and (qwen3.family, qwen3.qk_norm) == ("qwen3", True)
+    assert decode_products(asdict(qwen3)) == ((1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024), (1024, 151936))
+    (tmp_path / "odd.json").write_text(json.dumps({**spec, "model_type": "mamba"}))
+    for shape, says in ((tmp_path / "odd.json", "unsupported model_type 'mamba'"), (tmp_path / "no", "neither")):
+        with pytest.raises(SystemExit) as exc:
+            gpu.main(["--device", "cpu", "--shape", str(shape)])
+        assert exc.value.code == 2 and says in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_the_gpu_benchmarks_wait_clock_counts_the_waits_and_puts_synchronize_back(monkeypatch):

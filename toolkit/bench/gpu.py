@@ -9,8 +9,11 @@ device's measured copy bandwidth).
     python -m toolkit.bench.gpu --async-scheduling               # engine.async_scheduling beside the default
     python -m toolkit.bench.gpu --batch-invariant --weights-nk   # every projection stored (N, K), as Linear keeps it
     python -m toolkit.bench.gpu --device cpu --shape tiny        # the same figures on the CPU (CI runs this)
+    python -m toolkit.bench.gpu --shape path/to/config.json      # any HF config.json of a family the engine reads
+    python -m toolkit.bench.gpu --shape qwen3-0.6b               # Qwen3-0.6B's (gpu_shapes.CONFIG_SHAPES)
 
-Random weights of the named shape (a GPU machine reaches no model hub); each bucket puts an engine straight into
+Random weights of the named shape, or HF transformers' own random init of a config.json's architecture (a GPU
+machine reaches no model hub); each bucket puts an engine straight into
 a pure decode state at `--context` tokens (toolkit.engine.synthetic) and times `--steps` steps after a warm-up,
 then profiles as many again. On the CPU "kernels" are the step's top-level torch ops (a native kernel call counts
 as none) and there is no busy share. HF's ms a step is the median interval between its decode steps."""
@@ -25,6 +28,7 @@ import pstats
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -34,42 +38,17 @@ from torch.profiler import ProfilerActivity, profile
 
 from toolkit.bench.clocks import WaitClock
 from toolkit.bench.gpu_kernels import KN, NK, fastest_tilings, kernel_times, tiling
+from toolkit.bench.gpu_shapes import CONFIG_SHAPES, SHAPES, shape_config, shape_model, shape_source
 from toolkit.bench.options import entry_point, positive_int, torch_device
-from toolkit.bench.precision import SMOLLM2_SHAPE, machine
+from toolkit.bench.precision import machine
 from toolkit.bench.systems import StepClock
-from toolkit.config import EngineConfig, ModelConfig
+from toolkit.config import EngineConfig
 from toolkit.engine.synthetic import decode_engine, timed
-from toolkit.errors import ToolkitError
-from toolkit.models import DTYPES, LoadedModel, load_model
-from toolkit.models.loading import hf_reference_model, load_checkpoint
+from toolkit.errors import ModelLoadError, ToolkitError
+from toolkit.models import DTYPES, LoadedModel
+from toolkit.models.families import arch_from_hf_config
 from toolkit.native import gpu_matmul as gm
 
-SHAPES = {
-    "smollm2": SMOLLM2_SHAPE,
-    # Llama-3.2-1B's dimensions (tied embeddings; its long-context RoPE scaling changes no cost at these lengths)
-    "llama1b": dict(
-        name="tiny",
-        seed=0,
-        vocab_size=128256,
-        num_layers=16,
-        hidden_size=2048,
-        num_heads=32,
-        num_kv_heads=8,
-        intermediate_size=8192,
-        rope_theta=500000.0,
-        max_position_embeddings=131072,
-    ),
-    "tiny": dict(
-        name="tiny",
-        seed=0,
-        vocab_size=512,
-        num_layers=2,
-        hidden_size=256,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=512,
-    ),
-}
 # issue 56's goals: (shape, dtype or None for every dtype, batch) -> the most ms a step
 STEP_GOALS_MS = {("smollm2", None, 1): 2.5, ("llama1b", "bfloat16", 1): 3.0}
 TOK_S_GOALS = {("llama1b", "bfloat16", 32): 8000.0}
@@ -265,7 +244,13 @@ def hf_step_ms(model, device: torch.device, batch: int, context: int, tokens: in
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", type=torch_device, default="cuda")
-    parser.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
+    parser.add_argument(
+        "--shape",
+        type=shape_source,
+        default="smollm2",
+        help=f"{', '.join(sorted(SHAPES) + sorted(CONFIG_SHAPES))}, or an HF config.json (or its directory): random "
+        "weights of that shape",
+    )
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPES))
     parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--context", type=positive_int, default=64)
@@ -298,6 +283,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--weights-nk", action="store_true", help="store every projection (N, K), as torch's Linear does, not (K, N)"
     )
     args = parser.parse_args(argv)
+    try:  # a config.json the engine cannot run is one line before anything is timed
+        config = shape_config(args.shape)
+        dims = SHAPES[args.shape] if config is None else asdict(arch_from_hf_config(config))
+    except ModelLoadError as exc:
+        parser.error(f"--shape: {exc}")
     gm.DOT_BLOCKS = args.dot_blocks or gm.DOT_BLOCKS
     gm.DOT_BLOCKS_FP32 = args.dot_blocks_fp32 or gm.DOT_BLOCKS_FP32
     if args.dot_blocks_from:  # the kernel table's figures of the weights' order the engines will hold
@@ -321,24 +311,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"(16-bit), {gm.describe_tiling(torch.float32)} (fp32); the weights stored {order}",
         flush=True,
     )
-    results: dict[str, Any] = {"device": where, "shape": args.shape, "copy_bandwidth_gbs": bandwidth, "rows": []}
+    results: dict[str, Any] = {"device": where, "shape": str(args.shape), "copy_bandwidth_gbs": bandwidth, "rows": []}
     if args.kernels:
-        results["kernels"], results["kernel_figures"] = kernel_times(
-            SHAPES[args.shape], args.dtypes, args.batches, device
-        )
+        results["kernels"], results["kernel_figures"] = kernel_times(dims, args.dtypes, args.batches, device)
         print("\n".join(results["kernels"]), flush=True)
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))
         return results
     results["weights"] = order  # (the kernel table times both orders)
     for dtype in args.dtypes:
-        loaded = load_model(ModelConfig(**SHAPES[args.shape], dtype=dtype), device=device)
+        loaded, hf = shape_model(args.shape, dtype, device, hf=args.hf_tokens > 1)
         if args.weights_nk:  # both modes read them so: the invariant matmul's loads, cuBLAS's transposed operand
             gm.store_weights_nk(loaded.model)
         floor_ms = 1000 * step_weight_bytes(loaded) / (bandwidth * 1e9)
-        hf = None
-        if args.hf_tokens > 1:
-            hf = hf_reference_model(load_checkpoint(loaded.config)).to(device=device, dtype=DTYPES[dtype])
         for batch in args.batches:
             row = {
                 "dtype": dtype,
@@ -359,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results["rows"].append(row)
             print(describe(row), flush=True)
         del hf, loaded
-    results["goals"] = goals(args.shape, results["rows"])
+    results["goals"] = goals(str(args.shape), results["rows"])
     for line in results["goals"]:
         print(line)
     if args.json:

@@ -36,27 +36,32 @@ def kernel_ms(fn: Callable[[], Any], device: torch.device) -> float:
     return statistics.median(1000 * timed(fn) for _ in range(20))
 
 
+def decode_products(dims: Mapping[str, Any]) -> tuple[tuple[int, int], ...]:
+    """The (K, N) of a decode step's products: q, k and v; o; gate and up; down; the LM head. `dims`: a named
+    shape's sizes, or a DecoderArch's fields (its head_dim, Qwen3's apart from hidden / heads; GPT-2's MLP ungated)."""
+    hidden, width = dims["hidden_size"], dims["intermediate_size"]
+    head_dim = dims.get("head_dim") or hidden // dims["num_heads"]
+    return (
+        (hidden, (dims["num_heads"] + 2 * dims["num_kv_heads"]) * head_dim),
+        (dims["num_heads"] * head_dim, hidden),
+        (hidden, (2 if dims.get("gated_mlp", True) else 1) * width),
+        (width, hidden),
+        (hidden, dims["vocab_size"]),
+    )
+
+
 def kernel_times(
-    dims: Mapping[str, int], dtypes: list[str], batches: list[int], device: torch.device
+    dims: Mapping[str, Any], dtypes: list[str], batches: list[int], device: torch.device
 ) -> tuple[list[str], list[dict[str, Any]]]:
     """Issue 57's matmul cost: ms of torch's matmul and of the invariant Triton matmuls (tl.sum, and tl.dot in
-    several tilings, the product's own starred (`gpu_matmul.dot_blocks` of its format and shape); then torch's and a few tilings' with the weights stored (N, K)) on
-    each decode product of a shape of `dims`, side by side: on a GPU the kernel's own time (triton.testing.do_bench:
+    several tilings, the product's own starred (`gpu_matmul.dot_blocks` of its format and shape); then torch's and a
+    few tilings' with the weights stored (N, K)) on each of `decode_products(dims)`, side by side: on a GPU the kernel's own time (triton.testing.do_bench:
     CUDA events, no wait between calls, the L2 cleared), elsewhere the median of 20 calls. After each product's
     figures, the tl.dot tilings whose bits are not the own tiling's (`same_bits`). Returns the lines and each figure
     as a record (what `fastest_tilings` reads)."""
-    hidden, width = dims["hidden_size"], dims["intermediate_size"]
-    head_dim = hidden // dims["num_heads"]
-    products = (
-        (hidden, (dims["num_heads"] + 2 * dims["num_kv_heads"]) * head_dim),  # q, k and v
-        (hidden, hidden),  # o
-        (hidden, 2 * width),  # gate and up
-        (width, hidden),  # down
-        (hidden, dims["vocab_size"]),  # the LM head
-    )
     lines, figures = [], []
     for dtype in dtypes:
-        for k, n in products:
+        for k, n in decode_products(dims):
             w = (torch.randn(k, n, device=device) / k**0.5).to(DTYPES[dtype])
             w_nk = gm.stored_nk(w)
             for m in batches:

@@ -22,7 +22,7 @@ import torch
 
 from toolkit import devices
 from toolkit.bench.clocks import ForwardClock
-from toolkit.bench.gpu import SHAPES
+from toolkit.bench.gpu_shapes import SHAPES
 from toolkit.bench.options import entry_point, positive_int
 from toolkit.bench.precision import machine
 from toolkit.config import EngineConfig, ModelConfig

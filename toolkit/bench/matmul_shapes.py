@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from toolkit.bench.gpu import SHAPES
+from toolkit.bench.gpu_shapes import SHAPES
 from toolkit.bench.options import entry_point, positive_int
 from toolkit.bench.precision import machine
 from toolkit.bench.roofline import memory_bandwidth_gbs

@@ -28,7 +28,11 @@ class LoadedModel:
 
 
 def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> LoadedModel:
-    ckpt = load_checkpoint(cfg)
+    return from_checkpoint(load_checkpoint(cfg), cfg, device)
+
+
+def from_checkpoint(ckpt: Checkpoint, cfg: ModelConfig, device: str | torch.device = "cpu") -> LoadedModel:
+    """The engine's model of a checkpoint's weights, in `cfg.dtype` on `device` (`cfg`: where they came from)."""
     dtype = DTYPES[cfg.dtype]
     state_dict = {k: v.to(dtype) for k, v in canonical_weights(ckpt.arch, ckpt.state_dict).items()}
     model = PagedDecoder(ckpt.arch, state_dict).to(device)
@@ -45,4 +49,13 @@ def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> LoadedMo
     )
 
 
-__all__ = ["Checkpoint", "DecoderArch", "PagedDecoder", "LoadedModel", "Tokenizer", "load_checkpoint", "load_model"]
+__all__ = [
+    "Checkpoint",
+    "DecoderArch",
+    "PagedDecoder",
+    "LoadedModel",
+    "Tokenizer",
+    "from_checkpoint",
+    "load_checkpoint",
+    "load_model",
+]

@@ -16,15 +16,17 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from toolkit.config import ModelConfig
-from toolkit.errors import ModelLoadError
+from toolkit.errors import ModelLoadError, one_line
 from toolkit.models import llama
 from toolkit.models.decoder import DecoderArch
 from toolkit.models.families import arch_from_hf_config
@@ -252,20 +254,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
 def tiny_checkpoint(cfg: ModelConfig) -> Checkpoint:
     """A random-init Llama built from `cfg.seed`, with SmolLM2's tokenizer when the vocab matches."""
-    arch = DecoderArch(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        num_layers=cfg.num_layers,
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.hidden_size // cfg.num_heads,
-        intermediate_size=cfg.intermediate_size,
-        rms_norm_eps=1e-5,
-        rope_theta=float(cfg.rope_theta),
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=True,
-        eos_token_ids=(2,) if cfg.vocab_size > 2 else (),
-    )
+    arch = tiny_arch(cfg)
     state_dict = tiny_state_dict(arch, cfg.seed)
     directory = tokenizer_dir(cfg)
     tokenizer = Tokenizer(directory) if directory is not None else None
@@ -281,6 +270,24 @@ def tiny_checkpoint(cfg: ModelConfig) -> Checkpoint:
         tokenizer=tokenizer,
         revision=digest.hexdigest(),
         hf_config=llama.to_hf_config(arch),
+    )
+
+
+def tiny_arch(cfg: ModelConfig) -> DecoderArch:
+    """The Llama architecture of the random-init `tiny` model's sizes."""
+    return DecoderArch(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.hidden_size // cfg.num_heads,
+        intermediate_size=cfg.intermediate_size,
+        rms_norm_eps=1e-5,
+        rope_theta=float(cfg.rope_theta),
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        eos_token_ids=(2,) if cfg.vocab_size > 2 else (),
     )
 
 
@@ -309,3 +316,33 @@ def tiny_state_dict(arch: DecoderArch, seed: int) -> dict[str, torch.Tensor]:
         sd[p + "post_attention_layernorm.weight"] = norm_weight()
     sd["model.norm.weight"] = norm_weight()
     return sd
+
+
+def random_checkpoint(hf_config: Mapping[str, Any], source: str, seed: int = 0, device: str | torch.device = "cpu"):
+    """HF transformers' own random init of a config.json's architecture (`source` names it; any family the engine
+    reads), made on `device` in fp32: a checkpoint of a model's shape where its weights are out of reach (a GPU
+    machine reaches no model hub), and the HF model holding the same tensors. A config the engine cannot run is
+    refused in one line (ModelLoadError) before any weight is made."""
+    arch = arch_from_hf_config(hf_config)
+    import transformers  # deferred: transformers, seconds to import
+    from transformers.utils import logging as hf_logging  # deferred: transformers, seconds to import
+
+    hf_logging.set_verbosity_error()
+    spec = {k: v for k, v in hf_config.items() if k not in ("quantization_config", "_name_or_path")}
+    try:
+        config = transformers.AutoConfig.for_model(**spec)
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"transformers cannot build {source}: {one_line(exc)}") from None
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    ckpt = Checkpoint(
+        name="hf",
+        model_id=f"random {arch.family} weights of {source}'s shape (seed {seed})",
+        arch=arch,
+        state_dict={k: v.detach() for k, v in model.state_dict().items()},
+        tokenizer=None,
+        revision=f"random(seed={seed})",
+        hf_config=dict(spec),
+    )
+    return ckpt, model
