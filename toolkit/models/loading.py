@@ -58,16 +58,25 @@ class Checkpoint:
     generation: dict = field(default_factory=dict)  # its sampling defaults (GENERATION_KEYS), where it has any
 
 
-def hf_reference_model(ckpt: Checkpoint):
-    """HF transformers' own implementation of this checkpoint's family on the same weights (fp32,
-    eval, HF's default attention): the external reference of verify and of the tests."""
+def hf_model(hf_config: Mapping[str, Any], source: str | None):
+    """HF transformers' model of an HF config (fp32, its own random init, on torch's default device); a config
+    transformers cannot build is one line (ModelLoadError) naming `source`."""
     import transformers  # deferred: transformers, seconds to import
     from transformers.utils import logging as hf_logging  # deferred: transformers, seconds to import
 
     hf_logging.set_verbosity_error()
+    try:
+        config = transformers.AutoConfig.for_model(**hf_config)
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"transformers cannot build {source}: {one_line(exc)}") from None
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def hf_reference_model(ckpt: Checkpoint):
+    """HF transformers' own implementation of this checkpoint's family on the same weights (fp32,
+    eval, HF's default attention): the external reference of verify and of the tests."""
     cfg = dict(ckpt.hf_config)
-    config = transformers.AutoConfig.for_model(**cfg)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = hf_model(cfg, cfg.get("model_type"))
     missing, unexpected = model.load_state_dict(ckpt.state_dict, strict=False)
     bad = [k for k in missing if not k.endswith("lm_head.weight")] + [
         k for k in unexpected if not k.endswith(".attn.bias")
@@ -254,7 +263,20 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
 def tiny_checkpoint(cfg: ModelConfig) -> Checkpoint:
     """A random-init Llama built from `cfg.seed`, with SmolLM2's tokenizer when the vocab matches."""
-    arch = tiny_arch(cfg)
+    arch = DecoderArch(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.hidden_size // cfg.num_heads,
+        intermediate_size=cfg.intermediate_size,
+        rms_norm_eps=1e-5,
+        rope_theta=float(cfg.rope_theta),
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        eos_token_ids=(2,) if cfg.vocab_size > 2 else (),
+    )
     state_dict = tiny_state_dict(arch, cfg.seed)
     directory = tokenizer_dir(cfg)
     tokenizer = Tokenizer(directory) if directory is not None else None
@@ -270,24 +292,6 @@ def tiny_checkpoint(cfg: ModelConfig) -> Checkpoint:
         tokenizer=tokenizer,
         revision=digest.hexdigest(),
         hf_config=llama.to_hf_config(arch),
-    )
-
-
-def tiny_arch(cfg: ModelConfig) -> DecoderArch:
-    """The Llama architecture of the random-init `tiny` model's sizes."""
-    return DecoderArch(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        num_layers=cfg.num_layers,
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.hidden_size // cfg.num_heads,
-        intermediate_size=cfg.intermediate_size,
-        rms_norm_eps=1e-5,
-        rope_theta=float(cfg.rope_theta),
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=True,
-        eos_token_ids=(2,) if cfg.vocab_size > 2 else (),
     )
 
 
@@ -324,18 +328,10 @@ def random_checkpoint(hf_config: Mapping[str, Any], source: str, seed: int = 0, 
     machine reaches no model hub), and the HF model holding the same tensors. A config the engine cannot run is
     refused in one line (ModelLoadError) before any weight is made."""
     arch = arch_from_hf_config(hf_config)
-    import transformers  # deferred: transformers, seconds to import
-    from transformers.utils import logging as hf_logging  # deferred: transformers, seconds to import
-
-    hf_logging.set_verbosity_error()
     spec = {k: v for k, v in hf_config.items() if k not in ("quantization_config", "_name_or_path")}
-    try:
-        config = transformers.AutoConfig.for_model(**spec)
-    except (TypeError, ValueError) as exc:
-        raise ModelLoadError(f"transformers cannot build {source}: {one_line(exc)}") from None
     torch.manual_seed(seed)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        model = hf_model(spec, source).eval()
     ckpt = Checkpoint(
         name="hf",
         model_id=f"random {arch.family} weights of {source}'s shape (seed {seed})",
