@@ -95,6 +95,12 @@ ONCE_REASON = (
     "TOOLKIT_NATIVE=0: this test's subject does not depend on the native kernels and it is slow; it runs in make test"
 )
 once = pytest.mark.skipif(NATIVE_OFF, reason=ONCE_REASON)
+# a test that sets TOOLKIT_NATIVE=0 itself (the GPU path's Triton kernels in the interpreter): make test ran it as
+# the fallback would, so the fallback run skips it with this reason
+ITSELF_OFF_REASON = (
+    "TOOLKIT_NATIVE=0: this test switches the native kernels off itself: make test already ran it that way"
+)
+itself_off = pytest.mark.skipif(NATIVE_OFF, reason=ITSELF_OFF_REASON)
 # engine.batch_invariant=true where the kernels run (its bits), the default mode with the switch off
 BATCH_INVARIANT_OVERRIDE = f"engine.batch_invariant={str(not NATIVE_OFF).lower()}"
 # the attention backends an engine can be asked for here, the native kernel first

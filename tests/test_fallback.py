@@ -1,6 +1,6 @@
-"""The torch fallback: with no working compiler, or with TOOLKIT_NATIVE=0, the engine starts, says so once,
-records it, and the engine, oracle and replay tests pass on it; kernel limits are checked when the
-backend is chosen."""
+"""The torch fallback: with no working compiler, or with TOOLKIT_NATIVE=0, the engine starts, says so once and
+records it; kernel limits are checked when the backend is chosen. The engine, oracle and replay tests themselves
+pass on the fallback in `make test-fallback` (every test whose path TOOLKIT_NATIVE=0 changes, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import NATIVE_OFF, make_engine
+from tests.conftest import make_engine
 from toolkit.errors import ConfigError
 from toolkit.paths import cache_root
 from toolkit.sampling.params import SamplingParams
@@ -108,35 +108,3 @@ def test_kernel_limits_are_checked_when_the_backend_is_chosen(tiny, monkeypatch)
     assert len(out[0].output_token_ids) == 3
     with pytest.raises(ConfigError, match="attention_backend=kernel is unavailable: .*block_size 128"):
         make_engine(tiny, block_size=128, num_kv_blocks=16, attention_backend="kernel")
-
-
-@pytest.mark.skipif(
-    NATIVE_OFF, reason="this whole run has the native kernels off (make test-fallback): these suites run in it directly"
-)
-def test_engine_oracle_and_replay_suites_pass_with_native_off():
-    """The engine, oracle and replay tests, run again in a process with TOOLKIT_NATIVE=0 (HF generate's
-    long greedy comparison is left to the native run: the fallback's forward is compared with HF there too; the
-    run.py exit codes of replay / verify, which do not depend on the kernels, to `make test-fallback`)."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tests/test_engine.py",
-            "tests/test_oracle.py",
-            "tests/test_replay_verify.py",
-            "-k",
-            "not greedy_matches_hf_generate and not cli_replay_and_verify_exit_codes",
-        ],
-        cwd=ROOT,
-        env={**os.environ, "TOOLKIT_NATIVE": "0"},
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    tail = result.stdout[-3000:]
-    assert result.returncode == 0, tail
-    assert " passed" in tail and " failed" not in tail

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import itself_off
 from tests.families import checkpoint_dir
 from toolkit.config import ModelConfig
 from toolkit.engine.scheduler import ScheduledChunk
@@ -631,6 +632,7 @@ def _runs(
 
 @TRITON
 @pytest.mark.native  # it switches the native CPU kernels off, so that the GPU path's kernels run instead
+@itself_off
 @pytest.mark.parametrize("dtype,shape", [("float32", TINY), ("bfloat16", TINY), ("float32", WIDE), ("bfloat16", WIDE)])
 def test_the_engines_gpu_path_runs_in_the_interpreter_and_keeps_a_rows_bits_in_any_mix(monkeypatch, dtype, shape):
     """The engine's forward as it runs on a CUDA GPU (invariant_gpu.routes widened to the interpreter): Triton's
@@ -671,6 +673,7 @@ def test_the_engines_gpu_path_runs_in_the_interpreter_and_keeps_a_rows_bits_in_a
 
 @TRITON
 @pytest.mark.native  # it switches the native CPU kernels off, so that the GPU path's kernels run instead
+@itself_off
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_an_engine_whose_weights_are_stored_n_by_k_gives_every_row_its_bits(monkeypatch, dtype):
     """`gpu_matmul.store_weights_nk` (what `python -m toolkit.bench.gpu --weights-nk` times on a GPU): every
@@ -708,6 +711,7 @@ def test_an_engine_whose_weights_are_stored_n_by_k_gives_every_row_its_bits(monk
 
 @TRITON
 @pytest.mark.native  # it switches the native CPU kernels off, so that the GPU path's kernels run instead
+@itself_off
 @pytest.mark.parametrize("kv", [("int8", "block"), ("fp8_e4m3", "block"), ("int8", "tensor")])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_gpu_attention_reads_an_8_bit_cache_and_keeps_a_rows_bits_in_any_mix(monkeypatch, kv, dtype):
@@ -748,6 +752,7 @@ def test_the_gpu_attention_reads_an_8_bit_cache_and_keeps_a_rows_bits_in_any_mix
 
 @TRITON
 @pytest.mark.native  # it switches the native CPU kernels off, so that the GPU path's kernels run instead
+@itself_off
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "gpt2", "gemma2"])
 def test_the_gpu_path_of_other_families_runs_in_the_interpreter(monkeypatch, family):
     """The engine's GPU forward of the other families a GPU serves (Qwen2's q/k/v biases, Qwen3's per-head q/k
