@@ -127,11 +127,12 @@ def _native_marker_is_honest(request, tmp_path_factory):
     process it starts asks toolkit.native whether the kernels are switched off, which every choice between a
     kernel and torch's fallback does. Unmarked, such a test fails
     here (with the switch on), so no test that the fallback changes can be left out of the fallback run.
+    A test marked `itself_off` (skipped by the fallback run) must have asked with the switch off here.
     TOOLKIT_NATIVE_REPORT=<file>: write each test's answer there instead (to mark a new test file)."""
     probe = tmp_path_factory.getbasetemp() / f"native-probe-{os.getpid()}"
     probe.unlink(missing_ok=True)
     os.environ["TOOLKIT_NATIVE_PROBE"] = str(probe)
-    before = library.consulted()
+    before, before_off = library.consulted(), library.consulted_off()
     yield
     os.environ.pop("TOOLKIT_NATIVE_PROBE", None)
     fixtures = [defs[-1] for defs in request.node._fixtureinfo.name2fixturedefs.values() if defs]  # the ones used
@@ -147,6 +148,16 @@ def _native_marker_is_honest(request, tmp_path_factory):
             f"@pytest.mark.native (or the module's pytestmark)",
             pytrace=False,
         )
+    elif not report and not NATIVE_OFF and library.consulted_off() == before_off and _itself_off(request.node):
+        pytest.fail(
+            f"{request.node.nodeid} is marked itself_off, so make test-fallback skips it, but it never ran with "
+            f"the native kernels switched off: set TOOLKIT_NATIVE=0 in it, or drop the mark",
+            pytrace=False,
+        )
+
+
+def _itself_off(node) -> bool:
+    return any(m.kwargs.get("reason") == ITSELF_OFF_REASON for m in node.iter_markers("skipif"))
 
 
 def _malloc_trim():
