@@ -95,12 +95,6 @@ ONCE_REASON = (
     "TOOLKIT_NATIVE=0: this test's subject does not depend on the native kernels and it is slow; it runs in make test"
 )
 once = pytest.mark.skipif(NATIVE_OFF, reason=ONCE_REASON)
-# a test that sets TOOLKIT_NATIVE=0 itself (the GPU path's Triton kernels in the interpreter): make test ran it as
-# the fallback would, so the fallback run skips it with this reason
-ITSELF_OFF_REASON = (
-    "TOOLKIT_NATIVE=0: this test switches the native kernels off itself: make test already ran it that way"
-)
-itself_off = pytest.mark.skipif(NATIVE_OFF, reason=ITSELF_OFF_REASON)
 # engine.batch_invariant=true where the kernels run (its bits), the default mode with the switch off
 BATCH_INVARIANT_OVERRIDE = f"engine.batch_invariant={str(not NATIVE_OFF).lower()}"
 # the attention backends an engine can be asked for here, the native kernel first
@@ -125,14 +119,15 @@ def _native_marker_is_honest(request, tmp_path_factory):
     """`make test-fallback` reruns only the tests marked `native`: those whose code path TOOLKIT_NATIVE=0 changes.
     A test is one of them when it, a fixture it uses (the engine a module shares, set up once) or a child
     process it starts asks toolkit.native whether the kernels are switched off, which every choice between a
-    kernel and torch's fallback does. Unmarked, such a test fails
-    here (with the switch on), so no test that the fallback changes can be left out of the fallback run.
-    A test marked `itself_off` (skipped by the fallback run) must have asked with the switch off here.
+    kernel and torch's fallback does, and is told the kernels are on. Unmarked, such a test fails
+    here (with the switch on), so no test that the fallback changes can be left out of the fallback run. A test
+    that sets TOOLKIT_NATIVE=0 itself (the GPU path's Triton kernels in the interpreter) runs alike in both runs:
+    it needs no mark, and make test runs it once.
     TOOLKIT_NATIVE_REPORT=<file>: write each test's answer there instead (to mark a new test file)."""
     probe = tmp_path_factory.getbasetemp() / f"native-probe-{os.getpid()}"
     probe.unlink(missing_ok=True)
     os.environ["TOOLKIT_NATIVE_PROBE"] = str(probe)
-    before, before_off = library.consulted(), library.consulted_off()
+    before = library.consulted()
     yield
     os.environ.pop("TOOLKIT_NATIVE_PROBE", None)
     fixtures = [defs[-1] for defs in request.node._fixtureinfo.name2fixturedefs.values() if defs]  # the ones used
@@ -148,16 +143,6 @@ def _native_marker_is_honest(request, tmp_path_factory):
             f"@pytest.mark.native (or the module's pytestmark)",
             pytrace=False,
         )
-    elif not report and not NATIVE_OFF and library.consulted_off() == before_off and _itself_off(request.node):
-        pytest.fail(
-            f"{request.node.nodeid} is marked itself_off, so make test-fallback skips it, but it never ran with "
-            f"the native kernels switched off: set TOOLKIT_NATIVE=0 in it, or drop the mark",
-            pytrace=False,
-        )
-
-
-def _itself_off(node) -> bool:
-    return any(m.kwargs.get("reason") == ITSELF_OFF_REASON for m in node.iter_markers("skipif"))
 
 
 def _malloc_trim():

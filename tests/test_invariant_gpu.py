@@ -9,7 +9,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import itself_off
 from tests.families import checkpoint_dir
 from toolkit.config import ModelConfig
 from toolkit.engine.scheduler import ScheduledChunk
@@ -631,8 +630,6 @@ def _runs(
 
 
 @TRITON
-@pytest.mark.native  # it switches the native CPU kernels off, so that the GPU path's kernels run instead
-@itself_off
 @pytest.mark.parametrize("dtype,shape", [("float32", TINY), ("bfloat16", TINY), ("float32", WIDE), ("bfloat16", WIDE)])
 def test_the_engines_gpu_path_runs_in_the_interpreter_and_keeps_a_rows_bits_in_any_mix(monkeypatch, dtype, shape):
     """The engine's forward as it runs on a CUDA GPU (invariant_gpu.routes widened to the interpreter): Triton's
@@ -644,6 +641,7 @@ def test_the_engines_gpu_path_runs_in_the_interpreter_and_keeps_a_rows_bits_in_a
     from toolkit.engine.scheduler import ScheduledChunk as Chunk
     from toolkit.models import load_model
 
+    # the GPU path's kernels instead of the native CPU ones; set here, so make test-fallback has nothing to add
     monkeypatch.setenv("TOOLKIT_NATIVE", "0")
     model = load_model(ModelConfig(**shape, dtype=dtype)).model
     target = tuple((11 * j + 4) % 96 for j in range(14))
@@ -672,8 +670,6 @@ def test_the_engines_gpu_path_runs_in_the_interpreter_and_keeps_a_rows_bits_in_a
 
 
 @TRITON
-@pytest.mark.native  # it switches the native CPU kernels off, so that the GPU path's kernels run instead
-@itself_off
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_an_engine_whose_weights_are_stored_n_by_k_gives_every_row_its_bits(monkeypatch, dtype):
     """`gpu_matmul.store_weights_nk` (what `python -m toolkit.bench.gpu --weights-nk` times on a GPU): every
@@ -683,6 +679,7 @@ def test_an_engine_whose_weights_are_stored_n_by_k_gives_every_row_its_bits(monk
     from toolkit.engine.scheduler import ScheduledChunk as Chunk
     from toolkit.models import load_model
 
+    # the GPU path's kernels instead of the native CPU ones; set here, so make test-fallback has nothing to add
     monkeypatch.setenv("TOOLKIT_NATIVE", "0")
     monkeypatch.setattr(ig, "routes", ig.available)
     as_loaded = load_model(ModelConfig(**TINY, dtype=dtype)).model
@@ -710,8 +707,6 @@ def test_an_engine_whose_weights_are_stored_n_by_k_gives_every_row_its_bits(monk
 
 
 @TRITON
-@pytest.mark.native  # it switches the native CPU kernels off, so that the GPU path's kernels run instead
-@itself_off
 @pytest.mark.parametrize("kv", [("int8", "block"), ("fp8_e4m3", "block"), ("int8", "tensor")])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_gpu_attention_reads_an_8_bit_cache_and_keeps_a_rows_bits_in_any_mix(monkeypatch, kv, dtype):
@@ -723,6 +718,7 @@ def test_the_gpu_attention_reads_an_8_bit_cache_and_keeps_a_rows_bits_in_any_mix
     grows is re-rounded)."""
     from toolkit.engine.scheduler import ScheduledChunk as Chunk
 
+    # the GPU path's kernels instead of the native CPU ones; set here, so make test-fallback has nothing to add
     monkeypatch.setenv("TOOLKIT_NATIVE", "0")
     model = load_model(ModelConfig(**TINY, dtype=dtype)).model
     target = tuple((11 * j + 4) % 96 for j in range(14))
@@ -751,8 +747,6 @@ def test_the_gpu_attention_reads_an_8_bit_cache_and_keeps_a_rows_bits_in_any_mix
 
 
 @TRITON
-@pytest.mark.native  # it switches the native CPU kernels off, so that the GPU path's kernels run instead
-@itself_off
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "gpt2", "gemma2"])
 def test_the_gpu_path_of_other_families_runs_in_the_interpreter(monkeypatch, family):
     """The engine's GPU forward of the other families a GPU serves (Qwen2's q/k/v biases, Qwen3's per-head q/k
@@ -761,6 +755,7 @@ def test_the_gpu_path_of_other_families_runs_in_the_interpreter(monkeypatch, fam
     RoPE with the cache writes): fp32 logits are torch's CPU path's within 1e-4, bf16 ones no further from fp32 than
     torch's own bf16 path is (and a little), and in the batch-invariant mode (not Gemma2's: refused on CUDA) a
     sequence's rows are the same bits alone and beside other chunks."""
+    # the GPU path's kernels instead of the native CPU ones; set here, so make test-fallback has nothing to add
     monkeypatch.setenv("TOOLKIT_NATIVE", "0")
     target = tuple((11 * j + 4) % 96 for j in range(14))
     alone = [[ScheduledChunk("t", target, 0, (0, 1, 2, 3), samples=True, num_logits=14)]]

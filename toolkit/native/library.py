@@ -249,35 +249,31 @@ def _warn_once(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-_consulted = 0  # how often this process's main thread asked switched_off(): the suite's `native` marker check
-_consulted_off = 0  # of which answered that the kernels are off (the suite's `itself_off` check)
+_consulted = 0  # how often this process's main thread was told the kernels are on: the suite's `native` marker check
 _MAIN = threading.main_thread().ident
-_PROBE = os.environ.get("TOOLKIT_NATIVE_PROBE")  # a file a child process creates once it asks (the suite's check)
+_PROBE = os.environ.get("TOOLKIT_NATIVE_PROBE")  # a file a child process creates once told they are on (the same)
 
 
 def switched_off() -> bool:
     """Whether TOOLKIT_NATIVE (0, false, off or no) switches the native path off in this process. Every choice
     between a kernel and torch's fallback asks this (through native()), so the suite can tell which tests take
-    a path that TOOLKIT_NATIVE=0 changes (consulted(), TOOLKIT_NATIVE_PROBE for child processes)."""
-    global _consulted, _consulted_off, _PROBE
+    a path that TOOLKIT_NATIVE=0 changes: those told "on" (consulted(), TOOLKIT_NATIVE_PROBE for child processes).
+    One that set the switch off itself takes the same path whatever the switch was."""
+    global _consulted, _PROBE
     off = os.environ.get("TOOLKIT_NATIVE", "1").strip().lower() in ("0", "false", "off", "no")
+    if off:
+        return True
     if threading.get_ident() == _MAIN:  # a test's own thread (an engine thread a test left behind is not it)
         _consulted += 1
-        _consulted_off += off
     if _PROBE is not None:
         Path(_PROBE).touch()
         _PROBE = None
-    return off
+    return False
 
 
 def consulted() -> int:
-    """How often this process's main thread asked switched_off() so far."""
+    """How often this process's main thread asked switched_off() so far and was told the kernels are on."""
     return _consulted
-
-
-def consulted_off() -> int:
-    """How many of those asks were answered "switched off"."""
-    return _consulted_off
 
 
 def native() -> NativeLib:
