@@ -629,6 +629,9 @@ def _runs(
     return rows
 
 
+# The engine's GPU path in the interpreter: each test below sets TOOLKIT_NATIVE=0 itself, so that the GPU path's
+# kernels run instead of the native CPU ones. It takes the same path whatever the switch, so it is not marked
+# `native` and make test-fallback does not run it again (tests/conftest.py counts only "switched on" answers).
 @TRITON
 @pytest.mark.parametrize("dtype,shape", [("float32", TINY), ("bfloat16", TINY), ("float32", WIDE), ("bfloat16", WIDE)])
 def test_the_engines_gpu_path_runs_in_the_interpreter_and_keeps_a_rows_bits_in_any_mix(monkeypatch, dtype, shape):
@@ -641,7 +644,6 @@ def test_the_engines_gpu_path_runs_in_the_interpreter_and_keeps_a_rows_bits_in_a
     from toolkit.engine.scheduler import ScheduledChunk as Chunk
     from toolkit.models import load_model
 
-    # the GPU path's kernels instead of the native CPU ones; set here, so make test-fallback has nothing to add
     monkeypatch.setenv("TOOLKIT_NATIVE", "0")
     model = load_model(ModelConfig(**shape, dtype=dtype)).model
     target = tuple((11 * j + 4) % 96 for j in range(14))
@@ -679,7 +681,6 @@ def test_an_engine_whose_weights_are_stored_n_by_k_gives_every_row_its_bits(monk
     from toolkit.engine.scheduler import ScheduledChunk as Chunk
     from toolkit.models import load_model
 
-    # the GPU path's kernels instead of the native CPU ones; set here, so make test-fallback has nothing to add
     monkeypatch.setenv("TOOLKIT_NATIVE", "0")
     monkeypatch.setattr(ig, "routes", ig.available)
     as_loaded = load_model(ModelConfig(**TINY, dtype=dtype)).model
@@ -718,7 +719,6 @@ def test_the_gpu_attention_reads_an_8_bit_cache_and_keeps_a_rows_bits_in_any_mix
     grows is re-rounded)."""
     from toolkit.engine.scheduler import ScheduledChunk as Chunk
 
-    # the GPU path's kernels instead of the native CPU ones; set here, so make test-fallback has nothing to add
     monkeypatch.setenv("TOOLKIT_NATIVE", "0")
     model = load_model(ModelConfig(**TINY, dtype=dtype)).model
     target = tuple((11 * j + 4) % 96 for j in range(14))
@@ -755,7 +755,6 @@ def test_the_gpu_path_of_other_families_runs_in_the_interpreter(monkeypatch, fam
     RoPE with the cache writes): fp32 logits are torch's CPU path's within 1e-4, bf16 ones no further from fp32 than
     torch's own bf16 path is (and a little), and in the batch-invariant mode (not Gemma2's: refused on CUDA) a
     sequence's rows are the same bits alone and beside other chunks."""
-    # the GPU path's kernels instead of the native CPU ones; set here, so make test-fallback has nothing to add
     monkeypatch.setenv("TOOLKIT_NATIVE", "0")
     target = tuple((11 * j + 4) % 96 for j in range(14))
     alone = [[ScheduledChunk("t", target, 0, (0, 1, 2, 3), samples=True, num_logits=14)]]
