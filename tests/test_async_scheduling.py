@@ -24,8 +24,6 @@ from toolkit.errors import ConfigError
 from toolkit.models import load_model
 from toolkit.sampling.params import SamplingParams
 
-pytestmark = pytest.mark.native  # the batch-invariant mode's kernels (native_only: the tests that need them)
-
 UNSTORED = ("t_emit_s", "logits_row")
 VOCAB = 24  # small: stop tokens are sampled, so steps queued ahead carry rows to drop
 
@@ -88,6 +86,7 @@ def same(rows_a: list[dict], rows_b: list[dict]) -> bool:
     return [repr(r) for r in rows_a] == [repr(r) for r in rows_b]
 
 
+@pytest.mark.native
 @native_only  # the batch-invariant mode
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
@@ -123,6 +122,7 @@ def test_every_row_is_the_same_bits_with_async_scheduling(
     assert same(got, want)
 
 
+@pytest.mark.native
 @native_only  # the batch-invariant mode
 def test_steps_are_resolved_ahead_and_stops_drop_their_queued_rows(model):
     """A fixed workload that stops early and late: most steps are resolved from the queue, the rows are the same
@@ -142,6 +142,7 @@ def test_steps_are_resolved_ahead_and_stops_drop_their_queued_rows(model):
         assert not [x for x in got if x["request_id"] == r["request_id"] and x["position"] > r["position"]]
 
 
+@pytest.mark.native
 def test_the_default_modes_bits_are_unchanged_where_no_row_is_dropped(model):
     """The steps scheduled ahead are the steps the engine schedules: without a row to drop (no stop, EOS ignored,
     the same lengths), the default mode (its matmuls' bits follow the batch's rows; torch's too, the kernels off)
@@ -157,11 +158,13 @@ def test_the_default_modes_bits_are_unchanged_where_no_row_is_dropped(model):
     assert ahead > 0 and same(got, want)
 
 
+@pytest.mark.native
 def test_async_scheduling_refuses_speculative_decoding(model):
     with pytest.raises(ConfigError, match="async_scheduling=true does not combine with speculative decoding"):
         Engine(model, EngineConfig(async_scheduling=True), None, SpeculativeConfig(method="ngram"))
 
 
+@pytest.mark.native
 @native_only  # the batch-invariant mode
 def test_a_request_added_while_a_step_is_queued_replays_from_its_recorded_arrival(model):
     """A request added between steps while the next step is already queued joins the step after it, and that is
@@ -193,6 +196,7 @@ def test_a_request_added_while_a_step_is_queued_replays_from_its_recorded_arriva
     assert strip(replayed) == strip(rows)
 
 
+@pytest.mark.native
 def test_an_async_run_replays_bit_for_bit_and_verifies(tmp_path):
     """A recorded run with async scheduling (stop strings, arrivals, parallel samples, a penalty; SmolLM2's
     tokenizer on the tiny model) replays bit for bit under its own config, and verify's recomputation passes."""
@@ -204,6 +208,7 @@ def test_an_async_run_replays_bit_for_bit_and_verifies(tmp_path):
     assert verify(tmp_path / "run", out_dir=tmp_path / "verify").passed
 
 
+@pytest.mark.native
 @native_only  # the batch-invariant mode
 def test_a_request_aborted_while_its_next_step_is_queued_gets_no_row_there(model):
     """Aborted between steps while the step after is queued with its row (its decide staged too): the queued row
@@ -220,6 +225,7 @@ def test_a_request_aborted_while_its_next_step_is_queued_gets_no_row_there(model
     assert max(r["step"] for r in got if r["request_id"] == aborted) == 3
 
 
+@pytest.mark.native
 @native_only  # the batch-invariant mode
 @pytest.mark.parametrize("stage", ["forward", "stage", "finish"])
 def test_a_request_whose_step_raises_fails_alone_with_async_scheduling(model, stage):
@@ -268,6 +274,7 @@ def test_a_request_whose_step_raises_fails_alone_with_async_scheduling(model, st
     assert e.block_manager.num_free_blocks == e.block_manager.num_blocks
 
 
+@pytest.mark.native
 @native_only  # the batch-invariant mode
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(mix=grammar_mixes(), stops=st.sampled_from([[], ["a"], ["e", "}"]]))

@@ -17,9 +17,8 @@ from toolkit.native import gpu_matmul as gm
 from toolkit.native import invariant_gpu as ig
 from toolkit.native import ops, schedules
 
-pytestmark = pytest.mark.native
 
-
+@pytest.mark.native
 def test_bench_harness_reports_systems_roofline_kernels_and_kv_capacity(tmp_path):
     proc = run_cli(
         "mode=bench",
@@ -83,6 +82,7 @@ def test_bench_harness_reports_systems_roofline_kernels_and_kv_capacity(tmp_path
     assert (tmp_path / "bench.png").is_file()
 
 
+@pytest.mark.native
 @native_only
 def test_the_matmul_shapes_benchmark_times_every_schedule_of_every_weight(tmp_path, capsys):
     """python -m toolkit.bench.matmul_shapes on the tiny shape: every projection and the LM head, every class of rows
@@ -104,6 +104,7 @@ def test_the_matmul_shapes_benchmark_times_every_schedule_of_every_weight(tmp_pa
     assert printed.count(")*") == sum(len(f["classes"]) for f in figures.values())  # one fastest a row
 
 
+@pytest.mark.native
 @native_only
 def test_the_copies_past_the_caches_are_the_weights_in_memory_of_their_own():
     """Each copy holds its weight's bits (the same product, bit for bit) in memory no other weight shares, on a
@@ -120,6 +121,7 @@ def test_the_copies_past_the_caches_are_the_weights_in_memory_of_their_own():
     assert all(w.data.data_ptr() % 64 == 0 for w in copies[3:])
 
 
+@pytest.mark.native
 def test_the_gpu_benchmark_runs_on_the_cpu_and_prints_each_figure(tmp_path, capsys):
     """python -m toolkit.bench.gpu, as CI can run it (the CPU, the small shape): every bucket timed, its
     kernels counted, its floor the step's weight bytes at the measured bandwidth, HF's decode step, the
@@ -178,6 +180,7 @@ def test_the_gpu_benchmark_runs_on_the_cpu_and_prints_each_figure(tmp_path, caps
     assert any(line.startswith("goal ") and "fp32's" in line for line in result["goals"])
 
 
+@pytest.mark.native
 @pytest.mark.parametrize("family", ["qwen3", "gpt2"])
 def test_the_gpu_benchmark_gives_a_config_jsons_shape_random_weights_that_hf_runs_too(tmp_path, capsys, family):
     """--shape a config.json (or its directory): HF transformers' own random init of that architecture, timed in
@@ -242,6 +245,7 @@ def test_the_gpu_benchmarks_wait_clock_counts_the_waits_and_puts_synchronize_bac
     assert 0.03 <= waits.seconds < 1 and torch.cuda.Event.synchronize is slow
 
 
+@pytest.mark.native
 def test_the_host_step_benchmark_takes_the_forward_out(capsys):
     """python -m toolkit.bench.host_step: every batch size with async scheduling off and on, the machine named; the
     forward's seconds are not in the figure (a forward made 20 ms slower leaves it under 20 ms a step; a clock that
@@ -269,6 +273,7 @@ def test_the_host_step_benchmark_takes_the_forward_out(capsys):
     assert clock.seconds >= 3 * 0.02 and 0 < figures[0] < 20
 
 
+@pytest.mark.native
 def test_the_host_step_benchmarks_device_route_runs_a_gpus_host_code_and_is_put_back(monkeypatch):
     """--route device times the host code a GPU's steps run (the sampler's work queued and read once, DeviceSample),
     on the CPU; afterwards the CPU's route is back (devices.off_cpu, TOOLKIT_NATIVE as they were). A route that
@@ -309,6 +314,7 @@ def test_the_gpu_benchmarks_tiling_is_three_powers_of_two_then_its_stages(text, 
         assert gpu_kernels.tiling(text) == blocks
 
 
+@pytest.mark.native
 def test_the_gpu_benchmark_stores_the_weights_n_by_k_when_asked(monkeypatch, capsys):
     """--weights-nk: every engine the run makes reads its projections over (N, K) storage (gpu_matmul.
     store_weights_nk, called once a format, before the engines), and the run says so in its first line."""
@@ -404,6 +410,7 @@ def test_each_products_tiling_is_the_one_whose_worst_batch_is_fastest():
     assert fastest_tilings(figures, "float16") == {}
 
 
+@pytest.mark.native
 def test_the_gpu_benchmark_takes_each_products_tiling_from_a_kernel_tables_json(tmp_path, monkeypatch, capsys):
     """`--kernels --json F` keeps each figure as a record; `--dot-blocks-from F` gives each product the fastest
     tiling there (gpu_matmul.DOT_BLOCKS_BY_SHAPE, fp32's apart) and names the tilings in the run's first line, as a

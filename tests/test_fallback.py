@@ -17,8 +17,6 @@ from toolkit.errors import ConfigError
 from toolkit.paths import cache_root
 from toolkit.sampling.params import SamplingParams
 
-pytestmark = pytest.mark.native
-
 ROOT = Path(__file__).resolve().parents[1]
 WARNING = "toolkit: warning: native CPU kernels unavailable"
 
@@ -46,6 +44,7 @@ def _run(env_extra: dict[str, str], code: str = TWO_ENGINES) -> subprocess.Compl
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.native
 def test_a_failing_compiler_is_tried_once_warned_once_and_recorded(tmp_path):
     calls = tmp_path / "calls"
     fake = tmp_path / "fakecc"
@@ -90,6 +89,7 @@ def test_batch_invariant_without_kernels_is_one_line_naming_the_cause(tiny, monk
     assert "\n" not in message and "batch_invariant=true is unavailable here" in message and "TOOLKIT_NATIVE" in message
 
 
+@pytest.mark.native
 def test_kernel_limits_are_checked_when_the_backend_is_chosen(tiny, monkeypatch):
     """A block size past the kernel's limit: auto takes the torch path and generates; asking for the kernel
     is a one-line error at construction, never an exception at the first forward. (The limits are the built
