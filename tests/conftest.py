@@ -54,8 +54,13 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 SCALE = int(os.environ.get("TOOLKIT_HYPOTHESIS_SCALE") or 1)
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m native` selects
 def pytest_collection_modifyitems(items):
-    """Under TOOLKIT_HYPOTHESIS_SCALE, each property's settings (which override the profile's) scaled once."""
+    """A test under `native_only` is marked `native` too (see native_only). Under TOOLKIT_HYPOTHESIS_SCALE, each
+    property's settings (which override the profile's) scaled once."""
+    for item in items:
+        if any(mark.kwargs.get("reason") == NATIVE_OFF_REASON for mark in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.native)
     if SCALE <= 1:
         return
     for test in {id(f): f for f in (getattr(item, "obj", None) for item in items)}.values():
@@ -84,6 +89,7 @@ def smollm2():
 # TOOLKIT_NATIVE=0 (the documented switch) runs the suite on the torch fallback: a test of the kernels
 # themselves, or of a mode only they give (engine.batch_invariant=true, attention_backend=kernel), skips then
 # with this reason. With the switch on, a kernel that does not build fails those tests: it never skips them.
+# `native_only` marks a test `native` too (pytest_collection_modifyitems), so make test-fallback lists its skip.
 NATIVE_OFF = library.switched_off()
 NATIVE_OFF_REASON = (
     "TOOLKIT_NATIVE=0 switches the native kernels off, and this test checks them or a mode only they give"

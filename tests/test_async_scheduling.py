@@ -86,7 +86,6 @@ def same(rows_a: list[dict], rows_b: list[dict]) -> bool:
     return [repr(r) for r in rows_a] == [repr(r) for r in rows_b]
 
 
-@pytest.mark.native
 @native_only  # the batch-invariant mode
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
@@ -122,7 +121,6 @@ def test_every_row_is_the_same_bits_with_async_scheduling(
     assert same(got, want)
 
 
-@pytest.mark.native
 @native_only  # the batch-invariant mode
 def test_steps_are_resolved_ahead_and_stops_drop_their_queued_rows(model):
     """A fixed workload that stops early and late: most steps are resolved from the queue, the rows are the same
@@ -164,7 +162,6 @@ def test_async_scheduling_refuses_speculative_decoding(model):
         Engine(model, EngineConfig(async_scheduling=True), None, SpeculativeConfig(method="ngram"))
 
 
-@pytest.mark.native
 @native_only  # the batch-invariant mode
 def test_a_request_added_while_a_step_is_queued_replays_from_its_recorded_arrival(model):
     """A request added between steps while the next step is already queued joins the step after it, and that is
@@ -208,7 +205,6 @@ def test_an_async_run_replays_bit_for_bit_and_verifies(tmp_path):
     assert verify(tmp_path / "run", out_dir=tmp_path / "verify").passed
 
 
-@pytest.mark.native
 @native_only  # the batch-invariant mode
 def test_a_request_aborted_while_its_next_step_is_queued_gets_no_row_there(model):
     """Aborted between steps while the step after is queued with its row (its decide staged too): the queued row
@@ -225,7 +221,6 @@ def test_a_request_aborted_while_its_next_step_is_queued_gets_no_row_there(model
     assert max(r["step"] for r in got if r["request_id"] == aborted) == 3
 
 
-@pytest.mark.native
 @native_only  # the batch-invariant mode
 @pytest.mark.parametrize("stage", ["forward", "stage", "finish"])
 def test_a_request_whose_step_raises_fails_alone_with_async_scheduling(model, stage):
@@ -274,7 +269,6 @@ def test_a_request_whose_step_raises_fails_alone_with_async_scheduling(model, st
     assert e.block_manager.num_free_blocks == e.block_manager.num_blocks
 
 
-@pytest.mark.native
 @native_only  # the batch-invariant mode
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(mix=grammar_mixes(), stops=st.sampled_from([[], ["a"], ["e", "}"]]))

@@ -15,7 +15,7 @@ from toolkit.native import library
 from toolkit.native.ops import add_rms_norm_cpu, paged_attention_cpu, paged_attention_cpu_q8, rope_cpu, silu_mul_cpu
 from toolkit.sampling.params import SamplingParams
 
-pytestmark = [pytest.mark.native, native_only]
+pytestmark = native_only
 
 
 def dense_reference(q_NHD, k_cache, v_cache, tables, query_table, query_ctx, scale):

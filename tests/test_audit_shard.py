@@ -257,7 +257,6 @@ def test_a_pack_reads_a_shared_block_only_where_it_holds_the_same_tokens_at_the_
         )
 
 
-@pytest.mark.native
 @native_only  # sharing is the kernel path's: without the kernels each sequence runs alone on sdpa
 def test_prompt_blocks_shared_in_a_pack_give_each_sequence_the_bits_it_gets_alone(tiny):
     from toolkit.engine.runner import recompute_logits, recompute_many

@@ -19,7 +19,7 @@ from toolkit.engine.runner import recompute_logits
 from toolkit.native.ops import matmul_invariant
 from toolkit.sampling.params import SamplingParams
 
-pytestmark = [pytest.mark.native, native_only]
+pytestmark = native_only
 
 TARGET = dict(
     prompt_token_ids=[(37 * i) % 4000 + 11 for i in range(45)],

@@ -82,7 +82,6 @@ def test_bench_harness_reports_systems_roofline_kernels_and_kv_capacity(tmp_path
     assert (tmp_path / "bench.png").is_file()
 
 
-@pytest.mark.native
 @native_only
 def test_the_matmul_shapes_benchmark_times_every_schedule_of_every_weight(tmp_path, capsys):
     """python -m toolkit.bench.matmul_shapes on the tiny shape: every projection and the LM head, every class of rows
@@ -104,7 +103,6 @@ def test_the_matmul_shapes_benchmark_times_every_schedule_of_every_weight(tmp_pa
     assert printed.count(")*") == sum(len(f["classes"]) for f in figures.values())  # one fastest a row
 
 
-@pytest.mark.native
 @native_only
 def test_the_copies_past_the_caches_are_the_weights_in_memory_of_their_own():
     """Each copy holds its weight's bits (the same product, bit for bit) in memory no other weight shares, on a

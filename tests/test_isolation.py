@@ -12,7 +12,7 @@ from tests.conftest import make_engine, native_only
 from toolkit.sampling import processors
 from toolkit.sampling.params import SamplingParams
 
-pytestmark = [pytest.mark.native, native_only]
+pytestmark = native_only
 
 KW = dict(batch_invariant=True, max_num_batched_tokens=24, max_num_seqs=4)
 

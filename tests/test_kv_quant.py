@@ -274,7 +274,6 @@ def test_quantised_run_replays_bit_for_bit_through_swap_and_prefix_caching(tiny,
         replay(tmp_path / "run", ["engine.kv_cache_dtype=auto"], out_dir=tmp_path / "other")
 
 
-@pytest.mark.native
 @native_only
 def test_bad_kv_options_are_one_line_errors(tiny):
     with pytest.raises(ConfigError, match="engine.kv_cache_dtype must be one of"):
@@ -394,7 +393,6 @@ def test_int8_channel_scales_halve_the_block_scales_error_on_smollm2(smollm2, sm
     assert kept["channel"] == len(checked) >= kept["block"], kept
 
 
-@pytest.mark.native
 @native_only
 @pytest.mark.parametrize("kv_dtype,granularity", [("int8", "block"), ("fp8_e4m3", "block"), ("int8", "tensor")])
 def test_native_kernel_reads_quantised_blocks_like_sdpa(kv_dtype, granularity):

@@ -20,7 +20,7 @@ from toolkit.native import cpu, library, schedules
 from toolkit.native.ops import matmul_invariant, pack_weight
 from toolkit.runs.manifest import native_kernels
 
-pytestmark = [pytest.mark.native, native_only]
+pytestmark = native_only
 
 
 def _other_fma_build() -> str:

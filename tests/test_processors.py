@@ -125,7 +125,6 @@ def test_top_p_is_the_smallest_set_reaching_p(path, rows, vocab, scale, p, ties,
         assert float(probs[r][kept].sum()) >= p - 1e-5
 
 
-@pytest.mark.native
 @native_only
 @settings(max_examples=40, deadline=None)
 @given(
@@ -207,7 +206,6 @@ def test_empty_support_is_a_row_error_naming_the_processor():
     assert torch.isfinite(result.processed_RV[1]).sum() == 2
 
 
-@pytest.mark.native
 @native_only  # the changes are made by the sampler's kernel
 def test_repetition_penalty_before_a_sampler_tail_is_handed_over_as_changes():
     """With the sampler applying the tail, the repetition penalty (the last processor before it) becomes its

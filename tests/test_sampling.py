@@ -142,7 +142,6 @@ def test_truncated_support_samples_only_inside_it():
 SPECIAL = st.sampled_from([float("nan"), float("inf"), float("-inf"), 0.0, 80.0, -80.0])
 
 
-@pytest.mark.native
 @native_only
 @settings(max_examples=40, deadline=None)
 @given(
@@ -265,7 +264,6 @@ def test_batched_row_keys_are_row_key(rows):
     assert rng.row_keys(rows) == [rng.row_key(*row) for row in rows]
 
 
-@pytest.mark.native
 @native_only
 @pytest.mark.parametrize(
     "ops",

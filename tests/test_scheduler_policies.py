@@ -59,7 +59,6 @@ def runs(tiny):
     return {p: _run(tiny, p) for p in POLICIES}
 
 
-@pytest.mark.native
 @native_only  # the bits: batch-invariant mode
 def test_greedy_tokens_and_logprob_bits_do_not_depend_on_the_policy(runs):
     base = {i: o.outputs[0].token_ids for i, o in runs["fused"][1].items()}

@@ -18,7 +18,7 @@ from toolkit.native.ops import fixed_schedule, matmul_invariant, pack_weight, pa
 from toolkit.runs.manifest import native_kernels
 from toolkit.sampling.params import SamplingParams
 
-pytestmark = [pytest.mark.native, native_only]
+pytestmark = native_only
 SCHEDULES_OF = schedules.SCHEDULES.__getitem__
 
 
