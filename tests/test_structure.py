@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import conftest
+
 ROOT = Path(__file__).resolve().parents[1] / "toolkit"
 # The packages from the bottom up (docs/architecture.md draws them): a module imports from its own layer or the
 # layers below, never above, type hints included. Within a layer, the cycle check below keeps the order.
@@ -472,7 +474,7 @@ def test_the_marker_check_finds_an_unmarked_greedy_test(tmp_path):
 # --------------------------------------------------------------------------- the native marker
 PLANTED_NATIVE = """
 import pytest
-from tests.conftest import make_engine
+from tests.conftest import make_engine, native_only
 from toolkit.config import ModelConfig
 from toolkit.models import load_model
 
@@ -484,6 +486,11 @@ def test_steps_an_engine_unmarked():
 
 @pytest.mark.native
 def test_steps_an_engine_marked():
+    test_steps_an_engine_unmarked()
+
+
+@native_only
+def test_steps_an_engine_under_native_only():
     test_steps_an_engine_unmarked()
 
 
@@ -500,8 +507,8 @@ def test_steps_an_engine_with_the_kernels_switched_off_itself_unmarked(monkeypat
 @pytest.mark.native  # it runs the planted tests in a child pytest, which asks toolkit.native
 def test_a_test_that_takes_the_native_path_unmarked_fails(tmp_path):
     """make test-fallback reruns only tests marked `native`; the suite's conftest fails a test that takes a path
-    TOOLKIT_NATIVE=0 changes (an engine's forward) without the marker, and passes one that does not, or one that
-    switches the kernels off itself (it takes the fallback's path in both runs)."""
+    TOOLKIT_NATIVE=0 changes (an engine's forward) without the marker, and passes one that does not, one that
+    switches the kernels off itself (it takes the fallback's path in both runs), or one under `native_only`."""
     planted = TESTS / "test_zz_planted_native.py"
     planted.write_text(PLANTED_NATIVE)
     try:
@@ -526,6 +533,15 @@ def test_a_test_that_takes_the_native_path_unmarked_fails(tmp_path):
     finally:
         planted.unlink()
     out = result.stdout
-    assert "4 passed, 1 error" in out, out[-3000:]
+    assert "5 passed, 1 error" in out, out[-3000:]  # native_only marks its test native (tests/conftest.py)
     assert "ERROR tests/test_zz_planted_native.py::test_steps_an_engine_unmarked" in out
     assert "is not marked `native`" in out
+
+
+def test_pytest_loads_the_conftest_the_suite_imports(request):
+    """tests/ is a package, so the conftest whose hooks and fixtures pytest runs is the module the test files import
+    helpers from (`from tests.conftest import ...`), and a test module another imports is loaded once. Without
+    tests/__init__.py pytest loads `conftest` and `test_grammar` beside a second `tests.conftest` and `tests.test_grammar`
+    (nine modules twice)."""
+    assert conftest in request.config.pluginmanager.get_plugins()
+    assert "conftest" not in sys.modules
