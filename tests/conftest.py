@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(items):
     """A test under `native_only` is marked `native` too (see native_only). Under TOOLKIT_HYPOTHESIS_SCALE, each
     property's settings (which override the profile's) scaled once."""
     for item in items:
-        if any(mark.kwargs.get("reason") == NATIVE_OFF_REASON for mark in item.iter_markers("skipif")):
+        if native_only.mark in item.iter_markers("skipif"):
             item.add_marker(pytest.mark.native)
     if SCALE <= 1:
         return

@@ -145,12 +145,18 @@ static int heads_per_chunk(int64_t G, int DV) {
 
 /* One tile (tn <= VL positions, rows[t]) of one query for the heads of KV heads kh0 .. kh1-1 in the range: KV
  * head kh's heads lo[kh] .. hi[kh]-1 in chunks of per[kh] (`chunks` in all), each chunk given its share of
- * the `lines` cache lines in pf to prefetch. */
-INLINE void attend_tile(const int DV, const int q8, const vf *q, vf *acc, float *m, float *l, const void *k_cache,
-                        const void *v_cache, const int64_t *rows, int64_t tn, const float (*ksc)[VL],
-                        const float (*vsc)[VL], const float *lut, const char *const *pf, int64_t lines,
-                        int64_t chunks, int64_t kh0, int64_t kh1, const int64_t *lo, const int64_t *hi,
-                        const int *per) {
+ * the `lines` cache lines in pf to prefetch. It is compiled once per head size and cache format, out of line
+ * (DEFINE_ITEM), and the two copies of attend_query (prefetching or not) share it, one call a tile. Inlined into
+ * both (64 copies of attend_chunk), it made this file take 15 s to compile under gcc 12 -O3 -march=x86-64-v4 on
+ * the AMD EPYC (avx2 avx512f ), 4 s shared, and no measured speed: prompt and decode attention time the same
+ * within 2-3%, the same bits. */
+#define TILE_PARAMS                                                                                                \
+    const vf *q, vf *acc, float *m, float *l, const void *k_cache, const void *v_cache, const int64_t *rows,        \
+        int64_t tn, const float(*ksc)[VL], const float(*vsc)[VL], const float *lut, const char *const *pf,          \
+        int64_t lines, int64_t chunks, int64_t kh0, int64_t kh1, const int64_t *lo, const int64_t *hi, const int *per
+#define TILE_ARGS q, acc, m, l, k_cache, v_cache, rows, tn, ksc, vsc, lut, pf, lines, chunks, kh0, kh1, lo, hi, per
+typedef void (*tile_fn)(TILE_PARAMS);
+INLINE void attend_tile(const int DV, const int q8, TILE_PARAMS) {
     const int64_t D = DV * VL, share = (lines + chunks - 1) / chunks;
     const vi valid = lane_index() < splati((int32_t)tn);
     int64_t chunk = 0;
@@ -171,51 +177,14 @@ INLINE void attend_tile(const int DV, const int q8, const vf *q, vf *acc, float 
     }
 }
 
-/* attend_tile compiled once per head size and cache format, out of line: the two copies of attend_query
- * (prefetching or not) share it, one call per tile. Inlined into both (64 copies of attend_chunk), it made this
- * file take 15 s to compile under gcc 12 -O3 -march=x86-64-v4 on the AMD EPYC (avx2 avx512f ), 4 s shared, and
- * no measured speed: prompt and decode attention time the same within 2-3%, the same bits. */
-typedef void (*tile_fn)(const vf *q, vf *acc, float *m, float *l, const void *k_cache, const void *v_cache,
-                        const int64_t *rows, int64_t tn, const float (*ksc)[VL], const float (*vsc)[VL],
-                        const float *lut, const char *const *pf, int64_t lines, int64_t chunks, int64_t kh0,
-                        int64_t kh1, const int64_t *lo, const int64_t *hi, const int *per);
-#define DEFINE_TILE(NAME, DV, Q8)                                                                                \
-static __attribute__((noinline)) void NAME(const vf *q, vf *acc, float *m, float *l, const void *k_cache,        \
-                                           const void *v_cache, const int64_t *rows, int64_t tn,                  \
-                                           const float (*ksc)[VL], const float (*vsc)[VL], const float *lut,      \
-                                           const char *const *pf, int64_t lines, int64_t chunks, int64_t kh0,     \
-                                           int64_t kh1, const int64_t *lo, const int64_t *hi, const int *per) {   \
-    attend_tile(DV, Q8, q, acc, m, l, k_cache, v_cache, rows, tn, ksc, vsc, lut, pf, lines, chunks, kh0, kh1, lo, \
-                hi, per);                                                                                        \
-}
-DEFINE_TILE(tile_f32_64, 64 / VL, CACHE_F32)
-DEFINE_TILE(tile_f32_128, 128 / VL, CACHE_F32)
-DEFINE_TILE(tile_q8_64, 64 / VL, CACHE_Q8)
-DEFINE_TILE(tile_q8_128, 128 / VL, CACHE_Q8)
-DEFINE_TILE(tile_bf16_64, 64 / VL, CACHE_BF16)
-DEFINE_TILE(tile_bf16_128, 128 / VL, CACHE_BF16)
-DEFINE_TILE(tile_f16_64, 64 / VL, CACHE_F16)
-DEFINE_TILE(tile_f16_128, 128 / VL, CACHE_F16)
-
-/* the tile function for head size DV and cache format q8 (constants where it is inlined) */
-INLINE tile_fn tile_for(const int DV, const int q8) {
-    const int wide = DV != 64 / VL;
-    switch (q8) {
-    case CACHE_F32: return wide ? tile_f32_128 : tile_f32_64;
-    case CACHE_Q8: return wide ? tile_q8_128 : tile_q8_64;
-    case CACHE_BF16: return wide ? tile_bf16_128 : tile_bf16_64;
-    default: return wide ? tile_f16_128 : tile_f16_64;
-    }
-}
-
 /* One query token, its heads h0 .. h1-1, over its sequence's first ctx positions in tiles of VL: each
  * tile's K rows (then V rows) of every KV head lie contiguously in the cache. The heads of one KV head in
  * the range go in chunks of heads_per_chunk of their count; a head's bits are the same whatever its range
- * and chunk (see attend_chunk). When `prefetch`, the rows PF_AHEAD positions on are prefetched, a share per
- * chunk (see PREFETCH). */
-INLINE void attend_query(const int DV, const int q8, const float *qn, const void *k_cache, const void *v_cache,
-                         const int64_t *table, int64_t ctx, int64_t H, int64_t K, int64_t BS, float scale,
-                         float *out, const float *k_scales, const float *v_scales, int64_t scale_stride,
+ * and chunk (see attend_chunk). `tile` is attend_tile for DV and q8. When `prefetch`, the rows PF_AHEAD
+ * positions on are prefetched, a share per chunk (see PREFETCH). */
+INLINE void attend_query(const int DV, const int q8, const tile_fn tile, const float *qn, const void *k_cache,
+                         const void *v_cache, const int64_t *table, int64_t ctx, int64_t H, int64_t K, int64_t BS,
+                         float scale, float *out, const float *k_scales, const float *v_scales, int64_t scale_stride,
                          const float *lut, const int prefetch, int64_t h0, int64_t h1) {
     const int64_t D = DV * VL, G = H / K, esize = q8 == CACHE_Q8 ? 1 : q8 == CACHE_F32 ? 4 : 2;
     const int64_t row_bytes = K * D * esize;
@@ -261,8 +230,8 @@ INLINE void attend_query(const int DV, const int q8, const float *qn, const void
                     pf[lines++] = (const char *)v_cache + start + 64 * j;
                 }
             }
-        tile_for(DV, q8)(q, acc, m, l, k_cache, v_cache, rows, tn, (const float (*)[VL])ksc, (const float (*)[VL])vsc,
-                         lut, lines ? pf : NULL, lines, chunks, kh0, kh1, lo, hi, per);
+        tile(q, acc, m, l, k_cache, v_cache, rows, tn, (const float (*)[VL])ksc, (const float (*)[VL])vsc, lut,
+             lines ? pf : NULL, lines, chunks, kh0, kh1, lo, hi, per);
     }
     for (int64_t h = h0; h < h1; h++) {
         const vf inv = splat(1.0f / l[h]);
@@ -271,16 +240,17 @@ INLINE void attend_query(const int DV, const int q8, const float *qn, const void
 }
 
 #define DEFINE_ITEM(NAME, DV, Q8, ELEM)                                                                         \
+static __attribute__((noinline)) void NAME##_tile(TILE_PARAMS) { attend_tile(DV, Q8, TILE_ARGS); }             \
 static void NAME(const float *qn, const ELEM *k_cache, const ELEM *v_cache, const int64_t *table, int64_t ctx,  \
                  int64_t H, int64_t K, int64_t BS, float scale, float *out, const float *k_scales,             \
                  const float *v_scales, int64_t scale_stride, const float *lut, int prefetch, int64_t h0,      \
                  int64_t h1) {                                                                                 \
     if (prefetch) /* two copies, so the one without prefetching carries none of its bookkeeping */          \
-        attend_query(DV, Q8, qn, k_cache, v_cache, table, ctx, H, K, BS, scale, out, k_scales, v_scales,       \
-                     scale_stride, lut, 1, h0, h1);                                                           \
+        attend_query(DV, Q8, NAME##_tile, qn, k_cache, v_cache, table, ctx, H, K, BS, scale, out, k_scales,    \
+                     v_scales, scale_stride, lut, 1, h0, h1);                                                 \
     else                                                                                                       \
-        attend_query(DV, Q8, qn, k_cache, v_cache, table, ctx, H, K, BS, scale, out, k_scales, v_scales,       \
-                     scale_stride, lut, 0, h0, h1);                                                           \
+        attend_query(DV, Q8, NAME##_tile, qn, k_cache, v_cache, table, ctx, H, K, BS, scale, out, k_scales,    \
+                     v_scales, scale_stride, lut, 0, h0, h1);                                                 \
 }
 
 /* How many ranges of heads each query is split into, each range one work item: 1 where the queries alone give
