@@ -116,32 +116,13 @@ if triton is not None:
 
 def matmul(x_MK: torch.Tensor, w_KN: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x @ w, (M, N), each row's sums in one order whatever M is, in fp32, rounded to `out_dtype` at the end."""
-    m, k = x_MK.shape
-    n = w_KN.shape[1]
+    m, n = x_MK.shape[0], w_KN.shape[1]
     if not available(x_MK):
         return matmul_rows(x_MK, w_KN).to(out_dtype)
     out = torch.empty((m, n), dtype=out_dtype, device=x_MK.device)
     if m == 0:
         return out
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    _matmul_kernel[grid](
-        x_MK,
-        w_KN,
-        out,
-        m,
-        n,
-        k,
-        x_MK.stride(0),
-        x_MK.stride(1),
-        w_KN.stride(0),
-        w_KN.stride(1),
-        out.stride(0),
-        out.stride(1),
-        BM=BLOCK_M,
-        BN=BLOCK_N,
-        BK=BLOCK_K,
-        **FIXED,
-    )
+    _launch(_matmul_kernel, x_MK, w_KN, out, (BLOCK_M, BLOCK_N, BLOCK_K))
     return out
 
 
@@ -272,29 +253,28 @@ def matmul_dot(
     out = torch.empty((m, n), dtype=out_dtype, device=x_MK.device)
     if m == 0:
         return out
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _matmul_dot_kernel[grid](
+    _launch(
+        _matmul_dot_kernel,
         x_MK,
         w_KN,
         out,
-        m,
-        n,
-        k,
-        x_MK.stride(0),
-        x_MK.stride(1),
-        w_KN.stride(0),
-        w_KN.stride(1),
-        out.stride(0),
-        out.stride(1),
-        BM=bm,
-        BN=bn,
-        BK=bk,
+        (bm, bn, bk),
         PRECISION="ieee" if widen or x_MK.dtype == torch.float32 else "tf32",
         WIDEN=widen,
-        **FIXED,
         **pipeline,
     )
     return out
+
+
+def _launch(
+    kernel, x_MK: torch.Tensor, w_KN: torch.Tensor, out: torch.Tensor, blocks: tuple[int, int, int], **meta
+) -> None:
+    """One launch of a matmul kernel over (BM, BN) tiles of `out`: the shapes, then each operand's two strides."""
+    (m, k), n, (bm, bn, bk) = x_MK.shape, w_KN.shape[1], blocks
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    kernel[grid](
+        x_MK, w_KN, out, m, n, k, *x_MK.stride(), *w_KN.stride(), *out.stride(), BM=bm, BN=bn, BK=bk, **FIXED, **meta
+    )
 
 
 def matmul_rows(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
