@@ -275,24 +275,7 @@ def paged_attention_cpu(
         q_NHD = q_NHD.contiguous()
     direct = out_NHD is not None and dtype == torch.float32
     out = out_NHD if direct else torch.empty((n, h, d), dtype=torch.float32)
-    args = (
-        q_NHD.data_ptr(),
-        q_NHD.stride(0),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        block_tables_SB.data_ptr(),
-        block_tables_SB.stride(0),
-        query_table_N.data_ptr(),
-        query_ctx_N.data_ptr(),
-        out.data_ptr(),
-        n,
-        h,
-        k,
-        d,
-        bs,
-        float(scale),
-        torch.get_num_threads(),
-    )
+    args = _attention_args(q_NHD, k_cache, v_cache, block_tables_SB, query_table_N, query_ctx_N, out, scale)
     if k_cache.dtype == torch.float32:
         rc = resolve(lib).fn["paged_attention"](*args)
     else:
@@ -338,13 +321,30 @@ def paged_attention_cpu_q8(
             lib,
         )
         return out_NHD.copy_(out32)
-    n, h, d = q_NHD.shape
-    _, bs, k, _ = k_cache.shape
+    _, h, d = q_NHD.shape
+    k = k_cache.shape[2]
     if q_NHD.stride(2) != 1 or q_NHD.stride(1) != d:
         q_NHD = q_NHD.contiguous()
     lut = fp8_decode_table().data_ptr() if k_cache.dtype == torch.float8_e4m3fn else None
     stride = k_scales.stride(0) if k_scales.dim() == 2 else 0
     rc = resolve(lib).fn["paged_attention_q8"](
+        *_attention_args(q_NHD, k_cache, v_cache, block_tables_SB, query_table_N, query_ctx_N, out_NHD, scale),
+        k_scales.data_ptr(),
+        v_scales.data_ptr(),
+        stride,
+        lut,
+    )
+    if rc != 0:
+        raise KernelUnavailable(f"quantised paged attention kernel refused shapes H={h} K={k} D={d}")
+    return out_NHD
+
+
+def _attention_args(q_NHD, k_cache, v_cache, block_tables_SB, query_table_N, query_ctx_N, out_NHD, scale) -> tuple:
+    """The paged-attention kernels' common arguments, as C takes them: pointers and row strides, then the shapes
+    (N, H, K, D, block size), the scale and the threads."""
+    n, h, d = q_NHD.shape
+    _, bs, k, _ = k_cache.shape
+    return (
         q_NHD.data_ptr(),
         q_NHD.stride(0),
         k_cache.data_ptr(),
@@ -361,14 +361,7 @@ def paged_attention_cpu_q8(
         bs,
         float(scale),
         torch.get_num_threads(),
-        k_scales.data_ptr(),
-        v_scales.data_ptr(),
-        stride,
-        lut,
     )
-    if rc != 0:
-        raise KernelUnavailable(f"quantised paged attention kernel refused shapes H={h} K={k} D={d}")
-    return out_NHD
 
 
 def decoder_layers_cpu(
