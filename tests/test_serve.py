@@ -427,7 +427,7 @@ def test_a_served_run_is_traced_replayed_bit_identical_and_verified(smollm2, tmp
     assert checked.passed, checked.summary_line()
 
 
-def _serve_process(run_dir: Path, port: int) -> subprocess.Popen:
+def _serve_process(run_dir: Path, port: int, *overrides: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
         [
@@ -437,6 +437,7 @@ def _serve_process(run_dir: Path, port: int) -> subprocess.Popen:
             f"serve.port={port}",
             f"hydra.run.dir={run_dir}",
             "engine.num_threads=1",
+            *overrides,
         ],
         cwd=ROOT,
         env=env,
@@ -462,11 +463,22 @@ def _wait_healthy(url: str, proc: subprocess.Popen) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "kill-9"])
 def test_mode_serve_closes_cleanly_on_sigterm_and_stays_readable_after_kill_9(tmp_path, sig):
     run_dir, port = tmp_path / "served", free_port()
-    proc = _serve_process(run_dir, port)
+    # a grammar compiling for minutes when the signal comes (past its 1 s limit: a 400, and its compile goes on)
+    # does not keep the process alive: the compiler's threads were joined at exit, and a stopped server ran on
+    proc = _serve_process(run_dir, port, "serve.grammar_timeout_s=1", "serve.max_schema_chars=100000")
     try:
         _wait_healthy(f"http://127.0.0.1:{port}", proc)
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         c.completions.create(model="smollm2", prompt="Finished before the signal:", max_tokens=20, temperature=0.5)
+        if sig == signal.SIGTERM:
+            schema = {"type": "string", "enum": ["x" * 40_000 + end for end in "ab"]}  # minutes to compile
+            with pytest.raises(openai.BadRequestError, match="serve.grammar_timeout_s=1"):
+                c.chat.completions.create(
+                    model="smollm2",
+                    messages=[{"role": "user", "content": "Pick"}],
+                    max_tokens=2,
+                    response_format={"type": "json_schema", "json_schema": {"name": "slow", "schema": schema}},
+                )
         pool = ThreadPoolExecutor(3)
 
         def stream(i: int) -> str | None:  # the finish_reason its last chunk carried

@@ -18,6 +18,7 @@ from tests.conftest import make_engine, once
 from toolkit.sampling.params import SamplingParams
 from toolkit.serve.loop import handoff_wait_for
 from toolkit.serve.main import serve_config, start_server
+from toolkit.serve.protocol import schema_text
 
 pytestmark = pytest.mark.native
 
@@ -36,6 +37,12 @@ def server(tiny):
     srv = start_server(make_engine(tiny, sampling=SamplingParams(), max_num_seqs=4), None)
     yield srv
     srv.stop()
+
+
+def long_enum(chars: int, salt: str = "") -> dict:
+    """A string schema of two enum values `chars` long that share all but their last character: xgrammar's compile
+    of such alternatives grows with the square of their length (5,000: about 2 s; 8,000: 5.6 s; 40,000: minutes)."""
+    return {"type": "string", "enum": [salt + "x" * (chars - len(salt) - 1) + end for end in "ab"]}
 
 
 def refused(r: httpx.Response, status: int, param: str | None) -> dict:
@@ -72,6 +79,16 @@ HOSTILE = {  # name -> (route, body, status, param, what the message says)
         400,
         "response_format.json_schema.schema",
         "serve.max_schema_depth=64",
+    ),
+    "a schema of two enum strings of 10,000 characters": (
+        "chat/completions",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "long", "schema": long_enum(10_000)}},
+        },
+        400,
+        "response_format.json_schema.schema",
+        "too long to compile: 20000 (serve.max_schema_chars=16384)",
     ),
     "32 stop strings of 1000 characters": (
         "completions",
@@ -290,6 +307,65 @@ def test_compiles_that_outlive_their_time_limit_hold_their_own_threads_and_a_bou
         refused(chat(nested_schema(2)), 400, "response_format")  # taken again (and timed out at 1 ms)
     finally:
         srv.stop()
+
+
+def test_a_grammar_queued_behind_others_past_its_time_limit_is_a_503_not_its_schemas_fault(tiny):
+    """Two slow compiles hold the compiler's two threads; a trivial schema queued behind them past
+    serve.grammar_timeout_s got the 400 meant for a schema that is slow to compile ("compiling its grammar took
+    longer than this server allows"), and went on getting it while the threads were busy. Now its time limit counts
+    from its compile's start: waiting for a thread past it is a 503 + Retry-After, and the compile never runs."""
+    srv = start_server(make_engine(tiny, sampling=SamplingParams()), None, grammar_timeout_s=0.3)
+    compiler = srv.uvicorn.config.app.state.compiler
+
+    def chat(schema: dict) -> httpx.Response:
+        body = {
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        }
+        return httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=120)
+
+    try:
+        slow = [threading.Thread(target=chat, args=(long_enum(5000, salt),)) for salt in "pq"]
+        for thread in slow:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while compiler.compiling < 2:  # both threads taken
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = chat(nested_schema(2))
+        error = refused(r, 503, None)
+        assert "threads were busy with other requests' grammars" in error["message"], error
+        assert int(r.headers["retry-after"]) >= 1
+        for thread in slow:
+            thread.join()
+        deadline = time.monotonic() + 120
+        while compiler.compiling:  # the slow two end (and were cached); the queued one never ran
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        srv.stop()
+
+
+def test_a_schemas_text_counts_names_literals_and_patterns_not_keywords_or_annotations():
+    """serve.max_schema_chars counts the text a grammar holds: property and definition names, enum and const values
+    (nested, their keys too) and patterns, wherever they sit (under items, anyOf, a definition); not keywords, type
+    names, `required` (names already counted), descriptions or titles, nor a literal that looks like a schema."""
+    schema = {
+        "type": "object",
+        "description": "d" * 100,
+        "title": "t" * 100,
+        "properties": {
+            "name": {"type": "string", "pattern": "^[a-z]+$"},  # 4 + 8
+            "kind": {"enum": ["ab", "c", {"k": "vv"}, 7]},  # 4 + 3 + 3
+            "tags": {"type": "array", "items": {"anyOf": [{"const": "xyz"}, {"$ref": "#/$defs/Tag"}]}},  # 4 + 3
+        },
+        "required": ["name", "kind", "tags"],
+        "$defs": {"Tag": {"type": "string", "const": {"properties": "p"}}},  # 3 + 10 + 1
+    }
+    assert schema_text(schema) == 4 + 8 + 4 + 3 + 3 + 4 + 3 + 3 + 10 + 1
+    assert schema_text({"type": "object", "properties": {"description": {"const": "q" * 9}}}) == 11 + 9
+    assert schema_text(long_enum(10_000)) == 20_000
 
 
 def test_a_full_server_refuses_before_it_compiles_a_grammar(tiny):
@@ -681,6 +757,15 @@ def test_head_reads_the_get_routes_and_a_trailing_slash_is_a_404_naming_the_rout
     r = httpx.post(f"{server.url}/v1/completions/", json={"prompt": "Hi", "max_tokens": 1}, headers={"Host": "x"})
     error = refused(r, 404, None)
     assert "no route POST /v1/completions/" in error["message"] and "/v1/completions," in error["message"]
+    assert error["message"].count("/v1/models") == 1, error["message"]
+    # HEAD is in the OpenAPI document (Schemathesis fuzzes it) under its own operationId: one route of GET and HEAD
+    # gave both the GET's, and fastapi warned "Duplicate Operation ID" each time the document was built
+    paths = httpx.get(server.url + "/openapi.json", timeout=30).json()["paths"]
+    ids = [operation["operationId"] for item in paths.values() for operation in item.values()]
+    assert len(ids) == len(set(ids)), sorted(ids)
+    assert all(set(paths[p]) == {"get", "head"} for p in ("/health", "/metrics", "/v1/models", "/v1/models/{model}"))
+    r = httpx.post(server.url + "/health", timeout=30)
+    assert refused(r, 405, None)["message"] == "POST /health: this route does not take POST"
 
 
 def _two_answers(url: str, requests: bytes) -> bytes:

@@ -96,11 +96,16 @@ class Api:
         self.app = FastAPI(title="toolkit", lifespan=self._lifespan(on_shutdown), redirect_slashes=False)
         app = self.app
         app.state.compiler = self.compiler  # what /metrics-like checks read of it (tests)
-        reads = ["GET", "HEAD"]  # HEAD as GET without its body (health checkers probe with it)
-        app.add_api_route("/health", _weakly(self.health), methods=reads)
-        app.add_api_route("/metrics", _weakly(self.render_metrics), methods=reads)
-        app.add_api_route("/v1/models", _weakly(self.models), methods=reads)
-        app.add_api_route("/v1/models/{model:path}", _weakly(self.model), methods=reads)
+        reads = (
+            ("/health", self.health),
+            ("/metrics", self.render_metrics),
+            ("/v1/models", self.models),
+            ("/v1/models/{model:path}", self.model),
+        )
+        for path, read in reads:  # HEAD as GET without its body (health checkers probe with it)
+            for method in ("GET", "HEAD"):  # a route each: one route of two methods gives both one operationId
+                name = f"{read.__name__}_{method.lower()}"
+                app.add_api_route(path, _weakly(read), methods=[method], name=name, operation_id=name)
         app.add_exception_handler(HTTPException, self._no_such_route)
         app.add_api_route(
             "/v1/completions",
@@ -187,7 +192,8 @@ class Api:
     async def _no_such_route(self, request: Request, exc: HTTPException) -> Response:
         """Starlette's own answers (no such route: 404; a route without that method: 405) in OpenAI's error shape."""
         where = f"{request.method} {request.url.path}"
-        served = ", ".join(r.path for r in self.app.routes if r.path.startswith("/v1/") and "{" not in r.path)
+        paths = dict.fromkeys(r.path for r in self.app.routes if r.path.startswith("/v1/") and "{" not in r.path)
+        served = ", ".join(paths)  # each path once (GET and HEAD are a route each)
         message = {
             404: f"no route {where} on this server (it serves {served})",
             405: f"{where}: this route does not take {request.method}",

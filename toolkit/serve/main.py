@@ -89,6 +89,7 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "max_metadata",
         "max_schema_depth",
         "max_schema_nodes",
+        "max_schema_chars",
         "limit_concurrency",
         "timeout_keep_alive",
         "max_compiling",

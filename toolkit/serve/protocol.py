@@ -305,6 +305,7 @@ class Limits:
     max_metadata: int = 16  # `metadata` pairs (OpenAI's limits: 16 pairs, keys <= 64 and values <= 512 chars)
     max_schema_depth: int = 64  # nesting of response_format's JSON schema (a grammar's compile time grows with it)
     max_schema_nodes: int = 10000  # objects, arrays and values in that schema
+    max_schema_chars: int = 16384  # characters of its property names, enum and const values and patterns
     grammar_timeout_s: float = 10.0  # compiling a request's grammar past this: 400
     max_unread_mb: float = 4.0  # a request's output its client has not read yet, past which it is aborted
     stream_write_timeout_s: float = 30.0  # a stream whose client takes no bytes for this long: requests aborted
@@ -361,7 +362,12 @@ class Limits:
         schema = req.structured_outputs()
         if schema is not None:
             depth, nodes = json_shape(schema["json"], self.max_schema_depth, self.max_schema_nodes)
-            for what, value, knob in (("nested", depth, "max_schema_depth"), ("large", nodes, "max_schema_nodes")):
+            for what, value, knob in (
+                ("nested", depth, "max_schema_depth"),
+                ("large", nodes, "max_schema_nodes"),
+                ("long", None, "max_schema_chars"),  # walked once depth and size are known to be bounded
+            ):
+                value = schema_text(schema["json"]) if value is None else value
                 if value > getattr(self, knob):
                     raise FieldError(
                         "response_format.json_schema.schema",
@@ -381,6 +387,32 @@ def json_shape(value: Any, max_depth: int, max_nodes: int) -> tuple[int, int]:
         children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
         todo.extend((child, level + 1) for child in children)
     return depth, nodes
+
+
+NAMES, LITERALS = frozenset({"properties", "patternProperties", "$defs", "definitions"}), frozenset({"enum", "const"})
+
+
+def schema_text(schema: Any) -> int:
+    """Characters of the text a JSON schema's grammar holds (walked without recursion, once json_shape bounds it):
+    property and definition names, enum and const values (nested too) and patterns, not keywords or annotations.
+    xgrammar's compile of alternatives sharing a prefix grows with its length squared (docs/serving.md)."""
+    chars, todo = 0, [(schema, "schema")]
+    while todo:
+        item, role = todo.pop()
+        if isinstance(item, list):
+            todo.extend((child, role) for child in item)
+        elif isinstance(item, str):
+            chars += len(item) if role == "literal" else 0
+        elif isinstance(item, dict) and role == "schema":
+            for key, child in item.items():
+                if key == "pattern" and isinstance(child, str):
+                    chars += len(child)
+                else:
+                    todo.append((child, "names" if key in NAMES else "literal" if key in LITERALS else "schema"))
+        elif isinstance(item, dict):  # a names' map (its keys, then subschemas) or a literal object
+            chars += sum(map(len, item))
+            todo.extend((child, "schema" if role == "names" else role) for child in item.values())
+    return chars
 
 
 class FieldError(ValueError):
