@@ -12,9 +12,13 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+import tokenizers
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.conftest import make_engine, once
+from toolkit.models.tokenizer import _max_token_chars
 from toolkit.sampling.params import SamplingParams
 from toolkit.serve.loop import handoff_wait_for
 from toolkit.serve.main import serve_config, start_server
@@ -639,27 +643,93 @@ def test_the_engine_thread_tokenizes_no_prompt_and_a_huge_one_is_refused_off_it(
     """Prompts are tokenized and checked against the context on a handler's thread (the tokenizer lets the GIL go
     there) and reach the engine as ids beside their text: a 2 MB prompt, a chat message of 2 MB, 300,000 ids are
     each a 400 naming the field, and neither they nor a good request cost the engine thread a tokenization (an
-    8 MB prompt held it 4 s: every stream waited). Usage counts the prompt's tokens from the first chunk."""
+    8 MB prompt held it 4 s: every stream waited). A text longer than the context's tokens can spell (its
+    characters over the most one token spells) is refused before it is tokenized at all: an 8 MB prompt's tokens
+    took 1-2 GB, not all given back. Usage counts the prompt's tokens from the first chunk."""
     tokenizer = server.loop.engine.tokenizer
     encode, threads = tokenizer.encode, []
     monkeypatch.setattr(
         tokenizer, "encode", lambda *a, **k: (threads.append(threading.current_thread().name), encode(*a, **k))[1]
     )
-    big = "hello world " * 170_000
-    for route, body, param in (
-        ("completions", {"prompt": big, "max_tokens": 1}, "prompt"),
-        ("chat/completions", {"messages": [{"role": "user", "content": big}], "max_tokens": 1}, "messages"),
-        ("completions", {"prompt": [1] * 300_000, "max_tokens": 1}, "prompt"),
+    context = server.loop.engine.max_model_len
+    big, over = "hello world " * 170_000, "hello world " * (context // 2)  # 2 MB; the context's tokens and 1
+    assert tokenizer.least_tokens(big) >= context > tokenizer.least_tokens(over)
+    for route, body, param, says in (
+        ("completions", {"prompt": big, "max_tokens": 1}, "prompt", "prompt has at least 25186 tokens"),
+        ("chat/completions", {"messages": [{"role": "user", "content": big}], "max_tokens": 1}, "messages", "least"),
+        ("completions", {"prompt": [1] * 300_000, "max_tokens": 1}, "prompt", "300000 tokens"),
+        ("completions", {"prompt": over, "max_tokens": 1}, "prompt", f"prompt has {context + 1} tokens"),
+        ("chat/completions", {"messages": [{"role": "user", "content": over}], "max_tokens": 1}, "messages", "has"),
     ):
         error = refused(httpx.post(f"{server.url}/v1/{route}", json=body, timeout=60), 400, param)
-        assert "engine.max_model_len" in error["message"], error
+        assert "engine.max_model_len" in error["message"] and says in error["message"], error
+    assert len(threads) == 2, threads  # the two prompts the context's bound could not refuse were tokenized
     body = {"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 3, "stream": True}
     body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     prompt_tokens = {e["usage"]["prompt_tokens"] for e in events if e.get("usage")}
     assert len(prompt_tokens) == 1 and prompt_tokens.pop() > 0, events
-    assert len(threads) >= 3 and "engine-loop" not in threads, threads
+    assert len(threads) == 3 and "engine-loop" not in threads, threads
+
+
+PIECES = [
+    "#" * 80,
+    "\n" + " " * 80,
+    " " + "=" * 79,
+    "<|im_start|>",
+    "<|endoftext|>",
+    "é",
+    "🙂",
+    " the",
+    "a",
+    "\x16",
+    "\x1d",
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(st.characters(codec="utf-8"), max_size=300) | st.lists(st.sampled_from(PIECES)).map("".join))
+def test_a_texts_least_tokens_never_exceed_its_tokens(tiny, text):
+    """Tokenizer.least_tokens, which refuses a prompt before it is tokenized, is a lower bound on its token count:
+    any characters (multi-byte ones split into byte tokens), runs the vocabulary's longest tokens spell (81
+    characters of SmolLM2's: a line of spaces, of #), special tokens' text; and on a chat's rendered text."""
+    tokenizer = tiny.tokenizer
+    assert tokenizer.max_token_chars == 81 and tokenizer._dropped == "\x04\x06\x13\x14\x16\x1d"
+    assert tokenizer.least_tokens(text) <= len(tokenizer.encode(text))
+    rendered = tokenizer.render_chat([{"role": "user", "content": text}])
+    assert tokenizer.least_tokens(rendered) <= len(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def test_a_tokenizer_that_may_drop_characters_bounds_nothing_and_dropped_controls_are_not_counted():
+    """A normalizer or a pre-tokenizer that drops characters (BERT's drops spaces: a million of them are no token)
+    leaves no bound: least_tokens is 0 and the text is tokenized. A byte-level BPE whose vocabulary lacks an ASCII
+    control's byte drops that character (SmolLM2's lacks six: a prompt of \\x16 is no token), so those are not
+    counted; one that lacks a continuation byte could drop a character of several bytes whole: no bound."""
+    bert = tokenizers.Tokenizer(tokenizers.models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    bert.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    assert _max_token_chars(bert) == (None, "")
+    bert.pre_tokenizer, bert.normalizer = None, tokenizers.normalizers.Lowercase()
+    assert _max_token_chars(bert) == (None, "")
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    spell = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str
+    lacking = {spell("\x16")[0][0]}
+    byte_level = tokenizers.Tokenizer(
+        tokenizers.models.BPE({c: i for i, c in enumerate([*(set(alphabet) - lacking), "aaaa"])}, [])
+    )
+    byte_level.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert _max_token_chars(byte_level) == (4, "\x16")
+    assert byte_level.encode("\x16\x16").ids == []  # what the bound assumes: the character spells no token
+    byte_level.pre_tokenizer = tokenizers.pre_tokenizers.Sequence(
+        [tokenizers.pre_tokenizers.Split(" ", "removed"), tokenizers.pre_tokenizers.ByteLevel()]
+    )
+    assert _max_token_chars(byte_level) == (None, "")  # the split drops the spaces
+    lacking = {spell(bytes([0xC2, 0x99]).decode())[0][0][1]}  # a continuation byte
+    no_continuation = tokenizers.Tokenizer(
+        tokenizers.models.BPE({c: i for i, c in enumerate(set(alphabet) - lacking)}, [])
+    )
+    no_continuation.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+    assert _max_token_chars(no_continuation) == (None, "")
 
 
 def _raw_answer(sock: socket.socket) -> tuple[int, dict]:

@@ -146,10 +146,10 @@ class RequestIntake:
         self._check_context(len(ids))
         return ids
 
-    def _check_context(self, prompt_len: int) -> None:
+    def _check_context(self, prompt_len: int, bound: str = "") -> None:
         if prompt_len >= self.max_model_len:
             raise RequestError(
-                f"prompt has {prompt_len} tokens but the context is {self.max_model_len} "
+                f"prompt has {bound}{prompt_len} tokens but the context is {self.max_model_len} "
                 f"(engine.max_model_len); shorten the prompt"
             )
 
@@ -182,12 +182,15 @@ class RequestIntake:
                 raise RequestError("this model has no tokenizer matching its vocabulary; give prompt_token_ids")
             if messages is not None:
                 _check_text(messages, "messages")
-                ids = self.tokenizer.apply_chat_template(messages)
+                rendered = self.tokenizer.render_chat(messages)
+                self._check_context(self.tokenizer.least_tokens(rendered), "at least ")
+                ids = self.tokenizer.encode(rendered, add_special_tokens=False)
                 text = self.tokenizer.decode(ids, skip_special_tokens=False)
             else:
                 if not isinstance(prompt, str):
                     raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
                 _check_text(prompt, "prompt")
+                self._check_context(self.tokenizer.least_tokens(prompt), "at least ")  # before its tokens are made
                 ids, text = self.tokenizer.encode(prompt), prompt
         if not ids:
             raise RequestError("the prompt is empty")

@@ -49,6 +49,7 @@ class Tokenizer:
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        self.max_token_chars, self._dropped = _max_token_chars(self._tok)
         digest = hashlib.sha256(path.read_bytes())
         digest.update((self.chat_template or "").encode())
         self.digest = digest.hexdigest()
@@ -57,6 +58,14 @@ class Tokenizer:
         # encode_batch gives the same ids and lets the GIL go while it works (encode holds it: a server's handler
         # tokenizing an 8 MB prompt stopped the engine thread for seconds)
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def least_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)), read without tokenizing (0 where none is known): a prompt of millions
+        of characters is refused against the context before its tokens (hundreds of bytes each) are made."""
+        if not self.max_token_chars:
+            return 0
+        spelled = len(text) - sum(map(text.count, self._dropped))  # characters the vocabulary drops spell nothing
+        return -(-spelled // self.max_token_chars)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -75,6 +84,10 @@ class Tokenizer:
         return self._token_bytes
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The messages through the chat template, as text (apply_chat_template's before it is tokenized)."""
         if not self.chat_template:
             raise RequestError("this tokenizer has no chat template; give `prompt` instead of `messages`")
         if (
@@ -86,14 +99,13 @@ class Tokenizer:
             or not messages
         ):
             raise RequestError("messages must be a non-empty list of {role: str, content: str}")
-        text = _render(
+        return _render(
             self.chat_template,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
-        return self.encode(text, add_special_tokens=False)
 
 
 def _raise(message: str):
@@ -110,3 +122,35 @@ def _render(template: str, **context) -> str:
         return _ENV.from_string(template).render(**context)
     except jinja2.exceptions.TemplateError as exc:
         raise RequestError(f"chat template failed: {exc}") from None
+
+
+# pre-tokenizers that keep every byte of the text (ByteLevel maps each to one character of the vocabulary's strings;
+# a Split or Digits that isolates or merges moves no byte out)
+_KEEPING = frozenset({"ByteLevel", "Split", "Digits", "Punctuation", "Sequence"})
+
+
+def _max_token_chars(tok: tokenizers.Tokenizer) -> tuple[int | None, str]:
+    """The most characters one token spells, and the characters the vocabulary drops (ASCII controls whose byte has
+    no token: SmolLM2's lacks 6), so that a text of C characters, D of them dropped, is at least (C - D) / that many
+    tokens: for a BPE tokenizer that normalizes nothing and splits the text's bytes (a ByteLevel pre-tokenizer, alone
+    or after splits that drop nothing), whose tokens' strings spell one byte a character, and which keeps every
+    continuation byte (so no character of several bytes is dropped whole). (None, "") elsewhere: a normalizer or a
+    pre-tokenizer may drop characters (BERT's drops spaces)."""
+    none = None, ""
+    if tok.normalizer is not None or tok.pre_tokenizer is None or type(tok.model).__name__ != "BPE":
+        return none
+    parts, todo = [], [json.loads(tok.pre_tokenizer.__getstate__())]
+    while todo:
+        part = todo.pop()
+        parts.append(part)
+        todo.extend(part.get("pretokenizers", []))
+    if not any(p.get("type") == "ByteLevel" for p in parts):
+        return none
+    if any(p.get("type") not in _KEEPING or str(p.get("behavior", "")).lower() == "removed" for p in parts):
+        return none
+    vocab = tok.get_vocab(with_added_tokens=True)
+    spell = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str
+    if any(spell(bytes([0xC2, byte]).decode())[0][0][1] not in vocab for byte in range(0x80, 0xC0)):
+        return none
+    dropped = "".join(chr(byte) for byte in range(0x80) if spell(chr(byte))[0][0] not in vocab)
+    return max(map(len, vocab), default=None), dropped
