@@ -22,7 +22,7 @@ from toolkit.models.tokenizer import _max_token_chars
 from toolkit.sampling.params import SamplingParams
 from toolkit.serve.loop import handoff_wait_for
 from toolkit.serve.main import serve_config, start_server
-from toolkit.serve.protocol import schema_text
+from toolkit.serve.shapes import schema_text
 
 pytestmark = pytest.mark.native
 
@@ -94,6 +94,21 @@ HOSTILE = {  # name -> (route, body, status, param, what the message says)
         "response_format.json_schema.schema",
         "too long to compile: 20000 (serve.max_schema_chars=16384)",
     ),
+    "a prompt of booleans (once the token ids 1, 0)": (
+        "completions",
+        {"prompt": [True, False], "max_tokens": 1},
+        400,
+        "prompt",
+        "true / false is not a number here",
+    ),
+    "max_tokens true (once 1)": (
+        "completions",
+        {"prompt": "Hi", "max_tokens": True},
+        400,
+        "max_tokens",
+        "true / false",
+    ),
+    "a logit bias of true": ("completions", {"prompt": "Hi", "logit_bias": {"5": True}}, 400, "logit_bias", "true"),
     "32 stop strings of 1000 characters": (
         "completions",
         {"prompt": "Hi", "stop": ["x" * 1000] * 32},

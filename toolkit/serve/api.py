@@ -47,9 +47,9 @@ from toolkit.serve.protocol import (
     CompletionRequest,
     Limits,
     ServedModel,
-    json_shape,
     validation_error,
 )
+from toolkit.serve.shapes import json_shape
 
 
 def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:

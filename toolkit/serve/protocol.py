@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic_core import PydanticCustomError, PydanticUseDefault
 
 from toolkit.errors import ConfigError
+from toolkit.serve.shapes import json_shape, schema_text
 
 # OpenAI fields refused with a clear reason rather than "unknown field"
 UNSUPPORTED = {
@@ -46,7 +47,23 @@ class Strict(BaseModel):
             declared = cls.model_fields[info.field_name]
             if not declared.is_required() and declared.default is not None:
                 raise PydanticUseDefault()
+        if info.field_name is not None and _boolean_for_number(
+            value, str(cls.model_fields[info.field_name].annotation)
+        ):
+            raise ValueError("true / false is not a number here")  # pydantic's lax mode read it as 1 / 0
         return value
+
+
+def _boolean_for_number(value: Any, annotation: str) -> bool:
+    """A JSON true / false where the field (or its list's items, its dict's values) takes no boolean: `max_tokens:
+    true` ran as 1 and a prompt of [true, false] as the ids [1, 0] (OpenAI's API refuses both)."""
+    if "bool" in annotation or "Any" in annotation:
+        return False
+    if isinstance(value, list) and "list[" in annotation:
+        return any(isinstance(v, bool) or isinstance(v, list) and any(isinstance(w, bool) for w in v) for v in value)
+    if isinstance(value, dict) and "dict[" in annotation:
+        return any(isinstance(v, bool) for v in value.values())
+    return isinstance(value, bool)
 
 
 class StreamOptions(Strict):
@@ -374,45 +391,6 @@ class Limits:
                         f"response_format.json_schema.schema is too {what} to compile: {value} "
                         f"(serve.{knob}={getattr(self, knob)})",
                     )
-
-
-def json_shape(value: Any, max_depth: int, max_nodes: int) -> tuple[int, int]:
-    """(depth, nodes) of a parsed JSON value, walked without recursion (a hostile value may be deep) and no
-    further than one past either bound (a hostile value may be large)."""
-    depth, nodes, todo = 0, 0, [(value, 1)]
-    while todo and depth <= max_depth and nodes <= max_nodes:
-        item, level = todo.pop()
-        nodes += 1
-        depth = max(depth, level)
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        todo.extend((child, level + 1) for child in children)
-    return depth, nodes
-
-
-NAMES, LITERALS = frozenset({"properties", "patternProperties", "$defs", "definitions"}), frozenset({"enum", "const"})
-
-
-def schema_text(schema: Any) -> int:
-    """Characters of the text a JSON schema's grammar holds (walked without recursion, once json_shape bounds it):
-    property and definition names, enum and const values (nested too) and patterns, not keywords or annotations.
-    xgrammar's compile of alternatives sharing a prefix grows with its length squared (docs/serving.md)."""
-    chars, todo = 0, [(schema, "schema")]
-    while todo:
-        item, role = todo.pop()
-        if isinstance(item, list):
-            todo.extend((child, role) for child in item)
-        elif isinstance(item, str):
-            chars += len(item) if role == "literal" else 0
-        elif isinstance(item, dict) and role == "schema":
-            for key, child in item.items():
-                if key == "pattern" and isinstance(child, str):
-                    chars += len(child)
-                else:
-                    todo.append((child, "names" if key in NAMES else "literal" if key in LITERALS else "schema"))
-        elif isinstance(item, dict):  # a names' map (its keys, then subschemas) or a literal object
-            chars += sum(map(len, item))
-            todo.extend((child, "schema" if role == "names" else role) for child in item.values())
-    return chars
 
 
 class FieldError(ValueError):
