@@ -36,6 +36,20 @@ def nested_schema(depth: int) -> dict:
     return schema
 
 
+def schema_chat(schema: dict, **fields) -> dict:
+    """A chat body whose response_format asks for `schema`."""
+    return {
+        "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        **fields,
+    }
+
+
+def post_chat(url: str, schema: dict, timeout: float = 60) -> httpx.Response:
+    """`schema_chat(schema)` for two tokens, posted to the server at `url`."""
+    return httpx.post(f"{url}/v1/chat/completions", json=schema_chat(schema, max_tokens=2), timeout=timeout)
+
+
 @pytest.fixture(scope="module")
 def server(tiny):
     srv = start_server(make_engine(tiny, sampling=SamplingParams(), max_num_seqs=4), None)
@@ -76,20 +90,14 @@ HOSTILE = {  # name -> (route, body, status, param, what the message says)
     ),
     "a schema nested 150 deep": (
         "chat/completions",
-        {
-            "messages": [{"role": "user", "content": "x"}],
-            "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": nested_schema(150)}},
-        },
+        schema_chat(nested_schema(150)),
         400,
         "response_format.json_schema.schema",
         "serve.max_schema_depth=64",
     ),
     "a schema of two enum strings of 10,000 characters": (
         "chat/completions",
-        {
-            "messages": [{"role": "user", "content": "x"}],
-            "response_format": {"type": "json_schema", "json_schema": {"name": "long", "schema": long_enum(10_000)}},
-        },
+        schema_chat(long_enum(10_000)),
         400,
         "response_format.json_schema.schema",
         "too long to compile: 20000 (serve.max_schema_chars=16384)",
@@ -299,12 +307,7 @@ def test_compiles_that_outlive_their_time_limit_hold_their_own_threads_and_a_bou
     }
 
     def chat(schema: dict) -> httpx.Response:
-        body = {
-            "messages": [{"role": "user", "content": "x"}],
-            "max_tokens": 2,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
-        }
-        return httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
+        return post_chat(srv.url, schema)
 
     try:
         refused(chat(wide), 400, "response_format")  # timed out; its compile goes on (about a second)
@@ -337,12 +340,7 @@ def test_a_grammar_queued_behind_others_past_its_time_limit_is_a_503_not_its_sch
     compiler = srv.uvicorn.config.app.state.compiler
 
     def chat(schema: dict) -> httpx.Response:
-        body = {
-            "messages": [{"role": "user", "content": "x"}],
-            "max_tokens": 2,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
-        }
-        return httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=120)
+        return post_chat(srv.url, schema, timeout=120)
 
     try:
         slow = [threading.Thread(target=chat, args=(long_enum(5000, salt),)) for salt in "pq"]

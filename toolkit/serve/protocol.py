@@ -7,6 +7,7 @@ the server's defaults (the model's generation config where it has one), exactly 
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from dataclasses import dataclass, field
@@ -47,11 +48,15 @@ class Strict(BaseModel):
             declared = cls.model_fields[info.field_name]
             if not declared.is_required() and declared.default is not None:
                 raise PydanticUseDefault()
-        if info.field_name is not None and _boolean_for_number(
-            value, str(cls.model_fields[info.field_name].annotation)
-        ):
+        if info.field_name is not None and _boolean_for_number(value, _annotation(cls, info.field_name)):
             raise ValueError("true / false is not a number here")  # pydantic's lax mode read it as 1 / 0
         return value
+
+
+@functools.cache
+def _annotation(model: type[BaseModel], name: str) -> str:
+    """A field's type as text (read once per model and field, not once per request)."""
+    return str(model.model_fields[name].annotation)
 
 
 def _boolean_for_number(value: Any, annotation: str) -> bool:
