@@ -274,3 +274,17 @@ def test_batch_vs_single_takes_the_widest_batch_with_enough_steps():
     assert batch_vs_single(by) == (10, pytest.approx(1.5))  # batch 12 has too few steps to say
     assert batch_vs_single({**by, "1": {"steps": 2, "p50_s": 0.01}}) is None  # nor has batch 1 here
     assert batch_vs_single({"1": by["1"]}) is None
+
+
+@pytest.mark.native
+def test_n_samples_never_run_past_max_num_seqs(tiny):
+    """Heads of n > 1 admitted in one step hold their followers' slots before they fork: 4 prompts of n=3 under
+    max_num_seqs=4 run one group at a time (admitting by heads alone ran 4 x 3 = 12 sequences)."""
+    engine = make_engine(tiny, max_num_seqs=4, max_num_batched_tokens=256)
+    for i in range(4):
+        engine.add_request(f"group {i} says", sampling_params=SamplingParams(temperature=1.0, n=3, max_tokens=4, seed=i))
+    widest = 0
+    while engine.has_unfinished():
+        engine.step()
+        widest = max(widest, len(engine.scheduler.running))
+    assert widest == 3

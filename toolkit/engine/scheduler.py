@@ -203,10 +203,12 @@ class Scheduler:
                 budget = max(budget - size, 0)
                 num_prefill += size
 
-        # 3. admissions, FCFS; never in a step that had to preempt (avoids thrashing)
+        # 3. admissions, FCFS; never in a step that had to preempt (avoids thrashing). A running head of n > 1 not
+        # yet forked holds its followers' slots too: max_num_seqs bounds the sequences once every head has forked
+        slots = sum(s.group_slots for s in self.running)
         while self.waiting and (budget > 0 or (whole and num_prefill == 0)) and not plan.preempted:
             seq = self.waiting[0]
-            if len(self.running) + seq.group_slots > self.cfg.max_num_seqs:
+            if slots + seq.group_slots > self.cfg.max_num_seqs:
                 break
             if self.blocks.is_swapped(seq.seq_id):
                 if not self.blocks.can_swap_in(seq.seq_id):
@@ -235,6 +237,7 @@ class Scheduler:
             if seq.admitted_step is None:
                 seq.admitted_step = step
             self.running.append(seq)
+            slots += seq.group_slots
             size = chunk_size(seq)
             if size > 0:
                 chunks.append(self._take(seq, size, plan))

@@ -11,14 +11,27 @@ import functools
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic.types import FailFast
 from pydantic_core import PydanticCustomError, PydanticUseDefault
 
 from toolkit.errors import ConfigError
 from toolkit.serve.shapes import json_shape, schema_text
+
+
+class _FailFast(FailFast):
+    """A list stops at its first bad item: a body of a million bad items is one error, not a million (whose
+    materialising held the event loop for seconds). Hashable, so that a union's members can carry it."""
+
+    __hash__ = object.__hash__
+
+
+_FAST = _FailFast()
+IntList = Annotated[list[int], _FAST]
+StrList = Annotated[list[str], _FAST]
 
 # OpenAI fields refused with a clear reason rather than "unknown field"
 UNSUPPORTED = {
@@ -98,8 +111,8 @@ class SamplingFields(Strict):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | StrList | None = None
+    stop_token_ids: IntList | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -108,8 +121,8 @@ class SamplingFields(Strict):
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
-    bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
+    bad_words: StrList | None = None
+    allowed_token_ids: IntList | None = None
     max_tokens: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -185,7 +198,7 @@ class SamplingFields(Strict):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | StrList | IntList | Annotated[list[IntList], _FAST]
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
@@ -226,7 +239,7 @@ class Message(Strict):
     message back in the history; a refusal is its text."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
+    content: str | Annotated[list[TextPart], _FAST] | None = Field(default=None, validate_default=True)
     name: str | None = None
     refusal: str | None = None
     annotations: list[Any] | None = None
@@ -281,7 +294,7 @@ ASKS_NOTHING = {
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[Message]
+    messages: Annotated[list[Message], _FAST]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
