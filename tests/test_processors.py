@@ -170,6 +170,11 @@ def test_masks_allowed_bad_words_bias_min_tokens():
     logits = torch.zeros(1, 8)
     out = REGISTRY["allowed_token_ids"](logits, view((SamplingParams(allowed_token_ids=[2, 5]), [0], 1)))
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [2, 5]
+    # a list of repeats and ids past the logits' width: kept once each, sorted, and the wide ones masked anyway
+    many = SamplingParams(allowed_token_ids=[9, 5, 2, 5, 9] * 1000)
+    assert many.allowed_token_ids == (2, 5, 9)
+    out = REGISTRY["allowed_token_ids"](logits, view((many, [0], 1)))
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [2, 5]
     # bad word [3, 4]: 4 is banned only right after 3 was generated; single-token bad word 6 always
     params = SamplingParams(bad_words=[[3, 4], [6]])
     after_3 = REGISTRY["bad_words"](logits, view((params, [0, 3], 1), bad={0: ((3, 4), (6,))}))

@@ -84,6 +84,20 @@ HOSTILE = {  # name -> (route, body, status, param, what the message says)
         "valid dictionary",
     ),
     "half a million null prompts": ("completions", {"prompt": [None] * 500_000}, 400, "prompt", "valid string"),
+    "a number past a double's range": (
+        "completions",
+        b'{"prompt": "a", "max_tokens": 2, "repetition_penalty": 1e400}',
+        400,
+        "repetition_penalty",
+        "1e400 is past a double's range",
+    ),
+    "a bias past a double's range": (
+        "completions",
+        b'{"prompt": "a", "max_tokens": 2, "logit_bias": {"5": -1.5e999}}',
+        400,
+        "logit_bias.5",
+        "-1.5e999 is past a double's range",
+    ),
     "a million list stops": ("completions", {"prompt": "a", "stop": [[]] * 1_000_000}, 400, "stop", "valid string"),
     "echo scoring past the context": (
         "completions",

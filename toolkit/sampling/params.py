@@ -118,7 +118,7 @@ class SamplingParams:
                 isinstance(ids, (list, tuple)) and len(ids) > 0 and all(is_int(i) and i >= 0 for i in ids),
                 f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}",
             )
-            set_("allowed_token_ids", tuple(ids))
+            set_("allowed_token_ids", tuple(sorted(set(ids))))  # a set: its cost a step is at most the vocabulary
         if self.logit_bias is not None:
             bias = self.logit_bias
             check(isinstance(bias, Mapping), f"logit_bias must be a mapping of token id to bias, got {bias!r}")

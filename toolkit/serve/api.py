@@ -300,11 +300,12 @@ def _json_body_doc(model: type[BaseModel]) -> dict[str, Any]:
 
 
 class _NotJson(float):
-    """NaN, Infinity or -Infinity in a body: Python's parser reads them, JSON (RFC 8259) has no such numbers."""
+    """NaN, Infinity or -Infinity in a body: Python's parser reads them, JSON (RFC 8259) has no such numbers. Also
+    a JSON number past a double's range (1e400), which Python reads as infinity."""
 
-    def __new__(cls, name: str) -> _NotJson:
+    def __new__(cls, name: str, why: str = "is not a JSON number") -> _NotJson:
         number = super().__new__(cls, name)
-        number.name = name
+        number.name, number.why = name, why
         return number
 
 
@@ -312,8 +313,17 @@ MAX_BODY_DEPTH = 512  # JSON levels a body may nest (a schema's: serve.max_schem
 
 
 def _json_body(raw: bytes) -> Any:
+    overflows: list[_NotJson] = []
+
+    def parse_float(text: str) -> float:
+        number = float(text)
+        if math.isfinite(number):
+            return number
+        overflows.append(_NotJson(text, "is past a double's range"))
+        return overflows[-1]
+
     try:
-        body = json.loads(raw, parse_constant=_NotJson)
+        body = json.loads(raw, parse_constant=_NotJson, parse_float=parse_float)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
     except RecursionError:  # the parser recurses per level: a body nested thousands deep
@@ -332,22 +342,22 @@ def _json_body(raw: bytes) -> Any:
                 raise ApiError(
                     400, f"{name}: the request body is nested too deeply (more than {MAX_BODY_DEPTH} levels)", name
                 )
-    _check_values(raw, body)
+    _check_values(raw, body, walk=bool(overflows))
     return body
 
 
 _SUSPECT = re.compile(rb"\\u[dD][89a-fA-F]|NaN|Infinity")  # a surrogate's escape, or a constant JSON has not
 
 
-def _check_values(raw: bytes, body: dict) -> None:
+def _check_values(raw: bytes, body: dict, walk: bool) -> None:
     """A 400 naming the first value no JSON parser outside Python's reads as this body has it: a number NaN or
-    +-Infinity, or a string (or key) with a lone surrogate (an escape such as \\ud800 without its pair). A UTF-8
+    +-Infinity or past a double's range (`walk`: the parser met one), or a string (or key) with a lone surrogate (an escape such as \\ud800 without its pair). A UTF-8
     body with neither spelled anywhere in it is not walked (a prompt of a million token ids costs no more)."""
-    if json.detect_encoding(raw) == "utf-8" and not _SUSPECT.search(raw):
+    if not walk and json.detect_encoding(raw) == "utf-8" and not _SUSPECT.search(raw):
         return
     for path, value in json_leaves(body):
         if isinstance(value, _NotJson):
-            raise ApiError(400, f"{path}: {value.name} is not a JSON number", path)
+            raise ApiError(400, f"{path}: {value.name} {value.why}", path)
         problem = not_unicode(value) if isinstance(value, str) else None
         if problem is not None:
             raise ApiError(400, f"{path}: {problem}", path)

@@ -12,8 +12,14 @@ from toolkit.sampling.processors.base import NEG_INF, BatchView
 
 
 def allowed_token_ids(logits_RV: torch.Tensor, view: BatchView) -> torch.Tensor:
-    allowed_RV = view.token_mask([[t for t in r.params.allowed_token_ids if t < view.vocab_size] for r in view.rows])
+    """Only the listed tokens (SamplingParams keeps them sorted and unique: the largest is the last)."""
+    allowed_RV = view.token_mask([_below(r.params.allowed_token_ids, view.vocab_size) for r in view.rows])
     return logits_RV.masked_fill(~allowed_RV, NEG_INF)
+
+
+def _below(ids: Sequence[int], vocab_size: int) -> Sequence[int]:
+    """The sorted `ids` under vocab_size, not copied where all are (a step's cost is not one Python loop an id)."""
+    return ids if not ids or ids[-1] < vocab_size else [t for t in ids if t < vocab_size]
 
 
 def resolve_bad_words(bad_words, tokenizer) -> tuple[tuple[int, ...], ...]:
