@@ -23,8 +23,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import toolkit.report as report_module
 from tests.conftest import make_engine, native_only, once
-from toolkit.report import write_report
+from toolkit.report import report_after, write_report
 from toolkit.runs.session import record
 from toolkit.sampling.params import SamplingParams
 from toolkit.trace.diverge import first_divergences, sequences
@@ -513,6 +514,18 @@ def test_mode_report_writes_the_page_and_refuses_bad_arguments_in_one_line(real_
         bad = cli(*args)
         assert bad.returncode == 2 and words in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_modes_own_report_past_its_row_bound_is_a_line_with_the_command(real_run, tmp_path, monkeypatch, capsys):
+    """report.auto past AUTO_MAX_ROWS sampled tokens writes no page (a long-lived server's shutdown took minutes and
+    GBs for one) and says how to write it; under the bound it writes it."""
+    rows = read_samples(real_run).num_rows
+    monkeypatch.setattr(report_module, "AUTO_MAX_ROWS", rows - 1)
+    assert report_after(real_run, out=tmp_path / "skipped.html") is None and not (tmp_path / "skipped.html").exists()
+    line = capsys.readouterr().err.strip()
+    assert f"{rows} sampled tokens" in line and f"mode=report report.run={real_run}" in line and "\n" not in line
+    monkeypatch.setattr(report_module, "AUTO_MAX_ROWS", rows)
+    assert report_after(real_run, out=tmp_path / "written.html") == tmp_path / "written.html"
 
 
 def test_a_run_that_stopped_short_or_lost_rows_says_so_or_is_refused(real_run, browser, tmp_path):

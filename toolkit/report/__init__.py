@@ -23,6 +23,7 @@ from typing import Any
 
 import jinja2
 import numpy as np
+import pyarrow.parquet as pq
 from markupsafe import Markup
 from omegaconf import OmegaConf
 
@@ -33,11 +34,12 @@ from toolkit.models.tokenizer import Tokenizer
 from toolkit.report.data import Pieces, RunData, notes
 from toolkit.runs.plots import token_budget
 from toolkit.trace.diverge import first_divergences
-from toolkit.trace.writer import atomic_write_bytes
+from toolkit.trace.writer import SAMPLES_DIR, atomic_write_bytes
 from toolkit.version import __version__
 
 ASSETS = Path(__file__).parent / "assets"
 MISSING_PLOTLY = "the report needs plotly: pip install 'toolkit[report]'"
+AUTO_MAX_ROWS = 200_000  # sample rows past which a mode's own report is skipped: a page that large takes GBs to build
 
 
 def _plotly():
@@ -285,8 +287,19 @@ def wanted(cfg) -> bool:
 
 
 def report_after(run_dir: Path, against: Path | None = None, out: Path | None = None) -> Path | None:
-    """The report written at the end of another mode; a failure is one line on stderr, never the run's failure."""
+    """The report written at the end of another mode; a failure is one line on stderr, never the run's failure.
+    A run past AUTO_MAX_ROWS sampled tokens gets a line with the command instead (a long-lived server's trace
+    made its shutdown take minutes and GBs before)."""
     try:
+        rows = sum(pq.ParquetFile(p).metadata.num_rows for p in sorted((Path(run_dir) / SAMPLES_DIR).glob("*.parquet")))
+        if rows > AUTO_MAX_ROWS:
+            print(
+                f"report.html not written: {rows} sampled tokens, more than {AUTO_MAX_ROWS} (report.auto's bound); "
+                f"write it with: python run.py mode=report report.run={run_dir}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return None
         return write_report(run_dir, against, out)
     except Exception as exc:  # noqa: BLE001 - the run itself is complete and on disk
         print(f"report.html not written: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
