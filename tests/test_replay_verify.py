@@ -285,6 +285,17 @@ def test_corrupt_or_foreign_traces_are_refused_with_one_line(recorded_run, tmp_p
     (run / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(TraceError, match="schema version 999"):
         replay(run, out_dir=tmp_path / "r4")
+    manifest["schema_version"] = [7]  # no integer (nor hashable): was a TypeError's traceback
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    for mode in (verify, replay):
+        with pytest.raises(TraceError, match=r"schema version \[7\] is no integer"):
+            mode(run)
+    run = copy_run(recorded_run, tmp_path / "interpolated")  # a recorded config holds no interpolation to resolve
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("block_size: ", "block_size: ${nope.missing} #", 1))
+    for mode in (verify, replay):
+        with pytest.raises(TraceError, match="interpolation that does not resolve"):
+            mode(run)
     with pytest.raises(TraceError, match="does not exist"):
         replay(tmp_path / "nowhere")
 

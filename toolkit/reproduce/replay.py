@@ -253,7 +253,7 @@ def recorded_sampling(row: dict[str, Any]) -> SamplingParams:
     that is no JSON object)."""
     try:
         params = json.loads(row["sampling_params"])
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
         params = None
     if not isinstance(params, dict):
         raise TraceError(f"requests.parquet: the sampling_params of {row['request_id']}#{row['stream']} are corrupt")

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 from omegaconf import DictConfig, OmegaConf
 
 from toolkit.config import is_number
-from toolkit.errors import ToolkitError
+from toolkit.errors import ToolkitError, one_line
 from toolkit.trace.schema import (
     COMPATIBLE,
     REJECTED_SCHEMA,
@@ -49,6 +49,8 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
     if not isinstance(manifest, dict):
         raise TraceError(f"{path} is corrupt: a JSON {type(manifest).__name__}, not an object")
     version = manifest.get("schema_version")
+    if not isinstance(version, int) or isinstance(version, bool):  # a list or object is no version (nor hashable)
+        raise TraceError(f"{path}: trace schema version {version!r} is no integer: a corrupt manifest")
     if version in SUPERSEDED:
         raise TraceError(
             f"{path}: trace schema version {version}, this toolkit reads version {SCHEMA_VERSION}: "
@@ -68,6 +70,10 @@ def read_config(run_dir: Path) -> DictConfig:
         raise TraceError(f"{path} is missing: cannot rebuild the engine of this run") from None
     except Exception as exc:  # noqa: BLE001 - yaml errors come in many types
         raise TraceError(f"{path} is unreadable: {exc}") from None
+    try:  # a recorded config is resolved: an interpolation in it (${nope}, ${oc.env:X}) is an edit that may not resolve
+        OmegaConf.resolve(cfg)
+    except Exception as exc:  # noqa: BLE001 - omegaconf's interpolation errors come in many types
+        raise TraceError(f"{path} holds an interpolation that does not resolve: {one_line(exc)}") from None
     # every run records its whole config, the model and engine it ran among it (runs.recorder.effective_config):
     # without them a replay rebuilt the default engine and blamed the weights, and verify raised omegaconf's error
     missing = [
