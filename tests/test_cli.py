@@ -92,6 +92,8 @@ def test_requests_file_with_bad_lines_runs_the_others(tmp_path):
         (["trace.enabled=maybe"], "trace.enabled must be true or false, got 'maybe'"),
         (["engine.kv_cache_memory_gb=inf"], "engine.kv_cache_memory_gb must be a finite positive number, got inf"),
         (["engine.kv_cache_memory_gb=1e9"], "engine.kv_cache_memory_gb=1e+09 is more than the"),
+        (["model.rope_theta=-1"], "model.rope_theta must be a positive number, got -1"),  # was NaN logits, exit 0
+        (["model.num_layers=1000000"], "GB of fp32 weights, more than this machine's"),  # a traceback, after GBs
         pytest.param(
             ["engine.device=mps"],
             "engine.device=mps but this torch build cannot use MPS",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import typing
 from collections.abc import Mapping
@@ -123,6 +124,22 @@ class ModelConfig:
             f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads ({self.num_kv_heads})",
         )
         check((self.hidden_size // self.num_heads) % 2 == 0, "model head_dim must be even for RoPE")
+        check(
+            is_number(self.rope_theta) and 0 < self.rope_theta < math.inf,
+            f"model.rope_theta must be a positive number, got {self.rope_theta!r}",
+        )
+        if self.name == "tiny":  # its random weights are drawn here: sizes past the machine's memory are refused first
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            d, kv = self.hidden_size, self.hidden_size // self.num_heads * self.num_kv_heads
+            weights = 4 * (
+                self.vocab_size * d + self.num_layers * (2 * d * d + 2 * d * kv + 3 * d * self.intermediate_size)
+            )
+            check(
+                weights <= ram,
+                f"model=tiny of vocab_size {self.vocab_size}, hidden_size {d}, num_layers {self.num_layers}, "
+                f"intermediate_size {self.intermediate_size}: {weights / 2**30:.1f} GB of fp32 weights, more than "
+                f"this machine's {ram / 2**30:.1f} GB of memory",
+            )
 
 
 @dataclass(frozen=True)
