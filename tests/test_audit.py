@@ -422,6 +422,19 @@ def test_a_transcript_is_read_a_line_at_a_time_split_at_line_ends_only(tiny, tmp
     gz.write_bytes(gzip.compress(path.read_bytes()))
     with pytest.raises(TranscriptError, match="a gzip file: decompress it first"):
         read_transcripts(gz, "token_ids", tiny.tokenizer, tiny.arch.vocab_size)
+    # a line not UTF-8, and one past MAX_LINE_BYTES, are each a named line: the others are still read (one bad byte
+    # aborted the whole file; a 200 MB line was audited at 2.5 GB)
+    monkeypatch.setattr(transcripts, "MAX_LINE_BYTES", 1000)
+    long = json.dumps({**good, "request_id": "long", "pad": "x" * 5000})
+    path.write_bytes(
+        b"\n".join([json.dumps(good).encode(), b'{"caf\xe9": 1}', long.encode(), json.dumps(good).encode()])
+    )
+    records, errors = read_transcripts(path, "token_ids", tiny.tokenizer, tiny.arch.vocab_size)
+    assert [r.request_id for r in records] == ["a", "a~1"]
+    assert [(e.line, e.why) for e in errors] == [
+        (2, "not UTF-8: byte 5 is b'\\xe9'"),
+        (3, "longer than 1,000 bytes: not read"),
+    ]
 
 
 @pytest.mark.parametrize("index", [-1, "0", 1.0, True])

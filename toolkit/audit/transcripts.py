@@ -30,6 +30,8 @@ position len(prompt).
 
 from __future__ import annotations
 
+import codecs
+import itertools
 import json
 import re
 from collections.abc import Iterable, Iterator, Sequence
@@ -82,7 +84,11 @@ def read_transcripts(
     errors = LineErrors()
     try:
         for number, text in enumerate(_lines(path), 1):
-            found = _read_line(number, text, fmt, tokens, vocab_size, logprobs_mode, max_positions)
+            found = (
+                text
+                if isinstance(text, LineError)
+                else _read_line(number, text, fmt, tokens, vocab_size, logprobs_mode, max_positions)
+            )
             if isinstance(found, LineError):
                 errors.append(found)
             else:
@@ -99,15 +105,36 @@ def read_transcripts(
     return records, errors.kept()
 
 
-def _lines(path: Path) -> Iterator[str]:
+MAX_LINE_BYTES = 32 * 2**20  # a longer line is refused unread (auditing one costs about 12 times its size)
+
+
+def _lines(path: Path) -> Iterator[str | LineError]:
     """The file's lines as read, one at a time (a file of any length in bounded memory): split at `\n` only (a
     `\r` before it dropped), not at a lone `\r` (universal newlines split there: JSON's whitespace) nor at the
     U+2028, U+2029 or U+0085 a JSON string may hold unescaped (str.splitlines split a valid line there); a UTF-8
-    byte-order mark dropped."""
-    with path.open(encoding="utf-8-sig", newline="\n") as f:
-        for line in f:
-            line = line[:-1] if line.endswith("\n") else line
-            yield line[:-1] if line.endswith("\r") else line
+    byte-order mark dropped. A line past MAX_LINE_BYTES (skipped without being held) or not UTF-8 is a LineError
+    of its own: the other lines are still read."""
+    with path.open("rb") as f:
+        for number in itertools.count(1):
+            raw = f.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                return
+            if number == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8) :]
+                if not raw:  # a file of a byte-order mark alone: no line
+                    return
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                while (rest := f.readline(2**20)) and not rest.endswith(b"\n"):
+                    pass
+                yield LineError(number, None, f"longer than {MAX_LINE_BYTES:,} bytes: not read")
+                continue
+            raw = raw[:-1] if raw.endswith(b"\n") else raw
+            try:
+                yield (raw[:-1] if raw.endswith(b"\r") else raw).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                if number == 1 and _gzip_hint(path):
+                    raise TranscriptError(f"cannot read {path}: {exc}{_gzip_hint(path)}") from None
+                yield LineError(number, None, f"not UTF-8: byte {exc.start} is {raw[exc.start : exc.start + 1]!r}")
 
 
 def _gzip_hint(path: Path) -> str:
