@@ -351,8 +351,9 @@ _SUSPECT = re.compile(rb"\\u[dD][89a-fA-F]|NaN|Infinity")  # a surrogate's escap
 
 def _check_values(raw: bytes, body: dict, walk: bool) -> None:
     """A 400 naming the first value no JSON parser outside Python's reads as this body has it: a number NaN or
-    +-Infinity or past a double's range (`walk`: the parser met one), or a string (or key) with a lone surrogate (an escape such as \\ud800 without its pair). A UTF-8
-    body with neither spelled anywhere in it is not walked (a prompt of a million token ids costs no more)."""
+    +-Infinity or past a double's range (`walk`: the parser met one), or a string (or key) with a lone surrogate
+    (an escape such as \\ud800 without its pair). A UTF-8 body with none of them spelled anywhere in it is not
+    walked (a prompt of a million token ids costs no more)."""
     if not walk and json.detect_encoding(raw) == "utf-8" and not _SUSPECT.search(raw):
         return
     for path, value in json_leaves(body):
