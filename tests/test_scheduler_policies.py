@@ -282,7 +282,9 @@ def test_n_samples_never_run_past_max_num_seqs(tiny):
     max_num_seqs=4 run one group at a time (admitting by heads alone ran 4 x 3 = 12 sequences)."""
     engine = make_engine(tiny, max_num_seqs=4, max_num_batched_tokens=256)
     for i in range(4):
-        engine.add_request(f"group {i} says", sampling_params=SamplingParams(temperature=1.0, n=3, max_tokens=4, seed=i))
+        engine.add_request(
+            f"group {i} says", sampling_params=SamplingParams(temperature=1.0, n=3, max_tokens=4, seed=i)
+        )
     widest = 0
     while engine.has_unfinished():
         engine.step()
