@@ -279,7 +279,7 @@ def test_batch_vs_single_takes_the_widest_batch_with_enough_steps():
 @pytest.mark.native
 def test_n_samples_never_run_past_max_num_seqs(tiny):
     """Heads of n > 1 admitted in one step hold their followers' slots before they fork: 4 prompts of n=3 under
-    max_num_seqs=4 run one group at a time (admitting by heads alone ran 4 x 3 = 12 sequences)."""
+    max_num_seqs=4 run one group at a time (admitting by heads alone ran two groups, 6 sequences)."""
     engine = make_engine(tiny, max_num_seqs=4, max_num_batched_tokens=256)
     for i in range(4):
         engine.add_request(
