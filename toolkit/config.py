@@ -59,6 +59,11 @@ def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def host_memory_bytes() -> int:
+    """This machine's RAM."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def is_number(v: Any) -> bool:
     """An int or float, not a bool, not NaN."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
@@ -129,7 +134,7 @@ class ModelConfig:
             f"model.rope_theta must be a positive number, got {self.rope_theta!r}",
         )
         if self.name == "tiny":  # its random weights are drawn here: sizes past the machine's memory are refused first
-            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            ram = host_memory_bytes()
             d, kv = self.hidden_size, self.hidden_size // self.num_heads * self.num_kv_heads
             weights = 4 * (
                 self.vocab_size * d + self.num_layers * (2 * d * d + 2 * d * kv + 3 * d * self.intermediate_size)

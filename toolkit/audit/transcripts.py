@@ -132,8 +132,9 @@ def _lines(path: Path) -> Iterator[str | LineError]:
             try:
                 yield (raw[:-1] if raw.endswith(b"\r") else raw).decode("utf-8")
             except UnicodeDecodeError as exc:
-                if number == 1 and _gzip_hint(path):
-                    raise TranscriptError(f"cannot read {path}: {exc}{_gzip_hint(path)}") from None
+                hint = _gzip_hint(path) if number == 1 else ""
+                if hint:
+                    raise TranscriptError(f"cannot read {path}: {exc}{hint}") from None
                 yield LineError(number, None, f"not UTF-8: byte {exc.start} is {raw[exc.start : exc.start + 1]!r}")
 
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import os
 
 import torch
 
-from toolkit.config import EngineConfig
+from toolkit.config import EngineConfig, host_memory_bytes
 from toolkit.data import passages
 from toolkit.engine.runner import ModelRunner
 from toolkit.engine.scheduler import ScheduledBatch, ScheduledChunk
@@ -226,7 +225,7 @@ def memory_bytes(device: torch.device) -> int:
     """A device's memory: a CUDA GPU's, else this machine's RAM."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[1]
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return host_memory_bytes()
 
 
 def auto_num_blocks(cfg: EngineConfig, max_model_len: int, block_bytes: int) -> int:
