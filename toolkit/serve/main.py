@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import ipaddress
 import os
 import signal
@@ -42,6 +43,7 @@ class Server:
         self.uvicorn.should_exit = True
         self.thread.join(60)
         self.loop.stop()
+        gc.unfreeze()
 
 
 SERVE_DEFAULTS = {
@@ -178,6 +180,10 @@ def build(
             file=sys.stderr,
             flush=True,
         )
+    # the startup heap (torch, the model, the tokenizer: ~200k objects) is frozen, as vLLM's engine does: each
+    # collection then scans what requests allocated, not all of it (a body of a million lists parsed 0.9 s -> 0.13 s)
+    gc.collect()
+    gc.freeze()
     loop.start()
     return loop, api.app
 
@@ -271,6 +277,7 @@ def run_serve(cfg: DictConfig, run_dir: Path) -> int:
             signal.signal(sig, handler)
         sock.close()
     loop.stop()
+    gc.unfreeze()  # (a frozen heap is never finalized: native bindings then report leaks at exit)
     if loop.error is not None:  # every waiting client was answered; a supervisor restarts a fresh process
         print(
             f"serve: the engine loop stopped ({type(loop.error).__name__}: {loop.error}); exiting "

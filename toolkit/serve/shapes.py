@@ -7,15 +7,20 @@ from typing import Any
 
 
 def json_shape(value: Any, max_depth: int, max_nodes: int) -> tuple[int, int]:
-    """(depth, nodes) of a parsed JSON value, walked without recursion (a hostile value may be deep) and no
-    further than one past either bound (a hostile value may be large)."""
-    depth, nodes, todo = 0, 0, [(value, 1)]
-    while todo and depth <= max_depth and nodes <= max_nodes:
-        item, level = todo.pop()
-        nodes += 1
-        depth = max(depth, level)
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        todo.extend((child, level + 1) for child in children)
+    """(depth, nodes) of a parsed JSON value, walked a level at a time without recursion (a hostile value may be
+    deep) and no further than the level past either bound (a hostile value may be large). No object is made per
+    node: a million empty lists cost one pass over them, not a million tuples for the collector to scan."""
+    depth, nodes, level = 0, 0, [value]
+    while level and depth <= max_depth and nodes <= max_nodes:
+        depth, nodes, below = depth + 1, nodes + len(level), []
+        for item in level:
+            if isinstance(item, dict):
+                below.extend(item.values())
+            elif isinstance(item, list):
+                below.extend(item)
+            if nodes + len(below) > max_nodes:
+                break
+        level = below
     return depth, nodes
 
 
