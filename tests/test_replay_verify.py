@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from tests.conftest import make_engine, native_only
 from toolkit import replay, verify
 from toolkit.errors import ConfigError
+from toolkit.report import write_report
 from toolkit.runs.session import record
 from toolkit.sampling.params import SamplingParams
-from toolkit.trace.reader import TraceError, read_requests, read_samples
+from toolkit.trace.reader import TraceError, read_rejected, read_requests, read_samples
 from toolkit.trace.writer import OPEN_REQUESTS_FILE, REQUESTS_FILE
 
 pytestmark = pytest.mark.native
@@ -298,6 +299,42 @@ def test_corrupt_or_foreign_traces_are_refused_with_one_line(recorded_run, tmp_p
             mode(run)
     with pytest.raises(TraceError, match="does not exist"):
         replay(tmp_path / "nowhere")
+
+
+def test_a_lost_retyped_or_foreign_part_is_one_line_for_replay_verify_and_report(tiny, tmp_path):
+    """A requests part deleted (replay called each of its sequences diverged), a requests part whose prompt is
+    doubles (verify passed it), and a steps or rejected part of another schema (report: an ArrowInvalid traceback)
+    are each a TraceError naming the part."""
+    make_run(tiny, recorded_run := tmp_path / "run", flush_every_steps=2)
+    parts = sorted((recorded_run / REQUESTS_FILE).glob("part-*.parquet"))
+    assert len(parts) > 1  # (its requests ended over more than one flush)
+    run = copy_run(recorded_run, tmp_path / "lost")
+    (run / REQUESTS_FILE / parts[0].name).unlink()
+    for mode in (replay, verify, write_report):
+        with pytest.raises(TraceError, match=r"rows for \S+, which requests.parquet lacks \(a part of it lost\?\)"):
+            mode(run)
+    run = copy_run(recorded_run, tmp_path / "doubles")
+    table = pq.read_table(part := run / REQUESTS_FILE / parts[-1].name)
+    doubles = pa.array(
+        [[float(t) for t in p] for p in table.column("prompt_token_ids").to_pylist()], pa.list_(pa.float64())
+    )
+    pq.write_table(
+        table.set_column(table.schema.get_field_index("prompt_token_ids"), "prompt_token_ids", doubles), part
+    )
+    for mode in (replay, verify, write_report):
+        with pytest.raises(
+            TraceError, match=r"column prompt_token_ids is list<\w+: double>, expected list<\w+: int64>"
+        ):
+            mode(run)
+    for directory, read in (("steps.parquet", write_report), ("rejected.parquet", read_rejected)):
+        run = copy_run(recorded_run, tmp_path / directory)
+        (run / directory).mkdir(exist_ok=True)
+        pq.write_table(pa.table({"step": [0]}), run / directory / "part-000000.parquet")
+        pq.write_table(pa.table({"x": ["?"]}), run / directory / "part-999999.parquet")
+        with pytest.raises(
+            TraceError, match=rf"{directory}: its parts do not share one schema .*: a part from elsewhere"
+        ):
+            read(run)
 
 
 def test_scheduling_override_reports_tokens_and_bits_separately(recorded_run, tmp_path):

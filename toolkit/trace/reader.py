@@ -112,6 +112,24 @@ def _add_missing(table: pa.Table, schema: pa.Schema, kind: str) -> pa.Table:
     return pa.table(columns, schema=schema.remove_metadata().with_metadata(table.schema.metadata))
 
 
+def _check_types(table: pa.Table, schema: pa.Schema, where: Path) -> None:
+    """A TraceError naming the first column whose type is not `schema`'s (a prompt of doubles read as token ids,
+    or parts no table can join)."""
+    retyped = next((f for f in schema if table.schema.field(f.name).type != f.type), None)
+    if retyped is not None:
+        found = table.schema.field(retyped.name).type
+        raise TraceError(f"{where}: column {retyped.name} is {found}, expected {retyped.type}")
+
+
+def _joined(tables: list[pa.Table], where: Path) -> pa.Table:
+    """The parts of one table, joined; a TraceError where they do not share one schema (a foreign part)."""
+    try:
+        return pa.concat_tables(tables)
+    except pa.ArrowInvalid as exc:
+        first = str(exc).splitlines()[0].rstrip(": ")
+        raise TraceError(f"{where}: its parts do not share one schema ({first}): a part from elsewhere") from None
+
+
 SAMPLE_KEY = ("request_id", "stream", "position")  # one row a sampled position of a sequence
 REQUIRED = ("run_id", *SAMPLE_KEY, "token_id")  # columns no row may leave null (a converted transcript has no step)
 
@@ -135,10 +153,7 @@ def read_samples(run_dir: Path, check_version: bool = True) -> pa.Table:
         table = _add_missing(table, SAMPLES_SCHEMA, "samples")
         if table.schema.names != SAMPLES_SCHEMA.names:
             raise TraceError(f"{part} has columns {table.schema.names}, expected {SAMPLES_SCHEMA.names}")
-        retyped = next((f for f in SAMPLES_SCHEMA if table.schema.field(f.name).type != f.type), None)
-        if retyped is not None:
-            found = table.schema.field(retyped.name).type
-            raise TraceError(f"{part}: column {retyped.name} is {found}, expected {retyped.type}")
+        _check_types(table, SAMPLES_SCHEMA, part)
         null = next((name for name in REQUIRED if table.column(name).null_count), None)
         if null is not None:
             raise TraceError(f"{part}: {table.column(null).null_count} rows have no {null}")
@@ -201,6 +216,12 @@ def check_rows_present(requests: pa.Table, samples: pa.Table, run_dir: Path) -> 
         *(samples.column(c).to_pylist() for c in ("request_id", "stream", "position", "token_id", "finish_reason"))
     ):
         spelled.setdefault((rid, stream), []).append((position, token, finish))
+    known = set(zip(requests.column("request_id").to_pylist(), requests.column("stream").to_pylist()))
+    unknown = next((key for key in spelled if key not in known), None)
+    if unknown is not None:  # a part of requests.parquet lost: a replay would call each of its sequences diverged
+        raise TraceError(
+            f"samples.parquet has rows for {unknown[0]}#{unknown[1]}, which requests.parquet lacks (a part of it lost?)"
+        )
     for row in requests.select(["request_id", "stream", "output_token_ids", "finish_reason"]).to_pylist():
         if row["finish_reason"] is None:
             continue
@@ -378,6 +399,7 @@ def _read_requests_table(path: Path, check_version: bool) -> pa.Table:
     table = _add_missing(table, REQUESTS_SCHEMA, "requests")
     if table.schema.names != REQUESTS_SCHEMA.names:
         raise TraceError(f"{path} has columns {table.schema.names}, expected {REQUESTS_SCHEMA.names}")
+    _check_types(table, REQUESTS_SCHEMA, path)
     return table
 
 
@@ -388,7 +410,7 @@ def read_rejected(run_dir: Path) -> pa.Table:
         tables = [pq.read_table(part) for part in parts]
     except (pa.ArrowException, OSError) as exc:
         raise TraceError(f"{Path(run_dir) / REJECTED_DIR} has a truncated or corrupt part: {exc}") from None
-    return pa.concat_tables(tables) if tables else REJECTED_SCHEMA.empty_table()
+    return _joined(tables, Path(run_dir) / REJECTED_DIR) if tables else REJECTED_SCHEMA.empty_table()
 
 
 def read_steps(run_dir: Path) -> pa.Table | None:
@@ -400,4 +422,4 @@ def read_steps(run_dir: Path) -> pa.Table | None:
         tables = [pq.read_table(part) for part in parts]
     except (pa.ArrowException, OSError) as exc:
         raise TraceError(f"{path} has a truncated or corrupt part: {exc}") from None
-    return pa.concat_tables(tables) if tables else None
+    return _joined(tables, path) if tables else None
