@@ -291,6 +291,12 @@ def test_corrupt_or_foreign_traces_are_refused_with_one_line(recorded_run, tmp_p
     for mode in (verify, replay):
         with pytest.raises(TraceError, match=r"schema version \[7\] is no integer"):
             mode(run)
+    manifest["schema_version"] = json.loads((recorded_run / "manifest.json").read_text())["schema_version"]
+    for key, value, kind in (("dtype", [1], "a string"), ("kv_scale_granularity", [1], "a string")):
+        (run / "manifest.json").write_text(json.dumps({**manifest, key: value}))  # were TypeError tracebacks
+        for mode in (verify, replay):
+            with pytest.raises(TraceError, match=rf"manifest.json is corrupt: {key} is \[1\], not {kind}"):
+                mode(run)
     run = copy_run(recorded_run, tmp_path / "interpolated")  # a recorded config holds no interpolation to resolve
     config = run / "config.yaml"
     config.write_text(config.read_text().replace("block_size: ", "block_size: ${nope.missing} #", 1))

@@ -58,7 +58,42 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
         )
     if version != SCHEMA_VERSION and version not in COMPATIBLE:
         raise TraceError(f"{path}: trace schema version {version!r}, this toolkit reads version {SCHEMA_VERSION}")
+    _check_fields(manifest, MANIFEST_FIELDS, path)
     return manifest
+
+
+# what each manifest field a reader uses must be, where it is not null: replay's and verify's checks compare and
+# print them (a dtype of [1] was verify's TypeError traceback, a kv_scale_granularity of [1] replay's)
+MANIFEST_FIELDS = {
+    **dict.fromkeys(
+        (
+            "run_id",
+            "model_name",
+            "model_id",
+            "weights_sha256",
+            "tokenizer_sha256",
+            "dtype",
+            "kv_cache_dtype",
+            "kv_scale_granularity",
+            "matmul_backend",
+            "kernel_numerics",
+            "native_kernels",
+            "kernel_target",
+            "record_body",
+        ),
+        "a string",
+    ),
+    "batch_invariant": "true or false",
+}
+
+
+def _check_fields(document: dict[str, Any], fields: dict[str, str], path: Path) -> None:
+    """A TraceError naming the first of `fields` (name: kind, _is_kind's) that `document` holds as another kind."""
+    for key, kind in fields.items():
+        value = document.get(key)
+        if value is not None and not _is_kind(value, kind):
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            raise TraceError(f"{path} is corrupt: {key} is {shown}, not {kind}")
 
 
 def read_config(run_dir: Path) -> DictConfig:
@@ -314,11 +349,7 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
         raise TraceError(f"{path} is unreadable or corrupt: {exc}") from None
     if not isinstance(summary, dict):
         raise TraceError(f"{path} is corrupt: a JSON {type(summary).__name__}, not an object")
-    for key, kind in SUMMARY_FIELDS.items():
-        value = summary.get(key)
-        if value is not None and not _is_kind(value, kind):
-            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-            raise TraceError(f"{path} is corrupt: {key} is {shown}, not {kind}")
+    _check_fields(summary, SUMMARY_FIELDS, path)
     return summary
 
 
