@@ -725,3 +725,27 @@ def test_a_chats_errors_name_the_field_it_sent(tiny):
         assert len(ok.choices[0].logprobs.content[0].top_logprobs) == 20
     finally:
         srv.stop()
+
+
+@pytest.mark.native
+def test_a_job_holds_trace_rows_only_for_an_answer_with_logprobs_not_streamed(tiny, monkeypatch):
+    """A stream sends each trace row as it comes and an answer without logprobs reads none: neither keeps them (a
+    stream once held every row it had sent until it ended); an answer with logprobs keeps each, in order."""
+    from toolkit.serve import api as api_module
+
+    jobs = []
+    build = api_module.Job.build
+    monkeypatch.setattr(api_module.Job, "build", lambda *a: jobs.append(build(*a)) or jobs[-1])
+    srv = start_server(make_engine(tiny, sampling=SamplingParams()), None)
+    body = {"prompt": "Hi", "max_tokens": 5, "ignore_eos": True, "n": 2}
+    try:
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream": True, "logprobs": 2}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert len(events) > 5 and events[-1] == "data: [DONE]", events
+        for extra in ({}, {"logprobs": 2}):
+            assert httpx.post(f"{srv.url}/v1/completions", json={**body, **extra}, timeout=60).status_code == 200
+    finally:
+        srv.stop()
+    assert [sum(map(len, job.samples.values())) for job in jobs] == [0, 0, 2 * 5]
+    for rows in jobs[2].samples.values():  # each sample's rows, one a position, in order
+        assert [s.position for s in rows] == list(range(rows[0].position, rows[0].position + 5))

@@ -581,9 +581,25 @@ def test_a_stream_whose_client_stops_reading_is_aborted(tiny, knobs):
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "bystander", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200
         assert httpx.get(srv.url + "/health").status_code == 200
+        if "stream_write_timeout_s" not in knobs:  # read at last: the stream ends with the client's error, then [DONE]
+            *_, error, done = re.findall(rb"data: (.*?)\n\n", _rest_of_stream(sock))
+            error = json.loads(error)["error"]
+            assert (error["type"], error["code"]) == ("invalid_request_error", "client_too_slow"), error
+            assert "serve.max_unread_mb" in error["message"] and done == b"[DONE]", done
     finally:
         sock.close()
         srv.stop()
+
+
+def _rest_of_stream(sock: socket.socket) -> bytes:
+    """What a stalled stream's socket still holds, read until its chunked body's end."""
+    sock.settimeout(30)
+    data = b""
+    while not data.endswith(b"\r\n0\r\n\r\n"):
+        chunk = sock.recv(1 << 20)
+        assert chunk, data[-300:]
+        data += chunk
+    return data
 
 
 def _connect(url: str) -> socket.socket:

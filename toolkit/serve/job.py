@@ -204,10 +204,14 @@ class Job:
 
     # ------------------------------------------------------------------ collecting
 
-    def _take(self, update: Update) -> None:
+    def _take(self, update: Update, keep_rows: bool) -> None:
+        """An update's output kept; its trace rows too where `keep_rows` (an answer not streamed, with logprobs:
+        a stream sends each row as it comes, an answer without logprobs reads none, so neither holds them)."""
+        if update.error is not None and self.queue.overflowed:  # the client's doing, not the server's
+            raise ApiError(408, update.error, None, "invalid_request_error", "client_too_slow")
         if update.error is not None:
             raise ApiError(500, update.error, None, "internal_error")
-        for s in update.samples:
+        for s in update.samples if keep_rows else ():
             self.samples.setdefault((s.request_id, s.stream), []).append(s)
         if update.output is not None:
             self.outputs[update.request_id] = update.output
@@ -226,7 +230,7 @@ class Job:
                     got.cancel()
                     self.abort()  # the client left: free its blocks
                     return Response(status_code=499)
-                self._take(got.result())
+                self._take(got.result(), keep_rows=self.logprobs.wanted is not None)
         except ApiError as exc:
             return exc.response()
         finally:
@@ -290,7 +294,8 @@ class Job:
     # ------------------------------------------------------------------ streaming
 
     async def stream(self) -> AsyncIterator[bytes]:
-        """SSE chunks as the engine steps; `data: [DONE]` last. A client that leaves aborts its requests."""
+        """SSE chunks as the engine steps; `data: [DONE]` last, after an error's event too. A client that leaves aborts
+        its requests."""
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         continuous = bool(self.req.stream_options and self.req.stream_options.continuous_usage_stats)
         sent_tokens = 0
@@ -324,7 +329,7 @@ class Job:
                         )
             while not self.done:
                 update = await self.queue.get()
-                self._take(update)
+                self._take(update, keep_rows=False)
                 rows_by_sample: dict[int, list] = {}
                 for s in update.samples:
                     rows_by_sample.setdefault(s.stream, []).append(s)
@@ -359,12 +364,9 @@ class Job:
             if include_usage:
                 yield self._event([], self.usage())
             yield format_sse_event(data_str="[DONE]")
-        except ApiError as exc:
-            yield format_sse_event(
-                data_str=json.dumps(
-                    {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": None}}
-                )
-            )
+        except ApiError as exc:  # the error as an event, then the end every stream has (as vLLM's streams do)
+            yield format_sse_event(data_str=json.dumps(exc.body()))
+            yield format_sse_event(data_str="[DONE]")
         finally:
             self.abort()  # no-op for finished requests; frees the blocks of a client that left
 

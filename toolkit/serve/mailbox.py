@@ -68,6 +68,11 @@ class Mailbox:
             self._bytes -= _size(update)
             return update
 
+    @property
+    def overflowed(self) -> bool:
+        """Whether the job was given up for its unread bytes (every read is that error)."""
+        return self._overflow is not None
+
     def __len__(self) -> int:
         """The updates a reader would get now (the tail is one)."""
         return len(self._items) + bool(self._tail)
