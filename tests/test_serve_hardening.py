@@ -749,3 +749,26 @@ def test_a_job_holds_trace_rows_only_for_an_answer_with_logprobs_not_streamed(ti
     assert [sum(map(len, job.samples.values())) for job in jobs] == [0, 0, 2 * 5]
     for rows in jobs[2].samples.values():  # each sample's rows, one a position, in order
         assert [s.position for s in rows] == list(range(rows[0].position, rows[0].position + 5))
+
+
+@pytest.mark.native
+def test_an_answer_not_streamed_past_max_response_mb_is_a_400_and_frees_its_requests(tiny):
+    """An answer held whole until it is (its text and logprob rows) is bounded: past serve.max_response_mb its
+    requests are aborted and it is a 400 saying to stream it (64 prompts x n=16 x 100 tokens with 20 logprobs
+    once built a 63 MB body); the same request streamed, and a smaller one, are answered."""
+    engine = make_engine(tiny, sampling=SamplingParams(), max_num_seqs=16)
+    srv = start_server(engine, None, max_response_mb=0.25)
+    big = {"prompt": ["x"] * 4, "n": 4, "max_tokens": 64, "logprobs": 20, "ignore_eos": True}  # 1,024 rows: 0.5 MB
+    try:
+        r = httpx.post(f"{srv.url}/v1/completions", json=big, timeout=120)
+        error = r.json()["error"]
+        assert (r.status_code, error["code"]) == (400, "response_too_large"), r.text
+        assert "serve.max_response_mb" in error["message"] and "stream: true" in error["message"]
+        assert srv.loop.stats.finished.get("abort") == 16 and not srv.loop.open_requests  # aborted halfway
+        assert engine.block_manager.num_used_blocks == 0
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json={**big, "stream": True}, timeout=120) as r:
+            assert list(r.iter_lines())[-2] == "data: [DONE]"
+        r = httpx.post(f"{srv.url}/v1/completions", json={**big, "max_tokens": 24}, timeout=120)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 16
+    finally:
+        srv.stop()

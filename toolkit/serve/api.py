@@ -38,8 +38,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from toolkit.errors import json_leaves, not_unicode
+from toolkit.serve.connections import TimedEventStream
 from toolkit.serve.grammars import GrammarCompiler
-from toolkit.serve.job import Job, TimedEventStream
+from toolkit.serve.job import Job
 from toolkit.serve.loop import EngineLoop
 from toolkit.serve.metrics import ServerMetrics
 from toolkit.serve.protocol import (

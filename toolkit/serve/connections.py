@@ -1,16 +1,18 @@
 """The server's connections: uvicorn's HTTP protocol with what uvicorn leaves out, a time and a size limit on a
-request's head, and its own answers (overload, a malformed or oversized head) in OpenAI's shape; and its server
-ending every stream before it shuts down."""
+request's head, and its own answers (overload, a malformed or oversized head) in OpenAI's shape; its server
+ending every stream before it shuts down; and a stream whose every write has a deadline."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import socket
-from collections.abc import Callable
+import sys
+from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
 
 import uvicorn
+from fastapi.sse import EventSourceResponse
 
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as HttpProtocol
@@ -178,3 +180,32 @@ def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ConfigError(f"serve.host={host} serve.port={port}: cannot listen there: {reason}") from None
     return sock
+
+
+class TimedEventStream(EventSourceResponse):
+    """An SSE response whose every write must finish within `write_timeout_s`: a client that takes no bytes for
+    that long (its socket's buffers full) has its requests aborted (`on_timeout`: their blocks freed) and its
+    stream ended, instead of holding the engine for as long as it stays connected. The connection itself is left
+    to uvicorn, which closes it once its buffered bytes drain: ASGI gives an app no way to drop a socket, so a
+    client that never reads again keeps one `serve.limit_concurrency` slot (not engine state) until it goes."""
+
+    def __init__(self, content: AsyncIterator[bytes], write_timeout_s: float, on_timeout: Callable[[], None]):
+        super().__init__(content)
+        self.write_timeout_s, self.on_timeout = write_timeout_s, on_timeout
+
+    async def stream_response(self, send) -> None:
+        async def timed(message) -> None:
+            async with asyncio.timeout(self.write_timeout_s):
+                await send(message)
+
+        try:
+            await super().stream_response(timed)
+        except TimeoutError:
+            print(
+                f"serve: a stream's client took no bytes for {self.write_timeout_s:g} s "
+                f"(serve.stream_write_timeout_s): its requests are aborted",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.on_timeout()  # the generator may never have started (its `finally` would not run)
+            await self.body_iterator.aclose()

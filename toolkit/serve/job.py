@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import threading
 import time
 import uuid
@@ -14,7 +13,7 @@ from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from fastapi.sse import EventSourceResponse, format_sse_event
+from fastapi.sse import format_sse_event
 
 from toolkit.engine.request import EngineRequest
 from toolkit.errors import RequestError, ResourceError, ToolkitError, one_line
@@ -22,7 +21,7 @@ from toolkit.runs.recorder import body_sha256
 from toolkit.serve.grammars import GrammarCompiler
 from toolkit.serve.logprobs import LogprobFormat
 from toolkit.serve.loop import Closing, EngineLoop, InternalError, LoopSink, Submission, Unavailable, Update
-from toolkit.serve.mailbox import Mailbox
+from toolkit.serve.mailbox import Mailbox, update_bytes
 from toolkit.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -48,6 +47,17 @@ class JobHost(Protocol):
     tokenizer: Any
     compiler: GrammarCompiler
     scoring: asyncio.Lock  # held while an echoed request's prompts are scored
+
+
+def response_too_large(limit_mb: float) -> ApiError:
+    return ApiError(
+        400,
+        f"the answer grew past {limit_mb:g} MB before it was whole (serve.max_response_mb): ask for it with "
+        f"stream: true, or for fewer tokens, samples or logprobs",
+        None,
+        "invalid_request_error",
+        "response_too_large",
+    )
 
 
 def shutting_down() -> ApiError:
@@ -101,6 +111,7 @@ class Job:
         self.queue = Mailbox(max_bytes=int(api.limits.max_unread_mb * 2**20), on_overflow=self.abort)
         self.outputs: dict[str, Any] = {}
         self.samples: dict[tuple[str, int], list] = {}  # (request id, sample index) -> trace rows, in order
+        self.held_bytes = 0  # what an answer not streamed holds so far (update_bytes)
         self.prompt_logprobs: list[list | None] = []
         self.cancel = threading.Event()  # set once its client left or the server is shutting down: preparing, stop
         self.logprobs = LogprobFormat(api.tokenizer, api.loop.engine.loaded.arch.vocab_size, sampling.get("logprobs"))
@@ -204,15 +215,21 @@ class Job:
 
     # ------------------------------------------------------------------ collecting
 
-    def _take(self, update: Update, keep_rows: bool) -> None:
+    def _take(self, update: Update, keep_rows: bool | None) -> None:
         """An update's output kept; its trace rows too where `keep_rows` (an answer not streamed, with logprobs:
-        a stream sends each row as it comes, an answer without logprobs reads none, so neither holds them)."""
-        if update.error is not None and self.queue.overflowed:  # the client's doing, not the server's
-            raise ApiError(408, update.error, None, "invalid_request_error", "client_too_slow")
-        if update.error is not None:
-            raise ApiError(500, update.error, None, "internal_error")
+        a stream, `None`, sends each row as it comes, an answer without logprobs reads none: neither holds them)."""
+        if update.error is not None:  # a slow client's doing (a 408's kind), or the server's
+            kind = (
+                (408, "invalid_request_error", "client_too_slow") if self.queue.overflowed else (500, "internal_error")
+            )
+            raise ApiError(kind[0], update.error, None, *kind[1:])
         for s in update.samples if keep_rows else ():
             self.samples.setdefault((s.request_id, s.stream), []).append(s)
+        if keep_rows is not None:  # an answer held whole: what it holds is bounded (serve.max_response_mb)
+            self.held_bytes += update_bytes(update, keep_rows)
+            if self.held_bytes > self.api.limits.max_response_mb * 2**20:
+                self.abort()
+                raise response_too_large(self.api.limits.max_response_mb)
         if update.output is not None:
             self.outputs[update.request_id] = update.output
 
@@ -253,17 +270,12 @@ class Job:
             out = self.outputs[request_id]
             for c in out.outputs:
                 rows = self.samples.get((request_id, c.index), [])
-                index = self._choice_index(request_id, c.index)
+                choice = {"index": self._choice_index(request_id, c.index)}
                 if self.chat:
-                    choices.append(
-                        {
-                            "index": index,
-                            "message": {"role": "assistant", "content": c.text},
-                            "logprobs": self.logprobs.chat(rows),
-                            "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason,
-                        }
-                    )
+                    choice |= {
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": self.logprobs.chat(rows),
+                    }
                 else:
                     text, logprobs = c.text, self.logprobs.completion(rows)
                     if self.req.echo:
@@ -271,15 +283,8 @@ class Job:
                         if logprobs is not None and self.prompt_logprobs:
                             i = self.request_ids.index(request_id)
                             logprobs = self.logprobs.echo(out.prompt_token_ids, self.prompt_logprobs[i], rows)
-                    choices.append(
-                        {
-                            "index": index,
-                            "text": text,
-                            "logprobs": logprobs,
-                            "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason,
-                        }
-                    )
+                    choice |= {"text": text, "logprobs": logprobs}
+                choices.append(choice | {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         choices.sort(key=lambda c: c["index"])
         return {
             "id": self.id,
@@ -329,7 +334,7 @@ class Job:
                         )
             while not self.done:
                 update = await self.queue.get()
-                self._take(update, keep_rows=False)
+                self._take(update, keep_rows=None)
                 rows_by_sample: dict[int, list] = {}
                 for s in update.samples:
                     rows_by_sample.setdefault(s.stream, []).append(s)
@@ -381,35 +386,6 @@ class Job:
         if usage is not None:
             chunk["usage"] = usage
         return format_sse_event(data_str=json.dumps(chunk))
-
-
-class TimedEventStream(EventSourceResponse):
-    """An SSE response whose every write must finish within `write_timeout_s`: a client that takes no bytes for
-    that long (its socket's buffers full) has its requests aborted (`on_timeout`: their blocks freed) and its
-    stream ended, instead of holding the engine for as long as it stays connected. The connection itself is left
-    to uvicorn, which closes it once its buffered bytes drain: ASGI gives an app no way to drop a socket, so a
-    client that never reads again keeps one `serve.limit_concurrency` slot (not engine state) until it goes."""
-
-    def __init__(self, content: AsyncIterator[bytes], write_timeout_s: float, on_timeout: Callable[[], None]):
-        super().__init__(content)
-        self.write_timeout_s, self.on_timeout = write_timeout_s, on_timeout
-
-    async def stream_response(self, send) -> None:
-        async def timed(message) -> None:
-            async with asyncio.timeout(self.write_timeout_s):
-                await send(message)
-
-        try:
-            await super().stream_response(timed)
-        except TimeoutError:
-            print(
-                f"serve: a stream's client took no bytes for {self.write_timeout_s:g} s "
-                f"(serve.stream_write_timeout_s): its requests are aborted",
-                file=sys.stderr,
-                flush=True,
-            )
-            self.on_timeout()  # the generator may never have started (its `finally` would not run)
-            await self.body_iterator.aclose()
 
 
 def _prompt_text(tokenizer, prompt: dict[str, Any]) -> str:

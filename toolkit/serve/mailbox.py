@@ -33,7 +33,7 @@ class Mailbox:
     def put(self, update: Update) -> None:  # on the event loop's thread
         if self._overflow is not None:
             return
-        self._bytes += _size(update)
+        self._bytes += update_bytes(update)
         if self._bytes > self.max_bytes:
             self._items.clear()
             self._tail.clear()
@@ -65,7 +65,7 @@ class Mailbox:
                 self._ready.clear()
                 await self._ready.wait()
                 continue
-            self._bytes -= _size(update)
+            self._bytes -= update_bytes(update)
             return update
 
     @property
@@ -82,8 +82,9 @@ class Mailbox:
         return self._bytes
 
 
-def _size(update: Update) -> int:
-    return sum(len(d.text.encode()) for d in update.deltas) + ROW_BYTES * len(update.samples)
+def update_bytes(update: Update, rows: bool = True) -> int:
+    """What an update counts for against a bound: its text's UTF-8 bytes, and ROW_BYTES a trace row (`rows`)."""
+    return sum(len(d.text.encode()) for d in update.deltas) + (ROW_BYTES * len(update.samples) if rows else 0)
 
 
 def _merge_by_request(updates: list[Update]) -> list[Update]:

@@ -343,6 +343,7 @@ class Limits:
     max_schema_chars: int = 16384  # characters of its property names, enum and const values and patterns
     grammar_timeout_s: float = 10.0  # compiling a request's grammar past this: 400
     max_unread_mb: float = 4.0  # a request's output its client has not read yet, past which it is aborted
+    max_response_mb: float = 64.0  # an answer not streamed, held until whole (text, logprob rows): past it, a 400
     stream_write_timeout_s: float = 30.0  # a stream whose client takes no bytes for this long: requests aborted
     client_body_timeout_s: float = 30.0  # a body of which no byte comes for this long: 408 (nginx's name)
     max_scored_tokens: int = 16384  # prompt tokens one echo + logprobs request has scored (a forward each, off-cache)
