@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -159,6 +160,16 @@ def test_verify_passes_and_a_hand_edited_token_fails_at_that_row(recorded_run, t
     report = verify(run)
     assert not report.passed
     assert [(f.request_id, f.position) for f in report.failures] == [("greedy", 7)]
+
+
+def test_verify_reports_a_nan_logprob_as_the_largest_diff_not_zero(recorded_run, tmp_path):
+    """A recorded raw logprob of NaN fails its row, and the report's largest diff is NaN at that row (it said 0)."""
+    run = copy_run(recorded_run, tmp_path / "run")
+    edit_sample(run, "greedy", 7, "raw_logprob", lambda _: float("nan"))
+    report = verify(run)
+    assert [(f.request_id, f.position) for f in report.failures] == [("greedy", 7)]
+    assert math.isnan(report.max_abs_diff) and report.max_at == "greedy#0 position 7", report.summary_line()
+    assert "max |raw logprob diff| nan at greedy#0 position 7" in report.summary_line()
 
 
 def test_verify_names_a_sampled_token_forged_with_its_recomputed_logprob(recorded_run, tmp_path):

@@ -296,6 +296,19 @@ def test_a_hostile_request_is_a_4xx_naming_its_field_and_costs_nothing(server, n
     assert ok.status_code == 200 and httpx.get(server.url + "/health").status_code == 200
 
 
+def test_a_request_past_the_context_is_told_which_prompt_not_an_engine_id(server):
+    """prompt + max_tokens past the context names the prompt by its index when there are several, and no engine
+    request id (the job's id and the index, once shown as "request cmpl-...-1:") either way."""
+    context = server.loop.engine.max_model_len
+    for prompt, says in (
+        ([5] * 100, f"prompt (100) + max_tokens ({context - 50}) = {context + 50} exceeds engine.max_model_len"),
+        ([[5] * 10, [5] * 100], f"prompt 1: prompt (100) + max_tokens ({context - 50}) = {context + 50} exceeds"),
+    ):
+        body = {"prompt": prompt, "max_tokens": context - 50}
+        error = refused(httpx.post(f"{server.url}/v1/completions", json=body, timeout=60), 400, "max_tokens")
+        assert error["message"].startswith(says) and "cmpl-" not in error["message"], error
+
+
 @pytest.mark.parametrize("name", ["a million bad messages", "half a million null prompts", "a million list stops"])
 def test_a_list_of_bad_items_is_one_error_not_one_per_item(name):
     """pydantic stops at a list's first bad item (FailFast): a body of a million bad items is at most one error per

@@ -324,7 +324,7 @@ def absorb(report: VerifyReport, part: VerifyReport) -> None:
     """A later shard's report joined to the earlier ones': what one pass over both in order would give."""
     for name in COUNTS:
         setattr(report, name, getattr(report, name) + getattr(part, name))
-    if part.max_abs_diff > report.max_abs_diff:
+    if _larger(part.max_abs_diff, report.max_abs_diff):
         report.max_abs_diff, report.max_at = part.max_abs_diff, part.max_at
     report.failures += part.failures
     report.checks += part.checks
@@ -429,7 +429,7 @@ def _verify_sequence(key, rows, request, forward, loaded, eos, grammar, report: 
                 reason = f"raw logprob bits differ: recorded {row['raw_logprob']!r}, recomputed {recomputed!r}"
             elif logits_digest(logits[p - 1]) != row["logits_sha256"]:
                 reason = "logits sha256 differs from the recorded digest: cached != recomputed bits"
-        if diff > report.max_abs_diff:
+        if _larger(diff, report.max_abs_diff):
             report.max_abs_diff, report.max_at = diff, f"{request_id}#{stream} position {p}"
         check = RowCheck(
             request_id,
@@ -452,3 +452,8 @@ def _verify_sequence(key, rows, request, forward, loaded, eos, grammar, report: 
             else:
                 report.failures.append(check)
                 failed_before = True
+
+
+def _larger(diff: float, largest: float) -> bool:
+    """Whether `diff` is the new largest: a NaN (a recorded logprob of NaN) is, once, and stays (it was shown as 0)."""
+    return diff > largest or (math.isnan(diff) and not math.isnan(largest))

@@ -467,7 +467,9 @@ def request_error(exc: Exception, fields: Any) -> ApiError:
     """A RequestError / ConfigError from the engine's intake as a 400; `param` is the field it names first, under
     the name the client sent it by (a chat's max_completion_tokens and top_logprobs, the engine's max_tokens and
     logprobs), as the message says it."""
-    message = str(exc)
+    message = str(exc)  # the engine's request id (the job's, then the prompt's index) is no client's: dropped
+    many = isinstance(getattr(fields, "prompt", None), list) and len(fields.prompts()) > 1
+    message = re.sub(r"^request \S+?-(\d+): ", lambda m: f"prompt {m[1]}: " if many else "", message)
     for engine_name, sent in (fields.sent_as() if hasattr(fields, "sent_as") else {}).items():
         message = re.sub(rf"\b{engine_name}\b", sent, message)
     fmt = getattr(fields, "response_format", None)
