@@ -320,8 +320,8 @@ def test_corrupt_or_foreign_traces_are_refused_with_one_line(recorded_run, tmp_p
 
 def test_a_lost_retyped_or_foreign_part_is_one_line_for_replay_verify_and_report(tiny, tmp_path):
     """A requests part deleted (replay called each of its sequences diverged), a requests part whose prompt is
-    doubles (verify passed it), and a steps or rejected part of another schema (report: an ArrowInvalid traceback)
-    are each a TraceError naming the part."""
+    doubles (verify passed it), a samples part that is a directory, and a steps or rejected part of another schema
+    (report: an ArrowInvalid traceback) are each a TraceError naming the part."""
     make_run(tiny, recorded_run := tmp_path / "run", flush_every_steps=2)
     parts = sorted((recorded_run / REQUESTS_FILE).glob("part-*.parquet"))
     assert len(parts) > 1  # (its requests ended over more than one flush)
@@ -342,6 +342,11 @@ def test_a_lost_retyped_or_foreign_part_is_one_line_for_replay_verify_and_report
         with pytest.raises(
             TraceError, match=r"column prompt_token_ids is list<\w+: double>, expected list<\w+: int64>"
         ):
+            mode(run)
+    run = copy_run(recorded_run, tmp_path / "a directory")  # once "schema version missing"
+    (run / "samples.parquet" / "part-999999.parquet").mkdir()
+    for mode in (replay, verify, write_report):
+        with pytest.raises(TraceError, match=r"part-999999.parquet is not a file \(each part of a trace is one"):
             mode(run)
     for directory, read in (("steps.parquet", write_report), ("rejected.parquet", read_rejected)):
         run = copy_run(recorded_run, tmp_path / directory)

@@ -293,6 +293,32 @@ def test_prompt_logprobs_with_echo_match_generation(server):
     )
 
 
+def test_echo_with_max_tokens_0_answers_the_prompt_scored_alone(server):
+    """OpenAI's legacy scoring (lm-eval's old gpt3 model): echo + logprobs + max_tokens 0 is the prompt with its
+    logprobs, no completion (vLLM's too: one token is sampled, and traced, but not answered); without echo, and
+    in a chat, max_tokens 0 stays a 400. Streamed, the echo then the finish, and usage counts no completion."""
+    c = client(server)
+    prompt = [504, 3575, 282, 4649, 314]
+    scored = c.completions.create(model="smollm2", prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    one = c.completions.create(model="smollm2", prompt=prompt, max_tokens=1, echo=True, logprobs=2, temperature=0)
+    got, lp, want = scored.choices[0], scored.choices[0].logprobs, one.choices[0].logprobs
+    assert (len(lp.tokens), got.finish_reason, scored.usage.completion_tokens) == (len(prompt), "length", 0)
+    assert lp.token_logprobs == want.token_logprobs[: len(prompt)] and lp.tokens == want.tokens[: len(prompt)]
+    assert got.text == one.choices[0].text[: len(got.text)] and len(got.text) < len(one.choices[0].text)
+    body = {"prompt": "Once upon", "max_tokens": 0, "echo": True, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    texts = [(e["choices"][0]["text"], e["choices"][0]["finish_reason"]) for e in events if e["choices"]]
+    assert texts == [("Once upon", None), ("", "length")] and events[-1]["usage"]["completion_tokens"] == 0
+    for route, body in (
+        ("completions", {"prompt": "Hi"}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
+        r = httpx.post(f"{server.url}/v1/{route}", json={**body, "max_tokens": 0}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("max_tokens", "max_completion_tokens"), r.text
+
+
 def test_a_completions_top_logprobs_hold_the_chosen_token(server):
     """OpenAI's legacy completions: "the API will always return the logprob of the sampled token, so there may be up
     to logprobs+1 elements": each position's alternatives hold its own token (sampled, or the prompt's with echo)."""

@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import replace
 from typing import Any, Protocol
 
 from fastapi import Request
@@ -103,6 +104,8 @@ class Job:
     ):
         self.api, self.route, self.req, self.body = api, route, req, body
         self.chat = route.endswith("chat/completions")
+        # echo with max_tokens 0 (OpenAI's legacy scoring): one token sampled and traced, the prompt alone answered
+        self.prompt_only = not self.chat and bool(req.echo) and req.max_tokens == 0
         self.prompts, self.sampling = prompts, sampling
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -128,6 +131,7 @@ class Job:
                 if req.best_of is not None and req.best_of != req.n:
                     raise FieldError("best_of", "best_of other than n is not supported (every sample is returned)")
                 prompts, max_tokens, logprobs = req.prompts(), req.max_tokens, req.logprobs
+                max_tokens = 1 if req.echo and max_tokens == 0 else max_tokens  # the prompt alone (scored): vLLM's
                 if req.echo and req.stream and logprobs is not None:
                     raise FieldError("echo", "echo with logprobs is not supported when streaming")
             if req.stream_options is not None and not req.stream:
@@ -252,49 +256,19 @@ class Job:
             return exc.response()
         finally:
             left.cancel()
-        return JSONResponse(self.response())
+        return JSONResponse(answer(self))
 
-    def _choice_index(self, request_id: str, sample: int) -> int:
+    def choice_index(self, request_id: str, sample: int) -> int:
         return self.request_ids.index(request_id) * self.req.n + sample
 
     def usage(self, completion: int | None = None) -> dict[str, int]:
         """Tokens so far: the prompts' and `completion` (None: every output's)."""
         prompt = sum(len(p.get("prompt_token_ids") or ()) for p in self.prompts)  # tokenized before submission
-        if completion is None:
+        if self.prompt_only:  # (its one sampled token is not answered)
+            completion = 0
+        elif completion is None:
             completion = sum(len(c.token_ids) for o in self.outputs.values() for c in o.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    def response(self) -> dict[str, Any]:
-        choices = []
-        for request_id in self.request_ids:
-            out = self.outputs[request_id]
-            for c in out.outputs:
-                rows = self.samples.get((request_id, c.index), [])
-                choice = {"index": self._choice_index(request_id, c.index)}
-                if self.chat:
-                    choice |= {
-                        "message": {"role": "assistant", "content": c.text},
-                        "logprobs": self.logprobs.chat(rows),
-                    }
-                else:
-                    text, logprobs = c.text, self.logprobs.completion(rows)
-                    if self.req.echo:
-                        text = (out.prompt or "") + text
-                        if logprobs is not None and self.prompt_logprobs:
-                            i = self.request_ids.index(request_id)
-                            logprobs = self.logprobs.echo(out.prompt_token_ids, self.prompt_logprobs[i], rows)
-                    choice |= {"text": text, "logprobs": logprobs}
-                choices.append(choice | {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        choices.sort(key=lambda c: c["index"])
-        return {
-            "id": self.id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.api.served.name,
-            "choices": choices,
-            "usage": self.usage(),
-            "system_fingerprint": self.api.loop.run_id,
-        }
 
     # ------------------------------------------------------------------ streaming
 
@@ -311,7 +285,7 @@ class Job:
                         yield self._event(
                             [
                                 {
-                                    "index": self._choice_index(request_id, i),
+                                    "index": self.choice_index(request_id, i),
                                     "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None,
                                     "finish_reason": None,
@@ -325,7 +299,7 @@ class Job:
                         yield self._event(
                             [
                                 {
-                                    "index": self._choice_index(request_id, i),
+                                    "index": self.choice_index(request_id, i),
                                     "text": text,
                                     "logprobs": None,
                                     "finish_reason": None,
@@ -336,15 +310,16 @@ class Job:
                 update = await self.queue.get()
                 self._take(update, keep_rows=None)
                 rows_by_sample: dict[int, list] = {}
-                for s in update.samples:
+                for s in () if self.prompt_only else update.samples:
                     rows_by_sample.setdefault(s.stream, []).append(s)
                 choices = []
                 for d in update.deltas:
+                    d = replace(d, text="") if self.prompt_only else d  # the prompt, echoed, is the answer
                     rows = rows_by_sample.get(d.index, [])
                     sent_tokens += len(d.token_ids)
                     if not d.text and not d.finished and not rows:
                         continue
-                    index = self._choice_index(d.request_id, d.index)
+                    index = self.choice_index(d.request_id, d.index)
                     finish = d.finish_reason if d.finished else None
                     if self.chat:
                         choice = {
@@ -386,6 +361,40 @@ class Job:
         if usage is not None:
             chunk["usage"] = usage
         return format_sse_event(data_str=json.dumps(chunk))
+
+
+def answer(job: Job) -> dict[str, Any]:
+    """A whole (not streamed) answer of `job`'s, in OpenAI's shape."""
+    choices = []
+    for request_id in job.request_ids:
+        out = job.outputs[request_id]
+        for c in out.outputs:
+            rows = [] if job.prompt_only else job.samples.get((request_id, c.index), [])
+            choice = {"index": job.choice_index(request_id, c.index)}
+            if job.chat:
+                choice |= {
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": job.logprobs.chat(rows),
+                }
+            else:
+                text, logprobs = "" if job.prompt_only else c.text, job.logprobs.completion(rows)
+                if job.req.echo:
+                    text = (out.prompt or "") + text
+                    if logprobs is not None and job.prompt_logprobs:
+                        i = job.request_ids.index(request_id)
+                        logprobs = job.logprobs.echo(out.prompt_token_ids, job.prompt_logprobs[i], rows)
+                choice |= {"text": text, "logprobs": logprobs}
+            choices.append(choice | {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    choices.sort(key=lambda c: c["index"])
+    return {
+        "id": job.id,
+        "object": "chat.completion" if job.chat else "text_completion",
+        "created": job.created,
+        "model": job.api.served.name,
+        "choices": choices,
+        "usage": job.usage(),
+        "system_fingerprint": job.api.loop.run_id,
+    }
 
 
 def _prompt_text(tokenizer, prompt: dict[str, Any]) -> str:

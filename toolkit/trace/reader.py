@@ -156,6 +156,19 @@ def _check_types(table: pa.Table, schema: pa.Schema, where: Path) -> None:
         raise TraceError(f"{where}: column {retyped.name} is {found}, expected {retyped.type}")
 
 
+def _read_part(part: Path) -> pa.Table:
+    """One Parquet file of a trace, or a TraceError: missing, not a file (pyarrow read a directory as an empty
+    dataset, then said its schema version was missing), truncated or corrupt."""
+    if part.exists() and not part.is_file():
+        raise TraceError(f"{part} is not a file (each part of a trace is one Parquet file)")
+    try:
+        return pq.read_table(part)
+    except FileNotFoundError:
+        raise TraceError(f"{part} is missing") from None
+    except (pa.ArrowException, OSError) as exc:
+        raise TraceError(f"{part} is truncated or corrupt: {exc}") from None
+
+
 def _joined(tables: list[pa.Table], where: Path) -> pa.Table:
     """The parts of one table, joined; a TraceError where they do not share one schema (a foreign part)."""
     try:
@@ -179,10 +192,7 @@ def read_samples(run_dir: Path, check_version: bool = True) -> pa.Table:
     run_id = _manifest_run_id(run_dir)
     tables = []
     for part in sorted(directory.glob("part-*.parquet")):
-        try:
-            table = pq.read_table(part)
-        except (pa.ArrowException, OSError) as exc:
-            raise TraceError(f"{part} is truncated or corrupt: {exc}") from None
+        table = _read_part(part)
         if check_version:
             _check_version(table, str(part))
         table = _add_missing(table, SAMPLES_SCHEMA, "samples")
@@ -419,12 +429,7 @@ def read_requests(run_dir: Path, check_version: bool = True) -> pa.Table:
 
 
 def _read_requests_table(path: Path, check_version: bool) -> pa.Table:
-    try:
-        table = pq.read_table(path)
-    except FileNotFoundError:
-        raise TraceError(f"{path} is missing") from None
-    except (pa.ArrowException, OSError) as exc:
-        raise TraceError(f"{path} is truncated or corrupt: {exc}") from None
+    table = _read_part(path)
     if check_version:
         _check_version(table, str(path))
     table = _add_missing(table, REQUESTS_SCHEMA, "requests")
@@ -436,11 +441,7 @@ def _read_requests_table(path: Path, check_version: bool) -> pa.Table:
 
 def read_rejected(run_dir: Path) -> pa.Table:
     """A served run's refused (503) and failed (500) requests, in the order recorded (none: an empty table)."""
-    parts = sorted((Path(run_dir) / REJECTED_DIR).glob("part-*.parquet"))
-    try:
-        tables = [pq.read_table(part) for part in parts]
-    except (pa.ArrowException, OSError) as exc:
-        raise TraceError(f"{Path(run_dir) / REJECTED_DIR} has a truncated or corrupt part: {exc}") from None
+    tables = [_read_part(part) for part in sorted((Path(run_dir) / REJECTED_DIR).glob("part-*.parquet"))]
     return _joined(tables, Path(run_dir) / REJECTED_DIR) if tables else REJECTED_SCHEMA.empty_table()
 
 
@@ -449,8 +450,5 @@ def read_steps(run_dir: Path) -> pa.Table | None:
     2026-11-28); None when it recorded none (an audit of a transcript, a run that never stepped)."""
     path = Path(run_dir) / STEPS_DIR
     parts = sorted(path.glob("part-*.parquet")) if path.is_dir() else [path] if path.exists() else []
-    try:
-        tables = [pq.read_table(part) for part in parts]
-    except (pa.ArrowException, OSError) as exc:
-        raise TraceError(f"{path} has a truncated or corrupt part: {exc}") from None
+    tables = [_read_part(part) for part in parts]
     return _joined(tables, path) if tables else None
