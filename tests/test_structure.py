@@ -416,6 +416,7 @@ ONE_COMPUTATION = {
     "test_serve.py::test_response_format_json_schema_and_json_object_are_valid_json": "validity, not agreement",
     "test_serve.py::test_bad_json_and_the_server_still_serves": "a count of tokens, not which",
     "test_serve.py::test_prompt_logprobs_with_echo_match_generation": "one engine's prefill vs its decode",
+    "test_serve.py::test_echo_with_max_tokens_0_answers_the_prompt_scored_alone": "one engine's prompt scores, twice",
     "test_serve.py::test_a_served_run_is_traced_replayed_bit_identical_and_verified": "replay of its own run",
 }
 
