@@ -27,7 +27,7 @@ from toolkit.serve import api as api_module
 from toolkit.serve.loop import handoff_wait_for
 from toolkit.serve.main import serve_config, start_server
 from toolkit.serve.protocol import ChatCompletionRequest, CompletionRequest
-from toolkit.serve.shapes import json_shape, schema_text
+from toolkit.serve.shapes import json_shape, pattern_cost, schema_pattern_cost, schema_patterns, schema_text
 
 pytestmark = pytest.mark.native
 
@@ -115,6 +115,25 @@ HOSTILE = {  # name -> (route, body, status, param, what the message says)
         400,
         "prompt",
         "outside the vocabulary",
+    ),
+    "a pattern of nested bounded repeats (minutes of compile, 60 characters)": (
+        "chat/completions",
+        schema_chat({"type": "string", "pattern": "h1(([a-z]{1,20}){1,20}){1,20}"}),
+        400,
+        "response_format.json_schema.schema",
+        "too costly (its patterns' repeats) to compile",
+    ),
+    "60 patterns of 100 positions each": (
+        "chat/completions",
+        schema_chat(
+            {
+                "type": "object",
+                "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,100}"} for i in range(60)},
+            }
+        ),
+        400,
+        "response_format.json_schema.schema",
+        "serve.max_schema_pattern_cost=4000",
     ),
     "a schema nested 150 deep": (
         "chat/completions",
@@ -450,6 +469,30 @@ JSON = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=2), inner, max_size=4),
     max_leaves=40,
 )
+
+
+def test_a_patterns_cost_follows_its_nested_bounded_repeats_not_its_length():
+    """pattern_cost estimates the milliseconds xgrammar's JSON-schema compile spends on a pattern (docstring's
+    measurements): everyday patterns cost little; repeats of variable count over bodies of variable length, nested,
+    cost their product (([a-z]{1,20}){1,20}: 9.75 s measured); a pattern Python's parser cannot read is costed by
+    its repeat counts, so ECMA syntax does not hide one; patternProperties keys are patterns too."""
+    everyday = [
+        r"^([a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?\.)+[a-zA-Z]{2,}$",  # a hostname
+        r"^((25[0-5]|2[0-4][0-9]|[01]?[0-9][0-9]?)\.){3}(25[0-5]|2[0-4][0-9]|[01]?[0-9][0-9]?)$",  # IPv4
+        r"^[0-9a-f]{8}-([0-9a-f]{4}-){3}[0-9a-f]{12}$",  # a UUID
+        r"^[^@\s]+@[^@\s]+\.[a-z]{2,}$",
+        r"^\d{4}-\d{2}-\d{2}$",
+    ]
+    assert all(pattern_cost(p) < 200 for p in everyday), [pattern_cost(p) for p in everyday]
+    costs = [pattern_cost(f"h([a-z]{{1,{k}}}){{1,{k}}}") for k in (5, 10, 20)]
+    assert costs[0] < 400 < costs[1] < 4000 < costs[2], costs
+    assert pattern_cost("h(([a-z]{1,6}){1,6}){1,6}") > 4000 > pattern_cost("h(([a-z]{1,3}){1,3}){1,3}")
+    assert pattern_cost("(?<name>([a-z]{1,20}){1,20})") > 4000  # a named group ECMA's way, read as Python's
+    assert pattern_cost("(?<=x)([a-z]{1,20}){1,20}\\k<q>") > 4000  # unreadable to Python: counted by its repeats
+    schema = {"patternProperties": {"^a([a-z]{1,20}){1,20}$": {"type": "string", "pattern": "b{2}"}}}
+    assert sorted(schema_patterns(schema)) == ["^a([a-z]{1,20}){1,20}$", "b{2}"]
+    assert schema_pattern_cost(schema) == pattern_cost("^a([a-z]{1,20}){1,20}$") + pattern_cost("b{2}")
+    assert schema_patterns({"enum": [{"pattern": "x{9}"}], "const": {"pattern": "y"}}) == []  # literals, no schemas
 
 
 @given(JSON, st.integers(1, 8), st.integers(1, 60))

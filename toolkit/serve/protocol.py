@@ -1,9 +1,7 @@
-"""The OpenAI request bodies this server accepts (pydantic models), and what they become for the engine.
-
-Every field a client may send is declared; anything else is refused with a 400 naming the field (OpenAI's
-fields this engine does not implement, such as `tools`, say so). Sampling fields a request leaves out take
-the server's defaults (the model's generation config where it has one), exactly as `LLM.generate` does.
-"""
+"""The OpenAI request bodies this server accepts (pydantic models), and what they become for the engine. Every
+field a client may send is declared; anything else is refused with a 400 naming the field (OpenAI's fields this
+engine does not implement, such as `tools`, say so). Sampling fields a request leaves out take the server's
+defaults (the model's generation config where it has one), exactly as `LLM.generate` does."""
 
 from __future__ import annotations
 
@@ -19,7 +17,7 @@ from pydantic.types import FailFast
 from pydantic_core import PydanticCustomError, PydanticUseDefault
 
 from toolkit.errors import ConfigError
-from toolkit.serve.shapes import json_shape, schema_text
+from toolkit.serve.shapes import json_shape, schema_pattern_cost, schema_text
 
 
 class _FailFast(FailFast):
@@ -326,9 +324,9 @@ class ChatCompletionRequest(SamplingFields):
 
 @dataclass(frozen=True)
 class Limits:
-    """What one request may ask for (serve.max_*): past a limit a request is refused, the field named. Each one
-    bounds a cost the request would put on the server: the engine thread's work per token (stop strings, bad
-    words), a grammar's compilation (the schema's depth and size), what the trace keeps (user, metadata)."""
+    """What one request may ask for (serve.max_*): past a limit a request is refused, the field named. Each bounds a
+    cost on the server: the engine thread's work per token (stop strings, bad words), a grammar's compilation (the
+    schema's depth, size, text and patterns), what the trace keeps (user, metadata)."""
 
     max_body_mb: float = 8.0  # a larger body: 413
     max_prompts: int = 64  # prompts in one /v1/completions request
@@ -341,6 +339,7 @@ class Limits:
     max_schema_depth: int = 64  # nesting of response_format's JSON schema (a grammar's compile time grows with it)
     max_schema_nodes: int = 10000  # objects, arrays and values in that schema
     max_schema_chars: int = 16384  # characters of its property names, enum and const values and patterns
+    max_schema_pattern_cost: int = 4000  # its patterns' compile, about in ms (toolkit.serve.shapes.pattern_cost)
     grammar_timeout_s: float = 10.0  # compiling a request's grammar past this: 400
     max_unread_mb: float = 4.0  # a request's output its client has not read yet, past which it is aborted
     max_response_mb: float = 64.0  # an answer not streamed, held until whole (text, logprob rows): past it, a 400
@@ -401,9 +400,10 @@ class Limits:
             for what, value, knob in (
                 ("nested", depth, "max_schema_depth"),
                 ("large", nodes, "max_schema_nodes"),
-                ("long", None, "max_schema_chars"),  # walked once depth and size are known to be bounded
+                ("long", schema_text, "max_schema_chars"),  # walked once depth and size are known to be bounded
+                ("costly (its patterns' repeats)", schema_pattern_cost, "max_schema_pattern_cost"),
             ):
-                value = schema_text(schema["json"]) if value is None else value
+                value = value(schema["json"]) if callable(value) else value
                 if value > getattr(self, knob):
                     raise FieldError(
                         "response_format.json_schema.schema",
