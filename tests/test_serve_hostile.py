@@ -676,6 +676,46 @@ def _closed_by_server(sock: socket.socket) -> bool:
         return True
 
 
+def test_one_client_holds_at_most_max_connections_per_client_and_health_answers_past_every_limit(tiny):
+    """A client trickling request bodies on many connections (each a place under serve.limit_concurrency) gets a
+    503 past serve.max_connections_per_client on the next, its connection closed; GET /health is answered past
+    either bound; once the client's connections close, its requests are served again. (1,030 such connections
+    once held every place: every other client, and /health, got 503s for as long as the bytes came.)"""
+    srv = start_server(
+        make_engine(tiny, sampling=SamplingParams()), None, max_connections_per_client=3, limit_concurrency=4
+    )
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+    )
+    trickling = []
+    try:
+        for _ in range(3):  # three bodies begun, never finished
+            trickling.append(_connect(srv.url))
+            trickling[-1].sendall(head)
+        time.sleep(0.3)
+        one_more = _connect(srv.url)
+        one_more.sendall(head)
+        one_more.settimeout(10)
+        answer = one_more.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 503") and b'"too_many_connections"' in answer, answer[:400]
+        assert _closed_by_server(one_more)
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200  # the 4th open: limit_concurrency's
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] in ("too_many_connections", "server_overloaded")
+    finally:
+        for sock in trickling:
+            sock.close()
+    try:
+        deadline = time.monotonic() + 10
+        while (
+            r := httpx.post(f"{srv.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=30)
+        ).status_code != 200:
+            assert time.monotonic() < deadline, r.text
+            time.sleep(0.1)
+    finally:
+        srv.stop()
+
+
 def test_connections_that_never_finish_a_request_head_are_closed_and_take_no_place_for_long(tiny):
     """A connection that sends nothing, or its headers a byte at a time and never the blank line, or nothing more
     after its answer, is closed serve.client_header_timeout_s after it opened (or after the answer): under

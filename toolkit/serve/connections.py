@@ -26,7 +26,7 @@ STATUS_LINE = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in H
 
 
 def http_protocol(
-    header_timeout_s: float, limit: int | None, max_head_bytes: int = 64 * 1024
+    header_timeout_s: float, limit: int | None, max_head_bytes: int = 64 * 1024, per_client: int | None = None
 ) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol (httptools where it is installed, else h11: what its "auto" picks) with:
 
@@ -40,7 +40,21 @@ def http_protocol(
     - a request head (its line and headers) past `max_head_bytes` (serve.max_header_kb) is a 431 and the connection
       closed, as soon as its bytes pass the bound: httptools keeps a head's bytes however many come, and a client
       streaming one header for 10 s held 200 MB (h11 has its own bound, h11_max_incomplete_event_size);
-    - a head the parser refuses is a 400 in OpenAI's shape, where uvicorn answers it in plain text."""
+    - a head the parser refuses is a 400 in OpenAI's shape, where uvicorn answers it in plain text;
+    - past `per_client` open connections from one address (serve.max_connections_per_client), a request on another
+      is a 503 and its connection closed: one client trickling 1,030 bodies a byte at a time held every place under
+      `limit`, and every other client got 503s;
+    - `GET /health` is answered past either limit (a health check says the process lives, as it does)."""
+    open_by_client: dict[str, int] = {}  # open connections per address, each under per_client (of this server's)
+    crowding = ApiError(
+        503,
+        f"this client has {per_client} connections open, as many as one client may (serve.max_connections_per_client);"
+        f" retry on one of them",
+        None,
+        "server_overloaded",
+        "too_many_connections",
+        {"Retry-After": "1", "Connection": "close"},
+    ).response()
     overloaded = ApiError(
         503,
         f"the server is at its limit of {limit} open connections (serve.limit_concurrency); retry later",
@@ -64,6 +78,8 @@ def http_protocol(
     class Protocol(HttpProtocol):
         _head_timer: asyncio.TimerHandle | None = None
         _head_bytes: int | None = None  # bytes of the head under way since the read it began in (None: none is)
+        _peer: str | None = None  # the client's address, where this connection counts under per_client
+        _crowding = False  # opened past per_client: its requests get `crowding`
 
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
@@ -89,6 +105,10 @@ def http_protocol(
             app = self.app
             if len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers) > max_head_bytes:
                 self.app = too_large.response()
+            elif self.url == b"/health":
+                pass
+            elif self._crowding:
+                self.app = crowding
             elif self._limit is not None and (len(self.connections) >= self._limit or len(self.tasks) >= self._limit):
                 self.app = overloaded
             try:
@@ -121,6 +141,12 @@ def http_protocol(
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            peer = transport.get_extra_info("peername")
+            peer = peer[0] if isinstance(peer, tuple) and peer else None  # (a Unix socket's is no address)
+            if per_client is not None and peer is not None:  # one past the client's bound: refused, and not counted
+                self._crowding = open_by_client.get(peer, 0) >= per_client
+                if not self._crowding:
+                    self._peer, open_by_client[peer] = peer, open_by_client.get(peer, 0) + 1
             self._time_the_head()
 
         def on_response_complete(self) -> None:
@@ -130,6 +156,11 @@ def http_protocol(
         def connection_lost(self, exc) -> None:
             if self._head_timer is not None:
                 self._head_timer.cancel()
+            if self._peer is not None:
+                open_by_client[self._peer] -= 1
+                if not open_by_client[self._peer]:
+                    del open_by_client[self._peer]
+                self._peer = None
             super().connection_lost(exc)
 
         def _time_the_head(self) -> None:

@@ -58,6 +58,7 @@ SERVE_DEFAULTS = {
     "metrics_public": True,
     "record_body": "full",
     "limit_concurrency": 1024,
+    "max_connections_per_client": 256,  # open connections from one address; past it a request gets 503 (null: none)
     "timeout_keep_alive": 5,
     "client_header_timeout_s": 10.0,  # a connection whose request line and headers are not whole by then: closed
     "max_header_kb": 64,  # a request line and headers past this: 431, the connection closed
@@ -92,6 +93,7 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "max_schema_depth",
         "max_schema_nodes",
         "max_schema_chars",
+        "max_schema_pattern_cost",
         "limit_concurrency",
         "timeout_keep_alive",
         "max_compiling",
@@ -104,6 +106,7 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         ("max_body_mb", False),
         ("grammar_timeout_s", False),
         ("max_unread_mb", False),
+        ("max_response_mb", False),
         ("stream_write_timeout_s", False),
         ("client_body_timeout_s", False),
         ("client_header_timeout_s", False),
@@ -115,6 +118,11 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
             or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)
         ):
             raise ConfigError(f"serve.{name} must be a positive number{' or null' if nullable else ''}, got {value!r}")
+    per_client = section["max_connections_per_client"]
+    if not (
+        per_client is None or (isinstance(per_client, int) and not isinstance(per_client, bool) and per_client >= 1)
+    ):
+        raise ConfigError(f"serve.max_connections_per_client must be a positive integer or null, got {per_client!r}")
     flush = section["flush_every_steps"]
     if not (isinstance(flush, int) and not isinstance(flush, bool) and 1 <= flush <= 64):
         raise ConfigError(f"serve.flush_every_steps must be an integer in [1, 64], got {flush!r}")
@@ -205,7 +213,10 @@ def _uvicorn_config(app, host: str, port: int, section: Mapping[str, Any]):
         host=host,
         port=port,
         http=http_protocol(
-            section["client_header_timeout_s"], section["limit_concurrency"], section["max_header_kb"] * 1024
+            section["client_header_timeout_s"],
+            section["limit_concurrency"],
+            section["max_header_kb"] * 1024,
+            section["max_connections_per_client"],
         ),
         h11_max_incomplete_event_size=section["max_header_kb"] * 1024,  # where h11 parses (no httptools)
         log_level=section["log_level"],
