@@ -51,6 +51,7 @@ class JobHost(Protocol):
 
 
 def response_too_large(limit_mb: float) -> ApiError:
+    """An answer not streamed that grew past serve.max_response_mb: a 400 saying how to ask for it."""
     return ApiError(
         400,
         f"the answer grew past {limit_mb:g} MB before it was whole (serve.max_response_mb): ask for it with "
@@ -320,7 +321,7 @@ class Job:
                     if not d.text and not d.finished and not rows:
                         continue
                     index = self.choice_index(d.request_id, d.index)
-                    finish = d.finish_reason if d.finished else None
+                    finish = ("length" if self.prompt_only else d.finish_reason) if d.finished else None
                     if self.chat:
                         choice = {
                             "index": index,
@@ -384,7 +385,8 @@ def answer(job: Job) -> dict[str, Any]:
                         i = job.request_ids.index(request_id)
                         logprobs = job.logprobs.echo(out.prompt_token_ids, job.prompt_logprobs[i], rows)
                 choice |= {"text": text, "logprobs": logprobs}
-            choices.append(choice | {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            ended = ("length", None) if job.prompt_only else (c.finish_reason, c.stop_reason)  # (whatever it sampled)
+            choices.append(choice | {"finish_reason": ended[0], "stop_reason": ended[1]})
     choices.sort(key=lambda c: c["index"])
     return {
         "id": job.id,
