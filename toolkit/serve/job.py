@@ -50,6 +50,11 @@ class JobHost(Protocol):
     scoring: asyncio.Lock  # held while an echoed request's prompts are scored
 
 
+def prompt_only(req: SamplingFields) -> bool:
+    """Echo with max_tokens 0 (OpenAI's legacy scoring): the prompt alone is answered, with its logprobs."""
+    return not isinstance(req, ChatCompletionRequest) and bool(req.echo) and req.max_tokens == 0
+
+
 def response_too_large(limit_mb: float) -> ApiError:
     """An answer not streamed that grew past serve.max_response_mb: a 400 saying how to ask for it."""
     return ApiError(
@@ -105,8 +110,7 @@ class Job:
     ):
         self.api, self.route, self.req, self.body = api, route, req, body
         self.chat = route.endswith("chat/completions")
-        # echo with max_tokens 0 (OpenAI's legacy scoring): one token sampled and traced, the prompt alone answered
-        self.prompt_only = not self.chat and bool(req.echo) and req.max_tokens == 0
+        self.prompt_only = prompt_only(req)
         self.prompts, self.sampling = prompts, sampling
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -132,7 +136,7 @@ class Job:
                 if req.best_of is not None and req.best_of != req.n:
                     raise FieldError("best_of", "best_of other than n is not supported (every sample is returned)")
                 prompts, max_tokens, logprobs = req.prompts(), req.max_tokens, req.logprobs
-                max_tokens = 1 if req.echo and max_tokens == 0 else max_tokens  # the prompt alone (scored): vLLM's
+                max_tokens = 1 if prompt_only(req) else max_tokens  # one token sampled (and traced), as vLLM
                 if req.echo and req.stream and logprobs is not None:
                     raise FieldError("echo", "echo with logprobs is not supported when streaming")
             if req.stream_options is not None and not req.stream:
@@ -223,11 +227,10 @@ class Job:
     def _take(self, update: Update, keep_rows: bool | None) -> None:
         """An update's output kept; its trace rows too where `keep_rows` (an answer not streamed, with logprobs:
         a stream, `None`, sends each row as it comes, an answer without logprobs reads none: neither holds them)."""
-        if update.error is not None:  # a slow client's doing (a 408's kind), or the server's
-            kind = (
-                (408, "invalid_request_error", "client_too_slow") if self.queue.overflowed else (500, "internal_error")
-            )
-            raise ApiError(kind[0], update.error, None, *kind[1:])
+        if update.error is not None and self.queue.overflowed:  # the slow client's doing (a 408's kind)
+            raise ApiError(408, update.error, None, "invalid_request_error", "client_too_slow")
+        if update.error is not None:
+            raise ApiError(500, update.error, None, "internal_error")
         for s in update.samples if keep_rows else ():
             self.samples.setdefault((s.request_id, s.stream), []).append(s)
         if keep_rows is not None:  # an answer held whole: what it holds is bounded (serve.max_response_mb)

@@ -18,6 +18,7 @@ from typing import Any
 import uvicorn
 from omegaconf import DictConfig, OmegaConf
 
+from toolkit.config import is_int
 from toolkit.engine.core import Engine
 from toolkit.errors import ConfigError
 from toolkit.report import report_after, wanted
@@ -100,7 +101,7 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "max_header_kb",
         "max_scored_tokens",
     ):
-        if not (isinstance(section[name], int) and not isinstance(section[name], bool) and section[name] >= 1):
+        if not (is_int(section[name]) and section[name] >= 1):
             raise ConfigError(f"serve.{name} must be a positive integer, got {section[name]!r}")
     for name, nullable in (
         ("max_body_mb", False),
@@ -119,12 +120,10 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         ):
             raise ConfigError(f"serve.{name} must be a positive number{' or null' if nullable else ''}, got {value!r}")
     per_client = section["max_connections_per_client"]
-    if not (
-        per_client is None or (isinstance(per_client, int) and not isinstance(per_client, bool) and per_client >= 1)
-    ):
+    if not (per_client is None or (is_int(per_client) and per_client >= 1)):
         raise ConfigError(f"serve.max_connections_per_client must be a positive integer or null, got {per_client!r}")
     flush = section["flush_every_steps"]
-    if not (isinstance(flush, int) and not isinstance(flush, bool) and 1 <= flush <= 64):
+    if not (is_int(flush) and 1 <= flush <= 64):
         raise ConfigError(f"serve.flush_every_steps must be an integer in [1, 64], got {flush!r}")
     wait = section["handoff_wait_ms"]
     if not (wait is None or (isinstance(wait, (int, float)) and not isinstance(wait, bool) and 0 <= wait <= 1000)):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 import re._parser as _sre  # Python's own regex parser: what a pattern's repeats are
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -30,48 +31,38 @@ def json_shape(value: Any, max_depth: int, max_nodes: int) -> tuple[int, int]:
 NAMES, LITERALS = frozenset({"properties", "patternProperties", "$defs", "definitions"}), frozenset({"enum", "const"})
 
 
-def schema_text(schema: Any) -> int:
-    """Characters of the text a JSON schema's grammar holds (walked without recursion, once json_shape bounds it):
-    property and definition names, enum and const values (nested too) and patterns, not keywords or annotations.
-    xgrammar's compile of alternatives sharing a prefix grows with its length squared (docs/serving.md)."""
-    chars, todo = 0, [(schema, "schema")]
+def schema_strings(schema: Any) -> Iterator[tuple[str, str]]:
+    """(what, text) for each text a JSON schema's grammar holds, walked without recursion once json_shape bounds it:
+    "pattern" (a `pattern`, or a patternProperties key), "name" (a property or definition name), "literal" (an
+    enum or const value, nested too, or a key inside one); not keywords or annotations."""
+    todo = [(schema, "schema")]
     while todo:
         item, role = todo.pop()
         if isinstance(item, list):
             todo.extend((child, role) for child in item)
-        elif isinstance(item, str):
-            chars += len(item) if role == "literal" else 0
+        elif isinstance(item, str) and role == "literal":
+            yield "literal", item
         elif isinstance(item, dict) and role == "schema":
             for key, child in item.items():
                 if key == "pattern" and isinstance(child, str):
-                    chars += len(child)
+                    yield "pattern", child
                 else:
-                    todo.append((child, "names" if key in NAMES else "literal" if key in LITERALS else "schema"))
+                    todo.append((child, key if key in NAMES else "literal" if key in LITERALS else "schema"))
         elif isinstance(item, dict):  # a names' map (its keys, then subschemas) or a literal object
-            chars += sum(map(len, item))
-            todo.extend((child, "schema" if role == "names" else role) for child in item.values())
-    return chars
+            what = "pattern" if role == "patternProperties" else "literal" if role == "literal" else "name"
+            yield from ((what, key) for key in item)
+            todo.extend((child, "literal" if role == "literal" else "schema") for child in item.values())
+
+
+def schema_text(schema: Any) -> int:
+    """Characters of the text a JSON schema's grammar holds (schema_strings'). xgrammar's compile of alternatives
+    sharing a prefix grows with its length squared (docs/serving.md)."""
+    return sum(len(text) for _, text in schema_strings(schema))
 
 
 def schema_patterns(schema: Any) -> list[str]:
-    """The regular expressions a JSON schema holds: each `pattern`, and each patternProperties key (walked as
-    schema_text walks it, once json_shape bounds it)."""
-    found, todo = [], [(schema, "schema")]
-    while todo:
-        item, role = todo.pop()
-        if isinstance(item, list):
-            todo.extend((child, role) for child in item)
-        elif isinstance(item, dict) and role == "schema":
-            for key, child in item.items():
-                if key == "pattern" and isinstance(child, str):
-                    found.append(child)
-                elif key == "patternProperties" and isinstance(child, dict):
-                    found.extend(child)
-                if key not in LITERALS:
-                    todo.append((child, "names" if key in NAMES else "schema"))
-        elif isinstance(item, dict) and role == "names":
-            todo.extend((child, "schema") for child in item.values())
-    return found
+    """The regular expressions a JSON schema holds: each `pattern`, and each patternProperties key."""
+    return [text for what, text in schema_strings(schema) if what == "pattern"]
 
 
 def schema_pattern_cost(schema: Any) -> int:

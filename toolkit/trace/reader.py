@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from omegaconf import DictConfig, OmegaConf
 
-from toolkit.config import is_number
+from toolkit.config import is_int, is_number
 from toolkit.errors import ToolkitError, one_line
 from toolkit.trace.schema import (
     COMPATIBLE,
@@ -49,7 +49,7 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
     if not isinstance(manifest, dict):
         raise TraceError(f"{path} is corrupt: a JSON {type(manifest).__name__}, not an object")
     version = manifest.get("schema_version")
-    if not isinstance(version, int) or isinstance(version, bool):  # a list or object is no version (nor hashable)
+    if not is_int(version):  # a list or object is no version (nor hashable)
         raise TraceError(f"{path}: trace schema version {version!r} is no integer: a corrupt manifest")
     if version in SUPERSEDED:
         raise TraceError(
@@ -261,13 +261,14 @@ def check_rows_present(requests: pa.Table, samples: pa.Table, run_dir: Path) -> 
         *(samples.column(c).to_pylist() for c in ("request_id", "stream", "position", "token_id", "finish_reason"))
     ):
         spelled.setdefault((rid, stream), []).append((position, token, finish))
-    known = set(zip(requests.column("request_id").to_pylist(), requests.column("stream").to_pylist()))
+    recorded = requests.select(["request_id", "stream", "output_token_ids", "finish_reason"]).to_pylist()
+    known = {(row["request_id"], row["stream"]) for row in recorded}
     unknown = next((key for key in spelled if key not in known), None)
     if unknown is not None:  # a part of requests.parquet lost: a replay would call each of its sequences diverged
         raise TraceError(
             f"samples.parquet has rows for {unknown[0]}#{unknown[1]}, which requests.parquet lacks (a part of it lost?)"
         )
-    for row in requests.select(["request_id", "stream", "output_token_ids", "finish_reason"]).to_pylist():
+    for row in recorded:
         if row["finish_reason"] is None:
             continue
         rows = sorted(spelled.get((row["request_id"], row["stream"]), ()))
