@@ -555,6 +555,9 @@ def test_the_run_directory_serve_address_and_trace_files_a_probe_broke_are_one_l
     _expect(81, ConfigError, "nested too deeply to be read", lambda: StructuredOutputs(json=deep))
     # tests/test_grammar.py::test_a_keyword_xgrammar_does_not_enforce_is_refused_naming_its_path: every keyword (81)
     assert 76 in DOC_ROWS  # tests/test_serve.py::test_a_bad_request_is_a_4xx_naming_the_field: messages.0.content
+    # tests/test_serve_hostile.py: test_a_compile_past_its_time_limit_is_killed_and_its_thread_free_at_once,
+    # test_a_grammar_past_its_memory_bound_is_a_400_naming_the_knob, test_a_compiling_child_that_dies_is_one_400 (83)
+    assert 83 in DOC_ROWS
     assert 77 in DOC_ROWS  # tests/test_run_faults.py::test_full_logits_naming_a_request_the_run_has_not_is_one_line
     from toolkit.errors import ClusterError
     from toolkit.reproduce.shard import check_reachable

@@ -489,8 +489,9 @@ def _wait_healthy(url: str, proc: subprocess.Popen) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "kill-9"])
 def test_mode_serve_closes_cleanly_on_sigterm_and_stays_readable_after_kill_9(tmp_path, sig):
     run_dir, port = tmp_path / "served", free_port()
-    # a grammar compiling for minutes when the signal comes (past its 1 s limit: a 400, and its compile goes on)
-    # does not keep the process alive: the compiler's threads were joined at exit, and a stopped server ran on
+    # a grammar that would compile for minutes (past its 1 s limit: a 400, its child process killed) leaves
+    # nothing that keeps the process alive at the signal: the compiler's threads were joined at exit, and a stopped
+    # server ran on
     proc = _serve_process(run_dir, port, "serve.grammar_timeout_s=1", "serve.max_schema_chars=100000")
     try:
         _wait_healthy(f"http://127.0.0.1:{port}", proc)

@@ -3,9 +3,12 @@ the server anything, with a 4xx in OpenAI's error shape naming the field, and th
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
+import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -24,7 +27,8 @@ from tests.conftest import make_engine, once
 from toolkit.models.tokenizer import _max_token_chars
 from toolkit.sampling.params import SamplingParams
 from toolkit.serve import api as api_module
-from toolkit.serve.loop import handoff_wait_for
+from toolkit.serve.grammars import GrammarCompiler
+from toolkit.serve.loop import Unavailable, handoff_wait_for
 from toolkit.serve.main import serve_config, start_server
 from toolkit.serve.protocol import ChatCompletionRequest, CompletionRequest
 from toolkit.serve.shapes import json_shape, pattern_cost, schema_pattern_cost, schema_patterns, schema_text
@@ -362,76 +366,140 @@ def test_a_grammar_past_its_time_limit_is_a_400(tiny):
         srv.stop()
 
 
-def test_compiles_that_outlive_their_time_limit_hold_their_own_threads_and_a_bound(tiny):
-    """A compile past serve.grammar_timeout_s goes on (xgrammar's cannot be interrupted) on the compiler's own
-    threads: while it does, a new grammar past serve.max_compiling is a 503 + Retry-After naming the knob, and a
-    request without a grammar, or with one compiled already (json_object here), is served at once (it was refused
-    too: eight hostile patterns locked every structured request out for a minute); once it ends, grammars are taken
-    again."""
+def test_a_compile_past_its_time_limit_is_killed_and_its_thread_free_at_once(tiny):
+    """A new grammar is compiled first in a child process (toolkit.sampling.grammar_process): past
+    serve.grammar_timeout_s the child is killed, not left compiling for minutes on the compiler's thread (where,
+    under serve.max_compiling=1, every new grammar got 503 until it ended). A request without a grammar, or with one
+    compiled already (json_object), is served throughout; the next new grammar is taken at once by a fresh child."""
     engine = make_engine(tiny, sampling=SamplingParams())
     engine.precompile(SamplingParams(structured_outputs={"json": {"type": "object"}}))  # what json_object asks
-    srv = start_server(engine, None, grammar_timeout_s=0.001, max_compiling=1)
-    wide = {
-        "type": "object",
-        "properties": {f"k{i}": {"type": "integer"} for i in range(3000)},
-        "required": [f"k{i}" for i in range(3000)],
-    }
-
-    def chat(schema: dict) -> httpx.Response:
-        return post_chat(srv.url, schema)
-
+    srv = start_server(engine, None, grammar_timeout_s=1, max_compiling=1, max_schema_chars=200_000)
+    compiler = srv.uvicorn.config.app.state.compiler
     try:
-        refused(chat(wide), 400, "response_format")  # timed out; its compile goes on (about a second)
-        assert srv.uvicorn.config.app.state.compiler.compiling == 1
-        r = chat(nested_schema(2))
-        assert "serve.max_compiling=1" in refused(r, 503, None)["message"] and int(r.headers["retry-after"]) >= 1
-        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
-        body["response_format"] = {"type": "json_object"}
-        r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
-        assert r.status_code == 200, r.text
-        assert (
-            httpx.post(f"{srv.url}/v1/completions", json={"prompt": "plain", "max_tokens": 2}, timeout=60).status_code
-            == 200
-        )
-        deadline = time.monotonic() + 120
-        while srv.uvicorn.config.app.state.compiler.compiling:
+        answers: list[httpx.Response] = []
+        slow = threading.Thread(target=lambda: answers.append(post_chat(srv.url, long_enum(40_000))))  # minutes
+        t = time.monotonic()
+        slow.start()
+        deadline = time.monotonic() + 30
+        while not compiler.compiling or not compiler.pids():
             assert time.monotonic() < deadline
+            time.sleep(0.01)
+        compiling = set(compiler.pids())  # its child among them
+        slow.join()
+        assert "serve.grammar_timeout_s=1" in refused(answers[0], 400, "response_format")["message"]
+        assert time.monotonic() - t < 30
+        deadline = time.monotonic() + 30
+        while compiler.compiling or compiling <= set(compiler.pids()):  # its thread free, its child gone
+            assert time.monotonic() < deadline, (compiler.compiling, compiler.pids(), compiling)
             time.sleep(0.05)
-        refused(chat(nested_schema(2)), 400, "response_format")  # taken again (and timed out at 1 ms)
+        assert not any(os.path.exists(f"/proc/{pid}") for pid in compiling - set(compiler.pids()))
+        assert post_chat(srv.url, nested_schema(2)).status_code == 200  # a new grammar, compiled by a fresh child
+        body = {
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 2,
+            "response_format": {"type": "json_object"},
+        }
+        assert httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    finally:
+        srv.stop()
+    assert compiler.pids() == []  # stopping the server killed its children
+
+
+def test_new_grammars_past_max_compiling_wait_for_nobody_and_get_a_503(tiny):
+    """While serve.max_compiling compiles run, a request with a new grammar is a 503 + Retry-After naming the knob;
+    one without a grammar is served at once."""
+    srv = start_server(make_engine(tiny, sampling=SamplingParams()), None, max_compiling=1, max_schema_chars=200_000)
+    compiler = srv.uvicorn.config.app.state.compiler
+    try:
+        slow = threading.Thread(target=post_chat, args=(srv.url, long_enum(6_000)), kwargs={"timeout": 120})
+        slow.start()
+        deadline = time.monotonic() + 60
+        while not compiler.compiling:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = post_chat(srv.url, nested_schema(2))
+        assert "serve.max_compiling=1" in refused(r, 503, None)["message"] and int(r.headers["retry-after"]) >= 1
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "plain", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+        slow.join()
     finally:
         srv.stop()
 
 
-def test_a_grammar_queued_behind_others_past_its_time_limit_is_a_503_not_its_schemas_fault(tiny):
-    """Two slow compiles hold the compiler's two threads; a trivial schema queued behind them past
-    serve.grammar_timeout_s got the 400 meant for a schema that is slow to compile ("compiling its grammar took
-    longer than this server allows"), and went on getting it while the threads were busy. Now its time limit counts
-    from its compile's start: waiting for a thread past it is a 503 + Retry-After, and the compile never runs.
-    The slow two take about 2 s on an AMD EPYC (avx2 avx512f ): twenty times the 0.1 s limit."""
-    srv = start_server(make_engine(tiny, sampling=SamplingParams()), None, grammar_timeout_s=0.1)
-    compiler = srv.uvicorn.config.app.state.compiler
+def test_a_grammar_queued_behind_others_past_its_time_limit_is_a_503_not_its_schemas_fault():
+    """Two compiles hold the compiler's two threads; a schema queued behind them past serve.grammar_timeout_s got
+    the 400 meant for a schema that is slow to compile ("compiling its grammar took longer than this server
+    allows"). Its time limit counts from its compile's start: waiting for a thread past it is a 503 + Retry-After,
+    and its compile never runs. (The threads are held by a precompile that waits for the test, not by slow
+    schemas: a killed compile's thread is free again after a child's restart, too soon to be sure it is queued.)"""
+    release, ran = threading.Event(), []
 
-    def chat(schema: dict) -> httpx.Response:
-        return post_chat(srv.url, schema, timeout=120)
+    def precompile(sampling: dict, cached_only: bool = False, compile_with=None) -> bool:
+        if cached_only:
+            return False
+        ran.append(sampling["name"])
+        release.wait(60)
+        return True
+
+    compiler = GrammarCompiler(precompile, max_compiling=8)
+
+    async def scenario() -> str:
+        held = [asyncio.ensure_future(compiler.compile({"name": name}, 60)) for name in "ab"]
+        while len(ran) < 2:  # both threads taken
+            await asyncio.sleep(0.01)
+        try:
+            await compiler.compile({"name": "queued"}, 0.2)
+        except Unavailable as exc:
+            refusal = str(exc)
+        else:
+            refusal = "served"
+        release.set()
+        await asyncio.gather(*held)
+        await asyncio.sleep(0.2)  # a thread would take the queued one now, were it not cancelled
+        return refusal
 
     try:
-        slow = [threading.Thread(target=chat, args=(long_enum(5000, salt),)) for salt in "pq"]
-        for thread in slow:
-            thread.start()
-        deadline = time.monotonic() + 60
-        while compiler.compiling < 2:  # both threads taken
+        refusal = asyncio.run(scenario())
+    finally:
+        compiler.close()
+    assert "threads were busy with other requests' grammars for serve.grammar_timeout_s=0.2 s" in refusal, refusal
+    assert ran == ["a", "b"] or ran == ["b", "a"]
+
+
+def test_a_grammar_past_its_memory_bound_is_a_400_naming_the_knob(tiny):
+    """A compile's memory is bounded in its child (serve.max_grammar_mb, an address-space limit): an enum of 9,000
+    values of 50 characters needs more than 4 MB (hundreds), a one-property object less; the server serves on."""
+    srv = start_server(make_engine(tiny, sampling=SamplingParams()), None, max_grammar_mb=4, max_schema_chars=10**6)
+    try:
+        big = {"type": "string", "enum": [f"{i:05d}" + "y" * 45 for i in range(9_000)]}
+        error = refused(post_chat(srv.url, big), 400, "response_format.json_schema.schema")
+        assert "needs more than 4 MB (serve.max_grammar_mb)" in error["message"], error
+        assert post_chat(srv.url, nested_schema(1)).status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_a_compiling_child_that_dies_is_one_400_and_the_next_grammar_compiles(tiny):
+    """xgrammar is foreign native code: a crash while it compiles (here a SIGSEGV sent to the child) is that
+    request's 400 naming the signal, never the server's death; the next new grammar gets a fresh child."""
+    srv = start_server(make_engine(tiny, sampling=SamplingParams()), None, max_schema_chars=200_000)
+    compiler = srv.uvicorn.config.app.state.compiler
+    try:
+        answers: list[httpx.Response] = []
+        slow = threading.Thread(target=lambda: answers.append(post_chat(srv.url, long_enum(40_000))))  # minutes
+        slow.start()
+        deadline = time.monotonic() + 30
+        while not compiler.compiling or not compiler.pids():
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        r = chat(nested_schema(2))
-        error = refused(r, 503, None)
-        assert "threads were busy with other requests' grammars" in error["message"], error
-        assert int(r.headers["retry-after"]) >= 1
-        for thread in slow:
-            thread.join()
-        deadline = time.monotonic() + 120
-        while compiler.compiling:  # the slow two end (and were cached); the queued one never ran
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        time.sleep(1)  # compiling, not starting
+        (pid,) = compiler.pids()
+        os.kill(pid, signal.SIGSEGV)
+        slow.join()
+        error = refused(answers[0], 400, "response_format.json_schema.schema")
+        assert "xgrammar's compile of it crashed: killed by signal SIGSEGV" in error["message"], error
+        assert post_chat(srv.url, nested_schema(2)).status_code == 200
+        assert httpx.get(srv.url + "/health").status_code == 200
     finally:
         srv.stop()
 

@@ -9,14 +9,14 @@ import collections.abc
 import dataclasses
 import hashlib
 import time
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Container, Mapping
 from typing import Any
 
 from toolkit.config import EngineConfig
 from toolkit.engine.request import EngineRequest, Sequence
 from toolkit.errors import ConfigError, RequestError, not_unicode, not_unicode_in
 from toolkit.models.tokenizer import Tokenizer
-from toolkit.sampling.grammar import LazyGrammar
+from toolkit.sampling.grammar import GrammarBackend, LazyGrammar, StructuredOutputs
 from toolkit.sampling.params import SamplingParams
 from toolkit.sampling.processors.masks import resolve_bad_words
 
@@ -47,15 +47,23 @@ class RequestIntake:
         self.grammar = grammar  # the engine's grammar backend, created on first use
         self._next_id = 0
 
-    def precompile(self, sampling_params: SamplingParams | Mapping[str, Any] | None, cached_only: bool = False) -> bool:
+    def precompile(
+        self,
+        sampling_params: SamplingParams | Mapping[str, Any] | None,
+        cached_only: bool = False,
+        compile_with: Callable[[GrammarBackend, StructuredOutputs], Any] | None = None,
+    ) -> bool:
         """Compile a request's grammar into the engine's cache ahead of `sequences` (a server does it on its
         handlers' threads, so the engine thread never waits for a compiler); a RequestError if it is invalid.
-        `cached_only`: compile nothing, and say whether nothing is left to compile (no grammar, or one compiled)."""
+        `cached_only`: compile nothing, and say whether nothing is left to compile (no grammar, or one compiled).
+        `compile_with(backend, spec)`: what compiles it into the backend's cache (a server's child process,
+        toolkit.sampling.grammar_process) instead of backend.compile in this thread."""
         spec = self._sampling(sampling_params).structured_outputs
         if spec is None or self.grammar.compiled(spec):
             return True
         if not cached_only:
-            self.grammar().compile(spec)
+            backend = self.grammar()
+            (compile_with or GrammarBackend.compile)(backend, spec)
         return not cached_only
 
     def sequences(self, request: EngineRequest, *, step_index: int = 0, taken: Container[str] = ()) -> list[Sequence]:

@@ -11,7 +11,7 @@ such reaches: none).
     engine.stats()                                     EngineStats: queues and the KV pool, now
     engine.prompt_ids(request)                         an EngineRequest's prompt as intake computes and checks it
     engine.tokenized(request)                          the request with its prompt's ids beside its text, checked
-    engine.precompile(sampling_params, cached_only)    its grammar compiled ahead of `add`, on the caller's thread
+    engine.precompile(sampling_params, cached_only, compile_with)   its grammar compiled ahead of `add`
     engine.prompt_logprobs(ids, k, stop)               echo's prompt scores, by one no-cache forward
     engine.check_invariants()                          the block manager's own consistency check
 """
@@ -120,10 +120,16 @@ class EngineQueries:
         """The request's prompt as intake computes and checks it (a chat's through the template)."""
         return self.intake.prompt_ids(request)
 
-    def precompile(self, sampling_params: SamplingParams | Mapping[str, Any] | None, cached_only: bool = False) -> bool:
+    def precompile(
+        self,
+        sampling_params: SamplingParams | Mapping[str, Any] | None,
+        cached_only: bool = False,
+        compile_with: collections.abc.Callable | None = None,
+    ) -> bool:
         """Compile a request's grammar ahead of `add`, on the caller's thread (RequestError if invalid); with
-        `cached_only`, compile nothing and say whether nothing is left to compile."""
-        return self.intake.precompile(sampling_params, cached_only)
+        `cached_only`, compile nothing and say whether nothing is left to compile; `compile_with(backend, spec)`
+        compiles it instead of this thread (RequestIntake.precompile)."""
+        return self.intake.precompile(sampling_params, cached_only, compile_with)
 
     def prompt_logprobs(
         self,

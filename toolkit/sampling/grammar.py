@@ -40,6 +40,30 @@ def _compiler_message(exc: Exception) -> str:
     return text
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """Python's MemoryError, or xgrammar's C++ std::bad_alloc (a RuntimeError of that text)."""
+    return isinstance(exc, MemoryError) or "std::bad_alloc" in str(exc)
+
+
+def compile_spec(compiler, kind: str, text: str):
+    """xgrammar's compile of one grammar (a StructuredOutputs' kind and text) by `compiler`, in this process or a
+    compiling child's (the same options both ways): a RequestError naming the field if it is invalid, a
+    ResourceError when the machine was short; running out of memory (out_of_memory) as it came."""
+    try:
+        if kind == "json":  # any whitespace, but never more than 16 in a row: the model cannot pad forever
+            return compiler.compile_json_schema(text, any_whitespace=True, max_whitespace_cnt=16)
+        if kind == "regex":
+            return compiler.compile_regex(text)
+        return compiler.compile_grammar(text)
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the reason
+        if out_of_memory(exc):
+            raise
+        message = _compiler_message(exc)
+        if message.endswith(RESOURCE_ERRORS):  # the machine's shortage (its threads at shutdown), not the grammar's
+            raise ResourceError(f"compiling structured_outputs.{kind} failed: {message}") from None
+        raise RequestError(f"invalid structured_outputs.{kind}: {message}") from None
+
+
 class GrammarBackend:
     """xgrammar's tokenizer info and compiler for one tokenizer, plus the compiled-grammar cache."""
 
@@ -54,6 +78,7 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()  # least recently used first
+        self._info_json: str | None = None
         self._lock = threading.Lock()  # a server compiles on its handlers' threads, the engine on its own
         self.compilations = 0
         self.seconds = 0.0  # time spent filling masks, advancing and checking matchers (for benchmarks)
@@ -76,19 +101,7 @@ class GrammarBackend:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
-        try:
-            if spec.kind == "json":
-                # any whitespace, but never more than 16 in a row: the model cannot pad forever
-                compiled = self.compiler.compile_json_schema(spec.text, any_whitespace=True, max_whitespace_cnt=16)
-            elif spec.kind == "regex":
-                compiled = self.compiler.compile_regex(spec.regex)
-            else:
-                compiled = self.compiler.compile_grammar(spec.text)
-        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the reason
-            message = _compiler_message(exc)
-            if message.endswith(RESOURCE_ERRORS):  # the machine's shortage (its threads at shutdown), not the grammar's
-                raise ResourceError(f"compiling structured_outputs.{spec.kind} failed: {message}") from None
-            raise RequestError(f"invalid structured_outputs.{spec.kind}: {message}") from None
+        compiled = compile_spec(self.compiler, spec.kind, spec.text)
         with self._lock:
             self._compiled[key] = compiled
             self._compiled.move_to_end(key)
@@ -96,6 +109,13 @@ class GrammarBackend:
             while len(self._compiled) > MAX_COMPILED:
                 self._compiled.popitem(last=False)
         return compiled
+
+    def tokenizer_info_json(self) -> str:
+        """xgrammar's tokenizer info, serialized (what a child process trying grammars is started with)."""
+        with self._lock:
+            if self._info_json is None:
+                self._info_json = self.info.serialize_json()
+            return self._info_json
 
     def matcher(self, spec: StructuredOutputs, accepted: Sequence[int] = ()):
         """A fresh matcher; `accepted` committed tokens are replayed into it (rebuild after preemption)."""

@@ -83,12 +83,13 @@ class Api:
         api_keys: Sequence[str] = (),
         metrics_public: bool = True,
         max_compiling: int = 8,
+        max_grammar_mb: int | None = 1024,
     ):
         """`api_keys`: when any, every /v1 route (and /metrics unless `metrics_public`) needs
         `Authorization: Bearer <one of them>`. `max_compiling`: grammars compiling or queued at once, past which
-        a request with a new one gets 503 (GrammarCompiler)."""
+        a request with a new one gets 503 (GrammarCompiler); `max_grammar_mb`: memory one compile may take."""
         self.loop, self.served, self.metrics, self.limits = loop, served, metrics, limits or Limits()
-        self.compiler = GrammarCompiler(loop.prepare.precompile, max_compiling)
+        self.compiler = GrammarCompiler(loop.prepare.precompile, max_compiling, memory_mb=max_grammar_mb)
         self.scoring = asyncio.Lock()  # one request's prompts scored at a time (Job._prepared)
         self.api_keys = tuple(k.encode() for k in api_keys)
         self.metrics_public = metrics_public

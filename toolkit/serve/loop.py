@@ -123,10 +123,10 @@ class Preparer:
     def __init__(self, engine: Engine):
         self.engine = engine
 
-    def precompile(self, sampling_params: Any, cached_only: bool = False) -> bool:
-        """Compile a request's grammar into the engine's cache, on the caller's thread (a grammar-compiler
-        thread), so the engine thread never waits for a compiler; a RequestError if it is invalid."""
-        return self.engine.precompile(sampling_params, cached_only)
+    def precompile(self, sampling_params: Any, cached_only: bool = False, compile_with: Any = None) -> bool:
+        """Compile a request's grammar into the engine's cache, by a grammar-compiler thread's child process
+        (compile_with), so the engine thread never waits for a compiler; a RequestError if it is invalid."""
+        return self.engine.precompile(sampling_params, cached_only, compile_with)
 
     def tokenized(self, request: EngineRequest) -> EngineRequest:
         """The request's prompt tokenized and checked against the context on the caller's thread (a handler's),

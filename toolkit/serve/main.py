@@ -65,6 +65,7 @@ SERVE_DEFAULTS = {
     "max_header_kb": 64,  # a request line and headers past this: 431, the connection closed
     "max_trace_gb": None,
     "max_compiling": 8,
+    "max_grammar_mb": 1024,  # memory one grammar's compile may take in its child process; past it: 400
     "handoff_wait_ms": None,  # None: the engine loop's default for its device (toolkit.serve.loop.handoff_wait_for)
     **dataclasses.asdict(Limits()),
 }
@@ -98,6 +99,7 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "limit_concurrency",
         "timeout_keep_alive",
         "max_compiling",
+        "max_grammar_mb",
         "max_header_kb",
         "max_scored_tokens",
     ):
@@ -179,6 +181,7 @@ def build(
         api_keys=section["api_key"],
         metrics_public=bool(section["metrics_public"]),
         max_compiling=section["max_compiling"],
+        max_grammar_mb=section["max_grammar_mb"],
     )
     if not section["api_key"] and not _loopback(section["host"]):
         print(

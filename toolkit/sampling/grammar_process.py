@@ -1,0 +1,198 @@
+"""Grammars tried in a child process first (a server's): xgrammar's compile is foreign native code whose time and
+memory a client's schema sets, so a new grammar is compiled first where a deadline kills it, an address-space
+limit bounds it, and a crash costs one request its answer, never the server its life. Only a grammar that compiled
+there, in time and memory, is compiled again in the server's process (GrammarBackend.compile): xgrammar's
+compile is deterministic, so that second compile takes what the first did. (Its serialized CompiledGrammar is no
+way back: for an object of n required properties it grows as n^2, 97 MB and 5.8 s to write at n=600, where the
+compile takes 0.05 s.)
+
+    process = GrammarProcess(memory_mb=1024)       # one per compiling thread; its child starts at first use
+    process.compile_into(backend, spec, timeout_s=10, on_start=...)   # TimeoutError past it (the child killed)
+    process.close()                                 # the child killed, whatever it runs
+
+Children fork from multiprocessing's fork server with xgrammar (and torch, which it imports) loaded once, so a
+child killed at its deadline is replaced in a fraction of a second, not the seconds of a fresh interpreter's
+imports; the fork server is a fresh interpreter of its own, so nothing of the server's threads is forked.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import resource
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from toolkit.errors import RequestError, ResourceError, ToolkitError, one_line
+from toolkit.native.child import _death
+from toolkit.sampling.grammar import GrammarBackend, StructuredOutputs, compile_spec, out_of_memory
+
+__all__ = ["GrammarProcess", "prestart"]
+
+START_TIMEOUT_S = 120.0  # a child's start: the fork server's imports (seconds) on a loaded machine
+
+
+def _context():
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["xgrammar", __name__])  # applies when this process's fork server starts
+    return ctx
+
+
+def prestart() -> None:
+    """Start this process's fork server now (its imports take seconds), not at the first grammar's compile."""
+    _context()
+    multiprocessing.forkserver.ensure_running()
+
+
+def _vm_bytes() -> int:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmSize:"))
+    return int(line.split()[1]) * 1024
+
+
+def _serve(conn, info_json: str, memory_mb: int | None) -> None:
+    """The child: compile each (kind, text) it is sent; answer ("ok", retire), ("memory", None) or ("error",
+    ToolkitError). `retire`: its address space grew past half its allowance (the allocator's leftovers), so the
+    parent replaces it before a compile is refused for what earlier ones left."""
+    import xgrammar as xgr  # deferred: preloaded in the fork server
+
+    info = xgr.TokenizerInfo.deserialize_json(info_json)
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    del info_json
+    base = _vm_bytes()
+    if memory_mb is not None:  # what its compiles may add to the address space it has now
+        resource.setrlimit(resource.RLIMIT_AS, (base + (memory_mb << 20),) * 2)
+    conn.send(("ready", None))
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except (EOFError, OSError):  # the parent closed the pipe, or is gone
+            return
+        try:
+            kind, text = message[:8].decode().strip(), message[8:].decode()
+            del message
+            compile_spec(compiler, kind, text)
+            answer = ("ok", memory_mb is not None and _vm_bytes() - base > (memory_mb << 19))
+        except ToolkitError as exc:
+            answer = ("error", exc)
+        except Exception as exc:  # noqa: BLE001 - past its memory limit; else xgrammar's own failure, one line
+            why = RequestError(f"invalid structured_outputs.{kind}: xgrammar failed compiling it: {one_line(exc)}")
+            answer = ("memory", None) if out_of_memory(exc) else ("error", why)
+        conn.send(answer)
+
+
+class GrammarProcess:
+    """A child process trying grammars for one tokenizer, one at a time; used by one thread (close() by any)."""
+
+    def __init__(self, memory_mb: int | None = None):
+        self.memory_mb = memory_mb
+        self._proc: Any = None
+        self._conn: Any = None
+        self._lock = threading.Lock()  # close() against the thread's start and kill
+        self._closed = False
+
+    def compile_into(
+        self,
+        backend: GrammarBackend,
+        spec: StructuredOutputs,
+        timeout_s: float,
+        on_start: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Compile `spec` in the child, then, if it compiled there, into `backend`'s cache on this thread.
+        `timeout_s` bounds the child's compile, counted from its start (`on_start` is called then), not the
+        child's start: past it the child is killed and TimeoutError raised. A RequestError names what is wrong
+        with the grammar (its memory past `memory_mb` too), a ResourceError what the machine lacked."""
+        conn = self._started(backend)
+        on_start()
+        try:
+            conn.send_bytes(f"{spec.kind:8}{spec.text}".encode())  # what the child decodes, whole or not at all
+            answered = conn.poll(timeout_s)
+            status, value = conn.recv() if answered else (None, None)
+        except (EOFError, OSError):  # the child died compiling it, or close() killed it
+            exitcode = self._replace(backend)
+            if self._closed:
+                raise ResourceError("the grammar compiler was closed (the server is stopping)") from None
+            raise RequestError(
+                f"invalid structured_outputs.{spec.kind}: xgrammar's compile of it {_death(exitcode)}"
+            ) from None
+        if not answered:
+            self._replace(backend)
+            raise TimeoutError(f"compiling structured_outputs.{spec.kind} took longer than {timeout_s:g} s")
+        if status == "memory":
+            self._replace(backend)  # whatever it holds now is not worth keeping
+            raise RequestError(
+                f"invalid structured_outputs.{spec.kind}: compiling its grammar needs more than "
+                f"{self.memory_mb} MB (serve.max_grammar_mb)"
+            )
+        if status == "error":
+            raise value
+        if value:  # retire it: the next compile gets a fresh one
+            self._replace(backend)
+        backend.compile(spec)
+
+    def _started(self, backend: GrammarBackend):
+        with self._lock:
+            if self._closed:
+                raise ResourceError("the grammar compiler was closed (the server is stopping)")
+            if self._proc is not None and self._proc.is_alive():
+                return self._conn
+            ctx = _context()
+            parent, child = ctx.Pipe()
+            try:
+                proc = ctx.Process(
+                    target=_serve,
+                    args=(child, backend.tokenizer_info_json(), self.memory_mb),
+                    name="grammar compiler",
+                    daemon=True,
+                )
+                proc.start()
+            except OSError as exc:
+                raise ResourceError(f"the grammar compiler's process could not start: {one_line(exc)}") from None
+            finally:
+                child.close()
+            self._proc, self._conn = proc, parent
+        deadline = time.monotonic() + START_TIMEOUT_S
+        try:
+            while not parent.poll(0.05):
+                if not proc.is_alive() or time.monotonic() > deadline:
+                    raise EOFError
+            parent.recv()
+        except (EOFError, OSError):
+            exitcode = self._kill()
+            raise ResourceError(f"the grammar compiler's process did not start: it {_death(exitcode)}") from None
+        return parent
+
+    def _replace(self, backend: GrammarBackend) -> int | None:
+        """Kill the child and start the next one now (its start is off the next compile's path): the exit code."""
+        exitcode = self._kill()
+        try:
+            self._started(backend)
+        except ResourceError:  # closed, or it could not start: the next compile tries again, and says so
+            pass
+        return exitcode
+
+    def _kill(self) -> int | None:
+        """Kill the child (if any) and forget it; its exit code."""
+        with self._lock:
+            proc, conn, self._proc, self._conn = self._proc, self._conn, None, None
+        if proc is None:
+            return None
+        proc.kill()
+        proc.join()
+        conn.close()
+        return proc.exitcode
+
+    def pid(self) -> int | None:
+        """The child's process id, if one is alive."""
+        proc = self._proc
+        return proc.pid if proc is not None and proc.is_alive() else None
+
+    def close(self) -> None:
+        """Kill the child whatever it runs: a compile waiting on it ends with a ResourceError at once (its thread
+        forgets the child and closes the pipe, which it may be polling)."""
+        with self._lock:
+            self._closed = True
+            if self._proc is not None:
+                self._proc.kill()
