@@ -15,7 +15,7 @@ from tests.conftest import make_engine
 from toolkit.errors import ConfigError, RequestError
 from toolkit.sampling.params import SamplingParams
 from toolkit.sampling.structured import StructuredOutputs
-from toolkit.sampling.unenforced import unenforced_keyword
+from toolkit.sampling.unenforced import ignored_in_regex, unenforced_keyword
 
 SCHEMAS = {
     "person": (
@@ -444,6 +444,12 @@ UNENFORCED = [
         "propertyNames.maxLength",
         '{"2020-01-01":1}',
     ),
+    ({"type": "string", "pattern": "^(?!a)[ab]{3}$"}, "pattern", "pattern", '"abb"'),  # the lookahead ignored
+    ({"type": "string", "pattern": "(?=b)[ab]"}, "pattern", "pattern", '"a"'),
+    ({"type": "string", "pattern": "^\\Aab$"}, "pattern", "pattern", '"Aab"'),  # \A matched as the letter
+    ({"type": "array", "items": {"type": "string", "pattern": "[(]\\z"}}, "pattern", "items.pattern", '["(z"]'),
+    ({"type": []}, "type", "type", "1"),  # any value
+    ({"type": "object", "properties": {"a": {"anyOf": []}}}, "anyOf", "properties.a.anyOf", '{"a":}'),  # no JSON
 ]
 # (schema, a JSON text breaking it that xgrammar refuses): kept
 ENFORCED = [
@@ -580,3 +586,22 @@ def test_a_refusal_names_the_keyword_wherever_it_is_placed(wrappers, case, kept)
         unenforced_keyword(schema)[2],
     )
     assert unenforced_keyword(_wrap(kept[0], wrappers)) is None
+
+
+# regex pieces whole in themselves, in which a lookahead or an unknown escape only seems to stand
+SAFE_REGEX = ["a", "b*", "[(?=]", "[x(?!]", "\\(?=", "\\(?!", "(?:ab)", "\\\\", "[\\]A]", "x{2}", "\\d", "[\\\\]"]
+
+
+@given(st.lists(st.sampled_from(SAFE_REGEX), max_size=8), st.sampled_from(["(?=a)", "(?!a)", "\\A", "\\z"]), st.data())
+def test_a_regex_construct_xgrammar_ignores_is_found_wherever_it_stands_and_nowhere_else(pieces, bad, data):
+    """xgrammar compiles a lookahead in a JSON-schema pattern by dropping it ("^(?!a)[ab]{3}$" yields "abb") and
+    \\A, \\z, ... as the letter: ignored_in_regex finds one wherever it stands, never one inside a class or after
+    an escape; a regex output with one is refused too."""
+    assert ignored_in_regex("".join(pieces)) is None
+    at = data.draw(st.integers(0, len(pieces)))
+    pattern = "".join(pieces[:at]) + bad + "".join(pieces[at:])
+    assert ignored_in_regex(pattern) is not None, pattern
+    with pytest.raises(ConfigError, match="invalid structured_outputs.regex: xgrammar ignores the "):
+        StructuredOutputs(regex=pattern)
+    with pytest.raises(ConfigError, match="'pattern' at properties.p.pattern is not enforced"):
+        StructuredOutputs(json={"type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}})

@@ -289,6 +289,34 @@ HOSTILE = {  # name -> (route, body, status, param, what the message says)
         "stream_options",
         "only be set when stream is true",
     ),
+    "a pattern's lookahead xgrammar would ignore": (
+        "chat/completions",
+        schema_chat({"type": "string", "pattern": "^(?!a)[ab]{3}$"}),
+        400,
+        "response_format.json_schema.schema",
+        "ignores the lookahead '(?!' in a pattern",
+    ),
+    "a pattern's mid anchor xgrammar would ignore": (
+        "chat/completions",
+        schema_chat({"type": "string", "pattern": "a$b"}),
+        400,
+        "response_format.json_schema.schema",
+        "xgrammar would not enforce it: Anchor '$' in the middle of regex is ignored",
+    ),
+    "a schema no text satisfies": (
+        "chat/completions",
+        schema_chat({"$ref": "#"}),
+        400,
+        "response_format.json_schema.schema",
+        "no text satisfies it (its grammar allows no first token)",
+    ),
+    "a schema only an empty text satisfies": (
+        "chat/completions",
+        schema_chat({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1e-300}),
+        400,
+        "response_format.json_schema.schema",
+        "only an empty text satisfies it, and that is no JSON",
+    ),
     "a JSON schema xgrammar refuses": (
         "chat/completions",
         {
@@ -477,6 +505,28 @@ def test_a_grammar_past_its_memory_bound_is_a_400_naming_the_knob(tiny):
         assert post_chat(srv.url, nested_schema(1)).status_code == 200
     finally:
         srv.stop()
+
+
+def test_what_xgrammar_warns_of_is_refused_but_a_discriminated_union(server):
+    """The compiling child refuses a grammar xgrammar warns it will not enforce (a mid-pattern anchor: the HOSTILE
+    rows), but a oneOf it reads as anyOf: pydantic's discriminated union, its branches behind $refs, is one."""
+    branch = {"type": "object", "required": ["kind", "x"]}
+    schema = {
+        "$defs": {
+            "A": {**branch, "properties": {"kind": {"const": "a", "type": "string"}, "x": {"type": "integer"}}},
+            "B": {**branch, "properties": {"kind": {"const": "b", "type": "string"}, "x": {"type": "string"}}},
+        },
+        "type": "object",
+        "properties": {
+            "item": {
+                "oneOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}],
+                "discriminator": {"propertyName": "kind", "mapping": {"a": "#/$defs/A", "b": "#/$defs/B"}},
+            }
+        },
+        "required": ["item"],
+    }
+    r = post_chat(server.url, schema)
+    assert r.status_code == 200, r.text
 
 
 def test_a_compiling_child_that_dies_is_one_400_and_the_next_grammar_compiles(tiny):

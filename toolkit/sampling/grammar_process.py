@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+import os
 import resource
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +29,7 @@ from typing import Any
 
 from toolkit.errors import RequestError, ResourceError, ToolkitError, one_line
 from toolkit.native.child import _death
-from toolkit.sampling.grammar import GrammarBackend, StructuredOutputs, compile_spec, out_of_memory
+from toolkit.sampling.grammar import GrammarBackend, StructuredOutputs, compile_spec, out_of_memory, unpack_bitmask
 
 __all__ = ["GrammarProcess", "prestart"]
 
@@ -61,6 +63,8 @@ def _serve(conn, info_json: str, memory_mb: int | None) -> None:
     info = xgr.TokenizerInfo.deserialize_json(info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     del info_json
+    warnings = tempfile.TemporaryFile()  # xgrammar's C++ log: what it warns of as it compiles (one thread here)
+    stderr = os.dup(2)
     base = _vm_bytes()
     if memory_mb is not None:  # what its compiles may add to the address space it has now
         resource.setrlimit(resource.RLIMIT_AS, (base + (memory_mb << 20),) * 2)
@@ -73,7 +77,19 @@ def _serve(conn, info_json: str, memory_mb: int | None) -> None:
         try:
             kind, text = message[:8].decode().strip(), message[8:].decode()
             del message
-            compile_spec(compiler, kind, text)
+            warnings.seek(0)
+            warnings.truncate()
+            os.dup2(warnings.fileno(), 2)
+            try:
+                compiled = compile_spec(compiler, kind, text)
+            finally:
+                os.dup2(stderr, 2)
+            warnings.seek(0)
+            warned = _warning(warnings.read(1 << 16).decode(errors="replace"))
+            if warned is not None:  # a construct it compiled without holding the output to it
+                raise RequestError(f"invalid structured_outputs.{kind}: xgrammar would not enforce it: {warned}")
+            _check_first_token(xgr, compiled, kind)
+            del compiled
             answer = ("ok", memory_mb is not None and _vm_bytes() - base > (memory_mb << 19))
         except ToolkitError as exc:
             answer = ("error", exc)
@@ -81,6 +97,38 @@ def _serve(conn, info_json: str, memory_mb: int | None) -> None:
             why = RequestError(f"invalid structured_outputs.{kind}: xgrammar failed compiling it: {one_line(exc)}")
             answer = ("memory", None) if out_of_memory(exc) else ("error", why)
         conn.send(answer)
+
+
+def _check_first_token(xgr, compiled, kind: str) -> None:
+    """A RequestError when the grammar lets no first token through (a `$ref` cycle that never reaches a value:
+    every request with it ended at once, finish_reason "error"), or, for JSON, only a stop token (`anyOf: []`: an
+    empty text, which is no JSON)."""
+    info = compiled.tokenizer_info
+    bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+    allowed = unpack_bitmask(bitmask, info.vocab_size)[0]
+    if not allowed.any():
+        raise RequestError(
+            f"invalid structured_outputs.{kind}: no text satisfies it (its grammar allows no first token)"
+        )
+    allowed[[t for t in info.stop_token_ids if t < info.vocab_size]] = False
+    if kind == "json" and not allowed.any():
+        raise RequestError("invalid structured_outputs.json: only an empty text satisfies it, and that is no JSON")
+
+
+# what xgrammar warns of and the server takes all the same: a oneOf it cannot prove disjoint is read as anyOf (a
+# pydantic discriminated union, its branches behind $refs, is one; docs/decoding.md)
+TOLERATED = ("oneOf with overlapping or non-provably-disjoint branches",)
+
+
+def _warning(log: str) -> str | None:
+    """The first warning in xgrammar's log not TOLERATED, without its time and source location."""
+    for line in log.splitlines():
+        if "Warning:" in line:
+            warning = line.split("Warning:", 1)[1].strip()
+            if not warning.startswith(TOLERATED):
+                return warning[:300]
+    return None
 
 
 class GrammarProcess:

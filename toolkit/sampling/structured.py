@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from toolkit.errors import ConfigError
-from toolkit.sampling.unenforced import unenforced_keyword
+from toolkit.sampling.unenforced import ignored_in_regex, unenforced_keyword
 
 KINDS = ("json", "regex", "grammar", "choice")
 
@@ -62,6 +62,8 @@ class StructuredOutputs:
                 )
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise ConfigError(f"structured_outputs.regex must be a non-empty string, got {self.regex!r}")
+        if self.regex is not None and (construct := ignored_in_regex(self.regex)) is not None:
+            raise ConfigError(f"invalid structured_outputs.regex: xgrammar ignores {construct}; remove it")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
             raise ConfigError("structured_outputs.grammar must be a non-empty EBNF string")
         if self.choice is not None:

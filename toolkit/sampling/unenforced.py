@@ -102,6 +102,8 @@ def _first_unenforced(node: dict, shadow: str | None, types: set[str]) -> tuple[
             continue
         if key in NEVER:
             return key, ""
+        if key in ("type", "enum", "anyOf", "oneOf", "allOf") and value == []:
+            return key, ", which reads an empty list as any value or as an empty text; JSON Schema allows none"
         if key == "$ref" and isinstance(value, str) and value != "#" and not value.startswith("#/"):
             return key, ", which follows only '#' and '#/...' pointers"
         if key == "allOf" and isinstance(value, list) and len(value) > 1:
@@ -117,6 +119,8 @@ def _first_unenforced(node: dict, shadow: str | None, types: set[str]) -> tuple[
         if key == "multipleOf" and _positive(value) and ("number" in types or "integer" in types and not _whole(value)):
             return key, f", which applies it only to integers, as a whole number up to {MAX_MULTIPLE_OF}"
         if "string" in types:
+            if key == "pattern" and isinstance(value, str) and (construct := ignored_in_regex(value)) is not None:
+                return key, f", which ignores {construct} in a pattern"
             if key == "format" and fmt in FORMATS_IGNORED:
                 return key, f", which has no rule for the format {value!r}"
             if key == "pattern" and fmt in FORMATS:
@@ -128,6 +132,32 @@ def _first_unenforced(node: dict, shadow: str | None, types: set[str]) -> tuple[
             missing = next((name for name in value if isinstance(name, str) and name not in properties), None)
             if missing is not None:
                 return key, f", which drops a required name not among its 'properties' ({str(missing)[:100]!r})"
+    return None
+
+
+def ignored_in_regex(pattern: str) -> str | None:
+    """The first construct of a regex that xgrammar compiles without holding the output to it (it warns, and a
+    pattern "^(?!a)[ab]{3}$" yields "abb"): a lookahead, or an escape it matches as the letter (\\A, \\Z, \\z,
+    \\Q, \\E, \\G); None if there is none. A server also refuses whatever else xgrammar warns of as it compiles
+    (toolkit.sampling.grammar_process)."""
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            if pattern[i + 1 : i + 2] in ("A", "Z", "z", "Q", "E", "G"):
+                return f"the escape '{pattern[i : i + 2]}' (it matches the letter)"
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            i += 1 + (pattern[i + 1 : i + 2] == "^")  # a "]" first in a class is a character
+            i += pattern[i : i + 1] == "]"
+            continue
+        elif pattern.startswith(("(?=", "(?!"), i):
+            return f"the lookahead {pattern[i : i + 3]!r}"
+        i += 1
     return None
 
 
