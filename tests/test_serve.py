@@ -19,13 +19,14 @@ import jsonschema
 import openai
 import pyarrow.parquet as pq
 import pytest
+from omegaconf import OmegaConf
 
 from tests.conftest import make_engine, native_only
 from toolkit import replay, verify
 from toolkit.bench.one_stream import free_port, thread_cpu_s
 from toolkit.sampling.params import SamplingParams
-from toolkit.serve.main import start_server
-from toolkit.trace.reader import read_requests, read_samples
+from toolkit.serve.main import serving_engine, start_server
+from toolkit.trace.reader import read_config, read_requests, read_samples
 
 pytestmark = [pytest.mark.native, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
@@ -538,9 +539,29 @@ def test_mode_serve_closes_cleanly_on_sigterm_and_stays_readable_after_kill_9(tm
         assert proc.returncode == 0 and (run_dir / "summary.json").is_file()
         assert (run_dir / "report.html").is_file()  # written once the served run is closed
         assert sorted(r["finish_reason"] for r in requests.to_pylist())[:3] == ["abort"] * 3
+    assert read_config(run_dir).engine.max_chunk_tokens == 256  # half the step budget, as served (serving_engine)
     report = replay(run_dir, out_dir=tmp_path / "replayed")
     assert report.identical, report.summary_line()
     assert report.rows_only_in_replay == 0  # the replay ends where the trace does, not at max_tokens
+
+
+def test_a_server_caps_a_prefill_chunk_at_half_the_step_budget_so_later_prompts_get_in(tiny):
+    """engine.max_chunk_tokens null is half the step budget when served (serving_engine): a long prompt's prefill
+    leaves room in every step, and a short prompt sent after it gets its first token in the next step, not after
+    the whole prefill (27 s behind 8,000 tokens of SmolLM2 on the CPU). A value given is kept."""
+    cfg = OmegaConf.create({"engine": {"max_num_batched_tokens": 64, "max_chunk_tokens": None}})
+    assert serving_engine(cfg).engine.max_chunk_tokens == 32
+    assert serving_engine(OmegaConf.create({"engine": {"max_chunk_tokens": 8}})).engine.max_chunk_tokens == 8
+    firsts = {}
+    for chunk in (None, 32):
+        engine = make_engine(tiny, max_num_batched_tokens=64, max_chunk_tokens=chunk)
+        engine.add_request(prompt_token_ids=[3] * 600, sampling_params=SamplingParams(max_tokens=1))
+        short = engine.add_request(prompt_token_ids=[5, 6], sampling_params=SamplingParams(max_tokens=2))
+        step = 0
+        while not any(sample.request_id == short for sample in engine.step().samples):
+            step += 1
+        firsts[chunk] = step
+    assert firsts[32] == 0 and firsts[None] >= 9, firsts  # 600 tokens at 64 a step, before
 
 
 def test_the_server_runs_uvicorns_c_event_loop_and_http_parser(server):
