@@ -40,14 +40,14 @@ def test_a_shutdown_answers_the_requests_being_prepared_at_once_and_stops_their_
     score_stopped = threading.Event()
     precompile, score = engine.precompile, engine.prompt_logprobs
 
-    def compiling(sampling, cached_only=False):  # a grammar whose compile takes long (as a hostile schema's does)
-        if "structured_outputs" not in sampling:
-            return precompile(sampling, cached_only)
+    def compiling(sampling, cached_only=False, compile_with=None):  # a grammar whose compile takes long (a hostile
+        if "structured_outputs" not in sampling:  # schema's does)
+            return precompile(sampling, cached_only, compile_with)
         if cached_only:
             return False  # never compiled yet: the compile below runs
         started["compile"].set()
         release.wait(60)
-        return precompile(sampling, cached_only)
+        return precompile(sampling, cached_only, compile_with)
 
     def scoring(ids, k, stop=None):  # prompts whose scoring takes long: it ends once told to stop
         started["score"].set()
@@ -121,14 +121,14 @@ def test_a_handler_uvicorn_cancels_while_its_request_is_prepared_answers_503(tin
     release, entered = threading.Event(), threading.Event()
     precompile = engine.precompile
 
-    def compiling(sampling, cached_only=False):
+    def compiling(sampling, cached_only=False, compile_with=None):
         if "structured_outputs" not in sampling:
-            return precompile(sampling, cached_only)
+            return precompile(sampling, cached_only, compile_with)
         if cached_only:
             return False  # never compiled yet: the compile below runs
         entered.set()
         release.wait(60)
-        return precompile(sampling, cached_only)
+        return precompile(sampling, cached_only, compile_with)
 
     engine.precompile = compiling
     srv = start_server(engine, None, timeout_graceful_shutdown=1)
@@ -177,15 +177,15 @@ def test_a_compile_the_environment_fails_is_a_503_not_the_clients_schema(tiny):
     engine = make_engine(tiny, sampling=SamplingParams())
     precompile = engine.precompile
 
-    def failing(sampling, cached_only=False):
+    def failing(sampling, cached_only=False, compile_with=None):
         if "structured_outputs" not in sampling:
-            return precompile(sampling, cached_only)
+            return precompile(sampling, cached_only, compile_with)
         if cached_only:
             return False
         if sampling["structured_outputs"]["json"].get("title") == "eagain":
             # as toolkit.sampling.grammar classifies xgrammar's EAGAIN (tests/test_grammar.py)
             raise ResourceError("compiling structured_outputs.json failed: Resource temporarily unavailable")
-        return precompile(sampling, cached_only)
+        return precompile(sampling, cached_only, compile_with)
 
     engine.precompile = failing
     srv = start_server(engine, None)

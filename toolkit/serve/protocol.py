@@ -17,7 +17,7 @@ from pydantic.types import FailFast
 from pydantic_core import PydanticCustomError, PydanticUseDefault
 
 from toolkit.errors import ConfigError
-from toolkit.serve.shapes import json_shape, schema_pattern_cost, schema_text
+from toolkit.serve.shapes import json_shape, schema_pattern_cost, schema_text, wrong_kind
 
 
 class _FailFast(FailFast):
@@ -59,8 +59,8 @@ class Strict(BaseModel):
             declared = cls.model_fields[info.field_name]
             if not declared.is_required() and declared.default is not None:
                 raise PydanticUseDefault()
-        if info.field_name is not None and _boolean_for_number(value, _annotation(cls, info.field_name)):
-            raise ValueError("true / false is not a number here")  # pydantic's lax mode read it as 1 / 0
+        if info.field_name is not None and (wrong := wrong_kind(value, _annotation(cls, info.field_name))):
+            raise ValueError(wrong)  # pydantic's lax mode read true as 1, "1" as 1 and "yes" as true
         return value
 
 
@@ -68,18 +68,6 @@ class Strict(BaseModel):
 def _annotation(model: type[BaseModel], name: str) -> str:
     """A field's type as text (read once per model and field, not once per request)."""
     return str(model.model_fields[name].annotation)
-
-
-def _boolean_for_number(value: Any, annotation: str) -> bool:
-    """A JSON true / false where the field (or its list's items, its dict's values) takes no boolean: `max_tokens:
-    true` ran as 1 and a prompt of [true, false] as the ids [1, 0] (OpenAI's API refuses both)."""
-    if "bool" in annotation or "Any" in annotation:
-        return False
-    if isinstance(value, list) and "list[" in annotation:
-        return any(isinstance(v, bool) or isinstance(v, list) and any(isinstance(w, bool) for w in v) for v in value)
-    if isinstance(value, dict) and "dict[" in annotation:
-        return any(isinstance(v, bool) for v in value.values())
-    return isinstance(value, bool)
 
 
 class StreamOptions(Strict):
