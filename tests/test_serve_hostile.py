@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import gzip
 import json
 import os
 import re
@@ -370,6 +371,19 @@ def test_a_hostile_request_is_a_4xx_naming_its_field_and_costs_nothing(server, n
     assert time.perf_counter() - t0 < 5  # refused before any compile or forward
     ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200 and httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_compressed_body_is_a_415_naming_its_encoding(server):
+    """A gzip body was parsed as JSON text ("not valid JSON: 'utf-8' codec can't decode byte 0x8b", param null) and
+    a plain body labelled br was served: any Content-Encoding but identity is a 415 saying to send it uncompressed."""
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+    for encoding, data in (("gzip", gzip.compress(body)), ("br", body), ("GZIP, deflate", gzip.compress(body))):
+        headers = {"content-type": "application/json", "content-encoding": encoding}
+        r = httpx.post(f"{server.url}/v1/completions", content=data, headers=headers, timeout=60)
+        error = refused(r, 415, None)
+        assert error["message"].startswith(f"Content-Encoding {encoding.lower()!r} is not supported"), error
+    headers = {"content-type": "application/json", "content-encoding": "identity"}
+    assert httpx.post(f"{server.url}/v1/completions", content=body, headers=headers, timeout=60).status_code == 200
 
 
 def test_a_request_past_the_context_is_told_which_prompt_not_an_engine_id(server):

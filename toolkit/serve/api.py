@@ -257,6 +257,16 @@ async def _read_body(request: Request, limit: int, idle_s: float) -> bytes:
     )
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):  # a gzip body was parsed as JSON text: "not valid JSON", param null
+        raise ApiError(
+            415,
+            f"Content-Encoding {encoding[:64]!r} is not supported: send the body uncompressed",
+            None,
+            "invalid_request_error",
+            "unsupported_media_type",
+            {"connection": "close"},  # its body is never read
+        )
     chunks, size, clock = [], 0, asyncio.get_running_loop()
     closing = {"connection": "close"}  # the rest of the body is never read: the connection cannot carry another
     try:
