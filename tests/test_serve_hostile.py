@@ -7,6 +7,7 @@ import asyncio
 import gc
 import gzip
 import json
+import logging
 import os
 import re
 import signal
@@ -384,6 +385,40 @@ def test_a_compressed_body_is_a_415_naming_its_encoding(server):
         assert error["message"].startswith(f"Content-Encoding {encoding.lower()!r} is not supported"), error
     headers = {"content-type": "application/json", "content-encoding": "identity"}
     assert httpx.post(f"{server.url}/v1/completions", content=body, headers=headers, timeout=60).status_code == 200
+
+
+def test_a_client_that_half_closes_behind_pipelined_requests_costs_no_logged_exception(tiny):
+    """Three requests pipelined on one connection, then the client half-closes it: uvicorn closes the connection
+    and marks only the newest request disconnected, so the one answering wrote to the closed transport and uvloop's
+    RuntimeError was logged as an "Exception in ASGI application" (each time). Every request of the connection is
+    over now, quietly; the server serves on."""
+    srv = start_server(make_engine(tiny, sampling=SamplingParams()), None)
+    errors: list[str] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: errors.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("uvicorn.error").addHandler(handler)
+    try:
+        body = json.dumps({"prompt": "Hi", "max_tokens": 200, "ignore_eos": True}).encode()
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        post = head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+        health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+        address = urlsplit(srv.url)
+        for _ in range(3):
+            with socket.create_connection((address.hostname, address.port)) as s:
+                s.sendall(post + health + post)
+                s.shutdown(socket.SHUT_WR)
+                s.settimeout(30)
+                while s.recv(65536):  # until the server closes it
+                    pass
+        deadline = time.monotonic() + 30
+        while srv.loop.open_requests:  # the engine took the aborts
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert httpx.get(srv.url + "/health").status_code == 200
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+        srv.stop()
+    assert errors == []
 
 
 def test_a_request_past_the_context_is_told_which_prompt_not_an_engine_id(server):

@@ -80,6 +80,7 @@ def http_protocol(
         _head_bytes: int | None = None  # bytes of the head under way since the read it began in (None: none is)
         _peer: str | None = None  # the client's address, where this connection counts under per_client
         _crowding = False  # opened past per_client: its requests get `crowding`
+        _running = None  # the request cycle answering now (httptools'; pipelined ones wait in self.pipeline)
 
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
@@ -153,7 +154,18 @@ def http_protocol(
             super().on_response_complete()
             self._time_the_head()
 
+        def _start_asgi_task(self, cycle, app) -> None:
+            self._running = cycle
+            super()._start_asgi_task(cycle, app)
+
         def connection_lost(self, exc) -> None:
+            # uvicorn marks only the newest request's cycle disconnected: with requests pipelined behind it, the
+            # one still answering wrote to the closed transport, and uvloop's RuntimeError was logged as an
+            # "Exception in ASGI application"; every cycle of the connection is over
+            for cycle in [self._running, *(queued for queued, _ in getattr(self, "pipeline", ()))]:
+                if cycle is not None and not cycle.response_complete:
+                    cycle.disconnected = True
+                    cycle.message_event.set()
             if self._head_timer is not None:
                 self._head_timer.cancel()
             if self._peer is not None:
