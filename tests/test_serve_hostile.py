@@ -1154,7 +1154,8 @@ def test_a_request_head_past_max_header_kb_is_a_431_before_it_is_whole_and_a_bad
     """httptools keeps a head's bytes however many come: a client streaming one header held 200 MB for 10 s, and a
     1 MB header or 5,000 headers were served. Past serve.max_header_kb the answer is a 431 in OpenAI's shape as
     soon as the bytes pass the bound (the head never finished here), whole or not; a head the parser refuses is a
-    400 in OpenAI's shape (uvicorn's was plain text); a head under the bound is served."""
+    400 in OpenAI's shape (uvicorn's was plain text), and so is a body whose chunk size it refuses (the connection
+    closed without a byte); a head under the bound is served."""
     srv = start_server(make_engine(tiny, sampling=SamplingParams()), None, max_header_kb=16)
     try:
         streaming = _connect(srv.url)
@@ -1180,6 +1181,12 @@ def test_a_request_head_past_max_header_kb_is_a_431_before_it_is_whole_and_a_bad
         bad.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n")
         status, error = _raw_answer(bad)
         assert status == 400 and error["code"] == "invalid_http_request" and "\n" not in error["message"], error
+        for size in (b"zz", b"f" * 20):  # a body's chunk size the parser refuses: the connection closed, no answer
+            bad = _connect(srv.url)
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            bad.sendall(head + size + b"\r\n" + body + b"\r\n0\r\n\r\n")
+            status, error = _raw_answer(bad)
+            assert status == 400 and error["code"] == "invalid_http_request", error
         ok = httpx.post(
             srv.url + "/v1/completions",
             json={"prompt": "Hi", "max_tokens": 2},

@@ -123,13 +123,18 @@ def http_protocol(
 
         def _answer(self, error: ApiError) -> None:
             """`error` written as its response and the connection closed, where no request is under way to carry it
-            (uvicorn's send_400_response, in OpenAI's shape); behind an answer still under way (a pipelined head
-            past the bound), the connection is only closed."""
+            (uvicorn's send_400_response, in OpenAI's shape) or the request's own body is at fault; behind an answer
+            still under way (a pipelined head past the bound), the connection is only closed."""
             if self.transport.is_closing():
                 return
             if self.cycle is not None and not self.cycle.response_complete:
-                self.transport.close()
-                return
+                if self.cycle.response_started or not self.cycle.more_body or getattr(self, "pipeline", ()):
+                    self.transport.close()
+                    return
+                # the fault is in the body its handler is reading (a chunk size not in hex): the answer is this one,
+                # the handler's goes nowhere (the connection closed without a byte)
+                self.cycle.disconnected = True
+                self.cycle.message_event.set()
             body = json.dumps(error.body()).encode()
             head = [STATUS_LINE[error.status]] + [n + b": " + v + b"\r\n" for n, v in self.server_state.default_headers]
             head += [
