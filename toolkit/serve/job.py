@@ -73,8 +73,8 @@ def shutting_down() -> ApiError:
 
 
 def preparation_error(exc: Exception, req: SamplingFields, timeout_s: float) -> ApiError:
-    """What a request's preparation raised, as its answer: a grammar past serve.grammar_timeout_s (its compile goes
-    on, bounded by the schema's limits, and is cached) or refused a 400, a full loop a 503, the unexpected a 500; a
+    """What a request's preparation raised, as its answer: a grammar past serve.grammar_timeout_s (its compiling
+    child killed) or refused a 400, a full loop a 503, the unexpected a 500; a
     compile failing for want of threads or memory (EAGAIN) a 503, never the client's schema's fault."""
     if isinstance(exc, ApiError):
         return exc
