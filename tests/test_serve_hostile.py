@@ -169,6 +169,13 @@ HOSTILE = {  # name -> (route, body, status, param, what the message says)
         "max_tokens",
         "true / false",
     ),
+    "a message of no content parts (once empty text)": (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": []}]},
+        400,
+        "messages.0.content",
+        "an empty list of content parts",
+    ),
     'seed "1" (once 1)': ("completions", {"prompt": "Hi", "seed": "1"}, 400, "seed", "a string is not a number here"),
     'include_usage "yes" (once true)': (
         "completions",

@@ -255,10 +255,13 @@ class Message(Strict):
     @field_validator("content")
     @classmethod
     def _content_given(cls, content: Any, info: ValidationInfo) -> Any:
-        """Every message but an assistant's needs its content (OpenAI: a 400; here it was read as empty text)."""
+        """Every message but an assistant's needs its content, and a list of parts at least one (OpenAI: a 400;
+        here each was read as empty text)."""
         role = info.data.get("role")
         if content is None and role not in (None, "assistant"):
             raise PydanticCustomError("missing_content", f"a {role} message needs its content")
+        if content == []:
+            raise PydanticCustomError("empty_content", "an empty list of content parts: give at least one")
         return content
 
     def plain(self) -> dict[str, str]:
