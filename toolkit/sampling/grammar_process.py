@@ -38,14 +38,19 @@ START_TIMEOUT_S = 120.0  # a child's start: the fork server's imports (seconds) 
 
 def _context():
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["xgrammar", __name__])  # applies when this process's fork server starts
+    # applies when this process's fork server starts; with __main__ among them a child does not import it again
+    ctx.set_forkserver_preload(["__main__", "xgrammar", __name__])
     return ctx
 
 
 def prestart() -> None:
-    """Start this process's fork server now (its imports take seconds), not at the first grammar's compile."""
-    _context()
-    multiprocessing.forkserver.ensure_running()
+    """Start this process's fork server now (its imports take seconds), not at the first grammar's compile; a
+    failure is left for that compile to meet and name."""
+    try:
+        _context()
+        multiprocessing.forkserver.ensure_running()
+    except Exception:  # noqa: BLE001, S110 - GrammarProcess._started says what it was, as a 503
+        pass
 
 
 def _vm_bytes() -> int:
@@ -196,7 +201,7 @@ class GrammarProcess:
                     daemon=True,
                 )
                 proc.start()
-            except OSError as exc:
+            except (OSError, RuntimeError) as exc:  # RuntimeError: multiprocessing's (a script without a main guard)
                 raise ResourceError(f"the grammar compiler's process could not start: {one_line(exc)}") from None
             finally:
                 child.close()
