@@ -39,14 +39,14 @@ def run_in_child(fn: Callable, *args: Any, what: str, timeout: float | None = No
     try:
         while not receive.poll(0.05):
             if not proc.is_alive() and not receive.poll(0):
-                raise ForeignEngineError(f"{what} {_death(proc.exitcode)}")
+                raise ForeignEngineError(f"{what} {exit_reason(proc.exitcode)}")
             if deadline is not None and time.monotonic() > deadline:
                 raise ForeignEngineError(f"{what} ran past its {timeout:g} s timeout and was killed")
         try:
             status, value = receive.recv()
         except EOFError:
             proc.join(5)
-            raise ForeignEngineError(f"{what} {_death(proc.exitcode)}") from None
+            raise ForeignEngineError(f"{what} {exit_reason(proc.exitcode)}") from None
     finally:
         if proc.is_alive():
             proc.kill()
@@ -57,7 +57,8 @@ def run_in_child(fn: Callable, *args: Any, what: str, timeout: float | None = No
     return value
 
 
-def _death(exitcode: int | None) -> str:
+def exit_reason(exitcode: int | None) -> str:
+    """How a child process ended, from its exit code, as the end of a sentence ("crashed: killed by signal ...")."""
     if exitcode is not None and exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name

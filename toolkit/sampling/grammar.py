@@ -101,7 +101,7 @@ class GrammarBackend:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
-        compiled = compile_spec(self.compiler, spec.kind, spec.text)
+        compiled = compile_spec(self.compiler, *key)
         with self._lock:
             self._compiled[key] = compiled
             self._compiled.move_to_end(key)

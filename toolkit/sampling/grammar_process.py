@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from toolkit.errors import RequestError, ResourceError, ToolkitError, one_line
-from toolkit.native.child import _death
+from toolkit.native.child import exit_reason
 from toolkit.sampling.grammar import GrammarBackend, StructuredOutputs, compile_spec, out_of_memory, unpack_bitmask
 
 __all__ = ["GrammarProcess", "prestart"]
@@ -168,7 +168,7 @@ class GrammarProcess:
             if self._closed:
                 raise ResourceError("the grammar compiler was closed (the server is stopping)") from None
             raise RequestError(
-                f"invalid structured_outputs.{spec.kind}: xgrammar's compile of it {_death(exitcode)}"
+                f"invalid structured_outputs.{spec.kind}: xgrammar's compile of it {exit_reason(exitcode)}"
             ) from None
         if not answered:
             self._replace(backend)
@@ -214,7 +214,7 @@ class GrammarProcess:
             parent.recv()
         except (EOFError, OSError):
             exitcode = self._kill()
-            raise ResourceError(f"the grammar compiler's process did not start: it {_death(exitcode)}") from None
+            raise ResourceError(f"the grammar compiler's process did not start: it {exit_reason(exitcode)}") from None
         return parent
 
     def _replace(self, backend: GrammarBackend) -> int | None:

@@ -3,6 +3,7 @@ Plain data (no xgrammar, no torch): a request's parameters are validated with it
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -83,9 +84,10 @@ class StructuredOutputs:
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) is not None)
 
-    @property
+    @functools.cached_property  # (frozen: it writes the instance's __dict__, not through __setattr__)
     def text(self) -> str:
-        """The grammar's canonical source text (what is compiled and digested)."""
+        """The grammar's canonical source text (what is compiled, cached under and digested): made once, a
+        schema's JSON dump read several times per request."""
         if self.json is not None:
             return json.dumps(self.json or {"type": "object"}, separators=(",", ":"))  # key order matters
         if self.choice is not None:
