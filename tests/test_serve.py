@@ -540,6 +540,7 @@ def test_mode_serve_closes_cleanly_on_sigterm_and_stays_readable_after_kill_9(tm
         assert (run_dir / "report.html").is_file()  # written once the served run is closed
         assert sorted(r["finish_reason"] for r in requests.to_pylist())[:3] == ["abort"] * 3
     assert read_config(run_dir).engine.max_chunk_tokens == 256  # half the step budget, as served (serving_engine)
+    assert read_config(run_dir).engine.scheduling_policy == "priority"  # a server's default, recorded for replay
     report = replay(run_dir, out_dir=tmp_path / "replayed")
     assert report.identical, report.summary_line()
     assert report.rows_only_in_replay == 0  # the replay ends where the trace does, not at max_tokens

@@ -184,6 +184,9 @@ class EngineConfig:
     # kept per CPU and build) | fixed | tiles | pairs | quads, each also -nopf (no software prefetch); every schedule
     # gives the same bits
     matmul_schedule: str = "auto"
+    # which sequence goes first (vLLM's scheduling_policy): fcfs | priority (toolkit/engine/scheduler.py); None:
+    # fcfs, and priority in mode=serve. Not scheduler_policy, which says how a step's forward is formed
+    scheduling_policy: str | None = None
     scheduler_policy: str = "fused"  # fused | two_forwards | prefill_first | no_chunking (SCHEDULER_POLICIES)
     max_chunk_tokens: int | None = None  # one sequence's prefill chunk at most (None: the step's budget)
 
@@ -221,6 +224,10 @@ class EngineConfig:
         check(
             self.preemption_mode in ("recompute", "swap"),
             f"engine.preemption_mode must be recompute or swap, got {self.preemption_mode!r}",
+        )
+        check(
+            self.scheduling_policy in (None, "fcfs", "priority"),
+            f"engine.scheduling_policy must be fcfs, priority or null, got {self.scheduling_policy!r}",
         )
         check(
             self.preemption_policy in ("newest", "priority"),

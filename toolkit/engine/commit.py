@@ -79,7 +79,7 @@ class Committer:
             self.block_manager.fork(leader.seq_id, follower.seq_id)
             follower.num_computed_tokens = leader.num_computed_tokens
             follower.arrival_time, follower.admitted_step = leader.arrival_time, step
-            follower.first_scheduled_time = leader.first_scheduled_time
+            follower.first_scheduled_time, follower.arrival_order = leader.first_scheduled_time, leader.arrival_order
             leader.followers = []
         forked = {f.seq_id for _, f in decision.forks}
         row_of = StepRows(batch, decision.grammar_allowed, start_time)

@@ -66,7 +66,8 @@ class Sequence:
     prompt_text: str | None = None
     stream: int = 0  # RNG stream: the sample index among the request's n samples
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
-    priority: int = 0  # lower is more important (vLLM); used by preemption_policy=priority
+    priority: int = 0  # lower is more important (vLLM); used by scheduling_policy=priority and preemption_policy
+    arrival_order: int = 0  # its place among the engine's requests in the order they were added
     followers: list[str] = field(default_factory=list)  # stream 0 of n > 1: samples forked from it after prefill
     grammar: Any = None  # its xgrammar GrammarMatcher, when it has structured outputs
 

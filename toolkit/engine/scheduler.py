@@ -13,6 +13,13 @@ Policy (vLLM's chunked-prefill scheduler):
    sequences come back into fresh blocks, others start from their longest prefix-cache hit.
 A chunk that reaches the end of a sequence's tokens samples its next token in the same step.
 
+`engine.scheduling_policy=priority` (vLLM's; a server's default) orders sequences by `priority_key`:
+(priority, stream, arrival), lower first. Sequences wait in that order, the victim of a preemption is the
+last running one in it, and, before the step is planned, a waiting sequence that a slot or KV blocks keep
+out preempts the running ones that come after it (vLLM V0's priority preemption). A server gives the i-th
+prompt of one request priority i, so one request's many prompts or samples take turns with other
+requests' instead of holding every slot until they end.
+
 `engine.scheduler_policy` changes this for the design documents' baselines: `two_forwards` schedules
 the same way (the runner then makes two forwards); `no_chunking` takes a prompt only whole (the
 step's first prompt may exceed the budget, as in an engine without chunked prefill); `prefill_first`
@@ -24,6 +31,7 @@ Copy jobs (swap out, swap in, copy-on-write) travel with the batch, to run befor
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -31,6 +39,7 @@ from toolkit.config import EngineConfig
 from toolkit.engine.request import Sequence, SequenceStatus
 from toolkit.kv.block_manager import BlockCopy, BlockManager, SwapCopy
 
+WHOLE = ("prefill_first", "no_chunking")  # the scheduler_policy values that take a prompt whole, never chunked
 # a lookahead chunk's token: the one the step before samples, fed to the forward where it was sampled (async
 # scheduling), never a token id
 FED = -1
@@ -84,7 +93,7 @@ class Scheduler:
         self.blocks = block_manager
         self._pending: list[tuple[int, int, Sequence]] = []  # (arrival_step, order, request), sorted
         self._order = 0
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: deque[Sequence] = deque()  # admission order (by priority_key under scheduling_policy=priority)
         self.running: list[Sequence] = []  # admission order (oldest first)
         self.num_preemptions = 0  # every preemption so far (EngineStats.preemptions)
 
@@ -92,6 +101,7 @@ class Scheduler:
 
     def add(self, request: Sequence) -> None:
         request.status = SequenceStatus.PENDING
+        request.arrival_order = self._order
         bisect.insort(self._pending, (request.arrival_step, self._order, request), key=lambda e: e[:2])
         self._order += 1
 
@@ -101,7 +111,7 @@ class Scheduler:
         while self._pending and self._pending[0][0] <= step:
             _, _, request = self._pending.pop(0)
             request.status = SequenceStatus.WAITING
-            self.waiting.append(request)
+            self._queue(request)
             arrived.append(request)
         return arrived
 
@@ -132,6 +142,9 @@ class Scheduler:
         """`draft_slots`: for decoding sequences that speculate, how many draft tokens to make room for."""
         plan = _Plan()
         plan.draft_slots = draft_slots or {}
+        if self.cfg.scheduling_policy == "priority":
+            self._make_room(step, plan)
+        plan.made_room = len(plan.preempted)
         if self.cfg.scheduler_policy == "prefill_first" and (
             self.waiting or any(s.status is SequenceStatus.PREFILLING for s in self.running)
         ):
@@ -149,7 +162,7 @@ class Scheduler:
     def _schedule_once(self, step: int, plan: _Plan, decodes: bool = True) -> ScheduledBatch:
         budget = self.cfg.max_num_batched_tokens
         # prefill_first and no_chunking take prompts whole: the step's first prompt may exceed the budget
-        whole = self.cfg.scheduler_policy in ("prefill_first", "no_chunking")
+        whole = self.cfg.scheduler_policy in WHOLE
         max_chunk = self.cfg.max_chunk_tokens or budget
         chunks: list[ScheduledChunk] = []
         scheduled: set[str] = set()
@@ -203,10 +216,12 @@ class Scheduler:
                 budget = max(budget - size, 0)
                 num_prefill += size
 
-        # 3. admissions, FCFS; never in a step that had to preempt (avoids thrashing). A running head of n > 1 not
-        # yet forked holds its followers' slots too: max_num_seqs bounds the sequences once every head has forked
+        # 3. admissions, in the waiting queue's order; never in a step that had to preempt to grow (avoids
+        # thrashing). A running head of n > 1 not yet forked holds its followers' slots too: max_num_seqs bounds the
+        # sequences once every head has forked
         slots = sum(s.group_slots for s in self.running)
-        while self.waiting and (budget > 0 or (whole and num_prefill == 0)) and not plan.preempted:
+        admit = len(plan.preempted) == plan.made_room
+        while self.waiting and (budget > 0 or (whole and num_prefill == 0)) and admit:
             seq = self.waiting[0]
             if slots + seq.group_slots > self.cfg.max_num_seqs:
                 break
@@ -320,6 +335,8 @@ class Scheduler:
         candidates = [s for s in self.running if s.seq_id not in scheduled]
         if not candidates:
             raise AssertionError("no preemption victim: every running sequence is already scheduled")
+        if self.cfg.scheduling_policy == "priority":
+            return max(candidates, key=priority_key)
         if self.cfg.preemption_policy == "priority":
             order = {id(s): i for i, s in enumerate(self.running)}
             return max(candidates, key=lambda s: (s.priority, order[id(s)]))
@@ -341,7 +358,42 @@ class Scheduler:
         seq.preempted_steps.append(step)
         seq.preemption_modes.append(mode)
         plan.preempted.append((seq.seq_id, mode))
-        self.waiting.appendleft(seq)
+        self._queue(seq, front=True)
+
+    def _queue(self, seq: Sequence, front: bool = False) -> None:
+        """Into the waiting queue: in priority_key order (scheduling_policy=priority), else at its back or front."""
+        if self.cfg.scheduling_policy == "priority":
+            self.waiting.insert(bisect.bisect(self.waiting, priority_key(seq), key=priority_key), seq)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _make_room(self, step: int, plan: _Plan) -> None:
+        """scheduling_policy=priority: each waiting sequence in turn, while a slot or the KV blocks of its first chunk
+        are missing, preempts the last running sequence in priority order if that comes after it; the first
+        waiting sequence that cannot have its room ends it. Blocks are counted without prefix-cache hits."""
+        slots, reserved = sum(s.group_slots for s in self.running), 0
+        budget = self.cfg.max_num_batched_tokens
+        chunk = math.inf if self.cfg.scheduler_policy in WHOLE else min(self.cfg.max_chunk_tokens or budget, budget)
+        for seq in list(self.waiting):  # a swapped sequence's computed tokens come back whole
+            size = seq.num_computed_tokens + 1 if self.blocks.is_swapped(seq.seq_id) else min(seq.num_tokens, chunk)
+            need = self.blocks.blocks_for_tokens(size)
+            while slots + seq.group_slots > self.cfg.max_num_seqs or self.blocks.num_free_blocks - reserved < need:
+                victim = max(self.running, key=priority_key, default=None)
+                if victim is None or priority_key(victim) < priority_key(seq):
+                    return
+                slots -= victim.group_slots
+                self._preempt(victim, step, plan)
+            slots += seq.group_slots
+            reserved += need
+
+
+def priority_key(seq: Sequence) -> tuple[int, int, int]:
+    """scheduling_policy=priority's order, lower first: the request's priority (vLLM's), the sample's stream, then
+    arrival. The stream puts each sample of an n > 1 request behind the first samples of requests of the same
+    priority."""
+    return seq.priority, seq.stream, seq.arrival_order
 
 
 class _Plan:
@@ -349,6 +401,7 @@ class _Plan:
 
     def __init__(self):
         self.preempted: list[tuple[str, str]] = []
+        self.made_room = 0  # preemptions scheduling_policy=priority made for waiting sequences (admission follows)
         self.swap_out: list[SwapCopy] = []
         self.swap_in: list[SwapCopy] = []
         self.copies: list[BlockCopy] = []

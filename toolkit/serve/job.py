@@ -161,9 +161,11 @@ class Job:
         try:
             scores = await _until_ended(self._prepared(), request, self.api.loop.closing, self.cancel)
             sink = LoopSink(asyncio.get_running_loop(), self.queue.put)
+            # prompt i at priority i: under scheduling_policy=priority (a server's default) a request's many prompts
+            # take turns with other requests' (toolkit/engine/scheduler.py)
             submissions = [
                 Submission(
-                    EngineRequest(**prompt, sampling_params=self.sampling, request_id=f"{self.id}-{i}"),
+                    EngineRequest(**prompt, sampling_params=self.sampling, request_id=f"{self.id}-{i}", priority=i),
                     self.body,
                     sink,
                     route=self.route,

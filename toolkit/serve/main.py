@@ -260,12 +260,15 @@ def serving_engine(cfg: DictConfig) -> DictConfig:
     (vLLM's long_prefill_token_threshold; its server's defaults differ from its offline engine's too). An
     8,000-token prompt held a 3-token one behind its whole prefill, 27 s, and made steps of up to 2.75 s; at half
     the budget it waits one step and steps take up to 1.5 s, the long prompt's own prefill as long (SmolLM2,
-    AMD EPYC (avx2 avx512f ))."""
+    AMD EPYC (avx2 avx512f )). engine.scheduling_policy null becomes priority: with the i-th prompt of a request at
+    priority i (toolkit.serve.job), a request of 64 prompts no longer holds every slot until its last one ends."""
     engine = cfg.get("engine")
     if engine is not None and engine.get("max_chunk_tokens") is None:
         budget = engine.get("max_num_batched_tokens")
         if is_int(budget) and budget >= 2:
             engine.max_chunk_tokens = budget // 2
+    if engine is not None and engine.get("scheduling_policy") is None:
+        engine.scheduling_policy = "priority"  # one request's many prompts or samples take turns with others'
     return cfg
 
 
