@@ -30,6 +30,36 @@ def test_add_and_add_request_are_one_call(tiny):
         b.add({"prompt": "x"})
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"allowed_token_ids": [5], "stop_token_ids": [5], "min_tokens": 2},
+        {"allowed_token_ids": [2], "min_tokens": 1},  # EOS (<|im_end|>, 2) kept out while min_tokens holds
+        {"allowed_token_ids": [5, 9], "bad_words": [(5,), (9,)]},
+    ],
+)
+def test_allowed_tokens_that_are_all_banned_are_refused_at_intake(tiny, fields):
+    """allowed_token_ids whose every token a one-token bad word or min_tokens bans left no token to sample: the
+    request ended at its first step with finish_reason "error". It is a RequestError naming allowed_token_ids;
+    with one token left (or ignore_eos freeing EOS) it runs."""
+    engine = make_engine(tiny)
+    assert engine.eos_token_ids == (2,)
+    with pytest.raises(RequestError, match="^allowed_token_ids: every token it allows is banned"):
+        engine.add_request(prompt_token_ids=[3, 4], sampling_params=SamplingParams(max_tokens=3, **fields))
+    more = {**fields, "allowed_token_ids": [*fields["allowed_token_ids"], 7]}
+    engine.add_request(prompt_token_ids=[3, 4], request_id="more", sampling_params=SamplingParams(max_tokens=3, **more))
+    if fields.get("min_tokens") and not fields.get("stop_token_ids"):
+        engine.add_request(
+            prompt_token_ids=[3, 4],
+            request_id="free",
+            sampling_params=SamplingParams(max_tokens=3, ignore_eos=True, **fields),
+        )
+    engine.run_until_done()
+    for request_id in engine.requests:
+        out = engine.output(request_id).outputs[0]
+        assert out.finish_reason in ("stop", "length") and out.token_ids[0] == (7 if request_id == "more" else 2)
+
+
 workloads = st.lists(
     st.tuples(st.integers(1, 24), st.integers(1, 6), st.sampled_from([1, 1, 2]), st.integers(0, 4)),
     min_size=1,

@@ -578,3 +578,14 @@ def test_the_run_directory_serve_address_and_trace_files_a_probe_broke_are_one_l
     )
     message = "logger=wandb logs mode=run only; mode=serve would ignore it"
     _expect(82, ConfigError, message, lambda: check_logger(wandb, "serve"))
+    _expect(
+        88,
+        ConfigError,
+        "engine.scheduling_policy must be fcfs, priority or null",
+        lambda: EngineConfig(scheduling_policy="lifo"),
+    )
+    # tests/test_engine_api.py::test_allowed_tokens_that_are_all_banned_are_refused_at_intake (84); the HOSTILE rows
+    # "64 prompts times n" and "a bias past OpenAI's range..." (85); tests/test_serve_hardening.py::
+    # test_echo_scoring_past_max_scoring_is_a_503_at_once_and_runs_below_the_engines_priority (86);
+    # tests/test_serve_hostile.py::test_a_compressed_body_is_a_415_naming_its_encoding (87)
+    assert {84, 85, 86, 87} <= DOC_ROWS

@@ -8,10 +8,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import re
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -25,6 +28,7 @@ from tests.conftest import NATIVE_OFF, make_engine, once
 from toolkit import replay
 from toolkit.engine.outputs import TextDelta
 from toolkit.engine.request import EngineRequest
+from toolkit.errors import ConfigError
 from toolkit.sampling.params import SamplingParams
 from toolkit.serve.loop import LoopSink, Update, _wait_taken
 from toolkit.serve.mailbox import Mailbox
@@ -687,6 +691,52 @@ def test_a_client_that_leaves_while_its_prompts_are_scored_stops_the_scoring(tin
         assert r.json()["choices"][0]["logprobs"]["token_logprobs"][0] is None
         assert srv.loop._preparing == 0
     finally:
+        srv.stop()
+
+
+@pytest.mark.native
+def test_echo_scoring_past_max_scoring_is_a_503_at_once_and_runs_below_the_engines_priority(tiny):
+    """Echo + logprobs requests are scored one at a time; past serve.max_scoring scoring or waiting, a request gets a
+    503 with Retry-After at once (16,000 scored tokens held every later one for minutes in the probe), and those
+    waiting are served in turn. The scoring thread runs 10 below the engine's CPU priority (its forward took the
+    cores from every other request's steps)."""
+    engine = _engine(tiny)
+    score, entered, release = engine.prompt_logprobs, threading.Event(), threading.Event()
+
+    def held(ids, k, stop=None):  # the first request's scoring holds the thread until the test lets it go
+        if not entered.is_set():
+            entered.set()
+            release.wait(30)
+        return score(ids, k, stop)
+
+    engine.prompt_logprobs = held
+    with pytest.raises(ConfigError, match="serve.max_scoring must be a positive integer"):
+        start_server(_engine(tiny), None, max_scoring=0)
+    srv = start_server(engine, None, max_scoring=2)
+    scoring = srv.uvicorn.config.app.state.scoring
+    body = {"prompt": [[9] * 20], "echo": True, "logprobs": 1, "max_tokens": 1}
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(_post, srv.url, body)
+            assert entered.wait(30)
+            second = pool.submit(_post, srv.url, body)
+            deadline = time.monotonic() + 10
+            while scoring.pending < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            t0 = time.perf_counter()
+            third = _post(srv.url, body)
+            assert third.status_code == 503 and time.perf_counter() - t0 < 5, third.text
+            assert "serve.max_scoring=2" in third.json()["error"]["message"] and third.headers["retry-after"]
+            release.set()
+            assert first.result().status_code == second.result().status_code == 200
+        assert scoring.pending == 0 and _post(srv.url, body).status_code == 200
+        if sys.platform.startswith("linux"):
+            tasks = {t.name: (t / "comm").read_text().strip() for t in Path(f"/proc/{os.getpid()}/task").iterdir()}
+            tid = next(int(t) for t, name in tasks.items() if name == "scoring")
+            base = os.getpriority(os.PRIO_PROCESS, 0)
+            assert os.getpriority(os.PRIO_PROCESS, tid) == min(base + 10, 19)
+    finally:
+        release.set()
         srv.stop()
 
 

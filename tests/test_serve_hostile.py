@@ -100,6 +100,34 @@ HOSTILE = {  # name -> (route, body, status, param, what the message says)
         "repetition_penalty",
         "1e400 is past a double's range",
     ),
+    "a bias past OpenAI's range, which removed every allowed token": (
+        "completions",
+        {"prompt": "a", "max_tokens": 2, "allowed_token_ids": [5], "logit_bias": {"5": -1e300}},
+        400,
+        "logit_bias",
+        "logit_bias: values must be in [-100, 100]",
+    ),
+    "allowed tokens min_tokens keeps out": (  # each ended at its first step with finish_reason "error"
+        "completions",
+        {"prompt": "a", "max_tokens": 3, "allowed_token_ids": [5], "stop_token_ids": [5], "min_tokens": 2},
+        400,
+        "allowed_token_ids",
+        "no token could be sampled",
+    ),
+    "64 prompts times n": (  # 64 prompts x n=64 were 4,096 sequences, the other clients shut out for minutes
+        "completions",
+        {"prompt": ["hi"] * 64, "n": 5, "max_tokens": 1},
+        400,
+        "n",
+        "64 prompt(s) with n=5 are 320 sequences, more than this server runs for one request (serve.max_sequences=256)",
+    ),
+    "a model name of 100,000 characters": (  # the 404 repeated it whole (a 7 MB name, a 7 MB answer)
+        "completions",
+        {"model": "x" * 100_000, "prompt": "a", "max_tokens": 1},
+        404,
+        "model",
+        "the model '" + "x" * 64 + "'... does not exist",
+    ),
     "a bias past a double's range": (
         "completions",
         b'{"prompt": "a", "max_tokens": 2, "logit_bias": {"5": -1.5e999}}',
@@ -314,7 +342,7 @@ HOSTILE = {  # name -> (route, body, status, param, what the message says)
         {"prompt": "Hi", "logit_bias": {"5": 1e300}},
         400,
         "logit_bias",
-        "<= 1e+05",
+        "logit_bias: values must be in [-100, 100] (OpenAI's range)",
     ),
     "stream_options without stream": (
         "completions",
@@ -383,7 +411,8 @@ def test_a_hostile_request_is_a_4xx_naming_its_field_and_costs_nothing(server, n
 
 def test_a_compressed_body_is_a_415_naming_its_encoding(server):
     """A gzip body was parsed as JSON text ("not valid JSON: 'utf-8' codec can't decode byte 0x8b", param null) and
-    a plain body labelled br was served: any Content-Encoding but identity is a 415 saying to send it uncompressed."""
+    a plain body labelled br was served: any Content-Encoding but identity is a 415 saying to send it uncompressed.
+    A transfer coding other than chunked is a 501 (RFC 9112's answer for a coding the server does not know)."""
     body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
     for encoding, data in (("gzip", gzip.compress(body)), ("br", body), ("GZIP, deflate", gzip.compress(body))):
         headers = {"content-type": "application/json", "content-encoding": encoding}
@@ -392,6 +421,16 @@ def test_a_compressed_body_is_a_415_naming_its_encoding(server):
         assert error["message"].startswith(f"Content-Encoding {encoding.lower()!r} is not supported"), error
     headers = {"content-type": "application/json", "content-encoding": "identity"}
     assert httpx.post(f"{server.url}/v1/completions", content=body, headers=headers, timeout=60).status_code == 200
+    host, port = urlsplit(server.url).hostname, urlsplit(server.url).port
+    data = gzip.compress(body)  # a transfer coding under chunked: its chunks were read as the body's text
+    with socket.create_connection((host, port), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: gzip, chunked\r\n\r\n" + b"%x\r\n" % len(data) + data + b"\r\n0\r\n\r\n"
+        )
+        answer = sock.recv(65536).decode("latin-1")
+    assert answer.startswith("HTTP/1.1 501"), answer[:300]
+    assert "Transfer-Encoding 'gzip' is not supported" in answer and '"param":null' in answer.replace(" ", "")
 
 
 def test_a_client_that_half_closes_behind_pipelined_requests_costs_no_logged_exception(tiny):

@@ -155,6 +155,7 @@ class Engine(EngineQueries):
             self.num_kv_blocks,
             self.default_sampling,
             self._grammar_backend,
+            self.eos_token_ids,
         )
         self.decider = Decider(
             self.vocab_size,

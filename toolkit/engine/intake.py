@@ -37,8 +37,10 @@ class RequestIntake:
         num_kv_blocks: int,
         default_sampling: SamplingParams,
         grammar: LazyGrammar,
+        eos_token_ids: tuple[int, ...] = (),
     ):
         self.cfg = cfg
+        self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -91,6 +93,7 @@ class RequestIntake:
         self._check_fits(request_id, len(ids), params.max_tokens)
         self._check_token_ids(params)
         bad_words_ids = self._bad_words_ids(params)
+        self._check_some_token_allowed(params, bad_words_ids)
         if params.stop and self.tokenizer is None:  # nothing detokenizes: no text would ever match
             raise RequestError("stop strings need a tokenizer (this model has none); give stop_token_ids instead")
         if params.structured_outputs is not None:
@@ -238,6 +241,21 @@ class RequestIntake:
             k = getattr(params, name)
             if k is not None and k > v:
                 raise RequestError(f"{name} {k} asks for more alternatives than the vocabulary's {v} tokens")
+
+    def _check_some_token_allowed(self, params: SamplingParams, bad_words_ids: tuple[tuple[int, ...], ...]) -> None:
+        """A RequestError where allowed_token_ids leave no first token: each is a one-token bad word, or a stop
+        token (EOS too, unless ignore_eos) that min_tokens keeps out (the request ended at its first step with
+        finish_reason "error"). Its bias cannot remove them all: a server takes logit_bias in [-100, 100]."""
+        if params.allowed_token_ids is None:
+            return
+        left = set(params.allowed_token_ids) - {w[0] for w in bad_words_ids if len(w) == 1}
+        if params.min_tokens:
+            left -= {*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids)}
+        if not left:
+            raise RequestError(
+                "allowed_token_ids: every token it allows is banned (a one-token bad word, or a stop token "
+                "min_tokens keeps out), so no token could be sampled"
+            )
 
     def _bad_words_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
         try:

@@ -41,16 +41,17 @@ from toolkit.errors import json_leaves, not_unicode
 from toolkit.serve.connections import TimedEventStream
 from toolkit.serve.grammars import GrammarCompiler
 from toolkit.serve.job import Job
+from toolkit.serve.limits import Limits
 from toolkit.serve.loop import EngineLoop
 from toolkit.serve.metrics import ServerMetrics
 from toolkit.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    Limits,
     ServedModel,
     validation_error,
 )
+from toolkit.serve.scoring import Scorer
 from toolkit.serve.shapes import json_shape
 
 
@@ -84,13 +85,15 @@ class Api:
         metrics_public: bool = True,
         max_compiling: int = 8,
         max_grammar_mb: int | None = 1024,
+        max_scoring: int = 4,
     ):
         """`api_keys`: when any, every /v1 route (and /metrics unless `metrics_public`) needs
         `Authorization: Bearer <one of them>`. `max_compiling`: grammars compiling or queued at once, past which
-        a request with a new one gets 503 (GrammarCompiler); `max_grammar_mb`: memory one compile may take."""
+        a request with a new one gets 503 (GrammarCompiler); `max_grammar_mb`: memory one compile may take;
+        `max_scoring`: echo + logprobs requests scoring or waiting to, past which one gets 503 (Scorer)."""
         self.loop, self.served, self.metrics, self.limits = loop, served, metrics, limits or Limits()
         self.compiler = GrammarCompiler(loop.prepare.precompile, max_compiling, memory_mb=max_grammar_mb)
-        self.scoring = asyncio.Lock()  # one request's prompts scored at a time (Job._prepared)
+        self.scoring = Scorer(max_scoring)  # one request's prompts scored at a time (Job._prepared)
         self.api_keys = tuple(k.encode() for k in api_keys)
         self.metrics_public = metrics_public
         self.tokenizer = loop.engine.tokenizer
@@ -98,7 +101,7 @@ class Api:
         # follow on a POST; the 404 names the routes
         self.app = FastAPI(title="toolkit", lifespan=self._lifespan(on_shutdown), redirect_slashes=False)
         app = self.app
-        app.state.compiler = self.compiler  # what /metrics-like checks read of it (tests)
+        app.state.compiler, app.state.scoring = self.compiler, self.scoring  # what checks read of them (tests)
         reads = (
             ("/health", self.health),
             ("/metrics", self.render_metrics),
@@ -128,6 +131,7 @@ class Api:
         async def lifespan(app):
             yield
             self.compiler.close()
+            self.scoring.close()
             if on_shutdown is not None:
                 await asyncio.get_running_loop().run_in_executor(None, on_shutdown)
 
@@ -235,9 +239,10 @@ class Api:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.served.name, *self.served.aliases):
+            shown = repr(model[:64]) + ("..." if len(model) > 64 else "")  # a 7 MB name was answered whole
             raise ApiError(
                 404,
-                f"the model {model!r} does not exist; this server serves {self.served.name!r}",
+                f"the model {shown} does not exist; this server serves {self.served.name!r}",
                 "model",
                 "not_found_error",
             )
@@ -266,6 +271,17 @@ async def _read_body(request: Request, limit: int, idle_s: float) -> bytes:
             "invalid_request_error",
             "unsupported_media_type",
             {"connection": "close"},  # its body is never read
+        )
+    codings = [c.strip().lower() for c in request.headers.get("transfer-encoding", "").split(",")]
+    unknown = [c for c in codings if c not in ("", "chunked", "identity")]
+    if unknown:  # "gzip, chunked": the chunks were read as the body's text (RFC 9112: 501 for a coding not known)
+        raise ApiError(
+            501,
+            f"Transfer-Encoding {unknown[0][:64]!r} is not supported: send the body chunked or with a Content-Length",
+            None,
+            "invalid_request_error",
+            "not_implemented",
+            {"connection": "close"},
         )
     chunks, size, clock = [], 0, asyncio.get_running_loop()
     closing = {"connection": "close"}  # the rest of the body is never read: the connection cannot carry another

@@ -8,7 +8,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -20,6 +20,7 @@ from toolkit.engine.request import EngineRequest
 from toolkit.errors import RequestError, ResourceError, ToolkitError, one_line
 from toolkit.runs.recorder import body_sha256
 from toolkit.serve.grammars import GrammarCompiler
+from toolkit.serve.limits import Limits
 from toolkit.serve.logprobs import LogprobFormat
 from toolkit.serve.loop import Closing, EngineLoop, InternalError, LoopSink, Submission, Unavailable, Update
 from toolkit.serve.mailbox import Mailbox, update_bytes
@@ -27,11 +28,11 @@ from toolkit.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
     FieldError,
-    Limits,
     SamplingFields,
     ServedModel,
     request_error,
 )
+from toolkit.serve.scoring import Scorer
 
 
 def unavailable(exc: Unavailable) -> ApiError:
@@ -47,7 +48,7 @@ class JobHost(Protocol):
     limits: Limits
     tokenizer: Any
     compiler: GrammarCompiler
-    scoring: asyncio.Lock  # held while an echoed request's prompts are scored
+    scoring: Scorer  # echoed requests' prompts scored one request at a time
 
 
 def prompt_only(req: SamplingFields) -> bool:
@@ -205,7 +206,7 @@ class Job:
             if self.chat or not self.req.echo or self.req.logprobs is None:
                 return [None] * len(self.prompts)
             self.api.limits.check_scored(sum(len(p["prompt_token_ids"]) for p in self.prompts))
-            return await _one_at_a_time(self.api.scoring, self._scored)
+            return await self.api.scoring.score(self._scored)
         except Exception as exc:  # noqa: BLE001 - every failure is this request's answer (preparation_error)
             raise preparation_error(exc, self.req, self.api.limits.grammar_timeout_s) from None
 
@@ -454,25 +455,6 @@ async def _until_ended(work: Coroutine[Any, Any, list], request: Request | None,
             task.exception()  # read: its answer is no longer anyone's
         raise ended.result()
     return task.result()
-
-
-async def _one_at_a_time(lock: asyncio.Lock, scored: Callable[[], list]) -> list:
-    """`scored()` on a thread while holding `lock`, which its thread keeps until it returns, even where its request
-    ends first (_until_ended; the thread sees the request's cancel within a piece): one request scored at once."""
-    await lock.acquire()
-    try:
-        scoring = asyncio.ensure_future(asyncio.to_thread(scored))
-    except BaseException:
-        lock.release()
-        raise
-
-    def release(done: asyncio.Future) -> None:
-        lock.release()
-        if not done.cancelled():
-            done.exception()  # read: it may be no one's answer any more
-
-    scoring.add_done_callback(release)
-    return await asyncio.shield(scoring)
 
 
 async def _disconnected(request: Request) -> None:

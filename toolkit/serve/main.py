@@ -24,9 +24,10 @@ from toolkit.errors import ConfigError
 from toolkit.report import report_after, wanted
 from toolkit.serve.api import Api
 from toolkit.serve.connections import AbortingServer, http_protocol, listening_socket
+from toolkit.serve.limits import Limits
 from toolkit.serve.loop import EngineLoop
 from toolkit.serve.metrics import ServerMetrics
-from toolkit.serve.protocol import Limits, ServedModel
+from toolkit.serve.protocol import ServedModel
 
 
 @dataclass
@@ -65,6 +66,7 @@ SERVE_DEFAULTS = {
     "max_header_kb": 64,  # a request line and headers past this: 431, the connection closed
     "max_trace_gb": None,
     "max_compiling": 8,
+    "max_scoring": 4,  # echo + logprobs requests scoring or waiting to (one at a time); past it: 503
     "max_grammar_mb": 1024,  # memory one grammar's compile may take in its child process; past it: 400
     "handoff_wait_ms": None,  # None: the engine loop's default for its device (toolkit.serve.loop.handoff_wait_for)
     **dataclasses.asdict(Limits()),
@@ -86,6 +88,8 @@ def serve_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     for name in (
         "max_waiting",
         "max_prompts",
+        "max_sequences",
+        "max_scoring",
         "max_stop",
         "max_stop_chars",
         "max_bad_words",
@@ -181,6 +185,7 @@ def build(
         api_keys=section["api_key"],
         metrics_public=bool(section["metrics_public"]),
         max_compiling=section["max_compiling"],
+        max_scoring=section["max_scoring"],
         max_grammar_mb=section["max_grammar_mb"],
     )
     if not section["api_key"] and not _loopback(section["host"]):

@@ -16,9 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic.types import FailFast
 from pydantic_core import PydanticCustomError, PydanticUseDefault
 
-from toolkit.errors import ConfigError
-from toolkit.serve.shapes import json_shape, schema_pattern_cost, schema_text, wrong_kind
-
 
 class _FailFast(FailFast):
     """A list stops at its first bad item: a body of a million bad items is one error, not a million (whose
@@ -45,6 +42,27 @@ UNSUPPORTED = {
     "reasoning_effort": "reasoning models are not served here",
     "suffix": "suffix (insertion) is not supported by this server",
 }
+
+
+def wrong_kind(value: Any, annotation: str) -> str | None:
+    """What is wrong when a JSON true / false stands where a field (`annotation`, its type as text; or its list's
+    items, its dict's values) takes no boolean, or a string where it takes no string: `max_tokens: true` ran as 1, a
+    prompt of [true, false] as the ids [1, 0], `seed: "1"` as 1 and `include_usage: "yes"` as true (pydantic's lax
+    mode; OpenAI's API refuses them all)."""
+    if "Any" in annotation:
+        return None
+    if isinstance(value, list) and "list[" in annotation:
+        items = [w for v in value for w in (v if isinstance(v, list) else [v])]
+    elif isinstance(value, dict) and "dict[" in annotation:
+        items, annotation = list(value.values()), annotation.split(",", 1)[-1]  # the values' type
+    else:
+        items = [value]
+    if "bool" not in annotation and any(isinstance(v, bool) for v in items):
+        return "true / false is not a number here"
+    if "str" not in annotation and "Literal" not in annotation and any(isinstance(v, str) for v in items):
+        flag = "bool" in annotation and "int" not in annotation and "float" not in annotation
+        return f"a string is not {'true / false' if flag else 'a number'} here"
+    return None
 
 
 class Strict(BaseModel):
@@ -117,6 +135,13 @@ class SamplingFields(Strict):
     metadata: dict[str, str] | None = None
     store: bool | None = None  # false (OpenAI's default): nothing is stored for later retrieval, as here
     service_tier: str | None = None  # "auto" or "default" (OpenAI's default tier): the one tier there is
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _openai_bias_range(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value and not all(-100 <= bias <= 100 for bias in value.values()):  # NaN is outside too
+            raise PydanticCustomError("bias_range", "values must be in [-100, 100] (OpenAI's range)")
+        return value
 
     @field_validator("store")
     @classmethod
@@ -311,96 +336,6 @@ class ChatCompletionRequest(SamplingFields):
         if self.max_completion_tokens is not None:
             sent["max_tokens"] = "max_completion_tokens"
         return sent
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one request may ask for (serve.max_*): past a limit a request is refused, the field named. Each bounds a
-    cost on the server: the engine thread's work per token (stop strings, bad words), a grammar's compilation (the
-    schema's depth, size, text and patterns), what the trace keeps (user, metadata)."""
-
-    max_body_mb: float = 8.0  # a larger body: 413
-    max_prompts: int = 64  # prompts in one /v1/completions request
-    max_stop: int = 32  # stop strings (and stop_token_ids)
-    max_stop_chars: int = 4096  # characters of all stop strings together (matched against every new token)
-    max_bad_words: int = 256
-    max_logit_bias: int = 1024  # logit_bias entries
-    max_user_chars: int = 256  # `user`: an end-user id
-    max_metadata: int = 16  # `metadata` pairs (OpenAI's limits: 16 pairs, keys <= 64 and values <= 512 chars)
-    max_schema_depth: int = 64  # nesting of response_format's JSON schema (a grammar's compile time grows with it)
-    max_schema_nodes: int = 10000  # objects, arrays and values in that schema
-    max_schema_chars: int = 16384  # characters of its property names, enum and const values and patterns
-    max_schema_pattern_cost: int = 4000  # its patterns' compile, about in ms (toolkit.serve.shapes.pattern_cost)
-    grammar_timeout_s: float = 10.0  # compiling a request's grammar past this: 400
-    max_unread_mb: float = 4.0  # a request's output its client has not read yet, past which it is aborted
-    max_response_mb: float = 64.0  # an answer not streamed, held until whole (text, logprob rows): past it, a 400
-    stream_write_timeout_s: float = 30.0  # a stream whose client takes no bytes for this long: requests aborted
-    client_body_timeout_s: float = 30.0  # a body of which no byte comes for this long: 408 (nginx's name)
-    max_scored_tokens: int = 16384  # prompt tokens one echo + logprobs request has scored (a forward each, off-cache)
-
-    def __post_init__(self) -> None:
-        value = self.max_scored_tokens
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-            raise ConfigError(f"serve.max_scored_tokens must be a positive integer, got {value!r}")
-
-    def check_scored(self, tokens: int) -> None:
-        """A FieldError (the prompt) where echo with logprobs would score more prompt tokens than one request may:
-        each costs the forward's fp32 logits and time, on a thread one request holds at once."""
-        if tokens > self.max_scored_tokens:
-            raise FieldError(
-                "prompt",
-                f"prompt: echo with logprobs would score {tokens} prompt tokens, more than this server scores in "
-                f"one request (serve.max_scored_tokens={self.max_scored_tokens})",
-            )
-
-    def check(self, req: SamplingFields, prompts: int) -> None:
-        """A FieldError naming the first field past its limit."""
-        stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
-        for name, count, knob in (
-            ("prompt", prompts, "max_prompts"),
-            ("stop", len(stop), "max_stop"),
-            ("stop_token_ids", len(req.stop_token_ids or ()), "max_stop"),
-            ("bad_words", len(req.bad_words or ()), "max_bad_words"),
-            ("logit_bias", len(req.logit_bias or {}), "max_logit_bias"),
-            ("metadata", len(req.metadata or {}), "max_metadata"),
-        ):
-            if count > getattr(self, knob):
-                raise FieldError(
-                    name, f"{name}: {count} entries, more than this server takes (serve.{knob}={getattr(self, knob)})"
-                )
-        for name, chars, knob in (
-            ("stop", sum(map(len, stop)), "max_stop_chars"),
-            ("bad_words", sum(map(len, req.bad_words or ())), "max_stop_chars"),
-            ("user", len(req.user or ""), "max_user_chars"),
-        ):
-            if chars > getattr(self, knob):
-                raise FieldError(
-                    name,
-                    f"{name}: {chars} characters, more than this server takes (serve.{knob}={getattr(self, knob)})",
-                )
-        for key, value in (req.metadata or {}).items():
-            if len(key) > 64 or len(value) > 512:
-                raise FieldError(
-                    "metadata",
-                    f"metadata: keys are at most 64 characters and values at most 512 "
-                    f"(the key {key[:64]!r}... is past it)",
-                )
-        schema = req.structured_outputs()
-        if schema is not None:
-            depth, nodes = json_shape(schema["json"], self.max_schema_depth, self.max_schema_nodes)
-            for what, value, knob in (
-                ("nested", depth, "max_schema_depth"),
-                ("large", nodes, "max_schema_nodes"),
-                ("long", schema_text, "max_schema_chars"),  # walked once depth and size are known to be bounded
-                ("costly (its patterns' repeats)", schema_pattern_cost, "max_schema_pattern_cost"),
-            ):
-                value = value(schema["json"]) if callable(value) else value
-                if value > getattr(self, knob):
-                    raise FieldError(
-                        "response_format.json_schema.schema",
-                        f"response_format.json_schema.schema is too {what} to compile: {value} "
-                        f"(serve.{knob}={getattr(self, knob)})",
-                    )
 
 
 class FieldError(ValueError):

@@ -112,24 +112,3 @@ def _expanded(items) -> tuple[int, int, float, int]:
         elif op not in (_sre.AT,):  # a character, a class, any: one position
             positions, shortest, longest = positions + 1, shortest + 1, longest + 1
     return positions, shortest, longest, ambiguity
-
-
-def wrong_kind(value: Any, annotation: str) -> str | None:
-    """What is wrong when a JSON true / false stands where a field (`annotation`, its type as text; or its list's
-    items, its dict's values) takes no boolean, or a string where it takes no string: `max_tokens: true` ran as 1, a
-    prompt of [true, false] as the ids [1, 0], `seed: "1"` as 1 and `include_usage: "yes"` as true (pydantic's lax
-    mode; OpenAI's API refuses them all)."""
-    if "Any" in annotation:
-        return None
-    if isinstance(value, list) and "list[" in annotation:
-        items = [w for v in value for w in (v if isinstance(v, list) else [v])]
-    elif isinstance(value, dict) and "dict[" in annotation:
-        items, annotation = list(value.values()), annotation.split(",", 1)[-1]  # the values' type
-    else:
-        items = [value]
-    if "bool" not in annotation and any(isinstance(v, bool) for v in items):
-        return "true / false is not a number here"
-    if "str" not in annotation and "Literal" not in annotation and any(isinstance(v, str) for v in items):
-        flag = "bool" in annotation and "int" not in annotation and "float" not in annotation
-        return f"a string is not {'true / false' if flag else 'a number'} here"
-    return None
