@@ -128,6 +128,13 @@ HOSTILE = {  # name -> (route, body, status, param, what the message says)
         "model",
         "the model '" + "x" * 64 + "'... does not exist",
     ),
+    "a temperature below a double's range": (  # 1e-400 was read as 0: greedy, where 1e-10 is a 400
+        "completions",
+        b'{"prompt": "a", "max_tokens": 2, "temperature": 1e-400}',
+        400,
+        "temperature",
+        "1e-400 is below a double's range (it would be read as 0)",
+    ),
     "a bias past a double's range": (
         "completions",
         b'{"prompt": "a", "max_tokens": 2, "logit_bias": {"5": -1.5e999}}',
@@ -1073,17 +1080,22 @@ def test_requests_being_prepared_hold_their_places_under_max_waiting_and_give_th
 
 
 def test_a_request_whose_own_constraints_leave_no_token_says_why(server):
-    """allowed_token_ids [5] with token 5 banned (a stop token before min_tokens) leaves no token to sample: the
-    choice ends with finish_reason "error" and, in stop_reason, the processor that emptied it, streamed or not (it
-    said nothing). (A bias of -1e309 did it before: a number past a double's range is a 400 now.)"""
-    body = b'{"prompt": "Hi", "max_tokens": 3, "allowed_token_ids": [5], "stop_token_ids": [5], "min_tokens": 2%s}'
-    headers = {"content-type": "application/json"}
-    r = httpx.post(f"{server.url}/v1/completions", content=body % b"", headers=headers, timeout=60)
+    """A JSON object's grammar beside allowed_token_ids of one letter leaves no token to sample: the choice ends
+    with finish_reason "error" and, in stop_reason, the processor that emptied it, streamed or not (it said
+    nothing). (What intake can see is refused before: allowed_token_ids all banned, a bias past [-100, 100].)"""
+    letter = server.loop.engine.tokenizer.encode("a", add_special_tokens=False)
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+        "response_format": {"type": "json_object"},
+        "allowed_token_ids": letter,
+    }
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
-    assert choice["finish_reason"] == "error" and choice["text"] == ""
+    assert choice["finish_reason"] == "error" and choice["message"]["content"] == ""
     assert re.search(r"empty support: processor '\w+' removed every token", choice["stop_reason"]), choice
-    r = httpx.post(f"{server.url}/v1/completions", content=body % b', "stream": true', headers=headers, timeout=60)
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stream": True}, timeout=60)
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     last = [c for e in events for c in e["choices"] if c["finish_reason"]][-1]
     assert last["finish_reason"] == "error" and "removed every token" in last["stop_reason"]

@@ -122,10 +122,7 @@ class Engine(EngineQueries):
             self.cfg, loaded, self.max_model_len, scratch=self.graph_mode != "off"
         )
         self.block_manager = BlockManager(
-            self.num_kv_blocks,
-            self.cfg.block_size,
-            enable_prefix_caching=self.cfg.enable_prefix_caching,
-            num_host_blocks=num_host_blocks,
+            self.num_kv_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching, num_host_blocks
         )
         self.scheduler = Scheduler(self.cfg, self.block_manager)
         self.matmul_backend = matmul_backend(self.cfg, loaded)

@@ -326,7 +326,7 @@ def _json_body_doc(model: type[BaseModel]) -> dict[str, Any]:
 
 class _NotJson(float):
     """NaN, Infinity or -Infinity in a body: Python's parser reads them, JSON (RFC 8259) has no such numbers. Also
-    a JSON number past a double's range (1e400), which Python reads as infinity."""
+    a JSON number past a double's range (1e400), which Python reads as infinity, or below it (1e-400: zero)."""
 
     def __new__(cls, name: str, why: str = "is not a JSON number") -> _NotJson:
         number = super().__new__(cls, name)
@@ -356,6 +356,9 @@ def _json_body(raw: bytes) -> Any:
 
     def parse_float(text: str) -> float:
         number = float(text)
+        if number == 0 and any(c in "123456789" for c in text.lower().partition("e")[0]):
+            overflows.append(_NotJson(text, "is below a double's range (it would be read as 0)"))  # 1e-400
+            return overflows[-1]
         if math.isfinite(number):
             return number
         overflows.append(_NotJson(text, "is past a double's range"))
