@@ -105,6 +105,29 @@ def test_a_full_kv_pool_preempts_the_last_in_priority_order_not_the_newest(tiny)
     assert victims and set(victims) == {"low"}
 
 
+def test_a_step_frees_kv_blocks_for_no_more_first_chunks_than_its_token_budget_admits(tiny):
+    """Four prompts at priority 0 arrive while four at priority 5 fill the KV pool. A step of 16 tokens admits one
+    16-token first chunk: one running sequence is preempted for it, not all four (each near its end: their blocks
+    freed for first chunks the step could not take)."""
+    engine = make_engine(
+        tiny, scheduling_policy="priority", num_kv_blocks=20, block_size=4, max_num_seqs=8, max_num_batched_tokens=16
+    )
+    low = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(prompt_token_ids=[10 + i] * 12, request_id=f"a{i}", priority=5, sampling_params=low)
+    high = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(
+            prompt_token_ids=[50 + i] * 16, request_id=f"b{i}", priority=0, arrival_step=7, sampling_params=high
+        )
+    preempted = {}
+    while engine.has_unfinished():
+        out = engine.step()
+        if out.preempted:
+            preempted[out.step] = [seq_id for seq_id, _ in out.preempted]
+    assert preempted == {7: ["a3"]}
+
+
 def check_each_schedule(engine):
     """Have `engine` check, each time the scheduler has planned a step, that the waiting queue is in priority_key
     order and that no waiting sequence lacks a slot while a running sequence that comes after it holds one (a

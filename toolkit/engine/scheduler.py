@@ -91,7 +91,7 @@ class Scheduler:
     def __init__(self, cfg: EngineConfig, block_manager: BlockManager):
         self.cfg = cfg
         self.blocks = block_manager
-        self._pending: list[tuple[int, int, Sequence]] = []  # (arrival_step, order, request), sorted
+        self._pending: list[Sequence] = []  # by (arrival_step, arrival_order)
         self._order = 0
         self.waiting: deque[Sequence] = deque()  # admission order (by priority_key under scheduling_policy=priority)
         self.running: list[Sequence] = []  # admission order (oldest first)
@@ -100,16 +100,15 @@ class Scheduler:
     # ------------------------------------------------------------------ queue management
 
     def add(self, request: Sequence) -> None:
-        request.status = SequenceStatus.PENDING
-        request.arrival_order = self._order
-        bisect.insort(self._pending, (request.arrival_step, self._order, request), key=lambda e: e[:2])
+        request.status, request.arrival_order = SequenceStatus.PENDING, self._order
+        bisect.insort(self._pending, request, key=lambda s: (s.arrival_step, s.arrival_order))
         self._order += 1
 
     def arrivals(self, step: int) -> list[Sequence]:
         """Move requests whose arrival step has come into the waiting queue; return them."""
         arrived = []
-        while self._pending and self._pending[0][0] <= step:
-            _, _, request = self._pending.pop(0)
+        while self._pending and self._pending[0].arrival_step <= step:
+            request = self._pending.pop(0)
             request.status = SequenceStatus.WAITING
             self._queue(request)
             arrived.append(request)
@@ -117,7 +116,7 @@ class Scheduler:
 
     @property
     def next_arrival_step(self) -> int | None:
-        return self._pending[0][0] if self._pending else None
+        return self._pending[0].arrival_step if self._pending else None
 
     def has_work(self) -> bool:
         return bool(self._pending or self.waiting or self.running)
@@ -133,7 +132,7 @@ class Scheduler:
             self.running.remove(request)
         if request in self.waiting:
             self.waiting.remove(request)
-        self._pending = [e for e in self._pending if e[2] is not request]
+        self._pending = [s for s in self._pending if s is not request]
         self.blocks.free(request.seq_id)
 
     # ------------------------------------------------------------------ the step
@@ -284,7 +283,7 @@ class Scheduler:
         be anything else: arrivals due, sequences waiting, a prefill under way, drafts, a budget or KV pool too
         small for every decode without a preemption."""
         sampled = {c.seq_id: c for c in batch.chunks if c.samples and c.num_logits == 1 and not c.draft_slots}
-        due = self._pending and self._pending[0][0] <= step
+        due = self._pending and self._pending[0].arrival_step <= step
         if due or self.waiting or len(sampled) != len(batch.chunks) or not self.running:
             return None
         decoding = [s for s in self.running if s.seq_id not in finishing]
@@ -364,21 +363,22 @@ class Scheduler:
         """Into the waiting queue: in priority_key order (scheduling_policy=priority), else at its back or front."""
         if self.cfg.scheduling_policy == "priority":
             self.waiting.insert(bisect.bisect(self.waiting, priority_key(seq), key=priority_key), seq)
-        elif front:
-            self.waiting.appendleft(seq)
         else:
-            self.waiting.append(seq)
+            self.waiting.insert(0 if front else len(self.waiting), seq)
 
     def _make_room(self, step: int, plan: _Plan) -> None:
         """scheduling_policy=priority: each waiting sequence in turn, while a slot or the KV blocks of its first chunk
         are missing, preempts the last running sequence in priority order if that comes after it; the first
-        waiting sequence that cannot have its room ends it. Blocks are counted without prefix-cache hits."""
+        waiting sequence that cannot have its room ends it. Blocks are counted without prefix-cache hits, and for
+        one step's token budget of first chunks at most (what one step can admit)."""
         slots, reserved = sum(s.group_slots for s in self.running), 0
-        budget = self.cfg.max_num_batched_tokens
-        chunk = math.inf if self.cfg.scheduler_policy in WHOLE else min(self.cfg.max_chunk_tokens or budget, budget)
+        tokens = math.inf if self.cfg.scheduler_policy in WHOLE else self.cfg.max_num_batched_tokens
+        chunk = min(self.cfg.max_chunk_tokens or tokens, tokens)
         for seq in list(self.waiting):  # a swapped sequence's computed tokens come back whole
-            size = seq.num_computed_tokens + 1 if self.blocks.is_swapped(seq.seq_id) else min(seq.num_tokens, chunk)
-            need = self.blocks.blocks_for_tokens(size)
+            swapped = self.blocks.is_swapped(seq.seq_id)
+            size = seq.num_computed_tokens + 1 if swapped else min(seq.num_tokens, chunk, max(tokens, 0))
+            tokens -= size
+            need = min(self.blocks.blocks_for_tokens(size), self.blocks.num_blocks)
             while slots + seq.group_slots > self.cfg.max_num_seqs or self.blocks.num_free_blocks - reserved < need:
                 victim = max(self.running, key=priority_key, default=None)
                 if victim is None or priority_key(victim) < priority_key(seq):
