@@ -190,16 +190,16 @@ def test_verify_names_a_sampled_token_forged_with_its_recomputed_logprob(recorde
 
 
 def test_verify_counts_the_error_rows_it_cannot_recompute(tiny, tmp_path):
-    """A row an error ended (here every allowed token banned: nothing to sample) holds no token to recompute: verify
-    passes the run's sampled rows and says how many rows it left, where it said "verified: N rows" as if that were
-    all (a probe's finding: a run of error rows alone verified 0 rows, silently)."""
-    empty = SamplingParams(temperature=0.0, max_tokens=4, allowed_token_ids=[5], bad_words=[(5,)])
+    """A row an error ended (here the one allowed token, banned after itself: nothing to sample) holds no token to
+    recompute: verify passes the run's sampled rows and says how many rows it left, where it said "verified: N rows"
+    as if that were all (a probe's finding: a run of error rows alone verified 0 rows, silently)."""
+    empty = SamplingParams(temperature=0.0, max_tokens=4, allowed_token_ids=[5], bad_words=[(5, 5)])
     requests = [MIXED[0], {"prompt_token_ids": [3, 4], "request_id": "empty", "sampling_params": empty}]
     run = tmp_path / "run"
     make_run(tiny, run, requests=requests)
     errors = [r for r in read_samples(run).to_pylist() if r["error"] is not None]
     report = verify(run)
-    assert len(errors) == report.error_rows == 1 and report.passed and report.rows_checked == 8
+    assert len(errors) == report.error_rows == 1 and report.passed and report.rows_checked == 9
     assert "1 error rows sampled nothing and are not recomputed" in report.summary_line()
 
 

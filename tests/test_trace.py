@@ -195,7 +195,8 @@ def test_empty_support_finishes_only_that_request_with_error(tiny, tmp_path):
     bad = {
         "prompt_token_ids": [1, 2, 3],
         "request_id": "bad",
-        "sampling_params": SamplingParams(allowed_token_ids=[100], bad_words=[[100]], max_tokens=5),
+        # 100 allowed alone, and banned after itself: its second token has no support (intake sees no one-token ban)
+        "sampling_params": SamplingParams(allowed_token_ids=[100], bad_words=[[100, 100]], max_tokens=5),
     }
     engine = make_engine(tiny, max_num_batched_tokens=8, max_num_seqs=4)
     run_traced(engine, MIXED[:2] + [bad] + MIXED[2:], tmp_path)
@@ -206,10 +207,10 @@ def test_empty_support_finishes_only_that_request_with_error(tiny, tmp_path):
             (c.token_ids, c.finish_reason) for c in ref.outputs
         ]
     out = engine.output("bad")
-    assert out.finish_reason == "error" and out.output_token_ids == ()
+    assert out.finish_reason == "error" and out.output_token_ids == (100,)
     rows = [r for r in read_samples(tmp_path).to_pylist() if r["request_id"] == "bad"]
-    assert len(rows) == 1 and rows[0]["token_id"] == -1 and rows[0]["finish_reason"] == "error"
-    assert "bad_words" in rows[0]["error"] and engine.block_manager.num_free_blocks == engine.num_kv_blocks
+    assert [r["token_id"] for r in rows] == [100, -1] and rows[1]["finish_reason"] == "error"
+    assert "bad_words" in rows[1]["error"] and engine.block_manager.num_free_blocks == engine.num_kv_blocks
 
 
 @pytest.mark.native
