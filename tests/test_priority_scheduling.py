@@ -128,6 +128,34 @@ def test_a_step_frees_kv_blocks_for_no_more_first_chunks_than_its_token_budget_a
     assert preempted == {7: ["a3"]}
 
 
+@pytest.mark.parametrize("priorities", [(0, 1), (0, 0)], ids=["one request's two prompts", "two requests"])
+def test_a_prompt_arriving_beside_long_prefills_gets_its_first_token_in_its_arrival_step(tiny, priorities):
+    """Two prompts of 600 tokens prefill, a chunk each filling the step's budget; a short prompt arriving meanwhile
+    took no budget until they were done (four of 8,000 tokens held a served request's first token 50 s). Under
+    priority scheduling the prefills but the first before it wait for the step's admissions: it samples in the
+    step it arrives in, and the long prompts' tokens are theirs (batch-invariant kernels)."""
+    kw = {"max_num_batched_tokens": 64, "max_chunk_tokens": 32, "batch_invariant": not NATIVE_OFF}
+    one = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    requests = [
+        {"prompt_token_ids": [3 + i] * 600, "request_id": f"long{i}", "priority": p, "sampling_params": one}
+        for i, p in enumerate(priorities)
+    ]
+    short = {"prompt_token_ids": [5, 6], "request_id": "short", "arrival_step": 3, "sampling_params": one}
+    firsts, outputs = {}, {}
+    for policy in ("fcfs", "priority"):
+        engine = make_engine(tiny, scheduling_policy=policy, **kw)
+        for r in [*requests, short]:
+            engine.add_request(**r)
+        while engine.has_unfinished():
+            out = engine.step()
+            if "short" not in firsts.get(policy, {}) and any(s.request_id == "short" for s in out.samples):
+                firsts[policy] = {"short": out.step}
+        outputs[policy] = {r["request_id"]: engine.output(r["request_id"]).outputs[0].token_ids for r in requests}
+    assert firsts["priority"]["short"] == 3 and firsts["fcfs"]["short"] >= 15, firsts
+    if not NATIVE_OFF:
+        assert outputs["priority"] == outputs["fcfs"]
+
+
 def check_each_schedule(engine):
     """Have `engine` check, each time the scheduler has planned a step, that the waiting queue is in priority_key
     order and that no waiting sequence lacks a slot while a running sequence that comes after it holds one (a

@@ -3,7 +3,7 @@ tokens are read and committed, so that on a GPU the host's commit, trace rows an
 computes, instead of between its steps (vLLM's `async_scheduling`).
 
     step k:   schedule, forward, decide staged (the sampler's work queued, its token on the device)
-              -> Scheduler.lookahead: step k+1's batch, where it does not depend on step k's tokens
+              -> lookahead (here): step k+1's batch, where it does not depend on step k's tokens
               -> its forward queued, each row's input token fed from step k's choice on the device (never read)
               -> step k read and committed (the device meanwhile computes step k+1)
               -> step k+1's decide staged; held (Ahead) until the next Engine.step resolves it the same way
@@ -31,7 +31,7 @@ from toolkit.engine.decide import Decider, Decision, Staged
 from toolkit.engine.digests import RowDigests, commit_decided
 from toolkit.engine.request import Sequence
 from toolkit.engine.runner import ModelOutput, ModelRunner
-from toolkit.engine.scheduler import ScheduledBatch, Scheduler
+from toolkit.engine.scheduler import FED, ScheduledBatch, ScheduledChunk, Scheduler
 from toolkit.errors import ConfigError
 
 
@@ -120,10 +120,10 @@ class Pipeline:
     def _look_ahead(
         self, batch: ScheduledBatch, out: ModelOutput, tokens_R: torch.Tensor
     ) -> tuple[ScheduledBatch, ModelOutput] | None:
-        """The step after `batch` (Scheduler.lookahead) and its forward, fed `batch`'s choices (one decided row a
+        """The step after `batch` (lookahead) and its forward, fed `batch`'s choices (one decided row a
         sampling chunk); None where there is none, or it failed."""
         finishing = {c.seq_id for c in batch.chunks if ends_by_length(self.requests[c.seq_id], self.max_model_len)}
-        nxt = self.scheduler.lookahead(batch.step + 1, batch, finishing)
+        nxt = lookahead(self.scheduler, batch.step + 1, batch, finishing)
         if nxt is None:
             return None
         try:
@@ -201,3 +201,31 @@ def without_finished(
         dataclasses.replace(batch, chunks=chunks, num_decode_tokens=len(chunks)),
         dataclasses.replace(decision, emits=emits),
     )
+
+
+def lookahead(scheduler: Scheduler, step: int, batch: ScheduledBatch, finishing: set[str]) -> ScheduledBatch | None:
+    """Async scheduling: step `step`'s batch before `batch` (the step before) is committed, where it does not
+    depend on the tokens `batch` samples: every running sequence sampled its one token in `batch` and decodes
+    it now, as schedule() would decode it once `batch` is committed (the same chunks, in the same order, each
+    token FED). Sequences in `finishing` end at that commit whatever they sample (their length): left out. A
+    sequence that ends there for its token (a stop) is computed and its row dropped. None where the step could
+    be anything else: arrivals due, sequences waiting, a prefill under way, drafts, a budget or KV pool too
+    small for every decode without a preemption."""
+    sampled = {c.seq_id: c for c in batch.chunks if c.samples and c.num_logits == 1 and not c.draft_slots}
+    due = scheduler.next_arrival_step is not None and scheduler.next_arrival_step <= step
+    if due or scheduler.waiting or len(sampled) != len(batch.chunks) or not scheduler.running:
+        return None
+    decoding = [s for s in scheduler.running if s.seq_id not in finishing]
+    if any(s.seq_id not in sampled for s in scheduler.running) or not decoding:
+        return None
+    if len(decoding) > scheduler.cfg.max_num_batched_tokens:
+        return None
+    starts = [sampled[s.seq_id].context_len for s in decoding]
+    copies = scheduler.blocks.write_rows([(s.seq_id, p, p + 1) for s, p in zip(decoding, starts)])
+    if copies is None:
+        return None
+    chunks = tuple(
+        ScheduledChunk(seq.seq_id, (FED,), start, scheduler.blocks.table(seq.seq_id), samples=True)
+        for seq, start in zip(decoding, starts)
+    )
+    return ScheduledBatch(step, chunks, len(chunks), 0, block_copies=tuple(copies))

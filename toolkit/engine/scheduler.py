@@ -16,7 +16,9 @@ A chunk that reaches the end of a sequence's tokens samples its next token in th
 `engine.scheduling_policy=priority` (vLLM's; a server's default) orders sequences by `priority_key`:
 (priority, stream, arrival), lower first. Sequences wait in that order, the victim of a preemption is the
 last running one in it, and, before the step is planned, a waiting sequence that a slot or KV blocks keep
-out preempts the running ones that come after it (vLLM V0's priority preemption). A server gives the i-th
+out preempts the running ones that come after it (vLLM V0's priority preemption), and while the first
+waiting sequence has a slot, the running prefills but the first before it take their chunks only after the
+step's admissions (vLLM's max_long_partial_prefills is the same idea). A server gives the i-th
 prompt of one request priority i, so one request's many prompts or samples take turns with other
 requests' instead of holding every slot until they end.
 
@@ -202,18 +204,24 @@ class Scheduler:
                 budget -= 1 + drafts
                 num_decode += 1 + drafts
 
-        # 2. running prefills continue, oldest first, shrunk to the free KV blocks
-        for seq in list(self.running):
-            if budget == 0 and not (whole and num_prefill == 0):
-                break
-            if seq.status is not SequenceStatus.PREFILLING:
-                continue
+        def prefill(seq: Sequence) -> None:
+            nonlocal budget, num_prefill
             size = chunk_size(seq)
             if size > 0:
                 chunks.append(self._take(seq, size, plan))
                 scheduled.add(seq.seq_id)
                 budget = max(budget - size, 0)
                 num_prefill += size
+
+        # 2. running prefills continue, oldest first, shrunk to the free KV blocks; those held back (_held_back) after
+        # the admissions (4.)
+        prefills = [s for s in self.running if s.status is SequenceStatus.PREFILLING]
+        held = self._held_back(prefills)
+        for seq in prefills:
+            if budget == 0 and not (whole and num_prefill == 0):
+                break
+            if seq not in held:
+                prefill(seq)
 
         # 3. admissions, in the waiting queue's order; never in a step that had to preempt to grow (avoids
         # thrashing). A running head of n > 1 not yet forked holds its followers' slots too: max_num_seqs bounds the
@@ -262,6 +270,11 @@ class Scheduler:
                 else:
                     num_prefill += size
 
+        for seq in held:  # 4. the prefills held back take what the admissions left
+            if budget == 0 and not (whole and num_prefill == 0):
+                break
+            prefill(seq)
+
         return ScheduledBatch(
             step=step,
             chunks=tuple(chunks),
@@ -273,33 +286,6 @@ class Scheduler:
             block_copies=tuple(plan.copies),
             prefix_hit_tokens=plan.prefix_hit_tokens,
         )
-
-    def lookahead(self, step: int, batch: ScheduledBatch, finishing: set[str]) -> ScheduledBatch | None:
-        """Async scheduling: step `step`'s batch before `batch` (the step before) is committed, where it does not
-        depend on the tokens `batch` samples: every running sequence sampled its one token in `batch` and decodes
-        it now, as schedule() would decode it once `batch` is committed (the same chunks, in the same order, each
-        token FED). Sequences in `finishing` end at that commit whatever they sample (their length): left out. A
-        sequence that ends there for its token (a stop) is computed and its row dropped. None where the step could
-        be anything else: arrivals due, sequences waiting, a prefill under way, drafts, a budget or KV pool too
-        small for every decode without a preemption."""
-        sampled = {c.seq_id: c for c in batch.chunks if c.samples and c.num_logits == 1 and not c.draft_slots}
-        due = self._pending and self._pending[0].arrival_step <= step
-        if due or self.waiting or len(sampled) != len(batch.chunks) or not self.running:
-            return None
-        decoding = [s for s in self.running if s.seq_id not in finishing]
-        if any(s.seq_id not in sampled for s in self.running) or not decoding:
-            return None
-        if len(decoding) > self.cfg.max_num_batched_tokens:
-            return None
-        starts = [sampled[s.seq_id].context_len for s in decoding]
-        copies = self.blocks.write_rows([(s.seq_id, p, p + 1) for s, p in zip(decoding, starts)])
-        if copies is None:
-            return None
-        chunks = tuple(
-            ScheduledChunk(seq.seq_id, (FED,), start, self.blocks.table(seq.seq_id), samples=True)
-            for seq, start in zip(decoding, starts)
-        )
-        return ScheduledBatch(step, chunks, len(chunks), 0, block_copies=tuple(copies))
 
     # ------------------------------------------------------------------ helpers
 
@@ -358,6 +344,19 @@ class Scheduler:
         seq.preemption_modes.append(mode)
         plan.preempted.append((seq.seq_id, mode))
         self._queue(seq, front=True)
+
+    def _held_back(self, prefills: list[Sequence]) -> list[Sequence]:
+        """scheduling_policy=priority, while the first waiting sequence has a slot: the running prefills that wait for
+        the step's admissions, in priority order: all but the first that comes before it (a later request's first
+        token waited 50 s behind one request's four prompts of 8,000 tokens, or four requests' one prompt each)."""
+        if self.cfg.scheduling_policy != "priority" or not self.waiting:
+            return []
+        head = self.waiting[0]
+        if sum(s.group_slots for s in self.running) + head.group_slots > self.cfg.max_num_seqs:
+            return []
+        ordered = sorted(prefills, key=priority_key)
+        first = 1 if ordered and priority_key(ordered[0]) < priority_key(head) else 0
+        return ordered[first:]
 
     def _queue(self, seq: Sequence, front: bool = False) -> None:
         """Into the waiting queue: in priority_key order (scheduling_policy=priority), else at its back or front."""
