@@ -121,6 +121,13 @@ HOSTILE = {  # name -> (route, body, status, param, what the message says)
         "n",
         "64 prompt(s) with n=5 are 320 sequences, more than this server runs for one request (serve.max_sequences=256)",
     ),
+    "300 prompts": (  # past max_sequences too, but the field at fault is the prompt list
+        "completions",
+        {"prompt": ["hi"] * 300, "max_tokens": 1},
+        400,
+        "prompt",
+        "prompt: 300 entries, more than this server takes (serve.max_prompts=64)",
+    ),
     "a model name of 100,000 characters": (  # the 404 repeated it whole (a 7 MB name, a 7 MB answer)
         "completions",
         {"model": "x" * 100_000, "prompt": "a", "max_tokens": 1},

@@ -34,7 +34,8 @@ class Limits:
     stream_write_timeout_s: float = 30.0  # a stream whose client takes no bytes for this long: requests aborted
     client_body_timeout_s: float = 30.0  # a body of which no byte comes for this long: 408 (nginx's name)
     # prompt tokens one echo + logprobs request has scored: a forward over all of them, off the cache, whose time
-    # grows faster than their count (SmolLM2, AMD EPYC (avx2 avx512f ): 2.5 s for 1,000, 16 s for 4,000, 51 s for 8,000)
+    # grows faster than their count (SmolLM2, AMD EPYC (avx2 avx512f ): 2.5 s for 1,000 tokens, 16 s for 4,000,
+    # 51 s for 8,000)
     max_scored_tokens: int = 4096
 
     def __post_init__(self) -> None:
@@ -55,12 +56,6 @@ class Limits:
     def check(self, req: SamplingFields, prompts: int) -> None:
         """A FieldError naming the first field past its limit."""
         stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
-        if prompts * req.n > self.max_sequences:
-            raise FieldError(
-                "n",
-                f"n: {prompts} prompt(s) with n={req.n} are {prompts * req.n} sequences, more than this server runs "
-                f"for one request (serve.max_sequences={self.max_sequences})",
-            )
         for name, count, knob in (
             ("prompt", prompts, "max_prompts"),
             ("stop", len(stop), "max_stop"),
@@ -73,6 +68,12 @@ class Limits:
                 raise FieldError(
                     name, f"{name}: {count} entries, more than this server takes (serve.{knob}={getattr(self, knob)})"
                 )
+        if prompts * req.n > self.max_sequences:
+            raise FieldError(
+                "n",
+                f"n: {prompts} prompt(s) with n={req.n} are {prompts * req.n} sequences, more than this server runs "
+                f"for one request (serve.max_sequences={self.max_sequences})",
+            )
         for name, chars, knob in (
             ("stop", sum(map(len, stop)), "max_stop_chars"),
             ("bad_words", sum(map(len, req.bad_words or ())), "max_stop_chars"),
