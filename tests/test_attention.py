@@ -340,3 +340,56 @@ def test_fused_layers_refuse_a_slot_outside_the_cache_before_writing(tiny):
     finally:
         del model.forward
     assert checked == [True]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    heads=st.sampled_from([(9, 3, 64), (8, 2, 128), (32, 8, 64), (4, 4, 64)]),
+    cache=st.sampled_from(["float32", "bfloat16", "int8"]),
+    chunks=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 70)), min_size=1, max_size=4),
+    threads=st.integers(1, 4),
+    seed=st.integers(0, 1000),
+)
+def test_a_prompt_chunks_queries_share_tiles_and_keep_their_bits(heads, cache, chunks, threads, seed):
+    """A prompt chunk's consecutive queries go in runs that take each tile of keys in turn (the kernel's
+    query_runs): every query gets the bits it gets alone and on one thread, whatever the run it fell in, and
+    the fp32 cache's result is the float64 attention's."""
+    h, kh, d = heads
+    gen = torch.Generator().manual_seed(seed)
+    bs, tables, qt, qc = 16, [], [], []
+    ends = [start + n for start, n in chunks]
+    width = max(-(-e // bs) for e in ends)
+    perm = torch.randperm(sum(-(-e // bs) for e in ends) + 2, generator=gen).tolist()
+    k_cache = torch.randn(len(perm), bs, kh, d, generator=gen)
+    v_cache = torch.randn(len(perm), bs, kh, d, generator=gen)
+    for s, (start, n) in enumerate(chunks):
+        need = -(-(start + n) // bs)
+        tables.append(perm[:need] + [0] * (width - need))
+        perm = perm[need:]
+        qt += [s] * n
+        qc += list(range(start + 1, start + n + 1))
+    q = torch.randn(len(qc), h, d, generator=gen)
+    tables_t, qt_t, qc_t = torch.tensor(tables), torch.tensor(qt), torch.tensor(qc)
+    if cache == "int8":
+        k8, v8 = ((c * 40).round().clamp(-127, 127).to(torch.int8) for c in (k_cache, v_cache))
+        scales = torch.rand(2, k_cache.shape[0], kh, generator=gen) / 40 + 1e-3
+
+        def run(rows):
+            out = torch.empty(q[rows].shape, dtype=torch.float32)
+            return paged_attention_cpu_q8(
+                q[rows], k8, v8, scales[0], scales[1], tables_t, qt_t[rows], qc_t[rows], d**-0.5, out
+            )
+    else:
+        kc, vc = k_cache.to(getattr(torch, cache)), v_cache.to(getattr(torch, cache))
+
+        def run(rows):
+            return paged_attention_cpu(q[rows], kc, vc, tables_t, qt_t[rows], qc_t[rows], d**-0.5)
+
+    every = slice(None)
+    got = with_threads(threads, lambda: run(every))
+    assert torch.equal(with_threads(1, lambda: run(every)), got)
+    for i in sorted({0, len(qc) - 1, *range(0, len(qc), 7)}):
+        assert torch.equal(with_threads(threads, lambda: run(slice(i, i + 1)))[0], got[i])
+    if cache == "float32":
+        want = dense_reference(q, k_cache, v_cache, tables_t, qt_t, qc_t, d**-0.5)
+        assert (got.double() - want).abs().max().item() < 2e-5

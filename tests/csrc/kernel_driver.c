@@ -172,10 +172,11 @@ static void check_gumbel(void) {
     float *logits = uniform(S * SV, 6.0f);
     for (int v = 0; v < SV; v++)
         if (v % 97) logits[3 * SV + v] = -INFINITY; /* row 3: a truncated support */
-    int64_t tokens[S], support[S];
+    /* a row not sampled (3) keeps its token and noise as they were: zeros, not the stack's last contents */
+    int64_t tokens[S] = {0}, support[S] = {0};
     uint32_t keys[2 * S];
     int8_t sampled[S] = {1, 1, 1, 0, 1};
-    double chosen_noise[S];
+    double chosen_noise[S] = {0};
     for (int i = 0; i < 2 * S; i++) keys[i] = next_u32();
     toolkit_gumbel_sample_rows(logits, SV, SV, S, keys, sampled, tokens, chosen_noise, support, 2);
     save("gumbel_tokens", tokens, sizeof tokens);

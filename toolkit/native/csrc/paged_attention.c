@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#include <stdlib.h>
 
 #include "simd.h" /* vf / vi (VL lanes), loadv / storev / splat / vselect, vfma / sfma, vexp / sexp, hmax / hsum, transpose_sum */
 #include "kernels.h" /* the entry points this file defines, declared once */
@@ -177,26 +178,35 @@ INLINE void attend_tile(const int DV, const int q8, TILE_PARAMS) {
     }
 }
 
-/* One query token, its heads h0 .. h1-1, over its sequence's first ctx positions in tiles of VL: each
- * tile's K rows (then V rows) of every KV head lie contiguously in the cache. The heads of one KV head in
- * the range go in chunks of heads_per_chunk of their count; a head's bits are the same whatever its range
- * and chunk (see attend_chunk). `tile` is attend_tile for DV and q8. When `prefetch`, the rows PF_AHEAD
- * positions on are prefetched, a share per chunk (see PREFETCH). */
-INLINE void attend_query(const int DV, const int q8, const tile_fn tile, const float *qn, const void *k_cache,
-                         const void *v_cache, const int64_t *table, int64_t ctx, int64_t H, int64_t K, int64_t BS,
-                         float scale, float *out, const float *k_scales, const float *v_scales, int64_t scale_stride,
-                         const float *lut, const int prefetch, int64_t h0, int64_t h1) {
+/* nq query tokens of one sequence (their rows `q_stride` floats apart in qn and H * D apart in out; ctxs[j] keys
+ * for the j-th), their heads h0 .. h1-1, over the sequence's first positions in tiles of VL: each tile's K rows
+ * (then V rows) of every KV head lie contiguously in the cache. The heads of one KV head in the range go in
+ * chunks of heads_per_chunk of their count; a head's bits are the same whatever its range and chunk (see
+ * attend_chunk). A tile is taken by each of the queries in turn, so its rows come from L1 for all but the first
+ * (a prompt chunk's queries read the same keys: one at a time, each streamed them from L3 or memory); a query
+ * makes the same calls in the same order whatever the others, so it gets the bits it gets alone. `tile` is
+ * attend_tile for DV and q8. When `prefetch`, the rows PF_AHEAD positions on are prefetched, a share per chunk
+ * (see PREFETCH), by the first query a tile. */
+INLINE void attend_queries(const int DV, const int q8, const tile_fn tile, const float *qn, int64_t q_stride,
+                           int64_t nq, const int64_t *ctxs, const void *k_cache, const void *v_cache,
+                           const int64_t *table, int64_t H, int64_t K, int64_t BS, float scale, float *out,
+                           const float *k_scales, const float *v_scales, int64_t scale_stride, const float *lut,
+                           const int prefetch, int64_t h0, int64_t h1) {
     const int64_t D = DV * VL, G = H / K, esize = q8 == CACHE_Q8 ? 1 : q8 == CACHE_F32 ? 4 : 2;
-    const int64_t row_bytes = K * D * esize;
+    const int64_t row_bytes = K * D * esize, HV = H * DV;
     const int64_t kh0 = h0 / G, kh1 = (h1 + G - 1) / G; /* the KV heads the range reads */
-    vf q[SIMD_MAX_H * DV_MAX], acc[SIMD_MAX_H * DV_MAX];
-    float m[SIMD_MAX_H], l[SIMD_MAX_H];
-    for (int64_t h = h0; h < h1; h++) {
-        for (int i = 0; i < DV; i++) {
-            q[h * DV + i] = loadv(qn + h * D + VL * i) * splat(scale);
-            acc[h * DV + i] = splat(0.0f);
+    vf q[nq][HV], acc[nq][HV];
+    float m[nq][H], l[nq][H];
+    int64_t ctx = 0;
+    for (int64_t j = 0; j < nq; j++) {
+        ctx = ctxs[j] > ctx ? ctxs[j] : ctx;
+        for (int64_t h = h0; h < h1; h++) {
+            for (int i = 0; i < DV; i++) {
+                q[j][h * DV + i] = loadv(qn + j * q_stride + h * D + VL * i) * splat(scale);
+                acc[j][h * DV + i] = splat(0.0f);
+            }
+            m[j][h] = -INFINITY; l[j][h] = 0.0f;
         }
-        m[h] = -INFINITY; l[h] = 0.0f;
     }
     int64_t rows[VL];
     float ksc[SIMD_MAX_H][VL], vsc[SIMD_MAX_H][VL]; /* per KV head and position: the block's scales */
@@ -211,8 +221,8 @@ INLINE void attend_query(const int DV, const int q8, const tile_fn tile, const f
         chunks += (hi[kh] - lo[kh]) / per[kh];
     }
     for (int64_t t0 = 0; t0 < ctx; t0 += VL) {
-        const int64_t tn = (ctx - t0) < VL ? (ctx - t0) : VL;
-        for (int64_t t = 0, blk = t0 / BS, off = t0 % BS; t < tn; t++) {
+        const int64_t span = (ctx - t0) < VL ? (ctx - t0) : VL;
+        for (int64_t t = 0, blk = t0 / BS, off = t0 % BS; t < span; t++) {
             rows[t] = (table[blk] * BS + off) * K * D;
             if (q8 == CACHE_Q8)
                 for (int64_t kh = 0; kh < K; kh++) {
@@ -230,27 +240,33 @@ INLINE void attend_query(const int DV, const int q8, const tile_fn tile, const f
                     pf[lines++] = (const char *)v_cache + start + 64 * j;
                 }
             }
-        tile(q, acc, m, l, k_cache, v_cache, rows, tn, (const float (*)[VL])ksc, (const float (*)[VL])vsc, lut,
-             lines ? pf : NULL, lines, chunks, kh0, kh1, lo, hi, per);
+        for (int64_t j = 0; j < nq; j++) {
+            const int64_t tn = (ctxs[j] - t0) < VL ? (ctxs[j] - t0) : VL;
+            if (tn <= 0) continue; /* this query's keys end before the tile */
+            tile(q[j], acc[j], m[j], l[j], k_cache, v_cache, rows, tn, (const float (*)[VL])ksc,
+                 (const float (*)[VL])vsc, lut, lines ? pf : NULL, lines, chunks, kh0, kh1, lo, hi, per);
+            lines = 0; /* the first query's prefetches bring the rows for the others */
+        }
     }
-    for (int64_t h = h0; h < h1; h++) {
-        const vf inv = splat(1.0f / l[h]);
-        for (int i = 0; i < DV; i++) storev(out + h * D + VL * i, acc[h * DV + i] * inv);
-    }
+    for (int64_t j = 0; j < nq; j++)
+        for (int64_t h = h0; h < h1; h++) {
+            const vf inv = splat(1.0f / l[j][h]);
+            for (int i = 0; i < DV; i++) storev(out + j * H * D + h * D + VL * i, acc[j][h * DV + i] * inv);
+        }
 }
 
 #define DEFINE_ITEM(NAME, DV, Q8, ELEM)                                                                         \
 static __attribute__((noinline)) void NAME##_tile(TILE_PARAMS) { attend_tile(DV, Q8, TILE_ARGS); }             \
-static void NAME(const float *qn, const ELEM *k_cache, const ELEM *v_cache, const int64_t *table, int64_t ctx,  \
-                 int64_t H, int64_t K, int64_t BS, float scale, float *out, const float *k_scales,             \
-                 const float *v_scales, int64_t scale_stride, const float *lut, int prefetch, int64_t h0,      \
-                 int64_t h1) {                                                                                 \
+static void NAME(const float *qn, int64_t q_stride, int64_t nq, const int64_t *ctxs, const ELEM *k_cache,       \
+                 const ELEM *v_cache, const int64_t *table, int64_t H, int64_t K, int64_t BS, float scale,      \
+                 float *out, const float *k_scales, const float *v_scales, int64_t scale_stride,               \
+                 const float *lut, int prefetch, int64_t h0, int64_t h1) {                                     \
     if (prefetch) /* two copies, so the one without prefetching carries none of its bookkeeping */          \
-        attend_query(DV, Q8, NAME##_tile, qn, k_cache, v_cache, table, ctx, H, K, BS, scale, out, k_scales,    \
-                     v_scales, scale_stride, lut, 1, h0, h1);                                                 \
+        attend_queries(DV, Q8, NAME##_tile, qn, q_stride, nq, ctxs, k_cache, v_cache, table, H, K, BS, scale,  \
+                       out, k_scales, v_scales, scale_stride, lut, 1, h0, h1);                                \
     else                                                                                                       \
-        attend_query(DV, Q8, NAME##_tile, qn, k_cache, v_cache, table, ctx, H, K, BS, scale, out, k_scales,    \
-                     v_scales, scale_stride, lut, 0, h0, h1);                                                 \
+        attend_queries(DV, Q8, NAME##_tile, qn, q_stride, nq, ctxs, k_cache, v_cache, table, H, K, BS, scale,  \
+                       out, k_scales, v_scales, scale_stride, lut, 0, h0, h1);                                \
 }
 
 /* How many ranges of heads each query is split into, each range one work item: 1 where the queries alone give
@@ -261,6 +277,43 @@ static int64_t head_ranges(int64_t N, int64_t H, int num_threads) {
     const int64_t s = (num_threads + N - 1) / N;
     return s < H ? s : H;
 }
+/* The work items of a batch where each query runs whole (head_ranges 1): runs of consecutive queries of one
+ * sequence, at most qb each, so a prompt chunk's queries share its tiles (attend_queries), while every thread
+ * still gets several items (a chunk's later queries see more keys: dynamic scheduling evens that out). qb keeps
+ * a run's queries and accumulators (2 * nq * H * D floats, on the stack) to 128 KiB. first[b] is the b-th run's
+ * first query, first[count] = N; the count is returned. A query's bits do not depend on its run. */
+#define QB_MAX 32
+static int64_t query_runs(const int64_t *query_table, int64_t N, int64_t H, int64_t D, int num_threads,
+                          int64_t *first) {
+    int64_t qb = N / (4 * (int64_t)(num_threads > 0 ? num_threads : 1));
+    const int64_t fits = 131072 / (int64_t)(2 * H * D * sizeof(float));
+    qb = qb < QB_MAX ? qb : QB_MAX;
+    qb = qb < fits ? qb : fits;
+    qb = qb > 1 ? qb : 1;
+    int64_t count = 0;
+    for (int64_t n = 0; n < N; n++)
+        if (n == 0 || query_table[n] != query_table[n - 1] || n - first[count - 1] == qb) first[count++] = n;
+    first[count] = N;
+    return count;
+}
+
+/* The items over N queries: with head ranges (S > 1, fewer queries than threads) one query's range each, else runs
+ * of queries (query_runs; one query each where the run list cannot be allocated). RUN_ITEMS(body) sets n, nq, h0,
+ * h1 for the body, over the threads. */
+#define RUN_ITEMS(...)                                                                                             \
+    do {                                                                                                           \
+        const int64_t S = head_ranges(N, H, num_threads);                                                          \
+        int64_t *first = S == 1 ? malloc((size_t)(N + 1) * sizeof *first) : NULL;                                  \
+        const int64_t B = first ? query_runs(query_table, N, H, D, num_threads, first) : N;                        \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                                  \
+        for (int64_t i = 0; i < B * S; i++) {                                                                      \
+            const int64_t b = i / S, n = first ? first[b] : b, nq = first ? first[b + 1] - n : 1;                  \
+            const int64_t h0 = i % S * H / S, h1 = (i % S + 1) * H / S;                                            \
+            __VA_ARGS__;                                                                                           \
+        }                                                                                                          \
+        free(first);                                                                                               \
+    } while (0)
+
 DEFINE_ITEM(item_simd_64, 64 / VL, 0, float)
 DEFINE_ITEM(item_simd_128, 128 / VL, 0, float)
 DEFINE_ITEM(item_q8_64, 64 / VL, 1, uint8_t)
@@ -290,14 +343,11 @@ int toolkit_paged_attention_f32(
     if (!toolkit_paged_attention_supports(H, K, D, BS, 0)) return -1;
     const int64_t G = H / K;
     if (H <= SIMD_MAX_H && (D == 64 || D == 128)) {
-        const int64_t S = head_ranges(N, H, num_threads);
-        #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-        for (int64_t i = 0; i < N * S; i++) {
-            const int64_t n = i / S, h0 = i % S * H / S, h1 = (i % S + 1) * H / S;
+        RUN_ITEMS({
             const int64_t *table = block_tables + query_table[n] * bt_row_stride;
-            if (D == 64) item_simd_64(q + n * q_row_stride, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, out + n * H * D, 0, 0, 0, 0, PREFETCH(n), h0, h1);
-            else item_simd_128(q + n * q_row_stride, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, out + n * H * D, 0, 0, 0, 0, PREFETCH(n), h0, h1);
-        }
+            if (D == 64) item_simd_64(q + n * q_row_stride, q_row_stride, nq, query_ctx + n, k_cache, v_cache, table, H, K, BS, scale, out + n * H * D, 0, 0, 0, 0, PREFETCH(n), h0, h1);
+            else item_simd_128(q + n * q_row_stride, q_row_stride, nq, query_ctx + n, k_cache, v_cache, table, H, K, BS, scale, out + n * H * D, 0, 0, 0, 0, PREFETCH(n), h0, h1);
+        });
         return 0;
     }
     #pragma omp parallel for collapse(2) schedule(dynamic, 4) num_threads(num_threads)
@@ -362,16 +412,13 @@ int toolkit_paged_attention_q8(
     const float *k_scales, const float *v_scales, int64_t scale_stride, const float *lut)
 {
     if (!toolkit_paged_attention_supports(H, K, D, BS, 1)) return -1;
-    const int64_t S = head_ranges(N, H, num_threads);
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t i = 0; i < N * S; i++) {
-        const int64_t n = i / S, h0 = i % S * H / S, h1 = (i % S + 1) * H / S;
+    RUN_ITEMS({
         const int64_t *table = block_tables + query_table[n] * bt_row_stride;
-        if (D == 64) item_q8_64(q + n * q_row_stride, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale,
-                               out + n * H * D, k_scales, v_scales, scale_stride, lut, PREFETCH(n), h0, h1);
-        else item_q8_128(q + n * q_row_stride, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale,
-                       out + n * H * D, k_scales, v_scales, scale_stride, lut, PREFETCH(n), h0, h1);
-    }
+        if (D == 64) item_q8_64(q + n * q_row_stride, q_row_stride, nq, query_ctx + n, k_cache, v_cache, table, H, K,
+                                BS, scale, out + n * H * D, k_scales, v_scales, scale_stride, lut, PREFETCH(n), h0, h1);
+        else item_q8_128(q + n * q_row_stride, q_row_stride, nq, query_ctx + n, k_cache, v_cache, table, H, K, BS,
+                         scale, out + n * H * D, k_scales, v_scales, scale_stride, lut, PREFETCH(n), h0, h1);
+    });
     return 0;
 }
 
@@ -384,21 +431,19 @@ int toolkit_paged_attention_h16(
     float *out, int64_t N, int64_t H, int64_t K, int64_t D, int64_t BS, float scale, int num_threads, int kind)
 {
     if (!toolkit_paged_attention_supports(H, K, D, BS, 1) || (kind != CACHE_BF16 && kind != CACHE_F16)) return -1;
-    const int64_t S = head_ranges(N, H, num_threads);
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t i = 0; i < N * S; i++) {
-        const int64_t n = i / S, h0 = i % S * H / S, h1 = (i % S + 1) * H / S;
+    RUN_ITEMS({
         const int64_t *table = block_tables + query_table[n] * bt_row_stride;
         const float *qn = q + n * q_row_stride;
+        const int64_t *ctx = query_ctx + n;
         float *on = out + n * H * D;
         const int pf = PREFETCH(n);
         if (kind == CACHE_BF16) {
-            if (D == 64) item_bf16_64(qn, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, on, 0, 0, 0, 0, pf, h0, h1);
-            else item_bf16_128(qn, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, on, 0, 0, 0, 0, pf, h0, h1);
+            if (D == 64) item_bf16_64(qn, q_row_stride, nq, ctx, k_cache, v_cache, table, H, K, BS, scale, on, 0, 0, 0, 0, pf, h0, h1);
+            else item_bf16_128(qn, q_row_stride, nq, ctx, k_cache, v_cache, table, H, K, BS, scale, on, 0, 0, 0, 0, pf, h0, h1);
         } else {
-            if (D == 64) item_f16_64(qn, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, on, 0, 0, 0, 0, pf, h0, h1);
-            else item_f16_128(qn, k_cache, v_cache, table, query_ctx[n], H, K, BS, scale, on, 0, 0, 0, 0, pf, h0, h1);
+            if (D == 64) item_f16_64(qn, q_row_stride, nq, ctx, k_cache, v_cache, table, H, K, BS, scale, on, 0, 0, 0, 0, pf, h0, h1);
+            else item_f16_128(qn, q_row_stride, nq, ctx, k_cache, v_cache, table, H, K, BS, scale, on, 0, 0, 0, 0, pf, h0, h1);
         }
-    }
+    });
     return 0;
 }
