@@ -284,9 +284,12 @@ def test_a_servers_request_of_many_prompts_does_not_hold_every_slot(tiny, tmp_pa
     finally:
         srv.stop()
     rows = read_requests(tmp_path / "run").to_pylist()
+    first = next(r for r in rows if r["request_body"] and json.loads(r["request_body"])["max_tokens"] == 200)
     many = sorted(
-        (r["priority"], r["num_preemptions"]) for r in rows if json.loads(r["request_body"])["max_tokens"] == 200
+        (r["priority"], r["num_preemptions"]) for r in rows if r["request_id"][:-2] == first["request_id"][:-2]
     )
     assert many == [(0, 0), (1, 1)]  # prompt 1 gave way to the late request
+    assert [r["request_body_sha256"] == first["request_body_sha256"] for r in rows] == [True, True, False]
+    assert [r["request_body"] is not None for r in rows] == [True, False, True]  # a body on one row of its request
     report = replay(tmp_path / "run", [], out_dir=tmp_path / "replay")
     assert report.identical, report.summary_line()

@@ -541,6 +541,7 @@ def test_mode_serve_closes_cleanly_on_sigterm_and_stays_readable_after_kill_9(tm
         assert sorted(r["finish_reason"] for r in requests.to_pylist())[:3] == ["abort"] * 3
     assert read_config(run_dir).engine.max_chunk_tokens == 256  # half the step budget, as served (serving_engine)
     assert read_config(run_dir).engine.scheduling_policy == "priority"  # a server's default, recorded for replay
+    assert read_config(run_dir).engine.dynamic_chunking == "auto"  # chunks shrink with their context, replayed so
     report = replay(run_dir, out_dir=tmp_path / "replayed")
     assert report.identical, report.summary_line()
     assert report.rows_only_in_replay == 0  # the replay ends where the trace does, not at max_tokens
@@ -553,6 +554,11 @@ def test_a_server_caps_a_prefill_chunk_at_half_the_step_budget_so_later_prompts_
     cfg = OmegaConf.create({"engine": {"max_num_batched_tokens": 64, "max_chunk_tokens": None}})
     assert serving_engine(cfg).engine.max_chunk_tokens == 32
     assert serving_engine(OmegaConf.create({"engine": {"max_chunk_tokens": 8}})).engine.max_chunk_tokens == 8
+    assert serving_engine(cfg).engine.dynamic_chunking == "auto"  # served chunks shrink as their context grows
+    for given in (False, 700):  # engine.dynamic_chunking=off (YAML's false) and a length are kept
+        assert (
+            serving_engine(OmegaConf.create({"engine": {"dynamic_chunking": given}})).engine.dynamic_chunking == given
+        )
     firsts = {}
     for chunk in (None, 32):
         engine = make_engine(tiny, max_num_batched_tokens=64, max_chunk_tokens=chunk)

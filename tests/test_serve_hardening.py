@@ -332,6 +332,28 @@ def test_a_served_run_is_written_append_only_and_read_back_in_arrival_order(tiny
     assert replay(run_dir, out_dir=tmp_path / "replayed").identical
 
 
+@pytest.mark.native
+def test_a_body_of_many_prompts_and_samples_is_recorded_once_and_its_digest_on_every_row(tiny, tmp_path):
+    """A request's body is the same for its every prompt and sample: it is written on the row of its first prompt's
+    first sample, its digest on all of them (64 prompts at n=4 wrote an 8 MB body 256 times, and every admission
+    rewrote them all into requests.open.parquet). The JSON is made where the body is parsed, once."""
+    run_dir = tmp_path / "run"
+    srv = start_server(_engine(tiny), run_dir)
+    body = {"prompt": ["one", "two", "three"], "n": 2, "max_tokens": 2, "temperature": 0.9, "seed": 3}
+    try:
+        assert _post(srv.url, body).status_code == 200
+    finally:
+        srv.stop()
+    rows = read_requests(run_dir).to_pylist()
+    assert len(rows) == 6  # three prompts, two samples each
+    first = [r for r in rows if r["request_body"] is not None]
+    assert [(r["request_id"][-2:], r["stream"]) for r in first] == [("-0", 0)]
+    assert json.loads(first[0]["request_body"]) == body  # the body as received
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    assert {r["request_body_sha256"] for r in rows} == {digest}
+    assert replay(run_dir, out_dir=tmp_path / "replayed").identical
+
+
 def _delta(index: int, text: str) -> TextDelta:
     return TextDelta("r", index, text, (len(text),), False, None)
 

@@ -189,6 +189,10 @@ class EngineConfig:
     scheduling_policy: str | None = None
     scheduler_policy: str = "fused"  # fused | two_forwards | prefill_first | no_chunking (SCHEDULER_POLICIES)
     max_chunk_tokens: int | None = None  # one sequence's prefill chunk at most (None: the step's budget)
+    # prefill chunks shrink as their context grows (toolkit.engine.scheduler.chunk_cost): auto (from the model's
+    # shape) | the context length at which a token's attention costs as much as the rest of its layer | off;
+    # None: off, and auto in mode=serve
+    dynamic_chunking: int | str | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -294,6 +298,13 @@ class EngineConfig:
         check(
             self.max_chunk_tokens is None or (is_int(self.max_chunk_tokens) and self.max_chunk_tokens > 0),
             f"engine.max_chunk_tokens must be a positive integer or null, got {self.max_chunk_tokens!r}",
+        )
+        check(
+            self.dynamic_chunking is None
+            or self.dynamic_chunking is False
+            or self.dynamic_chunking in ("off", "auto")
+            or (is_int(self.dynamic_chunking) and self.dynamic_chunking > 0),
+            f"engine.dynamic_chunking must be auto, off, a positive integer or null, got {self.dynamic_chunking!r}",
         )
         check(
             self.max_num_batched_tokens >= self.max_num_seqs,

@@ -202,6 +202,22 @@ def kv_pool(cfg: EngineConfig, loaded: LoadedModel, max_model_len: int, scratch:
     return kv_cache, num_blocks, num_host_blocks
 
 
+def context_scale(cfg: EngineConfig, arch) -> int | None:
+    """engine.dynamic_chunking as the scheduler's chunk_cost takes it: None (off), or the context length at which a
+    token's attention (4 FLOPs a query head's channel and position) costs as much as its layer's matmuls (2 a
+    weight). auto counts those from the model's shape alone, so that every machine makes the same chunks and a
+    replay the same steps (SmolLM2: 3,072; sliding-window layers are counted as whole-context ones). A CPU's
+    attention runs at a lower share of its peak than its matmuls, so a chunk costs it more than this counts."""
+    value = cfg.dynamic_chunking
+    if value is None or value is False or value == "off":
+        return None
+    if value != "auto":
+        return value
+    q, kv, d = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.hidden_size
+    weights = d * (q + 2 * kv) + q * d + (3 if arch.gated_mlp else 2) * d * arch.intermediate_size
+    return max(1, weights // (2 * q))
+
+
 def check_device(cfg: EngineConfig) -> None:
     """A ConfigError naming engine.device when this torch build or machine has no such device, or
     engine.kv_cache_memory_gb when it is more memory than the device has (the pool would be killed for it)."""

@@ -43,6 +43,7 @@ from toolkit.engine.ahead import Ahead, Pipeline
 from toolkit.engine.backends import (
     attention_backend,
     check_device,
+    context_scale,
     graph_mode,
     keep_freed_memory,
     kv_pool,
@@ -124,7 +125,7 @@ class Engine(EngineQueries):
         self.block_manager = BlockManager(
             self.num_kv_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching, num_host_blocks
         )
-        self.scheduler = Scheduler(self.cfg, self.block_manager)
+        self.scheduler = Scheduler(self.cfg, self.block_manager, context_scale(self.cfg, arch))
         self.matmul_backend = matmul_backend(self.cfg, loaded)
         self.runner = ModelRunner(
             loaded.model,

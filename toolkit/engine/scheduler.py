@@ -27,6 +27,9 @@ the same way (the runner then makes two forwards); `no_chunking` takes a prompt 
 step's first prompt may exceed the budget, as in an engine without chunked prefill); `prefill_first`
 also takes prompts whole, and in a step of their own: decodes wait while a prompt can be admitted
 (vLLM V0's default). `engine.max_chunk_tokens` caps one sequence's chunk below the step budget.
+`engine.dynamic_chunking` (SGLang's dynamic chunking, from the model's shape rather than timings, so every machine
+schedules alike) shrinks a prefill chunk as its context grows: a chunk costs its tokens plus their attention
+(`chunk_cost`), its cost stays within max_chunk_tokens, and it takes that cost from the step's budget.
 Copy jobs (swap out, swap in, copy-on-write) travel with the batch, to run before the forward.
 """
 
@@ -90,8 +93,8 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, block_manager: BlockManager):
-        self.cfg = cfg
+    def __init__(self, cfg: EngineConfig, block_manager: BlockManager, context_scale: int | None = None):
+        self.cfg, self.context_scale = cfg, context_scale  # context_scale: chunk_cost's (None: chunks cost tokens)
         self.blocks = block_manager
         self._pending: list[Sequence] = []  # by (arrival_step, arrival_order)
         self._order = 0
@@ -164,20 +167,20 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         # prefill_first and no_chunking take prompts whole: the step's first prompt may exceed the budget
         whole = self.cfg.scheduler_policy in WHOLE
-        max_chunk = self.cfg.max_chunk_tokens or budget
+        max_chunk, scale = self.cfg.max_chunk_tokens or budget, self.context_scale
         chunks: list[ScheduledChunk] = []
         scheduled: set[str] = set()
         num_decode = num_prefill = 0
 
         def chunk_size(seq: Sequence) -> int:
             """This step's chunk of seq's prompt: what is left (whole, or 0 where it does not fit), else what the
-            budget, max_chunk_tokens and the free KV blocks allow."""
+            budget, max_chunk_tokens (both as chunk_cost) and the free KV blocks allow."""
             left = seq.num_uncomputed_tokens
             if whole:
                 if left > budget and num_prefill > 0:
                     return 0
                 return left if self._fit(seq, left) == left else 0
-            return self._fit(seq, min(budget, left, max_chunk))
+            return self._fit(seq, min(left, fitting_chunk(min(budget, max_chunk), seq.num_computed_tokens, scale)))
 
         # 1. decodes: one token each, oldest first; preempt a victim to make room
         for seq in list(self.running) if decodes else ():
@@ -210,7 +213,7 @@ class Scheduler:
             if size > 0:
                 chunks.append(self._take(seq, size, plan))
                 scheduled.add(seq.seq_id)
-                budget = max(budget - size, 0)
+                budget = max(budget - chunk_cost(size, seq.num_computed_tokens, scale), 0)
                 num_prefill += size
 
         # 2. running prefills continue, oldest first, shrunk to the free KV blocks; those held back (_held_back) after
@@ -264,7 +267,7 @@ class Scheduler:
             if size > 0:
                 chunks.append(self._take(seq, size, plan))
                 scheduled.add(seq.seq_id)
-                budget = max(budget - size, 0)
+                budget = max(budget - chunk_cost(size, seq.num_computed_tokens, scale), 0)
                 if seq.status is SequenceStatus.DECODING:
                     num_decode += size
                 else:
@@ -386,6 +389,28 @@ class Scheduler:
                 self._preempt(victim, step, plan)
             slots += seq.group_slots
             reserved += need
+
+
+def chunk_cost(tokens: int, start: int, scale: int | None) -> int:
+    """A prefill chunk of `tokens` from position `start`, in tokens at position 0: the tokens, plus one for every
+    `scale` query-key pairs of their attention (to the `start` positions before them and to each other). `scale` is
+    engine.dynamic_chunking's: the context length at which a token's attention costs as much as the rest of its
+    layer; None: a chunk costs its tokens."""
+    if not scale:
+        return tokens
+    return tokens + -(-tokens * (2 * start + tokens + 1) // (2 * scale))
+
+
+def fitting_chunk(cost: int, start: int, scale: int | None) -> int:
+    """The longest chunk from `start` that costs at most `cost` (chunk_cost), and at least one token where `cost` is
+    positive: a prefill progresses whatever its context."""
+    if not scale:
+        return cost
+    lo, hi = min(1, cost), cost  # chunk_cost(n) >= n: no chunk longer than the cost fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if chunk_cost(mid, start, scale) <= cost else (lo, mid - 1)
+    return lo
 
 
 def priority_key(seq: Sequence) -> tuple[int, int, int]:

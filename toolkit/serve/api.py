@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from toolkit.errors import json_leaves, not_unicode
+from toolkit.runs.recorder import RecordedBody
 from toolkit.serve.connections import TimedEventStream
 from toolkit.serve.grammars import GrammarCompiler
 from toolkit.serve.job import Job
@@ -339,13 +340,15 @@ class _NotJson(float):
 _PARSERS = ThreadPoolExecutor(2, thread_name_prefix="toolkit-parse")
 
 
-def _parsed(raw: bytes, model_cls: type[BaseModel]) -> tuple[Any, dict]:
-    """(the request model, the body it was read from), or an ApiError naming what is wrong."""
+def _parsed(raw: bytes, model_cls: type[BaseModel]) -> tuple[Any, RecordedBody]:
+    """(the request model, the body it was read from as the trace records it), or an ApiError naming what is
+    wrong."""
     body = _json_body(raw)
     try:
-        return model_cls.model_validate(body), body
+        req = model_cls.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc) from None
+    return req, RecordedBody.of(body)
 
 
 MAX_BODY_DEPTH = 512  # JSON levels a body may nest (a schema's: serve.max_schema_depth); past it, a 400

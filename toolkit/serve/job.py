@@ -18,7 +18,7 @@ from fastapi.sse import format_sse_event
 
 from toolkit.engine.request import EngineRequest
 from toolkit.errors import RequestError, ResourceError, ToolkitError, one_line
-from toolkit.runs.recorder import body_sha256
+from toolkit.runs.recorder import RecordedBody
 from toolkit.serve.grammars import GrammarCompiler
 from toolkit.serve.limits import Limits
 from toolkit.serve.logprobs import LogprobFormat
@@ -105,7 +105,7 @@ class Job:
         api: JobHost,
         route: str,
         req: SamplingFields,
-        body: dict,
+        body: RecordedBody,
         prompts: list[dict[str, Any]],
         sampling: dict[str, Any],
     ):
@@ -116,7 +116,7 @@ class Job:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.request_ids: list[str] = []
-        self.body_sha256 = body_sha256(body)
+        self.body_sha256 = body.sha256
         self.queue = Mailbox(max_bytes=int(api.limits.max_unread_mb * 2**20), on_overflow=self.abort)
         self.outputs: dict[str, Any] = {}
         self.samples: dict[tuple[str, int], list] = {}  # (request id, sample index) -> trace rows, in order
@@ -126,7 +126,7 @@ class Job:
         self.logprobs = LogprobFormat(api.tokenizer, api.loop.engine.loaded.arch.vocab_size, sampling.get("logprobs"))
 
     @classmethod
-    def build(cls, api: JobHost, route: str, req: SamplingFields, body: dict) -> Job:
+    def build(cls, api: JobHost, route: str, req: SamplingFields, body: RecordedBody) -> Job:
         try:
             if isinstance(req, ChatCompletionRequest):
                 prompts = [{"messages": [m.plain() for m in req.messages]}]
@@ -167,7 +167,7 @@ class Job:
             submissions = [
                 Submission(
                     EngineRequest(**prompt, sampling_params=self.sampling, request_id=f"{self.id}-{i}", priority=i),
-                    self.body,
+                    self.body if i == 0 else self.body.digest_only(),  # the body on one row (RecordedBody)
                     sink,
                     route=self.route,
                 )

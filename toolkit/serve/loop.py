@@ -33,7 +33,7 @@ from toolkit.engine.core import Engine, EngineRequest, RequestOutput, StepOutput
 from toolkit.errors import ConfigError, RequestError, ToolkitError, one_line
 from toolkit.native.library import release_openmp_threads
 from toolkit.native.threads import name_current_thread
-from toolkit.runs.recorder import RunRecorder, body_sha256
+from toolkit.runs.recorder import RecordedBody, RunRecorder
 from toolkit.trace.schema import SampleTrace
 
 
@@ -65,10 +65,11 @@ class LoopSink:
 
 @dataclass
 class Submission:
-    """One request for the engine: the EngineRequest, the HTTP body as received, where its updates go."""
+    """One request for the engine: the EngineRequest, the HTTP body as its trace rows record it, where its updates
+    go."""
 
     request: EngineRequest
-    body: Any
+    body: RecordedBody | None
     sink: Sink
     route: str = ""  # the HTTP route it came on
     accepted: Future = field(default_factory=Future)  # the request id, or the RequestError refusing it
@@ -385,7 +386,7 @@ class EngineLoop:
                 engine.abort(request_id)
                 engine.release(request_id)
             print(f"serve: request {request_id}: {one_line(exc)}", file=sys.stderr, flush=True)
-            self.record.reject(str(request_id), sub.route, 500, one_line(exc), body_sha256(sub.body))
+            self.record.reject(str(request_id), sub.route, 500, one_line(exc), sub.body and sub.body.sha256)
             sub.accepted.set_exception(InternalError(f"the engine failed to add this request: {one_line(exc)}"))
             return
         self._sinks[request_id] = sub.sink

@@ -272,6 +272,8 @@ def serving_engine(cfg: DictConfig) -> DictConfig:
         budget = engine.get("max_num_batched_tokens")
         if is_int(budget) and budget >= 2:
             engine.max_chunk_tokens = budget // 2
+    if engine is not None and engine.get("dynamic_chunking") is None:
+        engine.dynamic_chunking = "auto"  # a long prompt's chunks shrink as its context grows: steps stay short
     if engine is not None and engine.get("scheduling_policy") is None:
         engine.scheduling_policy = "priority"  # one request's many prompts or samples take turns with others'
     return cfg
