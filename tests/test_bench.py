@@ -272,6 +272,34 @@ def test_the_host_step_benchmark_takes_the_forward_out(capsys):
 
 
 @pytest.mark.native
+def test_the_long_prefill_benchmark_takes_the_steps_the_chunk_cost_gives(capsys):
+    """python -m toolkit.bench.long_prefill: each engine.dynamic_chunking setting's steps to the long prompt's first
+    token are its chunks, as fitting_chunk sizes them (16 a step when off), the machine named."""
+    from toolkit.bench import long_prefill
+    from toolkit.bench.precision import machine
+    from toolkit.engine.scheduler import fitting_chunk
+
+    args = ["--model", "tiny", "--prompt", "300", "--streams", "2", "--budget", "32", "--chunk", "16"]
+    result = long_prefill.main([*args, "--modes", "off", "16", "auto", "--repeats", "2"])
+
+    def chunks(scale: int | None) -> int:
+        done = count = 0
+        while done < 300:
+            done, count = done + min(300 - done, fitting_chunk(16, done, scale)), count + 1
+        return count
+
+    assert [r["steps"] for r in result["off"]] == [chunks(None)] * 2 == [19] * 2
+    assert [r["steps"] for r in result["16"]] == [chunks(16)] * 2
+    assert [r["steps"] for r in result["auto"]] == [chunks(288)] * 2  # the tiny model's shape (test_dynamic_chunking)
+    assert all(0 < r["step_p50_s"] <= r["step_max_s"] <= r["ttft_s"] for runs in result.values() for r in runs)
+    out = capsys.readouterr().out
+    assert "2 streams decoding, then a prompt of 300 ids" in out and machine("cpu") in out
+    with pytest.raises(SystemExit):
+        long_prefill.main([*args, "--modes", "sometimes"])
+    assert "--modes: must be off, auto or a positive integer, got 'sometimes'" in capsys.readouterr().err
+
+
+@pytest.mark.native
 def test_the_host_step_benchmarks_device_route_runs_a_gpus_host_code_and_is_put_back(monkeypatch):
     """--route device times the host code a GPU's steps run (the sampler's work queued and read once, DeviceSample),
     on the CPU; afterwards the CPU's route is back (devices.off_cpu, TOOLKIT_NATIVE as they were). A route that
