@@ -12,7 +12,7 @@ such reaches: none).
     engine.prompt_ids(request)                         an EngineRequest's prompt as intake computes and checks it
     engine.tokenized(request)                          the request with its prompt's ids beside its text, checked
     engine.precompile(sampling_params, cached_only, compile_with)   its grammar compiled ahead of `add`
-    engine.prompt_logprobs(ids, k, stop)               echo's prompt scores, by one no-cache forward
+    engine.prompt_logprobs(ids, k, stop)               echo's prompt scores, by a prefill over a fresh cache
     engine.check_invariants()                          the block manager's own consistency check
 """
 
@@ -137,8 +137,8 @@ class EngineQueries:
         k: int,
         stop: collections.abc.Callable[[], bool] | None = None,
     ) -> list | None:
-        """Each prompt token's logprob and the top k at its position (echo), recomputed without the cache; None
-        once `stop()` is true (asked between pieces of the scoring: its caller gave up)."""
+        """Each prompt token's logprob and the top k at its position (echo), recomputed over a fresh cache (not the
+        engine's); None once `stop()` is true (asked between pieces of the scoring: its caller gave up)."""
         return prompt_logprobs(self.loaded.model, prompt_token_ids, k, stop)
 
     def check_invariants(self) -> None:

@@ -326,16 +326,28 @@ def recompute_logits(
     """fp32 logits (T, V) of every position of `token_ids` (row t predicts token t + 1), from a
     fresh cache in ONE prefill through the engine's own forward. In batch-invariant mode these
     are the very bits the engine produced for each position, however it was batched or cached."""
-    layers, kv_heads, head_dim = model.kv_shape
+    runner, blocks = _fresh_runner(model, len(token_ids), batch_invariant, block_size)
     n = len(token_ids)
+    chunk = ScheduledChunk("recompute", tuple(token_ids), 0, tuple(range(blocks)), samples=True, num_logits=n)
+    return runner.run(ScheduledBatch(step=0, chunks=(chunk,), num_decode_tokens=0, num_prefill_tokens=n)).logits_RV
+
+
+def _fresh_runner(
+    model: torch.nn.Module, n: int, batch_invariant: bool, block_size: int = 16
+) -> tuple[ModelRunner, int]:
+    """A runner over a fresh cache of `n` positions (and its blocks): on the fixed-order kernels where they run
+    and `batch_invariant` asks for them, else on sdpa, as the engine would run the model."""
+    layers, kv_heads, head_dim = model.kv_shape
     blocks = -(-n // block_size)
     device = model.embed.device
     if batch_invariant and not kernel_runs(model, block_size):
         batch_invariant = False  # the engine runs such a model on sdpa too (toolkit.engine.backends.attention_backend)
     cache = PagedKVCache(layers, blocks, block_size, kv_heads, head_dim, model.embed.dtype, device)
     runner = ModelRunner(model, cache, device, "kernel" if batch_invariant else "sdpa", batch_invariant=batch_invariant)
-    chunk = ScheduledChunk("recompute", tuple(token_ids), 0, tuple(range(blocks)), samples=True, num_logits=n)
-    return runner.run(ScheduledBatch(step=0, chunks=(chunk,), num_decode_tokens=0, num_prefill_tokens=n)).logits_RV
+    return runner, blocks
+
+
+SCORING_FORWARD = 256  # positions a scoring forward takes at least (its matmuls' rows; the server's chunk)
 
 
 def prompt_logprobs(
@@ -346,32 +358,48 @@ def prompt_logprobs(
     piece_bytes: int = 32 << 20,
 ) -> list | None:
     """Raw logprobs of every prompt token given the ones before it (the first has none: None) and the top `k`
-    alternatives at each position, from one no-cache forward (recompute_logits, float64 log-softmax): an eval
-    harness's loglikelihood request (echo + logprobs). Per position: (token id, logprob, [(id, logprob)...], the
-    token's rank there: 1 + the tokens more likely). The log-softmax runs over `piece_bytes` of float64 rows
-    at a time, keeping each row's token, rank and top k only: past the forward's own fp32 logits, memory does not
-    grow with the prompt (the whole matrix in float64, twice, was 0.6 MB a token more), and the bits are the
-    whole matrix's (each row's log-softmax is its own). `stop`: asked between pieces; once true, scoring ends
-    and the answer is None (a server's client left, or it is shutting down)."""
+    alternatives at each position (float64 log-softmax): an eval harness's loglikelihood request (echo + logprobs).
+    Per position: (token id, logprob, [(id, logprob)...], the token's rank there: 1 + the tokens more likely).
+    The prompt is prefilled over a fresh cache in pieces of SCORING_FORWARD positions, each piece's logits scored,
+    as many rows as `piece_bytes` holds float64 rows of at a time, before the next is run (the engine's chunked
+    prefill, on its fixed-order kernels where they run: then every bit is the whole prompt's in one forward, and the
+    engine's own). One forward over the whole prompt held its logits whole (0.2 MB a token, 786 MB at 4,000 tokens
+    of SmolLM2), and a client that left was scored to the end of it (20-90 s at 4,000 tokens on a busy server).
+    `stop`: asked before each piece; once true, scoring ends and the answer is None (a server's client left, or it
+    is shutting down)."""
     ids = list(token_ids)
     if stop is not None and stop():
         return None
-    logits = recompute_logits(model, ids, batch_invariant=False)
-    rows: list = [None]
-    piece = max(1, piece_bytes // (8 * logits.shape[-1]))
-    for start in range(0, len(ids) - 1, piece):
-        if stop is not None and stop():
-            return None
-        end = min(start + piece, len(ids) - 1)
-        logprobs = torch.log_softmax(logits[start:end].double(), -1)
-        targets = tensor_on(ids[start + 1 : end + 1], logprobs.device).unsqueeze(1)
-        chosen = logprobs.gather(1, targets)
-        ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
-        top = top_k(logprobs, k)[1] if k else targets[:, :0]
-        top_ids, top_values = top.tolist(), logprobs.gather(1, top).tolist()
-        for i, (token, value, rank) in enumerate(zip(ids[start + 1 : end + 1], chosen[:, 0].tolist(), ranks)):
-            rows.append((token, value, list(zip(top_ids[i], top_values[i])), rank))
+    runner, blocks = _fresh_runner(model, len(ids), True)
+    table, rows = tuple(range(blocks)), [None]
+    piece = max(1, piece_bytes // (8 * model.arch.vocab_size))
+    forward = max(piece, SCORING_FORWARD)
+    for at in range(0, len(ids) - 1, forward):  # the last token predicts nothing: it is never run
+        last, logits = min(at + forward, len(ids) - 1), None
+        for start in range(at, last, piece):
+            if stop is not None and stop():
+                return None
+            end = min(start + piece, last)
+            if logits is None:
+                chunk = ScheduledChunk("score", tuple(ids[at:last]), at, table, samples=True, num_logits=last - at)
+                batch = ScheduledBatch(step=at, chunks=(chunk,), num_decode_tokens=0, num_prefill_tokens=last - at)
+                logits = runner.run(batch).logits_RV
+            rows.extend(_scored(logits[start - at : end - at], ids[start + 1 : end + 1], k))
     return rows
+
+
+def _scored(logits: torch.Tensor, targets_list: list[int], k: int) -> list:
+    """prompt_logprobs's rows for these logits rows and the tokens they predict."""
+    logprobs = torch.log_softmax(logits.double(), -1)
+    targets = tensor_on(targets_list, logprobs.device).unsqueeze(1)
+    chosen = logprobs.gather(1, targets)
+    ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
+    top = top_k(logprobs, k)[1] if k else targets[:, :0]
+    top_ids, top_values = top.tolist(), logprobs.gather(1, top).tolist()
+    return [
+        (token, value, list(zip(top_ids[i], top_values[i])), rank)
+        for i, (token, value, rank) in enumerate(zip(targets_list, chosen[:, 0].tolist(), ranks))
+    ]
 
 
 def recompute_many(
