@@ -354,6 +354,40 @@ def test_a_body_of_many_prompts_and_samples_is_recorded_once_and_its_digest_on_e
     assert replay(run_dir, out_dir=tmp_path / "replayed").identical
 
 
+@pytest.mark.native
+def test_a_chats_token_bytes_are_built_off_the_event_loop(tiny, monkeypatch):
+    """A chat's logprobs carry each token's bytes, a table whose first build takes seconds (xgrammar's vocabulary,
+    transformers imported): it was built on the event loop, and every other client waited (4.6 s in the probe).
+    Built on a thread, /health answers meanwhile, and the answer carries the bytes."""
+    tokenizer = tiny.tokenizer
+    build = tokenizer.token_bytes
+
+    def slow(vocab_size: int) -> list[bytes]:
+        time.sleep(2.0)  # the first build's seconds
+        return build(vocab_size)
+
+    monkeypatch.setattr(tokenizer, "token_bytes", slow)
+    srv = start_server(_engine(tiny), None)
+    try:
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 2}
+        with ThreadPoolExecutor(1) as pool:
+            chat = pool.submit(httpx.post, srv.url + "/v1/chat/completions", json=body, timeout=60)
+            time.sleep(0.3)  # the chat is in, its table being built
+            waits = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+                waits.append(time.perf_counter() - t0)
+                time.sleep(0.1)
+            answer = chat.result(60)
+        assert max(waits) < 0.5, waits
+        assert answer.status_code == 200, answer.text
+        entry = answer.json()["choices"][0]["logprobs"]["content"][0]
+        assert entry["bytes"] and all(0 <= b < 256 for b in entry["bytes"])  # spelled from the table
+    finally:
+        srv.stop()
+
+
 def _delta(index: int, text: str) -> TextDelta:
     return TextDelta("r", index, text, (len(text),), False, None)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +25,9 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value
+
+
+_BYTES_LOCK = threading.Lock()  # Tokenizer.token_bytes builds its table once
 
 
 class Tokenizer:
@@ -71,7 +75,12 @@ class Tokenizer:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, vocab_size: int) -> list[bytes]:
-        """Each token id's bytes (what it spells; special tokens their text), via xgrammar's decoded vocab."""
+        """Each token id's bytes (what it spells; special tokens their text), via xgrammar's decoded vocab: seconds
+        the first time (imports and a copy of the tokenizer), once however many threads ask at once."""
+        with _BYTES_LOCK:
+            return self._token_bytes_unlocked(vocab_size)
+
+    def _token_bytes_unlocked(self, vocab_size: int) -> list[bytes]:
         if getattr(self, "_token_bytes", None) is None or len(self._token_bytes) != vocab_size:
             import xgrammar as xgr  # deferred: xgrammar, a second to import
             from transformers import PreTrainedTokenizerFast  # deferred: transformers, seconds to import

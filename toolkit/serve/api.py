@@ -226,6 +226,11 @@ class Api:
             self._check_model(req.model)
             job = Job.build(self, route, req, body)
             await job.submit(request)
+            try:
+                await job.spelled()
+            except BaseException:  # its client gone (cancelled) while the table was built: its requests end too
+                job.abort()
+                raise
         except ApiError as exc:
             self.metrics.http.labels(route, str(exc.status)).inc()
             if exc.status in (503, 507):
