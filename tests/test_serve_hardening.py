@@ -21,6 +21,7 @@ import openai
 import pyarrow.parquet as pq
 import pytest
 import torch
+from fastapi.responses import JSONResponse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -384,6 +385,49 @@ def test_a_chats_token_bytes_are_built_off_the_event_loop(tiny, monkeypatch):
         assert answer.status_code == 200, answer.text
         entry = answer.json()["choices"][0]["logprobs"]["content"][0]
         assert entry["bytes"] and all(0 <= b < 256 for b in entry["bytes"])  # spelled from the table
+    finally:
+        srv.stop()
+
+
+@pytest.mark.native
+def test_a_whole_answer_is_made_json_off_the_event_loop_with_the_bytes_starlette_wrote(tiny, monkeypatch):
+    """An answer not streamed is built and made JSON on a thread, a choice at a time (64 choices of 200 tokens with
+    20 logprobs each held the event loop, and every stream, 2.3 s): /health answers while one is built, and the
+    body is the bytes starlette's JSONResponse wrote (compact, not ASCII-escaped, keys in order)."""
+    from toolkit.serve import job as job_module
+
+    build = job_module.answer
+
+    def slow(job):
+        time.sleep(2.0)  # a big answer's seconds
+        return build(job)
+
+    monkeypatch.setattr(job_module, "answer", slow)
+    srv = start_server(_engine(tiny), None)
+    try:
+        body = {
+            "prompt": ["Hé, wörld", "two"],
+            "n": 2,
+            "max_tokens": 3,
+            "logprobs": 2,
+            "temperature": 1.0,
+            "echo": True,
+        }
+        with ThreadPoolExecutor(1) as pool:
+            done = pool.submit(httpx.post, srv.url + "/v1/completions", json=body, timeout=60)
+            time.sleep(0.5)  # the answer is being built
+            waits = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+                waits.append(time.perf_counter() - t0)
+                time.sleep(0.1)
+            r = done.result(60)
+        assert max(waits) < 0.5, waits
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text
+        parsed = r.json()
+        assert [c["index"] for c in parsed["choices"]] == [0, 1, 2, 3]
+        assert r.content == JSONResponse(parsed).body  # the very bytes
     finally:
         srv.stop()
 
