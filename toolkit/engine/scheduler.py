@@ -167,7 +167,7 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         # prefill_first and no_chunking take prompts whole: the step's first prompt may exceed the budget
         whole = self.cfg.scheduler_policy in WHOLE
-        max_chunk, scale = self.cfg.max_chunk_tokens or budget, self.context_scale
+        max_chunk, scale = self.cfg.max_chunk_tokens or budget, None if whole else self.context_scale
         chunks: list[ScheduledChunk] = []
         scheduled: set[str] = set()
         num_decode = num_prefill = 0
