@@ -355,6 +355,21 @@ def test_a_body_of_many_prompts_and_samples_is_recorded_once_and_its_digest_on_e
     assert replay(run_dir, out_dir=tmp_path / "replayed").identical
 
 
+def _health_beside(url: str, route: str, body: dict, after_s: float) -> tuple[httpx.Response, list[float]]:
+    """`body` posted to `route`, and, `after_s` later, /health asked five times while it runs: (its answer, the
+    seconds each /health took)."""
+    with ThreadPoolExecutor(1) as pool:
+        posted = pool.submit(httpx.post, url + route, json=body, timeout=60)
+        time.sleep(after_s)
+        waits = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            assert httpx.get(url + "/health", timeout=10).status_code == 200
+            waits.append(time.perf_counter() - t0)
+            time.sleep(0.1)
+        return posted.result(60), waits
+
+
 @pytest.mark.native
 def test_a_chats_token_bytes_are_built_off_the_event_loop(tiny, monkeypatch):
     """A chat's logprobs carry each token's bytes, a table whose first build takes seconds (xgrammar's vocabulary,
@@ -371,16 +386,7 @@ def test_a_chats_token_bytes_are_built_off_the_event_loop(tiny, monkeypatch):
     srv = start_server(_engine(tiny), None)
     try:
         body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 2}
-        with ThreadPoolExecutor(1) as pool:
-            chat = pool.submit(httpx.post, srv.url + "/v1/chat/completions", json=body, timeout=60)
-            time.sleep(0.3)  # the chat is in, its table being built
-            waits = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
-                waits.append(time.perf_counter() - t0)
-                time.sleep(0.1)
-            answer = chat.result(60)
+        answer, waits = _health_beside(srv.url, "/v1/chat/completions", body, 0.3)  # its table being built
         assert max(waits) < 0.5, waits
         assert answer.status_code == 200, answer.text
         entry = answer.json()["choices"][0]["logprobs"]["content"][0]
@@ -413,16 +419,7 @@ def test_a_whole_answer_is_made_json_off_the_event_loop_with_the_bytes_starlette
             "temperature": 1.0,
             "echo": True,
         }
-        with ThreadPoolExecutor(1) as pool:
-            done = pool.submit(httpx.post, srv.url + "/v1/completions", json=body, timeout=60)
-            time.sleep(0.5)  # the answer is being built
-            waits = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
-                waits.append(time.perf_counter() - t0)
-                time.sleep(0.1)
-            r = done.result(60)
+        r, waits = _health_beside(srv.url, "/v1/completions", body, 0.5)  # its answer being built
         assert max(waits) < 0.5, waits
         assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text
         parsed = r.json()
