@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.conftest import NATIVE_OFF, make_engine
+from tests.conftest import NATIVE_OFF, make_engine, native_only
 from toolkit.config import EngineConfig
 from toolkit.engine.backends import context_scale
 from toolkit.engine.scheduler import chunk_cost, fitting_chunk
@@ -77,22 +77,34 @@ def _run(tiny, **cfg):
     return batches, [engine.output(i) for i in ids]
 
 
+SCALE = 16  # engine.dynamic_chunking for the engine tests: chunks shrink fast on the tiny model's short prompts
+
+
+@pytest.fixture(scope="module")
+def runs(tiny):
+    """(batches, outputs) with dynamic chunking at SCALE, and with fixed chunks."""
+    return _run(tiny, dynamic_chunking=SCALE), _run(tiny)
+
+
 @pytest.mark.native
-def test_chunks_shrink_with_their_context_and_keep_every_step_within_its_cost_and_the_tokens_their_bits(tiny):
-    scale = 16
-    batches, outputs = _run(tiny, dynamic_chunking=scale)
-    fixed_batches, fixed = _run(tiny)
+def test_chunks_shrink_with_their_context_and_keep_every_step_within_its_cost(runs):
+    (batches, _), (fixed_batches, _) = runs
     prefills = [c for b in batches for c in b.chunks if not (c.num_tokens == 1 and c.start_pos >= c.context_len - 1)]
     assert prefills
     for chunk in prefills:  # each chunk costs what a 32-token one at position 0 does at most
-        assert chunk.num_tokens == 1 or chunk_cost(chunk.num_tokens, chunk.start_pos, scale) <= 32
+        assert chunk.num_tokens == 1 or chunk_cost(chunk.num_tokens, chunk.start_pos, SCALE) <= 32
     late = [c.num_tokens for c in prefills if c.start_pos >= 100]
     assert late and max(late) < max(c.num_tokens for c in prefills if c.start_pos == 0)  # later chunks are shorter
-    forced = max(chunk_cost(1, c.start_pos, scale) for c in prefills)
+    forced = max(chunk_cost(1, c.start_pos, SCALE) for c in prefills)
     for batch in batches:  # the step's budget counts each chunk at its cost (a forced one-token chunk past it)
         assert batch.num_tokens <= 32
-        assert sum(chunk_cost(c.num_tokens, c.start_pos, scale) for c in batch.chunks) <= 32 + forced
+        assert sum(chunk_cost(c.num_tokens, c.start_pos, SCALE) for c in batch.chunks) <= 32 + forced
     assert len(batches) > len(fixed_batches)  # the same prompts in more, smaller steps
+
+
+@native_only  # the bits: batch-invariant mode (without the native kernels a chunk's rows may round otherwise)
+def test_greedy_tokens_and_logprob_bits_do_not_depend_on_the_chunks(runs):
+    (_, outputs), (_, fixed) = runs
     for ours, theirs in zip(outputs, fixed, strict=True):  # the same tokens, to the bit of their logprobs
         assert [s.token_ids for s in ours.outputs] == [s.token_ids for s in theirs.outputs]
         assert [s.logprobs for s in ours.outputs] == [s.logprobs for s in theirs.outputs]
